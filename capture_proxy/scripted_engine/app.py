@@ -1,0 +1,391 @@
+"""The scripted engine's aiohttp app: vLLM's OpenAI dialect over a real Qwen tokenizer.
+
+Owns HTTP: request validation (OpenAI-shaped 400s), prompt rendering with our chat template,
+vLLM-shaped responses (streaming and not; token ids, log probs, usage), ``/tokenize``,
+``/detokenize``, ``/v1/models``, ``/health``, fault switches, and the ``SENT_CALLS`` record
+tests compare against. The policy (``policy.py``) and token events (``generation.py``) are
+pure and live elsewhere. Must not: load the tokenizer per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from transformers import PreTrainedTokenizerFast
+
+from capture_proxy.scripted_engine.generation import Generation, TokenEvent, generate, token_bytes
+from capture_proxy.scripted_engine.policy import Policy
+from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+@dataclass(frozen=True)
+class ScriptedEngineConfig:
+    """Options of one scripted engine. ``sse_fragment_bytes``: write each SSE event in pieces
+    of that many bytes; ``omit_token_ids``: ignore ``return_token_ids``/``logprobs`` like a
+    plain OpenAI server; ``fail_status``: answer every chat request with that HTTP status."""
+
+    policy: Policy = field(default_factory=Policy.default)
+    tokenizer_template: str = "keep_reasoning"
+    model_name: str = "scripted-qwen"
+    max_model_len: int = 32768
+    sse_fragment_bytes: int | None = None
+    omit_token_ids: bool = False
+    fail_status: int | None = None
+    tokenizer_cache_dir: Path | None = None
+
+
+@dataclass(frozen=True)
+class SentCall:
+    """One chat completion the engine answered, in arrival order. ``generation_log_probs[i]``
+    belongs to ``generation_token_ids[i]``; the last id is 151645 unless finish is length."""
+
+    request_body: dict[str, Any]
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    stream: bool
+    finish_reason: str
+
+
+CONFIG = web.AppKey("scripted_engine_config", ScriptedEngineConfig)
+TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
+TEMPLATE = web.AppKey("scripted_engine_template", str)
+SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
+
+
+class RequestError(ValueError):
+    """A client error: becomes a 400 ``{"error": {...}}`` body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI-shaped error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return web.json_response(error_body(str(e), e.status, e.param), status=e.status)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise RequestError(f"request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    return body
+
+
+def _check(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise RequestError(message, param)
+
+
+def _validate_chat(body: dict[str, Any]) -> None:
+    msgs = body.get("messages")
+    _check(
+        isinstance(msgs, list) and len(msgs) > 0, "messages must be a non-empty list", "messages"
+    )
+    for i, m in enumerate(msgs):
+        _check(
+            isinstance(m, dict) and m.get("role") in ROLES,
+            f"messages[{i}] must be an object with a role in {sorted(ROLES)}",
+            f"messages.{i}",
+        )
+        c = m.get("content")
+        _check(
+            c is None or isinstance(c, str | list),
+            f"messages[{i}].content must be a string, null or a list of parts",
+            f"messages.{i}.content",
+        )
+        for j, tc in enumerate(m.get("tool_calls") or []):
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            _check(
+                isinstance(fn, dict) and isinstance(fn.get("name"), str),
+                "tool calls need function.name",
+                f"messages.{i}.tool_calls.{j}",
+            )
+    tools = body.get("tools")
+    _check(tools is None or isinstance(tools, list), "tools must be a list", "tools")
+    _check(body.get("n", 1) == 1, "only n=1 is supported", "n")
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        _check(v is None or (type(v) is int and v > 0), f"{key} must be a positive integer", key)
+    top = body.get("top_logprobs")
+    _check(
+        top is None or (type(top) is int and 0 <= top <= 20),
+        "top_logprobs must be an integer in [0, 20]",
+        "top_logprobs",
+    )
+    _check(isinstance(body.get("stream", False), bool), "stream must be a boolean", "stream")
+
+
+def render_prompt(app: web.Application, body: dict[str, Any], generation_prompt: bool) -> list[int]:
+    """Prompt token ids: the template rendered to text, then encoded without extra specials."""
+    try:
+        text = app[TOKENIZER].apply_chat_template(
+            body["messages"],
+            tools=body.get("tools") or None,
+            chat_template=app[TEMPLATE],
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
+        )
+    except Exception as e:  # jinja errors on malformed messages are the client's fault
+        raise RequestError(f"cannot render messages: {e}", "messages") from e
+    return app[TOKENIZER].encode(text, add_special_tokens=False)
+
+
+def _logprob_entry(tok: PreTrainedTokenizerFast, e: TokenEvent, top: int, as_ids: bool) -> dict:
+    def one(tid: int, lp: float) -> dict[str, Any]:
+        text = f"token_id:{tid}" if as_ids else tok.decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(token_bytes(tok, tid))}
+
+    alts = [one(e.token_id, e.logprob)] + [
+        one((e.token_id + j) % 151643, e.logprob - j) for j in range(1, top)
+    ]
+    return {**one(e.token_id, e.logprob), "top_logprobs": alts[:top]}
+
+
+@dataclass(frozen=True)
+class _Options:
+    token_ids: bool
+    logprobs: bool
+    top: int
+    as_ids: bool
+    usage: bool
+
+
+def _options(app: web.Application, body: dict[str, Any]) -> _Options:
+    so = body.get("stream_options")
+    usage = isinstance(so, dict) and so.get("include_usage") is True
+    if app[CONFIG].omit_token_ids:
+        return _Options(False, False, 0, False, usage)
+    lp = body.get("logprobs") is True and not (
+        "top_logprobs" in body and body["top_logprobs"] is None
+    )
+    return _Options(
+        body.get("return_token_ids") is True,
+        lp,
+        body.get("top_logprobs") or 0,
+        body.get("return_tokens_as_token_ids") is True,
+        usage,
+    )
+
+
+def _usage(prompt: list[int], gen: Generation) -> dict[str, int]:
+    n = len(gen.token_ids)
+    return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (vLLM dialect; see the module docstring)."""
+    app, cfg = request.app, request.app[CONFIG]
+    body = await _json_body(request)
+    if cfg.fail_status is not None:
+        raise RequestError("scripted failure", None, cfg.fail_status)
+    _validate_chat(body)
+    prompt = render_prompt(app, body, True)
+    if len(prompt) >= cfg.max_model_len:
+        raise RequestError(
+            f"prompt has {len(prompt)} tokens; max_model_len is {cfg.max_model_len}", "messages"
+        )
+    step = cfg.policy.choose(body["messages"], bool(body.get("tools")))
+    seed = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    max_tokens = min(max_tokens or cfg.max_model_len, cfg.max_model_len - len(prompt))
+    gen = generate(app[TOKENIZER], step.assistant_message(seed), max_tokens)
+    stream = body.get("stream") is True
+    app[SENT_CALLS].append(
+        SentCall(body, prompt, gen.token_ids, gen.log_probs, stream, gen.finish_reason)
+    )
+    opts = _options(app, body)
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "created": int(time.time()),
+        "model": cfg.model_name,
+    }
+    if stream:
+        return await _stream(request, head, prompt, gen, opts)
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": gen.message,
+        "logprobs": None,
+        "finish_reason": gen.finish_reason,
+        "stop_reason": None,
+    }
+    if opts.logprobs:
+        choice["logprobs"] = {
+            "content": [
+                _logprob_entry(app[TOKENIZER], e, opts.top, opts.as_ids) for e in gen.events
+            ]
+        }
+    if opts.token_ids:
+        choice["token_ids"] = gen.token_ids
+    out = {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(prompt, gen)}
+    if opts.token_ids:
+        out["prompt_token_ids"] = prompt
+    return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+
+async def _stream(
+    request: web.Request, head: dict[str, Any], prompt: list[int], gen: Generation, opts: _Options
+) -> web.StreamResponse:
+    app, cfg = request.app, request.app[CONFIG]
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await resp.prepare(request)
+
+    async def send(obj: dict[str, Any] | str) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+        raw = f"data: {data}\n\n".encode()
+        step = cfg.sse_fragment_bytes or len(raw)
+        for i in range(0, len(raw), step):
+            await resp.write(raw[i : i + step])  # write() drains the transport
+
+    chunk = {**head, "object": "chat.completion.chunk"}
+    first: dict[str, Any] = {
+        **chunk,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    if opts.token_ids:
+        first["prompt_token_ids"] = prompt
+    await send(first)
+    for k, e in enumerate(gen.events):
+        delta: dict[str, Any] = {}
+        if e.reasoning:
+            delta["reasoning_content"] = e.reasoning
+        if e.content:
+            delta["content"] = e.content
+        if e.tool_call:
+            delta["tool_calls"] = [e.tool_call]
+        last = k == len(gen.events) - 1
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": gen.finish_reason if last else None,
+        }
+        if last:
+            choice["stop_reason"] = None
+        if opts.logprobs:
+            choice["logprobs"] = {
+                "content": [_logprob_entry(app[TOKENIZER], e, opts.top, opts.as_ids)]
+            }
+        if opts.token_ids:
+            choice["token_ids"] = [e.token_id]
+        await send({**chunk, "choices": [choice]})
+    if opts.usage:
+        await send({**chunk, "choices": [], "usage": _usage(prompt, gen)})
+    await send("[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """``POST /tokenize``: chat form (``messages``, ``tools``, ``add_generation_prompt``) or
+    prompt form (``prompt``) -> ``{count, max_model_len, tokens, token_strs}``."""
+    app = request.app
+    body = await _json_body(request)
+    if "messages" in body:
+        _validate_chat(body)
+        ids = render_prompt(app, body, body.get("add_generation_prompt", True) is not False)
+    elif isinstance(body.get("prompt"), str):
+        ids = app[TOKENIZER].encode(body["prompt"], add_special_tokens=False)
+    else:
+        raise RequestError("give messages or a string prompt", "prompt")
+    return web.json_response(
+        {
+            "count": len(ids),
+            "max_model_len": app[CONFIG].max_model_len,
+            "tokens": ids,
+            "token_strs": app[TOKENIZER].convert_ids_to_tokens(ids),
+        }
+    )
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """``POST /detokenize``: ``{tokens: [int]}`` -> ``{prompt: str}``."""
+    body = await _json_body(request)
+    ids = body.get("tokens")
+    vocab = len(request.app[TOKENIZER])
+    _check(
+        isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids),
+        "tokens must be a list of token ids",
+        "tokens",
+    )
+    return web.json_response({"prompt": request.app[TOKENIZER].decode(ids)})
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``."""
+    cfg = request.app[CONFIG]
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": cfg.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "capture-proxy",
+                    "root": cfg.model_name,
+                    "max_model_len": cfg.max_model_len,
+                }
+            ],
+        }
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 with an empty body, like vLLM."""
+    return web.Response()
+
+
+def build_scripted_engine_app(
+    config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFast | None = None
+) -> web.Application:
+    """The engine app. ``tokenizer``: a loaded Qwen tokenizer to share (tests); by default one
+    is loaded here, once (its template is chosen per app by ``config.tokenizer_template``).
+    Raises ValueError for an unknown template."""
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app[CONFIG] = config
+    app[TEMPLATE] = load_chat_template(config.tokenizer_template)
+    app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
+    app[SENT_CALLS] = []
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
+    """Serve the engine until interrupted (blocking; for the CLI)."""
+    web.run_app(build_scripted_engine_app(config), host=host, port=port, print=None)

@@ -1,0 +1,138 @@
+"""Turning a scripted assistant message into the tokens a model would have sampled.
+
+Owns: the generation token ids (``encode(render_assistant_generation(msg)) + [<|im_end|>]``),
+synthetic deterministic log probs, and per-token events (the reasoning / content text and
+completed tool calls each token reveals, decoded incrementally like vLLM's detokenizer:
+a partial UTF-8 character is held back until complete). Streaming and non-streaming answers
+are both built from these events, so they agree by construction.
+Must not: import aiohttp or do I/O.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+from capture_proxy.tokenizer import (
+    BYTE_DECODER,
+    IM_END_ID,
+    SPECIAL_START_ID,
+    content_text,
+    render_assistant_generation,
+    render_tool_call,
+)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one generated token reveals. ``tool_call`` is set on the last token of a
+    ``<tool_call>...</tool_call>`` block: ``{index, id, type, function: {name, arguments}}``."""
+
+    token_id: int
+    logprob: float
+    reasoning: str = ""
+    content: str = ""
+    tool_call: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A finished (or length-truncated) generation. ``log_probs[i]`` belongs to
+    ``token_ids[i]``; ``message`` is the assistant message assembled from ``events``."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    events: list[TokenEvent]
+    finish_reason: str  # "stop" | "tool_calls" | "length"
+    message: dict[str, Any] = field(default_factory=dict)
+
+
+def synthetic_logprob(token_id: int, position: int) -> float:
+    """Deterministic, finite log prob in (-5, 0] from (token id, position in generation)."""
+    return -((token_id * 7919 + position * 104729) % 4999) / 1000.0
+
+
+def token_bytes(tokenizer: PreTrainedTokenizerFast, token_id: int) -> bytes:
+    """The raw bytes of one token (added tokens: their UTF-8 text)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if token_id >= SPECIAL_START_ID:
+        return piece.encode("utf-8")
+    return bytes(BYTE_DECODER[c] for c in piece)
+
+
+def _regions(message: dict[str, Any]) -> list[tuple[int, int, Any]]:
+    """Character spans of the generation text: (start, end, "reasoning"|"content"|int call)."""
+    out: list[tuple[int, int, Any]] = []
+    pos = 0
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        pos += len("<think>\n")
+        out.append((pos, pos + len(reasoning), "reasoning"))
+        pos += len(reasoning) + len("\n</think>\n\n")
+    content = content_text(message.get("content"))
+    out.append((pos, pos + len(content), "content"))
+    pos += len(content)
+    for i, call in enumerate(message.get("tool_calls") or []):
+        if i > 0 or content:
+            pos += 1
+        n = len(render_tool_call(call))
+        out.append((pos, pos + n, i))
+        pos += n
+    return out
+
+
+def generate(
+    tokenizer: PreTrainedTokenizerFast, message: dict[str, Any], max_tokens: int | None = None
+) -> Generation:
+    """Tokens, log probs and events for ``message`` (an assistant message with tool-call ids),
+    truncated to ``max_tokens`` (finish "length"). Raises ValueError if the text does not
+    survive encode/decode (not NFC)."""
+    text = render_assistant_generation(message)
+    ids = tokenizer.encode(text, add_special_tokens=False) + [IM_END_ID]
+    regions = _regions(message)
+    calls = message.get("tool_calls") or []
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    events: list[TokenEvent] = []
+    pos = 0
+    for k, tid in enumerate(ids):
+        new = decoder.decode(token_bytes(tokenizer, tid)) if tid != IM_END_ID else ""
+        if text[pos : pos + len(new)] != new:
+            raise ValueError(f"generation text does not round-trip at char {pos}: {new!r}")
+        start, pos = pos, pos + len(new)
+        parts = {"reasoning": "", "content": ""}
+        done_call = None
+        for r0, r1, kind in regions:
+            if isinstance(kind, str):
+                parts[kind] += text[max(r0, start) : min(r1, pos)]
+            elif start < r1 <= pos:
+                done_call = {"index": kind, **calls[kind]}
+        lp = synthetic_logprob(tid, k)
+        events.append(TokenEvent(tid, lp, parts["reasoning"], parts["content"], done_call))
+    if pos != len(text):
+        raise ValueError("generation text does not round-trip")
+    finish = "tool_calls" if calls else "stop"
+    if max_tokens is not None and len(ids) > max_tokens:
+        events, finish = events[:max_tokens], "length"
+    return Generation(
+        token_ids=[e.token_id for e in events],
+        log_probs=[e.logprob for e in events],
+        events=events,
+        finish_reason=finish,
+        message=assemble_message(events),
+    )
+
+
+def assemble_message(events: list[TokenEvent]) -> dict[str, Any]:
+    """The assistant message (vLLM shape) these events spell: content None when empty with
+    tool calls; ``reasoning_content`` only when there is reasoning."""
+    content = "".join(e.content for e in events)
+    reasoning = "".join(e.reasoning for e in events)
+    calls = [{k: v for k, v in e.tool_call.items() if k != "index"} for e in events if e.tool_call]
+    msg: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    msg["tool_calls"] = calls
+    return msg

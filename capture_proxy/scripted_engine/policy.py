@@ -1,0 +1,111 @@
+"""Scripted policies: which assistant message the scripted engine answers a request with.
+
+Owns the policy file format (JSON, validated by pydantic) and the pure choice of a step from
+a request's messages. Must not: import aiohttp, tokenize, or do I/O beyond ``Policy.load``.
+
+Step selection: index = number of assistant messages after the LAST user message, so each
+agent call of one user turn advances one step and a new user turn restarts at step 0. Past
+the last step the engine answers with ``final``. A request without ``tools`` is a side
+request (e.g. a harness's title request) and gets ``title``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_POLICY_PATH = Path(__file__).resolve().parent.parent / "policies" / "default.json"
+
+
+def _nfc(text: str) -> str:
+    # The tokenizer normalises to NFC; policy text must survive encode/decode unchanged.
+    return unicodedata.normalize("NFC", text)
+
+
+class ToolCallSpec(BaseModel):
+    """One scripted tool call. ``arguments_raw`` (verbatim) wins over ``arguments``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    arguments_raw: str | None = None
+
+    def arguments_text(self) -> str:
+        """Arguments as the model writes them: compact JSON like JavaScript's JSON.stringify."""
+        if self.arguments_raw is not None:
+            return _nfc(self.arguments_raw)
+        return _nfc(json.dumps(self.arguments, separators=(",", ":"), ensure_ascii=False))
+
+
+class Step(BaseModel):
+    """One scripted assistant turn: optional reasoning, content and tool calls."""
+
+    model_config = ConfigDict(extra="forbid")
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCallSpec] = Field(default_factory=list)
+
+    def assistant_message(self, call_id_seed: str) -> dict[str, Any]:
+        """The OpenAI assistant message this step produces (content "" when empty).
+
+        ``call_id_seed``: any string identifying the request (e.g. a prompt digest); tool-call
+        ids are ``call_`` + 24 hex chars of sha256(seed, index), so they are deterministic.
+        """
+        msg: dict[str, Any] = {"role": "assistant", "content": _nfc(self.content)}
+        if self.reasoning:
+            msg["reasoning_content"] = _nfc(self.reasoning)
+        if self.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": tool_call_id(call_id_seed, i),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments_text()},
+                }
+                for i, c in enumerate(self.tool_calls)
+            ]
+        return msg
+
+
+class Policy(BaseModel):
+    """A policy file: ``{"title", "steps": [Step...], "final"}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    title: str = "Scripted session"
+    steps: list[Step] = Field(default_factory=list)
+    final: str = "Done."
+
+    @classmethod
+    def load(cls, path: Path) -> Policy:
+        """Read and validate a policy JSON file. Raises OSError or pydantic.ValidationError."""
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+    @classmethod
+    def default(cls) -> Policy:
+        """The shipped default policy (two tool steps, then an answer)."""
+        return cls.load(DEFAULT_POLICY_PATH)
+
+    def choose(self, messages: Sequence[Mapping[str, Any]], has_tools: bool) -> Step:
+        """The step answering a request with these messages (see module docstring)."""
+        if not has_tools:
+            return Step(content=self.title)
+        index = step_index(messages)
+        if index < len(self.steps):
+            return self.steps[index]
+        return Step(content=self.final)
+
+
+def step_index(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Number of assistant messages after the last user message (all of them if none)."""
+    last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
+    return sum(1 for m in messages[last_user + 1 :] if m.get("role") == "assistant")
+
+
+def tool_call_id(seed: str, index: int) -> str:
+    """``call_`` + 24 hex chars derived from (seed, index): OpenAI-like and deterministic."""
+    return "call_" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:24]
