@@ -1,0 +1,273 @@
+"""Assembling a call record from what the engine sent, streamed or not.
+
+Owns reading vLLM's chat-completions token data (vLLM 0.32 dialect, see notes/engines.md):
+top-level ``prompt_token_ids``; per choice ``token_ids``, ``logprobs.content[].logprob``,
+``routed_experts``; for streams the same fields spread over chunks (``prompt_token_ids`` on the
+first chunk, ``choices[0].token_ids`` per chunk). It also assembles the assistant message
+(content, reasoning, tool calls) from stream deltas, and verifies what it got: generation ids
+and log probs of equal length, prompt ids present. Anything missing or inconsistent makes the
+record ``incomplete`` with a ``capture_incomplete`` diagnostic naming the reason; it never
+raises on engine data, because a capture failure must never fail the model call.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from capture_proxy.core.records import (
+    CallRecord,
+    CallStatus,
+    Diagnostic,
+    DiagnosticKind,
+    as_log_prob_array,
+    as_token_array,
+)
+
+
+@dataclass(frozen=True)
+class CallContext:
+    """What is known about a call before the engine answers."""
+
+    call_id: str
+    rollout_id: str
+    created_at: float
+    stream: bool
+    upstream_path: str
+    request_body: dict[str, Any]
+
+
+def _message_fields(body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "model": body.get("model"),
+        "request_messages": list(body.get("messages") or []),
+        "request_tools": body.get("tools"),
+    }
+
+
+def decode_vllm_routed_experts(value: Any) -> np.ndarray:
+    """Decode vLLM's ``routed_experts``: base64 of ``.npy`` bytes (current) or nested lists
+    (older releases). Returns an integer array ``[num_rows, num_layers, top_k]``.
+    Raises ValueError on anything else."""
+    if isinstance(value, str):
+        arr = np.load(io.BytesIO(base64.b64decode(value, validate=True)), allow_pickle=False)
+    elif isinstance(value, list):
+        arr = np.asarray(value)
+    else:
+        raise ValueError(f"routed_experts: unsupported encoding {type(value).__name__}")
+    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"routed_experts: expected integer [rows, layers, top_k], got {arr.shape}")
+    return arr
+
+
+@dataclass
+class _ToolCallParts:
+    id: str | None = None
+    type: str = "function"
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+
+
+class ChatCaptureAssembler:
+    """Collects the token data and the assistant message of one chat call.
+
+    Feed it the non-streaming body with ``add_response`` or each parsed stream chunk with
+    ``add_chunk``, then call ``finish`` for the record. Only choice index 0 is captured
+    (the proxy refuses ``n > 1`` under capture).
+    """
+
+    def __init__(self, ctx: CallContext) -> None:
+        self.ctx = ctx
+        self.prompt_token_ids: list[int] | None = None
+        self.generation_token_ids: list[int] = []
+        self.generation_log_probs: list[float | None] = []
+        self.saw_token_ids = False
+        self.saw_log_probs = False
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tool_calls: dict[int, _ToolCallParts] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.routed_experts_raw: Any = None
+        self.response_message: dict[str, Any] | None = None
+        self.problems: list[str] = []
+
+    # -- streaming ---------------------------------------------------------------------------
+
+    def add_chunk(self, chunk: dict[str, Any]) -> None:
+        """One parsed ``chat.completion.chunk``."""
+        if self.prompt_token_ids is None and chunk.get("prompt_token_ids") is not None:
+            self.prompt_token_ids = chunk["prompt_token_ids"]
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            self._add_choice_tokens(choice)
+            delta = choice.get("delta") or {}
+            if isinstance(delta.get("content"), str):
+                self.content.append(delta["content"])
+            reasoning = delta.get("reasoning_content", delta.get("reasoning"))
+            if isinstance(reasoning, str):
+                self.reasoning.append(reasoning)
+            for tc in delta.get("tool_calls") or []:
+                self._add_tool_call_delta(tc)
+            if choice.get("finish_reason") is not None:
+                self.finish_reason = choice["finish_reason"]
+
+    def _add_tool_call_delta(self, tc: dict[str, Any]) -> None:
+        parts = self.tool_calls.setdefault(int(tc.get("index", 0)), _ToolCallParts())
+        if tc.get("id"):
+            parts.id = tc["id"]
+        if tc.get("type"):
+            parts.type = tc["type"]
+        fn = tc.get("function") or {}
+        if fn.get("name"):
+            parts.name += fn["name"]
+        if isinstance(fn.get("arguments"), str):
+            parts.arguments.append(fn["arguments"])
+
+    def _add_choice_tokens(self, choice: dict[str, Any]) -> None:
+        token_ids = choice.get("token_ids")
+        if token_ids is not None:
+            self.saw_token_ids = True
+            if isinstance(token_ids, list):
+                self.generation_token_ids.extend(token_ids)
+            else:
+                self.problems.append("token_ids is not a list")
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and logprobs.get("content") is not None:
+            self.saw_log_probs = True
+            for entry in logprobs["content"]:
+                self.generation_log_probs.append(entry.get("logprob") if isinstance(entry, dict) else None)
+        if choice.get("routed_experts") is not None:
+            self.routed_experts_raw = choice["routed_experts"]
+
+    # -- non-streaming -----------------------------------------------------------------------
+
+    def add_response(self, body: dict[str, Any]) -> None:
+        """A whole ``chat.completion`` body."""
+        self.prompt_token_ids = body.get("prompt_token_ids")
+        self.usage = body.get("usage")
+        choices = body.get("choices") or []
+        first = next((c for c in choices if isinstance(c, dict) and c.get("index", 0) == 0), None)
+        if first is None:
+            self.problems.append("response has no choice 0")
+            return
+        self._add_choice_tokens(first)
+        self.finish_reason = first.get("finish_reason")
+        message = first.get("message")
+        self.response_message = dict(message) if isinstance(message, dict) else None
+
+    # -- result ------------------------------------------------------------------------------
+
+    def assembled_message(self) -> dict[str, Any]:
+        """The assistant message as the harness will send it back (OpenAI shape)."""
+        if self.response_message is not None:
+            return self.response_message
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": p.id,
+                    "type": p.type,
+                    "function": {"name": p.name, "arguments": "".join(p.arguments)},
+                }
+                for _, p in sorted(self.tool_calls.items())
+            ]
+        return message
+
+    def finish(self, *, latency_ms: float, http_status: int) -> CallRecord:
+        """Build the record and verify it. Never raises on engine data."""
+        ctx = self.ctx
+        diagnostics: list[Diagnostic] = []
+        problems = list(self.problems)
+        prompt = gen = None
+        log_probs = None
+        try:
+            if self.prompt_token_ids is None:
+                problems.append("engine sent no prompt_token_ids")
+            else:
+                prompt = as_token_array(self.prompt_token_ids, field_name="prompt_token_ids")
+            if not self.saw_token_ids:
+                problems.append("engine sent no token_ids")
+            else:
+                gen = as_token_array(self.generation_token_ids, field_name="token_ids")
+            if not self.saw_log_probs:
+                problems.append("engine sent no logprobs")
+            else:
+                log_probs = as_log_prob_array(self.generation_log_probs, field_name="logprobs")
+        except ValueError as exc:
+            problems.append(str(exc))
+        if gen is not None and log_probs is not None and gen.shape[0] != log_probs.shape[0]:
+            problems.append(
+                f"generation_token_ids has {gen.shape[0]} ids but generation_log_probs has "
+                f"{log_probs.shape[0]} values"
+            )
+        if log_probs is not None and not bool(np.isfinite(log_probs).all()):
+            bad = [int(i) for i in np.flatnonzero(~np.isfinite(log_probs))[:16]]
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad})
+            )
+        experts = None
+        if self.routed_experts_raw is not None:
+            try:
+                experts = decode_vllm_routed_experts(self.routed_experts_raw)
+            except (ValueError, TypeError) as exc:
+                diagnostics.append(
+                    Diagnostic(DiagnosticKind.ROUTED_EXPERTS_MISMATCH, {"reason": str(exc)})
+                )
+        status = CallStatus.COMPLETE
+        if problems:
+            status = CallStatus.INCOMPLETE
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems})
+            )
+        record = CallRecord(
+            call_id=ctx.call_id,
+            rollout_id=ctx.rollout_id,
+            created_at=ctx.created_at,
+            status=status,
+            latency_ms=latency_ms,
+            stream=ctx.stream,
+            upstream_path=ctx.upstream_path,
+            response_message=self.assembled_message(),
+            finish_reason=self.finish_reason,
+            usage=self.usage,
+            http_status=http_status,
+            diagnostics=diagnostics,
+            routed_experts=experts,
+            **_message_fields(ctx.request_body),
+        )
+        # Keep whatever arrived intact, even on an incomplete record: nothing received is lost.
+        if prompt is not None:
+            record.prompt_token_ids = prompt
+        if gen is not None:
+            record.generation_token_ids = gen
+        if log_probs is not None:
+            record.generation_log_probs = log_probs
+        return record
+
+
+def failed_record(
+    ctx: CallContext, *, reason: str, latency_ms: float, http_status: int | None
+) -> CallRecord:
+    """A record for a call the engine did not answer (unreachable, error status, cut stream)."""
+    return CallRecord(
+        call_id=ctx.call_id,
+        rollout_id=ctx.rollout_id,
+        created_at=ctx.created_at,
+        status=CallStatus.FAILED,
+        latency_ms=latency_ms,
+        stream=ctx.stream,
+        upstream_path=ctx.upstream_path,
+        http_status=http_status,
+        diagnostics=[Diagnostic(DiagnosticKind.UPSTREAM_FAILED, {"reason": reason})],
+        **_message_fields(ctx.request_body),
+    )

@@ -1,0 +1,86 @@
+"""Capture transforms: what the proxy adds to a chat request and strips from the answer.
+
+Owns the contract "capture is additive" (DESIGN.md): the engine is asked for token data
+(vLLM chat extras, checked against vLLM 0.32: ``logprobs``, ``top_logprobs``,
+``return_token_ids``, ``stream_options.include_usage``) and everything the harness did not ask
+for is removed again, so the harness receives what the engine would have sent it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HarnessAsked:
+    """What the harness itself requested, so we strip only what we added."""
+
+    logprobs: bool
+    return_token_ids: bool
+    include_usage: bool
+    routed_experts: bool
+
+
+def augment_chat_request(body: dict[str, Any]) -> tuple[dict[str, Any], HarnessAsked]:
+    """Return (the body to send to the engine, what the harness asked for).
+
+    The body is copied, never modified in place. Added: ``logprobs: true`` with
+    ``top_logprobs: 0`` unless the harness set them (an explicit null ``top_logprobs`` would
+    turn log probs off in vLLM, so null becomes 0), ``return_token_ids: true``, and for streams
+    ``stream_options.include_usage: true`` (the record keeps the usage).
+    """
+    stream_options = body.get("stream_options")
+    asked = HarnessAsked(
+        logprobs=bool(body.get("logprobs")),
+        return_token_ids=bool(body.get("return_token_ids")),
+        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+        routed_experts=bool(body.get("return_routed_experts")),
+    )
+    out = copy.deepcopy(body)
+    out["logprobs"] = True
+    if out.get("top_logprobs") is None:
+        out["top_logprobs"] = 0
+    out["return_token_ids"] = True
+    if out.get("stream"):
+        opts = dict(stream_options) if isinstance(stream_options, dict) else {}
+        opts["include_usage"] = True
+        out["stream_options"] = opts
+    return out, asked
+
+
+def _strip_choice(choice: dict[str, Any], asked: HarnessAsked) -> None:
+    if not asked.return_token_ids:
+        choice.pop("token_ids", None)
+        choice.pop("prompt_token_ids", None)
+    if not asked.logprobs:
+        choice.pop("logprobs", None)
+    if not asked.routed_experts:
+        choice.pop("routed_experts", None)
+        choice.pop("routed_experts_prompt_start", None)
+
+
+def strip_chat_response(body: dict[str, Any], asked: HarnessAsked) -> dict[str, Any]:
+    """Strip the added token data from a non-streaming chat completion (in place; returned)."""
+    if not asked.return_token_ids:
+        body.pop("prompt_token_ids", None)
+        body.pop("prompt_logprobs", None)
+    if not asked.routed_experts:
+        body.pop("routed_experts", None)
+        body.pop("prompt_routed_experts", None)
+    for choice in body.get("choices") or []:
+        if isinstance(choice, dict):
+            _strip_choice(choice, asked)
+    return body
+
+
+def strip_chat_chunk(chunk: dict[str, Any], asked: HarnessAsked) -> dict[str, Any] | None:
+    """Strip one streamed chunk (in place). Returns None when the whole chunk must be dropped:
+    the usage-only chunk that exists only because the proxy asked for ``include_usage``."""
+    choices = chunk.get("choices")
+    if not asked.include_usage and chunk.get("usage") is not None and not choices:
+        return None
+    if not asked.include_usage:
+        chunk.pop("usage", None)
+    return strip_chat_response(chunk, asked)

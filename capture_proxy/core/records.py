@@ -1,0 +1,170 @@
+"""Call records: what one captured model call is, in memory.
+
+Owns the ``CallRecord`` data model, its status vocabulary and the diagnostics vocabulary.
+It must not know how records are stored (see ``codec``) or how they were observed (see
+``assembly``). Arrays are numpy arrays with fixed dtypes so that what is stored is exactly
+what the engine sent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+#: Version of the stored record format. Readers refuse records with a newer version.
+SCHEMA_VERSION = 1
+
+TOKEN_DTYPE = np.uint32
+LOG_PROB_DTYPE = np.float32
+
+
+class CallStatus(enum.StrEnum):
+    """Outcome of one call, as far as capture is concerned.
+
+    - ``complete``: the harness got its answer and the record holds all token data.
+    - ``incomplete``: the harness got its answer but token data is missing or inconsistent
+      (see the record's diagnostics). Never part of a chain.
+    - ``failed``: the engine gave no answer (unreachable, error status, broken stream); the
+      harness got an error. Never part of a chain.
+    """
+
+    COMPLETE = "complete"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+
+
+class DiagnosticKind(enum.StrEnum):
+    """Named conditions recorded on a call or a rollout (see DESIGN.md, diagnostics)."""
+
+    CAPTURE_INCOMPLETE = "capture_incomplete"
+    UPSTREAM_FAILED = "upstream_failed"
+    STORE_FAILED = "store_failed"
+    NON_FINITE_LOGPROB = "non_finite_logprob"
+    ROUTED_EXPERTS_MISMATCH = "routed_experts_mismatch"
+    HARNESS_NOTE_REWRITTEN = "harness_note_rewritten"
+    PARENT_DIGEST_MISMATCH = "parent_digest_mismatch"
+
+
+@dataclass(frozen=True)
+class Diagnostic:
+    """One named condition with JSON-serialisable details (``{"reason": ...}`` and more)."""
+
+    kind: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "details": self.details}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Diagnostic:
+        return cls(kind=str(obj["kind"]), details=dict(obj.get("details") or {}))
+
+
+def _empty_tokens() -> npt.NDArray[np.uint32]:
+    return np.zeros(0, dtype=TOKEN_DTYPE)
+
+
+def _empty_log_probs() -> npt.NDArray[np.float32]:
+    return np.zeros(0, dtype=LOG_PROB_DTYPE)
+
+
+@dataclass
+class CallRecord:
+    """One model call through a capture path, and everything the trainer needs of it.
+
+    Token arrays (exact, as the engine reported them):
+    - ``prompt_token_ids``: uint32 ``[num_prompt_tokens]``, the full prompt the engine saw.
+    - ``generation_token_ids``: uint32 ``[num_generation_tokens]``, sampled ids; with vLLM
+      the last one is the stop token (e.g. ``<|im_end|>``) unless the call stopped on length.
+    - ``generation_log_probs``: float32 ``[num_generation_tokens]``, the log prob of each
+      sampled id under the sampling distribution, as reported; non-finite values are kept
+      and flagged with ``non_finite_logprob``, never clamped.
+    - ``routed_experts``: uint8/uint16/int32 ``[num_rows, num_layers, top_k]`` or None; rows
+      cover token positions ``[routed_experts_start, routed_experts_start + num_rows)`` of
+      prompt + generation (vLLM omits the last sampled token's row).
+
+    Metadata: ``created_at`` is Unix seconds when the proxy received the request;
+    ``latency_ms`` the wall time until the engine's answer was complete. ``request_messages``
+    and ``request_tools`` are the messages and tools as forwarded to the engine;
+    ``response_message`` is the assembled assistant message (``content``,
+    ``reasoning_content``, ``tool_calls``). ``parent_call_id`` is a link resolved when the call
+    was captured (None when unresolved at capture time; chains are built from tokens on read).
+    """
+
+    call_id: str
+    rollout_id: str
+    created_at: float
+    model: str | None = None
+    status: CallStatus = CallStatus.COMPLETE
+    latency_ms: float | None = None
+    stream: bool = False
+    upstream_path: str = "/v1/chat/completions"
+    request_messages: list[dict[str, Any]] = field(default_factory=list)
+    request_tools: list[dict[str, Any]] | None = None
+    response_message: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    http_status: int | None = None
+    prompt_token_ids: npt.NDArray[np.uint32] = field(default_factory=_empty_tokens)
+    generation_token_ids: npt.NDArray[np.uint32] = field(default_factory=_empty_tokens)
+    generation_log_probs: npt.NDArray[np.float32] = field(default_factory=_empty_log_probs)
+    routed_experts: npt.NDArray[np.integer[Any]] | None = None
+    routed_experts_start: int = 0
+    parent_call_id: str | None = None
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return int(self.prompt_token_ids.shape[0])
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return int(self.generation_token_ids.shape[0])
+
+    @property
+    def linkable(self) -> bool:
+        """True when the record may take part in a chain (complete token data)."""
+        return self.status is CallStatus.COMPLETE
+
+    def full_token_ids(self) -> npt.NDArray[np.uint32]:
+        """prompt + generation ids, uint32 ``[num_prompt_tokens + num_generation_tokens]``."""
+        return np.concatenate([self.prompt_token_ids, self.generation_token_ids])
+
+    def replace(self, **changes: Any) -> CallRecord:
+        return dataclasses.replace(self, **changes)
+
+
+def as_token_array(values: Any, *, field_name: str) -> npt.NDArray[np.uint32]:
+    """Convert a list of token ids to uint32 ``[n]``.
+
+    Raises ValueError naming ``field_name`` when a value is not a non-negative integer
+    below 2**32 (bools are refused too: JSON ``true`` is not a token id).
+    """
+    if not isinstance(values, list | tuple):
+        raise ValueError(f"{field_name}: expected a list of token ids, got {type(values).__name__}")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32:
+            raise ValueError(f"{field_name}[{i}]: expected a token id (uint32), got {v!r}")
+    return np.asarray(values, dtype=TOKEN_DTYPE).reshape(-1)
+
+
+def as_log_prob_array(values: list[float | None], *, field_name: str) -> npt.NDArray[np.float32]:
+    """Convert log probs to float32 ``[n]``; ``None`` (JSON null, how some engines send NaN)
+    becomes NaN so it is kept and flagged rather than dropped. Raises ValueError on non-numbers.
+    """
+    out = np.empty(len(values), dtype=LOG_PROB_DTYPE)
+    for i, v in enumerate(values):
+        if v is None:
+            out[i] = math.nan
+        elif isinstance(v, bool) or not isinstance(v, int | float):
+            raise ValueError(f"{field_name}[{i}]: expected a number, got {v!r}")
+        else:
+            out[i] = v
+    return out

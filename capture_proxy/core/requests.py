@@ -1,0 +1,101 @@
+"""Validation of captured chat-completions requests, before anything is forwarded.
+
+Owns what a captured request must look like (OpenAI chat completions, with vLLM's extras passed
+through untouched) and the field-naming error messages. A request that fails here is answered
+with a 400 and never forwarded half-parsed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class InvalidRequest(ValueError):
+    """The body is not a valid captured chat request. ``param`` names the field (dotted)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class ChatCompletionRequest(_Lenient):
+    """The fields the proxy relies on; all other fields go to the engine as sent."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    stream: bool = False
+    n: int = Field(1, ge=1)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a request body as a JSON object (strict: no NaN/Infinity). Raises InvalidRequest."""
+    try:
+        obj = json.loads(raw, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"request body is not UTF-8: {exc.reason}") from exc
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(obj, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    """Check a captured chat request. Raises InvalidRequest naming the first bad field.
+
+    Refused under capture: ``n`` > 1 (one record per call; send n requests instead) and
+    content parts other than text (their token data cannot be captured yet).
+    """
+    try:
+        req = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "missing":
+            message = f"'{loc}' is required"
+        elif loc.endswith(".type") or ".content." in f"{loc}.":
+            message = f"'{loc}': {err['msg']} (only text content parts can be captured)"
+        else:
+            message = f"'{loc}': {err['msg']}"
+        raise InvalidRequest(message, param=loc or None) from exc
+    if req.n != 1:
+        raise InvalidRequest("'n' > 1 is not supported under capture; send n requests", "n")
+    return req

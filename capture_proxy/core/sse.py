@@ -1,0 +1,75 @@
+"""Incremental Server-Sent Events decoding over arbitrary network chunks.
+
+Owns turning a byte stream into SSE events without assuming that network chunks line up with
+events, lines or even UTF-8 characters. Line splitting and event interpretation are
+httpx-sse's decoders (WHATWG SSE rules); this module adds incremental UTF-8 decoding and the
+end-of-stream flush. It does no I/O.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass
+
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder
+
+DONE_SENTINEL = "[DONE]"
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    """One event: ``event`` name ('' when absent) and ``data`` (data lines joined by '\\n')."""
+
+    event: str
+    data: str
+
+    @property
+    def is_done(self) -> bool:
+        return self.data == DONE_SENTINEL
+
+    def encode(self) -> bytes:
+        """Wire form of the event, ``data:`` lines then a blank line."""
+        head = f"event: {self.event}\n" if self.event else ""
+        body = "".join(f"data: {line}\n" for line in self.data.split("\n"))
+        return (head + body + "\n").encode("utf-8")
+
+
+def encode_json_event(obj: object) -> bytes:
+    """``data: <compact JSON>\\n\\n`` for one chunk object."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEStreamDecoder:
+    """Feed bytes as they arrive; get complete events back.
+
+    ``feed`` may be called with any split of the stream (mid-line, mid-character);
+    ``close`` flushes a final event that lacked its terminating blank line.
+    Raises UnicodeDecodeError on bytes that are not UTF-8.
+    """
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+        self._lines = SSELineDecoder()
+        self._events = SSEDecoder()
+
+    def _from_lines(self, lines: list[str]) -> list[SSEEvent]:
+        out = []
+        for line in lines:
+            sse = self._events.decode(line)
+            if sse is not None:
+                out.append(SSEEvent(event=sse.event if sse.event != "message" else "", data=sse.data))
+        return out
+
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        text = self._utf8.decode(data)
+        if not text:
+            return []
+        return self._from_lines(self._lines.decode(text))
+
+    def close(self) -> list[SSEEvent]:
+        text = self._utf8.decode(b"", final=True)
+        lines = self._lines.decode(text) if text else []
+        lines += self._lines.flush()
+        # A stream cut after the last data line: interpret it as if the blank line had come.
+        return self._from_lines([*lines, ""])

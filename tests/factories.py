@@ -1,0 +1,28 @@
+"""Small factories for test objects (records with given token ids)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from capture_proxy.core.records import CallRecord, CallStatus
+
+
+def record(
+    call_id: str,
+    prompt: list[int],
+    generation: list[int],
+    *,
+    rollout_id: str = "r1",
+    created_at: float = 0.0,
+    status: CallStatus = CallStatus.COMPLETE,
+) -> CallRecord:
+    """A record whose log probs are -0.5 * (position + 1), float32."""
+    return CallRecord(
+        call_id=call_id,
+        rollout_id=rollout_id,
+        created_at=created_at,
+        status=status,
+        prompt_token_ids=np.asarray(prompt, dtype=np.uint32),
+        generation_token_ids=np.asarray(generation, dtype=np.uint32),
+        generation_log_probs=-0.5 * np.arange(1, len(generation) + 1, dtype=np.float32),
+    )
