@@ -143,7 +143,9 @@ class ChatCaptureAssembler:
         if isinstance(logprobs, dict) and logprobs.get("content") is not None:
             self.saw_log_probs = True
             for entry in logprobs["content"]:
-                self.generation_log_probs.append(entry.get("logprob") if isinstance(entry, dict) else None)
+                self.generation_log_probs.append(
+                    entry.get("logprob") if isinstance(entry, dict) else None
+                )
         if choice.get("routed_experts") is not None:
             self.routed_experts_raw = choice["routed_experts"]
 
@@ -212,9 +214,7 @@ class ChatCaptureAssembler:
             )
         if log_probs is not None and not bool(np.isfinite(log_probs).all()):
             bad = [int(i) for i in np.flatnonzero(~np.isfinite(log_probs))[:16]]
-            diagnostics.append(
-                Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad})
-            )
+            diagnostics.append(Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad}))
         experts = None
         if self.routed_experts_raw is not None:
             try:
@@ -226,9 +226,7 @@ class ChatCaptureAssembler:
         status = CallStatus.COMPLETE
         if problems:
             status = CallStatus.INCOMPLETE
-            diagnostics.append(
-                Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems})
-            )
+            diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
         record = CallRecord(
             call_id=ctx.call_id,
             rollout_id=ctx.rollout_id,

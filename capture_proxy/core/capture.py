@@ -35,7 +35,9 @@ def augment_chat_request(body: dict[str, Any]) -> tuple[dict[str, Any], HarnessA
     asked = HarnessAsked(
         logprobs=bool(body.get("logprobs")),
         return_token_ids=bool(body.get("return_token_ids")),
-        include_usage=bool(isinstance(stream_options, dict) and stream_options.get("include_usage")),
+        include_usage=bool(
+            isinstance(stream_options, dict) and stream_options.get("include_usage")
+        ),
         routed_experts=bool(body.get("return_routed_experts")),
     )
     out = copy.deepcopy(body)

@@ -58,7 +58,9 @@ class SSEStreamDecoder:
         for line in lines:
             sse = self._events.decode(line)
             if sse is not None:
-                out.append(SSEEvent(event=sse.event if sse.event != "message" else "", data=sse.data))
+                out.append(
+                    SSEEvent(event=sse.event if sse.event != "message" else "", data=sse.data)
+                )
         return out
 
     def feed(self, data: bytes) -> list[SSEEvent]:

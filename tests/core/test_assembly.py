@@ -5,24 +5,74 @@ import numpy as np
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
 from capture_proxy.core.records import CallStatus
 
-CTX = CallContext("call-1", "r1", 100.0, True, "/v1/chat/completions",
-                  {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": None})
+CTX = CallContext(
+    "call-1",
+    "r1",
+    100.0,
+    True,
+    "/v1/chat/completions",
+    {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": None},
+)
 
 
 def _lp(*values):
-    return {"content": [{"token": "t", "logprob": v, "bytes": [], "top_logprobs": []} for v in values]}
+    return {
+        "content": [{"token": "t", "logprob": v, "bytes": [], "top_logprobs": []} for v in values]
+    }
 
 
 def _stream_chunks():
     return [
-        {"prompt_token_ids": [1, 2, 3], "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
-        {"choices": [{"index": 0, "delta": {"content": "Hel"}, "token_ids": [10], "logprobs": _lp(-0.5)}]},
-        {"choices": [{"index": 0, "delta": {"reasoning_content": "r"}, "token_ids": [11], "logprobs": _lp(-0.25)}]},
+        {
+            "prompt_token_ids": [1, 2, 3],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+        },
+        {
+            "choices": [
+                {"index": 0, "delta": {"content": "Hel"}, "token_ids": [10], "logprobs": _lp(-0.5)}
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"reasoning_content": "r"},
+                    "token_ids": [11],
+                    "logprobs": _lp(-0.25),
+                }
+            ]
+        },
         {"choices": [{"index": 0, "delta": {}, "token_ids": [12], "logprobs": _lp(-1.0)}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                      "function": {"name": "read", "arguments": "{\"p\":"}}]}, "token_ids": [13], "logprobs": _lp(-2.0)}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
-                      "token_ids": [14, 15], "logprobs": _lp(-3.0, -0.125), "finish_reason": "tool_calls"}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_a",
+                                "type": "function",
+                                "function": {"name": "read", "arguments": '{"p":'},
+                            }
+                        ]
+                    },
+                    "token_ids": [13],
+                    "logprobs": _lp(-2.0),
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+                    "token_ids": [14, 15],
+                    "logprobs": _lp(-3.0, -0.125),
+                    "finish_reason": "tool_calls",
+                }
+            ]
+        },
         {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}},
     ]
 
@@ -37,8 +87,16 @@ def test_stream_assembles_exact_tokens_and_message():
     assert rec.generation_token_ids.tolist() == [10, 11, 12, 13, 14, 15]
     assert rec.generation_log_probs.tolist() == [-0.5, -0.25, -1.0, -2.0, -3.0, -0.125]
     assert rec.response_message == {
-        "role": "assistant", "content": "Hel", "reasoning_content": "r",
-        "tool_calls": [{"id": "call_a", "type": "function", "function": {"name": "read", "arguments": "{\"p\":1}"}}],
+        "role": "assistant",
+        "content": "Hel",
+        "reasoning_content": "r",
+        "tool_calls": [
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "read", "arguments": '{"p":1}'},
+            }
+        ],
     }
     assert rec.finish_reason == "tool_calls"
     assert rec.usage == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
@@ -53,35 +111,64 @@ def test_missing_token_ids_make_the_record_incomplete_with_reason():
     assert rec.status is CallStatus.INCOMPLETE
     assert rec.diagnostics[0].kind == "capture_incomplete"
     assert rec.diagnostics[0].details["reasons"] == [
-        "engine sent no prompt_token_ids", "engine sent no token_ids", "engine sent no logprobs"]
+        "engine sent no prompt_token_ids",
+        "engine sent no token_ids",
+        "engine sent no logprobs",
+    ]
     assert rec.response_message["content"] == "x"
 
 
 def test_length_mismatch_is_refused():
     asm = ChatCaptureAssembler(CTX)
-    asm.add_chunk({"prompt_token_ids": [1], "choices": [{"index": 0, "delta": {}, "token_ids": [5, 6], "logprobs": _lp(-1.0)}]})
+    asm.add_chunk(
+        {
+            "prompt_token_ids": [1],
+            "choices": [{"index": 0, "delta": {}, "token_ids": [5, 6], "logprobs": _lp(-1.0)}],
+        }
+    )
     rec = asm.finish(latency_ms=1.0, http_status=200)
     assert rec.status is CallStatus.INCOMPLETE
     assert rec.diagnostics[-1].details["reasons"] == [
-        "generation_token_ids has 2 ids but generation_log_probs has 1 values"]
+        "generation_token_ids has 2 ids but generation_log_probs has 1 values"
+    ]
     # What arrived is kept, not dropped.
     assert rec.generation_token_ids.tolist() == [5, 6]
 
 
 def test_non_finite_log_probs_are_kept_and_flagged():
     asm = ChatCaptureAssembler(CTX)
-    asm.add_response({"prompt_token_ids": [1], "choices": [{"index": 0, "message": {"role": "assistant", "content": "a"},
-                      "token_ids": [5, 6, 7], "logprobs": _lp(-1.0, None, float("-inf")), "finish_reason": "stop"}]})
+    asm.add_response(
+        {
+            "prompt_token_ids": [1],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "a"},
+                    "token_ids": [5, 6, 7],
+                    "logprobs": _lp(-1.0, None, float("-inf")),
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
     rec = asm.finish(latency_ms=1.0, http_status=200)
     assert rec.status is CallStatus.COMPLETE
     assert math.isnan(rec.generation_log_probs[1]) and rec.generation_log_probs[2] == -np.inf
-    assert [d.to_json() for d in rec.diagnostics] == [{"kind": "non_finite_logprob", "details": {"positions": [1, 2]}}]
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": [1, 2]}}
+    ]
 
 
 def test_bad_token_values_are_refused():
     asm = ChatCaptureAssembler(CTX)
-    asm.add_response({"prompt_token_ids": [1, -3], "choices": [{"index": 0, "message": {}, "token_ids": [5],
-                      "logprobs": _lp(-1.0)}]})
+    asm.add_response(
+        {
+            "prompt_token_ids": [1, -3],
+            "choices": [{"index": 0, "message": {}, "token_ids": [5], "logprobs": _lp(-1.0)}],
+        }
+    )
     rec = asm.finish(latency_ms=1.0, http_status=200)
     assert rec.status is CallStatus.INCOMPLETE
-    assert rec.diagnostics[0].details["reasons"] == ["prompt_token_ids[1]: expected a token id (uint32), got -3"]
+    assert rec.diagnostics[0].details["reasons"] == [
+        "prompt_token_ids[1]: expected a token id (uint32), got -3"
+    ]

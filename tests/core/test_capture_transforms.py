@@ -26,8 +26,12 @@ def test_augment_adds_token_data_requests_without_touching_the_original():
 
 
 def test_augment_keeps_what_the_harness_asked():
-    body = {"logprobs": True, "top_logprobs": 3, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    body = {
+        "logprobs": True,
+        "top_logprobs": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+    }
     out, asked = augment_chat_request(body)
     assert out["top_logprobs"] == 3
     assert out["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
@@ -38,9 +42,16 @@ def _response():
     return {
         "id": "x",
         "prompt_token_ids": [1, 2],
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                     "token_ids": [5, 6], "logprobs": {"content": []},
-                     "routed_experts": "AAA", "finish_reason": "stop"}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "token_ids": [5, 6],
+                "logprobs": {"content": []},
+                "routed_experts": "AAA",
+                "finish_reason": "stop",
+            }
+        ],
         "usage": {"total_tokens": 4},
     }
 
@@ -49,8 +60,9 @@ def test_strip_removes_only_what_the_proxy_added():
     out = strip_chat_response(_response(), HarnessAsked(False, False, False, False))
     assert out == {
         "id": "x",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
-                     "finish_reason": "stop"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+        ],
         "usage": {"total_tokens": 4},
     }
 

@@ -38,8 +38,17 @@ def test_round_trip_is_bit_exact():
     assert back.routed_experts.dtype == np.uint8  # ids < 256 are narrowed
     assert back.routed_experts.tolist() == rec.routed_experts.tolist()
     assert back.routed_experts_start == 5
-    for f in ("call_id", "rollout_id", "created_at", "request_messages", "request_tools",
-              "response_message", "diagnostics", "usage", "status"):
+    for f in (
+        "call_id",
+        "rollout_id",
+        "created_at",
+        "request_messages",
+        "request_tools",
+        "response_message",
+        "diagnostics",
+        "usage",
+        "status",
+    ):
         assert getattr(back, f) == getattr(rec, f), f
 
 

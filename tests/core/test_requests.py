@@ -4,8 +4,14 @@ from capture_proxy.core.requests import InvalidRequest, parse_json_object, valid
 
 
 def test_valid_request_passes_with_extras():
-    req = validate_chat_request({"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                 "temperature": 0.2, "chat_template_kwargs": {"a": 1}})
+    req = validate_chat_request(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "x"}],
+            "temperature": 0.2,
+            "chat_template_kwargs": {"a": 1},
+        }
+    )
     assert req.model_extra == {"temperature": 0.2, "chat_template_kwargs": {"a": 1}}
 
 
@@ -17,8 +23,15 @@ def test_valid_request_passes_with_extras():
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'messages.0.role'"),
         ({"messages": "hi"}, "messages", "'messages'"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "'n' > 1"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         None, "only text content parts"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
+            None,
+            "only text content parts",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(body, param, fragment):

@@ -1,0 +1,121 @@
+"""Command line: ``capture-proxy serve | scripted-engine | demo``.
+
+Owns argument parsing and process start-up only; every command builds its settings once,
+validates them, and hands them down. Errors in settings exit with status 2 and a message
+naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from capture_proxy.config import ConfigError, load_settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from capture_proxy.proxy.app import build_proxy_app
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    cli_values = {
+        "backend": args.backend,
+        "host": args.host,
+        "port": args.port,
+        "store": args.store,
+        "max_request_body_bytes": args.max_request_body_bytes,
+        "log_level": args.log_level,
+    }
+    try:
+        settings = load_settings(cli_values, args.config)
+    except ConfigError as exc:
+        print(f"capture-proxy: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    app = build_proxy_app(settings, SQLiteStore(settings.store))
+    print(
+        f"capture-proxy: serving on http://{settings.host}:{settings.port} -> "
+        f"{settings.backend_base}, store {settings.store}",
+        flush=True,
+    )
+    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+    return 0
+
+
+def _scripted_engine(args: argparse.Namespace) -> int:
+    from capture_proxy.scripted_engine.app import run_scripted_engine_cli
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return run_scripted_engine_cli(
+        host=args.host, port=args.port, policy_path=args.policy, template=args.template
+    )
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from capture_proxy.demo import run_demo
+
+    return asyncio.run(
+        run_demo(store_dir=args.store, use_opencode=args.opencode, policy_path=args.policy)
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="capture-proxy",
+        description="Token-capture reverse proxy for agentic RL rollouts.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the proxy in front of an engine")
+    serve.add_argument("--backend", help="engine base URL, e.g. http://127.0.0.1:8000")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default 8080)")
+    serve.add_argument(
+        "--store", type=Path, help="embedded store directory (default ./capture-store)"
+    )
+    serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
+    serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument("--config", type=Path, help="TOML file with the same settings")
+    serve.set_defaults(func=_serve)
+
+    engine = sub.add_parser(
+        "scripted-engine", help="run the scripted vLLM-dialect engine (tests, demos, harness CI)"
+    )
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8000)
+    engine.add_argument("--policy", type=Path, help="policy JSON file (default: built-in)")
+    engine.add_argument(
+        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    engine.set_defaults(func=_scripted_engine)
+
+    demo = sub.add_parser(
+        "demo", help="run engine + proxy locally, drive a session, print the captured chain"
+    )
+    demo.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
+    demo.add_argument(
+        "--opencode",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="drive the session with the OpenCode CLI when installed (auto), always, or never",
+    )
+    demo.add_argument("--policy", type=Path, help="policy JSON for the scripted engine")
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

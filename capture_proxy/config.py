@@ -1,0 +1,116 @@
+"""Proxy settings: built once at startup, validated, frozen, passed down.
+
+Sources, highest priority first: command-line flags, environment variables
+(``CAPTURE_PROXY_<FIELD>``, e.g. ``CAPTURE_PROXY_BACKEND``), a TOML config file (``--config``
+or ``CAPTURE_PROXY_CONFIG``), then the defaults below. Validation is pydantic's: a bad value
+stops startup with a message naming the field.
+
+Defaults that bite a proxy are set explicitly (see STYLE.md): the request body limit
+(64 MiB, long agent histories), no total upstream timeout (long generations), a large
+upstream connection pool, and an upstream keep-alive shorter than the engines' so the proxy
+never reuses a connection the engine is about to close.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+
+class ConfigError(ValueError):
+    """Settings are invalid or the config file cannot be read; the message names the field."""
+
+
+class Settings(BaseSettings):
+    """All proxy settings. Times in seconds, sizes in bytes."""
+
+    model_config = SettingsConfigDict(env_prefix="CAPTURE_PROXY_", frozen=True, extra="forbid")
+
+    backend: AnyHttpUrl = Field(description="Engine base URL, e.g. http://127.0.0.1:8000")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    store: Path = Field(Path("capture-store"), description="Embedded store directory")
+    max_request_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
+    upstream_connect_timeout_s: float = Field(10.0, gt=0)
+    upstream_read_timeout_s: float | None = Field(
+        None, gt=0, description="Max seconds between bytes from the engine; None: no limit"
+    )
+    upstream_connection_limit: int = Field(
+        4096, ge=0, description="Max concurrent upstream connections (0: unlimited)"
+    )
+    upstream_keepalive_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Idle upstream connections are closed after this; below the "
+        "engine's own keep-alive (uvicorn: 5 s) so both sides never race",
+    )
+    log_level: str = "INFO"
+
+    @field_validator("backend")
+    @classmethod
+    def _no_path_query(cls, value: AnyHttpUrl) -> AnyHttpUrl:
+        if value.query or value.fragment:
+            raise ValueError("backend URL must not carry a query or fragment")
+        return value
+
+    @property
+    def backend_base(self) -> str:
+        """Backend URL without a trailing slash, e.g. ``http://127.0.0.1:8000``."""
+        return str(self.backend).rstrip("/")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # init (CLI flags and the file's values merged by load_settings) > env.
+        return (init_settings, env_settings)
+
+
+def load_settings(cli_values: dict[str, Any], config_file: Path | None = None) -> Settings:
+    """Merge defaults < config file < environment < CLI values, validate, and freeze.
+
+    ``cli_values`` holds only flags the user gave (None values are ignored).
+    Raises ConfigError naming the offending field or file.
+    """
+    file_values: dict[str, Any] = {}
+    config_file = config_file or (
+        Path(os.environ["CAPTURE_PROXY_CONFIG"]) if os.environ.get("CAPTURE_PROXY_CONFIG") else None
+    )
+    if config_file is not None:
+        try:
+            file_values = tomllib.loads(config_file.read_text())
+        except OSError as exc:
+            raise ConfigError(f"config file {config_file}: {exc.strerror or exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {config_file}: invalid TOML: {exc}") from exc
+        unknown = sorted(set(file_values) - set(Settings.model_fields))
+        if unknown:
+            raise ConfigError(f"config file {config_file}: unknown setting(s) {', '.join(unknown)}")
+    env_names = {
+        name for name in Settings.model_fields if f"CAPTURE_PROXY_{name.upper()}" in os.environ
+    }
+    # Environment beats the file: drop file values that the environment sets.
+    merged = {k: v for k, v in file_values.items() if k not in env_names}
+    merged.update({k: v for k, v in cli_values.items() if v is not None})
+    try:
+        return Settings(**merged)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from exc

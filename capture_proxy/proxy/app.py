@@ -1,0 +1,133 @@
+"""The proxy application: wiring of settings, store, upstream session and routes.
+
+Owns the aiohttp ``Application``: resources live in ``cleanup_ctx`` (store open/close, one
+upstream ClientSession), app state uses typed ``AppKey``s, one middleware shapes errors. The
+catch-all route hands every non-``/captures`` request to ``dispatch``, which routes by path
+(core ``routing``) to capture, correlation or pass-through.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from capture_proxy import __version__, rest
+from capture_proxy.config import Settings
+from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
+from capture_proxy.proxy.capture import CHAT_COMPLETIONS_PATH, CaptureDeps, handle_captured_chat
+from capture_proxy.proxy.errors import BadRequest, NotFound, PayloadTooLarge, error_middleware
+from capture_proxy.proxy.passthrough import forward_uncaptured
+from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.upstream import make_client_session
+from capture_proxy.store.base import CaptureStore
+
+log = logging.getLogger("capture_proxy")
+
+SETTINGS_KEY = web.AppKey("settings", Settings)
+SESSION_KEY = web.AppKey("upstream_session", aiohttp.ClientSession)
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(
+            f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes "
+            "(setting max_request_body_bytes)",
+            code="request_too_large",
+        )
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise PayloadTooLarge(
+            f"request body exceeds the limit of {limit} bytes (setting max_request_body_bytes)",
+            code="request_too_large",
+        ) from exc
+
+
+async def dispatch(request: web.Request) -> web.StreamResponse:
+    settings = request.app[SETTINGS_KEY]
+    try:
+        target = route(request.raw_path.split("?", 1)[0])
+    except InvalidRolloutId as exc:
+        raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
+    raw_body = await _read_body(request, settings.max_request_body_bytes)
+    session = request.app[SESSION_KEY]
+    started = time.perf_counter()
+    if (
+        target.kind is RouteKind.CAPTURE
+        and request.method == "POST"
+        and target.upstream_path == CHAT_COMPLETIONS_PATH
+    ):
+        deps = CaptureDeps(session, settings.backend_base, request.app[rest.RECORDER_KEY])
+        response = await handle_captured_chat(request, target, raw_body, deps)
+    else:
+        response = await forward_uncaptured(
+            request, target, raw_body, session, settings.backend_base
+        )
+    log.info(
+        "%s %s -> %d (%s, <%d bytes in>, %.1f ms)",
+        request.method,
+        target.upstream_path,
+        response.status,
+        target.kind.value,
+        len(raw_body),
+        (time.perf_counter() - started) * 1000,
+    )
+    return response
+
+
+async def health(request: web.Request) -> web.Response:
+    recorder = request.app[rest.RECORDER_KEY]
+    try:
+        store = await request.app[rest.STORE_KEY].health()
+        ok = True
+    except Exception as exc:
+        store, ok = {"error": str(exc)}, False
+    return web.json_response(
+        {
+            "status": "ok" if ok else "degraded",
+            "version": __version__,
+            "store": store,
+            "capture": {
+                "persisted": recorder.stats.persisted,
+                "store_failures": recorder.stats.store_failures,
+                "incomplete_calls": recorder.stats.incomplete,
+                "failed_calls": recorder.stats.failed,
+            },
+        },
+        status=200 if ok else 503,
+    )
+
+
+async def unknown_captures_path(request: web.Request) -> web.Response:
+    raise NotFound(f"no such read API path: {request.path}", code="not_found")
+
+
+def build_proxy_app(settings: Settings, store: CaptureStore) -> web.Application:
+    """The proxy app. ``store`` is opened and closed with the app."""
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=settings.max_request_body_bytes
+    )
+    app[SETTINGS_KEY] = settings
+    app[rest.STORE_KEY] = store
+    app[rest.RECORDER_KEY] = Recorder(store)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        await store.open()
+        app[SESSION_KEY] = make_client_session(settings)
+        try:
+            yield
+        finally:
+            await app[SESSION_KEY].close()
+            await store.close()
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/health", health)
+    rest.add_routes(app)
+    app.router.add_route("*", "/captures", unknown_captures_path)
+    app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    return app

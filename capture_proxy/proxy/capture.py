@@ -1,0 +1,277 @@
+"""The captured chat-completions call: validate, augment, forward, assemble, persist, answer.
+
+Owns the adapter side of DESIGN.md's "flow of one call" for capture paths. Everything that can
+be pure (validation, augmentation, stripping, SSE decoding, record assembly) is in
+``capture_proxy.core``; this module moves bytes and measures time.
+
+Ordering guarantee: the record is persisted before the response finishes (for a stream, before
+``data: [DONE]`` and the end of the body), so a harness that saw the end of its answer can rely
+on the call being readable over REST.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler, failed_record
+from capture_proxy.core.capture import augment_chat_request, strip_chat_chunk, strip_chat_response
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.requests import InvalidRequest, parse_json_object, validate_chat_request
+from capture_proxy.core.routing import Route
+from capture_proxy.core.sse import DONE_SENTINEL, SSEStreamDecoder, encode_json_event
+from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
+from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers, translate_client_error
+
+log = logging.getLogger("capture_proxy")
+
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+#: Response header naming the captured call, so a harness or test can read it back over REST.
+CALL_ID_HEADER = "X-Capture-Call-Id"
+
+
+def new_call_id() -> str:
+    """``call-`` + 32 hex chars (uuid4): unique across replicas without coordination."""
+    return f"call-{uuid.uuid4().hex}"
+
+
+@dataclass(frozen=True)
+class CaptureDeps:
+    session: aiohttp.ClientSession
+    backend: str
+    recorder: Recorder
+
+
+def _upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dict[str, str]:
+    headers = dict(forwardable_headers(request.headers, drop=("accept-encoding", "content-type")))
+    headers["Content-Type"] = "application/json"
+    headers["Accept-Encoding"] = "identity"
+    # vLLM uses X-Request-Id as its request id: engine logs can be matched to our call ids.
+    headers["X-Request-Id"] = call_id
+    headers["X-NG-Rollout-Id"] = rollout_id
+    return headers
+
+
+def _elapsed_ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1000.0
+
+
+async def handle_captured_chat(
+    request: web.Request, route: Route, raw_body: bytes, deps: CaptureDeps
+) -> web.StreamResponse:
+    """Serve one captured chat-completions call. Raises ProxyError for the middleware."""
+    assert route.rollout_id is not None
+    try:
+        body = parse_json_object(raw_body)
+        validate_chat_request(body)
+    except InvalidRequest as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
+
+    upstream_body, asked = augment_chat_request(body)
+    stream = bool(body.get("stream"))
+    ctx = CallContext(
+        call_id=new_call_id(),
+        rollout_id=route.rollout_id,
+        created_at=time.time(),
+        stream=stream,
+        upstream_path=route.upstream_path,
+        request_body=body,
+    )
+    url = deps.backend + route.upstream_path
+    headers = _upstream_headers(request, ctx.call_id, route.rollout_id)
+    t0 = time.perf_counter()
+    try:
+        upstream = await deps.session.post(
+            url,
+            data=json.dumps(upstream_body, ensure_ascii=False).encode(),
+            headers=headers,
+            auto_decompress=True,
+        )
+    except CLIENT_ERRORS as exc:
+        err = translate_client_error(exc, deps.backend)
+        await deps.recorder.persist(
+            failed_record(ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=None)
+        )
+        raise err from exc
+
+    async with upstream:
+        if upstream.status >= 400:
+            return await _engine_error(upstream, ctx, deps, t0)
+        content_type = upstream.headers.get("Content-Type", "")
+        if stream and content_type.startswith("text/event-stream"):
+            return await _relay_stream(request, upstream, ctx, asked, deps, t0)
+        return await _relay_json(upstream, ctx, asked, deps, t0)
+
+
+async def _engine_error(
+    upstream: aiohttp.ClientResponse, ctx: CallContext, deps: CaptureDeps, t0: float
+) -> web.Response:
+    """Pass an engine 4xx/5xx through in OpenAI's error shape; record the call as failed."""
+    try:
+        raw = await upstream.read()
+    except CLIENT_ERRORS as exc:
+        raw = b""
+        log.warning("call %s: reading the engine's error body failed: %s", ctx.call_id, exc)
+    try:
+        payload = json.loads(raw)
+        shaped = isinstance(payload, dict) and isinstance(payload.get("error"), dict)
+    except ValueError:
+        payload, shaped = None, False
+    if not shaped:
+        message = raw.decode("utf-8", "replace")[:2000] or upstream.reason or "engine error"
+        error_type = "invalid_request_error" if upstream.status < 500 else "upstream_error"
+        payload = error_body(f"engine returned {upstream.status}: {message}", error_type)
+    reason = f"engine returned HTTP {upstream.status}"
+    await deps.recorder.persist(
+        failed_record(ctx, reason=reason, latency_ms=_elapsed_ms(t0), http_status=upstream.status)
+    )
+    return web.json_response(payload, status=upstream.status, headers={CALL_ID_HEADER: ctx.call_id})
+
+
+async def _relay_json(
+    upstream: aiohttp.ClientResponse,
+    ctx: CallContext,
+    asked: Any,
+    deps: CaptureDeps,
+    t0: float,
+) -> web.Response:
+    try:
+        raw = await upstream.read()
+    except CLIENT_ERRORS as exc:
+        err = translate_client_error(exc, deps.backend)
+        await deps.recorder.persist(
+            failed_record(
+                ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=upstream.status
+            )
+        )
+        raise err from exc
+    latency_ms = _elapsed_ms(t0)
+    try:
+        payload = json.loads(raw)
+        if not isinstance(payload, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        reason = f"engine sent a body that is not a JSON object ({len(raw)} bytes): {exc}"
+        await deps.recorder.persist(
+            failed_record(ctx, reason=reason, latency_ms=latency_ms, http_status=upstream.status)
+        )
+        raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
+    assembler = ChatCaptureAssembler(ctx)
+    assembler.add_response(payload)
+    record = assembler.finish(latency_ms=latency_ms, http_status=upstream.status)
+    await deps.recorder.persist(record)
+    return web.json_response(
+        strip_chat_response(payload, asked),
+        status=upstream.status,
+        headers={CALL_ID_HEADER: ctx.call_id},
+        dumps=lambda obj: json.dumps(obj, ensure_ascii=False),
+    )
+
+
+async def _relay_stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    ctx: CallContext,
+    asked: Any,
+    deps: CaptureDeps,
+    t0: float,
+) -> web.StreamResponse:
+    """Forward SSE events as they complete, assembling the record on the side."""
+    response = web.StreamResponse(status=upstream.status)
+    response.content_type = "text/event-stream"
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers[CALL_ID_HEADER] = ctx.call_id
+    await response.prepare(request)
+
+    assembler = ChatCaptureAssembler(ctx)
+    decoder = SSEStreamDecoder()
+    done_seen = False
+    client_gone = False
+    upstream_problem: str | None = None
+
+    async def emit(data: bytes) -> None:
+        nonlocal client_gone
+        if client_gone:
+            return
+        try:
+            await response.write(data)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            client_gone = True
+
+    def handle_events(events: list[Any]) -> list[bytes]:
+        nonlocal done_seen, upstream_problem
+        out: list[bytes] = []
+        for event in events:
+            if event.data == DONE_SENTINEL:
+                done_seen = True
+                continue
+            try:
+                chunk = json.loads(event.data)
+            except ValueError:
+                upstream_problem = f"engine sent a malformed stream event ({len(event.data)} bytes)"
+                out.append(event.encode())
+                continue
+            if not isinstance(chunk, dict):
+                upstream_problem = "engine sent a stream event that is not a JSON object"
+                out.append(event.encode())
+                continue
+            assembler.add_chunk(chunk)
+            stripped = strip_chat_chunk(chunk, asked)
+            if stripped is not None:
+                out.append(encode_json_event(stripped))
+        return out
+
+    try:
+        async for data in upstream.content.iter_any():
+            for piece in handle_events(decoder.feed(data)):
+                await emit(piece)
+            if client_gone:
+                break
+        else:
+            for piece in handle_events(decoder.close()):
+                await emit(piece)
+    except CLIENT_ERRORS as exc:
+        upstream_problem = f"engine stream broke: {type(exc).__name__}: {exc}"
+    except UnicodeDecodeError as exc:
+        upstream_problem = f"engine stream is not UTF-8: {exc.reason}"
+
+    record = assembler.finish(latency_ms=_elapsed_ms(t0), http_status=upstream.status)
+    reasons = []
+    if client_gone:
+        reasons.append("client disconnected before the stream ended")
+    if upstream_problem:
+        reasons.append(upstream_problem)
+    elif not done_seen and not client_gone:
+        reasons.append("engine stream ended without [DONE]")
+    if reasons:
+        record = _mark_incomplete(record, reasons)
+    await deps.recorder.persist(record)
+
+    if upstream_problem and not client_gone:
+        # Headers are sent; the status can no longer change: tell the harness in-band.
+        await emit(encode_json_event(error_body(upstream_problem, "upstream_error")))
+    if done_seen:
+        await emit(b"data: " + DONE_SENTINEL.encode() + b"\n\n")
+    if not client_gone:
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+            await response.write_eof()
+    return response
+
+
+def _mark_incomplete(record: CallRecord, reasons: list[str]) -> CallRecord:
+    diagnostics = list(record.diagnostics)
+    existing = next((d for d in diagnostics if d.kind == DiagnosticKind.CAPTURE_INCOMPLETE), None)
+    if existing is not None:
+        diagnostics.remove(existing)
+        reasons = [*existing.details.get("reasons", []), *reasons]
+    diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": reasons}))
+    return record.replace(status=CallStatus.INCOMPLETE, diagnostics=diagnostics)

@@ -1,0 +1,105 @@
+"""Client-facing errors and the one middleware that turns exceptions into responses.
+
+Exception tree (each maps to one status and one OpenAI error ``type``)::
+
+    ProxyError                       (500, "internal_error")
+    +-- BadRequest(ValueError)        (400, "invalid_request_error"; ``param`` names the field)
+    |   +-- PayloadTooLarge           (413)
+    +-- NotFound(LookupError)         (404, "not_found_error")
+    +-- Unauthorized                  (401, "authentication_error")
+    +-- UpstreamUnavailable           (502, "upstream_error": engine unreachable or broken)
+    +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
+
+Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+Once a response has started streaming, errors can no longer become a status; the stream
+handlers deal with those themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger("capture_proxy")
+
+
+class ProxyError(Exception):
+    status = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class BadRequest(ProxyError, ValueError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+
+
+class NotFound(ProxyError, LookupError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class UpstreamUnavailable(ProxyError):
+    status = 502
+    error_type = "upstream_error"
+
+
+class UpstreamTimeout(ProxyError, TimeoutError):
+    status = 504
+    error_type = "upstream_error"
+
+
+def error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(exc: ProxyError) -> web.Response:
+    return web.json_response(
+        error_body(exc.message, exc.error_type, param=exc.param, code=exc.code),
+        status=exc.status,
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The single place where exceptions become client responses."""
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        if exc.status >= 500:
+            log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response(
+            error_body(
+                exc.reason, "invalid_request_error" if exc.status < 500 else "internal_error"
+            ),
+            status=exc.status,
+        )
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return web.json_response(error_body("internal proxy error", "internal_error"), status=500)

@@ -1,0 +1,53 @@
+"""Uncaptured forwarding: plain pass-through and rollout correlation.
+
+Owns byte-for-byte relaying of any request the proxy does not capture (``/v1/models``,
+``/tokenize``, paths outside ``/ng-rollout/``, and correlation-only rollout paths). The body
+of the answer is streamed through as it arrives, still encoded as the engine sent it.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from capture_proxy.core.routing import Route
+from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers, translate_client_error
+
+
+async def forward_uncaptured(
+    request: web.Request,
+    route: Route,
+    raw_body: bytes,
+    session: aiohttp.ClientSession,
+    backend: str,
+) -> web.StreamResponse:
+    """Relay one request to ``backend + route.upstream_path`` (query string kept)."""
+    headers = forwardable_headers(request.headers)
+    if route.rollout_id is not None:
+        headers["X-NG-Rollout-Id"] = route.rollout_id
+    url = backend + route.upstream_path
+    if request.query_string:
+        url += "?" + request.query_string
+    try:
+        upstream = await session.request(
+            request.method, url, headers=headers, data=raw_body if raw_body else None
+        )
+    except CLIENT_ERRORS as exc:
+        raise translate_client_error(exc, backend) from exc
+    async with upstream:
+        response = web.StreamResponse(
+            status=upstream.status,
+            reason=upstream.reason,
+            headers=forwardable_headers(upstream.headers.items()),
+        )
+        await response.prepare(request)
+        try:
+            async for data in upstream.content.iter_any():
+                await response.write(data)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return response  # the client left; closing the upstream response cancels it
+        except CLIENT_ERRORS:
+            # Headers are sent: the harness sees a truncated body, which is what happened.
+            return response
+        await response.write_eof()
+        return response

@@ -1,0 +1,93 @@
+"""The upstream (engine) side: one client session, header hygiene, error translation.
+
+Owns the aiohttp ClientSession with every default that bites a proxy set explicitly
+(connection limit, keep-alive below the engine's, no total timeout, no auto-decompression for
+pass-through bytes) and the translation of aiohttp client exceptions into ``ProxyError``s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+
+import aiohttp
+from multidict import CIMultiDict
+
+from capture_proxy.config import Settings
+from capture_proxy.proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
+
+# RFC 9110 7.6.1 hop-by-hop headers, plus those aiohttp must recompute for the new message.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+
+def make_client_session(settings: Settings) -> aiohttp.ClientSession:
+    """The proxy's single upstream session (create inside a running loop)."""
+    connector = aiohttp.TCPConnector(
+        limit=settings.upstream_connection_limit,
+        limit_per_host=0,
+        keepalive_timeout=settings.upstream_keepalive_timeout_s,
+        ttl_dns_cache=300,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None,
+        connect=None,
+        sock_connect=settings.upstream_connect_timeout_s,
+        sock_read=settings.upstream_read_timeout_s,
+    )
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        raise_for_status=False,
+        # The proxy forwards the harness's headers; no cookie jar may leak between rollouts.
+        cookie_jar=aiohttp.DummyCookieJar(),
+    )
+
+
+def forwardable_headers(
+    headers: Mapping[str, str] | Iterable[tuple[str, str]], *, drop: Iterable[str] = ()
+) -> CIMultiDict[str]:
+    """Copy headers without hop-by-hop ones (and those named by the Connection header)."""
+    items = list(headers.items()) if isinstance(headers, Mapping) else list(headers)
+    extra_drop = {d.lower() for d in drop}
+    for name, value in items:
+        if name.lower() == "connection":
+            extra_drop.update(v.strip().lower() for v in value.split(","))
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in items:
+        lowered = name.lower()
+        if lowered in HOP_BY_HOP or lowered in extra_drop:
+            continue
+        out.add(name, value)
+    return out
+
+
+def translate_client_error(exc: BaseException, backend: str) -> ProxyError:
+    """Map an aiohttp client failure to the error the harness receives."""
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamTimeout(f"engine at {backend} timed out", code="engine_timeout")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return UpstreamUnavailable(
+            f"engine at {backend} is unreachable: {exc.os_error.strerror or exc}",
+            code="engine_unreachable",
+        )
+    return UpstreamUnavailable(
+        f"engine at {backend} failed: {type(exc).__name__}: {exc}", code="engine_error"
+    )
+
+
+CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)

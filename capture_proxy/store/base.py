@@ -1,0 +1,59 @@
+"""The store interface: what the proxy and the REST API need from any store.
+
+Owns the contract, not an implementation: an acknowledged ``put_call`` is durable; ``put_call``
+is idempotent by call id (the same content again is a no-op, different content is refused with
+``ConflictingRecord`` and the original kept); reads return decoded ``CallRecord`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from capture_proxy.core.records import CallRecord, Diagnostic
+
+
+class StoreError(Exception):
+    """A store operation failed (I/O, corruption). The proxy still answers the harness."""
+
+
+class ConflictingRecord(StoreError):
+    """A call id was stored before with different content; the original is kept."""
+
+
+@dataclass(frozen=True)
+class RolloutInfo:
+    """Per-rollout bookkeeping kept beside the calls.
+
+    ``created_at`` is Unix seconds of the first call seen; ``incomplete`` is True once any call
+    of the rollout lost token data or failed to store; ``diagnostics`` are rollout-level
+    conditions (one per kind, with details), e.g. ``store_failed``.
+    """
+
+    rollout_id: str
+    created_at: float
+    num_calls: int
+    incomplete: bool
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+
+class CaptureStore(Protocol):
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def put_call(self, record: CallRecord) -> None:
+        """Store a record durably. Raises ConflictingRecord or StoreError."""
+
+    async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
+        """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind)."""
+
+    async def get_call(self, call_id: str) -> CallRecord | None: ...
+
+    async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]: ...
+
+    async def get_rollout(self, rollout_id: str) -> RolloutInfo | None: ...
+
+    async def list_rollouts(self) -> list[RolloutInfo]: ...
+
+    async def health(self) -> dict[str, Any]: ...

@@ -1,0 +1,76 @@
+"""Tier 2 fixtures: the proxy on a loopback port in front of the scripted engine."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from capture_proxy.config import Settings
+from capture_proxy.proxy.app import build_proxy_app
+from capture_proxy.scripted_engine.app import (
+    SENT_CALLS,
+    ScriptedEngineConfig,
+    SentCall,
+    build_scripted_engine_app,
+)
+from capture_proxy.store.base import CaptureStore
+from capture_proxy.store.sqlite import SQLiteStore
+
+CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+
+
+@dataclass
+class Stack:
+    """A scripted engine and the proxy in front of it; ``client`` talks to the proxy."""
+
+    engine: TestServer
+    engine_app: web.Application
+    client: TestClient
+    store_dir: Path
+
+    @property
+    def sent(self) -> list[SentCall]:
+        return self.engine_app[SENT_CALLS]
+
+    async def chat(self, rollout: str, body: dict[str, Any], **kwargs: Any) -> Any:
+        return await self.client.post(CAPTURE.format(rollout=rollout), json=body, **kwargs)
+
+    async def get_json(self, path: str, status: int = 200) -> Any:
+        resp = await self.client.get(path)
+        assert resp.status == status, await resp.text()
+        return await resp.json()
+
+
+MakeStack = Callable[..., Awaitable[Stack]]
+
+
+@pytest.fixture
+async def make_stack(aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path) -> MakeStack:
+    async def make(
+        *,
+        engine_config: ScriptedEngineConfig | None = None,
+        store: CaptureStore | None = None,
+        **settings: Any,
+    ) -> Stack:
+        engine_app = build_scripted_engine_app(
+            engine_config or ScriptedEngineConfig(), qwen_tokenizer
+        )
+        engine = await aiohttp_server(engine_app)
+        store_dir = tmp_path / "store"
+        cfg = Settings(backend=str(engine.make_url("/")).rstrip("/"), store=store_dir, **settings)
+        proxy_app = build_proxy_app(cfg, store or SQLiteStore(store_dir))
+        client = await aiohttp_client(proxy_app)
+        return Stack(engine, engine_app, client, store_dir)
+
+    return make
+
+
+@pytest.fixture
+async def stack(make_stack: MakeStack) -> Stack:
+    return await make_stack()
