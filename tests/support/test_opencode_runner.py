@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from .opencode import find_opencode, run_opencode
+from capture_proxy.harnesses.opencode import find_opencode, run_opencode
 
 OPENCODE = find_opencode()
 

@@ -1,6 +1,6 @@
 """Run the real OpenCode CLI offline against an OpenAI-compatible server (a stub or the proxy).
 
-Used by the ``opencode``-marked tests and by demos. OpenCode is installed by
+Used by the ``opencode``-marked tests and by ``capture-proxy demo``. OpenCode is installed by
 ``scripts/install-opencode`` into ``.cache/opencode`` (pinned ``opencode-ai`` from npm).
 
 Offline recipe (see shared/fixtures/opencode/README.md): a scratch ``HOME`` and ``XDG_*`` dirs,
