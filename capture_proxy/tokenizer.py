@@ -108,11 +108,11 @@ def _build_backend() -> Tokenizer:
     def to_str(b: bytes) -> str:
         return "".join(BYTE_ENCODER[x] for x in b)
 
-    vocab = {to_str(tok): rank for tok, rank in ranks.items()}
+    vocab = {to_str(piece): rank for piece, rank in ranks.items()}
     merges: list[tuple[int, int, int, bytes, bytes]] = []
-    for tok, rank in ranks.items():
-        for i in range(1, len(tok)):
-            left, right = tok[:i], tok[i:]
+    for piece, rank in ranks.items():
+        for i in range(1, len(piece)):
+            left, right = piece[:i], piece[i:]
             if left in ranks and right in ranks:
                 merges.append((rank, ranks[left], ranks[right], left, right))
     merges.sort()

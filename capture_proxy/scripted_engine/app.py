@@ -104,7 +104,7 @@ def _validate_chat(body: dict[str, Any]) -> None:
     _check(
         isinstance(msgs, list) and len(msgs) > 0, "messages must be a non-empty list", "messages"
     )
-    for i, m in enumerate(msgs):
+    for i, m in enumerate(msgs or []):
         _check(
             isinstance(m, dict) and m.get("role") in ROLES,
             f"messages[{i}] must be an object with a role in {sorted(ROLES)}",

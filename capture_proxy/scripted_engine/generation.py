@@ -57,7 +57,7 @@ def synthetic_logprob(token_id: int, position: int) -> float:
 
 def token_bytes(tokenizer: PreTrainedTokenizerFast, token_id: int) -> bytes:
     """The raw bytes of one token (added tokens: their UTF-8 text)."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
+    piece = str(tokenizer.convert_ids_to_tokens(token_id))
     if token_id >= SPECIAL_START_ID:
         return piece.encode("utf-8")
     return bytes(BYTE_DECODER[c] for c in piece)

@@ -1,0 +1,68 @@
+"""Policy file format and step choice (pure, no event loop)."""
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from capture_proxy.scripted_engine.policy import Policy, Step, step_index, tool_call_id
+
+POLICY = Policy.model_validate(
+    {
+        "title": "T",
+        "steps": [
+            {"content": "a", "tool_calls": [{"name": "read", "arguments": {"p": "é", "n": 1}}]},
+            {"reasoning": "r", "tool_calls": [{"name": "x", "arguments_raw": '{ "k" : 1 }'}]},
+            {"content": "done"},
+        ],
+        "final": "F",
+    }
+)
+U = {"role": "user", "content": "go"}
+A = {"role": "assistant", "content": ""}
+T = {"role": "tool", "content": "r"}
+
+
+def test_step_index_counts_assistants_after_last_user():
+    assert step_index([U]) == 0
+    assert step_index([U, A, T, A, T]) == 2
+    assert step_index([U, A, T, A, T, U]) == 0
+    assert step_index([{"role": "system", "content": "s"}, A]) == 1
+
+
+def test_choose_walks_steps_then_final_and_title_without_tools():
+    assert POLICY.choose([U], True).content == "a"
+    assert POLICY.choose([U, A, T], True).reasoning == "r"
+    assert POLICY.choose([U, A, T, A, T], True).content == "done"
+    assert POLICY.choose([U, A, T, A, T, A, T], True).content == "F"
+    assert POLICY.choose([U, A, T, A, T, A, U, A], True).reasoning == "r"
+    assert POLICY.choose([U, A, T], False) == Step(content="T")
+
+
+def test_arguments_are_compact_json_or_raw():
+    msg = POLICY.steps[0].assistant_message("seed")
+    assert msg["tool_calls"][0]["function"] == {"name": "read", "arguments": '{"p":"é","n":1}'}
+    raw = POLICY.steps[1].assistant_message("seed")
+    assert raw["tool_calls"][0]["function"]["arguments"] == '{ "k" : 1 }'
+    assert raw["reasoning_content"] == "r" and raw["content"] == ""
+
+
+def test_tool_call_ids_are_deterministic_and_openai_like():
+    a = POLICY.steps[0].assistant_message("seed")["tool_calls"][0]["id"]
+    assert a == POLICY.steps[0].assistant_message("seed")["tool_calls"][0]["id"]
+    assert a != POLICY.steps[0].assistant_message("other")["tool_calls"][0]["id"]
+    assert a.startswith("call_") and len(a) == 29
+    assert tool_call_id("s", 0) != tool_call_id("s", 1)
+
+
+def test_default_policy_and_file_loading(tmp_path):
+    default = Policy.default()
+    assert [bool(s.tool_calls) for s in default.steps] == [True, True, False]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"steps": [{"content": "hi"}]}))
+    assert Policy.load(path).steps[0].content == "hi"
+
+
+def test_unknown_fields_are_refused():
+    with pytest.raises(ValidationError):
+        Policy.model_validate({"steps": [{"contents": "typo"}]})
