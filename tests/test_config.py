@@ -1,0 +1,54 @@
+from pathlib import Path
+
+import pytest
+
+from capture_proxy.config import ConfigError, load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_example_config_is_valid(monkeypatch):
+    monkeypatch.delenv("CAPTURE_PROXY_PORT", raising=False)
+    settings = load_settings({}, REPO / "configs" / "capture-proxy.toml")
+    assert settings.backend_base == "http://127.0.0.1:8000"
+    assert settings.max_request_body_bytes == 64 * 1024 * 1024
+
+
+def test_priority_cli_then_env_then_file(tmp_path, monkeypatch):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('backend = "http://file:1"\nport = 1111\nhost = "0.0.0.0"\n')
+    monkeypatch.setenv("CAPTURE_PROXY_PORT", "2222")
+    monkeypatch.setenv("CAPTURE_PROXY_HOST", "10.0.0.1")
+    s = load_settings({"host": "127.0.0.2", "port": None}, cfg)
+    assert (s.backend_base, s.port, s.host) == ("http://file:1", 2222, "127.0.0.2")
+
+
+def test_settings_are_frozen():
+    s = load_settings({"backend": "http://e:1"})
+    with pytest.raises(ValueError):
+        s.port = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("values", "text", "fragment"),
+    [
+        ({}, None, "backend: Field required"),
+        ({"backend": "not a url"}, None, "backend"),
+        ({"backend": "http://e:1", "port": 70000}, None, "port"),
+        ({}, 'backend = "http://e:1"\nbogus = 1\n', "unknown setting(s) bogus"),
+        ({}, "backend = ", "invalid TOML"),
+    ],
+)
+def test_errors_name_the_setting(tmp_path, values, text, fragment):
+    cfg = None
+    if text is not None:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_settings(values, cfg)
+    assert fragment in str(info.value)
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="config file .*nope.toml"):
+        load_settings({}, tmp_path / "nope.toml")
