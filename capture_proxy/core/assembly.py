@@ -12,8 +12,6 @@ raises on engine data, because a capture failure must never fail the model call.
 
 from __future__ import annotations
 
-import base64
-import io
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +25,9 @@ from capture_proxy.core.records import (
     as_log_prob_array,
     as_token_array,
 )
+from capture_proxy.core.routed_experts import check_row_count, decode_vllm_routed_experts
+
+__all__ = ["CallContext", "ChatCaptureAssembler", "decode_vllm_routed_experts", "failed_record"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class CallContext:
     stream: bool
     upstream_path: str
     request_body: dict[str, Any]
+    #: the first token position the engine was asked routed-expert rows for (vLLM
+    #: ``routed_experts_prompt_start``); 0 asks for all rows.
+    routed_experts_start: int = 0
 
 
 def _message_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -47,21 +51,6 @@ def _message_fields(body: dict[str, Any]) -> dict[str, Any]:
         "request_messages": list(body.get("messages") or []),
         "request_tools": body.get("tools"),
     }
-
-
-def decode_vllm_routed_experts(value: Any) -> np.ndarray:
-    """Decode vLLM's ``routed_experts``: base64 of ``.npy`` bytes (current) or nested lists
-    (older releases). Returns an integer array ``[num_rows, num_layers, top_k]``.
-    Raises ValueError on anything else."""
-    if isinstance(value, str):
-        arr = np.load(io.BytesIO(base64.b64decode(value, validate=True)), allow_pickle=False)
-    elif isinstance(value, list):
-        arr = np.asarray(value)
-    else:
-        raise ValueError(f"routed_experts: unsupported encoding {type(value).__name__}")
-    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"routed_experts: expected integer [rows, layers, top_k], got {arr.shape}")
-    return arr
 
 
 @dataclass
@@ -223,6 +212,16 @@ class ChatCaptureAssembler:
                 diagnostics.append(
                     Diagnostic(DiagnosticKind.ROUTED_EXPERTS_MISMATCH, {"reason": str(exc)})
                 )
+        if experts is not None and prompt is not None and gen is not None:
+            # Kept as received either way; a wrong row count is named, never "fixed".
+            mismatch = check_row_count(
+                experts,
+                start=ctx.routed_experts_start,
+                num_prompt_tokens=prompt.shape[0],
+                num_generation_tokens=gen.shape[0],
+            )
+            if mismatch is not None:
+                diagnostics.append(mismatch)
         status = CallStatus.COMPLETE
         if problems:
             status = CallStatus.INCOMPLETE
@@ -241,6 +240,7 @@ class ChatCaptureAssembler:
             http_status=http_status,
             diagnostics=diagnostics,
             routed_experts=experts,
+            routed_experts_start=ctx.routed_experts_start,
             **_message_fields(ctx.request_body),
         )
         # Keep whatever arrived intact, even on an incomplete record: nothing received is lost.

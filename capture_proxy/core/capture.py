@@ -12,6 +12,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from capture_proxy.core.routed_experts import routed_experts_request_fields
+
 
 @dataclass(frozen=True)
 class HarnessAsked:
@@ -23,13 +25,17 @@ class HarnessAsked:
     routed_experts: bool
 
 
-def augment_chat_request(body: dict[str, Any]) -> tuple[dict[str, Any], HarnessAsked]:
+def augment_chat_request(
+    body: dict[str, Any], *, parent_rows_end: int | None = None
+) -> tuple[dict[str, Any], HarnessAsked]:
     """Return (the body to send to the engine, what the harness asked for).
 
     The body is copied, never modified in place. Added: ``logprobs: true`` with
     ``top_logprobs: 0`` unless the harness set them (an explicit null ``top_logprobs`` would
     turn log probs off in vLLM, so null becomes 0), ``return_token_ids: true``, and for streams
-    ``stream_options.include_usage: true`` (the record keeps the usage).
+    ``stream_options.include_usage: true`` (the record keeps the usage). With
+    ``parent_rows_end`` (the routed-expert rows the parent already holds, see
+    ``routed_experts.rows_end``) only the rows after it are asked for; None asks for all.
     """
     stream_options = body.get("stream_options")
     asked = HarnessAsked(
@@ -49,6 +55,7 @@ def augment_chat_request(body: dict[str, Any]) -> tuple[dict[str, Any], HarnessA
         opts = dict(stream_options) if isinstance(stream_options, dict) else {}
         opts["include_usage"] = True
         out["stream_options"] = opts
+    out.update(routed_experts_request_fields(parent_rows_end))
     return out, asked
 
 

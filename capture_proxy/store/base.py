@@ -2,7 +2,15 @@
 
 Owns the contract, not an implementation: an acknowledged ``put_call`` is durable; ``put_call``
 is idempotent by call id (the same content again is a no-op, different content is refused with
-``ConflictingRecord`` and the original kept); reads return decoded ``CallRecord`` objects.
+``ConflictingRecord`` and the original kept); reads return decoded ``CallRecord`` objects with
+full prompts. ``delete_rollout`` leaves a tombstone: a later ``put_call`` for that rollout is
+refused with ``RolloutDeleted`` until ``sweep_tombstones`` removes the tombstone.
+
+Exceptions::
+
+    StoreError                 any store failure; the proxy still answers the harness
+    +-- ConflictingRecord      same call id, different content; the original is kept
+    +-- RolloutDeleted         a write to a deleted (tombstoned) rollout; nothing is written
 """
 
 from __future__ import annotations
@@ -19,6 +27,11 @@ class StoreError(Exception):
 
 class ConflictingRecord(StoreError):
     """A call id was stored before with different content; the original is kept."""
+
+
+class RolloutDeleted(StoreError):
+    """The rollout was deleted and its tombstone is still there; a late write cannot
+    resurrect it."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,13 @@ class CaptureStore(Protocol):
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind)."""
+
+    async def delete_rollout(self, rollout_id: str) -> int:
+        """Delete a rollout's calls and bookkeeping and leave a tombstone (idempotent).
+        Returns the number of calls deleted."""
+
+    async def sweep_tombstones(self, older_than_s: float) -> int:
+        """Remove tombstones older than ``older_than_s`` seconds. Returns how many."""
 
     async def get_call(self, call_id: str) -> CallRecord | None: ...
 

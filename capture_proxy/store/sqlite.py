@@ -5,14 +5,24 @@ committed transaction survive a crash or power loss, so a ``put_call`` that retu
 durable. Record encoding is the core codec's; this module only moves bytes. All SQL runs on
 aiosqlite's worker thread so the event loop never blocks on disk.
 
-Layout (``<store dir>/captures.sqlite3``):
-- ``calls``: one row per call; JSON metadata beside four BLOB arrays.
+Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VERSION``):
+- ``calls``: one row per call in the codec's stored form (schema v2): JSON metadata beside four
+  BLOB arrays; ``prompt_token_ids`` holds only the ids after the call's prompt parent
+  (``prompt_parent_call_id``, ``prompt_prefix_len``), chosen inside the write transaction by
+  the core's prefix rule (``core.prefixes``) from the digests kept per row (``tokens_sha256``,
+  ``num_prompt_tokens``, ``num_generation_tokens``). A prompt parent is always an earlier row
+  of the same rollout, so deleting a rollout never orphans a prompt.
 - ``rollouts``: first-seen time, incomplete flag and rollout-level diagnostics.
+- ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused.
+
+Opening an older store migrates it in one transaction: missing columns are added and every
+record older than the codec's schema version is rewritten through ``codec.migrate``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import sqlite3
 import time
@@ -21,11 +31,20 @@ from typing import Any
 
 import aiosqlite
 
-from capture_proxy.core.codec import EncodedRecord, decode_record, encode_record
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
-from capture_proxy.store.base import ConflictingRecord, RolloutInfo, StoreError
+from capture_proxy.core.codec import (
+    EncodedRecord,
+    decode_records,
+    encode_record,
+    migrate,
+    same_content,
+)
+from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.records import SCHEMA_VERSION, CallRecord, CallStatus, Diagnostic
+from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, RolloutInfo, StoreError
 
 DB_FILE_NAME = "captures.sqlite3"
+#: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records.
+LAYOUT_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -38,9 +57,18 @@ CREATE TABLE IF NOT EXISTS calls (
     prompt_token_ids BLOB NOT NULL,
     generation_token_ids BLOB NOT NULL,
     generation_log_probs BLOB NOT NULL,
-    routed_experts BLOB
+    routed_experts BLOB,
+    prompt_parent_call_id TEXT,
+    prompt_prefix_len INTEGER NOT NULL DEFAULT 0,
+    num_prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    num_generation_tokens INTEGER NOT NULL DEFAULT 0,
+    tokens_sha256 BLOB NOT NULL DEFAULT x''
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
+CREATE TABLE IF NOT EXISTS tombstones (
+    rollout_id TEXT PRIMARY KEY,
+    deleted_at REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
@@ -49,10 +77,19 @@ CREATE TABLE IF NOT EXISTS rollouts (
 );
 """
 
+# In ``EncodedRecord`` field order.
 _CALL_COLUMNS = (
     "call_id, rollout_id, created_at, status, schema_version, meta, prompt_token_ids, "
-    "generation_token_ids, generation_log_probs, routed_experts"
+    "generation_token_ids, generation_log_probs, routed_experts, prompt_parent_call_id, "
+    "prompt_prefix_len, num_prompt_tokens, num_generation_tokens, tokens_sha256"
 )
+_V2_COLUMNS = {
+    "prompt_parent_call_id": "TEXT",
+    "prompt_prefix_len": "INTEGER NOT NULL DEFAULT 0",
+    "num_prompt_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "num_generation_tokens": "INTEGER NOT NULL DEFAULT 0",
+    "tokens_sha256": "BLOB NOT NULL DEFAULT x''",
+}
 
 
 def _row_to_encoded(row: sqlite3.Row | tuple[Any, ...]) -> EncodedRecord:
@@ -82,9 +119,56 @@ class SQLiteStore:
             await self._db.execute("PRAGMA journal_mode=WAL")
             await self._db.execute("PRAGMA synchronous=FULL")
             await self._db.execute("PRAGMA busy_timeout=10000")
-            await self._db.executescript(_SCHEMA)
+            await self._migrate_layout()
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open store at {self.db_path}: {exc}") from exc
+
+    async def _migrate_layout(self) -> None:
+        """Create the tables, or bring an older store's to ``LAYOUT_VERSION`` (one
+        transaction: a crash leaves the old layout, and the next open migrates again)."""
+        async with self.db.execute("PRAGMA user_version") as cur:
+            row = await cur.fetchone()
+        version = int(row[0]) if row else 0
+        if version > LAYOUT_VERSION:
+            raise StoreError(
+                f"store at {self.db_path} has layout {version}; this reader knows up to "
+                f"{LAYOUT_VERSION}"
+            )
+        # CREATE ... IF NOT EXISTS leaves an older ``calls`` table as it is; executescript
+        # runs outside the transaction below, which adds the missing columns.
+        await self.db.executescript(_SCHEMA)
+        await self.db.execute("BEGIN IMMEDIATE")
+        try:
+            async with self.db.execute("PRAGMA table_info(calls)") as cur:
+                existing = {r[1] for r in await cur.fetchall()}
+            for name, decl in _V2_COLUMNS.items():
+                if name not in existing:
+                    await self.db.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
+            async with self.db.execute(
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE schema_version < ?", (SCHEMA_VERSION,)
+            ) as cur:
+                old = [_row_to_encoded(tuple(r)) for r in await cur.fetchall()]
+            for enc in old:
+                new = migrate(enc)
+                await self.db.execute(
+                    "UPDATE calls SET schema_version=?, prompt_parent_call_id=?, "
+                    "prompt_prefix_len=?, num_prompt_tokens=?, num_generation_tokens=?, "
+                    "tokens_sha256=? WHERE call_id=?",
+                    (
+                        new.schema_version,
+                        new.prompt_parent_call_id,
+                        new.prompt_prefix_len,
+                        new.num_prompt_tokens,
+                        new.num_generation_tokens,
+                        new.tokens_sha256,
+                        new.call_id,
+                    ),
+                )
+            await self.db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
+            await self.db.execute("COMMIT")
+        except BaseException:
+            await self.db.execute("ROLLBACK")
+            raise
 
     async def close(self) -> None:
         if self._db is not None:
@@ -92,31 +176,51 @@ class SQLiteStore:
             self._db = None
 
     async def put_call(self, record: CallRecord) -> None:
-        enc = encode_record(record)
+        """Store ``record`` durably (committed with ``synchronous=FULL`` before returning).
+
+        Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
+        stored with other content (the original is kept), StoreError on I/O failure."""
         incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
         try:
             async with self._write_lock:
-                await self._put(enc, incomplete)
+                await self._put(record, incomplete)
         except sqlite3.Error as exc:
             raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
 
-    async def _put(self, enc: EncodedRecord, incomplete: int) -> None:
+    async def _prompt_parent_candidates(self, record: CallRecord) -> list[StoredPrefix]:
+        async with self.db.execute(
+            "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
+            "tokens_sha256 FROM calls WHERE rollout_id = ? AND status = ? "
+            "AND num_generation_tokens > 0 AND num_prompt_tokens + num_generation_tokens <= ?",
+            (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
+        ) as cur:
+            rows = await cur.fetchall()
+        return [StoredPrefix(r[0], r[1], r[2], r[3]) for r in rows]
+
+    async def _tombstoned(self, rollout_id: str) -> bool:
+        async with self.db.execute(
+            "SELECT 1 FROM tombstones WHERE rollout_id = ?", (rollout_id,)
+        ) as cur:
+            return await cur.fetchone() is not None
+
+    async def _put(self, record: CallRecord, incomplete: int) -> None:
         await self.db.execute("BEGIN IMMEDIATE")
         try:
+            if await self._tombstoned(record.rollout_id):
+                raise RolloutDeleted(
+                    f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
+                )
+            # Inside the transaction: no candidate can appear or vanish before the insert.
+            parent = choose_prompt_parent(
+                record.prompt_token_ids,
+                await self._prompt_parent_candidates(record),
+                exclude=record.call_id,
+            )
+            enc = encode_record(record, prompt_parent=parent)
             cur = await self.db.execute(
-                f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (
-                    enc.call_id,
-                    enc.rollout_id,
-                    enc.created_at,
-                    enc.status,
-                    enc.schema_version,
-                    enc.meta,
-                    enc.prompt_token_ids,
-                    enc.generation_token_ids,
-                    enc.generation_log_probs,
-                    enc.routed_experts,
-                ),
+                f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) "
+                f"VALUES ({','.join('?' * len(dataclasses.fields(EncodedRecord)))})",
+                dataclasses.astuple(enc),
             )
             if cur.rowcount == 0:
                 await self._check_same(enc)
@@ -136,7 +240,7 @@ class SQLiteStore:
             f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
         ) as cur:
             row = await cur.fetchone()
-        if row is not None and _row_to_encoded(tuple(row)) != enc:
+        if row is not None and not same_content(_row_to_encoded(tuple(row)), enc):
             raise ConflictingRecord(
                 f"call {enc.call_id} is already stored with different content; original kept"
             )
@@ -151,6 +255,10 @@ class SQLiteStore:
     async def _mark(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         await self.db.execute("BEGIN IMMEDIATE")
         try:
+            if await self._tombstoned(rollout_id):
+                # A deleted rollout stays deleted; the failed write was logged by the caller.
+                await self.db.execute("ROLLBACK")
+                return
             async with self.db.execute(
                 "SELECT diagnostics FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ) as cur:
@@ -170,12 +278,61 @@ class SQLiteStore:
             await self.db.execute("ROLLBACK")
             raise
 
-    async def get_call(self, call_id: str) -> CallRecord | None:
+    async def delete_rollout(self, rollout_id: str) -> int:
+        try:
+            async with self._write_lock:
+                await self.db.execute("BEGIN IMMEDIATE")
+                try:
+                    cur = await self.db.execute(
+                        "DELETE FROM calls WHERE rollout_id = ?", (rollout_id,)
+                    )
+                    deleted = cur.rowcount
+                    await self.db.execute(
+                        "DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+                    )
+                    await self.db.execute(
+                        "INSERT OR IGNORE INTO tombstones (rollout_id, deleted_at) VALUES (?, ?)",
+                        (rollout_id, time.time()),
+                    )
+                    await self.db.execute("COMMIT")
+                except BaseException:
+                    await self.db.execute("ROLLBACK")
+                    raise
+        except sqlite3.Error as exc:
+            raise StoreError(f"deleting rollout {rollout_id} failed: {exc}") from exc
+        return deleted
+
+    async def sweep_tombstones(self, older_than_s: float) -> int:
+        try:
+            async with self._write_lock:
+                cur = await self.db.execute(
+                    "DELETE FROM tombstones WHERE deleted_at < ?", (time.time() - older_than_s,)
+                )
+                return cur.rowcount
+        except sqlite3.Error as exc:
+            raise StoreError(f"sweeping tombstones failed: {exc}") from exc
+
+    async def get_tombstone(self, rollout_id: str) -> float | None:
+        """When the rollout was deleted (Unix s), or None when it has no tombstone."""
         async with self.db.execute(
-            f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (call_id,)
+            "SELECT deleted_at FROM tombstones WHERE rollout_id = ?", (rollout_id,)
         ) as cur:
             row = await cur.fetchone()
-        return decode_record(_row_to_encoded(tuple(row))) if row else None
+        return float(row[0]) if row else None
+
+    async def get_call(self, call_id: str) -> CallRecord | None:
+        # The call and its prompt ancestors, in one recursive query.
+        async with self.db.execute(
+            "WITH RECURSIVE anc(id) AS (SELECT ? UNION ALL SELECT c.prompt_parent_call_id "
+            "FROM calls c JOIN anc ON c.call_id = anc.id "
+            "WHERE c.prompt_parent_call_id IS NOT NULL) "
+            f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)",
+            (call_id,),
+        ) as cur:
+            rows = [_row_to_encoded(tuple(r)) for r in await cur.fetchall()]
+        if not any(r.call_id == call_id for r in rows):
+            return None
+        return next(r for r in decode_records(rows) if r.call_id == call_id)
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         async with self.db.execute(
@@ -183,7 +340,7 @@ class SQLiteStore:
             (rollout_id,),
         ) as cur:
             rows = await cur.fetchall()
-        return [decode_record(_row_to_encoded(tuple(r))) for r in rows]
+        return decode_records(_row_to_encoded(tuple(r)) for r in rows)
 
     def _info(self, row: tuple[Any, ...]) -> RolloutInfo:
         rollout_id, created_at, incomplete, diagnostics, num_calls = row

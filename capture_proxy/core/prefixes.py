@@ -1,0 +1,67 @@
+"""Prompt parents for storage: which stored call a new record's prompt extends.
+
+Owns the choice a store makes at write time so that a child stores only its new prompt tokens
+(see ``codec``, schema v2). The rule is the chain rule of ``chains.find_parents``: among the
+rollout's complete calls with a non-empty generation whose prompt + generation ids are a prefix
+of the new prompt, the deepest wins; ties go to the earliest ``created_at``, then the smallest
+call id. The difference is the means: a store compares SHA-256 digests of the candidates' token
+bytes (kept per row) with digests of the new prompt's prefixes, computed in one pass over the
+prompt, so choosing costs O(prompt length + candidates) and reads no other call's arrays.
+
+Must not: do I/O. The store selects the candidate rows; this module only decides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from capture_proxy.core.codec import PromptParent
+
+
+@dataclass(frozen=True)
+class StoredPrefix:
+    """What a store keeps per call to be chosen as a prompt parent without reading arrays:
+    ``num_tokens`` = prompt + generation length, ``tokens_sha256`` = ``codec.token_digest``."""
+
+    call_id: str
+    created_at: float
+    num_tokens: int
+    tokens_sha256: bytes
+
+
+def prefix_digests(prompt: np.ndarray, lengths: Iterable[int]) -> dict[int, bytes]:
+    """SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
+    in one pass over the prompt."""
+    data = prompt.astype("<u4", copy=False)
+    h = hashlib.sha256()
+    out: dict[int, bytes] = {}
+    done = 0
+    for n in sorted(set(lengths)):
+        if n > data.shape[0] or n < 0:
+            continue
+        h.update(data[done:n].tobytes())
+        done = n
+        out[n] = h.copy().digest()
+    return out
+
+
+def choose_prompt_parent(
+    prompt: np.ndarray, candidates: Iterable[StoredPrefix], *, exclude: str | None = None
+) -> PromptParent | None:
+    """The prompt parent of a record with ``prompt`` among ``candidates`` (the rollout's complete
+    calls with a non-empty generation), or None. ``exclude``: the record's own call id."""
+    fitting = [
+        c for c in candidates if c.call_id != exclude and 0 < c.num_tokens <= prompt.shape[0]
+    ]
+    if not fitting:
+        return None
+    digests = prefix_digests(prompt, (c.num_tokens for c in fitting))
+    matches = [c for c in fitting if digests[c.num_tokens] == c.tokens_sha256]
+    if not matches:
+        return None
+    best = min(matches, key=lambda c: (-c.num_tokens, c.created_at, c.call_id))
+    return PromptParent(call_id=best.call_id, prefix_len=best.num_tokens)

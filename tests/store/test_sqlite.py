@@ -1,0 +1,181 @@
+"""The embedded SQLite store: delta prompts, idempotency, conflicts, tombstones, migration."""
+
+import dataclasses
+import sqlite3
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.codec import encode_record
+from capture_proxy.core.records import CallStatus, Diagnostic
+from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
+from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
+from tests.core.test_codec_v2 import assert_same, chain
+from tests.factories import record
+
+
+@pytest.fixture
+async def store(tmp_path):
+    s = SQLiteStore(tmp_path / "store")
+    await s.open()
+    yield s
+    await s.close()
+
+
+def blob_sizes(store: SQLiteStore) -> list[tuple[str, int, str | None]]:
+    with sqlite3.connect(store.db_path) as db:
+        return db.execute(
+            "SELECT call_id, length(prompt_token_ids) + length(generation_token_ids) "
+            "+ length(generation_log_probs) + coalesce(length(routed_experts), 0), "
+            "prompt_parent_call_id FROM calls ORDER BY call_id"
+        ).fetchall()
+
+
+async def test_chain_round_trip_and_constant_bytes_per_turn(store):
+    records = chain(40, new_prompt=50, gen=20)
+    for rec in records:
+        rec.routed_experts = np.full((20, 4, 2), 7, np.int32)
+        rec.routed_experts_start = rec.num_prompt_tokens
+        await store.put_call(rec)
+    sizes = blob_sizes(store)
+    assert {size for _, size, _ in sizes} == {(50 + 20 + 20) * 4 + 20 * 4 * 2}
+    assert [p for _, _, p in sizes] == [None] + [r.call_id for r in records[:-1]]
+    back = await store.get_rollout_calls("r1")
+    for got, want in zip(back, records, strict=True):
+        assert_same(got, want)
+        assert got.routed_experts.dtype == np.uint8
+    assert_same(await store.get_call(records[-1].call_id), records[-1])
+    assert await store.get_call("nope") is None
+
+
+async def test_only_complete_calls_with_output_are_prompt_parents(store):
+    parent, child = chain(2)
+    await store.put_call(parent.replace(status=CallStatus.INCOMPLETE))
+    await store.put_call(child)
+    assert [p for _, _, p in blob_sizes(store)] == [None, None]
+    assert_same((await store.get_rollout_calls("r1"))[1], child)
+
+
+async def test_child_before_parent_is_stored_whole(store):
+    parent, child = chain(2)
+    await store.put_call(child)
+    await store.put_call(parent)
+    assert [p for _, _, p in blob_sizes(store)] == [None, None]
+    for got, want in zip(await store.get_rollout_calls("r1"), [parent, child], strict=True):
+        assert_same(got, want)
+
+
+async def test_prompt_parents_stay_within_the_rollout(store):
+    parent, child = chain(2)
+    await store.put_call(parent.replace(rollout_id="other"))
+    await store.put_call(child)
+    assert [p for _, _, p in blob_sizes(store)] == [None, None]
+
+
+async def test_idempotent_re_put(store):
+    records = chain(3)
+    await store.put_call(records[0])
+    await store.put_call(records[2])  # stored whole: c001 is not there yet
+    await store.put_call(records[1])
+    for rec in records:  # the same content again is a no-op, however the prompt was split
+        await store.put_call(rec)
+    assert (await store.get_rollout("r1")).num_calls == 3
+    for got, want in zip(await store.get_rollout_calls("r1"), records, strict=True):
+        assert_same(got, want)
+
+
+async def test_conflicting_re_put_is_refused_and_original_kept(store):
+    rec = record("c1", [1, 2, 3], [4, 5])
+    await store.put_call(rec)
+    changed = rec.replace(generation_token_ids=np.array([4, 6], np.uint32))
+    with pytest.raises(ConflictingRecord, match="original kept"):
+        await store.put_call(changed)
+    with pytest.raises(ConflictingRecord):
+        await store.put_call(rec.replace(finish_reason="length"))
+    assert_same(await store.get_call("c1"), rec)
+    # Through the recorder: the error is swallowed, recorded on the rollout, harness unaffected.
+    recorder = Recorder(store)
+    assert await recorder.persist(changed) is False
+    info = await store.get_rollout("r1")
+    assert info.incomplete and info.diagnostics[0].kind == "store_failed"
+    assert "ConflictingRecord" in info.diagnostics[0].details["reason"]
+
+
+async def test_tombstone_refuses_late_writes_until_swept(store):
+    a, b = chain(2)
+    await store.put_call(a)
+    await store.put_call(record("x", [1], [2], rollout_id="keep"))
+    assert await store.delete_rollout("r1") == 1
+    assert await store.get_rollout("r1") is None
+    assert await store.get_rollout_calls("r1") == []
+    assert await store.get_tombstone("r1") is not None
+    with pytest.raises(RolloutDeleted):
+        await store.put_call(b)
+    assert isinstance(RolloutDeleted("x"), StoreError)
+    # The recorder swallows it and cannot resurrect the rollout by marking it incomplete.
+    assert await Recorder(store).persist(b) is False
+    await store.mark_rollout_incomplete("r1", Diagnostic("store_failed", {}))
+    assert await store.get_rollout("r1") is None
+    assert await store.delete_rollout("r1") == 0  # idempotent
+    assert [i.rollout_id for i in await store.list_rollouts()] == ["keep"]
+    assert await store.sweep_tombstones(3600) == 0
+    assert await store.sweep_tombstones(-1) == 1
+    assert await store.get_tombstone("r1") is None
+    await store.put_call(b)
+    assert (await store.get_rollout("r1")).num_calls == 1
+
+
+_V1_SCHEMA = """
+CREATE TABLE calls (
+    call_id TEXT PRIMARY KEY, rollout_id TEXT NOT NULL, created_at REAL NOT NULL,
+    status TEXT NOT NULL, schema_version INTEGER NOT NULL, meta TEXT NOT NULL,
+    prompt_token_ids BLOB NOT NULL, generation_token_ids BLOB NOT NULL,
+    generation_log_probs BLOB NOT NULL, routed_experts BLOB
+);
+CREATE INDEX calls_by_rollout ON calls (rollout_id, created_at);
+CREATE TABLE rollouts (
+    rollout_id TEXT PRIMARY KEY, created_at REAL NOT NULL,
+    incomplete INTEGER NOT NULL DEFAULT 0, diagnostics TEXT NOT NULL DEFAULT '[]'
+);
+"""
+
+
+async def test_v1_store_is_migrated_on_open(tmp_path):
+    *records, nxt = chain(4)
+    records[1].routed_experts = np.arange(8).reshape(2, 2, 2)
+    path = tmp_path / "old"
+    path.mkdir()
+    with sqlite3.connect(path / DB_FILE_NAME) as db:
+        db.executescript(_V1_SCHEMA)
+        for rec in records:
+            enc = dataclasses.replace(encode_record(rec), schema_version=1)
+            db.execute(
+                "INSERT INTO calls VALUES (?,?,?,?,?,?,?,?,?,?)", dataclasses.astuple(enc)[:10]
+            )
+            db.execute("INSERT OR IGNORE INTO rollouts VALUES (?, 0, 0, '[]')", (rec.rollout_id,))
+    s = SQLiteStore(path)
+    await s.open()
+    try:
+        for got, want in zip(await s.get_rollout_calls("r1"), records, strict=True):
+            assert_same(got, want)
+            assert got.schema_version == 2
+        await s.put_call(records[0])  # idempotent against a migrated row
+        await s.put_call(nxt)  # a new child gets a delta against a migrated parent
+        assert blob_sizes(s)[-1][2] == "c002"
+    finally:
+        await s.close()
+    with sqlite3.connect(path / DB_FILE_NAME) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION
+        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(2,)]
+
+
+async def test_newer_layout_is_refused(tmp_path):
+    path = tmp_path / "new"
+    path.mkdir()
+    with sqlite3.connect(path / DB_FILE_NAME) as db:
+        db.execute(f"PRAGMA user_version={LAYOUT_VERSION + 1}")
+    s = SQLiteStore(path)
+    with pytest.raises(StoreError, match="layout"):
+        await s.open()
+    await s.close()
