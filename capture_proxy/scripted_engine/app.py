@@ -13,6 +13,7 @@ import hashlib
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
 from capture_proxy.scripted_engine.generation import Generation, TokenEvent, generate, token_bytes
+from capture_proxy.scripted_engine.moe import MoeShape, expert_rows, vllm_routed_experts
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
 
@@ -31,9 +33,12 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 class ScriptedEngineConfig:
     """Options of one scripted engine. ``sse_fragment_bytes``: write each SSE event in pieces
     of that many bytes; ``omit_token_ids``: ignore ``return_token_ids``/``logprobs`` like a
-    plain OpenAI server; ``fail_status``: answer every chat request with that HTTP status."""
+    plain OpenAI server; ``fail_status``: answer every chat request with that HTTP status;
+    ``responder``: answers a request body with an assistant message (tool calls with ids),
+    replacing the policy (used to replay recorded sessions)."""
 
     policy: Policy = field(default_factory=Policy.default)
+    responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     tokenizer_template: str = "keep_reasoning"
     model_name: str = "scripted-qwen"
     max_model_len: int = 32768
@@ -41,6 +46,10 @@ class ScriptedEngineConfig:
     omit_token_ids: bool = False
     fail_status: int | None = None
     tokenizer_cache_dir: Path | None = None
+    #: MoE mode: ``(num_layers, top_k, num_experts)``; non-streaming answers then carry
+    #: ``choices[0].routed_experts`` (vLLM: base64 ``.npy``, rows from the request's
+    #: ``routed_experts_prompt_start``). Streams carry none, like vLLM.
+    moe: MoeShape | None = None
 
 
 @dataclass(frozen=True)
@@ -138,11 +147,37 @@ def _validate_chat(body: dict[str, Any]) -> None:
     _check(isinstance(body.get("stream", False), bool), "stream must be a boolean", "stream")
 
 
+def _parse_tool_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if isinstance(calls, list) and calls:
+            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError as e:
+            raise RequestError(f"tool call arguments are not JSON: {e}", "messages") from e
+    return {**call, "function": {**fn, "arguments": args}}
+
+
 def render_prompt(app: web.Application, body: dict[str, Any], generation_prompt: bool) -> list[int]:
-    """Prompt token ids: the template rendered to text, then encoded without extra specials."""
+    """Prompt token ids: the template rendered to text, then encoded without extra specials.
+
+    Like vLLM (``chat_utils._postprocess_messages``), assistant tool-call arguments arrive as
+    JSON strings and are parsed into objects before rendering, so the template re-serialises
+    them with ``tojson`` (``json.dumps`` defaults: ``", "`` and ``": "``, UTF-8 kept)."""
     try:
+        messages = _parse_tool_arguments(body["messages"])
         text = app[TOKENIZER].apply_chat_template(
-            body["messages"],
+            messages,
             tools=body.get("tools") or None,
             chat_template=app[TEMPLATE],
             add_generation_prompt=generation_prompt,
@@ -211,7 +246,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     seed = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     max_tokens = min(max_tokens or cfg.max_model_len, cfg.max_model_len - len(prompt))
-    gen = generate(app[TOKENIZER], step.assistant_message(seed), max_tokens)
+    if cfg.responder is not None:
+        gen = generate(app[TOKENIZER], cfg.responder(body), max_tokens)
+    else:
+        message = step.assistant_message(seed)
+        gen = generate(app[TOKENIZER], message, max_tokens, token_split=step.token_split)
     stream = body.get("stream") is True
     app[SENT_CALLS].append(
         SentCall(body, prompt, gen.token_ids, gen.log_probs, stream, gen.finish_reason)
@@ -239,6 +278,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         }
     if opts.token_ids:
         choice["token_ids"] = gen.token_ids
+    if cfg.moe is not None:
+        start = body.get("routed_experts_prompt_start") or 0
+        _check(
+            type(start) is int and start >= 0,
+            "routed_experts_prompt_start must be a non-negative integer",
+            "routed_experts_prompt_start",
+        )
+        rows = expert_rows(prompt + gen.token_ids, cfg.moe, start)
+        choice["routed_experts"] = vllm_routed_experts(rows)
     out = {**head, "object": "chat.completion", "choices": [choice], "usage": _usage(prompt, gen)}
     if opts.token_ids:
         out["prompt_token_ids"] = prompt

@@ -11,6 +11,8 @@ Must not: import aiohttp or do I/O.
 from __future__ import annotations
 
 import codecs
+import contextlib
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,15 +86,47 @@ def _regions(message: dict[str, Any]) -> list[tuple[int, int, Any]]:
     return out
 
 
+def _parsed_arguments_call(call: dict[str, Any]) -> dict[str, Any]:
+    """The tool call as vLLM's hermes parser returns it: the arguments the model wrote, parsed
+    and re-dumped (``json.dumps(..., ensure_ascii=False)``); unparseable text is kept."""
+    fn = call.get("function") or {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(ValueError):
+            args = json.dumps(json.loads(args), ensure_ascii=False)
+    elif args is not None:
+        args = json.dumps(args, ensure_ascii=False)
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def _encode(
+    tokenizer: PreTrainedTokenizerFast, text: str, regions: list[tuple[int, int, Any]], split: str
+) -> list[int]:
+    """Canonical ids for ``text``, or with ``split == "characters"`` the content region encoded
+    one character at a time (same text, non-canonical ids)."""
+    if split == "canonical":
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    c0, c1 = next((r0, r1) for r0, r1, kind in regions if kind == "content")
+    ids = list(tokenizer.encode(text[:c0], add_special_tokens=False))
+    for ch in text[c0:c1]:
+        ids += tokenizer.encode(ch, add_special_tokens=False)
+    return ids + list(tokenizer.encode(text[c1:], add_special_tokens=False))
+
+
 def generate(
-    tokenizer: PreTrainedTokenizerFast, message: dict[str, Any], max_tokens: int | None = None
+    tokenizer: PreTrainedTokenizerFast,
+    message: dict[str, Any],
+    max_tokens: int | None = None,
+    *,
+    token_split: str = "canonical",
 ) -> Generation:
     """Tokens, log probs and events for ``message`` (an assistant message with tool-call ids),
-    truncated to ``max_tokens`` (finish "length"). Raises ValueError if the text does not
-    survive encode/decode (not NFC)."""
+    truncated to ``max_tokens`` (finish "length"). ``token_split``: "canonical" or
+    "characters" (see ``Step.token_split``). Raises ValueError if the text does not survive
+    encode/decode (not NFC)."""
     text = render_assistant_generation(message)
-    ids = tokenizer.encode(text, add_special_tokens=False) + [IM_END_ID]
     regions = _regions(message)
+    ids = _encode(tokenizer, text, regions, token_split) + [IM_END_ID]
     calls = message.get("tool_calls") or []
     decoder = codecs.getincrementaldecoder("utf-8")()
     events: list[TokenEvent] = []
@@ -108,7 +142,7 @@ def generate(
             if isinstance(kind, str):
                 parts[kind] += text[max(r0, start) : min(r1, pos)]
             elif start < r1 <= pos:
-                done_call = {"index": kind, **calls[kind]}
+                done_call = {"index": kind, **_parsed_arguments_call(calls[kind])}
         lp = synthetic_logprob(tid, k)
         events.append(TokenEvent(tid, lp, parts["reasoning"], parts["content"], done_call))
     if pos != len(text):

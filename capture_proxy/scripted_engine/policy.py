@@ -16,7 +16,7 @@ import json
 import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,10 +37,13 @@ class ToolCallSpec(BaseModel):
     arguments_raw: str | None = None
 
     def arguments_text(self) -> str:
-        """Arguments as the model writes them: compact JSON like JavaScript's JSON.stringify."""
+        """Arguments as a Hermes-format model writes them: ``json.dumps`` defaults (``", "``,
+        ``": "``, UTF-8 kept), which is also how the chat template's ``tojson`` re-renders them,
+        so the turn survives the round trip through a harness. ``arguments_raw`` is verbatim
+        (e.g. odd spacing, which does not survive it)."""
         if self.arguments_raw is not None:
             return _nfc(self.arguments_raw)
-        return _nfc(json.dumps(self.arguments, separators=(",", ":"), ensure_ascii=False))
+        return _nfc(json.dumps(self.arguments, ensure_ascii=False))
 
 
 class Step(BaseModel):
@@ -50,6 +53,9 @@ class Step(BaseModel):
     content: str = ""
     reasoning: str | None = None
     tool_calls: list[ToolCallSpec] = Field(default_factory=list)
+    #: "characters": the content is sampled one character at a time, a non-canonical split
+    #: (its ids differ from the tokenizer's encoding of the same text), as real models do.
+    token_split: Literal["canonical", "characters"] = "canonical"
 
     def assistant_message(self, call_id_seed: str) -> dict[str, Any]:
         """The OpenAI assistant message this step produces (content "" when empty).

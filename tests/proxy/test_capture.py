@@ -121,7 +121,7 @@ async def test_streaming_capture_is_exact_with_events_split_across_chunks(make_s
     ]
     assert call["response_message"]["tool_calls"][0]["function"] == {
         "name": "bash",
-        "arguments": '{"command":"ls","description":"List files"}',
+        "arguments": '{"command": "ls", "description": "List files"}',
     }
     assert call["stream"] is True and call["status"] == "complete"
     assert call["usage"]["completion_tokens"] == len(sent.generation_token_ids)

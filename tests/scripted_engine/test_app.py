@@ -113,7 +113,7 @@ async def test_non_streaming_answer_is_exact(make_client, qwen_tokenizer):
     assert msg["content"] == "Let me read it." and "reasoning_content" not in msg
     assert msg["tool_calls"][0]["function"] == {
         "name": "read",
-        "arguments": '{"filePath":"café/é.txt"}',
+        "arguments": '{"filePath": "café/é.txt"}',
     }
     assert msg["tool_calls"][0]["type"] == "function"
     assert choice["finish_reason"] == "tool_calls"

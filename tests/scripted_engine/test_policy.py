@@ -39,9 +39,10 @@ def test_choose_walks_steps_then_final_and_title_without_tools():
     assert POLICY.choose([U, A, T], False) == Step(content="T")
 
 
-def test_arguments_are_compact_json_or_raw():
+def test_arguments_are_hermes_json_or_raw():
+    # json.dumps defaults, as Hermes-format models write and the template's tojson re-renders.
     msg = POLICY.steps[0].assistant_message("seed")
-    assert msg["tool_calls"][0]["function"] == {"name": "read", "arguments": '{"p":"é","n":1}'}
+    assert msg["tool_calls"][0]["function"] == {"name": "read", "arguments": '{"p": "é", "n": 1}'}
     raw = POLICY.steps[1].assistant_message("seed")
     assert raw["tool_calls"][0]["function"]["arguments"] == '{ "k" : 1 }'
     assert raw["reasoning_content"] == "r" and raw["content"] == ""
