@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
 from pydantic_settings import (
@@ -52,6 +52,13 @@ class Settings(BaseSettings):
         gt=0,
         description="Idle upstream connections are closed after this; below the "
         "engine's own keep-alive (uvicorn: 5 s) so both sides never race",
+    )
+    parent_resolution: Literal["captured_tokens", "source_history"] = Field(
+        "captured_tokens",
+        description="captured_tokens: the digest-resolved parent's stored tokens are the truth "
+        "(a call after a rewritten harness note resolves to the note call and verification "
+        "decides); source_history: a parent whose prompt carried a rewritten note is not taken, "
+        "so each call past a step limit starts a new chain",
     )
     log_level: str = "INFO"
 

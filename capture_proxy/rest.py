@@ -17,6 +17,7 @@ from aiohttp import web
 from capture_proxy.core.chains import RolloutChains, build_chains
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
+from capture_proxy.core.summary import link_stats
 from capture_proxy.proxy.errors import BadRequest, NotFound
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.store.base import CaptureStore, RolloutInfo
@@ -50,6 +51,8 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "routed_experts": None if record.routed_experts is None else record.routed_experts.tolist(),
         "routed_experts_start": record.routed_experts_start,
         "response_message": record.response_message,
+        "linking": record.linking,
+        "retry_of": record.retry_of,
         "diagnostics": [d.to_json() for d in record.diagnostics],
         "schema_version": record.schema_version,
     }
@@ -95,6 +98,17 @@ def _incomplete(info: RolloutInfo, recorder: Recorder) -> bool:
     return info.incomplete or info.rollout_id in recorder.unstored_incomplete
 
 
+def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
+    superseded_by = chains.superseded.get(record.call_id)
+    return {
+        "call_id": record.call_id,
+        "status": record.status.value,
+        "reason": "superseded_retry" if superseded_by else record.status.value,
+        "superseded_by": superseded_by,
+        "diagnostics": [d.to_json() for d in record.diagnostics],
+    }
+
+
 async def list_rollouts(request: web.Request) -> web.Response:
     store = request.app[STORE_KEY]
     recorder = request.app[RECORDER_KEY]
@@ -135,6 +149,7 @@ async def get_rollout(request: web.Request) -> web.Response:
             }
             for c in chains.chains
         ],
+        "linking": link_stats(records, chains),
         "incomplete": _incomplete(info, recorder),
         "diagnostics": _diagnostics(info, records, recorder),
     }
@@ -156,14 +171,7 @@ async def get_rollout_chains(request: web.Request) -> web.Response:
             }
             for chain in chains.chains
         ],
-        "unlinked_calls": [
-            {
-                "call_id": r.call_id,
-                "status": r.status.value,
-                "diagnostics": [d.to_json() for d in r.diagnostics],
-            }
-            for r in chains.unlinked
-        ],
+        "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
         "incomplete": _incomplete(info, recorder),
         "diagnostics": _diagnostics(info, records, recorder),
     }

@@ -1,5 +1,7 @@
 """Shared fixtures: one Qwen tokenizer per test session (built once into the user cache)."""
 
+from pathlib import Path
+
 import pytest
 from transformers import PreTrainedTokenizerFast
 
@@ -11,3 +13,11 @@ def qwen_tokenizer() -> PreTrainedTokenizerFast:
     """The Qwen tokenizer with the keep_reasoning template (cached under
     ``$CAPTURE_PROXY_CACHE`` or ``~/.cache/capture-proxy``)."""
     return load_qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(request) -> Path:
+    """shared/fixtures (beside the repository, as laid out for developers and CI)."""
+    path = Path(request.config.rootpath).parent / "shared" / "fixtures"
+    assert path.is_dir(), f"recorded fixtures not found at {path}"
+    return path

@@ -9,10 +9,42 @@ for is removed again, so the harness receives what the engine would have sent it
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from capture_proxy.core.routed_experts import routed_experts_request_fields
+
+
+class NoteMatcher(Protocol):
+    """What the capture path needs of a harness-note registry (``harness_notes``)."""
+
+    def match_trailing_note(self, messages: Sequence[Mapping[str, Any]]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A captured request after harness-note handling.
+
+    ``body``: what goes to the engine (a trailing note becomes a user message, so the engine
+    generates a fresh assistant turn); ``linking_messages``: the history used for parent
+    resolution (the note left out: the model never wrote it); ``harness_note``: the note's key.
+    """
+
+    body: dict[str, Any]
+    linking_messages: list[dict[str, Any]]
+    harness_note: str | None
+
+
+def prepare_request(body: dict[str, Any], notes: NoteMatcher | None) -> PreparedRequest:
+    """Rewrite a trailing harness note into a user message (the body is copied, not changed)."""
+    messages = list(body.get("messages") or [])
+    note = notes.match_trailing_note(messages) if notes is not None else None
+    if note is None:
+        return PreparedRequest(body, messages, None)
+    out = dict(body)
+    out["messages"] = [*messages[:-1], {"role": "user", "content": note.text}]
+    return PreparedRequest(out, messages[:-1], note.key)
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,17 @@ resolve parents from text (that is the request-time digest resolution) and must 
 link: a child's prompt ids must begin with the parent's prompt ids followed by the parent's
 generation ids, token for token.
 
-Rule: among the rollout's complete calls whose prompt + generation ids are a prefix of a call's
-prompt ids, the longest (deepest) one is its parent. A call with no such earlier call is a root.
-Ties (identical prompt + generation, e.g. retries) go to the earliest ``created_at``, then the
-smallest call id, so the result does not depend on arrival order. Only calls with a non-empty
-generation can be parents, which rules out cycles.
+Rule: a call whose parent was resolved by digest at request time and verified by tokens
+(``linking`` present) keeps that parent; it is never re-linked by prefix, so a refused link
+stays refused. A call captured without a linking verdict (older records) is linked by the
+prefix rule: among the rollout's complete calls whose prompt + generation ids are a prefix of
+its prompt ids, the longest (deepest) one is its parent. Ties (identical prompt + generation)
+go to the earliest ``created_at``, then the smallest call id, so the result does not depend on
+arrival order. Only calls with a non-empty generation can be parents, which rules out cycles.
+
+Retries: calls recorded as retries of one request (``retry_of``) form a group; only the member
+the harness continued from (one with children; if none has, the latest) stays in the chain, the
+others are listed as superseded, never as sibling branches.
 
 Cost: O(N^2) prefix comparisons per rollout (vectorised with numpy); fine for hundreds of calls.
 """
@@ -51,6 +57,8 @@ class RolloutChains:
     rollout_id: str
     chains: list[Chain]
     unlinked: list[CallRecord] = field(default_factory=list)
+    #: call id -> the retry-group member that superseded it
+    superseded: dict[str, str] = field(default_factory=dict)
 
     @property
     def parent_of(self) -> dict[str, str | None]:
@@ -81,9 +89,14 @@ def find_parents(records: Iterable[CallRecord]) -> dict[str, str | None]:
         key=lambda r: (-(r.num_prompt_tokens + r.num_generation_tokens), *_order_key(r)),
     )
     full = {r.call_id: r.full_token_ids() for r in candidates}
+    ids = {r.call_id for r in calls}
     parent_of: dict[str, str | None] = {}
     for child in calls:
         parent_of[child.call_id] = None
+        if child.linking is not None:
+            parent = child.parent_call_id
+            parent_of[child.call_id] = parent if parent in ids else None
+            continue
         for cand in candidates:
             if cand.call_id == child.call_id:
                 continue
@@ -93,10 +106,34 @@ def find_parents(records: Iterable[CallRecord]) -> dict[str, str | None]:
     return parent_of
 
 
+def superseded_retries(
+    records: Iterable[CallRecord], parent_of: dict[str, str | None]
+) -> dict[str, str]:
+    """Map each superseded member of a retry group to the member that stays in the chain."""
+    groups: dict[str, list[CallRecord]] = {}
+    for r in records:
+        if r.call_id in parent_of:
+            groups.setdefault(r.retry_of or r.call_id, []).append(r)
+    has_children = {p for p in parent_of.values() if p is not None}
+    out: dict[str, str] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        members.sort(key=_order_key)
+        kept = [m for m in members if m.call_id in has_children] or [members[-1]]
+        for m in members:
+            if m not in kept:
+                out[m.call_id] = kept[-1].call_id
+    return out
+
+
 def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChains:
     """Group a rollout's calls into chains, deterministically for any input order."""
     records = list(records)
     parent_of = find_parents(records)
+    superseded = superseded_retries(records, parent_of)
+    for call_id in superseded:
+        del parent_of[call_id]
     by_id = {r.call_id: r for r in records if r.call_id in parent_of}
     children: dict[str, list[CallRecord]] = {}
     roots: list[CallRecord] = []
@@ -121,4 +158,4 @@ def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChain
             stack.extend(reversed(children.get(node.call_id, [])))
         chains.append(Chain(chain_id=root.call_id, calls=ordered, parent_of=edges))
     unlinked = sorted((r for r in records if r.call_id not in parent_of), key=_order_key)
-    return RolloutChains(rollout_id=rollout_id, chains=chains, unlinked=unlinked)
+    return RolloutChains(rollout_id, chains, unlinked, superseded)

@@ -49,6 +49,8 @@ class DiagnosticKind(enum.StrEnum):
     ROUTED_EXPERTS_MISMATCH = "routed_experts_mismatch"
     HARNESS_NOTE_REWRITTEN = "harness_note_rewritten"
     PARENT_DIGEST_MISMATCH = "parent_digest_mismatch"
+    FOREIGN_TURN = "foreign_turn_projected_portable"
+    RETRY = "retry"
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,10 @@ class CallRecord:
     and ``request_tools`` are the messages and tools as forwarded to the engine;
     ``response_message`` is the assembled assistant message (``content``,
     ``reasoning_content``, ``tool_calls``). ``parent_call_id`` is a link resolved when the call
-    was captured (None when unresolved at capture time; chains are built from tokens on read).
+    was captured and verified by tokens (None for a root or a refused link). ``linking`` holds
+    the resolution: ``verdict`` (root | resolved | refused | unresolved), ``parent_digest``,
+    ``child_digest`` (under which a child finds this call), ``request_digest``, ``reason``,
+    ``harness_note`` (key of a rewritten note). ``retry_of``: the earlier call this one repeats.
     """
 
     call_id: str
@@ -117,6 +122,8 @@ class CallRecord:
     routed_experts: npt.NDArray[np.integer[Any]] | None = None
     routed_experts_start: int = 0
     parent_call_id: str | None = None
+    linking: dict[str, Any] | None = None
+    retry_of: str | None = None
     diagnostics: list[Diagnostic] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 

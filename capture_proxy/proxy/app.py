@@ -20,15 +20,19 @@ from capture_proxy.config import Settings
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 from capture_proxy.proxy.capture import CHAT_COMPLETIONS_PATH, CaptureDeps, handle_captured_chat
 from capture_proxy.proxy.errors import BadRequest, NotFound, PayloadTooLarge, error_middleware
+from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.store.base import CaptureStore
+from harness_notes import NoteRegistry, default_registry
 
 log = logging.getLogger("capture_proxy")
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 SESSION_KEY = web.AppKey("upstream_session", aiohttp.ClientSession)
+LINKER_KEY = web.AppKey("linker", Linker)
+NOTES_KEY = web.AppKey("harness_notes", NoteRegistry)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -61,7 +65,13 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         and request.method == "POST"
         and target.upstream_path == CHAT_COMPLETIONS_PATH
     ):
-        deps = CaptureDeps(session, settings.backend_base, request.app[rest.RECORDER_KEY])
+        deps = CaptureDeps(
+            session,
+            settings.backend_base,
+            request.app[rest.RECORDER_KEY],
+            request.app[LINKER_KEY],
+            request.app[NOTES_KEY],
+        )
         response = await handle_captured_chat(request, target, raw_body, deps)
     else:
         response = await forward_uncaptured(
@@ -106,14 +116,21 @@ async def unknown_captures_path(request: web.Request) -> web.Response:
     raise NotFound(f"no such read API path: {request.path}", code="not_found")
 
 
-def build_proxy_app(settings: Settings, store: CaptureStore) -> web.Application:
-    """The proxy app. ``store`` is opened and closed with the app."""
+def build_proxy_app(
+    settings: Settings, store: CaptureStore, notes: NoteRegistry | None = None
+) -> web.Application:
+    """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
+    registry (default: every registered harness)."""
     app = web.Application(
         middlewares=[error_middleware], client_max_size=settings.max_request_body_bytes
     )
     app[SETTINGS_KEY] = settings
     app[rest.STORE_KEY] = store
     app[rest.RECORDER_KEY] = Recorder(store)
+    app[LINKER_KEY] = Linker(
+        store, refuse_note_parents=settings.parent_resolution == "source_history"
+    )
+    app[NOTES_KEY] = notes if notes is not None else default_registry()
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         await store.open()

@@ -23,12 +23,21 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler, failed_record
-from capture_proxy.core.capture import augment_chat_request, strip_chat_chunk, strip_chat_response
+from capture_proxy.core.capture import (
+    NoteMatcher,
+    PreparedRequest,
+    augment_chat_request,
+    prepare_request,
+    strip_chat_chunk,
+    strip_chat_response,
+)
+from capture_proxy.core.linking import Resolution, Verdict, request_digest
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.requests import InvalidRequest, parse_json_object, validate_chat_request
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sse import DONE_SENTINEL, SSEStreamDecoder, encode_json_event
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
+from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers, translate_client_error
 
@@ -44,11 +53,86 @@ def new_call_id() -> str:
     return f"call-{uuid.uuid4().hex}"
 
 
+#: Retry headers sent by the OpenAI SDKs (Stainless-generated clients).
+RETRY_COUNT_HEADER = "x-stainless-retry-count"
+DETOKENIZE_TIMEOUT_S = 10.0
+
+
 @dataclass(frozen=True)
 class CaptureDeps:
     session: aiohttp.ClientSession
     backend: str
     recorder: Recorder
+    linker: Linker
+    notes: NoteMatcher | None
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One captured call in flight: its context, prepared request and request-time verdict."""
+
+    ctx: CallContext
+    prepared: PreparedRequest
+    resolution: Resolution
+    retry_count: str | None
+
+
+async def _resolve(deps: CaptureDeps, rollout_id: str, prepared: PreparedRequest) -> Resolution:
+    """Request-time resolution; a failure here never fails the model call."""
+    try:
+        return await deps.linker.resolve(rollout_id, prepared.linking_messages, prepared.body)
+    except Exception as exc:
+        log.error("rollout %s: parent resolution failed: %s", rollout_id, exc)
+        return Resolution(
+            Verdict.UNRESOLVED,
+            None,
+            request_digest(prepared.body),
+            reason=f"parent resolution failed: {type(exc).__name__}: {exc}",
+        )
+
+
+def _decoder(deps: CaptureDeps, model: str | None) -> Any:
+    """Detokenise through the engine's ``/detokenize`` (vLLM: ``{tokens}`` -> ``{prompt}``)."""
+
+    async def decode(token_ids: list[int]) -> str | None:
+        body: dict[str, Any] = {"tokens": token_ids}
+        if model:
+            body["model"] = model
+        timeout = aiohttp.ClientTimeout(total=DETOKENIZE_TIMEOUT_S)
+        async with deps.session.post(
+            deps.backend + "/detokenize", json=body, timeout=timeout, auto_decompress=True
+        ) as resp:
+            if resp.status != 200:
+                return None
+            data = await resp.json()
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        return prompt if isinstance(prompt, str) else None
+
+    return decode
+
+
+async def _finish(deps: CaptureDeps, call: _Call, record: CallRecord) -> None:
+    """Verify the link, persist, make the call findable. Never raises."""
+    try:
+        record = await deps.linker.verify(
+            record,
+            call.resolution,
+            call.prepared.linking_messages,
+            harness_note=call.prepared.harness_note,
+            retry_count=call.retry_count,
+            decode=_decoder(deps, record.model),
+        )
+    except Exception as exc:
+        log.error("call %s: link verification failed: %s", record.call_id, exc)
+        record = record.replace(
+            parent_call_id=None,
+            linking={"verdict": Verdict.UNRESOLVED.value, "reason": f"verification failed: {exc}"},
+        )
+    if await deps.recorder.persist(record):
+        try:
+            await deps.linker.remember(record)
+        except Exception as exc:
+            log.error("call %s: indexing failed: %s", record.call_id, exc)
 
 
 def _upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dict[str, str]:
@@ -76,16 +160,20 @@ async def handle_captured_chat(
     except InvalidRequest as exc:
         raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
 
-    upstream_body, asked = augment_chat_request(body)
+    created_at = time.time()
+    prepared = prepare_request(body, deps.notes)
+    resolution = await _resolve(deps, route.rollout_id, prepared)
+    upstream_body, asked = augment_chat_request(prepared.body)
     stream = bool(body.get("stream"))
     ctx = CallContext(
         call_id=new_call_id(),
         rollout_id=route.rollout_id,
-        created_at=time.time(),
+        created_at=created_at,
         stream=stream,
         upstream_path=route.upstream_path,
-        request_body=body,
+        request_body=prepared.body,
     )
+    call = _Call(ctx, prepared, resolution, request.headers.get(RETRY_COUNT_HEADER))
     url = deps.backend + route.upstream_path
     headers = _upstream_headers(request, ctx.call_id, route.rollout_id)
     t0 = time.perf_counter()
@@ -98,24 +186,27 @@ async def handle_captured_chat(
         )
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
-        await deps.recorder.persist(
-            failed_record(ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=None)
+        await _finish(
+            deps,
+            call,
+            failed_record(ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=None),
         )
         raise err from exc
 
     async with upstream:
         if upstream.status >= 400:
-            return await _engine_error(upstream, ctx, deps, t0)
+            return await _engine_error(upstream, call, deps, t0)
         content_type = upstream.headers.get("Content-Type", "")
         if stream and content_type.startswith("text/event-stream"):
-            return await _relay_stream(request, upstream, ctx, asked, deps, t0)
-        return await _relay_json(upstream, ctx, asked, deps, t0)
+            return await _relay_stream(request, upstream, call, asked, deps, t0)
+        return await _relay_json(upstream, call, asked, deps, t0)
 
 
 async def _engine_error(
-    upstream: aiohttp.ClientResponse, ctx: CallContext, deps: CaptureDeps, t0: float
+    upstream: aiohttp.ClientResponse, call: _Call, deps: CaptureDeps, t0: float
 ) -> web.Response:
     """Pass an engine 4xx/5xx through in OpenAI's error shape; record the call as failed."""
+    ctx = call.ctx
     try:
         raw = await upstream.read()
     except CLIENT_ERRORS as exc:
@@ -131,27 +222,32 @@ async def _engine_error(
         error_type = "invalid_request_error" if upstream.status < 500 else "upstream_error"
         payload = error_body(f"engine returned {upstream.status}: {message}", error_type)
     reason = f"engine returned HTTP {upstream.status}"
-    await deps.recorder.persist(
-        failed_record(ctx, reason=reason, latency_ms=_elapsed_ms(t0), http_status=upstream.status)
+    await _finish(
+        deps,
+        call,
+        failed_record(ctx, reason=reason, latency_ms=_elapsed_ms(t0), http_status=upstream.status),
     )
     return web.json_response(payload, status=upstream.status, headers={CALL_ID_HEADER: ctx.call_id})
 
 
 async def _relay_json(
     upstream: aiohttp.ClientResponse,
-    ctx: CallContext,
+    call: _Call,
     asked: Any,
     deps: CaptureDeps,
     t0: float,
 ) -> web.Response:
+    ctx = call.ctx
     try:
         raw = await upstream.read()
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
-        await deps.recorder.persist(
+        await _finish(
+            deps,
+            call,
             failed_record(
                 ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=upstream.status
-            )
+            ),
         )
         raise err from exc
     latency_ms = _elapsed_ms(t0)
@@ -161,14 +257,16 @@ async def _relay_json(
             raise ValueError("not a JSON object")
     except ValueError as exc:
         reason = f"engine sent a body that is not a JSON object ({len(raw)} bytes): {exc}"
-        await deps.recorder.persist(
-            failed_record(ctx, reason=reason, latency_ms=latency_ms, http_status=upstream.status)
+        await _finish(
+            deps,
+            call,
+            failed_record(ctx, reason=reason, latency_ms=latency_ms, http_status=upstream.status),
         )
         raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
     assembler = ChatCaptureAssembler(ctx)
     assembler.add_response(payload)
     record = assembler.finish(latency_ms=latency_ms, http_status=upstream.status)
-    await deps.recorder.persist(record)
+    await _finish(deps, call, record)
     return web.json_response(
         strip_chat_response(payload, asked),
         status=upstream.status,
@@ -180,12 +278,13 @@ async def _relay_json(
 async def _relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
-    ctx: CallContext,
+    call: _Call,
     asked: Any,
     deps: CaptureDeps,
     t0: float,
 ) -> web.StreamResponse:
     """Forward SSE events as they complete, assembling the record on the side."""
+    ctx = call.ctx
     response = web.StreamResponse(status=upstream.status)
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
@@ -254,7 +353,7 @@ async def _relay_stream(
         reasons.append("engine stream ended without [DONE]")
     if reasons:
         record = _mark_incomplete(record, reasons)
-    await deps.recorder.persist(record)
+    await _finish(deps, call, record)
 
     if upstream_problem and not client_gone:
         # Headers are sent; the status can no longer change: tell the harness in-band.

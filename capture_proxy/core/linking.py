@@ -1,0 +1,294 @@
+"""Parent resolution: canonical linking items, digests, the per-rollout index, verification.
+
+Owns how a request that arrives as text finds the captured call it continues, and the
+fail-closed check that the tokens really chain. Pure: no aiohttp, no I/O.
+
+Canonical form of a model-authored turn (an assistant message), as decided here:
+- ``content``: text; ``null``, ``""`` and an absent key are the same (OpenCode sends ``""``
+  where the engine sent ``null``); a list of text parts is joined with ``"\\n"`` (vLLM's join).
+- ``tool_calls``: in order, each as ``(id, name, arguments)`` with arguments as canonical JSON
+  (parsed, then dumped with sorted keys, no spaces, no ASCII escaping), so OpenCode's compact
+  re-serialisation and ``\\u00e9``-to-UTF-8 rewriting compare equal; arguments that are not
+  JSON are compared as the raw string.
+- reasoning is NOT part of the digest: harnesses drop or keep it depending on their
+  configuration, and a template may drop it; whether the tokens still chain is for token
+  verification to decide (``parent_digest_mismatch`` with class ``template_rerendered``).
+
+Digests chain: ``d_0 = sha256("capture-proxy/linking/v1")`` and
+``d_k = sha256(d_{k-1} || canonical(turn_k))``. A request's *parent digest* is the digest over
+all assistant turns of its history; a captured call's *child digest* (under which a child finds
+it) is the digest over its request's turns followed by its own response message.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: Reason of an unresolved verdict whose last model-authored turn matches no captured output.
+NO_MATCH_REASON = "no captured call produced the last model-authored turn"
+
+_DIGEST_SEED = hashlib.sha256(b"capture-proxy/linking/v1").hexdigest()
+
+#: Request fields that do not change what the engine computes (so a retry may differ in them).
+_NON_SEMANTIC_REQUEST_FIELDS = frozenset({"stream", "stream_options", "user", "metadata"})
+
+
+class Verdict(enum.StrEnum):
+    """Outcome of parent resolution, stored on every captured call.
+
+    - ``root``: no model-authored turn in the history: a new chain starts.
+    - ``resolved``: the digest found a captured call and its tokens were verified.
+    - ``refused``: the digest found a call but the tokens do not chain: the link is refused
+      (``parent_digest_mismatch``) and the call starts a new chain.
+    - ``unresolved``: the history has model-authored turns but no captured call matches.
+    """
+
+    ROOT = "root"
+    RESOLVED = "resolved"
+    REFUSED = "refused"
+    UNRESOLVED = "unresolved"
+
+
+class MismatchClass(enum.StrEnum):
+    RETOKENIZED = "retokenized"
+    TEMPLATE_RERENDERED = "template_rerendered"
+    HISTORY_EDITED = "history_edited"
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return str(content)
+
+
+def canonical_arguments(arguments: Any) -> str:
+    """Tool-call arguments as canonical JSON text (raw text when not JSON)."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+    else:
+        value = arguments
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_turn(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The canonical form of one assistant message (see the module docstring)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        calls.append(
+            {
+                "id": call.get("id"),
+                "name": fn.get("name"),
+                "arguments": canonical_arguments(fn.get("arguments")),
+            }
+        )
+    return {"content": _content_text(message.get("content")), "tool_calls": calls}
+
+
+def extend_digest(digest: str, turn: Mapping[str, Any]) -> str:
+    """``sha256(digest || canonical(turn))`` as hex."""
+    payload = json.dumps(canonical_turn(turn), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256((digest + payload).encode("utf-8")).hexdigest()
+
+
+def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The model-authored turns of a history: its assistant messages, in order."""
+    return [m for m in messages if m.get("role") == "assistant"]
+
+
+def history_digest(messages: Sequence[Mapping[str, Any]]) -> str | None:
+    """The parent digest of a request: None when it has no model-authored turn (a root)."""
+    items = linking_items(messages)
+    if not items:
+        return None
+    digest = _DIGEST_SEED
+    for item in items:
+        digest = extend_digest(digest, item)
+    return digest
+
+
+def child_digest(messages: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> str:
+    """The digest under which a child of this call finds it."""
+    return history_digest([*linking_items(messages), {"role": "assistant", **response}]) or ""
+
+
+def request_digest(body: Mapping[str, Any]) -> str:
+    """Digest of everything in a request that affects the engine's answer (for retries)."""
+    semantic = {k: v for k, v in body.items() if k not in _NON_SEMANTIC_REQUEST_FIELDS}
+    text = json.dumps(semantic, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Request-time answer: the verdict so far, the parent candidate and the retry target."""
+
+    verdict: Verdict
+    parent_digest: str | None
+    request_digest: str
+    parent_call_id: str | None = None
+    retry_of: str | None = None
+    reason: str | None = None
+
+
+@dataclass
+class _Entry:
+    call_id: str
+    created_at: float
+    child_digest: str | None
+    request_digest: str | None
+    harness_note: bool
+
+
+@dataclass
+class LinkIndex:
+    """Per-rollout digests of captured calls. Not thread-safe; one per rollout."""
+
+    entries: dict[str, _Entry] = field(default_factory=dict)
+
+    def add(
+        self,
+        call_id: str,
+        created_at: float,
+        *,
+        child_digest: str | None,
+        request_digest: str | None,
+        harness_note: bool = False,
+    ) -> None:
+        self.entries[call_id] = _Entry(
+            call_id, created_at, child_digest, request_digest, harness_note
+        )
+
+    def _by(self, attr: str, digest: str) -> list[_Entry]:
+        return sorted(
+            (e for e in self.entries.values() if getattr(e, attr) == digest),
+            key=lambda e: (e.created_at, e.call_id),
+        )
+
+    def resolve(
+        self,
+        parent_digest: str | None,
+        req_digest: str,
+        *,
+        refuse_note_parents: bool = False,
+    ) -> Resolution:
+        """Find the parent candidate by digest, and an earlier identical request (a retry).
+
+        Several calls with the same child digest (retries that produced the same output): the
+        latest wins, since a harness retries when it lost the earlier answer. With
+        ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose prompt
+        carried a rewritten harness note is not taken: the call starts a new chain.
+        """
+        earlier = self._by("request_digest", req_digest)
+        retry_of = earlier[0].call_id if earlier else None
+        if parent_digest is None:
+            return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
+        matches = self._by("child_digest", parent_digest)
+        if not matches:
+            return Resolution(
+                Verdict.UNRESOLVED,
+                parent_digest,
+                req_digest,
+                retry_of=retry_of,
+                reason=NO_MATCH_REASON,
+            )
+        parent = matches[-1]
+        if refuse_note_parents and parent.harness_note:
+            return Resolution(
+                Verdict.UNRESOLVED,
+                parent_digest,
+                req_digest,
+                retry_of=retry_of,
+                reason="parent prompt carried a rewritten harness note (source_history)",
+            )
+        return Resolution(
+            Verdict.RESOLVED, parent_digest, req_digest, parent.call_id, retry_of=retry_of
+        )
+
+
+def first_difference(expected: np.ndarray, actual: np.ndarray) -> int | None:
+    """First index where ``actual`` does not continue ``expected`` token for token, or None
+    when ``expected`` is a prefix of ``actual``. A shorter ``actual`` differs at its end."""
+    n = min(expected.shape[0], actual.shape[0])
+    diff = np.flatnonzero(expected[:n] != actual[:n])
+    if diff.size:
+        return int(diff[0])
+    return None if actual.shape[0] >= expected.shape[0] else n
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    position: int
+    mismatch_class: MismatchClass
+    explanation: str
+
+
+@dataclass(frozen=True)
+class DecodedTexts:
+    """Detokenised texts for classification: parent prompt, parent prompt + generation, child
+    prompt (from the engine's ``/detokenize`` or a local tokenizer)."""
+
+    parent_prompt: str
+    parent_full: str
+    child_prompt: str
+
+
+def classify_mismatch(
+    parent_prompt: np.ndarray,
+    parent_generation: np.ndarray,
+    child_prompt: np.ndarray,
+    *,
+    texts: DecodedTexts | None = None,
+    parent_reasoning: str | None = None,
+) -> Mismatch | None:
+    """Why ``child_prompt`` does not begin with parent prompt + generation (None if it does).
+
+    - ``history_edited``: it differs inside the parent's prompt: the harness changed earlier
+      turns (compaction, pruning, a dropped harness note, a changed system prompt).
+    - ``retokenized``: inside the parent's output, and the text is the same (parent prompt +
+      generation text is a prefix of the child's text): the model's own token split does not
+      survive detokenise-then-retokenise.
+    - ``template_rerendered``: inside the parent's output, and the text differs too: the
+      template or the harness renders the turn differently (dropped reasoning, re-serialised
+      tool-call arguments, ...).
+    Without ``texts`` an output-side difference is reported as ``template_rerendered``.
+    """
+    expected = np.concatenate([parent_prompt, parent_generation])
+    pos = first_difference(expected, child_prompt)
+    if pos is None:
+        return None
+    if pos < int(parent_prompt.shape[0]):
+        return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")
+    if texts is not None:
+        if texts.child_prompt.startswith(texts.parent_full):
+            return Mismatch(
+                pos,
+                MismatchClass.RETOKENIZED,
+                "same text, different tokens: the parent's output re-encodes differently",
+            )
+        child_turn = texts.child_prompt[len(texts.parent_prompt) :]
+        if parent_reasoning and parent_reasoning not in child_turn:
+            return Mismatch(
+                pos,
+                MismatchClass.TEMPLATE_RERENDERED,
+                "the parent's reasoning is missing from the re-rendered turn",
+            )
+    return Mismatch(
+        pos,
+        MismatchClass.TEMPLATE_RERENDERED,
+        "the parent's turn renders differently from what the model generated",
+    )

@@ -1,0 +1,205 @@
+"""Request-time parent resolution and response-time verification, over the store.
+
+Owns the per-rollout ``LinkIndex`` cache (filled lazily from the store the first time a rollout
+is seen by this process, so a restart loses nothing) and the fail-closed verification of a
+resolved link against the parent's stored tokens. The decisions are the core's
+(``capture_proxy.core.linking``); this module fetches what they need: the parent record, and on
+a mismatch the detokenised texts from the engine's ``/detokenize`` for the classification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from capture_proxy.core.linking import (
+    NO_MATCH_REASON,
+    DecodedTexts,
+    LinkIndex,
+    Resolution,
+    Verdict,
+    child_digest,
+    classify_mismatch,
+    history_digest,
+    request_digest,
+)
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.store.base import CaptureStore
+
+log = logging.getLogger("capture_proxy")
+
+#: ``decode(token_ids) -> text``; None when decoding is not possible.
+Decoder = Callable[[list[int]], Awaitable[str | None]]
+
+
+class Linker:
+    """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``."""
+
+    def __init__(self, store: CaptureStore, *, refuse_note_parents: bool = False) -> None:
+        self.store = store
+        self.refuse_note_parents = refuse_note_parents
+        self._indexes: dict[str, LinkIndex] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def _index(self, rollout_id: str) -> LinkIndex:
+        index = self._indexes.get(rollout_id)
+        if index is not None:
+            return index
+        lock = self._locks.setdefault(rollout_id, asyncio.Lock())
+        async with lock:
+            index = self._indexes.get(rollout_id)
+            if index is None:
+                index = LinkIndex()
+                for record in await self.store.get_rollout_calls(rollout_id):
+                    self._add(index, record)
+                self._indexes[rollout_id] = index
+        return index
+
+    @staticmethod
+    def _add(index: LinkIndex, record: CallRecord) -> None:
+        if record.status is CallStatus.FAILED:
+            return
+        linking = record.linking or {}
+        child = linking.get("child_digest")
+        if child is None and record.response_message is not None:
+            child = child_digest(record.request_messages, record.response_message)
+        index.add(
+            record.call_id,
+            record.created_at,
+            child_digest=child,
+            request_digest=linking.get("request_digest"),
+            harness_note=bool(linking.get("harness_note")),
+        )
+
+    async def resolve(
+        self, rollout_id: str, linking_messages: list[dict[str, Any]], body: dict[str, Any]
+    ) -> Resolution:
+        """Request-time verdict for a call (before it is forwarded)."""
+        index = await self._index(rollout_id)
+        return index.resolve(
+            history_digest(linking_messages),
+            request_digest(body),
+            refuse_note_parents=self.refuse_note_parents,
+        )
+
+    async def remember(self, record: CallRecord) -> None:
+        """Make a persisted call findable by its children."""
+        self._add(await self._index(record.rollout_id), record)
+
+    async def verify(
+        self,
+        record: CallRecord,
+        resolution: Resolution,
+        linking_messages: list[dict[str, Any]],
+        *,
+        harness_note: str | None,
+        retry_count: str | None,
+        decode: Decoder | None,
+    ) -> CallRecord:
+        """Attach the verdict, the digests and the diagnostics to ``record``; set its parent
+        only when the parent's prompt + generation ids are a prefix of its prompt ids."""
+        diagnostics = list(record.diagnostics)
+        verdict, reason, parent_call_id = resolution.verdict, resolution.reason, None
+        if harness_note is not None:
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.HARNESS_NOTE_REWRITTEN, {"note": harness_note})
+            )
+        if resolution.retry_of is not None:
+            details: dict[str, Any] = {"retry_of": resolution.retry_of}
+            if retry_count is not None:
+                details["retry_count_header"] = retry_count
+            diagnostics.append(Diagnostic(DiagnosticKind.RETRY, details))
+        if reason == NO_MATCH_REASON:
+            diagnostics.append(Diagnostic(DiagnosticKind.FOREIGN_TURN, {"reason": reason}))
+        if verdict is Verdict.RESOLVED:
+            assert resolution.parent_call_id is not None
+            verdict, reason, parent_call_id, mismatch = await self._check_tokens(
+                record, resolution.parent_call_id, decode
+            )
+            if mismatch is not None:
+                diagnostics.append(Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch))
+        linking = {
+            "verdict": verdict.value,
+            "parent_digest": resolution.parent_digest,
+            "child_digest": (
+                child_digest(linking_messages, record.response_message)
+                if record.response_message is not None
+                else None
+            ),
+            "request_digest": resolution.request_digest,
+            "digest_parent_call_id": resolution.parent_call_id,
+            "reason": reason,
+            "harness_note": harness_note,
+        }
+        return record.replace(
+            parent_call_id=parent_call_id,
+            linking=linking,
+            retry_of=resolution.retry_of,
+            diagnostics=diagnostics,
+        )
+
+    async def _check_tokens(
+        self, record: CallRecord, parent_id: str, decode: Decoder | None
+    ) -> tuple[Verdict, str | None, str | None, dict[str, Any] | None]:
+        """(verdict, reason, verified parent id, mismatch details)."""
+        if record.status is not CallStatus.COMPLETE:
+            return Verdict.UNRESOLVED, "call has no complete token data to verify", None, None
+        parent = await self.store.get_call(parent_id)
+        if parent is None or parent.status is not CallStatus.COMPLETE:
+            return (
+                Verdict.REFUSED,
+                "parent has no complete token data",
+                None,
+                {
+                    "parent_call_id": parent_id,
+                    "reason": "parent incomplete",
+                },
+            )
+        mismatch = classify_mismatch(
+            parent.prompt_token_ids, parent.generation_token_ids, record.prompt_token_ids
+        )
+        if mismatch is None:
+            return Verdict.RESOLVED, None, parent_id, None
+        texts = await self._texts(parent, record, decode) if decode is not None else None
+        if texts is not None:
+            reasoning = (parent.response_message or {}).get("reasoning_content") or (
+                parent.response_message or {}
+            ).get("reasoning")
+            mismatch = classify_mismatch(
+                parent.prompt_token_ids,
+                parent.generation_token_ids,
+                record.prompt_token_ids,
+                texts=texts,
+                parent_reasoning=reasoning,
+            )
+            assert mismatch is not None
+        details = {
+            "parent_call_id": parent_id,
+            "position": mismatch.position,
+            "class": mismatch.mismatch_class.value,
+            "explanation": mismatch.explanation,
+            "classified_with_text": texts is not None,
+        }
+        return (
+            Verdict.REFUSED,
+            f"tokens do not chain ({mismatch.mismatch_class.value})",
+            None,
+            details,
+        )
+
+    @staticmethod
+    async def _texts(parent: CallRecord, child: CallRecord, decode: Decoder) -> DecodedTexts | None:
+        try:
+            parts = await asyncio.gather(
+                decode(parent.prompt_token_ids.tolist()),
+                decode(parent.full_token_ids().tolist()),
+                decode(child.prompt_token_ids.tolist()),
+            )
+        except Exception as exc:  # classification is best effort; the refusal stands
+            log.warning("detokenize for mismatch classification failed: %s", exc)
+            return None
+        if any(p is None for p in parts):
+            return None
+        return DecodedTexts(*parts)  # type: ignore[arg-type]

@@ -1,0 +1,205 @@
+import json
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.capture import prepare_request
+from capture_proxy.core.linking import (
+    DecodedTexts,
+    LinkIndex,
+    MismatchClass,
+    Verdict,
+    canonical_arguments,
+    child_digest,
+    classify_mismatch,
+    first_difference,
+    history_digest,
+    request_digest,
+)
+from harness_notes import default_registry
+from harness_notes.opencode import STEP_LIMIT_NOTE
+
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "bash", "arguments": '{\n  "command" : "echo \'caf\\u00e9\'",  "n": 1\n}'},
+}
+ECHO = {
+    "id": "call_1",
+    "type": "function",
+    "function": {
+        "name": "bash",
+        "arguments": json.dumps(
+            {"command": "echo 'caf\u00e9'", "n": 1}, separators=(",", ":"), ensure_ascii=False
+        ),
+    },
+}
+SYSTEM_USER = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+def test_opencode_reserialised_arguments_are_canonically_equal():
+    assert (
+        canonical_arguments(CALL["function"]["arguments"])
+        == canonical_arguments(ECHO["function"]["arguments"])
+        == '{"command":"echo \'caf\u00e9\'","n":1}'
+    )
+    assert canonical_arguments("not json {") == "not json {"
+
+
+def test_content_null_empty_and_absent_are_the_same():
+    base = [*SYSTEM_USER]
+    a = history_digest([*base, {"role": "assistant", "content": None, "tool_calls": [CALL]}])
+    b = history_digest([*base, {"role": "assistant", "content": "", "tool_calls": [ECHO]}])
+    c = history_digest([*base, {"role": "assistant", "tool_calls": [ECHO]}])
+    assert a == b == c
+
+
+def test_reasoning_is_not_part_of_the_digest():
+    a = history_digest(
+        [*SYSTEM_USER, {"role": "assistant", "content": "x", "reasoning_content": "r"}]
+    )
+    b = history_digest([*SYSTEM_USER, {"role": "assistant", "content": "x"}])
+    assert a == b
+
+
+def test_digest_changes_with_content_order_ids_and_arguments():
+    one = {"role": "assistant", "content": "a"}
+    two = {"role": "assistant", "content": "b"}
+    assert history_digest([one, two]) != history_digest([two, one])
+    other_id = {**ECHO, "id": "call_2"}
+    assert history_digest([{"role": "assistant", "tool_calls": [ECHO]}]) != history_digest(
+        [{"role": "assistant", "tool_calls": [other_id]}]
+    )
+    other_args = {**ECHO, "function": {"name": "bash", "arguments": '{"command":"ls"}'}}
+    assert history_digest([{"role": "assistant", "tool_calls": [ECHO]}]) != history_digest(
+        [{"role": "assistant", "tool_calls": [other_args]}]
+    )
+
+
+def test_user_and_tool_messages_do_not_take_part():
+    turn = {"role": "assistant", "content": "a"}
+    assert history_digest([*SYSTEM_USER, turn]) == history_digest(
+        [{"role": "user", "content": "other"}, turn, {"role": "tool", "content": "t"}]
+    )
+    assert history_digest(SYSTEM_USER) is None
+
+
+def test_child_digest_is_what_the_next_request_computes():
+    response = {"role": "assistant", "content": None, "tool_calls": [CALL]}
+    parent_key = child_digest(SYSTEM_USER, response)
+    next_request = [
+        *SYSTEM_USER,
+        {"role": "assistant", "content": "", "tool_calls": [ECHO]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "out"},
+    ]
+    assert history_digest(next_request) == parent_key
+
+
+def test_request_digest_ignores_stream_fields_only():
+    body = {"model": "m", "messages": SYSTEM_USER, "temperature": 0.5}
+    assert request_digest(body) == request_digest({**body, "stream": True, "stream_options": {}})
+    assert request_digest(body) != request_digest({**body, "temperature": 0.6})
+
+
+class TestIndex:
+    def test_verdicts(self):
+        index = LinkIndex()
+        index.add("a", 1.0, child_digest="d1", request_digest="q1")
+        assert index.resolve(None, "q0").verdict is Verdict.ROOT
+        res = index.resolve("d1", "q2")
+        assert (res.verdict, res.parent_call_id, res.retry_of) == (Verdict.RESOLVED, "a", None)
+        res = index.resolve("zz", "q2")
+        assert res.verdict is Verdict.UNRESOLVED and res.reason.startswith("no captured call")
+
+    def test_retry_points_to_the_first_identical_request(self):
+        index = LinkIndex()
+        index.add("a", 1.0, child_digest="d1", request_digest="q1")
+        index.add("a2", 2.0, child_digest="d1", request_digest="q1")
+        assert index.resolve(None, "q1").retry_of == "a"
+        # Same output twice: the latest is the parent candidate.
+        assert index.resolve("d1", "q9").parent_call_id == "a2"
+
+    def test_source_history_refuses_note_parents(self):
+        index = LinkIndex()
+        index.add("note", 1.0, child_digest="d1", request_digest="q1", harness_note=True)
+        assert index.resolve("d1", "q2").verdict is Verdict.RESOLVED
+        res = index.resolve("d1", "q2", refuse_note_parents=True)
+        assert res.verdict is Verdict.UNRESOLVED and "harness note" in res.reason
+
+
+def test_first_difference():
+    a = np.array([1, 2, 3], dtype=np.uint32)
+    assert first_difference(a, np.array([1, 2, 3, 4], dtype=np.uint32)) is None
+    assert first_difference(a, np.array([1, 9, 3, 4], dtype=np.uint32)) == 1
+    assert first_difference(a, np.array([1, 2], dtype=np.uint32)) == 2
+
+
+P = np.array([10, 11, 12], dtype=np.uint32)
+G = np.array([20, 21, 99], dtype=np.uint32)
+
+
+@pytest.mark.parametrize(
+    ("child", "texts", "reasoning", "expected"),
+    [
+        ([10, 11, 12, 20, 21, 99, 5], None, None, None),
+        ([10, 13, 12, 20, 21, 99, 5], None, None, (1, MismatchClass.HISTORY_EDITED)),
+        # Same text "p" + "ab" + "<e>", split differently: 20 21 -> 22.
+        (
+            [10, 11, 12, 22, 99, 5],
+            DecodedTexts("p", "pab<e>", "pab<e>\nx"),
+            None,
+            (3, MismatchClass.RETOKENIZED),
+        ),
+        # Reasoning dropped by the template.
+        (
+            [10, 11, 12, 21, 99, 5],
+            DecodedTexts("p", "p<think>r</think>ab<e>", "pab<e>\nx"),
+            "r",
+            (3, MismatchClass.TEMPLATE_RERENDERED),
+        ),
+        # Arguments re-serialised: text differs, no reasoning involved.
+        (
+            [10, 11, 12, 20, 23, 5],
+            DecodedTexts("p", 'p{"a" : 1}', 'p{"a":1}'),
+            None,
+            (4, MismatchClass.TEMPLATE_RERENDERED),
+        ),
+        ([10, 11, 12, 20, 23, 5], None, None, (4, MismatchClass.TEMPLATE_RERENDERED)),
+    ],
+    ids=[
+        "chains",
+        "history-edited",
+        "retokenized",
+        "reasoning-dropped",
+        "args-rerendered",
+        "no-text",
+    ],
+)
+def test_mismatch_classes(child, texts, reasoning, expected):
+    got = classify_mismatch(
+        P, G, np.array(child, dtype=np.uint32), texts=texts, parent_reasoning=reasoning
+    )
+    if expected is None:
+        assert got is None
+    else:
+        assert (got.position, got.mismatch_class) == expected
+
+
+def test_prepare_rewrites_a_trailing_note_and_leaves_it_out_of_linking():
+    history = [
+        *SYSTEM_USER,
+        {"role": "assistant", "content": "", "tool_calls": [ECHO]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "out"},
+    ]
+    body = {
+        "model": "m",
+        "messages": [*history, {"role": "assistant", "content": STEP_LIMIT_NOTE.text}],
+    }
+    prepared = prepare_request(body, default_registry())
+    assert prepared.harness_note == "opencode.step_limit"
+    assert prepared.body["messages"][-1] == {"role": "user", "content": STEP_LIMIT_NOTE.text}
+    assert prepared.body["messages"][:-1] == history
+    assert prepared.linking_messages == history
+    assert body["messages"][-1]["role"] == "assistant"  # the original is not modified
+    plain = prepare_request({"messages": history}, default_registry())
+    assert plain.harness_note is None and plain.body == {"messages": history}

@@ -1,0 +1,166 @@
+"""Tier 2: request-time parent resolution, fail-closed verification, retries, settings."""
+
+from __future__ import annotations
+
+from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.scripted_engine.policy import Policy
+from tests.proxy.conftest import Stack
+from tests.proxy.test_capture import USER, _body
+from tests.proxy.test_chains_rest import _echo
+
+SPLIT_POLICY = Policy.model_validate(
+    {
+        "steps": [
+            {
+                "content": "Skinny elephants",
+                "token_split": "characters",
+                "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}],
+            },
+            {"content": "Done."},
+        ]
+    }
+)
+
+
+async def _step(stack: Stack, rollout: str, messages: list, **kwargs) -> tuple[str, dict]:
+    resp = await stack.chat(rollout, _body(messages), **kwargs)
+    assert resp.status == 200
+    return resp.headers["X-Capture-Call-Id"], (await resp.json())["choices"][0]["message"]
+
+
+async def test_retokenized_parent_output_is_refused_and_classified(make_stack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY))
+    first_id, message = await _step(stack, "r1", list(USER))
+    messages = [
+        *USER,
+        _echo(message),
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "a.txt"},
+    ]
+    second_id, _ = await _step(stack, "r1", messages)
+    call = await stack.get_json(f"/captures/calls/{second_id}")
+    assert call["parent_call_id"] is None
+    assert call["linking"]["verdict"] == "refused"
+    assert call["linking"]["digest_parent_call_id"] == first_id
+    [diag] = call["diagnostics"]
+    sent = stack.sent
+    parent_prefix = sent[0].prompt_token_ids + sent[0].generation_token_ids
+    position = next(
+        i
+        for i, (a, b) in enumerate(zip(parent_prefix, sent[1].prompt_token_ids, strict=False))
+        if a != b
+    )
+    assert diag == {
+        "kind": "parent_digest_mismatch",
+        "details": {
+            "parent_call_id": first_id,
+            "position": position,
+            "class": "retokenized",
+            "explanation": (
+                "same text, different tokens: the parent's output re-encodes differently"
+            ),
+            "classified_with_text": True,
+        },
+    }
+    # The first differing token is inside the parent's output, right where the content starts.
+    assert position == len(sent[0].prompt_token_ids)
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [
+        [first_id],
+        [second_id],
+    ]
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert summary["linking"]["links_refused"] == {"retokenized": 1}
+
+
+async def test_identical_retry_is_recorded_as_a_retry_not_a_branch(stack: Stack):
+    first_id, message = await _step(stack, "r1", list(USER))
+    retry_id, retry_message = await _step(
+        stack, "r1", list(USER), headers={"x-stainless-retry-count": "1"}
+    )
+    assert retry_message == message  # the scripted engine is deterministic
+    messages = [
+        *USER,
+        _echo(retry_message),
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "a.txt"},
+    ]
+    child_id, _ = await _step(stack, "r1", messages)
+
+    retry = await stack.get_json(f"/captures/calls/{retry_id}")
+    assert retry["retry_of"] == first_id
+    assert retry["diagnostics"] == [
+        {"kind": "retry", "details": {"retry_of": first_id, "retry_count_header": "1"}}
+    ]
+    child = await stack.get_json(f"/captures/calls/{child_id}")
+    assert child["parent_call_id"] == retry_id  # the latest identical output is the parent
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [
+        [retry_id, child_id]
+    ]
+    assert chains["unlinked_calls"] == [
+        {
+            "call_id": first_id,
+            "status": "complete",
+            "reason": "superseded_retry",
+            "superseded_by": retry_id,
+            "diagnostics": [],
+        }
+    ]
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert summary["linking"]["retries"] == 1
+    assert summary["linking"]["superseded_retries"] == 1
+    assert summary["num_branches"] == 0
+
+
+async def test_unknown_assistant_turn_is_unresolved_and_flagged(stack: Stack):
+    messages = [
+        *USER,
+        {"role": "assistant", "content": "An example answer written by the caller."},
+        {"role": "user", "content": "Now do it."},
+    ]
+    call_id, _ = await _step(stack, "r1", messages)
+    call = await stack.get_json(f"/captures/calls/{call_id}")
+    assert call["linking"]["verdict"] == "unresolved"
+    assert call["parent_call_id"] is None
+    assert [d["kind"] for d in call["diagnostics"]] == ["foreign_turn_projected_portable"]
+
+
+async def test_source_history_starts_a_new_chain_after_each_note(make_stack, fixtures_dir):
+    recording = load_recording(fixtures_dir / "opencode" / "logs" / "03_step_limit_ignored.jsonl")
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(responder=RecordedResponder(recording)),
+        parent_resolution="source_history",
+    )
+    calls = await replay(
+        recording, str(stack.client.make_url("/ng-rollout/r1/training-token-capture/v1"))
+    )
+    seq_of = {c.call_id: c.seq for c in calls}
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[seq_of[c["call_id"]] for c in ch["calls"]] for ch in chains["chains"]] == [
+        [1],
+        [2, 3, 4],
+        [5],
+        [6],
+        [7],
+    ]
+    after_note = [c for ch in chains["chains"] for c in ch["calls"] if seq_of[c["call_id"]] >= 5]
+    for call in after_note:
+        # Not even tried: no token verification, so no mismatch diagnostic, just the reason.
+        assert call["linking"]["verdict"] == "unresolved"
+        assert "harness note" in call["linking"]["reason"]
+        assert [d["kind"] for d in call["diagnostics"]] == ["harness_note_rewritten"]
+
+
+async def test_links_survive_a_proxy_restart(make_stack, stack: Stack):
+    first_id, message = await _step(stack, "r1", list(USER))
+    # A second proxy on the same store has an empty index: it must load it from the store.
+    stack2 = await make_stack()
+    assert stack2.store_dir == stack.store_dir
+    messages = [
+        *USER,
+        _echo(message),
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "x"},
+    ]
+    child_id, _ = await _step(stack2, "r1", messages)
+    child = await stack2.get_json(f"/captures/calls/{child_id}")
+    assert child["parent_call_id"] == first_id and child["linking"]["verdict"] == "resolved"
