@@ -29,6 +29,7 @@ def _serve(args: argparse.Namespace) -> int:
         "store": args.store,
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_level": args.log_level,
+        "parent_resolution": args.parent_resolution,
     }
     try:
         settings = load_settings(cli_values, args.config)
@@ -67,6 +68,21 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from capture_proxy.demo import run_replay
+
+    return asyncio.run(
+        run_replay(
+            args.recording,
+            proxy_url=args.proxy,
+            rollout_id=args.rollout,
+            template=args.template,
+            parent_resolution=args.parent_resolution,
+            store_dir=args.store,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="capture-proxy",
@@ -83,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
     serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument(
+        "--parent-resolution",
+        dest="parent_resolution",
+        choices=["captured_tokens", "source_history"],
+        help="how a call after a rewritten harness note is linked (default captured_tokens)",
+    )
     serve.add_argument("--config", type=Path, help="TOML file with the same settings")
     serve.set_defaults(func=_serve)
 
@@ -109,6 +131,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--policy", type=Path, help="policy JSON for the scripted engine")
     demo.set_defaults(func=_demo)
+
+    rep = sub.add_parser(
+        "replay",
+        help="replay a recorded harness session through the proxy and print the chains",
+    )
+    rep.add_argument("recording", type=Path, help="JSONL recording (shared/fixtures format)")
+    rep.add_argument(
+        "--proxy",
+        help="send to this running proxy (e.g. http://127.0.0.1:8080) instead of an in-process "
+        "proxy + scripted engine that answers what the recording answered",
+    )
+    rep.add_argument("--rollout", default=None, help="rollout id (default: replay-<unix time>)")
+    rep.add_argument(
+        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    rep.add_argument(
+        "--parent-resolution",
+        default="captured_tokens",
+        choices=["captured_tokens", "source_history"],
+    )
+    rep.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
+    rep.set_defaults(func=_replay)
     return parser
 
 

@@ -22,6 +22,7 @@ from aiohttp import web
 from capture_proxy.config import Settings
 from capture_proxy.harnesses.opencode import find_opencode, run_opencode
 from capture_proxy.proxy.app import build_proxy_app
+from capture_proxy.replay import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.store.sqlite import SQLiteStore
@@ -198,3 +199,59 @@ async def run_demo(
     finally:
         await proxy.runner.cleanup()
         await engine.runner.cleanup()
+
+
+async def _print_rollout(proxy_url: str, rollout_id: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
+        async with http.get(f"{proxy_url}/captures/rollouts/{rollout_id}") as resp:
+            summary = await resp.json()
+        async with http.get(f"{proxy_url}/captures/rollouts/{rollout_id}/chains") as resp:
+            chains = await resp.json()
+    print_chains(chains, summary)
+    print(f"  linking: {summary['linking']}")
+    return chains
+
+
+async def run_replay(
+    recording_path: Path,
+    *,
+    proxy_url: str | None = None,
+    rollout_id: str | None = None,
+    template: str = "keep_reasoning",
+    parent_resolution: str = "captured_tokens",
+    store_dir: Path | None = None,
+) -> int:
+    """Replay a recording (see ``capture_proxy.replay``) and print the captured chains."""
+    try:
+        recording = load_recording(recording_path)
+    except (OSError, ValueError) as exc:
+        print(f"replay: {exc}")
+        return 2
+    rollout_id = rollout_id or f"replay-{int(time.time())}"
+    if proxy_url is not None:
+        base = f"{proxy_url.rstrip('/')}/ng-rollout/{rollout_id}/training-token-capture/v1"
+        calls = await replay(recording, base)
+        print(f"replayed {len(calls)} requests: {[c.status for c in calls]}")
+        await _print_rollout(proxy_url.rstrip("/"), rollout_id)
+        return 0 if all(c.status == 200 for c in calls) else 1
+    with tempfile.TemporaryDirectory(prefix="capture-proxy-replay-") as tmp:
+        store = store_dir or Path(tmp) / "store"
+        config = ScriptedEngineConfig(
+            responder=RecordedResponder(recording), tokenizer_template=template
+        )
+        engine = await _serve(build_scripted_engine_app(config))
+        settings = Settings.model_validate(
+            {"backend": engine.url, "store": store, "parent_resolution": parent_resolution}
+        )
+        proxy = await _serve(build_proxy_app(settings, SQLiteStore(store)))
+        try:
+            base = f"{proxy.url}/ng-rollout/{rollout_id}/training-token-capture/v1"
+            calls = await replay(recording, base)
+            print(f"replayed {len(calls)} requests of {recording_path.name} ({template})")
+            for call in calls:
+                print(f"  seq {call.seq}: {call.status} {call.call_id} {call.classification}")
+            await _print_rollout(proxy.url, rollout_id)
+            return 0 if all(c.status == 200 for c in calls) else 1
+        finally:
+            await proxy.runner.cleanup()
+            await engine.runner.cleanup()
