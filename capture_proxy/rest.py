@@ -8,6 +8,7 @@ named by the call's ``non_finite_logprob`` diagnostic (JSON has no NaN).
 
 from __future__ import annotations
 
+import io
 import math
 from collections import Counter
 from typing import Any
@@ -17,6 +18,7 @@ from aiohttp import web
 from capture_proxy.core.chains import RolloutChains, build_chains
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
+from capture_proxy.core.samples import write_archive
 from capture_proxy.core.summary import link_stats
 from capture_proxy.proxy.errors import BadRequest, NotFound
 from capture_proxy.proxy.recorder import Recorder
@@ -157,8 +159,26 @@ async def get_rollout(request: web.Request) -> web.Response:
 
 
 async def get_rollout_chains(request: web.Request) -> web.Response:
+    """JSON by default; ``?format=npz``: a zip of one ``.npz`` per chain path plus
+    ``manifest.json`` for training loaders (see ``core.samples``, ``readers.load_chains``)."""
+    fmt = request.query.get("format", "json")
+    if fmt not in ("json", "npz"):
+        raise BadRequest("format must be json or npz", param="format", code="invalid_format")
     info, records, chains = await _load(request)
     recorder = request.app[RECORDER_KEY]
+    if fmt == "npz":
+        buf = io.BytesIO()
+        extra = {
+            "unlinked_call_ids": [r.call_id for r in chains.unlinked],
+            "incomplete": _incomplete(info, recorder),
+        }
+        write_archive(chains, buf, extra)
+        disposition = f'attachment; filename="{info.rollout_id}.chains.zip"'
+        return web.Response(
+            body=buf.getvalue(),
+            content_type="application/zip",
+            headers={"Content-Disposition": disposition},
+        )
     body = {
         "rollout_id": info.rollout_id,
         "chains": [
@@ -189,8 +209,17 @@ async def get_call(request: web.Request) -> web.Response:
     return web.json_response(call_json(record, parent_call_id=parent_call_id, detail=True))
 
 
+async def delete_rollout(request: web.Request) -> web.Response:
+    """Delete a rollout's calls and leave a tombstone, so a late or retried call cannot
+    resurrect it (it is refused and the harness still gets its answer). Idempotent."""
+    rollout_id = _rollout_id(request)
+    deleted = await request.app[STORE_KEY].delete_rollout(rollout_id)
+    return web.json_response({"rollout_id": rollout_id, "deleted_calls": deleted})
+
+
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/captures/rollouts", list_rollouts)
     app.router.add_get("/captures/rollouts/{rollout_id}", get_rollout)
     app.router.add_get("/captures/rollouts/{rollout_id}/chains", get_rollout_chains)
     app.router.add_get("/captures/calls/{call_id}", get_call)
+    app.router.add_delete("/captures/rollouts/{rollout_id}", delete_rollout)

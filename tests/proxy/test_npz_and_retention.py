@@ -1,0 +1,100 @@
+"""Tier 2: routed experts through the proxy, the npz read form against the JSON form, and
+deleting a rollout (tombstone) over REST."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from capture_proxy.readers import load_chains
+from capture_proxy.scripted_engine import ScriptedEngineConfig
+from capture_proxy.scripted_engine.moe import expert_rows
+from tests.proxy.conftest import MakeStack
+from tests.proxy.test_capture import USER, _body
+from tests.proxy.test_chains_rest import TITLE_REQUEST, _echo
+
+MOE = (4, 2, 64)
+
+
+async def _session(stack, rollout: str, steps: int = 3) -> list[str]:
+    title = await stack.chat(rollout, {**TITLE_REQUEST, "stream": False})
+    await title.read()
+    messages = list(USER)
+    ids = []
+    for step in range(steps):
+        resp = await stack.chat(rollout, _body(messages))
+        assert resp.status == 200
+        ids.append(resp.headers["X-Capture-Call-Id"])
+        body = await resp.json()
+        assert "routed_experts" not in body["choices"][0]  # stripped: the harness did not ask
+        message = body["choices"][0]["message"]
+        messages.append(_echo(message))
+        for tc in message.get("tool_calls") or []:
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": f"out {step}"})
+    return ids
+
+
+async def test_npz_agrees_with_json_exactly(make_stack: MakeStack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(moe=MOE))
+    agent_ids = await _session(stack, "moe-1")
+    chains = await stack.get_json("/captures/rollouts/moe-1/chains")
+    resp = await stack.client.get("/captures/rollouts/moe-1/chains?format=npz")
+    assert resp.status == 200 and resp.content_type == "application/zip"
+    samples = load_chains(await resp.read())
+    assert [(s.chain_id, s.call_ids) for s in samples] == [
+        (ch["chain_id"], [c["call_id"] for c in ch["calls"]]) for ch in chains["chains"]
+    ]
+    assert samples[1].call_ids == agent_ids
+    for sample, chain in zip(samples, chains["chains"], strict=True):
+        calls = chain["calls"]
+        leaf = calls[-1]
+        a = sample.arrays
+        assert a["input_ids"].dtype == np.uint32
+        assert a["input_ids"].tolist() == leaf["prompt_token_ids"] + leaf["generation_token_ids"]
+        mask = np.zeros(len(a["input_ids"]), np.uint8)
+        log_probs = np.zeros(len(a["input_ids"]), np.float32)
+        for c in calls:
+            start = c["num_prompt_tokens"]
+            end = start + c["num_generation_tokens"]
+            mask[start:end] = 1
+            log_probs[start:end] = [math.nan if v is None else v for v in c["generation_log_probs"]]
+            # Every call's rows are what the engine computed for its tokens.
+            rows = np.asarray(c["routed_experts"])
+            full = c["prompt_token_ids"] + c["generation_token_ids"]
+            assert c["routed_experts_start"] == 0
+            assert np.array_equal(rows, expert_rows(full, MOE))
+        assert a["loss_mask"].tolist() == mask.tolist()
+        assert a["log_probs"].tobytes() == log_probs.tobytes()
+        # Aligned rows: the first call covering a position; the engine's rows agree anyway.
+        seq = leaf["prompt_token_ids"] + leaf["generation_token_ids"]
+        want = expert_rows(seq, MOE)
+        assert a["routed_experts"].dtype == np.uint8
+        assert np.array_equal(a["routed_experts"][:-1], want)
+        assert a["routed_experts_mask"].tolist() == [1] * (len(seq) - 1) + [0]
+
+
+async def test_unknown_format_is_400(stack):
+    await _session(stack, "fmt", steps=1)
+    resp = await stack.client.get("/captures/rollouts/fmt/chains?format=parquet")
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "format"
+
+
+async def test_delete_leaves_a_tombstone_and_late_calls_still_answer(stack):
+    await _session(stack, "gone", steps=1)
+    resp = await stack.client.delete("/captures/rollouts/gone")
+    assert resp.status == 200
+    assert await resp.json() == {"rollout_id": "gone", "deleted_calls": 2}
+    await stack.get_json("/captures/rollouts/gone", status=404)
+    # A late call for the deleted rollout: the harness gets its answer, nothing is stored.
+    resp = await stack.chat("gone", _body(list(USER)))
+    assert resp.status == 200
+    assert (await resp.json())["choices"][0]["message"]
+    await stack.get_json("/captures/rollouts/gone", status=404)
+    health = await stack.get_json("/health")
+    assert health["capture"]["store_failures"] == 1
+    resp = await stack.client.delete("/captures/rollouts/gone")
+    assert (await resp.json())["deleted_calls"] == 0
+    resp = await stack.client.delete("/captures/rollouts/..bad")
+    assert resp.status == 400
