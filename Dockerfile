@@ -1,0 +1,47 @@
+# capture-proxy as a sidecar container next to an inference engine.
+#
+#   docker build -t capture-proxy .
+#   docker run -d --name capture-proxy -p 8080:8080 -v capture-store:/data \
+#       -e CAPTURE_PROXY_BACKEND=http://vllm:8000 capture-proxy
+#
+# The base image is a build argument: any Debian-like image with Python 3.11+ and its venv
+# module (the default official slim image, or a locally built one where no registry is
+# reachable; scripts/container-test builds localhost/debian-py:bookworm with debootstrap).
+ARG BASE=python:3.12-slim-bookworm
+
+# Build stage: install the package and its runtime dependencies (no test tools) into a venv.
+FROM ${BASE} AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY capture_proxy ./capture_proxy
+COPY harness_notes ./harness_notes
+RUN python3 -m venv /opt/capture-proxy \
+ && /opt/capture-proxy/bin/pip install --no-compile . \
+ && /opt/capture-proxy/bin/pip uninstall -y pip \
+ && find /opt/capture-proxy -name '__pycache__' -prune -exec rm -rf {} +
+
+# Runtime stage: the base image plus the venv; no build tools, no source tree.
+FROM ${BASE}
+COPY --from=build /opt/capture-proxy /opt/capture-proxy
+RUN (getent group capture >/dev/null || groupadd --system --gid 10001 capture) \
+ && useradd --system --uid 10001 --gid capture --home-dir /data --no-create-home \
+        --shell /usr/sbin/nologin capture \
+ && mkdir -p /data /etc/capture-proxy \
+ && chown capture:capture /data
+ENV PATH=/opt/capture-proxy/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/data \
+    CAPTURE_PROXY_HOST=0.0.0.0 \
+    CAPTURE_PROXY_PORT=8080 \
+    CAPTURE_PROXY_STORE=/data/capture-store
+# Optional settings file: mount one here and set CAPTURE_PROXY_CONFIG=/etc/capture-proxy/capture-proxy.toml
+# (flags and CAPTURE_PROXY_* variables still win over it).
+VOLUME ["/data"]
+USER capture
+WORKDIR /data
+EXPOSE 8080
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('CAPTURE_PROXY_PORT', '8080'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=2).status == 200 else 1)"]
+ENTRYPOINT ["capture-proxy", "serve"]
