@@ -7,6 +7,12 @@ Step selection: index = number of assistant messages after the LAST user message
 agent call of one user turn advances one step and a new user turn restarts at step 0. Past
 the last step the engine answers with ``final``. A request without ``tools`` is a side
 request (e.g. a harness's title request) and gets ``title``.
+
+Rules (optional ``rules``) are checked in order before all of that: the first rule whose
+``when_last_message_contains`` occurs in the text of the LAST message of the request (any
+role; string content, or the text parts of a part list) answers with its ``step``. This lets a
+scripted model obey a harness note, e.g. OpenCode's step-limit note once the proxy has
+forwarded it as a user message (after which step selection alone would restart at step 0).
 """
 
 from __future__ import annotations
@@ -78,13 +84,22 @@ class Step(BaseModel):
         return msg
 
 
+class Rule(BaseModel):
+    """Answer with ``step`` when the last message's text contains ``when_last_message_contains``."""
+
+    model_config = ConfigDict(extra="forbid")
+    when_last_message_contains: str = Field(min_length=1)
+    step: Step
+
+
 class Policy(BaseModel):
-    """A policy file: ``{"title", "steps": [Step...], "final"}``."""
+    """A policy file: ``{"title", "steps": [Step...], "final", "rules"?: [Rule...]}``."""
 
     model_config = ConfigDict(extra="forbid")
     title: str = "Scripted session"
     steps: list[Step] = Field(default_factory=list)
     final: str = "Done."
+    rules: list[Rule] = Field(default_factory=list)
 
     @classmethod
     def load(cls, path: Path) -> Policy:
@@ -98,6 +113,11 @@ class Policy(BaseModel):
 
     def choose(self, messages: Sequence[Mapping[str, Any]], has_tools: bool) -> Step:
         """The step answering a request with these messages (see module docstring)."""
+        if self.rules and messages:
+            text = message_text(messages[-1])
+            for rule in self.rules:
+                if rule.when_last_message_contains in text:
+                    return rule.step
         if not has_tools:
             return Step(content=self.title)
         index = step_index(messages)
@@ -110,6 +130,20 @@ def step_index(messages: Sequence[Mapping[str, Any]]) -> int:
     """Number of assistant messages after the last user message (all of them if none)."""
     last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=-1)
     return sum(1 for m in messages[last_user + 1 :] if m.get("role") == "assistant")
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text of a message's content: a string as is, the ``text`` of text parts joined."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            p["text"]
+            for p in content
+            if isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        )
+    return ""
 
 
 def tool_call_id(seed: str, index: int) -> str:

@@ -1,11 +1,13 @@
 """Policy file format and step choice (pure, no event loop)."""
 
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from capture_proxy.scripted_engine.policy import Policy, Step, step_index, tool_call_id
+from harness_notes.opencode import STEP_LIMIT_NOTE_TEXT
 
 POLICY = Policy.model_validate(
     {
@@ -67,3 +69,45 @@ def test_default_policy_and_file_loading(tmp_path):
 def test_unknown_fields_are_refused():
     with pytest.raises(ValidationError):
         Policy.model_validate({"steps": [{"contents": "typo"}]})
+
+
+RULED = Policy.model_validate(
+    {
+        "steps": [{"tool_calls": [{"name": "read", "arguments": {"filePath": "n"}}]}] * 3,
+        "rules": [
+            {"when_last_message_contains": "MAXIMUM STEPS", "step": {"content": "stopping"}},
+            {"when_last_message_contains": "STEPS", "step": {"content": "never: first wins"}},
+            {"when_last_message_contains": "ping", "step": {"content": "pong"}},
+        ],
+    }
+)
+NOTE = {"role": "user", "content": "CRITICAL - MAXIMUM STEPS REACHED\n\nRespond with text only."}
+
+
+def test_rules_match_the_last_message_in_order_before_step_selection():
+    # the note forwarded as a user message: without the rule, step 0 (a tool call) again
+    assert RULED.choose([U, A, T, A, T, NOTE], True) == Step(content="stopping")
+    assert RULED.choose([U, A, T, A, T, {**NOTE, "role": "assistant"}], True).content == (
+        "stopping"
+    )
+    assert RULED.choose([U, A, T, A, T], True).tool_calls  # no match: step selection
+    assert RULED.choose([NOTE, A, T], True).tool_calls  # only the LAST message counts
+    parts = {
+        "role": "tool",
+        "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "ping"}],
+    }
+    assert RULED.choose([U, A, parts], True).content == "pong"  # any role, text parts joined
+    assert RULED.choose([U, {"role": "assistant", "content": None}], True).tool_calls
+    assert RULED.choose([NOTE], False).content == "stopping"  # rules come before the title
+    assert RULED.choose([], True).tool_calls
+    with pytest.raises(ValidationError):
+        Policy.model_validate({"rules": [{"when_last_message_contains": "", "step": {}}]})
+
+
+def test_opencode_step_limit_policy_obeys_the_note():
+    root = Path(__file__).resolve().parents[2]
+    policy = Policy.load(root / "capture_proxy" / "policies" / "opencode_step_limit.json")
+    assert all(s.tool_calls for s in policy.steps)
+    note = {"role": "user", "content": STEP_LIMIT_NOTE_TEXT}
+    answer = policy.choose([U, A, T, A, T, note], True)
+    assert answer.content and not answer.tool_calls
