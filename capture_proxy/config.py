@@ -60,6 +60,31 @@ class Settings(BaseSettings):
         "decides); source_history: a parent whose prompt carried a rewritten note is not taken, "
         "so each call past a step limit starts a new chain",
     )
+    prompt_mode: Literal["backend_template", "exact_tokens"] = Field(
+        "backend_template",
+        description="backend_template: the engine renders the chat template; exact_tokens: the "
+        "proxy builds the prompt from the parent's own tokens and calls the tokens-in endpoint",
+    )
+    prompt_mode_by_model: dict[str, Literal["backend_template", "exact_tokens"]] = Field(
+        default_factory=dict, description="per-model override of prompt_mode"
+    )
+    tokenizer: Path | None = Field(
+        None,
+        description="local HF tokenizer directory with the model's chat template (exact_tokens); "
+        "unset: render with the engine's /tokenize",
+    )
+    tokens_in_dialect: Literal["vllm_completions", "vllm_generate", "sglang_generate"] = Field(
+        "vllm_completions", description="the engine endpoint that takes token ids (exact_tokens)"
+    )
+    output_parser: Literal["qwen"] = Field(
+        "qwen", description="model family whose output format turns tokens back into a message"
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="context length in tokens; unset: the engine's /v1/models"
+    )
+    end_of_turn_token: str = Field(
+        "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
+    )
     log_level: str = "INFO"
 
     @field_validator("backend")
@@ -68,6 +93,17 @@ class Settings(BaseSettings):
         if value.query or value.fragment:
             raise ValueError("backend URL must not carry a query or fragment")
         return value
+
+    def prompt_mode_for(self, model: str | None) -> str:
+        """The prompt mode for a request's ``model``."""
+        return self.prompt_mode_by_model.get(model or "", self.prompt_mode)
+
+    @property
+    def uses_exact_tokens(self) -> bool:
+        return (
+            self.prompt_mode == "exact_tokens"
+            or "exact_tokens" in self.prompt_mode_by_model.values()
+        )
 
     @property
     def backend_base(self) -> str:

@@ -1,7 +1,6 @@
 """The Qwen tokenizer build, its cache, our templates and the generation-prefix property."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -111,10 +110,8 @@ def test_cache_is_built_once_then_reused(tmp_path):
     assert built.is_file()
     assert [p.name for p in tmp_path.iterdir()] == [qwen_cache_name()]  # no temp dirs left
     mtime = built.stat().st_mtime_ns
-    start = time.monotonic()
     again = load_qwen_tokenizer(tmp_path, template="drop_reasoning")
-    assert time.monotonic() - start < 1.5  # a load, not a build (budget: < 1 s on a dev box)
-    assert built.stat().st_mtime_ns == mtime
+    assert built.stat().st_mtime_ns == mtime  # loaded, not rebuilt
     assert again.encode("café 日本") == tok.encode("café 日本")
     assert again.chat_template == load_chat_template("drop_reasoning")
 

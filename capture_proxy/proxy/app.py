@@ -17,13 +17,17 @@ from aiohttp import web
 
 from capture_proxy import __version__, rest
 from capture_proxy.config import Settings
+from capture_proxy.core.engine_formats import get_dialect
+from capture_proxy.core.parsers import get_parser
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 from capture_proxy.proxy.capture import CHAT_COMPLETIONS_PATH, CaptureDeps, handle_captured_chat
 from capture_proxy.proxy.errors import BadRequest, NotFound, PayloadTooLarge, error_middleware
+from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.upstream import make_client_session
+from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
 from capture_proxy.store.base import CaptureStore
 from harness_notes import NoteRegistry, default_registry
 
@@ -33,6 +37,7 @@ SETTINGS_KEY = web.AppKey("settings", Settings)
 SESSION_KEY = web.AppKey("upstream_session", aiohttp.ClientSession)
 LINKER_KEY = web.AppKey("linker", Linker)
 NOTES_KEY = web.AppKey("harness_notes", NoteRegistry)
+EXACT_KEY = web.AppKey("exact_tokens", ExactTokens)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -71,6 +76,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             request.app[rest.RECORDER_KEY],
             request.app[LINKER_KEY],
             request.app[NOTES_KEY],
+            exact=request.app.get(EXACT_KEY),
+            exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
         )
         response = await handle_captured_chat(request, target, raw_body, deps)
     else:
@@ -116,11 +123,38 @@ async def unknown_captures_path(request: web.Request) -> web.Response:
     raise NotFound(f"no such read API path: {request.path}", code="not_found")
 
 
+def make_exact_tokens(
+    settings: Settings, session: aiohttp.ClientSession, renderer: ChatRenderer | None = None
+) -> ExactTokens:
+    """Exact-token machinery from settings: a local tokenizer when ``tokenizer`` is set, else
+    the engine's ``/tokenize``. Raises RenderError when the tokenizer cannot be loaded."""
+    end_of_turn_ids = None
+    if renderer is None and settings.tokenizer is not None:
+        local = LocalRenderer.from_directory(settings.tokenizer)
+        token_id = local.tokenizer.convert_tokens_to_ids(settings.end_of_turn_token)
+        if not isinstance(token_id, int) or token_id == local.tokenizer.unk_token_id:
+            raise RenderError(f"end_of_turn_token {settings.end_of_turn_token!r} is not one token")
+        end_of_turn_ids = frozenset({token_id})
+        renderer = local
+    return ExactTokens(
+        renderer or EngineRenderer(session, settings.backend_base),
+        get_parser(settings.output_parser),
+        get_dialect(settings.tokens_in_dialect),
+        max_model_len=settings.max_model_len,
+        end_of_turn_ids=end_of_turn_ids,
+        end_of_turn_token=settings.end_of_turn_token,
+    )
+
+
 def build_proxy_app(
-    settings: Settings, store: CaptureStore, notes: NoteRegistry | None = None
+    settings: Settings,
+    store: CaptureStore,
+    notes: NoteRegistry | None = None,
+    renderer: ChatRenderer | None = None,
 ) -> web.Application:
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
-    registry (default: every registered harness)."""
+    registry (default: every registered harness); ``renderer``: exact-token renderer override
+    (default: from settings)."""
     app = web.Application(
         middlewares=[error_middleware], client_max_size=settings.max_request_body_bytes
     )
@@ -135,6 +169,8 @@ def build_proxy_app(
     async def resources(app: web.Application) -> AsyncIterator[None]:
         await store.open()
         app[SESSION_KEY] = make_client_session(settings)
+        if settings.uses_exact_tokens:
+            app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
         try:
             yield
         finally:

@@ -16,8 +16,9 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -40,6 +41,9 @@ from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_bo
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers, translate_client_error
+
+if TYPE_CHECKING:
+    from capture_proxy.proxy.exact import ExactTokens
 
 log = logging.getLogger("capture_proxy")
 
@@ -65,10 +69,13 @@ class CaptureDeps:
     recorder: Recorder
     linker: Linker
     notes: NoteMatcher | None
+    #: exact-token machinery, and which models use it (None: the proxy-wide prompt mode)
+    exact: ExactTokens | None = None
+    exact_for_model: Callable[[str | None], bool] = lambda model: False
 
 
 @dataclass(frozen=True)
-class _Call:
+class InFlightCall:
     """One captured call in flight: its context, prepared request and request-time verdict."""
 
     ctx: CallContext
@@ -111,7 +118,7 @@ def _decoder(deps: CaptureDeps, model: str | None) -> Any:
     return decode
 
 
-async def _finish(deps: CaptureDeps, call: _Call, record: CallRecord) -> None:
+async def finish_call(deps: CaptureDeps, call: InFlightCall, record: CallRecord) -> None:
     """Verify the link, persist, make the call findable. Never raises."""
     try:
         record = await deps.linker.verify(
@@ -135,7 +142,7 @@ async def _finish(deps: CaptureDeps, call: _Call, record: CallRecord) -> None:
             log.error("call %s: indexing failed: %s", record.call_id, exc)
 
 
-def _upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dict[str, str]:
+def upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dict[str, str]:
     headers = dict(forwardable_headers(request.headers, drop=("accept-encoding", "content-type")))
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"
@@ -145,7 +152,7 @@ def _upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> di
     return headers
 
 
-def _elapsed_ms(t0: float) -> float:
+def elapsed_ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
@@ -173,9 +180,13 @@ async def handle_captured_chat(
         upstream_path=route.upstream_path,
         request_body=prepared.body,
     )
-    call = _Call(ctx, prepared, resolution, request.headers.get(RETRY_COUNT_HEADER))
+    call = InFlightCall(ctx, prepared, resolution, request.headers.get(RETRY_COUNT_HEADER))
+    if deps.exact is not None and deps.exact_for_model(body.get("model")):
+        from capture_proxy.proxy.exact import handle_exact_tokens
+
+        return await handle_exact_tokens(request, call, deps, deps.exact)
     url = deps.backend + route.upstream_path
-    headers = _upstream_headers(request, ctx.call_id, route.rollout_id)
+    headers = upstream_headers(request, ctx.call_id, route.rollout_id)
     t0 = time.perf_counter()
     try:
         upstream = await deps.session.post(
@@ -186,24 +197,24 @@ async def handle_captured_chat(
         )
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
-        await _finish(
+        await finish_call(
             deps,
             call,
-            failed_record(ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=None),
+            failed_record(ctx, reason=err.message, latency_ms=elapsed_ms(t0), http_status=None),
         )
         raise err from exc
 
     async with upstream:
         if upstream.status >= 400:
-            return await _engine_error(upstream, call, deps, t0)
+            return await relay_engine_error(upstream, call, deps, t0)
         content_type = upstream.headers.get("Content-Type", "")
         if stream and content_type.startswith("text/event-stream"):
             return await _relay_stream(request, upstream, call, asked, deps, t0)
         return await _relay_json(upstream, call, asked, deps, t0)
 
 
-async def _engine_error(
-    upstream: aiohttp.ClientResponse, call: _Call, deps: CaptureDeps, t0: float
+async def relay_engine_error(
+    upstream: aiohttp.ClientResponse, call: InFlightCall, deps: CaptureDeps, t0: float
 ) -> web.Response:
     """Pass an engine 4xx/5xx through in OpenAI's error shape; record the call as failed."""
     ctx = call.ctx
@@ -222,17 +233,17 @@ async def _engine_error(
         error_type = "invalid_request_error" if upstream.status < 500 else "upstream_error"
         payload = error_body(f"engine returned {upstream.status}: {message}", error_type)
     reason = f"engine returned HTTP {upstream.status}"
-    await _finish(
+    await finish_call(
         deps,
         call,
-        failed_record(ctx, reason=reason, latency_ms=_elapsed_ms(t0), http_status=upstream.status),
+        failed_record(ctx, reason=reason, latency_ms=elapsed_ms(t0), http_status=upstream.status),
     )
     return web.json_response(payload, status=upstream.status, headers={CALL_ID_HEADER: ctx.call_id})
 
 
 async def _relay_json(
     upstream: aiohttp.ClientResponse,
-    call: _Call,
+    call: InFlightCall,
     asked: Any,
     deps: CaptureDeps,
     t0: float,
@@ -242,22 +253,22 @@ async def _relay_json(
         raw = await upstream.read()
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
-        await _finish(
+        await finish_call(
             deps,
             call,
             failed_record(
-                ctx, reason=err.message, latency_ms=_elapsed_ms(t0), http_status=upstream.status
+                ctx, reason=err.message, latency_ms=elapsed_ms(t0), http_status=upstream.status
             ),
         )
         raise err from exc
-    latency_ms = _elapsed_ms(t0)
+    latency_ms = elapsed_ms(t0)
     try:
         payload = json.loads(raw)
         if not isinstance(payload, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
         reason = f"engine sent a body that is not a JSON object ({len(raw)} bytes): {exc}"
-        await _finish(
+        await finish_call(
             deps,
             call,
             failed_record(ctx, reason=reason, latency_ms=latency_ms, http_status=upstream.status),
@@ -266,7 +277,7 @@ async def _relay_json(
     assembler = ChatCaptureAssembler(ctx)
     assembler.add_response(payload)
     record = assembler.finish(latency_ms=latency_ms, http_status=upstream.status)
-    await _finish(deps, call, record)
+    await finish_call(deps, call, record)
     return web.json_response(
         strip_chat_response(payload, asked),
         status=upstream.status,
@@ -278,7 +289,7 @@ async def _relay_json(
 async def _relay_stream(
     request: web.Request,
     upstream: aiohttp.ClientResponse,
-    call: _Call,
+    call: InFlightCall,
     asked: Any,
     deps: CaptureDeps,
     t0: float,
@@ -343,7 +354,7 @@ async def _relay_stream(
     except UnicodeDecodeError as exc:
         upstream_problem = f"engine stream is not UTF-8: {exc.reason}"
 
-    record = assembler.finish(latency_ms=_elapsed_ms(t0), http_status=upstream.status)
+    record = assembler.finish(latency_ms=elapsed_ms(t0), http_status=upstream.status)
     reasons = []
     if client_gone:
         reasons.append("client disconnected before the stream ended")
@@ -353,7 +364,7 @@ async def _relay_stream(
         reasons.append("engine stream ended without [DONE]")
     if reasons:
         record = _mark_incomplete(record, reasons)
-    await _finish(deps, call, record)
+    await finish_call(deps, call, record)
 
     if upstream_problem and not client_gone:
         # Headers are sent; the status can no longer change: tell the harness in-band.

@@ -1,0 +1,93 @@
+"""The parser interface and the message it produces. Pure."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+def tool_call_id(seed: str, index: int) -> str:
+    """OpenAI-format tool-call id: ``call_`` + 24 hex chars, deterministic in (seed, index), so
+    a streamed and a non-streamed parse of one call agree."""
+    return "call_" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:24]
+
+
+@dataclass
+class ParsedMessage:
+    """An assistant message: ``content`` ("" when none), ``reasoning`` (None when none),
+    ``tool_calls`` in OpenAI shape (``{id, type, function: {name, arguments}}``)."""
+
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_openai(self) -> dict[str, Any]:
+        """Chat-completions ``message`` as vLLM sends it: content null when empty with tool
+        calls; ``reasoning_content`` only when there is reasoning."""
+        msg: dict[str, Any] = {
+            "role": "assistant",
+            "content": self.content or (None if self.tool_calls else ""),
+        }
+        if self.reasoning is not None:
+            msg["reasoning_content"] = self.reasoning
+        msg["tool_calls"] = self.tool_calls
+        return msg
+
+
+@dataclass(frozen=True)
+class MessageDelta:
+    """One streamed delta: exactly one of content, reasoning, tool_call is set. ``tool_call``
+    is an OpenAI ``delta.tool_calls[]`` entry (``index``, and ``id``/``type``/``function``)."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_call: dict[str, Any] | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        if self.content is not None:
+            return {"content": self.content}
+        if self.reasoning is not None:
+            return {"reasoning_content": self.reasoning}
+        return {"tool_calls": [self.tool_call]}
+
+
+class StreamParser(Protocol):
+    def feed(self, text: str) -> list[MessageDelta]:
+        """Text as it is generated; returns what can be decided, holding back only what the
+        parser must see more of (a partial ``<tool_call>``)."""
+
+    def finish(self) -> list[MessageDelta]:
+        """End of generation: flush whatever was held back."""
+
+
+class OutputParser(Protocol):
+    family: str
+
+    def stream(self, id_seed: str) -> StreamParser: ...
+
+    def parse(self, text: str, id_seed: str) -> ParsedMessage: ...
+
+
+def apply_deltas(deltas: list[MessageDelta]) -> ParsedMessage:
+    """Concatenate deltas into a message (what a client does with a stream)."""
+    msg = ParsedMessage()
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.content is not None:
+            msg.content += d.content
+        elif d.reasoning is not None:
+            msg.reasoning = (msg.reasoning or "") + d.reasoning
+        elif d.tool_call is not None:
+            tc = d.tool_call
+            slot = calls.setdefault(
+                tc["index"],
+                {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+            )
+            if tc.get("id"):
+                slot["id"] = tc["id"]
+            fn = tc.get("function") or {}
+            slot["function"]["name"] += fn.get("name") or ""
+            slot["function"]["arguments"] += fn.get("arguments") or ""
+    msg.tool_calls = [calls[i] for i in sorted(calls)]
+    return msg

@@ -1,0 +1,136 @@
+"""Exact-token prompts: the parent's own tokens, then the rendering of only the new messages.
+
+Owns the splice of DESIGN.md ("exact-token prompt"): for a child call whose parent was resolved
+by digest, the prompt sent to the engine is
+
+    parent prompt ids + parent generation ids [+ end-of-turn id if the parent stopped without
+    one] + the full render from the end of the parent's turn on
+
+so the model always sees the tokens it sampled, never a re-tokenisation or a re-rendering of
+them. The full render's separator after the parent's end-of-turn token (Qwen: ``\\n`` after
+``<|im_end|>``, which the model never generates) is part of the new tail, as are tool results,
+user turns, a rewritten harness note and the generation prompt. Pure: renders are passed in.
+
+It refuses (``SpliceRefused``) when the request's history is not an extension of the parent's:
+the messages before the parent's output differ from what the parent was asked (a harness edited,
+pruned or compacted earlier turns), or the renders do not line up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from capture_proxy.core.linking import canonical_turn
+
+TOKEN_DTYPE = np.uint32
+
+
+class SpliceRefused(ValueError):
+    """The history is not an extension of the parent's; ``reason`` names why and ``message_index``
+    the first differing message (None when the renders, not the messages, disagree)."""
+
+    def __init__(self, reason: str, message_index: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.message_index = message_index
+
+
+def _comparable(message: Mapping[str, Any]) -> Any:
+    if message.get("role") == "assistant":
+        return ("assistant", canonical_turn(message))
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return (message.get("role"), content or "", message.get("tool_call_id"), message.get("name"))
+
+
+def parent_turn_index(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Index of the parent's output turn: the last assistant message. Raises SpliceRefused."""
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "assistant":
+            return i
+    raise SpliceRefused("the request has no assistant turn to continue")
+
+
+def check_extension(
+    parent_messages: Sequence[Mapping[str, Any]], child_messages: Sequence[Mapping[str, Any]]
+) -> int:
+    """Check that ``child_messages`` = the parent's request messages (harness notes left out,
+    as for linking) + the parent's output turn + new messages. Returns the index of the parent's
+    output turn in ``child_messages``. Raises SpliceRefused naming the first differing message.
+    """
+    j = parent_turn_index(child_messages)
+    if j != len(parent_messages):
+        n = min(j, len(parent_messages))
+        first = next(
+            (
+                i
+                for i in range(n)
+                if _comparable(parent_messages[i]) != _comparable(child_messages[i])
+            ),
+            n,
+        )
+        raise SpliceRefused(
+            f"history has {j} messages before the continued turn; the parent was asked with "
+            f"{len(parent_messages)}",
+            first,
+        )
+    for i, (a, b) in enumerate(zip(parent_messages, child_messages, strict=False)):
+        if _comparable(a) != _comparable(b):
+            raise SpliceRefused(f"message {i} differs from the parent's request", i)
+    return j
+
+
+@dataclass(frozen=True)
+class Splice:
+    """The spliced prompt, uint32 ``[num_tokens]``, and where its parts start:
+    ``parent_end`` = len(parent prompt + generation) (the child's exact prefix),
+    ``added_end_of_turn`` = True when an end-of-turn id was inserted after a length stop."""
+
+    prompt_token_ids: np.ndarray
+    parent_end: int
+    added_end_of_turn: bool
+
+
+def splice_prompt(
+    parent_prompt: np.ndarray,
+    parent_generation: np.ndarray,
+    full_render: Sequence[int],
+    through_parent_render: Sequence[int],
+    *,
+    end_of_turn_ids: frozenset[int],
+) -> Splice:
+    """Build the exact-token prompt.
+
+    ``full_render``: the whole conversation rendered with the generation prompt.
+    ``through_parent_render``: the conversation up to and including the parent's output turn,
+    without the generation prompt. The parent's turn ends at the k-th end-of-turn token of the
+    full render, where k is the number of end-of-turn tokens in ``through_parent_render``
+    (reasoning a template drops does not change that count). Raises SpliceRefused.
+    """
+    k = sum(1 for t in through_parent_render if t in end_of_turn_ids)
+    if k == 0:
+        raise SpliceRefused("the render up to the parent's turn has no end-of-turn token")
+    seen, cut = 0, -1
+    for i, t in enumerate(full_render):
+        if t in end_of_turn_ids:
+            seen += 1
+            if seen == k:
+                cut = i + 1
+                break
+    if cut < 0:
+        raise SpliceRefused("the full render ends before the parent's turn does")
+    end_of_turn = int(full_render[cut - 1])
+    generation = np.asarray(parent_generation, dtype=TOKEN_DTYPE)
+    added = generation.shape[0] == 0 or int(generation[-1]) not in end_of_turn_ids
+    parts = [np.asarray(parent_prompt, dtype=TOKEN_DTYPE), generation]
+    if added:
+        # Stopped on length (or on another stop token): close the turn as the template does.
+        parts.append(np.asarray([end_of_turn], dtype=TOKEN_DTYPE))
+    parts.append(np.asarray(full_render[cut:], dtype=TOKEN_DTYPE))
+    parent_end = int(parent_prompt.shape[0] + generation.shape[0])
+    return Splice(np.concatenate(parts), parent_end, added)

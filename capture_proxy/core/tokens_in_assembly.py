@@ -1,0 +1,117 @@
+"""Assembling the record of an exact-token call from tokens-in engine pieces. Pure.
+
+Owns the checks specific to exact-token mode: the engine must have generated from exactly the
+prompt ids the proxy sent (its echo, when it sends one, must be equal), and generation ids and
+log probs must have equal length. Like ``assembly``, it never raises on engine data: problems
+make the record ``incomplete`` with a ``capture_incomplete`` diagnostic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from capture_proxy.core.assembly import CallContext
+from capture_proxy.core.engine_formats import Piece
+from capture_proxy.core.records import (
+    CallRecord,
+    CallStatus,
+    Diagnostic,
+    DiagnosticKind,
+    as_log_prob_array,
+    as_token_array,
+)
+
+
+class TokensInAssembler:
+    """Collect pieces of one generation from ``prompt_token_ids`` (what the proxy sent)."""
+
+    def __init__(self, ctx: CallContext, prompt_token_ids: np.ndarray) -> None:
+        self.ctx = ctx
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []
+        self.log_probs: list[float | None] = []
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.echo: list[int] | None = None
+        self.saw_token_ids = False
+        self.saw_log_probs = False
+
+    def add(self, piece: Piece) -> None:
+        self.token_ids.extend(piece.token_ids)
+        self.log_probs.extend(piece.log_probs)
+        self.text.append(piece.text)
+        self.saw_token_ids |= piece.saw_token_ids
+        self.saw_log_probs |= piece.saw_log_probs
+        if piece.finish_reason is not None:
+            self.finish_reason = piece.finish_reason
+        if piece.usage:
+            self.usage = piece.usage
+        if piece.prompt_token_ids is not None and self.echo is None:
+            self.echo = list(piece.prompt_token_ids)
+
+    @property
+    def generated_text(self) -> str:
+        return "".join(self.text)
+
+    def finish(
+        self,
+        *,
+        response_message: dict[str, Any],
+        finish_reason: str | None,
+        latency_ms: float,
+        http_status: int,
+        extra_diagnostics: list[Diagnostic] | None = None,
+    ) -> CallRecord:
+        problems: list[str] = []
+        diagnostics = list(extra_diagnostics or [])
+        gen = log_probs = None
+        if self.echo is not None and self.echo != self.prompt_token_ids.tolist():
+            problems.append("engine echoed prompt_token_ids that differ from the ids sent")
+        try:
+            if not self.saw_token_ids:
+                problems.append("engine sent no token_ids")
+            else:
+                gen = as_token_array(self.token_ids, field_name="token_ids")
+            if not self.saw_log_probs:
+                problems.append("engine sent no logprobs")
+            else:
+                log_probs = as_log_prob_array(self.log_probs, field_name="logprobs")
+        except ValueError as exc:
+            problems.append(str(exc))
+        if gen is not None and log_probs is not None and gen.shape[0] != log_probs.shape[0]:
+            problems.append(
+                f"generation_token_ids has {gen.shape[0]} ids but generation_log_probs has "
+                f"{log_probs.shape[0]} values"
+            )
+        if log_probs is not None and not bool(np.isfinite(log_probs).all()):
+            bad = [int(i) for i in np.flatnonzero(~np.isfinite(log_probs))[:16]]
+            diagnostics.append(Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad}))
+        if problems:
+            diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
+        body = self.ctx.request_body
+        record = CallRecord(
+            call_id=self.ctx.call_id,
+            rollout_id=self.ctx.rollout_id,
+            created_at=self.ctx.created_at,
+            status=CallStatus.INCOMPLETE if problems else CallStatus.COMPLETE,
+            model=body.get("model"),
+            latency_ms=latency_ms,
+            stream=self.ctx.stream,
+            upstream_path=self.ctx.upstream_path,
+            request_messages=list(body.get("messages") or []),
+            request_tools=body.get("tools"),
+            response_message=response_message,
+            finish_reason=finish_reason,
+            usage=self.usage,
+            http_status=http_status,
+            diagnostics=diagnostics,
+            prompt_token_ids=self.prompt_token_ids,
+        )
+        if gen is not None:
+            record.generation_token_ids = gen
+        if log_probs is not None:
+            record.generation_log_probs = log_probs
+        return record

@@ -1,0 +1,456 @@
+"""Exact-token mode: the proxy renders and splices the prompt, the engine generates from ids.
+
+Owns the adapter side of exact-token calls: build the prompt (the parent's own tokens + the
+rendering of the new messages, see ``core.splice``; a call with no verified parent is rendered
+from scratch), send it to the engine's tokens-in endpoint (``core.engine_formats``), parse the
+generated text back into an assistant message (``core.parsers``), and answer the harness with a
+chat completion, streamed as chunk deltas when it asked for a stream. The record is persisted
+before the response ends, exactly as in backend-template mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+
+from capture_proxy.core.assembly import failed_record
+from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Piece, Reader
+from capture_proxy.core.linking import Verdict
+from capture_proxy.core.parsers import MessageDelta, OutputParser
+from capture_proxy.core.parsers.base import apply_deltas
+from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.sampling import SamplingError, sampling_from_chat
+from capture_proxy.core.splice import SpliceRefused, check_extension, splice_prompt
+from capture_proxy.core.sse import SSEStreamDecoder, encode_json_event
+from capture_proxy.core.tokens_in_assembly import TokensInAssembler
+from capture_proxy.proxy.capture import (
+    CALL_ID_HEADER,
+    CaptureDeps,
+    InFlightCall,
+    elapsed_ms,
+    finish_call,
+    relay_engine_error,
+)
+from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
+from capture_proxy.proxy.upstream import CLIENT_ERRORS, translate_client_error
+from capture_proxy.rendering import ChatRenderer, RenderError
+
+log = logging.getLogger("capture_proxy")
+
+EXACT_PROMPT_REFUSED = "exact_prompt_refused"
+
+
+class ExactTokens:
+    """What exact-token mode needs: a renderer, an output parser, the engine's tokens-in
+    dialect, the context length and the template's end-of-turn token ids.
+
+    The last two may be left to the engine: ``max_model_len`` from its ``/v1/models`` (vLLM
+    reports it per model) and the end-of-turn ids by tokenizing ``end_of_turn_token`` with its
+    ``/tokenize``. They are fetched at the first exact-token call, not at start-up, so the proxy
+    can start before the engine is ready (a sidecar usually does).
+    """
+
+    def __init__(
+        self,
+        renderer: ChatRenderer,
+        parser: OutputParser,
+        dialect: Dialect,
+        *,
+        max_model_len: int | None = None,
+        end_of_turn_ids: frozenset[int] | None = None,
+        end_of_turn_token: str = "<|im_end|>",
+    ) -> None:
+        self.renderer = renderer
+        self.parser = parser
+        self.dialect = dialect
+        self.max_model_len = max_model_len
+        self.end_of_turn_ids = end_of_turn_ids
+        self.end_of_turn_token = end_of_turn_token
+        self._lock = asyncio.Lock()
+
+    async def ready(
+        self, session: aiohttp.ClientSession, backend: str
+    ) -> tuple[int, frozenset[int]]:
+        """(max_model_len, end_of_turn_ids), fetched from the engine once when not configured.
+        Raises UpstreamUnavailable when the engine cannot tell."""
+        async with self._lock:
+            timeout = aiohttp.ClientTimeout(total=30)
+            try:
+                if self.max_model_len is None:
+                    async with session.get(backend + "/v1/models", timeout=timeout) as resp:
+                        data = await resp.json(content_type=None)
+                    lengths = [m.get("max_model_len") for m in data.get("data", [])]
+                    found = [n for n in lengths if isinstance(n, int)]
+                    if not found:
+                        raise UpstreamUnavailable(
+                            "engine /v1/models reports no max_model_len; set max_model_len",
+                            code="engine_bad_response",
+                        )
+                    self.max_model_len = min(found)
+                if self.end_of_turn_ids is None:
+                    body = {"prompt": self.end_of_turn_token, "add_special_tokens": False}
+                    async with session.post(
+                        backend + "/tokenize", json=body, timeout=timeout
+                    ) as resp:
+                        data = await resp.json(content_type=None)
+                    tokens = data.get("tokens") if isinstance(data, dict) else None
+                    if not isinstance(tokens, list) or len(tokens) != 1:
+                        raise UpstreamUnavailable(
+                            f"engine /tokenize does not map {self.end_of_turn_token!r} "
+                            "to one token",
+                            code="engine_bad_response",
+                        )
+                    self.end_of_turn_ids = frozenset(tokens)
+            except CLIENT_ERRORS as exc:
+                raise translate_client_error(exc, backend) from exc
+            except ValueError as exc:
+                raise UpstreamUnavailable(f"engine metadata unusable: {exc}") from exc
+        return self.max_model_len, self.end_of_turn_ids
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    token_ids: np.ndarray
+    spliced_from: str | None
+    diagnostics: list[Diagnostic]
+
+
+def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
+    """The parent's request as the harness sent it, less a rewritten trailing note."""
+    messages = list(parent.request_messages)
+    if (parent.linking or {}).get("harness_note") and messages:
+        messages = messages[:-1]
+    return messages
+
+
+async def build_prompt(
+    call: InFlightCall, deps: CaptureDeps, exact: ExactTokens, end_of_turn_ids: frozenset[int]
+) -> _Prompt:
+    """The exact-token prompt for ``call``. Raises RenderError (the request cannot render)."""
+    body = call.prepared.body
+    messages, tools = body["messages"], body.get("tools")
+    kwargs = body.get("chat_template_kwargs")
+    full = await exact.renderer.render(
+        messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+    )
+    res = call.resolution
+    if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
+        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+    parent = await deps.linker.store.get_call(res.parent_call_id)
+    if parent is None or parent.status is not CallStatus.COMPLETE:
+        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+    try:
+        j = check_extension(_parent_request_messages(parent), call.prepared.linking_messages)
+        through = await exact.renderer.render(
+            messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+        )
+        spliced = splice_prompt(
+            parent.prompt_token_ids,
+            parent.generation_token_ids,
+            full,
+            through,
+            end_of_turn_ids=end_of_turn_ids,
+        )
+    except SpliceRefused as exc:
+        details = {"parent_call_id": parent.call_id, "reason": exc.reason}
+        if exc.message_index is not None:
+            details["message_index"] = exc.message_index
+        return _Prompt(
+            np.asarray(full, dtype=np.uint32), None, [Diagnostic(EXACT_PROMPT_REFUSED, details)]
+        )
+    return _Prompt(spliced.prompt_token_ids, parent.call_id, [])
+
+
+def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
+    if engine_reason == "length":
+        return "length"
+    return "tool_calls" if has_tool_calls else "stop"
+
+
+def _logprobs_content(token_ids: list[int], log_probs: list[float | None]) -> dict[str, Any]:
+    """Chat-shaped log probs for a harness that asked for them (tokens as ``token_id:<id>``,
+    vLLM's ``return_tokens_as_token_ids`` form, since the proxy may have no tokenizer)."""
+    return {
+        "content": [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(token_ids, log_probs, strict=False)
+        ]
+    }
+
+
+async def handle_exact_tokens(
+    request: web.Request, call: InFlightCall, deps: CaptureDeps, exact: ExactTokens
+) -> web.StreamResponse:
+    body = call.prepared.body
+    ctx = call.ctx
+    max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
+    try:
+        prompt = await build_prompt(call, deps, exact, end_of_turn_ids)
+        sampling = sampling_from_chat(
+            body, num_prompt_tokens=int(prompt.token_ids.shape[0]), max_model_len=max_model_len
+        )
+    except RenderError as exc:
+        raise BadRequest(str(exc), param="messages", code="render_failed") from exc
+    except SamplingError as exc:
+        raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
+    extra_diags = list(prompt.diagnostics)
+    if sampling.clamped_from is not None:
+        extra_diags.append(
+            Diagnostic(
+                "max_tokens_clamped",
+                {"requested": sampling.clamped_from, "max_tokens": sampling.max_tokens},
+            )
+        )
+    engine_body = exact.dialect.request(
+        prompt.token_ids.tolist(), sampling, stream=ctx.stream, model=body.get("model")
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "Accept-Encoding": "identity",
+        "X-Request-Id": ctx.call_id,
+        "X-NG-Rollout-Id": ctx.rollout_id,
+    }
+    if request.headers.get("Authorization"):
+        headers["Authorization"] = request.headers["Authorization"]
+    t0 = time.perf_counter()
+    try:
+        upstream = await deps.session.post(
+            deps.backend + exact.dialect.path,
+            data=json.dumps(engine_body).encode(),
+            headers=headers,
+            auto_decompress=True,
+        )
+    except CLIENT_ERRORS as exc:
+        err = translate_client_error(exc, deps.backend)
+        rec = failed_record(ctx, reason=err.message, latency_ms=elapsed_ms(t0), http_status=None)
+        rec.prompt_token_ids = prompt.token_ids
+        await finish_call(deps, call, rec)
+        raise err from exc
+    assembler = TokensInAssembler(ctx, prompt.token_ids)
+    reader = exact.dialect.reader()
+    async with upstream:
+        if upstream.status >= 400:
+            return await relay_engine_error(upstream, call, deps, t0)
+        if ctx.stream and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return await _stream(
+                request, upstream, call, deps, exact, assembler, reader, extra_diags, t0
+            )
+        return await _whole(upstream, call, deps, exact, assembler, reader, extra_diags, t0)
+
+
+def _completion_body(
+    call: InFlightCall, message: dict[str, Any], finish_reason: str, asm: TokensInAssembler
+) -> dict[str, Any]:
+    body = call.prepared.body
+    choice: dict[str, Any] = {
+        "index": 0,
+        "message": message,
+        "logprobs": _logprobs_content(asm.token_ids, asm.log_probs)
+        if body.get("logprobs")
+        else None,
+        "finish_reason": finish_reason,
+        "stop_reason": None,
+    }
+    out: dict[str, Any] = {
+        "id": f"chatcmpl-{call.ctx.call_id}",
+        "object": "chat.completion",
+        "created": int(call.ctx.created_at),
+        "model": body.get("model"),
+        "choices": [choice],
+        "usage": _usage(asm),
+    }
+    if body.get("return_token_ids"):
+        choice["token_ids"] = asm.token_ids
+        out["prompt_token_ids"] = asm.prompt_token_ids.tolist()
+    return out
+
+
+def _usage(asm: TokensInAssembler) -> dict[str, int]:
+    prompt = int(asm.prompt_token_ids.shape[0])
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": len(asm.token_ids),
+        "total_tokens": prompt + len(asm.token_ids),
+    }
+
+
+async def _whole(
+    upstream: aiohttp.ClientResponse,
+    call: InFlightCall,
+    deps: CaptureDeps,
+    exact: ExactTokens,
+    asm: TokensInAssembler,
+    reader: Reader,
+    extra_diags: list[Diagnostic],
+    t0: float,
+) -> web.Response:
+    ctx = call.ctx
+    try:
+        payload = json.loads(await upstream.read())
+        if not isinstance(payload, dict):
+            raise EngineFormatError("not a JSON object")
+        asm.add(reader.whole(payload))
+    except CLIENT_ERRORS + (ValueError,) as exc:
+        reason = f"engine answer unusable: {type(exc).__name__}: {exc}"
+        rec = failed_record(
+            ctx, reason=reason, latency_ms=elapsed_ms(t0), http_status=upstream.status
+        )
+        rec.prompt_token_ids = asm.prompt_token_ids
+        await finish_call(deps, call, rec)
+        raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
+    parsed = exact.parser.parse(asm.generated_text, ctx.call_id)
+    finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
+    message = parsed.to_openai()
+    record = asm.finish(
+        response_message=message,
+        finish_reason=finish_reason,
+        latency_ms=elapsed_ms(t0),
+        http_status=upstream.status,
+        extra_diagnostics=extra_diags,
+    )
+    await finish_call(deps, call, record)
+    return web.json_response(
+        _completion_body(call, message, finish_reason, asm),
+        headers={CALL_ID_HEADER: ctx.call_id},
+        dumps=lambda o: json.dumps(o, ensure_ascii=False),
+    )
+
+
+async def _stream(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    call: InFlightCall,
+    deps: CaptureDeps,
+    exact: ExactTokens,
+    asm: TokensInAssembler,
+    reader: Reader,
+    extra_diags: list[Diagnostic],
+    t0: float,
+) -> web.StreamResponse:
+    """Engine token chunks in, OpenAI chat chunk deltas out, as they can be decided."""
+    ctx = call.ctx
+    body = call.prepared.body
+    response = web.StreamResponse(status=200)
+    response.content_type = "text/event-stream"
+    response.headers["Cache-Control"] = "no-cache"
+    response.headers[CALL_ID_HEADER] = ctx.call_id
+    await response.prepare(request)
+    head = {
+        "id": f"chatcmpl-{ctx.call_id}",
+        "object": "chat.completion.chunk",
+        "created": int(ctx.created_at),
+        "model": body.get("model"),
+    }
+    client_gone = False
+    problem: str | None = None
+    done = False
+    deltas: list[MessageDelta] = []
+    parser_stream = exact.parser.stream(ctx.call_id)
+
+    async def send(obj: Any) -> None:
+        nonlocal client_gone
+        if client_gone:
+            return
+        try:
+            await response.write(encode_json_event(obj) if not isinstance(obj, bytes) else obj)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            client_gone = True
+
+    def chunk(delta: dict[str, Any], piece: Piece | None = None, finish: str | None = None) -> dict:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if piece is not None and body.get("logprobs"):
+            choice["logprobs"] = _logprobs_content(piece.token_ids, piece.log_probs)
+        if piece is not None and body.get("return_token_ids"):
+            choice["token_ids"] = piece.token_ids
+        return {**head, "choices": [choice]}
+
+    first = chunk({"role": "assistant", "content": ""})
+    if body.get("return_token_ids"):
+        first["prompt_token_ids"] = asm.prompt_token_ids.tolist()
+    await send(first)
+    decoder = SSEStreamDecoder()
+    try:
+        async for data in upstream.content.iter_any():
+            for event in decoder.feed(data):
+                if event.data == "[DONE]":
+                    done = True
+                    continue
+                piece = reader.chunk(json.loads(event.data))
+                asm.add(piece)
+                new = parser_stream.feed(piece.text)
+                deltas += new
+                if new:
+                    for d in new:
+                        await send(chunk(d.to_openai(), piece))
+                        piece = None  # token data goes with the first delta of its piece
+                elif piece.token_ids and (body.get("logprobs") or body.get("return_token_ids")):
+                    await send(chunk({}, piece))
+            if client_gone:
+                break
+    except CLIENT_ERRORS as exc:
+        problem = f"engine stream broke: {type(exc).__name__}: {exc}"
+    except (ValueError, EngineFormatError) as exc:
+        problem = f"engine sent a malformed stream event: {exc}"
+    tail = parser_stream.finish()
+    deltas += tail
+    for d in tail:
+        await send(chunk(d.to_openai()))
+    parsed = apply_deltas(deltas)
+    finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
+    message = parsed.to_openai()
+    reasons = []
+    if client_gone:
+        reasons.append("client disconnected before the stream ended")
+    if problem:
+        reasons.append(problem)
+    elif not done and not client_gone:
+        reasons.append("engine stream ended without [DONE]")
+    diags = list(extra_diags)
+    record = asm.finish(
+        response_message=message,
+        finish_reason=finish_reason,
+        latency_ms=elapsed_ms(t0),
+        http_status=upstream.status,
+        extra_diagnostics=diags,
+    )
+    if reasons:
+        kept = [d for d in record.diagnostics if d.kind != DiagnosticKind.CAPTURE_INCOMPLETE]
+        earlier = [
+            r
+            for d in record.diagnostics
+            if d.kind == DiagnosticKind.CAPTURE_INCOMPLETE
+            for r in d.details.get("reasons", [])
+        ]
+        record = record.replace(
+            status=CallStatus.INCOMPLETE,
+            diagnostics=[
+                *kept,
+                Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": earlier + reasons}),
+            ],
+        )
+    await finish_call(deps, call, record)
+    if problem:
+        await send(error_body(problem, "upstream_error"))
+    else:
+        await send(chunk({}, None, finish_reason))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await send({**head, "choices": [], "usage": _usage(asm)})
+        await send(b"data: [DONE]\n\n")
+    if not client_gone:
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+            await response.write_eof()
+    return response

@@ -1,0 +1,164 @@
+"""Rendering a chat conversation to token ids, the way the engine would.
+
+Owns the two renderers of exact-token mode: ``LocalRenderer`` (the model's own HF tokenizer and
+chat template, from a local directory; no hub access) and ``EngineRenderer`` (the engine's
+``/tokenize`` chat endpoint, vLLM: ``{messages, tools, add_generation_prompt,
+chat_template_kwargs}`` -> ``{tokens}``). Both apply vLLM's message preprocessing: assistant
+tool-call arguments arrive as JSON strings and are parsed into objects before the template
+runs (vLLM ``chat_utils._postprocess_messages``), so templates re-serialise them with ``tojson``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+
+class RenderError(ValueError):
+    """The conversation cannot be rendered (template error, engine refused); names the cause."""
+
+
+def parse_tool_arguments(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Copy of ``messages`` with assistant tool-call ``arguments`` strings parsed as JSON.
+    Raises RenderError when an argument string is not JSON (vLLM answers 400 then too)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if isinstance(calls, list) and calls:
+            parsed = []
+            for call in calls:
+                fn = dict(call.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError as exc:
+                        raise RenderError(f"tool call arguments are not JSON: {exc}") from exc
+                parsed.append({**call, "function": fn})
+            m["tool_calls"] = parsed
+        out.append(m)
+    return out
+
+
+class ChatRenderer(Protocol):
+    async def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the rendered conversation. Raises RenderError."""
+
+
+class LocalRenderer:
+    """Renders with a local HF tokenizer (``tokenizer``) and chat template (its own, or
+    ``chat_template``): template text, then ``encode`` without adding special tokens, as vLLM."""
+
+    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_directory(cls, path: Path) -> LocalRenderer:
+        """Load a tokenizer directory (``tokenizer.json`` + config with a chat template).
+        Never touches a hub. Raises RenderError when it cannot be loaded."""
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise RenderError(f"cannot load tokenizer from {path}: {exc}") from exc
+        if not getattr(tokenizer, "chat_template", None):
+            raise RenderError(f"tokenizer at {path} has no chat template")
+        return cls(tokenizer)
+
+    def render_sync(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                parse_tool_arguments(messages),
+                tools=tools or None,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except RenderError:
+            raise
+        except Exception as exc:  # jinja errors: the request's fault
+            raise RenderError(f"chat template failed: {exc}") from exc
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return await asyncio.to_thread(
+            self.render_sync,
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+
+class EngineRenderer:
+    """Renders through the engine's ``/tokenize`` chat form (vLLM 0.32)."""
+
+    def __init__(self, session: aiohttp.ClientSession, backend: str, timeout_s: float = 60.0):
+        self.session = session
+        self.backend = backend
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        model: str | None = None,
+    ) -> list[int]:
+        body: dict[str, Any] = {
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+        }
+        if tools:
+            body["tools"] = tools
+        if chat_template_kwargs:
+            body["chat_template_kwargs"] = chat_template_kwargs
+        if model:
+            body["model"] = model
+        try:
+            async with self.session.post(
+                self.backend + "/tokenize", json=body, timeout=self.timeout, auto_decompress=True
+            ) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status != 200:
+                    raise RenderError(f"engine /tokenize answered {resp.status}: {data}")
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            raise RenderError(f"engine /tokenize failed: {type(exc).__name__}: {exc}") from exc
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise RenderError("engine /tokenize returned no token list")
+        return tokens

@@ -1,0 +1,115 @@
+"""Qwen/Hermes output parser: round trips with the template's rendering, streaming == whole."""
+
+import json
+
+import pytest
+
+from capture_proxy.core.parsers import get_parser, tool_call_id
+from capture_proxy.core.parsers.base import apply_deltas
+from capture_proxy.tokenizer import render_assistant_generation
+
+PARSER = get_parser("qwen")
+
+
+def _call(i, name, args):
+    return {"id": tool_call_id("seed", i), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+MESSAGES = {
+    "text": {"content": "Hello, world.\nSecond line."},
+    "empty": {"content": ""},
+    "reasoning+text": {"reasoning_content": "Think about it.\nCarefully.", "content": "Answer."},
+    "one-call": {"content": "", "tool_calls": [_call(0, "read", {"filePath": "caf\u00e9.txt"})]},
+    "text+call": {"content": "Let me look.", "tool_calls": [_call(0, "bash", {"command": "ls -la"})]},
+    "three-calls": {"content": "Several.", "tool_calls": [
+        _call(0, "glob", {"pattern": "*.py"}), _call(1, "grep", {"pattern": "TODO", "n": 3}),
+        _call(2, "read", {"filePath": "a\nb"})]},
+    "reasoning+calls": {"reasoning_content": "Plan: two calls.", "content": "",
+                        "tool_calls": [_call(0, "a", {}), _call(1, "b", {"x": [1, 2]})]},
+    "markup-like-text": {"content": "Use <tool or <think a bit; x < y\n\n"},
+}
+
+
+def _expected(msg):
+    return {
+        "content": msg.get("content") or "",
+        "reasoning": msg.get("reasoning_content"),
+        "tool_calls": msg.get("tool_calls") or [],
+    }
+
+
+def _as_dict(parsed):
+    return {"content": parsed.content, "reasoning": parsed.reasoning, "tool_calls": parsed.tool_calls}
+
+
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_parse_inverts_the_template(name):
+    msg = MESSAGES[name]
+    text = render_assistant_generation(msg)
+    parsed = PARSER.parse(text, "seed")
+    assert _as_dict(parsed) == _expected(msg)
+    # And the parsed message re-rendered is the generated text again.
+    assert render_assistant_generation(parsed.to_openai()) == text
+
+
+@pytest.mark.parametrize("name", list(MESSAGES))
+def test_streamed_deltas_concatenate_to_the_whole_parse(name):
+    text = render_assistant_generation(MESSAGES[name])
+    whole = _as_dict(PARSER.parse(text, "seed"))
+    for size in (1, 2, 3, 5, 7, 13):
+        stream = PARSER.stream("seed")
+        deltas = []
+        for i in range(0, len(text), size):
+            deltas += stream.feed(text[i : i + size])
+        deltas += stream.finish()
+        assert _as_dict(apply_deltas(deltas)) == whole, size
+        # Never an empty delta, and markup never leaks into content or reasoning.
+        for d in deltas:
+            assert d.content != "" and d.reasoning != ""
+            assert "<tool_call>" not in (d.content or "") and "</think>" not in (d.reasoning or "")
+
+
+def test_tool_call_deltas_carry_index_id_name_then_arguments():
+    text = render_assistant_generation(MESSAGES["three-calls"])
+    stream = PARSER.stream("seed")
+    deltas = [d for d in [*stream.feed(text), *stream.finish()] if d.tool_call]
+    assert [d.to_openai() for d in deltas[:2]] == [
+        {"tool_calls": [{"index": 0, "id": tool_call_id("seed", 0), "type": "function",
+                         "function": {"name": "glob", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"pattern": "*.py"}'}}]},
+    ]
+    assert [d.tool_call["index"] for d in deltas] == [0, 0, 1, 1, 2, 2]
+
+
+def test_partial_tool_call_is_held_back_until_decided():
+    stream = PARSER.stream("s")
+    assert [d.to_openai() for d in stream.feed("Hi.\n<tool_")] == [{"content": "Hi."}]
+    assert stream.feed("call>\n{\"name\": \"x\", ") == []
+    out = stream.feed("\"arguments\": {}}\n</tool_call>")
+    assert [d.tool_call["function"] for d in out] == [{"name": "x", "arguments": ""}, {"arguments": "{}"}]
+
+
+def test_odd_spacing_in_arguments_is_normalised_like_vllm():
+    text = '<tool_call>\n{"name": "bash", "arguments": {\n  "command" :  "ls"\n}}\n</tool_call>'
+    parsed = PARSER.parse(text, "s")
+    assert parsed.tool_calls[0]["function"]["arguments"] == '{"command": "ls"}'
+
+
+def test_broken_json_stays_as_content():
+    text = 'Try this.\n<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
+    parsed = PARSER.parse(text, "s")
+    assert parsed.tool_calls == []
+    assert parsed.content == 'Try this.<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
+
+
+def test_stop_on_length_inside_reasoning_or_a_tool_call_keeps_the_text():
+    assert _as_dict(PARSER.parse("<think>\nhalf a thou", "s")) == {
+        "content": "", "reasoning": "half a thou", "tool_calls": []}
+    cut = PARSER.parse('Do.\n<tool_call>\n{"name": "x", "argu', "s")
+    assert cut.tool_calls == [] and cut.content == 'Do.<tool_call>\n{"name": "x", "argu'
+
+
+def test_unknown_family_is_a_clear_error():
+    with pytest.raises(KeyError, match="unknown parser family 'gpt-oss'; known: qwen"):
+        get_parser("gpt-oss")
