@@ -85,10 +85,24 @@ class RealStack:
         }
 
 
-@pytest.fixture
-async def real(aiohttp_client, tmp_path) -> RealStack:
+async def _stack(aiohttp_client, tmp_path, **settings: Any):
     store_dir = tmp_path / "store"
-    proxy_app = build_proxy_app(Settings(backend=VLLM_URL, store=store_dir), SQLiteStore(store_dir))
-    client = await aiohttp_client(proxy_app)
+    cfg = Settings(backend=VLLM_URL, store=store_dir, **settings)
+    client = await aiohttp_client(build_proxy_app(cfg, SQLiteStore(store_dir)))
     with httpx.Client(base_url=VLLM_URL, timeout=120) as engine:
         yield RealStack(client, engine, VLLM_MODEL)
+
+
+@pytest.fixture
+async def real(aiohttp_client, tmp_path) -> RealStack:
+    """The proxy in backend-template mode (vLLM renders the chat template)."""
+    async for stack in _stack(aiohttp_client, tmp_path):
+        yield stack
+
+
+@pytest.fixture
+async def real_exact(aiohttp_client, tmp_path) -> RealStack:
+    """The proxy in exact-token mode: prompts from the parent's own tokens, sent to vLLM's
+    /v1/completions as token ids; new messages rendered with vLLM's /tokenize."""
+    async for stack in _stack(aiohttp_client, tmp_path, prompt_mode="exact_tokens"):
+        yield stack

@@ -179,6 +179,7 @@ async def test_forced_tool_call_is_a_real_tool_call_turn(real: RealStack, stream
     assert record["finish_reason"] == "tool_calls"
     (rcall,) = record["response_message"]["tool_calls"]
     assert rcall["function"]["name"] == "bash"
+    assert json.loads(rcall["function"]["arguments"]) == {"command": "ls"}
 
 
 def _as_harness(message: dict[str, Any]) -> dict[str, Any]:
