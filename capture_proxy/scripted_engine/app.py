@@ -50,6 +50,11 @@ class ScriptedEngineConfig:
     #: ``choices[0].routed_experts`` (vLLM: base64 ``.npy``, rows from the request's
     #: ``routed_experts_prompt_start``). Streams carry none, like vLLM.
     moe: MoeShape | None = None
+    #: Serve vLLM's ``/inference/v1/generate`` (vLLM's ``--enable-scale-out``); else 404.
+    enable_scale_out: bool = False
+    #: SGLang ``/generate`` streams deltas (``--incremental-streaming-output``), not the
+    #: default cumulative ``text`` / ``output_ids`` / log probs.
+    sglang_incremental_streaming: bool = False
 
 
 @dataclass(frozen=True)
@@ -431,6 +436,9 @@ def build_scripted_engine_app(
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    from capture_proxy.scripted_engine.tokens_in import add_tokens_in_routes  # imports app
+
+    add_tokens_in_routes(app, config.enable_scale_out)
     return app
 
 
