@@ -367,7 +367,14 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     if "messages" in body:
         _validate_chat(body)
-        ids = render_prompt(app, body, body.get("add_generation_prompt", True) is not False)
+        # Like vLLM 0.32: only chat completions rename an assistant message's deprecated
+        # ``reasoning_content`` to ``reasoning``; /tokenize drops the field, so that reasoning is
+        # not rendered here (``reasoning`` is).
+        messages = [
+            {k: v for k, v in m.items() if k != "reasoning_content"} for m in body["messages"]
+        ]
+        generation_prompt = body.get("add_generation_prompt", True) is not False
+        ids = render_prompt(app, {**body, "messages": messages}, generation_prompt)
     elif isinstance(body.get("prompt"), str):
         ids = app[TOKENIZER].encode(body["prompt"], add_special_tokens=False)
     else:
