@@ -30,6 +30,10 @@ def _serve(args: argparse.Namespace) -> int:
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_level": args.log_level,
         "parent_resolution": args.parent_resolution,
+        "prompt_mode": args.prompt_mode,
+        "tokenizer": args.tokenizer,
+        "tokens_in_dialect": args.tokens_in_dialect,
+        "max_model_len": args.max_model_len,
     }
     try:
         settings = load_settings(cli_values, args.config)
@@ -83,6 +87,15 @@ def _replay(args: argparse.Namespace) -> int:
     )
 
 
+def _export_tokenizer(args: argparse.Namespace) -> int:
+    from capture_proxy.tokenizer import load_qwen_tokenizer
+
+    tokenizer = load_qwen_tokenizer(template=args.template)
+    tokenizer.save_pretrained(str(args.directory))
+    print(f"wrote the scripted engine's Qwen tokenizer ({args.template}) to {args.directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="capture-proxy",
@@ -105,6 +118,22 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["captured_tokens", "source_history"],
         help="how a call after a rewritten harness note is linked (default captured_tokens)",
     )
+    serve.add_argument(
+        "--prompt-mode",
+        dest="prompt_mode",
+        choices=["backend_template", "exact_tokens"],
+        help="who renders the prompt (default backend_template: the engine)",
+    )
+    serve.add_argument(
+        "--tokenizer", type=Path, help="local HF tokenizer dir for exact_tokens rendering"
+    )
+    serve.add_argument(
+        "--tokens-in",
+        dest="tokens_in_dialect",
+        choices=["vllm_completions", "vllm_generate", "sglang_generate"],
+        help="engine endpoint taking token ids in exact_tokens mode",
+    )
+    serve.add_argument("--max-model-len", dest="max_model_len", type=int)
     serve.add_argument("--config", type=Path, help="TOML file with the same settings")
     serve.set_defaults(func=_serve)
 
@@ -153,6 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     rep.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
     rep.set_defaults(func=_replay)
+
+    exp = sub.add_parser(
+        "export-tokenizer",
+        help="write the scripted engine's tokenizer + chat template as an HF directory "
+        "(for serve --tokenizer in exact_tokens mode)",
+    )
+    exp.add_argument("directory", type=Path)
+    exp.add_argument(
+        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    exp.set_defaults(func=_export_tokenizer)
     return parser
 
 

@@ -100,21 +100,56 @@ class ReplayedCall:
     call_id: str | None
 
 
+def _substitute_ids(body: dict[str, Any], id_map: dict[str, str]) -> dict[str, Any]:
+    """The recorded body with recorded tool-call ids replaced by the ids the proxy returned."""
+    if not id_map:
+        return body
+    messages = []
+    for m in body.get("messages") or []:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**tc, "id": id_map.get(tc.get("id"), tc.get("id"))} for tc in m["tool_calls"]
+            ]
+        if m.get("tool_call_id") in id_map:
+            m["tool_call_id"] = id_map[m["tool_call_id"]]
+        messages.append(m)
+    return {**body, "messages": messages}
+
+
+def _answer_message(raw: bytes, content_type: str) -> dict[str, Any] | None:
+    try:
+        if content_type.startswith("text/event-stream"):
+            return message_from_sse(raw.decode("utf-8"))
+        choices = json.loads(raw).get("choices") or []
+        return choices[0].get("message") if choices else None
+    except (ValueError, AttributeError, IndexError):
+        return None
+
+
 async def replay(
     recording: list[RecordedRequest], base_url: str, *, timeout_s: float = 120.0
 ) -> list[ReplayedCall]:
     """Send each recorded request to ``base_url + /chat/completions`` in order, reading each
     answer to its end before the next. ``base_url`` is a harness base URL, e.g.
-    ``http://127.0.0.1:8080/ng-rollout/<id>/training-token-capture/v1``."""
+    ``http://127.0.0.1:8080/ng-rollout/<id>/training-token-capture/v1``.
+
+    Like a harness, later requests echo the tool-call ids the proxy actually returned (the
+    recorded ids are replaced), so a proxy that generates its own ids (exact-token mode) sees
+    the history it would see from the real harness.
+    """
     out = []
+    id_map: dict[str, str] = {}
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for req in recording:
             headers = {k: v for k, v in req.headers if k.lower() in REPLAYED_HEADERS}
+            body = _substitute_ids(req.body, id_map)
             async with http.post(
-                base_url + "/chat/completions", json=req.body, headers=headers
+                base_url + "/chat/completions", json=body, headers=headers
             ) as resp:
-                await resp.read()
+                raw = await resp.read()
+                answer = _answer_message(raw, resp.headers.get("Content-Type", ""))
                 out.append(
                     ReplayedCall(
                         req.seq,
@@ -123,4 +158,9 @@ async def replay(
                         resp.headers.get("X-Capture-Call-Id"),
                     )
                 )
+            recorded_calls = req.response_message.get("tool_calls") or []
+            answered_calls = (answer or {}).get("tool_calls") or []
+            for rec_call, got in zip(recorded_calls, answered_calls, strict=False):
+                if rec_call.get("id") and got.get("id"):
+                    id_map[rec_call["id"]] = got["id"]
     return out

@@ -8,10 +8,18 @@ A dialect's ``reader()`` is stateful per call, for engines whose stream chunks a
 - ``vllm_completions``: vLLM ``POST /v1/completions`` with ``prompt`` = token ids (vLLM 0.32):
   ``return_token_ids`` puts ``prompt_token_ids`` and ``token_ids`` on the choice; legacy log
   probs ``choices[0].logprobs.token_logprobs``; streaming chunks carry only new tokens.
+- ``vllm_generate``: vLLM ``POST /inference/v1/generate`` (server flag ``--enable-scale-out``):
+  ``token_ids`` + ``sampling_params``; choices carry ``token_ids`` and chat-shaped
+  ``logprobs.content[].logprob`` but no text, so the text comes from a local tokenizer.
+- ``sglang_generate``: SGLang ``POST /generate`` with ``input_ids``, ``return_logprob`` and
+  ``logprob_start_len: -1``; ``output_ids``, ``text``, ``meta_info.output_token_logprobs``
+  (``[logprob, token_id, text]``), ``meta_info.finish_reason`` ``{type, matched}``. Streamed
+  chunks are cumulative (SGLang's default; do not run it with ``--incremental-streaming-output``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,15 +51,21 @@ class Reader(Protocol):
     def chunk(self, body: dict[str, Any]) -> Piece: ...
 
 
+#: ``decode(token_ids) -> text`` without special tokens (a local tokenizer).
+Decode = Callable[[list[int]], str]
+
+
 class Dialect(Protocol):
     name: str
     path: str
+    #: True when responses carry no text, so a local tokenizer must decode the ids.
+    needs_decode: bool
 
     def request(
         self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
     ) -> dict[str, Any]: ...
 
-    def reader(self) -> Reader: ...
+    def reader(self, decode: Decode | None = None) -> Reader: ...
 
 
 def _finish_reason(value: Any) -> str | None:
@@ -98,6 +112,7 @@ class VllmCompletionsReader:
 class VllmCompletions:
     name = "vllm_completions"
     path = "/v1/completions"
+    needs_decode = False
 
     def request(
         self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
@@ -118,11 +133,161 @@ class VllmCompletions:
             body["stream_options"] = {"include_usage": True}
         return body
 
-    def reader(self) -> Reader:
+    def reader(self, decode: Decode | None = None) -> Reader:
         return VllmCompletionsReader()
 
 
-DIALECTS: dict[str, Dialect] = {"vllm_completions": VllmCompletions()}
+class IncrementalText:
+    """Text of a growing id sequence, emitted as it becomes stable: decode all ids so far and
+    hold back a trailing U+FFFD (a multi-byte character split across tokens)."""
+
+    def __init__(self, decode: Decode) -> None:
+        self.decode = decode
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def add(self, ids: list[int], *, final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.decode(self.ids)
+        stable = text if final else text.rstrip("\ufffd")
+        new = stable[self.sent :]
+        self.sent = max(self.sent, len(stable))
+        return new
+
+
+class VllmGenerateReader:
+    def __init__(self, decode: Decode) -> None:
+        self.text = IncrementalText(decode)
+
+    def whole(self, body: dict[str, Any]) -> Piece:
+        return self._piece(body, final=True)
+
+    def chunk(self, body: dict[str, Any]) -> Piece:
+        return self._piece(body, final=False)
+
+    def _piece(self, body: dict[str, Any], *, final: bool) -> Piece:
+        piece = Piece(usage=body.get("usage") or None)
+        choices = body.get("choices")
+        if not isinstance(choices, list):
+            raise EngineFormatError("generate body has no 'choices' list")
+        for choice in choices:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            if choice.get("token_ids") is not None:
+                piece.saw_token_ids = True
+                piece.token_ids = list(choice["token_ids"])
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict) and logprobs.get("content") is not None:
+                piece.saw_log_probs = True
+                piece.log_probs = [e.get("logprob") for e in logprobs["content"]]
+            piece.finish_reason = _finish_reason(choice.get("finish_reason"))
+        done = final or piece.finish_reason is not None
+        piece.text = self.text.add(piece.token_ids, final=done)
+        return piece
+
+
+class VllmGenerate:
+    name = "vllm_generate"
+    path = "/inference/v1/generate"
+    needs_decode = True
+
+    def request(
+        self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_tokens": sampling.max_tokens,
+            "logprobs": 0,
+            **sampling.extra,
+        }
+        if sampling.stop:
+            params["stop"] = sampling.stop
+        body: dict[str, Any] = {
+            "token_ids": prompt_token_ids,
+            "sampling_params": params,
+            "stream": stream,
+        }
+        if model:
+            body["model"] = model
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def reader(self, decode: Decode | None = None) -> Reader:
+        if decode is None:
+            raise EngineFormatError(
+                "vllm_generate answers carry no text: a local tokenizer is needed"
+            )
+        return VllmGenerateReader(decode)
+
+
+class SglangGenerateReader:
+    """Cumulative chunks: each carries everything so far; the reader returns only what is new."""
+
+    def __init__(self) -> None:
+        self.num_ids = 0
+        self.num_log_probs = 0
+        self.text_len = 0
+
+    def whole(self, body: dict[str, Any]) -> Piece:
+        return self.chunk(body)
+
+    def chunk(self, body: dict[str, Any]) -> Piece:
+        ids = body.get("output_ids")
+        meta = body.get("meta_info")
+        if not isinstance(meta, dict):
+            raise EngineFormatError("SGLang body has no 'meta_info'")
+        piece = Piece()
+        if isinstance(ids, list):
+            piece.saw_token_ids = True
+            piece.token_ids = list(ids[self.num_ids :])
+            self.num_ids = len(ids)
+        entries = meta.get("output_token_logprobs")
+        if isinstance(entries, list):
+            piece.saw_log_probs = True
+            new = entries[self.num_log_probs :]
+            self.num_log_probs = len(entries)
+            piece.log_probs = [e[0] if isinstance(e, list) and e else None for e in new]
+        text = body.get("text")
+        if isinstance(text, str):
+            piece.text = text[self.text_len :]
+            self.text_len = len(text)
+        piece.finish_reason = _finish_reason(meta.get("finish_reason"))
+        prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            piece.usage = {
+                "prompt_tokens": prompt,
+                "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+            }
+        return piece
+
+
+class SglangGenerate:
+    name = "sglang_generate"
+    path = "/generate"
+    needs_decode = False
+
+    def request(
+        self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, **sampling.extra}
+        if sampling.stop:
+            params["stop"] = sampling.stop
+        return {
+            "input_ids": prompt_token_ids,
+            "sampling_params": params,
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": stream,
+        }
+
+    def reader(self, decode: Decode | None = None) -> Reader:
+        return SglangGenerateReader()
+
+
+DIALECTS: dict[str, Dialect] = {
+    d.name: d for d in (VllmCompletions(), VllmGenerate(), SglangGenerate())
+}
 
 
 def get_dialect(name: str) -> Dialect:

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,17 @@ class ExactTokens:
         self.end_of_turn_ids = end_of_turn_ids
         self.end_of_turn_token = end_of_turn_token
         self._lock = asyncio.Lock()
+        local = getattr(renderer, "tokenizer", None)
+        #: decode without special tokens, when a local tokenizer is there
+        self.decode: Callable[[list[int]], str] | None = (
+            (lambda ids: str(local.decode(ids, skip_special_tokens=True)))
+            if local is not None
+            else None
+        )
+        if dialect.needs_decode and self.decode is None:
+            raise RenderError(
+                f"tokens_in_dialect {dialect.name} needs a local tokenizer (tokenizer)"
+            )
 
     async def ready(
         self, session: aiohttp.ClientSession, backend: str
@@ -236,7 +248,7 @@ async def handle_exact_tokens(
         await finish_call(deps, call, rec)
         raise err from exc
     assembler = TokensInAssembler(ctx, prompt.token_ids)
-    reader = exact.dialect.reader()
+    reader = exact.dialect.reader(exact.decode)
     async with upstream:
         if upstream.status >= 400:
             return await relay_engine_error(upstream, call, deps, t0)

@@ -12,8 +12,11 @@ PARSER = get_parser("qwen")
 
 
 def _call(i, name, args):
-    return {"id": tool_call_id("seed", i), "type": "function",
-            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {
+        "id": tool_call_id("seed", i),
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
+    }
 
 
 MESSAGES = {
@@ -21,12 +24,23 @@ MESSAGES = {
     "empty": {"content": ""},
     "reasoning+text": {"reasoning_content": "Think about it.\nCarefully.", "content": "Answer."},
     "one-call": {"content": "", "tool_calls": [_call(0, "read", {"filePath": "caf\u00e9.txt"})]},
-    "text+call": {"content": "Let me look.", "tool_calls": [_call(0, "bash", {"command": "ls -la"})]},
-    "three-calls": {"content": "Several.", "tool_calls": [
-        _call(0, "glob", {"pattern": "*.py"}), _call(1, "grep", {"pattern": "TODO", "n": 3}),
-        _call(2, "read", {"filePath": "a\nb"})]},
-    "reasoning+calls": {"reasoning_content": "Plan: two calls.", "content": "",
-                        "tool_calls": [_call(0, "a", {}), _call(1, "b", {"x": [1, 2]})]},
+    "text+call": {
+        "content": "Let me look.",
+        "tool_calls": [_call(0, "bash", {"command": "ls -la"})],
+    },
+    "three-calls": {
+        "content": "Several.",
+        "tool_calls": [
+            _call(0, "glob", {"pattern": "*.py"}),
+            _call(1, "grep", {"pattern": "TODO", "n": 3}),
+            _call(2, "read", {"filePath": "a\nb"}),
+        ],
+    },
+    "reasoning+calls": {
+        "reasoning_content": "Plan: two calls.",
+        "content": "",
+        "tool_calls": [_call(0, "a", {}), _call(1, "b", {"x": [1, 2]})],
+    },
     "markup-like-text": {"content": "Use <tool or <think a bit; x < y\n\n"},
 }
 
@@ -40,7 +54,11 @@ def _expected(msg):
 
 
 def _as_dict(parsed):
-    return {"content": parsed.content, "reasoning": parsed.reasoning, "tool_calls": parsed.tool_calls}
+    return {
+        "content": parsed.content,
+        "reasoning": parsed.reasoning,
+        "tool_calls": parsed.tool_calls,
+    }
 
 
 @pytest.mark.parametrize("name", list(MESSAGES))
@@ -75,8 +93,16 @@ def test_tool_call_deltas_carry_index_id_name_then_arguments():
     stream = PARSER.stream("seed")
     deltas = [d for d in [*stream.feed(text), *stream.finish()] if d.tool_call]
     assert [d.to_openai() for d in deltas[:2]] == [
-        {"tool_calls": [{"index": 0, "id": tool_call_id("seed", 0), "type": "function",
-                         "function": {"name": "glob", "arguments": ""}}]},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": tool_call_id("seed", 0),
+                    "type": "function",
+                    "function": {"name": "glob", "arguments": ""},
+                }
+            ]
+        },
         {"tool_calls": [{"index": 0, "function": {"arguments": '{"pattern": "*.py"}'}}]},
     ]
     assert [d.tool_call["index"] for d in deltas] == [0, 0, 1, 1, 2, 2]
@@ -85,9 +111,12 @@ def test_tool_call_deltas_carry_index_id_name_then_arguments():
 def test_partial_tool_call_is_held_back_until_decided():
     stream = PARSER.stream("s")
     assert [d.to_openai() for d in stream.feed("Hi.\n<tool_")] == [{"content": "Hi."}]
-    assert stream.feed("call>\n{\"name\": \"x\", ") == []
-    out = stream.feed("\"arguments\": {}}\n</tool_call>")
-    assert [d.tool_call["function"] for d in out] == [{"name": "x", "arguments": ""}, {"arguments": "{}"}]
+    assert stream.feed('call>\n{"name": "x", ') == []
+    out = stream.feed('"arguments": {}}\n</tool_call>')
+    assert [d.tool_call["function"] for d in out] == [
+        {"name": "x", "arguments": ""},
+        {"arguments": "{}"},
+    ]
 
 
 def test_odd_spacing_in_arguments_is_normalised_like_vllm():
@@ -100,12 +129,18 @@ def test_broken_json_stays_as_content():
     text = 'Try this.\n<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
     parsed = PARSER.parse(text, "s")
     assert parsed.tool_calls == []
-    assert parsed.content == 'Try this.<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
+    assert (
+        parsed.content
+        == 'Try this.<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
+    )
 
 
 def test_stop_on_length_inside_reasoning_or_a_tool_call_keeps_the_text():
     assert _as_dict(PARSER.parse("<think>\nhalf a thou", "s")) == {
-        "content": "", "reasoning": "half a thou", "tool_calls": []}
+        "content": "",
+        "reasoning": "half a thou",
+        "tool_calls": [],
+    }
     cut = PARSER.parse('Do.\n<tool_call>\n{"name": "x", "argu', "s")
     assert cut.tool_calls == [] and cut.content == 'Do.<tool_call>\n{"name": "x", "argu'
 

@@ -17,13 +17,19 @@ HISTORY = [{"role": "system", "content": "You are an agent."}, {"role": "user", 
 
 
 def _call(i, args):
-    return {"id": f"call_{i}", "type": "function",
-            "function": {"name": "bash", "arguments": json.dumps(args, ensure_ascii=False)}}
+    return {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": "bash", "arguments": json.dumps(args, ensure_ascii=False)},
+    }
 
 
 @pytest.fixture(scope="module")
 def renderers(qwen_tokenizer):
-    return {t: LocalRenderer(qwen_tokenizer, load_chat_template(t)) for t in ("keep_reasoning", "drop_reasoning")}
+    return {
+        t: LocalRenderer(qwen_tokenizer, load_chat_template(t))
+        for t in ("keep_reasoning", "drop_reasoning")
+    }
 
 
 def _parent(renderer, tokenizer, message, *, split_chars=False, stop=True):
@@ -96,34 +102,53 @@ def test_missing_end_of_turn_with_other_stop_token_and_extra_end_of_turn(rendere
     s = _splice(r, prompt, extra, messages, 2)
     # What the model sampled stays, and no third end-of-turn is added.
     assert not s.added_end_of_turn
-    assert s.prompt_token_ids.tolist()[s.parent_end - 2 : s.parent_end + 1] == [IM_END_ID, IM_END_ID, NEWLINE]
+    assert s.prompt_token_ids.tolist()[s.parent_end - 2 : s.parent_end + 1] == [
+        IM_END_ID,
+        IM_END_ID,
+        NEWLINE,
+    ]
 
 
 def test_reasoning_dropped_by_the_template_is_kept_from_the_parent(renderers, qwen_tokenizer):
     r = renderers["drop_reasoning"]
-    msg = {"role": "assistant", "content": "", "reasoning_content": "Think first.",
-           "tool_calls": [_call(0, {"command": "ls"})]}
+    msg = {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Think first.",
+        "tool_calls": [_call(0, {"command": "ls"})],
+    }
     prompt, gen = _parent(r, qwen_tokenizer, msg)
     messages = [*HISTORY, msg, {"role": "tool", "tool_call_id": "call_0", "content": "x"}]
     s = _splice(r, prompt, gen, messages, 2)
     assert s.prompt_token_ids.tolist()[: s.parent_end] == prompt.tolist() + gen.tolist()
     assert "Think first." in qwen_tokenizer.decode(s.prompt_token_ids.tolist())
-    assert "Think first." not in qwen_tokenizer.decode(r.render_sync(messages, TOOLS, add_generation_prompt=True))
+    assert "Think first." not in qwen_tokenizer.decode(
+        r.render_sync(messages, TOOLS, add_generation_prompt=True)
+    )
 
 
 def test_several_tool_results_and_a_harness_note_after_them(renderers, qwen_tokenizer):
     r = renderers["keep_reasoning"]
-    msg = {"role": "assistant", "content": "", "tool_calls": [_call(0, {"command": "a"}), _call(1, {"command": "b"})]}
+    msg = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [_call(0, {"command": "a"}), _call(1, {"command": "b"})],
+    }
     prompt, gen = _parent(r, qwen_tokenizer, msg)
-    messages = [*HISTORY, msg,
-                {"role": "tool", "tool_call_id": "call_0", "content": "out a"},
-                {"role": "tool", "tool_call_id": "call_1", "content": "out b"},
-                {"role": "user", "content": "CRITICAL - MAXIMUM STEPS REACHED"}]
+    messages = [
+        *HISTORY,
+        msg,
+        {"role": "tool", "tool_call_id": "call_0", "content": "out a"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "out b"},
+        {"role": "user", "content": "CRITICAL - MAXIMUM STEPS REACHED"},
+    ]
     s = _splice(r, prompt, gen, messages, 2)
     tail = qwen_tokenizer.decode(s.prompt_token_ids.tolist()[s.parent_end :])
-    assert tail == ("\n<|im_start|>user\n<tool_response>\nout a\n</tool_response>\n<tool_response>\nout b\n"
-                    "</tool_response><|im_end|>\n<|im_start|>user\nCRITICAL - MAXIMUM STEPS REACHED<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert tail == (
+        "\n<|im_start|>user\n<tool_response>\nout a\n</tool_response>\n<tool_response>\nout b\n"
+        "</tool_response><|im_end|>\n<|im_start|>user\nCRITICAL - MAXIMUM STEPS REACHED<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 def test_history_that_is_not_an_extension_is_refused():
@@ -131,14 +156,28 @@ def test_history_that_is_not_an_extension_is_refused():
     parent_messages = [*HISTORY]
     assert check_extension(parent_messages, [*HISTORY, turn, {"role": "tool", "content": "x"}]) == 2
     # OpenCode echoes compact JSON and "" content: still the same turn.
-    echoed = {"role": "assistant", "content": "", "tool_calls": [
-        {**_call(0, {}), "function": {"name": "bash", "arguments": '{"command":"ls"}'}}]}
+    echoed = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {**_call(0, {}), "function": {"name": "bash", "arguments": '{"command":"ls"}'}}
+        ],
+    }
     assert check_extension(parent_messages, [*HISTORY, echoed]) == 2
-    edited = [{"role": "system", "content": "You are an agent. Today is another day."}, HISTORY[1], turn]
+    edited = [
+        {"role": "system", "content": "You are an agent. Today is another day."},
+        HISTORY[1],
+        turn,
+    ]
     with pytest.raises(SpliceRefused) as info:
         check_extension(parent_messages, edited)
     assert info.value.message_index == 0
-    compacted = [HISTORY[0], {"role": "user", "content": "Summary of earlier work."}, HISTORY[1], turn]
+    compacted = [
+        HISTORY[0],
+        {"role": "user", "content": "Summary of earlier work."},
+        HISTORY[1],
+        turn,
+    ]
     with pytest.raises(SpliceRefused) as info:
         check_extension(parent_messages, compacted)
     assert info.value.message_index == 1

@@ -56,6 +56,7 @@ async def make_stack(aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path) -
         *,
         engine_config: ScriptedEngineConfig | None = None,
         store: CaptureStore | None = None,
+        renderer: Any = None,
         **settings: Any,
     ) -> Stack:
         engine_app = build_scripted_engine_app(
@@ -64,7 +65,7 @@ async def make_stack(aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path) -
         engine = await aiohttp_server(engine_app)
         store_dir = tmp_path / "store"
         cfg = Settings(backend=str(engine.make_url("/")).rstrip("/"), store=store_dir, **settings)
-        proxy_app = build_proxy_app(cfg, store or SQLiteStore(store_dir))
+        proxy_app = build_proxy_app(cfg, store or SQLiteStore(store_dir), renderer=renderer)
         client = await aiohttp_client(proxy_app)
         return Stack(engine, engine_app, client, store_dir)
 

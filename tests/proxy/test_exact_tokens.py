@@ -1,0 +1,217 @@
+"""Tier 2: exact-token mode keeps chains exact where backend-template mode must refuse them."""
+
+from __future__ import annotations
+
+import pytest
+
+from capture_proxy.core.sse import SSEStreamDecoder
+from capture_proxy.rendering import LocalRenderer
+from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.scripted_engine.policy import Policy
+from capture_proxy.tokenizer import load_chat_template
+from tests.proxy.conftest import Stack
+from tests.proxy.test_capture import USER, _body
+from tests.proxy.test_chains_rest import _echo
+
+# Every turn's content is sampled one character at a time: ids the tokenizer would never
+# produce for that text, as real models do (e.g. "_Ski" + "nny" instead of "_Skinny").
+SPLIT_POLICY = Policy.model_validate(
+    {
+        "title": "Skinny title",
+        "steps": [
+            {
+                "content": "Skinny first look.",
+                "token_split": "characters",
+                "tool_calls": [{"name": "bash", "arguments": {"command": "ls"}}],
+            },
+            {
+                "content": "Then the notes, unskinnied.",
+                "token_split": "characters",
+                "tool_calls": [{"name": "read", "arguments": {"filePath": "notes.txt"}}],
+            },
+            {"content": "Done: all skinny.", "token_split": "characters"},
+        ],
+    }
+)
+
+
+async def _session(stack: Stack, rollout: str, *, stream: bool = False) -> list[str]:
+    messages = list(USER)
+    ids = []
+    for step in range(3):
+        resp = await stack.chat(rollout, _body(messages, stream=stream))
+        assert resp.status == 200, await resp.text()
+        ids.append(resp.headers["X-Capture-Call-Id"])
+        if stream:
+            message = _assemble_stream(await resp.read())
+        else:
+            message = (await resp.json())["choices"][0]["message"]
+        messages.append(_echo(message))
+        for tc in message.get("tool_calls") or []:
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": f"out {step}"})
+    return ids
+
+
+def _assemble_stream(raw: bytes) -> dict:
+    decoder = SSEStreamDecoder()
+    events = [*decoder.feed(raw), *decoder.close()]
+    import json
+
+    assert events[-1].data == "[DONE]"
+    content, calls = "", {}
+    for e in events[:-1]:
+        for choice in json.loads(e.data)["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for tc in delta.get("tool_calls") or []:
+                slot = calls.setdefault(
+                    tc["index"],
+                    {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                )
+                slot["id"] = tc.get("id") or slot["id"]
+                slot["function"]["name"] += (tc.get("function") or {}).get("name") or ""
+                slot["function"]["arguments"] += (tc.get("function") or {}).get("arguments") or ""
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return msg
+
+
+async def _chains(stack: Stack, rollout: str) -> list[list[str]]:
+    chains = await stack.get_json(f"/captures/rollouts/{rollout}/chains")
+    assert chains["incomplete"] is False
+    return [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]]
+
+
+async def test_backend_template_mode_must_refuse_retokenized_links(make_stack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY))
+    ids = await _session(stack, "r1")
+    assert await _chains(stack, "r1") == [[i] for i in ids]
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert summary["linking"]["links_refused"] == {"retokenized": 2}
+
+
+DIALECTS = ["vllm_completions", "vllm_generate", "sglang_generate"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dialect", DIALECTS)
+async def test_exact_tokens_mode_keeps_one_exact_chain(make_stack, qwen_tokenizer, stream, dialect):
+    # vllm_generate answers carry no text: it needs the local tokenizer (renderer) to decode.
+    renderer = LocalRenderer(qwen_tokenizer, load_chat_template("keep_reasoning"))
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, enable_scale_out=True),
+        prompt_mode="exact_tokens",
+        tokens_in_dialect=dialect,
+        renderer=renderer if dialect == "vllm_generate" else None,
+    )
+    ids = await _session(stack, "r1", stream=stream)
+    assert await _chains(stack, "r1") == [ids]
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    calls = chains["chains"][0]["calls"]
+    for parent, child in zip(calls, calls[1:], strict=False):
+        prefix = parent["prompt_token_ids"] + parent["generation_token_ids"]
+        assert child["prompt_token_ids"][: len(prefix)] == prefix
+        assert child["linking"]["verdict"] == "resolved"
+    # What was stored is exactly what the engine saw and sampled, over its tokens-in endpoint.
+    assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in stack.sent]
+    assert [c["generation_token_ids"] for c in calls] == [
+        s.generation_token_ids for s in stack.sent
+    ]
+    assert all("messages" not in s.request_body for s in stack.sent)
+    assert [c["response_message"]["tool_calls"][0]["function"]["name"] for c in calls[:2]] == [
+        "bash",
+        "read",
+    ]
+    assert calls[2]["response_message"]["content"] == "Done: all skinny."
+    assert [c["finish_reason"] for c in calls] == ["tool_calls", "tool_calls", "stop"]
+
+
+async def test_exact_tokens_answer_has_the_chat_shape(make_stack):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY), prompt_mode="exact_tokens"
+    )
+    resp = await stack.chat("r1", _body(USER))
+    body = await resp.json()
+    assert body["object"] == "chat.completion"
+    assert set(body["choices"][0]) == {
+        "index",
+        "message",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+    }
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Skinny first look.",
+        "tool_calls": [
+            {
+                "id": body["choices"][0]["message"]["tool_calls"][0]["id"],
+                "type": "function",
+                "function": {"name": "bash", "arguments": '{"command": "ls"}'},
+            }
+        ],
+    }
+    assert body["usage"]["completion_tokens"] == len(stack.sent[0].generation_token_ids)
+    assert "prompt_token_ids" not in body
+
+
+EXACT_EXPECTED = {
+    # file, template -> chains (recorded seq numbers): one agent chain per session.
+    ("01_multistep", "keep_reasoning"): [[1], [2, 3, 4, 5, 6, 7]],
+    ("02_step_limit_obeyed", "keep_reasoning"): [[1], [2, 3, 4, 5, 6, 7]],
+    ("03_step_limit_ignored", "keep_reasoning"): [[1], [2, 3, 4, 5, 6, 7]],
+    ("05_reasoning_default", "drop_reasoning"): [[1], [2, 3, 4, 5]],
+    ("06_reasoning_interleaved", "drop_reasoning"): [[1], [2, 3, 4]],
+    ("05_reasoning_default", "keep_reasoning"): [[1], [2, 3, 4, 5]],
+}
+
+
+@pytest.mark.parametrize(("name", "template"), list(EXACT_EXPECTED), ids=str)
+async def test_recorded_sessions_form_one_chain_in_exact_mode(
+    make_stack, fixtures_dir, name, template
+):
+    recording = load_recording(fixtures_dir / "opencode" / "logs" / f"{name}.jsonl")
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(
+            responder=RecordedResponder(recording), tokenizer_template=template
+        ),
+        prompt_mode="exact_tokens",
+    )
+    calls = await replay(
+        recording, str(stack.client.make_url("/ng-rollout/r1/training-token-capture/v1"))
+    )
+    assert [c.status for c in calls] == [200] * len(recording)
+    seq_of = {c.call_id: c.seq for c in calls}
+    chains = await _chains(stack, "r1")
+    assert [[seq_of[i] for i in chain] for chain in chains] == EXACT_EXPECTED[(name, template)]
+    detail = await stack.get_json("/captures/rollouts/r1/chains")
+    for chain in detail["chains"]:
+        for parent, child in zip(chain["calls"], chain["calls"][1:], strict=False):
+            prefix = parent["prompt_token_ids"] + parent["generation_token_ids"]
+            assert child["prompt_token_ids"][: len(prefix)] == prefix
+            assert not [d for d in child["diagnostics"] if d["kind"] == "parent_digest_mismatch"]
+
+
+async def test_tokenizer_directory_setting_renders_locally(make_stack, tmp_path):
+    from capture_proxy.cli import main
+
+    assert main(["export-tokenizer", str(tmp_path / "tok")]) == 0
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
+        prompt_mode="exact_tokens",
+        tokenizer=tmp_path / "tok",
+    )
+    ids = await _session(stack, "r1")
+    assert await _chains(stack, "r1") == [ids]
+
+
+async def test_per_model_override_selects_the_mode(make_stack):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
+        prompt_mode_by_model={"scripted-qwen": "exact_tokens"},
+    )
+    ids = await _session(stack, "r1")
+    assert await _chains(stack, "r1") == [ids]
+    assert all("prompt" in s.request_body for s in stack.sent)  # /v1/completions bodies

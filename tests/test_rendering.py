@@ -1,0 +1,53 @@
+"""Renderers: a local tokenizer directory renders exactly as the (scripted) engine's template."""
+
+import pytest
+
+from capture_proxy.cli import main
+from capture_proxy.rendering import LocalRenderer, RenderError, parse_tool_arguments
+from capture_proxy.tokenizer import load_chat_template
+
+MESSAGES = [
+    {"role": "system", "content": "s"},
+    {"role": "user", "content": "u"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "c1",
+                "type": "function",
+                "function": {"name": "bash", "arguments": '{"command":"ls"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+]
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
+
+
+def test_exported_tokenizer_directory_renders_like_the_template(tmp_path, qwen_tokenizer):
+    assert main(["export-tokenizer", str(tmp_path / "tok"), "--template", "drop_reasoning"]) == 0
+    local = LocalRenderer.from_directory(tmp_path / "tok")
+    reference = LocalRenderer(qwen_tokenizer, load_chat_template("drop_reasoning"))
+    for gen in (True, False):
+        ids = local.render_sync(MESSAGES, TOOLS, add_generation_prompt=gen)
+        assert ids == reference.render_sync(MESSAGES, TOOLS, add_generation_prompt=gen)
+    text = qwen_tokenizer.decode(local.render_sync(MESSAGES, TOOLS, add_generation_prompt=True))
+    # vLLM parses argument strings before the template runs: tojson re-renders them.
+    assert '{"name": "bash", "arguments": {"command": "ls"}}' in text
+
+
+def test_missing_directory_is_a_render_error(tmp_path):
+    with pytest.raises(RenderError, match="cannot load tokenizer"):
+        LocalRenderer.from_directory(tmp_path / "nope")
+
+
+def test_argument_strings_that_are_not_json_are_refused():
+    bad = [
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": "{"}}],
+        }
+    ]
+    with pytest.raises(RenderError, match="not JSON"):
+        parse_tool_arguments(bad)
