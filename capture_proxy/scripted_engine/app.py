@@ -452,3 +452,14 @@ def build_scripted_engine_app(
 def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
     """Serve the engine until interrupted (blocking; for the CLI)."""
     web.run_app(build_scripted_engine_app(config), host=host, port=port, print=None)
+
+
+def run_scripted_engine_cli(
+    host: str, port: int, policy_path: Path | None, template: str = "keep_reasoning"
+) -> int:
+    """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one)."""
+    policy = Policy.load(policy_path) if policy_path is not None else Policy.default()
+    run_scripted_engine(
+        host, port, ScriptedEngineConfig(policy=policy, tokenizer_template=template)
+    )
+    return 0
