@@ -143,6 +143,9 @@ class Resolution:
     parent_call_id: str | None = None
     retry_of: str | None = None
     reason: str | None = None
+    #: one past the last routed-expert row the parent holds (None: no rows), so only the rows
+    #: after it are asked for
+    parent_rows_end: int | None = None
 
 
 @dataclass
@@ -152,6 +155,7 @@ class _Entry:
     child_digest: str | None
     request_digest: str | None
     harness_note: bool
+    rows_end: int | None = None
 
 
 @dataclass
@@ -168,9 +172,10 @@ class LinkIndex:
         child_digest: str | None,
         request_digest: str | None,
         harness_note: bool = False,
+        rows_end: int | None = None,
     ) -> None:
         self.entries[call_id] = _Entry(
-            call_id, created_at, child_digest, request_digest, harness_note
+            call_id, created_at, child_digest, request_digest, harness_note, rows_end
         )
 
     def _by(self, attr: str, digest: str) -> list[_Entry]:
@@ -216,7 +221,12 @@ class LinkIndex:
                 reason="parent prompt carried a rewritten harness note (source_history)",
             )
         return Resolution(
-            Verdict.RESOLVED, parent_digest, req_digest, parent.call_id, retry_of=retry_of
+            Verdict.RESOLVED,
+            parent_digest,
+            req_digest,
+            parent.call_id,
+            retry_of=retry_of,
+            parent_rows_end=parent.rows_end,
         )
 
 

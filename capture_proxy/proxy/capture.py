@@ -170,7 +170,9 @@ async def handle_captured_chat(
     created_at = time.time()
     prepared = prepare_request(body, deps.notes)
     resolution = await _resolve(deps, route.rollout_id, prepared)
-    upstream_body, asked = augment_chat_request(prepared.body)
+    upstream_body, asked = augment_chat_request(
+        prepared.body, parent_rows_end=resolution.parent_rows_end
+    )
     stream = bool(body.get("stream"))
     ctx = CallContext(
         call_id=new_call_id(),
@@ -179,6 +181,7 @@ async def handle_captured_chat(
         stream=stream,
         upstream_path=route.upstream_path,
         request_body=prepared.body,
+        routed_experts_start=resolution.parent_rows_end or 0,
     )
     call = InFlightCall(ctx, prepared, resolution, request.headers.get(RETRY_COUNT_HEADER))
     if deps.exact is not None and deps.exact_for_model(body.get("model")):

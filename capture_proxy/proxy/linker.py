@@ -26,6 +26,7 @@ from capture_proxy.core.linking import (
     request_digest,
 )
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.store.base import CaptureStore
 
 log = logging.getLogger("capture_proxy")
@@ -71,6 +72,7 @@ class Linker:
             child_digest=child,
             request_digest=linking.get("request_digest"),
             harness_note=bool(linking.get("harness_note")),
+            rows_end=rows_end(record),
         )
 
     async def resolve(

@@ -46,6 +46,9 @@ async def test_npz_agrees_with_json_exactly(make_stack: MakeStack):
         (ch["chain_id"], [c["call_id"] for c in ch["calls"]]) for ch in chains["chains"]
     ]
     assert samples[1].call_ids == agent_ids
+    # Only the title and the first agent call (roots) asked for every row.
+    starts = [s.request_body.get("routed_experts_prompt_start") for s in stack.sent]
+    assert starts[:2] == [None, None] and all(isinstance(x, int) and x > 0 for x in starts[2:])
     for sample, chain in zip(samples, chains["chains"], strict=True):
         calls = chain["calls"]
         leaf = calls[-1]
@@ -59,11 +62,18 @@ async def test_npz_agrees_with_json_exactly(make_stack: MakeStack):
             end = start + c["num_generation_tokens"]
             mask[start:end] = 1
             log_probs[start:end] = [math.nan if v is None else v for v in c["generation_log_probs"]]
-            # Every call's rows are what the engine computed for its tokens.
+            # Each call holds only the rows its parent does not: the proxy asked the engine
+            # to start at the parent's end (routed_experts_prompt_start).
             rows = np.asarray(c["routed_experts"])
             full = c["prompt_token_ids"] + c["generation_token_ids"]
-            assert c["routed_experts_start"] == 0
-            assert np.array_equal(rows, expert_rows(full, MOE))
+            parent = next((p for p in calls if p["call_id"] == c["parent_call_id"]), None)
+            start = (
+                0
+                if parent is None
+                else parent["num_prompt_tokens"] + parent["num_generation_tokens"] - 1
+            )
+            assert c["routed_experts_start"] == start
+            assert np.array_equal(rows, expert_rows(full, MOE)[start:])
         assert a["loss_mask"].tolist() == mask.tolist()
         assert a["log_probs"].tobytes() == log_probs.tobytes()
         # Aligned rows: the first call covering a position; the engine's rows agree anyway.
