@@ -122,6 +122,18 @@ class Linker:
             )
             if mismatch is not None:
                 diagnostics.append(Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch))
+            if parent_call_id is None and record.routed_experts_start > 0:
+                # Rows were asked for from the parent's end on; without the link they are partial.
+                diagnostics.append(
+                    Diagnostic(
+                        DiagnosticKind.ROUTED_EXPERTS_MISMATCH,
+                        {
+                            "reason": "link refused: rows before routed_experts_start were not "
+                            "asked for",
+                            "routed_experts_start": record.routed_experts_start,
+                        },
+                    )
+                )
         linking = {
             "verdict": verdict.value,
             "parent_digest": resolution.parent_digest,

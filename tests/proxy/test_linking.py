@@ -164,3 +164,28 @@ async def test_links_survive_a_proxy_restart(make_stack, stack: Stack):
     child_id, _ = await _step(stack2, "r1", messages)
     child = await stack2.get_json(f"/captures/calls/{child_id}")
     assert child["parent_call_id"] == first_id and child["linking"]["verdict"] == "resolved"
+
+
+async def test_refused_link_flags_partial_routed_expert_rows(make_stack):
+    from tests.proxy.test_npz_and_retention import MOE
+
+    stack = await make_stack(engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, moe=MOE))
+    first_id, message = await _step(stack, "r1", list(USER))
+    messages = [
+        *USER,
+        _echo(message),
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "a"},
+    ]
+    second_id, _ = await _step(stack, "r1", messages)
+    call = await stack.get_json(f"/captures/calls/{second_id}")
+    first = await stack.get_json(f"/captures/calls/{first_id}")
+    start = first["num_prompt_tokens"] + first["num_generation_tokens"] - 1
+    assert call["routed_experts_start"] == start
+    assert call["linking"]["verdict"] == "refused"
+    assert call["diagnostics"][-1] == {
+        "kind": "routed_experts_mismatch",
+        "details": {
+            "reason": "link refused: rows before routed_experts_start were not asked for",
+            "routed_experts_start": start,
+        },
+    }
