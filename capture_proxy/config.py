@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AnyHttpUrl, Field, ValidationError, field_validator
+from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -41,6 +41,12 @@ class Settings(BaseSettings):
     store: Path = Field(Path("capture-store"), description="Embedded store directory")
     max_request_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
     upstream_connect_timeout_s: float = Field(10.0, gt=0)
+    upstream_first_byte_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Max seconds from sending a request to the engine's response headers; "
+        "None: no limit (long prompts take long to prefill)",
+    )
     upstream_read_timeout_s: float | None = Field(
         None, gt=0, description="Max seconds between bytes from the engine; None: no limit"
     )
@@ -84,6 +90,17 @@ class Settings(BaseSettings):
     )
     end_of_turn_token: str = Field(
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
+    )
+    captures_token: SecretStr | None = Field(
+        None, description="bearer token required by the /captures read API (unset: open)"
+    )
+    proxy_token: SecretStr | None = Field(
+        None,
+        description="bearer token harnesses must send to proxied paths (unset: open); it is "
+        "stripped before forwarding",
+    )
+    backend_api_key: SecretStr | None = Field(
+        None, description="bearer token the proxy sends to the engine (unset: the harness's)"
     )
     log_level: str = "INFO"
 

@@ -20,6 +20,7 @@ from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.core.parsers import get_parser
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
+from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.capture import CHAT_COMPLETIONS_PATH, CaptureDeps, handle_captured_chat
 from capture_proxy.proxy.errors import BadRequest, NotFound, PayloadTooLarge, error_middleware
 from capture_proxy.proxy.exact import ExactTokens
@@ -78,11 +79,17 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             request.app[NOTES_KEY],
             exact=request.app.get(EXACT_KEY),
             exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
+            first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         )
         response = await handle_captured_chat(request, target, raw_body, deps)
     else:
         response = await forward_uncaptured(
-            request, target, raw_body, session, settings.backend_base
+            request,
+            target,
+            raw_body,
+            session,
+            settings.backend_base,
+            first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         )
     log.info(
         "%s %s -> %d (%s, <%d bytes in>, %.1f ms)",
@@ -156,7 +163,8 @@ def build_proxy_app(
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings)."""
     app = web.Application(
-        middlewares=[error_middleware], client_max_size=settings.max_request_body_bytes
+        middlewares=[error_middleware, auth_middleware(settings)],
+        client_max_size=settings.max_request_body_bytes,
     )
     app[SETTINGS_KEY] = settings
     app[rest.STORE_KEY] = store

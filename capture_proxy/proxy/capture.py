@@ -11,6 +11,7 @@ on the call being readable over REST.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -40,7 +41,12 @@ from capture_proxy.core.sse import DONE_SENTINEL, SSEStreamDecoder, encode_json_
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers, translate_client_error
+from capture_proxy.proxy.upstream import (
+    CLIENT_ERRORS,
+    forwardable_headers,
+    send_upstream,
+    translate_client_error,
+)
 
 if TYPE_CHECKING:
     from capture_proxy.proxy.exact import ExactTokens
@@ -72,6 +78,7 @@ class CaptureDeps:
     #: exact-token machinery, and which models use it (None: the proxy-wide prompt mode)
     exact: ExactTokens | None = None
     exact_for_model: Callable[[str | None], bool] = lambda model: False
+    first_byte_timeout_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -192,8 +199,11 @@ async def handle_captured_chat(
     headers = upstream_headers(request, ctx.call_id, route.rollout_id)
     t0 = time.perf_counter()
     try:
-        upstream = await deps.session.post(
+        upstream = await send_upstream(
+            deps.session,
+            "POST",
             url,
+            first_byte_timeout_s=deps.first_byte_timeout_s,
             data=json.dumps(upstream_body, ensure_ascii=False).encode(),
             headers=headers,
             auto_decompress=True,
@@ -308,7 +318,7 @@ async def _relay_stream(
     assembler = ChatCaptureAssembler(ctx)
     decoder = SSEStreamDecoder()
     done_seen = False
-    client_gone = False
+    client_gone = cancelled = False
     upstream_problem: str | None = None
 
     async def emit(data: bytes) -> None:
@@ -329,13 +339,13 @@ async def _relay_stream(
                 continue
             try:
                 chunk = json.loads(event.data)
-            except ValueError:
-                upstream_problem = f"engine sent a malformed stream event ({len(event.data)} bytes)"
-                out.append(event.encode())
-                continue
-            if not isinstance(chunk, dict):
-                upstream_problem = "engine sent a stream event that is not a JSON object"
-                out.append(event.encode())
+                if not isinstance(chunk, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as exc:
+                # Not forwarded: a harness would choke on it. The stream ends with an error.
+                upstream_problem = (
+                    f"engine sent a malformed stream event ({len(event.data)} bytes): {exc}"
+                )
                 continue
             assembler.add_chunk(chunk)
             stripped = strip_chat_chunk(chunk, asked)
@@ -356,6 +366,10 @@ async def _relay_stream(
         upstream_problem = f"engine stream broke: {type(exc).__name__}: {exc}"
     except UnicodeDecodeError as exc:
         upstream_problem = f"engine stream is not UTF-8: {exc.reason}"
+    except asyncio.CancelledError:
+        # The handler was cancelled (the client left, with handler cancellation on, or the
+        # server is stopping): keep what arrived, then let the cancellation through.
+        client_gone = cancelled = True
 
     record = assembler.finish(latency_ms=elapsed_ms(t0), http_status=upstream.status)
     reasons = []
@@ -367,12 +381,16 @@ async def _relay_stream(
         reasons.append("engine stream ended without [DONE]")
     if reasons:
         record = _mark_incomplete(record, reasons)
+    if cancelled:
+        await asyncio.shield(finish_call(deps, call, record))
+        raise asyncio.CancelledError
     await finish_call(deps, call, record)
 
     if upstream_problem and not client_gone:
-        # Headers are sent; the status can no longer change: tell the harness in-band.
+        # Headers are sent; the status can no longer change: tell the harness in-band, and
+        # leave out [DONE] so no harness takes the answer for a complete one.
         await emit(encode_json_event(error_body(upstream_problem, "upstream_error")))
-    if done_seen:
+    elif done_seen:
         await emit(b"data: " + DONE_SENTINEL.encode() + b"\n\n")
     if not client_gone:
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):

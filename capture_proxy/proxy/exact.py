@@ -42,7 +42,7 @@ from capture_proxy.proxy.capture import (
     relay_engine_error,
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
-from capture_proxy.proxy.upstream import CLIENT_ERRORS, translate_client_error
+from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
 from capture_proxy.rendering import ChatRenderer, RenderError
 
 log = logging.getLogger("capture_proxy")
@@ -235,8 +235,11 @@ async def handle_exact_tokens(
         headers["Authorization"] = request.headers["Authorization"]
     t0 = time.perf_counter()
     try:
-        upstream = await deps.session.post(
+        upstream = await send_upstream(
+            deps.session,
+            "POST",
             deps.backend + exact.dialect.path,
+            first_byte_timeout_s=deps.first_byte_timeout_s,
             data=json.dumps(engine_body).encode(),
             headers=headers,
             auto_decompress=True,
@@ -362,7 +365,7 @@ async def _stream(
         "created": int(ctx.created_at),
         "model": body.get("model"),
     }
-    client_gone = False
+    client_gone = cancelled = False
     problem: str | None = None
     done = False
     deltas: list[MessageDelta] = []
@@ -417,6 +420,8 @@ async def _stream(
         problem = f"engine stream broke: {type(exc).__name__}: {exc}"
     except (ValueError, EngineFormatError) as exc:
         problem = f"engine sent a malformed stream event: {exc}"
+    except asyncio.CancelledError:
+        client_gone = cancelled = True  # keep what arrived; re-raised after persisting
     tail = parser_stream.finish()
     deltas += tail
     for d in tail:
@@ -454,6 +459,9 @@ async def _stream(
                 Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": earlier + reasons}),
             ],
         )
+    if cancelled:
+        await asyncio.shield(finish_call(deps, call, record))
+        raise asyncio.CancelledError
     await finish_call(deps, call, record)
     if problem:
         await send(error_body(problem, "upstream_error"))

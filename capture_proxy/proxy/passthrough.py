@@ -11,7 +11,12 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.core.routing import Route
-from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers, translate_client_error
+from capture_proxy.proxy.upstream import (
+    CLIENT_ERRORS,
+    forwardable_headers,
+    send_upstream,
+    translate_client_error,
+)
 
 
 async def forward_uncaptured(
@@ -20,6 +25,8 @@ async def forward_uncaptured(
     raw_body: bytes,
     session: aiohttp.ClientSession,
     backend: str,
+    *,
+    first_byte_timeout_s: float | None = None,
 ) -> web.StreamResponse:
     """Relay one request to ``backend + route.upstream_path`` (query string kept)."""
     headers = forwardable_headers(request.headers)
@@ -29,8 +36,13 @@ async def forward_uncaptured(
     if request.query_string:
         url += "?" + request.query_string
     try:
-        upstream = await session.request(
-            request.method, url, headers=headers, data=raw_body if raw_body else None
+        upstream = await send_upstream(
+            session,
+            request.method,
+            url,
+            first_byte_timeout_s=first_byte_timeout_s,
+            headers=headers,
+            data=raw_body if raw_body else None,
         )
     except CLIENT_ERRORS as exc:
         raise translate_client_error(exc, backend) from exc

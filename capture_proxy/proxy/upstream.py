@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
@@ -91,3 +92,19 @@ def translate_client_error(exc: BaseException, backend: str) -> ProxyError:
 
 
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+async def send_upstream(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    first_byte_timeout_s: float | None,
+    **kwargs: Any,
+) -> aiohttp.ClientResponse:
+    """Send a request and wait for the response headers, at most ``first_byte_timeout_s``
+    (None: no limit). The caller owns the response (``async with``). Raises CLIENT_ERRORS."""
+    if first_byte_timeout_s is None:
+        return await session.request(method, url, **kwargs)
+    async with asyncio.timeout(first_byte_timeout_s):
+        return await session.request(method, url, **kwargs)

@@ -1,21 +1,26 @@
 """A vLLM-dialect engine with a real Qwen tokenizer and a scripted policy, for tests and demos.
 
 Modules: ``policy`` (the policy file and step choice; pure), ``generation`` (a scripted
-message -> token ids, log probs and per-token stream events; pure), ``app`` (the aiohttp app).
+message -> token ids, log probs and per-token stream events; pure), ``faults`` (injected
+misbehaviour), ``tokens_in`` (token-id endpoints), ``moe`` (routed experts), ``app`` (the app).
 Importing this package does not load the tokenizer.
 """
 
 from capture_proxy.scripted_engine.app import (
+    CLIENT_GONE,
     SENT_CALLS,
     ScriptedEngineConfig,
     SentCall,
     build_scripted_engine_app,
     run_scripted_engine,
 )
+from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.policy import Policy, Step, ToolCallSpec
 
 __all__ = [
+    "CLIENT_GONE",
     "SENT_CALLS",
+    "Faults",
     "Policy",
     "ScriptedEngineConfig",
     "SentCall",

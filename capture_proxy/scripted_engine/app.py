@@ -9,6 +9,7 @@ pure and live elsewhere. Must not: load the tokenizer per request.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -18,9 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
+from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.generation import Generation, TokenEvent, generate, token_bytes
 from capture_proxy.scripted_engine.moe import MoeShape, expert_rows, vllm_routed_experts
 from capture_proxy.scripted_engine.policy import Policy
@@ -55,6 +58,8 @@ class ScriptedEngineConfig:
     #: SGLang ``/generate`` streams deltas (``--incremental-streaming-output``), not the
     #: default cumulative ``text`` / ``output_ids`` / log probs.
     sglang_incremental_streaming: bool = False
+    #: injected misbehaviour of chat completions (see ``faults.Faults``)
+    faults: Faults = field(default_factory=Faults)
 
 
 @dataclass(frozen=True)
@@ -68,9 +73,13 @@ class SentCall:
     generation_log_probs: list[float]
     stream: bool
     finish_reason: str
+    #: the HTTP headers of the request (chat completions), e.g. to check credentials
+    request_headers: dict[str, str] = field(default_factory=dict)
 
 
 CONFIG = web.AppKey("scripted_engine_config", ScriptedEngineConfig)
+#: set when a stream could not be written to the end because the client went away
+CLIENT_GONE = web.AppKey("scripted_engine_client_gone", asyncio.Event)
 TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
 TEMPLATE = web.AppKey("scripted_engine_template", str)
 SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
@@ -258,7 +267,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         gen = generate(app[TOKENIZER], message, max_tokens, token_split=step.token_split)
     stream = body.get("stream") is True
     app[SENT_CALLS].append(
-        SentCall(body, prompt, gen.token_ids, gen.log_probs, stream, gen.finish_reason)
+        SentCall(
+            body,
+            prompt,
+            gen.token_ids,
+            gen.log_probs,
+            stream,
+            gen.finish_reason,
+            dict(request.headers),
+        )
     )
     opts = _options(app, body)
     head = {
@@ -266,6 +283,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         "created": int(time.time()),
         "model": cfg.model_name,
     }
+    if cfg.faults.first_byte_delay_s:
+        await asyncio.sleep(cfg.faults.first_byte_delay_s)
     if stream:
         return await _stream(request, head, prompt, gen, opts)
     choice: dict[str, Any] = {
@@ -278,7 +297,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if opts.logprobs:
         choice["logprobs"] = {
             "content": [
-                _logprob_entry(app[TOKENIZER], e, opts.top, opts.as_ids) for e in gen.events
+                entry
+                for k, e in enumerate(gen.events)
+                for entry in _faulty_entries(app, e, k, opts)
             ]
         }
     if opts.token_ids:
@@ -307,12 +328,18 @@ async def _stream(
     )
     await resp.prepare(request)
 
+    faults = cfg.faults
+
     async def send(obj: dict[str, Any] | str) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
         raw = f"data: {data}\n\n".encode()
         step = cfg.sse_fragment_bytes or len(raw)
-        for i in range(0, len(raw), step):
-            await resp.write(raw[i : i + step])  # write() drains the transport
+        try:
+            for i in range(0, len(raw), step):
+                await resp.write(raw[i : i + step])  # write() drains the transport
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            app[CLIENT_GONE].set()
+            raise
 
     chunk = {**head, "object": "chat.completion.chunk"}
     first: dict[str, Any] = {
@@ -328,8 +355,43 @@ async def _stream(
     }
     if opts.token_ids:
         first["prompt_token_ids"] = prompt
-    await send(first)
+    try:
+        await send(first)
+        await _send_tokens(send, app, chunk, gen, opts, faults, request)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        return resp  # the client left: like vLLM, abort the request
+    except asyncio.CancelledError:
+        app[CLIENT_GONE].set()  # the client left and the server cancelled this handler
+        raise
+    if faults.disconnect_after_chunks is not None:
+        return resp
+    if opts.usage:
+        await send({**chunk, "choices": [], "usage": _usage(prompt, gen)})
+    if not faults.drop_done:
+        await send("[DONE]")
+    await resp.write_eof()
+    return resp
+
+
+async def _send_tokens(
+    send: Any,
+    app: web.Application,
+    chunk: dict[str, Any],
+    gen: Generation,
+    opts: _Options,
+    faults: Faults,
+    request: web.Request,
+) -> None:
     for k, e in enumerate(gen.events):
+        if faults.chunk_delay_s:
+            await asyncio.sleep(faults.chunk_delay_s)
+        if faults.disconnect_after_chunks is not None and k >= faults.disconnect_after_chunks:
+            if request.transport is not None:
+                request.transport.close()
+            return
+        if faults.malformed_chunk_at == k:
+            await send("{not json")
+            continue
         delta: dict[str, Any] = {}
         if e.reasoning:
             delta["reasoning_content"] = e.reasoning
@@ -347,17 +409,21 @@ async def _stream(
         if last:
             choice["stop_reason"] = None
         if opts.logprobs:
-            choice["logprobs"] = {
-                "content": [_logprob_entry(app[TOKENIZER], e, opts.top, opts.as_ids)]
-            }
+            choice["logprobs"] = {"content": _faulty_entries(app, e, k, opts)}
         if opts.token_ids:
             choice["token_ids"] = [e.token_id]
         await send({**chunk, "choices": [choice]})
-    if opts.usage:
-        await send({**chunk, "choices": [], "usage": _usage(prompt, gen)})
-    await send("[DONE]")
-    await resp.write_eof()
-    return resp
+
+
+def _faulty_entries(app: web.Application, e: TokenEvent, k: int, opts: _Options) -> list[dict]:
+    """The log-prob entries of token ``k``, with the configured faults applied."""
+    faults = app[CONFIG].faults
+    if faults.drop_logprob_at == k:
+        return []
+    entry = _logprob_entry(app[TOKENIZER], e, opts.top, opts.as_ids)
+    if faults.nan_logprob_at == k:
+        entry["logprob"] = None
+    return [entry]
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -438,6 +504,7 @@ def build_scripted_engine_app(
     app[TEMPLATE] = load_chat_template(config.tokenizer_template)
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[SENT_CALLS] = []
+    app[CLIENT_GONE] = asyncio.Event()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)

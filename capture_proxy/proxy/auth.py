@@ -1,0 +1,57 @@
+"""Bearer-token checks for the read API and the proxied paths.
+
+Owns who may read captures (``captures_token``) and who may call through the proxy
+(``proxy_token``), and which credential goes to the engine: with ``proxy_token`` set the
+harness's ``Authorization`` is for the proxy and is stripped before forwarding;
+``backend_api_key``, when set, is the engine's. Tokens are compared in constant time and never
+logged. ``/health`` stays open (container health checks).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+from multidict import CIMultiDict
+from pydantic import SecretStr
+
+from capture_proxy.config import Settings
+from capture_proxy.proxy.errors import Handler, Unauthorized
+
+READ_API_PREFIX = "/captures"
+
+
+def _bearer(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _check(request: web.Request, expected: SecretStr, what: str) -> None:
+    given = _bearer(request)
+    if given is None or not hmac.compare_digest(
+        given.encode(), expected.get_secret_value().encode()
+    ):
+        raise Unauthorized(f"missing or invalid bearer token for {what}", code="invalid_api_key")
+
+
+def auth_middleware(settings: Settings) -> web.Middleware:
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == "/health":
+            return await handler(request)
+        if request.path == READ_API_PREFIX or request.path.startswith(READ_API_PREFIX + "/"):
+            if settings.captures_token is not None:
+                _check(request, settings.captures_token, "the read API")
+            return await handler(request)
+        if settings.proxy_token is None and settings.backend_api_key is None:
+            return await handler(request)
+        if settings.proxy_token is not None:
+            _check(request, settings.proxy_token, "the proxy")
+        headers = CIMultiDict(request.headers)
+        headers.popall("Authorization", None)
+        if settings.backend_api_key is not None:
+            headers["Authorization"] = f"Bearer {settings.backend_api_key.get_secret_value()}"
+        return await handler(request.clone(headers=headers))
+
+    return auth

@@ -1,0 +1,35 @@
+"""Fault injection for the scripted engine's chat completions (the proxy's error paths).
+
+Owns the catalogue of engine misbehaviour the proxy must survive: slow first byte, slow or
+stalled chunks, a stream cut without ``[DONE]``, a connection dropped mid-stream, a malformed
+chunk, a missing log prob (ids and log probs of different lengths), and a NaN log prob sent as
+JSON ``null`` (how pydantic-based servers serialise NaN). Pure data; ``app.py`` applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Faults:
+    """All off by default. Positions count generated tokens (stream chunks after the first)."""
+
+    #: seconds before the response headers
+    first_byte_delay_s: float = 0.0
+    #: seconds before each stream chunk after the first
+    chunk_delay_s: float = 0.0
+    #: end the stream without ``data: [DONE]``
+    drop_done: bool = False
+    #: close the connection after this many token chunks (no ``[DONE]``, no end of body)
+    disconnect_after_chunks: int | None = None
+    #: send ``data: {not json`` in place of the chunk of this token
+    malformed_chunk_at: int | None = None
+    #: leave out the log prob entry of this token
+    drop_logprob_at: int | None = None
+    #: the log prob of this token is NaN, sent as JSON null
+    nan_logprob_at: int | None = None
+
+    @property
+    def any(self) -> bool:
+        return self != Faults()
