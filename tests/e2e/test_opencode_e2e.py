@@ -6,17 +6,23 @@ a temporary SQLite store, and ``opencode run`` pointed at the proxy's capture pa
 policy (``capture_proxy/policies/opencode.json``) makes the agent ``read`` a file, run ``ls``
 with ``bash`` and then answer, so OpenCode really executes two tools between model calls.
 
+Every test here runs in both prompt modes (``PROMPT_MODES``): ``backend_template`` (the engine
+renders the chat template, ``/v1/chat/completions``) and ``exact_tokens`` (the proxy splices the
+prompt from the parent's stored tokens and calls the engine's tokens-in ``/v1/completions``).
+
 Checked over REST afterwards: the title request is a chain of its own, the agent calls form
 exactly one chain whose links extend each other token for token, every captured generation
 is exactly what the engine sampled, OpenCode's real tool output is in the next request, and
 nothing is incomplete or diagnosed. A ``run -c`` follow-up turn must extend the same chain
-and send no new title request.
+and send no new title request. In exact-token mode the engine got token ids, exactly the
+stored prompt ids, and every child's prompt begins with its parent's prompt + generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +59,65 @@ NOTES_LINES = ["TODO: count the files", "alpha é ✓", "  indented beta"]
 LS_OUTPUT = "notes.txt\nopencode.json\n"
 AGENT_CALLS_PER_TURN = 3  # read, bash, answer
 RUN_TIMEOUT_S = 120  # above OpenCode's ~70 s retry loop, so a dead endpoint fails, not hangs
+PROMPT_MODES = ["backend_template", "exact_tokens"]
+
+
+@dataclass(frozen=True)
+class E2EStack:
+    """The scripted engine and a real proxy server in front of it, in one prompt mode."""
+
+    client: TestClient  # the proxy (read API)
+    base_url: str  # the capture path OpenCode talks to
+    sent: list[SentCall]  # what the engine answered, in arrival order
+    prompt_mode: str
+
+
+async def start_stack(
+    aiohttp_server: Any,
+    aiohttp_client: Any,
+    tokenizer: Any,
+    tmp_path: Path,
+    *,
+    policy: Policy,
+    rollout: str,
+    prompt_mode: str,
+) -> E2EStack:
+    """Engine + proxy on loopback ports, store in ``tmp_path/store``. In ``exact_tokens`` mode
+    the proxy renders with the engine's ``/tokenize`` (no local tokenizer) and generates over
+    ``/v1/completions``, the defaults."""
+    engine_app = build_scripted_engine_app(ScriptedEngineConfig(policy=policy), tokenizer)
+    engine = await aiohttp_server(engine_app, host="127.0.0.1", port=0)
+    settings = Settings.model_validate(
+        {
+            "backend": f"http://127.0.0.1:{engine.port}",
+            "store": tmp_path / "store",
+            "prompt_mode": prompt_mode,
+        }
+    )
+    proxy = await aiohttp_server(
+        build_proxy_app(settings, SQLiteStore(tmp_path / "store")), host="127.0.0.1", port=0
+    )
+    client = await aiohttp_client(proxy)
+    base_url = f"http://127.0.0.1:{proxy.port}/ng-rollout/{rollout}/training-token-capture/v1"
+    return E2EStack(client, base_url, engine_app[SENT_CALLS], prompt_mode)
+
+
+def check_engine_prompts(prompt_mode: str, calls: list[dict[str, Any]], sent: list[SentCall]):
+    """Each stored call is exactly one engine call, over the endpoint of its prompt mode. In
+    exact-token mode the engine got token ids (``prompt``), exactly the stored prompt ids, and
+    a linked child's ids begin with its parent's prompt + generation, as the engine saw them."""
+    by_id = {c["call_id"]: c for c in calls}
+    for call in calls:
+        body = _sent_for(sent, call["prompt_token_ids"]).request_body
+        if prompt_mode == "backend_template":
+            assert "messages" in body and "prompt" not in body, call["call_id"]
+            continue
+        assert "messages" not in body, call["call_id"]
+        assert body["prompt"] == call["prompt_token_ids"], call["call_id"]
+        parent = by_id.get(call["parent_call_id"])
+        if parent is not None:
+            head = parent["prompt_token_ids"] + parent["generation_token_ids"]
+            assert body["prompt"][: len(head)] == head, call["call_id"]
 
 
 def _read_wrapper(path: Path, lines: list[str]) -> str:
@@ -96,9 +161,10 @@ def _sent_for(sent: list[SentCall], prompt_ids: list[int]) -> SentCall:
 
 
 async def _check_rollout(
-    client: TestClient, sent: list[SentCall], *, agent_calls: int
+    stack: E2EStack, *, agent_calls: int
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Assert the rollout's exact shape; return (title call, agent chain calls) with details."""
+    client, sent = stack.client, stack.sent
     summary = await _get(client, f"/captures/rollouts/{ROLLOUT}")
     total = agent_calls + 1
     assert summary["num_calls"] == total, summary
@@ -128,6 +194,7 @@ async def _check_rollout(
             assert call["generation_log_probs"] == pytest.approx(s.generation_log_probs)
             assert call["status"] == "complete" and call["diagnostics"] == []
             assert call["stream"] is True  # OpenCode always streams
+    check_engine_prompts(stack.prompt_mode, [c for ch in chains for c in ch["calls"]], sent)
 
     (title,) = chains[0]["calls"]
     assert title["parent_call_id"] is None
@@ -143,6 +210,7 @@ async def _check_rollout(
         head = parent["prompt_token_ids"] + parent["generation_token_ids"]
         assert child["prompt_token_ids"][: len(head)] == head, child["call_id"]
         assert len(child["prompt_token_ids"]) > len(head)  # tool result / user message between
+        assert child["linking"]["verdict"] == "resolved", child["linking"]
     details = [await _get(client, f"/captures/calls/{c['call_id']}") for c in agent]
     for d in details:
         assert {t["function"]["name"] for t in d["request_tools"]} >= {"read", "bash"}
@@ -171,21 +239,21 @@ def _check_turn_tools(details: list[dict[str, Any]], first: int, notes: Path) ->
     assert not answer_call["response_message"].get("tool_calls")
 
 
+@pytest.mark.parametrize("prompt_mode", PROMPT_MODES)
 async def test_opencode_session_is_one_exact_chain(
-    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path: Path
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path: Path, prompt_mode: str
 ) -> None:
     policy = Policy.load(POLICY_PATH)
-    engine_app = build_scripted_engine_app(ScriptedEngineConfig(policy=policy), qwen_tokenizer)
-    engine = await aiohttp_server(engine_app, host="127.0.0.1", port=0)
-    settings = Settings.model_validate(
-        {"backend": f"http://127.0.0.1:{engine.port}", "store": tmp_path / "store"}
+    stack = await start_stack(
+        aiohttp_server,
+        aiohttp_client,
+        qwen_tokenizer,
+        tmp_path,
+        policy=policy,
+        rollout=ROLLOUT,
+        prompt_mode=prompt_mode,
     )
-    proxy = await aiohttp_server(
-        build_proxy_app(settings, SQLiteStore(tmp_path / "store")), host="127.0.0.1", port=0
-    )
-    client = await aiohttp_client(proxy)
-    base_url = f"http://127.0.0.1:{proxy.port}/ng-rollout/{ROLLOUT}/training-token-capture/v1"
-    sent = engine_app[SENT_CALLS]
+    client, base_url = stack.client, stack.base_url
 
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
@@ -196,7 +264,7 @@ async def test_opencode_session_is_one_exact_chain(
     t0 = time.monotonic()
     first = await _opencode(project, home, base_url, "Read notes.txt, then list the files.")
     assert policy.steps[-1].content in first.stdout, first.describe()
-    title, details = await _check_rollout(client, sent, agent_calls=AGENT_CALLS_PER_TURN)
+    title, details = await _check_rollout(stack, agent_calls=AGENT_CALLS_PER_TURN)
     assert title["response_message"]["content"] == policy.title
     _check_turn_tools(details, 0, notes)
     agent_chain = details[0]["call_id"]
@@ -204,7 +272,7 @@ async def test_opencode_session_is_one_exact_chain(
     # turn 2: `run -c` continues the session: no title request, the chain grows by 3
     second = await _opencode(project, home, base_url, "Do it again, please.", continue_session=True)
     assert policy.steps[-1].content in second.stdout, second.describe()
-    title2, details2 = await _check_rollout(client, sent, agent_calls=2 * AGENT_CALLS_PER_TURN)
+    title2, details2 = await _check_rollout(stack, agent_calls=2 * AGENT_CALLS_PER_TURN)
     assert title2["call_id"] == title["call_id"], "a continued session sends no title request"
     assert details2[0]["call_id"] == agent_chain
     assert [d["call_id"] for d in details2[:3]] == [d["call_id"] for d in details]
@@ -214,7 +282,7 @@ async def test_opencode_session_is_one_exact_chain(
 
     summary = await _get(client, f"/captures/rollouts/{ROLLOUT}")
     print(
-        f"\nopencode e2e: {time.monotonic() - t0:.1f}s "
+        f"\nopencode e2e [{prompt_mode}]: {time.monotonic() - t0:.1f}s "
         f"(runs {first.duration_s:.1f}s + {second.duration_s:.1f}s); chains: "
         + "; ".join(f"{c['chain_id']} calls={c['num_calls']}" for c in summary["chains"])
     )

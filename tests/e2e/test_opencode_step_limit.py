@@ -7,9 +7,15 @@ wrote) as the last message of the 3rd agent request. The proxy forwards the note
 as a USER message; the policy's rule answers it with text, which ends the turn.
 
 A ``run -c`` follow-up then carries the model's real reply where the note was: it resolves by
-digest to the note call, but its tokens do not extend that call's prompt (which held the note),
-so the link is refused (``parent_digest_mismatch``, ``history_edited``) and a new chain starts:
-fail closed. The follow-up's later calls link again.
+digest to the note call (a3). What happens next depends on the prompt mode:
+
+- ``backend_template``: the engine renders the follow-up's history, without the note, so its
+  tokens do not extend a3's prompt (which held the note): the link is refused
+  (``parent_digest_mismatch``, ``history_edited``) and a new chain starts, fail closed. The
+  follow-up's later calls link again: chains [a1, a2, a3], [a4, a5, a6].
+- ``exact_tokens``: the proxy builds a4's prompt from a3's own tokens (prompt, with the note
+  as a user turn, + generation) and the rendering of the new user turn, so the note's tokens
+  stay in the history the model saw and the link is exact: one chain [a1 .. a6].
 """
 
 from __future__ import annotations
@@ -19,17 +25,18 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.config import Settings
-from capture_proxy.proxy.app import build_proxy_app
-from capture_proxy.scripted_engine.app import (
-    SENT_CALLS,
-    ScriptedEngineConfig,
-    build_scripted_engine_app,
-)
 from capture_proxy.scripted_engine.policy import Policy
-from capture_proxy.store.sqlite import SQLiteStore
 from harness_notes.opencode import STEP_LIMIT_NOTE_TEXT
-from tests.e2e.test_opencode_e2e import NOTES_LINES, OPENCODE, _get, _opencode, _sent_for
+from tests.e2e.test_opencode_e2e import (
+    NOTES_LINES,
+    OPENCODE,
+    PROMPT_MODES,
+    _get,
+    _opencode,
+    _sent_for,
+    check_engine_prompts,
+    start_stack,
+)
 
 pytestmark = [
     pytest.mark.opencode,
@@ -45,23 +52,65 @@ POLICY_PATH = (
 )
 ROLLOUT = "e2e-opencode-steplimit-0"
 STEPS = 3
+NOTE_DIAG = [("harness_note_rewritten", {"note": "opencode.step_limit"})]
+NOTE_USER_TURN = f"<|im_start|>user\n{STEP_LIMIT_NOTE_TEXT}<|im_end|>\n"
+
+# Per prompt mode: the chains (agent calls in engine arrival order), the diagnostics by kind,
+# each call's (verdict, parent, digest parent, harness note, diagnostics or None = checked
+# separately), the summary's verdict counts and refused links, and how many times the note is
+# in each call's prompt as the engine saw it.
+EXPECTED = {
+    "backend_template": {
+        "chains": [["a1", "a2", "a3"], ["a4", "a5", "a6"]],
+        "kinds": {"harness_note_rewritten": 2, "parent_digest_mismatch": 1},
+        "linking": {
+            "a1": ("root", None, None, None, []),
+            "a2": ("resolved", "a1", "a1", None, []),
+            "a3": ("resolved", "a2", "a2", "opencode.step_limit", NOTE_DIAG),
+            "a4": ("refused", None, "a3", None, None),  # parent_digest_mismatch, below
+            "a5": ("resolved", "a4", "a4", None, []),
+            "a6": ("resolved", "a5", "a5", "opencode.step_limit", NOTE_DIAG),
+        },
+        "verdicts": {"refused": 1, "resolved": 4, "root": 2},
+        "links_refused": {"history_edited": 1},
+        # the engine rendered a4's history from OpenCode's messages: the note is gone
+        "notes_in_prompt": {"a1": 0, "a2": 0, "a3": 1, "a4": 0, "a5": 0, "a6": 1},
+    },
+    "exact_tokens": {
+        "chains": [["a1", "a2", "a3", "a4", "a5", "a6"]],
+        "kinds": {"harness_note_rewritten": 2},
+        "linking": {
+            "a1": ("root", None, None, None, []),
+            "a2": ("resolved", "a1", "a1", None, []),
+            "a3": ("resolved", "a2", "a2", "opencode.step_limit", NOTE_DIAG),
+            "a4": ("resolved", "a3", "a3", None, []),
+            "a5": ("resolved", "a4", "a4", None, []),
+            "a6": ("resolved", "a5", "a5", "opencode.step_limit", NOTE_DIAG),
+        },
+        "verdicts": {"resolved": 5, "root": 2},
+        "links_refused": {},
+        # a4..a6 extend a3's tokens, note included; a6 carries a second note of its own
+        "notes_in_prompt": {"a1": 0, "a2": 0, "a3": 1, "a4": 1, "a5": 1, "a6": 2},
+    },
+}
 
 
-async def test_opencode_step_limit_note_is_rewritten_and_follow_up_fails_closed(
-    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path: Path
+@pytest.mark.parametrize("prompt_mode", PROMPT_MODES)
+async def test_opencode_step_limit_note_is_rewritten_and_follow_up_links_per_mode(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path: Path, prompt_mode: str
 ) -> None:
+    expected = EXPECTED[prompt_mode]
     policy = Policy.load(POLICY_PATH)
-    engine_app = build_scripted_engine_app(ScriptedEngineConfig(policy=policy), qwen_tokenizer)
-    engine = await aiohttp_server(engine_app, host="127.0.0.1", port=0)
-    settings = Settings.model_validate(
-        {"backend": f"http://127.0.0.1:{engine.port}", "store": tmp_path / "store"}
+    stack = await start_stack(
+        aiohttp_server,
+        aiohttp_client,
+        qwen_tokenizer,
+        tmp_path,
+        policy=policy,
+        rollout=ROLLOUT,
+        prompt_mode=prompt_mode,
     )
-    proxy = await aiohttp_server(
-        build_proxy_app(settings, SQLiteStore(tmp_path / "store")), host="127.0.0.1", port=0
-    )
-    client = await aiohttp_client(proxy)
-    base_url = f"http://127.0.0.1:{proxy.port}/ng-rollout/{ROLLOUT}/training-token-capture/v1"
-    sent = engine_app[SENT_CALLS]
+    client, base_url, sent = stack.client, stack.base_url, stack.sent
 
     project, home = tmp_path / "project", tmp_path / "home"
     project.mkdir()
@@ -85,8 +134,9 @@ async def test_opencode_step_limit_note_is_rewritten_and_follow_up_fails_closed(
     body = await _get(client, f"/captures/rollouts/{ROLLOUT}/chains")
     calls = {c["call_id"]: c for ch in body["chains"] for c in ch["calls"]}
     assert len(calls) == len(sent)
+    details = {cid: await _get(client, f"/captures/calls/{cid}") for cid in calls}
     index = {cid: sent.index(_sent_for(sent, c["prompt_token_ids"])) for cid, c in calls.items()}
-    title_ids = [cid for cid in calls if not sent[index[cid]].request_body.get("tools")]
+    title_ids = [cid for cid in calls if not details[cid]["request_tools"]]
     assert len(title_ids) == 1, "one title request: a continued session sends none"
     agent_ids = sorted((cid for cid in calls if cid not in title_ids), key=index.__getitem__)
     label = {title_ids[0]: "title"} | {cid: f"a{i}" for i, cid in enumerate(agent_ids, start=1)}
@@ -96,33 +146,27 @@ async def test_opencode_step_limit_note_is_rewritten_and_follow_up_fails_closed(
     # The exact chain list. Title and a1 are sent in parallel, so the order of those two roots
     # is the proxy's arrival order; everything else is fixed.
     chains = [[label[c["call_id"]] for c in ch["calls"]] for ch in body["chains"]]
-    assert sorted(chains) == [["a1", "a2", "a3"], ["a4", "a5", "a6"], ["title"]], chains
-    assert [c for c in chains if c != ["title"]] == [["a1", "a2", "a3"], ["a4", "a5", "a6"]]
-    assert {ch["chain_id"] for ch in body["chains"]} == {a["title"], a["a1"], a["a4"]}
+    assert sorted(chains) == sorted([*expected["chains"], ["title"]]), chains
+    assert [c for c in chains if c != ["title"]] == expected["chains"]
+    assert {ch["chain_id"] for ch in body["chains"]} == {a["title"]} | {
+        a[ch[0]] for ch in expected["chains"]
+    }
     assert body["unlinked_calls"] == [] and body["incomplete"] is False
-    kinds = {"harness_note_rewritten": 2, "parent_digest_mismatch": 1}
-    assert body["diagnostics"] == {"rollout": [], "calls_by_kind": kinds}
+    assert body["diagnostics"] == {"rollout": [], "calls_by_kind": expected["kinds"]}
 
-    # Every call carries exactly what the engine sampled; OpenCode streamed every call.
+    # Every call carries exactly what the engine sampled; OpenCode streamed every call. In
+    # exact-token mode the engine got the stored prompt ids, and each child extends its parent.
     for cid, call in calls.items():
         s = sent[index[cid]]
         assert call["status"] == "complete" and call["stream"] is True, label[cid]
         assert call["generation_token_ids"] == s.generation_token_ids, label[cid]
         assert call["generation_log_probs"] == pytest.approx(s.generation_log_probs)
+    check_engine_prompts(prompt_mode, list(calls.values()), sent)
 
     # Link verdicts, exactly. A rewritten note implies OpenCode sent it as an ASSISTANT
     # message: the registry matches only a trailing assistant message that is just the note.
-    note_diag = [("harness_note_rewritten", {"note": "opencode.step_limit"})]
-    expected = {
-        "title": ("root", None, None, None, []),
-        "a1": ("root", None, None, None, []),
-        "a2": ("resolved", "a1", "a1", None, []),
-        "a3": ("resolved", "a2", "a2", "opencode.step_limit", note_diag),
-        "a4": ("refused", None, "a3", None, None),  # diagnostics checked below
-        "a5": ("resolved", "a4", "a4", None, []),
-        "a6": ("resolved", "a5", "a5", "opencode.step_limit", note_diag),
-    }
-    for name, (verdict, parent, digest_parent, note, diags) in expected.items():
+    expected_linking = {"title": ("root", None, None, None, []), **expected["linking"]}
+    for name, (verdict, parent, digest_parent, note, diags) in expected_linking.items():
         call = by_label[name]
         linking = call["linking"]
         got = (
@@ -139,54 +183,85 @@ async def test_opencode_step_limit_note_is_rewritten_and_follow_up_fails_closed(
             assert call["prompt_token_ids"][: len(head)] == head, name
             assert len(call["prompt_token_ids"]) > len(head), name
 
-    # The note reached the engine as the LAST message, in the user role, with the exact text,
-    # on a3 and a6 only; the stored record holds the messages as forwarded.
+    # The note reached the engine as the LAST turn, in the user role, with the exact text, on
+    # a3 and a6 only; the stored record holds the messages as forwarded. Where else the note's
+    # tokens are depends on the mode (EXPECTED["notes_in_prompt"]).
     note_msg = {"role": "user", "content": STEP_LIMIT_NOTE_TEXT}
+    prompts = {
+        name: qwen_tokenizer.decode(by_label[name]["prompt_token_ids"])
+        for name in expected["notes_in_prompt"]
+    }
     for name in ("a3", "a6"):
-        assert sent[index[a[name]]].request_body["messages"][-1] == note_msg, name
-        detail = await _get(client, f"/captures/calls/{a[name]}")
+        assert prompts[name].endswith(NOTE_USER_TURN + "<|im_start|>assistant\n"), name
+        if prompt_mode == "backend_template":
+            assert sent[index[a[name]]].request_body["messages"][-1] == note_msg, name
+        detail = details[a[name]]
         assert detail["request_messages"][-1] == note_msg
         assert {t["function"]["name"] for t in detail["request_tools"]} >= {"read", "bash"}
         assert by_label[name]["response_message"]["content"] == answer
         assert not by_label[name]["response_message"].get("tool_calls")
     for cid in calls:
         if label[cid] not in ("a3", "a6"):
-            messages = sent[index[cid]].request_body["messages"]
+            messages = details[cid]["request_messages"]
             assert all(m.get("content") != STEP_LIMIT_NOTE_TEXT for m in messages), label[cid]
+    notes_in_prompt = {name: text.count(NOTE_USER_TURN) for name, text in prompts.items()}
+    assert notes_in_prompt == expected["notes_in_prompt"]
 
     # a4 (the follow-up's first call): where a3's request held the note, a4's history holds
-    # the model's real reply. It resolves by digest to a3, but its tokens do not extend a3's
-    # prompt + generation: refused, fail closed, a new chain. They differ exactly where the
-    # note began: after a2's output and its tool result, inside a3's prompt.
-    a4_messages = sent[index[a["a4"]]].request_body["messages"]
+    # the model's real reply. It resolves by digest to a3.
+    a4_messages = details[a["a4"]]["request_messages"]
     assert a4_messages[-2] == {"role": "assistant", "content": answer}
     assert a4_messages[-1] == {"role": "user", "content": '"Do it again, please."'}
-    (mismatch,) = by_label["a4"]["diagnostics"]
-    assert mismatch["kind"] == "parent_digest_mismatch"
-    details = mismatch["details"]
-    assert (details["class"], details["parent_call_id"]) == ("history_edited", a["a3"])
     a2, a3, a4 = by_label["a2"], by_label["a3"], by_label["a4"]
     a3_head = a3["prompt_token_ids"] + a3["generation_token_ids"]
-    pos = details["position"]
-    assert a4["prompt_token_ids"][:pos] == a3_head[:pos]
-    assert a4["prompt_token_ids"][pos] != a3_head[pos]
-    assert len(a2["prompt_token_ids"]) + len(a2["generation_token_ids"]) < pos
-    assert pos < len(a3["prompt_token_ids"])
+    if prompt_mode == "backend_template":
+        # Its tokens do not extend a3's prompt + generation: refused, fail closed, a new chain.
+        # They differ exactly where the note began: after a2's output and its tool result,
+        # inside a3's prompt.
+        (mismatch,) = a4["diagnostics"]
+        assert mismatch["kind"] == "parent_digest_mismatch"
+        mismatch_details = mismatch["details"]
+        assert (mismatch_details["class"], mismatch_details["parent_call_id"]) == (
+            "history_edited",
+            a["a3"],
+        )
+        pos = mismatch_details["position"]
+        assert a4["prompt_token_ids"][:pos] == a3_head[:pos]
+        assert a4["prompt_token_ids"][pos] != a3_head[pos]
+        assert len(a2["prompt_token_ids"]) + len(a2["generation_token_ids"]) < pos
+        assert pos < len(a3["prompt_token_ids"])
+        where = f"a4 refused at token {pos}"
+    else:
+        # a4's prompt is a3's prompt (note as a user turn) + a3's generation + the new user turn.
+        assert a4["prompt_token_ids"][: len(a3_head)] == a3_head
+        tail = qwen_tokenizer.decode(a4["prompt_token_ids"][len(a3_head) :])
+        assert tail == (
+            '\n<|im_start|>user\n"Do it again, please."<|im_end|>\n<|im_start|>assistant\n'
+        ), tail
+        where = (
+            f"a4 extends a3 ({len(a3_head)} tokens) by {len(a4['prompt_token_ids']) - len(a3_head)}"
+        )
 
     summary = await _get(client, f"/captures/rollouts/{ROLLOUT}")
+    num_chains = len(expected["chains"]) + 1
     assert (summary["num_calls"], summary["num_complete"]) == (7, 7), summary
     assert (summary["num_incomplete"], summary["num_failed"]) == (0, 0), summary
-    assert (summary["num_chains"], summary["num_roots"], summary["num_branches"]) == (3, 3, 0)
+    assert (summary["num_chains"], summary["num_roots"], summary["num_branches"]) == (
+        num_chains,
+        num_chains,
+        0,
+    )
     assert summary["incomplete"] is False
-    assert summary["diagnostics"] == {"rollout": [], "calls_by_kind": kinds}
+    assert summary["diagnostics"] == {"rollout": [], "calls_by_kind": expected["kinds"]}
     stats = summary["linking"]
-    assert stats["verdicts"] == {"refused": 1, "resolved": 4, "root": 2}, stats
-    assert stats["links_resolved"] == 4 and stats["links_refused"] == {"history_edited": 1}
+    assert stats["verdicts"] == expected["verdicts"], stats
+    assert stats["links_resolved"] == expected["verdicts"]["resolved"]
+    assert stats["links_refused"] == expected["links_refused"], stats
     assert stats["links_unresolved"] == {} and stats["retries"] == 0
     assert stats["harness_notes_rewritten"] == 2
 
     print(
-        f"\nopencode step-limit e2e: {time.monotonic() - t0:.1f}s "
+        f"\nopencode step-limit e2e [{prompt_mode}]: {time.monotonic() - t0:.1f}s "
         f"(runs {first.duration_s:.1f}s + {second.duration_s:.1f}s); chains: {chains}; "
-        f"a4 refused at token {pos} (a3 prompt {len(a3['prompt_token_ids'])})"
+        f"{where} (a3 prompt {len(a3['prompt_token_ids'])})"
     )
