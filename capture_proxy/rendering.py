@@ -122,6 +122,16 @@ class LocalRenderer:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
 
 
+def _reasoning_as_vllm_reads_it(message: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM 0.32's chat form of /tokenize drops ``reasoning_content`` (only chat completions
+    rename it to ``reasoning``): send it as ``reasoning`` so the template sees it."""
+    if message.get("role") != "assistant" or "reasoning_content" not in message:
+        return dict(message)
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    out.setdefault("reasoning", message["reasoning_content"])
+    return out
+
+
 class EngineRenderer:
     """Renders through the engine's ``/tokenize`` chat form (vLLM 0.32)."""
 
@@ -140,7 +150,7 @@ class EngineRenderer:
         model: str | None = None,
     ) -> list[int]:
         body: dict[str, Any] = {
-            "messages": list(messages),
+            "messages": [_reasoning_as_vllm_reads_it(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
         }
         if tools:

@@ -51,3 +51,36 @@ def test_argument_strings_that_are_not_json_are_refused():
     ]
     with pytest.raises(RenderError, match="not JSON"):
         parse_tool_arguments(bad)
+
+
+async def test_engine_renderer_sends_reasoning_as_vllm_reads_it(aiohttp_server):
+    import aiohttp
+    from aiohttp import web
+
+    from capture_proxy.rendering import EngineRenderer
+
+    seen = []
+
+    async def tokenize(request):
+        seen.append(await request.json())
+        return web.json_response({"tokens": [1, 2, 3]})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    server = await aiohttp_server(app)
+    async with aiohttp.ClientSession() as session:
+        renderer = EngineRenderer(session, str(server.make_url("")).rstrip("/"))
+        messages = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        ]
+        assert await renderer.render(messages, None, add_generation_prompt=False) == [1, 2, 3]
+    assert seen == [
+        {
+            "messages": [
+                {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a", "reasoning": "r"},
+            ],
+            "add_generation_prompt": False,
+        }
+    ]

@@ -95,8 +95,8 @@ def _strip_choice(choice: dict[str, Any], asked: HarnessAsked) -> None:
     if not asked.return_token_ids:
         choice.pop("token_ids", None)
         choice.pop("prompt_token_ids", None)
-    if not asked.logprobs:
-        choice.pop("logprobs", None)
+    if not asked.logprobs and "logprobs" in choice:
+        choice["logprobs"] = None  # what vLLM sends when log probs were not asked for
     if not asked.routed_experts:
         choice.pop("routed_experts", None)
         choice.pop("routed_experts_prompt_start", None)

@@ -283,6 +283,15 @@ def classify_mismatch(
         return None
     if pos < int(parent_prompt.shape[0]):
         return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")
+    if pos == int(expected.shape[0]) - 1 and pos < int(child_prompt.shape[0]):
+        # Everything but the last sampled token chains: the parent stopped on a stop token
+        # the template does not close turns with (e.g. <|endoftext|> where it renders <|im_end|>).
+        return Mismatch(
+            pos,
+            MismatchClass.TEMPLATE_RERENDERED,
+            f"the parent stopped on token {int(expected[pos])}; the template closes the turn "
+            f"with {int(child_prompt[pos])}",
+        )
     if texts is not None:
         if texts.child_prompt.startswith(texts.parent_full):
             return Mismatch(

@@ -25,6 +25,10 @@ PASSED_THROUGH = (
     "stop_token_ids",
     "ignore_eos",
     "min_tokens",
+    # constrained decoding, which vLLM's /v1/completions also takes
+    "logit_bias",
+    "structured_outputs",
+    "response_format",
 )
 
 

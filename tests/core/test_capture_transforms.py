@@ -61,7 +61,12 @@ def test_strip_removes_only_what_the_proxy_added():
     assert out == {
         "id": "x",
         "choices": [
-            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "hi"},
+                "logprobs": None,  # as vLLM sends it when log probs were not asked for
+                "finish_reason": "stop",
+            }
         ],
         "usage": {"total_tokens": 4},
     }

@@ -203,3 +203,15 @@ def test_prepare_rewrites_a_trailing_note_and_leaves_it_out_of_linking():
     assert body["messages"][-1]["role"] == "assistant"  # the original is not modified
     plain = prepare_request({"messages": history}, default_registry())
     assert plain.harness_note is None and plain.body == {"messages": history}
+
+
+def test_other_stop_token_at_the_end_is_named():
+    # The parent stopped on <|endoftext|> (151643); the template closes turns with 151645.
+    prompt = np.array([1, 2], dtype=np.uint32)
+    gen = np.array([5, 151643], dtype=np.uint32)
+    child = np.array([1, 2, 5, 151645, 198], dtype=np.uint32)
+    got = classify_mismatch(prompt, gen, child)
+    assert (got.position, got.mismatch_class) == (3, MismatchClass.TEMPLATE_RERENDERED)
+    assert got.explanation == (
+        "the parent stopped on token 151643; the template closes the turn with 151645"
+    )

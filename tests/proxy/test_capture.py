@@ -68,7 +68,13 @@ async def test_non_streaming_capture_is_exact_and_additive(stack: Stack):
     body = await resp.json()
     # The harness sees what it would have seen without the proxy: no token data.
     assert "prompt_token_ids" not in body
-    assert set(body["choices"][0]) == {"index", "message", "finish_reason", "stop_reason"}
+    assert set(body["choices"][0]) == {
+        "index",
+        "message",
+        "logprobs",
+        "finish_reason",
+        "stop_reason",
+    }
     call_id = resp.headers["X-Capture-Call-Id"]
 
     sent = stack.sent[0]
@@ -97,10 +103,10 @@ async def test_streaming_capture_is_exact_with_events_split_across_chunks(make_s
     assert resp.headers["Content-Type"].startswith("text/event-stream")
     chunks, done = await _read_stream(resp)
     assert done
-    # Stripped: no token ids, no log probs, no usage chunk (the harness did not ask).
+    # Stripped: no token ids, log probs null, no usage chunk (the harness did not ask).
     assert all("prompt_token_ids" not in c for c in chunks)
     assert all(
-        "token_ids" not in ch and "logprobs" not in ch for c in chunks for ch in c["choices"]
+        "token_ids" not in ch and ch["logprobs"] is None for c in chunks for ch in c["choices"]
     )
     assert all(c["choices"] for c in chunks)
 
