@@ -8,7 +8,6 @@ for is removed again, so the harness receives what the engine would have sent it
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -78,7 +77,8 @@ def augment_chat_request(
         ),
         routed_experts=bool(body.get("return_routed_experts")),
     )
-    out = copy.deepcopy(body)
+    # A shallow copy: only top-level keys change; the messages are shared, never modified.
+    out = dict(body)
     out["logprobs"] = True
     if out.get("top_logprobs") is None:
         out["top_logprobs"] = 0

@@ -146,6 +146,10 @@ class Resolution:
     #: one past the last routed-expert row the parent holds (None: no rows), so only the rows
     #: after it are asked for
     parent_rows_end: int | None = None
+    #: the parent's prompt + generation length and their ``codec.token_digest``, so a child is
+    #: verified without reading the parent's arrays (None: unknown, read them)
+    parent_num_tokens: int | None = None
+    parent_tokens_sha256: bytes | None = None
 
 
 @dataclass
@@ -156,6 +160,8 @@ class _Entry:
     request_digest: str | None
     harness_note: bool
     rows_end: int | None = None
+    num_tokens: int | None = None
+    tokens_sha256: bytes | None = None
 
 
 @dataclass
@@ -173,9 +179,18 @@ class LinkIndex:
         request_digest: str | None,
         harness_note: bool = False,
         rows_end: int | None = None,
+        num_tokens: int | None = None,
+        tokens_sha256: bytes | None = None,
     ) -> None:
         self.entries[call_id] = _Entry(
-            call_id, created_at, child_digest, request_digest, harness_note, rows_end
+            call_id,
+            created_at,
+            child_digest,
+            request_digest,
+            harness_note,
+            rows_end,
+            num_tokens,
+            tokens_sha256,
         )
 
     def _by(self, attr: str, digest: str) -> list[_Entry]:
@@ -227,6 +242,8 @@ class LinkIndex:
             parent.call_id,
             retry_of=retry_of,
             parent_rows_end=parent.rows_end,
+            parent_num_tokens=parent.num_tokens,
+            parent_tokens_sha256=parent.tokens_sha256,
         )
 
 
@@ -311,3 +328,12 @@ def classify_mismatch(
         MismatchClass.TEMPLATE_RERENDERED,
         "the parent's turn renders differently from what the model generated",
     )
+
+
+def extends_by_digest(child_prompt: np.ndarray, num_tokens: int, tokens_sha256: bytes) -> bool:
+    """True when ``child_prompt`` begins with the ``num_tokens`` ids whose ``<u4`` bytes hash
+    to ``tokens_sha256`` (the parent's prompt + generation, ``codec.token_digest``)."""
+    if child_prompt.shape[0] < num_tokens:
+        return False
+    head = child_prompt[:num_tokens].astype("<u4", copy=False).tobytes()
+    return hashlib.sha256(head).digest() == tokens_sha256

@@ -11,7 +11,9 @@ from __future__ import annotations
 import codecs
 import json
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 DONE_SENTINEL = "[DONE]"
@@ -36,8 +38,17 @@ class SSEEvent:
 
 
 def encode_json_event(obj: object) -> bytes:
-    """``data: <compact JSON>\\n\\n`` for one chunk object."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """``data: <compact JSON>`` and a blank line, for one chunk object (UTF-8; NaN as null)."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def parse_json_event(data: str) -> Any:
+    """Parse an event's data: orjson (fast, strict), then the stdlib for what it refuses but
+    some engines send anyway (``NaN``/``Infinity`` literals). Raises ValueError."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
 
 
 class SSEStreamDecoder:

@@ -37,7 +37,12 @@ from capture_proxy.core.linking import Resolution, Verdict, request_digest
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.requests import InvalidRequest, parse_json_object, validate_chat_request
 from capture_proxy.core.routing import Route
-from capture_proxy.core.sse import DONE_SENTINEL, SSEStreamDecoder, encode_json_event
+from capture_proxy.core.sse import (
+    DONE_SENTINEL,
+    SSEStreamDecoder,
+    encode_json_event,
+    parse_json_event,
+)
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
@@ -338,7 +343,7 @@ async def _relay_stream(
                 done_seen = True
                 continue
             try:
-                chunk = json.loads(event.data)
+                chunk = parse_json_event(event.data)
                 if not isinstance(chunk, dict):
                     raise ValueError("not a JSON object")
             except ValueError as exc:
@@ -355,13 +360,16 @@ async def _relay_stream(
 
     try:
         async for data in upstream.content.iter_any():
-            for piece in handle_events(decoder.feed(data)):
-                await emit(piece)
+            # One write per upstream read, however many events it completed.
+            pieces = handle_events(decoder.feed(data))
+            if pieces:
+                await emit(b"".join(pieces))
             if client_gone:
                 break
         else:
-            for piece in handle_events(decoder.close()):
-                await emit(piece)
+            pieces = handle_events(decoder.close())
+            if pieces:
+                await emit(b"".join(pieces))
     except CLIENT_ERRORS as exc:
         upstream_problem = f"engine stream broke: {type(exc).__name__}: {exc}"
     except UnicodeDecodeError as exc:

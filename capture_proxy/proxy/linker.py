@@ -14,6 +14,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from capture_proxy.core.codec import token_digest
 from capture_proxy.core.linking import (
     NO_MATCH_REASON,
     DecodedTexts,
@@ -22,6 +23,7 @@ from capture_proxy.core.linking import (
     Verdict,
     child_digest,
     classify_mismatch,
+    extends_by_digest,
     history_digest,
     request_digest,
 )
@@ -33,6 +35,16 @@ log = logging.getLogger("capture_proxy")
 
 #: ``decode(token_ids) -> text``; None when decoding is not possible.
 Decoder = Callable[[list[int]], Awaitable[str | None]]
+
+
+def _token_key(record: CallRecord) -> dict[str, Any]:
+    """Length and digest of a complete call's prompt + generation (for digest verification)."""
+    if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
+        return {}
+    return {
+        "num_tokens": record.num_prompt_tokens + record.num_generation_tokens,
+        "tokens_sha256": token_digest(record.prompt_token_ids, record.generation_token_ids),
+    }
 
 
 class Linker:
@@ -73,6 +85,7 @@ class Linker:
             request_digest=linking.get("request_digest"),
             harness_note=bool(linking.get("harness_note")),
             rows_end=rows_end(record),
+            **_token_key(record),
         )
 
     async def resolve(
@@ -117,9 +130,28 @@ class Linker:
             diagnostics.append(Diagnostic(DiagnosticKind.FOREIGN_TURN, {"reason": reason}))
         if verdict is Verdict.RESOLVED:
             assert resolution.parent_call_id is not None
-            verdict, reason, parent_call_id, mismatch = await self._check_tokens(
-                record, resolution.parent_call_id, decode
-            )
+            if (
+                record.status is CallStatus.COMPLETE
+                and resolution.parent_num_tokens is not None
+                and resolution.parent_tokens_sha256 is not None
+                and extends_by_digest(
+                    record.prompt_token_ids,
+                    resolution.parent_num_tokens,
+                    resolution.parent_tokens_sha256,
+                )
+            ):
+                # The common case, without reading the parent: the digest of the child's
+                # prompt head equals the digest of the parent's prompt + generation.
+                verdict, reason, parent_call_id, mismatch = (
+                    Verdict.RESOLVED,
+                    None,
+                    resolution.parent_call_id,
+                    None,
+                )
+            else:
+                verdict, reason, parent_call_id, mismatch = await self._check_tokens(
+                    record, resolution.parent_call_id, decode
+                )
             if mismatch is not None:
                 diagnostics.append(Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch))
             if parent_call_id is None and record.routed_experts_start > 0:

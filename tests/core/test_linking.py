@@ -215,3 +215,15 @@ def test_other_stop_token_at_the_end_is_named():
     assert got.explanation == (
         "the parent stopped on token 151643; the template closes the turn with 151645"
     )
+
+
+def test_extends_by_digest():
+    from capture_proxy.core.codec import token_digest
+    from capture_proxy.core.linking import extends_by_digest
+
+    p, g = np.array([1, 2, 3], np.uint32), np.array([4, 5], np.uint32)
+    key = token_digest(p, g)
+    assert extends_by_digest(np.array([1, 2, 3, 4, 5, 9], np.uint32), 5, key)
+    assert extends_by_digest(np.array([1, 2, 3, 4, 5], np.uint32), 5, key)
+    assert not extends_by_digest(np.array([1, 2, 3, 4, 6, 9], np.uint32), 5, key)
+    assert not extends_by_digest(np.array([1, 2, 3, 4], np.uint32), 5, key)

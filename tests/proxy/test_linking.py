@@ -189,3 +189,26 @@ async def test_refused_link_flags_partial_routed_expert_rows(make_stack):
             "routed_experts_start": start,
         },
     }
+
+
+async def test_verification_does_not_read_the_parent_back(make_stack, tmp_path):
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    class CountingStore(SQLiteStore):
+        reads = 0
+
+        async def get_call(self, call_id):
+            CountingStore.reads += 1
+            return await super().get_call(call_id)
+
+    stack = await make_stack(store=CountingStore(tmp_path / "counting"))
+    messages = list(USER)
+    for step in range(3):
+        _, message = await _step(stack, "r1", messages)
+        messages.append(_echo(message))
+        for tc in message.get("tool_calls") or []:
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": f"o{step}"})
+    # Two links verified by digest: no parent was read back from the store.
+    assert CountingStore.reads == 0
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [len(c["calls"]) for c in chains["chains"]] == [3]
