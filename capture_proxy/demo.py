@@ -57,9 +57,8 @@ async def _serve(app: web.Application) -> _Running:
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    server = site._server
-    assert server is not None and server.sockets
-    port = server.sockets[0].getsockname()[1]
+    assert runner.addresses
+    port = runner.addresses[0][1]
     return _Running(runner, f"http://127.0.0.1:{port}")
 
 

@@ -221,7 +221,11 @@ def same_content(a: EncodedRecord, b: EncodedRecord) -> bool:
     many ids kept) depends on what was stored before, so prompts compare by digest and length.
     """
     a, b = migrate(a), migrate(b)
-    keep = {"prompt_token_ids": b"", "prompt_parent_call_id": None, "prompt_prefix_len": 0}
+    keep: dict[str, Any] = {
+        "prompt_token_ids": b"",
+        "prompt_parent_call_id": None,
+        "prompt_prefix_len": 0,
+    }
     return dataclasses.replace(a, **keep) == dataclasses.replace(b, **keep)
 
 

@@ -119,7 +119,9 @@ def write_archive(
             for sample in chain_samples(chain):
                 name = f"{sample.chain_id}/{sample.leaf_call_id}.npz"
                 buf = io.BytesIO()
-                np.savez(buf, **sample.arrays)
+                # allow_pickle is numpy's default, named so the type checker does not match
+                # the array kwargs to it.
+                np.savez(buf, allow_pickle=True, **sample.arrays)
                 zf.writestr(name, buf.getvalue())
                 manifest["samples"].append(
                     {

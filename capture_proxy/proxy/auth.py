@@ -12,6 +12,7 @@ from __future__ import annotations
 import hmac
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from multidict import CIMultiDict
 from pydantic import SecretStr
 
@@ -35,7 +36,7 @@ def _check(request: web.Request, expected: SecretStr, what: str) -> None:
         raise Unauthorized(f"missing or invalid bearer token for {what}", code="invalid_api_key")
 
 
-def auth_middleware(settings: Settings) -> web.Middleware:
+def auth_middleware(settings: Settings) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/health":

@@ -173,7 +173,7 @@ async def build_prompt(
             end_of_turn_ids=end_of_turn_ids,
         )
     except SpliceRefused as exc:
-        details = {"parent_call_id": parent.call_id, "reason": exc.reason}
+        details: dict[str, Any] = {"parent_call_id": parent.call_id, "reason": exc.reason}
         if exc.message_index is not None:
             details["message_index"] = exc.message_index
         return _Prompt(
@@ -409,9 +409,10 @@ async def _stream(
                 new = parser_stream.feed(piece.text)
                 deltas += new
                 if new:
+                    carry: Piece | None = piece
                     for d in new:
-                        await send(chunk(d.to_openai(), piece))
-                        piece = None  # token data goes with the first delta of its piece
+                        await send(chunk(d.to_openai(), carry))
+                        carry = None  # token data goes with the first delta of its piece
                 elif piece.token_ids and (body.get("logprobs") or body.get("return_token_ids")):
                     await send(chunk({}, piece))
             if client_gone:

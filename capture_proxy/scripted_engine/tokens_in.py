@@ -23,9 +23,9 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
@@ -165,7 +165,7 @@ class TokensOut:
 def scripted_generation(app: web.Application, prompt: list[int]) -> Generation:
     """The full (untruncated) generation the chat endpoint would give for this prompt."""
     cfg, tok = app[CONFIG], app[TOKENIZER]
-    messages, tools = parse_chatml(tok.decode(prompt))
+    messages, tools = parse_chatml(cast(str, tok.decode(prompt)))
     seed = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
     if cfg.responder is not None:
         body: dict[str, Any] = {"model": cfg.model_name, "messages": messages}
@@ -195,7 +195,8 @@ def run_generation(
     ids: list[int] = []
     lps: list[float] = []
     texts: list[str] = []
-    text, finish, matched = "", "length", None
+    text, finish = "", "length"
+    matched: int | str | None = None
     for e in gen.events:
         tid = e.token_id
         ids.append(tid)
@@ -384,9 +385,12 @@ def _completion_logprobs(
     ``text_offset`` (running sum of the per-token strings' lengths from ``offset0``)."""
 
     def name(tid: int) -> str:
-        return f"token_id:{tid}" if as_ids else tok.decode([tid])
+        return f"token_id:{tid}" if as_ids else cast(str, tok.decode([tid]))
 
-    tokens, lps, tops, offsets = [], [], [], []
+    tokens: list[str] = []
+    lps: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
     for tid, lp in zip(out.ids[lo:hi], out.log_probs[lo:hi], strict=True):
         offsets.append(offset0 if not offsets else offsets[-1] + len(tokens[-1]))
         tokens.append(name(tid))
@@ -626,7 +630,7 @@ class SglangError(ValueError):
 
 
 def _sglang_logprobs(
-    tok: PreTrainedTokenizerFast, pairs: list[tuple[int, float | None]], with_text: bool
+    tok: PreTrainedTokenizerFast, pairs: Sequence[tuple[int, float | None]], with_text: bool
 ) -> list[list[Any]]:
     return [[lp, tid, tok.decode([tid]) if with_text else None] for tid, lp in pairs]
 
