@@ -204,8 +204,12 @@ async def get_call(request: web.Request) -> web.Response:
     record = await store.get_call(call_id)
     if record is None:
         raise NotFound(f"call {call_id} not found", param="call_id", code="not_found")
-    parent = build_chains(record.rollout_id, await store.get_rollout_calls(record.rollout_id))
-    parent_call_id = parent.parent_of.get(record.call_id, record.parent_call_id)
+    if record.linking is not None:
+        # Linked at capture time (resolved by digest, verified by tokens): the stored link.
+        parent_call_id = record.parent_call_id
+    else:
+        chains = build_chains(record.rollout_id, await store.get_rollout_calls(record.rollout_id))
+        parent_call_id = chains.parent_of.get(record.call_id, record.parent_call_id)
     return web.json_response(call_json(record, parent_call_id=parent_call_id, detail=True))
 
 
