@@ -2,8 +2,19 @@
 
 Owns the table layout and the durability settings. ``synchronous=FULL`` in WAL mode makes every
 committed transaction survive a crash or power loss, so a ``put_call`` that returned is
-durable. Record encoding is the core codec's; this module only moves bytes. All SQL runs on
-aiosqlite's worker thread so the event loop never blocks on disk.
+durable. Record encoding is the core codec's; this module only moves bytes.
+
+Threads: the event loop never touches the database. Each store operation is ONE synchronous
+function run on a single-thread executor, so it costs one hop off the loop and back however
+many statements it runs:
+- the writer thread (``capture-store-writer``) owns the read-write connection and runs every
+  write transaction (``put_call`` encodes, chooses the prompt parent and commits there). One
+  thread: writes serialise on it, no lock is needed.
+- the reader thread (``capture-store-reader``) owns a separate read-only connection and runs
+  every read, decoding included. WAL readers neither block the writer nor wait for it, and
+  each read sees every transaction committed before it started (autocommit: one snapshot per
+  statement).
+Each connection is used only by the thread that opened it (``check_same_thread``).
 
 Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VERSION``):
 - ``calls``: one row per call in the codec's stored form (schema v2): JSON metadata beside four
@@ -26,10 +37,10 @@ import dataclasses
 import json
 import sqlite3
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
-
-import aiosqlite
+from typing import Any, TypeVar
 
 from capture_proxy.core.codec import (
     EncodedRecord,
@@ -45,6 +56,8 @@ from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, RolloutI
 DB_FILE_NAME = "captures.sqlite3"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records.
 LAYOUT_VERSION = 2
+#: How long a connection waits for a lock held by another process before failing (ms).
+BUSY_TIMEOUT_MS = 10_000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -83,6 +96,10 @@ _CALL_COLUMNS = (
     "generation_token_ids, generation_log_probs, routed_experts, prompt_parent_call_id, "
     "prompt_prefix_len, num_prompt_tokens, num_generation_tokens, tokens_sha256"
 )
+_INSERT_CALL = (
+    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) "
+    f"VALUES ({','.join('?' * len(dataclasses.fields(EncodedRecord)))})"
+)
 _V2_COLUMNS = {
     "prompt_parent_call_id": "TEXT",
     "prompt_prefix_len": "INTEGER NOT NULL DEFAULT 0",
@@ -90,10 +107,46 @@ _V2_COLUMNS = {
     "num_generation_tokens": "INTEGER NOT NULL DEFAULT 0",
     "tokens_sha256": "BLOB NOT NULL DEFAULT x''",
 }
+_ROLLOUT_SELECT = (
+    "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
+    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id) FROM rollouts r"
+)
+
+T = TypeVar("T")
 
 
 def _row_to_encoded(row: sqlite3.Row | tuple[Any, ...]) -> EncodedRecord:
     return EncodedRecord(*row)
+
+
+def _info(row: tuple[Any, ...]) -> RolloutInfo:
+    rollout_id, created_at, incomplete, diagnostics, num_calls = row
+    return RolloutInfo(
+        rollout_id=rollout_id,
+        created_at=created_at,
+        num_calls=num_calls,
+        incomplete=bool(incomplete),
+        diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
+    )
+
+
+def _transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
+    """Run ``body`` in ``BEGIN IMMEDIATE`` ... ``COMMIT``; roll back on any exception (unless
+    SQLite already did, e.g. after SQLITE_FULL, so the original error is the one raised)."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        result = body()
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
+    return result
+
+
+def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
+    row = db.execute("SELECT 1 FROM tombstones WHERE rollout_id = ?", (rollout_id,)).fetchone()
+    return row is not None
 
 
 class SQLiteStore:
@@ -102,32 +155,85 @@ class SQLiteStore:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self.db_path = self.path / DB_FILE_NAME
-        self._db: aiosqlite.Connection | None = None
-        # One connection: transactions from concurrent coroutines must not interleave.
-        self._write_lock = asyncio.Lock()
+        # Each executor has one thread, which alone uses the connection beside it.
+        self._writer: ThreadPoolExecutor | None = None
+        self._reader: ThreadPoolExecutor | None = None
+        self._wdb: sqlite3.Connection | None = None  # writer thread only
+        self._rdb: sqlite3.Connection | None = None  # reader thread only
 
-    @property
-    def db(self) -> aiosqlite.Connection:
-        if self._db is None:
+    # --- threads -------------------------------------------------------------------------
+
+    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(writer connection, *args)`` on the writer thread (one hop)."""
+        if self._writer is None:
             raise StoreError("store is not open")
-        return self._db
+        return await asyncio.get_running_loop().run_in_executor(
+            self._writer, self._with_writer, fn, *args
+        )
+
+    def _with_writer(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._wdb is None:
+            raise StoreError("store is not open")
+        return fn(self._wdb, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(reader connection, *args)`` on the reader thread (one hop)."""
+        if self._reader is None:
+            raise StoreError("store is not open")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._reader, self._with_reader, fn, *args
+        )
+
+    def _with_reader(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._rdb is None:
+            raise StoreError("store is not open")
+        return fn(self._rdb, *args)
+
+    # --- open / close --------------------------------------------------------------------
 
     async def open(self) -> None:
+        if self._writer is not None:
+            raise StoreError("store is already open")
+        loop = asyncio.get_running_loop()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-store-writer")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-store-reader")
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._db = await aiosqlite.connect(self.db_path, isolation_level=None)
-            await self._db.execute("PRAGMA journal_mode=WAL")
-            await self._db.execute("PRAGMA synchronous=FULL")
-            await self._db.execute("PRAGMA busy_timeout=10000")
-            await self._migrate_layout()
-        except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open store at {self.db_path}: {exc}") from exc
+            # The writer creates (or migrates) the schema before the read-only reader opens.
+            await loop.run_in_executor(self._writer, self._open_writer)
+            await loop.run_in_executor(self._reader, self._open_reader)
+        except BaseException as exc:
+            await self._shutdown()
+            if isinstance(exc, OSError | sqlite3.Error):
+                raise StoreError(f"cannot open store at {self.db_path}: {exc}") from exc
+            raise
 
-    async def _migrate_layout(self) -> None:
+    def _open_writer(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.db_path, isolation_level=None)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")
+            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            self._migrate_layout(db)
+        except BaseException:
+            db.close()
+            raise
+        self._wdb = db
+
+    def _open_reader(self) -> None:
+        uri = f"{self.db_path.resolve().as_uri()}?mode=ro"
+        db = sqlite3.connect(uri, uri=True, isolation_level=None)
+        try:
+            db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        except BaseException:
+            db.close()
+            raise
+        self._rdb = db
+
+    def _migrate_layout(self, db: sqlite3.Connection) -> None:
         """Create the tables, or bring an older store's to ``LAYOUT_VERSION`` (one
         transaction: a crash leaves the old layout, and the next open migrates again)."""
-        async with self.db.execute("PRAGMA user_version") as cur:
-            row = await cur.fetchone()
+        row = db.execute("PRAGMA user_version").fetchone()
         version = int(row[0]) if row else 0
         if version > LAYOUT_VERSION:
             raise StoreError(
@@ -136,21 +242,23 @@ class SQLiteStore:
             )
         # CREATE ... IF NOT EXISTS leaves an older ``calls`` table as it is; executescript
         # runs outside the transaction below, which adds the missing columns.
-        await self.db.executescript(_SCHEMA)
-        await self.db.execute("BEGIN IMMEDIATE")
-        try:
-            async with self.db.execute("PRAGMA table_info(calls)") as cur:
-                existing = {r[1] for r in await cur.fetchall()}
+        db.executescript(_SCHEMA)
+
+        def body() -> None:
+            existing = {r[1] for r in db.execute("PRAGMA table_info(calls)").fetchall()}
             for name, decl in _V2_COLUMNS.items():
                 if name not in existing:
-                    await self.db.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
-            async with self.db.execute(
-                f"SELECT {_CALL_COLUMNS} FROM calls WHERE schema_version < ?", (SCHEMA_VERSION,)
-            ) as cur:
-                old = [_row_to_encoded(tuple(r)) for r in await cur.fetchall()]
+                    db.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
+            old = [
+                _row_to_encoded(tuple(r))
+                for r in db.execute(
+                    f"SELECT {_CALL_COLUMNS} FROM calls WHERE schema_version < ?",
+                    (SCHEMA_VERSION,),
+                ).fetchall()
+            ]
             for enc in old:
                 new = migrate(enc)
-                await self.db.execute(
+                db.execute(
                     "UPDATE calls SET schema_version=?, prompt_parent_call_id=?, "
                     "prompt_prefix_len=?, num_prompt_tokens=?, num_generation_tokens=?, "
                     "tokens_sha256=? WHERE call_id=?",
@@ -164,212 +272,216 @@ class SQLiteStore:
                         new.call_id,
                     ),
                 )
-            await self.db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
-            await self.db.execute("COMMIT")
-        except BaseException:
-            await self.db.execute("ROLLBACK")
-            raise
+            db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
+
+        _transaction(db, body)
 
     async def close(self) -> None:
-        if self._db is not None:
-            await self._db.close()
-            self._db = None
+        await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        """Close each connection on its own thread (after every operation queued before it),
+        then stop the threads. Idempotent; later operations fail with "store is not open"."""
+        loop = asyncio.get_running_loop()
+        reader, writer = self._reader, self._writer
+        self._reader = self._writer = None  # no new operation from here on
+        # Reader first: the writer's connection, closed last, checkpoints the WAL.
+        for pool, close in ((reader, self._close_reader), (writer, self._close_writer)):
+            if pool is None:
+                continue
+            try:
+                await loop.run_in_executor(pool, close)
+            finally:
+                pool.shutdown(wait=True)  # the thread is idle once ``close`` ran
+
+    def _close_reader(self) -> None:
+        if self._rdb is not None:
+            db, self._rdb = self._rdb, None
+            db.close()
+
+    def _close_writer(self) -> None:
+        if self._wdb is not None:
+            db, self._wdb = self._wdb, None
+            db.close()
+
+    # --- writes (writer thread) ----------------------------------------------------------
 
     async def put_call(self, record: CallRecord) -> None:
         """Store ``record`` durably (committed with ``synchronous=FULL`` before returning).
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on I/O failure."""
-        incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
         try:
-            async with self._write_lock:
-                await self._put(record, incomplete)
+            await self._write(self._put, record)
         except sqlite3.Error as exc:
             raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
 
-    async def _prompt_parent_candidates(self, record: CallRecord) -> list[StoredPrefix]:
-        async with self.db.execute(
-            "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
-            "tokens_sha256 FROM calls WHERE rollout_id = ? AND status = ? "
-            "AND num_generation_tokens > 0 AND num_prompt_tokens + num_generation_tokens <= ?",
-            (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
-        ) as cur:
-            rows = await cur.fetchall()
-        return [StoredPrefix(r[0], r[1], r[2], r[3]) for r in rows]
+    @staticmethod
+    def _put(db: sqlite3.Connection, record: CallRecord) -> None:
+        incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
 
-    async def _tombstoned(self, rollout_id: str) -> bool:
-        async with self.db.execute(
-            "SELECT 1 FROM tombstones WHERE rollout_id = ?", (rollout_id,)
-        ) as cur:
-            return await cur.fetchone() is not None
-
-    async def _put(self, record: CallRecord, incomplete: int) -> None:
-        await self.db.execute("BEGIN IMMEDIATE")
-        try:
-            if await self._tombstoned(record.rollout_id):
+        def body() -> None:
+            if _tombstoned(db, record.rollout_id):
                 raise RolloutDeleted(
                     f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
                 )
             # Inside the transaction: no candidate can appear or vanish before the insert.
+            candidates = [
+                StoredPrefix(r[0], r[1], r[2], r[3])
+                for r in db.execute(
+                    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
+                    "tokens_sha256 FROM calls WHERE rollout_id = ? AND status = ? "
+                    "AND num_generation_tokens > 0 "
+                    "AND num_prompt_tokens + num_generation_tokens <= ?",
+                    (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
+                ).fetchall()
+            ]
             parent = choose_prompt_parent(
-                record.prompt_token_ids,
-                await self._prompt_parent_candidates(record),
-                exclude=record.call_id,
+                record.prompt_token_ids, candidates, exclude=record.call_id
             )
             enc = encode_record(record, prompt_parent=parent)
-            cur = await self.db.execute(
-                f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) "
-                f"VALUES ({','.join('?' * len(dataclasses.fields(EncodedRecord)))})",
-                dataclasses.astuple(enc),
-            )
+            cur = db.execute(_INSERT_CALL, dataclasses.astuple(enc))
             if cur.rowcount == 0:
-                await self._check_same(enc)
-            await self.db.execute(
+                row = db.execute(
+                    f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
+                ).fetchone()
+                if row is not None and not same_content(_row_to_encoded(tuple(row)), enc):
+                    raise ConflictingRecord(
+                        f"call {enc.call_id} is already stored with different content; "
+                        "original kept"
+                    )
+            db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete) VALUES (?,?,?) "
                 "ON CONFLICT(rollout_id) DO UPDATE SET "
                 "incomplete = max(incomplete, excluded.incomplete)",
                 (enc.rollout_id, enc.created_at, incomplete),
             )
-            await self.db.execute("COMMIT")
-        except BaseException:
-            await self.db.execute("ROLLBACK")
-            raise
 
-    async def _check_same(self, enc: EncodedRecord) -> None:
-        async with self.db.execute(
-            f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
-        ) as cur:
-            row = await cur.fetchone()
-        if row is not None and not same_content(_row_to_encoded(tuple(row)), enc):
-            raise ConflictingRecord(
-                f"call {enc.call_id} is already stored with different content; original kept"
-            )
+        _transaction(db, body)
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         try:
-            async with self._write_lock:
-                await self._mark(rollout_id, diagnostic)
+            await self._write(self._mark, rollout_id, diagnostic)
         except sqlite3.Error as exc:
             raise StoreError(f"marking rollout {rollout_id} incomplete failed: {exc}") from exc
 
-    async def _mark(self, rollout_id: str, diagnostic: Diagnostic) -> None:
-        await self.db.execute("BEGIN IMMEDIATE")
-        try:
-            if await self._tombstoned(rollout_id):
+    @staticmethod
+    def _mark(db: sqlite3.Connection, rollout_id: str, diagnostic: Diagnostic) -> None:
+        def body() -> None:
+            if _tombstoned(db, rollout_id):
                 # A deleted rollout stays deleted; the failed write was logged by the caller.
-                await self.db.execute("ROLLBACK")
                 return
-            async with self.db.execute(
+            row = db.execute(
                 "SELECT diagnostics FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ) as cur:
-                row = await cur.fetchone()
+            ).fetchone()
             diags = [Diagnostic.from_json(d) for d in json.loads(row[0])] if row else []
             if all(d.kind != diagnostic.kind for d in diags):
                 diags.append(diagnostic)
             text = json.dumps([d.to_json() for d in diags], ensure_ascii=False)
-            await self.db.execute(
+            db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete, diagnostics) "
                 "VALUES (?,?,1,?) ON CONFLICT(rollout_id) DO UPDATE SET incomplete = 1, "
                 "diagnostics = excluded.diagnostics",
                 (rollout_id, time.time(), text),
             )
-            await self.db.execute("COMMIT")
-        except BaseException:
-            await self.db.execute("ROLLBACK")
-            raise
+
+        _transaction(db, body)
 
     async def delete_rollout(self, rollout_id: str) -> int:
         try:
-            async with self._write_lock:
-                await self.db.execute("BEGIN IMMEDIATE")
-                try:
-                    cur = await self.db.execute(
-                        "DELETE FROM calls WHERE rollout_id = ?", (rollout_id,)
-                    )
-                    deleted = cur.rowcount
-                    await self.db.execute(
-                        "DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-                    )
-                    await self.db.execute(
-                        "INSERT OR IGNORE INTO tombstones (rollout_id, deleted_at) VALUES (?, ?)",
-                        (rollout_id, time.time()),
-                    )
-                    await self.db.execute("COMMIT")
-                except BaseException:
-                    await self.db.execute("ROLLBACK")
-                    raise
+            return await self._write(self._delete, rollout_id)
         except sqlite3.Error as exc:
             raise StoreError(f"deleting rollout {rollout_id} failed: {exc}") from exc
-        return deleted
+
+    @staticmethod
+    def _delete(db: sqlite3.Connection, rollout_id: str) -> int:
+        def body() -> int:
+            deleted = db.execute("DELETE FROM calls WHERE rollout_id = ?", (rollout_id,)).rowcount
+            db.execute("DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,))
+            db.execute(
+                "INSERT OR IGNORE INTO tombstones (rollout_id, deleted_at) VALUES (?, ?)",
+                (rollout_id, time.time()),
+            )
+            return deleted
+
+        return _transaction(db, body)
 
     async def sweep_tombstones(self, older_than_s: float) -> int:
         try:
-            async with self._write_lock:
-                cur = await self.db.execute(
-                    "DELETE FROM tombstones WHERE deleted_at < ?", (time.time() - older_than_s,)
-                )
-                return cur.rowcount
+            return await self._write(self._sweep, older_than_s)
         except sqlite3.Error as exc:
             raise StoreError(f"sweeping tombstones failed: {exc}") from exc
 
+    @staticmethod
+    def _sweep(db: sqlite3.Connection, older_than_s: float) -> int:
+        cur = db.execute(
+            "DELETE FROM tombstones WHERE deleted_at < ?", (time.time() - older_than_s,)
+        )
+        return cur.rowcount
+
+    # --- reads (reader thread) -----------------------------------------------------------
+
     async def get_tombstone(self, rollout_id: str) -> float | None:
         """When the rollout was deleted (Unix s), or None when it has no tombstone."""
-        async with self.db.execute(
+        return await self._read(self._get_tombstone, rollout_id)
+
+    @staticmethod
+    def _get_tombstone(db: sqlite3.Connection, rollout_id: str) -> float | None:
+        row = db.execute(
             "SELECT deleted_at FROM tombstones WHERE rollout_id = ?", (rollout_id,)
-        ) as cur:
-            row = await cur.fetchone()
+        ).fetchone()
         return float(row[0]) if row else None
 
     async def get_call(self, call_id: str) -> CallRecord | None:
+        return await self._read(self._get_call, call_id)
+
+    @staticmethod
+    def _get_call(db: sqlite3.Connection, call_id: str) -> CallRecord | None:
         # The call and its prompt ancestors, in one recursive query.
-        async with self.db.execute(
-            "WITH RECURSIVE anc(id) AS (SELECT ? UNION ALL SELECT c.prompt_parent_call_id "
-            "FROM calls c JOIN anc ON c.call_id = anc.id "
-            "WHERE c.prompt_parent_call_id IS NOT NULL) "
-            f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)",
-            (call_id,),
-        ) as cur:
-            rows = [_row_to_encoded(tuple(r)) for r in await cur.fetchall()]
+        rows = [
+            _row_to_encoded(tuple(r))
+            for r in db.execute(
+                "WITH RECURSIVE anc(id) AS (SELECT ? UNION ALL SELECT c.prompt_parent_call_id "
+                "FROM calls c JOIN anc ON c.call_id = anc.id "
+                "WHERE c.prompt_parent_call_id IS NOT NULL) "
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)",
+                (call_id,),
+            ).fetchall()
+        ]
         if not any(r.call_id == call_id for r in rows):
             return None
         return next(r for r in decode_records(rows) if r.call_id == call_id)
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
-        async with self.db.execute(
+        return await self._read(self._get_rollout_calls, rollout_id)
+
+    @staticmethod
+    def _get_rollout_calls(db: sqlite3.Connection, rollout_id: str) -> list[CallRecord]:
+        rows = db.execute(
             f"SELECT {_CALL_COLUMNS} FROM calls WHERE rollout_id = ? ORDER BY created_at, call_id",
             (rollout_id,),
-        ) as cur:
-            rows = await cur.fetchall()
+        ).fetchall()
         return decode_records(_row_to_encoded(tuple(r)) for r in rows)
 
-    def _info(self, row: tuple[Any, ...]) -> RolloutInfo:
-        rollout_id, created_at, incomplete, diagnostics, num_calls = row
-        return RolloutInfo(
-            rollout_id=rollout_id,
-            created_at=created_at,
-            num_calls=num_calls,
-            incomplete=bool(incomplete),
-            diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
-        )
-
-    _ROLLOUT_SELECT = (
-        "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
-        "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id) FROM rollouts r"
-    )
-
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
-        async with self.db.execute(
-            self._ROLLOUT_SELECT + " WHERE r.rollout_id = ?", (rollout_id,)
-        ) as cur:
-            row = await cur.fetchone()
-        return self._info(tuple(row)) if row else None
+        return await self._read(self._get_rollout, rollout_id)
+
+    @staticmethod
+    def _get_rollout(db: sqlite3.Connection, rollout_id: str) -> RolloutInfo | None:
+        row = db.execute(_ROLLOUT_SELECT + " WHERE r.rollout_id = ?", (rollout_id,)).fetchone()
+        return _info(tuple(row)) if row else None
 
     async def list_rollouts(self) -> list[RolloutInfo]:
-        async with self.db.execute(self._ROLLOUT_SELECT + " ORDER BY r.rollout_id") as cur:
-            rows = await cur.fetchall()
-        return [self._info(tuple(r)) for r in rows]
+        return await self._read(self._list_rollouts)
+
+    @staticmethod
+    def _list_rollouts(db: sqlite3.Connection) -> list[RolloutInfo]:
+        rows = db.execute(_ROLLOUT_SELECT + " ORDER BY r.rollout_id").fetchall()
+        return [_info(tuple(r)) for r in rows]
 
     async def health(self) -> dict[str, Any]:
-        async with self.db.execute("SELECT count(*) FROM calls") as cur:
-            row = await cur.fetchone()
+        return await self._read(self._health)
+
+    def _health(self, db: sqlite3.Connection) -> dict[str, Any]:
+        row = db.execute("SELECT count(*) FROM calls").fetchone()
         return {"kind": "sqlite", "path": str(self.db_path), "calls": row[0] if row else 0}

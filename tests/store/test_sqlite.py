@@ -1,7 +1,9 @@
 """The embedded SQLite store: delta prompts, idempotency, conflicts, tombstones, migration."""
 
+import asyncio
 import dataclasses
 import sqlite3
+import threading
 
 import numpy as np
 import pytest
@@ -179,3 +181,55 @@ async def test_newer_layout_is_refused(tmp_path):
     with pytest.raises(StoreError, match="layout"):
         await s.open()
     await s.close()
+
+
+async def test_reads_do_not_queue_behind_a_waiting_write(store):
+    """Reads use their own connection and thread: a write stuck on SQLite's write lock (held
+    here by another connection) does not delay them, and they see the last committed state."""
+    a, b = chain(2)
+    await store.put_call(a)
+    other = sqlite3.connect(store.db_path, isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # the write lock, until ROLLBACK below
+        put = asyncio.create_task(store.put_call(b))
+        await asyncio.sleep(0.05)
+        assert not put.done()
+        got = await asyncio.wait_for(store.get_rollout_calls("r1"), timeout=2)
+        assert [r.call_id for r in got] == [a.call_id]
+        assert (await asyncio.wait_for(store.health(), timeout=2))["calls"] == 1
+        other.execute("ROLLBACK")
+        await asyncio.wait_for(put, timeout=5)
+    finally:
+        other.close()
+    assert [r.call_id for r in await store.get_rollout_calls("r1")] == [a.call_id, b.call_id]
+
+
+async def test_concurrent_writes_and_reads_are_consistent(store):
+    records = chain(30)
+    puts = [store.put_call(rec) for rec in records]
+    reads = [store.list_rollouts() for _ in range(10)]
+    await asyncio.gather(*puts, *reads)
+    for got, want in zip(await store.get_rollout_calls("r1"), records, strict=True):
+        assert_same(got, want)
+
+
+async def test_close_is_idempotent_and_a_closed_store_refuses_work(tmp_path):
+    def store_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("capture-store-")}
+
+    before = store_threads()
+    s = SQLiteStore(tmp_path / "s")
+    await s.open()
+    await s.put_call(record("c1", [1, 2], [3]))
+    await s.close()
+    await s.close()
+    with pytest.raises(StoreError, match="not open"):
+        await s.put_call(record("c2", [1, 2], [3]))
+    with pytest.raises(StoreError, match="not open"):
+        await s.get_call("c1")
+    assert store_threads() <= before  # both threads were stopped
+    await s.open()  # reopens on fresh threads
+    try:
+        assert (await s.health())["calls"] == 1
+    finally:
+        await s.close()
