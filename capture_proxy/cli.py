@@ -49,7 +49,14 @@ def _serve(args: argparse.Namespace) -> int:
         f"{settings.backend_base}, store {settings.store}",
         flush=True,
     )
-    web.run_app(app, host=settings.host, port=settings.port, print=None, access_log=None)
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        print=None,
+        access_log=None,
+        backlog=settings.listen_backlog,
+    )
     return 0
 
 

@@ -50,6 +50,16 @@ class Settings(BaseSettings):
     upstream_read_timeout_s: float | None = Field(
         None, gt=0, description="Max seconds between bytes from the engine; None: no limit"
     )
+    upstream_connect_retries: int = Field(
+        2,
+        ge=0,
+        description="Retries of a request whose connection to the engine could not be made "
+        "(refused, or no connection within upstream_connect_timeout_s): nothing was sent, so "
+        "a retry is safe; backoff 0.2 s, 0.4 s, ...",
+    )
+    listen_backlog: int = Field(
+        4096, gt=0, description="Listen queue of the proxy's socket (aiohttp's default is 128)"
+    )
     upstream_connection_limit: int = Field(
         4096, ge=0, description="Max concurrent upstream connections (0: unlimited)"
     )

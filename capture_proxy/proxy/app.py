@@ -80,6 +80,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             exact=request.app.get(EXACT_KEY),
             exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
             first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
+            connect_retries=settings.upstream_connect_retries,
         )
         response = await handle_captured_chat(request, target, raw_body, deps)
     else:
@@ -90,6 +91,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             session,
             settings.backend_base,
             first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
+            connect_retries=settings.upstream_connect_retries,
         )
     log.info(
         "%s %s -> %d (%s, <%d bytes in>, %.1f ms)",

@@ -84,6 +84,7 @@ class CaptureDeps:
     exact: ExactTokens | None = None
     exact_for_model: Callable[[str | None], bool] = lambda model: False
     first_byte_timeout_s: float | None = None
+    connect_retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -209,6 +210,7 @@ async def handle_captured_chat(
             "POST",
             url,
             first_byte_timeout_s=deps.first_byte_timeout_s,
+            connect_retries=deps.connect_retries,
             data=json.dumps(upstream_body, ensure_ascii=False).encode(),
             headers=headers,
             auto_decompress=True,

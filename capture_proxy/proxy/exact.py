@@ -240,6 +240,7 @@ async def handle_exact_tokens(
             "POST",
             deps.backend + exact.dialect.path,
             first_byte_timeout_s=deps.first_byte_timeout_s,
+            connect_retries=deps.connect_retries,
             data=json.dumps(engine_body).encode(),
             headers=headers,
             auto_decompress=True,

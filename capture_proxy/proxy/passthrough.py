@@ -27,6 +27,7 @@ async def forward_uncaptured(
     backend: str,
     *,
     first_byte_timeout_s: float | None = None,
+    connect_retries: int = 0,
 ) -> web.StreamResponse:
     """Relay one request to ``backend + route.upstream_path`` (query string kept)."""
     headers = forwardable_headers(request.headers)
@@ -41,6 +42,7 @@ async def forward_uncaptured(
             request.method,
             url,
             first_byte_timeout_s=first_byte_timeout_s,
+            connect_retries=connect_retries,
             headers=headers,
             data=raw_body if raw_body else None,
         )

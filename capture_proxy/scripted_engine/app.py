@@ -518,7 +518,8 @@ def build_scripted_engine_app(
 
 def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
     """Serve the engine until interrupted (blocking; for the CLI)."""
-    web.run_app(build_scripted_engine_app(config), host=host, port=port, print=None)
+    # A deep listen queue, like uvicorn's 2048: thousands of rollouts connect at once.
+    web.run_app(build_scripted_engine_app(config), host=host, port=port, print=None, backlog=4096)
 
 
 def run_scripted_engine_cli(

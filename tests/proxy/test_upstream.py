@@ -35,3 +35,53 @@ def test_hop_by_hop_headers_are_not_forwarded():
     )
     assert dict(headers) == {"Authorization": "Bearer k", "X-Session-Id": "s"}
     assert {"connection", "transfer-encoding", "upgrade"} <= HOP_BY_HOP
+
+
+class _FlakySession:
+    """Fails to connect ``failures`` times, then answers (stands in for ClientSession)."""
+
+    def __init__(self, failures: int, error: Exception) -> None:
+        self.failures, self.error, self.calls = failures, error, 0
+
+    async def request(self, method, url, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return "response"
+
+
+def _connect_error():
+    import aiohttp
+    from aiohttp.client_reqrep import ConnectionKey
+
+    key = ConnectionKey("127.0.0.1", 9, False, True, None, None, None)
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "refused"))
+
+
+async def test_connections_that_could_not_be_made_are_retried():
+    import aiohttp
+
+    from capture_proxy.proxy.upstream import send_upstream
+
+    session = _FlakySession(2, _connect_error())
+    got = await send_upstream(
+        session, "POST", "http://x", first_byte_timeout_s=5, connect_retries=2
+    )
+    assert (got, session.calls) == ("response", 3)
+    session = _FlakySession(3, _connect_error())
+    try:
+        await send_upstream(
+            session, "POST", "http://x", first_byte_timeout_s=None, connect_retries=2
+        )
+        raise AssertionError("expected the connect error")
+    except aiohttp.ClientConnectorError:
+        assert session.calls == 3
+    # A failure after the request was sent is never retried (the engine may have run it).
+    session = _FlakySession(1, aiohttp.ServerDisconnectedError())
+    try:
+        await send_upstream(
+            session, "POST", "http://x", first_byte_timeout_s=None, connect_retries=2
+        )
+        raise AssertionError("expected the disconnect")
+    except aiohttp.ServerDisconnectedError:
+        assert session.calls == 1

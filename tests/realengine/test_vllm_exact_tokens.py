@@ -50,11 +50,6 @@ async def test_free_text_chain_links_in_exact_token_mode(real_exact: RealStack, 
     assert shapes == [[(call_ids[0], None), (call_ids[1], call_ids[0]), (call_ids[2], call_ids[1])]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exact-token mode does not pass structured_outputs / logit_bias to /v1/completions "
-    "(core/sampling.py PASSED_THROUGH), so the forced tool call is not made",
-)
 async def test_tool_call_chain_in_exact_token_mode(real_exact: RealStack):
     """A forced tool call, its result, then an answer: one chain in exact-token mode too."""
     real = real_exact
