@@ -20,6 +20,8 @@ def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from capture_proxy.proxy.app import build_proxy_app
+    from capture_proxy.rendering import RenderError
+    from capture_proxy.store.base import StoreError
     from capture_proxy.store.sqlite import SQLiteStore
 
     cli_values = {
@@ -49,14 +51,25 @@ def _serve(args: argparse.Namespace) -> int:
         f"{settings.backend_base}, store {settings.store}",
         flush=True,
     )
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        print=None,
-        access_log=None,
-        backlog=settings.listen_backlog,
-    )
+    try:
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            print=None,
+            access_log=None,
+            backlog=settings.listen_backlog,
+        )
+    except OSError as exc:  # address in use, unknown host, no permission
+        print(
+            f"capture-proxy: cannot listen on {settings.host}:{settings.port}: "
+            f"{exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 2
+    except (StoreError, RenderError) as exc:
+        print(f"capture-proxy: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

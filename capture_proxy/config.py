@@ -18,7 +18,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AnyHttpUrl, Field, SecretStr, ValidationError, field_validator
+from pydantic import (
+    AnyHttpUrl,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -112,7 +119,32 @@ class Settings(BaseSettings):
     backend_api_key: SecretStr | None = Field(
         None, description="bearer token the proxy sends to the engine (unset: the harness's)"
     )
-    log_level: str = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper_level(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_is_a_directory(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_dir():
+            raise ValueError(f"{value} is not a directory (a local HF tokenizer directory)")
+        return value
+
+    @model_validator(mode="after")
+    def _exact_tokens_can_run(self) -> Settings:
+        if (
+            self.uses_exact_tokens
+            and self.tokens_in_dialect == "vllm_generate"
+            and self.tokenizer is None
+        ):
+            raise ValueError(
+                "tokens_in_dialect vllm_generate answers carry no text: set tokenizer "
+                "(a local HF tokenizer directory) to decode them"
+            )
+        return self
 
     @field_validator("backend")
     @classmethod

@@ -226,6 +226,9 @@ async def run_replay(
     except (OSError, ValueError) as exc:
         print(f"replay: {exc}")
         return 2
+    if not recording:
+        print(f"replay: {recording_path} holds no recorded requests")
+        return 2
     rollout_id = rollout_id or f"replay-{int(time.time())}"
     if proxy_url is not None:
         base = f"{proxy_url.rstrip('/')}/ng-rollout/{rollout_id}/training-token-capture/v1"

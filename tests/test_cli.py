@@ -28,3 +28,42 @@ def test_serve_refuses_bad_settings(capsys):
 def test_replay_of_a_missing_file_is_a_clear_error(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "nope.jsonl")]) == 2
     assert "nope.jsonl" in capsys.readouterr().out
+
+
+def test_serve_refuses_settings_that_cannot_run(tmp_path, capsys):
+    base = ["serve", "--backend", "http://127.0.0.1:9", "--store", str(tmp_path / "s")]
+    assert main([*base, "--log-level", "LOUD"]) == 2
+    assert "log_level" in capsys.readouterr().err
+    assert main([*base, "--tokenizer", str(tmp_path / "nope")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main([*base, "--prompt-mode", "exact_tokens", "--tokens-in", "vllm_generate"]) == 2
+    assert "vllm_generate answers carry no text" in capsys.readouterr().err
+
+
+def test_serve_on_a_busy_port_says_so_and_exits(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code = main(
+            [
+                "serve",
+                "--backend",
+                "http://127.0.0.1:9",
+                "--port",
+                str(port),
+                "--store",
+                str(tmp_path / "s"),
+            ]
+        )
+    assert code == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_replay_of_an_empty_recording_is_a_clear_error(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert main(["replay", str(empty)]) == 2
+    assert "holds no recorded requests" in capsys.readouterr().out

@@ -10,7 +10,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 
 class InvalidRequest(ValueError):
@@ -33,6 +41,16 @@ class TextPart(_Lenient):
 class FunctionCall(_Lenient):
     name: str
     arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _arguments_are_json(cls, value: str) -> str:
+        # vLLM parses them (chat_utils._postprocess_messages) and answers 400 otherwise.
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"tool call arguments must be JSON text: {exc}") from None
+        return value
 
 
 class ToolCall(_Lenient):
@@ -57,8 +75,11 @@ class ChatCompletionRequest(_Lenient):
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    stream: bool = False
-    n: int = Field(1, ge=1)
+    stream: StrictBool = False
+    n: StrictInt = Field(1, ge=1)
+    logprobs: StrictBool | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
 
 
 def _reject_constant(name: str) -> float:
@@ -88,7 +109,8 @@ def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
+        # Drop pydantic's union-member tags ("str", "list[TextPart]") from the field path.
+        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
         if err["type"] == "missing":
             message = f"'{loc}' is required"
         elif loc.endswith(".type") or ".content." in f"{loc}.":
@@ -97,5 +119,42 @@ def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
             message = f"'{loc}': {err['msg']}"
         raise InvalidRequest(message, param=loc or None) from exc
     if req.n != 1:
-        raise InvalidRequest("'n' > 1 is not supported under capture; send n requests", "n")
+        raise InvalidRequest(
+            "'n' > 1 is not supported under capture: each sample is its own rollout; send one "
+            "request per rollout id (identical requests in one rollout are recorded as retries)",
+            "n",
+        )
+    surrogate = _lone_surrogate_path(body)
+    if surrogate is not None:
+        raise InvalidRequest(
+            f"'{surrogate}' contains a lone UTF-16 surrogate, which is not valid Unicode",
+            surrogate,
+        )
     return req
+
+
+def _is_union_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in {"str", "int", "bool"} or "[" in part)
+
+
+def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
+    """Dotted path of the first string holding a lone surrogate (JSON allows ``\\ud800``)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = (
+        value.items()
+        if isinstance(value, dict)
+        else enumerate(value)
+        if isinstance(value, list)
+        else ()
+    )
+    for key, item in items:
+        found = _lone_surrogate_path(key, path) if isinstance(key, str) else None
+        found = found or _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None

@@ -178,13 +178,17 @@ def build_proxy_app(
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         await store.open()
-        app[SESSION_KEY] = make_client_session(settings)
-        if settings.uses_exact_tokens:
-            app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
         try:
-            yield
+            app[SESSION_KEY] = make_client_session(settings)
+            try:
+                if settings.uses_exact_tokens:
+                    app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                yield
+            finally:
+                await app[SESSION_KEY].close()
         finally:
-            await app[SESSION_KEY].close()
+            # Also when start-up fails half-way: the store's threads must not keep the
+            # process alive.
             await store.close()
 
     app.cleanup_ctx.append(resources)

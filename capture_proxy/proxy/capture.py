@@ -97,10 +97,22 @@ class InFlightCall:
     retry_count: str | None
 
 
-async def _resolve(deps: CaptureDeps, rollout_id: str, prepared: PreparedRequest) -> Resolution:
+async def _resolve(
+    deps: CaptureDeps,
+    rollout_id: str,
+    prepared: PreparedRequest,
+    call_id: str,
+    created_at: float,
+) -> Resolution:
     """Request-time resolution; a failure here never fails the model call."""
     try:
-        return await deps.linker.resolve(rollout_id, prepared.linking_messages, prepared.body)
+        return await deps.linker.resolve(
+            rollout_id,
+            prepared.linking_messages,
+            prepared.body,
+            call_id=call_id,
+            created_at=created_at,
+        )
     except Exception as exc:
         log.error("rollout %s: parent resolution failed: %s", rollout_id, exc)
         return Resolution(
@@ -182,13 +194,14 @@ async def handle_captured_chat(
 
     created_at = time.time()
     prepared = prepare_request(body, deps.notes)
-    resolution = await _resolve(deps, route.rollout_id, prepared)
+    call_id = new_call_id()
+    resolution = await _resolve(deps, route.rollout_id, prepared, call_id, created_at)
     upstream_body, asked = augment_chat_request(
         prepared.body, parent_rows_end=resolution.parent_rows_end
     )
     stream = bool(body.get("stream"))
     ctx = CallContext(
-        call_id=new_call_id(),
+        call_id=call_id,
         rollout_id=route.rollout_id,
         created_at=created_at,
         stream=stream,

@@ -89,15 +89,26 @@ class Linker:
         )
 
     async def resolve(
-        self, rollout_id: str, linking_messages: list[dict[str, Any]], body: dict[str, Any]
+        self,
+        rollout_id: str,
+        linking_messages: list[dict[str, Any]],
+        body: dict[str, Any],
+        *,
+        call_id: str,
+        created_at: float,
     ) -> Resolution:
-        """Request-time verdict for a call (before it is forwarded)."""
+        """Request-time verdict for a call (before it is forwarded). The call's request digest
+        is registered at once, so an identical request that arrives while this one is still
+        in flight (a harness retry after a timeout) is recognised as its retry."""
         index = await self._index(rollout_id)
-        return index.resolve(
+        req_digest = request_digest(body)
+        resolution = index.resolve(
             history_digest(linking_messages),
-            request_digest(body),
+            req_digest,
             refuse_note_parents=self.refuse_note_parents,
         )
+        index.add(call_id, created_at, child_digest=None, request_digest=req_digest)
+        return resolution
 
     async def remember(self, record: CallRecord) -> None:
         """Make a persisted call findable by its children."""

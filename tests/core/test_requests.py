@@ -23,6 +23,42 @@ def test_valid_request_passes_with_extras():
         ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'messages.0.role'"),
         ({"messages": "hi"}, "messages", "'messages'"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n", "'n' > 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream", "'stream'"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": True}, "n", "'n'"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
+            "max_tokens",
+            "'max_tokens'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"},
+            "logprobs",
+            "'logprobs'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "hi\ud800"}]},
+            "messages.0.content",
+            "lone UTF-16 surrogate",
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{oops"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages.0.tool_calls.0.function.arguments",
+            "must be JSON text",
+        ),
         (
             {
                 "messages": [

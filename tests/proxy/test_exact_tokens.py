@@ -5,11 +5,9 @@ from __future__ import annotations
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
-from capture_proxy.rendering import LocalRenderer
 from capture_proxy.replay import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
-from capture_proxy.tokenizer import load_chat_template
 from tests.proxy.conftest import Stack
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_chains_rest import _echo
@@ -95,16 +93,24 @@ async def test_backend_template_mode_must_refuse_retokenized_links(make_stack):
 DIALECTS = ["vllm_completions", "vllm_generate", "sglang_generate"]
 
 
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from capture_proxy.cli import main
+
+    path = tmp_path_factory.mktemp("tok") / "qwen"
+    assert main(["export-tokenizer", str(path)]) == 0
+    return path
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_exact_tokens_mode_keeps_one_exact_chain(make_stack, qwen_tokenizer, stream, dialect):
-    # vllm_generate answers carry no text: it needs the local tokenizer (renderer) to decode.
-    renderer = LocalRenderer(qwen_tokenizer, load_chat_template("keep_reasoning"))
+async def test_exact_tokens_mode_keeps_one_exact_chain(make_stack, tokenizer_dir, stream, dialect):
+    # vllm_generate answers carry no text: it needs a local tokenizer to decode them.
     stack = await make_stack(
         engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, enable_scale_out=True),
         prompt_mode="exact_tokens",
         tokens_in_dialect=dialect,
-        renderer=renderer if dialect == "vllm_generate" else None,
+        tokenizer=tokenizer_dir if dialect == "vllm_generate" else None,
     )
     ids = await _session(stack, "r1", stream=stream)
     assert await _chains(stack, "r1") == [ids]

@@ -212,3 +212,22 @@ async def test_verification_does_not_read_the_parent_back(make_stack, tmp_path):
     assert CountingStore.reads == 0
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     assert [len(c["calls"]) for c in chains["chains"]] == [3]
+
+
+async def test_an_identical_request_in_flight_is_a_retry(make_stack):
+    import asyncio
+
+    from capture_proxy.scripted_engine import Faults
+
+    stack = await make_stack(engine_config=ScriptedEngineConfig(faults=Faults(chunk_delay_s=0.01)))
+    body = _body(list(USER), stream=True)
+    first, second = await asyncio.gather(stack.chat("r1", body), stack.chat("r1", body))
+    await first.read()
+    await second.read()
+    ids = sorted([first.headers["X-Capture-Call-Id"], second.headers["X-Capture-Call-Id"]])
+    calls = [await stack.get_json(f"/captures/calls/{i}") for i in ids]
+    retries = [c for c in calls if c["retry_of"] is not None]
+    assert len(retries) == 1 and retries[0]["retry_of"] in ids
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert len(chains["chains"]) == 1  # one sample, the other superseded, not a sibling
+    assert [u["reason"] for u in chains["unlinked_calls"]] == ["superseded_retry"]
