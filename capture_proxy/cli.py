@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -217,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers announces at import that PyTorch is absent; we only use its tokenizers.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 
