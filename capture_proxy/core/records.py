@@ -156,10 +156,18 @@ def as_token_array(values: Any, *, field_name: str) -> npt.NDArray[np.uint32]:
     """
     if not isinstance(values, list | tuple):
         raise ValueError(f"{field_name}: expected a list of token ids, got {type(values).__name__}")
+    # Fast path (this runs on every prompt): exactly ints (no bool, no float), then a range check
+    # in numpy; the per-element scan below only runs to name the offending position.
+    if not values:
+        return np.zeros(0, dtype=TOKEN_DTYPE)
+    if set(map(type, values)) == {int}:
+        arr = np.fromiter(values, dtype=np.int64, count=len(values))
+        if int(arr.min()) >= 0 and int(arr.max()) < 2**32:
+            return arr.astype(TOKEN_DTYPE)
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32:
             raise ValueError(f"{field_name}[{i}]: expected a token id (uint32), got {v!r}")
-    return np.asarray(values, dtype=TOKEN_DTYPE).reshape(-1)
+    raise AssertionError("unreachable: every value was a valid token id")
 
 
 def as_log_prob_array(values: list[float | None], *, field_name: str) -> npt.NDArray[np.float32]:

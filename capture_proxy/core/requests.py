@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -124,13 +125,22 @@ def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
             "request per rollout id (identical requests in one rollout are recorded as retries)",
             "n",
         )
-    surrogate = _lone_surrogate_path(body)
+    surrogate = _lone_surrogate_path(body) if not _is_valid_unicode(body) else None
     if surrogate is not None:
         raise InvalidRequest(
             f"'{surrogate}' contains a lone UTF-16 surrogate, which is not valid Unicode",
             surrogate,
         )
     return req
+
+
+def _is_valid_unicode(body: dict[str, Any]) -> bool:
+    """Fast check (orjson refuses lone surrogates); the slow walk only names the field."""
+    try:
+        orjson.dumps(body)
+    except TypeError:
+        return False
+    return True
 
 
 def _is_union_tag(part: object) -> bool:

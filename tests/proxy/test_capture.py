@@ -150,3 +150,9 @@ async def test_harness_that_asks_for_token_data_gets_it(stack: Stack):
     ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
     assert ids == stack.sent[0].generation_token_ids
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+
+
+async def test_huge_integers_in_extra_fields_are_forwarded_as_sent(stack: Stack):
+    resp = await stack.chat("r1", _body(USER, seed=2**70))
+    assert resp.status == 200
+    assert stack.sent[0].request_body["seed"] == 2**70
