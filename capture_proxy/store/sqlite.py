@@ -17,17 +17,28 @@ many statements it runs:
 Each connection is used only by the thread that opened it (``check_same_thread``).
 
 Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VERSION``):
-- ``calls``: one row per call in the codec's stored form (schema v2): JSON metadata beside four
+- ``calls``: one row per call in the codec's stored form (schema v3): JSON metadata beside four
   BLOB arrays; ``prompt_token_ids`` holds only the ids after the call's prompt parent
   (``prompt_parent_call_id``, ``prompt_prefix_len``), chosen inside the write transaction by
   the core's prefix rule (``core.prefixes``) from the digests kept per row (``tokens_sha256``,
   ``num_prompt_tokens``, ``num_generation_tokens``). A prompt parent is always an earlier row
-  of the same rollout, so deleting a rollout never orphans a prompt.
+  of the same rollout, so deleting a rollout never orphans a prompt. ``messages_delta`` holds
+  only the request messages after the first ``messages_prefix_len``, which are the prompt
+  parent's (``codec.common_messages_prefix`` over the chain digests kept per row: usually one
+  row read), so a chain's JSON grows linearly too.
+- ``json_blobs``: content-addressed JSON (SHA-256 of the canonical text -> text): tools lists
+  and large system messages, stored once however many calls refer to them. ``call_json``
+  lists which call refers to which; deleting a rollout deletes the texts no other call
+  refers to, in the same transaction.
 - ``rollouts``: first-seen time, incomplete flag and rollout-level diagnostics.
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused.
 
-Opening an older store migrates it in one transaction: missing columns are added and every
-record older than the codec's schema version is rewritten through ``codec.migrate``.
+Reads that span several statements (calls, then their JSON texts) run in one read
+transaction, so they see one snapshot.
+
+Opening an older store migrates it in one transaction: missing columns and tables are added,
+every record older than the codec's schema version is rewritten through ``codec.migrate``, and
+v2 records' whole messages are re-split against their prompt parents' (``rebase_messages``).
 """
 
 from __future__ import annotations
@@ -43,19 +54,26 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from capture_proxy.core.codec import (
+    COLUMNS,
+    SCHEMA_VERSION,
     EncodedRecord,
+    MessageDigests,
+    StoredMessages,
+    column_values,
+    common_messages_prefix,
     decode_records,
     encode_record,
     migrate,
+    rebase_messages,
     same_content,
 )
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
-from capture_proxy.core.records import SCHEMA_VERSION, CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, RolloutInfo, StoreError
 
 DB_FILE_NAME = "captures.sqlite3"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
 
@@ -75,9 +93,24 @@ CREATE TABLE IF NOT EXISTS calls (
     prompt_prefix_len INTEGER NOT NULL DEFAULT 0,
     num_prompt_tokens INTEGER NOT NULL DEFAULT 0,
     num_generation_tokens INTEGER NOT NULL DEFAULT 0,
-    tokens_sha256 BLOB NOT NULL DEFAULT x''
+    tokens_sha256 BLOB NOT NULL DEFAULT x'',
+    messages_delta TEXT NOT NULL DEFAULT '[]',
+    messages_prefix_len INTEGER NOT NULL DEFAULT 0,
+    num_messages INTEGER NOT NULL DEFAULT 0,
+    messages_sha256 BLOB NOT NULL DEFAULT x'',
+    messages_chain BLOB NOT NULL DEFAULT x''
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
+CREATE TABLE IF NOT EXISTS json_blobs (
+    sha256 BLOB PRIMARY KEY,
+    json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS call_json (
+    call_id TEXT NOT NULL,
+    sha256 BLOB NOT NULL,
+    PRIMARY KEY (call_id, sha256)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS call_json_by_sha ON call_json (sha256);
 CREATE TABLE IF NOT EXISTS tombstones (
     rollout_id TEXT PRIMARY KEY,
     deleted_at REAL NOT NULL
@@ -91,14 +124,9 @@ CREATE TABLE IF NOT EXISTS rollouts (
 """
 
 # In ``EncodedRecord`` field order.
-_CALL_COLUMNS = (
-    "call_id, rollout_id, created_at, status, schema_version, meta, prompt_token_ids, "
-    "generation_token_ids, generation_log_probs, routed_experts, prompt_parent_call_id, "
-    "prompt_prefix_len, num_prompt_tokens, num_generation_tokens, tokens_sha256"
-)
+_CALL_COLUMNS = ", ".join(COLUMNS)
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) "
-    f"VALUES ({','.join('?' * len(dataclasses.fields(EncodedRecord)))})"
+    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) VALUES ({','.join('?' * len(COLUMNS))})"
 )
 _V2_COLUMNS = {
     "prompt_parent_call_id": "TEXT",
@@ -107,6 +135,23 @@ _V2_COLUMNS = {
     "num_generation_tokens": "INTEGER NOT NULL DEFAULT 0",
     "tokens_sha256": "BLOB NOT NULL DEFAULT x''",
 }
+_V3_COLUMNS = {
+    "messages_delta": "TEXT NOT NULL DEFAULT '[]'",
+    "messages_prefix_len": "INTEGER NOT NULL DEFAULT 0",
+    "num_messages": "INTEGER NOT NULL DEFAULT 0",
+    "messages_sha256": "BLOB NOT NULL DEFAULT x''",
+    "messages_chain": "BLOB NOT NULL DEFAULT x''",
+}
+# The JSON texts the given calls refer to (``{calls}``: a subquery of call ids).
+_BLOBS_OF = (
+    "SELECT b.sha256, b.json FROM json_blobs b WHERE b.sha256 IN "
+    "(SELECT j.sha256 FROM call_json j WHERE j.call_id IN ({calls}))"
+)
+_ANCESTRY = (
+    "WITH RECURSIVE anc(id) AS (SELECT ? UNION ALL SELECT c.prompt_parent_call_id "
+    "FROM calls c JOIN anc ON c.call_id = anc.id "
+    "WHERE c.prompt_parent_call_id IS NOT NULL) "
+)
 _ROLLOUT_SELECT = (
     "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
     "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id) FROM rollouts r"
@@ -115,8 +160,36 @@ _ROLLOUT_SELECT = (
 T = TypeVar("T")
 
 
-def _row_to_encoded(row: sqlite3.Row | tuple[Any, ...]) -> EncodedRecord:
-    return EncodedRecord(*row)
+def _row_to_encoded(
+    row: sqlite3.Row | tuple[Any, ...], blobs: dict[str, str] | None = None
+) -> EncodedRecord:
+    encoded = EncodedRecord(*row)
+    return encoded if blobs is None else dataclasses.replace(encoded, json_blobs=blobs)
+
+
+def _blobs(db: sqlite3.Connection, calls_sql: str, args: tuple[Any, ...]) -> dict[str, str]:
+    rows = db.execute(_BLOBS_OF.format(calls=calls_sql), args).fetchall()
+    return {bytes(sha).hex(): text for sha, text in rows}
+
+
+def _store_json(db: sqlite3.Connection, enc: EncodedRecord) -> None:
+    """Keep the record's content-addressed JSON (once per content) and its references."""
+    for sha, text in enc.json_blobs.items():
+        key = bytes.fromhex(sha)
+        db.execute("INSERT OR IGNORE INTO json_blobs (sha256, json) VALUES (?, ?)", (key, text))
+        db.execute(
+            "INSERT OR IGNORE INTO call_json (call_id, sha256) VALUES (?, ?)", (enc.call_id, key)
+        )
+
+
+def _read_transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
+    """Run ``body`` in one read transaction (one snapshot for all its statements)."""
+    db.execute("BEGIN")
+    try:
+        return body()
+    finally:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
 
 
 def _info(row: tuple[Any, ...]) -> RolloutInfo:
@@ -142,6 +215,15 @@ def _transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
             db.execute("ROLLBACK")
         raise
     return result
+
+
+def _stored_messages(db: sqlite3.Connection, call_id: str) -> StoredMessages | None:
+    row = db.execute(
+        "SELECT prompt_parent_call_id, messages_prefix_len, num_messages, messages_chain "
+        "FROM calls WHERE call_id = ?",
+        (call_id,),
+    ).fetchone()
+    return StoredMessages(call_id, row[0], row[1], row[2], bytes(row[3])) if row else None
 
 
 def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
@@ -246,35 +328,53 @@ class SQLiteStore:
 
         def body() -> None:
             existing = {r[1] for r in db.execute("PRAGMA table_info(calls)").fetchall()}
-            for name, decl in _V2_COLUMNS.items():
+            for name, decl in (_V2_COLUMNS | _V3_COLUMNS).items():
                 if name not in existing:
                     db.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
-            old = [
-                _row_to_encoded(tuple(r))
+            rollouts = [
+                r[0]
                 for r in db.execute(
-                    f"SELECT {_CALL_COLUMNS} FROM calls WHERE schema_version < ?",
+                    "SELECT DISTINCT rollout_id FROM calls WHERE schema_version < ?",
                     (SCHEMA_VERSION,),
                 ).fetchall()
             ]
-            for enc in old:
-                new = migrate(enc)
-                db.execute(
-                    "UPDATE calls SET schema_version=?, prompt_parent_call_id=?, "
-                    "prompt_prefix_len=?, num_prompt_tokens=?, num_generation_tokens=?, "
-                    "tokens_sha256=? WHERE call_id=?",
-                    (
-                        new.schema_version,
-                        new.prompt_parent_call_id,
-                        new.prompt_prefix_len,
-                        new.num_prompt_tokens,
-                        new.num_generation_tokens,
-                        new.tokens_sha256,
-                        new.call_id,
-                    ),
-                )
+            for rollout_id in rollouts:  # one rollout in memory at a time
+                self._migrate_rollout(db, rollout_id)
             db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
 
         _transaction(db, body)
+
+    @staticmethod
+    def _migrate_rollout(db: sqlite3.Connection, rollout_id: str) -> None:
+        """Rewrite a rollout's older records in the current schema. Records that held whole
+        messages (v1, v2) are re-split against their prompt parents' messages when those were
+        whole too, so an old store's chains grow linearly from now on."""
+        rows = [
+            _row_to_encoded(tuple(r))
+            for r in db.execute(
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE rollout_id = ? "
+                "ORDER BY created_at, call_id",
+                (rollout_id,),
+            ).fetchall()
+        ]
+        old_ids = {r.call_id for r in rows if r.schema_version < SCHEMA_VERSION}
+        whole: dict[str, list[Any]] = {}  # call id -> full messages of a v1/v2 record
+        for enc in rows:
+            if enc.call_id in old_ids:
+                whole[enc.call_id] = json.loads(enc.meta).get("request_messages") or []
+        # Children after their parents is not needed: bases are v1/v2 rows' whole messages.
+        for enc in rows:
+            if enc.schema_version >= SCHEMA_VERSION:
+                continue
+            new = migrate(enc)
+            parent = new.prompt_parent_call_id
+            if parent is not None and parent in whole:
+                new = rebase_messages(new, whole[new.call_id], whole[parent])
+            sets = ", ".join(f"{c}=?" for c in COLUMNS[1:])
+            db.execute(
+                f"UPDATE calls SET {sets} WHERE call_id=?", (*column_values(new)[1:], new.call_id)
+            )
+            _store_json(db, new)
 
     async def close(self) -> None:
         await self._shutdown()
@@ -339,9 +439,19 @@ class SQLiteStore:
             parent = choose_prompt_parent(
                 record.prompt_token_ids, candidates, exclude=record.call_id
             )
-            enc = encode_record(record, prompt_parent=parent)
-            cur = db.execute(_INSERT_CALL, dataclasses.astuple(enc))
-            if cur.rowcount == 0:
+            digests = MessageDigests.of(record.request_messages)
+            k = 0
+            if parent is not None:
+                k = common_messages_prefix(
+                    digests, parent.call_id, lambda c: _stored_messages(db, c)
+                )
+            enc = encode_record(
+                record, prompt_parent=parent, messages_prefix_len=k, message_digests=digests
+            )
+            cur = db.execute(_INSERT_CALL, column_values(enc))
+            if cur.rowcount:
+                _store_json(db, enc)
+            else:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
                 ).fetchone()
@@ -396,6 +506,21 @@ class SQLiteStore:
     @staticmethod
     def _delete(db: sqlite3.Connection, rollout_id: str) -> int:
         def body() -> int:
+            calls = "SELECT call_id FROM calls WHERE rollout_id = ?"
+            shas = [
+                r[0]
+                for r in db.execute(
+                    f"SELECT DISTINCT sha256 FROM call_json WHERE call_id IN ({calls})",
+                    (rollout_id,),
+                ).fetchall()
+            ]
+            db.execute(f"DELETE FROM call_json WHERE call_id IN ({calls})", (rollout_id,))
+            for sha in shas:  # texts no remaining call refers to
+                db.execute(
+                    "DELETE FROM json_blobs WHERE sha256 = ? AND NOT EXISTS "
+                    "(SELECT 1 FROM call_json WHERE sha256 = ?)",
+                    (sha, sha),
+                )
             deleted = db.execute("DELETE FROM calls WHERE rollout_id = ?", (rollout_id,)).rowcount
             db.execute("DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,))
             db.execute(
@@ -437,31 +562,39 @@ class SQLiteStore:
 
     @staticmethod
     def _get_call(db: sqlite3.Connection, call_id: str) -> CallRecord | None:
-        # The call and its prompt ancestors, in one recursive query.
-        rows = [
-            _row_to_encoded(tuple(r))
-            for r in db.execute(
-                "WITH RECURSIVE anc(id) AS (SELECT ? UNION ALL SELECT c.prompt_parent_call_id "
-                "FROM calls c JOIN anc ON c.call_id = anc.id "
-                "WHERE c.prompt_parent_call_id IS NOT NULL) "
-                f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)",
+        def body() -> tuple[list[Any], dict[str, str]]:
+            # The call and its prompt ancestors, in one recursive query; then their JSON.
+            rows = db.execute(
+                _ANCESTRY
+                + f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)",
                 (call_id,),
             ).fetchall()
-        ]
-        if not any(r.call_id == call_id for r in rows):
+            blobs = _blobs(db, _ANCESTRY + "SELECT id FROM anc", (call_id,)) if rows else {}
+            return rows, blobs
+
+        rows, blobs = _read_transaction(db, body)
+        encoded = [_row_to_encoded(tuple(r), blobs) for r in rows]
+        if not any(r.call_id == call_id for r in encoded):
             return None
-        return next(r for r in decode_records(rows) if r.call_id == call_id)
+        return next(r for r in decode_records(encoded) if r.call_id == call_id)
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         return await self._read(self._get_rollout_calls, rollout_id)
 
     @staticmethod
     def _get_rollout_calls(db: sqlite3.Connection, rollout_id: str) -> list[CallRecord]:
-        rows = db.execute(
-            f"SELECT {_CALL_COLUMNS} FROM calls WHERE rollout_id = ? ORDER BY created_at, call_id",
-            (rollout_id,),
-        ).fetchall()
-        return decode_records(_row_to_encoded(tuple(r)) for r in rows)
+        def body() -> tuple[list[Any], dict[str, str]]:
+            rows = db.execute(
+                f"SELECT {_CALL_COLUMNS} FROM calls WHERE rollout_id = ? "
+                "ORDER BY created_at, call_id",
+                (rollout_id,),
+            ).fetchall()
+            calls = "SELECT call_id FROM calls WHERE rollout_id = ?"
+            blobs = _blobs(db, calls, (rollout_id,)) if rows else {}
+            return rows, blobs
+
+        rows, blobs = _read_transaction(db, body)
+        return decode_records(_row_to_encoded(tuple(r), blobs) for r in rows)
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
         return await self._read(self._get_rollout, rollout_id)

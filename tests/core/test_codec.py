@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 from capture_proxy.core.codec import (
+    SCHEMA_VERSION,
     UnsupportedSchemaVersion,
     compact_routed_experts,
     decode_record,
     encode_record,
 )
-from capture_proxy.core.records import SCHEMA_VERSION, CallStatus, Diagnostic
+from capture_proxy.core.records import CallStatus, Diagnostic
 from tests.factories import record
 
 

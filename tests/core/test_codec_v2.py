@@ -1,13 +1,16 @@
 """Schema v2: prompts stored as deltas after a prompt parent, rebuilt on read; v1 migration."""
 
 import dataclasses
+import json
 import math
+from typing import Any
 
 import numpy as np
 import pytest
 
 from capture_proxy.core import codec
 from capture_proxy.core.codec import (
+    SCHEMA_VERSION,
     CorruptRecord,
     EncodedRecord,
     PromptParent,
@@ -19,7 +22,7 @@ from capture_proxy.core.codec import (
     same_content,
     token_digest,
 )
-from capture_proxy.core.records import SCHEMA_VERSION, CallRecord
+from capture_proxy.core.records import CallRecord
 from tests.factories import record
 
 
@@ -142,10 +145,50 @@ def test_prefix_longer_than_prompt_is_refused():
         encode_record(rec, prompt_parent=PromptParent("p", 3))
 
 
+def legacy_meta(rec: CallRecord) -> str:
+    """The metadata text schema v1 and v2 wrote: whole messages and tools inside."""
+    experts = json.loads(encode_record(rec).meta)["routed_experts"]
+    meta: dict[str, Any] = {
+        "model": rec.model,
+        "latency_ms": rec.latency_ms,
+        "stream": rec.stream,
+        "upstream_path": rec.upstream_path,
+        "request_messages": rec.request_messages,
+        "request_tools": rec.request_tools,
+        "response_message": rec.response_message,
+        "finish_reason": rec.finish_reason,
+        "usage": rec.usage,
+        "http_status": rec.http_status,
+        "parent_call_id": rec.parent_call_id,
+        "linking": rec.linking,
+        "retry_of": rec.retry_of,
+        "diagnostics": [d.to_json() for d in rec.diagnostics],
+        "num_prompt_tokens": rec.num_prompt_tokens,
+        "num_generation_tokens": rec.num_generation_tokens,
+        "routed_experts": experts,
+    }
+    return json.dumps(meta, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def v2_form(rec: CallRecord, prompt_parent: PromptParent | None = None) -> EncodedRecord:
+    """What schema v2 wrote: the prompt after its parent, whole messages and tools in meta."""
+    return dataclasses.replace(
+        encode_record(rec, prompt_parent=prompt_parent),
+        schema_version=2,
+        meta=legacy_meta(rec),
+        messages_delta="[]",
+        messages_prefix_len=0,
+        num_messages=0,
+        messages_sha256=b"",
+        messages_chain=b"",
+        json_blobs={},
+    )
+
+
 def v1_form(rec: CallRecord) -> EncodedRecord:
     """What schema v1 wrote: the full prompt, no v2 fields."""
     return dataclasses.replace(
-        encode_record(rec),
+        v2_form(rec),
         schema_version=1,
         num_prompt_tokens=0,
         num_generation_tokens=0,
@@ -153,13 +196,13 @@ def v1_form(rec: CallRecord) -> EncodedRecord:
     )
 
 
-def test_v1_records_migrate_in_one_step():
+def test_v1_records_migrate_one_step_at_a_time():
     rec = chain(2)[1]
     rec.routed_experts = np.ones((2, 2, 2), np.uint8)
     old = v1_form(rec)
     assert old.schema_version == 1 and old.tokens_sha256 == b""
     new = migrate(old)
-    assert new.schema_version == SCHEMA_VERSION == 2
+    assert new.schema_version == SCHEMA_VERSION == 3
     assert new.prompt_parent_call_id is None
     assert new.tokens_sha256 == token_digest(rec.prompt_token_ids, rec.generation_token_ids)
     assert (new.num_prompt_tokens, new.num_generation_tokens) == (rec.num_prompt_tokens, 3)

@@ -8,12 +8,11 @@ import threading
 import numpy as np
 import pytest
 
-from capture_proxy.core.codec import encode_record
 from capture_proxy.core.records import CallStatus, Diagnostic
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
 from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
-from tests.core.test_codec_v2 import assert_same, chain
+from tests.core.test_codec_v2 import assert_same, chain, v1_form
 from tests.factories import record
 
 
@@ -151,7 +150,7 @@ async def test_v1_store_is_migrated_on_open(tmp_path):
     with sqlite3.connect(path / DB_FILE_NAME) as db:
         db.executescript(_V1_SCHEMA)
         for rec in records:
-            enc = dataclasses.replace(encode_record(rec), schema_version=1)
+            enc = v1_form(rec)
             db.execute(
                 "INSERT INTO calls VALUES (?,?,?,?,?,?,?,?,?,?)", dataclasses.astuple(enc)[:10]
             )
@@ -161,7 +160,7 @@ async def test_v1_store_is_migrated_on_open(tmp_path):
     try:
         for got, want in zip(await s.get_rollout_calls("r1"), records, strict=True):
             assert_same(got, want)
-            assert got.schema_version == 2
+            assert got.schema_version == 3
         await s.put_call(records[0])  # idempotent against a migrated row
         await s.put_call(nxt)  # a new child gets a delta against a migrated parent
         assert blob_sizes(s)[-1][2] == "c002"
@@ -169,7 +168,7 @@ async def test_v1_store_is_migrated_on_open(tmp_path):
         await s.close()
     with sqlite3.connect(path / DB_FILE_NAME) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION
-        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(2,)]
+        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(3,)]
 
 
 async def test_newer_layout_is_refused(tmp_path):

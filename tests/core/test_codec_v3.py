@@ -1,0 +1,218 @@
+"""Schema v3: request messages stored as a delta after the prompt parent's, tools and large
+system messages content-addressed; v2 migration; idempotency on logical content."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.codec import (
+    SCHEMA_VERSION,
+    CorruptRecord,
+    MessageDigests,
+    PromptParent,
+    StoredMessages,
+    common_messages_prefix,
+    decode_record,
+    decode_records,
+    encode_record,
+    migrate,
+    same_content,
+)
+from capture_proxy.core.records import CallRecord
+from tests.core.test_codec_v2 import assert_same, chain, v2_form
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": f"tool_{i}",
+            "description": "d" * 900 + f" {i}",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
+    for i in range(20)
+]
+SYSTEM = {"role": "system", "content": "You are an agent. " * 200}
+
+
+def session(turns: int) -> list[CallRecord]:
+    """A chain with OpenCode-like JSON: ~20 KB of tools, a large system message and a history
+    that grows by an assistant tool call and a tool result per turn."""
+    records = chain(turns)
+    history: list[dict] = [SYSTEM, {"role": "user", "content": "fix the bug"}]
+    for t, rec in enumerate(records):
+        rec.request_messages = [dict(m) for m in history]
+        rec.request_tools = json.loads(json.dumps(TOOLS))
+        answer = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": f"t{t}", "function": {"name": "tool_1", "arguments": "{}"}}],
+        }
+        rec.response_message = answer
+        history += [answer, {"role": "tool", "tool_call_id": f"t{t}", "content": f"out {t} " * 50}]
+    return records
+
+
+def encode_session(records: list[CallRecord]) -> list:
+    out = []
+    for i, rec in enumerate(records):
+        if i == 0:
+            out.append(encode_record(rec))
+            continue
+        prev = records[i - 1]
+        pp = PromptParent(prev.call_id, prev.num_prompt_tokens + prev.num_generation_tokens)
+        k = common_messages_prefix(
+            MessageDigests.of(rec.request_messages), prev.call_id, lookup(out)
+        )
+        out.append(encode_record(rec, prompt_parent=pp, messages_prefix_len=k))
+    return out
+
+
+def lookup(encoded: list):
+    by_id = {e.call_id: e for e in encoded}
+
+    def get(call_id: str) -> StoredMessages | None:
+        e = by_id.get(call_id)
+        if e is None:
+            return None
+        return StoredMessages(
+            e.call_id,
+            e.prompt_parent_call_id,
+            e.messages_prefix_len,
+            e.num_messages,
+            e.messages_chain,
+        )
+
+    return get
+
+
+def assert_same_json(a: CallRecord, b: CallRecord) -> None:
+    assert_same(a, b)
+    # Exact: canonical texts (types and key order) and Python equality.
+    for name in ("request_messages", "request_tools", "response_message"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x == y, name
+        assert json.dumps(x) == json.dumps(y), name
+
+
+def test_chain_stores_messages_as_deltas_and_tools_once_per_content():
+    records = session(6)
+    enc = encode_session(records)
+    assert [e.messages_prefix_len for e in enc] == [0, 2, 4, 6, 8, 10]
+    assert all(len(json.loads(e.messages_delta)) == 2 for e in enc)
+    tool_shas = {json.loads(e.meta)["request_tools_sha256"] for e in enc}
+    assert len(tool_shas) == 1
+    assert "d" * 100 not in enc[3].meta and "You are an agent" not in enc[0].messages_delta
+    assert len(enc[0].json_blobs) == 2  # tools + the system message
+    for got, want in zip(decode_records(reversed(enc)), reversed(records), strict=True):
+        assert_same_json(got, want)
+
+
+def test_round_trip_without_base_and_single_record():
+    rec = session(3)[2]
+    rec.request_messages[1] = {"content": 1.0, "role": "user", "n": 1, "t": True}  # key order
+    back = decode_record(encode_record(rec))
+    assert_same_json(back, rec)
+    assert list(back.request_messages[1]) == ["content", "role", "n", "t"]
+    assert type(back.request_messages[1]["content"]) is float
+    none = rec.replace(request_tools=None, request_messages=[])
+    assert_same_json(decode_record(encode_record(none)), none)
+    empty = rec.replace(request_tools=[])
+    assert decode_record(encode_record(empty)).request_tools == []
+
+
+def test_messages_that_differ_only_in_json_type_are_not_a_common_prefix():
+    base = MessageDigests.of([{"role": "user", "content": 1}])
+    assert base.chain[1] != MessageDigests.of([{"role": "user", "content": 1.0}]).chain[1]
+    assert base.chain[1] != MessageDigests.of([{"content": 1, "role": "user"}]).chain[1]
+
+
+def test_branches_share_their_parent_messages():
+    parent, a = session(2)
+    b = a.replace(call_id="c001b", created_at=1.5)
+    b.request_messages = [*a.request_messages[:-1], {"role": "tool", "content": "other"}]
+    rows = encode_session([parent, a])
+    pp = PromptParent(parent.call_id, parent.num_prompt_tokens + parent.num_generation_tokens)
+    k = common_messages_prefix(MessageDigests.of(b.request_messages), parent.call_id, lookup(rows))
+    assert k == len(parent.request_messages)
+    rows.append(encode_record(b, prompt_parent=pp, messages_prefix_len=k))
+    for got, want in zip(decode_records(rows), [parent, a, b], strict=True):
+        assert_same_json(got, want)
+
+
+def test_an_earlier_message_that_changed_shortens_the_prefix():
+    records = session(5)
+    last = records[4]
+    last.request_messages[5] = {**last.request_messages[5], "cache_control": {"type": "x"}}
+    enc = encode_session(records)
+    assert enc[4].messages_prefix_len == 5  # found in the base's ancestor, not the base
+    assert_same_json(decode_records(enc)[4], last)
+    first = records[1].replace(call_id="z")
+    first.request_messages = [{"role": "system", "content": "other"}, *first.request_messages[1:]]
+    k = common_messages_prefix(MessageDigests.of(first.request_messages), "c003", lookup(enc))
+    assert k == 0
+
+
+def test_missing_base_blob_or_wrong_lengths_are_corrupt():
+    enc = encode_session(session(3))
+    with pytest.raises(CorruptRecord, match="not stored"):
+        decode_records([enc[2]])
+    short = decode_records(enc[:2])[1]
+    with pytest.raises(CorruptRecord, match="not given"):
+        decode_record(enc[2], prompt_prefix=(short.prompt_token_ids, short.generation_token_ids))
+    with pytest.raises(CorruptRecord, match="at least"):
+        decode_record(
+            enc[2],
+            prompt_prefix=(short.prompt_token_ids, short.generation_token_ids),
+            messages_prefix=short.request_messages[:3],
+        )
+    with pytest.raises(CorruptRecord, match="messages rebuilt"):
+        decode_records([*enc[:2], dataclasses.replace(enc[2], num_messages=7)])
+    with pytest.raises(CorruptRecord, match="messages_chain"):
+        decode_records([*enc[:2], dataclasses.replace(enc[2], messages_chain=b"x")])
+    with pytest.raises(CorruptRecord, match="JSON .* is not stored"):
+        decode_record(dataclasses.replace(enc[0], json_blobs={}))
+    sha = next(iter(enc[0].json_blobs))
+    with pytest.raises(CorruptRecord, match="address"):
+        decode_record(
+            dataclasses.replace(enc[0], json_blobs=dict.fromkeys(enc[0].json_blobs, "[]"))
+        )
+    assert sha
+
+
+def test_v2_records_migrate_in_one_step():
+    parent, child = session(2)
+    pp = PromptParent(parent.call_id, parent.num_prompt_tokens + parent.num_generation_tokens)
+    old = [v2_form(parent), v2_form(child, pp)]
+    new = [migrate(e) for e in old]
+    assert [e.schema_version for e in new] == [SCHEMA_VERSION, SCHEMA_VERSION] == [3, 3]
+    assert [e.messages_prefix_len for e in new] == [0, 0]
+    assert "request_messages" not in new[1].meta and "d" * 100 not in new[1].meta
+    for got, want in zip(decode_records(old), [parent, child], strict=True):
+        assert_same_json(got, want)
+        assert got.schema_version == 3
+    split = encode_session([parent, child])
+    assert same_content(old[1], split[1]) and same_content(new[1], split[1])
+
+
+def test_same_content_ignores_the_messages_split_but_not_the_messages():
+    records = session(3)
+    split = encode_session(records)[2]
+    whole = encode_record(records[2])
+    assert split.messages_prefix_len and not whole.messages_prefix_len
+    assert same_content(whole, split)
+    changed = records[2].replace(request_messages=[*records[2].request_messages[:-1], {}])
+    assert not same_content(encode_record(changed), split)
+    tools = records[2].replace(request_tools=TOOLS[:3])
+    assert not same_content(encode_record(tools), split)
+    assert np.array_equal(decode_record(whole).prompt_token_ids, records[2].prompt_token_ids)
+
+
+def test_messages_prefix_needs_a_prompt_parent_and_must_fit():
+    rec = session(2)[1]
+    with pytest.raises(ValueError):
+        encode_record(rec, messages_prefix_len=1)
+    with pytest.raises(ValueError):
+        encode_record(rec, prompt_parent=PromptParent("c000", 1), messages_prefix_len=99)
