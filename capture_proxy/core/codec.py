@@ -56,15 +56,12 @@ import numpy as np
 
 from capture_proxy.core.records import (
     LOG_PROB_DTYPE,
+    SCHEMA_VERSION,  # the one version constant: what this codec writes; newer is refused
     TOKEN_DTYPE,
     CallRecord,
     CallStatus,
     Diagnostic,
 )
-
-#: Version of the stored record format this codec writes; readers refuse newer records.
-#: (``records.SCHEMA_VERSION`` names the in-memory default and should follow this one.)
-SCHEMA_VERSION = 3
 
 _ROUTED_EXPERT_DTYPES = {"uint8": "<u1", "uint16": "<u2", "int32": "<i4"}
 

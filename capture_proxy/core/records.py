@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 #: Version of the stored record format. Readers refuse records with a newer version.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 TOKEN_DTYPE = np.uint32
 LOG_PROB_DTYPE = np.float32
