@@ -64,6 +64,9 @@ class Settings(BaseSettings):
         "(refused, or no connection within upstream_connect_timeout_s): nothing was sent, so "
         "a retry is safe; backoff 0.2 s, 0.4 s, ...",
     )
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="auto: uvloop when installed (a dependency on Linux), else asyncio"
+    )
     listen_backlog: int = Field(
         4096, gt=0, description="Listen queue of the proxy's socket (aiohttp's default is 128)"
     )

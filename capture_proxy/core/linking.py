@@ -14,7 +14,7 @@ Canonical form of a model-authored turn (an assistant message), as decided here:
   configuration, and a template may drop it; whether the tokens still chain is for token
   verification to decide (``parent_digest_mismatch`` with class ``template_rerendered``).
 
-Digests chain: ``d_0 = sha256("capture-proxy/linking/v1")`` and
+Digests chain: ``d_0 = sha256("capture-proxy/linking/v2")`` and
 ``d_k = sha256(d_{k-1} || canonical(turn_k))``. A request's *parent digest* is the digest over
 all assistant turns of its history; a captured call's *child digest* (under which a child finds
 it) is the digest over its request's turns followed by its own response message.
@@ -30,11 +30,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 #: Reason of an unresolved verdict whose last model-authored turn matches no captured output.
 NO_MATCH_REASON = "no captured call produced the last model-authored turn"
 
-_DIGEST_SEED = hashlib.sha256(b"capture-proxy/linking/v1").hexdigest()
+_DIGEST_SEED = hashlib.sha256(b"capture-proxy/linking/v2").hexdigest()
 
 #: Request fields that do not change what the engine computes (so a retry may differ in them).
 _NON_SEMANTIC_REQUEST_FIELDS = frozenset({"stream", "stream_options", "user", "metadata"})
@@ -72,6 +73,15 @@ def _content_text(content: Any) -> str:
     return str(content)
 
 
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no spaces, UTF-8 text (no ASCII escapes): the digests' serialisation.
+    orjson for speed; the stdlib (same output) for integers past 64 bits."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def canonical_arguments(arguments: Any) -> str:
     """Tool-call arguments as canonical JSON text (raw text when not JSON)."""
     if isinstance(arguments, str):
@@ -81,7 +91,7 @@ def canonical_arguments(arguments: Any) -> str:
             return arguments
     else:
         value = arguments
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return canonical_json(value)
 
 
 def canonical_turn(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -101,7 +111,7 @@ def canonical_turn(message: Mapping[str, Any]) -> dict[str, Any]:
 
 def extend_digest(digest: str, turn: Mapping[str, Any]) -> str:
     """``sha256(digest || canonical(turn))`` as hex."""
-    payload = json.dumps(canonical_turn(turn), sort_keys=True, ensure_ascii=False)
+    payload = canonical_json(canonical_turn(turn))
     return hashlib.sha256((digest + payload).encode("utf-8")).hexdigest()
 
 
@@ -129,7 +139,7 @@ def child_digest(messages: Sequence[Mapping[str, Any]], response: Mapping[str, A
 def request_digest(body: Mapping[str, Any]) -> str:
     """Digest of everything in a request that affects the engine's answer (for retries)."""
     semantic = {k: v for k, v in body.items() if k not in _NON_SEMANTIC_REQUEST_FIELDS}
-    text = json.dumps(semantic, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    text = canonical_json(semantic)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 

@@ -227,3 +227,14 @@ def test_extends_by_digest():
     assert extends_by_digest(np.array([1, 2, 3, 4, 5], np.uint32), 5, key)
     assert not extends_by_digest(np.array([1, 2, 3, 4, 6, 9], np.uint32), 5, key)
     assert not extends_by_digest(np.array([1, 2, 3, 4], np.uint32), 5, key)
+
+
+def test_canonical_json_matches_the_stdlib_form():
+    import json
+
+    from capture_proxy.core.linking import canonical_json
+
+    for value in [{"b": 1, "a": [1.5, "caf\u00e9", None, True]}, {"n": 2**70}, "x", [], {}]:
+        assert canonical_json(value) == json.dumps(
+            value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        )
