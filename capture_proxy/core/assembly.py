@@ -53,6 +53,47 @@ def _message_fields(body: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class CheckedGeneration:
+    """Generation arrays as far as they are valid, what is wrong, and what to flag."""
+
+    token_ids: np.ndarray | None
+    log_probs: np.ndarray | None
+    problems: list[str]
+    diagnostics: list[Diagnostic]
+
+
+def check_generation(
+    token_ids: list[int] | None, log_probs: list[float | None] | None
+) -> CheckedGeneration:
+    """Validate what an engine sent for a generation (None: it sent nothing). Problems make a
+    record incomplete: missing ids or log probs, values that are not token ids or numbers,
+    ids and log probs of different lengths. Non-finite log probs are kept and flagged."""
+    problems: list[str] = []
+    diagnostics: list[Diagnostic] = []
+    gen = lps = None
+    try:
+        if token_ids is None:
+            problems.append("engine sent no token_ids")
+        else:
+            gen = as_token_array(token_ids, field_name="token_ids")
+        if log_probs is None:
+            problems.append("engine sent no logprobs")
+        else:
+            lps = as_log_prob_array(log_probs, field_name="logprobs")
+    except ValueError as exc:
+        problems.append(str(exc))
+    if gen is not None and lps is not None and gen.shape[0] != lps.shape[0]:
+        problems.append(
+            f"generation_token_ids has {gen.shape[0]} ids but generation_log_probs has "
+            f"{lps.shape[0]} values"
+        )
+    if lps is not None and not bool(np.isfinite(lps).all()):
+        bad = [int(i) for i in np.flatnonzero(~np.isfinite(lps))[:16]]
+        diagnostics.append(Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad}))
+    return CheckedGeneration(gen, lps, problems, diagnostics)
+
+
 @dataclass
 class _ToolCallParts:
     id: str | None = None
@@ -186,24 +227,15 @@ class ChatCaptureAssembler:
                 problems.append("engine sent no prompt_token_ids")
             else:
                 prompt = as_token_array(self.prompt_token_ids, field_name="prompt_token_ids")
-            if not self.saw_token_ids:
-                problems.append("engine sent no token_ids")
-            else:
-                gen = as_token_array(self.generation_token_ids, field_name="token_ids")
-            if not self.saw_log_probs:
-                problems.append("engine sent no logprobs")
-            else:
-                log_probs = as_log_prob_array(self.generation_log_probs, field_name="logprobs")
         except ValueError as exc:
             problems.append(str(exc))
-        if gen is not None and log_probs is not None and gen.shape[0] != log_probs.shape[0]:
-            problems.append(
-                f"generation_token_ids has {gen.shape[0]} ids but generation_log_probs has "
-                f"{log_probs.shape[0]} values"
-            )
-        if log_probs is not None and not bool(np.isfinite(log_probs).all()):
-            bad = [int(i) for i in np.flatnonzero(~np.isfinite(log_probs))[:16]]
-            diagnostics.append(Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad}))
+        checked = check_generation(
+            self.generation_token_ids if self.saw_token_ids else None,
+            self.generation_log_probs if self.saw_log_probs else None,
+        )
+        gen, log_probs = checked.token_ids, checked.log_probs
+        problems += checked.problems
+        diagnostics += checked.diagnostics
         experts = None
         if self.routed_experts_raw is not None:
             try:

@@ -12,15 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.assembly import CallContext
+from capture_proxy.core.assembly import CallContext, check_generation
 from capture_proxy.core.engine_formats import Piece
 from capture_proxy.core.records import (
     CallRecord,
     CallStatus,
     Diagnostic,
     DiagnosticKind,
-    as_log_prob_array,
-    as_token_array,
 )
 
 
@@ -67,28 +65,15 @@ class TokensInAssembler:
     ) -> CallRecord:
         problems: list[str] = []
         diagnostics = list(extra_diagnostics or [])
-        gen = log_probs = None
         if self.echo is not None and self.echo != self.prompt_token_ids.tolist():
             problems.append("engine echoed prompt_token_ids that differ from the ids sent")
-        try:
-            if not self.saw_token_ids:
-                problems.append("engine sent no token_ids")
-            else:
-                gen = as_token_array(self.token_ids, field_name="token_ids")
-            if not self.saw_log_probs:
-                problems.append("engine sent no logprobs")
-            else:
-                log_probs = as_log_prob_array(self.log_probs, field_name="logprobs")
-        except ValueError as exc:
-            problems.append(str(exc))
-        if gen is not None and log_probs is not None and gen.shape[0] != log_probs.shape[0]:
-            problems.append(
-                f"generation_token_ids has {gen.shape[0]} ids but generation_log_probs has "
-                f"{log_probs.shape[0]} values"
-            )
-        if log_probs is not None and not bool(np.isfinite(log_probs).all()):
-            bad = [int(i) for i in np.flatnonzero(~np.isfinite(log_probs))[:16]]
-            diagnostics.append(Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad}))
+        checked = check_generation(
+            self.token_ids if self.saw_token_ids else None,
+            self.log_probs if self.saw_log_probs else None,
+        )
+        gen, log_probs = checked.token_ids, checked.log_probs
+        problems += checked.problems
+        diagnostics += checked.diagnostics
         if problems:
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
         body = self.ctx.request_body
