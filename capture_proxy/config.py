@@ -122,6 +122,12 @@ class Settings(BaseSettings):
     backend_api_key: SecretStr | None = Field(
         None, description="bearer token the proxy sends to the engine (unset: the harness's)"
     )
+    link_index_max_rollouts: int = Field(
+        10_000,
+        gt=0,
+        description="rollouts whose parent-digest index stays in memory (least recently used "
+        "ones are reloaded from the store when needed)",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")

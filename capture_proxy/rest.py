@@ -21,11 +21,13 @@ from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
 from capture_proxy.core.summary import link_stats
 from capture_proxy.proxy.errors import BadRequest, NotFound
+from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.store.base import CaptureStore, RolloutInfo
 
 STORE_KEY = web.AppKey("store", CaptureStore)
 RECORDER_KEY = web.AppKey("recorder", Recorder)
+LINKER_KEY = web.AppKey("linker", Linker)
 
 
 def _log_probs_json(record: CallRecord) -> list[float | None]:
@@ -218,6 +220,7 @@ async def delete_rollout(request: web.Request) -> web.Response:
     resurrect it (it is refused and the harness still gets its answer). Idempotent."""
     rollout_id = _rollout_id(request)
     deleted = await request.app[STORE_KEY].delete_rollout(rollout_id)
+    request.app[LINKER_KEY].forget(rollout_id)
     return web.json_response({"rollout_id": rollout_id, "deleted_calls": deleted})
 
 

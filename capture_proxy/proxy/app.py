@@ -36,7 +36,7 @@ log = logging.getLogger("capture_proxy")
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 SESSION_KEY = web.AppKey("upstream_session", aiohttp.ClientSession)
-LINKER_KEY = web.AppKey("linker", Linker)
+LINKER_KEY = rest.LINKER_KEY
 NOTES_KEY = web.AppKey("harness_notes", NoteRegistry)
 EXACT_KEY = web.AppKey("exact_tokens", ExactTokens)
 
@@ -172,7 +172,9 @@ def build_proxy_app(
     app[rest.STORE_KEY] = store
     app[rest.RECORDER_KEY] = Recorder(store)
     app[LINKER_KEY] = Linker(
-        store, refuse_note_parents=settings.parent_resolution == "source_history"
+        store,
+        refuse_note_parents=settings.parent_resolution == "source_history",
+        max_rollouts=settings.link_index_max_rollouts,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
 

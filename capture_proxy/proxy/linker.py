@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -50,15 +51,25 @@ def _token_key(record: CallRecord) -> dict[str, Any]:
 class Linker:
     """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``."""
 
-    def __init__(self, store: CaptureStore, *, refuse_note_parents: bool = False) -> None:
+    def __init__(
+        self,
+        store: CaptureStore,
+        *,
+        refuse_note_parents: bool = False,
+        max_rollouts: int = 10_000,
+    ) -> None:
         self.store = store
         self.refuse_note_parents = refuse_note_parents
-        self._indexes: dict[str, LinkIndex] = {}
+        #: most recently used rollouts' indexes; older ones are reloaded from the store when
+        #: needed again, so memory stays bounded however many rollouts a process serves
+        self.max_rollouts = max_rollouts
+        self._indexes: OrderedDict[str, LinkIndex] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
 
     async def _index(self, rollout_id: str) -> LinkIndex:
         index = self._indexes.get(rollout_id)
         if index is not None:
+            self._indexes.move_to_end(rollout_id)
             return index
         lock = self._locks.setdefault(rollout_id, asyncio.Lock())
         async with lock:
@@ -68,7 +79,20 @@ class Linker:
                 for record in await self.store.get_rollout_calls(rollout_id):
                     self._add(index, record)
                 self._indexes[rollout_id] = index
+                self._evict()
         return index
+
+    def _evict(self) -> None:
+        while len(self._indexes) > self.max_rollouts:
+            old, _ = self._indexes.popitem(last=False)
+            lock = self._locks.get(old)
+            if lock is not None and not lock.locked():
+                del self._locks[old]
+
+    def forget(self, rollout_id: str) -> None:
+        """Drop a rollout's index (it was deleted)."""
+        self._indexes.pop(rollout_id, None)
+        self._locks.pop(rollout_id, None)
 
     @staticmethod
     def _add(index: LinkIndex, record: CallRecord) -> None:

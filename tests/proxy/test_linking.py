@@ -231,3 +231,26 @@ async def test_an_identical_request_in_flight_is_a_retry(make_stack):
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     assert len(chains["chains"]) == 1  # one sample, the other superseded, not a sibling
     assert [u["reason"] for u in chains["unlinked_calls"]] == ["superseded_retry"]
+
+
+async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):
+    from capture_proxy.rest import LINKER_KEY
+
+    stack = await make_stack(link_index_max_rollouts=2)
+    first = {}
+    for rollout in ("ra", "rb", "rc"):
+        first[rollout] = await _step(stack, rollout, list(USER))
+    linker = stack.client.app[LINKER_KEY]
+    assert list(linker._indexes) == ["rb", "rc"]  # "ra" was least recently used: evicted
+    call_id, message = first["ra"]
+    messages = [
+        *USER,
+        _echo(message),
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "x"},
+    ]
+    child_id, _ = await _step(stack, "ra", messages)  # reloads "ra" from the store
+    child = await stack.get_json(f"/captures/calls/{child_id}")
+    assert child["parent_call_id"] == call_id and child["linking"]["verdict"] == "resolved"
+    assert list(linker._indexes) == ["rc", "ra"]
+    resp = await stack.client.delete("/captures/rollouts/rc")
+    assert resp.status == 200 and list(linker._indexes) == ["ra"]
