@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from httpx_sse._decoders import SSEDecoder, SSELineDecoder
@@ -19,9 +18,9 @@ from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 DONE_SENTINEL = "[DONE]"
 
 
-@dataclass(frozen=True)
-class SSEEvent:
-    """One event: ``event`` name ('' when absent) and ``data`` (data lines joined by '\\n')."""
+class SSEEvent(NamedTuple):
+    """One event: ``event`` name ('' when absent) and ``data`` (data lines joined by '\\n').
+    A NamedTuple: one is made per streamed token, on the hot path."""
 
     event: str
     data: str
@@ -69,9 +68,7 @@ class SSEStreamDecoder:
         for line in lines:
             sse = self._events.decode(line)
             if sse is not None:
-                out.append(
-                    SSEEvent(event=sse.event if sse.event != "message" else "", data=sse.data)
-                )
+                out.append(SSEEvent(sse.event if sse.event != "message" else "", sse.data))
         return out
 
     def feed(self, data: bytes) -> list[SSEEvent]:
