@@ -301,3 +301,27 @@ def failed_record(
         diagnostics=[Diagnostic(DiagnosticKind.UPSTREAM_FAILED, {"reason": reason})],
         **_message_fields(ctx.request_body),
     )
+
+
+def stream_end_reasons(*, client_gone: bool, problem: str | None, done_seen: bool) -> list[str]:
+    """Why a relayed stream did not end cleanly (empty when it did)."""
+    reasons = []
+    if client_gone:
+        reasons.append("client disconnected before the stream ended")
+    if problem:
+        reasons.append(problem)
+    elif not done_seen and not client_gone:
+        reasons.append("engine stream ended without [DONE]")
+    return reasons
+
+
+def mark_incomplete(record: CallRecord, reasons: list[str]) -> CallRecord:
+    """The record as ``incomplete``, its ``capture_incomplete`` reasons extended by ``reasons``
+    (one diagnostic of that kind per call)."""
+    diagnostics = list(record.diagnostics)
+    existing = next((d for d in diagnostics if d.kind == DiagnosticKind.CAPTURE_INCOMPLETE), None)
+    if existing is not None:
+        diagnostics.remove(existing)
+        reasons = [*existing.details.get("reasons", []), *reasons]
+    diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": reasons}))
+    return record.replace(status=CallStatus.INCOMPLETE, diagnostics=diagnostics)

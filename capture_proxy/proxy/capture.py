@@ -25,7 +25,13 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler, failed_record
+from capture_proxy.core.assembly import (
+    CallContext,
+    ChatCaptureAssembler,
+    failed_record,
+    mark_incomplete,
+    stream_end_reasons,
+)
 from capture_proxy.core.capture import (
     NoteMatcher,
     PreparedRequest,
@@ -35,7 +41,7 @@ from capture_proxy.core.capture import (
     strip_chat_response,
 )
 from capture_proxy.core.linking import Resolution, Verdict, request_digest
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.records import CallRecord
 from capture_proxy.core.requests import InvalidRequest, parse_json_object, validate_chat_request
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sse import (
@@ -404,15 +410,11 @@ async def _relay_stream(
         client_gone = cancelled = True
 
     record = assembler.finish(latency_ms=elapsed_ms(t0), http_status=upstream.status)
-    reasons = []
-    if client_gone:
-        reasons.append("client disconnected before the stream ended")
-    if upstream_problem:
-        reasons.append(upstream_problem)
-    elif not done_seen and not client_gone:
-        reasons.append("engine stream ended without [DONE]")
+    reasons = stream_end_reasons(
+        client_gone=client_gone, problem=upstream_problem, done_seen=done_seen
+    )
     if reasons:
-        record = _mark_incomplete(record, reasons)
+        record = mark_incomplete(record, reasons)
     if cancelled:
         await asyncio.shield(finish_call(deps, call, record))
         raise asyncio.CancelledError
@@ -428,13 +430,3 @@ async def _relay_stream(
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
             await response.write_eof()
     return response
-
-
-def _mark_incomplete(record: CallRecord, reasons: list[str]) -> CallRecord:
-    diagnostics = list(record.diagnostics)
-    existing = next((d for d in diagnostics if d.kind == DiagnosticKind.CAPTURE_INCOMPLETE), None)
-    if existing is not None:
-        diagnostics.remove(existing)
-        reasons = [*existing.details.get("reasons", []), *reasons]
-    diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": reasons}))
-    return record.replace(status=CallStatus.INCOMPLETE, diagnostics=diagnostics)

@@ -23,12 +23,12 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from capture_proxy.core.assembly import failed_record
+from capture_proxy.core.assembly import failed_record, mark_incomplete, stream_end_reasons
 from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Piece, Reader
 from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
-from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.records import CallStatus, Diagnostic
 from capture_proxy.core.sampling import SamplingError, sampling_from_chat
 from capture_proxy.core.splice import SpliceRefused, check_extension, splice_prompt
 from capture_proxy.core.sse import SSEStreamDecoder, encode_json_event
@@ -431,36 +431,16 @@ async def _stream(
     parsed = apply_deltas(deltas)
     finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
     message = parsed.to_openai()
-    reasons = []
-    if client_gone:
-        reasons.append("client disconnected before the stream ended")
-    if problem:
-        reasons.append(problem)
-    elif not done and not client_gone:
-        reasons.append("engine stream ended without [DONE]")
-    diags = list(extra_diags)
     record = asm.finish(
         response_message=message,
         finish_reason=finish_reason,
         latency_ms=elapsed_ms(t0),
         http_status=upstream.status,
-        extra_diagnostics=diags,
+        extra_diagnostics=extra_diags,
     )
+    reasons = stream_end_reasons(client_gone=client_gone, problem=problem, done_seen=done)
     if reasons:
-        kept = [d for d in record.diagnostics if d.kind != DiagnosticKind.CAPTURE_INCOMPLETE]
-        earlier = [
-            r
-            for d in record.diagnostics
-            if d.kind == DiagnosticKind.CAPTURE_INCOMPLETE
-            for r in d.details.get("reasons", [])
-        ]
-        record = record.replace(
-            status=CallStatus.INCOMPLETE,
-            diagnostics=[
-                *kept,
-                Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": earlier + reasons}),
-            ],
-        )
+        record = mark_incomplete(record, reasons)
     if cancelled:
         await asyncio.shield(finish_call(deps, call, record))
         raise asyncio.CancelledError

@@ -172,3 +172,39 @@ def test_bad_token_values_are_refused():
     assert rec.diagnostics[0].details["reasons"] == [
         "prompt_token_ids[1]: expected a token id (uint32), got -3"
     ]
+
+
+def test_stream_end_reasons_and_incomplete_marking():
+    from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
+    from capture_proxy.core.records import Diagnostic
+
+    assert stream_end_reasons(client_gone=False, problem=None, done_seen=True) == []
+    assert stream_end_reasons(client_gone=False, problem=None, done_seen=False) == [
+        "engine stream ended without [DONE]"
+    ]
+    assert stream_end_reasons(client_gone=True, problem="cut", done_seen=False) == [
+        "client disconnected before the stream ended",
+        "cut",
+    ]
+    asm = ChatCaptureAssembler(CTX)
+    asm.add_chunk({"choices": [{"index": 0, "delta": {"content": "x"}}]})
+    rec = asm.finish(latency_ms=1.0, http_status=200)  # already incomplete: no token data
+    rec = rec.replace(
+        diagnostics=[Diagnostic("non_finite_logprob", {"positions": [0]}), *rec.diagnostics]
+    )
+    marked = mark_incomplete(rec, ["engine stream ended without [DONE]"])
+    assert marked.status is CallStatus.INCOMPLETE
+    assert [d.to_json() for d in marked.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": [0]}},
+        {
+            "kind": "capture_incomplete",
+            "details": {
+                "reasons": [
+                    "engine sent no prompt_token_ids",
+                    "engine sent no token_ids",
+                    "engine sent no logprobs",
+                    "engine stream ended without [DONE]",
+                ]
+            },
+        },
+    ]
