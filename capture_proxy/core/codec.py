@@ -159,11 +159,15 @@ class PromptParent:
     prefix_len: int
 
 
+#: One encoder for every canonical text (``json.dumps`` with options builds one per call).
+_CANONICAL_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
 def canonical_json(value: Any) -> str:
     """The one JSON text of a value that digests and content addresses use: compact, UTF-8
-    (not ASCII-escaped), keys in their order (so a round trip keeps it), no NaN. ``1``,
-    ``1.0`` and ``true`` differ, as JSON values do."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    (not ASCII-escaped), keys in their order (so a round trip keeps it), no NaN (ValueError).
+    ``1``, ``1.0`` and ``true`` differ, as JSON values do."""
+    return _CANONICAL_ENCODER.encode(value)
 
 
 def json_sha256(text: str) -> str:
