@@ -60,7 +60,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = build_proxy_app(settings, SQLiteStore(settings.store))
+    app = build_proxy_app(
+        settings, SQLiteStore(settings.store, synchronous=settings.store_synchronous)
+    )
     print(
         f"capture-proxy: serving on http://{settings.host}:{settings.port} -> "
         f"{settings.backend_base}, store {settings.store}",

@@ -1,8 +1,10 @@
 """The embedded store: one SQLite database in WAL mode, arrays as BLOBs.
 
-Owns the table layout and the durability settings. ``synchronous=FULL`` in WAL mode makes every
-committed transaction survive a crash or power loss, so a ``put_call`` that returned is
-durable. Record encoding is the core codec's; this module only moves bytes.
+Owns the table layout and the durability settings. ``synchronous=FULL`` in WAL mode (the
+default) makes every committed transaction survive a crash or power loss, so a ``put_call``
+that returned is durable; ``synchronous=NORMAL`` (opt-in) keeps that across a crash of this
+process only (the commit is in the OS's page cache, fsynced at checkpoints). Record encoding
+is the core codec's; this module only moves bytes.
 
 Threads: the event loop never touches the database. Each store operation is ONE synchronous
 function run on a single-thread executor, so it costs one hop off the loop and back however
@@ -51,7 +53,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from capture_proxy.core.codec import (
     COLUMNS,
@@ -234,7 +236,13 @@ def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
 class SQLiteStore:
     """Embedded store in directory ``path`` (created on first use)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, synchronous: Literal["full", "normal"] = "full") -> None:
+        """``synchronous``: SQLite's mode for the WAL. ``full`` (the default) fsyncs every
+        commit, so a returned ``put_call`` survives a power loss; ``normal`` survives a crash
+        of this process but not of the machine (see ``Settings.store_synchronous``)."""
+        if synchronous not in ("full", "normal"):
+            raise ValueError(f"synchronous: expected 'full' or 'normal', got {synchronous!r}")
+        self.synchronous = synchronous
         self.path = Path(path)
         self.db_path = self.path / DB_FILE_NAME
         # Each executor has one thread, which alone uses the connection beside it.
@@ -294,7 +302,7 @@ class SQLiteStore:
         db = sqlite3.connect(self.db_path, isolation_level=None)
         try:
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")
+            db.execute(f"PRAGMA synchronous={self.synchronous.upper()}")
             db.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             self._migrate_layout(db)
         except BaseException:
@@ -407,7 +415,8 @@ class SQLiteStore:
     # --- writes (writer thread) ----------------------------------------------------------
 
     async def put_call(self, record: CallRecord) -> None:
-        """Store ``record`` durably (committed with ``synchronous=FULL`` before returning).
+        """Store ``record`` durably (committed, with the store's synchronous mode, before
+        returning).
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on I/O failure."""
@@ -617,4 +626,9 @@ class SQLiteStore:
 
     def _health(self, db: sqlite3.Connection) -> dict[str, Any]:
         row = db.execute("SELECT count(*) FROM calls").fetchone()
-        return {"kind": "sqlite", "path": str(self.db_path), "calls": row[0] if row else 0}
+        return {
+            "kind": "sqlite",
+            "path": str(self.db_path),
+            "synchronous": self.synchronous,
+            "calls": row[0] if row else 0,
+        }

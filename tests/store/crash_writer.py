@@ -1,7 +1,7 @@
 """A writer for the crash test: puts a deterministic chain into a store, printing each call id
 after ``put_call`` returned (that is the acknowledgement), until it is killed.
 
-Usage: ``python -m tests.store.crash_writer STORE_DIR ROLLOUT_ID``
+Usage: ``python -m tests.store.crash_writer STORE_DIR ROLLOUT_ID [full|normal]``
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def chain(rollout_id: str, turns: int) -> list[CallRecord]:
     return out
 
 
-async def main(store_dir: Path, rollout_id: str) -> None:
-    store = SQLiteStore(store_dir)
+async def main(store_dir: Path, rollout_id: str, synchronous: str) -> None:
+    store = SQLiteStore(store_dir, synchronous=synchronous)  # type: ignore[arg-type]
     await store.open()
     turn = 0
     prompt = np.arange(NEW_PROMPT, dtype=np.uint32)
@@ -60,4 +60,4 @@ async def main(store_dir: Path, rollout_id: str) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(Path(sys.argv[1]), sys.argv[2]))
+    asyncio.run(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "full"))

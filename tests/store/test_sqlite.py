@@ -232,3 +232,20 @@ async def test_close_is_idempotent_and_a_closed_store_refuses_work(tmp_path):
         assert (await s.health())["calls"] == 1
     finally:
         await s.close()
+
+
+@pytest.mark.parametrize(("synchronous", "pragma"), [("full", 2), ("normal", 1)])
+async def test_synchronous_mode_is_the_writers(tmp_path, synchronous, pragma):
+    store = SQLiteStore(tmp_path / "s", synchronous=synchronous)
+    await store.open()
+    try:
+        got = await store._write(lambda db: db.execute("PRAGMA synchronous").fetchone()[0])
+        assert got == pragma
+        assert (await store.health())["synchronous"] == synchronous
+    finally:
+        await store.close()
+
+
+def test_unknown_synchronous_mode_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="synchronous: expected 'full' or 'normal', got 'off'"):
+        SQLiteStore(tmp_path / "s", synchronous="off")  # type: ignore[arg-type]
