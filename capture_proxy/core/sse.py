@@ -56,9 +56,18 @@ class SSEStreamDecoder:
     ``feed`` may be called with any split of the stream (mid-line, mid-character);
     ``close`` flushes a final event that lacked its terminating blank line.
     Raises UnicodeDecodeError on bytes that are not UTF-8.
+
+    The grammar is httpx-sse's (WHATWG rules). One shape takes a short cut, because engines
+    send one event per generated token and this runs for each: a block that is exactly one
+    ``data: <text>`` line ended by ``\n\n`` becomes ``SSEEvent("", <text>)`` without the
+    line-by-line decoders (what they make of it too). Every other block (comments, ``event:``,
+    several lines, ``data:`` without its space) goes through httpx-sse whole, and a stream
+    that uses ``\r`` line ends is handed to httpx-sse from that byte on, for good.
     """
 
     def __init__(self) -> None:
+        self._pending = b""  # bytes after the last complete block (short-cut mode)
+        self._general = False  # True once the stream used \r: httpx-sse's decoders only
         self._utf8 = codecs.getincrementaldecoder("utf-8")()
         self._lines = SSELineDecoder()
         self._events = SSEDecoder()
@@ -71,15 +80,39 @@ class SSEStreamDecoder:
                 out.append(SSEEvent(sse.event if sse.event != "message" else "", sse.data))
         return out
 
-    def feed(self, data: bytes) -> list[SSEEvent]:
+    def _general_feed(self, data: bytes) -> list[SSEEvent]:
         text = self._utf8.decode(data)
         if not text:
             return []
         return self._from_lines(self._lines.decode(text))
 
+    def feed(self, data: bytes) -> list[SSEEvent]:
+        if self._general:
+            return self._general_feed(data)
+        if b"\r" in data:
+            self._general = True
+            pending, self._pending = self._pending, b""
+            return self._general_feed(pending + data)
+        blocks = (self._pending + data).split(b"\n\n")
+        self._pending = blocks.pop()
+        out: list[SSEEvent] = []
+        for block in blocks:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                out.append(SSEEvent("", block[6:].decode("utf-8")))
+            else:
+                # A whole block: its lines, then the blank line that ended it.
+                out += self._from_lines([*block.decode("utf-8").split("\n"), ""])
+        return out
+
     def close(self) -> list[SSEEvent]:
-        text = self._utf8.decode(b"", final=True)
-        lines = self._lines.decode(text) if text else []
-        lines += self._lines.flush()
+        if not self._general:
+            pending, self._pending = self._pending, b""
+            lines = pending.decode("utf-8").split("\n") if pending else []
+            if lines and lines[-1] == "":
+                lines.pop()  # what follows the last line end is no line
+        else:
+            text = self._utf8.decode(b"", final=True)
+            lines = self._lines.decode(text) if text else []
+            lines += self._lines.flush()
         # A stream cut after the last data line: interpret it as if the blank line had come.
         return self._from_lines([*lines, ""])

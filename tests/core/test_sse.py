@@ -1,4 +1,9 @@
+import codecs
 import json
+import random
+
+import pytest
+from httpx_sse._decoders import SSEDecoder, SSELineDecoder
 
 from capture_proxy.core.sse import SSEEvent, SSEStreamDecoder
 
@@ -46,3 +51,70 @@ def test_encode_round_trip():
     event = SSEEvent("custom", "line1\nline2")
     decoder = SSEStreamDecoder()
     assert decoder.feed(event.encode()) == [event]
+
+
+def _reference(data: bytes, size: int) -> list[SSEEvent]:
+    """httpx-sse's decoders alone, line by line (what SSEStreamDecoder must equal)."""
+    utf8 = codecs.getincrementaldecoder("utf-8")()
+    lines_decoder, events_decoder = SSELineDecoder(), SSEDecoder()
+    lines: list[str] = []
+    for i in range(0, len(data), size):
+        lines += lines_decoder.decode(utf8.decode(data[i : i + size]))
+    lines += lines_decoder.decode(utf8.decode(b"", final=True)) + lines_decoder.flush()
+    out = []
+    for line in [*lines, ""]:
+        sse = events_decoder.decode(line)
+        if sse is not None:
+            out.append(SSEEvent(sse.event if sse.event != "message" else "", sse.data))
+    return out
+
+
+BLOCKS = [
+    'data: {"choices": [{"delta": {"content": "h\u00e9 \u2603"}}]}\n\n',
+    "data: [DONE]\n\n",
+    "data:no-space\n\n",
+    "data: \n\n",
+    "data:\n\n",
+    ": keep-alive\n\n",
+    "event: custom\ndata: a\ndata: b\n\n",
+    "id: 7\ndata: with id\n\n",
+    "retry: 100\n\n",
+    "\n\n",
+    "\n",
+    "data: x\n",
+    "data: y",
+    "data: crlf\r\n\r\n",
+    "data: cr\r\r",
+]
+
+
+def test_the_short_cut_gives_what_httpx_sse_gives_for_any_stream_and_split():
+    rng = random.Random(20261130)
+    for _ in range(400):
+        text = "".join(rng.choice(BLOCKS) for _ in range(rng.randint(1, 8)))
+        data = text.encode()
+        for size in (1, 2, 3, 7, 64, len(data)):
+            assert _decode_in_pieces(data, size) == _reference(data, size), (text, size)
+
+
+def test_engine_shaped_stream_takes_the_short_cut_and_stays_exact():
+    events = [json.dumps({"i": i, "text": "\u00e9" * i}, ensure_ascii=False) for i in range(50)]
+    data = "".join(f"data: {e}\n\n" for e in [*events, "[DONE]"]).encode()
+    for size in (1, 5, 13, len(data)):
+        decoder = SSEStreamDecoder()
+        got = []
+        for i in range(0, len(data), size):
+            got += decoder.feed(data[i : i + size])
+        got += decoder.close()
+        assert got == [SSEEvent("", e) for e in [*events, "[DONE]"]]
+        assert not decoder._general
+
+
+def test_bytes_that_are_not_utf8_are_refused():
+    decoder = SSEStreamDecoder()
+    with pytest.raises(UnicodeDecodeError):
+        decoder.feed(b"data: \xff\xfe\n\n")
+    cut = SSEStreamDecoder()
+    assert cut.feed("data: \u2603".encode()[:-1]) == []
+    with pytest.raises(UnicodeDecodeError):
+        cut.close()
