@@ -10,8 +10,10 @@ then one tool result per tool call.
 Phases, in one run, all against the same two processes:
 
 1. warm-up: a few sessions direct and through the proxy (not measured, verified).
-2. light: ``--light-rollouts`` sessions one after the other, direct and through the proxy
-   alternately. Per-call latency without queueing: the proxy's own overhead.
+2. light: ``--light-rollouts`` sessions one after the other, each run three ways in turn:
+   direct, relayed (the same bytes through the proxy's pass-through path, nothing captured)
+   and captured. Per-call latency without queueing: the proxy's own overhead, split into the
+   hop through an aiohttp process at all (relay - direct) and the capture (proxy - relay).
 3. load: ``--rollouts`` concurrent sessions against the engine directly (baseline), then the
    same sessions through the proxy. On a saturated machine latency is mostly queueing, so the
    difference of the two distributions, and the CPU each process spent per call, say what the
@@ -207,10 +209,11 @@ def proxy_service(
     *,
     log_level: str = "INFO",
     profile_to: Path | None = None,
+    store_synchronous: str = "full",
 ) -> Service:
     port = port or free_port()
     args = ["serve", "--backend", backend, "--port", str(port), "--store", str(store)]
-    args += ["--log-level", log_level]
+    args += ["--log-level", log_level, "--store-synchronous", store_synchronous]
     if profile_to is not None:
         argv = [sys.executable, "-m", "cProfile", "-o", str(profile_to)]
         argv += ["-m", "capture_proxy.cli", *args]
@@ -548,13 +551,13 @@ def describe(phase: Phase, expected_calls: int) -> list[str]:
     return lines
 
 
-def compare(direct: Phase, proxied: Phase) -> list[str]:
+def compare(direct: Phase, proxied: Phase, label_of: str = "proxy - direct") -> list[str]:
     out = []
     for label, get in (("latency", lambda r: r.latency_s), ("ttfb", lambda r: r.ttfb_s)):
         d = [get(r) for r in direct.ok if get(r) is not None]
         p = [get(r) for r in proxied.ok if get(r) is not None]
         out.append(
-            f"    added {label:7s} ms (proxy - direct)  p50 {_ms(p, 50) - _ms(d, 50):+8.2f}  "
+            f"    added {label:7s} ms ({label_of})  p50 {_ms(p, 50) - _ms(d, 50):+8.2f}  "
             f"p99 {_ms(p, 99) - _ms(d, 99):+8.2f}"
         )
     return out
@@ -700,6 +703,7 @@ async def main_async(args: argparse.Namespace) -> int:
         store,
         log_level=args.proxy_log_level,
         profile_to=Path(args.profile_proxy) if args.profile_proxy else None,
+        store_synchronous=args.store_synchronous,
     )
     print(
         f"load: {args.rollouts} rollouts x {args.steps} streaming calls; "
@@ -707,8 +711,6 @@ async def main_async(args: argparse.Namespace) -> int:
         f"{fd_limit}; work dir {work}",
         flush=True,
     )
-    if args.engine_latency_ms:
-        print("  --engine-latency-ms: the scripted engine has no latency option yet; ignored")
     engine.start()
     proxy.start()
     exit_code = 0
@@ -722,6 +724,8 @@ async def main_async(args: argparse.Namespace) -> int:
         proxied = Target("proxy", proxy.url, capture=True, ask_tokens=args.ask_tokens)
         if args.ask_tokens:
             direct = Target("direct", engine.url, capture=False, augment=True, ask_tokens=True)
+        # The direct bytes through the proxy's pass-through path: the cost of the hop alone.
+        relay = Target("relay", proxy.url, capture=False, augment=True, ask_tokens=args.ask_tokens)
         proxied_results: list[CallResult] = []
 
         def keep(r: CallResult) -> None:
@@ -751,47 +755,40 @@ async def main_async(args: argparse.Namespace) -> int:
             on_call=keep,
         )
 
-        # 2. light: one call at a time, direct and proxied alternately
-        light_d: list[CallResult] = []
-        light_p: list[CallResult] = []
+        # 2. light: one call at a time; direct, relayed and captured in turn
+        light: dict[str, list[CallResult]] = {"direct": [], "relay": [], "proxy": []}
+        targets = {"direct": direct, "relay": relay, "proxy": proxied}
         t_light = time.perf_counter()
         for i in range(args.light_rollouts):
             rid = f"light-{run}-{i:04d}"
-            pd = await run_phase(
-                "d",
-                session,
-                direct,
-                [rid],
-                args.steps,
-                concurrent=False,
-                deadline=deadline,
-                pids=pids,
-            )
-            pp = await run_phase(
-                "p",
-                session,
-                proxied,
-                [rid],
-                args.steps,
-                concurrent=False,
-                deadline=deadline,
-                pids=pids,
-                on_call=keep,
-            )
-            light_d += pd.results
-            light_p += pp.results
+            for name, target in targets.items():
+                phase = await run_phase(
+                    name[0],
+                    session,
+                    target,
+                    [rid],
+                    args.steps,
+                    concurrent=False,
+                    deadline=deadline,
+                    pids=pids,
+                    on_call=keep if target is proxied else None,
+                )
+                light[name] += phase.results
         light_wall = time.perf_counter() - t_light
         print(
             f"\nlight load: {args.light_rollouts} sessions one call at a time ({light_wall:.1f} s)"
         )
-        ld = Phase("direct", light_d, light_wall / 2, {})
-        lp = Phase("proxy ", light_p, light_wall / 2, {})
-        for line in describe(ld, args.light_rollouts * args.steps)[1:4]:
-            print("  direct" + line[3:])
-        for line in describe(lp, args.light_rollouts * args.steps)[1:4]:
-            print("  proxy " + line[3:])
-        for line in compare(ld, lp):
+        phases = {name: Phase(name, r, light_wall / 3, {}) for name, r in light.items()}
+        for name, phase in phases.items():
+            for line in describe(phase, args.light_rollouts * args.steps)[1:4]:
+                print(f"  {name:6s}" + line[3:])
+        for line in compare(phases["direct"], phases["proxy"]):
             print(line)
+        print("    of which:")
+        for line in compare(phases["direct"], phases["relay"], "relay - direct"):
+            print("  " + line.replace("added", "hop   "))
+        for line in compare(phases["relay"], phases["proxy"], "proxy - relay"):
+            print("  " + line.replace("added", "capture"))
 
         # 3. load: all rollouts at once, direct, then through the proxy
         rollouts = [f"load-{run}-{i:05d}" for i in range(args.rollouts)]
@@ -915,10 +912,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound on the whole run, seconds (600)",
     )
     ap.add_argument(
-        "--engine-latency-ms",
-        type=float,
-        default=0.0,
-        help="extra engine latency per call, if the scripted engine supports it",
+        "--store-synchronous",
+        choices=["full", "normal"],
+        default="full",
+        help="the proxy's store_synchronous setting (full, the default)",
     )
     ap.add_argument(
         "--kill-after",

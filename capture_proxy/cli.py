@@ -44,6 +44,7 @@ def _serve(args: argparse.Namespace) -> int:
         "host": args.host,
         "port": args.port,
         "store": args.store,
+        "store_synchronous": args.store_synchronous,
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_level": args.log_level,
         "parent_resolution": args.parent_resolution,
@@ -147,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (default 8080)")
     serve.add_argument(
         "--store", type=Path, help="embedded store directory (default ./capture-store)"
+    )
+    serve.add_argument(
+        "--store-synchronous",
+        dest="store_synchronous",
+        choices=["full", "normal"],
+        help="full (default): fsync each call before its answer ends; normal: survives a "
+        "proxy crash, not a power loss (see README)",
     )
     serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
     serve.add_argument("--log-level", dest="log_level")
