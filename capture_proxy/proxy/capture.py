@@ -68,6 +68,9 @@ log = logging.getLogger("capture_proxy")
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 #: Response header naming the captured call, so a harness or test can read it back over REST.
 CALL_ID_HEADER = "X-Capture-Call-Id"
+DONE_EVENT = b"data: " + DONE_SENTINEL.encode() + b"\n\n"
+#: How long the end of an engine's body may take after its ``[DONE]`` (seconds).
+BODY_END_TIMEOUT_S = 5.0
 
 
 def _dumps_body(body: dict[str, Any]) -> bytes:
@@ -394,8 +397,8 @@ async def _relay_stream(
             pieces = handle_events(decoder.feed(data))
             if pieces:
                 await emit(b"".join(pieces))
-            if client_gone:
-                break
+            if client_gone or done_seen:
+                break  # after [DONE] only the end of the engine's body is left: read below
         else:
             pieces = handle_events(decoder.close())
             if pieces:
@@ -420,13 +423,27 @@ async def _relay_stream(
         raise asyncio.CancelledError
     await finish_call(deps, call, record)
 
-    if upstream_problem and not client_gone:
+    final = b""
+    if upstream_problem:
         # Headers are sent; the status can no longer change: tell the harness in-band, and
         # leave out [DONE] so no harness takes the answer for a complete one.
-        await emit(encode_json_event(error_body(upstream_problem, "upstream_error")))
+        final = encode_json_event(error_body(upstream_problem, "upstream_error"))
     elif done_seen:
-        await emit(b"data: " + DONE_SENTINEL.encode() + b"\n\n")
+        final = DONE_EVENT
     if not client_gone:
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-            await response.write_eof()
+            await response.write_eof(final)  # the last event and the end of the body: one write
+    if done_seen:
+        await read_body_end(upstream)
     return response
+
+
+async def read_body_end(upstream: aiohttp.ClientResponse) -> None:
+    """Read the end of an engine's body after its ``[DONE]`` (the chunked terminator, usually
+    there already), so the connection goes back to the pool; a body that does not end within
+    ``BODY_END_TIMEOUT_S`` is closed instead."""
+    try:
+        async with asyncio.timeout(BODY_END_TIMEOUT_S):
+            await upstream.content.read()
+    except CLIENT_ERRORS:
+        upstream.close()

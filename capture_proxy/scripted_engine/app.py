@@ -75,6 +75,8 @@ class SentCall:
     finish_reason: str
     #: the HTTP headers of the request (chat completions), e.g. to check credentials
     request_headers: dict[str, str] = field(default_factory=dict)
+    #: the client's (host, port): equal for calls that came over one kept-alive connection
+    peer: tuple[str, int] | None = None
 
 
 CONFIG = web.AppKey("scripted_engine_config", ScriptedEngineConfig)
@@ -275,6 +277,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             stream,
             gen.finish_reason,
             dict(request.headers),
+            _peer(request),
         )
     )
     opts = _options(app, body)
@@ -369,8 +372,15 @@ async def _stream(
         await send({**chunk, "choices": [], "usage": _usage(prompt, gen)})
     if not faults.drop_done:
         await send("[DONE]")
+    if faults.hold_body_after_done_s:
+        await asyncio.sleep(faults.hold_body_after_done_s)
     await resp.write_eof()
     return resp
+
+
+def _peer(request: web.Request) -> tuple[str, int] | None:
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return (str(peer[0]), int(peer[1])) if peer else None
 
 
 async def _send_tokens(

@@ -21,6 +21,8 @@ class Faults:
     chunk_delay_s: float = 0.0
     #: end the stream without ``data: [DONE]``
     drop_done: bool = False
+    #: seconds between ``data: [DONE]`` and the end of the body
+    hold_body_after_done_s: float = 0.0
     #: close the connection after this many token chunks (no ``[DONE]``, no end of body)
     disconnect_after_chunks: int | None = None
     #: send ``data: {not json`` in place of the chunk of this token

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
+from capture_proxy.proxy import capture as capture_module
 from capture_proxy.scripted_engine import CLIENT_GONE, Faults, ScriptedEngineConfig
 from tests.proxy.conftest import CAPTURE, Stack
 from tests.proxy.test_capture import USER, _body
@@ -184,3 +185,28 @@ async def test_bad_rollout_ids_at_the_proxy(stack: Stack):
         if resp.status == 400:
             assert (await resp.json())["error"]["param"] == "rollout_id"
     assert stack.sent == []
+
+
+async def test_the_answer_ends_at_done_without_waiting_for_the_engines_body_end(
+    make_stack, monkeypatch
+):
+    """The harness gets ``[DONE]`` and the end of its body as soon as the call is stored; an
+    engine body that lingers after ``[DONE]`` is closed after ``BODY_END_TIMEOUT_S``."""
+    monkeypatch.setattr(capture_module, "BODY_END_TIMEOUT_S", 0.2)
+    stack = await _faulty(make_stack, Faults(hold_body_after_done_s=30.0))
+    async with asyncio.timeout(WAIT_S):  # the engine holds its body open for 30 s
+        resp = await stack.chat("r1", _body(USER, stream=True))
+        events = await _events(resp)
+    assert events[-1] == "[DONE]"
+    call = await _only_call(stack)
+    assert call["status"] == "complete"
+    assert call["generation_token_ids"] == stack.sent[0].generation_token_ids
+
+
+async def test_the_engine_connection_is_kept_alive_across_streamed_calls(stack: Stack):
+    for _ in range(3):
+        resp = await stack.chat("r1", _body(USER, stream=True))
+        assert (await _events(resp))[-1] == "[DONE]"
+    peers = [sent.peer for sent in stack.sent]
+    assert len(peers) == 3 and peers[0] is not None
+    assert peers == [peers[0]] * 3  # one connection: each body was read to its end
