@@ -4,15 +4,27 @@ Owns the JSON shapes the training side reads. Chains are built on read by the co
 (``build_chains``) from the stored records, so the same captured calls give the same chains in
 any arrival order. Arrays become JSON lists here; non-finite log probs become ``null`` and are
 named by the call's ``non_finite_logprob`` diagnostic (JSON has no NaN).
+
+The proxy's event loop relays every stream, so nothing here runs long on it: records are
+decoded on the store's reader thread, and chains are built and serialised (orjson, numpy
+arrays natively, one call at a time so the GIL passes between them) on the REST thread
+(``capture-rest``). A 40-turn rollout of 293,000 prompt ids took 120 ms on the loop with the
+stdlib's json; now the loop is never held for more than one call's serialisation.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 import math
 from collections import Counter
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+import numpy as np
+import orjson
 from aiohttp import web
 
 from capture_proxy.core.chains import RolloutChains, build_chains
@@ -28,14 +40,47 @@ from capture_proxy.store.base import CaptureStore, RolloutInfo
 STORE_KEY = web.AppKey("store", CaptureStore)
 RECORDER_KEY = web.AppKey("recorder", Recorder)
 LINKER_KEY = web.AppKey("linker", Linker)
+REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)
+
+#: ``GET /captures/rollouts`` page size: default and maximum.
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+T = TypeVar("T")
 
 
-def _log_probs_json(record: CallRecord) -> list[float | None]:
-    return [float(x) if math.isfinite(x) else None for x in record.generation_log_probs.tolist()]
+def _plain(value: Any) -> Any:
+    """The stdlib fallback's view of a numpy array (non-finite floats as None)."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind == "f":
+            return [x if math.isfinite(x) else None for x in value.tolist()]
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+def dumps(value: Any) -> bytes:
+    """JSON bytes: orjson (numpy arrays natively, NaN and infinities as ``null``); the stdlib,
+    ASCII-escaped, for what orjson refuses (integers past 64 bits, lone surrogates)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:
+        return json.dumps(value, default=_plain, allow_nan=False).encode()
+
+
+def _json(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type="application/json")
+
+
+async def _off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on the REST thread."""
+    return await asyncio.get_running_loop().run_in_executor(request.app[REST_THREAD_KEY], fn, *args)
 
 
 def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -> dict[str, Any]:
-    """One call as JSON. ``detail`` adds the request messages and tools."""
+    """One call for ``dumps``: token ids uint32 arrays, log probs as float64 (the float32
+    value exactly, as engines send it), routed experts ``[num_rows, num_layers, top_k]``.
+    ``detail`` adds the request messages and tools."""
+    experts = record.routed_experts
     out: dict[str, Any] = {
         "call_id": record.call_id,
         "rollout_id": record.rollout_id,
@@ -49,10 +94,10 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "usage": record.usage,
         "num_prompt_tokens": record.num_prompt_tokens,
         "num_generation_tokens": record.num_generation_tokens,
-        "prompt_token_ids": record.prompt_token_ids.tolist(),
-        "generation_token_ids": record.generation_token_ids.tolist(),
-        "generation_log_probs": _log_probs_json(record),
-        "routed_experts": None if record.routed_experts is None else record.routed_experts.tolist(),
+        "prompt_token_ids": np.ascontiguousarray(record.prompt_token_ids, dtype=np.uint32),
+        "generation_token_ids": np.ascontiguousarray(record.generation_token_ids, dtype=np.uint32),
+        "generation_log_probs": record.generation_log_probs.astype(np.float64),
+        "routed_experts": None if experts is None else np.ascontiguousarray(experts),
         "routed_experts_start": record.routed_experts_start,
         "response_message": record.response_message,
         "linking": record.linking,
@@ -73,33 +118,32 @@ def _rollout_id(request: web.Request) -> str:
         raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
 
 
-async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord], RolloutChains]:
+async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
     rollout_id = _rollout_id(request)
     store = request.app[STORE_KEY]
     info = await store.get_rollout(rollout_id)
     if info is None:
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
-    records = await store.get_rollout_calls(rollout_id)
-    return info, records, build_chains(rollout_id, records)
+    return info, await store.get_rollout_calls(rollout_id)
+
+
+class RolloutState:
+    """What the recorder knows of a rollout beyond the store, read on the event loop (the
+    recorder's state is the loop's) and handed to the REST thread."""
+
+    def __init__(self, info: RolloutInfo, recorder: Recorder) -> None:
+        self.unstored_reason = recorder.unstored_incomplete.get(info.rollout_id)
+        self.incomplete = info.incomplete or self.unstored_reason is not None
 
 
 def _diagnostics(
-    info: RolloutInfo, records: list[CallRecord], recorder: Recorder
+    info: RolloutInfo, records: list[CallRecord], state: RolloutState
 ) -> dict[str, Any]:
     by_kind = Counter(d.kind for r in records for d in r.diagnostics)
     rollout_level = [d.to_json() for d in info.diagnostics]
-    if info.rollout_id in recorder.unstored_incomplete:
-        rollout_level.append(
-            {
-                "kind": "store_failed",
-                "details": {"reason": recorder.unstored_incomplete[info.rollout_id]},
-            }
-        )
+    if state.unstored_reason is not None:
+        rollout_level.append({"kind": "store_failed", "details": {"reason": state.unstored_reason}})
     return {"rollout": rollout_level, "calls_by_kind": dict(sorted(by_kind.items()))}
-
-
-def _incomplete(info: RolloutInfo, recorder: Recorder) -> bool:
-    return info.incomplete or info.rollout_id in recorder.unstored_incomplete
 
 
 def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
@@ -113,51 +157,143 @@ def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
     }
 
 
+def _page_params(request: web.Request) -> tuple[int, str | None]:
+    raw = request.query.get("limit", str(DEFAULT_PAGE_SIZE))
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise BadRequest(
+            f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {raw!r}",
+            param="limit",
+            code="invalid_limit",
+        )
+    after = request.query.get("after")
+    if after is not None:
+        try:
+            validate_rollout_id(after)
+        except InvalidRolloutId as exc:
+            raise BadRequest(str(exc), param="after", code="invalid_rollout_id") from exc
+    return limit, after
+
+
+def _listing_json(
+    page: list[tuple[RolloutInfo, list[CallRecord], RolloutState]], next_after: str | None
+) -> bytes:
+    rollouts = [
+        {
+            "rollout_id": info.rollout_id,
+            "created_at": info.created_at,
+            "num_calls": info.num_calls,
+            "num_chains": len(build_chains(info.rollout_id, records).chains),
+            "incomplete": state.incomplete,
+        }
+        for info, records, state in page
+    ]
+    return dumps({"rollouts": rollouts, "next_after": next_after})
+
+
 async def list_rollouts(request: web.Request) -> web.Response:
+    """One page of rollouts in rollout id order (``?limit``, default 100, at most 1,000;
+    ``?after=<rollout id>``: the page after that id). ``next_after`` names the last rollout
+    of a full page (pass it as ``after``), else null."""
+    limit, after = _page_params(request)
     store = request.app[STORE_KEY]
     recorder = request.app[RECORDER_KEY]
-    out = []
-    for info in await store.list_rollouts():
-        chains = build_chains(info.rollout_id, await store.get_rollout_calls(info.rollout_id))
-        out.append(
-            {
-                "rollout_id": info.rollout_id,
-                "created_at": info.created_at,
-                "num_calls": info.num_calls,
-                "num_chains": len(chains.chains),
-                "incomplete": _incomplete(info, recorder),
-            }
-        )
-    return web.json_response({"rollouts": out})
+    infos = await store.list_rollouts(limit=limit, after=after)
+    page = [
+        (info, await store.get_rollout_calls(info.rollout_id), RolloutState(info, recorder))
+        for info in infos
+    ]
+    next_after = infos[-1].rollout_id if len(infos) == limit else None
+    return _json(await _off_loop(request, _listing_json, page, next_after))
+
+
+def _summary_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+    chains = build_chains(info.rollout_id, records)
+    status_counts = Counter(r.status.value for r in records)
+    return dumps(
+        {
+            "rollout_id": info.rollout_id,
+            "created_at": info.created_at,
+            "num_calls": len(records),
+            "num_complete": status_counts.get(CallStatus.COMPLETE.value, 0),
+            "num_incomplete": status_counts.get(CallStatus.INCOMPLETE.value, 0),
+            "num_failed": status_counts.get(CallStatus.FAILED.value, 0),
+            "num_chains": len(chains.chains),
+            "num_roots": len(chains.chains),
+            "num_branches": sum(c.num_branches for c in chains.chains),
+            "chains": [
+                {
+                    "chain_id": c.chain_id,
+                    "num_calls": len(c.calls),
+                    "num_generation_tokens": sum(r.num_generation_tokens for r in c.calls),
+                }
+                for c in chains.chains
+            ],
+            "linking": link_stats(records, chains),
+            "incomplete": state.incomplete,
+            "diagnostics": _diagnostics(info, records, state),
+        }
+    )
 
 
 async def get_rollout(request: web.Request) -> web.Response:
-    info, records, chains = await _load(request)
-    recorder = request.app[RECORDER_KEY]
-    status_counts = Counter(r.status.value for r in records)
-    summary = {
+    info, records = await _load(request)
+    state = RolloutState(info, request.app[RECORDER_KEY])
+    return _json(await _off_loop(request, _summary_json, info, records, state))
+
+
+def _chains_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+    chains = build_chains(info.rollout_id, records)
+    try:
+        # One call per serialisation, spliced in whole: the GIL passes between calls.
+        calls: dict[str, Any] = {
+            r.call_id: orjson.Fragment(
+                dumps(call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False))
+            )
+            for chain in chains.chains
+            for r in chain.calls
+        }
+        return orjson.dumps(_chains_body(info, records, state, chains, calls))
+    except TypeError:  # something outside the calls orjson refuses: all of it the slow way
+        calls = {
+            r.call_id: call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False)
+            for chain in chains.chains
+            for r in chain.calls
+        }
+        return dumps(_chains_body(info, records, state, chains, calls))
+
+
+def _chains_body(
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    chains: RolloutChains,
+    calls: dict[str, Any],
+) -> dict[str, Any]:
+    return {
         "rollout_id": info.rollout_id,
-        "created_at": info.created_at,
-        "num_calls": len(records),
-        "num_complete": status_counts.get(CallStatus.COMPLETE.value, 0),
-        "num_incomplete": status_counts.get(CallStatus.INCOMPLETE.value, 0),
-        "num_failed": status_counts.get(CallStatus.FAILED.value, 0),
-        "num_chains": len(chains.chains),
-        "num_roots": len(chains.chains),
-        "num_branches": sum(c.num_branches for c in chains.chains),
         "chains": [
-            {
-                "chain_id": c.chain_id,
-                "num_calls": len(c.calls),
-                "num_generation_tokens": sum(r.num_generation_tokens for r in c.calls),
-            }
-            for c in chains.chains
+            {"chain_id": chain.chain_id, "calls": [calls[r.call_id] for r in chain.calls]}
+            for chain in chains.chains
         ],
-        "linking": link_stats(records, chains),
-        "incomplete": _incomplete(info, recorder),
-        "diagnostics": _diagnostics(info, records, recorder),
+        "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
+        "incomplete": state.incomplete,
+        "diagnostics": _diagnostics(info, records, state),
     }
-    return web.json_response(summary)
+
+
+def _chains_npz(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+    chains = build_chains(info.rollout_id, records)
+    buf = io.BytesIO()
+    extra = {
+        "unlinked_call_ids": [r.call_id for r in chains.unlinked],
+        "incomplete": state.incomplete,
+    }
+    write_archive(chains, buf, extra)
+    return buf.getvalue()
 
 
 async def get_rollout_chains(request: web.Request) -> web.Response:
@@ -166,38 +302,16 @@ async def get_rollout_chains(request: web.Request) -> web.Response:
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be json or npz", param="format", code="invalid_format")
-    info, records, chains = await _load(request)
-    recorder = request.app[RECORDER_KEY]
+    info, records = await _load(request)
+    state = RolloutState(info, request.app[RECORDER_KEY])
     if fmt == "npz":
-        buf = io.BytesIO()
-        extra = {
-            "unlinked_call_ids": [r.call_id for r in chains.unlinked],
-            "incomplete": _incomplete(info, recorder),
-        }
-        write_archive(chains, buf, extra)
         disposition = f'attachment; filename="{info.rollout_id}.chains.zip"'
         return web.Response(
-            body=buf.getvalue(),
+            body=await _off_loop(request, _chains_npz, info, records, state),
             content_type="application/zip",
             headers={"Content-Disposition": disposition},
         )
-    body = {
-        "rollout_id": info.rollout_id,
-        "chains": [
-            {
-                "chain_id": chain.chain_id,
-                "calls": [
-                    call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False)
-                    for r in chain.calls
-                ],
-            }
-            for chain in chains.chains
-        ],
-        "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
-        "incomplete": _incomplete(info, recorder),
-        "diagnostics": _diagnostics(info, records, recorder),
-    }
-    return web.json_response(body)
+    return _json(await _off_loop(request, _chains_json, info, records, state))
 
 
 async def get_call(request: web.Request) -> web.Response:
@@ -212,7 +326,7 @@ async def get_call(request: web.Request) -> web.Response:
     else:
         chains = build_chains(record.rollout_id, await store.get_rollout_calls(record.rollout_id))
         parent_call_id = chains.parent_of.get(record.call_id, record.parent_call_id)
-    return web.json_response(call_json(record, parent_call_id=parent_call_id, detail=True))
+    return _json(dumps(call_json(record, parent_call_id=parent_call_id, detail=True)))
 
 
 async def delete_rollout(request: web.Request) -> web.Response:
@@ -224,7 +338,17 @@ async def delete_rollout(request: web.Request) -> web.Response:
     return web.json_response({"rollout_id": rollout_id, "deleted_calls": deleted})
 
 
+async def _rest_thread(app: web.Application) -> AsyncIterator[None]:
+    app[REST_THREAD_KEY] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-rest")
+    try:
+        yield
+    finally:
+        app[REST_THREAD_KEY].shutdown(wait=True, cancel_futures=True)
+
+
 def add_routes(app: web.Application) -> None:
+    """The read API's routes, and the REST thread (started and stopped with the app)."""
+    app.cleanup_ctx.append(_rest_thread)
     app.router.add_get("/captures/rollouts", list_rollouts)
     app.router.add_get("/captures/rollouts/{rollout_id}", get_rollout)
     app.router.add_get("/captures/rollouts/{rollout_id}/chains", get_rollout_chains)

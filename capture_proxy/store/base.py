@@ -74,6 +74,9 @@ class CaptureStore(Protocol):
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None: ...
 
-    async def list_rollouts(self) -> list[RolloutInfo]: ...
+    async def list_rollouts(
+        self, *, limit: int | None = None, after: str | None = None
+    ) -> list[RolloutInfo]:
+        """Rollouts in rollout id order: at most ``limit``, only ids greater than ``after``."""
 
     async def health(self) -> dict[str, Any]: ...

@@ -613,12 +613,21 @@ class SQLiteStore:
         row = db.execute(_ROLLOUT_SELECT + " WHERE r.rollout_id = ?", (rollout_id,)).fetchone()
         return _info(tuple(row)) if row else None
 
-    async def list_rollouts(self) -> list[RolloutInfo]:
-        return await self._read(self._list_rollouts)
+    async def list_rollouts(
+        self, *, limit: int | None = None, after: str | None = None
+    ) -> list[RolloutInfo]:
+        """Rollouts in rollout id order: at most ``limit``, only ids greater than ``after``
+        (a page after the last id of the previous one)."""
+        return await self._read(self._list_rollouts, limit, after)
 
     @staticmethod
-    def _list_rollouts(db: sqlite3.Connection) -> list[RolloutInfo]:
-        rows = db.execute(_ROLLOUT_SELECT + " ORDER BY r.rollout_id").fetchall()
+    def _list_rollouts(
+        db: sqlite3.Connection, limit: int | None, after: str | None
+    ) -> list[RolloutInfo]:
+        rows = db.execute(
+            _ROLLOUT_SELECT + " WHERE r.rollout_id > ? ORDER BY r.rollout_id LIMIT ?",
+            (after if after is not None else "", limit if limit is not None else -1),
+        ).fetchall()
         return [_info(tuple(r)) for r in rows]
 
     async def health(self) -> dict[str, Any]:

@@ -1,0 +1,123 @@
+"""Tier 2: the read API's listing pages, its JSON for odd values, and where it does its work
+(off the event loop that relays the streams)."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import zipfile
+
+import numpy as np
+import pytest
+
+from capture_proxy import rest
+from capture_proxy.core.records import Diagnostic, DiagnosticKind
+from tests.factories import record
+from tests.proxy.conftest import Stack
+
+
+async def _put(stack: Stack, *records) -> None:
+    store = stack.client.app[rest.STORE_KEY]
+    for r in records:
+        await store.put_call(r)
+
+
+async def test_rollouts_are_listed_in_pages(stack: Stack):
+    ids = [f"r{i}" for i in range(7)]
+    await _put(stack, *(record(f"c{i}", [1, 2], [3], rollout_id=rid) for i, rid in enumerate(ids)))
+    pages, after = [], None
+    while True:
+        query = "?limit=3" + (f"&after={after}" if after else "")
+        page = await stack.get_json("/captures/rollouts" + query)
+        pages.append([r["rollout_id"] for r in page["rollouts"]])
+        after = page["next_after"]
+        if after is None:
+            break
+    assert pages == [["r0", "r1", "r2"], ["r3", "r4", "r5"], ["r6"]]
+    whole = await stack.get_json("/captures/rollouts")  # default page: 100
+    assert [r["rollout_id"] for r in whole["rollouts"]] == ids
+    assert whole["next_after"] is None
+    assert whole["rollouts"][0] == {
+        "rollout_id": "r0",
+        "created_at": 0.0,
+        "num_calls": 1,
+        "num_chains": 1,
+        "incomplete": False,
+    }
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=ten", "limit"),
+        ("after=..%2Fx", "after"),
+        ("after=", "after"),
+    ],
+)
+async def test_bad_page_parameters_are_400s_naming_them(stack: Stack, query, param):
+    resp = await stack.client.get(f"/captures/rollouts?{query}")
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == param
+
+
+async def test_odd_values_come_back_exact_as_valid_json(stack: Stack):
+    """NaN log probs as null, routed experts as nested lists, an integer past 64 bits (which
+    orjson refuses: the stdlib path takes it) exactly."""
+    rec = record("c1", [5, 6, 7], [8, 9, 10])
+    rec.generation_log_probs[1] = np.nan
+    rec.routed_experts = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(2, 3, 2)
+    rec.routed_experts_start = 4
+    rec.usage = {"prompt_tokens": 3, "completion_tokens": 3, "odd": 2**70}
+    rec.diagnostics = [Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": [1]})]
+    await _put(stack, rec)
+    for path in ("/captures/rollouts/r1/chains", "/captures/calls/c1"):
+        resp = await stack.client.get(path)
+        assert resp.status == 200
+        text = await resp.text()
+        body = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+        call = body["chains"][0]["calls"][0] if "chains" in body else body
+        assert call["prompt_token_ids"] == [5, 6, 7]
+        assert call["generation_token_ids"] == [8, 9, 10]
+        assert call["generation_log_probs"] == [-0.5, None, -1.5]
+        assert call["routed_experts"] == rec.routed_experts.tolist()
+        assert call["usage"]["odd"] == 2**70
+
+
+async def test_log_probs_are_the_float32_values_exactly(stack: Stack):
+    rec = record("c1", [1], [2, 3])
+    rec.generation_log_probs = np.array([-0.1, -1e-5], dtype=np.float32)
+    await _put(stack, rec)
+    call = await stack.get_json("/captures/calls/c1")
+    assert call["generation_log_probs"] == [float(np.float32(-0.1)), float(np.float32(-1e-5))]
+    assert np.array_equal(
+        np.array(call["generation_log_probs"], dtype=np.float32), rec.generation_log_probs
+    )
+
+
+async def test_chains_summary_listing_and_archives_are_built_on_the_rest_thread(
+    stack: Stack, monkeypatch
+):
+    await _put(stack, record("c1", [1, 2], [3]), record("c2", [1, 2, 3, 4], [5]))
+    threads: dict[str, str] = {}
+    for name in ("_chains_json", "_chains_npz", "_summary_json", "_listing_json"):
+        original = getattr(rest, name)
+
+        def spy(*args, _name=name, _original=original):
+            threads[_name] = threading.current_thread().name
+            return _original(*args)
+
+        monkeypatch.setattr(rest, name, spy)
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [["c1", "c2"]]
+    assert (await stack.get_json("/captures/rollouts/r1"))["num_chains"] == 1
+    assert (await stack.get_json("/captures/rollouts"))["rollouts"][0]["num_chains"] == 1
+    resp = await stack.client.get("/captures/rollouts/r1/chains?format=npz")
+    assert resp.status == 200
+    with zipfile.ZipFile(io.BytesIO(await resp.read())) as archive:
+        assert "manifest.json" in archive.namelist()
+    assert threads == dict.fromkeys(threads, "capture-rest_0")
+    assert set(threads) == {"_chains_json", "_chains_npz", "_summary_json", "_listing_json"}
