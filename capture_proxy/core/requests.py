@@ -87,8 +87,27 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: Digits 1-9 to 0, so that ``_LONG_NUMBER in raw.translate(...)`` finds any run of 20 digits.
+_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
+#: 2**64 has 20 digits: a number this long may be past what orjson keeps exact (it parses
+#: integers past 64 bits as floats), so such bodies take the stdlib's exact path.
+_LONG_NUMBER = b"0" * 20
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Parse a request body as a JSON object (strict: no NaN/Infinity). Raises InvalidRequest."""
+    """Parse a request body as a JSON object (strict: no NaN/Infinity). Raises InvalidRequest.
+
+    orjson first (3-5x faster on agent histories of tens of KB); a body orjson refuses, or
+    one with a 20-digit number, goes through the stdlib, which keeps big integers exact and
+    names what is wrong."""
+    if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
+        try:
+            fast = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+        else:
+            if isinstance(fast, dict):
+                return fast
     try:
         obj = json.loads(raw, parse_constant=_reject_constant)
     except UnicodeDecodeError as exc:

@@ -82,3 +82,19 @@ def test_bad_requests_name_the_field(body, param, fragment):
 def test_bad_json_is_refused(raw):
     with pytest.raises(InvalidRequest):
         parse_json_object(raw)
+
+
+def test_numbers_past_64_bits_stay_exact_and_bad_json_is_named():
+    # orjson would make this integer a float: the 20-digit run sends it to the stdlib path.
+    body = parse_json_object(b'{"seed": 123456789012345678901234567890, "messages": []}')
+    assert body["seed"] == 123456789012345678901234567890
+    assert parse_json_object(b'{"a": 18446744073709551615}') == {"a": 2**64 - 1}
+    with pytest.raises(InvalidRequest, match="NaN is not valid JSON"):
+        parse_json_object(b'{"temperature": NaN}')
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        parse_json_object(b'{"messages": [}')
+    with pytest.raises(InvalidRequest, match="must be a JSON object, got list"):
+        parse_json_object(b"[1, 2]")
+    with pytest.raises(InvalidRequest, match="not UTF-8"):
+        parse_json_object(b'{"a": "\xff"}')
+    assert parse_json_object(b'{"a": "\\ud800"}') == {"a": "\ud800"}  # named later
