@@ -103,6 +103,35 @@ TOOLS = [
 SYSTEM = {"role": "system", "content": "You are a coding agent. Use the tools to answer."}
 
 
+@dataclass(frozen=True)
+class Workload:
+    """How big a session's requests are: ``system_prompt_kb`` pads the system prompt (OpenCode
+    sends about 8 KB of system prompt and 20 KB of tool definitions), ``tool_output_kb`` is the
+    size of each tool result (file contents read by the agent make histories grow)."""
+
+    system_prompt_kb: float = 0.0
+    tool_output_kb: float = 0.0
+
+    def system(self) -> dict[str, Any]:
+        return {"role": "system", "content": SYSTEM["content"] + _filler(self.system_prompt_kb)}
+
+    def tool_output(self, text: str) -> str:
+        return text + _filler(self.tool_output_kb)
+
+
+def _filler(kb: float) -> str:
+    """About ``kb`` KB of varied, deterministic text lines."""
+    lines, size, i = [], 0, 0
+    while size < kb * 1024:
+        line = (
+            f"\nLine {i}: keep edits small, run the tests after each change ({i * 7919 % 10007})."
+        )
+        lines.append(line)
+        size += len(line)
+        i += 1
+    return "".join(lines)
+
+
 # ---------------------------------------------------------------------------------------------
 # processes
 
@@ -415,13 +444,17 @@ async def run_session(
     rollout_id: str,
     steps: int,
     on_call: Any = None,
+    workload: Workload = Workload(),
 ) -> list[CallResult]:
     """One agent session of ``steps`` streaming calls; stops at the first failed call.
 
     Tool calls get one tool result each; an answer without tool calls is followed by a new user
     message, so any number of steps makes one chain. ``on_call(result)`` runs after each call.
     """
-    messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": f"Task {rollout_id}."}]
+    messages: list[dict[str, Any]] = [
+        workload.system(),
+        {"role": "user", "content": f"Task {rollout_id}."},
+    ]
     results: list[CallResult] = []
     for step in range(steps):
         body = request_body(target, list(messages))
@@ -437,7 +470,7 @@ async def run_session(
         messages.append(result.message)
         calls = result.message.get("tool_calls") or []
         for tc in calls:
-            content = f"output of {tc['function']['name']} at step {step}"
+            content = workload.tool_output(f"output of {tc['function']['name']} at step {step}")
             messages.append({"role": "tool", "tool_call_id": tc["id"], "content": content})
         if not calls:
             messages.append({"role": "user", "content": "Continue."})
@@ -495,6 +528,7 @@ async def run_phase(
     deadline: float,
     pids: dict[str, int],
     on_call: Any = None,
+    workload: Workload = Workload(),
 ) -> Phase:
     """Run the sessions (all at once, or one after the other) until done or ``deadline``."""
     results: list[CallResult] = []
@@ -507,11 +541,11 @@ async def run_phase(
     async def run_all() -> None:
         if concurrent:
             await asyncio.gather(
-                *(run_session(session, target, rid, steps, record) for rid in rollout_ids)
+                *(run_session(session, target, rid, steps, record, workload) for rid in rollout_ids)
             )
         else:
             for rid in rollout_ids:
-                await run_session(session, target, rid, steps, record)
+                await run_session(session, target, rid, steps, record, workload)
 
     cpu0 = {k: proc_cpu_s(p) for k, p in pids.items()} | {"generator": time.process_time()}
     t0 = time.perf_counter()
@@ -706,7 +740,8 @@ async def main_async(args: argparse.Namespace) -> int:
         store_synchronous=args.store_synchronous,
     )
     print(
-        f"load: {args.rollouts} rollouts x {args.steps} streaming calls; "
+        f"load: {args.rollouts} rollouts x {args.steps} streaming calls (system prompt "
+        f"+{args.system_prompt_kb:g} KB, tool outputs +{args.tool_output_kb:g} KB); "
         f"{os.cpu_count()} CPUs shared by engine, proxy and generator; open-file limit "
         f"{fd_limit}; work dir {work}",
         flush=True,
@@ -720,6 +755,7 @@ async def main_async(args: argparse.Namespace) -> int:
         await engine.wait_healthy(session, 120)
         await proxy.wait_healthy(session, 120)
         pids = {"engine": engine.pid, "proxy": proxy.pid}
+        workload = Workload(args.system_prompt_kb, args.tool_output_kb)
         direct = Target("direct", engine.url, capture=False, augment=True)
         proxied = Target("proxy", proxy.url, capture=True, ask_tokens=args.ask_tokens)
         if args.ask_tokens:
@@ -742,6 +778,7 @@ async def main_async(args: argparse.Namespace) -> int:
             concurrent=True,
             deadline=deadline,
             pids=pids,
+            workload=workload,
         )
         await run_phase(
             "warm proxy",
@@ -752,6 +789,7 @@ async def main_async(args: argparse.Namespace) -> int:
             concurrent=True,
             deadline=deadline,
             pids=pids,
+            workload=workload,
             on_call=keep,
         )
 
@@ -771,6 +809,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     concurrent=False,
                     deadline=deadline,
                     pids=pids,
+                    workload=workload,
                     on_call=keep if target is proxied else None,
                 )
                 light[name] += phase.results
@@ -803,6 +842,7 @@ async def main_async(args: argparse.Namespace) -> int:
             concurrent=True,
             deadline=deadline,
             pids=pids,
+            workload=workload,
         )
         for line in describe(d, expected):
             print(line, flush=True)
@@ -831,6 +871,7 @@ async def main_async(args: argparse.Namespace) -> int:
             concurrent=True,
             deadline=deadline,
             pids=pids,
+            workload=workload,
             on_call=on_proxied,
         )
         if spy is not None:
@@ -939,6 +980,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="sample the proxy with py-spy (on PATH) during the proxied load phase; "
         "collapsed stacks to FILE",
+    )
+    ap.add_argument(
+        "--system-prompt-kb",
+        type=float,
+        default=0.0,
+        help="pad the system prompt to about this many KB (OpenCode: ~8 KB + 20 KB of tools)",
+    )
+    ap.add_argument(
+        "--tool-output-kb",
+        type=float,
+        default=0.0,
+        help="size of each tool result in KB (files the agent reads)",
     )
     ap.add_argument("--store", help="store directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
