@@ -203,6 +203,46 @@ class MessageDigests:
 
 
 @dataclass(frozen=True)
+class RequestEncoding:
+    """The request side of a record's stored form: the messages' ``MessageDigests`` and the
+    tools' canonical text and content address. It depends only on the request, so the proxy
+    computes it while the engine is still prefilling, and the write at the end of the call
+    (before ``[DONE]``) encodes only what the engine sent.
+
+    ``messages`` and ``tools`` are the very objects it was computed from: ``belongs_to``
+    compares them with a record's by identity (never by value, which would cost what this
+    saves), so an encoding is only used for the record built from the same request.
+    """
+
+    messages: tuple[Any, ...]
+    tools: Any
+    message_digests: MessageDigests
+    tools_text: str | None
+    tools_sha256: str | None
+
+    @classmethod
+    def of(cls, messages: Sequence[Any], tools: Any) -> RequestEncoding:
+        """Raises ValueError on values without a canonical text (NaN, infinities)."""
+        text = canonical_json(tools) if tools is not None else None
+        return cls(
+            tuple(messages),
+            tools,
+            MessageDigests.of(messages),
+            text,
+            json_sha256(text) if text is not None else None,
+        )
+
+    def belongs_to(self, record: CallRecord) -> bool:
+        """True when ``record`` carries the same message and tools objects."""
+        messages = record.request_messages
+        return (
+            self.tools is record.request_tools
+            and len(self.messages) == len(messages)
+            and all(a is b for a, b in zip(self.messages, messages, strict=True))
+        )
+
+
+@dataclass(frozen=True)
 class StoredMessages:
     """What a store keeps per call to compare a child's messages with it, without reading any
     messages: ``messages_prefix_len`` (k), ``num_messages`` (n), ``messages_chain`` (the chain
@@ -278,6 +318,13 @@ def _tools_ref(tools: Any, blobs: dict[str, str]) -> str | None:
     return sha
 
 
+def _encoded_tools_ref(request: RequestEncoding, blobs: dict[str, str]) -> str | None:
+    if request.tools_text is None or request.tools_sha256 is None:
+        return None
+    blobs[request.tools_sha256] = request.tools_text
+    return request.tools_sha256
+
+
 def _delta_items(
     messages: Sequence[Any], digests: MessageDigests, start: int, blobs: dict[str, str]
 ) -> str:
@@ -300,7 +347,7 @@ def encode_record(
     *,
     prompt_parent: PromptParent | None = None,
     messages_prefix_len: int = 0,
-    message_digests: MessageDigests | None = None,
+    request: RequestEncoding | None = None,
 ) -> EncodedRecord:
     """Serialise a record in the current schema version.
 
@@ -308,11 +355,16 @@ def encode_record(
     with (chosen by the store, see ``prefixes``); only the prompt ids after it are kept. The
     caller vouches for the prefix; ``tokens_sha256`` and the lengths let a reader check it.
     ``messages_prefix_len``: how many leading request messages equal the prompt parent's
-    (``common_messages_prefix``); only the rest are kept. ``message_digests``: the record's
-    ``MessageDigests`` when the caller already computed them.
+    (``common_messages_prefix``); only the rest are kept. ``request``: the record's
+    ``RequestEncoding`` when the caller computed it ahead (else it is computed here).
     Raises ValueError when the arrays have the wrong rank, the prefix is longer than the
-    prompt, or the messages prefix is longer than the messages or has no prompt parent.
+    prompt, the messages prefix is longer than the messages or has no prompt parent, or
+    ``request`` does not belong to the record.
     """
+    if request is None:
+        request = RequestEncoding.of(record.request_messages, record.request_tools)
+    elif not request.belongs_to(record):
+        raise ValueError("request encoding does not belong to the record's messages and tools")
     experts_meta: dict[str, Any] | None = None
     experts_bytes: bytes | None = None
     if record.routed_experts is not None:
@@ -332,7 +384,7 @@ def encode_record(
         "latency_ms": record.latency_ms,
         "stream": record.stream,
         "upstream_path": record.upstream_path,
-        "request_tools_sha256": _tools_ref(record.request_tools, blobs),
+        "request_tools_sha256": _encoded_tools_ref(request, blobs),
         "response_message": record.response_message,
         "finish_reason": record.finish_reason,
         "usage": record.usage,
@@ -349,9 +401,7 @@ def encode_record(
     if not 0 <= prefix_len <= record.num_prompt_tokens:
         raise ValueError(f"prompt_prefix_len {prefix_len} is outside the prompt")
     messages = record.request_messages
-    digests = message_digests if message_digests is not None else MessageDigests.of(messages)
-    if len(digests) != len(messages):
-        raise ValueError("message_digests do not belong to the record's messages")
+    digests = request.message_digests
     if not 0 <= messages_prefix_len <= len(messages) or (
         messages_prefix_len and prompt_parent is None
     ):

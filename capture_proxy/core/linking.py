@@ -136,6 +136,13 @@ def child_digest(messages: Sequence[Mapping[str, Any]], response: Mapping[str, A
     return history_digest([*linking_items(messages), {"role": "assistant", **response}]) or ""
 
 
+def child_digest_after(parent_digest: str | None, response: Mapping[str, Any]) -> str:
+    """``child_digest(messages, response)`` from ``parent_digest = history_digest(messages)``:
+    one step of the chain instead of the whole history again."""
+    start = parent_digest if parent_digest is not None else _DIGEST_SEED
+    return extend_digest(start, {"role": "assistant", **response})
+
+
 def request_digest(body: Mapping[str, Any]) -> str:
     """Digest of everything in a request that affects the engine's answer (for retries)."""
     semantic = {k: v for k, v in body.items() if k not in _NON_SEMANTIC_REQUEST_FIELDS}

@@ -40,6 +40,7 @@ from capture_proxy.core.capture import (
     strip_chat_chunk,
     strip_chat_response,
 )
+from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.linking import Resolution, Verdict, request_digest
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.requests import InvalidRequest, parse_json_object, validate_chat_request
@@ -161,8 +162,14 @@ def _decoder(deps: CaptureDeps, model: str | None) -> Any:
     return decode
 
 
-async def finish_call(deps: CaptureDeps, call: InFlightCall, record: CallRecord) -> None:
-    """Verify the link, persist, make the call findable. Never raises."""
+async def finish_call(
+    deps: CaptureDeps,
+    call: InFlightCall,
+    record: CallRecord,
+    request: RequestEncoding | None = None,
+) -> None:
+    """Verify the link, persist (``request``: the record's ``RequestEncoding``, if computed
+    ahead), make the call findable. Never raises."""
     try:
         record = await deps.linker.verify(
             record,
@@ -178,11 +185,22 @@ async def finish_call(deps: CaptureDeps, call: InFlightCall, record: CallRecord)
             parent_call_id=None,
             linking={"verdict": Verdict.UNRESOLVED.value, "reason": f"verification failed: {exc}"},
         )
-    if await deps.recorder.persist(record):
+    if await deps.recorder.persist(record, request):
         try:
             await deps.linker.remember(record)
         except Exception as exc:
             log.error("call %s: indexing failed: %s", record.call_id, exc)
+
+
+def encode_request(ctx: CallContext) -> RequestEncoding | None:
+    """The ``RequestEncoding`` of the call's request; None when it has no canonical text (the
+    store's write then names the problem)."""
+    try:
+        return RequestEncoding.of(
+            ctx.request_body.get("messages") or [], ctx.request_body.get("tools")
+        )
+    except ValueError:
+        return None
 
 
 def upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dict[str, str]:
@@ -355,6 +373,8 @@ async def _relay_stream(
 
     assembler = ChatCaptureAssembler(ctx)
     decoder = SSEStreamDecoder()
+    request_encoding: RequestEncoding | None = None
+    encoded_request = False
     done_seen = False
     client_gone = cancelled = False
     upstream_problem: str | None = None
@@ -397,6 +417,10 @@ async def _relay_stream(
             pieces = handle_events(decoder.feed(data))
             if pieces:
                 await emit(b"".join(pieces))
+            if not encoded_request:
+                # The first events are on their way: while the engine generates, encode the
+                # request side of the record, so the write before [DONE] does less.
+                request_encoding, encoded_request = encode_request(ctx), True
             if client_gone or done_seen:
                 break  # after [DONE] only the end of the engine's body is left: read below
         else:
@@ -419,9 +443,9 @@ async def _relay_stream(
     if reasons:
         record = mark_incomplete(record, reasons)
     if cancelled:
-        await asyncio.shield(finish_call(deps, call, record))
+        await asyncio.shield(finish_call(deps, call, record, request_encoding))
         raise asyncio.CancelledError
-    await finish_call(deps, call, record)
+    await finish_call(deps, call, record, request_encoding)
 
     final = b""
     if upstream_problem:

@@ -23,9 +23,11 @@ from capture_proxy.core.linking import (
     Resolution,
     Verdict,
     child_digest,
+    child_digest_after,
     classify_mismatch,
     extends_by_digest,
     history_digest,
+    linking_items,
     request_digest,
 )
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
@@ -204,11 +206,7 @@ class Linker:
         linking = {
             "verdict": verdict.value,
             "parent_digest": resolution.parent_digest,
-            "child_digest": (
-                child_digest(linking_messages, record.response_message)
-                if record.response_message is not None
-                else None
-            ),
+            "child_digest": self._child_digest(resolution, linking_messages, record),
             "request_digest": resolution.request_digest,
             "digest_parent_call_id": resolution.parent_call_id,
             "reason": reason,
@@ -220,6 +218,18 @@ class Linker:
             retry_of=resolution.retry_of,
             diagnostics=diagnostics,
         )
+
+    @staticmethod
+    def _child_digest(
+        resolution: Resolution, linking_messages: list[dict[str, Any]], record: CallRecord
+    ) -> str | None:
+        if record.response_message is None:
+            return None
+        if resolution.parent_digest is not None or not linking_items(linking_messages):
+            # The request's own digest (history_digest of these messages): one more step.
+            return child_digest_after(resolution.parent_digest, record.response_message)
+        # Resolution failed before digesting the history: digest it now.
+        return child_digest(linking_messages, record.response_message)
 
     async def _check_tokens(
         self, record: CallRecord, parent_id: str, decode: Decoder | None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
 from capture_proxy.store.base import CaptureStore
 
@@ -31,10 +32,11 @@ class Recorder:
     #: rollout id -> reason, for rollouts whose incompleteness could not be stored either.
     unstored_incomplete: dict[str, str] = field(default_factory=dict)
 
-    async def persist(self, record: CallRecord) -> bool:
-        """Store ``record`` durably. Returns False (never raises) when storing failed."""
+    async def persist(self, record: CallRecord, request: RequestEncoding | None = None) -> bool:
+        """Store ``record`` durably (``request``: its ``RequestEncoding``, if computed ahead).
+        Returns False (never raises) when storing failed."""
         try:
-            await self.store.put_call(record)
+            await self.store.put_call(record, request)
         except Exception as exc:  # any store failure: the harness still gets its answer
             self.stats.store_failures += 1
             reason = f"storing call {record.call_id} failed: {type(exc).__name__}: {exc}"

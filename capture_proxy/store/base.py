@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.records import CallRecord, Diagnostic
 
 
@@ -55,8 +56,9 @@ class CaptureStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def put_call(self, record: CallRecord) -> None:
-        """Store a record durably. Raises ConflictingRecord or StoreError."""
+    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> None:
+        """Store a record durably (``request``: its ``RequestEncoding``, if computed ahead).
+        Raises ConflictingRecord, RolloutDeleted or StoreError."""
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind)."""

@@ -59,7 +59,7 @@ from capture_proxy.core.codec import (
     COLUMNS,
     SCHEMA_VERSION,
     EncodedRecord,
-    MessageDigests,
+    RequestEncoding,
     StoredMessages,
     column_values,
     common_messages_prefix,
@@ -414,19 +414,20 @@ class SQLiteStore:
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    async def put_call(self, record: CallRecord) -> None:
+    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> None:
         """Store ``record`` durably (committed, with the store's synchronous mode, before
-        returning).
+        returning). ``request``: the record's ``RequestEncoding`` if the caller computed it
+        ahead (used when it belongs to the record, see ``RequestEncoding.belongs_to``).
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on I/O failure."""
         try:
-            await self._write(self._put, record)
+            await self._write(self._put, record, request)
         except sqlite3.Error as exc:
             raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
 
     @staticmethod
-    def _put(db: sqlite3.Connection, record: CallRecord) -> None:
+    def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> None:
         incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
 
         def body() -> None:
@@ -448,14 +449,18 @@ class SQLiteStore:
             parent = choose_prompt_parent(
                 record.prompt_token_ids, candidates, exclude=record.call_id
             )
-            digests = MessageDigests.of(record.request_messages)
+            encoding = (
+                request
+                if request is not None and request.belongs_to(record)
+                else RequestEncoding.of(record.request_messages, record.request_tools)
+            )
             k = 0
             if parent is not None:
                 k = common_messages_prefix(
-                    digests, parent.call_id, lambda c: _stored_messages(db, c)
+                    encoding.message_digests, parent.call_id, lambda c: _stored_messages(db, c)
                 )
             enc = encode_record(
-                record, prompt_parent=parent, messages_prefix_len=k, message_digests=digests
+                record, prompt_parent=parent, messages_prefix_len=k, request=encoding
             )
             cur = db.execute(_INSERT_CALL, column_values(enc))
             if cur.rowcount:

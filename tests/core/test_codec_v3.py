@@ -12,6 +12,7 @@ from capture_proxy.core.codec import (
     CorruptRecord,
     MessageDigests,
     PromptParent,
+    RequestEncoding,
     StoredMessages,
     common_messages_prefix,
     decode_record,
@@ -216,3 +217,28 @@ def test_messages_prefix_needs_a_prompt_parent_and_must_fit():
         encode_record(rec, messages_prefix_len=1)
     with pytest.raises(ValueError):
         encode_record(rec, prompt_parent=PromptParent("c000", 1), messages_prefix_len=99)
+
+
+def test_a_request_encoding_computed_ahead_encodes_exactly_what_the_record_would():
+    rec = session(3)[2]
+    ahead = RequestEncoding.of(rec.request_messages, rec.request_tools)
+    assert ahead.belongs_to(rec)
+    parent = PromptParent("c001", 10)
+    assert encode_record(
+        rec, prompt_parent=parent, messages_prefix_len=2, request=ahead
+    ) == encode_record(rec, prompt_parent=parent, messages_prefix_len=2)
+
+
+def test_a_request_encoding_belongs_only_to_the_same_objects():
+    rec = session(2)[1]
+    ahead = RequestEncoding.of(rec.request_messages, rec.request_tools)
+    equal_copies = rec.replace(
+        request_messages=[dict(m) for m in rec.request_messages],
+        request_tools=json.loads(json.dumps(rec.request_tools)),
+    )
+    assert not ahead.belongs_to(equal_copies)  # equal values, other objects: not vouched for
+    assert not ahead.belongs_to(rec.replace(request_messages=rec.request_messages[:-1]))
+    assert not ahead.belongs_to(rec.replace(request_tools=None))
+    assert ahead.belongs_to(rec.replace(request_messages=list(rec.request_messages)))
+    with pytest.raises(ValueError, match="does not belong"):
+        encode_record(equal_copies, request=ahead)

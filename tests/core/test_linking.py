@@ -11,6 +11,7 @@ from capture_proxy.core.linking import (
     Verdict,
     canonical_arguments,
     child_digest,
+    child_digest_after,
     classify_mismatch,
     first_difference,
     history_digest,
@@ -238,3 +239,25 @@ def test_canonical_json_matches_the_stdlib_form():
         assert canonical_json(value) == json.dumps(
             value, sort_keys=True, separators=(",", ":"), ensure_ascii=False
         )
+
+
+def test_child_digest_after_the_requests_digest_equals_the_whole_history_digest():
+    answer = {"content": "done", "tool_calls": [CALL]}
+    histories = [
+        list(SYSTEM_USER),
+        [*SYSTEM_USER, {"role": "assistant", "content": "", "tool_calls": [ECHO]}],
+        [
+            *SYSTEM_USER,
+            {"role": "assistant", "content": "a", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "out"},
+            {"role": "assistant", "content": [{"type": "text", "text": "b"}]},
+            {"role": "user", "content": "more"},
+        ],
+    ]
+    for messages in histories:
+        expected = child_digest(messages, answer)
+        assert child_digest_after(history_digest(messages), answer) == expected
+    # A root's children and a child's children differ.
+    assert child_digest_after(None, answer) != child_digest_after(
+        history_digest(histories[1]), answer
+    )

@@ -73,7 +73,7 @@ async def test_engine_without_token_data_still_answers_and_marks_rollout(make_st
 class FailingStore(SQLiteStore):
     """Opens and reads like the SQLite store, but every write fails."""
 
-    async def put_call(self, record):
+    async def put_call(self, record, request=None):
         raise StoreError("disk full (injected)")
 
     async def mark_rollout_incomplete(self, rollout_id, diagnostic):
@@ -100,7 +100,7 @@ async def test_store_failure_never_fails_the_model_call(make_stack, tmp_path, st
 
 async def test_store_failure_is_marked_on_the_rollout_when_marking_works(make_stack, tmp_path):
     class PutFails(SQLiteStore):
-        async def put_call(self, record):
+        async def put_call(self, record, request=None):
             raise StoreError("injected")
 
     stack = await make_stack(store=PutFails(tmp_path / "putfails"))

@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from capture_proxy.core.codec import PromptParent
+from capture_proxy.core.codec import PromptParent, RequestEncoding
 from capture_proxy.store.base import ConflictingRecord
 from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
 from tests.core.test_codec_v2 import v2_form
@@ -161,3 +161,50 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
         assert db.execute(
             "SELECT count(*) FROM calls WHERE meta LIKE '%request_messages%'"
         ).fetchone() == (0,)
+
+
+async def test_request_encodings_computed_ahead_store_the_same_rows(tmp_path):
+    """Matching encodings are used, foreign ones (equal values, other objects) ignored: the
+    rows are those of writes without any."""
+    plain, ahead = SQLiteStore(tmp_path / "plain"), SQLiteStore(tmp_path / "ahead")
+    await plain.open()
+    await ahead.open()
+    try:
+        for i, rec in enumerate(session(5)):
+            await plain.put_call(rec)
+            source = (
+                rec
+                if i % 2
+                else rec.replace(request_messages=[dict(m) for m in rec.request_messages])
+            )
+            await ahead.put_call(
+                rec, RequestEncoding.of(source.request_messages, rec.request_tools)
+            )
+        sql = "SELECT * FROM calls ORDER BY call_id"
+        assert columns(ahead, sql) == columns(plain, sql)
+        assert columns(ahead, "SELECT * FROM json_blobs") == columns(
+            plain, "SELECT * FROM json_blobs"
+        )
+        for got, want in zip(await ahead.get_rollout_calls("r1"), session(5), strict=True):
+            assert_same_json(got, want)
+    finally:
+        await plain.close()
+        await ahead.close()
+
+
+async def test_a_matching_request_encoding_is_not_computed_again(store, monkeypatch):
+    records = session(2)
+    encodings = [RequestEncoding.of(r.request_messages, r.request_tools) for r in records]
+    computed = []
+    original = RequestEncoding.of.__func__  # type: ignore[attr-defined]
+
+    def counting(cls, messages, tools):
+        computed.append(len(messages))
+        return original(cls, messages, tools)
+
+    monkeypatch.setattr(RequestEncoding, "of", classmethod(counting))
+    for rec, encoding in zip(records, encodings, strict=True):
+        await store.put_call(rec, encoding)
+    assert computed == []
+    await store.put_call(session(3)[2])  # none given: the store computes it
+    assert computed == [6]
