@@ -254,3 +254,32 @@ async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):
     assert list(linker._indexes) == ["rc", "ra"]
     resp = await stack.client.delete("/captures/rollouts/rc")
     assert resp.status == 200 and list(linker._indexes) == ["ra"]
+
+
+async def test_a_call_whose_resolution_failed_is_still_found_by_its_child(
+    stack: Stack, monkeypatch
+):
+    """Resolution raised (never failing the call): the call is unresolved, its child digest is
+    computed from its whole history, and the next call resolves to it."""
+    from capture_proxy.proxy.linker import Linker
+
+    messages = list(USER)
+    first_id, message = await _step(stack, "r1", messages)
+    messages += [_echo(message)]
+    messages += [{"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "x"}]
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("index unavailable")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Linker, "resolve", broken)
+        second_id, message = await _step(stack, "r1", messages)
+    second = await stack.get_json(f"/captures/calls/{second_id}")
+    assert second["linking"]["verdict"] == "unresolved"
+    assert second["linking"]["reason"].startswith("parent resolution failed: RuntimeError")
+    messages += [_echo(message), {"role": "user", "content": "go on"}]
+    third_id, _ = await _step(stack, "r1", messages)
+    third = await stack.get_json(f"/captures/calls/{third_id}")
+    assert third["linking"]["verdict"] == "resolved"
+    assert third["linking"]["digest_parent_call_id"] == second_id
+    assert third["parent_call_id"] == second_id
