@@ -7,8 +7,8 @@ process only (the commit is in the OS's page cache, fsynced at checkpoints). Rec
 is the core codec's; this module only moves bytes.
 
 Threads: the event loop never touches the database. Each store operation is ONE synchronous
-function run on a single-thread executor, so it costs one hop off the loop and back however
-many statements it runs:
+function run on a ``WorkerThread`` (one thread, one queue), so it costs one hop off the loop
+and back however many statements it runs:
 - the writer thread (``capture-store-writer``) owns the read-write connection and runs every
   write transaction (``put_call`` encodes, chooses the prompt parent and commits there). One
   thread: writes serialise on it, no lock is needed.
@@ -45,13 +45,11 @@ v2 records' whole messages are re-split against their prompt parents' (``rebase_
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import sqlite3
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -72,6 +70,7 @@ from capture_proxy.core.codec import (
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, RolloutInfo, StoreError
+from capture_proxy.store.worker import WorkerThread
 
 DB_FILE_NAME = "captures.sqlite3"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records.
@@ -245,9 +244,9 @@ class SQLiteStore:
         self.synchronous = synchronous
         self.path = Path(path)
         self.db_path = self.path / DB_FILE_NAME
-        # Each executor has one thread, which alone uses the connection beside it.
-        self._writer: ThreadPoolExecutor | None = None
-        self._reader: ThreadPoolExecutor | None = None
+        # Each worker is one thread, which alone uses the connection beside it.
+        self._writer: WorkerThread | None = None
+        self._reader: WorkerThread | None = None
         self._wdb: sqlite3.Connection | None = None  # writer thread only
         self._rdb: sqlite3.Connection | None = None  # reader thread only
 
@@ -257,9 +256,7 @@ class SQLiteStore:
         """Run ``fn(writer connection, *args)`` on the writer thread (one hop)."""
         if self._writer is None:
             raise StoreError("store is not open")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._writer, self._with_writer, fn, *args
-        )
+        return await self._writer.run(self._with_writer, fn, *args)
 
     def _with_writer(self, fn: Callable[..., T], *args: Any) -> T:
         if self._wdb is None:
@@ -270,9 +267,7 @@ class SQLiteStore:
         """Run ``fn(reader connection, *args)`` on the reader thread (one hop)."""
         if self._reader is None:
             raise StoreError("store is not open")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._reader, self._with_reader, fn, *args
-        )
+        return await self._reader.run(self._with_reader, fn, *args)
 
     def _with_reader(self, fn: Callable[..., T], *args: Any) -> T:
         if self._rdb is None:
@@ -284,13 +279,12 @@ class SQLiteStore:
     async def open(self) -> None:
         if self._writer is not None:
             raise StoreError("store is already open")
-        loop = asyncio.get_running_loop()
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-store-writer")
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-store-reader")
+        self._writer = WorkerThread("capture-store-writer")
+        self._reader = WorkerThread("capture-store-reader")
         try:
             # The writer creates (or migrates) the schema before the read-only reader opens.
-            await loop.run_in_executor(self._writer, self._open_writer)
-            await loop.run_in_executor(self._reader, self._open_reader)
+            await self._writer.run(self._open_writer)
+            await self._reader.run(self._open_reader)
         except BaseException as exc:
             await self._shutdown()
             if isinstance(exc, OSError | sqlite3.Error):
@@ -390,17 +384,16 @@ class SQLiteStore:
     async def _shutdown(self) -> None:
         """Close each connection on its own thread (after every operation queued before it),
         then stop the threads. Idempotent; later operations fail with "store is not open"."""
-        loop = asyncio.get_running_loop()
         reader, writer = self._reader, self._writer
         self._reader = self._writer = None  # no new operation from here on
         # Reader first: the writer's connection, closed last, checkpoints the WAL.
-        for pool, close in ((reader, self._close_reader), (writer, self._close_writer)):
-            if pool is None:
+        for worker, close in ((reader, self._close_reader), (writer, self._close_writer)):
+            if worker is None:
                 continue
             try:
-                await loop.run_in_executor(pool, close)
+                await worker.run(close)
             finally:
-                pool.shutdown(wait=True)  # the thread is idle once ``close`` ran
+                await worker.stop()  # the thread is idle once ``close`` ran
 
     def _close_reader(self) -> None:
         if self._rdb is not None:
