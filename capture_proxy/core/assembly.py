@@ -125,6 +125,9 @@ class ChatCaptureAssembler:
         self.routed_experts_raw: Any = None
         self.response_message: dict[str, Any] | None = None
         self.problems: list[str] = []
+        #: the prompt ids as their array, or why they are not ids (see ``settle_prompt``)
+        self._prompt: np.ndarray | None = None
+        self._prompt_problem: str | None = None
 
     # -- streaming ---------------------------------------------------------------------------
 
@@ -179,6 +182,18 @@ class ChatCaptureAssembler:
         if choice.get("routed_experts") is not None:
             self.routed_experts_raw = choice["routed_experts"]
 
+    def settle_prompt(self) -> None:
+        """Check and convert the prompt ids now (a long prompt takes a while), rather than in
+        ``finish``: the proxy calls this once a stream's first events are forwarded, so the
+        work is done while the engine generates, not on the answer's last step."""
+        if self._prompt is not None or self._prompt_problem is not None:
+            return
+        if self.prompt_token_ids is not None:
+            try:
+                self._prompt = as_token_array(self.prompt_token_ids, field_name="prompt_token_ids")
+            except ValueError as exc:
+                self._prompt_problem = str(exc)
+
     # -- non-streaming -----------------------------------------------------------------------
 
     def add_response(self, body: dict[str, Any]) -> None:
@@ -220,15 +235,12 @@ class ChatCaptureAssembler:
         ctx = self.ctx
         diagnostics: list[Diagnostic] = []
         problems = list(self.problems)
-        prompt = gen = None
-        log_probs = None
-        try:
-            if self.prompt_token_ids is None:
-                problems.append("engine sent no prompt_token_ids")
-            else:
-                prompt = as_token_array(self.prompt_token_ids, field_name="prompt_token_ids")
-        except ValueError as exc:
-            problems.append(str(exc))
+        self.settle_prompt()
+        prompt = self._prompt
+        if self.prompt_token_ids is None:
+            problems.append("engine sent no prompt_token_ids")
+        elif self._prompt_problem is not None:
+            problems.append(self._prompt_problem)
         checked = check_generation(
             self.generation_token_ids if self.saw_token_ids else None,
             self.generation_log_probs if self.saw_log_probs else None,

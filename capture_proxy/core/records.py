@@ -174,6 +174,11 @@ def as_log_prob_array(values: list[float | None], *, field_name: str) -> npt.NDA
     """Convert log probs to float32 ``[n]``; ``None`` (JSON null, how some engines send NaN)
     becomes NaN so it is kept and flagged rather than dropped. Raises ValueError on non-numbers.
     """
+    # Fast path (this runs on every generation): plain floats (and ints) convert in one call,
+    # rounded to float32 as the per-element assignment below would; None and bad values take
+    # the loop, which keeps None as NaN and names a bad position.
+    if set(map(type, values)) <= {float, int}:
+        return np.array(values, dtype=np.float64).astype(LOG_PROB_DTYPE)
     out = np.empty(len(values), dtype=LOG_PROB_DTYPE)
     for i, v in enumerate(values):
         if v is None:

@@ -419,8 +419,10 @@ async def _relay_stream(
                 await emit(b"".join(pieces))
             if not encoded_request:
                 # The first events are on their way: while the engine generates, encode the
-                # request side of the record, so the write before [DONE] does less.
+                # request side of the record and check the prompt ids, so the write before
+                # [DONE] does less.
                 request_encoding, encoded_request = encode_request(ctx), True
+                assembler.settle_prompt()
             if client_gone or done_seen:
                 break  # after [DONE] only the end of the engine's body is left: read below
         else:

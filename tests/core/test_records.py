@@ -1,0 +1,92 @@
+"""Token id and log prob arrays from engine JSON: exact values, refused values named by
+position, on the fast path and the per-element one."""
+
+import math
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
+from capture_proxy.core.records import CallStatus, as_log_prob_array, as_token_array
+
+
+def test_log_probs_are_float32_exactly_as_assigned_one_by_one():
+    values = [-0.1, -1e-5, -3, -123.456789, 0.0, -1e-45]
+    expected = np.empty(len(values), dtype=np.float32)
+    for i, v in enumerate(values):
+        expected[i] = v
+    got = as_log_prob_array(values, field_name="logprobs")
+    assert got.dtype == np.float32
+    assert got.tobytes() == expected.tobytes()
+
+
+def test_null_log_probs_are_kept_as_nan_and_bad_ones_named():
+    got = as_log_prob_array([-0.5, None, -1.5], field_name="logprobs")
+    assert got[0] == np.float32(-0.5) and math.isnan(got[1]) and got[2] == np.float32(-1.5)
+    with pytest.raises(ValueError, match=r"logprobs\[1\]: expected a number, got True"):
+        as_log_prob_array([-0.5, True], field_name="logprobs")
+    with pytest.raises(ValueError, match=r"logprobs\[0\]: expected a number, got '-1'"):
+        as_log_prob_array(["-1"], field_name="logprobs")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([1, True], r"token_ids\[1\]: expected a token id \(uint32\), got True"),
+        ([1, 2.0], r"token_ids\[1\]: expected a token id \(uint32\), got 2.0"),
+        ([-1], r"token_ids\[0\]: expected a token id \(uint32\), got -1"),
+        ([0, 2**32], r"token_ids\[1\]: expected a token id \(uint32\), got 4294967296"),
+        (["7"], r"token_ids\[0\]: expected a token id \(uint32\), got '7'"),
+    ],
+)
+def test_values_that_are_not_token_ids_are_named(values, message):
+    with pytest.raises(ValueError, match=message):
+        as_token_array(values, field_name="token_ids")
+
+
+def test_token_ids_are_uint32_exactly():
+    got = as_token_array([0, 151645, 2**32 - 1], field_name="token_ids")
+    assert got.dtype == np.uint32 and got.tolist() == [0, 151645, 2**32 - 1]
+
+
+CTX = CallContext("c1", "r1", 1.0, True, "/v1/chat/completions", {"messages": []})
+
+
+def _assembler(prompt: list) -> ChatCaptureAssembler:
+    asm = ChatCaptureAssembler(CTX)
+    asm.add_chunk({"prompt_token_ids": prompt, "choices": [{"index": 0, "delta": {}}]})
+    asm.add_chunk(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": "ok"},
+                    "token_ids": [5, 6],
+                    "logprobs": {"content": [{"logprob": -0.25}, {"logprob": -0.5}]},
+                    "finish_reason": "stop",
+                }
+            ]
+        }
+    )
+    return asm
+
+
+def test_prompt_settled_early_gives_the_same_record():
+    early, late = _assembler([1, 2, 3]), _assembler([1, 2, 3])
+    early.settle_prompt()
+    a = early.finish(latency_ms=1.0, http_status=200)
+    b = late.finish(latency_ms=1.0, http_status=200)
+    assert a.status is b.status is CallStatus.COMPLETE
+    assert a.prompt_token_ids.tolist() == b.prompt_token_ids.tolist() == [1, 2, 3]
+    assert a.generation_token_ids.tolist() == [5, 6]
+    assert a.generation_log_probs.tolist() == [-0.25, -0.5]
+
+
+def test_a_bad_prompt_settled_early_makes_the_record_incomplete_and_names_it():
+    asm = _assembler([1, "x"])
+    asm.settle_prompt()
+    rec = asm.finish(latency_ms=1.0, http_status=200)
+    assert rec.status is CallStatus.INCOMPLETE
+    [diag] = [d for d in rec.diagnostics if d.kind == "capture_incomplete"]
+    assert diag.details["reasons"] == ["prompt_token_ids[1]: expected a token id (uint32), got 'x'"]
+    assert rec.generation_token_ids.tolist() == [5, 6]  # what arrived is kept
