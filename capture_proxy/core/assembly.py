@@ -132,25 +132,38 @@ class ChatCaptureAssembler:
     # -- streaming ---------------------------------------------------------------------------
 
     def add_chunk(self, chunk: dict[str, Any]) -> None:
-        """One parsed ``chat.completion.chunk``."""
-        if self.prompt_token_ids is None and chunk.get("prompt_token_ids") is not None:
-            self.prompt_token_ids = chunk["prompt_token_ids"]
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
-        for choice in chunk.get("choices") or []:
+        """One parsed ``chat.completion.chunk`` (runs per streamed token: lean on purpose)."""
+        if self.prompt_token_ids is None:
+            prompt = chunk.get("prompt_token_ids")
+            if prompt is not None:
+                self.prompt_token_ids = prompt
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = usage
+        choices = chunk.get("choices")
+        if not choices:
+            return
+        for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             self._add_choice_tokens(choice)
-            delta = choice.get("delta") or {}
-            if isinstance(delta.get("content"), str):
-                self.content.append(delta["content"])
-            reasoning = delta.get("reasoning_content", delta.get("reasoning"))
-            if isinstance(reasoning, str):
-                self.reasoning.append(reasoning)
-            for tc in delta.get("tool_calls") or []:
-                self._add_tool_call_delta(tc)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+            delta = choice.get("delta")
+            if delta:
+                content = delta.get("content")
+                if isinstance(content, str):
+                    self.content.append(content)
+                reasoning = delta.get("reasoning_content")
+                if reasoning is None:
+                    reasoning = delta.get("reasoning")
+                if isinstance(reasoning, str):
+                    self.reasoning.append(reasoning)
+                tool_calls = delta.get("tool_calls")
+                if tool_calls:
+                    for tc in tool_calls:
+                        self._add_tool_call_delta(tc)
+            finish_reason = choice.get("finish_reason")
+            if finish_reason is not None:
+                self.finish_reason = finish_reason
 
     def _add_tool_call_delta(self, tc: dict[str, Any]) -> None:
         parts = self.tool_calls.setdefault(int(tc.get("index", 0)), _ToolCallParts())
@@ -173,14 +186,16 @@ class ChatCaptureAssembler:
             else:
                 self.problems.append("token_ids is not a list")
         logprobs = choice.get("logprobs")
-        if isinstance(logprobs, dict) and logprobs.get("content") is not None:
-            self.saw_log_probs = True
-            for entry in logprobs["content"]:
-                self.generation_log_probs.append(
-                    entry.get("logprob") if isinstance(entry, dict) else None
-                )
-        if choice.get("routed_experts") is not None:
-            self.routed_experts_raw = choice["routed_experts"]
+        if logprobs and isinstance(logprobs, dict):
+            content = logprobs.get("content")
+            if content is not None:
+                self.saw_log_probs = True
+                out = self.generation_log_probs
+                for entry in content:
+                    out.append(entry.get("logprob") if isinstance(entry, dict) else None)
+        experts = choice.get("routed_experts")
+        if experts is not None:
+            self.routed_experts_raw = experts
 
     def settle_prompt(self) -> None:
         """Check and convert the prompt ids now (a long prompt takes a while), rather than in

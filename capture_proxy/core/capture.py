@@ -9,7 +9,7 @@ for is removed again, so the harness receives what the engine would have sent it
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capture_proxy.core.routed_experts import routed_experts_request_fields
@@ -48,12 +48,28 @@ def prepare_request(body: dict[str, Any], notes: NoteMatcher | None) -> Prepared
 
 @dataclass(frozen=True)
 class HarnessAsked:
-    """What the harness itself requested, so we strip only what we added."""
+    """What the harness itself requested, so we strip only what we added. The keys to drop
+    follow from it once (``top_level_drop``, ``choice_drop``): stripping runs per streamed
+    token."""
 
     logprobs: bool
     return_token_ids: bool
     include_usage: bool
     routed_experts: bool
+    top_level_drop: tuple[str, ...] = field(init=False)
+    choice_drop: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        top: list[str] = []
+        choice: list[str] = []
+        if not self.return_token_ids:
+            top += ["prompt_token_ids", "prompt_logprobs"]
+            choice += ["token_ids", "prompt_token_ids"]
+        if not self.routed_experts:
+            top += ["routed_experts", "prompt_routed_experts"]
+            choice += ["routed_experts", "routed_experts_prompt_start"]
+        object.__setattr__(self, "top_level_drop", tuple(top))
+        object.__setattr__(self, "choice_drop", tuple(choice))
 
 
 def augment_chat_request(
@@ -91,28 +107,19 @@ def augment_chat_request(
     return out, asked
 
 
-def _strip_choice(choice: dict[str, Any], asked: HarnessAsked) -> None:
-    if not asked.return_token_ids:
-        choice.pop("token_ids", None)
-        choice.pop("prompt_token_ids", None)
-    if not asked.logprobs and "logprobs" in choice:
-        choice["logprobs"] = None  # what vLLM sends when log probs were not asked for
-    if not asked.routed_experts:
-        choice.pop("routed_experts", None)
-        choice.pop("routed_experts_prompt_start", None)
-
-
 def strip_chat_response(body: dict[str, Any], asked: HarnessAsked) -> dict[str, Any]:
     """Strip the added token data from a non-streaming chat completion (in place; returned)."""
-    if not asked.return_token_ids:
-        body.pop("prompt_token_ids", None)
-        body.pop("prompt_logprobs", None)
-    if not asked.routed_experts:
-        body.pop("routed_experts", None)
-        body.pop("prompt_routed_experts", None)
-    for choice in body.get("choices") or []:
-        if isinstance(choice, dict):
-            _strip_choice(choice, asked)
+    for key in asked.top_level_drop:
+        body.pop(key, None)
+    choices = body.get("choices")
+    if choices:
+        null_logprobs = not asked.logprobs
+        for choice in choices:
+            if isinstance(choice, dict):
+                for key in asked.choice_drop:
+                    choice.pop(key, None)
+                if null_logprobs and "logprobs" in choice:
+                    choice["logprobs"] = None  # what vLLM sends when log probs were not asked for
     return body
 
 
