@@ -12,6 +12,7 @@ def test_shipped_example_config_is_valid(monkeypatch):
     settings = load_settings({}, REPO / "configs" / "capture-proxy.toml")
     assert settings.backend_base == "http://127.0.0.1:8000"
     assert settings.max_request_body_bytes == 64 * 1024 * 1024
+    assert settings.store_synchronous == "full"
 
 
 def test_priority_cli_then_env_then_file(tmp_path, monkeypatch):
@@ -35,6 +36,7 @@ def test_settings_are_frozen():
         ({}, None, "backend: Field required"),
         ({"backend": "not a url"}, None, "backend"),
         ({"backend": "http://e:1", "port": 70000}, None, "port"),
+        ({"backend": "http://e:1", "store_synchronous": "off"}, None, "store_synchronous"),
         ({}, 'backend = "http://e:1"\nbogus = 1\n', "unknown setting(s) bogus"),
         ({}, "backend = ", "invalid TOML"),
     ],
