@@ -38,6 +38,7 @@ from capture_proxy.proxy.capture import (
     CaptureDeps,
     InFlightCall,
     elapsed_ms,
+    encode_request,
     finish_call,
     relay_engine_error,
 )
@@ -398,6 +399,8 @@ async def _stream(
     if body.get("return_token_ids"):
         first["prompt_token_ids"] = asm.prompt_token_ids.tolist()
     await send(first)
+    # The first chunk is out: encode the request side of the record while the engine generates.
+    request_encoding = encode_request(ctx)
     decoder = SSEStreamDecoder()
     try:
         async for data in upstream.content.iter_any():
@@ -442,9 +445,9 @@ async def _stream(
     if reasons:
         record = mark_incomplete(record, reasons)
     if cancelled:
-        await asyncio.shield(finish_call(deps, call, record))
+        await asyncio.shield(finish_call(deps, call, record, request_encoding))
         raise asyncio.CancelledError
-    await finish_call(deps, call, record)
+    await finish_call(deps, call, record, request_encoding)
     if problem:
         await send(error_body(problem, "upstream_error"))
     else:

@@ -1,0 +1,47 @@
+"""Streamed calls hand the store the request side of their record, encoded while the engine
+generated (``codec.RequestEncoding``), in both prompt modes; the store never computes it
+again for them, and the stored calls are all there (one chain in exact-token mode)."""
+
+from __future__ import annotations
+
+import pytest
+
+from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.store.sqlite import SQLiteStore
+from tests.proxy.test_exact_tokens import _session
+
+
+class HandedStore(SQLiteStore):
+    """Keeps, per ``put_call``, whether an encoding came with it and belonged to the record."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.handed: list[bool | None] = []
+
+    async def put_call(self, record, request=None):
+        self.handed.append(None if request is None else request.belongs_to(record))
+        await super().put_call(record, request)
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_streamed_calls_hand_over_their_request_encoding(
+    make_stack, tmp_path, monkeypatch, prompt_mode
+):
+    store = HandedStore(tmp_path / "handed")
+    stack = await make_stack(store=store, prompt_mode=prompt_mode)
+    computed: list[int] = []
+    original = RequestEncoding.of.__func__  # type: ignore[attr-defined]
+
+    def counting(cls, messages, tools):
+        computed.append(len(messages))
+        return original(cls, messages, tools)
+
+    monkeypatch.setattr(RequestEncoding, "of", classmethod(counting))
+    ids = await _session(stack, "r1", stream=True)
+    assert store.handed == [True, True, True]
+    assert len(computed) == 3  # once per call, in the proxy; never again in the store
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    stored = [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]]
+    assert sorted(sum(stored, [])) == sorted(ids)
+    if prompt_mode == "exact_tokens":
+        assert stored == [ids]
