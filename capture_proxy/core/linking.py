@@ -183,9 +183,13 @@ class _Entry:
 
 @dataclass
 class LinkIndex:
-    """Per-rollout digests of captured calls. Not thread-safe; one per rollout."""
+    """Per-rollout digests of captured calls, looked up by child digest and by request digest
+    (dicts: a lookup costs the same at call 5 and at call 5,000). Not thread-safe; one per
+    rollout."""
 
     entries: dict[str, _Entry] = field(default_factory=dict)
+    _by_child: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _by_request: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
 
     def add(
         self,
@@ -199,7 +203,12 @@ class LinkIndex:
         num_tokens: int | None = None,
         tokens_sha256: bytes | None = None,
     ) -> None:
-        self.entries[call_id] = _Entry(
+        """Add a call, or replace what is known of it (a call is added when its request
+        arrives and again, with its child digest, once it is stored)."""
+        old = self.entries.get(call_id)
+        if old is not None:
+            self._unindex(old)
+        entry = _Entry(
             call_id,
             created_at,
             child_digest,
@@ -209,12 +218,25 @@ class LinkIndex:
             num_tokens,
             tokens_sha256,
         )
+        self.entries[call_id] = entry
+        if child_digest is not None:
+            self._by_child.setdefault(child_digest, {})[call_id] = entry
+        if request_digest is not None:
+            self._by_request.setdefault(request_digest, {})[call_id] = entry
 
-    def _by(self, attr: str, digest: str) -> list[_Entry]:
-        return sorted(
-            (e for e in self.entries.values() if getattr(e, attr) == digest),
-            key=lambda e: (e.created_at, e.call_id),
-        )
+    def _unindex(self, entry: _Entry) -> None:
+        for index, digest in (
+            (self._by_child, entry.child_digest),
+            (self._by_request, entry.request_digest),
+        ):
+            if digest is not None and digest in index:
+                index[digest].pop(entry.call_id, None)
+                if not index[digest]:
+                    del index[digest]
+
+    @staticmethod
+    def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
+        return sorted((entries or {}).values(), key=lambda e: (e.created_at, e.call_id))
 
     def resolve(
         self,
@@ -230,11 +252,11 @@ class LinkIndex:
         ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose prompt
         carried a rewritten harness note is not taken: the call starts a new chain.
         """
-        earlier = self._by("request_digest", req_digest)
+        earlier = self._ordered(self._by_request.get(req_digest))
         retry_of = earlier[0].call_id if earlier else None
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
-        matches = self._by("child_digest", parent_digest)
+        matches = self._ordered(self._by_child.get(parent_digest))
         if not matches:
             return Resolution(
                 Verdict.UNRESOLVED,

@@ -261,3 +261,19 @@ def test_child_digest_after_the_requests_digest_equals_the_whole_history_digest(
     assert child_digest_after(None, answer) != child_digest_after(
         history_digest(histories[1]), answer
     )
+
+
+def test_link_index_replaces_what_it_knows_of_a_call_and_orders_matches():
+    index = LinkIndex()
+    index.add("c1", 1.0, child_digest=None, request_digest="req")  # the request arrived
+    assert index.resolve(None, "req").retry_of == "c1"
+    index.add("c1", 1.0, child_digest="d1", request_digest="req")  # stored, with its output
+    index.add("c2", 2.0, child_digest="d1", request_digest="req")  # a retry, same output
+    got = index.resolve("d1", "req")
+    assert (got.verdict, got.parent_call_id, got.retry_of) == (Verdict.RESOLVED, "c2", "c1")
+    index.add("c2", 2.0, child_digest="d2", request_digest="other")
+    got = index.resolve("d1", "other")
+    assert (got.parent_call_id, got.retry_of) == ("c1", "c2")
+    assert index.resolve("d2", "req").parent_call_id == "c2"
+    assert index.resolve("d3", "new").verdict is Verdict.UNRESOLVED
+    assert len(index.entries) == 2
