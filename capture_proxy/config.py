@@ -130,6 +130,12 @@ class Settings(BaseSettings):
     backend_api_key: SecretStr | None = Field(
         None, description="bearer token the proxy sends to the engine (unset: the harness's)"
     )
+    tombstone_retention_s: float = Field(
+        86_400.0,
+        gt=0,
+        description="how long a deleted rollout's tombstone refuses late calls (seconds); a "
+        "sweep every retention / 10 (at most hourly) removes older ones",
+    )
     link_index_max_rollouts: int = Field(
         10_000,
         gt=0,

@@ -8,9 +8,12 @@ catch-all route hands every non-``/captures`` request to ``dispatch``, which rou
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +42,7 @@ SESSION_KEY = web.AppKey("upstream_session", aiohttp.ClientSession)
 LINKER_KEY = rest.LINKER_KEY
 NOTES_KEY = web.AppKey("harness_notes", NoteRegistry)
 EXACT_KEY = web.AppKey("exact_tokens", ExactTokens)
+SWEEPER_KEY = web.AppKey("tombstone_sweeper", asyncio.Task)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -155,6 +159,54 @@ def make_exact_tokens(
     )
 
 
+#: Longest pause between two tombstone sweeps (seconds).
+MAX_SWEEP_INTERVAL_S = 3600.0
+
+
+def sweep_interval_s(retention_s: float) -> float:
+    """A tenth of the retention, at most an hour: a tombstone lives at most 1.1 retentions."""
+    return min(retention_s / 10, MAX_SWEEP_INTERVAL_S)
+
+
+async def sweep_tombstones(store: CaptureStore, retention_s: float) -> int:
+    """One sweep: remove tombstones older than ``retention_s``. Never raises (logged)."""
+    try:
+        swept = await store.sweep_tombstones(retention_s)
+    except Exception as exc:
+        log.error("sweeping tombstones failed: %s", exc)
+        return 0
+    if swept:
+        log.info("swept %d tombstone(s) older than %.0f s", swept, retention_s)
+    return swept
+
+
+def tombstone_sweeper(
+    retention_s: float,
+) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
+    """A cleanup context running ``sweep_tombstones`` every ``sweep_interval_s(retention_s)``
+    while the app runs (the task is cancelled and awaited on shutdown)."""
+
+    @contextlib.asynccontextmanager
+    async def sweeper(app: web.Application) -> AsyncIterator[None]:
+        store = app[rest.STORE_KEY]
+
+        async def loop() -> None:
+            while True:
+                await sweep_tombstones(store, retention_s)
+                await asyncio.sleep(sweep_interval_s(retention_s))
+
+        task = asyncio.create_task(loop(), name="capture-tombstone-sweeper")
+        app[SWEEPER_KEY] = task
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return sweeper
+
+
 def build_proxy_app(
     settings: Settings,
     store: CaptureStore,
@@ -194,6 +246,7 @@ def build_proxy_app(
             await store.close()
 
     app.cleanup_ctx.append(resources)
+    app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
     rest.add_routes(app)
     app.router.add_route("*", "/captures", unknown_captures_path)

@@ -1,5 +1,5 @@
 """Tier 2: routed experts through the proxy, the npz read form against the JSON form, and
-deleting a rollout (tombstone) over REST."""
+deleting a rollout (tombstone) over REST, and the periodic sweep of old tombstones."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import math
 
 import numpy as np
 
+from capture_proxy.proxy.app import (
+    MAX_SWEEP_INTERVAL_S,
+    SWEEPER_KEY,
+    sweep_interval_s,
+    sweep_tombstones,
+)
 from capture_proxy.readers import load_chains
+from capture_proxy.rest import STORE_KEY
 from capture_proxy.scripted_engine import ScriptedEngineConfig
 from capture_proxy.scripted_engine.moe import expert_rows
 from tests.proxy.conftest import MakeStack
@@ -108,3 +115,38 @@ async def test_delete_leaves_a_tombstone_and_late_calls_still_answer(stack):
     assert (await resp.json())["deleted_calls"] == 0
     resp = await stack.client.delete("/captures/rollouts/..bad")
     assert resp.status == 400
+
+
+def test_sweep_interval_is_a_tenth_of_the_retention_at_most_an_hour():
+    assert sweep_interval_s(60.0) == 6.0
+    assert sweep_interval_s(86_400.0) == MAX_SWEEP_INTERVAL_S == 3600.0
+
+
+async def test_tombstones_past_their_retention_are_swept_and_the_rollout_may_start_again(
+    make_stack: MakeStack,
+):
+    stack = await make_stack(tombstone_retention_s=3600.0)
+    sweeper = stack.client.app[SWEEPER_KEY]
+    assert not sweeper.done()  # the periodic sweep runs with the app
+    store = stack.client.app[STORE_KEY]
+    await _session(stack, "gone", steps=1)
+    await stack.client.delete("/captures/rollouts/gone")
+    assert await sweep_tombstones(store, 3600.0) == 0  # younger than the retention: kept
+    resp = await stack.chat("gone", _body(list(USER)))
+    assert resp.status == 200
+    await stack.get_json("/captures/rollouts/gone", status=404)  # refused while tombstoned
+    assert await sweep_tombstones(store, 1e-9) == 1  # past the retention: swept
+    resp = await stack.chat("gone", _body(list(USER)))
+    assert resp.status == 200
+    assert (await stack.get_json("/captures/rollouts/gone"))["num_calls"] == 1
+    await stack.client.close()  # shutting down stops the sweeper
+    assert sweeper.done()
+
+
+async def test_a_failing_sweep_is_logged_not_raised(caplog):
+    class Broken:
+        async def sweep_tombstones(self, older_than_s):
+            raise OSError("disk gone")
+
+    assert await sweep_tombstones(Broken(), 1.0) == 0  # type: ignore[arg-type]
+    assert "sweeping tombstones failed: disk gone" in caplog.text
