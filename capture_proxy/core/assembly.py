@@ -330,6 +330,22 @@ def failed_record(
     )
 
 
+def abandoned_record(ctx: CallContext, *, reason: str, latency_ms: float) -> CallRecord:
+    """A record for a call the harness left before the engine answered: ``incomplete``, no
+    token data, ``capture_incomplete`` naming ``reason``."""
+    return CallRecord(
+        call_id=ctx.call_id,
+        rollout_id=ctx.rollout_id,
+        created_at=ctx.created_at,
+        status=CallStatus.INCOMPLETE,
+        latency_ms=latency_ms,
+        stream=ctx.stream,
+        upstream_path=ctx.upstream_path,
+        diagnostics=[Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": [reason]})],
+        **_message_fields(ctx.request_body),
+    )
+
+
 def stream_end_reasons(*, client_gone: bool, problem: str | None, done_seen: bool) -> list[str]:
     """Why a relayed stream did not end cleanly (empty when it did)."""
     reasons = []

@@ -28,6 +28,7 @@ from aiohttp import web
 from capture_proxy.core.assembly import (
     CallContext,
     ChatCaptureAssembler,
+    abandoned_record,
     failed_record,
     mark_incomplete,
     stream_end_reasons,
@@ -213,6 +214,22 @@ def upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dic
     return headers
 
 
+async def record_abandoned(
+    deps: CaptureDeps, call: InFlightCall, t0: float, prompt_token_ids: Any = None
+) -> None:
+    """Record a call whose handler is cancelled before the engine answered (the harness left
+    and the server cancels the handlers of closed connections); shielded, so the cancellation
+    cannot cut the write. ``prompt_token_ids``: the prompt, when the proxy built it."""
+    record = abandoned_record(
+        call.ctx,
+        reason="client disconnected before the engine answered",
+        latency_ms=elapsed_ms(t0),
+    )
+    if prompt_token_ids is not None:
+        record.prompt_token_ids = prompt_token_ids
+    await asyncio.shield(finish_call(deps, call, record))
+
+
 def elapsed_ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
@@ -272,6 +289,9 @@ async def handle_captured_chat(
             failed_record(ctx, reason=err.message, latency_ms=elapsed_ms(t0), http_status=None),
         )
         raise err from exc
+    except asyncio.CancelledError:
+        await record_abandoned(deps, call, t0)
+        raise
 
     async with upstream:
         if upstream.status >= 400:
@@ -369,8 +389,6 @@ async def _relay_stream(
     response.content_type = "text/event-stream"
     response.headers["Cache-Control"] = "no-cache"
     response.headers[CALL_ID_HEADER] = ctx.call_id
-    await response.prepare(request)
-
     assembler = ChatCaptureAssembler(ctx)
     decoder = SSEStreamDecoder()
     request_encoding: RequestEncoding | None = None
@@ -378,6 +396,12 @@ async def _relay_stream(
     done_seen = False
     client_gone = cancelled = False
     upstream_problem: str | None = None
+    try:
+        await response.prepare(request)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        # The harness left before the engine's first byte: record the call (nothing arrived)
+        # as incomplete; leaving ``async with upstream`` closes the engine's request.
+        client_gone = True
 
     async def emit(data: bytes) -> None:
         nonlocal client_gone
@@ -411,7 +435,8 @@ async def _relay_stream(
                 out.append(encode_json_event(stripped))
         return out
 
-    try:
+    async def relay() -> None:
+        nonlocal request_encoding, encoded_request
         async for data in upstream.content.iter_any():
             # One write per upstream read, however many events it completed.
             pieces = handle_events(decoder.feed(data))
@@ -424,11 +449,14 @@ async def _relay_stream(
                 request_encoding, encoded_request = encode_request(ctx), True
                 assembler.settle_prompt()
             if client_gone or done_seen:
-                break  # after [DONE] only the end of the engine's body is left: read below
-        else:
-            pieces = handle_events(decoder.close())
-            if pieces:
-                await emit(b"".join(pieces))
+                return  # after [DONE] only the end of the engine's body is left: read below
+        pieces = handle_events(decoder.close())
+        if pieces:
+            await emit(b"".join(pieces))
+
+    try:
+        if not client_gone:
+            await relay()
     except CLIENT_ERRORS as exc:
         upstream_problem = f"engine stream broke: {type(exc).__name__}: {exc}"
     except UnicodeDecodeError as exc:

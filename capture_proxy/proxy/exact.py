@@ -40,6 +40,7 @@ from capture_proxy.proxy.capture import (
     elapsed_ms,
     encode_request,
     finish_call,
+    record_abandoned,
     relay_engine_error,
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
@@ -252,6 +253,9 @@ async def handle_exact_tokens(
         rec.prompt_token_ids = prompt.token_ids
         await finish_call(deps, call, rec)
         raise err from exc
+    except asyncio.CancelledError:
+        await record_abandoned(deps, call, t0, prompt.token_ids)
+        raise
     assembler = TokensInAssembler(ctx, prompt.token_ids)
     reader = exact.dialect.reader(exact.decode)
     async with upstream:

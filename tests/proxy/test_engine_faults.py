@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 
+import aiohttp
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
@@ -210,3 +211,21 @@ async def test_the_engine_connection_is_kept_alive_across_streamed_calls(stack: 
     peers = [sent.peer for sent in stack.sent]
     assert len(peers) == 3 and peers[0] is not None
     assert peers == [peers[0]] * 3  # one connection: each body was read to its end
+
+
+async def test_a_harness_that_leaves_before_the_first_byte_still_gets_its_call_recorded(
+    make_stack,
+):
+    """The engine takes 1 s to its first byte; the harness gives up after 0.1 s. The call is
+    stored incomplete (nothing arrived), the engine's request is closed, the proxy serves on."""
+    stack = await _faulty(make_stack, Faults(first_byte_delay_s=1.0))
+    with pytest.raises(asyncio.TimeoutError):
+        await stack.chat("r1", _body(USER, stream=True), timeout=aiohttp.ClientTimeout(total=0.1))
+    call = await _only_call(stack)
+    assert call["status"] == "incomplete"
+    [diag] = [d for d in call["diagnostics"] if d["kind"] == "capture_incomplete"]
+    # The test server cancels handlers of closed connections (run_app does not: then the
+    # disconnect shows when the response starts, "... before the stream ended").
+    assert diag["details"]["reasons"] == ["client disconnected before the engine answered"]
+    assert call["generation_token_ids"] == []
+    assert (await stack.get_json("/health"))["status"] == "ok"
