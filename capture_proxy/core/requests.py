@@ -94,6 +94,12 @@ _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_NUMBER = b"0" * 20
 
 
+#: Deepest nesting of arrays and objects a request may have: what orjson serialises (it
+#: refuses deeper values, which is how a deep body is noticed without a walk over every
+#: request); no chat request comes near it.
+MAX_NESTING = 254
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Parse a request body as a JSON object (strict: no NaN/Infinity). Raises InvalidRequest.
 
@@ -114,6 +120,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not UTF-8: {exc.reason}") from exc
     except ValueError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise InvalidRequest(
+            f"request body nests too deeply; at most {MAX_NESTING} levels are accepted"
+        ) from exc
     if not isinstance(obj, dict):
         raise InvalidRequest(f"request body must be a JSON object, got {type(obj).__name__}")
     return obj
@@ -144,7 +154,15 @@ def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
             "request per rollout id (identical requests in one rollout are recorded as retries)",
             "n",
         )
-    surrogate = _lone_surrogate_path(body) if not _is_valid_unicode(body) else None
+    if _is_valid_unicode(body):
+        return req
+    # orjson refused the body: too deep, or a lone surrogate (the walks below are iterative).
+    depth = _nesting(body)
+    if depth > MAX_NESTING:
+        raise InvalidRequest(
+            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted"
+        )
+    surrogate = _lone_surrogate_path(body)
     if surrogate is not None:
         raise InvalidRequest(
             f"'{surrogate}' contains a lone UTF-16 surrogate, which is not valid Unicode",
@@ -166,24 +184,49 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "bool"} or "[" in part)
 
 
-def _lone_surrogate_path(value: Any, path: str = "") -> str | None:
-    """Dotted path of the first string holding a lone surrogate (JSON allows ``\\ud800``)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path or "body"
-        return None
-    items = (
-        value.items()
-        if isinstance(value, dict)
-        else enumerate(value)
-        if isinstance(value, list)
-        else ()
-    )
-    for key, item in items:
-        found = _lone_surrogate_path(key, path) if isinstance(key, str) else None
-        found = found or _lone_surrogate_path(item, f"{path}.{key}" if path else str(key))
-        if found:
-            return found
+def _children(value: Any, path: str) -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        return [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
+    if isinstance(value, list):
+        return [(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)]
+    return []
+
+
+def _nesting(value: Any) -> int:
+    """How many arrays and objects deep ``value`` goes (without recursion)."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for _, child in _children(item, ""))
+    return deepest
+
+
+def _lone_surrogate_path(value: Any) -> str | None:
+    """Dotted path of the first string (key or value, in document order) holding a lone
+    surrogate (JSON allows ``\ud800``); walked without recursion."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+            continue
+        if isinstance(item, dict):
+            for key in item:
+                if isinstance(key, str) and not _encodes(key):
+                    return path or "body"
+        stack.extend(reversed(_children(item, path)))
     return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

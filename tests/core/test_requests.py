@@ -1,6 +1,11 @@
 import pytest
 
-from capture_proxy.core.requests import InvalidRequest, parse_json_object, validate_chat_request
+from capture_proxy.core.requests import (
+    MAX_NESTING,
+    InvalidRequest,
+    parse_json_object,
+    validate_chat_request,
+)
 
 
 def test_valid_request_passes_with_extras():
@@ -98,3 +103,35 @@ def test_numbers_past_64_bits_stay_exact_and_bad_json_is_named():
     with pytest.raises(InvalidRequest, match="not UTF-8"):
         parse_json_object(b'{"a": "\xff"}')
     assert parse_json_object(b'{"a": "\\ud800"}') == {"a": "\ud800"}  # named later
+
+
+def _nested(levels: int) -> object:
+    """A value that makes a request body ``levels`` deep (the body object is one level)."""
+    value: object = 1
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+def _chat(**extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def test_nesting_up_to_the_limit_is_accepted_and_deeper_is_a_400():
+    validate_chat_request(_chat(extra=_nested(MAX_NESTING)))
+    with pytest.raises(InvalidRequest, match=r"nests 255 levels deep; at most 254"):
+        validate_chat_request(_chat(extra=_nested(MAX_NESTING + 1)))
+    with pytest.raises(InvalidRequest, match=r"nests 5000 levels deep"):
+        validate_chat_request(_chat(extra=_nested(5000)))  # walked without recursion
+    deep = b'{"messages": [], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(InvalidRequest, match="nests too deeply"):
+        parse_json_object(deep)
+
+
+def test_a_lone_surrogate_deep_in_the_body_is_named_by_its_path():
+    body = _chat(tools=[{"function": {"parameters": {"a": [{"b": "x\ud800"}]}}}])
+    with pytest.raises(InvalidRequest, match=r"'tools.0.function.parameters.a.0.b' contains"):
+        validate_chat_request(body)
+    keyed = _chat(extra={"ok": 1, "k\udc00": 2})
+    with pytest.raises(InvalidRequest, match=r"'extra' contains a lone UTF-16 surrogate"):
+        validate_chat_request(keyed)

@@ -157,3 +157,21 @@ async def test_uncaptured_paths_are_forwarded_and_not_stored(stack: Stack):
 async def test_health(stack: Stack):
     health = await stack.get_json("/health")
     assert health["status"] == "ok" and health["store"]["kind"] == "sqlite"
+
+
+@pytest.mark.parametrize("levels", [300, 100_000])
+async def test_deeply_nested_bodies_are_400s_not_500s(stack: Stack, levels):
+    raw = (
+        b'{"model": "scripted-qwen", "messages": [{"role": "user", "content": "x"}], "x": '
+        + b"[" * levels
+        + b"]" * levels
+        + b"}"
+    )
+    resp = await stack.client.post(
+        CAPTURE.format(rollout="r1"), data=raw, headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and "nests" in error["message"]
+    assert stack.sent == []
+    assert (await stack.get_json("/health"))["status"] == "ok"
