@@ -331,10 +331,20 @@ async def get_call(request: web.Request) -> web.Response:
 
 async def delete_rollout(request: web.Request) -> web.Response:
     """Delete a rollout's calls and leave a tombstone, so a late or retried call cannot
-    resurrect it (it is refused and the harness still gets its answer). Idempotent."""
+    resurrect it (it is refused and the harness still gets its answer). Idempotent (a repeat
+    deletes 0 calls); 404 without a tombstone for a rollout nothing is known of."""
     rollout_id = _rollout_id(request)
-    deleted = await request.app[STORE_KEY].delete_rollout(rollout_id)
-    request.app[LINKER_KEY].forget(rollout_id)
+    linker = request.app[LINKER_KEY]
+    deleted = await request.app[STORE_KEY].delete_rollout(
+        rollout_id, known_elsewhere=linker.has_calls(rollout_id)
+    )
+    if deleted is None:
+        raise NotFound(
+            f"rollout {rollout_id} not found (nothing stored, in flight or deleted under it)",
+            param="rollout_id",
+            code="not_found",
+        )
+    linker.forget(rollout_id)
     return web.json_response({"rollout_id": rollout_id, "deleted_calls": deleted})
 
 

@@ -91,6 +91,12 @@ class Linker:
             if lock is not None and not lock.locked():
                 del self._locks[old]
 
+    def has_calls(self, rollout_id: str) -> bool:
+        """True when this process has seen a call of the rollout (stored or in flight) and
+        still holds its index."""
+        index = self._indexes.get(rollout_id)
+        return index is not None and bool(index.entries)
+
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout's index (it was deleted)."""
         self._indexes.pop(rollout_id, None)

@@ -63,9 +63,10 @@ class CaptureStore(Protocol):
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind)."""
 
-    async def delete_rollout(self, rollout_id: str) -> int:
+    async def delete_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> int | None:
         """Delete a rollout's calls and bookkeeping and leave a tombstone (idempotent).
-        Returns the number of calls deleted."""
+        Returns the number of calls deleted, or None (nothing written) for a rollout the store
+        never heard of unless ``known_elsewhere`` (a call of it is in flight)."""
 
     async def sweep_tombstones(self, older_than_s: float) -> int:
         """Remove tombstones older than ``older_than_s`` seconds. Returns how many."""

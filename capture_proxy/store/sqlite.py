@@ -504,15 +504,28 @@ class SQLiteStore:
 
         _transaction(db, body)
 
-    async def delete_rollout(self, rollout_id: str) -> int:
+    async def delete_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> int | None:
+        """Delete the rollout's calls and bookkeeping and leave a tombstone. Returns the
+        number of calls deleted (0 when it was deleted before), or None, writing nothing,
+        when the store has never heard of the rollout and ``known_elsewhere`` is False (the
+        caller knows of no call of it in flight): a typo must not block a rollout id."""
         try:
-            return await self._write(self._delete, rollout_id)
+            return await self._write(self._delete, rollout_id, known_elsewhere)
         except sqlite3.Error as exc:
             raise StoreError(f"deleting rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
-    def _delete(db: sqlite3.Connection, rollout_id: str) -> int:
-        def body() -> int:
+    def _delete(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> int | None:
+        def body() -> int | None:
+            if not known_elsewhere and not any(
+                db.execute(sql, (rollout_id,)).fetchone()
+                for sql in (
+                    "SELECT 1 FROM rollouts WHERE rollout_id = ?",
+                    "SELECT 1 FROM calls WHERE rollout_id = ? LIMIT 1",
+                    "SELECT 1 FROM tombstones WHERE rollout_id = ?",
+                )
+            ):
+                return None
             calls = "SELECT call_id FROM calls WHERE rollout_id = ?"
             shas = [
                 r[0]

@@ -15,7 +15,7 @@ from capture_proxy.proxy.app import (
 )
 from capture_proxy.readers import load_chains
 from capture_proxy.rest import STORE_KEY
-from capture_proxy.scripted_engine import ScriptedEngineConfig
+from capture_proxy.scripted_engine import Faults, ScriptedEngineConfig
 from capture_proxy.scripted_engine.moe import expert_rows
 from tests.proxy.conftest import MakeStack
 from tests.proxy.test_capture import USER, _body
@@ -150,3 +150,22 @@ async def test_a_failing_sweep_is_logged_not_raised(caplog):
 
     assert await sweep_tombstones(Broken(), 1.0) == 0  # type: ignore[arg-type]
     assert "sweeping tombstones failed: disk gone" in caplog.text
+
+
+async def test_deleting_an_unknown_rollout_is_a_404_and_blocks_nothing(stack):
+    resp = await stack.client.delete("/captures/rollouts/typo")
+    assert resp.status == 404
+    assert (await resp.json())["error"]["param"] == "rollout_id"
+    await _session(stack, "typo", steps=1)  # the id is not blocked
+    assert (await stack.get_json("/captures/rollouts/typo"))["num_calls"] == 2
+
+
+async def test_deleting_a_rollout_whose_first_call_is_in_flight_tombstones_it(make_stack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(faults=Faults(chunk_delay_s=0.02)))
+    resp = await stack.chat("early", _body(list(USER), stream=True))
+    assert (await resp.content.readline()).startswith(b"data: ")  # the call is in flight
+    deleted = await stack.client.delete("/captures/rollouts/early")
+    assert (await deleted.json()) == {"rollout_id": "early", "deleted_calls": 0}
+    assert (await resp.read()).endswith(b"data: [DONE]\n\n")  # the harness gets its answer
+    await stack.get_json("/captures/rollouts/early", status=404)  # ... and nothing is stored
+    assert (await stack.get_json("/health"))["capture"]["store_failures"] == 1

@@ -249,3 +249,16 @@ async def test_synchronous_mode_is_the_writers(tmp_path, synchronous, pragma):
 def test_unknown_synchronous_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="synchronous: expected 'full' or 'normal', got 'off'"):
         SQLiteStore(tmp_path / "s", synchronous="off")  # type: ignore[arg-type]
+
+
+async def test_deleting_a_rollout_never_heard_of_writes_no_tombstone(store):
+    assert await store.delete_rollout("typo") is None
+    assert await store.get_tombstone("typo") is None
+    await store.put_call(record("c1", [1, 2], [3], rollout_id="typo"))  # not blocked
+    assert (await store.get_rollout("typo")).num_calls == 1
+    # A call in flight that the store has not seen: the caller says so, the tombstone is left.
+    assert await store.delete_rollout("inflight", known_elsewhere=True) == 0
+    assert await store.get_tombstone("inflight") is not None
+    with pytest.raises(RolloutDeleted):
+        await store.put_call(record("c2", [1, 2], [3], rollout_id="inflight"))
+    assert await store.delete_rollout("inflight") == 0  # a repeat: tombstoned, known
