@@ -190,8 +190,8 @@ async def run_demo(
                 chains = await resp.json()
         print_chains(chains, summary)
         print(
-            f"\nRead it again later: capture-proxy serve --backend <engine> --store {store_dir} "
-            f"then GET /captures/rollouts/{rollout_id}/chains"
+            "\nRead it again later: .venv/bin/capture-proxy serve --backend <engine> "
+            f"--store {store_dir} then GET /captures/rollouts/{rollout_id}/chains"
         )
         ok = not chains["incomplete"] and any(len(c["calls"]) > 1 for c in chains["chains"])
         return 0 if ok else 1

@@ -159,10 +159,7 @@ def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
 
 def _page_params(request: web.Request) -> tuple[int, str | None]:
     raw = request.query.get("limit", str(DEFAULT_PAGE_SIZE))
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
+    limit = int(raw) if raw.isascii() and raw.isdigit() else 0
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise BadRequest(
             f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {raw!r}",
@@ -174,7 +171,7 @@ def _page_params(request: web.Request) -> tuple[int, str | None]:
         try:
             validate_rollout_id(after)
         except InvalidRolloutId as exc:
-            raise BadRequest(str(exc), param="after", code="invalid_rollout_id") from exc
+            raise BadRequest(f"after: {exc}", param="after", code="invalid_rollout_id") from exc
     return limit, after
 
 

@@ -98,11 +98,12 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             connect_retries=settings.upstream_connect_retries,
         )
     log.info(
-        "%s %s -> %d (%s, <%d bytes in>, %.1f ms)",
+        "%s %s -> %d (%s, rollout %s, <%d bytes in>, %.1f ms)",
         request.method,
         target.upstream_path,
         response.status,
         target.kind.value,
+        target.rollout_id or "-",
         len(raw_body),
         (time.perf_counter() - started) * 1000,
     )

@@ -53,6 +53,9 @@ async def test_rollouts_are_listed_in_pages(stack: Stack):
         ("limit=0", "limit"),
         ("limit=1001", "limit"),
         ("limit=ten", "limit"),
+        ("limit=%2B3", "limit"),
+        ("limit=1_0", "limit"),
+        ("limit=%EF%BC%93", "limit"),
         ("after=..%2Fx", "after"),
         ("after=", "after"),
     ],
@@ -62,6 +65,7 @@ async def test_bad_page_parameters_are_400s_naming_them(stack: Stack, query, par
     assert resp.status == 400
     error = (await resp.json())["error"]
     assert error["param"] == param
+    assert error["message"].startswith(param)
 
 
 async def test_odd_values_come_back_exact_as_valid_json(stack: Stack):
