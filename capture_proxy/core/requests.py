@@ -81,6 +81,8 @@ class ChatCompletionRequest(_Lenient):
     logprobs: StrictBool | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    #: the proxy adds ``include_usage`` to it, and reads what the harness asked from it
+    stream_options: dict[str, Any] | None = None
 
 
 def _reject_constant(name: str) -> float:

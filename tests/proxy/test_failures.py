@@ -118,6 +118,11 @@ async def test_store_failure_is_marked_on_the_rollout_when_marking_works(make_st
         (b'{"model": "m"}', 400, "messages"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "stream_options": "x"}',
+            400,
+            "stream_options",
+        ),
     ],
 )
 async def test_bad_input_is_refused_and_never_forwarded(stack: Stack, raw, status, param):
