@@ -244,22 +244,16 @@ async def get_rollout(request: web.Request) -> web.Response:
 
 def _chains_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
     chains = build_chains(info.rollout_id, records)
+    calls = {
+        r.call_id: call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False)
+        for chain in chains.chains
+        for r in chain.calls
+    }
     try:
         # One call per serialisation, spliced in whole: the GIL passes between calls.
-        calls: dict[str, Any] = {
-            r.call_id: orjson.Fragment(
-                dumps(call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False))
-            )
-            for chain in chains.chains
-            for r in chain.calls
-        }
-        return orjson.dumps(_chains_body(info, records, state, chains, calls))
+        fragments = {k: orjson.Fragment(dumps(v)) for k, v in calls.items()}
+        return orjson.dumps(_chains_body(info, records, state, chains, fragments))
     except TypeError:  # something outside the calls orjson refuses: all of it the slow way
-        calls = {
-            r.call_id: call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False)
-            for chain in chains.chains
-            for r in chain.calls
-        }
         return dumps(_chains_body(info, records, state, chains, calls))
 
 

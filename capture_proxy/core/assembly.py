@@ -45,8 +45,16 @@ class CallContext:
     routed_experts_start: int = 0
 
 
-def _message_fields(body: dict[str, Any]) -> dict[str, Any]:
+def call_fields(ctx: CallContext) -> dict[str, Any]:
+    """The fields of a record that come from the call's context and request (for
+    ``CallRecord(**call_fields(ctx), ...)``)."""
+    body = ctx.request_body
     return {
+        "call_id": ctx.call_id,
+        "rollout_id": ctx.rollout_id,
+        "created_at": ctx.created_at,
+        "stream": ctx.stream,
+        "upstream_path": ctx.upstream_path,
         "model": body.get("model"),
         "request_messages": list(body.get("messages") or []),
         "request_tools": body.get("tools"),
@@ -286,13 +294,9 @@ class ChatCaptureAssembler:
             status = CallStatus.INCOMPLETE
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
         record = CallRecord(
-            call_id=ctx.call_id,
-            rollout_id=ctx.rollout_id,
-            created_at=ctx.created_at,
+            **call_fields(ctx),
             status=status,
             latency_ms=latency_ms,
-            stream=ctx.stream,
-            upstream_path=ctx.upstream_path,
             response_message=self.assembled_message(),
             finish_reason=self.finish_reason,
             usage=self.usage,
@@ -300,7 +304,6 @@ class ChatCaptureAssembler:
             diagnostics=diagnostics,
             routed_experts=experts,
             routed_experts_start=ctx.routed_experts_start,
-            **_message_fields(ctx.request_body),
         )
         # Keep whatever arrived intact, even on an incomplete record: nothing received is lost.
         if prompt is not None:
@@ -317,16 +320,11 @@ def failed_record(
 ) -> CallRecord:
     """A record for a call the engine did not answer (unreachable, error status, cut stream)."""
     return CallRecord(
-        call_id=ctx.call_id,
-        rollout_id=ctx.rollout_id,
-        created_at=ctx.created_at,
+        **call_fields(ctx),
         status=CallStatus.FAILED,
         latency_ms=latency_ms,
-        stream=ctx.stream,
-        upstream_path=ctx.upstream_path,
         http_status=http_status,
         diagnostics=[Diagnostic(DiagnosticKind.UPSTREAM_FAILED, {"reason": reason})],
-        **_message_fields(ctx.request_body),
     )
 
 
@@ -334,15 +332,10 @@ def abandoned_record(ctx: CallContext, *, reason: str, latency_ms: float) -> Cal
     """A record for a call the harness left before the engine answered: ``incomplete``, no
     token data, ``capture_incomplete`` naming ``reason``."""
     return CallRecord(
-        call_id=ctx.call_id,
-        rollout_id=ctx.rollout_id,
-        created_at=ctx.created_at,
+        **call_fields(ctx),
         status=CallStatus.INCOMPLETE,
         latency_ms=latency_ms,
-        stream=ctx.stream,
-        upstream_path=ctx.upstream_path,
         diagnostics=[Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": [reason]})],
-        **_message_fields(ctx.request_body),
     )
 
 

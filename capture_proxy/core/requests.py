@@ -213,9 +213,7 @@ def _lone_surrogate_path(value: Any) -> str | None:
     while stack:
         path, item = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
+            if not _encodes(item):
                 return path or "body"
             continue
         if isinstance(item, dict):

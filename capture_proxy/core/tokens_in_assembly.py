@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.assembly import CallContext, check_generation
+from capture_proxy.core.assembly import CallContext, call_fields, check_generation
 from capture_proxy.core.engine_formats import Piece
 from capture_proxy.core.records import (
     CallRecord,
@@ -76,18 +76,10 @@ class TokensInAssembler:
         diagnostics += checked.diagnostics
         if problems:
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
-        body = self.ctx.request_body
         record = CallRecord(
-            call_id=self.ctx.call_id,
-            rollout_id=self.ctx.rollout_id,
-            created_at=self.ctx.created_at,
+            **call_fields(self.ctx),
             status=CallStatus.INCOMPLETE if problems else CallStatus.COMPLETE,
-            model=body.get("model"),
             latency_ms=latency_ms,
-            stream=self.ctx.stream,
-            upstream_path=self.ctx.upstream_path,
-            request_messages=list(body.get("messages") or []),
-            request_tools=body.get("tools"),
             response_message=response_message,
             finish_reason=finish_reason,
             usage=self.usage,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from capture_proxy import rest
-from capture_proxy.core.records import Diagnostic, DiagnosticKind
+from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
 from tests.factories import record
 from tests.proxy.conftest import Stack
 
@@ -125,3 +125,18 @@ async def test_chains_summary_listing_and_archives_are_built_on_the_rest_thread(
         assert "manifest.json" in archive.namelist()
     assert threads == dict.fromkeys(threads, "capture-rest_0")
     assert set(threads) == {"_chains_json", "_chains_npz", "_summary_json", "_listing_json"}
+
+
+async def test_chains_json_outside_the_calls_that_orjson_refuses_takes_the_stdlib(stack: Stack):
+    """An unlinked call's diagnostic with an integer past 64 bits sits in the envelope, not in
+    a call: the whole answer is serialised the slow way, with the same values."""
+    linked = record("c1", [1, 2], [3])
+    odd = record("c2", [9], [8], status=CallStatus.INCOMPLETE)
+    odd.diagnostics = [Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": [2**70]})]
+    await _put(stack, linked, odd)
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [["c1"]]
+    assert chains["chains"][0]["calls"][0]["generation_log_probs"] == [-0.5]
+    [unlinked] = chains["unlinked_calls"]
+    assert unlinked["call_id"] == "c2"
+    assert unlinked["diagnostics"][0]["details"] == {"reasons": [2**70]}
