@@ -1,0 +1,190 @@
+"""The front-codec contract: one canonical conversation, one canonical answer, three wire APIs.
+
+Owns the shapes every front codec (``chat``, ``responses``, ``messages``) maps to and from, so
+that linking, both prompt modes, verification and storage never know which API a call came in
+on. Pure: no I/O, no aiohttp.
+
+The canonical conversation is a chat-completions request body (``FrontRequest.chat``), the
+form the engine renders in backend-template mode and the form records, digests and splices
+already use:
+
+- ``messages``: ``system`` / ``user`` / ``assistant`` / ``tool`` messages. ``content`` is a
+  string (or None on an assistant turn with tool calls); an assistant turn may carry
+  ``reasoning_content`` (str) and ``tool_calls``
+  (``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``); a tool
+  message carries ``tool_call_id``.
+- ``tools``: ``[{"type": "function", "function": {"name", "description", "parameters"}}]``.
+- ``tool_choice``, ``parallel_tool_calls``, ``max_tokens``, ``temperature``, ``top_p``,
+  ``top_k``, ``stop``, ``seed``, ``stream``, ``stream_options``, ``chat_template_kwargs``: as
+  in chat completions (vLLM 0.32 names).
+
+The canonical answer (``Answer``) is an OpenAI assistant message with a chat finish reason
+(``stop`` | ``length`` | ``tool_calls``) and chat usage. A streamed answer is the sequence of
+chat ``choices[0].delta`` objects (``{"content"}``, ``{"reasoning_content"}``, or
+``{"tool_calls": [{"index", "id"?, "type"?, "function": {"name"?, "arguments"?}}]}``), which a
+front's ``StreamEncoder`` turns into its API's SSE events as they arrive.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Api(enum.StrEnum):
+    """The wire API a call came in on (recorded on the call as ``api``)."""
+
+    CHAT_COMPLETIONS = "chat_completions"
+    RESPONSES = "responses"
+    MESSAGES = "messages"
+
+
+class InvalidFrontRequest(ValueError):
+    """A request body that its API does not allow; ``param`` names the field (dotted path).
+    The client gets a 400 in its API's error shape; nothing is forwarded."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class FrontRequest:
+    """A parsed request. ``chat``: the canonical conversation (see the module docstring);
+    ``stream``: whether the harness asked for SSE; ``received``: the body as received, less
+    its history field (``messages`` / ``input``), kept on the record; ``options``: what the
+    front's encoder needs back (front-private)."""
+
+    api: Api
+    chat: dict[str, Any]
+    stream: bool
+    received: dict[str, Any] = field(default_factory=dict)
+    options: Any = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The canonical answer of one call.
+
+    ``message``: OpenAI assistant message (``content`` str or None, optional
+    ``reasoning_content``, ``tool_calls`` list); ``finish_reason``: ``stop`` | ``length`` |
+    ``tool_calls``; ``usage``: ``{prompt_tokens, completion_tokens, total_tokens}`` or None;
+    ``created_at``: Unix seconds the proxy received the request."""
+
+    call_id: str
+    created_at: float
+    model: str | None
+    message: dict[str, Any]
+    finish_reason: str | None
+    usage: dict[str, Any] | None = None
+    #: token data, for a front that shows it when asked (chat completions'
+    #: ``return_token_ids`` / ``logprobs``): generated ids, their log probs, the prompt ids
+    token_ids: list[int] | None = None
+    log_probs: list[float | None] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class StreamEncoder(Protocol):
+    """Chat deltas in, one API's SSE event bytes out (each item a whole ``event``/``data``
+    block ending in a blank line)."""
+
+    def start(self) -> list[bytes]:
+        """Events sent before the first delta (e.g. ``response.created``,
+        ``message_start``)."""
+
+    def delta(
+        self,
+        delta: Mapping[str, Any],
+        *,
+        token_ids: list[int] | None = None,
+        log_probs: list[float | None] | None = None,
+    ) -> list[bytes]:
+        """One chat ``choices[0].delta``; may return nothing (held back or empty). The token
+        data that came with it is for fronts that show it (chat completions); others ignore
+        it, and an empty delta."""
+
+    def finish(self, answer: Answer) -> list[bytes]:
+        """The closing events, from the whole answer (usage, stop reason, done items)."""
+
+    def error(self, message: str) -> bytes:
+        """An in-band error event for a stream whose headers are sent (no clean end)."""
+
+
+class FrontCodec(Protocol):
+    """One wire API. Pure."""
+
+    api: Api
+
+    def parse(
+        self, body: dict[str, Any], *, previous: list[dict[str, Any]] | None = None
+    ) -> FrontRequest:
+        """Validate ``body`` and map it to the canonical conversation. ``previous``: canonical
+        messages a reference in the body stands for (Responses ``previous_response_id``; the
+        adapter resolves it). Raises InvalidFrontRequest naming the field."""
+
+    def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
+        """The whole (non-streaming) response body in the API's shape."""
+
+    def stream_encoder(self, request: FrontRequest, answer_head: Answer) -> StreamEncoder:
+        """An encoder for one streamed answer (``answer_head``: ids and model, empty
+        message)."""
+
+    def error_body(
+        self, status: int, message: str, *, error_type: str, param: str | None, code: str | None
+    ) -> dict[str, Any]:
+        """The API's error shape for a proxy-made error."""
+
+
+def sse_event(data: Any, event: str | None = None) -> bytes:
+    """One SSE block: optional ``event:`` line, one ``data:`` line of compact JSON (UTF-8)."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
+
+
+# -- opaque reasoning values -------------------------------------------------------------------
+#
+# Harnesses hand some values back unchanged: Responses ``reasoning.encrypted_content``,
+# Anthropic ``thinking.signature``. The proxy issues them: they carry the call id (a hint, never
+# trusted for linking: links are taken only when tokens verify) and the reasoning text itself,
+# so that a harness that shows no reasoning text (Claude Code's ``display: omitted``) still
+# gets the model's reasoning back to the engine. A checksum catches a changed or foreign value,
+# which is then ignored.
+
+_SEAL_PREFIX = "cpr1."
+
+
+def seal_reasoning(call_id: str, text: str) -> str:
+    """An opaque value holding ``call_id`` and the reasoning ``text`` (URL-safe base64 of
+    compact JSON, prefixed ``cpr1.``, with a 16-hex-char SHA-256 check)."""
+    payload = json.dumps({"c": call_id, "t": text}, ensure_ascii=False, separators=(",", ":"))
+    raw = payload.encode()
+    check = hashlib.sha256(raw).hexdigest()[:16]
+    return _SEAL_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=") + "." + check
+
+
+def open_reasoning(value: Any) -> tuple[str, str] | None:
+    """``(call_id, text)`` from a value made by ``seal_reasoning``; None for anything else
+    (absent, foreign, truncated, tampered)."""
+    if not isinstance(value, str) or not value.startswith(_SEAL_PREFIX):
+        return None
+    body, _, check = value[len(_SEAL_PREFIX) :].rpartition(".")
+    try:
+        raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
+    except (ValueError, TypeError):
+        return None
+    if hashlib.sha256(raw).hexdigest()[:16] != check:
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("c"), str):
+        return None
+    text = obj.get("t")
+    return (obj["c"], text) if isinstance(text, str) else None
