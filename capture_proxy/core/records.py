@@ -100,6 +100,12 @@ class CallRecord:
     the resolution: ``verdict`` (root | resolved | refused | unresolved), ``parent_digest``,
     ``child_digest`` (under which a child finds this call), ``request_digest``, ``reason``,
     ``harness_note`` (key of a rewritten note). ``retry_of``: the earlier call this one repeats.
+
+    ``api``: the wire API the call came in on (``chat_completions`` | ``responses`` |
+    ``messages``); ``request_messages`` / ``request_tools`` are always the canonical
+    (chat-completions) form. ``request_received``: the body as the harness sent it, less its
+    history field (``messages`` / ``input``, whose canonical form is ``request_messages``);
+    None for records written before it existed.
     """
 
     call_id: str
@@ -110,6 +116,8 @@ class CallRecord:
     latency_ms: float | None = None
     stream: bool = False
     upstream_path: str = "/v1/chat/completions"
+    api: str = "chat_completions"
+    request_received: dict[str, Any] | None = None
     request_messages: list[dict[str, Any]] = field(default_factory=list)
     request_tools: list[dict[str, Any]] | None = None
     response_message: dict[str, Any] | None = None

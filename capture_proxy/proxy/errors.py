@@ -6,11 +6,14 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     +-- BadRequest(ValueError)        (400, "invalid_request_error"; ``param`` names the field)
     |   +-- PayloadTooLarge           (413)
     +-- NotFound(LookupError)         (404, "not_found_error")
+    +-- MethodNotAllowed              (405, "invalid_request_error"; an ``Allow`` header)
     +-- Unauthorized                  (401, "authentication_error")
     +-- UpstreamUnavailable           (502, "upstream_error": engine unreachable or broken)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
-Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
+unless the handler set ``request[ERROR_SHAPE_KEY]`` to its API's shaper (a front codec's
+``error_body``: Anthropic Messages answers ``{"type": "error", "error": {"type", "message"}}``).
 Once a response has started streaming, errors can no longer become a status; the stream
 handlers deal with those themselves.
 """
@@ -51,6 +54,15 @@ class NotFound(ProxyError, LookupError):
     error_type = "not_found_error"
 
 
+class MethodNotAllowed(ProxyError):
+    status = 405
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, allowed: tuple[str, ...]):
+        super().__init__(message, code="method_not_allowed")
+        self.allowed = allowed
+
+
 class Unauthorized(ProxyError):
     status = 401
     error_type = "authentication_error"
@@ -72,11 +84,22 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(exc: ProxyError) -> web.Response:
-    return web.json_response(
-        error_body(exc.message, exc.error_type, param=exc.param, code=exc.code),
-        status=exc.status,
-    )
+#: The error shaper of a request's API: ``(status, message, *, error_type, param, code)``
+#: -> body (a front codec's ``error_body``); absent: OpenAI's shape.
+ErrorShape = Callable[..., dict[str, Any]]
+ERROR_SHAPE_KEY: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")
+
+
+def error_response(exc: ProxyError, request: web.Request | None = None) -> web.Response:
+    shape = request.get(ERROR_SHAPE_KEY) if request is not None else None
+    if shape is not None:
+        body = shape(
+            exc.status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
+        )
+    else:
+        body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
+    headers = {"Allow": ", ".join(exc.allowed)} if isinstance(exc, MethodNotAllowed) else None
+    return web.json_response(body, status=exc.status, headers=headers)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -90,7 +113,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ProxyError as exc:
         if exc.status >= 500:
             log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
-        return error_response(exc)
+        return error_response(exc, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
