@@ -142,6 +142,11 @@ class Settings(BaseSettings):
         description="rollouts whose parent-digest index stays in memory (least recently used "
         "ones are reloaded from the store when needed)",
     )
+    record_dir: Path | None = Field(
+        None,
+        description="record every request under a capture path, with the answer sent, to "
+        "DIR/<rollout_id>.jsonl in the replay format (for building fixtures; unset: off)",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")

@@ -45,6 +45,7 @@ from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recording import TrafficRecorder, note_request, recording_middleware
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
 from capture_proxy.store.base import CaptureStore
@@ -154,8 +155,10 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     except InvalidRolloutId as exc:
         raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
     raw_body = await _read_body(request, settings.max_request_body_bytes)
+    note_request(request, raw_body, None)
     if target.kind is RouteKind.CAPTURE:
         response, done = await _serve_capture_path(request, target, raw_body)
+        note_request(request, raw_body, done)
     else:
         response = await forward_uncaptured(
             request,
@@ -287,8 +290,12 @@ def build_proxy_app(
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings)."""
+    middlewares = [error_middleware, auth_middleware(settings)]
+    if settings.record_dir is not None:
+        # Outermost: what the harness sent and got, errors included (see ``recording``).
+        middlewares.insert(0, recording_middleware(TrafficRecorder(settings.record_dir)))
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware(settings)],
+        middlewares=middlewares,
         client_max_size=settings.max_request_body_bytes,
     )
     app[SETTINGS_KEY] = settings

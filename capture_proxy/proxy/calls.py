@@ -30,6 +30,7 @@ from capture_proxy.core.linking import Resolution, Verdict
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recording import TAP_KEY, ResponseTap
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, forwardable_headers
 
 log = logging.getLogger("capture_proxy")
@@ -266,8 +267,10 @@ class ClientWriter:
     def __init__(self, response: web.StreamResponse) -> None:
         self.response = response
         self.gone = False
+        self.tap: ResponseTap | None = None
 
     async def prepare(self, request: web.Request) -> None:
+        self.tap = request.get(TAP_KEY)  # set when the traffic is being recorded
         try:
             await self.response.prepare(request)
         except CLIENT_GONE:
@@ -276,6 +279,8 @@ class ClientWriter:
     async def write(self, data: bytes) -> None:
         if self.gone or not data:
             return
+        if self.tap is not None:
+            self.tap.add(data)
         try:
             await self.response.write(data)
         except CLIENT_GONE:
@@ -284,6 +289,8 @@ class ClientWriter:
     async def end(self, final: bytes = b"") -> None:
         if self.gone:
             return
+        if self.tap is not None and final:
+            self.tap.add(final)
         try:
             await self.response.write_eof(final)
         except CLIENT_GONE:
