@@ -49,7 +49,7 @@ from capture_proxy.proxy.calls import (
     relay_engine_error,
     sse_response,
 )
-from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable
+from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
 from capture_proxy.rendering import ChatRenderer, RenderError
 
@@ -218,7 +218,14 @@ async def handle_exact_tokens(
     """Serve one captured call from exact tokens. Raises ProxyError."""
     body = call.prepared.body
     ctx = call.ctx
-    max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
+    t_ready = time.perf_counter()
+    try:
+        max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
+    except (UpstreamUnavailable, UpstreamTimeout) as exc:
+        # The engine cannot be asked what the prompt needs: the call fails, and is recorded
+        # as failed, as in backend-template mode.
+        await record_failed(deps, call, t_ready, exc.message, None)
+        raise
     try:
         prompt = await build_prompt(call, deps, exact, end_of_turn_ids)
         sampling = sampling_from_chat(
