@@ -51,6 +51,10 @@ class DiagnosticKind(enum.StrEnum):
     PARENT_DIGEST_MISMATCH = "parent_digest_mismatch"
     FOREIGN_TURN = "foreign_turn_projected_portable"
     RETRY = "retry"
+    PARENT_MODEL_MISMATCH = "parent_model_mismatch"
+    TURN_REWRITTEN = "turn_rewritten"
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+    ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable"
 
 
 @dataclass(frozen=True)

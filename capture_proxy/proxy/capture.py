@@ -88,8 +88,20 @@ async def _previous_messages(
     return [*record.request_messages, record.response_message]
 
 
+def retry_requested(retry_count: str | None) -> bool:
+    """The harness says this request is a retry: an OpenAI or Anthropic SDK (Stainless
+    clients: OpenCode's, Claude Code's) sends ``x-stainless-retry-count`` = 0 on the first
+    attempt and the attempt number on retries."""
+    return retry_count is not None and retry_count.strip().isdigit() and int(retry_count) > 0
+
+
 async def _resolve(
-    deps: CaptureDeps, rollout_id: str, prepared: Any, call_id: str, created_at: float
+    deps: CaptureDeps,
+    rollout_id: str,
+    prepared: Any,
+    call_id: str,
+    created_at: float,
+    retry_count: str | None,
 ) -> Resolution:
     """Request-time resolution; a failure here never fails the model call."""
     try:
@@ -99,6 +111,7 @@ async def _resolve(
             prepared.body,
             call_id=call_id,
             created_at=created_at,
+            retry_requested=retry_requested(retry_count),
         )
     except Exception as exc:
         log.error("rollout %s: parent resolution failed: %s", rollout_id, exc)
@@ -134,7 +147,10 @@ async def handle_captured_call(
     created_at = time.time()
     prepared = prepare_request(parsed.chat, deps.notes)
     call_id = new_call_id()
-    resolution = await _resolve(deps, route.rollout_id, prepared, call_id, created_at)
+    retry_count = request.headers.get(RETRY_COUNT_HEADER)
+    resolution = await _resolve(
+        deps, route.rollout_id, prepared, call_id, created_at, retry_count
+    )
     ctx = CallContext(
         call_id=call_id,
         rollout_id=route.rollout_id,
@@ -146,9 +162,7 @@ async def handle_captured_call(
         api=front.api.value,
         request_received=parsed.received,
     )
-    call = InFlightCall(
-        front, parsed, ctx, prepared, resolution, request.headers.get(RETRY_COUNT_HEADER)
-    )
+    call = InFlightCall(front, parsed, ctx, prepared, resolution, retry_count)
     exact = back_ends.exact
     if exact is not None and back_ends.exact_for_model(prepared.body.get("model")):
         call = dataclasses.replace(

@@ -12,6 +12,7 @@ call's front codec encodes the answer, whole or event by event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -165,11 +166,29 @@ async def build_prompt(
     res = call.resolution
     if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
         return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
-    parent = await deps.linker.store.get_call(res.parent_call_id)
-    if parent is None or parent.status is not CallStatus.COMPLETE:
-        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+    # Several candidates share the digest (parallel sub-agents that answered alike): the
+    # first, in the resolution's preference, whose request this history extends.
+    refusal: SpliceRefused | None = None
+    refused_parent = res.parent_call_id
+    for candidate in res.candidates or ():
+        found = await deps.linker.store.get_call(candidate.call_id)
+        if found is None or found.status is not CallStatus.COMPLETE:
+            continue
+        try:
+            j = check_extension(_parent_request_messages(found), call.prepared.linking_messages)
+        except SpliceRefused as exc:
+            if refusal is None:
+                refusal, refused_parent = exc, found.call_id
+            continue
+        parent = found
+        break
+    else:
+        if refusal is None:
+            return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+        return _Prompt(
+            np.asarray(full, dtype=np.uint32), None, [_refused(refused_parent, refusal)]
+        )
     try:
-        j = check_extension(_parent_request_messages(parent), call.prepared.linking_messages)
         through = await exact.renderer.render(
             messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
         )
@@ -181,13 +200,15 @@ async def build_prompt(
             end_of_turn_ids=end_of_turn_ids,
         )
     except SpliceRefused as exc:
-        details: dict[str, Any] = {"parent_call_id": parent.call_id, "reason": exc.reason}
-        if exc.message_index is not None:
-            details["message_index"] = exc.message_index
-        return _Prompt(
-            np.asarray(full, dtype=np.uint32), None, [Diagnostic(EXACT_PROMPT_REFUSED, details)]
-        )
+        return _Prompt(np.asarray(full, dtype=np.uint32), None, [_refused(parent.call_id, exc)])
     return _Prompt(spliced.prompt_token_ids, parent.call_id, [])
+
+
+def _refused(parent_call_id: str, exc: SpliceRefused) -> Diagnostic:
+    details: dict[str, Any] = {"parent_call_id": parent_call_id, "reason": exc.reason}
+    if exc.message_index is not None:
+        details["message_index"] = exc.message_index
+    return Diagnostic(EXACT_PROMPT_REFUSED, details)
 
 
 def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
@@ -235,6 +256,11 @@ async def handle_exact_tokens(
         raise BadRequest(str(exc), param="messages", code="render_failed") from exc
     except SamplingError as exc:
         raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
+    if prompt.spliced_from is not None:
+        # Verification prefers the parent the prompt was spliced from.
+        call = dataclasses.replace(
+            call, resolution=call.resolution.preferring(prompt.spliced_from)
+        )
     extra_diags = list(prompt.diagnostics)
     if sampling.clamped_from is not None:
         extra_diags.append(
