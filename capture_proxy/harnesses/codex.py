@@ -142,7 +142,9 @@ def codex_config(
     return "\n".join(lines) + "\n"
 
 
-def codex_command(binary: Path | str, prompt: str, extra_args: list[str] | None = None) -> list[str]:
+def codex_command(
+    binary: Path | str, prompt: str, extra_args: list[str] | None = None
+) -> list[str]:
     return [
         str(binary),
         "exec",

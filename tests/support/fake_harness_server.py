@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -187,8 +188,10 @@ class FakeHarnessServer:
         if request.method == "POST" and path.endswith("/messages") and isinstance(body, dict):
             return await self._api_call(request, rec, body, "messages")
         line["classification"] = "not-found"
-        api: Api = "messages" if "/messages" in path or "anthropic" in str(request.headers) else (
-            "responses"
+        api: Api = (
+            "messages"
+            if "/messages" in path or "anthropic" in str(request.headers)
+            else ("responses")
         )
         return self._json(line, 404, _error_body(api, 404, f"no route {request.method} {path}"))
 
@@ -221,12 +224,11 @@ class FakeHarnessServer:
                 step = steps[index]
             else:
                 step = Step(text=steps[-1].text or "Done.")
-            label = (
-                f"agent-tool(step={index})" if step.tool_calls else f"agent-final(step={index})"
-            )
+            label = f"agent-tool(step={index})" if step.tool_calls else f"agent-final(step={index})"
         line["classification"] = label
         events = (
-            self._responses_events(body, step) if api == "responses"
+            self._responses_events(body, step)
+            if api == "responses"
             else self._messages_events(body, step)
         )
         if not body.get("stream"):
@@ -275,8 +277,13 @@ class FakeHarnessServer:
             seq += 1
 
         base = {
-            "id": resp_id, "object": "response", "created_at": int(time.time()), "model": model,
-            "status": "in_progress", "output": [], "usage": None,
+            "id": resp_id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model,
+            "status": "in_progress",
+            "output": [],
+            "usage": None,
         }
         ev("response.created", response=dict(base))
         ev("response.in_progress", response=dict(base))
@@ -286,18 +293,40 @@ class FakeHarnessServer:
             idx = len(items)
             item = {"id": rid, "type": "reasoning", "summary": [], "encrypted_content": None}
             ev("response.output_item.added", output_index=idx, item=item)
-            ev("response.reasoning_summary_part.added", item_id=rid, output_index=idx,
-               summary_index=0, part={"type": "summary_text", "text": ""})
+            ev(
+                "response.reasoning_summary_part.added",
+                item_id=rid,
+                output_index=idx,
+                summary_index=0,
+                part={"type": "summary_text", "text": ""},
+            )
             for piece in _chunks(step.reasoning, n):
-                ev("response.reasoning_summary_text.delta", item_id=rid, output_index=idx,
-                   summary_index=0, delta=piece)
-            ev("response.reasoning_summary_text.done", item_id=rid, output_index=idx,
-               summary_index=0, text=step.reasoning)
+                ev(
+                    "response.reasoning_summary_text.delta",
+                    item_id=rid,
+                    output_index=idx,
+                    summary_index=0,
+                    delta=piece,
+                )
+            ev(
+                "response.reasoning_summary_text.done",
+                item_id=rid,
+                output_index=idx,
+                summary_index=0,
+                text=step.reasoning,
+            )
             part = {"type": "summary_text", "text": step.reasoning}
-            ev("response.reasoning_summary_part.done", item_id=rid, output_index=idx,
-               summary_index=0, part=part)
+            ev(
+                "response.reasoning_summary_part.done",
+                item_id=rid,
+                output_index=idx,
+                summary_index=0,
+                part=part,
+            )
             done = {
-                "id": rid, "type": "reasoning", "summary": [part],
+                "id": rid,
+                "type": "reasoning",
+                "summary": [part],
                 "encrypted_content": f"gAAAAB-fake-encrypted-{rid}",
             }
             ev("response.output_item.done", output_index=idx, item=done)
@@ -305,23 +334,55 @@ class FakeHarnessServer:
         if step.text:
             mid = self._next_id("msg")
             idx = len(items)
-            ev("response.output_item.added", output_index=idx, item={
-                "id": mid, "type": "message", "status": "in_progress", "role": "assistant",
-                "content": [],
-            })
+            ev(
+                "response.output_item.added",
+                output_index=idx,
+                item={
+                    "id": mid,
+                    "type": "message",
+                    "status": "in_progress",
+                    "role": "assistant",
+                    "content": [],
+                },
+            )
             empty = {"type": "output_text", "text": "", "annotations": []}
-            ev("response.content_part.added", item_id=mid, output_index=idx, content_index=0,
-               part=empty)
+            ev(
+                "response.content_part.added",
+                item_id=mid,
+                output_index=idx,
+                content_index=0,
+                part=empty,
+            )
             for piece in _chunks(step.text, n):
-                ev("response.output_text.delta", item_id=mid, output_index=idx, content_index=0,
-                   delta=piece, logprobs=[])
-            ev("response.output_text.done", item_id=mid, output_index=idx, content_index=0,
-               text=step.text, logprobs=[])
+                ev(
+                    "response.output_text.delta",
+                    item_id=mid,
+                    output_index=idx,
+                    content_index=0,
+                    delta=piece,
+                    logprobs=[],
+                )
+            ev(
+                "response.output_text.done",
+                item_id=mid,
+                output_index=idx,
+                content_index=0,
+                text=step.text,
+                logprobs=[],
+            )
             part = {"type": "output_text", "text": step.text, "annotations": []}
-            ev("response.content_part.done", item_id=mid, output_index=idx, content_index=0,
-               part=part)
+            ev(
+                "response.content_part.done",
+                item_id=mid,
+                output_index=idx,
+                content_index=0,
+                part=part,
+            )
             done = {
-                "id": mid, "type": "message", "status": "completed", "role": "assistant",
+                "id": mid,
+                "type": "message",
+                "status": "completed",
+                "role": "assistant",
                 "content": [part],
             }
             ev("response.output_item.done", output_index=idx, item=done)
@@ -332,43 +393,90 @@ class FakeHarnessServer:
             text = call.arguments_text()
             if call.kind == "custom":
                 iid = self._next_id("ctc")
-                ev("response.output_item.added", output_index=idx, item={
-                    "id": iid, "type": "custom_tool_call", "status": "in_progress",
-                    "call_id": call_id, "name": call.name, "input": "",
-                })
+                ev(
+                    "response.output_item.added",
+                    output_index=idx,
+                    item={
+                        "id": iid,
+                        "type": "custom_tool_call",
+                        "status": "in_progress",
+                        "call_id": call_id,
+                        "name": call.name,
+                        "input": "",
+                    },
+                )
                 for piece in _chunks(text, n):
-                    ev("response.custom_tool_call_input.delta", item_id=iid, output_index=idx,
-                       delta=piece)
-                ev("response.custom_tool_call_input.done", item_id=iid, output_index=idx,
-                   input=text)
+                    ev(
+                        "response.custom_tool_call_input.delta",
+                        item_id=iid,
+                        output_index=idx,
+                        delta=piece,
+                    )
+                ev(
+                    "response.custom_tool_call_input.done",
+                    item_id=iid,
+                    output_index=idx,
+                    input=text,
+                )
                 done = {
-                    "id": iid, "type": "custom_tool_call", "status": "completed",
-                    "call_id": call_id, "name": call.name, "input": text,
+                    "id": iid,
+                    "type": "custom_tool_call",
+                    "status": "completed",
+                    "call_id": call_id,
+                    "name": call.name,
+                    "input": text,
                 }
             else:
                 iid = self._next_id("fc")
-                ev("response.output_item.added", output_index=idx, item={
-                    "id": iid, "type": "function_call", "status": "in_progress",
-                    "call_id": call_id, "name": call.name, "arguments": "",
-                })
-                for piece in _chunks(text, n):
-                    ev("response.function_call_arguments.delta", item_id=iid, output_index=idx,
-                       delta=piece)
-                ev("response.function_call_arguments.done", item_id=iid, output_index=idx,
-                   arguments=text)
+                ev(
+                    "response.output_item.added",
+                    output_index=idx,
+                    item={
+                        "id": iid,
+                        "type": "function_call",
+                        "status": "in_progress",
+                        "call_id": call_id,
+                        "name": call.name,
+                        "arguments": "",
+                    },
+                )
+                for piece in _json_chunks(text):
+                    ev(
+                        "response.function_call_arguments.delta",
+                        item_id=iid,
+                        output_index=idx,
+                        delta=piece,
+                    )
+                ev(
+                    "response.function_call_arguments.done",
+                    item_id=iid,
+                    output_index=idx,
+                    arguments=text,
+                )
                 done = {
-                    "id": iid, "type": "function_call", "status": "completed",
-                    "call_id": call_id, "name": call.name, "arguments": text,
+                    "id": iid,
+                    "type": "function_call",
+                    "status": "completed",
+                    "call_id": call_id,
+                    "name": call.name,
+                    "arguments": text,
                 }
             ev("response.output_item.done", output_index=idx, item=done)
             items.append(done)
         in_tokens = _estimate_tokens(json.dumps(body.get("input", "")))
         out_tokens = max(1, _estimate_tokens(json.dumps(items)))
-        final = dict(base, status="completed", output=items, usage={
-            "input_tokens": in_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": in_tokens + out_tokens,
-        })
+        final = dict(
+            base,
+            status="completed",
+            output=items,
+            usage={
+                "input_tokens": in_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": out_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": in_tokens + out_tokens,
+            },
+        )
         ev("response.completed", response=final)
         return out
 
@@ -384,22 +492,46 @@ class FakeHarnessServer:
         def ev(name: str, **data: Any) -> None:
             out.append((name, {"type": name, **data}))
 
-        ev("message_start", message={
-            "id": self._next_id("msg"), "type": "message", "role": "assistant", "model": model,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": in_tokens, "cache_creation_input_tokens": 0,
-                      "cache_read_input_tokens": 0, "output_tokens": 1},
-        })
+        ev(
+            "message_start",
+            message={
+                "id": self._next_id("msg"),
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": in_tokens,
+                    "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": 0,
+                    "output_tokens": 1,
+                },
+            },
+        )
         ev("ping")
         idx = 0
         if step.reasoning is not None:
-            ev("content_block_start", index=idx,
-               content_block={"type": "thinking", "thinking": "", "signature": ""})
+            ev(
+                "content_block_start",
+                index=idx,
+                content_block={"type": "thinking", "thinking": "", "signature": ""},
+            )
             for piece in _chunks(step.reasoning, n):
-                ev("content_block_delta", index=idx,
-                   delta={"type": "thinking_delta", "thinking": piece})
-            ev("content_block_delta", index=idx,
-               delta={"type": "signature_delta", "signature": f"FakeSig{idx}{len(self.records)}=="})
+                ev(
+                    "content_block_delta",
+                    index=idx,
+                    delta={"type": "thinking_delta", "thinking": piece},
+                )
+            ev(
+                "content_block_delta",
+                index=idx,
+                delta={
+                    "type": "signature_delta",
+                    "signature": f"FakeSig{idx}{len(self.records)}==",
+                },
+            )
             ev("content_block_stop", index=idx)
             idx += 1
         if step.text:
@@ -409,21 +541,86 @@ class FakeHarnessServer:
             ev("content_block_stop", index=idx)
             idx += 1
         for call in step.tool_calls:
-            ev("content_block_start", index=idx, content_block={
-                "type": "tool_use", "id": self._next_id("toolu"), "name": call.name, "input": {},
-            })
-            for piece in _chunks(call.arguments_text(), n):
-                ev("content_block_delta", index=idx,
-                   delta={"type": "input_json_delta", "partial_json": piece})
+            ev(
+                "content_block_start",
+                index=idx,
+                content_block={
+                    "type": "tool_use",
+                    "id": self._next_id("toolu"),
+                    "name": call.name,
+                    "input": {},
+                },
+            )
+            for piece in _json_chunks(call.arguments_text()):
+                ev(
+                    "content_block_delta",
+                    index=idx,
+                    delta={"type": "input_json_delta", "partial_json": piece},
+                )
             ev("content_block_stop", index=idx)
             idx += 1
         out_tokens = max(1, idx * 10)
-        ev("message_delta",
-           delta={"stop_reason": "tool_use" if step.tool_calls else "end_turn",
-                  "stop_sequence": None},
-           usage={"output_tokens": out_tokens})
+        ev(
+            "message_delta",
+            delta={
+                "stop_reason": "tool_use" if step.tool_calls else "end_turn",
+                "stop_sequence": None,
+            },
+            usage={"output_tokens": out_tokens},
+        )
         ev("message_stop")
         return out
+
+
+# --- the scripted sessions the fixtures and the driver tests use --------------------------
+NOTES_TEXT = "TODO: count the files\nalpha é ✓\n  indented beta\n"
+CODEX_PATCH = (
+    "*** Begin Patch\n*** Update File: notes.txt\n@@\n-TODO: count the files\n"
+    "+DONE: counted the files\n*** End Patch\n"
+)
+CODEX_FINAL = "Done: the project holds notes.txt; its TODO line is now DONE."
+CLAUDE_FINAL = "Done: the project holds notes.txt; its TODO line is now DONE."
+
+
+def codex_tool_session() -> list[Step]:
+    """Reasoning + text + ``exec_command ls``; ``apply_patch`` (freeform) on notes.txt;
+    ``exec_command cat notes.txt``; a final answer."""
+    return [
+        Step(
+            text="Let me look at the files first.",
+            reasoning="The user wants the files listed. Run ls.",
+            tool_calls=(ToolCall("exec_command", {"cmd": "ls"}),),
+        ),
+        Step(tool_calls=(ToolCall("apply_patch", CODEX_PATCH, kind="custom"),)),
+        Step(tool_calls=(ToolCall("exec_command", {"cmd": "cat notes.txt"}),)),
+        Step(text=CODEX_FINAL),
+    ]
+
+
+def claude_tool_session(project_dir: Path | str) -> list[Step]:
+    """Thinking + text + ``Bash ls``; ``Read`` notes.txt; ``Edit`` it; a final answer."""
+    notes = str(Path(project_dir) / "notes.txt")
+    return [
+        Step(
+            text="Let me look at the files first.",
+            reasoning="The user wants the files listed. Run ls.",
+            tool_calls=(ToolCall("Bash", {"command": "ls", "description": "List files"}),),
+        ),
+        Step(tool_calls=(ToolCall("Read", {"file_path": notes}),)),
+        Step(
+            tool_calls=(
+                ToolCall(
+                    "Edit",
+                    {
+                        "file_path": notes,
+                        "old_string": "TODO: count the files",
+                        "new_string": "DONE: counted the files",
+                    },
+                ),
+            )
+        ),
+        Step(text=CLAUDE_FINAL),
+    ]
 
 
 # --- step choice ---------------------------------------------------------------------------
@@ -433,13 +630,18 @@ def codex_step_index(body: dict[str, Any]) -> int:
     if not isinstance(items, list):
         return 0
     last_user = max(
-        (i for i, it in enumerate(items)
-         if isinstance(it, dict) and it.get("type", "message") == "message"
-         and it.get("role") == "user"),
+        (
+            i
+            for i, it in enumerate(items)
+            if isinstance(it, dict)
+            and it.get("type", "message") == "message"
+            and it.get("role") == "user"
+        ),
         default=-1,
     )
     return sum(
-        1 for it in items[last_user + 1 :]
+        1
+        for it in items[last_user + 1 :]
         if isinstance(it, dict) and it.get("type") in ("function_call", "custom_tool_call")
     )
 
@@ -469,6 +671,15 @@ def _chunks(text: str, n: int) -> list[str]:
     return [text[i : i + n] for i in range(0, len(text), n)] or [""]
 
 
+_JSON_PIECES = re.compile(r'"(?:[^"\\]|\\.)*"|[^"]+')
+
+
+def _json_chunks(text: str) -> list[str]:
+    """Tool-call argument deltas: JSON strings whole, punctuation between them separate (so a
+    path inside a value is never split across deltas and can be scrubbed from a recording)."""
+    return _JSON_PIECES.findall(text) or [""]
+
+
 def _estimate_tokens(text: str) -> int:
     return max(1, len(text) // 4)
 
@@ -476,8 +687,11 @@ def _estimate_tokens(text: str) -> int:
 def _error_body(api: Api, status: int, message: str) -> dict[str, Any]:
     if api == "messages":
         kind = {
-            400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            429: "rate_limit_error", 529: "overloaded_error",
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            429: "rate_limit_error",
+            529: "overloaded_error",
         }.get(status, "api_error")
         return {"type": "error", "error": {"type": kind, "message": message}}
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
@@ -539,8 +753,21 @@ def scrub_line(line: dict[str, Any], replacements: list[tuple[str, str]]) -> dic
         if h[0].lower() == "content-length" and h[1] != new_len:
             out["content_length_original"] = h[1]
             h[1] = new_len
-    keys = ["seq", "ts", "ts_done", "method", "path", "query", "http_version", "headers",
-            "body_raw", "body", "classification", "status", "response_raw"]
+    keys = [
+        "seq",
+        "ts",
+        "ts_done",
+        "method",
+        "path",
+        "query",
+        "http_version",
+        "headers",
+        "body_raw",
+        "body",
+        "classification",
+        "status",
+        "response_raw",
+    ]
     return {k: out[k] for k in keys if k in out} | {k: v for k, v in out.items() if k not in keys}
 
 
