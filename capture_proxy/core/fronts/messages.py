@@ -8,6 +8,8 @@ Request mapping (errors name the field as a dotted path, e.g. ``messages.3.conte
 
 - ``system`` (a string or ``text`` blocks, joined with ``"\\n"``) -> one leading ``system``
   message. ``cache_control`` anywhere is ignored.
+- a ``system`` message inside ``messages`` (Claude Code's ``# Environment`` block) -> a
+  ``system`` message in its place (a string, or ``text`` blocks joined with ``"\\n"``).
 - a ``user`` message -> its blocks in order: a run of ``text`` blocks -> one ``user`` message
   (joined with ``"\\n"``); each ``tool_result`` -> a ``tool`` message. Only text is captured:
   ``image``, ``document`` and any other block is refused.
@@ -309,6 +311,18 @@ def _system_message(system: Any) -> dict[str, Any] | None:
     return {"role": "system", "content": text} if text else None
 
 
+def _inline_system_message(content: Any, path: str) -> dict[str, Any]:
+    """A ``role: "system"`` message inside ``messages`` (Claude Code 2.1.328 puts its
+    ``# Environment`` block there, after the task) -> a ``system`` message in its place. Its
+    content is a string or ``text`` blocks joined with ``"\\n"``: Claude Code sends it as a
+    one-block list with ``cache_control`` first and as a plain string afterwards, which must
+    give the same canonical message."""
+    if isinstance(content, str):
+        return {"role": "system", "content": content}
+    blocks = _list(content, f"{path}.content")
+    return {"role": "system", "content": _texts(blocks, f"{path}.content")}
+
+
 def _tools(raw: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(chat function tools, server tools)."""
     chat: list[dict[str, Any]] = []
@@ -398,8 +412,10 @@ def _parse(body: Any, *, count_tokens: bool) -> FrontRequest:
             messages.extend(_user_messages(message.get("content"), path, seen))
         elif role == "assistant":
             messages.append(_assistant_message(message.get("content"), path, seen))
+        elif role == "system":
+            messages.append(_inline_system_message(message.get("content"), path))
         else:
-            raise _fail(f"{path}.role", f"must be user or assistant, not {role!r}")
+            raise _fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
     chat["messages"] = messages
     if not count_tokens:
         chat["max_tokens"] = max_tokens

@@ -202,6 +202,41 @@ def test_parse_claude_code_body() -> None:
     assert request.received == {k: v for k, v in original.items() if k != "messages"}
 
 
+def test_a_system_message_inside_messages_is_a_canonical_system_message() -> None:
+    """Claude Code 2.1.328 puts its ``# Environment`` block in ``messages`` as ``role:
+    "system"``, after the task: a one-block list with ``cache_control`` in the first request, a
+    plain string from the second on. Both are the same canonical system message in its place,
+    so the history digest (and the rendered prompt) does not change between the calls."""
+    env = "# Environment\nYou have been invoked in the following environment:\n - cwd: /w"
+    first = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": "You are Claude Code.",
+        "messages": [
+            {"role": "user", "content": "Do the task."},
+            {
+                "role": "system",
+                "content": [{"type": "text", "text": env, "cache_control": {"type": "ephemeral"}}],
+            },
+        ],
+    }
+    later = copy.deepcopy(first)
+    later["messages"][1]["content"] = env
+    expected = [
+        {"role": "system", "content": "You are Claude Code."},
+        {"role": "user", "content": "Do the task."},
+        {"role": "system", "content": env},
+    ]
+    assert CODEC.parse(first).chat["messages"] == expected
+    assert CODEC.parse(later).chat["messages"] == expected
+    two_blocks = copy.deepcopy(first)
+    two_blocks["messages"][1]["content"] = [
+        {"type": "text", "text": "a"},
+        {"type": "text", "text": "b"},
+    ]
+    assert CODEC.parse(two_blocks).chat["messages"][2] == {"role": "system", "content": "a\nb"}
+
+
 def test_parse_small_shapes() -> None:
     request = CODEC.parse(
         {
@@ -420,7 +455,12 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         (_with(messages=[]), "messages"),
         (_with(messages={"role": "user"}), "messages"),
         (_with(messages=["hi"]), "messages.0"),
-        (_with(messages=[{"role": "system", "content": "x"}]), "messages.0.role"),
+        (_with(messages=[{"role": "tool", "content": "x"}]), "messages.0.role"),
+        (_with(messages=[{"role": "system", "content": 3}]), "messages.0.content"),
+        (
+            _with(messages=[{"role": "system", "content": [{"type": "image"}]}]),
+            "messages.0.content.0.type",
+        ),
         (_with(messages=[{"role": "user"}]), "messages.0.content"),
         (_with(messages=[{"role": "user", "content": []}]), "messages.0.content"),
         (_with(messages=[{"role": "user", "content": 3}]), "messages.0.content"),
