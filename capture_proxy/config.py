@@ -102,6 +102,17 @@ class Settings(BaseSettings):
     prompt_mode_by_model: dict[str, Literal["backend_template", "exact_tokens"]] = Field(
         default_factory=dict, description="per-model override of prompt_mode"
     )
+    routed_experts: Literal["required", "optional", "off"] = Field(
+        "optional",
+        description="what a model's calls promise about routed experts: required (an MoE "
+        "model trained with routing replay: a call without rows is incomplete and the rollout "
+        "says so), optional (rows kept when the engine sends them; a call whose parent had "
+        "rows but that got none, e.g. a vLLM OpenAI-format stream, is flagged "
+        "routed_experts_unavailable), off (not asked for, not checked)",
+    )
+    routed_experts_by_model: dict[str, Literal["required", "optional", "off"]] = Field(
+        default_factory=dict, description="per-model override of routed_experts"
+    )
     tokenizer: Path | None = Field(
         None,
         description="local HF tokenizer directory with the model's chat template (exact_tokens); "
@@ -184,6 +195,10 @@ class Settings(BaseSettings):
     def prompt_mode_for(self, model: str | None) -> str:
         """The prompt mode for a request's ``model``."""
         return self.prompt_mode_by_model.get(model or "", self.prompt_mode)
+
+    def routed_experts_for(self, model: str | None) -> str:
+        """The routed-experts expectation for a request's ``model``."""
+        return self.routed_experts_by_model.get(model or "", self.routed_experts)
 
     @property
     def uses_exact_tokens(self) -> bool:

@@ -25,7 +25,11 @@ from capture_proxy.core.records import (
     as_log_prob_array,
     as_token_array,
 )
-from capture_proxy.core.routed_experts import check_row_count, decode_vllm_routed_experts
+from capture_proxy.core.routed_experts import (
+    check_row_count,
+    decode_vllm_routed_experts,
+    expectation_check,
+)
 
 __all__ = ["CallContext", "ChatCaptureAssembler", "decode_vllm_routed_experts", "failed_record"]
 
@@ -46,6 +50,11 @@ class CallContext:
     #: the wire API of the call and its body as received, less the history field
     api: str = "chat_completions"
     request_received: dict[str, Any] | None = None
+    #: the sampling settings sent to the engine (``sampling.sampling_record``)
+    sampling: dict[str, Any] | None = None
+    #: ``routed_experts`` setting for the call's model; whether its digest parent held rows
+    routed_experts_expectation: str = "optional"
+    parent_had_rows: bool = False
 
 
 def call_fields(ctx: CallContext) -> dict[str, Any]:
@@ -60,6 +69,7 @@ def call_fields(ctx: CallContext) -> dict[str, Any]:
         "upstream_path": ctx.upstream_path,
         "api": ctx.api,
         "request_received": ctx.request_received,
+        "sampling": ctx.sampling,
         "model": body.get("model"),
         "request_messages": list(body.get("messages") or []),
         "request_tools": body.get("tools"),
@@ -74,6 +84,37 @@ class CheckedGeneration:
     log_probs: np.ndarray | None
     problems: list[str]
     diagnostics: list[Diagnostic]
+
+
+def check_usage(
+    usage: Any, num_prompt_tokens: int | None, num_generation_tokens: int | None
+) -> tuple[list[str], list[Diagnostic]]:
+    """Compare the ids received with the engine's own counts (``usage.prompt_tokens``,
+    ``usage.completion_tokens``): a stream that lost chunks (vLLM #27482) gives fewer ids
+    than the engine generated. A mismatch is a problem (the record is incomplete) and a
+    ``token_count_mismatch`` diagnostic; absent counts are not checked."""
+    if not isinstance(usage, dict):
+        return [], []
+    found: dict[str, dict[str, int]] = {}
+    for field_name, received in (
+        ("prompt_tokens", num_prompt_tokens),
+        ("completion_tokens", num_generation_tokens),
+    ):
+        reported = usage.get(field_name)
+        if (
+            received is not None
+            and isinstance(reported, int)
+            and not isinstance(reported, bool)
+            and reported != received
+        ):
+            found[field_name] = {"usage": reported, "received": received}
+    if not found:
+        return [], []
+    problems = [
+        f"engine usage.{k} is {v['usage']} but {v['received']} ids were received"
+        for k, v in found.items()
+    ]
+    return problems, [Diagnostic(DiagnosticKind.TOKEN_COUNT_MISMATCH, found)]
 
 
 def check_generation(
@@ -284,6 +325,21 @@ class ChatCaptureAssembler:
                 diagnostics.append(
                     Diagnostic(DiagnosticKind.ROUTED_EXPERTS_MISMATCH, {"reason": str(exc)})
                 )
+        usage_problems, usage_diagnostics = check_usage(
+            self.usage,
+            int(prompt.shape[0]) if prompt is not None else None,
+            int(gen.shape[0]) if gen is not None else None,
+        )
+        problems += usage_problems
+        diagnostics += usage_diagnostics
+        expert_problems, expert_diagnostics = expectation_check(
+            ctx.routed_experts_expectation,
+            experts,
+            stream=ctx.stream,
+            parent_had_rows=ctx.parent_had_rows,
+        )
+        problems += expert_problems
+        diagnostics += expert_diagnostics
         if experts is not None and prompt is not None and gen is not None:
             # Kept as received either way; a wrong row count is named, never "fixed".
             mismatch = check_row_count(

@@ -73,7 +73,7 @@ class HarnessAsked:
 
 
 def augment_chat_request(
-    body: dict[str, Any], *, parent_rows_end: int | None = None
+    body: dict[str, Any], *, parent_rows_end: int | None = None, routed_experts: bool = True
 ) -> tuple[dict[str, Any], HarnessAsked]:
     """Return (the body to send to the engine, what the harness asked for).
 
@@ -83,6 +83,7 @@ def augment_chat_request(
     ``stream_options.include_usage: true`` (the record keeps the usage). With
     ``parent_rows_end`` (the routed-expert rows the parent already holds, see
     ``routed_experts.rows_end``) only the rows after it are asked for; None asks for all.
+    ``routed_experts`` False (the model's ``routed_experts = off``): none are asked for.
     """
     stream_options = body.get("stream_options")
     asked = HarnessAsked(
@@ -103,7 +104,8 @@ def augment_chat_request(
         opts = dict(stream_options) if isinstance(stream_options, dict) else {}
         opts["include_usage"] = True
         out["stream_options"] = opts
-    out.update(routed_experts_request_fields(parent_rows_end))
+    if routed_experts:
+        out.update(routed_experts_request_fields(parent_rows_end))
     return out, asked
 
 

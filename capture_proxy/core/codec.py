@@ -37,7 +37,8 @@ Schema versions:
   order, and checks every length.
   A v3 record may also carry ``api`` (the wire API; absent: ``chat_completions``) and
   ``request_received`` (the body as received less its history field; values of at least
-  ``REF_MIN_BYTES`` of canonical JSON content-addressed under ``request_received_blobs``):
+  ``REF_MIN_BYTES`` of canonical JSON content-addressed under ``request_received_blobs``) and
+  ``sampling`` (the sampling settings sent, and those left to the engine's defaults):
   additive fields that older v3 readers ignore, so the version is unchanged.
   v2 -> v3: the messages stay whole (k = 0) and the tools (and large system messages) move to
   ``json_blobs``; a store may rebase the messages afterwards (``rebase_messages``).
@@ -99,6 +100,7 @@ _META_KEYS = (
     "api",
     "request_received",
     "request_received_blobs",
+    "sampling",
 )
 
 
@@ -442,6 +444,7 @@ def encode_record(
         "num_generation_tokens": record.num_generation_tokens,
         "routed_experts": experts_meta,
         "api": record.api,
+        "sampling": record.sampling,
     }
     meta["request_received"], meta["request_received_blobs"] = _received_refs(
         record.request_received, blobs
@@ -701,6 +704,7 @@ def decode_record(
         upstream_path=meta.get("upstream_path") or "/v1/chat/completions",
         api=meta.get("api") or "chat_completions",
         request_received=_decode_received(encoded, meta, parsed_json),
+        sampling=meta.get("sampling"),
         request_messages=messages,
         request_tools=tools,
         response_message=meta.get("response_message"),

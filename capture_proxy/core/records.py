@@ -109,7 +109,9 @@ class CallRecord:
     ``messages``); ``request_messages`` / ``request_tools`` are always the canonical
     (chat-completions) form. ``request_received``: the body as the harness sent it, less its
     history field (``messages`` / ``input``, whose canonical form is ``request_messages``);
-    None for records written before it existed.
+    None for records written before it existed. ``sampling``: ``{"sent": {name: value},
+    "engine_defaults": [name]}``, the sampling settings sent to the engine and those left to
+    its defaults (``core.sampling.sampling_record``), for importance ratios.
     """
 
     call_id: str
@@ -122,6 +124,7 @@ class CallRecord:
     upstream_path: str = "/v1/chat/completions"
     api: str = "chat_completions"
     request_received: dict[str, Any] | None = None
+    sampling: dict[str, Any] | None = None
     request_messages: list[dict[str, Any]] = field(default_factory=list)
     request_tools: list[dict[str, Any]] | None = None
     response_message: dict[str, Any] | None = None

@@ -182,3 +182,40 @@ def align_to_sequence(
         out[start:end][free] = rows[: end - start][free]
         mask[start:end] = 1
     return out, mask
+
+
+#: What a model's calls promise about routed experts (setting ``routed_experts``):
+#: ``required`` (an MoE model trained with routing replay: a call without rows is incomplete),
+#: ``optional`` (rows are kept when the engine sends them; a call that should have had them,
+#: because its parent did, is flagged), ``off`` (not asked for, not checked).
+EXPECTATIONS = ("required", "optional", "off")
+
+UNAVAILABLE_HINT = (
+    "vLLM's OpenAI-format streaming returns no routed experts: use exact-token mode with "
+    "tokens_in_dialect vllm_generate (/inference/v1/generate streams them) or sglang_generate, "
+    "or non-streaming calls"
+)
+
+
+def expectation_check(
+    expectation: str, experts: Any, *, stream: bool, parent_had_rows: bool
+) -> tuple[list[str], list[Diagnostic]]:
+    """(problems that make the record incomplete, diagnostics) for a call whose engine sent
+    ``experts`` (None: no rows). ``required``: no rows is a problem and a
+    ``routed_experts_unavailable`` diagnostic; ``optional``: only the diagnostic, and only when
+    rows were to be expected (the parent held rows); ``off``: nothing."""
+    if experts is not None or expectation == "off":
+        return [], []
+    if expectation == "optional" and not parent_had_rows:
+        return [], []
+    details = {
+        "reason": "the engine returned no routed experts"
+        + (" (streamed call)" if stream else ""),
+        "expectation": expectation,
+        "hint": UNAVAILABLE_HINT,
+    }
+    diagnostics = [Diagnostic(DiagnosticKind.ROUTED_EXPERTS_UNAVAILABLE, details)]
+    if expectation == "required":
+        return [f"routed experts are required but {details['reason']}"], diagnostics
+    return [], diagnostics
+

@@ -79,3 +79,51 @@ def sampling_from_chat(
     extra = {k: body[k] for k in PASSED_THROUGH if body.get(k) is not None}
     clamped = requested if requested is not None and requested > room else None
     return Sampling(max_tokens=max_tokens, stop=stops, extra=extra, clamped_from=clamped)
+
+
+#: The sampling settings a trainer needs for importance ratios and off-policy corrections,
+#: recorded per call by their chat-completions / vLLM names.
+RECORDED = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+)
+#: Of those, the ones an engine applies a default for when they are left out (``max_tokens``
+#: and its alias are one setting: the context left).
+_DEFAULTED = tuple(k for k in RECORDED if k != "max_completion_tokens")
+
+
+def sampling_record(sent: dict[str, Any]) -> dict[str, Any]:
+    """What a call's record keeps of its sampling: ``sent``, the settings as sent to the
+    engine (by name, as sent), and ``engine_defaults``, the names left to the engine's defaults
+    (vLLM: its ``SamplingParams`` defaults or the model's ``generation_config``)."""
+    values = {k: sent[k] for k in RECORDED if sent.get(k) is not None}
+    if "max_completion_tokens" in values and "max_tokens" not in values:
+        values["max_tokens"] = values.pop("max_completion_tokens")
+    values.pop("max_completion_tokens", None)
+    return {
+        "sent": values,
+        "engine_defaults": [k for k in _DEFAULTED if k not in values],
+    }
+
+
+def sampling_record_tokens_in(sampling: Sampling) -> dict[str, Any]:
+    """``sampling_record`` of a tokens-in call (what ``engine_formats`` sends: the clamped
+    ``max_tokens``, ``stop`` and the passed-through fields)."""
+    sent: dict[str, Any] = {**sampling.extra, "max_tokens": sampling.max_tokens}
+    if sampling.stop:
+        sent["stop"] = list(sampling.stop)
+    return sampling_record(sent)
+

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.assembly import CallContext, call_fields, check_generation
+from capture_proxy.core.assembly import CallContext, call_fields, check_generation, check_usage
 from capture_proxy.core.engine_formats import Piece
 from capture_proxy.core.records import (
     CallRecord,
@@ -74,6 +74,13 @@ class TokensInAssembler:
         gen, log_probs = checked.token_ids, checked.log_probs
         problems += checked.problems
         diagnostics += checked.diagnostics
+        usage_problems, usage_diagnostics = check_usage(
+            self.usage,
+            int(self.prompt_token_ids.shape[0]),
+            int(gen.shape[0]) if gen is not None else None,
+        )
+        problems += usage_problems
+        diagnostics += usage_diagnostics
         if problems:
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
         record = CallRecord(

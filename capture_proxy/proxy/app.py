@@ -96,6 +96,7 @@ def _back_ends(request: web.Request) -> BackEnds:
         exact=request.app.get(EXACT_KEY),
         exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
         token_counter=EngineRenderer(request.app[SESSION_KEY], settings.backend_base),
+        routed_experts_for=settings.routed_experts_for,
     )
 
 

@@ -27,6 +27,7 @@ from capture_proxy.core.fronts.responses import referenced_response_id
 from capture_proxy.core.linking import Resolution, Verdict, request_digest
 from capture_proxy.core.requests import InvalidRequest, parse_json_object
 from capture_proxy.core.routing import Route
+from capture_proxy.core.sampling import sampling_record
 from capture_proxy.proxy.calls import (
     CHAT_COMPLETIONS_PATH,
     CaptureDeps,
@@ -52,6 +53,8 @@ class BackEnds:
     exact: ExactTokens | None
     exact_for_model: Callable[[str | None], bool]
     token_counter: ChatRenderer
+    #: the ``routed_experts`` expectation of a model (``required`` | ``optional`` | ``off``)
+    routed_experts_for: Callable[[str | None], str] = lambda model: "optional"
 
 
 def _bad_request(exc: InvalidRequest | InvalidFrontRequest) -> BadRequest:
@@ -161,6 +164,8 @@ async def handle_captured_call(
         routed_experts_start=resolution.parent_rows_end or 0,
         api=front.api.value,
         request_received=parsed.received,
+        routed_experts_expectation=back_ends.routed_experts_for(prepared.body.get("model")),
+        parent_had_rows=resolution.parent_rows_end is not None,
     )
     call = InFlightCall(front, parsed, ctx, prepared, resolution, retry_count)
     exact = back_ends.exact
@@ -170,7 +175,12 @@ async def handle_captured_call(
         )
         return await handle_exact_tokens(request, call, deps, exact)
     upstream_body, asked = augment_chat_request(
-        prepared.body, parent_rows_end=resolution.parent_rows_end
+        prepared.body,
+        parent_rows_end=resolution.parent_rows_end,
+        routed_experts=ctx.routed_experts_expectation != "off",
+    )
+    call = dataclasses.replace(
+        call, ctx=dataclasses.replace(ctx, sampling=sampling_record(upstream_body))
     )
     return await handle_template(request, call, deps, upstream_body, asked)
 

@@ -32,7 +32,11 @@ from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
-from capture_proxy.core.sampling import SamplingError, sampling_from_chat
+from capture_proxy.core.sampling import (
+    SamplingError,
+    sampling_from_chat,
+    sampling_record_tokens_in,
+)
 from capture_proxy.core.splice import SpliceRefused, check_extension, splice_prompt
 from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler
@@ -261,6 +265,10 @@ async def handle_exact_tokens(
         call = dataclasses.replace(
             call, resolution=call.resolution.preferring(prompt.spliced_from)
         )
+    call = dataclasses.replace(
+        call, ctx=dataclasses.replace(call.ctx, sampling=sampling_record_tokens_in(sampling))
+    )
+    ctx = call.ctx
     extra_diags = list(prompt.diagnostics)
     if sampling.clamped_from is not None:
         extra_diags.append(

@@ -409,6 +409,9 @@ async def _send_tokens(
         if faults.malformed_chunk_at == k:
             await send("{not json")
             continue
+        last = k == len(gen.events) - 1
+        if k in faults.drop_chunks_at and not last:
+            continue
         delta: dict[str, Any] = {}
         if e.reasoning:
             delta["reasoning_content"] = e.reasoning
@@ -416,7 +419,6 @@ async def _send_tokens(
             delta["content"] = e.content
         if e.tool_call:
             delta["tool_calls"] = [e.tool_call]
-        last = k == len(gen.events) - 1
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,

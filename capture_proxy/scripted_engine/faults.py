@@ -2,7 +2,8 @@
 
 Owns the catalogue of engine misbehaviour the proxy must survive: slow first byte, slow or
 stalled chunks, a stream cut without ``[DONE]``, a connection dropped mid-stream, a malformed
-chunk, a missing log prob (ids and log probs of different lengths), and a NaN log prob sent as
+chunk, dropped chunks (ids lost, usage still counting them), a missing log prob (ids and log
+probs of different lengths), and a NaN log prob sent as
 JSON ``null`` (how pydantic-based servers serialise NaN). Pure data; ``app.py`` applies it.
 """
 
@@ -27,6 +28,9 @@ class Faults:
     disconnect_after_chunks: int | None = None
     #: send ``data: {not json`` in place of the chunk of this token
     malformed_chunk_at: int | None = None
+    #: leave out the chunks of these tokens (their ids and log probs too), as vLLM #27482's
+    #: tool parser did; the usage chunk still counts every token
+    drop_chunks_at: frozenset[int] = frozenset()
     #: leave out the log prob entry of this token
     drop_logprob_at: int | None = None
     #: the log prob of this token is NaN, sent as JSON null

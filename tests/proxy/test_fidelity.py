@@ -194,3 +194,105 @@ async def test_a_turn_the_harness_rewrote_is_found_by_its_tool_call_ids(
     parent = await _call(stack, call["parent_call_id"])
     prefix = parent["prompt_token_ids"] + parent["generation_token_ids"]
     assert call["prompt_token_ids"][: len(prefix)] == prefix
+
+
+# -- token counts, sampling, routed experts ----------------------------------------------------
+
+USER = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Look."}]
+MOE = (2, 2, 8)  # num_layers, top_k, num_experts
+
+
+async def test_a_stream_that_lost_chunks_is_incomplete_by_the_engines_own_count(
+    make_stack: MakeStack,
+):
+    from capture_proxy.scripted_engine import Faults
+
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(
+            policy=TOOL_POLICY, faults=Faults(drop_chunks_at=frozenset({1, 2, 3}))
+        )
+    )
+    resp = await stack.chat("r1", {**_body(USER, tools=TOOLS), "stream": True})
+    assert resp.status == 200
+    await resp.read()
+    call = await _call(stack, resp.headers["X-Capture-Call-Id"])
+    sent = stack.sent[0]
+    n = len(sent.generation_token_ids)
+    assert call["status"] == "incomplete"
+    assert len(call["generation_token_ids"]) == n - 3
+    mismatch = next(d for d in call["diagnostics"] if d["kind"] == "token_count_mismatch")
+    assert mismatch["details"] == {"completion_tokens": {"usage": n, "received": n - 3}}
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert chains["incomplete"] is True and chains["chains"] == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_sampling_sent_to_the_engine_is_recorded(make_stack: MakeStack, mode: str):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=TOOL_POLICY), prompt_mode=mode
+    )
+    body = {**_body(USER, tools=TOOLS), "temperature": 0.7, "top_p": 0.9, "seed": 11,
+            "max_tokens": 200, "stop": ["</done>"]}
+    resp = await stack.chat("r1", body)
+    assert resp.status == 200, await resp.text()
+    call = await _call(stack, resp.headers["X-Capture-Call-Id"])
+    assert call["sampling"] == {
+        "sent": {"temperature": 0.7, "top_p": 0.9, "seed": 11, "max_tokens": 200,
+                 "stop": ["</done>"]},
+        "engine_defaults": [
+            "top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
+        ],
+    }
+
+
+async def _moe_session(stack: Stack, stream_second: bool) -> tuple[dict, dict]:
+    first = await stack.chat("r1", _body(USER, tools=TOOLS))
+    msg = (await first.json())["choices"][0]["message"]
+    messages = [
+        *USER,
+        _echo(msg),
+        {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "out"},
+    ]
+    second = await stack.chat("r1", {**_body(messages, tools=TOOLS), "stream": stream_second})
+    await second.read()
+    return (
+        await _call(stack, first.headers["X-Capture-Call-Id"]),
+        await _call(stack, second.headers["X-Capture-Call-Id"]),
+    )
+
+
+async def test_a_streamed_moe_call_without_experts_says_so(make_stack: MakeStack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(policy=TOOL_POLICY, moe=MOE))
+    first, second = await _moe_session(stack, stream_second=True)
+    assert first["routed_experts"] is not None and first["diagnostics"] == []
+    assert second["routed_experts"] is None
+    [diag] = [d for d in second["diagnostics"] if d["kind"] == "routed_experts_unavailable"]
+    assert diag["details"]["expectation"] == "optional"
+    assert "vllm_generate" in diag["details"]["hint"]
+    assert second["status"] == "complete"  # optional: flagged, still a link
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert "routed_experts_unavailable" in json.dumps(summary["diagnostics"])
+
+
+async def test_required_routed_experts_make_a_call_without_them_incomplete(
+    make_stack: MakeStack,
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=TOOL_POLICY, moe=MOE),
+        routed_experts="required",
+    )
+    first, second = await _moe_session(stack, stream_second=True)
+    assert first["status"] == "complete"
+    assert second["status"] == "incomplete"
+    assert "routed experts are required" in json.dumps(second["diagnostics"])
+    assert (await stack.get_json("/captures/rollouts/r1"))["incomplete"] is True
+
+
+async def test_routed_experts_off_asks_for_none(make_stack: MakeStack):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=TOOL_POLICY, moe=MOE), routed_experts="off"
+    )
+    first, second = await _moe_session(stack, stream_second=True)
+    assert "routed_experts_prompt_start" not in stack.sent[1].request_body
+    assert [d["kind"] for d in second["diagnostics"]] == []
