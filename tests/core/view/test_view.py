@@ -92,7 +92,7 @@ def test_shading_buckets():
 def test_spans_roles_log_probs_and_expert_rows():
     records = _rollout()
     d = records[3]
-    d.routed_experts = np.zeros((7, 2, 2), np.uint8)
+    d.routed_experts = np.zeros((6, 2, 2), np.uint8)  # rows for positions 2-7
     d.routed_experts_start = 2
     d.generation_log_probs = np.array([-2.0], np.float32)
     plan = plan_call(d, records, None, page_size=4)
