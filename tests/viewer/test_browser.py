@@ -78,7 +78,8 @@ async def test_pages_show_a_session_with_a_refused_link(make_stack, tmp_path):
         assert "superseded by #4" in await superseded_row.inner_text()
         assert "retry of #3" in await page.locator(f'tr[data-call="{retry}"]').inner_text()
         await page.screenshot(path=shots / "rollout.png", full_page=True)
-        _keep_for_docs(shots / "rollout.png", "viewer-rollout.png")
+        await page.locator("body").screenshot(path=shots / "rollout-body.png")
+        _keep_for_docs(shots / "rollout-body.png", "viewer-rollout.png")
 
         # A call: the refused child, its tokens and the side-by-side view.
         await page.click(f'tr[data-call="{refused}"] td.node a')
