@@ -16,6 +16,9 @@ from pathlib import Path
 
 from capture_proxy.config import ConfigError, load_settings
 
+#: The backend of ``serve --read-only`` without ``--backend``: never contacted.
+READ_ONLY_BACKEND = "http://no-backend.invalid"
+
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
     """uvloop (libuv) for ``uvloop``, and for ``auto`` when installed; else asyncio's loop.
@@ -34,7 +37,7 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
 def _serve(args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from capture_proxy.proxy.app import build_proxy_app
+    from capture_proxy.proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.rendering import RenderError
     from capture_proxy.store.base import StoreError
     from capture_proxy.store.sqlite import SQLiteStore
@@ -53,7 +56,17 @@ def _serve(args: argparse.Namespace) -> int:
         "tokens_in_dialect": args.tokens_in_dialect,
         "max_model_len": args.max_model_len,
         "record_dir": args.record_dir,
+        "captures_token": args.captures_token,
     }
+    if args.read_only:
+        if args.store is None or not args.store.is_dir():
+            print(
+                "capture-proxy: --read-only needs --store DIR (an existing store)", file=sys.stderr
+            )
+            return 2
+        # No engine: the backend setting is required by the settings model but never used
+        # (a --backend given is only asked to /detokenize for the viewer).
+        cli_values["backend"] = args.backend or READ_ONLY_BACKEND
     try:
         settings = load_settings(cli_values, args.config)
     except ConfigError as exc:
@@ -62,12 +75,17 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = build_proxy_app(
-        settings, SQLiteStore(settings.store, synchronous=settings.store_synchronous)
-    )
+    store = SQLiteStore(settings.store, synchronous=settings.store_synchronous)
+    if args.read_only:
+        app = build_read_only_app(settings, store, backend=args.backend)
+        target = "read-only"
+    else:
+        app = build_proxy_app(settings, store)
+        target = settings.backend_base
     print(
         f"capture-proxy: serving on http://{settings.host}:{settings.port} -> "
-        f"{settings.backend_base}, store {settings.store}",
+        f"{target}, store {settings.store}; viewer at "
+        f"http://{settings.host}:{settings.port}/captures/ui/",
         flush=True,
     )
     try:
@@ -91,6 +109,17 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"capture-proxy: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from capture_proxy.show import show
+
+    if not args.store.is_dir():
+        print(f"capture-proxy: no store at {args.store}", file=sys.stderr)
+        return 2
+    return asyncio.run(show(args.store, args.rollout, Console()))
 
 
 def _scripted_engine(args: argparse.Namespace) -> int:
@@ -187,8 +216,26 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="record capture-path traffic to DIR/<rollout_id>.jsonl (the replay format)",
     )
+    serve.add_argument(
+        "--read-only",
+        dest="read_only",
+        action="store_true",
+        help="serve only the read API and the viewer over --store (no engine needed)",
+    )
+    serve.add_argument(
+        "--captures-token",
+        dest="captures_token",
+        help="token for /captures and the viewer (better: CAPTURE_PROXY_CAPTURES_TOKEN)",
+    )
     serve.add_argument("--config", type=Path, help="TOML file with the same settings")
     serve.set_defaults(func=_serve)
+
+    show = sub.add_parser(
+        "show", help="print a store's rollouts, or one rollout's chains, in the terminal"
+    )
+    show.add_argument("--store", type=Path, default=Path("capture-store"))
+    show.add_argument("rollout", nargs="?", help="rollout id (default: list the rollouts)")
+    show.set_defaults(func=_show)
 
     engine = sub.add_parser(
         "scripted-engine", help="run the scripted vLLM-dialect engine (tests, demos, harness CI)"

@@ -349,11 +349,13 @@ async def _rest_thread(app: web.Application) -> AsyncIterator[None]:
         app[REST_THREAD_KEY].shutdown(wait=True, cancel_futures=True)
 
 
-def add_routes(app: web.Application) -> None:
-    """The read API's routes, and the REST thread (started and stopped with the app)."""
+def add_routes(app: web.Application, *, read_only: bool = False) -> None:
+    """The read API's routes, and the REST thread (started and stopped with the app);
+    ``read_only``: without ``DELETE``."""
     app.cleanup_ctx.append(_rest_thread)
     app.router.add_get("/captures/rollouts", list_rollouts)
     app.router.add_get("/captures/rollouts/{rollout_id}", get_rollout)
     app.router.add_get("/captures/rollouts/{rollout_id}/chains", get_rollout_chains)
     app.router.add_get("/captures/calls/{call_id}", get_call)
-    app.router.add_delete("/captures/rollouts/{rollout_id}", delete_rollout)
+    if not read_only:
+        app.router.add_delete("/captures/rollouts/{rollout_id}", delete_rollout)

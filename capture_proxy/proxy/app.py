@@ -49,6 +49,7 @@ from capture_proxy.proxy.recording import TrafficRecorder, note_request, recordi
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
 from capture_proxy.store.base import CaptureStore
+from capture_proxy.viewer import ViewerConfig, add_viewer_routes
 from harness_notes import NoteRegistry, default_registry
 
 log = logging.getLogger("capture_proxy")
@@ -328,7 +329,50 @@ def build_proxy_app(
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
     rest.add_routes(app)
+    add_viewer_routes(
+        app,
+        ViewerConfig(
+            captures_token=settings.captures_token,
+            backend=settings.backend_base,
+            tokenizer=settings.tokenizer,
+        ),
+    )
     app.router.add_route("*", "/captures", unknown_captures_path)
     app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
     app.router.add_route("*", "/{tail:.*}", dispatch)
+    return app
+
+
+def build_read_only_app(
+    settings: Settings, store: CaptureStore, *, backend: str | None = None
+) -> web.Application:
+    """The read API (without ``DELETE``) and the viewer over ``store``, with no engine and no
+    proxied paths (``serve --read-only``): browse a store after the run. ``backend``: an
+    engine for ``/detokenize``, if one is up; ``settings.backend`` is not used."""
+    app = web.Application(middlewares=[error_middleware, auth_middleware(settings)])
+    app[SETTINGS_KEY] = settings
+    app[rest.STORE_KEY] = store
+    app[rest.RECORDER_KEY] = Recorder(store)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            yield
+        finally:
+            await store.close()
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/health", health)
+    rest.add_routes(app, read_only=True)
+    add_viewer_routes(
+        app,
+        ViewerConfig(
+            captures_token=settings.captures_token,
+            backend=backend,
+            tokenizer=settings.tokenizer,
+            read_only=True,
+        ),
+    )
+    app.router.add_route("*", "/captures", unknown_captures_path)
+    app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
     return app

@@ -6,11 +6,21 @@ harness's ``Authorization`` (or Anthropic's ``x-api-key``) is for the proxy and 
 before forwarding;
 ``backend_api_key``, when set, is the engine's. Tokens are compared in constant time and never
 logged. ``/health`` stays open (container health checks).
+
+The viewer's pages (``/captures/ui/``) are opened by a browser, which cannot send a bearer
+header: a ``GET`` there also passes with the viewer cookie (HttpOnly, SameSite=Strict, path
+``/captures/ui``; its value is an HMAC of ``captures_token``, not the token itself), set by the
+login form (``/captures/ui/login``) or by opening a page with ``?token=<captures_token>``
+(answered with a redirect to the same page without the token). Without either, a page
+redirects to the login form. The cookie opens only the pages, never the JSON read API (no
+cross-site request can use it to delete a rollout).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from urllib.parse import quote
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -21,6 +31,59 @@ from capture_proxy.config import Settings
 from capture_proxy.proxy.errors import Handler, Unauthorized
 
 READ_API_PREFIX = "/captures"
+UI_PREFIX = "/captures/ui"
+#: Open without a token: the login form and the static files (CSS, JS) it needs.
+UI_OPEN_PATHS = (UI_PREFIX + "/login", UI_PREFIX + "/static/")
+VIEWER_COOKIE = "capture_viewer"
+
+
+def viewer_cookie_value(token: SecretStr) -> str:
+    """The viewer cookie's value for ``token``: an HMAC, so the cookie is not a bearer token."""
+    key = token.get_secret_value().encode()
+    return hmac.new(key, b"capture-proxy viewer session", hashlib.sha256).hexdigest()
+
+
+def token_matches(given: str | None, expected: SecretStr) -> bool:
+    return given is not None and hmac.compare_digest(
+        given.encode(), expected.get_secret_value().encode()
+    )
+
+
+def set_viewer_cookie(response: web.StreamResponse, token: SecretStr) -> None:
+    response.set_cookie(
+        VIEWER_COOKIE,
+        viewer_cookie_value(token),
+        path=UI_PREFIX,
+        httponly=True,
+        samesite="Strict",
+    )
+
+
+def see_other(location: str) -> web.Response:
+    """A 303 redirect to ``location`` (a path on this server)."""
+    return web.Response(status=303, headers={"Location": location})
+
+
+def _viewer_page(request: web.Request, expected: SecretStr) -> web.StreamResponse | None:
+    """None when the page may be served; else the redirect to serve instead."""
+    if token_matches(_bearer(request), expected):
+        return None
+    cookie = request.cookies.get(VIEWER_COOKIE)
+    if cookie is not None and hmac.compare_digest(
+        cookie.encode(), viewer_cookie_value(expected).encode()
+    ):
+        return None
+    if "token" in request.query and token_matches(request.query["token"], expected):
+        query = {k: v for k, v in request.query.items() if k != "token"}
+        response = see_other(str(request.rel_url.with_query(query)))
+        set_viewer_cookie(response, expected)
+        return response
+    target = quote(
+        str(request.rel_url.with_query({k: v for k, v in request.query.items() if k != "token"})),
+        safe="",
+    )
+    failed = "&failed=1" if "token" in request.query else ""
+    return see_other(f"{UI_PREFIX}/login?next={target}{failed}")
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -34,10 +97,7 @@ def _bearer(request: web.Request) -> str | None:
 
 
 def _check(request: web.Request, expected: SecretStr, what: str) -> None:
-    given = _bearer(request)
-    if given is None or not hmac.compare_digest(
-        given.encode(), expected.get_secret_value().encode()
-    ):
+    if not token_matches(_bearer(request), expected):
         raise Unauthorized(f"missing or invalid bearer token for {what}", code="invalid_api_key")
 
 
@@ -46,7 +106,17 @@ def auth_middleware(settings: Settings) -> Middleware:
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/health":
             return await handler(request)
-        if request.path == READ_API_PREFIX or request.path.startswith(READ_API_PREFIX + "/"):
+        path = request.path
+        if path == UI_PREFIX or path.startswith(UI_PREFIX + "/"):
+            if settings.captures_token is not None and not path.startswith(UI_OPEN_PATHS):
+                if request.method not in ("GET", "HEAD"):
+                    _check(request, settings.captures_token, "the viewer")
+                else:
+                    redirect = _viewer_page(request, settings.captures_token)
+                    if redirect is not None:
+                        return redirect
+            return await handler(request)
+        if path == READ_API_PREFIX or path.startswith(READ_API_PREFIX + "/"):
             if settings.captures_token is not None:
                 _check(request, settings.captures_token, "the read API")
             return await handler(request)

@@ -1,0 +1,107 @@
+"""The rollout listing: one row per rollout, its status and diagnostic kinds, and the filters.
+
+Pure. A row is built from the rollout's bookkeeping and its records; ``reward`` is read from
+the rollout's metadata (a ``reward`` key) when the store keeps metadata, and is None (shown as
+a dash) when it does not or the key is absent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from capture_proxy.core.chains import build_chains
+from capture_proxy.core.records import CallRecord, CallStatus, DiagnosticKind
+
+#: Values of the listing's ``status`` filter.
+STATUSES = ("complete", "incomplete", "failed")
+
+
+@dataclass(frozen=True)
+class RolloutRow:
+    """One rollout in the listing. ``status``: ``failed`` when a call failed, else
+    ``incomplete`` when the rollout lost token data, else ``complete``. ``diagnostic_kinds``:
+    sorted kinds found on the rollout or any of its calls. ``age_s``: seconds since the first
+    call."""
+
+    rollout_id: str
+    created_at: float
+    age_s: float
+    num_calls: int
+    num_chains: int
+    num_failed: int
+    num_incomplete: int
+    refused_links: int
+    incomplete: bool
+    status: str
+    diagnostic_kinds: tuple[str, ...]
+    reward: float | None
+
+    @property
+    def age(self) -> str:
+        return format_age(self.age_s)
+
+
+def reward_of(metadata: Mapping[str, Any] | None) -> float | None:
+    """The ``reward`` of rollout metadata as a float, or None (absent, not a finite number)."""
+    if not metadata:
+        return None
+    value = metadata.get("reward")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def rollout_row(
+    *,
+    rollout_id: str,
+    created_at: float,
+    incomplete: bool,
+    rollout_diagnostic_kinds: list[str],
+    records: list[CallRecord],
+    metadata: Mapping[str, Any] | None,
+    now: float,
+) -> RolloutRow:
+    num_failed = sum(1 for r in records if r.status is CallStatus.FAILED)
+    num_incomplete = sum(1 for r in records if r.status is CallStatus.INCOMPLETE)
+    kinds = {d.kind for r in records for d in r.diagnostics} | set(rollout_diagnostic_kinds)
+    incomplete = incomplete or num_incomplete > 0
+    status = "failed" if num_failed else "incomplete" if incomplete else "complete"
+    refused = sum(
+        1 for r in records for d in r.diagnostics if d.kind == DiagnosticKind.PARENT_DIGEST_MISMATCH
+    )
+    return RolloutRow(
+        rollout_id=rollout_id,
+        created_at=created_at,
+        age_s=max(0.0, now - created_at),
+        num_calls=len(records),
+        num_chains=len(build_chains(rollout_id, records).chains),
+        num_failed=num_failed,
+        num_incomplete=num_incomplete,
+        refused_links=refused,
+        incomplete=incomplete,
+        status=status,
+        diagnostic_kinds=tuple(sorted(kinds)),
+        reward=reward_of(metadata),
+    )
+
+
+def matches(row: RolloutRow, *, status: str | None, kind: str | None) -> bool:
+    """True when ``row`` passes the filters (None: no filter on that field)."""
+    return (status is None or row.status == status) and (
+        kind is None or kind in row.diagnostic_kinds
+    )
+
+
+def format_age(seconds: float) -> str:
+    """``42 s``, ``5 min``, ``3 h``, ``2 d`` (rounded down)."""
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min"
+    if s < 86400:
+        return f"{s // 3600} h"
+    return f"{s // 86400} d"

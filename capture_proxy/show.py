@@ -1,0 +1,158 @@
+"""``capture-proxy show``: the viewer's rollout listing and chain tree in a terminal (Rich).
+
+Reads a store directory with the store's own methods (no proxy running, no engine) and prints
+the same page models the viewer renders (``core.view``): without a rollout id, every rollout
+(status, calls, chains, refused links, incomplete, reward, age, diagnostic kinds); with one, its
+facts and its chains as a tree with the same marks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from capture_proxy.core.chains import build_chains
+from capture_proxy.core.summary import link_stats
+from capture_proxy.core.view.rollouts import RolloutRow, rollout_row
+from capture_proxy.core.view.tree import TreeRow, build_tree
+from capture_proxy.store.sqlite import SQLiteStore
+
+PAGE = 500
+STATUS_STYLE = {"complete": "green", "incomplete": "yellow", "failed": "red"}
+
+
+def _dash(value: object) -> str:
+    return "–" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def rollouts_table(rows: list[RolloutRow]) -> Table:
+    table = Table(title="rollouts", title_justify="left")
+    for name, justify in [
+        ("rollout", "left"),
+        ("status", "left"),
+        ("calls", "right"),
+        ("chains", "right"),
+        ("refused", "right"),
+        ("incomplete", "left"),
+        ("reward", "right"),
+        ("age", "right"),
+        ("diagnostics", "left"),
+    ]:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(
+            r.rollout_id,
+            Text(r.status, style=STATUS_STYLE[r.status]),
+            str(r.num_calls),
+            str(r.num_chains),
+            str(r.refused_links or ""),
+            "yes" if r.incomplete else "no",
+            _dash(r.reward),
+            r.age,
+            ", ".join(r.diagnostic_kinds),
+        )
+    return table
+
+
+def _link_text(r: TreeRow) -> Text:
+    text = Text()
+    if r.refused is not None:
+        text.append(f"refused: {r.refused.mismatch_class}", style="bold red")
+        text.append(f" from #{r.refused.parent_number} at {r.refused.position}")
+    elif r.verdict:
+        text.append(r.verdict, style="dim")
+    if r.retry_of_number:
+        text.append(f" retry of #{r.retry_of_number}", style="yellow")
+    if r.superseded_by_number:
+        text.append(f" superseded by #{r.superseded_by_number}", style="dim")
+    if r.is_branch_point:
+        text.append(f" {r.num_children} branches", style="green")
+    return text
+
+
+def tree_table(rollout_id: str, rows: list[TreeRow], title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for name in ("call", "link", "latency", "finish", "prompt (new)", "generated", "diagnostics"):
+        table.add_column(name, justify="right" if name in ("latency", "generated") else "left")
+    for r in rows:
+        call = Text("".join(r.guides), style="dim")
+        call.append(f"#{r.number} ", style="bold blue" if r.is_main else "bold")
+        call.append(r.call_id[:14], style="dim")
+        if r.is_main and r.is_chain_start:
+            call.append(" main", style="blue")
+        table.add_row(
+            call,
+            _link_text(r),
+            "–" if r.latency_ms is None else f"{r.latency_ms:,.0f} ms",
+            r.finish_reason or "–",
+            f"{r.num_prompt_tokens:,} (+{r.num_new_prompt_tokens:,})",
+            f"{r.num_generation_tokens:,}",
+            ", ".join(r.diagnostic_kinds),
+        )
+    return table
+
+
+async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int:
+    """Print the listing, or one rollout; returns the exit status (1: unknown rollout)."""
+    store = SQLiteStore(store_dir)
+    await store.open()
+    try:
+        now = time.time()
+        if rollout_id is None:
+            rows: list[RolloutRow] = []
+            after = None
+            while True:
+                infos = await store.list_rollouts(limit=PAGE, after=after)
+                for info in infos:
+                    records = await store.get_rollout_calls(info.rollout_id)
+                    rows.append(
+                        rollout_row(
+                            rollout_id=info.rollout_id,
+                            created_at=info.created_at,
+                            incomplete=info.incomplete,
+                            rollout_diagnostic_kinds=[d.kind for d in info.diagnostics],
+                            records=records,
+                            metadata=getattr(info, "metadata", None),
+                            now=now,
+                        )
+                    )
+                if len(infos) < PAGE:
+                    break
+                after = infos[-1].rollout_id
+            console.print(rollouts_table(rows))
+            return 0
+        found = await store.get_rollout(rollout_id)
+        if found is None:
+            console.print(f"rollout {rollout_id} not found in {store_dir}", style="red")
+            return 1
+        info = found
+        records = await store.get_rollout_calls(rollout_id)
+    finally:
+        await store.close()
+    row = rollout_row(
+        rollout_id=info.rollout_id,
+        created_at=info.created_at,
+        incomplete=info.incomplete,
+        rollout_diagnostic_kinds=[d.kind for d in info.diagnostics],
+        records=records,
+        metadata=getattr(info, "metadata", None),
+        now=now,
+    )
+    tree = build_tree(rollout_id, records)
+    stats = link_stats(records, build_chains(rollout_id, records))
+    refused = ", ".join(f"{k} {v}" for k, v in stats["links_refused"].items())
+    console.print(
+        f"[bold]{rollout_id}[/] [{STATUS_STYLE[row.status]}]{row.status}[/]  "
+        f"calls {row.num_calls} · chains {tree.num_chains} · branches {tree.num_branches} · "
+        f"resolved {stats['links_resolved']} · refused {tree.num_refused}"
+        f"{f' ({refused})' if refused else ''} · retries {tree.num_retries} · "
+        f"reward {_dash(row.reward)} · age {row.age}"
+    )
+    console.print(tree_table(rollout_id, tree.rows, "chains"))
+    if tree.unlinked:
+        console.print(tree_table(rollout_id, tree.unlinked, "not in a chain"))
+    return 0

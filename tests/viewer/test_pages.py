@@ -1,0 +1,121 @@
+"""The viewer over HTTP (no browser): auth for browsers, read-only serving, the terminal view."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from rich.console import Console
+
+from capture_proxy.config import Settings
+from capture_proxy.proxy.app import build_read_only_app
+from capture_proxy.proxy.auth import VIEWER_COOKIE
+from capture_proxy.show import show
+from capture_proxy.store.sqlite import SQLiteStore
+from tests.viewer.session import capture_session
+
+TOKEN = "s3cret-viewer"
+COOKIE = hmac.new(TOKEN.encode(), b"capture-proxy viewer session", hashlib.sha256).hexdigest()
+
+
+async def test_pages_need_the_captures_token(make_stack):
+    session = await capture_session(make_stack, captures_token=TOKEN)
+    client = session.stack.client
+    resp = await client.get("/captures/ui/rollouts/refused", allow_redirects=False)
+    assert resp.status == 303
+    assert (
+        resp.headers["Location"] == "/captures/ui/login?next=%2Fcaptures%2Fui%2Frollouts%2Frefused"
+    )
+    # Static files and the login form are open; the JSON API still wants the bearer header.
+    assert (await client.get("/captures/ui/static/viewer.css")).status == 200
+    assert (await client.get("/captures/ui/login")).status == 200
+    assert (await client.get("/captures/rollouts")).status == 401
+
+    wrong = await client.get("/captures/ui/?token=nope", allow_redirects=False)
+    assert wrong.status == 303 and wrong.headers["Location"].endswith("&failed=1")
+    assert VIEWER_COOKIE not in wrong.cookies
+
+    right = await client.get(
+        "/captures/ui/?token=" + TOKEN + "&status=complete", allow_redirects=False
+    )
+    assert right.status == 303
+    assert right.headers["Location"] == "/captures/ui/?status=complete"  # token not kept
+    morsel = right.cookies[VIEWER_COOKIE]
+    assert morsel.value == COOKIE
+    assert morsel["httponly"] is True and morsel["samesite"] == "Strict"
+    assert morsel["path"] == "/captures/ui"
+    page = await client.get("/captures/ui/rollouts/refused", cookies={VIEWER_COOKIE: COOKIE})
+    assert page.status == 200 and "refused: retokenized" in await page.text()
+    # The cookie opens the pages only, never the JSON API.
+    api = await client.get("/captures/rollouts", cookies={VIEWER_COOKIE: COOKIE})
+    assert api.status == 401
+    client.session.cookie_jar.clear()
+    bearer = await client.get("/captures/ui/", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert bearer.status == 200
+
+
+async def test_login_form_sets_the_cookie_and_refuses_open_redirects(make_stack):
+    session = await capture_session(make_stack, captures_token=TOKEN)
+    client = session.stack.client
+    bad = await client.post(
+        "/captures/ui/login",
+        data={"token": "nope", "next": "/captures/ui/"},
+        allow_redirects=False,
+    )
+    assert bad.status == 401 and "That token is not valid." in await bad.text()
+    good = await client.post(
+        "/captures/ui/login",
+        data={"token": TOKEN, "next": "//evil.example/"},
+        allow_redirects=False,
+    )
+    assert good.status == 303 and good.headers["Location"] == "/captures/ui/"
+    assert good.cookies[VIEWER_COOKIE].value == COOKIE
+
+
+async def test_unknown_pages_are_html_404s(make_stack):
+    session = await capture_session(make_stack)
+    client = session.stack.client
+    resp = await client.get("/captures/ui/calls/call-nope")
+    assert resp.status == 404 and resp.content_type == "text/html"
+    assert "call call-nope not found" in await resp.text()
+    resp = await client.get("/captures/ui/?status=bogus")
+    assert resp.status == 400 and "unknown status &#39;bogus&#39;" in await resp.text()
+
+
+async def test_read_only_app_browses_a_store_without_an_engine(make_stack, aiohttp_client):
+    session = await capture_session(make_stack)
+    await session.stack.client.close()  # the proxy is gone; its store stays
+    settings = Settings(backend="http://no-backend.invalid", store=session.stack.store_dir)
+    client = await aiohttp_client(
+        build_read_only_app(settings, SQLiteStore(session.stack.store_dir))
+    )
+    listing = await client.get("/captures/ui/")
+    text = await listing.text()
+    assert listing.status == 200 and "read-only store" in text
+    assert 'data-rollout="refused"' in text and 'data-rollout="linked"' in text
+    call = await client.get(f"/captures/ui/calls/{session.refused[1]}")
+    body = await call.text()
+    assert call.status == 200 and "text: token ids (no tokenizer, no engine)" in body
+    assert (await client.get("/captures/rollouts/refused")).status == 200
+    assert (await client.delete("/captures/rollouts/refused")).status == 404
+    assert (await client.post("/ng-rollout/r/v1/chat/completions", json={})).status == 404
+
+
+async def test_show_prints_the_listing_and_a_tree(make_stack):
+    session = await capture_session(make_stack)
+    await session.stack.client.close()
+    console = Console(record=True, width=200, color_system=None)
+    assert await show(session.stack.store_dir, None, console) == 0
+    listing = console.export_text()
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in listing.splitlines()]
+    assert [c[:7] for c in cells if c and c[0] in ("linked", "refused")] == [
+        ["linked", "complete", "3", "1", "", "no", "–"],
+        ["refused", "complete", "4", "2", "1", "no", "–"],
+    ]
+    console = Console(record=True, width=200, color_system=None)
+    assert await show(session.stack.store_dir, "refused", console) == 0
+    text = console.export_text()
+    assert "calls 4 · chains 2 · branches 0 · resolved 2 · refused 1 (retokenized 1)" in text
+    assert "refused: retokenized from #1 at 147" in text
+    assert "superseded by #4" in text and "retry of #3" in text
+    assert await show(session.stack.store_dir, "nope", Console(record=True)) == 1
