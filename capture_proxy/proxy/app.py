@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager
 import aiohttp
 from aiohttp import web
 
-from capture_proxy import __version__, rest, rest_lifecycle
+from capture_proxy import __version__, rest, rest_export, rest_lifecycle
 from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.core.fronts import (
@@ -345,6 +345,7 @@ def build_proxy_app(
     app.router.add_get("/health", health)
     rest.add_routes(app)
     rest_lifecycle.add_routes(app)
+    rest_export.add_routes(app)
     app.router.add_route("*", "/captures", unknown_captures_path)
     app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
     app.router.add_route("*", "/{tail:.*}", dispatch)
