@@ -51,6 +51,7 @@ def _serve(args: argparse.Namespace) -> int:
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_level": args.log_level,
         "parent_resolution": args.parent_resolution,
+        "late_calls": args.late_calls,
         "prompt_mode": args.prompt_mode,
         "tokenizer": args.tokenizer,
         "tokens_in_dialect": args.tokens_in_dialect,
@@ -193,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         dest="parent_resolution",
         choices=["captured_tokens", "source_history"],
         help="how a call after a rewritten harness note is linked (default captured_tokens)",
+    )
+    serve.add_argument(
+        "--late-calls",
+        dest="late_calls",
+        choices=["record", "refuse"],
+        help="a call to a frozen rollout: record it as late (default) or refuse it with a 409",
     )
     serve.add_argument(
         "--prompt-mode",

@@ -147,6 +147,12 @@ class Settings(BaseSettings):
         description="how long a deleted rollout's tombstone refuses late calls (seconds); a "
         "sweep every retention / 10 (at most hourly) removes older ones",
     )
+    late_calls: Literal["record", "refuse"] = Field(
+        "record",
+        description="a call to a frozen rollout: record (default): answered and stored as "
+        "late, left out of the snapshot and its exports; refuse: answered 409 "
+        "(rollout_frozen) in the API's error shape without reaching the engine",
+    )
     link_index_max_rollouts: int = Field(
         10_000,
         gt=0,

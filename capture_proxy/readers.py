@@ -1,43 +1,275 @@
-"""Readers for training loaders: captured chains as numpy arrays, from the proxy or a file.
+"""Readers for training loaders: captured rollouts as numpy / Arrow, from the proxy or a file.
 
-Owns the client side of ``GET /captures/rollouts/<id>/chains?format=npz`` (see
-``core.samples`` for the archive and the arrays). Depends on numpy and the standard library
-only, so a training job can import it without aiohttp.
+Owns the client side of the read API for trainers (see ``core.samples``, ``core.export`` and
+``core.tree`` for the forms). Depends on numpy, pyarrow (imported only by the bulk reader) and
+the standard library, so a training job can import it without aiohttp. Every function that
+talks to a proxy takes ``token``: the proxy's ``captures_token``, sent as a bearer token.
 
-    from capture_proxy.readers import load_chains, fetch_chains
-    samples = fetch_chains("http://proxy:8080", "rollout-17")
-    for s in samples:
+    from capture_proxy.readers import fetch_chains, iter_rollouts
+    chains = fetch_chains("http://proxy:8080", "rollout-17", token=TOKEN)
+    chains.manifest["main_chain_id"], chains.incomplete, chains.unlinked_call_ids
+    for s in chains:                       # ChainSample, one per root-to-leaf path
         s.arrays["input_ids"], s.arrays["loss_mask"], s.arrays["log_probs"]
+
+    for rollout in iter_rollouts("http://proxy:8080", token=TOKEN, after=last_cursor):
+        train_on(rollout.samples())        # dicts of numpy arrays, one per sample
+        commit(rollout.cursor)             # durably: resume after it
+        retire(rollout.rollout_id, rollout.snapshot_id, rollout.version)
+
+Errors: urllib's ``HTTPError`` for 4xx/5xx answers (its body is the proxy's error JSON);
+``ValueError`` for a body that is not the form asked for (``load_chains`` of a non-archive,
+a stream of another format or a newer version); pyarrow's ``ArrowInvalid`` for a bulk stream
+cut short (the rollouts yielded before it are whole).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import urllib.parse
 import urllib.request
-from typing import IO
+import zipfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+import numpy as np
 
 from capture_proxy.core.samples import ChainSample, read_archive
+from capture_proxy.core.tree import TokenTree, read_tree
 
-__all__ = ["ChainSample", "fetch_chains", "load_chains"]
+__all__ = [
+    "ChainSample",
+    "Chains",
+    "ExportedRollout",
+    "TokenTree",
+    "fetch_atif",
+    "fetch_chains",
+    "fetch_tree",
+    "iter_rollouts",
+    "load_chains",
+    "load_tree",
+]
 
 
-def load_chains(source: bytes | str | os.PathLike[str] | IO[bytes]) -> list[ChainSample]:
-    """Samples from a chains archive: its bytes, a path to it, or an open binary file.
-    Raises ValueError when it is not a chains archive this reader knows."""
+@dataclass(frozen=True)
+class Chains:
+    """A rollout's chains archive: ``manifest`` (``manifest.json``: ``rollout_id``,
+    ``samples``, ``unlinked_call_ids``, ``main_chain_id``, ``incomplete``, ``lifecycle``) and
+    ``samples`` in manifest order. Iterating, ``len`` and indexing go over the samples."""
+
+    manifest: dict[str, Any]
+    samples: list[ChainSample]
+
+    @property
+    def incomplete(self) -> bool:
+        return bool(self.manifest.get("incomplete"))
+
+    @property
+    def unlinked_call_ids(self) -> list[str]:
+        return list(self.manifest.get("unlinked_call_ids", []))
+
+    @property
+    def main_chain_id(self) -> str | None:
+        return self.manifest.get("main_chain_id")
+
+    @property
+    def main_chain(self) -> list[ChainSample]:
+        """The samples of the main chain (the one with the most generated tokens)."""
+        return [s for s in self.samples if s.chain_id == self.main_chain_id]
+
+    def __iter__(self) -> Iterator[ChainSample]:
+        return iter(self.samples)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> ChainSample:
+        return self.samples[i]
+
+
+def _read_source(source: bytes | str | os.PathLike[str] | IO[bytes]) -> IO[bytes]:
     if isinstance(source, bytes | bytearray):
-        return read_archive(io.BytesIO(source))[1]
+        return io.BytesIO(source)
     if isinstance(source, str | os.PathLike):
         with open(source, "rb") as f:
-            return read_archive(f)[1]
-    return read_archive(source)[1]
+            return io.BytesIO(f.read())
+    return source
 
 
-def fetch_chains(base_url: str, rollout_id: str, *, timeout_s: float = 300.0) -> list[ChainSample]:
+def load_chains(source: bytes | str | os.PathLike[str] | IO[bytes]) -> Chains:
+    """A chains archive: its bytes, a path to it, or an open binary file. Raises ValueError
+    when it is not a chains archive this reader knows (not a zip, another format, newer)."""
+    try:
+        manifest, samples = read_archive(_read_source(source))
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a chains archive: {exc}") from exc
+    return Chains(manifest, samples)
+
+
+def load_tree(source: bytes | str | os.PathLike[str] | IO[bytes]) -> TokenTree:
+    """A token tree archive (``GET .../tree``). Raises ValueError when it is not one."""
+    try:
+        return read_tree(_read_source(source))
+    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
+        raise ValueError(f"not a token tree archive: {exc}") from exc
+
+
+def _get(url: str, token: str | None, timeout_s: float) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    request = urllib.request.Request(url, headers=headers)
+    return urllib.request.urlopen(request, timeout=timeout_s)  # noqa: S310 (http only)
+
+
+def _rollout_url(base_url: str, rollout_id: str, tail: str) -> str:
+    quoted = urllib.parse.quote(rollout_id, safe="")
+    return f"{base_url.rstrip('/')}/captures/rollouts/{quoted}/{tail}"
+
+
+def fetch_chains(
+    base_url: str, rollout_id: str, *, token: str | None = None, timeout_s: float = 300.0
+) -> Chains:
     """GET a rollout's chains archive from a proxy at ``base_url`` (e.g.
     ``http://127.0.0.1:8080``). Raises urllib's HTTPError for 4xx/5xx answers."""
-    quoted = urllib.parse.quote(rollout_id, safe="")
-    url = f"{base_url.rstrip('/')}/captures/rollouts/{quoted}/chains?format=npz"
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (http only)
+    url = _rollout_url(base_url, rollout_id, "chains?format=npz")
+    with _get(url, token, timeout_s) as resp:
         return load_chains(resp.read())
+
+
+def fetch_tree(
+    base_url: str, rollout_id: str, *, token: str | None = None, timeout_s: float = 300.0
+) -> TokenTree:
+    """GET a rollout's token tree (``core.tree``). Raises HTTPError for 4xx/5xx answers."""
+    with _get(_rollout_url(base_url, rollout_id, "tree"), token, timeout_s) as resp:
+        return load_tree(resp.read())
+
+
+def fetch_atif(
+    base_url: str,
+    rollout_id: str,
+    *,
+    token: str | None = None,
+    strict: bool = False,
+    timeout_s: float = 300.0,
+) -> dict[str, Any]:
+    """GET a rollout as an ATIF trajectory (``core.atif``); ``strict``: refused (HTTPError
+    422) when the rollout has any gap diagnostic."""
+    tail = "atif" + ("?strict=true" if strict else "")
+    with _get(_rollout_url(base_url, rollout_id, tail), token, timeout_s) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+@dataclass(frozen=True)
+class ExportedRollout:
+    """One rollout of a bulk export: its ``manifest`` (``core.export``) and ``batch`` (a
+    ``pyarrow.RecordBatch`` of ``core.export.SCHEMA``, one row per sample)."""
+
+    manifest: dict[str, Any]
+    batch: Any
+
+    @property
+    def rollout_id(self) -> str:
+        return str(self.manifest["rollout_id"])
+
+    @property
+    def cursor(self) -> int:
+        """Commit this once the rollout is durably taken; resume with ``after=cursor``."""
+        return int(self.manifest["cursor"])
+
+    @property
+    def snapshot_id(self) -> str:
+        return str(self.manifest["snapshot"]["snapshot_id"])
+
+    @property
+    def version(self) -> int:
+        """The version read: retire with it."""
+        return int(self.manifest["version"])
+
+    @property
+    def superseded_by(self) -> str | None:
+        """The final episode's rollout id when this episode is superseded (0 samples)."""
+        return self.manifest.get("superseded_by")
+
+    def samples(self) -> list[dict[str, Any]]:
+        """The rows as dicts: list columns as numpy arrays (``routed_experts`` reshaped to
+        ``[seq, num_layers, top_k]``), the others as Python values."""
+        return _numpy_rows(self.batch)
+
+
+def _numpy_rows(batch: Any) -> list[dict[str, Any]]:
+    arrays = {
+        "input_ids": np.uint32,
+        "loss_mask": np.uint8,
+        "log_probs": np.float32,
+        "routed_experts_mask": np.uint8,
+        "routed_experts": np.uint16,
+    }
+    columns = {name: batch.column(name) for name in batch.schema.names}
+    rows = []
+    for i in range(batch.num_rows):
+        row: dict[str, Any] = {}
+        for name, column in columns.items():
+            cell = column[i]
+            if name in arrays:
+                row[name] = (
+                    None
+                    if not cell.is_valid
+                    else cell.values.to_numpy(zero_copy_only=False).astype(arrays[name])
+                )
+            elif name == "generation_spans":
+                row[name] = np.array(cell.as_py(), np.int64).reshape(-1, 2)
+            else:
+                row[name] = cell.as_py()
+        shape = row.get("routed_experts_shape")
+        if row.get("routed_experts") is not None and shape is not None:
+            row["routed_experts"] = row["routed_experts"].reshape(shape)
+        if isinstance(row.get("named_rewards"), list):
+            row["named_rewards"] = dict(row["named_rewards"])
+        if isinstance(row.get("tags"), list):
+            row["tags"] = dict(row["tags"])
+        rows.append(row)
+    return rows
+
+
+def iter_rollouts(
+    base_url: str,
+    *,
+    token: str | None = None,
+    after: int = 0,
+    limit: int = 100,
+    episodes: str = "final",
+    timeout_s: float = 300.0,
+) -> Iterator[ExportedRollout]:
+    """Every frozen rollout with a cursor greater than ``after``, in cursor order, page by
+    page (``limit`` per request) until a page comes back short. Rollouts frozen while this
+    runs are included when they sort after the pages already read. Raises HTTPError for
+    4xx/5xx, ValueError for another format, pyarrow's ArrowInvalid for a cut stream."""
+    import pyarrow as pa  # a trainer that only reads archives does not need it
+
+    from capture_proxy.core.export import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST_KEY
+
+    while True:
+        query = urllib.parse.urlencode(
+            {"status": "frozen", "after": after, "limit": limit, "episodes": episodes}
+        )
+        count = 0
+        with _get(f"{base_url.rstrip('/')}/captures/export?{query}", token, timeout_s) as resp:
+            reader = pa.ipc.open_stream(resp)
+            meta = reader.schema.metadata or {}
+            if meta.get(b"format") != EXPORT_FORMAT.encode():
+                raise ValueError(f"not a {EXPORT_FORMAT} stream")
+            if int(meta.get(b"version", b"0")) > EXPORT_VERSION:
+                raise ValueError(f"export version {meta[b'version'].decode()} is newer")
+            while True:
+                try:
+                    item = reader.read_next_batch_with_custom_metadata()
+                except StopIteration:
+                    break
+                manifest = json.loads(item.custom_metadata[MANIFEST_KEY.encode()])
+                count += 1
+                after = int(manifest["cursor"])
+                yield ExportedRollout(manifest, item.batch)
+        if count < limit:
+            return

@@ -10,6 +10,10 @@ decoded on the store's reader thread, and chains are built and serialised (orjso
 arrays natively, one call at a time so the GIL passes between them) on the REST thread
 (``capture-rest``). A 40-turn rollout of 293,000 prompt ids took 120 ms on the loop with the
 stdlib's json; now the loop is never held for more than one call's serialisation.
+
+A frozen rollout's reads for training (chains, npz, and the exports in ``rest_export``) hold
+its snapshot: the calls stored before the freeze. Calls stored after it are named in
+``late_call_ids`` and left out. Lifecycle steps are in ``rest_lifecycle``.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ import orjson
 from aiohttp import web
 
 from capture_proxy.core.chains import RolloutChains, build_chains
+from capture_proxy.core.episodes import final_episodes, parse_episode
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
-from capture_proxy.core.summary import link_stats
+from capture_proxy.core.summary import link_stats, main_chain
 from capture_proxy.proxy.errors import BadRequest, NotFound
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
@@ -120,13 +125,39 @@ def _rollout_id(request: web.Request) -> str:
         raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
 
 
+def snapshot_records(info: RolloutInfo, records: list[CallRecord]) -> list[CallRecord]:
+    """The calls a training read holds: all but the late ones (stored after the freeze)."""
+    if not info.late_call_ids:
+        return records
+    late = set(info.late_call_ids)
+    return [r for r in records if r.call_id not in late]
+
+
 async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
+    """The rollout and its snapshot's calls (late calls left out). 404 when unknown."""
     rollout_id = _rollout_id(request)
     store = request.app[STORE_KEY]
     info = await store.get_rollout(rollout_id)
     if info is None:
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
-    return info, await store.get_rollout_calls(rollout_id)
+    return info, snapshot_records(info, await store.get_rollout_calls(rollout_id))
+
+
+def lifecycle_json(info: RolloutInfo) -> dict[str, Any]:
+    """The lifecycle and metadata fields every rollout view carries."""
+    episode = parse_episode(info.rollout_id)
+    meta = info.metadata
+    return {
+        "status": info.status.value,
+        "version": info.version,
+        "snapshot_id": info.snapshot.snapshot_id if info.snapshot else None,
+        "episode_of": episode.base,
+        "attempt": episode.attempt,
+        "reward": meta.reward,
+        "task_id": meta.task_id,
+        "tags": meta.tags,
+        "late_call_ids": list(info.late_call_ids),
+    }
 
 
 class RolloutState:
@@ -187,6 +218,7 @@ def _listing_json(
             "num_calls": info.num_calls,
             "num_chains": len(build_chains(info.rollout_id, records).chains),
             "incomplete": state.incomplete,
+            **lifecycle_json(info),
         }
         for info, records, state in page
     ]
@@ -202,14 +234,20 @@ async def list_rollouts(request: web.Request) -> web.Response:
     recorder = request.app[RECORDER_KEY]
     infos = await store.list_rollouts(limit=limit, after=after)
     page = [
-        (info, await store.get_rollout_calls(info.rollout_id), RolloutState(info, recorder))
+        (
+            info,
+            snapshot_records(info, await store.get_rollout_calls(info.rollout_id)),
+            RolloutState(info, recorder),
+        )
         for info in infos
     ]
     next_after = infos[-1].rollout_id if len(infos) == limit else None
     return _json(await _off_loop(request, _listing_json, page, next_after))
 
 
-def _summary_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+def _summary_json(
+    info: RolloutInfo, records: list[CallRecord], state: RolloutState, episodes: list[str]
+) -> bytes:
     chains = build_chains(info.rollout_id, records)
     status_counts = Counter(r.status.value for r in records)
     return dumps(
@@ -234,6 +272,12 @@ def _summary_json(info: RolloutInfo, records: list[CallRecord], state: RolloutSt
             "linking": link_stats(records, chains),
             "incomplete": state.incomplete,
             "diagnostics": _diagnostics(info, records, state),
+            **lifecycle_json(info),
+            "snapshot": info.snapshot.to_json() if info.snapshot else None,
+            "episodes": {
+                "rollout_ids": episodes,
+                "final": final_episodes(episodes).get(parse_episode(info.rollout_id).base),
+            },
         }
     )
 
@@ -241,7 +285,8 @@ def _summary_json(info: RolloutInfo, records: list[CallRecord], state: RolloutSt
 async def get_rollout(request: web.Request) -> web.Response:
     info, records = await _load(request)
     state = RolloutState(info, request.app[RECORDER_KEY])
-    return _json(await _off_loop(request, _summary_json, info, records, state))
+    episodes = await request.app[STORE_KEY].list_episodes(parse_episode(info.rollout_id).base)
+    return _json(await _off_loop(request, _summary_json, info, records, state, episodes))
 
 
 def _chains_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
@@ -273,19 +318,37 @@ def _chains_body(
             for chain in chains.chains
         ],
         "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
+        "main_chain_id": _main_chain_id(chains),
         "incomplete": state.incomplete,
         "diagnostics": _diagnostics(info, records, state),
+        **lifecycle_json(info),
+    }
+
+
+def _main_chain_id(chains: RolloutChains) -> str | None:
+    main = main_chain(chains)
+    return main.chain_id if main is not None else None
+
+
+def archive_manifest(
+    info: RolloutInfo, chains: RolloutChains, state: RolloutState
+) -> dict[str, Any]:
+    """The rollout-level fields of the npz archive's ``manifest.json`` (and of an export's
+    rollout manifest): unlinked calls, the main chain, completeness, and under ``lifecycle``
+    the status, version, snapshot id, episode, metadata and late calls."""
+    return {
+        "unlinked_call_ids": [r.call_id for r in chains.unlinked],
+        "main_chain_id": _main_chain_id(chains),
+        "incomplete": state.incomplete,
+        # Nested: the archive's own ``version`` is its format's.
+        "lifecycle": lifecycle_json(info),
     }
 
 
 def _chains_npz(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
     chains = build_chains(info.rollout_id, records)
     buf = io.BytesIO()
-    extra = {
-        "unlinked_call_ids": [r.call_id for r in chains.unlinked],
-        "incomplete": state.incomplete,
-    }
-    write_archive(chains, buf, extra)
+    write_archive(chains, buf, archive_manifest(info, chains, state))
     return buf.getvalue()
 
 

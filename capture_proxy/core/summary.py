@@ -12,8 +12,16 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from capture_proxy.core.chains import RolloutChains
+from capture_proxy.core.chains import Chain, RolloutChains
 from capture_proxy.core.records import CallRecord, CallStatus, DiagnosticKind
+
+
+def main_chain(chains: RolloutChains) -> Chain | None:
+    """The chain with the most generated tokens (the first such in chain order), or None."""
+    generated = [sum(r.num_generation_tokens for r in c.calls) for c in chains.chains]
+    if not generated:
+        return None
+    return chains.chains[generated.index(max(generated))]
 
 
 def link_stats(records: list[CallRecord], chains: RolloutChains) -> dict[str, Any]:
@@ -33,7 +41,7 @@ def link_stats(records: list[CallRecord], chains: RolloutChains) -> dict[str, An
                 refused_by_class[str(d.details.get("class", d.details.get("reason")))] += 1
     generated = {c.chain_id: sum(r.num_generation_tokens for r in c.calls) for c in chains.chains}
     total = sum(r.num_generation_tokens for r in records if r.status is CallStatus.COMPLETE)
-    main = max(chains.chains, key=lambda c: generated[c.chain_id], default=None)
+    main = main_chain(chains)
     return {
         "num_chains": len(chains.chains),
         "num_roots": len(chains.chains),

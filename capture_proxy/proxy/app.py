@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager
 import aiohttp
 from aiohttp import web
 
-from capture_proxy import __version__, rest
+from capture_proxy import __version__, rest, rest_export, rest_lifecycle
 from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.core.fronts import (
@@ -36,6 +36,7 @@ from capture_proxy.proxy.capture import BackEnds, handle_captured_call, handle_c
 from capture_proxy.proxy.errors import (
     ERROR_SHAPE_KEY,
     BadRequest,
+    Conflict,
     MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
@@ -101,6 +102,20 @@ def _back_ends(request: web.Request) -> BackEnds:
     )
 
 
+async def _refuse_if_frozen(request: web.Request, target: Route) -> None:
+    """``late_calls = refuse``: a call to a frozen rollout gets a 409 before it reaches the
+    engine. (A call that passes here while the rollout is being frozen is stored as late.)"""
+    assert target.rollout_id is not None
+    info = await request.app[rest.STORE_KEY].get_rollout(target.rollout_id)
+    if info is not None and info.snapshot is not None:
+        raise Conflict(
+            f"rollout {target.rollout_id} is frozen (snapshot {info.snapshot.snapshot_id}): "
+            "calls to it are refused (setting late_calls = refuse)",
+            param="rollout_id",
+            code="rollout_frozen",
+        )
+
+
 async def _serve_capture_path(
     request: web.Request, target: Route, raw_body: bytes
 ) -> tuple[web.StreamResponse, str]:
@@ -119,6 +134,8 @@ async def _serve_capture_path(
                 f"{request.method} {path} is not allowed: model calls are POST",
                 allowed=("POST",),
             )
+        if request.app[SETTINGS_KEY].late_calls == "refuse":
+            await _refuse_if_frozen(request, target)
         deps = _capture_deps(request)
         response = await handle_captured_call(
             request, target, raw_body, front, deps, _back_ends(request)
@@ -329,6 +346,8 @@ def build_proxy_app(
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
     rest.add_routes(app)
+    rest_lifecycle.add_routes(app)
+    rest_export.add_routes(app)
     add_viewer_routes(
         app,
         ViewerConfig(

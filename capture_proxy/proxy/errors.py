@@ -7,6 +7,8 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     |   +-- PayloadTooLarge           (413)
     +-- NotFound(LookupError)         (404, "not_found_error")
     +-- MethodNotAllowed              (405, "invalid_request_error"; an ``Allow`` header)
+    +-- Conflict                      (409, "conflict_error": the rollout's lifecycle state)
+    +-- Unprocessable                 (422, "invalid_request_error": valid, but not doable)
     +-- Unauthorized                  (401, "authentication_error")
     +-- UpstreamUnavailable           (502, "upstream_error": engine unreachable or broken)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
@@ -61,6 +63,16 @@ class MethodNotAllowed(ProxyError):
     def __init__(self, message: str, *, allowed: tuple[str, ...]):
         super().__init__(message, code="method_not_allowed")
         self.allowed = allowed
+
+
+class Conflict(ProxyError):
+    status = 409
+    error_type = "conflict_error"
+
+
+class Unprocessable(ProxyError):
+    status = 422
+    error_type = "invalid_request_error"
 
 
 class Unauthorized(ProxyError):

@@ -6,19 +6,47 @@ is idempotent by call id (the same content again is a no-op, different content i
 full prompts. ``delete_rollout`` leaves a tombstone: a later ``put_call`` for that rollout is
 refused with ``RolloutDeleted`` until ``sweep_tombstones`` removes the tombstone.
 
+Lifecycle (DESIGN.md, "Rollout lifecycle"), every step atomic, durable and idempotent:
+
+- open: implicit, the first ``put_call`` (or a ``freeze_rollout`` with ``known_elsewhere``).
+- ``freeze_rollout``: seals the rollout's calls into a snapshot (``Snapshot``: a random
+  ``snapshot_id``, the ``version``, the number of calls, an export ``cursor``). A repeat returns
+  the same snapshot. A ``put_call`` after the freeze is still stored, marked *late*
+  (``RolloutInfo.late_call_ids``); late calls never count in the snapshot or its exports.
+- ``set_metadata``: reward, task id and tags (``core.metadata.RolloutMetadata``), replaced
+  whole; allowed before and after the freeze.
+- ``retire_rollout``: with the snapshot id and version the trainer read, deletes the rollout
+  and leaves a tombstone that remembers them, so a retried retire answers the same
+  ``Retirement``; other identifiers are refused with ``SnapshotMismatch``.
+
+``version`` is the rollout's revision: 1 more for each call stored before the freeze and for
+each metadata change. A trainer that read version 7 and retires with 7 knows that nothing it
+did not read (a later reward, say) is deleted with the rollout.
+
+Exports walk frozen rollouts by ``Snapshot.cursor``: a positive integer from one store-wide
+sequence, given at freeze time, never reused (not even after a retire), so a rollout frozen
+later always sorts after every cursor handed out before (``list_frozen``).
+
 Exceptions::
 
     StoreError                 any store failure; the proxy still answers the harness
     +-- ConflictingRecord      same call id, different content; the original is kept
     +-- RolloutDeleted         a write to a deleted (tombstoned) rollout; nothing is written
+    +-- RolloutNotFound(LookupError)
+    |                          a lifecycle step for a rollout the store has never heard of
+    +-- LifecycleConflict      a lifecycle step that the rollout's state refuses
+        +-- RolloutNotFrozen   retire before freeze
+        +-- SnapshotMismatch   retire with a snapshot id or version that is not the rollout's
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 
 
@@ -35,13 +63,92 @@ class RolloutDeleted(StoreError):
     resurrect it."""
 
 
+class RolloutNotFound(StoreError, LookupError):
+    """A lifecycle step names a rollout with no calls, no bookkeeping and no tombstone."""
+
+
+class LifecycleConflict(StoreError):
+    """The rollout's lifecycle state refuses the step. ``code`` is a stable name for clients;
+    ``field`` names the request field at fault, if one is."""
+
+    code = "lifecycle_conflict"
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RolloutNotFrozen(LifecycleConflict):
+    """Retire before freeze: there is no snapshot to retire."""
+
+    code = "rollout_not_frozen"
+
+
+class SnapshotMismatch(LifecycleConflict):
+    """Retire with a snapshot id or version that is not the rollout's (``field`` says which),
+    or of a rollout deleted without a snapshot."""
+
+    code = "snapshot_mismatch"
+
+
+class RolloutStatus(enum.StrEnum):
+    OPEN = "open"
+    FROZEN = "frozen"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A frozen rollout's seal. ``snapshot_id``: 32 hex digits; ``version``: the rollout's
+    current revision (see the module docstring); ``num_calls``: calls stored before the freeze
+    (late calls excluded); ``frozen_at``: Unix s; ``cursor``: its export position (> 0)."""
+
+    snapshot_id: str
+    version: int
+    num_calls: int
+    frozen_at: float
+    cursor: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "snapshot_id": self.snapshot_id,
+            "version": self.version,
+            "num_calls": self.num_calls,
+            "frozen_at": self.frozen_at,
+            "cursor": self.cursor,
+        }
+
+
+@dataclass(frozen=True)
+class Retirement:
+    """What a retire did, kept in the tombstone so a retry answers the same: the snapshot and
+    version retired, the calls deleted, when (Unix s)."""
+
+    rollout_id: str
+    snapshot_id: str
+    version: int
+    deleted_calls: int
+    retired_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rollout_id": self.rollout_id,
+            "snapshot_id": self.snapshot_id,
+            "version": self.version,
+            "deleted_calls": self.deleted_calls,
+            "retired_at": self.retired_at,
+        }
+
+
 @dataclass(frozen=True)
 class RolloutInfo:
     """Per-rollout bookkeeping kept beside the calls.
 
-    ``created_at`` is Unix seconds of the first call seen; ``incomplete`` is True once any call
-    of the rollout lost token data or failed to store; ``diagnostics`` are rollout-level
-    conditions (one per kind, with details), e.g. ``store_failed``.
+    ``created_at`` is Unix seconds of the first call seen; ``num_calls`` counts every stored
+    call, late ones included; ``incomplete`` is True once any call of the rollout lost token
+    data or failed to store; ``diagnostics`` are rollout-level conditions (one per kind, with
+    details), e.g. ``store_failed``. ``version`` is the revision (module docstring);
+    ``snapshot`` is set once frozen; ``late_call_ids`` are the calls stored after the freeze,
+    in arrival order; ``metadata`` is what the trainer attached.
     """
 
     rollout_id: str
@@ -49,6 +156,14 @@ class RolloutInfo:
     num_calls: int
     incomplete: bool
     diagnostics: list[Diagnostic] = field(default_factory=list)
+    version: int = 0
+    snapshot: Snapshot | None = None
+    late_call_ids: tuple[str, ...] = ()
+    metadata: RolloutMetadata = field(default_factory=RolloutMetadata)
+
+    @property
+    def status(self) -> RolloutStatus:
+        return RolloutStatus.OPEN if self.snapshot is None else RolloutStatus.FROZEN
 
 
 class CaptureStore(Protocol):
@@ -70,6 +185,30 @@ class CaptureStore(Protocol):
 
     async def sweep_tombstones(self, older_than_s: float) -> int:
         """Remove tombstones older than ``older_than_s`` seconds. Returns how many."""
+
+    async def freeze_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> Snapshot:
+        """Freeze the rollout (idempotent: a repeat returns the same snapshot, with the current
+        version). ``known_elsewhere``: a call of it is in flight, so a rollout with nothing
+        stored yet is frozen empty instead of refused. Raises RolloutNotFound, RolloutDeleted
+        (tombstoned), StoreError."""
+
+    async def set_metadata(self, rollout_id: str, metadata: RolloutMetadata) -> int:
+        """Replace the rollout's metadata; returns the version after (unchanged when the
+        metadata was already this). Raises RolloutNotFound, RolloutDeleted, StoreError."""
+
+    async def retire_rollout(self, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
+        """Delete a frozen rollout whose snapshot id and current version are the given ones and
+        leave a tombstone that remembers them; a repeat with the same identifiers returns the
+        same ``Retirement`` while the tombstone lasts. Raises RolloutNotFound, RolloutNotFrozen,
+        SnapshotMismatch (also for a rollout deleted without a snapshot), StoreError."""
+
+    async def list_frozen(self, *, after: int = 0, limit: int | None = None) -> list[RolloutInfo]:
+        """Frozen rollouts with ``snapshot.cursor > after``, in cursor order, at most
+        ``limit``."""
+
+    async def list_episodes(self, base_rollout_id: str) -> list[str]:
+        """Ids of the episodes of ``base_rollout_id`` the store knows of (``core.episodes``:
+        the base id itself and ``<base>-a<n>``), stored or tombstoned, sorted."""
 
     async def get_call(self, call_id: str) -> CallRecord | None: ...
 

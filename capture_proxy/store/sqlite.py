@@ -32,8 +32,15 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
   refers to, in the same transaction.
-- ``rollouts``: first-seen time, incomplete flag and rollout-level diagnostics.
-- ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused.
+- ``rollouts``: first-seen time, incomplete flag, rollout-level diagnostics, the revision
+  (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
+  (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
+- ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
+  ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
+- ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
+  rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
+  retire answers the same.
+- ``counters``: store-wide sequences (``export_cursor``: the last cursor handed out).
 
 Reads that span several statements (calls, then their JSON texts) run in one read
 transaction, so they see one snapshot.
@@ -49,6 +56,7 @@ import dataclasses
 import json
 import sqlite3
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -67,14 +75,27 @@ from capture_proxy.core.codec import (
     rebase_messages,
     same_content,
 )
+from capture_proxy.core.episodes import episode_glob, parse_episode
+from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
-from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, RolloutInfo, StoreError
+from capture_proxy.store.base import (
+    ConflictingRecord,
+    Retirement,
+    RolloutDeleted,
+    RolloutInfo,
+    RolloutNotFound,
+    RolloutNotFrozen,
+    Snapshot,
+    SnapshotMismatch,
+    StoreError,
+)
 from capture_proxy.store.worker import WorkerThread
 
 DB_FILE_NAME = "captures.sqlite3"
-#: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records.
-LAYOUT_VERSION = 3
+#: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records,
+#: 4 added the lifecycle (snapshots, late calls, metadata, retirements).
+LAYOUT_VERSION = 4
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
 
@@ -99,7 +120,8 @@ CREATE TABLE IF NOT EXISTS calls (
     messages_prefix_len INTEGER NOT NULL DEFAULT 0,
     num_messages INTEGER NOT NULL DEFAULT 0,
     messages_sha256 BLOB NOT NULL DEFAULT x'',
-    messages_chain BLOB NOT NULL DEFAULT x''
+    messages_chain BLOB NOT NULL DEFAULT x'',
+    late INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
 CREATE TABLE IF NOT EXISTS json_blobs (
@@ -114,14 +136,32 @@ CREATE TABLE IF NOT EXISTS call_json (
 CREATE INDEX IF NOT EXISTS call_json_by_sha ON call_json (sha256);
 CREATE TABLE IF NOT EXISTS tombstones (
     rollout_id TEXT PRIMARY KEY,
-    deleted_at REAL NOT NULL
+    deleted_at REAL NOT NULL,
+    snapshot_id TEXT,
+    version INTEGER,
+    deleted_calls INTEGER
 );
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT PRIMARY KEY,
     created_at REAL NOT NULL,
     incomplete INTEGER NOT NULL DEFAULT 0,
-    diagnostics TEXT NOT NULL DEFAULT '[]'
+    diagnostics TEXT NOT NULL DEFAULT '[]',
+    version INTEGER NOT NULL DEFAULT 0,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    snapshot_id TEXT,
+    frozen_at REAL,
+    frozen_num_calls INTEGER,
+    export_cursor INTEGER
 );
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+"""
+# Created after the columns exist (an older store gets them in the migration first).
+_INDEXES = """
+CREATE UNIQUE INDEX IF NOT EXISTS rollouts_by_cursor ON rollouts (export_cursor)
+    WHERE export_cursor IS NOT NULL;
 """
 
 # In ``EncodedRecord`` field order.
@@ -143,6 +183,19 @@ _V3_COLUMNS = {
     "messages_sha256": "BLOB NOT NULL DEFAULT x''",
     "messages_chain": "BLOB NOT NULL DEFAULT x''",
 }
+# Layout 4, per table.
+_V4_COLUMNS = {
+    "calls": {"late": "INTEGER NOT NULL DEFAULT 0"},
+    "rollouts": {
+        "version": "INTEGER NOT NULL DEFAULT 0",
+        "metadata": "TEXT NOT NULL DEFAULT '{}'",
+        "snapshot_id": "TEXT",
+        "frozen_at": "REAL",
+        "frozen_num_calls": "INTEGER",
+        "export_cursor": "INTEGER",
+    },
+    "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
+}
 # The JSON texts the given calls refer to (``{calls}``: a subquery of call ids).
 _BLOBS_OF = (
     "SELECT b.sha256, b.json FROM json_blobs b WHERE b.sha256 IN "
@@ -155,7 +208,11 @@ _ANCESTRY = (
 )
 _ROLLOUT_SELECT = (
     "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
-    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id) FROM rollouts r"
+    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
+    "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
+    "(SELECT json_group_array(call_id) FROM (SELECT call_id FROM calls c "
+    "WHERE c.rollout_id = r.rollout_id AND c.late = 1 ORDER BY created_at, call_id)) "
+    "FROM rollouts r"
 )
 
 T = TypeVar("T")
@@ -194,14 +251,72 @@ def _read_transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
 
 
 def _info(row: tuple[Any, ...]) -> RolloutInfo:
-    rollout_id, created_at, incomplete, diagnostics, num_calls = row
+    (
+        rollout_id,
+        created_at,
+        incomplete,
+        diagnostics,
+        num_calls,
+        version,
+        metadata,
+        snapshot_id,
+        frozen_at,
+        frozen_num_calls,
+        export_cursor,
+        late,
+    ) = row
+    snapshot = (
+        None
+        if snapshot_id is None
+        else Snapshot(snapshot_id, version, frozen_num_calls, frozen_at, export_cursor)
+    )
     return RolloutInfo(
         rollout_id=rollout_id,
         created_at=created_at,
         num_calls=num_calls,
         incomplete=bool(incomplete),
         diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
+        version=version,
+        snapshot=snapshot,
+        late_call_ids=tuple(json.loads(late)),
+        metadata=RolloutMetadata.from_json(json.loads(metadata)),
     )
+
+
+def _metadata_text(metadata: RolloutMetadata) -> str:
+    return json.dumps(metadata.to_json(), ensure_ascii=False, sort_keys=True)
+
+
+def _next_counter(db: sqlite3.Connection, name: str) -> int:
+    db.execute(
+        "INSERT INTO counters (name, value) VALUES (?, 1) "
+        "ON CONFLICT(name) DO UPDATE SET value = value + 1",
+        (name,),
+    )
+    row = db.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+    return int(row[0])
+
+
+def _delete_rows(db: sqlite3.Connection, rollout_id: str) -> int:
+    """Delete a rollout's calls, their unshared JSON texts and its bookkeeping (inside the
+    caller's transaction). Returns the number of calls deleted."""
+    calls = "SELECT call_id FROM calls WHERE rollout_id = ?"
+    shas = [
+        r[0]
+        for r in db.execute(
+            f"SELECT DISTINCT sha256 FROM call_json WHERE call_id IN ({calls})", (rollout_id,)
+        ).fetchall()
+    ]
+    db.execute(f"DELETE FROM call_json WHERE call_id IN ({calls})", (rollout_id,))
+    for sha in shas:  # texts no remaining call refers to
+        db.execute(
+            "DELETE FROM json_blobs WHERE sha256 = ? AND NOT EXISTS "
+            "(SELECT 1 FROM call_json WHERE sha256 = ?)",
+            (sha, sha),
+        )
+    deleted = db.execute("DELETE FROM calls WHERE rollout_id = ?", (rollout_id,)).rowcount
+    db.execute("DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,))
+    return int(deleted)
 
 
 def _transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
@@ -329,10 +444,23 @@ class SQLiteStore:
         db.executescript(_SCHEMA)
 
         def body() -> None:
-            existing = {r[1] for r in db.execute("PRAGMA table_info(calls)").fetchall()}
-            for name, decl in (_V2_COLUMNS | _V3_COLUMNS).items():
-                if name not in existing:
-                    db.execute(f"ALTER TABLE calls ADD COLUMN {name} {decl}")
+            columns = {"calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"]}
+            columns |= {t: _V4_COLUMNS[t] for t in ("rollouts", "tombstones")}
+            for table, wanted in columns.items():
+                existing = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+                for name, decl in wanted.items():
+                    if name not in existing:
+                        db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {decl}")
+            if version < 4:
+                # Before the lifecycle every stored call counted: the revision is their count.
+                db.execute(
+                    "UPDATE rollouts SET version = (SELECT count(*) FROM calls c "
+                    "WHERE c.rollout_id = rollouts.rollout_id)"
+                )
+            # The indexes need the columns (executescript would commit: one statement each).
+            for statement in _INDEXES.strip().split(";"):
+                if statement.strip():
+                    db.execute(statement)
             rollouts = [
                 r[0]
                 for r in db.execute(
@@ -428,6 +556,10 @@ class SQLiteStore:
                 raise RolloutDeleted(
                     f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
                 )
+            frozen = db.execute(
+                "SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL",
+                (record.rollout_id,),
+            ).fetchone()
             # Inside the transaction: no candidate can appear or vanish before the insert.
             candidates = [
                 StoredPrefix(r[0], r[1], r[2], r[3])
@@ -456,8 +588,11 @@ class SQLiteStore:
                 record, prompt_parent=parent, messages_prefix_len=k, request=encoding
             )
             cur = db.execute(_INSERT_CALL, column_values(enc))
-            if cur.rowcount:
+            inserted = bool(cur.rowcount)
+            if inserted:
                 _store_json(db, enc)
+                if frozen:
+                    db.execute("UPDATE calls SET late = 1 WHERE call_id = ?", (enc.call_id,))
             else:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
@@ -467,11 +602,14 @@ class SQLiteStore:
                         f"call {enc.call_id} is already stored with different content; "
                         "original kept"
                     )
+            # A late call changes neither the snapshot's revision nor its completeness.
+            counts = inserted and not frozen
             db.execute(
-                "INSERT INTO rollouts (rollout_id, created_at, incomplete) VALUES (?,?,?) "
-                "ON CONFLICT(rollout_id) DO UPDATE SET "
-                "incomplete = max(incomplete, excluded.incomplete)",
-                (enc.rollout_id, enc.created_at, incomplete),
+                "INSERT INTO rollouts (rollout_id, created_at, incomplete, version) "
+                "VALUES (?,?,?,?) ON CONFLICT(rollout_id) DO UPDATE SET "
+                "incomplete = max(incomplete, excluded.incomplete), "
+                "version = version + excluded.version",
+                (enc.rollout_id, enc.created_at, incomplete if counts else 0, int(counts)),
             )
 
         _transaction(db, body)
@@ -526,28 +664,147 @@ class SQLiteStore:
                 )
             ):
                 return None
-            calls = "SELECT call_id FROM calls WHERE rollout_id = ?"
-            shas = [
-                r[0]
-                for r in db.execute(
-                    f"SELECT DISTINCT sha256 FROM call_json WHERE call_id IN ({calls})",
-                    (rollout_id,),
-                ).fetchall()
-            ]
-            db.execute(f"DELETE FROM call_json WHERE call_id IN ({calls})", (rollout_id,))
-            for sha in shas:  # texts no remaining call refers to
-                db.execute(
-                    "DELETE FROM json_blobs WHERE sha256 = ? AND NOT EXISTS "
-                    "(SELECT 1 FROM call_json WHERE sha256 = ?)",
-                    (sha, sha),
-                )
-            deleted = db.execute("DELETE FROM calls WHERE rollout_id = ?", (rollout_id,)).rowcount
-            db.execute("DELETE FROM rollouts WHERE rollout_id = ?", (rollout_id,))
+            deleted = _delete_rows(db, rollout_id)
             db.execute(
                 "INSERT OR IGNORE INTO tombstones (rollout_id, deleted_at) VALUES (?, ?)",
                 (rollout_id, time.time()),
             )
             return deleted
+
+        return _transaction(db, body)
+
+    # --- lifecycle (writer thread) -------------------------------------------------------
+
+    async def freeze_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> Snapshot:
+        """See ``CaptureStore.freeze_rollout``."""
+        try:
+            return await self._write(self._freeze, rollout_id, known_elsewhere)
+        except sqlite3.Error as exc:
+            raise StoreError(f"freezing rollout {rollout_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _freeze(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> Snapshot:
+        def body() -> Snapshot:
+            if _tombstoned(db, rollout_id):
+                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
+            row = db.execute(
+                "SELECT version, snapshot_id, frozen_at, frozen_num_calls, export_cursor "
+                "FROM rollouts WHERE rollout_id = ?",
+                (rollout_id,),
+            ).fetchone()
+            if row is None and not known_elsewhere:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            if row is not None and row[1] is not None:  # frozen before: the same snapshot
+                return Snapshot(row[1], row[0], row[3], row[2], row[4])
+            now = time.time()
+            if row is None:  # nothing stored yet, a first call in flight: frozen empty
+                db.execute(
+                    "INSERT INTO rollouts (rollout_id, created_at) VALUES (?, ?)", (rollout_id, now)
+                )
+            num_calls = db.execute(
+                "SELECT count(*) FROM calls WHERE rollout_id = ? AND late = 0", (rollout_id,)
+            ).fetchone()[0]
+            snapshot = Snapshot(
+                uuid.uuid4().hex,
+                0 if row is None else int(row[0]),
+                int(num_calls),
+                now,
+                _next_counter(db, "export_cursor"),
+            )
+            db.execute(
+                "UPDATE rollouts SET snapshot_id = ?, frozen_at = ?, frozen_num_calls = ?, "
+                "export_cursor = ? WHERE rollout_id = ?",
+                (snapshot.snapshot_id, now, snapshot.num_calls, snapshot.cursor, rollout_id),
+            )
+            return snapshot
+
+        return _transaction(db, body)
+
+    async def set_metadata(self, rollout_id: str, metadata: RolloutMetadata) -> int:
+        """See ``CaptureStore.set_metadata``."""
+        try:
+            return await self._write(self._set_metadata, rollout_id, metadata)
+        except sqlite3.Error as exc:
+            raise StoreError(f"setting metadata of rollout {rollout_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _set_metadata(db: sqlite3.Connection, rollout_id: str, metadata: RolloutMetadata) -> int:
+        def body() -> int:
+            if _tombstoned(db, rollout_id):
+                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
+            row = db.execute(
+                "SELECT version, metadata FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+            if row is None:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            text = _metadata_text(metadata)
+            if text == _metadata_text(RolloutMetadata.from_json(json.loads(row[1]))):
+                return int(row[0])  # a retry, or nothing new: the same version
+            db.execute(
+                "UPDATE rollouts SET metadata = ?, version = version + 1 WHERE rollout_id = ?",
+                (text, rollout_id),
+            )
+            return int(row[0]) + 1
+
+        return _transaction(db, body)
+
+    async def retire_rollout(self, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
+        """See ``CaptureStore.retire_rollout``."""
+        try:
+            return await self._write(self._retire, rollout_id, snapshot_id, version)
+        except sqlite3.Error as exc:
+            raise StoreError(f"retiring rollout {rollout_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _retire(
+        db: sqlite3.Connection, rollout_id: str, snapshot_id: str, version: int
+    ) -> Retirement:
+        def check(have_snapshot: str, have_version: int) -> None:
+            if have_snapshot != snapshot_id:
+                raise SnapshotMismatch(
+                    f"snapshot_id {snapshot_id!r} is not rollout {rollout_id}'s snapshot "
+                    f"({have_snapshot!r})",
+                    field="snapshot_id",
+                )
+            if have_version != version:
+                raise SnapshotMismatch(
+                    f"version {version} is not rollout {rollout_id}'s version ({have_version}): "
+                    "it changed after it was read (a late reward or tag?); read it again",
+                    field="version",
+                )
+
+        def body() -> Retirement:
+            tomb = db.execute(
+                "SELECT deleted_at, snapshot_id, version, deleted_calls FROM tombstones "
+                "WHERE rollout_id = ?",
+                (rollout_id,),
+            ).fetchone()
+            if tomb is not None:
+                if tomb[1] is None:
+                    raise SnapshotMismatch(
+                        f"rollout {rollout_id} was deleted without a snapshot, not retired",
+                        field="snapshot_id",
+                    )
+                check(tomb[1], tomb[2])  # a retry with the same identifiers: the same answer
+                return Retirement(rollout_id, tomb[1], tomb[2], tomb[3], tomb[0])
+            row = db.execute(
+                "SELECT snapshot_id, version FROM rollouts WHERE rollout_id = ?", (rollout_id,)
+            ).fetchone()
+            if row is None:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            if row[0] is None:
+                raise RolloutNotFrozen(
+                    f"rollout {rollout_id} is not frozen: freeze it, read it, then retire it"
+                )
+            check(row[0], row[1])
+            deleted = _delete_rows(db, rollout_id)
+            now = time.time()
+            db.execute(
+                "INSERT INTO tombstones (rollout_id, deleted_at, snapshot_id, version, "
+                "deleted_calls) VALUES (?, ?, ?, ?, ?)",
+                (rollout_id, now, snapshot_id, version, deleted),
+            )
+            return Retirement(rollout_id, snapshot_id, version, deleted, now)
 
         return _transaction(db, body)
 
@@ -640,6 +897,32 @@ class SQLiteStore:
             (after if after is not None else "", limit if limit is not None else -1),
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
+
+    async def list_frozen(self, *, after: int = 0, limit: int | None = None) -> list[RolloutInfo]:
+        """Frozen rollouts with a cursor greater than ``after``, in cursor order."""
+        return await self._read(self._list_frozen, after, limit)
+
+    @staticmethod
+    def _list_frozen(db: sqlite3.Connection, after: int, limit: int | None) -> list[RolloutInfo]:
+        rows = db.execute(
+            _ROLLOUT_SELECT + " WHERE r.export_cursor > ? ORDER BY r.export_cursor LIMIT ?",
+            (after, limit if limit is not None else -1),
+        ).fetchall()
+        return [_info(tuple(r)) for r in rows]
+
+    async def list_episodes(self, base_rollout_id: str) -> list[str]:
+        """Episode ids of ``base_rollout_id``, stored or tombstoned, sorted."""
+        return await self._read(self._list_episodes, base_rollout_id)
+
+    @staticmethod
+    def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:
+        pattern = episode_glob(base)
+        rows = db.execute(
+            "SELECT rollout_id FROM rollouts WHERE rollout_id = ? OR rollout_id GLOB ? "
+            "UNION SELECT rollout_id FROM tombstones WHERE rollout_id = ? OR rollout_id GLOB ?",
+            (base, pattern, base, pattern),
+        ).fetchall()
+        return sorted(r[0] for r in rows if r[0] == base or parse_episode(r[0]).base == base)
 
     async def health(self) -> dict[str, Any]:
         return await self._read(self._health)

@@ -101,6 +101,15 @@ async def test_session_forms_one_agent_chain_and_a_title_root(stack: Stack):
             "num_calls": 4,
             "num_chains": 2,
             "incomplete": False,
+            "status": "open",
+            "version": 4,
+            "snapshot_id": None,
+            "episode_of": "task-1",
+            "attempt": 0,
+            "reward": None,
+            "task_id": None,
+            "tags": {},
+            "late_call_ids": [],
         }
     ]
 

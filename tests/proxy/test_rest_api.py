@@ -44,6 +44,15 @@ async def test_rollouts_are_listed_in_pages(stack: Stack):
         "num_calls": 1,
         "num_chains": 1,
         "incomplete": False,
+        "status": "open",
+        "version": 1,
+        "snapshot_id": None,
+        "episode_of": "r0",
+        "attempt": 0,
+        "reward": None,
+        "task_id": None,
+        "tags": {},
+        "late_call_ids": [],
     }
 
 

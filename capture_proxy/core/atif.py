@@ -1,0 +1,240 @@
+"""ATIF export: a rollout's main path as an Agent Trajectory Interchange Format trajectory. Pure.
+
+Follows ATIF-v1.4 (Harbor's RFC 0001, "trajectory-format": ``schema_version``,
+``session_id``, ``agent``, ``steps``, ``notes``, ``final_metrics``, ``extra``; v1.3 added
+``completion_token_ids`` to a step's metrics, v1.4 ``prompt_token_ids``).
+
+Mapping: the path is the main chain's (the chain with the most generated tokens) longest
+root-to-leaf path (``main_path``). Its first call's request messages become steps in order
+(``system`` -> a system step, ``user`` -> a user step, ``assistant`` -> an agent step without
+metrics, since no captured call produced it, ``tool`` -> an observation result on the agent
+step before it). Each path call then adds the messages new in its request (after its parent's
+history and answer) and one agent step for its answer: ``message`` (its text),
+``reasoning_content``, ``tool_calls`` (``tool_call_id``, ``function_name``, ``arguments`` as
+an object; arguments that are not a JSON object are kept as ``{"_raw": text}``),
+``model_name``, ``timestamp`` (ISO 8601, UTC) and ``metrics``: ``prompt_tokens``,
+``completion_tokens``, ``prompt_token_ids``, ``completion_token_ids``, ``logprobs`` (a
+non-finite value as null) and ``extra`` (``call_id``, ``finish_reason``, and with
+``include_experts`` the ``routed_experts`` rows ``[num_rows, num_layers, top_k]`` with
+``routed_experts_start``). Root ``extra``: the rollout id, chain and call ids, reward, task id,
+tags, snapshot id, version, the other chains and unlinked calls, and the diagnostics.
+
+Strict mode (``strict=True``) refuses, with ``AtifGaps``, a rollout with any gap: a call's
+diagnostic, a rollout-level diagnostic, or an incomplete rollout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime
+from typing import Any
+
+from capture_proxy.core.chains import Chain, RolloutChains
+from capture_proxy.core.metadata import RolloutMetadata
+from capture_proxy.core.records import CallRecord
+from capture_proxy.core.summary import main_chain
+
+ATIF_VERSION = "ATIF-v1.4"
+
+
+class AtifGaps(ValueError):
+    """Strict mode: the rollout has gaps. ``gaps``: ``[{"call_id" | None, "kind"}]``."""
+
+    def __init__(self, gaps: list[dict[str, Any]]) -> None:
+        kinds = sorted({g["kind"] for g in gaps})
+        super().__init__(f"rollout has {len(gaps)} gap diagnostic(s): {', '.join(kinds)}")
+        self.gaps = gaps
+
+
+def main_path(chains: RolloutChains) -> tuple[Chain | None, list[CallRecord]]:
+    """The main chain and its longest root-to-leaf path (most tokens; a tie goes to the
+    later leaf in chain order), root first. ``(None, [])`` without chains."""
+    chain = main_chain(chains)
+    if chain is None:
+        return None, []
+    has_child = {p for p in chain.parent_of.values() if p is not None}
+    leaves = [r for r in chain.calls if r.call_id not in has_child]
+    leaf = max(reversed(leaves), key=lambda r: r.num_prompt_tokens + r.num_generation_tokens)
+    by_id = {r.call_id: r for r in chain.calls}
+    path = [leaf]
+    while (parent := chain.parent_of[path[-1].call_id]) is not None:
+        path.append(by_id[parent])
+    return chain, path[::-1]
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
+        )
+    return json.dumps(content, ensure_ascii=False)
+
+
+def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for tc in message.get("tool_calls") or []:
+        fn = tc.get("function") or {}
+        raw = fn.get("arguments")
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            args = {"_raw": raw}
+        out.append(
+            {
+                "tool_call_id": tc.get("id", ""),
+                "function_name": fn.get("name", ""),
+                "arguments": args,
+            }
+        )
+    return out
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def _finite(values: Any) -> list[float | None]:
+    return [float(v) if math.isfinite(v) else None for v in values.tolist()]
+
+
+class _Steps:
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.last_agent: dict[str, Any] | None = None
+
+    def add(self, step: dict[str, Any]) -> None:
+        step = {"step_id": len(self.steps) + 1, **step}
+        self.steps.append(step)
+        if step["source"] == "agent":
+            self.last_agent = step
+
+    def messages(self, messages: list[dict[str, Any]]) -> None:
+        for m in messages:
+            role = m.get("role")
+            if role == "tool" and self.last_agent is not None:
+                results = self.last_agent.setdefault("observation", {"results": []})["results"]
+                results.append(
+                    {"source_call_id": m.get("tool_call_id"), "content": _text(m.get("content"))}
+                )
+            elif role == "assistant":
+                step: dict[str, Any] = {"source": "agent", "message": _text(m.get("content"))}
+                if m.get("reasoning_content"):
+                    step["reasoning_content"] = m["reasoning_content"]
+                if m.get("tool_calls"):
+                    step["tool_calls"] = _tool_calls(m)
+                step["extra"] = {"captured": False}
+                self.add(step)
+            else:
+                source = "system" if role in ("system", "developer") else "user"
+                self.add({"source": source, "message": _text(m.get("content"))})
+
+    def answer(self, call: CallRecord, include_experts: bool) -> None:
+        message = call.response_message or {}
+        step: dict[str, Any] = {
+            "source": "agent",
+            "timestamp": _iso(call.created_at),
+            "message": _text(message.get("content")),
+        }
+        if call.model:
+            step["model_name"] = call.model
+        if message.get("reasoning_content"):
+            step["reasoning_content"] = message["reasoning_content"]
+        if message.get("tool_calls"):
+            step["tool_calls"] = _tool_calls(message)
+        extra: dict[str, Any] = {"call_id": call.call_id, "finish_reason": call.finish_reason}
+        if include_experts and call.routed_experts is not None:
+            extra["routed_experts"] = call.routed_experts.tolist()
+            extra["routed_experts_start"] = call.routed_experts_start
+        step["metrics"] = {
+            "prompt_tokens": call.num_prompt_tokens,
+            "completion_tokens": call.num_generation_tokens,
+            "prompt_token_ids": call.prompt_token_ids.tolist(),
+            "completion_token_ids": call.generation_token_ids.tolist(),
+            "logprobs": _finite(call.generation_log_probs),
+            "extra": extra,
+        }
+        self.add(step)
+
+
+def gaps(
+    records: list[CallRecord], rollout_diagnostics: list[dict[str, Any]], incomplete: bool
+) -> list[dict[str, Any]]:
+    """Every gap of a rollout: each call diagnostic, each rollout-level one, incompleteness."""
+    out: list[dict[str, Any]] = [
+        {"call_id": r.call_id, "kind": str(d.kind)} for r in records for d in r.diagnostics
+    ]
+    out += [{"call_id": None, "kind": d["kind"]} for d in rollout_diagnostics]
+    if incomplete and not any(g["kind"] == "capture_incomplete" for g in out):
+        out.append({"call_id": None, "kind": "capture_incomplete"})
+    return out
+
+
+def trajectory(
+    rollout_id: str,
+    records: list[CallRecord],
+    chains: RolloutChains,
+    *,
+    metadata: RolloutMetadata,
+    rollout_diagnostics: list[dict[str, Any]],
+    incomplete: bool,
+    agent_name: str = "unknown",
+    agent_version: str = "unknown",
+    strict: bool = False,
+    include_experts: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The ATIF trajectory of a rollout (see the module docstring). ``records``: the calls
+    the read holds (the snapshot's); ``extra``: more root ``extra`` fields (snapshot id,
+    version). Raises AtifGaps in strict mode when the rollout has any gap."""
+    found = gaps(records, rollout_diagnostics, incomplete)
+    if strict and found:
+        raise AtifGaps(found)
+    chain, path = main_path(chains)
+    steps = _Steps()
+    parent: CallRecord | None = None
+    for call in path:
+        history = call.request_messages or []
+        steps.messages(history if parent is None else history[len(parent.request_messages) + 1 :])
+        steps.answer(call, include_experts)
+        parent = call
+    total_prompt = sum(c.num_prompt_tokens for c in path)
+    total_completion = sum(c.num_generation_tokens for c in path)
+    return {
+        "schema_version": ATIF_VERSION,
+        "session_id": rollout_id,
+        "agent": {
+            "name": agent_name,
+            "version": agent_version,
+            **({"model_name": path[0].model} if path and path[0].model else {}),
+        },
+        "steps": steps.steps,
+        "notes": (
+            "Exported by capture-proxy from captured token data: the main chain's longest "
+            "path; agent steps with metrics are captured calls, with the exact prompt and "
+            "completion token ids and log probs the engine returned."
+        ),
+        "final_metrics": {
+            "total_prompt_tokens": total_prompt,
+            "total_completion_tokens": total_completion,
+            "total_steps": len(steps.steps),
+        },
+        "extra": {
+            "rollout_id": rollout_id,
+            "chain_id": chain.chain_id if chain else None,
+            "call_ids": [c.call_id for c in path],
+            "reward": metadata.reward,
+            "task_id": metadata.task_id,
+            "tags": metadata.tags,
+            "other_chain_ids": [c.chain_id for c in chains.chains if c is not chain],
+            "unlinked_call_ids": [r.call_id for r in chains.unlinked],
+            "gaps": found,
+            **(extra or {}),
+        },
+    }

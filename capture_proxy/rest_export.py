@@ -1,0 +1,247 @@
+"""Exports for the trainer over REST: the bulk stream of frozen rollouts, and per rollout the
+token tree and ATIF.
+
+    GET /captures/export?status=frozen&after=<cursor>&limit=N&episodes=final|all
+        Arrow IPC stream (``core.export``), one record batch per frozen rollout with a cursor
+        greater than ``after`` (default 0), in cursor order, at most ``limit`` (1-1000,
+        default 100). ``X-Capture-Next-After``: the cursor to pass as ``after`` for the next
+        page (the last one sent; ``after`` itself on an empty page). ``episodes=final``
+        (default): a superseded episode is a batch of 0 rows with ``superseded_by`` set.
+
+    GET /captures/rollouts/<id>/tree
+        ``application/zip``: the snapshot's chains as one token trie (``core.tree``):
+        ``manifest.json`` + ``tree.npz``.
+    GET /captures/rollouts/<id>/atif?strict=false&agent_name=&agent_version=&experts=false
+        The main path as an ATIF-v1.4 trajectory (``core.atif``); ``strict=true``: 422
+        (``rollout_has_gaps``) for a rollout with any gap diagnostic, naming them.
+
+Cursors are the store's freeze sequence (``store.base``): a rollout frozen later sorts after
+every cursor handed out before, so a trainer that commits the cursor of each rollout it has
+durably taken and resumes ``after`` it neither loses nor repeats one, whatever was frozen or
+retired meanwhile.
+
+The work per rollout (chains, samples, encoding) runs on the REST thread; the loop only moves
+bytes. Once the stream has started, an error can no longer change the status: the stream is
+cut without Arrow's end-of-stream marker, which every reader reports as an error.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from aiohttp import web
+
+from capture_proxy.core.atif import AtifGaps, trajectory
+from capture_proxy.core.chains import build_chains
+from capture_proxy.core.episodes import final_episodes, parse_episode
+from capture_proxy.core.export import CONTENT_TYPE, ExportEncoder
+from capture_proxy.core.records import CallRecord
+from capture_proxy.core.samples import ChainSample, chain_samples
+from capture_proxy.core.tree import build_tree, write_tree
+from capture_proxy.proxy.errors import BadRequest, Unprocessable
+from capture_proxy.rest import (
+    MAX_PAGE_SIZE,
+    RECORDER_KEY,
+    STORE_KEY,
+    RolloutState,
+    _diagnostics,
+    _json,
+    _load,
+    _off_loop,
+    archive_manifest,
+    dumps,
+    lifecycle_json,
+    snapshot_records,
+)
+from capture_proxy.store.base import RolloutInfo
+
+DEFAULT_EXPORT_PAGE = 100
+
+
+def _export_params(request: web.Request) -> tuple[int, int, bool]:
+    q = request.query
+    status = q.get("status", "frozen")
+    if status != "frozen":
+        raise BadRequest(
+            f"status: only frozen rollouts are exported (a snapshot is what a cursor can "
+            f"hold), got {status!r}",
+            param="status",
+            code="invalid_status",
+        )
+    raw_after = q.get("after", "0")
+    if not (raw_after.isascii() and raw_after.isdigit()) or len(raw_after) > 18:
+        raise BadRequest(
+            f"after: must be a cursor (a non-negative integer) from an earlier export, got "
+            f"{raw_after!r}",
+            param="after",
+            code="invalid_cursor",
+        )
+    raw_limit = q.get("limit", str(DEFAULT_EXPORT_PAGE))
+    limit = int(raw_limit) if raw_limit.isascii() and raw_limit.isdigit() else 0
+    if not 1 <= limit <= MAX_PAGE_SIZE:
+        raise BadRequest(
+            f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {raw_limit!r}",
+            param="limit",
+            code="invalid_limit",
+        )
+    episodes = q.get("episodes", "final")
+    if episodes not in ("final", "all"):
+        raise BadRequest(
+            f"episodes must be final or all, got {episodes!r}", param="episodes", code="invalid"
+        )
+    return int(raw_after), limit, episodes == "all"
+
+
+def export_manifest(
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    superseded_by: str | None,
+) -> tuple[dict[str, Any], list[ChainSample]]:
+    """A rollout's export manifest and samples (none for a superseded episode)."""
+    assert info.snapshot is not None
+    chains = build_chains(info.rollout_id, records)
+    base = archive_manifest(info, chains, state)
+    lifecycle = base.pop("lifecycle")
+    manifest = {
+        "rollout_id": info.rollout_id,
+        "cursor": info.snapshot.cursor,
+        "snapshot": info.snapshot.to_json(),
+        "version": info.version,
+        "episode_of": lifecycle["episode_of"],
+        "attempt": lifecycle["attempt"],
+        "superseded_by": superseded_by,
+        "metadata": info.metadata.to_json(),
+        "late_call_ids": lifecycle["late_call_ids"],
+        **base,
+        "diagnostics": _diagnostics(info, records, state),
+    }
+    if superseded_by is not None:
+        return manifest, []
+    return manifest, [s for chain in chains.chains for s in chain_samples(chain)]
+
+
+def _encode(
+    encoder: ExportEncoder,
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    superseded_by: str | None,
+) -> bytes:
+    manifest, samples = export_manifest(info, records, state, superseded_by)
+    return encoder.rollout(manifest, samples, info.metadata)
+
+
+async def export_rollouts(request: web.Request) -> web.StreamResponse:
+    """Stream one page of frozen rollouts as Arrow IPC (see the module docstring)."""
+    after, limit, all_episodes = _export_params(request)
+    store = request.app[STORE_KEY]
+    recorder = request.app[RECORDER_KEY]
+    infos = await store.list_frozen(after=after, limit=limit)
+    next_after = infos[-1].snapshot.cursor if infos and infos[-1].snapshot else after
+    resp = web.StreamResponse(
+        headers={
+            "Content-Type": CONTENT_TYPE,
+            "X-Capture-Next-After": str(next_after),
+            "X-Capture-Count": str(len(infos)),
+        }
+    )
+    encoder = ExportEncoder()
+    await resp.prepare(request)
+    await resp.write(encoder.header())
+    for info in infos:
+        records = snapshot_records(info, await store.get_rollout_calls(info.rollout_id))
+        superseded_by = None
+        if not all_episodes:
+            base = parse_episode(info.rollout_id).base
+            final = final_episodes(await store.list_episodes(base)).get(base, info.rollout_id)
+            superseded_by = None if final == info.rollout_id else final
+        state = RolloutState(info, recorder)
+        await resp.write(
+            await _off_loop(request, _encode, encoder, info, records, state, superseded_by)
+        )
+    await resp.write(encoder.end())
+    await resp.write_eof()
+    return resp
+
+
+def _tree_zip(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+    chains = build_chains(info.rollout_id, records)
+    tree = build_tree(info.rollout_id, [s for c in chains.chains for s in chain_samples(c)])
+    buf = io.BytesIO()
+    write_tree(tree, buf, archive_manifest(info, chains, state))
+    return buf.getvalue()
+
+
+async def get_tree(request: web.Request) -> web.Response:
+    """The rollout's snapshot as one token tree (``core.tree``), built on the REST thread."""
+    info, records = await _load(request)
+    state = RolloutState(info, request.app[RECORDER_KEY])
+    return web.Response(
+        body=await _off_loop(request, _tree_zip, info, records, state),
+        content_type="application/zip",
+        headers={"Content-Disposition": f'attachment; filename="{info.rollout_id}.tree.zip"'},
+    )
+
+
+def _flag(request: web.Request, name: str) -> bool:
+    raw = request.query.get(name, "false")
+    if raw not in ("true", "false"):
+        raise BadRequest(f"{name} must be true or false, got {raw!r}", param=name)
+    return raw == "true"
+
+
+def _name(request: web.Request, name: str) -> str:
+    raw = request.query.get(name, "unknown")
+    if not 1 <= len(raw) <= 256:
+        raise BadRequest(f"{name} must have 1-256 characters", param=name)
+    return raw
+
+
+def _atif_json(
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    options: dict[str, Any],
+) -> bytes:
+    chains = build_chains(info.rollout_id, records)
+    lifecycle = lifecycle_json(info)
+    return dumps(
+        trajectory(
+            info.rollout_id,
+            records,
+            chains,
+            metadata=info.metadata,
+            rollout_diagnostics=_diagnostics(info, records, state)["rollout"],
+            incomplete=state.incomplete,
+            extra={k: lifecycle[k] for k in ("status", "snapshot_id", "version", "episode_of")},
+            **options,
+        )
+    )
+
+
+async def get_atif(request: web.Request) -> web.Response:
+    """The rollout's main path as ATIF (``core.atif``); strict: 422 for any gap."""
+    options = {
+        "strict": _flag(request, "strict"),
+        "include_experts": _flag(request, "experts"),
+        "agent_name": _name(request, "agent_name"),
+        "agent_version": _name(request, "agent_version"),
+    }
+    info, records = await _load(request)
+    state = RolloutState(info, request.app[RECORDER_KEY])
+    try:
+        return _json(await _off_loop(request, _atif_json, info, records, state, options))
+    except AtifGaps as exc:
+        raise Unprocessable(
+            f"strict ATIF refused: {exc} (see GET /captures/rollouts/{info.rollout_id})",
+            param="strict",
+            code="rollout_has_gaps",
+        ) from exc
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/captures/export", export_rollouts)
+    app.router.add_get("/captures/rollouts/{rollout_id}/tree", get_tree)
+    app.router.add_get("/captures/rollouts/{rollout_id}/atif", get_atif)
