@@ -32,7 +32,13 @@ from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.sampling import SamplingError, sampling_from_chat
-from capture_proxy.core.splice import SpliceRefused, check_extension, splice_prompt
+from capture_proxy.core.splice import (
+    SpliceRefused,
+    check_extension,
+    check_prefix,
+    extend_prompt,
+    splice_prompt,
+)
 from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler
 from capture_proxy.proxy.calls import (
@@ -51,11 +57,19 @@ from capture_proxy.proxy.calls import (
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
-from capture_proxy.rendering import ChatRenderer, RenderError
+from capture_proxy.rendering import (
+    ChatRenderer,
+    LocalRenderer,
+    RenderError,
+    cut_after_end_of_turn,
+    tail_context,
+)
 
 log = logging.getLogger("capture_proxy")
 
 EXACT_PROMPT_REFUSED = "exact_prompt_refused"
+#: a resolved call whose prompt was spliced from a full render, not extended (see build_prompt)
+EXACT_PROMPT_FULL_RENDER = "exact_prompt_full_render"
 
 
 class ExactTokens:
@@ -77,6 +91,8 @@ class ExactTokens:
         max_model_len: int | None = None,
         end_of_turn_ids: frozenset[int] | None = None,
         end_of_turn_token: str = "<|im_end|>",
+        close_tokens: tuple[str, ...] = ("<|endoftext|>",),
+        full_render: bool = False,
     ) -> None:
         self.renderer = renderer
         self.parser = parser
@@ -84,6 +100,9 @@ class ExactTokens:
         self.max_model_len = max_model_len
         self.end_of_turn_ids = end_of_turn_ids
         self.end_of_turn_token = end_of_turn_token
+        #: render every resolved call's whole conversation (the path before per-call
+        #: extension; kept for comparison, e.g. ``benchmarks/long_session.py``)
+        self.full_render = full_render
         self._lock = asyncio.Lock()
         local = getattr(renderer, "tokenizer", None)
         #: decode without special tokens, when a local tokenizer is there
@@ -92,10 +111,23 @@ class ExactTokens:
             if local is not None
             else None
         )
+        #: other stop tokens that close a model's turn when sampled (besides end of turn)
+        self._close_extra: frozenset[int] = frozenset()
+        if local is not None:
+            ids = [local.convert_tokens_to_ids(t) for t in close_tokens]
+            self._close_extra = frozenset(
+                i for i in ids if isinstance(i, int) and i != local.unk_token_id
+            )
         if dialect.needs_decode and self.decode is None:
             raise RenderError(
                 f"tokens_in_dialect {dialect.name} needs a local tokenizer (tokenizer)"
             )
+
+    def close_ids(self, end_of_turn_ids: frozenset[int]) -> frozenset[int]:
+        """Sampled stop tokens that close the model's turn: end of turn, and (with a local
+        tokenizer) ``close_tokens``; after any other last token the turn gets the template's
+        end-of-turn token appended."""
+        return end_of_turn_ids | self._close_extra
 
     async def ready(
         self, session: aiohttp.ClientSession, backend: str
@@ -152,42 +184,113 @@ def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
     return messages
 
 
+async def _full_render(
+    exact: ExactTokens, messages: list[dict[str, Any]], tools: Any, kwargs: Any
+) -> np.ndarray:
+    ids = await exact.renderer.render(
+        messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+    )
+    return np.asarray(ids, dtype=np.uint32)
+
+
+async def _render_tail(
+    exact: ExactTokens,
+    messages: list[dict[str, Any]],
+    j: int,
+    tools: Any,
+    kwargs: Any,
+    end_of_turn_ids: frozenset[int],
+) -> list[int] | None:
+    """What follows the parent's end-of-turn token, rendered in a small context (see
+    ``rendering.render_tail``); None when the template does not allow it."""
+    context, new = tail_context(messages, j), messages[j + 1 :]
+    renderer = exact.renderer
+    if isinstance(renderer, LocalRenderer):
+        # Small (the new messages and the system turn's text): cheaper on the loop than a
+        # hop to a worker thread and back.
+        return renderer.render_tail_sync(
+            context,
+            new,
+            tools,
+            end_of_turn_text=exact.end_of_turn_token,
+            chat_template_kwargs=kwargs,
+        )
+    through = await renderer.render(
+        context, tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+    )
+    full = await renderer.render(
+        [*context, *new], tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+    )
+    return cut_after_end_of_turn(through, full, end_of_turn_ids)
+
+
 async def build_prompt(
     call: InFlightCall, deps: CaptureDeps, exact: ExactTokens, end_of_turn_ids: frozenset[int]
 ) -> _Prompt:
-    """The exact-token prompt for ``call``. Raises RenderError (the request cannot render)."""
+    """The exact-token prompt for ``call``. Raises RenderError (the request cannot render).
+
+    A resolved call's prompt is the parent's prompt + generation ids extended by the rendering
+    of the new messages only (work in proportion to the new tokens). The extended prompt must
+    begin with parent prompt + generation, token for token, or the link is refused with its
+    reason. Only where the extension cannot be had (the template renders the continued turn
+    differently in a small context, or a full render is asked for) the whole conversation is
+    rendered and spliced, and that is recorded (``exact_prompt_full_render``)."""
     body = call.prepared.body
     messages, tools = body["messages"], body.get("tools")
     kwargs = body.get("chat_template_kwargs")
-    full = await exact.renderer.render(
-        messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
-    )
     res = call.resolution
-    if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
-        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
-    parent = await deps.linker.store.get_call(res.parent_call_id)
+    parent = None
+    if res.verdict is Verdict.RESOLVED and res.parent_call_id is not None:
+        parent = await deps.linker.store.get_call(res.parent_call_id)
     if parent is None or parent.status is not CallStatus.COMPLETE:
-        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+        return _Prompt(await _full_render(exact, messages, tools, kwargs), None, [])
+    close_ids = exact.close_ids(end_of_turn_ids)
+    diags: list[Diagnostic] = []
     try:
         j = check_extension(_parent_request_messages(parent), call.prepared.linking_messages)
-        through = await exact.renderer.render(
-            messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+        tail = None
+        if not exact.full_render:
+            tail = await _render_tail(exact, messages, j, tools, kwargs, end_of_turn_ids)
+        if tail is not None:
+            spliced = extend_prompt(
+                parent.prompt_token_ids,
+                parent.generation_token_ids,
+                tail,
+                end_of_turn_id=min(end_of_turn_ids),
+                close_ids=close_ids,
+            )
+        else:
+            reason = "configured" if exact.full_render else "template_not_prefix_stable"
+            diags.append(Diagnostic(EXACT_PROMPT_FULL_RENDER, {"reason": reason}))
+            full = await exact.renderer.render(
+                messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+            )
+            through = await exact.renderer.render(
+                messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+            )
+            spliced = splice_prompt(
+                parent.prompt_token_ids,
+                parent.generation_token_ids,
+                full,
+                through,
+                end_of_turn_ids=end_of_turn_ids,
+                close_ids=close_ids,
+            )
+        bad = check_prefix(
+            spliced.prompt_token_ids, parent.prompt_token_ids, parent.generation_token_ids
         )
-        spliced = splice_prompt(
-            parent.prompt_token_ids,
-            parent.generation_token_ids,
-            full,
-            through,
-            end_of_turn_ids=end_of_turn_ids,
-        )
+        if bad is not None:
+            raise SpliceRefused(f"the extended prompt differs from the parent's at token {bad}")
     except SpliceRefused as exc:
         details: dict[str, Any] = {"parent_call_id": parent.call_id, "reason": exc.reason}
         if exc.message_index is not None:
             details["message_index"] = exc.message_index
         return _Prompt(
-            np.asarray(full, dtype=np.uint32), None, [Diagnostic(EXACT_PROMPT_REFUSED, details)]
+            await _full_render(exact, messages, tools, kwargs),
+            None,
+            [*diags, Diagnostic(EXACT_PROMPT_REFUSED, details)],
         )
-    return _Prompt(spliced.prompt_token_ids, parent.call_id, [])
+    return _Prompt(spliced.prompt_token_ids, parent.call_id, diags)
 
 
 def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
