@@ -12,7 +12,7 @@ call's front codec encodes the answer, whole or event by event.
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 from aiohttp import web
 
 from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
@@ -31,6 +32,7 @@ from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.sampling import SamplingError, sampling_from_chat
 from capture_proxy.core.splice import (
     SpliceRefused,
@@ -171,9 +173,13 @@ class ExactTokens:
 
 @dataclass(frozen=True)
 class _Prompt:
+    """``experts_start``: the first token position to ask routed-expert rows for: where the
+    parent's rows end when the prompt extends the parent, else 0."""
+
     token_ids: np.ndarray
     spliced_from: str | None
     diagnostics: list[Diagnostic]
+    experts_start: int = 0
 
 
 def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
@@ -290,7 +296,7 @@ async def build_prompt(
             None,
             [*diags, Diagnostic(EXACT_PROMPT_REFUSED, details)],
         )
-    return _Prompt(spliced.prompt_token_ids, parent.call_id, diags)
+    return _Prompt(spliced.prompt_token_ids, parent.call_id, diags, rows_end(parent) or 0)
 
 
 def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
@@ -347,8 +353,15 @@ async def handle_exact_tokens(
             )
         )
     engine_body = exact.dialect.request(
-        prompt.token_ids.tolist(), sampling, stream=ctx.stream, model=body.get("model")
+        prompt.token_ids,
+        sampling,
+        stream=ctx.stream,
+        model=body.get("model"),
+        experts_start=prompt.experts_start,
     )
+    # Rows are asked for from where the parent's end (0 when the prompt is not the parent's).
+    ctx = dataclasses.replace(ctx, routed_experts_start=prompt.experts_start)
+    call = dataclasses.replace(call, ctx=ctx)
     headers = {
         "Content-Type": "application/json",
         "Accept-Encoding": "identity",
@@ -365,7 +378,9 @@ async def handle_exact_tokens(
             deps.backend + exact.dialect.path,
             first_byte_timeout_s=deps.first_byte_timeout_s,
             connect_retries=deps.connect_retries,
-            data=json.dumps(engine_body).encode(),
+            # orjson writes the id array straight from numpy: the prompt is the one part of
+            # the body that grows with the history.
+            data=orjson.dumps(engine_body, option=orjson.OPT_SERIALIZE_NUMPY),
             headers=headers,
             auto_decompress=True,
         )
@@ -376,7 +391,7 @@ async def handle_exact_tokens(
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0, prompt.token_ids)
         raise
-    assembler = TokensInAssembler(ctx, prompt.token_ids)
+    assembler = TokensInAssembler(ctx, prompt.token_ids, exact.dialect.decode_routed_experts)
     reader = exact.dialect.reader(exact.decode)
     async with upstream:
         if upstream.status >= 400:
@@ -413,7 +428,7 @@ class _Generation:
     ) -> web.StreamResponse:
         call, asm = self.call, self.asm
         try:
-            payload = json.loads(await upstream.read())
+            payload = orjson.loads(await upstream.read())
             if not isinstance(payload, dict):
                 raise EngineFormatError("not a JSON object")
             asm.add(self.reader.whole(payload))
@@ -475,7 +490,7 @@ class _Generation:
                     if event.data == "[DONE]":
                         done = True
                         continue
-                    piece = self.reader.chunk(json.loads(event.data))
+                    piece = self.reader.chunk(orjson.loads(event.data))
                     asm.add(piece)
                     new = parser_stream.feed(piece.text)
                     deltas += new

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
@@ -297,3 +298,41 @@ async def test_a_template_that_rerenders_the_turn_falls_back_to_a_full_render(
     parent = await stack.get_json(f"/captures/calls/{ids[0]}")
     head = parent["prompt_token_ids"] + parent["generation_token_ids"]
     assert child["prompt_token_ids"][: len(head)] == head
+
+
+MOE = (2, 2, 8)  # layers, top_k, experts
+
+
+@pytest.mark.parametrize("dialect", ["vllm_completions", "vllm_generate", "sglang_generate"])
+async def test_exact_tokens_mode_stores_routed_experts_of_new_rows_only(
+    make_stack, tokenizer_dir, dialect
+):
+    """Issue 17 item 1: every tokens-in dialect asks for routed experts (only the rows after
+    the parent's), stores them and checks their count."""
+    from capture_proxy.scripted_engine.moe import expert_rows
+
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, moe=MOE, enable_scale_out=True),
+        prompt_mode="exact_tokens",
+        tokens_in_dialect=dialect,
+        tokenizer=tokenizer_dir if dialect == "vllm_generate" else None,
+        routed_experts_shape=MOE[:2],
+    )
+    ids = await _session(stack, "r1")
+    assert await _chains(stack, "r1") == [ids]
+    rows_end = 0
+    for call_id, sent in zip(ids, stack.sent, strict=True):
+        rec = await stack.get_json(f"/captures/calls/{call_id}")
+        seq = sent.prompt_token_ids + sent.generation_token_ids
+        assert rec["routed_experts_start"] == rows_end
+        want = expert_rows(seq, MOE, rows_end)
+        assert np.asarray(rec["routed_experts"]).tolist() == want.tolist()
+        assert not [d for d in rec["diagnostics"] if d["kind"] == "routed_experts_mismatch"]
+        rows_end = len(seq) - 1
+    starts = [
+        s.request_body.get(
+            "routed_experts_prompt_start", s.request_body.get("routed_experts_start_len", 0)
+        )
+        for s in stack.sent
+    ]
+    assert starts[0] == 0 and all(s > 0 for s in starts[1:])
