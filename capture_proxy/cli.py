@@ -56,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tokenizer": args.tokenizer,
         "tokens_in_dialect": args.tokens_in_dialect,
         "max_model_len": args.max_model_len,
+        "exact_prompt_full_render": args.exact_prompt_full_render,
         "record_dir": args.record_dir,
         "captures_token": args.captures_token,
     }
@@ -130,7 +131,11 @@ def _scripted_engine(args: argparse.Namespace) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return run_scripted_engine_cli(
-        host=args.host, port=args.port, policy_path=args.policy, template=args.template
+        host=args.host,
+        port=args.port,
+        policy_path=args.policy,
+        template=args.template,
+        max_model_len=args.max_model_len,
     )
 
 
@@ -218,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--max-model-len", dest="max_model_len", type=int)
     serve.add_argument(
+        "--exact-full-render",
+        dest="exact_prompt_full_render",
+        action="store_const",
+        const=True,
+        help="exact_tokens: render every call's whole conversation (for comparison only)",
+    )
+    serve.add_argument(
         "--record-dir",
         dest="record_dir",
         type=Path,
@@ -253,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
     )
+    engine.add_argument("--max-model-len", type=int, default=32768)
     engine.set_defaults(func=_scripted_engine)
 
     demo = sub.add_parser(

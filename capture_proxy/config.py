@@ -127,6 +127,17 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(
         None, gt=0, description="context length in tokens; unset: the engine's /v1/models"
     )
+    routed_experts_shape: tuple[int, int] | None = Field(
+        None,
+        description="exact_tokens with sglang_generate on an MoE model: (num_hidden_layers, "
+        "num_experts_per_tok), to ask SGLang for routed experts and reshape its int32 rows "
+        "(vLLM's dialects need none: its rows carry their shape)",
+    )
+    exact_prompt_full_render: bool = Field(
+        False,
+        description="exact_tokens: render each resolved call's whole conversation and splice it "
+        "(the path before per-call extension, O(history) per call; for comparison only)",
+    )
     end_of_turn_token: str = Field(
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )

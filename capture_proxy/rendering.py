@@ -6,6 +6,13 @@ chat template, from a local directory; no hub access) and ``EngineRenderer`` (th
 chat_template_kwargs}`` -> ``{tokens}``). Both apply vLLM's message preprocessing: assistant
 tool-call arguments arrive as JSON strings and are parsed into objects before the template
 runs (vLLM ``chat_utils._postprocess_messages``), so templates re-serialise them with ``tojson``.
+
+``render_tail`` renders only what follows a continued assistant turn (exact-token mode's
+per-call work in proportion to the new tokens): the turn is rendered in a small context (the
+system message and the last user query before it, the same tools), and the part after its
+end-of-turn token is kept. That is exact for templates that render a non-assistant message from
+its own content, its role neighbours, the system message and the tools (ChatML, Qwen3, Hermes
+templates do); the caller still checks every extended prompt token for token.
 """
 
 from __future__ import annotations
@@ -43,6 +50,35 @@ def parse_tool_arguments(messages: Sequence[Mapping[str, Any]]) -> list[dict[str
             m["tool_calls"] = parsed
         out.append(m)
     return out
+
+
+def tail_context(messages: Sequence[Mapping[str, Any]], turn_index: int) -> list[Mapping[str, Any]]:
+    """The small context a tail is rendered in: the leading system/developer message and the
+    last user message before ``turn_index``, then the continued turn itself."""
+    head: list[Mapping[str, Any]] = []
+    if messages and messages[0].get("role") in ("system", "developer") and turn_index > 0:
+        head.append(messages[0])
+    user = next(
+        (i for i in range(turn_index - 1, len(head) - 1, -1) if messages[i].get("role") == "user"),
+        None,
+    )
+    if user is not None:
+        head.append(messages[user])
+    return [*head, messages[turn_index]]
+
+
+def cut_after_end_of_turn(
+    through: Sequence[int], full: Sequence[int], end_of_turn_ids: frozenset[int]
+) -> list[int] | None:
+    """``full[cut:]`` where ``cut`` is one past the last end-of-turn token of ``through`` (the
+    context rendered without the generation prompt), provided ``full`` renders the same tokens
+    up to there; else None."""
+    cut = next(
+        (i + 1 for i in range(len(through) - 1, -1, -1) if through[i] in end_of_turn_ids), None
+    )
+    if cut is None or len(full) < cut or list(full[:cut]) != list(through[:cut]):
+        return None
+    return list(full[cut:])
 
 
 class ChatRenderer(Protocol):
@@ -87,20 +123,56 @@ class LocalRenderer:
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        text = self._text(messages, tools, add_generation_prompt, chat_template_kwargs)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None,
+    ) -> str:
         try:
-            text = self.tokenizer.apply_chat_template(
-                parse_tool_arguments(messages),
-                tools=tools or None,
-                chat_template=self.chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
+            return str(
+                self.tokenizer.apply_chat_template(
+                    parse_tool_arguments(messages),
+                    tools=tools or None,
+                    chat_template=self.chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                    **(chat_template_kwargs or {}),
+                )
             )
         except RenderError:
             raise
         except Exception as exc:  # jinja errors: the request's fault
             raise RenderError(f"chat template failed: {exc}") from exc
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def render_tail_sync(
+        self,
+        context: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        end_of_turn_text: str,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int] | None:
+        """Token ids after the end-of-turn token of ``context``'s last turn when
+        ``new_messages`` follow it and the generation prompt closes it; None when the
+        template does not render ``context`` as a text prefix of the longer conversation.
+
+        Only the tail text is tokenized: it begins right after an added special token, where
+        the tokenizer always splits, so its ids are those of the whole text's tokenization."""
+        through = self._text(context, tools, False, chat_template_kwargs)
+        full = self._text([*context, *new_messages], tools, True, chat_template_kwargs)
+        at = through.rfind(end_of_turn_text)
+        if at < 0:
+            return None
+        cut = at + len(end_of_turn_text)
+        if full[:cut] != through[:cut]:
+            return None
+        return list(self.tokenizer.encode(full[cut:], add_special_tokens=False))
 
     async def render(
         self,

@@ -116,7 +116,7 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
                             incomplete=info.incomplete,
                             rollout_diagnostic_kinds=[d.kind for d in info.diagnostics],
                             records=records,
-                            metadata=getattr(info, "metadata", None),
+                            metadata=info.metadata.to_json() if info.metadata is not None else None,
                             now=now,
                         )
                     )
@@ -139,7 +139,7 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
         incomplete=info.incomplete,
         rollout_diagnostic_kinds=[d.kind for d in info.diagnostics],
         records=records,
-        metadata=getattr(info, "metadata", None),
+        metadata=info.metadata.to_json() if info.metadata is not None else None,
         now=now,
     )
     tree = build_tree(rollout_id, records)

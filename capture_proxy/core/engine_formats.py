@@ -19,10 +19,17 @@ A dialect's ``reader()`` is stateful per call, for engines whose stream chunks a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
+from capture_proxy.core.routed_experts import (
+    decode_sglang_routed_experts,
+    decode_vllm_routed_experts,
+    routed_experts_request_fields,
+)
 from capture_proxy.core.sampling import Sampling
 
 
@@ -43,6 +50,8 @@ class Piece:
     usage: dict[str, Any] | None = None
     saw_token_ids: bool = False
     saw_log_probs: bool = False
+    #: the engine's routed experts as sent (vLLM: base64 ``.npy``; SGLang: base64 int32)
+    routed_experts: Any = None
 
 
 class Reader(Protocol):
@@ -62,8 +71,22 @@ class Dialect(Protocol):
     needs_decode: bool
 
     def request(
-        self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
-    ) -> dict[str, Any]: ...
+        self,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling: Sampling,
+        *,
+        stream: bool,
+        model: str | None,
+        experts_start: int | None = None,
+    ) -> dict[str, Any]:
+        """The request body; ``prompt_token_ids`` is put in as given (a list, or a uint32
+        array the caller serialises without a copy to Python ints). ``experts_start``: ask
+        for routed-expert rows from that token position on (the rows the parent does not hold;
+        None: do not ask, for engines that must be asked explicitly)."""
+
+    def decode_routed_experts(self, raw: Any) -> np.ndarray:
+        """The engine's routed experts as an integer array ``[rows, layers, top_k]``. Raises
+        ValueError."""
 
     def reader(self, decode: Decode | None = None) -> Reader: ...
 
@@ -104,6 +127,7 @@ class VllmCompletionsReader:
                 piece.log_probs = list(logprobs["token_logprobs"])
             piece.text = choice.get("text") or ""
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
+            piece.routed_experts = choice.get("routed_experts")
         if top.get("prompt_token_ids") is not None and piece.prompt_token_ids is None:
             piece.prompt_token_ids = top["prompt_token_ids"]
         return piece
@@ -115,7 +139,13 @@ class VllmCompletions:
     needs_decode = False
 
     def request(
-        self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
+        self,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling: Sampling,
+        *,
+        stream: bool,
+        model: str | None,
+        experts_start: int | None = None,
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "prompt": prompt_token_ids,
@@ -131,7 +161,13 @@ class VllmCompletions:
             body["stop"] = sampling.stop
         if stream:
             body["stream_options"] = {"include_usage": True}
+        # vLLM returns rows whenever it runs with --enable-return-routed-experts; only the
+        # rows after the parent's are asked for, as in backend-template mode.
+        body.update(routed_experts_request_fields(experts_start))
         return body
+
+    def decode_routed_experts(self, raw: Any) -> np.ndarray:
+        return decode_vllm_routed_experts(raw)
 
     def reader(self, decode: Decode | None = None) -> Reader:
         return VllmCompletionsReader()
@@ -181,6 +217,7 @@ class VllmGenerateReader:
                 piece.saw_log_probs = True
                 piece.log_probs = [e.get("logprob") for e in logprobs["content"]]
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
+            piece.routed_experts = choice.get("routed_experts")
         done = final or piece.finish_reason is not None
         piece.text = self.text.add(piece.token_ids, final=done)
         return piece
@@ -192,7 +229,13 @@ class VllmGenerate:
     needs_decode = True
 
     def request(
-        self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
+        self,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling: Sampling,
+        *,
+        stream: bool,
+        model: str | None,
+        experts_start: int | None = None,
     ) -> dict[str, Any]:
         params: dict[str, Any] = {
             "max_tokens": sampling.max_tokens,
@@ -210,7 +253,11 @@ class VllmGenerate:
             body["model"] = model
         if stream:
             body["stream_options"] = {"include_usage": True}
+        body.update(routed_experts_request_fields(experts_start))
         return body
+
+    def decode_routed_experts(self, raw: Any) -> np.ndarray:
+        return decode_vllm_routed_experts(raw)
 
     def reader(self, decode: Decode | None = None) -> Reader:
         if decode is None:
@@ -252,6 +299,7 @@ class SglangGenerateReader:
             piece.text = text[self.text_len :]
             self.text_len = len(text)
         piece.finish_reason = _finish_reason(meta.get("finish_reason"))
+        piece.routed_experts = meta.get("routed_experts")
         prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
             piece.usage = {
@@ -263,23 +311,45 @@ class SglangGenerateReader:
 
 
 class SglangGenerate:
+    """``experts_shape``: ``(num_hidden_layers, num_experts_per_tok)`` of an MoE model: SGLang's
+    rows are raw int32 and must be reshaped; without it routed experts are not asked for."""
+
     name = "sglang_generate"
     path = "/generate"
     needs_decode = False
 
+    def __init__(self, experts_shape: tuple[int, int] | None = None) -> None:
+        self.experts_shape = experts_shape
+
     def request(
-        self, prompt_token_ids: list[int], sampling: Sampling, *, stream: bool, model: str | None
+        self,
+        prompt_token_ids: Sequence[int] | np.ndarray,
+        sampling: Sampling,
+        *,
+        stream: bool,
+        model: str | None,
+        experts_start: int | None = None,
     ) -> dict[str, Any]:
         params: dict[str, Any] = {"max_new_tokens": sampling.max_tokens, **sampling.extra}
         if sampling.stop:
             params["stop"] = sampling.stop
-        return {
+        body: dict[str, Any] = {
             "input_ids": prompt_token_ids,
             "sampling_params": params,
             "return_logprob": True,
             "logprob_start_len": -1,
             "stream": stream,
         }
+        if experts_start is not None and self.experts_shape is not None:
+            # SGLang answers rows [routed_experts_start_len, seq_len - 1) when asked.
+            body.update(routed_experts_request_fields(experts_start, dialect="sglang"))
+        return body
+
+    def decode_routed_experts(self, raw: Any) -> np.ndarray:
+        if self.experts_shape is None:
+            raise ValueError("routed_experts: set routed_experts_shape to decode SGLang's rows")
+        layers, top_k = self.experts_shape
+        return decode_sglang_routed_experts(raw, num_layers=layers, top_k=top_k)
 
     def reader(self, decode: Decode | None = None) -> Reader:
         return SglangGenerateReader()
@@ -290,8 +360,10 @@ DIALECTS: dict[str, Dialect] = {
 }
 
 
-def get_dialect(name: str) -> Dialect:
-    """Raises KeyError naming the known dialects."""
+def get_dialect(name: str, *, experts_shape: tuple[int, int] | None = None) -> Dialect:
+    """Raises KeyError naming the known dialects. ``experts_shape``: see ``SglangGenerate``."""
+    if name == SglangGenerate.name:
+        return SglangGenerate(experts_shape)
     try:
         return DIALECTS[name]
     except KeyError:

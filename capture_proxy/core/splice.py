@@ -3,13 +3,17 @@
 Owns the splice of DESIGN.md ("exact-token prompt"): for a child call whose parent was resolved
 by digest, the prompt sent to the engine is
 
-    parent prompt ids + parent generation ids [+ end-of-turn id if the parent stopped without
-    one] + the full render from the end of the parent's turn on
+    parent prompt ids + parent generation ids [+ end-of-turn id if no sampled token closed the
+    turn] + the rendering of what follows the parent's turn
 
 so the model always sees the tokens it sampled, never a re-tokenisation or a re-rendering of
-them. The full render's separator after the parent's end-of-turn token (Qwen: ``\\n`` after
-``<|im_end|>``, which the model never generates) is part of the new tail, as are tool results,
-user turns, a rewritten harness note and the generation prompt. Pure: renders are passed in.
+them. What closes a turn (``turn_is_closed``): a stop token the model sampled (Qwen:
+``<|im_end|>`` or ``<|endoftext|>``); only a turn cut on length (or on a stop string) gets the
+template's end-of-turn token appended, so a turn never carries two end tokens the model never
+produced together. The template's separator after the parent's end-of-turn token (Qwen:
+``\\n`` after ``<|im_end|>``, which the model never generates) is part of the new tail, as are
+tool results, user turns, a rewritten harness note and the generation prompt. Pure: renders are
+passed in.
 
 It refuses (``SpliceRefused``) when the request's history is not an extension of the parent's:
 the messages before the parent's output differ from what the parent was asked (a harness edited,
@@ -96,6 +100,47 @@ class Splice:
     added_end_of_turn: bool
 
 
+def turn_is_closed(generation: np.ndarray, close_ids: frozenset[int]) -> bool:
+    """True when the last sampled id is a stop token that ends the model's turn."""
+    return generation.shape[0] > 0 and int(generation[-1]) in close_ids
+
+
+def extend_prompt(
+    parent_prompt: np.ndarray,
+    parent_generation: np.ndarray,
+    tail: Sequence[int],
+    *,
+    end_of_turn_id: int,
+    close_ids: frozenset[int],
+) -> Splice:
+    """The child prompt from the parent's tokens and ``tail``: the rendering of what follows the
+    parent's end-of-turn token (the template's separator, new messages, generation prompt).
+    Work in proportion to the new tokens: the parent's ids are copied, never re-rendered."""
+    generation = np.asarray(parent_generation, dtype=TOKEN_DTYPE)
+    added = not turn_is_closed(generation, close_ids)
+    parts = [np.asarray(parent_prompt, dtype=TOKEN_DTYPE), generation]
+    if added:
+        parts.append(np.asarray([end_of_turn_id], dtype=TOKEN_DTYPE))
+    parts.append(np.asarray(tail, dtype=TOKEN_DTYPE))
+    parent_end = int(parent_prompt.shape[0] + generation.shape[0])
+    return Splice(np.concatenate(parts), parent_end, added)
+
+
+def check_prefix(
+    prompt: np.ndarray, parent_prompt: np.ndarray, parent_generation: np.ndarray
+) -> int | None:
+    """None when ``prompt`` begins with parent prompt + generation, token for token; else the
+    first differing position (fail closed: the caller refuses the link)."""
+    n_p, n_g = int(parent_prompt.shape[0]), int(parent_generation.shape[0])
+    if prompt.shape[0] < n_p + n_g:
+        return int(prompt.shape[0])
+    for lo, part in ((0, parent_prompt), (n_p, parent_generation)):
+        diff = np.flatnonzero(prompt[lo : lo + part.shape[0]] != part)
+        if diff.size:
+            return lo + int(diff[0])
+    return None
+
+
 def splice_prompt(
     parent_prompt: np.ndarray,
     parent_generation: np.ndarray,
@@ -103,6 +148,7 @@ def splice_prompt(
     through_parent_render: Sequence[int],
     *,
     end_of_turn_ids: frozenset[int],
+    close_ids: frozenset[int] | None = None,
 ) -> Splice:
     """Build the exact-token prompt.
 
@@ -110,7 +156,9 @@ def splice_prompt(
     ``through_parent_render``: the conversation up to and including the parent's output turn,
     without the generation prompt. The parent's turn ends at the k-th end-of-turn token of the
     full render, where k is the number of end-of-turn tokens in ``through_parent_render``
-    (reasoning a template drops does not change that count). Raises SpliceRefused.
+    (reasoning a template drops does not change that count). ``close_ids``: the stop tokens
+    that close a turn (default ``end_of_turn_ids``), see ``turn_is_closed``. Raises
+    SpliceRefused.
     """
     k = sum(1 for t in through_parent_render if t in end_of_turn_ids)
     if k == 0:
@@ -124,13 +172,10 @@ def splice_prompt(
                 break
     if cut < 0:
         raise SpliceRefused("the full render ends before the parent's turn does")
-    end_of_turn = int(full_render[cut - 1])
-    generation = np.asarray(parent_generation, dtype=TOKEN_DTYPE)
-    added = generation.shape[0] == 0 or int(generation[-1]) not in end_of_turn_ids
-    parts = [np.asarray(parent_prompt, dtype=TOKEN_DTYPE), generation]
-    if added:
-        # Stopped on length (or on another stop token): close the turn as the template does.
-        parts.append(np.asarray([end_of_turn], dtype=TOKEN_DTYPE))
-    parts.append(np.asarray(full_render[cut:], dtype=TOKEN_DTYPE))
-    parent_end = int(parent_prompt.shape[0] + generation.shape[0])
-    return Splice(np.concatenate(parts), parent_end, added)
+    return extend_prompt(
+        parent_prompt,
+        parent_generation,
+        full_render[cut:],
+        end_of_turn_id=int(full_render[cut - 1]),
+        close_ids=end_of_turn_ids if close_ids is None else close_ids | end_of_turn_ids,
+    )

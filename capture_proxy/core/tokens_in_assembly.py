@@ -8,6 +8,7 @@ make the record ``incomplete`` with a ``capture_incomplete`` diagnostic.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,13 +21,23 @@ from capture_proxy.core.records import (
     Diagnostic,
     DiagnosticKind,
 )
+from capture_proxy.core.routed_experts import check_row_count, expectation_check
 
 
 class TokensInAssembler:
     """Collect pieces of one generation from ``prompt_token_ids`` (what the proxy sent)."""
 
-    def __init__(self, ctx: CallContext, prompt_token_ids: np.ndarray) -> None:
+    def __init__(
+        self,
+        ctx: CallContext,
+        prompt_token_ids: np.ndarray,
+        decode_experts: Callable[[Any], np.ndarray] | None = None,
+    ) -> None:
+        """``decode_experts``: the dialect's routed-experts decoder; rows start at
+        ``ctx.routed_experts_start``."""
         self.ctx = ctx
+        self.decode_experts = decode_experts
+        self.routed_experts_raw: Any = None
         self.prompt_token_ids = prompt_token_ids
         self.token_ids: list[int] = []
         self.log_probs: list[float | None] = []
@@ -47,6 +58,8 @@ class TokensInAssembler:
             self.finish_reason = piece.finish_reason
         if piece.usage:
             self.usage = piece.usage
+        if piece.routed_experts is not None:
+            self.routed_experts_raw = piece.routed_experts
         if piece.prompt_token_ids is not None and self.echo is None:
             self.echo = list(piece.prompt_token_ids)
 
@@ -81,6 +94,29 @@ class TokensInAssembler:
         )
         problems += usage_problems
         diagnostics += usage_diagnostics
+        experts = None
+        if self.routed_experts_raw is not None and self.decode_experts is not None:
+            try:
+                experts = self.decode_experts(self.routed_experts_raw)
+            except ValueError as exc:
+                problems.append(f"routed experts unusable: {exc}")
+            else:
+                mismatch = check_row_count(
+                    experts,
+                    start=self.ctx.routed_experts_start,
+                    num_prompt_tokens=int(self.prompt_token_ids.shape[0]),
+                    num_generation_tokens=len(gen) if gen is not None else 0,
+                )
+                if mismatch is not None:
+                    diagnostics.append(mismatch)  # kept as received, flagged
+        expert_problems, expert_diagnostics = expectation_check(
+            self.ctx.routed_experts_expectation,
+            experts,
+            stream=self.ctx.stream,
+            parent_had_rows=self.ctx.parent_had_rows,
+        )
+        problems += expert_problems
+        diagnostics += expert_diagnostics
         if problems:
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
         record = CallRecord(
@@ -93,6 +129,8 @@ class TokensInAssembler:
             http_status=http_status,
             diagnostics=diagnostics,
             prompt_token_ids=self.prompt_token_ids,
+            routed_experts=experts,
+            routed_experts_start=self.ctx.routed_experts_start if experts is not None else 0,
         )
         if gen is not None:
             record.generation_token_ids = gen

@@ -245,10 +245,11 @@ def make_exact_tokens(
     return ExactTokens(
         renderer or EngineRenderer(session, settings.backend_base),
         get_parser(settings.output_parser),
-        get_dialect(settings.tokens_in_dialect),
+        get_dialect(settings.tokens_in_dialect, experts_shape=settings.routed_experts_shape),
         max_model_len=settings.max_model_len,
         end_of_turn_ids=end_of_turn_ids,
         end_of_turn_token=settings.end_of_turn_token,
+        full_render=settings.exact_prompt_full_render,
     )
 
 

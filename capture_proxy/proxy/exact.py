@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+import orjson
 from aiohttp import web
 
 from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
@@ -32,12 +32,19 @@ from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.sampling import (
     SamplingError,
     sampling_from_chat,
     sampling_record_tokens_in,
 )
-from capture_proxy.core.splice import SpliceRefused, check_extension, splice_prompt
+from capture_proxy.core.splice import (
+    SpliceRefused,
+    check_extension,
+    check_prefix,
+    extend_prompt,
+    splice_prompt,
+)
 from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler
 from capture_proxy.proxy.calls import (
@@ -56,11 +63,19 @@ from capture_proxy.proxy.calls import (
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
-from capture_proxy.rendering import ChatRenderer, RenderError
+from capture_proxy.rendering import (
+    ChatRenderer,
+    LocalRenderer,
+    RenderError,
+    cut_after_end_of_turn,
+    tail_context,
+)
 
 log = logging.getLogger("capture_proxy")
 
 EXACT_PROMPT_REFUSED = "exact_prompt_refused"
+#: a resolved call whose prompt was spliced from a full render, not extended (see build_prompt)
+EXACT_PROMPT_FULL_RENDER = "exact_prompt_full_render"
 
 
 class ExactTokens:
@@ -82,6 +97,8 @@ class ExactTokens:
         max_model_len: int | None = None,
         end_of_turn_ids: frozenset[int] | None = None,
         end_of_turn_token: str = "<|im_end|>",
+        close_tokens: tuple[str, ...] = ("<|endoftext|>",),
+        full_render: bool = False,
     ) -> None:
         self.renderer = renderer
         self.parser = parser
@@ -89,6 +106,9 @@ class ExactTokens:
         self.max_model_len = max_model_len
         self.end_of_turn_ids = end_of_turn_ids
         self.end_of_turn_token = end_of_turn_token
+        #: render every resolved call's whole conversation (the path before per-call
+        #: extension; kept for comparison, e.g. ``benchmarks/long_session.py``)
+        self.full_render = full_render
         self._lock = asyncio.Lock()
         local = getattr(renderer, "tokenizer", None)
         #: decode without special tokens, when a local tokenizer is there
@@ -97,10 +117,23 @@ class ExactTokens:
             if local is not None
             else None
         )
+        #: other stop tokens that close a model's turn when sampled (besides end of turn)
+        self._close_extra: frozenset[int] = frozenset()
+        if local is not None:
+            ids = [local.convert_tokens_to_ids(t) for t in close_tokens]
+            self._close_extra = frozenset(
+                i for i in ids if isinstance(i, int) and i != local.unk_token_id
+            )
         if dialect.needs_decode and self.decode is None:
             raise RenderError(
                 f"tokens_in_dialect {dialect.name} needs a local tokenizer (tokenizer)"
             )
+
+    def close_ids(self, end_of_turn_ids: frozenset[int]) -> frozenset[int]:
+        """Sampled stop tokens that close the model's turn: end of turn, and (with a local
+        tokenizer) ``close_tokens``; after any other last token the turn gets the template's
+        end-of-turn token appended."""
+        return end_of_turn_ids | self._close_extra
 
     async def ready(
         self, session: aiohttp.ClientSession, backend: str
@@ -144,9 +177,13 @@ class ExactTokens:
 
 @dataclass(frozen=True)
 class _Prompt:
+    """``experts_start``: the first token position to ask routed-expert rows for: where the
+    parent's rows end when the prompt extends the parent, else 0."""
+
     token_ids: np.ndarray
     spliced_from: str | None
     diagnostics: list[Diagnostic]
+    experts_start: int = 0
 
 
 def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
@@ -157,23 +194,68 @@ def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
     return messages
 
 
+async def _full_render(
+    exact: ExactTokens, messages: list[dict[str, Any]], tools: Any, kwargs: Any
+) -> np.ndarray:
+    ids = await exact.renderer.render(
+        messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+    )
+    return np.asarray(ids, dtype=np.uint32)
+
+
+async def _render_tail(
+    exact: ExactTokens,
+    messages: list[dict[str, Any]],
+    j: int,
+    tools: Any,
+    kwargs: Any,
+    end_of_turn_ids: frozenset[int],
+) -> list[int] | None:
+    """What follows the parent's end-of-turn token, rendered in a small context (see
+    ``rendering.render_tail``); None when the template does not allow it."""
+    context, new = tail_context(messages, j), messages[j + 1 :]
+    renderer = exact.renderer
+    if isinstance(renderer, LocalRenderer):
+        # Small (the new messages and the system turn's text): cheaper on the loop than a
+        # hop to a worker thread and back.
+        return renderer.render_tail_sync(
+            context,
+            new,
+            tools,
+            end_of_turn_text=exact.end_of_turn_token,
+            chat_template_kwargs=kwargs,
+        )
+    through = await renderer.render(
+        context, tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+    )
+    full = await renderer.render(
+        [*context, *new], tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+    )
+    return cut_after_end_of_turn(through, full, end_of_turn_ids)
+
+
 async def build_prompt(
     call: InFlightCall, deps: CaptureDeps, exact: ExactTokens, end_of_turn_ids: frozenset[int]
 ) -> _Prompt:
-    """The exact-token prompt for ``call``. Raises RenderError (the request cannot render)."""
+    """The exact-token prompt for ``call``. Raises RenderError (the request cannot render).
+
+    A resolved call's prompt is the parent's prompt + generation ids extended by the rendering
+    of the new messages only (work in proportion to the new tokens). The extended prompt must
+    begin with parent prompt + generation, token for token, or the link is refused with its
+    reason. Only where the extension cannot be had (the template renders the continued turn
+    differently in a small context, or a full render is asked for) the whole conversation is
+    rendered and spliced, and that is recorded (``exact_prompt_full_render``)."""
     body = call.prepared.body
     messages, tools = body["messages"], body.get("tools")
     kwargs = body.get("chat_template_kwargs")
-    full = await exact.renderer.render(
-        messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
-    )
     res = call.resolution
     if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
-        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+        return _Prompt(await _full_render(exact, messages, tools, kwargs), None, [])
     # Several candidates share the digest (parallel sub-agents that answered alike): the
     # first, in the resolution's preference, whose request this history extends.
     refusal: SpliceRefused | None = None
     refused_parent = res.parent_call_id
+    parent = None
     for candidate in res.candidates or ():
         found = await deps.linker.store.get_call(candidate.call_id)
         if found is None or found.status is not CallStatus.COMPLETE:
@@ -186,26 +268,52 @@ async def build_prompt(
             continue
         parent = found
         break
-    else:
-        if refusal is None:
-            return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
-        return _Prompt(
-            np.asarray(full, dtype=np.uint32), None, [_refused(refused_parent, refusal)]
-        )
+    if parent is None:
+        diagnostics = [] if refusal is None else [_refused(refused_parent, refusal)]
+        return _Prompt(await _full_render(exact, messages, tools, kwargs), None, diagnostics)
+    close_ids = exact.close_ids(end_of_turn_ids)
+    diags: list[Diagnostic] = []
     try:
-        through = await exact.renderer.render(
-            messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+        tail = None
+        if not exact.full_render:
+            tail = await _render_tail(exact, messages, j, tools, kwargs, end_of_turn_ids)
+        if tail is not None:
+            spliced = extend_prompt(
+                parent.prompt_token_ids,
+                parent.generation_token_ids,
+                tail,
+                end_of_turn_id=min(end_of_turn_ids),
+                close_ids=close_ids,
+            )
+        else:
+            reason = "configured" if exact.full_render else "template_not_prefix_stable"
+            diags.append(Diagnostic(EXACT_PROMPT_FULL_RENDER, {"reason": reason}))
+            full = await exact.renderer.render(
+                messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
+            )
+            through = await exact.renderer.render(
+                messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+            )
+            spliced = splice_prompt(
+                parent.prompt_token_ids,
+                parent.generation_token_ids,
+                full,
+                through,
+                end_of_turn_ids=end_of_turn_ids,
+                close_ids=close_ids,
+            )
+        bad = check_prefix(
+            spliced.prompt_token_ids, parent.prompt_token_ids, parent.generation_token_ids
         )
-        spliced = splice_prompt(
-            parent.prompt_token_ids,
-            parent.generation_token_ids,
-            full,
-            through,
-            end_of_turn_ids=end_of_turn_ids,
-        )
+        if bad is not None:
+            raise SpliceRefused(f"the extended prompt differs from the parent's at token {bad}")
     except SpliceRefused as exc:
-        return _Prompt(np.asarray(full, dtype=np.uint32), None, [_refused(parent.call_id, exc)])
-    return _Prompt(spliced.prompt_token_ids, parent.call_id, [])
+        return _Prompt(
+            await _full_render(exact, messages, tools, kwargs),
+            None,
+            [*diags, _refused(parent.call_id, exc)],
+        )
+    return _Prompt(spliced.prompt_token_ids, parent.call_id, diags, rows_end(parent) or 0)
 
 
 def _refused(parent_call_id: str, exc: SpliceRefused) -> Diagnostic:
@@ -278,8 +386,15 @@ async def handle_exact_tokens(
             )
         )
     engine_body = exact.dialect.request(
-        prompt.token_ids.tolist(), sampling, stream=ctx.stream, model=body.get("model")
+        prompt.token_ids,
+        sampling,
+        stream=ctx.stream,
+        model=body.get("model"),
+        experts_start=prompt.experts_start,
     )
+    # Rows are asked for from where the parent's end (0 when the prompt is not the parent's).
+    ctx = dataclasses.replace(ctx, routed_experts_start=prompt.experts_start)
+    call = dataclasses.replace(call, ctx=ctx)
     headers = {
         "Content-Type": "application/json",
         "Accept-Encoding": "identity",
@@ -296,7 +411,9 @@ async def handle_exact_tokens(
             deps.backend + exact.dialect.path,
             first_byte_timeout_s=deps.first_byte_timeout_s,
             connect_retries=deps.connect_retries,
-            data=json.dumps(engine_body).encode(),
+            # orjson writes the id array straight from numpy: the prompt is the one part of
+            # the body that grows with the history.
+            data=orjson.dumps(engine_body, option=orjson.OPT_SERIALIZE_NUMPY),
             headers=headers,
             auto_decompress=True,
         )
@@ -307,7 +424,7 @@ async def handle_exact_tokens(
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0, prompt.token_ids)
         raise
-    assembler = TokensInAssembler(ctx, prompt.token_ids)
+    assembler = TokensInAssembler(ctx, prompt.token_ids, exact.dialect.decode_routed_experts)
     reader = exact.dialect.reader(exact.decode)
     async with upstream:
         if upstream.status >= 400:
@@ -344,7 +461,7 @@ class _Generation:
     ) -> web.StreamResponse:
         call, asm = self.call, self.asm
         try:
-            payload = json.loads(await upstream.read())
+            payload = orjson.loads(await upstream.read())
             if not isinstance(payload, dict):
                 raise EngineFormatError("not a JSON object")
             asm.add(self.reader.whole(payload))
@@ -406,7 +523,7 @@ class _Generation:
                     if event.data == "[DONE]":
                         done = True
                         continue
-                    piece = self.reader.chunk(json.loads(event.data))
+                    piece = self.reader.chunk(orjson.loads(event.data))
                     asm.add(piece)
                     new = parser_stream.feed(piece.text)
                     deltas += new

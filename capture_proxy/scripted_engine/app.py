@@ -543,11 +543,16 @@ def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> N
 
 
 def run_scripted_engine_cli(
-    host: str, port: int, policy_path: Path | None, template: str = "keep_reasoning"
+    host: str,
+    port: int,
+    policy_path: Path | None,
+    template: str = "keep_reasoning",
+    max_model_len: int = 32768,
 ) -> int:
     """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one)."""
     policy = Policy.load(policy_path) if policy_path is not None else Policy.default()
-    run_scripted_engine(
-        host, port, ScriptedEngineConfig(policy=policy, tokenizer_template=template)
+    config = ScriptedEngineConfig(
+        policy=policy, tokenizer_template=template, max_model_len=max_model_len
     )
+    run_scripted_engine(host, port, config)
     return 0

@@ -590,7 +590,9 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
             "routed_experts": None,
         }
         if app[CONFIG].moe is not None:
-            choice["routed_experts"] = vllm_routed_experts(_moe_rows(app, out, 0, "", f))
+            start = body.get("routed_experts_prompt_start", 0)
+            rows = _moe_rows(app, out, start, "routed_experts_prompt_start", f)
+            choice["routed_experts"] = vllm_routed_experts(rows)
         return _json_response(
             {
                 "request_id": request_id,

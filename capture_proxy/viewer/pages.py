@@ -134,8 +134,8 @@ def _rows(
             incomplete=info.incomplete or DiagnosticKind.STORE_FAILED.value in kinds,
             rollout_diagnostic_kinds=kinds,
             records=records,
-            # Rollout metadata is not kept by every store version: a dash when absent.
-            metadata=getattr(info, "metadata", None),
+            # The trainer's metadata (core.metadata.RolloutMetadata): a dash when absent.
+            metadata=info.metadata.to_json() if info.metadata is not None else None,
             now=now,
         )
         for info, kinds, records in batch

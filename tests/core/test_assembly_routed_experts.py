@@ -75,3 +75,41 @@ def test_augment_asks_for_new_rows_only_with_a_parent():
     assert "routed_experts_prompt_start" not in augment_chat_request(body)[0]
     out, _ = augment_chat_request(body, parent_rows_end=17)
     assert out["routed_experts_prompt_start"] == 17
+
+
+@pytest.mark.parametrize("dialect", ["vllm_completions", "sglang_generate"])
+def test_tokens_in_short_rows_are_kept_and_flagged(dialect):
+    """Issue 17 item 1: exact-token calls keep the engine's routed experts and flag a
+    shortfall (SGLang returns seq_len - 1 rows from routed_experts_start_len)."""
+    from capture_proxy.core.engine_formats import Piece, get_dialect
+    from capture_proxy.core.tokens_in_assembly import TokensInAssembler
+    from capture_proxy.scripted_engine.moe import sglang_routed_experts, vllm_routed_experts
+
+    d = get_dialect(dialect, experts_shape=(2, 2))
+    body = d.request([1, 2, 3, 4, 5], _sampling(), stream=False, model="m", experts_start=2)
+    if dialect == "sglang_generate":
+        assert (body["return_routed_experts"], body["routed_experts_start_len"]) == (True, 2)
+    else:
+        assert body["routed_experts_prompt_start"] == 2
+    ctx = dataclasses.replace(CTX, routed_experts_start=2)
+    for n_rows, mismatch in ((5, False), (4, True)):  # rows [2, 5 + 3 - 1) = 5
+        rows = np.arange(n_rows * 4, dtype=np.uint8).reshape(n_rows, 2, 2)
+        raw = (
+            vllm_routed_experts(rows)
+            if dialect != "sglang_generate"
+            else sglang_routed_experts(rows)
+        )
+        asm = TokensInAssembler(ctx, np.arange(1, 6, dtype=np.uint32), d.decode_routed_experts)
+        asm.add(Piece([7, 8, 9], [-0.1] * 3, "x", "stop", None, None, True, True, raw))
+        rec = asm.finish(response_message={}, finish_reason="stop", latency_ms=1.0, http_status=200)
+        assert rec.routed_experts.tolist() == rows.tolist()
+        assert rec.routed_experts_start == 2
+        kinds = [d.kind for d in rec.diagnostics]
+        assert ("routed_experts_mismatch" in kinds) is mismatch
+        assert rec.status is CallStatus.COMPLETE
+
+
+def _sampling():
+    from capture_proxy.core.sampling import Sampling
+
+    return Sampling(max_tokens=8)

@@ -6,12 +6,27 @@ import json
 import numpy as np
 import pytest
 
-from capture_proxy.core.splice import Splice, SpliceRefused, check_extension, splice_prompt
-from capture_proxy.rendering import LocalRenderer
-from capture_proxy.tokenizer import IM_END_ID, load_chat_template, render_assistant_generation
+from capture_proxy.core.splice import (
+    Splice,
+    SpliceRefused,
+    check_extension,
+    check_prefix,
+    extend_prompt,
+    splice_prompt,
+)
+from capture_proxy.rendering import LocalRenderer, tail_context
+from capture_proxy.tokenizer import (
+    ENDOFTEXT_ID,
+    IM_END_ID,
+    IM_START_ID,
+    load_chat_template,
+    render_assistant_generation,
+)
 
 EOT = frozenset({IM_END_ID})
+CLOSE = frozenset({IM_END_ID, ENDOFTEXT_ID})
 NEWLINE = 198  # "\n" in the Qwen vocabulary
+USER = 872  # "user"
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}]
 HISTORY = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "Go."}]
 
@@ -89,15 +104,40 @@ def test_stop_on_length_gets_the_end_of_turn_closed(renderers, qwen_tokenizer):
     assert ids == r.render_sync(messages, TOOLS, add_generation_prompt=True)
 
 
-def test_missing_end_of_turn_with_other_stop_token_and_extra_end_of_turn(renderers, qwen_tokenizer):
+def test_a_sampled_stop_token_closes_the_turn_and_gets_no_second_end(renderers, qwen_tokenizer):
+    """Issue 17 item 8: a turn the model ended on <|endoftext|> is closed by it; appending the
+    template's <|im_end|> would give two end tokens the model never produced together."""
     r = renderers["keep_reasoning"]
     msg = {"role": "assistant", "content": "Done."}
     prompt, gen = _parent(r, qwen_tokenizer, msg, stop=False)
     messages = [*HISTORY, msg, {"role": "user", "content": "Next."}]
-    other_stop = np.append(gen, np.uint32(151643))  # <|endoftext|>: not the template's end of turn
-    s = _splice(r, prompt, other_stop, messages, 2)
-    assert s.added_end_of_turn
-    assert s.prompt_token_ids.tolist()[s.parent_end] == IM_END_ID
+    other_stop = np.append(gen, np.uint32(ENDOFTEXT_ID))
+    full = r.render_sync(messages, TOOLS, add_generation_prompt=True)
+    through = r.render_sync(messages[:3], TOOLS, add_generation_prompt=False)
+    s = splice_prompt(prompt, other_stop, full, through, end_of_turn_ids=EOT, close_ids=CLOSE)
+    assert not s.added_end_of_turn
+    ids = s.prompt_token_ids.tolist()
+    assert ids[s.parent_end - 1 : s.parent_end + 3] == [ENDOFTEXT_ID, NEWLINE, IM_START_ID, USER]
+    assert IM_END_ID not in ids[len(prompt) : s.parent_end + 1]
+    # The same from the tail alone (per-call extension).
+    tail = r.render_tail_sync([*HISTORY, msg], messages[3:], TOOLS, end_of_turn_text="<|im_end|>")
+    e = extend_prompt(prompt, other_stop, tail, end_of_turn_id=IM_END_ID, close_ids=CLOSE)
+    assert e.prompt_token_ids.tolist() == ids
+    # Only a length stop gets the template's end of turn.
+    cut = extend_prompt(prompt, gen, tail, end_of_turn_id=IM_END_ID, close_ids=CLOSE)
+    assert cut.added_end_of_turn
+    assert cut.prompt_token_ids.tolist()[cut.parent_end : cut.parent_end + 2] == [
+        IM_END_ID,
+        NEWLINE,
+    ]
+    assert cut.prompt_token_ids.tolist() == full
+
+
+def test_missing_end_of_turn_and_extra_end_of_turn(renderers, qwen_tokenizer):
+    r = renderers["keep_reasoning"]
+    msg = {"role": "assistant", "content": "Done."}
+    prompt, gen = _parent(r, qwen_tokenizer, msg, stop=False)
+    messages = [*HISTORY, msg, {"role": "user", "content": "Next."}]
     extra = np.append(gen, np.array([IM_END_ID, IM_END_ID], dtype=np.uint32))
     s = _splice(r, prompt, extra, messages, 2)
     # What the model sampled stays, and no third end-of-turn is added.
@@ -183,3 +223,82 @@ def test_history_that_is_not_an_extension_is_refused():
     assert info.value.message_index == 1
     with pytest.raises(SpliceRefused):
         check_extension(parent_messages, [*HISTORY, {"role": "user", "content": "no assistant"}])
+
+
+def test_check_prefix_names_the_first_differing_token():
+    p, g = np.array([1, 2, 3], dtype=np.uint32), np.array([4, 5], dtype=np.uint32)
+    assert check_prefix(np.array([1, 2, 3, 4, 5, 6], dtype=np.uint32), p, g) is None
+    assert check_prefix(np.array([1, 2, 3, 4, 9, 6], dtype=np.uint32), p, g) == 4
+    assert check_prefix(np.array([1, 7, 3, 4, 5, 6], dtype=np.uint32), p, g) == 1
+    assert check_prefix(np.array([1, 2, 3], dtype=np.uint32), p, g) == 3
+
+
+def _fixture_chains(fixtures_dir):
+    """(file, parent request messages, parent output, child request messages, tools): every
+    consecutive pair of recorded calls where the child continues the parent's output."""
+    from capture_proxy.replay import load_recording
+
+    for path in sorted((fixtures_dir / "opencode" / "logs").glob("*.jsonl")):
+        calls = [r for r in load_recording(path) if "messages" in r.body]
+        for parent, child in zip(calls, calls[1:], strict=False):
+            n = len(parent.body["messages"])
+            msgs = child.body["messages"]
+            if len(msgs) > n and msgs[n].get("role") == "assistant":
+                yield path.name, parent, child
+
+
+@pytest.mark.parametrize("template", ["keep_reasoning", "drop_reasoning"])
+def test_tail_extension_equals_the_full_render_splice_on_every_fixture(
+    renderers, qwen_tokenizer, fixtures_dir, template
+):
+    """Issue 16: the per-call extension (render only what follows the parent's turn) gives the
+    same prompt, token for token, as splicing the full render, on every recorded session."""
+    r = renderers[template]
+    checked = 0
+    for _, parent, child in _fixture_chains(fixtures_dir):
+        tools = child.body.get("tools")
+        msgs = child.body["messages"]
+        j = len(parent.body["messages"])
+        prompt = np.array(
+            r.render_sync(parent.body["messages"], tools, add_generation_prompt=True),
+            dtype=np.uint32,
+        )
+        text = render_assistant_generation(parent.response_message)
+        gen = np.array(
+            qwen_tokenizer.encode(text, add_special_tokens=False) + [IM_END_ID], dtype=np.uint32
+        )
+        full = r.render_sync(msgs, tools, add_generation_prompt=True)
+        through = r.render_sync(msgs[: j + 1], tools, add_generation_prompt=False)
+        spliced = splice_prompt(prompt, gen, full, through, end_of_turn_ids=EOT, close_ids=CLOSE)
+        tail = r.render_tail_sync(
+            tail_context(msgs, j), msgs[j + 1 :], tools, end_of_turn_text="<|im_end|>"
+        )
+        assert tail is not None
+        extended = extend_prompt(prompt, gen, tail, end_of_turn_id=IM_END_ID, close_ids=CLOSE)
+        assert extended.prompt_token_ids.tolist() == spliced.prompt_token_ids.tolist()
+        assert check_prefix(extended.prompt_token_ids, prompt, gen) is None
+        checked += 1
+    assert checked >= 16
+
+
+def test_tail_of_a_template_that_rerenders_history_is_not_taken(qwen_tokenizer):
+    """A template that renders the continued turn differently once a new user query follows
+    (Qwen3 drops reasoning before the last query) cannot be extended in a small context: the
+    tail render says so (None) and the caller falls back to a full render."""
+    template = load_chat_template("keep_reasoning").replace(
+        "{%- if keep_reasoning and reasoning -%}",
+        "{%- set later_user = messages[loop.index0:] | selectattr('role', 'equalto', 'user')"
+        " | list -%}{%- if keep_reasoning and reasoning and not later_user -%}",
+    )
+    r = LocalRenderer(qwen_tokenizer, template)
+    msg = {"role": "assistant", "content": "Hi.", "reasoning_content": "Greet."}
+    context = [*HISTORY, msg]
+    assert r.render_tail_sync(
+        context, [{"role": "tool", "content": "x"}], TOOLS, end_of_turn_text="<|im_end|>"
+    )
+    assert (
+        r.render_tail_sync(
+            context, [{"role": "user", "content": "Next."}], TOOLS, end_of_turn_text="<|im_end|>"
+        )
+        is None
+    )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
+from capture_proxy.rendering import LocalRenderer
 from capture_proxy.replay import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
+from capture_proxy.tokenizer import load_chat_template
 from tests.proxy.conftest import Stack
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_chains_rest import _echo
@@ -221,3 +224,115 @@ async def test_per_model_override_selects_the_mode(make_stack):
     ids = await _session(stack, "r1")
     assert await _chains(stack, "r1") == [ids]
     assert all("prompt" in s.request_body for s in stack.sent)  # /v1/completions bodies
+
+
+class _CountingRenderer(LocalRenderer):
+    """Our template and tokenizer, noting how many messages each render was given."""
+
+    def __init__(self, tokenizer, template: str | None = None) -> None:
+        super().__init__(tokenizer, template or load_chat_template("keep_reasoning"))
+        self.full: list[int] = []
+        self.tails: list[int] = []
+
+    def render_sync(self, messages, tools, **kwargs):
+        self.full.append(len(messages))
+        return super().render_sync(messages, tools, **kwargs)
+
+    def render_tail_sync(self, context, new_messages, tools, **kwargs):
+        self.tails.append(len(context) + len(new_messages))
+        return super().render_tail_sync(context, new_messages, tools, **kwargs)
+
+
+async def test_resolved_calls_render_only_their_new_messages(make_stack, qwen_tokenizer):
+    """Issue 16: a resolved call's prompt is the parent's ids extended by the rendering of the
+    new messages only; the history is never rendered again."""
+    renderer = _CountingRenderer(qwen_tokenizer)
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
+        prompt_mode="exact_tokens",
+        renderer=renderer,
+    )
+    ids = await _session(stack, "r1")
+    assert await _chains(stack, "r1") == [ids]
+    assert renderer.full == [len(USER)]  # the root only
+    # Each tail: system + user + the continued turn + its tool result.
+    assert renderer.tails == [len(USER) + 2, len(USER) + 2]
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    calls = chains["chains"][0]["calls"]
+    assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in stack.sent]
+    for c in calls:
+        assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
+
+
+async def test_a_template_that_rerenders_the_turn_falls_back_to_a_full_render(
+    make_stack, qwen_tokenizer
+):
+    """Where the extension cannot be proven (the template renders the continued turn differently
+    once a new user query follows it), the whole conversation is rendered and spliced, the link
+    is kept, and the fallback is recorded."""
+    template = load_chat_template("keep_reasoning").replace(
+        "{%- if keep_reasoning and reasoning -%}",
+        "{%- set later_user = messages[loop.index0:] | selectattr('role', 'equalto', 'user')"
+        " | list -%}{%- if keep_reasoning and reasoning and not later_user -%}",
+    )
+    renderer = _CountingRenderer(qwen_tokenizer, template)
+    policy = Policy.model_validate({"steps": [{"content": "Hello.", "reasoning": "Greet them."}]})
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=policy),
+        prompt_mode="exact_tokens",
+        renderer=renderer,
+    )
+    messages = list(USER)
+    ids = []
+    for follow_up in ("Again.", "Once more."):
+        resp = await stack.chat("r1", _body(messages))
+        assert resp.status == 200, await resp.text()
+        ids.append(resp.headers["X-Capture-Call-Id"])
+        messages += [_echo((await resp.json())["choices"][0]["message"])]
+        messages.append({"role": "user", "content": follow_up})
+    assert await _chains(stack, "r1") == [ids]
+    child = await stack.get_json(f"/captures/calls/{ids[1]}")
+    assert [d for d in child["diagnostics"] if d["kind"] == "exact_prompt_full_render"] == [
+        {"kind": "exact_prompt_full_render", "details": {"reason": "template_not_prefix_stable"}}
+    ]
+    parent = await stack.get_json(f"/captures/calls/{ids[0]}")
+    head = parent["prompt_token_ids"] + parent["generation_token_ids"]
+    assert child["prompt_token_ids"][: len(head)] == head
+
+
+MOE = (2, 2, 8)  # layers, top_k, experts
+
+
+@pytest.mark.parametrize("dialect", ["vllm_completions", "vllm_generate", "sglang_generate"])
+async def test_exact_tokens_mode_stores_routed_experts_of_new_rows_only(
+    make_stack, tokenizer_dir, dialect
+):
+    """Issue 17 item 1: every tokens-in dialect asks for routed experts (only the rows after
+    the parent's), stores them and checks their count."""
+    from capture_proxy.scripted_engine.moe import expert_rows
+
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, moe=MOE, enable_scale_out=True),
+        prompt_mode="exact_tokens",
+        tokens_in_dialect=dialect,
+        tokenizer=tokenizer_dir if dialect == "vllm_generate" else None,
+        routed_experts_shape=MOE[:2],
+    )
+    ids = await _session(stack, "r1")
+    assert await _chains(stack, "r1") == [ids]
+    rows_end = 0
+    for call_id, sent in zip(ids, stack.sent, strict=True):
+        rec = await stack.get_json(f"/captures/calls/{call_id}")
+        seq = sent.prompt_token_ids + sent.generation_token_ids
+        assert rec["routed_experts_start"] == rows_end
+        want = expert_rows(seq, MOE, rows_end)
+        assert np.asarray(rec["routed_experts"]).tolist() == want.tolist()
+        assert not [d for d in rec["diagnostics"] if d["kind"] == "routed_experts_mismatch"]
+        rows_end = len(seq) - 1
+    starts = [
+        s.request_body.get(
+            "routed_experts_prompt_start", s.request_body.get("routed_experts_start_len", 0)
+        )
+        for s in stack.sent
+    ]
+    assert starts[0] == 0 and all(s > 0 for s in starts[1:])
