@@ -349,8 +349,8 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
             "messages.0.content.0.type",
         ),
         (
-            "system_role_in_messages",
-            {"model": MODEL, "max_tokens": 64, "messages": [{"role": "system", "content": "x"}]},
+            "tool_role_in_messages",
+            {"model": MODEL, "max_tokens": 64, "messages": [{"role": "tool", "content": "x"}]},
             "messages.0.role",
         ),
     ],
