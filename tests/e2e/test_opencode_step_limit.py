@@ -11,8 +11,9 @@ digest to the note call (a3). What happens next depends on the prompt mode:
 
 - ``backend_template``: the engine renders the follow-up's history, without the note, so its
   tokens do not extend a3's prompt (which held the note): the link is refused
-  (``parent_digest_mismatch``, ``history_edited``) and a new chain starts, fail closed. The
-  follow-up's later calls link again: chains [a1, a2, a3], [a4, a5, a6].
+  (``parent_digest_mismatch``, ``history_edited``), fail closed, and a4 is linked to its
+  deepest token-exact ancestor, a2 (verdict ``prefix``): a branch beside a3. The follow-up's
+  later calls link again: one chain [a1 .. a6], a2 <- a3, a2 <- a4 <- a5 <- a6.
 - ``exact_tokens``: the proxy builds a4's prompt from a3's own tokens (prompt, with the note
   as a user turn, + generation) and the rendering of the new user turn, so the note's tokens
   stay in the history the model saw and the link is exact: one chain [a1 .. a6].
@@ -61,23 +62,27 @@ NOTE_USER_TURN = f"<|im_start|>user\n{STEP_LIMIT_NOTE_TEXT}<|im_end|>\n"
 # in each call's prompt as the engine saw it.
 EXPECTED = {
     "backend_template": {
-        "chains": [["a1", "a2", "a3"], ["a4", "a5", "a6"]],
+        # a4's digest parent a3 is refused (its history no longer holds the note); a4 is
+        # linked to its deepest token-exact ancestor, a2 (verdict prefix): a branch beside a3
+        "chains": [["a1", "a2", "a3", "a4", "a5", "a6"]],
+        "branches": 1,
         "kinds": {"harness_note_rewritten": 2, "parent_digest_mismatch": 1},
         "linking": {
             "a1": ("root", None, None, None, []),
             "a2": ("resolved", "a1", "a1", None, []),
             "a3": ("resolved", "a2", "a2", "opencode.step_limit", NOTE_DIAG),
-            "a4": ("refused", None, "a3", None, None),  # parent_digest_mismatch, below
+            "a4": ("prefix", "a2", "a3", None, None),  # parent_digest_mismatch, below
             "a5": ("resolved", "a4", "a4", None, []),
             "a6": ("resolved", "a5", "a5", "opencode.step_limit", NOTE_DIAG),
         },
-        "verdicts": {"refused": 1, "resolved": 4, "root": 2},
+        "verdicts": {"prefix": 1, "resolved": 4, "root": 2},
         "links_refused": {"history_edited": 1},
         # the engine rendered a4's history from OpenCode's messages: the note is gone
         "notes_in_prompt": {"a1": 0, "a2": 0, "a3": 1, "a4": 0, "a5": 0, "a6": 1},
     },
     "exact_tokens": {
         "chains": [["a1", "a2", "a3", "a4", "a5", "a6"]],
+        "branches": 0,
         "kinds": {"harness_note_rewritten": 2},
         "linking": {
             "a1": ("root", None, None, None, []),
@@ -215,9 +220,9 @@ async def test_opencode_step_limit_note_is_rewritten_and_follow_up_links_per_mod
     a2, a3, a4 = by_label["a2"], by_label["a3"], by_label["a4"]
     a3_head = a3["prompt_token_ids"] + a3["generation_token_ids"]
     if prompt_mode == "backend_template":
-        # Its tokens do not extend a3's prompt + generation: refused, fail closed, a new chain.
-        # They differ exactly where the note began: after a2's output and its tool result,
-        # inside a3's prompt.
+        # Its tokens do not extend a3's prompt + generation: the link is refused (fail closed)
+        # and a4 hangs on a2, its deepest token-exact ancestor. They differ exactly where the
+        # note began: after a2's output and its tool result, inside a3's prompt.
         (mismatch,) = a4["diagnostics"]
         assert mismatch["kind"] == "parent_digest_mismatch"
         mismatch_details = mismatch["details"]
@@ -249,7 +254,7 @@ async def test_opencode_step_limit_note_is_rewritten_and_follow_up_links_per_mod
     assert (summary["num_chains"], summary["num_roots"], summary["num_branches"]) == (
         num_chains,
         num_chains,
-        0,
+        expected["branches"],
     )
     assert summary["incomplete"] is False
     assert summary["diagnostics"] == {"rollout": [], "calls_by_kind": expected["kinds"]}
