@@ -154,12 +154,14 @@ async def test_codex_runs_a_tool_session(tmp_path: Path):
 @pytest.mark.skipif(CODEX is None, reason="Codex CLI not installed (scripts/install-harnesses)")
 async def test_codex_policy_runs(tmp_path: Path):
     steps = policy_steps("codex")
-    result, server, _ = await codex_session(tmp_path, FakeServerConfig(codex_steps=steps))
+    result, server, project = await codex_session(tmp_path, FakeServerConfig(codex_steps=steps))
     assert result.ok, result.describe()
     lines = server.lines()
     assert len(lines) == len(steps)
     outputs = [list(codex_outputs(x["body"]).values()) for x in lines[1:]]
     assert "notes.txt" in outputs[0][-1] and "alpha é ✓" in outputs[1][-1], outputs
+    assert "Success" in outputs[2][-1], outputs
+    assert (project / "notes.txt").read_text(encoding="utf-8") == DONE_TEXT
     assert steps[-1].text in result.stdout
 
 
@@ -268,9 +270,15 @@ def policy_steps(harness: str) -> list[Step]:
         Step(
             text=s.content,
             reasoning=s.reasoning,
-            tool_calls=tuple(
-                ToolCall(c.name, c.arguments_raw or c.arguments) for c in s.tool_calls
-            ),
+            tool_calls=tuple(_policy_tool_call(c) for c in s.tool_calls),
         )
         for s in policy.steps
     ]
+
+
+def _policy_tool_call(call: Any) -> ToolCall:
+    """Codex offers ``apply_patch`` as a freeform tool: its policy call (``{"input": patch}``,
+    as the proxy offers it to the engine) is a ``custom_tool_call`` with the raw patch."""
+    if call.name == "apply_patch":
+        return ToolCall(call.name, call.arguments["input"], kind="custom")
+    return ToolCall(call.name, call.arguments_raw or call.arguments)
