@@ -1,6 +1,6 @@
 """Replay recorded harness traffic through the proxy.
 
-Owns reading a recording (one JSON object per request, as in shared/fixtures/opencode/logs:
+Owns reading a recording (one JSON object per request, as in tests/fixtures/opencode/logs:
 ``seq``, ``headers``, ``body``, ``response_raw`` = the SSE the recording's server sent) and
 sending its requests, in ``seq`` order, to a proxy's capture path. ``RecordedResponder`` lets
 the scripted engine answer each request with the assistant message the recording answered, so
