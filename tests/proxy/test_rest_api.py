@@ -47,6 +47,21 @@ async def test_rollouts_are_listed_in_pages(stack: Stack):
     }
 
 
+async def test_the_last_full_page_says_it_is_the_last(stack: Stack):
+    await _put(stack, *(record(f"c{i}", [1, 2], [3], rollout_id=f"r{i}") for i in range(6)))
+    pages, after = [], None
+    while True:
+        query = "?limit=2" + (f"&after={after}" if after else "")
+        page = await stack.get_json("/captures/rollouts" + query)
+        pages.append([r["rollout_id"] for r in page["rollouts"]])
+        after = page["next_after"]
+        if after is None:
+            break
+    assert pages == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]  # no empty fourth page
+    empty = await stack.get_json("/captures/rollouts?after=r5")
+    assert empty == {"rollouts": [], "next_after": None}
+
+
 @pytest.mark.parametrize(
     ("query", "param"),
     [
