@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -29,6 +30,33 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
         else:
             return uvloop.new_event_loop()
     return asyncio.new_event_loop()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), not yet listening: aiohttp
+    starts listening on it once the app has started (store open). Raises OSError (address in
+    use, unknown host, no permission)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` and a newline to ``path`` atomically (a reader never sees half a
+    number)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -52,6 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tokenizer": args.tokenizer,
         "tokens_in_dialect": args.tokens_in_dialect,
         "max_model_len": args.max_model_len,
+        "allow_unauthenticated_read_api": args.insecure_read_api,
     }
     try:
         settings = load_settings(cli_values, args.config)
@@ -61,24 +90,12 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    app = build_proxy_app(
-        settings, SQLiteStore(settings.store, synchronous=settings.store_synchronous)
-    )
-    print(
-        f"capture-proxy: serving on http://{settings.host}:{settings.port} -> "
-        f"{settings.backend_base}, store {settings.store}",
-        flush=True,
-    )
+    port_file: Path | None = args.port_file
+    if port_file is not None:
+        # A stale number from an earlier run must not be read as this run's port.
+        port_file.unlink(missing_ok=True)
     try:
-        web.run_app(
-            app,
-            host=settings.host,
-            port=settings.port,
-            print=None,
-            access_log=None,
-            backlog=settings.listen_backlog,
-            loop=new_event_loop(settings.event_loop),
-        )
+        sock = bind_socket(settings.host, settings.port)
     except OSError as exc:  # address in use, unknown host, no permission
         print(
             f"capture-proxy: cannot listen on {settings.host}:{settings.port}: "
@@ -86,9 +103,35 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    port = sock.getsockname()[1]
+    app = build_proxy_app(
+        settings, SQLiteStore(settings.store, synchronous=settings.store_synchronous)
+    )
+
+    def listening(*_: object) -> None:
+        # run_app calls this once the store is open and the socket listens.
+        if port_file is not None:
+            write_port_file(port_file, port)
+        print(
+            f"capture-proxy: serving on http://{settings.host}:{port} -> "
+            f"{settings.backend_base}, store {settings.store}",
+            flush=True,
+        )
+
+    try:
+        web.run_app(
+            app,
+            sock=sock,
+            print=listening,
+            access_log=None,
+            backlog=settings.listen_backlog,
+            loop=new_event_loop(settings.event_loop),
+        )
     except (StoreError, RenderError) as exc:
         print(f"capture-proxy: {exc}", file=sys.stderr)
         return 2
+    finally:
+        sock.close()
     return 0
 
 
@@ -145,7 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy in front of an engine")
     serve.add_argument("--backend", help="engine base URL, e.g. http://127.0.0.1:8000")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="listen port (default 8080)")
+    serve.add_argument("--port", type=int, help="listen port (default 8080; 0: a free port)")
+    serve.add_argument(
+        "--port-file",
+        dest="port_file",
+        type=Path,
+        help="write the bound port to this file once the proxy listens (for --port 0)",
+    )
     serve.add_argument(
         "--store", type=Path, help="embedded store directory (default ./capture-store)"
     )
@@ -180,6 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine endpoint taking token ids in exact_tokens mode",
     )
     serve.add_argument("--max-model-len", dest="max_model_len", type=int)
+    serve.add_argument(
+        "--insecure-read-api",
+        dest="insecure_read_api",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback host without captures_token: anyone who reaches the port "
+        "can read and delete captures (setting allow_unauthenticated_read_api)",
+    )
     serve.add_argument("--config", type=Path, help="TOML file with the same settings")
     serve.set_defaults(func=_serve)
 
