@@ -268,7 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="replay a recorded harness session through the proxy and print the chains",
     )
-    rep.add_argument("recording", type=Path, help="JSONL recording (the format of tests/fixtures/opencode/logs)")
+    rep.add_argument(
+        "recording", type=Path, help="JSONL recording (the format of tests/fixtures/opencode/logs)"
+    )
     rep.add_argument(
         "--proxy",
         help="send to this running proxy (e.g. http://127.0.0.1:8080) instead of an in-process "
