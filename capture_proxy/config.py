@@ -160,6 +160,15 @@ class Settings(BaseSettings):
         description="rollouts whose parent-digest index stays in memory (least recently used "
         "ones are reloaded from the store when needed)",
     )
+    engine_health_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="/health probes the engine's /health at most once per this many seconds "
+        "(the answer is cached in between)",
+    )
+    engine_health_timeout_s: float = Field(
+        2.0, gt=0, description="longest wait for the engine's /health answer (seconds)"
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")

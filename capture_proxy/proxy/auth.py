@@ -4,7 +4,8 @@ Owns who may read captures (``captures_token``) and who may call through the pro
 (``proxy_token``), and which credential goes to the engine: with ``proxy_token`` set the
 harness's ``Authorization`` is for the proxy and is stripped before forwarding;
 ``backend_api_key``, when set, is the engine's. Tokens are compared in constant time and never
-logged. ``/health`` stays open (container health checks).
+logged. ``/health`` stays open (container health checks); ``/metrics`` is guarded by
+``captures_token`` like the read API.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from capture_proxy.config import Settings
 from capture_proxy.proxy.errors import Handler, Unauthorized
 
 READ_API_PREFIX = "/captures"
+#: Behind ``captures_token`` too: Prometheus scrapers send bearer tokens
+#: (``authorization: {credentials: ...}``), and the counts tell who runs what.
+METRICS_PATH = "/metrics"
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -41,7 +45,10 @@ def auth_middleware(settings: Settings) -> Middleware:
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/health":
             return await handler(request)
-        if request.path == READ_API_PREFIX or request.path.startswith(READ_API_PREFIX + "/"):
+        if (
+            request.path in (READ_API_PREFIX, METRICS_PATH)
+            or request.path.startswith(READ_API_PREFIX + "/")
+        ):
             if settings.captures_token is not None:
                 _check(request, settings.captures_token, "the read API")
             return await handler(request)
