@@ -60,8 +60,7 @@ def write_port_file(path: Path, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
+    from capture_proxy.proxy import server
     from capture_proxy.proxy.app import build_proxy_app
     from capture_proxy.rendering import RenderError
     from capture_proxy.store.base import StoreError
@@ -108,8 +107,8 @@ def _serve(args: argparse.Namespace) -> int:
         settings, SQLiteStore(settings.store, synchronous=settings.store_synchronous)
     )
 
-    def listening(*_: object) -> None:
-        # run_app calls this once the store is open and the socket listens.
+    def listening() -> None:
+        # Called once the store is open and the socket listens.
         if port_file is not None:
             write_port_file(port_file, port)
         print(
@@ -119,12 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
         )
 
     try:
-        web.run_app(
+        server.run(
             app,
-            sock=sock,
-            print=listening,
-            access_log=None,
+            sock,
             backlog=settings.listen_backlog,
+            on_listening=listening,
             loop=new_event_loop(settings.event_loop),
         )
     except (StoreError, RenderError) as exc:

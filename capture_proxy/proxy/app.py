@@ -26,7 +26,13 @@ from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.capture import CHAT_COMPLETIONS_PATH, CaptureDeps, handle_captured_chat
 from capture_proxy.proxy.engine_probe import EngineProbe
-from capture_proxy.proxy.errors import BadRequest, NotFound, PayloadTooLarge, error_middleware
+from capture_proxy.proxy.errors import (
+    BadRequest,
+    MethodNotAllowed,
+    NotFound,
+    PayloadTooLarge,
+    error_middleware,
+)
 from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY, Metrics
@@ -156,6 +162,23 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def unknown_captures_path(request: web.Request) -> web.Response:
+    """Under ``/captures``, what no read-API route took: a 405 with ``Allow`` when a route
+    exists for the path with other methods (``POST /captures/rollouts``), else a 404."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is request.match_info.route.resource or not resource.canonical.startswith(
+            "/captures/"
+        ):
+            continue
+        match, methods = await resource.resolve(request)
+        if match is None:
+            allowed |= methods
+    if allowed:
+        raise MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path} (allowed: "
+            f"{', '.join(sorted(allowed))})",
+            allowed=list(allowed),
+        )
     raise NotFound(f"no such read API path: {request.path}", code="not_found")
 
 

@@ -6,11 +6,15 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     +-- BadRequest(ValueError)        (400, "invalid_request_error"; ``param`` names the field)
     |   +-- PayloadTooLarge           (413)
     +-- NotFound(LookupError)         (404, "not_found_error")
+    +-- MethodNotAllowed              (405, "invalid_request_error"; an ``Allow`` header)
     +-- Unauthorized                  (401, "authentication_error")
     +-- UpstreamUnavailable           (502, "upstream_error": engine unreachable or broken)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
-Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``.
+Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
+also for what aiohttp rejects before any handler runs (see ``proxy.server``). Every error
+response made here is logged, one line (4xx at INFO, 5xx at WARNING), since the access log line
+of ``dispatch`` is not reached for a request rejected on the way in (a 401, a 413).
 Once a response has started streaming, errors can no longer become a status; the stream
 handlers deal with those themselves.
 """
@@ -51,6 +55,15 @@ class NotFound(ProxyError, LookupError):
     error_type = "not_found_error"
 
 
+class MethodNotAllowed(ProxyError):
+    status = 405
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, allowed: list[str]):
+        super().__init__(message, code="method_not_allowed")
+        self.allowed = sorted(allowed)
+
+
 class Unauthorized(ProxyError):
     status = 401
     error_type = "authentication_error"
@@ -73,9 +86,26 @@ def error_body(
 
 
 def error_response(exc: ProxyError) -> web.Response:
+    headers = {"Allow": ", ".join(exc.allowed)} if isinstance(exc, MethodNotAllowed) else None
     return web.json_response(
         error_body(exc.message, exc.error_type, param=exc.param, code=exc.code),
         status=exc.status,
+        headers=headers,
+    )
+
+
+def _log_rejected(request: web.Request, status: int, what: str | None) -> None:
+    """One line per error response: method, path, status, what, the body's declared size
+    (never the body, the query or a credential)."""
+    size = request.content_length
+    log.log(
+        logging.WARNING if status >= 500 else logging.INFO,
+        "%s %s -> %d (%s, <%s bytes in>)",
+        request.method,
+        request.path,
+        status,
+        what,
+        size if size is not None else "?",
     )
 
 
@@ -88,17 +118,21 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ProxyError as exc:
-        if exc.status >= 500:
-            log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
+        # A 4xx message may quote the body; its code says what without it.
+        what = exc.message if exc.status >= 500 else exc.code or exc.error_type
+        _log_rejected(request, exc.status, what)
         return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        _log_rejected(request, exc.status, exc.reason)
+        allow = exc.headers.get("Allow")
         return web.json_response(
             error_body(
                 exc.reason, "invalid_request_error" if exc.status < 500 else "internal_error"
             ),
             status=exc.status,
+            headers={"Allow": allow} if allow is not None else None,
         )
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
