@@ -252,7 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="run engine + proxy locally, drive a session, print the captured chain"
     )
-    demo.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
+    demo.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="store directory (default ./capture-store, serve's default, so that `capture-proxy "
+        "serve` reads the demo's rollout afterwards)",
+    )
     demo.add_argument(
         "--opencode",
         choices=["auto", "yes", "no"],
