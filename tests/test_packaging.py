@@ -29,7 +29,9 @@ from capture_proxy.config import Settings
 from capture_proxy.proxy import server
 from capture_proxy.proxy.app import build_proxy_app
 from capture_proxy.store.sqlite import SQLiteStore
-settings = Settings(backend="http://127.0.0.1:9", store={str(tmp_path)!r}, prompt_mode="exact_tokens")
+settings = Settings(
+    backend="http://127.0.0.1:9", store={str(tmp_path)!r}, prompt_mode="exact_tokens"
+)
 build_proxy_app(settings, SQLiteStore(settings.store))
 build_parser()
 print(sorted(m for m in {TOKENIZER_STACK!r} if m in sys.modules))
