@@ -34,10 +34,17 @@ def load_chains(source: bytes | str | os.PathLike[str] | IO[bytes]) -> list[Chai
     return read_archive(source)[1]
 
 
-def fetch_chains(base_url: str, rollout_id: str, *, timeout_s: float = 300.0) -> list[ChainSample]:
+def fetch_chains(
+    base_url: str, rollout_id: str, *, token: str | None = None, timeout_s: float = 300.0
+) -> list[ChainSample]:
     """GET a rollout's chains archive from a proxy at ``base_url`` (e.g.
-    ``http://127.0.0.1:8080``). Raises urllib's HTTPError for 4xx/5xx answers."""
+    ``http://127.0.0.1:8080``). ``token``: the proxy's ``captures_token`` (default: the
+    ``CAPTURE_PROXY_CAPTURES_TOKEN`` environment variable, if set). Raises urllib's HTTPError
+    for 4xx/5xx answers (401: a missing or wrong token)."""
     quoted = urllib.parse.quote(rollout_id, safe="")
     url = f"{base_url.rstrip('/')}/captures/rollouts/{quoted}/chains?format=npz"
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 (http only)
+    token = token if token is not None else os.environ.get("CAPTURE_PROXY_CAPTURES_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout_s) as resp:  # noqa: S310 (http only)
         return load_chains(resp.read())
