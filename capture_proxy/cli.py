@@ -80,6 +80,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tokens_in_dialect": args.tokens_in_dialect,
         "max_model_len": args.max_model_len,
         "allow_unauthenticated_read_api": args.insecure_read_api,
+        "record_dir": args.record_dir,
     }
     try:
         settings = load_settings(cli_values, args.config)
@@ -227,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine endpoint taking token ids in exact_tokens mode",
     )
     serve.add_argument("--max-model-len", dest="max_model_len", type=int)
+    serve.add_argument(
+        "--record-dir",
+        dest="record_dir",
+        type=Path,
+        help="record capture-path traffic to DIR/<rollout_id>.jsonl (the replay format)",
+    )
     serve.add_argument(
         "--insecure-read-api",
         dest="insecure_read_api",

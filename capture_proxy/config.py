@@ -169,6 +169,11 @@ class Settings(BaseSettings):
     engine_health_timeout_s: float = Field(
         2.0, gt=0, description="longest wait for the engine's /health answer (seconds)"
     )
+    record_dir: Path | None = Field(
+        None,
+        description="record every request under a capture path, with the answer sent, to "
+        "DIR/<rollout_id>.jsonl in the replay format (for building fixtures; unset: off)",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
 
     @field_validator("log_level", mode="before")

@@ -1,8 +1,10 @@
 """Replay recorded harness traffic through the proxy.
 
-Owns reading a recording (one JSON object per request, as in tests/fixtures/opencode/logs:
-``seq``, ``headers``, ``body``, ``response_raw`` = the SSE the recording's server sent) and
-sending its requests, in ``seq`` order, to a proxy's capture path. ``RecordedResponder`` lets
+Owns reading a recording (one JSON object per request, as in tests/fixtures/*/ and as
+``serve --record-dir`` writes: ``seq``, ``path``, ``headers``, ``body``, ``response_raw`` = what
+the recording's server answered) and sending its model calls, in ``seq`` order, to a proxy's
+capture path, each to its own API's endpoint (chat completions, Responses, Messages; other
+recorded requests such as count_tokens are skipped). ``RecordedResponder`` lets
 the scripted engine answer each request with the assistant message the recording answered, so
 a replay reproduces the harness's real request shapes (step-limit notes, reasoning echo,
 re-serialised tool-call arguments) with real token ids.
@@ -18,53 +20,81 @@ from typing import Any
 
 import aiohttp
 
-from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
-from capture_proxy.core.sse import SSEStreamDecoder
+from capture_proxy.core.fronts.answers import API_PATHS, answer_message, api_of_path
+from capture_proxy.core.fronts.base import Api
 
 #: Recorded headers worth replaying (identity of the harness and its session); transport
 #: headers (Content-Length, Host, Accept-Encoding, Connection) are the client's own business.
 REPLAYED_HEADERS = frozenset(
-    {"authorization", "user-agent", "x-session-affinity", "x-session-id", "x-parent-session-id"}
+    {
+        "authorization",
+        "user-agent",
+        "x-session-affinity",
+        "x-session-id",
+        "x-parent-session-id",
+        "anthropic-version",
+        "anthropic-beta",
+        "session_id",
+        "originator",
+    }
 )
 
 
 @dataclass(frozen=True)
 class RecordedRequest:
+    """One recorded model call: its API, the query string it was sent with (Claude Code's
+    ``?beta=true``), and the canonical assistant message the recorded server answered."""
+
     seq: int
     classification: str
     headers: list[tuple[str, str]]
     body: dict[str, Any]
     response_message: dict[str, Any]
+    api: Api = Api.CHAT_COMPLETIONS
+    query: str = ""
 
 
-def message_from_sse(raw: str) -> dict[str, Any]:
-    """The assistant message a recorded SSE answer spells (content, reasoning, tool calls)."""
-    decoder = SSEStreamDecoder()
-    ctx = CallContext("replay", "replay", 0.0, True, "/v1/chat/completions", {})
-    assembler = ChatCaptureAssembler(ctx)
-    for event in [*decoder.feed(raw.encode("utf-8")), *decoder.close()]:
-        if event.data != "[DONE]":
-            assembler.add_chunk(json.loads(event.data))
-    message = assembler.assembled_message()
+def _looks_like_sse(raw: str) -> bool:
+    head = raw.lstrip()[:6]
+    return head.startswith(("data:", "event:", ":"))
+
+
+def message_from_answer(api: Api, raw: str) -> dict[str, Any]:
+    """The assistant message a recorded answer (SSE or whole JSON) spells."""
+    content_type = "text/event-stream" if _looks_like_sse(raw) else "application/json"
+    message = dict(answer_message(api, raw.encode("utf-8"), content_type))
     message.setdefault("tool_calls", [])
     return message
 
 
+def message_from_sse(raw: str) -> dict[str, Any]:
+    """The assistant message a recorded chat-completions SSE answer spells."""
+    return message_from_answer(Api.CHAT_COMPLETIONS, raw)
+
+
 def load_recording(path: Path) -> list[RecordedRequest]:
-    """Read a recording, sorted by ``seq``. Raises OSError, ValueError (bad JSON lines)."""
+    """Read a recording's model calls, sorted by ``seq`` (requests to other paths, e.g.
+    count_tokens or model listings, and requests the server refused are left out). Raises
+    OSError, ValueError (bad JSON lines)."""
     out = []
     for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
+            recorded_path = str(obj.get("path") or "/v1/chat/completions")
+            api = api_of_path(recorded_path)
+            if api is None or int(obj.get("status") or 200) >= 400:
+                continue
             out.append(
                 RecordedRequest(
                     seq=int(obj["seq"]),
                     classification=str(obj.get("classification", "")),
                     headers=[(str(k), str(v)) for k, v in obj.get("headers", [])],
                     body=obj["body"],
-                    response_message=message_from_sse(obj["response_raw"]),
+                    response_message=message_from_answer(api, obj["response_raw"]),
+                    api=api,
+                    query=recorded_path.partition("?")[2],
                 )
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -100,38 +130,39 @@ class ReplayedCall:
     call_id: str | None
 
 
-def _substitute_ids(body: dict[str, Any], id_map: dict[str, str]) -> dict[str, Any]:
-    """The recorded body with recorded tool-call ids replaced by the ids the proxy returned."""
+#: Keys whose string values are tool-call ids in the three APIs' bodies.
+_ID_KEYS = frozenset({"id", "tool_call_id", "call_id", "tool_use_id"})
+
+
+def _substitute_ids(value: Any, id_map: dict[str, str]) -> Any:
+    """The recorded body with recorded tool-call ids (chat ``tool_calls[].id`` /
+    ``tool_call_id``, Responses ``call_id``, Messages ``tool_use.id`` / ``tool_use_id``)
+    replaced by the ids the proxy returned."""
     if not id_map:
-        return body
-    messages = []
-    for m in body.get("messages") or []:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {**tc, "id": id_map.get(tc.get("id"), tc.get("id"))} for tc in m["tool_calls"]
-            ]
-        if m.get("tool_call_id") in id_map:
-            m["tool_call_id"] = id_map[m["tool_call_id"]]
-        messages.append(m)
-    return {**body, "messages": messages}
+        return value
+    if isinstance(value, dict):
+        return {
+            k: id_map.get(v, v) if k in _ID_KEYS and isinstance(v, str)
+            else _substitute_ids(v, id_map)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_substitute_ids(v, id_map) for v in value]
+    return value
 
 
-def _answer_message(raw: bytes, content_type: str) -> dict[str, Any] | None:
+def _answer_message(api: Api, raw: bytes, content_type: str) -> dict[str, Any] | None:
     try:
-        if content_type.startswith("text/event-stream"):
-            return message_from_sse(raw.decode("utf-8"))
-        choices = json.loads(raw).get("choices") or []
-        return choices[0].get("message") if choices else None
-    except (ValueError, AttributeError, IndexError):
+        return answer_message(api, raw, content_type)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
 
 
 async def replay(
     recording: list[RecordedRequest], base_url: str, *, timeout_s: float = 120.0
 ) -> list[ReplayedCall]:
-    """Send each recorded request to ``base_url + /chat/completions`` in order, reading each
-    answer to its end before the next. ``base_url`` is a harness base URL, e.g.
+    """Send each recorded request to its API's endpoint under ``base_url`` in order, reading
+    each answer to its end before the next. ``base_url`` is a harness base URL, e.g.
     ``http://127.0.0.1:8080/ng-rollout/<id>/training-token-capture/v1``.
 
     Like a harness, later requests echo the tool-call ids the proxy actually returned (the
@@ -145,11 +176,12 @@ async def replay(
         for req in recording:
             headers = {k: v for k, v in req.headers if k.lower() in REPLAYED_HEADERS}
             body = _substitute_ids(req.body, id_map)
-            async with http.post(
-                base_url + "/chat/completions", json=body, headers=headers
-            ) as resp:
+            url = base_url + API_PATHS[req.api].removeprefix("/v1")
+            if req.query:
+                url += "?" + req.query
+            async with http.post(url, json=body, headers=headers) as resp:
                 raw = await resp.read()
-                answer = _answer_message(raw, resp.headers.get("Content-Type", ""))
+                answer = _answer_message(req.api, raw, resp.headers.get("Content-Type", ""))
                 out.append(
                     ReplayedCall(
                         req.seq,

@@ -84,6 +84,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
     out: dict[str, Any] = {
         "call_id": record.call_id,
         "rollout_id": record.rollout_id,
+        "api": record.api,
         "parent_call_id": parent_call_id,
         "status": record.status.value,
         "created_at": record.created_at,

@@ -16,7 +16,9 @@ def test_replay_of_a_recording(fixtures_dir, capsys):
     log = fixtures_dir / "opencode" / "logs" / "02_step_limit_obeyed.jsonl"
     assert main(["replay", str(log), "--rollout", "rec-2"]) == 0
     out = capsys.readouterr().out
-    assert "rollout rec-2: 7 calls, 3 chains, incomplete=False" in out
+    # The call after the step-limit note is refused by digest and linked to its deepest
+    # token-exact ancestor: one agent chain beside the title root.
+    assert "rollout rec-2: 7 calls, 2 chains, incomplete=False" in out
     assert "'links_refused': {'history_edited': 1}" in out
 
 

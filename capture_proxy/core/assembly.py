@@ -43,6 +43,9 @@ class CallContext:
     #: the first token position the engine was asked routed-expert rows for (vLLM
     #: ``routed_experts_prompt_start``); 0 asks for all rows.
     routed_experts_start: int = 0
+    #: the wire API of the call and its body as received, less the history field
+    api: str = "chat_completions"
+    request_received: dict[str, Any] | None = None
 
 
 def call_fields(ctx: CallContext) -> dict[str, Any]:
@@ -55,6 +58,8 @@ def call_fields(ctx: CallContext) -> dict[str, Any]:
         "created_at": ctx.created_at,
         "stream": ctx.stream,
         "upstream_path": ctx.upstream_path,
+        "api": ctx.api,
+        "request_received": ctx.request_received,
         "model": body.get("model"),
         "request_messages": list(body.get("messages") or []),
         "request_tools": body.get("tools"),

@@ -35,6 +35,10 @@ Schema versions:
   ``messages_chain`` (the chain digests of the delta's positions) let a store choose k without
   reading any other call's messages. Reading rebuilds messages root first, in the prompts'
   order, and checks every length.
+  A v3 record may also carry ``api`` (the wire API; absent: ``chat_completions``) and
+  ``request_received`` (the body as received less its history field; values of at least
+  ``REF_MIN_BYTES`` of canonical JSON content-addressed under ``request_received_blobs``):
+  additive fields that older v3 readers ignore, so the version is unchanged.
   v2 -> v3: the messages stay whole (k = 0) and the tools (and large system messages) move to
   ``json_blobs``; a store may rebase the messages afterwards (``rebase_messages``).
 
@@ -92,6 +96,9 @@ _META_KEYS = (
     "num_prompt_tokens",
     "num_generation_tokens",
     "routed_experts",
+    "api",
+    "request_received",
+    "request_received_blobs",
 )
 
 
@@ -305,8 +312,14 @@ def compact_routed_experts(experts: np.ndarray) -> np.ndarray:
     return experts.astype(np.int32, copy=False)
 
 
+#: What a key absent from older metadata means (so a migrated record's text equals a new one's).
+_META_DEFAULTS: dict[str, Any] = {"api": "chat_completions"}
+
+
 def _meta_text(meta: Mapping[str, Any]) -> str:
-    return canonical_json({key: meta.get(key) for key in _META_KEYS})
+    return canonical_json(
+        {key: meta.get(key, _META_DEFAULTS.get(key)) for key in _META_KEYS}
+    )
 
 
 def _tools_ref(tools: Any, blobs: dict[str, str]) -> str | None:
@@ -323,6 +336,38 @@ def _encoded_tools_ref(request: RequestEncoding, blobs: dict[str, str]) -> str |
         return None
     blobs[request.tools_sha256] = request.tools_text
     return request.tools_sha256
+
+
+def _received_refs(
+    received: Mapping[str, Any] | None, blobs: dict[str, str]
+) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+    """The received body's small values inline, and its large ones (a system prompt, a tools
+    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``."""
+    if received is None:
+        return None, None
+    inline: dict[str, Any] = {}
+    refs: dict[str, str] = {}
+    for key, value in received.items():
+        text = canonical_json(value)
+        if len(text) >= REF_MIN_BYTES:
+            sha = json_sha256(text)
+            blobs[sha] = text
+            refs[key] = sha
+        else:
+            inline[key] = value
+    return inline, refs or None
+
+
+def _decode_received(
+    encoded: EncodedRecord, meta: Mapping[str, Any], parsed: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    inline = meta.get("request_received")
+    if inline is None:
+        return None
+    out = dict(inline)
+    for key, sha in (meta.get("request_received_blobs") or {}).items():
+        out[key] = _blob_value(encoded, sha, parsed)
+    return out
 
 
 def _delta_items(
@@ -396,7 +441,11 @@ def encode_record(
         "num_prompt_tokens": record.num_prompt_tokens,
         "num_generation_tokens": record.num_generation_tokens,
         "routed_experts": experts_meta,
+        "api": record.api,
     }
+    meta["request_received"], meta["request_received_blobs"] = _received_refs(
+        record.request_received, blobs
+    )
     prefix_len = prompt_parent.prefix_len if prompt_parent is not None else 0
     if not 0 <= prefix_len <= record.num_prompt_tokens:
         raise ValueError(f"prompt_prefix_len {prefix_len} is outside the prompt")
@@ -650,6 +699,8 @@ def decode_record(
         latency_ms=meta.get("latency_ms"),
         stream=bool(meta.get("stream")),
         upstream_path=meta.get("upstream_path") or "/v1/chat/completions",
+        api=meta.get("api") or "chat_completions",
+        request_received=_decode_received(encoded, meta, parsed_json),
         request_messages=messages,
         request_tools=tools,
         response_message=meta.get("response_message"),

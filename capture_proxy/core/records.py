@@ -51,6 +51,10 @@ class DiagnosticKind(enum.StrEnum):
     PARENT_DIGEST_MISMATCH = "parent_digest_mismatch"
     FOREIGN_TURN = "foreign_turn_projected_portable"
     RETRY = "retry"
+    PARENT_MODEL_MISMATCH = "parent_model_mismatch"
+    TURN_REWRITTEN = "turn_rewritten"
+    TOKEN_COUNT_MISMATCH = "token_count_mismatch"
+    ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable"
 
 
 @dataclass(frozen=True)
@@ -100,6 +104,12 @@ class CallRecord:
     the resolution: ``verdict`` (root | resolved | refused | unresolved), ``parent_digest``,
     ``child_digest`` (under which a child finds this call), ``request_digest``, ``reason``,
     ``harness_note`` (key of a rewritten note). ``retry_of``: the earlier call this one repeats.
+
+    ``api``: the wire API the call came in on (``chat_completions`` | ``responses`` |
+    ``messages``); ``request_messages`` / ``request_tools`` are always the canonical
+    (chat-completions) form. ``request_received``: the body as the harness sent it, less its
+    history field (``messages`` / ``input``, whose canonical form is ``request_messages``);
+    None for records written before it existed.
     """
 
     call_id: str
@@ -110,6 +120,8 @@ class CallRecord:
     latency_ms: float | None = None
     stream: bool = False
     upstream_path: str = "/v1/chat/completions"
+    api: str = "chat_completions"
+    request_received: dict[str, Any] | None = None
     request_messages: list[dict[str, Any]] = field(default_factory=list)
     request_tools: list[dict[str, Any]] | None = None
     response_message: dict[str, Any] | None = None

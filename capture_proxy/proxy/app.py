@@ -21,12 +21,21 @@ from aiohttp import web
 from capture_proxy import __version__, rest
 from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
+from capture_proxy.core.fronts import (
+    EndpointKind,
+    endpoint_kind,
+    error_front,
+    front_for,
+    parse_count_tokens,
+)
 from capture_proxy.core.parsers import get_parser
-from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
+from capture_proxy.core.routing import InvalidRolloutId, Route, RouteKind, route
 from capture_proxy.proxy.auth import auth_middleware
-from capture_proxy.proxy.capture import CHAT_COMPLETIONS_PATH, CaptureDeps, handle_captured_chat
+from capture_proxy.proxy.calls import CaptureDeps
+from capture_proxy.proxy.capture import BackEnds, handle_captured_call, handle_count_tokens
 from capture_proxy.proxy.engine_probe import EngineProbe
 from capture_proxy.proxy.errors import (
+    ERROR_SHAPE_KEY,
     BadRequest,
     MethodNotAllowed,
     NotFound,
@@ -38,6 +47,7 @@ from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY, Metrics
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recording import TrafficRecorder, note_request, recording_middleware
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
 from capture_proxy.store.base import CaptureStore
@@ -70,48 +80,105 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         ) from exc
 
 
+def _capture_deps(request: web.Request) -> CaptureDeps:
+    settings = request.app[SETTINGS_KEY]
+    return CaptureDeps(
+        request.app[SESSION_KEY],
+        settings.backend_base,
+        request.app[rest.RECORDER_KEY],
+        request.app[LINKER_KEY],
+        request.app[NOTES_KEY],
+        first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
+        connect_retries=settings.upstream_connect_retries,
+    )
+
+
+def _back_ends(request: web.Request) -> BackEnds:
+    settings = request.app[SETTINGS_KEY]
+    return BackEnds(
+        exact=request.app.get(EXACT_KEY),
+        exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
+        token_counter=EngineRenderer(request.app[SESSION_KEY], settings.backend_base),
+    )
+
+
+async def _serve_capture_path(
+    request: web.Request, target: Route, raw_body: bytes
+) -> tuple[web.StreamResponse, str]:
+    """A request under a capture path; returns the response and what was done with it
+    (``captured`` | ``counted`` | ``refused`` | ``forwarded``) for the access log."""
+    path = target.upstream_path
+    kind = endpoint_kind(request.method, path)
+    front = front_for(path)
+    shaped_by = error_front(path)
+    if shaped_by is not None:
+        # Errors of this request, from here on, take its API's error shape.
+        request[ERROR_SHAPE_KEY] = shaped_by.error_body
+    if kind is EndpointKind.CAPTURED and front is not None:
+        if request.method != "POST":
+            raise MethodNotAllowed(
+                f"{request.method} {path} is not allowed: model calls are POST",
+                allowed=("POST",),
+            )
+        deps = _capture_deps(request)
+        response = await handle_captured_call(
+            request, target, raw_body, front, deps, _back_ends(request)
+        )
+        return response, "captured"
+    if kind is EndpointKind.COUNT_TOKENS:
+        return await handle_count_tokens(raw_body, parse_count_tokens, _back_ends(request)), (
+            "counted"
+        )
+    if kind is EndpointKind.NOT_CAPTURABLE:
+        raise BadRequest(
+            f"POST {path} generates but cannot be captured under a capture path: use "
+            "/v1/chat/completions, /v1/responses or /v1/messages (or the correlation path "
+            "/ng-rollout/<id>/v1/... to forward it uncaptured)",
+            param="path",
+            code="endpoint_not_captured",
+        )
+    settings = request.app[SETTINGS_KEY]
+    response = await forward_uncaptured(
+        request,
+        target,
+        raw_body,
+        request.app[SESSION_KEY],
+        settings.backend_base,
+        first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
+        connect_retries=settings.upstream_connect_retries,
+    )
+    return response, "forwarded"
+
+
 async def dispatch(request: web.Request) -> web.StreamResponse:
     settings = request.app[SETTINGS_KEY]
+    started = time.perf_counter()
     try:
         target = route(request.raw_path.split("?", 1)[0])
     except InvalidRolloutId as exc:
         raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
     raw_body = await _read_body(request, settings.max_request_body_bytes)
-    session = request.app[SESSION_KEY]
-    started = time.perf_counter()
-    if (
-        target.kind is RouteKind.CAPTURE
-        and request.method == "POST"
-        and target.upstream_path == CHAT_COMPLETIONS_PATH
-    ):
-        deps = CaptureDeps(
-            session,
-            settings.backend_base,
-            request.app[rest.RECORDER_KEY],
-            request.app[LINKER_KEY],
-            request.app[NOTES_KEY],
-            exact=request.app.get(EXACT_KEY),
-            exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
-            first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
-            connect_retries=settings.upstream_connect_retries,
-        )
-        response = await handle_captured_chat(request, target, raw_body, deps)
+    note_request(request, raw_body, None)
+    if target.kind is RouteKind.CAPTURE:
+        response, done = await _serve_capture_path(request, target, raw_body)
+        note_request(request, raw_body, done)
     else:
         response = await forward_uncaptured(
             request,
             target,
             raw_body,
-            session,
+            request.app[SESSION_KEY],
             settings.backend_base,
             first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
             connect_retries=settings.upstream_connect_retries,
         )
+        done = "forwarded" if target.kind is RouteKind.PASSTHROUGH else "correlated"
     log.info(
         "%s %s -> %d (%s, rollout %s, <%d bytes in>, %.1f ms)",
         request.method,
-        target.upstream_path,
+        request.path,
         response.status,
-        target.kind.value,
+        done,
         target.rollout_id or "-",
         len(raw_body),
         (time.perf_counter() - started) * 1000,
@@ -177,7 +244,7 @@ async def unknown_captures_path(request: web.Request) -> web.Response:
         raise MethodNotAllowed(
             f"{request.method} is not allowed on {request.path} (allowed: "
             f"{', '.join(sorted(allowed))})",
-            allowed=list(allowed),
+            allowed=tuple(sorted(allowed)),
         )
     raise NotFound(f"no such read API path: {request.path}", code="not_found")
 
@@ -262,8 +329,12 @@ def build_proxy_app(
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings)."""
+    middlewares = [error_middleware, auth_middleware(settings)]
+    if settings.record_dir is not None:
+        # Outermost: what the harness sent and got, errors included (see ``recording``).
+        middlewares.insert(0, recording_middleware(TrafficRecorder(settings.record_dir)))
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware(settings)],
+        middlewares=middlewares,
         client_max_size=settings.max_request_body_bytes,
     )
     app[SETTINGS_KEY] = settings

@@ -2,7 +2,8 @@
 
 Owns who may read captures (``captures_token``) and who may call through the proxy
 (``proxy_token``), and which credential goes to the engine: with ``proxy_token`` set the
-harness's ``Authorization`` is for the proxy and is stripped before forwarding;
+harness's ``Authorization`` (or Anthropic's ``x-api-key``) is for the proxy and is stripped
+before forwarding;
 ``backend_api_key``, when set, is the engine's. Tokens are compared in constant time and never
 logged. ``/health`` stays open (container health checks); ``/metrics`` is guarded by
 ``captures_token`` like the read API.
@@ -27,9 +28,13 @@ METRICS_PATH = "/metrics"
 
 
 def _bearer(request: web.Request) -> str | None:
+    """The token of ``Authorization: Bearer <token>``, or of ``x-api-key: <token>`` (how
+    Anthropic clients such as Claude Code send their key)."""
     value = request.headers.get("Authorization", "")
     scheme, _, token = value.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 def _check(request: web.Request, expected: SecretStr, what: str) -> None:
@@ -58,6 +63,7 @@ def auth_middleware(settings: Settings) -> Middleware:
             _check(request, settings.proxy_token, "the proxy")
         headers = CIMultiDict(request.headers)
         headers.popall("Authorization", None)
+        headers.popall("x-api-key", None)
         if settings.backend_api_key is not None:
             headers["Authorization"] = f"Bearer {settings.backend_api_key.get_secret_value()}"
         return await handler(request.clone(headers=headers))

@@ -12,9 +12,12 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
-also for what aiohttp rejects before any handler runs (see ``proxy.server``). Every error
-response made here is logged, one line (4xx at INFO, 5xx at WARNING), since the access log line
-of ``dispatch`` is not reached for a request rejected on the way in (a 401, a 413).
+unless the handler set ``request[ERROR_SHAPE_KEY]`` to its API's shaper (a front codec's
+``error_body``: Anthropic Messages answers ``{"type": "error", "error": {"type", "message"}}``).
+What aiohttp rejects before any handler runs gets OpenAI's shape too (see ``proxy.server``).
+Every error response made here is logged, one line (4xx at INFO, 5xx at WARNING), since the
+access log line of ``dispatch`` is not reached for a request rejected on the way in (a 401, a
+413).
 Once a response has started streaming, errors can no longer become a status; the stream
 handlers deal with those themselves.
 """
@@ -59,9 +62,9 @@ class MethodNotAllowed(ProxyError):
     status = 405
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, allowed: list[str]):
+    def __init__(self, message: str, *, allowed: tuple[str, ...]):
         super().__init__(message, code="method_not_allowed")
-        self.allowed = sorted(allowed)
+        self.allowed = allowed
 
 
 class Unauthorized(ProxyError):
@@ -85,13 +88,22 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def error_response(exc: ProxyError) -> web.Response:
+#: The error shaper of a request's API: ``(status, message, *, error_type, param, code)``
+#: -> body (a front codec's ``error_body``); absent: OpenAI's shape.
+ErrorShape = Callable[..., dict[str, Any]]
+ERROR_SHAPE_KEY: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")
+
+
+def error_response(exc: ProxyError, request: web.Request | None = None) -> web.Response:
+    shape = request.get(ERROR_SHAPE_KEY) if request is not None else None
+    if shape is not None:
+        body = shape(
+            exc.status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
+        )
+    else:
+        body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
     headers = {"Allow": ", ".join(exc.allowed)} if isinstance(exc, MethodNotAllowed) else None
-    return web.json_response(
-        error_body(exc.message, exc.error_type, param=exc.param, code=exc.code),
-        status=exc.status,
-        headers=headers,
-    )
+    return web.json_response(body, status=exc.status, headers=headers)
 
 
 def _log_rejected(request: web.Request, status: int, what: str | None) -> None:
@@ -121,7 +133,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # A 4xx message may quote the body; its code says what without it.
         what = exc.message if exc.status >= 500 else exc.code or exc.error_type
         _log_rejected(request, exc.status, what)
-        return error_response(exc)
+        return error_response(exc, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -5,13 +5,14 @@ rendering of the new messages, see ``core.splice``; a call with no verified pare
 from scratch), send it to the engine's tokens-in endpoint (``core.engine_formats``), parse the
 generated text back into an assistant message (``core.parsers``), and answer the harness with a
 chat completion, streamed as chunk deltas when it asked for a stream. The record is persisted
-before the response ends, exactly as in backend-template mode.
+before the response ends, exactly as in backend-template mode. It knows no wire API: the
+call's front codec encodes the answer, whole or event by event.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -23,27 +24,33 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
-from capture_proxy.core.assembly import failed_record, mark_incomplete, stream_end_reasons
-from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Piece, Reader
+from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
+from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Reader
+from capture_proxy.core.fronts.base import Answer, answer_as_deltas
+from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
-from capture_proxy.core.records import CallStatus, Diagnostic
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.sampling import SamplingError, sampling_from_chat
 from capture_proxy.core.splice import SpliceRefused, check_extension, splice_prompt
-from capture_proxy.core.sse import SSEStreamDecoder, encode_json_event
+from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler
-from capture_proxy.proxy.capture import (
+from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     CaptureDeps,
+    ClientWriter,
     InFlightCall,
+    dumps_text,
     elapsed_ms,
     encode_request,
     finish_call,
     record_abandoned,
+    record_failed,
     relay_engine_error,
+    sse_response,
 )
-from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable, error_body
+from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
 from capture_proxy.rendering import ChatRenderer, RenderError
 
@@ -159,11 +166,29 @@ async def build_prompt(
     res = call.resolution
     if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
         return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
-    parent = await deps.linker.store.get_call(res.parent_call_id)
-    if parent is None or parent.status is not CallStatus.COMPLETE:
-        return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+    # Several candidates share the digest (parallel sub-agents that answered alike): the
+    # first, in the resolution's preference, whose request this history extends.
+    refusal: SpliceRefused | None = None
+    refused_parent = res.parent_call_id
+    for candidate in res.candidates or ():
+        found = await deps.linker.store.get_call(candidate.call_id)
+        if found is None or found.status is not CallStatus.COMPLETE:
+            continue
+        try:
+            j = check_extension(_parent_request_messages(found), call.prepared.linking_messages)
+        except SpliceRefused as exc:
+            if refusal is None:
+                refusal, refused_parent = exc, found.call_id
+            continue
+        parent = found
+        break
+    else:
+        if refusal is None:
+            return _Prompt(np.asarray(full, dtype=np.uint32), None, [])
+        return _Prompt(
+            np.asarray(full, dtype=np.uint32), None, [_refused(refused_parent, refusal)]
+        )
     try:
-        j = check_extension(_parent_request_messages(parent), call.prepared.linking_messages)
         through = await exact.renderer.render(
             messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
         )
@@ -175,13 +200,15 @@ async def build_prompt(
             end_of_turn_ids=end_of_turn_ids,
         )
     except SpliceRefused as exc:
-        details: dict[str, Any] = {"parent_call_id": parent.call_id, "reason": exc.reason}
-        if exc.message_index is not None:
-            details["message_index"] = exc.message_index
-        return _Prompt(
-            np.asarray(full, dtype=np.uint32), None, [Diagnostic(EXACT_PROMPT_REFUSED, details)]
-        )
+        return _Prompt(np.asarray(full, dtype=np.uint32), None, [_refused(parent.call_id, exc)])
     return _Prompt(spliced.prompt_token_ids, parent.call_id, [])
+
+
+def _refused(parent_call_id: str, exc: SpliceRefused) -> Diagnostic:
+    details: dict[str, Any] = {"parent_call_id": parent_call_id, "reason": exc.reason}
+    if exc.message_index is not None:
+        details["message_index"] = exc.message_index
+    return Diagnostic(EXACT_PROMPT_REFUSED, details)
 
 
 def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
@@ -190,23 +217,36 @@ def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
     return "tool_calls" if has_tool_calls else "stop"
 
 
-def _logprobs_content(token_ids: list[int], log_probs: list[float | None]) -> dict[str, Any]:
-    """Chat-shaped log probs for a harness that asked for them (tokens as ``token_id:<id>``,
-    vLLM's ``return_tokens_as_token_ids`` form, since the proxy may have no tokenizer)."""
-    return {
-        "content": [
-            {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
-            for t, lp in zip(token_ids, log_probs, strict=False)
-        ]
-    }
+def _answer(
+    call: InFlightCall, asm: TokensInAssembler, message: dict[str, Any], finish_reason: str
+) -> Answer:
+    return Answer(
+        call_id=call.ctx.call_id,
+        created_at=call.ctx.created_at,
+        model=call.prepared.body.get("model"),
+        message=message,
+        finish_reason=finish_reason,
+        usage=chat_usage(int(asm.prompt_token_ids.shape[0]), len(asm.token_ids)),
+        token_ids=asm.token_ids,
+        log_probs=asm.log_probs,
+        prompt_token_ids=asm.prompt_token_ids.tolist(),
+    )
 
 
 async def handle_exact_tokens(
     request: web.Request, call: InFlightCall, deps: CaptureDeps, exact: ExactTokens
 ) -> web.StreamResponse:
+    """Serve one captured call from exact tokens. Raises ProxyError."""
     body = call.prepared.body
     ctx = call.ctx
-    max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
+    t_ready = time.perf_counter()
+    try:
+        max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
+    except (UpstreamUnavailable, UpstreamTimeout) as exc:
+        # The engine cannot be asked what the prompt needs: the call fails, and is recorded
+        # as failed, as in backend-template mode.
+        await record_failed(deps, call, t_ready, exc.message, None)
+        raise
     try:
         prompt = await build_prompt(call, deps, exact, end_of_turn_ids)
         sampling = sampling_from_chat(
@@ -216,6 +256,11 @@ async def handle_exact_tokens(
         raise BadRequest(str(exc), param="messages", code="render_failed") from exc
     except SamplingError as exc:
         raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
+    if prompt.spliced_from is not None:
+        # Verification prefers the parent the prompt was spliced from.
+        call = dataclasses.replace(
+            call, resolution=call.resolution.preferring(prompt.spliced_from)
+        )
     extra_diags = list(prompt.diagnostics)
     if sampling.clamped_from is not None:
         extra_diags.append(
@@ -249,9 +294,7 @@ async def handle_exact_tokens(
         )
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
-        rec = failed_record(ctx, reason=err.message, latency_ms=elapsed_ms(t0), http_status=None)
-        rec.prompt_token_ids = prompt.token_ids
-        await finish_call(deps, call, rec)
+        await record_failed(deps, call, t0, err.message, None, prompt.token_ids)
         raise err from exc
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0, prompt.token_ids)
@@ -260,206 +303,145 @@ async def handle_exact_tokens(
     reader = exact.dialect.reader(exact.decode)
     async with upstream:
         if upstream.status >= 400:
-            return await relay_engine_error(upstream, call, deps, t0)
+            return await relay_engine_error(upstream, call, deps, t0, prompt.token_ids)
+        run = _Generation(call, deps, exact, assembler, reader, extra_diags, t0)
         if ctx.stream and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return await _stream(
-                request, upstream, call, deps, exact, assembler, reader, extra_diags, t0
-            )
-        return await _whole(upstream, call, deps, exact, assembler, reader, extra_diags, t0)
+            return await run.stream(request, upstream)
+        return await run.whole(request, upstream)
 
 
-def _completion_body(
-    call: InFlightCall, message: dict[str, Any], finish_reason: str, asm: TokensInAssembler
-) -> dict[str, Any]:
-    body = call.prepared.body
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": message,
-        "logprobs": _logprobs_content(asm.token_ids, asm.log_probs)
-        if body.get("logprobs")
-        else None,
-        "finish_reason": finish_reason,
-        "stop_reason": None,
-    }
-    out: dict[str, Any] = {
-        "id": f"chatcmpl-{call.ctx.call_id}",
-        "object": "chat.completion",
-        "created": int(call.ctx.created_at),
-        "model": body.get("model"),
-        "choices": [choice],
-        "usage": _usage(asm),
-    }
-    if body.get("return_token_ids"):
-        choice["token_ids"] = asm.token_ids
-        out["prompt_token_ids"] = asm.prompt_token_ids.tolist()
-    return out
+@dataclass
+class _Generation:
+    """One tokens-in generation: engine pieces in, the record and the front's answer out."""
 
+    call: InFlightCall
+    deps: CaptureDeps
+    exact: ExactTokens
+    asm: TokensInAssembler
+    reader: Reader
+    extra_diags: list[Diagnostic]
+    t0: float
 
-def _usage(asm: TokensInAssembler) -> dict[str, int]:
-    prompt = int(asm.prompt_token_ids.shape[0])
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": len(asm.token_ids),
-        "total_tokens": prompt + len(asm.token_ids),
-    }
-
-
-async def _whole(
-    upstream: aiohttp.ClientResponse,
-    call: InFlightCall,
-    deps: CaptureDeps,
-    exact: ExactTokens,
-    asm: TokensInAssembler,
-    reader: Reader,
-    extra_diags: list[Diagnostic],
-    t0: float,
-) -> web.Response:
-    ctx = call.ctx
-    try:
-        payload = json.loads(await upstream.read())
-        if not isinstance(payload, dict):
-            raise EngineFormatError("not a JSON object")
-        asm.add(reader.whole(payload))
-    except CLIENT_ERRORS + (ValueError,) as exc:
-        reason = f"engine answer unusable: {type(exc).__name__}: {exc}"
-        rec = failed_record(
-            ctx, reason=reason, latency_ms=elapsed_ms(t0), http_status=upstream.status
+    def record(self, message: dict[str, Any], finish_reason: str, status: int) -> CallRecord:
+        return self.asm.finish(
+            response_message=message,
+            finish_reason=finish_reason,
+            latency_ms=elapsed_ms(self.t0),
+            http_status=status,
+            extra_diagnostics=self.extra_diags,
         )
-        rec.prompt_token_ids = asm.prompt_token_ids
-        await finish_call(deps, call, rec)
-        raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
-    parsed = exact.parser.parse(asm.generated_text, ctx.call_id)
-    finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
-    message = parsed.to_openai()
-    record = asm.finish(
-        response_message=message,
-        finish_reason=finish_reason,
-        latency_ms=elapsed_ms(t0),
-        http_status=upstream.status,
-        extra_diagnostics=extra_diags,
-    )
-    await finish_call(deps, call, record)
-    return web.json_response(
-        _completion_body(call, message, finish_reason, asm),
-        headers={CALL_ID_HEADER: ctx.call_id},
-        dumps=lambda o: json.dumps(o, ensure_ascii=False),
-    )
 
-
-async def _stream(
-    request: web.Request,
-    upstream: aiohttp.ClientResponse,
-    call: InFlightCall,
-    deps: CaptureDeps,
-    exact: ExactTokens,
-    asm: TokensInAssembler,
-    reader: Reader,
-    extra_diags: list[Diagnostic],
-    t0: float,
-) -> web.StreamResponse:
-    """Engine token chunks in, OpenAI chat chunk deltas out, as they can be decided."""
-    ctx = call.ctx
-    body = call.prepared.body
-    response = web.StreamResponse(status=200)
-    response.content_type = "text/event-stream"
-    response.headers["Cache-Control"] = "no-cache"
-    response.headers[CALL_ID_HEADER] = ctx.call_id
-    await response.prepare(request)
-    head = {
-        "id": f"chatcmpl-{ctx.call_id}",
-        "object": "chat.completion.chunk",
-        "created": int(ctx.created_at),
-        "model": body.get("model"),
-    }
-    client_gone = cancelled = False
-    problem: str | None = None
-    done = False
-    deltas: list[MessageDelta] = []
-    parser_stream = exact.parser.stream(ctx.call_id)
-
-    async def send(obj: Any) -> None:
-        nonlocal client_gone
-        if client_gone:
-            return
+    async def whole(
+        self, request: web.Request, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        call, asm = self.call, self.asm
         try:
-            await response.write(encode_json_event(obj) if not isinstance(obj, bytes) else obj)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            client_gone = True
+            payload = json.loads(await upstream.read())
+            if not isinstance(payload, dict):
+                raise EngineFormatError("not a JSON object")
+            asm.add(self.reader.whole(payload))
+        except CLIENT_ERRORS + (ValueError,) as exc:
+            reason = f"engine answer unusable: {type(exc).__name__}: {exc}"
+            await record_failed(
+                self.deps, call, self.t0, reason, upstream.status, asm.prompt_token_ids
+            )
+            raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
+        parsed = self.exact.parser.parse(asm.generated_text, call.ctx.call_id)
+        finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
+        message = parsed.to_openai()
+        await finish_call(self.deps, call, self.record(message, finish_reason, upstream.status))
+        answer = _answer(call, asm, message, finish_reason)
+        if call.ctx.stream:
+            # Asked for a stream; the engine answered whole: the whole answer as events.
+            encoder = call.front.stream_encoder(
+                call.front_request, call.answer_head(answer.prompt_token_ids)
+            )
+            events = encoder.start()
+            for delta in answer_as_deltas(message):
+                events += encoder.delta(delta)
+            events += encoder.finish(answer)
+            writer = ClientWriter(sse_response(200, call.ctx.call_id))
+            await writer.prepare(request)
+            await writer.end(b"".join(events))
+            return writer.response
+        return web.json_response(
+            call.front.encode(call.front_request, answer),
+            headers={CALL_ID_HEADER: call.ctx.call_id},
+            dumps=dumps_text,
+        )
 
-    def chunk(delta: dict[str, Any], piece: Piece | None = None, finish: str | None = None) -> dict:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-        if piece is not None and body.get("logprobs"):
-            choice["logprobs"] = _logprobs_content(piece.token_ids, piece.log_probs)
-        if piece is not None and body.get("return_token_ids"):
-            choice["token_ids"] = piece.token_ids
-        return {**head, "choices": [choice]}
-
-    first = chunk({"role": "assistant", "content": ""})
-    if body.get("return_token_ids"):
-        first["prompt_token_ids"] = asm.prompt_token_ids.tolist()
-    await send(first)
-    # The first chunk is out: encode the request side of the record while the engine generates.
-    request_encoding = encode_request(ctx)
-    decoder = SSEStreamDecoder()
-    try:
-        async for data in upstream.content.iter_any():
-            for event in decoder.feed(data):
-                if event.data == "[DONE]":
-                    done = True
-                    continue
-                piece = reader.chunk(json.loads(event.data))
-                asm.add(piece)
-                new = parser_stream.feed(piece.text)
-                deltas += new
-                if new:
-                    carry: Piece | None = piece
-                    for d in new:
-                        await send(chunk(d.to_openai(), carry))
-                        carry = None  # token data goes with the first delta of its piece
-                elif piece.token_ids and (body.get("logprobs") or body.get("return_token_ids")):
-                    await send(chunk({}, piece))
-            if client_gone:
-                break
-    except CLIENT_ERRORS as exc:
-        problem = f"engine stream broke: {type(exc).__name__}: {exc}"
-    except (ValueError, EngineFormatError) as exc:
-        problem = f"engine sent a malformed stream event: {exc}"
-    except asyncio.CancelledError:
-        client_gone = cancelled = True  # keep what arrived; re-raised after persisting
-    tail = parser_stream.finish()
-    deltas += tail
-    for d in tail:
-        await send(chunk(d.to_openai()))
-    parsed = apply_deltas(deltas)
-    finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
-    message = parsed.to_openai()
-    record = asm.finish(
-        response_message=message,
-        finish_reason=finish_reason,
-        latency_ms=elapsed_ms(t0),
-        http_status=upstream.status,
-        extra_diagnostics=extra_diags,
-    )
-    reasons = stream_end_reasons(client_gone=client_gone, problem=problem, done_seen=done)
-    if reasons:
-        record = mark_incomplete(record, reasons)
-    if cancelled:
-        await asyncio.shield(finish_call(deps, call, record, request_encoding))
-        raise asyncio.CancelledError
-    await finish_call(deps, call, record, request_encoding)
-    if problem:
-        await send(error_body(problem, "upstream_error"))
-    else:
-        await send(chunk({}, None, finish_reason))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            await send({**head, "choices": [], "usage": _usage(asm)})
-        await send(b"data: [DONE]\n\n")
-    if not client_gone:
-        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-            await response.write_eof()
-    return response
+    async def stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse
+    ) -> web.StreamResponse:
+        """Engine token chunks in, the front's events out, as they can be decided."""
+        call, asm = self.call, self.asm
+        ctx = call.ctx
+        encoder = call.front.stream_encoder(
+            call.front_request, call.answer_head(asm.prompt_token_ids.tolist())
+        )
+        writer = ClientWriter(sse_response(200, ctx.call_id))
+        await writer.prepare(request)
+        await writer.write(b"".join(encoder.start()))
+        # The first events are out: encode the request side of the record while the engine
+        # generates.
+        request_encoding = encode_request(ctx)
+        cancelled = False
+        problem: str | None = None
+        done = False
+        deltas: list[MessageDelta] = []
+        parser_stream = self.exact.parser.stream(ctx.call_id)
+        decoder = SSEStreamDecoder()
+        try:
+            async for data in upstream.content.iter_any():
+                out: list[bytes] = []
+                for event in decoder.feed(data):
+                    if event.data == "[DONE]":
+                        done = True
+                        continue
+                    piece = self.reader.chunk(json.loads(event.data))
+                    asm.add(piece)
+                    new = parser_stream.feed(piece.text)
+                    deltas += new
+                    if new:
+                        # token data goes with the first delta of its piece
+                        out += encoder.delta(
+                            new[0].to_openai(),
+                            token_ids=piece.token_ids,
+                            log_probs=piece.log_probs,
+                        )
+                        for d in new[1:]:
+                            out += encoder.delta(d.to_openai())
+                    elif piece.token_ids:
+                        out += encoder.delta(
+                            {}, token_ids=piece.token_ids, log_probs=piece.log_probs
+                        )
+                await writer.write(b"".join(out))
+                if writer.gone:
+                    break
+        except CLIENT_ERRORS as exc:
+            problem = f"engine stream broke: {type(exc).__name__}: {exc}"
+        except (ValueError, EngineFormatError) as exc:
+            problem = f"engine sent a malformed stream event: {exc}"
+        except asyncio.CancelledError:
+            writer.gone = cancelled = True  # keep what arrived; re-raised after persisting
+        tail = parser_stream.finish()
+        deltas += tail
+        events: list[bytes] = []
+        for d in tail:
+            events += encoder.delta(d.to_openai())
+        message = apply_deltas(deltas).to_openai()
+        finish_reason = _finish_reason(asm.finish_reason, bool(message.get("tool_calls")))
+        record = self.record(message, finish_reason, upstream.status)
+        reasons = stream_end_reasons(client_gone=writer.gone, problem=problem, done_seen=done)
+        if reasons:
+            record = mark_incomplete(record, reasons)
+        if cancelled:
+            await asyncio.shield(finish_call(self.deps, call, record, request_encoding))
+            raise asyncio.CancelledError
+        await finish_call(self.deps, call, record, request_encoding)
+        if problem:
+            events.append(encoder.error(problem))
+        else:
+            events += encoder.finish(_answer(call, asm, message, finish_reason))
+        await writer.end(b"".join(events))
+        return writer.response

@@ -17,7 +17,12 @@ from typing import Any
 
 from capture_proxy.core.codec import token_digest
 from capture_proxy.core.linking import (
+    HISTORY_EDITED_REASON,
+    MODEL_SCOPE_REASON,
     NO_MATCH_REASON,
+    TOOL_CALL_IDS_REASON,
+    TURN_REWRITTEN_REASON,
+    Candidate,
     DecodedTexts,
     LinkIndex,
     Resolution,
@@ -32,6 +37,7 @@ from capture_proxy.core.linking import (
 )
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.routed_experts import rows_end
+from capture_proxy.core.splice import SpliceRefused, check_extension
 from capture_proxy.store.base import CaptureStore
 
 log = logging.getLogger("capture_proxy")
@@ -48,6 +54,19 @@ def _token_key(record: CallRecord) -> dict[str, Any]:
         "num_tokens": record.num_prompt_tokens + record.num_generation_tokens,
         "tokens_sha256": token_digest(record.prompt_token_ids, record.generation_token_ids),
     }
+
+
+def _history_unchanged(parent: CallRecord, linking_messages: list[dict[str, Any]]) -> bool:
+    """True when the child's history is the parent's request as the engine got it, its
+    answer, then new messages: compared canonically, so a token difference inside the parent's
+    prompt is the template's doing, not the harness's. (A parent whose rewritten harness note
+    is gone from the child's history does not count as unchanged: the note was in its
+    prompt.)"""
+    try:
+        check_extension(parent.request_messages, linking_messages)
+    except SpliceRefused:
+        return False
+    return True
 
 
 class Linker:
@@ -104,19 +123,25 @@ class Linker:
 
     @staticmethod
     def _add(index: LinkIndex, record: CallRecord) -> None:
-        if record.status is CallStatus.FAILED:
-            return
         linking = record.linking or {}
         child = linking.get("child_digest")
-        if child is None and record.response_message is not None:
-            child = child_digest(record.request_messages, record.response_message)
+        response = record.response_message if record.status is not CallStatus.FAILED else None
+        if child is None and response is not None:
+            child = child_digest(record.request_messages, response)
         index.add(
             record.call_id,
             record.created_at,
-            child_digest=child,
+            # A failed call has no answer to continue from; it is indexed for its request
+            # only (a later identical request retries it).
+            child_digest=child if response is not None else None,
             request_digest=linking.get("request_digest"),
             harness_note=bool(linking.get("harness_note")),
             rows_end=rows_end(record),
+            model=record.model,
+            status=record.status.value,
+            response=response,
+            parent_call_id=record.parent_call_id,
+            retry_of=record.retry_of,
             **_token_key(record),
         )
 
@@ -128,18 +153,25 @@ class Linker:
         *,
         call_id: str,
         created_at: float,
+        retry_requested: bool = False,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
-        is registered at once, so an identical request that arrives while this one is still
-        in flight (a harness retry after a timeout) is recognised as its retry."""
+        is registered at once (in flight), so a later identical request is known; it is this
+        call's retry only on an explicit signal (``retry_requested``: the harness's retry
+        header; or this call failed or was left incomplete), else a sibling sample."""
         index = await self._index(rollout_id)
         req_digest = request_digest(body)
+        items = linking_items(linking_messages)
+        model = body.get("model")
         resolution = index.resolve(
             history_digest(linking_messages),
             req_digest,
+            model=model,
+            last_turn=items[-1] if items else None,
+            retry_requested=retry_requested,
             refuse_note_parents=self.refuse_note_parents,
         )
-        index.add(call_id, created_at, child_digest=None, request_digest=req_digest)
+        index.add(call_id, created_at, child_digest=None, request_digest=req_digest, model=model)
         return resolution
 
     async def remember(self, record: CallRecord) -> None:
@@ -157,7 +189,9 @@ class Linker:
         decode: Decoder | None,
     ) -> CallRecord:
         """Attach the verdict, the digests and the diagnostics to ``record``; set its parent
-        only when the parent's prompt + generation ids are a prefix of its prompt ids."""
+        only when the parent's prompt + generation ids are a prefix of its prompt ids: the
+        first digest candidate that verifies, else (refused or unmatched) the deepest
+        token-exact ancestor of the same model (verdict ``prefix``), else none."""
         diagnostics = list(record.diagnostics)
         verdict, reason, parent_call_id = resolution.verdict, resolution.reason, None
         if harness_note is not None:
@@ -171,44 +205,61 @@ class Linker:
             diagnostics.append(Diagnostic(DiagnosticKind.RETRY, details))
         if reason == NO_MATCH_REASON:
             diagnostics.append(Diagnostic(DiagnosticKind.FOREIGN_TURN, {"reason": reason}))
+        elif reason is not None and reason.startswith(MODEL_SCOPE_REASON):
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.PARENT_MODEL_MISMATCH, {"reason": reason})
+            )
+        elif resolution.mismatch is not None:
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, dict(resolution.mismatch))
+            )
+        if reason == TURN_REWRITTEN_REASON:
+            diagnostics.append(
+                Diagnostic(
+                    DiagnosticKind.TURN_REWRITTEN,
+                    {"parent_call_id": resolution.parent_call_id, "reason": reason},
+                )
+            )
         if verdict is Verdict.RESOLVED:
             assert resolution.parent_call_id is not None
-            if (
-                record.status is CallStatus.COMPLETE
-                and resolution.parent_num_tokens is not None
-                and resolution.parent_tokens_sha256 is not None
-                and extends_by_digest(
-                    record.prompt_token_ids,
-                    resolution.parent_num_tokens,
-                    resolution.parent_tokens_sha256,
-                )
-            ):
+            verified = self._verified_by_digest(record, resolution.candidates)
+            if verified is not None:
                 # The common case, without reading the parent: the digest of the child's
-                # prompt head equals the digest of the parent's prompt + generation.
-                verdict, reason, parent_call_id, mismatch = (
-                    Verdict.RESOLVED,
-                    None,
-                    resolution.parent_call_id,
-                    None,
-                )
+                # prompt head equals the digest of a candidate's prompt + generation.
+                parent_call_id, reason = verified, None
             else:
                 verdict, reason, parent_call_id, mismatch = await self._check_tokens(
-                    record, resolution.parent_call_id, decode
+                    record, resolution.parent_call_id, linking_messages, decode
                 )
-            if mismatch is not None:
-                diagnostics.append(Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch))
-            if parent_call_id is None and record.routed_experts_start > 0:
-                # Rows were asked for from the parent's end on; without the link they are partial.
-                diagnostics.append(
-                    Diagnostic(
-                        DiagnosticKind.ROUTED_EXPERTS_MISMATCH,
-                        {
-                            "reason": "link refused: rows before routed_experts_start were not "
-                            "asked for",
-                            "routed_experts_start": record.routed_experts_start,
-                        },
+                if mismatch is not None:
+                    diagnostics.append(
+                        Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch)
                     )
+        if parent_call_id is None and self._may_prefix_link(verdict, reason, record):
+            index = await self._index(record.rollout_id)
+            ancestor = index.prefix_ancestor(
+                record.prompt_token_ids, model=record.model, exclude=record.call_id
+            )
+            if ancestor is not None:
+                reason = f"{verdict.value}: {reason}; linked to its deepest token-exact ancestor"
+                verdict, parent_call_id = Verdict.PREFIX, ancestor
+        if (
+            parent_call_id != resolution.parent_call_id
+            and resolution.parent_call_id is not None
+            and record.routed_experts_start > 0
+        ):
+            # Rows were asked for from the digest parent's end on; without that link the rows
+            # before it are missing.
+            diagnostics.append(
+                Diagnostic(
+                    DiagnosticKind.ROUTED_EXPERTS_MISMATCH,
+                    {
+                        "reason": "the digest parent's link was not taken: rows before "
+                        "routed_experts_start were not asked for",
+                        "routed_experts_start": record.routed_experts_start,
+                    },
                 )
+            )
         linking = {
             "verdict": verdict.value,
             "parent_digest": resolution.parent_digest,
@@ -226,6 +277,36 @@ class Linker:
         )
 
     @staticmethod
+    def _verified_by_digest(record: CallRecord, candidates: tuple[Candidate, ...]) -> str | None:
+        """The first candidate whose prompt + generation the record's prompt begins with,
+        checked by digest (candidates without complete token data are skipped)."""
+        if record.status is not CallStatus.COMPLETE:
+            return None
+        for candidate in candidates:
+            if (
+                candidate.num_tokens is not None
+                and candidate.tokens_sha256 is not None
+                and extends_by_digest(
+                    record.prompt_token_ids, candidate.num_tokens, candidate.tokens_sha256
+                )
+            ):
+                return candidate.call_id
+        return None
+
+    @staticmethod
+    def _may_prefix_link(verdict: Verdict, reason: str | None, record: CallRecord) -> bool:
+        """A refused link, or a history no call matched for a named reason (not the
+        source_history refusal of a note parent, which asks for a new chain)."""
+        if record.status is not CallStatus.COMPLETE:
+            return False
+        if verdict is Verdict.REFUSED:
+            return True
+        return verdict is Verdict.UNRESOLVED and reason is not None and (
+            reason in (NO_MATCH_REASON, HISTORY_EDITED_REASON, TOOL_CALL_IDS_REASON)
+            or reason.startswith(MODEL_SCOPE_REASON)
+        )
+
+    @staticmethod
     def _child_digest(
         resolution: Resolution, linking_messages: list[dict[str, Any]], record: CallRecord
     ) -> str | None:
@@ -238,7 +319,11 @@ class Linker:
         return child_digest(linking_messages, record.response_message)
 
     async def _check_tokens(
-        self, record: CallRecord, parent_id: str, decode: Decoder | None
+        self,
+        record: CallRecord,
+        parent_id: str,
+        linking_messages: list[dict[str, Any]],
+        decode: Decoder | None,
     ) -> tuple[Verdict, str | None, str | None, dict[str, Any] | None]:
         """(verdict, reason, verified parent id, mismatch details)."""
         if record.status is not CallStatus.COMPLETE:
@@ -254,8 +339,12 @@ class Linker:
                     "reason": "parent incomplete",
                 },
             )
+        unchanged = _history_unchanged(parent, linking_messages)
         mismatch = classify_mismatch(
-            parent.prompt_token_ids, parent.generation_token_ids, record.prompt_token_ids
+            parent.prompt_token_ids,
+            parent.generation_token_ids,
+            record.prompt_token_ids,
+            history_unchanged=unchanged,
         )
         if mismatch is None:
             return Verdict.RESOLVED, None, parent_id, None
@@ -270,6 +359,7 @@ class Linker:
                 record.prompt_token_ids,
                 texts=texts,
                 parent_reasoning=reasoning,
+                history_unchanged=unchanged,
             )
             assert mismatch is not None
         details = {

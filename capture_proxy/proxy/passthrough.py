@@ -11,6 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.core.routing import Route
+from capture_proxy.proxy.recording import TAP_KEY
 from capture_proxy.proxy.upstream import (
     CLIENT_ERRORS,
     forwardable_headers,
@@ -55,8 +56,11 @@ async def forward_uncaptured(
             headers=forwardable_headers(upstream.headers.items()),
         )
         await response.prepare(request)
+        tap = request.get(TAP_KEY)  # set when the traffic is being recorded
         try:
             async for data in upstream.content.iter_any():
+                if tap is not None:
+                    tap.add(data)
                 await response.write(data)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             return response  # the client left; closing the upstream response cancels it

@@ -48,6 +48,8 @@ class ScriptedEngineConfig:
     sse_fragment_bytes: int | None = None
     omit_token_ids: bool = False
     fail_status: int | None = None
+    #: with ``fail_status``: fail only the first this many chat requests (None: all)
+    fail_first_n: int | None = None
     tokenizer_cache_dir: Path | None = None
     #: MoE mode: ``(num_layers, top_k, num_experts)``; non-streaming answers then carry
     #: ``choices[0].routed_experts`` (vLLM: base64 ``.npy``, rows from the request's
@@ -85,6 +87,8 @@ CLIENT_GONE = web.AppKey("scripted_engine_client_gone", asyncio.Event)
 TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
 TEMPLATE = web.AppKey("scripted_engine_template", str)
 SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
+#: chat requests failed so far by ``fail_status`` (a one-item list: app state is set once)
+FAILED_SO_FAR = web.AppKey("scripted_engine_failed_so_far", list[int])
 
 
 class RequestError(ValueError):
@@ -251,7 +255,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     app, cfg = request.app, request.app[CONFIG]
     body = await _json_body(request)
     if cfg.fail_status is not None:
-        raise RequestError("scripted failure", None, cfg.fail_status)
+        failed = app[FAILED_SO_FAR]
+        if cfg.fail_first_n is None or failed[0] < cfg.fail_first_n:
+            failed[0] += 1
+            raise RequestError("scripted failure", None, cfg.fail_status)
     _validate_chat(body)
     prompt = render_prompt(app, body, True)
     if len(prompt) >= cfg.max_model_len:
@@ -514,6 +521,7 @@ def build_scripted_engine_app(
     app[TEMPLATE] = load_chat_template(config.tokenizer_template)
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[SENT_CALLS] = []
+    app[FAILED_SO_FAR] = [0]
     app[CLIENT_GONE] = asyncio.Event()
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)

@@ -185,7 +185,8 @@ async def test_refused_link_flags_partial_routed_expert_rows(make_stack):
     assert call["diagnostics"][-1] == {
         "kind": "routed_experts_mismatch",
         "details": {
-            "reason": "link refused: rows before routed_experts_start were not asked for",
+            "reason": "the digest parent's link was not taken: rows before "
+            "routed_experts_start were not asked for",
             "routed_experts_start": start,
         },
     }
@@ -214,23 +215,54 @@ async def test_verification_does_not_read_the_parent_back(make_stack, tmp_path):
     assert [len(c["calls"]) for c in chains["chains"]] == [3]
 
 
-async def test_an_identical_request_in_flight_is_a_retry(make_stack):
+async def test_identical_concurrent_requests_are_sibling_samples_not_retries(make_stack):
     import asyncio
 
     from capture_proxy.scripted_engine import Faults
 
     stack = await make_stack(engine_config=ScriptedEngineConfig(faults=Faults(chunk_delay_s=0.01)))
     body = _body(list(USER), stream=True)
-    first, second = await asyncio.gather(stack.chat("r1", body), stack.chat("r1", body))
-    await first.read()
-    await second.read()
-    ids = sorted([first.headers["X-Capture-Call-Id"], second.headers["X-Capture-Call-Id"]])
+    answers = await asyncio.gather(*(stack.chat("r1", body) for _ in range(5)))
+    for resp in answers:
+        await resp.read()
+    ids = sorted(resp.headers["X-Capture-Call-Id"] for resp in answers)
     calls = [await stack.get_json(f"/captures/calls/{i}") for i in ids]
-    retries = [c for c in calls if c["retry_of"] is not None]
-    assert len(retries) == 1 and retries[0]["retry_of"] in ids
+    assert [c["retry_of"] for c in calls] == [None] * 5
     chains = await stack.get_json("/captures/rollouts/r1/chains")
-    assert len(chains["chains"]) == 1  # one sample, the other superseded, not a sibling
-    assert [u["reason"] for u in chains["unlinked_calls"]] == ["superseded_retry"]
+    # Five samples of one request: five roots, each exported; none superseded.
+    assert sorted(ch["chain_id"] for ch in chains["chains"]) == ids
+    assert chains["unlinked_calls"] == []
+
+
+async def test_a_request_the_harness_marks_as_a_retry_supersedes_the_earlier_one(make_stack):
+    stack = await make_stack()
+    body = _body(list(USER))
+    first = await stack.chat("r1", body, headers={"x-stainless-retry-count": "0"})
+    second = await stack.chat("r1", body, headers={"x-stainless-retry-count": "1"})
+    first_id, second_id = (r.headers["X-Capture-Call-Id"] for r in (first, second))
+    retry = await stack.get_json(f"/captures/calls/{second_id}")
+    assert retry["retry_of"] == first_id
+    assert [d for d in retry["diagnostics"] if d["kind"] == "retry"] == [
+        {"kind": "retry", "details": {"retry_of": first_id, "retry_count_header": "1"}}
+    ]
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [ch["chain_id"] for ch in chains["chains"]] == [second_id]
+    assert [(u["call_id"], u["reason"]) for u in chains["unlinked_calls"]] == [
+        (first_id, "superseded_retry")
+    ]
+
+
+async def test_a_request_after_a_failed_identical_one_is_its_retry(make_stack):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(fail_status=500, fail_first_n=1)
+    )
+    body = _body(list(USER))
+    failed = await stack.chat("r1", body)
+    assert failed.status >= 500
+    ok = await stack.chat("r1", body)
+    assert ok.status == 200
+    retry = await stack.get_json(f"/captures/calls/{ok.headers['X-Capture-Call-Id']}")
+    assert retry["retry_of"] == failed.headers["X-Capture-Call-Id"]
 
 
 async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):

@@ -19,18 +19,19 @@ MISMATCH = "parent_digest_mismatch"
 # file, template -> (chains as lists of recorded seq numbers, {seq: [(kind, class)]})
 EXPECTED = {
     ("01_multistep", "keep_reasoning"): (
-        [[1], [2, 3, 4], [5, 6, 7]],
+        # 5 is linked to 3, its deepest token-exact ancestor (a branch beside 4).
+        [[1], [2, 3, 4, 5, 6, 7]],
         # seq 4 answered bash with deliberately non-canonical JSON ('{\n  "command" : ...');
         # OpenCode sends it back compact, the template re-renders it: the tokens do not chain.
         {5: [(MISMATCH, "template_rerendered")]},
     ),
     ("02_step_limit_obeyed", "keep_reasoning"): (
-        [[1], [2, 3, 4], [5, 6, 7]],
+        [[1], [2, 3, 4, 5, 6, 7]],
         # seq 5 resolves by digest to the note call (4) but its history no longer has the note.
         {4: [(NOTE, None)], 5: [(MISMATCH, "history_edited")], 7: [(NOTE, None)]},
     ),
     ("03_step_limit_ignored", "keep_reasoning"): (
-        [[1], [2, 3, 4], [5], [6], [7]],
+        [[1], [2, 3, 4, 5, 6, 7]],
         {
             4: [(NOTE, None)],
             5: [(NOTE, None), (MISMATCH, "history_edited")],
@@ -48,6 +49,15 @@ EXPECTED = {
         [[1], [2], [3], [4]],
         {s: [(MISMATCH, "template_rerendered")] for s in (3, 4)},
     ),
+}
+
+
+# Calls whose digest parent was refused and which are linked to their deepest token-exact
+# ancestor instead (seq -> parent seq): they are branches of the chain, never roots.
+PREFIX_LINKED = {
+    ("01_multistep", "keep_reasoning"): {5: 3},
+    ("02_step_limit_obeyed", "keep_reasoning"): {5: 3},
+    ("03_step_limit_ignored", "keep_reasoning"): {5: 3, 6: 3, 7: 3},
 }
 
 
@@ -69,23 +79,51 @@ async def test_recorded_session_chains(make_stack, fixtures_dir, name, template)
         [seq_of[c["call_id"]] for c in ch["calls"]] for ch in chains["chains"]
     ] == expected_chains
     assert chains["incomplete"] is False and chains["unlinked_calls"] == []
+    prefix_linked = {
+        seq_of[c["call_id"]]: seq_of[c["parent_call_id"]]
+        for ch in chains["chains"]
+        for c in ch["calls"]
+        if c["linking"]["verdict"] == "prefix"
+    }
+    assert prefix_linked == PREFIX_LINKED.get((name, template), {})
     by_seq = {seq_of[c["call_id"]]: c for ch in chains["chains"] for c in ch["calls"]}
     for seq, call in by_seq.items():
         got = [(d["kind"], d["details"].get("class")) for d in call["diagnostics"]]
         assert got == expected_diags.get(seq, []), seq
 
-    # Every link decision agrees with the tokens: linked exactly where they chain.
+    # Every link decision agrees with the tokens: a digest parent is kept exactly where the
+    # tokens chain; where it is refused, the call is linked to its deepest token-exact
+    # ancestor (verdict "prefix"), if it has one.
+    def full(call: dict) -> list[int]:
+        return call["prompt_token_ids"] + call["generation_token_ids"]
+
+    def extends(call: dict, parent: dict) -> bool:
+        prefix = full(parent)
+        return call["prompt_token_ids"][: len(prefix)] == prefix
+
     for seq, call in by_seq.items():
         linking = call["linking"]
         digest_parent = linking["digest_parent_call_id"]
+        if call["parent_call_id"] is not None:
+            assert extends(call, by_seq[seq_of[call["parent_call_id"]]]), seq
         if digest_parent is None:
             assert linking["verdict"] == "root" and call["parent_call_id"] is None
             continue
-        parent = by_seq[seq_of[digest_parent]]
-        prefix = parent["prompt_token_ids"] + parent["generation_token_ids"]
-        chains_by_tokens = call["prompt_token_ids"][: len(prefix)] == prefix
-        assert (call["parent_call_id"] == digest_parent) is chains_by_tokens, seq
-        assert linking["verdict"] == ("resolved" if chains_by_tokens else "refused")
+        chains_by_tokens = extends(call, by_seq[seq_of[digest_parent]])
+        if chains_by_tokens:
+            assert linking["verdict"] == "resolved"
+            assert call["parent_call_id"] == digest_parent, seq
+            continue
+        ancestors = [
+            other for other in by_seq.values()
+            if other is not call and other["generation_token_ids"] and extends(call, other)
+        ]
+        if not ancestors:
+            assert linking["verdict"] == "refused" and call["parent_call_id"] is None, seq
+            continue
+        deepest = max(ancestors, key=lambda a: len(full(a)))
+        assert linking["verdict"] == "prefix", seq
+        assert call["parent_call_id"] == deepest["call_id"], seq
 
     # A rewritten note reached the engine as the last message, in the user role.
     for seq, diags in expected_diags.items():

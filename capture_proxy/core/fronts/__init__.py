@@ -1,0 +1,99 @@
+"""Front codecs: the wire APIs a harness speaks, each mapped to one canonical conversation.
+
+``front_for(path)`` names the codec of a captured engine path; ``endpoint_kind(path)`` says
+what the capture path does with any other path (count tokens, refuse a generation endpoint it
+cannot capture, or forward). The codecs are pure; see ``base`` for the contract.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from capture_proxy.core.fronts.base import (
+    Answer,
+    Api,
+    FrontCodec,
+    FrontRequest,
+    InvalidFrontRequest,
+    StreamEncoder,
+)
+from capture_proxy.core.fronts.chat import ChatCodec
+from capture_proxy.core.fronts.messages import MessagesCodec, parse_count_tokens
+from capture_proxy.core.fronts.responses import ResponsesCodec
+
+__all__ = [
+    "Answer",
+    "Api",
+    "EndpointKind",
+    "FrontCodec",
+    "FrontRequest",
+    "InvalidFrontRequest",
+    "StreamEncoder",
+    "endpoint_kind",
+    "error_front",
+    "front_for",
+    "parse_count_tokens",
+]
+
+_FRONTS: dict[str, FrontCodec] = {
+    "/v1/chat/completions": ChatCodec(),
+    "/v1/responses": ResponsesCodec(),
+    "/v1/messages": MessagesCodec(),
+}
+
+
+class EndpointKind(enum.StrEnum):
+    """What a path under the capture prefix is."""
+
+    CAPTURED = "captured"  # a model call: parsed, captured, answered by the proxy
+    COUNT_TOKENS = "count_tokens"  # answered from the tokenizer, not captured
+    NOT_CAPTURABLE = "not_capturable"  # generates, but the proxy cannot capture it: refused
+    FORWARDED = "forwarded"  # no generation (models, tokenize, ...): forwarded, not captured
+
+
+#: Generation endpoints an engine serves that no front codec captures: under a capture path
+#: they are refused (400 naming the endpoint), never forwarded silently uncaptured.
+#: A trailing "/" covers the paths below (``/v1/responses/compact``: Codex's remote
+#: compaction). Paths without the ``/v1`` prefix are the same engines' aliases.
+NOT_CAPTURABLE_PATHS = (
+    "/v1/completions",
+    "/completions",
+    "/chat/completions",
+    "/responses",
+    "/messages",
+    "/generate",
+    "/inference/v1/generate",
+    "/v1/responses/",
+    "/v1/messages/",
+    "/v1/audio/",
+    "/v1/realtime",
+)
+
+
+def front_for(path: str) -> FrontCodec | None:
+    """The codec capturing ``path`` (the engine path after the capture prefix), or None."""
+    return _FRONTS.get(path)
+
+
+def error_front(path: str) -> FrontCodec | None:
+    """The codec whose error shape a request to ``path`` gets: its own, or its API's for the
+    paths below it (``/v1/messages/count_tokens`` answers in Anthropic's shape)."""
+    front = _FRONTS.get(path)
+    if front is None and path.startswith("/v1/messages/"):
+        front = _FRONTS["/v1/messages"]
+    return front
+
+
+def endpoint_kind(method: str, path: str) -> EndpointKind:
+    """What a ``method`` request to ``path`` under the capture prefix is. Only POSTs generate:
+    other methods on any path are forwarded (a GET on a captured path is the caller's 405)."""
+    if path in _FRONTS:
+        return EndpointKind.CAPTURED
+    if method != "POST":
+        return EndpointKind.FORWARDED
+    if path == "/v1/messages/count_tokens":
+        return EndpointKind.COUNT_TOKENS
+    for prefix in NOT_CAPTURABLE_PATHS:
+        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+            return EndpointKind.NOT_CAPTURABLE
+    return EndpointKind.FORWARDED

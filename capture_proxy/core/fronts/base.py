@@ -140,6 +140,34 @@ class FrontCodec(Protocol):
         """The API's error shape for a proxy-made error."""
 
 
+def answer_as_deltas(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A whole assistant message as the chat deltas a stream of it would carry (reasoning,
+    content, then each tool call whole), for encoding a whole answer as a stream."""
+    out: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        out.append({"reasoning_content": message["reasoning_content"]})
+    if message.get("content"):
+        out.append({"content": message["content"]})
+    for index, tc in enumerate(message.get("tool_calls") or []):
+        fn = tc.get("function") or {}
+        out.append(
+            {
+                "tool_calls": [
+                    {
+                        "index": index,
+                        "id": tc.get("id"),
+                        "type": "function",
+                        "function": {
+                            "name": fn.get("name"),
+                            "arguments": fn.get("arguments") or "",
+                        },
+                    }
+                ]
+            }
+        )
+    return out
+
+
 def sse_event(data: Any, event: str | None = None) -> bytes:
     """One SSE block: optional ``event:`` line, one ``data:`` line of compact JSON (UTF-8)."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,162 @@
+"""The chat-completions front codec (OpenAI ``POST /v1/chat/completions``, as OpenCode sends it).
+
+Owns the mapping between a chat request and the canonical conversation (the identity: the
+canonical form *is* a chat body, validated by ``core.requests``) and the encoding of a
+proxy-built answer as a ``chat.completion`` or as ``chat.completion.chunk`` events (exact-token
+mode; in backend-template mode the engine's own chat answer is relayed, stripped of what the
+proxy added, see ``core.capture``). Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from capture_proxy.core.fronts.base import Answer, Api, FrontRequest, InvalidFrontRequest
+from capture_proxy.core.requests import InvalidRequest, validate_chat_request
+from capture_proxy.core.sse import encode_json_event
+
+DONE_EVENT = b"data: [DONE]\n\n"
+
+
+def openai_error_body(
+    message: str, error_type: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def logprobs_content(
+    token_ids: list[int], log_probs: list[float | None] | None
+) -> dict[str, Any]:
+    """Chat-shaped log probs (tokens as ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids``
+    form, since the proxy may have no tokenizer; no top alternatives)."""
+    values = log_probs or []
+    return {
+        "content": [
+            {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for t, lp in zip(token_ids, values, strict=False)
+        ]
+    }
+
+
+def chat_usage(num_prompt_tokens: int, num_generation_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_generation_tokens,
+        "total_tokens": num_prompt_tokens + num_generation_tokens,
+    }
+
+
+class ChatCodec:
+    """OpenAI chat completions. ``parse`` raises InvalidFrontRequest (from
+    ``validate_chat_request``: ``n > 1``, non-text parts, missing ``messages``, ...)."""
+
+    api = Api.CHAT_COMPLETIONS
+
+    def parse(
+        self, body: dict[str, Any], *, previous: list[dict[str, Any]] | None = None
+    ) -> FrontRequest:
+        try:
+            validate_chat_request(body)
+        except InvalidRequest as exc:
+            raise InvalidFrontRequest(str(exc), exc.param) from exc
+        received = {k: v for k, v in body.items() if k != "messages"}
+        return FrontRequest(self.api, body, bool(body.get("stream")), received)
+
+    def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
+        body = request.chat
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": answer.message,
+            "logprobs": logprobs_content(answer.token_ids or [], answer.log_probs)
+            if body.get("logprobs")
+            else None,
+            "finish_reason": answer.finish_reason,
+            "stop_reason": None,
+        }
+        out: dict[str, Any] = {
+            "id": f"chatcmpl-{answer.call_id}",
+            "object": "chat.completion",
+            "created": int(answer.created_at),
+            "model": answer.model,
+            "choices": [choice],
+            "usage": answer.usage,
+        }
+        if body.get("return_token_ids"):
+            choice["token_ids"] = answer.token_ids
+            out["prompt_token_ids"] = answer.prompt_token_ids
+        return out
+
+    def stream_encoder(self, request: FrontRequest, answer_head: Answer) -> ChatStreamEncoder:
+        return ChatStreamEncoder(request.chat, answer_head)
+
+    def error_body(
+        self, status: int, message: str, *, error_type: str, param: str | None, code: str | None
+    ) -> dict[str, Any]:
+        return openai_error_body(message, error_type, param=param, code=code)
+
+
+class ChatStreamEncoder:
+    """``chat.completion.chunk`` events for a proxy-built answer: a role chunk first, one chunk
+    per delta (with the token data that came with it, when the harness asked for log probs or
+    token ids), a finish chunk, the usage chunk when asked, ``[DONE]``."""
+
+    def __init__(self, body: Mapping[str, Any], head: Answer) -> None:
+        self.head = {
+            "id": f"chatcmpl-{head.call_id}",
+            "object": "chat.completion.chunk",
+            "created": int(head.created_at),
+            "model": head.model,
+        }
+        self.logprobs = bool(body.get("logprobs"))
+        self.token_ids = bool(body.get("return_token_ids"))
+        opts = body.get("stream_options")
+        self.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
+        self.prompt_token_ids = head.prompt_token_ids
+
+    def _chunk(
+        self,
+        delta: Mapping[str, Any],
+        token_ids: list[int] | None = None,
+        log_probs: list[float | None] | None = None,
+        finish: str | None = None,
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": dict(delta),
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if token_ids is not None and self.logprobs:
+            choice["logprobs"] = logprobs_content(token_ids, log_probs)
+        if token_ids is not None and self.token_ids:
+            choice["token_ids"] = token_ids
+        return {**self.head, "choices": [choice]}
+
+    def start(self) -> list[bytes]:
+        first = self._chunk({"role": "assistant", "content": ""})
+        if self.token_ids:
+            first["prompt_token_ids"] = self.prompt_token_ids
+        return [encode_json_event(first)]
+
+    def delta(
+        self,
+        delta: Mapping[str, Any],
+        *,
+        token_ids: list[int] | None = None,
+        log_probs: list[float | None] | None = None,
+    ) -> list[bytes]:
+        if not delta and not (token_ids and (self.logprobs or self.token_ids)):
+            return []
+        return [encode_json_event(self._chunk(delta, token_ids, log_probs))]
+
+    def finish(self, answer: Answer) -> list[bytes]:
+        out = [encode_json_event(self._chunk({}, finish=answer.finish_reason))]
+        if self.include_usage:
+            out.append(encode_json_event({**self.head, "choices": [], "usage": answer.usage}))
+        out.append(DONE_EVENT)
+        return out
+
+    def error(self, message: str) -> bytes:
+        return encode_json_event(openai_error_body(message, "upstream_error"))

@@ -1,0 +1,119 @@
+"""Tier 2: what happens to each endpoint under a capture path (captured, counted, refused,
+forwarded), and the error shape each API's caller gets."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.proxy.conftest import Stack
+
+BASE = "/ng-rollout/r1/training-token-capture"
+
+
+async def _rollout_calls(stack: Stack) -> int:
+    resp = await stack.client.get("/captures/rollouts/r1")
+    if resp.status == 404:
+        return 0
+    return int((await resp.json())["num_calls"])
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/completions", "/completions", "/generate", "/inference/v1/generate",
+     "/v1/responses/compact"],
+)
+async def test_generation_endpoints_it_cannot_capture_are_refused_not_forwarded(
+    stack: Stack, path: str
+):
+    resp = await stack.client.post(BASE + path, json={"model": "m", "prompt": "hi"})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["code"] == "endpoint_not_captured"
+    assert error["param"] == "path"
+    assert path in error["message"]
+    assert stack.sent == []  # nothing reached the engine
+    assert await _rollout_calls(stack) == 0
+
+
+async def test_model_listing_and_tokenize_are_forwarded_uncaptured(stack: Stack):
+    resp = await stack.client.get(BASE + "/v1/models")
+    assert resp.status == 200
+    assert (await resp.json())["data"][0]["id"]
+    resp = await stack.client.post(BASE + "/tokenize", json={"prompt": "hello"})
+    assert resp.status == 200
+    assert (await resp.json())["tokens"]
+    assert await _rollout_calls(stack) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        ("/v1/chat/completions", "openai"),
+        ("/v1/responses", "openai"),
+        ("/v1/messages", "anthropic"),
+    ],
+)
+async def test_get_on_a_captured_path_is_a_405_in_the_apis_shape(
+    stack: Stack, path: str, shape: str
+):
+    resp = await stack.client.get(BASE + path)
+    assert resp.status == 405
+    assert resp.headers["Allow"] == "POST"
+    body = await resp.json()
+    if shape == "anthropic":
+        assert body["type"] == "error"
+        assert body["error"]["type"] == "invalid_request_error"
+        assert "GET" in body["error"]["message"]
+    else:
+        assert body["error"]["code"] == "method_not_allowed"
+
+
+async def test_bad_json_on_messages_is_an_anthropic_shaped_400(stack: Stack):
+    resp = await stack.client.post(
+        BASE + "/v1/messages", data=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == 400
+    body = await resp.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "not valid JSON" in body["error"]["message"]
+
+
+async def test_count_tokens_is_answered_from_the_template_render(stack: Stack, qwen_tokenizer):
+    body = {
+        "model": "stub-model",
+        "system": "You are terse.",
+        "messages": [{"role": "user", "content": "Count me."}],
+    }
+    resp = await stack.client.post(BASE + "/v1/messages/count_tokens", json=body)
+    assert resp.status == 200, await resp.text()
+    # The scripted engine's /tokenize renders the same ChatML template.
+    expected = qwen_tokenizer.apply_chat_template(
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Count me."},
+        ],
+        tokenize=True,
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    assert await resp.json() == {"input_tokens": len(expected)}
+    assert await _rollout_calls(stack) == 0
+
+
+async def test_count_tokens_names_a_bad_field(stack: Stack):
+    body = {"model": "stub-model", "messages": "not a list"}
+    resp = await stack.client.post(BASE + "/v1/messages/count_tokens", json=body)
+    assert resp.status == 400
+    body = await resp.json()
+    assert body["type"] == "error"
+    assert "messages" in body["error"]["message"]
+
+
+async def test_unknown_previous_response_id_is_a_400_naming_it(stack: Stack):
+    body = {"model": "stub-model", "input": "hi", "previous_response_id": "resp_" + "0" * 32}
+    resp = await stack.client.post(BASE + "/v1/responses", json=body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == "previous_response_id"
+    assert stack.sent == []

@@ -1,0 +1,196 @@
+"""Tier 2: training-data fidelity of linking (issue "close the silent gaps"): parallel
+sub-agents with identical turns, model scope, true refusal classes, harness-rewritten turns."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.scripted_engine.policy import Policy
+from tests.proxy.conftest import MakeStack, Stack
+from tests.proxy.test_chains_rest import _echo
+
+MODES = ["backend_template", "exact_tokens"]
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "run a command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}},
+        },
+    }
+]
+
+# Every answer is the same text, whatever the task: two sub-agents answer alike.
+SAME_ANSWER = Policy.model_validate({"steps": [{"content": "On it."}], "final": "On it."})
+
+TOOL_POLICY = Policy.model_validate(
+    {
+        "steps": [
+            {"content": "First.", "tool_calls": [{"name": "bash", "arguments": {"command": "a"}}]},
+            {"content": "Second.", "tool_calls": [{"name": "bash", "arguments": {"command": "b"}}]},
+            {"content": "Done."},
+        ]
+    }
+)
+
+
+def _body(messages: list, model: str = "scripted-qwen", tools: list | None = None) -> dict:
+    body = {"model": model, "messages": messages}
+    if tools is not None:
+        body["tools"] = tools
+    return body
+
+
+async def _ask(stack: Stack, messages: list, **kw) -> tuple[str, dict]:
+    resp = await stack.chat("r1", _body(messages, **kw))
+    assert resp.status == 200, await resp.text()
+    return resp.headers["X-Capture-Call-Id"], (await resp.json())["choices"][0]["message"]
+
+
+async def _call(stack: Stack, call_id: str) -> dict:
+    return await stack.get_json(f"/captures/calls/{call_id}")
+
+
+def _kinds(call: dict) -> list[tuple[str, str | None]]:
+    return [(d["kind"], d["details"].get("class")) for d in call["diagnostics"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_parallel_subagents_with_identical_turns_each_keep_their_chain(
+    make_stack: MakeStack, mode: str
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SAME_ANSWER), prompt_mode=mode
+    )
+    task_a = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Task A."}]
+    task_b = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Task B."}]
+    a1, msg_a1 = await _ask(stack, task_a, tools=TOOLS)
+    b1, msg_b1 = await _ask(stack, task_b, tools=TOOLS)
+    assert msg_a1["content"] == msg_b1["content"] == "On it."
+    # Interleaved: A1, B1, A2. A2's digest matches both A1 and B1 (same turns).
+    go = {"role": "user", "content": "Go."}
+    a2, _ = await _ask(stack, [*task_a, _echo(msg_a1), go], tools=TOOLS)
+    b2, _ = await _ask(stack, [*task_b, _echo(msg_b1), go], tools=TOOLS)
+    got_a2, got_b2 = await _call(stack, a2), await _call(stack, b2)
+    assert (got_a2["parent_call_id"], got_a2["linking"]["verdict"]) == (a1, "resolved")
+    assert (got_b2["parent_call_id"], got_b2["linking"]["verdict"]) == (b1, "resolved")
+    assert got_a2["diagnostics"] == got_b2["diagnostics"] == []
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [[a1, a2], [b1, b2]]
+    # Token-exact: each child's prompt begins with its own parent's prompt + generation.
+    for child, parent in ((got_a2, a1), (got_b2, b1)):
+        p = await _call(stack, parent)
+        prefix = p["prompt_token_ids"] + p["generation_token_ids"]
+        assert child["prompt_token_ids"][: len(prefix)] == prefix
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_parent_is_only_taken_from_a_call_to_the_same_model(
+    make_stack: MakeStack, mode: str
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SAME_ANSWER), prompt_mode=mode
+    )
+    task = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Task."}]
+    small, msg = await _ask(stack, task, model="small-model", tools=TOOLS)
+    big, _ = await _ask(
+        stack,
+        [*task, _echo(msg), {"role": "user", "content": "Go."}],
+        model="big-model",
+        tools=TOOLS,
+    )
+    call = await _call(stack, big)
+    assert call["parent_call_id"] is None
+    assert call["linking"]["verdict"] == "unresolved"
+    assert call["linking"]["digest_parent_call_id"] is None
+    [diag] = call["diagnostics"]
+    assert diag["kind"] == "parent_model_mismatch"
+    assert "small-model" in diag["details"]["reason"] and "big-model" in diag["details"]["reason"]
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert sorted(ch["chain_id"] for ch in chains["chains"]) == sorted([small, big])
+
+
+async def _tool_session(stack: Stack) -> tuple[list, list[str], list[dict]]:
+    messages = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Look."}]
+    ids, answers = [], []
+    for step in range(2):
+        call_id, msg = await _ask(stack, messages, tools=TOOLS)
+        ids.append(call_id)
+        answers.append(msg)
+        messages = [
+            *messages,
+            _echo(msg),
+            {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": f"out{step}"},
+        ]
+    return messages, ids, answers
+
+
+async def test_a_dropped_turn_is_history_edited_not_a_foreign_turn(make_stack: MakeStack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(policy=TOOL_POLICY))
+    messages, (first, second), _ = await _tool_session(stack)
+    # The harness prunes the first exchange (assistant turn + tool result) and goes on.
+    pruned = [messages[0], messages[1], *messages[4:]]
+    third, _ = await _ask(stack, pruned, tools=TOOLS)
+    call = await _call(stack, third)
+    assert (call["linking"]["verdict"], call["linking"]["reason"]) == (
+        "unresolved",
+        "the last model-authored turn is a captured call's output, but the history before it "
+        "was edited",
+    )
+    assert _kinds(call) == [("parent_digest_mismatch", "history_edited")]
+    assert call["diagnostics"][0]["details"]["parent_call_id"] == second
+
+
+async def test_a_turn_with_rewritten_tool_call_ids_is_named_as_such(make_stack: MakeStack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(policy=TOOL_POLICY))
+    messages, (first, second), _ = await _tool_session(stack)
+    turn = messages[-2]
+    renamed = {**turn, "tool_calls": [{**turn["tool_calls"][0], "id": "toolu_renamed"}]}
+    tool = {**messages[-1], "tool_call_id": "toolu_renamed"}
+    third, _ = await _ask(stack, [*messages[:-2], renamed, tool], tools=TOOLS)
+    call = await _call(stack, third)
+    assert _kinds(call) == [("parent_digest_mismatch", "history_edited")]
+    details = call["diagnostics"][0]["details"]
+    assert details["parent_call_id"] == second
+    assert "tool-call ids" in details["explanation"]
+    assert "foreign_turn_projected_portable" not in [d["kind"] for d in call["diagnostics"]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_turn_the_harness_rewrote_is_found_by_its_tool_call_ids(
+    make_stack: MakeStack, mode: str
+):
+    """Claude Code rebuilds a tool call's input (adding defaults such as "replace_all":
+    false): the digest no longer matches, the tool-call ids still do. Tokens decide: in
+    exact-token mode the model's own tokens are spliced, one chain; with the engine's
+    template the rewritten arguments render differently, so the link is refused and the call
+    goes to its deepest token-exact ancestor."""
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=TOOL_POLICY), prompt_mode=mode
+    )
+    messages, (first, second), _ = await _tool_session(stack)
+    turn = messages[-2]
+    fn = turn["tool_calls"][0]["function"]
+    rewritten_args = json.dumps({"replace_all": False, **json.loads(fn["arguments"])})
+    rewritten = {
+        **turn,
+        "tool_calls": [{**turn["tool_calls"][0], "function": {**fn, "arguments": rewritten_args}}],
+    }
+    third, _ = await _ask(stack, [*messages[:-2], rewritten, messages[-1]], tools=TOOLS)
+    call = await _call(stack, third)
+    assert call["linking"]["digest_parent_call_id"] == second
+    assert ("turn_rewritten", None) in _kinds(call)
+    if mode == "exact_tokens":
+        assert (call["parent_call_id"], call["linking"]["verdict"]) == (second, "resolved")
+    else:
+        assert call["linking"]["verdict"] == "prefix"
+        assert call["parent_call_id"] == first
+        assert ("parent_digest_mismatch", "template_rerendered") in _kinds(call)
+    parent = await _call(stack, call["parent_call_id"])
+    prefix = parent["prompt_token_ids"] + parent["generation_token_ids"]
+    assert call["prompt_token_ids"][: len(prefix)] == prefix
