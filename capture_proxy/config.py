@@ -13,6 +13,7 @@ never reuses a connection the engine is about to close.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from pathlib import Path
@@ -35,6 +36,17 @@ from pydantic_settings import (
 
 class ConfigError(ValueError):
     """Settings are invalid or the config file cannot be read; the message names the field."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ``::1``); False for every
+    other name or address, including the wildcards ``0.0.0.0`` and ``::``."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class Settings(BaseSettings):
@@ -149,6 +161,12 @@ class Settings(BaseSettings):
         description="bearer token harnesses must send to proxied paths (unset: open); it is "
         "stripped before forwarding",
     )
+    allow_unauthenticated_read_api: bool = Field(
+        False,
+        description="allow a non-loopback host without captures_token (--insecure-read-api): "
+        "anyone who reaches the port can then read and delete captures; by default such "
+        "settings stop start-up",
+    )
     backend_api_key: SecretStr | None = Field(
         None, description="bearer token the proxy sends to the engine (unset: the harness's)"
     )
@@ -169,6 +187,15 @@ class Settings(BaseSettings):
         gt=0,
         description="rollouts whose parent-digest index stays in memory (least recently used "
         "ones are reloaded from the store when needed)",
+    )
+    engine_health_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="/health probes the engine's /health at most once per this many seconds "
+        "(the answer is cached in between)",
+    )
+    engine_health_timeout_s: float = Field(
+        2.0, gt=0, description="longest wait for the engine's /health answer (seconds)"
     )
     record_dir: Path | None = Field(
         None,
@@ -199,6 +226,22 @@ class Settings(BaseSettings):
             raise ValueError(
                 "tokens_in_dialect vllm_generate answers carry no text: set tokenizer "
                 "(a local HF tokenizer directory) to decode them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _read_api_is_guarded_off_loopback(self) -> Settings:
+        if (
+            self.captures_token is None
+            and not self.allow_unauthenticated_read_api
+            and not is_loopback(self.host)
+        ):
+            raise ValueError(
+                f"host {self.host} is not a loopback address and captures_token is unset, so "
+                "anyone who reaches the port could read and delete captures (DELETE "
+                "/captures/...): set captures_token (CAPTURE_PROXY_CAPTURES_TOKEN), or, to run "
+                "the read API open on purpose, allow_unauthenticated_read_api = true "
+                "(--insecure-read-api)"
             )
         return self
 
@@ -272,7 +315,8 @@ def load_settings(cli_values: dict[str, Any], config_file: Path | None = None) -
         return Settings(**merged)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: {err['msg']}"
+            f"{'.'.join(str(p) for p in err['loc']) or 'settings'}: "
+            f"{err['msg'].removeprefix('Value error, ')}"
             for err in exc.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from exc

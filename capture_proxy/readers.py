@@ -117,7 +117,10 @@ def load_tree(source: bytes | str | os.PathLike[str] | IO[bytes]) -> TokenTree:
 
 
 def _get(url: str, token: str | None, timeout_s: float) -> Any:
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    """``token``: the proxy's ``captures_token`` (default: the ``CAPTURE_PROXY_CAPTURES_TOKEN``
+    environment variable, if set)."""
+    token = token if token is not None else os.environ.get("CAPTURE_PROXY_CAPTURES_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(url, headers=headers)
     return urllib.request.urlopen(request, timeout=timeout_s)  # noqa: S310 (http only)
 

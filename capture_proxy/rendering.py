@@ -105,8 +105,13 @@ class LocalRenderer:
     def from_directory(cls, path: Path) -> LocalRenderer:
         """Load a tokenizer directory (``tokenizer.json`` + config with a chat template).
         Never touches a hub. Raises RenderError when it cannot be loaded."""
-        from transformers import AutoTokenizer
-
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise RenderError(
+                f"setting tokenizer needs transformers ({exc}): install the tokenizer extra, "
+                "pip install 'capture-proxy[tokenizer]'"
+            ) from exc
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError) as exc:

@@ -228,11 +228,14 @@ def _listing_json(
 async def list_rollouts(request: web.Request) -> web.Response:
     """One page of rollouts in rollout id order (``?limit``, default 100, at most 1,000;
     ``?after=<rollout id>``: the page after that id). ``next_after`` names the last rollout
-    of a full page (pass it as ``after``), else null."""
+    of the page when more rollouts follow it (pass it as ``after``), null on the last page
+    (one rollout more than the page is fetched to know)."""
     limit, after = _page_params(request)
     store = request.app[STORE_KEY]
     recorder = request.app[RECORDER_KEY]
-    infos = await store.list_rollouts(limit=limit, after=after)
+    infos = await store.list_rollouts(limit=limit + 1, after=after)
+    more = len(infos) > limit
+    infos = infos[:limit]
     page = [
         (
             info,
@@ -241,7 +244,7 @@ async def list_rollouts(request: web.Request) -> web.Response:
         )
         for info in infos
     ]
-    next_after = infos[-1].rollout_id if len(infos) == limit else None
+    next_after = infos[-1].rollout_id if more else None
     return _json(await _off_loop(request, _listing_json, page, next_after))
 
 

@@ -6,7 +6,7 @@ model never wrote it; it still offers all tools, and re-appends the note on ever
 of the same user turn (the previous note's position then holds the model's real reply).
 
 Checked against OpenCode releases (npm ``opencode-ai``): 1.18.33 (recorded traffic in
-shared/fixtures/opencode/logs/02_step_limit_obeyed.jsonl and 03_step_limit_ignored.jsonl;
+tests/fixtures/opencode/logs/02_step_limit_obeyed.jsonl and 03_step_limit_ignored.jsonl;
 the text below is byte-identical to step_limit_note.txt, 750 bytes, no trailing newline).
 """
 

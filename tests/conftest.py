@@ -17,7 +17,8 @@ def qwen_tokenizer() -> PreTrainedTokenizerFast:
 
 @pytest.fixture(scope="session")
 def fixtures_dir(request) -> Path:
-    """shared/fixtures (beside the repository, as laid out for developers and CI)."""
-    path = Path(request.config.rootpath).parent / "shared" / "fixtures"
+    """tests/fixtures: recorded harness traffic kept in the repository (see
+    ``tests/fixtures/opencode/README.md``); tests read nothing outside the repository."""
+    path = Path(request.config.rootpath) / "tests" / "fixtures"
     assert path.is_dir(), f"recorded fixtures not found at {path}"
     return path

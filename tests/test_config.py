@@ -1,8 +1,9 @@
+import re
 from pathlib import Path
 
 import pytest
 
-from capture_proxy.config import ConfigError, load_settings
+from capture_proxy.config import ConfigError, Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -13,6 +14,22 @@ def test_shipped_example_config_is_valid(monkeypatch):
     assert settings.backend_base == "http://127.0.0.1:8000"
     assert settings.max_request_body_bytes == 64 * 1024 * 1024
     assert settings.store_synchronous == "full"
+
+
+def test_the_example_config_lists_every_setting():
+    text = (REPO / "configs" / "capture-proxy.toml").read_text()
+    listed = set(re.findall(r"^(?:# ?)?\[?([a-z_]+)\]?(?: =|$)", text, flags=re.M))
+    missing = sorted(set(Settings.model_fields) - listed)
+    assert missing == [], f"configs/capture-proxy.toml does not list {missing}"
+
+
+def test_demo_help_names_the_store_it_uses(capsys):
+    from capture_proxy.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "default ./capture-store" in help_text and "temp" not in help_text
 
 
 def test_priority_cli_then_env_then_file(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@
 Used by the ``opencode``-marked tests and by ``capture-proxy demo``. OpenCode is installed by
 ``scripts/install-opencode`` into ``.cache/opencode`` (pinned ``opencode-ai`` from npm).
 
-Offline recipe (see shared/fixtures/opencode/README.md): a scratch ``HOME`` and ``XDG_*`` dirs,
+Offline recipe (see tests/fixtures/opencode/README.md): a scratch ``HOME`` and ``XDG_*`` dirs,
 ``OPENCODE_DISABLE_MODELS_FETCH=1`` and ``OPENCODE_DISABLE_AUTOUPDATE=1``, a project-level
 ``opencode.json`` that defines one custom provider (``@ai-sdk/openai-compatible``) whose
 ``options.baseURL`` is the server, and ``opencode run "<prompt>"`` (``-c`` continues the last

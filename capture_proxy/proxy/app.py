@@ -33,6 +33,7 @@ from capture_proxy.core.routing import InvalidRolloutId, Route, RouteKind, route
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.calls import CaptureDeps
 from capture_proxy.proxy.capture import BackEnds, handle_captured_call, handle_count_tokens
+from capture_proxy.proxy.engine_probe import EngineProbe
 from capture_proxy.proxy.errors import (
     ERROR_SHAPE_KEY,
     BadRequest,
@@ -44,6 +45,7 @@ from capture_proxy.proxy.errors import (
 )
 from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.linker import Linker
+from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY, Metrics
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.recording import TrafficRecorder, note_request, recording_middleware
@@ -61,6 +63,7 @@ LINKER_KEY = rest.LINKER_KEY
 NOTES_KEY = web.AppKey("harness_notes", NoteRegistry)
 EXACT_KEY = web.AppKey("exact_tokens", ExactTokens)
 SWEEPER_KEY = web.AppKey("tombstone_sweeper", asyncio.Task)
+ENGINE_PROBE_KEY = web.AppKey("engine_probe", EngineProbe)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -203,20 +206,32 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
 
 
 async def health(request: web.Request) -> web.Response:
+    """Proxy and store health (503 when the store cannot answer), whether the engine answers
+    (a cached probe: ``engine.ok`` is reported, it does not make the proxy unhealthy, since an
+    engine loading its model is normal), and the capture counters. With a token set the
+    store's filesystem path is left out (``/health`` is open to anyone)."""
+    settings = request.app[SETTINGS_KEY]
     recorder = request.app[rest.RECORDER_KEY]
     try:
         store = await request.app[rest.STORE_KEY].health()
         ok = True
     except Exception as exc:
         store, ok = {"error": str(exc)}, False
+    if settings.captures_token is not None or settings.proxy_token is not None:
+        store = {k: v for k, v in store.items() if k != "path"}
+        if not ok:
+            store = {"error": "store unavailable (details in the proxy's log)"}
+    engine = await request.app[ENGINE_PROBE_KEY].status(request.app[SESSION_KEY])
     return web.json_response(
         {
             "status": "ok" if ok else "degraded",
             "version": __version__,
             "store": store,
+            "engine": engine,
             "capture": {
                 "persisted": recorder.stats.persisted,
                 "store_failures": recorder.stats.store_failures,
+                "late_calls_refused": recorder.stats.late_calls_refused,
                 "incomplete_calls": recorder.stats.incomplete,
                 "failed_calls": recorder.stats.failed,
             },
@@ -225,7 +240,31 @@ async def health(request: web.Request) -> web.Response:
     )
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: the app's metrics in the Prometheus text format (behind
+    ``captures_token`` when it is set, like the read API)."""
+    body = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
 async def unknown_captures_path(request: web.Request) -> web.Response:
+    """Under ``/captures``, what no read-API route took: a 405 with ``Allow`` when a route
+    exists for the path with other methods (``POST /captures/rollouts``), else a 404."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is request.match_info.route.resource or not resource.canonical.startswith(
+            "/captures/"
+        ):
+            continue
+        match, methods = await resource.resolve(request)
+        if match is None:
+            allowed |= methods
+    if allowed:
+        raise MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path} (allowed: "
+            f"{', '.join(sorted(allowed))})",
+            allowed=tuple(sorted(allowed)),
+        )
     raise NotFound(f"no such read API path: {request.path}", code="not_found")
 
 
@@ -320,7 +359,20 @@ def build_proxy_app(
     )
     app[SETTINGS_KEY] = settings
     app[rest.STORE_KEY] = store
-    app[rest.RECORDER_KEY] = Recorder(store)
+    app[METRICS_KEY] = Metrics()
+    app[rest.RECORDER_KEY] = Recorder(
+        store, metrics=app[METRICS_KEY], prompt_mode_for=settings.prompt_mode_for
+    )
+    app[ENGINE_PROBE_KEY] = EngineProbe(
+        settings.backend_base,
+        interval_s=settings.engine_health_interval_s,
+        timeout_s=settings.engine_health_timeout_s,
+        headers=(
+            {"Authorization": f"Bearer {settings.backend_api_key.get_secret_value()}"}
+            if settings.backend_api_key is not None
+            else None
+        ),
+    )
     app[LINKER_KEY] = Linker(
         store,
         refuse_note_parents=settings.parent_resolution == "source_history",
@@ -346,6 +398,7 @@ def build_proxy_app(
     app.cleanup_ctx.append(resources)
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     rest.add_routes(app)
     rest_lifecycle.add_routes(app)
     rest_export.add_routes(app)

@@ -5,7 +5,8 @@ Owns who may read captures (``captures_token``) and who may call through the pro
 harness's ``Authorization`` (or Anthropic's ``x-api-key``) is for the proxy and is stripped
 before forwarding;
 ``backend_api_key``, when set, is the engine's. Tokens are compared in constant time and never
-logged. ``/health`` stays open (container health checks).
+logged. ``/health`` stays open (container health checks); ``/metrics`` is guarded by
+``captures_token`` like the read API.
 
 The viewer's pages (``/captures/ui/``) are opened by a browser, which cannot send a bearer
 header: a ``GET`` there also passes with the viewer cookie (HttpOnly, SameSite=Strict, path
@@ -31,6 +32,9 @@ from capture_proxy.config import Settings
 from capture_proxy.proxy.errors import Handler, Unauthorized
 
 READ_API_PREFIX = "/captures"
+#: Behind ``captures_token`` too: Prometheus scrapers send bearer tokens
+#: (``authorization: {credentials: ...}``), and the counts tell who runs what.
+METRICS_PATH = "/metrics"
 UI_PREFIX = "/captures/ui"
 #: Open without a token: the login form and the static files (CSS, JS) it needs.
 UI_OPEN_PATHS = (UI_PREFIX + "/login", UI_PREFIX + "/static/")
@@ -116,7 +120,7 @@ def auth_middleware(settings: Settings) -> Middleware:
                     if redirect is not None:
                         return redirect
             return await handler(request)
-        if path == READ_API_PREFIX or path.startswith(READ_API_PREFIX + "/"):
+        if path in (READ_API_PREFIX, METRICS_PATH) or path.startswith(READ_API_PREFIX + "/"):
             if settings.captures_token is not None:
                 _check(request, settings.captures_token, "the read API")
             return await handler(request)

@@ -16,6 +16,10 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
 unless the handler set ``request[ERROR_SHAPE_KEY]`` to its API's shaper (a front codec's
 ``error_body``: Anthropic Messages answers ``{"type": "error", "error": {"type", "message"}}``).
+What aiohttp rejects before any handler runs gets OpenAI's shape too (see ``proxy.server``).
+Every error response made here is logged, one line (4xx at INFO, 5xx at WARNING), since the
+access log line of ``dispatch`` is not reached for a request rejected on the way in (a 401, a
+413).
 Once a response has started streaming, errors can no longer become a status; the stream
 handlers deal with those themselves.
 """
@@ -114,6 +118,21 @@ def error_response(exc: ProxyError, request: web.Request | None = None) -> web.R
     return web.json_response(body, status=exc.status, headers=headers)
 
 
+def _log_rejected(request: web.Request, status: int, what: str | None) -> None:
+    """One line per error response: method, path, status, what, the body's declared size
+    (never the body, the query or a credential)."""
+    size = request.content_length
+    log.log(
+        logging.WARNING if status >= 500 else logging.INFO,
+        "%s %s -> %d (%s, <%s bytes in>)",
+        request.method,
+        request.path,
+        status,
+        what,
+        size if size is not None else "?",
+    )
+
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -123,17 +142,21 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ProxyError as exc:
-        if exc.status >= 500:
-            log.warning("%s %s -> %d %s", request.method, request.path, exc.status, exc.message)
+        # A 4xx message may quote the body; its code says what without it.
+        what = exc.message if exc.status >= 500 else exc.code or exc.error_type
+        _log_rejected(request, exc.status, what)
         return error_response(exc, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
+        _log_rejected(request, exc.status, exc.reason)
+        allow = exc.headers.get("Allow")
         return web.json_response(
             error_body(
                 exc.reason, "invalid_request_error" if exc.status < 500 else "internal_error"
             ),
             status=exc.status,
+            headers={"Allow": allow} if allow is not None else None,
         )
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)

@@ -171,8 +171,11 @@ class CaptureStore(Protocol):
 
     async def close(self) -> None: ...
 
-    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> None:
+    async def put_call(
+        self, record: CallRecord, request: RequestEncoding | None = None
+    ) -> int | None:
         """Store a record durably (``request``: its ``RequestEncoding``, if computed ahead).
+        Returns the bytes written, or None when the store does not know (metrics only).
         Raises ConflictingRecord, RolloutDeleted or StoreError."""
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:

@@ -230,14 +230,34 @@ def _blobs(db: sqlite3.Connection, calls_sql: str, args: tuple[Any, ...]) -> dic
     return {bytes(sha).hex(): text for sha, text in rows}
 
 
-def _store_json(db: sqlite3.Connection, enc: EncodedRecord) -> None:
-    """Keep the record's content-addressed JSON (once per content) and its references."""
+def _store_json(db: sqlite3.Connection, enc: EncodedRecord) -> int:
+    """Keep the record's content-addressed JSON (once per content) and its references.
+    Returns the UTF-8 bytes of the texts that were new to the store."""
+    written = 0
     for sha, text in enc.json_blobs.items():
         key = bytes.fromhex(sha)
-        db.execute("INSERT OR IGNORE INTO json_blobs (sha256, json) VALUES (?, ?)", (key, text))
+        cur = db.execute(
+            "INSERT OR IGNORE INTO json_blobs (sha256, json) VALUES (?, ?)", (key, text)
+        )
+        if cur.rowcount:
+            written += len(text.encode())
         db.execute(
             "INSERT OR IGNORE INTO call_json (call_id, sha256) VALUES (?, ?)", (enc.call_id, key)
         )
+    return written
+
+
+def _encoded_bytes(enc: EncodedRecord) -> int:
+    """The bytes of a call's own row: metadata, arrays and message delta (not SQLite's
+    page overhead)."""
+    return (
+        len(enc.meta.encode())
+        + len(enc.prompt_token_ids)
+        + len(enc.generation_token_ids)
+        + len(enc.generation_log_probs)
+        + len(enc.routed_experts or b"")
+        + len(enc.messages_delta.encode())
+    )
 
 
 def _read_transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
@@ -535,23 +555,25 @@ class SQLiteStore:
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> None:
+    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> int:
         """Store ``record`` durably (committed, with the store's synchronous mode, before
         returning). ``request``: the record's ``RequestEncoding`` if the caller computed it
         ahead (used when it belongs to the record, see ``RequestEncoding.belongs_to``).
+        Returns the bytes written: the record's metadata, arrays and message delta, and the
+        JSON texts new to the store (0 when the same record was stored before).
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on I/O failure."""
         try:
-            await self._write(self._put, record, request)
+            return await self._write(self._put, record, request)
         except sqlite3.Error as exc:
             raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
 
     @staticmethod
-    def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> None:
+    def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
         incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
 
-        def body() -> None:
+        def body() -> int:
             if _tombstoned(db, record.rollout_id):
                 raise RolloutDeleted(
                     f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
@@ -587,10 +609,11 @@ class SQLiteStore:
             enc = encode_record(
                 record, prompt_parent=parent, messages_prefix_len=k, request=encoding
             )
+            written = 0
             cur = db.execute(_INSERT_CALL, column_values(enc))
             inserted = bool(cur.rowcount)
             if inserted:
-                _store_json(db, enc)
+                written = _encoded_bytes(enc) + _store_json(db, enc)
                 if frozen:
                     db.execute("UPDATE calls SET late = 1 WHERE call_id = ?", (enc.call_id,))
             else:
@@ -611,8 +634,9 @@ class SQLiteStore:
                 "version = version + excluded.version",
                 (enc.rollout_id, enc.created_at, incomplete if counts else 0, int(counts)),
             )
+            return written
 
-        _transaction(db, body)
+        return _transaction(db, body)
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         try:

@@ -20,7 +20,7 @@ HISTORY = [
 
 
 def test_opencode_note_is_the_recorded_text(request):
-    recorded = request.config.rootpath.parent / "shared/fixtures/opencode/step_limit_note.txt"
+    recorded = request.config.rootpath / "tests/fixtures/opencode/step_limit_note.txt"
     assert STEP_LIMIT_NOTE.text == recorded.read_text()
     assert len(STEP_LIMIT_NOTE.text.encode()) == 750
     assert "1.18.33" in STEP_LIMIT_NOTE.releases_checked

@@ -3,6 +3,7 @@ deleting a rollout (tombstone) over REST, and the periodic sweep of old tombston
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -98,7 +99,8 @@ async def test_unknown_format_is_400(stack):
     assert (await resp.json())["error"]["param"] == "format"
 
 
-async def test_delete_leaves_a_tombstone_and_late_calls_still_answer(stack):
+async def test_delete_leaves_a_tombstone_and_late_calls_still_answer(stack, caplog):
+    caplog.set_level(logging.INFO, logger="capture_proxy")
     await _session(stack, "gone", steps=1)
     resp = await stack.client.delete("/captures/rollouts/gone")
     assert resp.status == 200
@@ -109,8 +111,13 @@ async def test_delete_leaves_a_tombstone_and_late_calls_still_answer(stack):
     assert resp.status == 200
     assert (await resp.json())["choices"][0]["message"]
     await stack.get_json("/captures/rollouts/gone", status=404)
+    # Refused by the tombstone, as meant: its own counter, INFO, not a store failure.
     health = await stack.get_json("/health")
-    assert health["capture"]["store_failures"] == 1
+    assert health["capture"]["store_failures"] == 0
+    assert health["capture"]["late_calls_refused"] == 1
+    late = [r for r in caplog.records if "late call" in r.getMessage()]
+    assert [r.levelname for r in late] == ["INFO"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     resp = await stack.client.delete("/captures/rollouts/gone")
     assert (await resp.json())["deleted_calls"] == 0
     resp = await stack.client.delete("/captures/rollouts/..bad")
@@ -168,4 +175,5 @@ async def test_deleting_a_rollout_whose_first_call_is_in_flight_tombstones_it(ma
     assert (await deleted.json()) == {"rollout_id": "early", "deleted_calls": 0}
     assert (await resp.read()).endswith(b"data: [DONE]\n\n")  # the harness gets its answer
     await stack.get_json("/captures/rollouts/early", status=404)  # ... and nothing is stored
-    assert (await stack.get_json("/health"))["capture"]["store_failures"] == 1
+    capture = (await stack.get_json("/health"))["capture"]
+    assert (capture["late_calls_refused"], capture["store_failures"]) == (1, 0)

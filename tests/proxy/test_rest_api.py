@@ -56,6 +56,21 @@ async def test_rollouts_are_listed_in_pages(stack: Stack):
     }
 
 
+async def test_the_last_full_page_says_it_is_the_last(stack: Stack):
+    await _put(stack, *(record(f"c{i}", [1, 2], [3], rollout_id=f"r{i}") for i in range(6)))
+    pages, after = [], None
+    while True:
+        query = "?limit=2" + (f"&after={after}" if after else "")
+        page = await stack.get_json("/captures/rollouts" + query)
+        pages.append([r["rollout_id"] for r in page["rollouts"]])
+        after = page["next_after"]
+        if after is None:
+            break
+    assert pages == [["r0", "r1"], ["r2", "r3"], ["r4", "r5"]]  # no empty fourth page
+    empty = await stack.get_json("/captures/rollouts?after=r5")
+    assert empty == {"rollouts": [], "next_after": None}
+
+
 @pytest.mark.parametrize(
     ("query", "param"),
     [
@@ -149,3 +164,28 @@ async def test_chains_json_outside_the_calls_that_orjson_refuses_takes_the_stdli
     [unlinked] = chains["unlinked_calls"]
     assert unlinked["call_id"] == "c2"
     assert unlinked["diagnostics"][0]["details"] == {"reasons": [2**70]}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("POST", "/captures/rollouts", "GET, HEAD"),
+        ("PUT", "/captures/rollouts/r1", "DELETE, GET, HEAD"),
+        ("DELETE", "/captures/calls/c1", "GET, HEAD"),
+        ("POST", "/captures/rollouts/r1/chains", "GET, HEAD"),
+    ],
+)
+async def test_a_wrong_method_on_a_read_api_path_is_405_with_allow(
+    stack: Stack, method, path, allow
+):
+    resp = await stack.client.request(method, path)
+    assert resp.status == 405
+    assert resp.headers["Allow"] == allow
+    err = (await resp.json())["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "method_not_allowed")
+
+
+async def test_an_unknown_read_api_path_is_still_404(stack: Stack):
+    resp = await stack.client.post("/captures/nothing")
+    assert resp.status == 404
+    assert (await resp.json())["error"]["type"] == "not_found_error"

@@ -15,7 +15,7 @@ session, and records every request it gets (any method, any path) and what it se
   ``POST /v1/messages/count_tokens`` -> ``{"input_tokens": N}``.
 
 Anything else is recorded and answered 404 in the API's error shape. One recorded line per
-request, the format of shared/fixtures/opencode/README.md: ``seq, ts, ts_done, method, path,
+request, the format of tests/fixtures/opencode/README.md: ``seq, ts, ts_done, method, path,
 query, http_version, headers`` (``[name, value]`` pairs in wire order), ``body_raw`` (exact
 body text), ``body`` (parsed JSON or null), ``classification``, ``status``, ``response_raw``.
 

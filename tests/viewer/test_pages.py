@@ -97,7 +97,8 @@ async def test_read_only_app_browses_a_store_without_an_engine(make_stack, aioht
     body = await call.text()
     assert call.status == 200 and "text: token ids (no tokenizer, no engine)" in body
     assert (await client.get("/captures/rollouts/refused")).status == 200
-    assert (await client.delete("/captures/rollouts/refused")).status == 404
+    deleted = await client.delete("/captures/rollouts/refused")
+    assert deleted.status == 405 and "DELETE" not in deleted.headers["Allow"]  # read-only
     assert (await client.post("/ng-rollout/r/v1/chat/completions", json={})).status == 404
 
 

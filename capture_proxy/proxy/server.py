@@ -1,0 +1,165 @@
+"""The HTTP server around the proxy app: runner, listening socket, protocol-level errors.
+
+Owns what happens before a request reaches the app. aiohttp rejects a request it cannot parse
+(a request line or header past ``max_line_size`` / ``max_field_size``, 8190 bytes; a malformed
+header) in its protocol handler, before any middleware runs, with a plain-text 400 and an
+ERROR traceback in the log. Here that answer has OpenAI's error shape like every other client
+error, and it is logged as one INFO line (a client's mistake is not the proxy's error).
+
+``run`` is ``web.run_app`` for one bound socket, with this handler, and a callback once the
+socket listens (the store is open by then), so start-up prints and writes its port only when
+clients can connect. The only aiohttp internals touched: the runner's server and each
+connection's handler get this module's subclasses (``__class__``), adding one method each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_log import AccessLogger
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_request import BaseRequest
+from aiohttp.web_runner import GracefulExit
+from aiohttp.web_server import Server
+
+from capture_proxy.proxy.errors import error_body
+
+log = logging.getLogger("capture_proxy")
+
+
+def protocol_error_response(status: int, exc: BaseException | None) -> web.Response:
+    """The JSON answer to a request aiohttp could not parse (``status`` from its parser)."""
+    if status >= 500:
+        body = error_body("internal proxy error", "internal_error")
+    else:
+        if isinstance(exc, LineTooLong):
+            # aiohttp's message quotes the line (perhaps a credential): say only how long.
+            limit = exc.message.split(" when reading", 1)[0].removeprefix("Got ")
+            message = f"the request line or a header field is too long (got {limit})"
+            code = "request_line_or_header_too_long"
+        else:
+            detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
+            message, code = f"malformed HTTP request: {detail or 'bad request'}", "bad_request"
+        body = error_body(message, "invalid_request_error", code=code)
+    resp = web.json_response(body, status=status)
+    resp.force_close()
+    return resp
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp's per-connection protocol handler, answering its own errors as JSON."""
+
+    __slots__ = ()  # same layout as RequestHandler (set via __class__ by JsonErrorServer)
+
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            log.info(
+                "rejected a malformed request from %s -> %d (%s)",
+                request.remote,
+                status,
+                type(exc).__name__ if exc is not None else "bad request",
+            )
+        if request.writer.output_size > 0:  # as aiohttp: a started response cannot change
+            raise ConnectionError(
+                "Response is sent already, cannot send another response with the error message"
+            )
+        return protocol_error_response(status, exc)
+
+
+class JsonErrorServer(Server):
+    """aiohttp's low-level server, making ``JsonErrorRequestHandler`` connections."""
+
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = JsonErrorRequestHandler
+        return handler
+
+
+class ProxyRunner(web.AppRunner):
+    """``AppRunner`` whose server answers protocol errors as JSON."""
+
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = JsonErrorServer
+        return server
+
+
+async def _serve(
+    app: web.Application,
+    sock: socket.socket,
+    *,
+    backlog: int,
+    on_listening: Callable[[], None],
+    runner_kwargs: dict[str, Any],
+) -> None:
+    runner = ProxyRunner(app, handle_signals=True, **runner_kwargs)
+    await runner.setup()  # cleanup contexts: the store opens here (StoreError)
+    try:
+        await web.SockSite(runner, sock, backlog=backlog).start()
+        on_listening()
+        while True:
+            await asyncio.sleep(3600)
+    finally:
+        await runner.cleanup()
+
+
+def run(
+    app: web.Application,
+    sock: socket.socket,
+    *,
+    backlog: int,
+    on_listening: Callable[[], None],
+    loop: asyncio.AbstractEventLoop,
+    access_log: logging.Logger | None = None,
+) -> None:
+    """Serve ``app`` on the bound ``sock`` until SIGINT or SIGTERM, as ``web.run_app`` does;
+    ``on_listening()`` runs once the app has started and the socket listens. Errors during
+    start-up (a store that cannot open) are raised."""
+    main = loop.create_task(
+        _serve(
+            app,
+            sock,
+            backlog=backlog,
+            on_listening=on_listening,
+            runner_kwargs={"access_log": access_log, "access_log_class": AccessLogger},
+        )
+    )
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(main)
+    except (GracefulExit, KeyboardInterrupt):
+        pass
+    finally:
+        try:
+            if not main.done():
+                main.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    loop.run_until_complete(main)
+        finally:
+            _cancel_all(loop)
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            asyncio.set_event_loop(None)
+            loop.close()
+
+
+def _cancel_all(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))

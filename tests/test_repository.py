@@ -1,0 +1,37 @@
+"""The repository holds everything its tests need: nothing reads the folder beside it."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Spelled in pieces so that this file does not match itself.
+OUTSIDE = re.compile("|".join([r"\.\./" + "shared", "shared" + "/fixtures", r'/ "' + 'shared"']))
+
+
+def _sources() -> list[Path]:
+    files = [
+        p
+        for d in ("tests", "capture_proxy", "harness_notes", "benchmarks")
+        for p in (ROOT / d).rglob("*")
+        if p.suffix in (".py", ".md", ".json", ".toml")
+    ]
+    files += [p for p in (ROOT / "scripts").iterdir() if p.is_file()]
+    return [p for p in files if "fixtures" not in p.relative_to(ROOT).parts]
+
+
+def test_no_file_refers_to_the_shared_folder_beside_the_repository():
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}: {line.strip()}"
+        for p in _sources()
+        for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert offenders == []
+
+
+def test_the_recorded_fixtures_are_in_the_repository(fixtures_dir):
+    assert fixtures_dir.resolve().is_relative_to(ROOT)
+    opencode = fixtures_dir / "opencode"
+    for name in ("README.md", "step_limit_note.txt", "opencode.json", "configs/opencode.json"):
+        assert (opencode / name).is_file(), name
+    assert len(list((opencode / "logs").glob("*.jsonl"))) == 5

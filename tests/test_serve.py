@@ -1,0 +1,88 @@
+"""``capture-proxy serve`` as a child process: it says it serves only once it listens,
+``--port 0`` binds a free port and ``--port-file`` names it, and start-up errors come alone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+START_DEADLINE_S = 60.0
+
+
+def _serve(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "capture_proxy.cli",
+            "serve",
+            "--backend",
+            "http://127.0.0.1:9",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_port_0_binds_a_free_port_and_the_port_file_names_it(tmp_path: Path):
+    port_file = tmp_path / "port"
+    port_file.write_text("1\n")  # stale, from an earlier run
+    proc = _serve("--port", "0", "--port-file", str(port_file), "--store", str(tmp_path / "s"))
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the child prints (or exits)
+        assert line.startswith("capture-proxy: serving on http://127.0.0.1:"), (
+            line,
+            proc.stderr.read() if proc.poll() is not None and proc.stderr else "",
+        )
+        port = int(line.split("127.0.0.1:", 1)[1].split(" ", 1)[0])
+        assert port != 0
+        # Written before the line was printed, and the socket already listens.
+        assert port_file.read_text() == f"{port}\n"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+            assert json.load(resp)["status"] in ("ok", "degraded")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 0
+
+
+def test_a_busy_port_is_reported_without_a_serving_line(tmp_path: Path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _serve("--port", str(port), "--store", str(tmp_path / "s"))
+        out, err = proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 2
+    assert "serving on" not in out
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_a_bad_store_is_reported_without_a_serving_line(tmp_path: Path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    port_file = tmp_path / "port"
+    proc = _serve("--port", "0", "--port-file", str(port_file), "--store", str(not_a_dir))
+    out, err = proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 2, err
+    assert "serving on" not in out
+    assert str(not_a_dir) in err
+    assert not port_file.exists()
+
+
+def test_a_public_host_without_a_read_api_token_is_refused(tmp_path: Path):
+    proc = _serve("--host", "0.0.0.0", "--port", "0", "--store", str(tmp_path / "s"))
+    out, err = proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 2
+    assert "serving on" not in out
+    assert "captures_token" in err and "--insecure-read-api" in err
+    assert "allow_unauthenticated_read_api" in err
