@@ -168,6 +168,19 @@ async def handle_captured_call(
         parent_had_rows=resolution.parent_rows_end is not None,
     )
     call = InFlightCall(front, parsed, ctx, prepared, resolution, retry_count)
+    metrics = deps.recorder.metrics
+    metrics.inc_in_flight()
+    try:
+        return await _to_back_end(request, call, deps, back_ends)
+    finally:
+        metrics.dec_in_flight()
+
+
+async def _to_back_end(
+    request: web.Request, call: InFlightCall, deps: CaptureDeps, back_ends: BackEnds
+) -> web.StreamResponse:
+    """Exact tokens for a model configured so, else the engine's template."""
+    ctx, prepared, resolution = call.ctx, call.prepared, call.resolution
     exact = back_ends.exact
     if exact is not None and back_ends.exact_for_model(prepared.body.get("model")):
         call = dataclasses.replace(

@@ -426,6 +426,7 @@ async def handle_exact_tokens(
         raise
     assembler = TokensInAssembler(ctx, prompt.token_ids, exact.dialect.decode_routed_experts)
     reader = exact.dialect.reader(exact.decode)
+    deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
     async with upstream:
         if upstream.status >= 400:
             return await relay_engine_error(upstream, call, deps, t0, prompt.token_ids)

@@ -125,7 +125,7 @@ class Metrics:
         verdict = linking.get("verdict")
         if verdict is not None:
             self.link_verdicts.labels(str(verdict)).inc()
-            if verdict == "refused":
+            if verdict in ("refused", "prefix") and _has_refusal(record):
                 self.link_refusals.labels(_refusal_class(record)).inc()
         for d in record.diagnostics:
             self.diagnostics.labels(d.kind).inc()
@@ -146,6 +146,14 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text format (``CONTENT_TYPE``)."""
         return generate_latest(self.registry)
+
+
+def _has_refusal(record: CallRecord) -> bool:
+    """A refused digest link (a ``prefix`` link may follow one, or an unmatched history)."""
+    return record.linking is not None and (
+        record.linking.get("verdict") == "refused"
+        or any(d.kind == "parent_digest_mismatch" for d in record.diagnostics)
+    )
 
 
 def _refusal_class(record: CallRecord) -> str:

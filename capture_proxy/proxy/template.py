@@ -133,6 +133,7 @@ async def handle_template(
         await record_abandoned(deps, call, t0)
         raise
 
+    deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
     async with upstream:
         if upstream.status >= 400:
             return await relay_engine_error(upstream, call, deps, t0)

@@ -117,3 +117,23 @@ async def test_unknown_previous_response_id_is_a_400_naming_it(stack: Stack):
     error = (await resp.json())["error"]
     assert error["param"] == "previous_response_id"
     assert stack.sent == []
+
+
+async def test_metrics_count_calls_by_api_and_time_the_engine(stack: Stack):
+    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await stack.client.post(BASE + "/v1/chat/completions", json=chat)).status == 200
+    responses = {"model": "stub-model", "input": "hi"}
+    assert (await stack.client.post(BASE + "/v1/responses", json=responses)).status == 200
+    messages = {"model": "stub-model", "max_tokens": 64,
+                "messages": [{"role": "user", "content": "hi"}]}
+    assert (await stack.client.post(BASE + "/v1/messages", json=messages)).status == 200
+    text = await (await stack.client.get("/metrics")).text()
+    for api in ("chat_completions", "responses", "messages"):
+        line = (
+            f'capture_proxy_calls_total{{api="{api}",prompt_mode="backend_template",'
+            'status="complete"} 1.0'
+        )
+        assert line in text
+    assert "capture_proxy_upstream_first_byte_seconds_count 3.0" in text
+    assert "capture_proxy_upstream_seconds_count 3.0" in text
+    assert "capture_proxy_calls_in_flight 0.0" in text
