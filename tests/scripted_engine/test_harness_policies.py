@@ -1,8 +1,10 @@
 """The Codex and Claude Code policies load and call only tools the real harness offers.
 
 The offered tools come from the recorded sessions in tests/fixtures (the first request's
-``tools``): each scripted call names a tool of the right kind (a JSON-schema function, not a
-freeform tool) and passes every required parameter, and no parameter the schema lacks.
+``tools``): each scripted call names a tool of the right kind and passes every required
+parameter, and no parameter the schema lacks. A Responses ``custom`` (freeform) tool, Codex's
+``apply_patch``, is offered to the model as a function with one string parameter ``input``
+(see ``core/fronts/responses.py``), so a scripted call of it passes exactly that.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ def offered_schemas(harness: str) -> dict[str, dict[str, Any]]:
     first = json.loads((FIXTURES / harness / "01_tool_session.jsonl").read_text().splitlines()[0])
     tools = first["body"]["tools"]
     if harness == "codex":  # Responses API: {"type": "function", "name", "parameters"}
-        return {t["name"]: t["parameters"] for t in tools if t.get("type") == "function"}
+        out = {t["name"]: t["parameters"] for t in tools if t.get("type") == "function"}
+        freeform = {"type": "object", "properties": {"input": {"type": "string"}},
+                    "required": ["input"]}  # fmt: skip
+        out.update({t["name"]: freeform for t in tools if t.get("type") == "custom"})
+        return out
     return {t["name"]: t["input_schema"] for t in tools}  # Anthropic: {"name", "input_schema"}
 
 
@@ -51,5 +57,5 @@ def test_policies_use_the_shell_and_a_file_read():
     claude = [
         c.name for s in Policy.load(POLICIES / "claude_code.json").steps for c in s.tool_calls
     ]
-    assert codex == ["exec_command", "exec_command"]
+    assert codex == ["exec_command", "exec_command", "apply_patch"]
     assert claude == ["Bash", "Read", "Edit"]
