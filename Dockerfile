@@ -9,7 +9,8 @@
 # reachable; scripts/container-test builds localhost/debian-py:bookworm with debootstrap).
 ARG BASE=python:3.12-slim-bookworm
 
-# Build stage: install the package and its runtime dependencies (no test tools) into a venv.
+# Build stage: install the package and its runtime dependencies (no test tools) into a venv,
+# with the PostgreSQL store's driver (extra `postgres`) for replicas on a shared store.
 FROM ${BASE} AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
@@ -17,7 +18,7 @@ COPY pyproject.toml README.md ./
 COPY capture_proxy ./capture_proxy
 COPY harness_notes ./harness_notes
 RUN python3 -m venv /opt/capture-proxy \
- && /opt/capture-proxy/bin/pip install --no-compile . \
+ && /opt/capture-proxy/bin/pip install --no-compile ".[postgres]" \
  && /opt/capture-proxy/bin/pip uninstall -y pip \
  && find /opt/capture-proxy -name '__pycache__' -prune -exec rm -rf {} +
 

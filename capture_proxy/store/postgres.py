@@ -276,6 +276,8 @@ class PostgresStore:
         self._pool: Any = None  # ConnectionPool, used by the worker threads only
         self._worker: WorkerThread | None = None
         self.retries = 0  # operations retried (all threads; a statistic)
+        #: seconds ``open`` waits for the pool's first connections
+        self.open_timeout_s = OPEN_TIMEOUT_S
 
     # --- threads -------------------------------------------------------------------------
 
@@ -328,7 +330,7 @@ class PostgresStore:
             name="capture-store",
         )
         try:
-            pool.open(wait=True, timeout=OPEN_TIMEOUT_S)
+            pool.open(wait=True, timeout=self.open_timeout_s)
         except Exception as exc:
             pool.close()
             raise StoreError(f"cannot connect to {redact_url(self.url)}: {exc}") from exc
