@@ -48,6 +48,7 @@ import logging
 import random
 import time
 import urllib.parse
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -64,9 +65,21 @@ from capture_proxy.core.codec import (
     migrate,
     same_content,
 )
+from capture_proxy.core.episodes import parse_episode
+from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
-from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, RolloutInfo, StoreError
+from capture_proxy.store.base import (
+    ConflictingRecord,
+    Retirement,
+    RolloutDeleted,
+    RolloutInfo,
+    RolloutNotFound,
+    RolloutNotFrozen,
+    Snapshot,
+    SnapshotMismatch,
+    StoreError,
+)
 from capture_proxy.store.worker import WorkerThread
 
 try:  # an optional extra: ``pip install 'capture-proxy[postgres]'``
@@ -134,6 +147,32 @@ MIGRATIONS: tuple[str, ...] = (
         diagnostics text NOT NULL DEFAULT '[]'
     );
     """,
+    # 2: the lifecycle (sqlite.py's LAYOUT_VERSION 4): snapshots, late calls, metadata,
+    # retirements, the store-wide export cursor. Before it every stored call counted, so a
+    # rollout's revision is its number of calls.
+    """
+    ALTER TABLE calls ADD COLUMN late boolean NOT NULL DEFAULT false;
+    ALTER TABLE rollouts
+        ADD COLUMN version bigint NOT NULL DEFAULT 0,
+        ADD COLUMN metadata text NOT NULL DEFAULT '{}',
+        ADD COLUMN snapshot_id text,
+        ADD COLUMN frozen_at double precision,
+        ADD COLUMN frozen_num_calls integer,
+        ADD COLUMN export_cursor bigint;
+    ALTER TABLE tombstones
+        ADD COLUMN snapshot_id text,
+        ADD COLUMN version bigint,
+        ADD COLUMN deleted_calls integer;
+    UPDATE rollouts SET version = (SELECT count(*) FROM calls c
+        WHERE c.rollout_id = rollouts.rollout_id);
+    CREATE UNIQUE INDEX rollouts_by_cursor ON rollouts (export_cursor)
+        WHERE export_cursor IS NOT NULL;
+    CREATE TABLE counters (
+        name text PRIMARY KEY,
+        value bigint NOT NULL
+    );
+    INSERT INTO counters (name, value) VALUES ('export_cursor', 0);
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 
@@ -153,7 +192,11 @@ _ANCESTRY = (
 )
 _ROLLOUT_SELECT = (
     "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
-    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id) FROM rollouts r"
+    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
+    "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
+    "array(SELECT c.call_id FROM calls c WHERE c.rollout_id = r.rollout_id AND c.late "
+    "ORDER BY c.created_at, c.call_id) "
+    "FROM rollouts r"
 )
 _LOCK_ROLLOUT = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
 
@@ -219,14 +262,79 @@ def _transaction(db: Conn, rollout_id: str | None, body: Callable[[], T]) -> T:
 
 
 def _info(row: tuple[Any, ...]) -> RolloutInfo:
-    rollout_id, created_at, incomplete, diagnostics, num_calls = row
+    (
+        rollout_id,
+        created_at,
+        incomplete,
+        diagnostics,
+        num_calls,
+        version,
+        metadata,
+        snapshot_id,
+        frozen_at,
+        frozen_num_calls,
+        export_cursor,
+        late,
+    ) = row
+    snapshot = (
+        None
+        if snapshot_id is None
+        else Snapshot(snapshot_id, int(version), frozen_num_calls, frozen_at, int(export_cursor))
+    )
     return RolloutInfo(
         rollout_id=rollout_id,
         created_at=created_at,
-        num_calls=num_calls,
+        num_calls=int(num_calls),
         incomplete=bool(incomplete),
         diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
+        version=int(version),
+        snapshot=snapshot,
+        late_call_ids=tuple(late),
+        metadata=RolloutMetadata.from_json(json.loads(metadata)),
     )
+
+
+def _metadata_text(metadata: RolloutMetadata) -> str:
+    return json.dumps(metadata.to_json(), ensure_ascii=False, sort_keys=True)
+
+
+def _next_cursor(db: Conn) -> int:
+    """The next export cursor, from the ``counters`` row (inside the caller's transaction).
+
+    Not a SEQUENCE: ``nextval`` is handed out outside transactions, so a freeze could take 5,
+    commit after another's 6, and a trainer that had already read past 6 would never see it.
+    The row update holds the row's lock until COMMIT: freezes of any replica take cursors one
+    at a time, each after the previous one committed (or rolled back, giving its number back),
+    so cursors commit in increasing order and a reader never sees a cursor before a smaller one
+    that is still to come."""
+    row = db.execute(
+        "INSERT INTO counters (name, value) VALUES ('export_cursor', 1) "
+        "ON CONFLICT (name) DO UPDATE SET value = counters.value + 1 RETURNING value"
+    ).fetchone()
+    return int(row[0])
+
+
+def _delete_rows(db: Conn, rollout_id: str) -> int:
+    """Delete a rollout's calls, their unshared JSON texts and its bookkeeping (inside the
+    caller's transaction, under the rollout's lock). Returns the number of calls deleted."""
+    calls = "SELECT call_id FROM calls WHERE rollout_id = %s"
+    shas = [
+        bytes(r[0])
+        for r in db.execute(
+            f"SELECT DISTINCT sha256 FROM call_json WHERE call_id IN ({calls})",
+            (rollout_id,),
+        ).fetchall()
+    ]
+    db.execute(f"DELETE FROM call_json WHERE call_id IN ({calls})", (rollout_id,))
+    for sha in sorted(shas):  # texts no remaining call refers to
+        db.execute(
+            "DELETE FROM json_blobs WHERE sha256 = %s AND NOT EXISTS "
+            "(SELECT 1 FROM call_json WHERE sha256 = %s)",
+            (sha, sha),
+        )
+    deleted = db.execute("DELETE FROM calls WHERE rollout_id = %s", (rollout_id,)).rowcount
+    db.execute("DELETE FROM rollouts WHERE rollout_id = %s", (rollout_id,))
+    return int(deleted)
 
 
 def _stored_messages(db: Conn, call_id: str) -> StoredMessages | None:
@@ -426,6 +534,12 @@ class PostgresStore:
                 raise RolloutDeleted(
                     f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
                 )
+            # Under the rollout's lock, as the freeze is: a call racing a freeze is either
+            # counted in its snapshot (stored first) or late (stored after), never both.
+            frozen = db.execute(
+                "SELECT 1 FROM rollouts WHERE rollout_id = %s AND snapshot_id IS NOT NULL",
+                (record.rollout_id,),
+            ).fetchone()
             # Under the rollout's lock: no candidate can appear or vanish before the insert.
             candidates = [
                 StoredPrefix(r[0], r[1], r[2], bytes(r[3]))
@@ -454,8 +568,11 @@ class PostgresStore:
                 record, prompt_parent=parent, messages_prefix_len=k, request=encoding
             )
             cur = db.execute(_INSERT_CALL, column_values(enc))
-            if cur.rowcount:
+            inserted = bool(cur.rowcount)
+            if inserted:
                 _store_json(db, enc)
+                if frozen:
+                    db.execute("UPDATE calls SET late = true WHERE call_id = %s", (enc.call_id,))
             else:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s", (enc.call_id,)
@@ -465,11 +582,14 @@ class PostgresStore:
                         f"call {enc.call_id} is already stored with different content; "
                         "original kept"
                     )
+            # A late call changes neither the snapshot's revision nor its completeness.
+            counts = inserted and not frozen
             db.execute(
-                "INSERT INTO rollouts (rollout_id, created_at, incomplete) VALUES (%s, %s, %s) "
-                "ON CONFLICT (rollout_id) DO UPDATE SET "
-                "incomplete = rollouts.incomplete OR excluded.incomplete",
-                (enc.rollout_id, enc.created_at, incomplete),
+                "INSERT INTO rollouts (rollout_id, created_at, incomplete, version) "
+                "VALUES (%s, %s, %s, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
+                "incomplete = rollouts.incomplete OR excluded.incomplete, "
+                "version = rollouts.version + excluded.version",
+                (enc.rollout_id, enc.created_at, incomplete and counts, int(counts)),
             )
 
         _transaction(db, record.rollout_id, body)
@@ -523,31 +643,148 @@ class PostgresStore:
                 )
             ):
                 return None
-            calls = "SELECT call_id FROM calls WHERE rollout_id = %s"
-            shas = [
-                bytes(r[0])
-                for r in db.execute(
-                    f"SELECT DISTINCT sha256 FROM call_json WHERE call_id IN ({calls})",
-                    (rollout_id,),
-                ).fetchall()
-            ]
-            db.execute(f"DELETE FROM call_json WHERE call_id IN ({calls})", (rollout_id,))
-            for sha in sorted(shas):  # texts no remaining call refers to
-                db.execute(
-                    "DELETE FROM json_blobs WHERE sha256 = %s AND NOT EXISTS "
-                    "(SELECT 1 FROM call_json WHERE sha256 = %s)",
-                    (sha, sha),
-                )
-            deleted = db.execute(
-                "DELETE FROM calls WHERE rollout_id = %s", (rollout_id,)
-            ).rowcount
-            db.execute("DELETE FROM rollouts WHERE rollout_id = %s", (rollout_id,))
+            deleted = _delete_rows(db, rollout_id)
             db.execute(
                 "INSERT INTO tombstones (rollout_id, deleted_at) VALUES (%s, %s) "
                 "ON CONFLICT DO NOTHING",
                 (rollout_id, time.time()),
             )
-            return int(deleted)
+            return deleted
+
+        return _transaction(db, rollout_id, body)
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def freeze_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> Snapshot:
+        """See ``CaptureStore.freeze_rollout``."""
+        try:
+            return await self._run(self._freeze, rollout_id, known_elsewhere)
+        except psycopg.Error as exc:
+            raise StoreError(f"freezing rollout {rollout_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _freeze(db: Conn, rollout_id: str, known_elsewhere: bool) -> Snapshot:
+        def body() -> Snapshot:
+            if _tombstoned(db, rollout_id):
+                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
+            row = db.execute(
+                "SELECT version, snapshot_id, frozen_at, frozen_num_calls, export_cursor "
+                "FROM rollouts WHERE rollout_id = %s",
+                (rollout_id,),
+            ).fetchone()
+            if row is None and not known_elsewhere:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            if row is not None and row[1] is not None:  # frozen before: the same snapshot
+                return Snapshot(row[1], int(row[0]), row[3], row[2], int(row[4]))
+            now = time.time()
+            if row is None:  # nothing stored yet, a first call in flight: frozen empty
+                db.execute(
+                    "INSERT INTO rollouts (rollout_id, created_at) VALUES (%s, %s)",
+                    (rollout_id, now),
+                )
+            (num_calls,) = db.execute(
+                "SELECT count(*) FROM calls WHERE rollout_id = %s AND NOT late", (rollout_id,)
+            ).fetchone()
+            # Last: the counter row's lock is held from here to COMMIT (``_next_cursor``).
+            snapshot = Snapshot(
+                uuid.uuid4().hex,
+                0 if row is None else int(row[0]),
+                int(num_calls),
+                now,
+                _next_cursor(db),
+            )
+            db.execute(
+                "UPDATE rollouts SET snapshot_id = %s, frozen_at = %s, frozen_num_calls = %s, "
+                "export_cursor = %s WHERE rollout_id = %s",
+                (snapshot.snapshot_id, now, snapshot.num_calls, snapshot.cursor, rollout_id),
+            )
+            return snapshot
+
+        return _transaction(db, rollout_id, body)
+
+    async def set_metadata(self, rollout_id: str, metadata: RolloutMetadata) -> int:
+        """See ``CaptureStore.set_metadata``."""
+        try:
+            return await self._run(self._set_metadata, rollout_id, metadata)
+        except psycopg.Error as exc:
+            raise StoreError(f"setting metadata of rollout {rollout_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _set_metadata(db: Conn, rollout_id: str, metadata: RolloutMetadata) -> int:
+        def body() -> int:
+            if _tombstoned(db, rollout_id):
+                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
+            row = db.execute(
+                "SELECT version, metadata FROM rollouts WHERE rollout_id = %s", (rollout_id,)
+            ).fetchone()
+            if row is None:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            text = _metadata_text(metadata)
+            if text == _metadata_text(RolloutMetadata.from_json(json.loads(row[1]))):
+                return int(row[0])  # a retry, or nothing new: the same version
+            db.execute(
+                "UPDATE rollouts SET metadata = %s, version = version + 1 WHERE rollout_id = %s",
+                (text, rollout_id),
+            )
+            return int(row[0]) + 1
+
+        return _transaction(db, rollout_id, body)
+
+    async def retire_rollout(self, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
+        """See ``CaptureStore.retire_rollout``."""
+        try:
+            return await self._run(self._retire, rollout_id, snapshot_id, version)
+        except psycopg.Error as exc:
+            raise StoreError(f"retiring rollout {rollout_id} failed: {exc}") from exc
+
+    @staticmethod
+    def _retire(db: Conn, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
+        def check(have_snapshot: str, have_version: int) -> None:
+            if have_snapshot != snapshot_id:
+                raise SnapshotMismatch(
+                    f"snapshot_id {snapshot_id!r} is not rollout {rollout_id}'s snapshot "
+                    f"({have_snapshot!r})",
+                    field="snapshot_id",
+                )
+            if have_version != version:
+                raise SnapshotMismatch(
+                    f"version {version} is not rollout {rollout_id}'s version ({have_version}): "
+                    "it changed after it was read (a late reward or tag?); read it again",
+                    field="version",
+                )
+
+        def body() -> Retirement:
+            tomb = db.execute(
+                "SELECT deleted_at, snapshot_id, version, deleted_calls FROM tombstones "
+                "WHERE rollout_id = %s",
+                (rollout_id,),
+            ).fetchone()
+            if tomb is not None:
+                if tomb[1] is None:
+                    raise SnapshotMismatch(
+                        f"rollout {rollout_id} was deleted without a snapshot, not retired",
+                        field="snapshot_id",
+                    )
+                check(tomb[1], int(tomb[2]))  # a retry with the same identifiers: the same
+                return Retirement(rollout_id, tomb[1], int(tomb[2]), int(tomb[3]), tomb[0])
+            row = db.execute(
+                "SELECT snapshot_id, version FROM rollouts WHERE rollout_id = %s", (rollout_id,)
+            ).fetchone()
+            if row is None:
+                raise RolloutNotFound(f"rollout {rollout_id} not found")
+            if row[0] is None:
+                raise RolloutNotFrozen(
+                    f"rollout {rollout_id} is not frozen: freeze it, read it, then retire it"
+                )
+            check(row[0], int(row[1]))
+            deleted = _delete_rows(db, rollout_id)
+            now = time.time()
+            db.execute(
+                "INSERT INTO tombstones (rollout_id, deleted_at, snapshot_id, version, "
+                "deleted_calls) VALUES (%s, %s, %s, %s, %s)",
+                (rollout_id, now, snapshot_id, version, deleted),
+            )
+            return Retirement(rollout_id, snapshot_id, version, deleted, now)
 
         return _transaction(db, rollout_id, body)
 
@@ -648,6 +885,33 @@ class PostgresStore:
             (after if after is not None else "", limit),
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
+
+    async def list_frozen(self, *, after: int = 0, limit: int | None = None) -> list[RolloutInfo]:
+        """Frozen rollouts with a cursor greater than ``after``, in cursor order."""
+        return await self._read(self._list_frozen, after, limit)
+
+    @staticmethod
+    def _list_frozen(db: Conn, after: int, limit: int | None) -> list[RolloutInfo]:
+        rows = db.execute(
+            _ROLLOUT_SELECT + " WHERE r.export_cursor > %s ORDER BY r.export_cursor LIMIT %s",
+            (after, limit),
+        ).fetchall()
+        return [_info(tuple(r)) for r in rows]
+
+    async def list_episodes(self, base_rollout_id: str) -> list[str]:
+        """Episode ids of ``base_rollout_id``, stored or tombstoned, sorted."""
+        return await self._read(self._list_episodes, base_rollout_id)
+
+    @staticmethod
+    def _list_episodes(db: Conn, base: str) -> list[str]:
+        # starts_with, not LIKE: a rollout id may hold LIKE's wildcards (``_``, ``%``).
+        rows = db.execute(
+            "SELECT rollout_id FROM rollouts WHERE rollout_id = %s OR starts_with(rollout_id, %s) "
+            "UNION SELECT rollout_id FROM tombstones "
+            "WHERE rollout_id = %s OR starts_with(rollout_id, %s)",
+            (base, f"{base}-a", base, f"{base}-a"),
+        ).fetchall()
+        return sorted(r[0] for r in rows if r[0] == base or parse_episode(r[0]).base == base)
 
     async def health(self) -> dict[str, Any]:
         return await self._read(self._health)
