@@ -31,8 +31,20 @@ are retried (``MAX_ATTEMPTS``, jittered backoff). Every write is idempotent, so 
 an ambiguous commit is harmless. Blobs are inserted and deleted in SHA-256 order (one lock
 order for all transactions).
 
+Lifecycle across replicas: ``freeze_rollout``, ``set_metadata`` and ``retire_rollout`` take the
+same rollout lock as ``put_call``, and ``put_call`` reads the frozen flag under it, so a call
+racing a freeze (on any replica) is stored either before it (counted in the snapshot and the
+version) or after it (marked late), never both or neither. The export cursor comes from a row
+of ``counters``, incremented by the freeze transaction and locked until its COMMIT (not a
+SEQUENCE, whose numbers are handed out outside transactions and can commit out of order):
+cursors are unique, store-wide, and commit in increasing order, so a reader paging
+``list_frozen`` never sees a cursor before a smaller one that is still to come. Freezes of
+different rollouts serialise on that row for the length of one short transaction; the row lock
+is always taken after the rollout lock, so no lock cycle arises.
+
 Layout: the tables of ``sqlite.py`` (``calls``, ``json_blobs``, ``call_json``, ``rollouts``,
-``tombstones``) plus ``schema_migrations`` (one row per applied step of ``MIGRATIONS``). Opening
+``tombstones``, ``counters``) plus ``schema_migrations`` (one row per applied step of
+``MIGRATIONS``; 2 added the lifecycle). Opening
 applies the missing steps in one transaction under a global advisory lock (replicas starting
 together migrate once), refuses a layout newer than it knows, and rewrites records older than
 the codec's schema version through ``codec.migrate`` (none today: this store began at v3).
