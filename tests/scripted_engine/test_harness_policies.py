@@ -1,8 +1,9 @@
 """The Codex and Claude Code policies load and call only tools the real harness offers.
 
 The offered tools come from the recorded sessions in tests/fixtures (the first request's
-``tools``): each scripted call names a tool of the right kind (a JSON-schema function, not a
-freeform tool) and passes every required parameter, and no parameter the schema lacks.
+``tools``): each scripted call names an offered tool and passes every required parameter, and
+no parameter the schema lacks. A freeform (``custom``) tool, Codex's ``apply_patch``, reaches
+the engine as a function of one string parameter, ``input`` (tests/e2e/test_codex_e2e.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ def offered_schemas(harness: str) -> dict[str, dict[str, Any]]:
     first = json.loads((FIXTURES / harness / "01_tool_session.jsonl").read_text().splitlines()[0])
     tools = first["body"]["tools"]
     if harness == "codex":  # Responses API: {"type": "function", "name", "parameters"}
-        return {t["name"]: t["parameters"] for t in tools if t.get("type") == "function"}
+        freeform = {"properties": {"input": {"type": "string"}}, "required": ["input"]}
+        schemas = {t["name"]: t["parameters"] for t in tools if t.get("type") == "function"}
+        return schemas | {t["name"]: freeform for t in tools if t.get("type") == "custom"}
     return {t["name"]: t["input_schema"] for t in tools}  # Anthropic: {"name", "input_schema"}
 
 
@@ -51,5 +54,5 @@ def test_policies_use_the_shell_and_a_file_read():
     claude = [
         c.name for s in Policy.load(POLICIES / "claude_code.json").steps for c in s.tool_calls
     ]
-    assert codex == ["exec_command", "exec_command"]
+    assert codex == ["exec_command", "exec_command", "apply_patch"]
     assert claude == ["Bash", "Read", "Edit"]
