@@ -15,9 +15,12 @@
 # module (the default official slim image, or a locally built one where no registry is
 # reachable; scripts/container-test builds localhost/debian-py:bookworm with debootstrap).
 ARG BASE=python:3.12-slim-bookworm
-ARG EXTRAS=""
+# Extras: [postgres] (the shared store's driver, for replicas); add ",tokenizer" for
+# exact-token mode with a local tokenizer directory.
+ARG EXTRAS="[postgres]"
 
-# Build stage: install the package and its runtime dependencies (no test tools) into a venv.
+# Build stage: install the package and its runtime dependencies (no test tools) into a venv,
+# with the PostgreSQL store's driver (extra `postgres`) for replicas on a shared store.
 FROM ${BASE} AS build
 ARG EXTRAS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1

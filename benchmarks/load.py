@@ -233,12 +233,13 @@ def engine_service(work: Path, port: int | None = None) -> Service:
 def proxy_service(
     work: Path,
     backend: str,
-    store: Path,
+    store: Path | str,
     port: int | None = None,
     *,
     log_level: str = "INFO",
     profile_to: Path | None = None,
     store_synchronous: str = "full",
+    name: str = "proxy",
 ) -> Service:
     port = port or free_port()
     args = ["serve", "--backend", backend, "--port", str(port), "--store", str(store)]
@@ -248,7 +249,7 @@ def proxy_service(
         argv += ["-m", "capture_proxy.cli", *args]
     else:
         argv = [*cli_command(), *args]
-    return Service("proxy", argv, port, work / "proxy.log")
+    return Service(name, argv, port, work / f"{name}.log")
 
 
 def proc_status_kib(pid: int, field_name: str) -> int | None:
@@ -308,6 +309,8 @@ class CallResult:
     prompt_token_ids: list[int] | None = None
     generation_token_ids: list[int] = field(default_factory=list)
     generation_log_probs: list[float] = field(default_factory=list)
+    #: the replica that answered, when a load balancer says (``X-Capture-Replica``)
+    served_by: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -358,15 +361,20 @@ def _error_kind(exc: BaseException) -> str:
 
 
 async def stream_call(
-    session: aiohttp.ClientSession, url: str, body: dict[str, Any], result: CallResult
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    result: CallResult,
+    headers: dict[str, str] | None = None,
 ) -> CallResult:
     """POST a streaming chat request and read it to the end, filling ``result``."""
     t0 = time.perf_counter()
     assembler = _MessageAssembler()
     decoder = SSEStreamDecoder()
     try:
-        async with session.post(url, json=body) as resp:
+        async with session.post(url, json=body, headers=headers) as resp:
             result.call_id = resp.headers.get(CALL_ID_HEADER)
+            result.served_by = resp.headers.get("X-Capture-Replica")
             if resp.status != 200:
                 await resp.read()
                 result.error = f"http {resp.status}"

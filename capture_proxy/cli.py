@@ -67,8 +67,8 @@ def _serve(args: argparse.Namespace) -> int:
     from capture_proxy.proxy import server
     from capture_proxy.proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.rendering import RenderError
+    from capture_proxy.store import open_store
     from capture_proxy.store.base import StoreError
-    from capture_proxy.store.sqlite import SQLiteStore
 
     cli_values = {
         "backend": args.backend,
@@ -76,6 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "store": args.store,
         "store_synchronous": args.store_synchronous,
+        "store_pool_size": args.store_pool_size,
         "max_request_body_bytes": args.max_request_body_bytes,
         "log_level": args.log_level,
         "parent_resolution": args.parent_resolution,
@@ -90,9 +91,14 @@ def _serve(args: argparse.Namespace) -> int:
         "captures_token": args.captures_token,
     }
     if args.read_only:
-        if args.store is None or not args.store.is_dir():
+        if args.store is None or (
+            not args.store.startswith(("postgresql://", "postgres://"))
+            and not Path(args.store).is_dir()
+        ):
             print(
-                "capture-proxy: --read-only needs --store DIR (an existing store)", file=sys.stderr
+                "capture-proxy: --read-only needs --store DIR (an existing store) or a "
+                "postgresql:// URL",
+                file=sys.stderr,
             )
             return 2
         # No engine: the backend setting is required by the settings model but never used
@@ -120,7 +126,16 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return 2
     port = sock.getsockname()[1]
-    store = SQLiteStore(settings.store, synchronous=settings.store_synchronous)
+    try:
+        store = open_store(
+            settings.store,
+            synchronous=settings.store_synchronous,
+            pool_size=settings.store_pool_size,
+        )
+    except StoreError as exc:
+        sock.close()
+        print(f"capture-proxy: {exc}", file=sys.stderr)
+        return 2
     if args.read_only:
         app = build_read_only_app(settings, store, backend=args.backend)
         target = "read-only"
@@ -134,7 +149,7 @@ def _serve(args: argparse.Namespace) -> int:
             write_port_file(port_file, port)
         print(
             f"capture-proxy: serving on http://{settings.host}:{port} -> "
-            f"{target}, store {settings.store}; viewer at "
+            f"{target}, store {settings.store_label}; viewer at "
             f"http://{settings.host}:{port}/captures/ui/",
             flush=True,
         )
@@ -231,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the bound port to this file once the proxy listens (for --port 0)",
     )
     serve.add_argument(
-        "--store", type=Path, help="embedded store directory (default ./capture-store)"
+        "--store",
+        help="embedded store directory (default ./capture-store), or a postgresql:// URL "
+        "(the shared store for replicas)",
     )
     serve.add_argument(
         "--store-synchronous",
@@ -239,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["full", "normal"],
         help="full (default): fsync each call before its answer ends; normal: survives a "
         "proxy crash, not a power loss (see README)",
+    )
+    serve.add_argument(
+        "--store-pool-size",
+        type=int,
+        dest="store_pool_size",
+        help="PostgreSQL store: pooled connections per process (default 8)",
     )
     serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
     serve.add_argument("--log-level", dest="log_level")

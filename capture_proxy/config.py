@@ -57,7 +57,14 @@ class Settings(BaseSettings):
     backend: AnyHttpUrl = Field(description="Engine base URL, e.g. http://127.0.0.1:8000")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    store: Path = Field(Path("capture-store"), description="Embedded store directory")
+    store: Path | str = Field(
+        Path("capture-store"),
+        description="Embedded store directory (SQLite), or a postgresql:// URL: the shared "
+        "PostgreSQL store for proxy replicas (needs the 'postgres' extra)",
+    )
+    store_pool_size: int = Field(
+        8, ge=1, le=256, description="PostgreSQL store: pooled connections (and threads)"
+    )
     store_synchronous: Literal["full", "normal"] = Field(
         "full",
         description="SQLite synchronous mode of the store (WAL). full: each call is fsynced "
@@ -208,6 +215,25 @@ class Settings(BaseSettings):
     @classmethod
     def _upper_level(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("store", mode="before")
+    @classmethod
+    def _store_path_or_url(cls, value: Any) -> Any:
+        """A postgresql:// URL stays a string; anything else is a directory path."""
+        if isinstance(value, str):
+            if value.startswith(("postgresql://", "postgres://")):
+                return value
+            return Path(value)
+        return value
+
+    @property
+    def store_label(self) -> str:
+        """The store for logs: a directory, or the URL without its password."""
+        if isinstance(self.store, Path):
+            return str(self.store)
+        from capture_proxy.store.postgres import redact_url
+
+        return redact_url(self.store)
 
     @field_validator("tokenizer")
     @classmethod

@@ -22,3 +22,27 @@ def fixtures_dir(request) -> Path:
     path = Path(request.config.rootpath) / "tests" / "fixtures"
     assert path.is_dir(), f"recorded fixtures not found at {path}"
     return path
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server from Debian's packages for the whole session (``initdb`` in a
+    temporary directory, a loopback port, run as a non-root user when we are root), stopped at
+    the end. Skipped when PostgreSQL is not installed (``scripts/install-postgres``), except
+    under CI, where that is a failure."""
+    import os
+
+    from benchmarks.infra import PostgresServer, postgres_bin_dir
+
+    bin_dir = postgres_bin_dir()
+    if bin_dir is None or not (bin_dir / "postgres").exists():
+        message = "PostgreSQL is not installed (scripts/install-postgres)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    server = PostgresServer(bin_dir)
+    server.start(deadline_s=60)
+    try:
+        yield server
+    finally:
+        server.stop()

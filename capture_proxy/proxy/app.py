@@ -377,6 +377,7 @@ def build_proxy_app(
         store,
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
+        refresh_on_miss=store.shared,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
 

@@ -1,7 +1,8 @@
 """Request-time parent resolution and response-time verification, over the store.
 
 Owns the per-rollout ``LinkIndex`` cache (filled lazily from the store the first time a rollout
-is seen by this process, so a restart loses nothing) and the fail-closed verification of a
+is seen by this process, so a restart loses nothing; with a shared store, written by other
+replicas too, refreshed from the store when a digest misses) and the fail-closed verification of a
 resolved link against the parent's stored tokens. The decisions are the core's
 (``capture_proxy.core.linking``); this module fetches what they need: the parent record, and on
 a mismatch the detokenised texts from the engine's ``/detokenize`` for the classification.
@@ -18,6 +19,7 @@ from typing import Any
 from capture_proxy.core.codec import token_digest
 from capture_proxy.core.linking import (
     HISTORY_EDITED_REASON,
+    IN_FLIGHT,
     MODEL_SCOPE_REASON,
     NO_MATCH_REASON,
     TOOL_CALL_IDS_REASON,
@@ -78,9 +80,13 @@ class Linker:
         *,
         refuse_note_parents: bool = False,
         max_rollouts: int = 10_000,
+        refresh_on_miss: bool = False,
     ) -> None:
         self.store = store
         self.refuse_note_parents = refuse_note_parents
+        #: another process may have written calls of a cached rollout (replicas on a shared
+        #: store, a rollout moved between them): a digest miss reloads the index first
+        self.refresh_on_miss = refresh_on_miss
         #: most recently used rollouts' indexes; older ones are reloaded from the store when
         #: needed again, so memory stays bounded however many rollouts a process serves
         self.max_rollouts = max_rollouts
@@ -102,6 +108,14 @@ class Linker:
                 self._indexes[rollout_id] = index
                 self._evict()
         return index
+
+    async def _refresh(self, rollout_id: str, index: LinkIndex) -> None:
+        """Add the stored calls of the rollout this index does not hold as stored (written
+        by another replica since it was loaded), in stored order."""
+        for record in await self.store.get_rollout_calls(rollout_id):
+            entry = index.entries.get(record.call_id)
+            if entry is None or entry.status == IN_FLIGHT:
+                self._add(index, record)
 
     def _evict(self) -> None:
         while len(self._indexes) > self.max_rollouts:
@@ -163,14 +177,26 @@ class Linker:
         req_digest = request_digest(body)
         items = linking_items(linking_messages)
         model = body.get("model")
-        resolution = index.resolve(
-            history_digest(linking_messages),
-            req_digest,
-            model=model,
-            last_turn=items[-1] if items else None,
-            retry_requested=retry_requested,
-            refuse_note_parents=self.refuse_note_parents,
-        )
+        parent_digest = history_digest(linking_messages)
+
+        def resolve() -> Resolution:
+            return index.resolve(
+                parent_digest,
+                req_digest,
+                model=model,
+                last_turn=items[-1] if items else None,
+                retry_requested=retry_requested,
+                refuse_note_parents=self.refuse_note_parents,
+            )
+
+        resolution = resolve()
+        if (
+            self.refresh_on_miss
+            and resolution.verdict is Verdict.UNRESOLVED
+            and parent_digest is not None
+        ):
+            await self._refresh(rollout_id, index)
+            resolution = resolve()
         index.add(call_id, created_at, child_digest=None, request_digest=req_digest, model=model)
         return resolution
 

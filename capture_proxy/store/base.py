@@ -167,6 +167,10 @@ class RolloutInfo:
 
 
 class CaptureStore(Protocol):
+    #: True when other processes write the same store (PostgreSQL replicas): what a process
+    #: cached of a rollout may be stale, so the linker reloads a rollout's index on a miss.
+    shared: bool
+
     async def open(self) -> None: ...
 
     async def close(self) -> None: ...

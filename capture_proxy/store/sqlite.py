@@ -370,6 +370,9 @@ def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
 class SQLiteStore:
     """Embedded store in directory ``path`` (created on first use)."""
 
+    #: One process owns the store: its caches are never stale.
+    shared = False
+
     def __init__(self, path: Path, *, synchronous: Literal["full", "normal"] = "full") -> None:
         """``synchronous``: SQLite's mode for the WAL. ``full`` (the default) fsyncs every
         commit, so a returned ``put_call`` survives a power loss; ``normal`` survives a crash

@@ -1,4 +1,4 @@
-"""One thread that runs blocking jobs in order for the event loop: the store's threading unit.
+"""Threads that run blocking jobs for the event loop: the store's threading unit.
 
 Owns the hand-off between the loop and a thread that owns one SQLite connection. A job is a
 plain function; ``run`` queues it and awaits its result. The thread takes jobs from a
@@ -7,6 +7,9 @@ the least a hop can cost: ``run_in_executor`` on a one-thread ``ThreadPoolExecut
 same through a ``concurrent.futures.Future``, its condition variable and callbacks, which
 measured 0.1-0.15 ms more per write on the 2-core machine the load benchmark runs on (the
 write sits on every streamed call's path before ``[DONE]``).
+
+With ``threads > 1`` (the PostgreSQL store: one thread per pooled connection) the threads take
+jobs from the same queue: jobs start in submission order and may finish in any order.
 
 A job whose caller was cancelled still runs (jobs are never dropped half-way; the store's
 writes are idempotent) and its outcome is discarded.
@@ -40,14 +43,19 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
 
 
 class WorkerThread:
-    """A named daemon thread running submitted jobs one at a time, in submission order."""
+    """A named daemon thread running submitted jobs one at a time, in submission order (or
+    ``threads`` such threads sharing one queue, named ``<name>-<i>``)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, threads: int = 1) -> None:
+        if threads < 1:
+            raise ValueError(f"threads: expected at least 1, got {threads}")
         self.name = name
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stopped = False
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
+        names = [name] if threads == 1 else [f"{name}-{i}" for i in range(threads)]
+        self._threads = [threading.Thread(target=self._serve, name=n, daemon=True) for n in names]
+        for thread in self._threads:
+            thread.start()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread after every job queued before it; its result or
@@ -63,8 +71,11 @@ class WorkerThread:
         """Let the queued jobs finish, then end the thread (idempotent)."""
         if not self._stopped:
             self._stopped = True
-            self._jobs.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+            for _ in self._threads:
+                self._jobs.put(None)  # one end marker per thread
+        loop = asyncio.get_running_loop()
+        for thread in self._threads:
+            await loop.run_in_executor(None, thread.join)
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:

@@ -20,6 +20,7 @@ from capture_proxy.scripted_engine.app import (
     build_scripted_engine_app,
 )
 from capture_proxy.store.base import CaptureStore
+from capture_proxy.store.postgres import PostgresStore
 from capture_proxy.store.sqlite import SQLiteStore
 
 CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
@@ -51,7 +52,28 @@ MakeStack = Callable[..., Awaitable[Stack]]
 
 
 @pytest.fixture
-async def make_stack(aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path) -> MakeStack:
+def stack_store_kind() -> str:
+    """The store behind ``make_stack``'s proxies: ``sqlite`` (here) or ``postgres``; a test
+    runs on both with ``@ON_BOTH_STORES``."""
+    return "sqlite"
+
+
+STACK_STORE_KINDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+#: Runs a test that takes ``stack`` or ``make_stack`` on SQLite and on PostgreSQL.
+ON_BOTH_STORES = pytest.mark.parametrize("stack_store_kind", STACK_STORE_KINDS)
+
+
+@pytest.fixture
+async def make_stack(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, stack_store_kind, request
+) -> MakeStack:
+    """``await make_stack(...)``: a scripted engine and a proxy in front of it. Each call is a
+    new proxy on the same store (a restart): the store directory, or for ``postgres`` one
+    database of the session's server per test."""
+    pg_url = None
+    if stack_store_kind == "postgres":
+        pg_url = request.getfixturevalue("postgres_server").create_database()
+
     async def make(
         *,
         engine_config: ScriptedEngineConfig | None = None,
@@ -65,7 +87,9 @@ async def make_stack(aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path) -
         engine = await aiohttp_server(engine_app)
         store_dir = tmp_path / "store"
         cfg = Settings(backend=str(engine.make_url("/")).rstrip("/"), store=store_dir, **settings)
-        proxy_app = build_proxy_app(cfg, store or SQLiteStore(store_dir), renderer=renderer)
+        if store is None:
+            store = SQLiteStore(store_dir) if pg_url is None else PostgresStore(pg_url, pool_size=4)
+        proxy_app = build_proxy_app(cfg, store, renderer=renderer)
         client = await aiohttp_client(proxy_app)
         return Stack(engine, engine_app, client, store_dir)
 

@@ -16,7 +16,7 @@ import pytest
 from capture_proxy import readers
 from capture_proxy.core.export import EXPORT_FORMAT, MANIFEST_KEY
 from capture_proxy.scripted_engine import Faults, ScriptedEngineConfig
-from tests.proxy.conftest import MakeStack, Stack
+from tests.proxy.conftest import ON_BOTH_STORES, MakeStack, Stack
 from tests.proxy.test_npz_and_retention import MOE, _session
 
 
@@ -42,6 +42,7 @@ async def _export(stack: Stack, query: str = "") -> tuple[list[tuple[dict, pa.Re
     return out, dict(resp.headers)
 
 
+@ON_BOTH_STORES
 async def test_export_rows_are_the_npz_samples_exactly(make_stack: MakeStack):
     stack = await make_stack(engine_config=ScriptedEngineConfig(moe=MOE))
     await _session(stack, "r1", steps=2)
@@ -72,6 +73,7 @@ async def test_export_rows_are_the_npz_samples_exactly(make_stack: MakeStack):
         assert (row["snapshot_id"], row["version"], row["cursor"]) == (snap["snapshot_id"], 4, 1)
 
 
+@ON_BOTH_STORES
 async def test_pages_follow_the_freeze_order_and_a_repeat_is_the_same(stack: Stack):
     for rid in ("c", "a", "b", "open"):
         await _session(stack, rid, steps=1)
@@ -88,6 +90,7 @@ async def test_pages_follow_the_freeze_order_and_a_repeat_is_the_same(stack: Sta
     assert empty == [] and headers["X-Capture-Next-After"] == "3"
 
 
+@ON_BOTH_STORES
 async def test_only_the_final_episode_has_rows_unless_all_are_asked_for(stack: Stack):
     for rid in ("t1", "t1-a1", "t2"):
         await _session(stack, rid, steps=1)
@@ -107,6 +110,7 @@ async def test_only_the_final_episode_has_rows_unless_all_are_asked_for(stack: S
     assert [(m["episode_of"], m["attempt"]) for m, _ in got] == [("t1", 0), ("t1", 1), ("t2", 0)]
 
 
+@ON_BOTH_STORES
 async def test_export_after_a_restart_is_the_same(make_stack: MakeStack):
     stack = await make_stack()
     for rid in ("a", "b"):
@@ -136,6 +140,7 @@ async def test_bad_export_parameters_are_400s_naming_them(stack: Stack, query, p
     assert (await resp.json())["error"]["param"] == param
 
 
+@ON_BOTH_STORES
 async def test_tree_holds_every_path_once_and_each_path_exactly(stack: Stack):
     await _session(stack, "r1", steps=3)
     await _freeze(stack, "r1")
@@ -158,6 +163,7 @@ async def test_tree_holds_every_path_once_and_each_path_exactly(stack: Stack):
     assert resp.status == 404
 
 
+@ON_BOTH_STORES
 async def test_atif_steps_carry_the_tokens_and_strict_refuses_gaps(stack: Stack):
     await _session(stack, "r1", steps=2)
     atif = await stack.get_json("/captures/rollouts/r1/atif?agent_name=opencode")
@@ -191,6 +197,7 @@ async def test_atif_steps_carry_the_tokens_and_strict_refuses_gaps(stack: Stack)
     assert resp.status == 400 and (await resp.json())["error"]["param"] == "strict"
 
 
+@ON_BOTH_STORES
 async def test_strict_atif_of_a_rollout_with_a_gap_is_a_422(make_stack: MakeStack):
     stack = await make_stack(engine_config=ScriptedEngineConfig(faults=Faults(nan_logprob_at=1)))
     await _session(stack, "r1", steps=1)
@@ -203,6 +210,7 @@ async def test_strict_atif_of_a_rollout_with_a_gap_is_a_422(make_stack: MakeStac
     assert {g["kind"] for g in loose["extra"]["gaps"]} == {"non_finite_logprob"}
 
 
+@ON_BOTH_STORES
 async def test_readers_send_the_bearer_token_and_return_the_manifest(make_stack: MakeStack):
     stack = await make_stack(captures_token="read-secret")
     headers = {"Authorization": "Bearer read-secret"}

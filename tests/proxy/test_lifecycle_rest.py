@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.proxy.conftest import MakeStack, Stack
+from tests.proxy.conftest import ON_BOTH_STORES, MakeStack, Stack
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_npz_and_retention import _session
 
@@ -26,6 +26,7 @@ def _ids(chains: dict) -> list[list[str]]:
     return [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]]
 
 
+@ON_BOTH_STORES
 async def test_freeze_then_a_late_call_answers_and_is_left_out(stack: Stack):
     await _session(stack, "r1", steps=2)
     before = await stack.get_json("/captures/rollouts/r1/chains")
@@ -53,6 +54,7 @@ async def test_freeze_then_a_late_call_answers_and_is_left_out(stack: Stack):
     ]
 
 
+@ON_BOTH_STORES
 async def test_late_calls_refused_get_a_409_and_never_reach_the_engine(make_stack: MakeStack):
     stack = await make_stack(late_calls="refuse")
     await _session(stack, "r1", steps=1)
@@ -71,6 +73,7 @@ async def test_late_calls_refused_get_a_409_and_never_reach_the_engine(make_stac
     assert other.status == 200
 
 
+@ON_BOTH_STORES
 async def test_metadata_is_shown_everywhere_and_bumps_the_version_once(stack: Stack):
     await _session(stack, "task7-a1", steps=1)
     body = {"reward": {"pass": 1, "style": 0.25}, "task_id": "task7", "tags": {"split": "train"}}
@@ -100,6 +103,7 @@ async def test_metadata_is_shown_everywhere_and_bumps_the_version_once(stack: St
     assert (await stack.get_json("/captures/rollouts/task7-a1"))["reward"] == -0.5
 
 
+@ON_BOTH_STORES
 async def test_retire_deletes_and_a_retry_answers_the_same(stack: Stack):
     await _session(stack, "r1", steps=1)
     snap = await _post(stack, "/captures/rollouts/r1/freeze", 200)
@@ -120,6 +124,7 @@ async def test_retire_deletes_and_a_retry_answers_the_same(stack: Stack):
     assert (error["code"], error["param"]) == ("rollout_deleted", "rollout_id")
 
 
+@ON_BOTH_STORES
 async def test_every_step_survives_a_restart(make_stack: MakeStack):
     stack = await make_stack()
     await _session(stack, "r1", steps=1)
@@ -142,6 +147,7 @@ async def test_every_step_survives_a_restart(make_stack: MakeStack):
     assert await _post(stack, "/captures/rollouts/r1/retire", 200, ids) == done
 
 
+@ON_BOTH_STORES
 async def test_retire_refuses_what_was_not_read(stack: Stack):
     await _session(stack, "r1", steps=1)
     some = {"snapshot_id": "0" * 32, "version": 2}

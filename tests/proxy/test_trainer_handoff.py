@@ -10,7 +10,7 @@ import json
 import urllib.request
 
 from capture_proxy import readers
-from tests.proxy.conftest import MakeStack
+from tests.proxy.conftest import ON_BOTH_STORES, MakeStack
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_npz_and_retention import _session
 
@@ -32,6 +32,7 @@ def _retire(base: str, rollout: readers.ExportedRollout) -> dict:
         return out
 
 
+@ON_BOTH_STORES
 async def test_a_trainer_takes_every_rollout_exactly_once(make_stack: MakeStack):
     stack = await make_stack(captures_token=TOKEN)
     calls: dict[str, list[str]] = {}

@@ -1,10 +1,9 @@
 """The Codex and Claude Code policies load and call only tools the real harness offers.
 
 The offered tools come from the recorded sessions in tests/fixtures (the first request's
-``tools``): each scripted call names a tool of the right kind and passes every required
-parameter, and no parameter the schema lacks. A Responses ``custom`` (freeform) tool, Codex's
-``apply_patch``, is offered to the model as a function with one string parameter ``input``
-(see ``core/fronts/responses.py``), so a scripted call of it passes exactly that.
+``tools``): each scripted call names an offered tool and passes every required parameter, and
+no parameter the schema lacks. A freeform (``custom``) tool, Codex's ``apply_patch``, reaches
+the engine as a function of one string parameter, ``input`` (tests/e2e/test_codex_e2e.py).
 """
 
 from __future__ import annotations
@@ -27,11 +26,9 @@ def offered_schemas(harness: str) -> dict[str, dict[str, Any]]:
     first = json.loads((FIXTURES / harness / "01_tool_session.jsonl").read_text().splitlines()[0])
     tools = first["body"]["tools"]
     if harness == "codex":  # Responses API: {"type": "function", "name", "parameters"}
-        out = {t["name"]: t["parameters"] for t in tools if t.get("type") == "function"}
-        freeform = {"type": "object", "properties": {"input": {"type": "string"}},
-                    "required": ["input"]}  # fmt: skip
-        out.update({t["name"]: freeform for t in tools if t.get("type") == "custom"})
-        return out
+        freeform = {"properties": {"input": {"type": "string"}}, "required": ["input"]}
+        schemas = {t["name"]: t["parameters"] for t in tools if t.get("type") == "function"}
+        return schemas | {t["name"]: freeform for t in tools if t.get("type") == "custom"}
     return {t["name"]: t["input_schema"] for t in tools}  # Anthropic: {"name", "input_schema"}
 
 

@@ -1,10 +1,14 @@
-"""The store's lifecycle contract: freeze, late calls, metadata, retire, cursors, episodes,
-each idempotent and surviving a reopen; and the migration of a layout-3 store."""
+"""The store's lifecycle contract, on both stores: freeze, late calls, metadata, retire, cursors,
+episodes, each idempotent and surviving a reopen; the migration of a store from before the
+lifecycle (SQLite layout 3, PostgreSQL layout 1); and, on PostgreSQL, two replicas freezing and
+writing at once (cursors unique and increasing, a call racing a freeze in the snapshot or late)."""
 
 from __future__ import annotations
 
 import sqlite3
+from typing import Any
 
+import psycopg
 import pytest
 
 from capture_proxy.core.metadata import RolloutMetadata
@@ -16,21 +20,21 @@ from capture_proxy.store.base import (
     RolloutStatus,
     SnapshotMismatch,
 )
+from capture_proxy.store.postgres import LAYOUT_VERSION as PG_LAYOUT_VERSION
+from capture_proxy.store.postgres import PostgresStore
 from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
 from tests.factories import record
 
-
-@pytest.fixture
-async def store(tmp_path):
-    s = SQLiteStore(tmp_path / "store")
-    await s.open()
-    yield s
-    await s.close()
+# ``store`` (tests/store/conftest.py): one run on SQLite, one on PostgreSQL.
 
 
-async def reopen(store: SQLiteStore) -> SQLiteStore:
+async def reopen(store: Any) -> Any:
+    """The same store closed and opened again (a restart of the proxy)."""
     await store.close()
-    again = SQLiteStore(store.path)
+    if isinstance(store, PostgresStore):
+        again: Any = PostgresStore(store.url, pool_size=store.pool_size)
+    else:
+        again = SQLiteStore(store.path)
     await again.open()
     return again
 
@@ -190,3 +194,119 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
         await s.close()
     with sqlite3.connect(tmp_path / "v3" / DB_FILE_NAME) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == 4
+
+
+# A PostgreSQL store from before the lifecycle: layout 1 (MIGRATIONS[0] only).
+_PG_LAYOUT_1 = """
+DROP INDEX rollouts_by_cursor;
+DROP TABLE counters;
+ALTER TABLE calls DROP COLUMN late;
+ALTER TABLE rollouts DROP COLUMN version, DROP COLUMN metadata, DROP COLUMN snapshot_id,
+    DROP COLUMN frozen_at, DROP COLUMN frozen_num_calls, DROP COLUMN export_cursor;
+ALTER TABLE tombstones DROP COLUMN snapshot_id, DROP COLUMN version, DROP COLUMN deleted_calls;
+DELETE FROM schema_migrations WHERE version > 1;
+INSERT INTO tombstones VALUES ('old', 5.0);
+"""
+
+
+@pytest.mark.postgres
+async def test_a_postgres_layout_1_store_is_migrated_and_takes_the_lifecycle(postgres_server):
+    url = postgres_server.create_database()
+    s = PostgresStore(url, pool_size=2)
+    await s.open()
+    await s.put_call(record("c1", [1, 2], [3]))
+    await s.put_call(record("c2", [1, 2, 3, 4], [5], created_at=1.0))
+    await s.close()
+    with psycopg.connect(url, autocommit=True) as conn:  # back to layout 1
+        conn.execute(_PG_LAYOUT_1)
+    s = PostgresStore(url, pool_size=2)
+    await s.open()
+    try:
+        info = await s.get_rollout("r1")
+        assert info is not None
+        assert (info.version, info.status, info.late_call_ids) == (2, RolloutStatus.OPEN, ())
+        assert info.metadata == RolloutMetadata()
+        snap = await s.freeze_rollout("r1")
+        assert (snap.version, snap.num_calls, snap.cursor) == (2, 2, 1)
+        with pytest.raises(SnapshotMismatch):  # an old tombstone is a deletion
+            await s.retire_rollout("old", snap.snapshot_id, 1)
+    finally:
+        await s.close()
+    with psycopg.connect(url) as conn:
+        applied = conn.execute("SELECT version FROM schema_migrations ORDER BY version")
+        assert [r[0] for r in applied.fetchall()] == list(range(1, PG_LAYOUT_VERSION + 1))
+
+
+async def _replicas(postgres_server, n: int = 2) -> list[PostgresStore]:
+    url = postgres_server.create_database()
+    stores = [PostgresStore(url, pool_size=4) for _ in range(n)]
+    for s in stores:
+        await s.open()
+    return stores
+
+
+@pytest.mark.postgres
+async def test_replicas_freezing_at_once_hand_out_each_cursor_once_in_commit_order(
+    postgres_server,
+):
+    """Two replicas freeze 30 rollouts, each rollout from both at once, while a reader pages
+    the export: one snapshot per rollout, cursors 1..30, and every listing the reader saw was a
+    gap-free prefix (a cursor is never visible before a smaller one that is still to come)."""
+    import asyncio
+
+    a, b = await _replicas(postgres_server)
+    ids = [f"r{i:02d}" for i in range(30)]
+    try:
+        for rid in ids:
+            await a.put_call(record(f"{rid}-c", [1], [2], rollout_id=rid))
+        listings: list[list[int]] = []
+        done = asyncio.Event()
+
+        async def read() -> None:
+            while not done.is_set():
+                frozen = await b.list_frozen()
+                listings.append([i.snapshot.cursor for i in frozen])  # type: ignore[union-attr]
+
+        reader = asyncio.create_task(read())
+        snaps = await asyncio.gather(*(s.freeze_rollout(rid) for rid in ids for s in (a, b)))
+        done.set()
+        await reader
+        by_rollout = {rid: snaps[2 * i : 2 * i + 2] for i, rid in enumerate(ids)}
+        assert all(x == y for x, y in by_rollout.values())  # the same snapshot from both
+        assert sorted(x.cursor for x, _ in by_rollout.values()) == list(range(1, 31))
+        assert listings and all(seen == list(range(1, len(seen) + 1)) for seen in listings)
+        assert [i.snapshot.cursor for i in await a.list_frozen()] == list(range(1, 31))  # type: ignore[union-attr]
+    finally:
+        for s in (a, b):
+            await s.close()
+
+
+@pytest.mark.postgres
+async def test_a_call_racing_a_freeze_on_another_replica_is_in_the_snapshot_or_late(
+    postgres_server,
+):
+    """One replica stores calls while the other freezes: every call is stored, and each one is
+    either counted by the snapshot (and its version) or late, never both or neither."""
+    import asyncio
+
+    a, b = await _replicas(postgres_server)
+    try:
+        for n in range(8):
+            rid = f"race{n}"
+            await a.put_call(record(f"{rid}-c0", [1], [2], rollout_id=rid))
+            puts = [
+                a.put_call(record(f"{rid}-c{i}", [1, 2, i], [3], rollout_id=rid, created_at=i))
+                for i in range(1, 13)
+            ]
+            results = await asyncio.gather(*puts[:6], b.freeze_rollout(rid), *puts[6:])
+            snap = results[6]
+            info = await b.get_rollout(rid)
+            assert info is not None and info.snapshot == snap
+            assert info.num_calls == 13
+            assert snap.num_calls + len(info.late_call_ids) == 13
+            assert snap.version == info.version == snap.num_calls  # late calls never count
+            stored = {r.call_id for r in await a.get_rollout_calls(rid)}
+            assert set(info.late_call_ids) <= stored and len(stored) == 13
+    finally:
+        for s in (a, b):
+            await s.close()

@@ -1,4 +1,6 @@
-"""The embedded SQLite store: delta prompts, idempotency, conflicts, tombstones, migration."""
+"""The store contract (delta prompts, idempotency, conflicts, tombstones), on every store: the
+tests taking ``store`` run on SQLite and PostgreSQL (``conftest.py``); the SQLite store's own
+(migration of old files, its write lock, synchronous modes, threads) build a ``SQLiteStore``."""
 
 import asyncio
 import dataclasses
@@ -14,23 +16,24 @@ from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreErr
 from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
 from tests.core.test_codec_v2 import assert_same, chain, v1_form
 from tests.factories import record
+from tests.store.conftest import rows
 
 
 @pytest.fixture
-async def store(tmp_path):
+async def sqlite_store(tmp_path):
     s = SQLiteStore(tmp_path / "store")
     await s.open()
     yield s
     await s.close()
 
 
-def blob_sizes(store: SQLiteStore) -> list[tuple[str, int, str | None]]:
-    with sqlite3.connect(store.db_path) as db:
-        return db.execute(
-            "SELECT call_id, length(prompt_token_ids) + length(generation_token_ids) "
-            "+ length(generation_log_probs) + coalesce(length(routed_experts), 0), "
-            "prompt_parent_call_id FROM calls ORDER BY call_id"
-        ).fetchall()
+def blob_sizes(store) -> list[tuple[str, int, str | None]]:
+    return rows(
+        store,
+        "SELECT call_id, length(prompt_token_ids) + length(generation_token_ids) "
+        "+ length(generation_log_probs) + coalesce(length(routed_experts), 0), "
+        "prompt_parent_call_id FROM calls ORDER BY call_id",
+    )
 
 
 async def test_chain_round_trip_and_constant_bytes_per_turn(store):
@@ -182,9 +185,10 @@ async def test_newer_layout_is_refused(tmp_path):
     await s.close()
 
 
-async def test_reads_do_not_queue_behind_a_waiting_write(store):
+async def test_reads_do_not_queue_behind_a_waiting_write(sqlite_store):
     """Reads use their own connection and thread: a write stuck on SQLite's write lock (held
     here by another connection) does not delay them, and they see the last committed state."""
+    store = sqlite_store
     a, b = chain(2)
     await store.put_call(a)
     other = sqlite3.connect(store.db_path, isolation_level=None)

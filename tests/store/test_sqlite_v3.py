@@ -11,26 +11,8 @@ from capture_proxy.store.base import ConflictingRecord
 from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
 from tests.core.test_codec_v2 import v2_form
 from tests.core.test_codec_v3 import TOOLS, assert_same_json, session
-
-
-@pytest.fixture
-async def store(tmp_path):
-    s = SQLiteStore(tmp_path / "store")
-    await s.open()
-    yield s
-    await s.close()
-
-
-def db_bytes(store: SQLiteStore) -> int:
-    """The database's logical size (committed WAL frames included)."""
-    with sqlite3.connect(store.db_path) as db:
-        pages = db.execute("PRAGMA page_count").fetchone()[0]
-        return int(pages * db.execute("PRAGMA page_size").fetchone()[0])
-
-
-def columns(store: SQLiteStore, sql: str) -> list[tuple]:
-    with sqlite3.connect(store.db_path) as db:
-        return db.execute(sql).fetchall()
+from tests.store.conftest import rows as columns
+from tests.store.conftest import stored_bytes as db_bytes
 
 
 async def test_bytes_per_turn_do_not_grow_with_the_chain(store):
@@ -163,33 +145,26 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
         ).fetchone() == (0,)
 
 
-async def test_request_encodings_computed_ahead_store_the_same_rows(tmp_path):
+async def test_request_encodings_computed_ahead_store_the_same_rows(make_store):
     """Matching encodings are used, foreign ones (equal values, other objects) ignored: the
     rows are those of writes without any."""
-    plain, ahead = SQLiteStore(tmp_path / "plain"), SQLiteStore(tmp_path / "ahead")
-    await plain.open()
-    await ahead.open()
-    try:
-        for i, rec in enumerate(session(5)):
-            await plain.put_call(rec)
-            source = (
-                rec
-                if i % 2
-                else rec.replace(request_messages=[dict(m) for m in rec.request_messages])
-            )
-            await ahead.put_call(
-                rec, RequestEncoding.of(source.request_messages, rec.request_tools)
-            )
-        sql = "SELECT * FROM calls ORDER BY call_id"
-        assert columns(ahead, sql) == columns(plain, sql)
-        assert columns(ahead, "SELECT * FROM json_blobs") == columns(
-            plain, "SELECT * FROM json_blobs"
+    plain, ahead = await make_store(), await make_store()
+    for i, rec in enumerate(session(5)):
+        await plain.put_call(rec)
+        source = (
+            rec
+            if i % 2
+            else rec.replace(request_messages=[dict(m) for m in rec.request_messages])
         )
-        for got, want in zip(await ahead.get_rollout_calls("r1"), session(5), strict=True):
-            assert_same_json(got, want)
-    finally:
-        await plain.close()
-        await ahead.close()
+        await ahead.put_call(
+            rec, RequestEncoding.of(source.request_messages, rec.request_tools)
+        )
+    sql = "SELECT * FROM calls ORDER BY call_id"
+    assert columns(ahead, sql) == columns(plain, sql)
+    blobs = "SELECT * FROM json_blobs ORDER BY sha256"
+    assert columns(ahead, blobs) == columns(plain, blobs)
+    for got, want in zip(await ahead.get_rollout_calls("r1"), session(5), strict=True):
+        assert_same_json(got, want)
 
 
 async def test_a_matching_request_encoding_is_not_computed_again(store, monkeypatch):

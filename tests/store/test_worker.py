@@ -68,6 +68,6 @@ async def test_stop_lets_queued_jobs_finish_then_refuses_more():
     assert await second == "queued"
     await stopping
     await worker.stop()  # idempotent
-    assert not worker._thread.is_alive()
+    assert not any(t.is_alive() for t in worker._threads)
     with pytest.raises(WorkerClosed, match="test-worker is stopped"):
         await worker.run(lambda: None)
