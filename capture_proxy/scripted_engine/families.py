@@ -33,7 +33,8 @@ from capture_proxy.tokenizer import QWEN_ADDED_TOKENS, SPECIAL_START_ID
 QWEN_SPECIAL_IDS = frozenset(
     SPECIAL_START_ID + i for i, (_, special) in enumerate(QWEN_ADDED_TOKENS) if special
 )
-_TOOL_RESPONSE = re.compile(r"\n?<tool_response>\n(.*?)\n</tool_response>\n?", re.S)
+_CODER_TOOL_RESPONSES = re.compile(r"(?:<tool_response>\n.*?\n</tool_response>\n)+", re.S)
+_CODER_TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>\n", re.S)
 
 
 @dataclass
@@ -149,8 +150,9 @@ class EngineFamily:
         from capture_proxy.scripted_engine.tokens_in import parse_chatml
 
         messages, tools = parse_chatml(self.decode(ids))
-        if tools is None and self.name == "qwen3_coder":
-            tools = _qwen3_coder_tools(messages)
+        if self.name == "qwen3_coder":
+            tools = _qwen3_coder_tools(messages) if tools is None else tools
+            messages = [t for m in messages for t in _qwen3_coder_tool_results(m)]
         return messages, tools
 
 
@@ -185,6 +187,16 @@ def _harmony_bytes(ef: EngineFamily, token_id: int) -> bytes:
     if token_id in inverse:
         return cast(bytes, inverse[token_id])
     return ef.decode([token_id]).encode("utf-8")
+
+
+def _qwen3_coder_tool_results(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Qwen3-Coder user turn of ``<tool_response>`` blocks as tool messages."""
+    content = message.get("content")
+    if message.get("role") != "user" or not isinstance(content, str):
+        return [message]
+    if not _CODER_TOOL_RESPONSES.fullmatch(content):
+        return [message]
+    return [{"role": "tool", "content": c} for c in _CODER_TOOL_RESPONSE.findall(content)]
 
 
 def _qwen3_coder_tools(messages: list[dict[str, Any]]) -> list[Any] | None:
