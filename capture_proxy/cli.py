@@ -193,6 +193,7 @@ def _scripted_engine(args: argparse.Namespace) -> int:
         policy_path=args.policy,
         template=args.template,
         max_model_len=args.max_model_len,
+        family=args.family,
     )
 
 
@@ -345,6 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
     )
     engine.add_argument("--max-model-len", type=int, default=32768)
+    engine.add_argument(
+        "--family",
+        default="qwen3",
+        choices=["qwen3", "qwen3_coder", "gpt_oss"],
+        help="model family it renders and writes as (the proxy's model_families)",
+    )
     engine.set_defaults(func=_scripted_engine)
 
     demo = sub.add_parser(

@@ -160,6 +160,18 @@ class Settings(BaseSettings):
     end_of_turn_token: str = Field(
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
+    model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss"]] = Field(
+        default_factory=dict,
+        description="exact_tokens: the model family of a model (its renderer, output parser and "
+        "turn-closing tokens, see capture_proxy.renderers): qwen3 (Hermes JSON tool calls), "
+        "qwen3_coder (XML tool calls), gpt_oss (harmony); models not named use tokenizer, "
+        "output_parser and end_of_turn_token",
+    )
+    family_tokenizers: dict[Literal["qwen3", "qwen3_coder"], Path] = Field(
+        default_factory=dict,
+        description="a local HF tokenizer directory (the model's own tokenizer and chat "
+        "template) per Qwen family; unset: the built-in Qwen tokenizer and our template",
+    )
     captures_token: SecretStr | None = Field(
         None, description="bearer token required by the /captures read API (unset: open)"
     )

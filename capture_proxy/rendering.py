@@ -21,7 +21,7 @@ import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
 
@@ -79,6 +79,22 @@ def cut_after_end_of_turn(
     if cut is None or len(full) < cut or list(full[:cut]) != list(through[:cut]):
         return None
     return list(full[cut:])
+
+
+@runtime_checkable
+class TailRenderer(Protocol):
+    """A renderer that renders only what follows a continued turn, on the caller's thread
+    (small: the new messages and the context of ``tail_context``)."""
+
+    def render_tail_sync(
+        self,
+        context: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        end_of_turn_text: str,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int] | None: ...
 
 
 class ChatRenderer(Protocol):
@@ -197,6 +213,17 @@ class LocalRenderer:
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self.tokenizer.decode(token_ids, skip_special_tokens=False))
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` without special tokens (what an engine answers)."""
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def token_id(self, token: str) -> int | None:
+        """The id of ``token`` when it is one token of the vocabulary, else None."""
+        tid = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(tid, int) or tid == self.tokenizer.unk_token_id:
+            return None
+        return tid
 
 
 def _reasoning_as_vllm_reads_it(message: Mapping[str, Any]) -> dict[str, Any]:

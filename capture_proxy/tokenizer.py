@@ -66,6 +66,7 @@ QWEN_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 TEMPLATE_FILES = {
     "keep_reasoning": "chatml_hermes.jinja",
     "drop_reasoning": "chatml_hermes_drop_reasoning.jinja",
+    "qwen3_coder": "qwen3_coder.jinja",
 }
 # Bump when the build below changes, so stale caches are not reused.
 _BUILD_REVISION = "1"
@@ -173,7 +174,8 @@ def _ensure_cached(cache_dir: Path) -> Path:
 
 
 def load_chat_template(template: str = "keep_reasoning") -> str:
-    """Jinja source of a template: ``keep_reasoning`` or ``drop_reasoning``.
+    """Jinja source of a template: ``keep_reasoning``, ``drop_reasoning`` (ChatML + Hermes) or
+    ``qwen3_coder`` (ChatML + Qwen3-Coder XML tool calls).
 
     Raises ValueError for an unknown name.
     """

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -50,6 +51,7 @@ from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.recording import TrafficRecorder, note_request, recording_middleware
 from capture_proxy.proxy.upstream import make_client_session
+from capture_proxy.renderers import load_family
 from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
@@ -272,23 +274,36 @@ def make_exact_tokens(
     settings: Settings, session: aiohttp.ClientSession, renderer: ChatRenderer | None = None
 ) -> ExactTokens:
     """Exact-token machinery from settings: a local tokenizer when ``tokenizer`` is set, else
-    the engine's ``/tokenize``. Raises RenderError when the tokenizer cannot be loaded."""
+    the engine's ``/tokenize``; each model of ``model_families`` gets its family's renderer,
+    parser and closers. Raises RenderError when a tokenizer cannot be loaded."""
     end_of_turn_ids = None
     if renderer is None and settings.tokenizer is not None:
         local = LocalRenderer.from_directory(settings.tokenizer)
-        token_id = local.tokenizer.convert_tokens_to_ids(settings.end_of_turn_token)
-        if not isinstance(token_id, int) or token_id == local.tokenizer.unk_token_id:
+        token_id = local.token_id(settings.end_of_turn_token)
+        if token_id is None:
             raise RenderError(f"end_of_turn_token {settings.end_of_turn_token!r} is not one token")
         end_of_turn_ids = frozenset({token_id})
         renderer = local
+    dialect = get_dialect(settings.tokens_in_dialect, experts_shape=settings.routed_experts_shape)
+    # One family object per family named, shared by its models (a tokenizer loads once).
+    families: dict[str, ExactTokens] = {}
+    tokenizer_dirs: dict[str, Path] = {str(k): v for k, v in settings.family_tokenizers.items()}
+    for family in sorted(set(settings.model_families.values())):
+        families[family] = ExactTokens.of_family(
+            load_family(family, tokenizer_dir=tokenizer_dirs.get(family)),
+            dialect,
+            max_model_len=settings.max_model_len,
+            full_render=settings.exact_prompt_full_render,
+        )
     return ExactTokens(
         renderer or EngineRenderer(session, settings.backend_base),
         get_parser(settings.output_parser),
-        get_dialect(settings.tokens_in_dialect, experts_shape=settings.routed_experts_shape),
+        dialect,
         max_model_len=settings.max_model_len,
         end_of_turn_ids=end_of_turn_ids,
         end_of_turn_token=settings.end_of_turn_token,
         full_render=settings.exact_prompt_full_render,
+        by_model={model: families[f] for model, f in settings.model_families.items()},
     )
 
 

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +63,11 @@ from capture_proxy.proxy.calls import (
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
+from capture_proxy.renderers import ModelFamily
 from capture_proxy.rendering import (
     ChatRenderer,
-    LocalRenderer,
     RenderError,
+    TailRenderer,
     cut_after_end_of_turn,
     tail_context,
 )
@@ -99,6 +100,7 @@ class ExactTokens:
         end_of_turn_token: str = "<|im_end|>",
         close_tokens: tuple[str, ...] = ("<|endoftext|>",),
         full_render: bool = False,
+        by_model: Mapping[str, ExactTokens] | None = None,
     ) -> None:
         self.renderer = renderer
         self.parser = parser
@@ -109,25 +111,46 @@ class ExactTokens:
         #: render every resolved call's whole conversation (the path before per-call
         #: extension; kept for comparison, e.g. ``benchmarks/long_session.py``)
         self.full_render = full_render
+        #: the model family of each model named in ``model_families`` (this one: the rest)
+        self.by_model: dict[str, ExactTokens] = dict(by_model or {})
         self._lock = asyncio.Lock()
-        local = getattr(renderer, "tokenizer", None)
-        #: decode without special tokens, when a local tokenizer is there
-        self.decode: Callable[[list[int]], str] | None = (
-            (lambda ids: str(local.decode(ids, skip_special_tokens=True)))
-            if local is not None
-            else None
-        )
+        token_id = getattr(renderer, "token_id", None)
+        #: decode without special tokens, when the renderer is local
+        self.decode: Callable[[list[int]], str] | None = getattr(renderer, "decode_text", None)
         #: other stop tokens that close a model's turn when sampled (besides end of turn)
         self._close_extra: frozenset[int] = frozenset()
-        if local is not None:
-            ids = [local.convert_tokens_to_ids(t) for t in close_tokens]
-            self._close_extra = frozenset(
-                i for i in ids if isinstance(i, int) and i != local.unk_token_id
-            )
+        if token_id is not None:
+            ids = [token_id(t) for t in close_tokens]
+            self._close_extra = frozenset(i for i in ids if isinstance(i, int))
         if dialect.needs_decode and self.decode is None:
             raise RenderError(
                 f"tokens_in_dialect {dialect.name} needs a local tokenizer (tokenizer)"
             )
+
+    @classmethod
+    def of_family(
+        cls,
+        family: ModelFamily,
+        dialect: Dialect,
+        *,
+        max_model_len: int | None = None,
+        full_render: bool = False,
+    ) -> ExactTokens:
+        """Exact tokens with a model family's renderer, parser and turn closers."""
+        return cls(
+            family.renderer,
+            family.parser,
+            dialect,
+            max_model_len=max_model_len,
+            end_of_turn_ids=frozenset({family.end_of_turn_id}),
+            end_of_turn_token=family.end_of_turn_token,
+            close_tokens=family.close_tokens,
+            full_render=full_render,
+        )
+
+    def for_model(self, model: str | None) -> ExactTokens:
+        """The exact-token machinery of ``model``'s family (this one when it has none)."""
+        return self.by_model.get(model or "", self)
 
     def close_ids(self, end_of_turn_ids: frozenset[int]) -> frozenset[int]:
         """Sampled stop tokens that close the model's turn: end of turn, and (with a local
@@ -215,7 +238,7 @@ async def _render_tail(
     ``rendering.render_tail``); None when the template does not allow it."""
     context, new = tail_context(messages, j), messages[j + 1 :]
     renderer = exact.renderer
-    if isinstance(renderer, LocalRenderer):
+    if isinstance(renderer, TailRenderer):
         # Small (the new messages and the system turn's text): cheaper on the loop than a
         # hop to a worker thread and back.
         return renderer.render_tail_sync(
@@ -350,6 +373,7 @@ async def handle_exact_tokens(
 ) -> web.StreamResponse:
     """Serve one captured call from exact tokens. Raises ProxyError."""
     body = call.prepared.body
+    exact = exact.for_model(body.get("model"))
     ctx = call.ctx
     t_ready = time.perf_counter()
     try:
@@ -370,9 +394,7 @@ async def handle_exact_tokens(
         raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
     if prompt.spliced_from is not None:
         # Verification prefers the parent the prompt was spliced from.
-        call = dataclasses.replace(
-            call, resolution=call.resolution.preferring(prompt.spliced_from)
-        )
+        call = dataclasses.replace(call, resolution=call.resolution.preferring(prompt.spliced_from))
     call = dataclasses.replace(
         call, ctx=dataclasses.replace(call.ctx, sampling=sampling_record_tokens_in(sampling))
     )
@@ -472,7 +494,12 @@ class _Generation:
                 self.deps, call, self.t0, reason, upstream.status, asm.prompt_token_ids
             )
             raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
-        parsed = self.exact.parser.parse(asm.generated_text, call.ctx.call_id)
+        parsed = self.exact.parser.parse(
+            asm.generated_text,
+            call.ctx.call_id,
+            token_ids=asm.token_ids,
+            tools=call.prepared.body.get("tools"),
+        )
         finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
         message = parsed.to_openai()
         await finish_call(self.deps, call, self.record(message, finish_reason, upstream.status))
@@ -515,7 +542,7 @@ class _Generation:
         problem: str | None = None
         done = False
         deltas: list[MessageDelta] = []
-        parser_stream = self.exact.parser.stream(ctx.call_id)
+        parser_stream = self.exact.parser.stream(ctx.call_id, call.prepared.body.get("tools"))
         decoder = SSEStreamDecoder()
         try:
             async for data in upstream.content.iter_any():
@@ -526,7 +553,7 @@ class _Generation:
                         continue
                     piece = self.reader.chunk(orjson.loads(event.data))
                     asm.add(piece)
-                    new = parser_stream.feed(piece.text)
+                    new = parser_stream.feed(piece.text, piece.token_ids)
                     deltas += new
                     if new:
                         # token data goes with the first delta of its piece

@@ -10,6 +10,7 @@ pure and live elsewhere. Must not: load the tokenizer per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import time
@@ -17,14 +18,17 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
+from capture_proxy.renderers import load_family
+from capture_proxy.rendering import LocalRenderer, RenderError
+from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.faults import Faults
-from capture_proxy.scripted_engine.generation import Generation, TokenEvent, generate, token_bytes
+from capture_proxy.scripted_engine.generation import Generation, TokenEvent
 from capture_proxy.scripted_engine.moe import MoeShape, expert_rows, vllm_routed_experts
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
@@ -43,6 +47,10 @@ class ScriptedEngineConfig:
     policy: Policy = field(default_factory=Policy.default)
     responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     tokenizer_template: str = "keep_reasoning"
+    #: the model family it renders and writes as (``capture_proxy.renderers``): qwen3
+    #: (Hermes JSON, with ``tokenizer_template``), qwen3_coder (XML tool calls), gpt_oss
+    #: (harmony); the proxy's exact-token mode renders and parses with the same objects
+    family: str = "qwen3"
     model_name: str = "scripted-qwen"
     max_model_len: int = 32768
     sse_fragment_bytes: int | None = None
@@ -86,6 +94,7 @@ CONFIG = web.AppKey("scripted_engine_config", ScriptedEngineConfig)
 CLIENT_GONE = web.AppKey("scripted_engine_client_gone", asyncio.Event)
 TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
 TEMPLATE = web.AppKey("scripted_engine_template", str)
+FAMILY = web.AppKey("scripted_engine_family", EngineFamily)
 SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
 #: chat requests failed so far by ``fail_status`` (a one-item list: app state is set once)
 FAILED_SO_FAR = web.AppKey("scripted_engine_failed_so_far", list[int])
@@ -189,29 +198,26 @@ def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_prompt(app: web.Application, body: dict[str, Any], generation_prompt: bool) -> list[int]:
-    """Prompt token ids: the template rendered to text, then encoded without extra specials.
+    """Prompt token ids, rendered by the family's renderer (the proxy's): for the Qwen
+    families the template rendered to text, then encoded without extra specials.
 
     Like vLLM (``chat_utils._postprocess_messages``), assistant tool-call arguments arrive as
     JSON strings and are parsed into objects before rendering, so the template re-serialises
     them with ``tojson`` (``json.dumps`` defaults: ``", "`` and ``": "``, UTF-8 kept)."""
     try:
-        messages = _parse_tool_arguments(body["messages"])
-        text = app[TOKENIZER].apply_chat_template(
-            messages,
-            tools=body.get("tools") or None,
-            chat_template=app[TEMPLATE],
-            add_generation_prompt=generation_prompt,
-            tokenize=False,
-        )
-    except Exception as e:  # jinja errors on malformed messages are the client's fault
+        if app[FAMILY].tokenizer is not None:
+            _parse_tool_arguments(body["messages"])  # the 400 vLLM gives for bad arguments
+        return app[FAMILY].render(body["messages"], body.get("tools"), generation_prompt)
+    except RequestError:
+        raise
+    except (RenderError, Exception) as e:  # template errors are the client's fault
         raise RequestError(f"cannot render messages: {e}", "messages") from e
-    return app[TOKENIZER].encode(text, add_special_tokens=False)
 
 
-def _logprob_entry(tok: PreTrainedTokenizerFast, e: TokenEvent, top: int, as_ids: bool) -> dict:
+def _logprob_entry(family: EngineFamily, e: TokenEvent, top: int, as_ids: bool) -> dict:
     def one(tid: int, lp: float) -> dict[str, Any]:
-        text = f"token_id:{tid}" if as_ids else tok.decode([tid])
-        return {"token": text, "logprob": lp, "bytes": list(token_bytes(tok, tid))}
+        text = f"token_id:{tid}" if as_ids else family.decode([tid])
+        return {"token": text, "logprob": lp, "bytes": list(family.token_bytes(tid))}
 
     alts = [one(e.token_id, e.logprob)] + [
         one((e.token_id + j) % 151643, e.logprob - j) for j in range(1, top)
@@ -269,11 +275,14 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     seed = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
     max_tokens = min(max_tokens or cfg.max_model_len, cfg.max_model_len - len(prompt))
+    family, tools = app[FAMILY], body.get("tools")
     if cfg.responder is not None:
-        gen = generate(app[TOKENIZER], cfg.responder(body), max_tokens)
+        gen = family.generate(cfg.responder(body), max_tokens, tools=tools, id_seed=seed)
     else:
         message = step.assistant_message(seed)
-        gen = generate(app[TOKENIZER], message, max_tokens, token_split=step.token_split)
+        gen = family.generate(
+            message, max_tokens, token_split=step.token_split, tools=tools, id_seed=seed
+        )
     stream = body.get("stream") is True
     app[SENT_CALLS].append(
         SentCall(
@@ -439,7 +448,7 @@ def _faulty_entries(app: web.Application, e: TokenEvent, k: int, opts: _Options)
     faults = app[CONFIG].faults
     if faults.drop_logprob_at == k:
         return []
-    entry = _logprob_entry(app[TOKENIZER], e, opts.top, opts.as_ids)
+    entry = _logprob_entry(app[FAMILY], e, opts.top, opts.as_ids)
     if faults.nan_logprob_at == k:
         entry["logprob"] = None
     return [entry]
@@ -461,7 +470,7 @@ async def tokenize(request: web.Request) -> web.Response:
         generation_prompt = body.get("add_generation_prompt", True) is not False
         ids = render_prompt(app, {**body, "messages": messages}, generation_prompt)
     elif isinstance(body.get("prompt"), str):
-        ids = app[TOKENIZER].encode(body["prompt"], add_special_tokens=False)
+        ids = app[FAMILY].encode(body["prompt"])
     else:
         raise RequestError("give messages or a string prompt", "prompt")
     return web.json_response(
@@ -469,7 +478,11 @@ async def tokenize(request: web.Request) -> web.Response:
             "count": len(ids),
             "max_model_len": app[CONFIG].max_model_len,
             "tokens": ids,
-            "token_strs": app[TOKENIZER].convert_ids_to_tokens(ids),
+            "token_strs": (
+                app[TOKENIZER].convert_ids_to_tokens(ids)
+                if app[FAMILY].tokenizer is not None
+                else [app[FAMILY].decode([i]) for i in ids]
+            ),
         }
     )
 
@@ -478,13 +491,13 @@ async def detokenize(request: web.Request) -> web.Response:
     """``POST /detokenize``: ``{tokens: [int]}`` -> ``{prompt: str}``."""
     body = await _json_body(request)
     ids = body.get("tokens")
-    vocab = len(request.app[TOKENIZER])
+    vocab = request.app[FAMILY].vocab_size
     _check(
         isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids),
         "tokens must be a list of token ids",
         "tokens",
     )
-    return web.json_response({"prompt": request.app[TOKENIZER].decode(ids)})
+    return web.json_response({"prompt": request.app[FAMILY].decode(cast(list[int], ids))})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -522,6 +535,7 @@ def build_scripted_engine_app(
     app[CONFIG] = config
     app[TEMPLATE] = load_chat_template(config.tokenizer_template)
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
+    app[FAMILY] = engine_family(config, app[TOKENIZER])
     app[SENT_CALLS] = []
     app[FAILED_SO_FAR] = [0]
     app[CLIENT_GONE] = asyncio.Event()
@@ -536,6 +550,19 @@ def build_scripted_engine_app(
     return app
 
 
+def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFast) -> EngineFamily:
+    """The engine's family, sharing ``tokenizer`` (the Qwen families). Raises ValueError for
+    an unknown family or template."""
+    try:
+        family = load_family(config.family, tokenizer=tokenizer)
+    except RenderError as exc:
+        raise ValueError(str(exc)) from exc
+    if config.family == "qwen3":
+        template = load_chat_template(config.tokenizer_template)
+        family = dataclasses.replace(family, renderer=LocalRenderer(tokenizer, template))
+    return EngineFamily(family, tokenizer if config.family != "gpt_oss" else None)
+
+
 def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
     """Serve the engine until interrupted (blocking; for the CLI)."""
     # A deep listen queue, like uvicorn's 2048: thousands of rollouts connect at once.
@@ -548,11 +575,12 @@ def run_scripted_engine_cli(
     policy_path: Path | None,
     template: str = "keep_reasoning",
     max_model_len: int = 32768,
+    family: str = "qwen3",
 ) -> int:
     """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one)."""
     policy = Policy.load(policy_path) if policy_path is not None else Policy.default()
     config = ScriptedEngineConfig(
-        policy=policy, tokenizer_template=template, max_model_len=max_model_len
+        policy=policy, tokenizer_template=template, max_model_len=max_model_len, family=family
     )
     run_scripted_engine(host, port, config)
     return 0

@@ -28,32 +28,25 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
-from transformers import PreTrainedTokenizerFast
 
 from capture_proxy.scripted_engine.app import (
     CONFIG,
+    FAMILY,
     SENT_CALLS,
-    TOKENIZER,
     RequestError,
     SentCall,
 )
-from capture_proxy.scripted_engine.generation import (
-    Generation,
-    generate,
-    synthetic_logprob,
-    token_bytes,
-)
+from capture_proxy.scripted_engine.families import QWEN_SPECIAL_IDS, EngineFamily
+from capture_proxy.scripted_engine.generation import Generation, synthetic_logprob
 from capture_proxy.scripted_engine.moe import (
     expert_rows,
     sglang_routed_experts,
     vllm_routed_experts,
 )
-from capture_proxy.tokenizer import IM_END_ID, QWEN_ADDED_TOKENS, SPECIAL_START_ID
+from capture_proxy.tokenizer import SPECIAL_START_ID
 
-#: Ids of the tokens ``skip_special_tokens`` drops (``<tool_call>``, ``<think>``... stay).
-SPECIAL_IDS = frozenset(
-    SPECIAL_START_ID + i for i, (_, special) in enumerate(QWEN_ADDED_TOKENS) if special
-)
+#: Ids of the Qwen tokens ``skip_special_tokens`` drops (``<tool_call>``, ``<think>``... stay).
+SPECIAL_IDS = QWEN_SPECIAL_IDS
 TOOLS_HEADER = "# Tools\n\nYou may call one or more functions"
 _TOOL_RESPONSES = re.compile(r"(?:\n<tool_response>\n.*?\n</tool_response>)+", re.S)
 _TOOL_RESPONSE = re.compile(r"\n<tool_response>\n(.*?)\n</tool_response>", re.S)
@@ -164,16 +157,18 @@ class TokensOut:
 
 def scripted_generation(app: web.Application, prompt: list[int]) -> Generation:
     """The full (untruncated) generation the chat endpoint would give for this prompt."""
-    cfg, tok = app[CONFIG], app[TOKENIZER]
-    messages, tools = parse_chatml(cast(str, tok.decode(prompt)))
+    cfg, family = app[CONFIG], app[FAMILY]
+    messages, tools = family.read_prompt(prompt)
     seed = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
     if cfg.responder is not None:
         body: dict[str, Any] = {"model": cfg.model_name, "messages": messages}
         if tools is not None:
             body["tools"] = tools
-        return generate(tok, cfg.responder(body), None)
+        return family.generate(cfg.responder(body), None, id_seed=seed)
     step = cfg.policy.choose(messages, tools is not None)
-    return generate(tok, step.assistant_message(seed), None, token_split=step.token_split)
+    return family.generate(
+        step.assistant_message(seed), None, token_split=step.token_split, id_seed=seed
+    )
 
 
 def run_generation(
@@ -189,8 +184,9 @@ def run_generation(
     """Sample (replay) the scripted tokens until ``<|im_end|>``, a stop token id, a stop string
     or ``max_tokens``. ``keep_stop``: keep the matched stop string / token text in the text
     (vLLM ``include_stop_str_in_output``, SGLang ``no_stop_trim``)."""
-    tok = app[TOKENIZER]
+    family = app[FAMILY]
     gen = scripted_generation(app, prompt)
+    special_ids, stop_ids = family.special_ids, family.stop_ids
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     ids: list[int] = []
     lps: list[float] = []
@@ -201,14 +197,14 @@ def run_generation(
         tid = e.token_id
         ids.append(tid)
         lps.append(e.logprob)
-        shown = not (skip_special_tokens and tid in SPECIAL_IDS)
-        if tid == IM_END_ID or tid in stop_token_ids:
+        shown = not (skip_special_tokens and tid in special_ids)
+        if tid in stop_ids or tid in stop_token_ids:
             finish, matched = "stop", tid
             if keep_stop and shown:
-                text += decoder.decode(token_bytes(tok, tid))
+                text += decoder.decode(family.token_bytes(tid))
             texts.append(text)
             break
-        piece = decoder.decode(token_bytes(tok, tid)) if shown else ""
+        piece = decoder.decode(family.token_bytes(tid)) if shown else ""
         text += piece
         hit = _find_stop(text, len(text) - len(piece), stop)
         texts.append(text)
@@ -346,7 +342,7 @@ def _moe_rows(
 
 
 def _vllm_prompt(app: web.Application, body: dict[str, Any]) -> list[int]:
-    tok, vocab = app[TOKENIZER], len(app[TOKENIZER])
+    tok, vocab = app[FAMILY], len(app[FAMILY])
     p = body.get("prompt")
     if isinstance(p, str) and p:
         return list(tok.encode(p, add_special_tokens=True))
@@ -372,7 +368,7 @@ def _vllm_prompt_len_check(app: web.Application, prompt: list[int], max_tokens: 
 
 
 def _completion_logprobs(
-    tok: PreTrainedTokenizerFast,
+    tok: EngineFamily,
     out: TokensOut,
     lo: int,
     hi: int,
@@ -438,7 +434,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     keep = _get(body, "include_stop_str_in_output", "bool", False, f)
     skip = _get(body, "skip_special_tokens", "bool", True, f)
     stop = _stop_list(body.get("stop"), "stop", f)
-    stop_ids = _id_list(body.get("stop_token_ids"), "stop_token_ids", len(app[TOKENIZER]), f)
+    stop_ids = _id_list(body.get("stop_token_ids"), "stop_token_ids", len(app[FAMILY]), f)
     prompt = _vllm_prompt(app, body)
     _vllm_prompt_len_check(app, prompt, max_tokens)
     limit = app[CONFIG].max_model_len - len(prompt)
@@ -452,8 +448,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
         keep_stop=keep,
     )
     _record(app, body, out, stream)
-    tok = app[TOKENIZER]
-    stop_reason = None if out.matched == IM_END_ID else out.matched
+    tok = app[FAMILY]
+    stop_reason = None if out.matched in app[FAMILY].stop_ids else out.matched
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
@@ -547,7 +543,7 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
     body = await _json(request, _vllm_fail)
     _check_fault(app)
     f = _vllm_fail
-    vocab = len(app[TOKENIZER])
+    vocab = len(app[FAMILY])
     ids = body.get("token_ids")
     if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab for t in ids)):
         raise RequestError("token_ids must be a non-empty list of token ids", "token_ids")
@@ -632,7 +628,7 @@ class SglangError(ValueError):
 
 
 def _sglang_logprobs(
-    tok: PreTrainedTokenizerFast, pairs: Sequence[tuple[int, float | None]], with_text: bool
+    tok: EngineFamily, pairs: Sequence[tuple[int, float | None]], with_text: bool
 ) -> list[list[Any]]:
     return [[lp, tid, tok.decode([tid]) if with_text else None] for tid, lp in pairs]
 
@@ -641,7 +637,7 @@ def _sglang_meta(
     app: web.Application, out: TokensOut, k: int, rid: str, opts: dict[str, Any], t0: float
 ) -> dict[str, Any]:
     """``meta_info`` after token ``k`` (cumulative, as SGLang sends by default)."""
-    tok = app[TOKENIZER]
+    tok = app[FAMILY]
     done = k == len(out.ids) - 1
     finish: dict[str, Any] | None = None
     if done:
@@ -691,7 +687,7 @@ def _sglang_meta(
 
 def _sglang_opts(app: web.Application, body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
     f = SglangError
-    tok, vocab = app[TOKENIZER], len(app[TOKENIZER])
+    tok, vocab = app[FAMILY], len(app[FAMILY])
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise SglangError("Either text or input_ids should be provided.", "input_ids")

@@ -2,7 +2,10 @@
 
 One small interface (``OutputParser``: ``stream()`` gives an incremental parser; ``parse`` is
 feeding the whole text at once, so streamed deltas always concatenate to the non-streamed
-message). Adding a family (DeepSeek, GLM, gpt-oss) is adding one module and one registry entry.
+message). Adding a family (DeepSeek, GLM) is adding one module and one registry entry.
+Families: ``qwen`` / ``qwen3`` (Hermes JSON tool calls, ``qwen``), ``qwen3_coder`` (XML tool
+calls, ``qwen3_coder``), ``gpt_oss`` (harmony, ``harmony``: built with its encoding, see
+``capture_proxy.renderers``).
 """
 
 from capture_proxy.core.parsers.base import (
@@ -13,8 +16,14 @@ from capture_proxy.core.parsers.base import (
     tool_call_id,
 )
 from capture_proxy.core.parsers.qwen import QwenHermesParser
+from capture_proxy.core.parsers.qwen3_coder import Qwen3CoderParser
 
-PARSERS: dict[str, OutputParser] = {"qwen": QwenHermesParser()}
+#: parsers that need nothing but their module (gpt_oss needs its encoding)
+PARSERS: dict[str, OutputParser] = {
+    "qwen": QwenHermesParser(),
+    "qwen3": QwenHermesParser(),
+    "qwen3_coder": Qwen3CoderParser(),
+}
 
 
 def get_parser(family: str) -> OutputParser:
@@ -30,6 +39,7 @@ __all__ = [
     "MessageDelta",
     "OutputParser",
     "ParsedMessage",
+    "Qwen3CoderParser",
     "QwenHermesParser",
     "StreamParser",
     "get_parser",

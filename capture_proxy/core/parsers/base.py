@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,20 +54,32 @@ class MessageDelta:
 
 
 class StreamParser(Protocol):
-    def feed(self, text: str) -> list[MessageDelta]:
-        """Text as it is generated; returns what can be decided, holding back only what the
-        parser must see more of (a partial ``<tool_call>``)."""
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
+        """Text as it is generated, with the token ids it came from (text parsers read the
+        text, token parsers such as harmony's the ids); returns what can be decided, holding
+        back only what the parser must see more of (a partial ``<tool_call>``)."""
 
     def finish(self) -> list[MessageDelta]:
         """End of generation: flush whatever was held back."""
 
 
 class OutputParser(Protocol):
+    """``tools``: the request's tools (OpenAI shape), for formats whose argument types come
+    from the schema (Qwen3-Coder's XML parameters); ``token_ids``: the generated ids, for
+    formats parsed from tokens (harmony)."""
+
     family: str
 
-    def stream(self, id_seed: str) -> StreamParser: ...
+    def stream(self, id_seed: str, tools: Sequence[Any] | None = None) -> StreamParser: ...
 
-    def parse(self, text: str, id_seed: str) -> ParsedMessage: ...
+    def parse(
+        self,
+        text: str,
+        id_seed: str,
+        *,
+        token_ids: Sequence[int] = (),
+        tools: Sequence[Any] | None = None,
+    ) -> ParsedMessage: ...
 
 
 def apply_deltas(deltas: list[MessageDelta]) -> ParsedMessage:

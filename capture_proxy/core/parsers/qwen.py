@@ -16,6 +16,7 @@ not part of the text this parser sees.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from capture_proxy.core.parsers.base import MessageDelta, ParsedMessage, apply_deltas, tool_call_id
@@ -33,7 +34,11 @@ def _held_suffix(buf: str, marker: str) -> int:
 
 
 class QwenHermesStream:
-    """Incremental parser for one generation (see the module docstring)."""
+    """Incremental parser for one generation (see the module docstring). Subclasses change
+    the tool-call body (``parse_call``) and the separator between content and the first call
+    (``CONTENT_SEPARATOR``)."""
+
+    CONTENT_SEPARATOR = "\n"
 
     def __init__(self, id_seed: str) -> None:
         self.id_seed = id_seed
@@ -42,7 +47,7 @@ class QwenHermesStream:
         self.num_calls = 0
         self.pending_newlines = 0  # newlines still to skip after "</think>"
 
-    def feed(self, text: str) -> list[MessageDelta]:
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
         self.buf += text
         out: list[MessageDelta] = []
         while self._step(out, final=False):
@@ -116,12 +121,16 @@ class QwenHermesStream:
         return False
 
     def _until(self, out: list[MessageDelta], marker: str, kind: str, final: bool) -> bool:
-        """Emit text of ``kind`` up to ``marker`` (one newline before it is markup)."""
+        """Emit text of ``kind`` up to ``marker`` (the separator before it is markup: one
+        newline, or ``CONTENT_SEPARATOR`` before the first tool call)."""
         buf = self.buf
+        sep = self.CONTENT_SEPARATOR if kind == "content" else "\n"
         idx = buf.find(marker)
         if idx >= 0:
             text = buf[:idx]
-            if text.endswith("\n"):
+            if text.endswith(sep):
+                text = text[: -len(sep)]
+            elif text.endswith("\n"):
                 text = text[:-1]
             self._emit(out, kind, text)
             self.buf = buf[idx + len(marker) :]
@@ -132,7 +141,7 @@ class QwenHermesStream:
             return True
         if final:
             return False
-        held = max(_held_suffix(buf, "\n" + marker), _held_suffix(buf, marker))
+        held = max(_held_suffix(buf, sep + marker), _held_suffix(buf, marker))
         safe = len(buf) - held
         if safe > 0:
             self._emit(out, kind, buf[:safe])
@@ -147,7 +156,7 @@ class QwenHermesStream:
             )
 
     def _emit_tool_call(self, out: list[MessageDelta], body: str) -> None:
-        parsed = _parse_call(body.strip("\n"))
+        parsed = self.parse_call(body.strip("\n"))
         if parsed is None:
             out.append(MessageDelta(content=TC_OPEN + body + TC_CLOSE))
             return
@@ -166,6 +175,10 @@ class QwenHermesStream:
         )
         out.append(MessageDelta(tool_call={"index": index, "function": {"arguments": arguments}}))
 
+    def parse_call(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments JSON text) of one tool-call body, None when it is not one."""
+        return _parse_call(body)
+
 
 def _parse_call(body: str) -> tuple[str, str] | None:
     try:
@@ -182,9 +195,16 @@ def _parse_call(body: str) -> tuple[str, str] | None:
 class QwenHermesParser:
     family = "qwen"
 
-    def stream(self, id_seed: str) -> QwenHermesStream:
+    def stream(self, id_seed: str, tools: Sequence[Any] | None = None) -> QwenHermesStream:
         return QwenHermesStream(id_seed)
 
-    def parse(self, text: str, id_seed: str) -> ParsedMessage:
+    def parse(
+        self,
+        text: str,
+        id_seed: str,
+        *,
+        token_ids: Sequence[int] = (),
+        tools: Sequence[Any] | None = None,
+    ) -> ParsedMessage:
         stream = self.stream(id_seed)
         return apply_deltas([*stream.feed(text), *stream.finish()])
