@@ -114,6 +114,12 @@ def _serve(args: argparse.Namespace) -> int:
     )
     port_file: Path | None = args.port_file
     if port_file is not None:
+        if not port_file.parent.is_dir():
+            print(
+                f"capture-proxy: --port-file {port_file}: no directory {port_file.parent}",
+                file=sys.stderr,
+            )
+            return 2
         # A stale number from an earlier run must not be read as this run's port.
         port_file.unlink(missing_ok=True)
     try:
@@ -131,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
             settings.store,
             synchronous=settings.store_synchronous,
             pool_size=settings.store_pool_size,
+            read_only=args.read_only,
         )
     except StoreError as exc:
         sock.close()
@@ -147,10 +154,11 @@ def _serve(args: argparse.Namespace) -> int:
         # Called once the store is open and the socket listens.
         if port_file is not None:
             write_port_file(port_file, port)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
         print(
-            f"capture-proxy: serving on http://{settings.host}:{port} -> "
+            f"capture-proxy: serving on http://{host}:{port} -> "
             f"{target}, store {settings.store_label}; viewer at "
-            f"http://{settings.host}:{port}/captures/ui/",
+            f"http://{host}:{port}/captures/ui/",
             flush=True,
         )
 

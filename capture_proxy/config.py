@@ -323,6 +323,24 @@ class Settings(BaseSettings):
         return (init_settings, env_settings)
 
 
+#: CAPTURE_PROXY_* variables that are not settings: the config file's path, and the ones the
+#: test suite and tools read (the e2e tier's engine URL, a harness binary override).
+ENV_NOT_SETTINGS = frozenset(
+    {
+        "CAPTURE_PROXY_CONFIG",
+        "CAPTURE_PROXY_CACHE",
+        "CAPTURE_PROXY_VLLM_URL",
+        "CAPTURE_PROXY_VLLM_MODEL",
+        "CAPTURE_PROXY_VIEWER_DOCS",
+        "CAPTURE_PROXY_PG_BIN",
+        "CAPTURE_PROXY_HAPROXY",
+        "CAPTURE_PROXY_CODEX_KEY",
+        "CAPTURE_PROXY_BASE_IMAGE",
+        "CAPTURE_PROXY_IMAGE",
+    }
+)
+
+
 def load_settings(cli_values: dict[str, Any], config_file: Path | None = None) -> Settings:
     """Merge defaults < config file < environment < CLI values, validate, and freeze.
 
@@ -343,6 +361,17 @@ def load_settings(cli_values: dict[str, Any], config_file: Path | None = None) -
         unknown = sorted(set(file_values) - set(Settings.model_fields))
         if unknown:
             raise ConfigError(f"config file {config_file}: unknown setting(s) {', '.join(unknown)}")
+    known_env = {f"CAPTURE_PROXY_{name.upper()}" for name in Settings.model_fields}
+    # A misspelt variable (CAPTURE_PROXY_PROXY_TOKN) must not quietly leave a setting unset.
+    unknown_env = sorted(
+        k for k in os.environ if k.startswith("CAPTURE_PROXY_") and k not in known_env
+        and k not in ENV_NOT_SETTINGS
+    )
+    if unknown_env:
+        raise ConfigError(
+            f"unknown environment variable(s) {', '.join(unknown_env)}: CAPTURE_PROXY_<NAME> "
+            "must name a setting (see configs/capture-proxy.toml)"
+        )
     env_names = {
         name for name in Settings.model_fields if f"CAPTURE_PROXY_{name.upper()}" in os.environ
     }

@@ -30,6 +30,11 @@ class RenderError(ValueError):
     """The conversation cannot be rendered (template error, engine refused); names the cause."""
 
 
+class RendererUnavailable(RenderError):
+    """The engine that renders could not be reached (or answered with a server error): the
+    caller gets a 502, not a 400; the conversation itself may be fine."""
+
+
 def parse_tool_arguments(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Copy of ``messages`` with assistant tool-call ``arguments`` strings parsed as JSON.
     Raises RenderError when an argument string is not JSON (vLLM answers 400 then too)."""
@@ -268,9 +273,15 @@ class EngineRenderer:
                 self.backend + "/tokenize", json=body, timeout=self.timeout, auto_decompress=True
             ) as resp:
                 data = await resp.json(content_type=None)
+                if resp.status >= 500:
+                    raise RendererUnavailable(f"engine /tokenize answered {resp.status}: {data}")
                 if resp.status != 200:
                     raise RenderError(f"engine /tokenize answered {resp.status}: {data}")
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise RendererUnavailable(
+                f"engine /tokenize at {self.backend} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        except ValueError as exc:
             raise RenderError(f"engine /tokenize failed: {type(exc).__name__}: {exc}") from exc
         tokens = data.get("tokens") if isinstance(data, dict) else None
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):

@@ -36,6 +36,8 @@ REPLAYED_HEADERS = frozenset(
         "anthropic-beta",
         "session_id",
         "originator",
+        # a harness's own retry signal: a replayed retry is a retry again
+        "x-stainless-retry-count",
     }
 )
 

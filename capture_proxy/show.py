@@ -17,7 +17,7 @@ from rich.text import Text
 
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.summary import link_stats
-from capture_proxy.core.view.rollouts import RolloutRow, rollout_row
+from capture_proxy.core.view.rollouts import RolloutRow, format_reward, rollout_row
 from capture_proxy.core.view.tree import TreeRow, build_tree
 from capture_proxy.store.sqlite import SQLiteStore
 
@@ -51,7 +51,7 @@ def rollouts_table(rows: list[RolloutRow]) -> Table:
             str(r.num_chains),
             str(r.refused_links or ""),
             "yes" if r.incomplete else "no",
-            _dash(r.reward),
+            format_reward(r.reward),
             r.age,
             ", ".join(r.diagnostic_kinds),
         )
@@ -98,7 +98,7 @@ def tree_table(rollout_id: str, rows: list[TreeRow], title: str) -> Table:
 
 async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int:
     """Print the listing, or one rollout; returns the exit status (1: unknown rollout)."""
-    store = SQLiteStore(store_dir)
+    store = SQLiteStore(store_dir, exclusive=False)  # a reader beside a running proxy
     await store.open()
     try:
         now = time.time()
@@ -150,7 +150,7 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
         f"calls {row.num_calls} · chains {tree.num_chains} · branches {tree.num_branches} · "
         f"resolved {stats['links_resolved']} · refused {tree.num_refused}"
         f"{f' ({refused})' if refused else ''} · retries {tree.num_retries} · "
-        f"reward {_dash(row.reward)} · age {row.age}"
+        f"reward {format_reward(row.reward)} · age {row.age}"
     )
     console.print(tree_table(rollout_id, tree.rows, "chains"))
     if tree.unlinked:

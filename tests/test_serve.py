@@ -86,3 +86,38 @@ def test_a_public_host_without_a_read_api_token_is_refused(tmp_path: Path):
     assert "serving on" not in out
     assert "captures_token" in err and "--insecure-read-api" in err
     assert "allow_unauthenticated_read_api" in err
+
+
+def test_a_port_file_in_a_missing_directory_is_a_clear_error(tmp_path: Path):
+    proc = _serve("--port", "0", "--port-file", str(tmp_path / "nodir" / "p"),
+                  "--store", str(tmp_path / "s"))  # fmt: skip
+    out, err = proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 2 and out == ""
+    assert "--port-file" in err and "nodir" in err and "Traceback" not in err
+
+
+def test_a_second_proxy_on_the_same_store_refuses_to_start(tmp_path: Path):
+    first = _serve("--port", "0", "--store", str(tmp_path / "s"))
+    try:
+        assert first.stdout is not None
+        assert first.stdout.readline().startswith("capture-proxy: serving on")
+        second = _serve("--port", "0", "--store", str(tmp_path / "s"))
+        out, err = second.communicate(timeout=START_DEADLINE_S)
+        assert second.returncode == 2 and "serving on" not in out
+        assert f"is in use by pid {first.pid}" in err and "postgresql://" in err
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=START_DEADLINE_S)
+
+
+def test_a_misspelt_environment_variable_stops_start_up(tmp_path: Path):
+    import os
+
+    env = {**os.environ, "CAPTURE_PROXY_PROXY_TOKN": "secret"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "capture_proxy.cli", "serve", "--backend", "http://127.0.0.1:9",
+         "--port", "0", "--store", str(tmp_path / "s")],
+        capture_output=True, text=True, env=env, timeout=START_DEADLINE_S,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "CAPTURE_PROXY_PROXY_TOKN" in proc.stderr

@@ -163,12 +163,21 @@ class _Steps:
         self.add(step)
 
 
+#: Diagnostics that record what happened without any token data missing or altered: a retry
+#: (the harness asked again; the superseded call is kept aside) and a rewritten harness note.
+NOT_GAPS = frozenset({"retry", "harness_note_rewritten"})
+
+
 def gaps(
     records: list[CallRecord], rollout_diagnostics: list[dict[str, Any]], incomplete: bool
 ) -> list[dict[str, Any]]:
-    """Every gap of a rollout: each call diagnostic, each rollout-level one, incompleteness."""
+    """Every gap of a rollout: each call diagnostic (but the ``NOT_GAPS`` ones), each
+    rollout-level one, incompleteness."""
     out: list[dict[str, Any]] = [
-        {"call_id": r.call_id, "kind": str(d.kind)} for r in records for d in r.diagnostics
+        {"call_id": r.call_id, "kind": str(d.kind)}
+        for r in records
+        for d in r.diagnostics
+        if d.kind not in NOT_GAPS
     ]
     out += [{"call_id": None, "kind": d["kind"]} for d in rollout_diagnostics]
     if incomplete and not any(g["kind"] == "capture_incomplete" for g in out):

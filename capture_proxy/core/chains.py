@@ -158,4 +158,13 @@ def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChain
             stack.extend(reversed(children.get(node.call_id, [])))
         chains.append(Chain(chain_id=root.call_id, calls=ordered, parent_of=edges))
     unlinked = sorted((r for r in records if r.call_id not in parent_of), key=_order_key)
+    # A call that never got into a chain (cut off, failed) and that the harness retried is
+    # superseded by its latest retry, as a linkable member of a retry group is.
+    retried_by: dict[str, str] = {}
+    for r in sorted(records, key=_order_key):
+        if r.retry_of is not None:
+            retried_by[r.retry_of] = r.call_id
+    for r in unlinked:
+        if r.call_id not in superseded and r.call_id in retried_by:
+            superseded[r.call_id] = retried_by[r.call_id]
     return RolloutChains(rollout_id, chains, unlinked, superseded)

@@ -34,10 +34,10 @@ from capture_proxy.proxy.calls import (
     InFlightCall,
     new_call_id,
 )
-from capture_proxy.proxy.errors import BadRequest
+from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable
 from capture_proxy.proxy.exact import ExactTokens, handle_exact_tokens
 from capture_proxy.proxy.template import handle_template
-from capture_proxy.rendering import ChatRenderer, RenderError
+from capture_proxy.rendering import ChatRenderer, RenderError, RendererUnavailable
 
 log = logging.getLogger("capture_proxy")
 
@@ -219,6 +219,8 @@ async def handle_count_tokens(
             add_generation_prompt=True,
             chat_template_kwargs=chat.get("chat_template_kwargs"),
         )
+    except RendererUnavailable as exc:
+        raise UpstreamUnavailable(str(exc), code="engine_unreachable") from exc
     except RenderError as exc:
         raise BadRequest(str(exc), param="messages", code="render_failed") from exc
     return web.json_response({"input_tokens": len(ids)})

@@ -32,6 +32,9 @@ from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.core.fronts import error_front
+from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
+
 log = logging.getLogger("capture_proxy")
 
 
@@ -106,8 +109,23 @@ ErrorShape = Callable[..., dict[str, Any]]
 ERROR_SHAPE_KEY: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")
 
 
+def _shape_of_path(request: web.Request) -> ErrorShape | None:
+    """The error shape a request's path asks for before any handler ran (a 401 from the auth
+    middleware, a 413): an Anthropic client on ``.../v1/messages`` reads Anthropic's shape."""
+    try:
+        target = route(request.raw_path.split("?", 1)[0])
+    except InvalidRolloutId:
+        return None
+    if target.kind is not RouteKind.CAPTURE:
+        return None
+    front = error_front(target.upstream_path)
+    return front.error_body if front is not None else None
+
+
 def error_response(exc: ProxyError, request: web.Request | None = None) -> web.Response:
-    shape = request.get(ERROR_SHAPE_KEY) if request is not None else None
+    shape = None
+    if request is not None:
+        shape = request.get(ERROR_SHAPE_KEY) or _shape_of_path(request)
     if shape is not None:
         body = shape(
             exc.status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code

@@ -67,6 +67,7 @@ from capture_proxy.renderers import ModelFamily
 from capture_proxy.rendering import (
     ChatRenderer,
     RenderError,
+    RendererUnavailable,
     TailRenderer,
     cut_after_end_of_turn,
     tail_context,
@@ -388,6 +389,8 @@ async def handle_exact_tokens(
         sampling = sampling_from_chat(
             body, num_prompt_tokens=int(prompt.token_ids.shape[0]), max_model_len=max_model_len
         )
+    except RendererUnavailable as exc:
+        raise UpstreamUnavailable(str(exc), code="engine_unreachable") from exc
     except RenderError as exc:
         raise BadRequest(str(exc), param="messages", code="render_failed") from exc
     except SamplingError as exc:

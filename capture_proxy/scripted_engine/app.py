@@ -566,7 +566,18 @@ def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFa
 def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
     """Serve the engine until interrupted (blocking; for the CLI)."""
     # A deep listen queue, like uvicorn's 2048: thousands of rollouts connect at once.
-    web.run_app(build_scripted_engine_app(config), host=host, port=port, print=None, backlog=4096)
+    shown = f"[{host}]" if ":" in host else host
+    web.run_app(
+        build_scripted_engine_app(config),
+        host=host,
+        port=port,
+        # aiohttp prints this once the socket listens
+        print=lambda _: print(
+            f"scripted-engine: serving on http://{shown}:{port} (family {config.family})",
+            flush=True,
+        ),
+        backlog=4096,
+    )
 
 
 def run_scripted_engine_cli(

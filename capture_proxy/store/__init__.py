@@ -24,12 +24,15 @@ def open_store(
     *,
     synchronous: Literal["full", "normal"] = "full",
     pool_size: int = 8,
+    read_only: bool = False,
 ) -> CaptureStore:
     """The store at ``location``: a ``postgresql://`` URL, else an embedded store directory
-    (``synchronous`` applies to SQLite, ``pool_size`` to PostgreSQL). Not opened yet."""
+    (``synchronous`` applies to SQLite, ``pool_size`` to PostgreSQL; ``read_only``: an
+    embedded store opened beside the proxy that writes it, without its writer lock). Not
+    opened yet."""
     if isinstance(location, str) and is_postgres_url(location):
         return PostgresStore(location, pool_size=pool_size)
-    return SQLiteStore(Path(location), synchronous=synchronous)
+    return SQLiteStore(Path(location), synchronous=synchronous, exclusive=not read_only)
 
 
 __all__ = [

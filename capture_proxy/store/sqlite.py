@@ -53,13 +53,15 @@ v2 records' whole messages are re-split against their prompt parents' (``rebase_
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
+import os
 import sqlite3
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 from capture_proxy.core.codec import (
     COLUMNS,
@@ -93,6 +95,8 @@ from capture_proxy.store.base import (
 from capture_proxy.store.worker import WorkerThread
 
 DB_FILE_NAME = "captures.sqlite3"
+#: Held (flock, exclusive) by the one process that writes the store; names its pid.
+WRITER_LOCK_NAME = "writer.lock"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records,
 #: 4 added the lifecycle (snapshots, late calls, metadata, retirements).
 LAYOUT_VERSION = 4
@@ -373,10 +377,19 @@ class SQLiteStore:
     #: One process owns the store: its caches are never stale.
     shared = False
 
-    def __init__(self, path: Path, *, synchronous: Literal["full", "normal"] = "full") -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        synchronous: Literal["full", "normal"] = "full",
+        exclusive: bool = True,
+    ) -> None:
         """``synchronous``: SQLite's mode for the WAL. ``full`` (the default) fsyncs every
         commit, so a returned ``put_call`` survives a power loss; ``normal`` survives a crash
-        of this process but not of the machine (see ``Settings.store_synchronous``)."""
+        of this process but not of the machine (see ``Settings.store_synchronous``).
+        ``exclusive``: hold the store's writer lock while open, so a second proxy on the same
+        directory refuses to start (``open`` raises StoreError) rather than keep a link index
+        blind to the other's calls; False for readers (``serve --read-only``, ``show``)."""
         if synchronous not in ("full", "normal"):
             raise ValueError(f"synchronous: expected 'full' or 'normal', got {synchronous!r}")
         self.synchronous = synchronous
@@ -387,6 +400,8 @@ class SQLiteStore:
         self._reader: WorkerThread | None = None
         self._wdb: sqlite3.Connection | None = None  # writer thread only
         self._rdb: sqlite3.Connection | None = None  # reader thread only
+        self.exclusive = exclusive
+        self._lock_file: IO[str] | None = None
 
     # --- threads -------------------------------------------------------------------------
 
@@ -414,9 +429,42 @@ class SQLiteStore:
 
     # --- open / close --------------------------------------------------------------------
 
+    def _take_writer_lock(self) -> None:
+        """An exclusive advisory lock on ``<store>/writer.lock`` (released by the kernel when
+        the process ends, also on SIGKILL). Raises StoreError when another process (or store
+        object) holds it."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        lock = open(self.path / WRITER_LOCK_NAME, "a+")  # noqa: SIM115 (held while open)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            lock.close()
+            raise StoreError(
+                f"store {self.path} is in use by {holder}: one proxy per embedded store "
+                "(replicas share a PostgreSQL store: --store postgresql://...; browse a store in "
+                "use with serve --read-only or show)"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}")
+        lock.flush()
+        self._lock_file = lock
+
+    def _release_writer_lock(self) -> None:
+        if self._lock_file is not None:
+            self._lock_file.close()  # closing the descriptor releases the lock
+            self._lock_file = None
+
     async def open(self) -> None:
         if self._writer is not None:
             raise StoreError("store is already open")
+        if self.exclusive:
+            try:
+                self._take_writer_lock()
+            except OSError as exc:
+                raise StoreError(f"cannot open store at {self.path}: {exc}") from exc
         self._writer = WorkerThread("capture-store-writer")
         self._reader = WorkerThread("capture-store-reader")
         try:
@@ -537,6 +585,14 @@ class SQLiteStore:
         then stop the threads. Idempotent; later operations fail with "store is not open"."""
         reader, writer = self._reader, self._writer
         self._reader = self._writer = None  # no new operation from here on
+        try:
+            await self._stop_workers(reader, writer)
+        finally:
+            self._release_writer_lock()
+
+    async def _stop_workers(
+        self, reader: WorkerThread | None, writer: WorkerThread | None
+    ) -> None:
         # Reader first: the writer's connection, closed last, checkpoints the WAL.
         for worker, close in ((reader, self._close_reader), (writer, self._close_writer)):
             if worker is None:

@@ -20,7 +20,13 @@ from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.summary import link_stats
 from capture_proxy.core.view import tokens
 from capture_proxy.core.view.call import call_view, plan_call
-from capture_proxy.core.view.rollouts import STATUSES, RolloutRow, matches, rollout_row
+from capture_proxy.core.view.rollouts import (
+    STATUSES,
+    RolloutRow,
+    format_reward,
+    matches,
+    rollout_row,
+)
 from capture_proxy.core.view.tree import build_tree
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
 from capture_proxy.rest import RECORDER_KEY, REST_THREAD_KEY, STORE_KEY
@@ -75,7 +81,7 @@ def _environment() -> jinja2.Environment:
     env.filters["lp"] = lambda v: "–" if v is None else f"{v:.3f}"
     env.filters["num"] = lambda v: f"{v:,}"
     env.filters["short"] = lambda v: v if v is None or len(v) <= 14 else v[:14] + "…"
-    env.filters["reward"] = lambda v: "–" if v is None else f"{v:g}"
+    env.filters["reward"] = format_reward
     env.globals["UI"] = UI_PREFIX
     return env
 

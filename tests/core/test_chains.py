@@ -91,3 +91,17 @@ def test_random_trees_are_recovered_exactly():
             truth[f"n{i}"] = parent.call_id
         rng.shuffle(records)
         assert find_parents(records) == truth
+
+
+def test_an_unlinked_call_the_harness_retried_is_superseded_by_the_retry():
+    from capture_proxy.core.chains import build_chains
+    from capture_proxy.core.records import CallRecord, CallStatus
+
+    cut = CallRecord(call_id="c1", rollout_id="r", created_at=1.0, status=CallStatus.INCOMPLETE)
+    retry = record("c2", [1, 2], [3], created_at=2.0).replace(
+        retry_of="c1", linking={"verdict": "root"}
+    )
+    chains = build_chains("r", [retry, cut])
+    assert [c.chain_id for c in chains.chains] == ["c2"]
+    assert [r.call_id for r in chains.unlinked] == ["c1"]
+    assert chains.superseded == {"c1": "c2"}

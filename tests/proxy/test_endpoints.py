@@ -137,3 +137,40 @@ async def test_metrics_count_calls_by_api_and_time_the_engine(stack: Stack):
     assert "capture_proxy_upstream_first_byte_seconds_count 3.0" in text
     assert "capture_proxy_upstream_seconds_count 3.0" in text
     assert "capture_proxy_calls_in_flight 0.0" in text
+
+
+async def test_errors_before_any_handler_take_the_apis_shape(make_stack):
+    stack = await make_stack(proxy_token="sk-right")
+    resp = await stack.client.post(
+        BASE + "/v1/messages", json={}, headers={"x-api-key": "sk-wrong"}
+    )
+    assert resp.status == 401
+    body = await resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    resp = await stack.client.post(BASE + "/v1/responses", json={})
+    assert resp.status == 401 and set((await resp.json())["error"]) >= {"message", "type"}
+
+
+async def test_a_trailing_slash_on_a_captured_path_is_refused(stack: Stack):
+    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    resp = await stack.client.post(BASE + "/v1/chat/completions/", json=chat)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "endpoint_not_captured"
+    assert stack.sent == []
+
+
+async def test_count_tokens_with_the_engine_down_is_a_502(make_stack, unused_tcp_port):
+    from capture_proxy.config import Settings
+    from capture_proxy.proxy.app import build_proxy_app
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    stack = await make_stack()
+    settings = Settings(backend=f"http://127.0.0.1:{unused_tcp_port}", store=stack.store_dir)
+    app = build_proxy_app(settings, SQLiteStore(stack.store_dir / "down"))
+    from aiohttp.test_utils import TestClient, TestServer
+
+    async with TestClient(TestServer(app)) as client:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        resp = await client.post(BASE + "/v1/messages/count_tokens", json=body)
+        assert resp.status == 502
+        assert (await resp.json())["type"] == "error"

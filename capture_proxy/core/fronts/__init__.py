@@ -91,6 +91,9 @@ def endpoint_kind(method: str, path: str) -> EndpointKind:
         return EndpointKind.CAPTURED
     if method != "POST":
         return EndpointKind.FORWARDED
+    if path.rstrip("/") in _FRONTS:
+        # ``/v1/chat/completions/``: a model call the proxy would not see as one.
+        return EndpointKind.NOT_CAPTURABLE
     if path == "/v1/messages/count_tokens":
         return EndpointKind.COUNT_TOKENS
     for prefix in NOT_CAPTURABLE_PATHS:

@@ -37,21 +37,38 @@ class RolloutRow:
     incomplete: bool
     status: str
     diagnostic_kinds: tuple[str, ...]
-    reward: float | None
+    reward: float | dict[str, float] | None
 
     @property
     def age(self) -> str:
         return format_age(self.age_s)
 
 
-def reward_of(metadata: Mapping[str, Any] | None) -> float | None:
-    """The ``reward`` of rollout metadata as a float, or None (absent, not a finite number)."""
+def reward_of(metadata: Mapping[str, Any] | None) -> float | dict[str, float] | None:
+    """The ``reward`` of rollout metadata: one float, named floats (``{"pass": 1.0}``), or
+    None (absent, not finite numbers)."""
     if not metadata:
         return None
     value = metadata.get("reward")
+    if isinstance(value, dict):
+        named = {str(k): _finite(v) for k, v in value.items()}
+        return {k: v for k, v in named.items() if v is not None} or None
+    return _finite(value)
+
+
+def _finite(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def format_reward(value: float | dict[str, float] | None) -> str:
+    """``0.5``, ``pass=1 style=0.5`` or a dash."""
+    if value is None:
+        return "–"
+    if isinstance(value, dict):
+        return " ".join(f"{k}={v:g}" for k, v in value.items())
+    return f"{value:g}"
 
 
 def rollout_row(

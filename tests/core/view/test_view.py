@@ -178,3 +178,13 @@ def test_listing_rows_and_filters():
         "1 h",
         "3 d",
     ]
+
+
+def test_named_rewards_are_shown_by_name():
+    from capture_proxy.core.view.rollouts import format_reward, reward_of
+
+    assert reward_of({"reward": {"pass": 1, "style": 0.5}}) == {"pass": 1.0, "style": 0.5}
+    assert format_reward(reward_of({"reward": {"pass": 1, "style": 0.5}})) == "pass=1 style=0.5"
+    assert format_reward(reward_of({"reward": 0.25})) == "0.25"
+    assert format_reward(reward_of({"reward": None})) == "–"
+    assert reward_of({"reward": {"x": float("nan")}}) is None
