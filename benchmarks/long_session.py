@@ -16,7 +16,8 @@ threads) divided by N is its CPU per call at that turn. Added latency: a call's 
 harness saw it minus the engine's part of it (the call record's ``latency_ms``: from sending the
 engine request to the end of its answer), so what is left is the proxy's own work before and
 after the engine (parsing, linking, rendering, persisting). Every proxied rollout is checked to
-be one chain. ``--py-spy MODE`` records that proxy's samples to a file for the whole run.
+be one chain. ``--py-spy MODE`` records that proxy's samples to a file over the turns (from
+``--py-spy-from TURN`` on, to profile a long history alone).
 
 Run: ``.venv/bin/python benchmarks/long_session.py [--rollouts 4] [--turns 120]``.
 """
@@ -202,8 +203,6 @@ async def run(args: argparse.Namespace) -> int:
     try:
         for s in services:
             s.start()
-        if args.py_spy:
-            spy = start_py_spy(str(work / f"py-spy-{args.py_spy}.txt"), proxies[args.py_spy].pid)
         timeout = aiohttp.ClientTimeout(total=args.call_timeout_s)
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
@@ -214,6 +213,10 @@ async def run(args: argparse.Namespace) -> int:
                 for m in modes
             }
             for turn in range(1, args.turns + 1):
+                if args.py_spy and turn == args.py_spy_from:
+                    spy = start_py_spy(
+                        str(work / f"py-spy-{args.py_spy}.txt"), proxies[args.py_spy].pid
+                    )
                 for mode in modes:
                     pid = proxies[mode].pid
                     cpu0 = proc_cpu_s(pid)
@@ -236,6 +239,9 @@ async def run(args: argparse.Namespace) -> int:
                     samples[mode][turn] = TurnSample((cpu1 - cpu0) * 1000 / args.rollouts, [])
                 if turn % 10 == 0:
                     print(f"  turn {turn} done", file=sys.stderr)
+            if spy is not None:
+                stop_py_spy(spy, str(work / f"py-spy-{args.py_spy}.txt"))
+                spy = None
             # every rollout one chain; the last prompt's size
             last_prompt = 0
             for mode in modes:
@@ -314,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-full-render", action="store_true", help="skip the full-render path")
     p.add_argument("--call-timeout-s", type=float, default=600)
     p.add_argument("--py-spy", choices=MODES, help="record py-spy samples of that proxy")
+    p.add_argument(
+        "--py-spy-from", type=int, default=1, help="start the py-spy recording at this turn"
+    )
     return asyncio.run(run(p.parse_args(argv)))
 
 

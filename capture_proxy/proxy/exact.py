@@ -257,7 +257,7 @@ async def build_prompt(
     refused_parent = res.parent_call_id
     parent = None
     for candidate in res.candidates or ():
-        found = await deps.linker.store.get_call(candidate.call_id)
+        found = await deps.linker.get_call(candidate.call_id)
         if found is None or found.status is not CallStatus.COMPLETE:
             continue
         try:
