@@ -214,7 +214,10 @@ async def run(args: argparse.Namespace) -> int:
             for s in services:
                 await s.wait_healthy(session, 120)
             rollouts = {
-                m: [Rollout(m, f"{m}-{i}", [system, user]) for i in range(args.rollouts)]
+                m: [
+                    Rollout(m, f"{m.replace('@', '.')}-{i}", [system, user])
+                    for i in range(args.rollouts)
+                ]
                 for m in modes
             }
             for turn in range(1, args.turns + 1):
