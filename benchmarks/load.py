@@ -36,6 +36,9 @@ finished before the kill).
 Every wait is bounded (``--duration-limit-s`` for the whole run, deadlines on start-up). The
 engine, the proxy and this generator share the machine's cores; the report prints how many.
 
+``--sweep`` runs the concurrency sweep instead (``cpu_sweep.py``): proxy CPU per call at 1, 16
+and 256 clients, in both prompt modes, streaming and not.
+
 Run: ``.venv/bin/python benchmarks/load.py [--rollouts 1024] [--steps 3]``.
 """
 
@@ -166,6 +169,8 @@ class Service:
     port: int
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    #: extra environment (``PYTHONPATH`` of another source tree: a baseline in the same run)
+    env: dict[str, str] | None = None
 
     @property
     def url(self) -> str:
@@ -175,7 +180,12 @@ class Service:
         log = self.log_path.open("ab")
         try:
             self.proc = subprocess.Popen(
-                self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.argv,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env} if self.env else None,
             )
         finally:
             log.close()
@@ -222,6 +232,12 @@ class Service:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def baseline_env(src: str | None) -> dict[str, str] | None:
+    """The environment that runs ``capture-proxy`` from the source tree ``src`` (e.g. a
+    ``git archive`` of the fork point), so a baseline is measured in the same run."""
+    return {"PYTHONPATH": str(Path(src).resolve())} if src else None
 
 
 def engine_service(work: Path, port: int | None = None) -> Service:
@@ -1001,6 +1017,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="size of each tool result in KB (files the agent reads)",
     )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead of the load phases: proxy CPU per call at C clients, both prompt modes, "
+        "streaming and not (benchmarks/cpu_sweep.py)",
+    )
+    ap.add_argument("--sweep-concurrency", default="1,16,256", help="sweep: C values (1,16,256)")
+    ap.add_argument(
+        "--sweep-sessions", type=int, default=32, help="sweep: sessions per cell, at least C (32)"
+    )
+    ap.add_argument("--repeat", type=int, default=3, help="sweep: repeats of every cell (3)")
+    ap.add_argument(
+        "--baseline-src",
+        metavar="DIR",
+        help="sweep: also run the proxies from this source tree (MODE@base), in the same run",
+    )
     ap.add_argument("--store", help="store directory (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
     return ap
@@ -1011,6 +1043,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rollouts < 1 or args.steps < 1:
         print("--rollouts and --steps must be positive", file=sys.stderr)
         return 2
+    if args.sweep:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from cpu_sweep import run_sweep
+
+        return asyncio.run(run_sweep(args))
     return asyncio.run(main_async(args))
 
 

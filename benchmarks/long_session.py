@@ -16,7 +16,8 @@ threads) divided by N is its CPU per call at that turn. Added latency: a call's 
 harness saw it minus the engine's part of it (the call record's ``latency_ms``: from sending the
 engine request to the end of its answer), so what is left is the proxy's own work before and
 after the engine (parsing, linking, rendering, persisting). Every proxied rollout is checked to
-be one chain. ``--py-spy MODE`` records that proxy's samples to a file for the whole run.
+be one chain. ``--py-spy MODE`` records that proxy's samples to a file over the turns (from
+``--py-spy-from TURN`` on, to profile a long history alone).
 
 Run: ``.venv/bin/python benchmarks/long_session.py [--rollouts 4] [--turns 120]``.
 """
@@ -39,6 +40,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import (  # noqa: E402
     Service,
+    baseline_env,
     cli_command,
     free_port,
     pct,
@@ -182,17 +184,21 @@ async def run(args: argparse.Namespace) -> int:
         work / "engine.log",
     )
     modes = [m for m in MODES if m != "exact_full_render" or not args.no_full_render]
+    if args.baseline_src:
+        modes += [f"{m}@base" for m in modes]
     proxies: dict[str, Service] = {}
     for mode in modes:
+        kind = mode.removesuffix("@base")
         argv = [*cli_command(), "serve", "--backend", engine.url, "--port", str(p := free_port())]
         argv += ["--store", str(work / f"store-{mode}"), "--log-level", "WARNING"]
         argv += ["--store-synchronous", "normal"]
-        if mode != "backend_template":
+        if kind != "backend_template":
             argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(tok)]
             argv += ["--max-model-len", "262144"]
-        if mode == "exact_full_render":
+        if kind == "exact_full_render":
             argv += ["--exact-full-render"]
-        proxies[mode] = Service(mode, argv, p, work / f"{mode}.log")
+        env = baseline_env(args.baseline_src) if mode.endswith("@base") else None
+        proxies[mode] = Service(mode, argv, p, work / f"{mode}.log", env=env)
     services = [engine, *proxies.values()]
     tool_defs = tools(args.tools_kb)
     system = {"role": "system", "content": "You are a coding agent." + _lines(args.system_kb, "s")}
@@ -202,18 +208,23 @@ async def run(args: argparse.Namespace) -> int:
     try:
         for s in services:
             s.start()
-        if args.py_spy:
-            spy = start_py_spy(str(work / f"py-spy-{args.py_spy}.txt"), proxies[args.py_spy].pid)
         timeout = aiohttp.ClientTimeout(total=args.call_timeout_s)
         conn = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
             for s in services:
                 await s.wait_healthy(session, 120)
             rollouts = {
-                m: [Rollout(m, f"{m}-{i}", [system, user]) for i in range(args.rollouts)]
+                m: [
+                    Rollout(m, f"{m.replace('@', '.')}-{i}", [system, user])
+                    for i in range(args.rollouts)
+                ]
                 for m in modes
             }
             for turn in range(1, args.turns + 1):
+                if args.py_spy and turn == args.py_spy_from:
+                    spy = start_py_spy(
+                        str(work / f"py-spy-{args.py_spy}.txt"), proxies[args.py_spy].pid
+                    )
                 for mode in modes:
                     pid = proxies[mode].pid
                     cpu0 = proc_cpu_s(pid)
@@ -236,6 +247,9 @@ async def run(args: argparse.Namespace) -> int:
                     samples[mode][turn] = TurnSample((cpu1 - cpu0) * 1000 / args.rollouts, [])
                 if turn % 10 == 0:
                     print(f"  turn {turn} done", file=sys.stderr)
+            if spy is not None:
+                stop_py_spy(spy, str(work / f"py-spy-{args.py_spy}.txt"))
+                spy = None
             # every rollout one chain; the last prompt's size
             last_prompt = 0
             for mode in modes:
@@ -251,7 +265,7 @@ async def run(args: argparse.Namespace) -> int:
                         zip(chains["chains"][0]["calls"], r.latencies_ms, strict=True), 1
                     ):
                         samples[mode][turn].added_ms.append(seen - c["latency_ms"])
-                    if mode == "exact_tokens":
+                    if mode.startswith("exact_tokens"):
                         last = chains["chains"][0]["calls"][-1]
                         last_prompt = len(last["prompt_token_ids"])
     finally:
@@ -286,22 +300,24 @@ def report(samples: dict[str, dict[int, TurnSample]], args: argparse.Namespace, 
             cells.append(f"{c:8.2f} | {pct(added, 50):5.1f} / {pct(added, 99):5.1f}")
         print(f"  {mode:<18}" + "".join(f"{x:>22}" for x in cells))
     first, last = list(buckets)[0], list(buckets)[-1]
-    e = cpu["exact_tokens"]
-    print(f"exact_tokens CPU/call {last} / {first}: {e[last] / e[first]:.2f}x (target <= 1.5x)")
-    if "exact_full_render" in cpu:
-        f = cpu["exact_full_render"]
-        at_end = (
-            samples["exact_full_render"][args.turns].cpu_ms_per_call
-            / samples["exact_tokens"][args.turns].cpu_ms_per_call
-        )
+    for suffix in ("", "@base") if args.baseline_src else ("",):
+        e = cpu["exact_tokens" + suffix]
         print(
-            f"exact_full_render / exact_tokens CPU/call at {last}: {f[last] / e[last]:.1f}x; "
-            f"at turn {args.turns}: "
-            f"{at_end:.1f}x "
-            "(target >= 20x)"
+            f"exact_tokens{suffix} CPU/call {last} / {first}: {e[last] / e[first]:.2f}x "
+            "(target <= 1.5x)"
         )
-    b = cpu["backend_template"]
-    print(f"backend_template CPU/call {last} / {first}: {b[last] / b[first]:.2f}x")
+        if "exact_full_render" + suffix in cpu:
+            f = cpu["exact_full_render" + suffix]
+            at_end = (
+                samples["exact_full_render" + suffix][args.turns].cpu_ms_per_call
+                / samples["exact_tokens" + suffix][args.turns].cpu_ms_per_call
+            )
+            print(
+                f"exact_full_render{suffix} / exact_tokens{suffix} CPU/call at {last}: "
+                f"{f[last] / e[last]:.1f}x; at turn {args.turns}: {at_end:.1f}x (target >= 20x)"
+            )
+        b = cpu["backend_template" + suffix]
+        print(f"backend_template{suffix} CPU/call {last} / {first}: {b[last] / b[first]:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,7 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-output-kb", type=float, default=0.95, help="each tool result's size")
     p.add_argument("--no-full-render", action="store_true", help="skip the full-render path")
     p.add_argument("--call-timeout-s", type=float, default=600)
-    p.add_argument("--py-spy", choices=MODES, help="record py-spy samples of that proxy")
+    p.add_argument(
+        "--baseline-src",
+        metavar="DIR",
+        help="also run every mode from this source tree (e.g. a git archive of the fork point), "
+        "as MODE@base, in the same run",
+    )
+    p.add_argument("--py-spy", help="record py-spy samples of that proxy (a mode's name)")
+    p.add_argument(
+        "--py-spy-from", type=int, default=1, help="start the py-spy recording at this turn"
+    )
     return asyncio.run(run(p.parse_args(argv)))
 
 

@@ -131,6 +131,19 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return obj
 
 
+def loads_like_stdlib(raw: bytes) -> Any:
+    """``json.loads(raw)``, by orjson where that parses to the same value (3-5x faster on an
+    engine answer carrying a long prompt's ids): a body with a 20-digit number (orjson makes
+    a float of an integer past 64 bits) or one orjson refuses (``NaN`` literals, lone
+    surrogates) takes the stdlib. Raises ValueError."""
+    if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
+
+
 def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     """Check a captured chat request. Raises InvalidRequest naming the first bad field.
 

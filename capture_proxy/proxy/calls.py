@@ -25,7 +25,7 @@ from aiohttp import web
 from capture_proxy.core.assembly import CallContext, abandoned_record, failed_record
 from capture_proxy.core.capture import NoteMatcher, PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
-from capture_proxy.core.fronts.base import Answer, FrontCodec, FrontRequest
+from capture_proxy.core.fronts.base import Answer, FrontCodec, FrontRequest, TokenIds
 from capture_proxy.core.linking import Resolution, Verdict
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.linker import Linker
@@ -82,7 +82,7 @@ class InFlightCall:
     resolution: Resolution
     retry_count: str | None
 
-    def answer_head(self, prompt_token_ids: list[int] | None = None) -> Answer:
+    def answer_head(self, prompt_token_ids: TokenIds | None = None) -> Answer:
         """The answer's identity before anything is generated (for a stream's first events)."""
         return Answer(
             call_id=self.ctx.call_id,

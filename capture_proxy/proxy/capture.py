@@ -76,7 +76,7 @@ async def _previous_messages(
     if response_id is None:
         return None
     call_id = "call-" + response_id.removeprefix("resp_")
-    record = await deps.linker.store.get_call(call_id)
+    record = await deps.linker.get_call(call_id)
     if (
         record is None
         or record.rollout_id != rollout_id

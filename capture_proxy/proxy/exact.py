@@ -281,7 +281,7 @@ async def build_prompt(
     refused_parent = res.parent_call_id
     parent = None
     for candidate in res.candidates or ():
-        found = await deps.linker.store.get_call(candidate.call_id)
+        found = await deps.linker.get_call(candidate.call_id)
         if found is None or found.status is not CallStatus.COMPLETE:
             continue
         try:
@@ -365,7 +365,7 @@ def _answer(
         usage=chat_usage(int(asm.prompt_token_ids.shape[0]), len(asm.token_ids)),
         token_ids=asm.token_ids,
         log_probs=asm.log_probs,
-        prompt_token_ids=asm.prompt_token_ids.tolist(),
+        prompt_token_ids=asm.prompt_token_ids,
     )
 
 
@@ -533,7 +533,7 @@ class _Generation:
         call, asm = self.call, self.asm
         ctx = call.ctx
         encoder = call.front.stream_encoder(
-            call.front_request, call.answer_head(asm.prompt_token_ids.tolist())
+            call.front_request, call.answer_head(asm.prompt_token_ids)
         )
         writer = ClientWriter(sse_response(200, ctx.call_id))
         await writer.prepare(request)

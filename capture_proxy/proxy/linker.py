@@ -2,8 +2,10 @@
 
 Owns the per-rollout ``LinkIndex`` cache (filled lazily from the store the first time a rollout
 is seen by this process, so a restart loses nothing; with a shared store, written by other
-replicas too, refreshed from the store when a digest misses) and the fail-closed verification of a
-resolved link against the parent's stored tokens. The decisions are the core's
+replicas too, refreshed from the store when a digest misses), the calls stored lately
+(``RecentCalls``: a parent is read from memory, not decoded from the store, see ``get_call``;
+stored records never change, so this holds with replicas too) and the fail-closed verification
+of a resolved link against the parent's stored tokens. The decisions are the core's
 (``capture_proxy.core.linking``); this module fetches what they need: the parent record, and on
 a mismatch the detokenised texts from the engine's ``/detokenize`` for the classification.
 """
@@ -40,6 +42,7 @@ from capture_proxy.core.linking import (
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.splice import SpliceRefused, check_extension
+from capture_proxy.proxy.recent import DEFAULT_MAX_BYTES, RecentCalls
 from capture_proxy.store.base import CaptureStore
 
 log = logging.getLogger("capture_proxy")
@@ -81,6 +84,7 @@ class Linker:
         refuse_note_parents: bool = False,
         max_rollouts: int = 10_000,
         refresh_on_miss: bool = False,
+        recent_max_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.store = store
         self.refuse_note_parents = refuse_note_parents
@@ -92,6 +96,8 @@ class Linker:
         self.max_rollouts = max_rollouts
         self._indexes: OrderedDict[str, LinkIndex] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
+        #: the records this process stored lately (the parents of the next calls)
+        self.recent = RecentCalls(recent_max_bytes)
 
     async def _index(self, rollout_id: str) -> LinkIndex:
         index = self._indexes.get(rollout_id)
@@ -131,9 +137,16 @@ class Linker:
         return index is not None and bool(index.entries)
 
     def forget(self, rollout_id: str) -> None:
-        """Drop a rollout's index (it was deleted)."""
+        """Drop a rollout's index and recent calls (it was deleted)."""
         self._indexes.pop(rollout_id, None)
         self._locks.pop(rollout_id, None)
+        self.recent.forget(rollout_id)
+
+    async def get_call(self, call_id: str) -> CallRecord | None:
+        """A stored call, as ``store.get_call`` answers it: from the recent calls when this
+        process stored it lately (read-only, like the store's records), else from the store."""
+        record = self.recent.get(call_id)
+        return record if record is not None else await self.store.get_call(call_id)
 
     @staticmethod
     def _add(index: LinkIndex, record: CallRecord) -> None:
@@ -201,8 +214,10 @@ class Linker:
         return resolution
 
     async def remember(self, record: CallRecord) -> None:
-        """Make a persisted call findable by its children."""
+        """Make a persisted call findable by its children (by digest, and its record in
+        memory)."""
         self._add(await self._index(record.rollout_id), record)
+        self.recent.put(record)
 
     async def verify(
         self,
@@ -354,7 +369,7 @@ class Linker:
         """(verdict, reason, verified parent id, mismatch details)."""
         if record.status is not CallStatus.COMPLETE:
             return Verdict.UNRESOLVED, "call has no complete token data to verify", None, None
-        parent = await self.store.get_call(parent_id)
+        parent = await self.get_call(parent_id)
         if parent is None or parent.status is not CallStatus.COMPLETE:
             return (
                 Verdict.REFUSED,

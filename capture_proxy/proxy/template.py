@@ -14,7 +14,6 @@ on the call being readable over REST.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +27,7 @@ from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts.base import Answer, Api, StreamEncoder, answer_as_deltas
 from capture_proxy.core.fronts.chat import DONE_EVENT, openai_error_body
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.requests import loads_like_stdlib
 from capture_proxy.core.sse import (
     DONE_SENTINEL,
     SSEStreamDecoder,
@@ -160,7 +160,7 @@ async def _relay_json(
         raise err from exc
     latency_ms = elapsed_ms(t0)
     try:
-        payload = json.loads(raw)
+        payload = loads_like_stdlib(raw)
         if not isinstance(payload, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:

@@ -242,3 +242,45 @@ def test_a_request_encoding_belongs_only_to_the_same_objects():
     assert ahead.belongs_to(rec.replace(request_messages=list(rec.request_messages)))
     with pytest.raises(ValueError, match="does not belong"):
         encode_record(equal_copies, request=ahead)
+
+
+def test_canonical_json_is_the_stdlib_text_whichever_encoder_writes_it():
+    """orjson writes the canonical text when it writes it as the stdlib does: checked on every
+    code point and on the values where the two differ (floats) or orjson refuses (integers
+    past 64 bits, lone surrogates, keys that are not strings), which take the stdlib."""
+    import enum
+    import json
+    import math
+
+    import pytest
+
+    from capture_proxy.core.codec import canonical_json
+
+    def stdlib(value):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+    points = [chr(c) for c in range(0x110000) if not 0xD800 <= c <= 0xDFFF]
+    for start in range(0, len(points), 4096):
+        text = "".join(points[start : start + 4096])
+        assert canonical_json(text) == stdlib(text)
+        assert canonical_json({text[:64]: [text]}) == stdlib({text[:64]: [text]})
+
+    class Text(str):
+        pass
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    values = [
+        None, True, False, 0, -1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1,
+        10**30, 1.0, 1e16, 1e-7, 0.1, -0.0, "\ud800 lone", {"\udfff": 1}, {1: "int key"},
+        {"a": [1, True, None, {"é": "\u2028\x7f\x00"}], "b": (1, 2)}, [], {}, "", [[[]]],
+        {"text": Text("sub")}, [Level.HIGH], {"f": [1, 2.5]},
+    ]
+    for value in values:
+        assert canonical_json(value) == stdlib(value), value
+    for bad in (math.nan, [math.inf], {"x": -math.inf}):
+        with pytest.raises(ValueError):
+            canonical_json(bad)
+    with pytest.raises(TypeError):
+        canonical_json({"when": object()})

@@ -315,3 +315,49 @@ async def test_a_call_whose_resolution_failed_is_still_found_by_its_child(
     assert third["linking"]["verdict"] == "resolved"
     assert third["linking"]["digest_parent_call_id"] == second_id
     assert third["parent_call_id"] == second_id
+
+
+async def test_recent_calls_answer_what_the_store_does_and_go_with_their_rollout(make_stack):
+    """The linker keeps the calls it stored in memory (a parent is not decoded from the store
+    again): a hit holds the values the store gives back, and a deleted rollout's are dropped."""
+    import numpy as np
+
+    from capture_proxy.rest import LINKER_KEY, STORE_KEY
+
+    stack = await make_stack()
+    call_id, message = await _step(stack, "ra", list(USER))
+    linker = stack.client.app[LINKER_KEY]
+    cached = linker.recent.get(call_id)
+    stored = await stack.client.app[STORE_KEY].get_call(call_id)
+    assert cached is not None and stored is not None and cached is not stored
+    for name in ("prompt_token_ids", "generation_token_ids", "generation_log_probs"):
+        assert np.array_equal(getattr(cached, name), getattr(stored, name))
+        assert getattr(cached, name).dtype == getattr(stored, name).dtype
+    arrays = {"prompt_token_ids", "generation_token_ids", "generation_log_probs"}
+    assert {k: v for k, v in vars(cached).items() if k not in arrays} == {
+        k: v for k, v in vars(stored).items() if k not in arrays
+    }
+    assert await linker.get_call(call_id) is cached
+    resp = await stack.client.delete("/captures/rollouts/ra")
+    assert resp.status == 200
+    assert linker.recent.get(call_id) is None and await linker.get_call(call_id) is None
+
+
+def test_recent_calls_stay_within_their_bound_least_recently_used_out():
+    import numpy as np
+
+    from capture_proxy.core.records import CallRecord
+    from capture_proxy.proxy.recent import RecentCalls
+
+    def record(call_id: str, rollout: str = "r") -> CallRecord:
+        return CallRecord(call_id, rollout, 0.0, prompt_token_ids=np.zeros(100, np.uint32))
+
+    recent = RecentCalls(max_bytes=3 * 400 + 10)  # three records of 400 bytes (and "[]")
+    for name in ("a", "b", "c"):
+        recent.put(record(name))
+    assert recent.get("a") is not None  # "b" is now the least recently used
+    recent.put(record("d", rollout="other"))
+    assert recent.get("b") is None and len(recent) == 3
+    recent.forget("r")
+    assert len(recent) == 1 and recent.get("d") is not None
+    RecentCalls(max_bytes=10).put(record("big"))  # larger than the bound: not kept

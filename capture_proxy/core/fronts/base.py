@@ -31,9 +31,12 @@ import base64
 import enum
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 
 class Api(enum.StrEnum):
@@ -67,6 +70,10 @@ class FrontRequest:
     options: Any = None
 
 
+#: Token ids as a list or a uint32 array.
+TokenIds = Sequence[int] | npt.NDArray[np.uint32]
+
+
 @dataclass(frozen=True)
 class Answer:
     """The canonical answer of one call.
@@ -84,9 +91,18 @@ class Answer:
     usage: dict[str, Any] | None = None
     #: token data, for a front that shows it when asked (chat completions'
     #: ``return_token_ids`` / ``logprobs``): generated ids, their log probs, the prompt ids
+    #: (a list, or the uint32 array the proxy built: a long prompt becomes a list only for a
+    #: front that shows it, see ``token_id_list``)
     token_ids: list[int] | None = None
     log_probs: list[float | None] | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: TokenIds | None = None
+
+
+def token_id_list(ids: TokenIds | None) -> list[int] | None:
+    """Token ids as a JSON-ready list (from a list or a numpy array)."""
+    if ids is None:
+        return None
+    return ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
 
 
 class StreamEncoder(Protocol):

@@ -12,7 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from capture_proxy.core.fronts.base import Answer, Api, FrontRequest, InvalidFrontRequest
+from capture_proxy.core.fronts.base import (
+    Answer,
+    Api,
+    FrontRequest,
+    InvalidFrontRequest,
+    token_id_list,
+)
 from capture_proxy.core.requests import InvalidRequest, validate_chat_request
 from capture_proxy.core.sse import encode_json_event
 
@@ -85,7 +91,7 @@ class ChatCodec:
         }
         if body.get("return_token_ids"):
             choice["token_ids"] = answer.token_ids
-            out["prompt_token_ids"] = answer.prompt_token_ids
+            out["prompt_token_ids"] = token_id_list(answer.prompt_token_ids)
         return out
 
     def stream_encoder(self, request: FrontRequest, answer_head: Answer) -> ChatStreamEncoder:
@@ -113,7 +119,7 @@ class ChatStreamEncoder:
         self.token_ids = bool(body.get("return_token_ids"))
         opts = body.get("stream_options")
         self.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
-        self.prompt_token_ids = head.prompt_token_ids
+        self.prompt_token_ids = head.prompt_token_ids  # a list only when it is sent
 
     def _chunk(
         self,
@@ -137,7 +143,7 @@ class ChatStreamEncoder:
     def start(self) -> list[bytes]:
         first = self._chunk({"role": "assistant", "content": ""})
         if self.token_ids:
-            first["prompt_token_ids"] = self.prompt_token_ids
+            first["prompt_token_ids"] = token_id_list(self.prompt_token_ids)
         return [encode_json_event(first)]
 
     def delta(
