@@ -69,28 +69,37 @@ async def make_stack(
 ) -> MakeStack:
     """``await make_stack(...)``: a scripted engine and a proxy in front of it. Each call is a
     new proxy on the same store (a restart): the store directory, or for ``postgres`` one
-    database of the session's server per test."""
+    database of the session's server per test. With the embedded store the proxy made before
+    is stopped first (one proxy per store directory: the store's writer lock); pass
+    ``store_dir`` for a proxy of its own beside it."""
     pg_url = None
     if stack_store_kind == "postgres":
         pg_url = request.getfixturevalue("postgres_server").create_database()
+
+    running: dict[Path, TestClient] = {}
 
     async def make(
         *,
         engine_config: ScriptedEngineConfig | None = None,
         store: CaptureStore | None = None,
         renderer: Any = None,
+        store_dir: Path | None = None,
         **settings: Any,
     ) -> Stack:
         engine_app = build_scripted_engine_app(
             engine_config or ScriptedEngineConfig(), qwen_tokenizer
         )
         engine = await aiohttp_server(engine_app)
-        store_dir = tmp_path / "store"
+        store_dir = store_dir or tmp_path / "store"
+        if store is None and pg_url is None and store_dir in running:
+            await running.pop(store_dir).close()  # a restart: the old proxy stops first
         cfg = Settings(backend=str(engine.make_url("/")).rstrip("/"), store=store_dir, **settings)
         if store is None:
             store = SQLiteStore(store_dir) if pg_url is None else PostgresStore(pg_url, pool_size=4)
         proxy_app = build_proxy_app(cfg, store, renderer=renderer)
         client = await aiohttp_client(proxy_app)
+        if pg_url is None:
+            running[store_dir] = client
         return Stack(engine, engine_app, client, store_dir)
 
     return make

@@ -153,7 +153,8 @@ async def test_source_history_starts_a_new_chain_after_each_note(make_stack, fix
 
 async def test_links_survive_a_proxy_restart(make_stack, stack: Stack):
     first_id, message = await _step(stack, "r1", list(USER))
-    # A second proxy on the same store has an empty index: it must load it from the store.
+    # The restarted proxy (make_stack stops the first) has an empty index: it must load it
+    # from the store.
     stack2 = await make_stack()
     assert stack2.store_dir == stack.store_dir
     messages = [

@@ -61,8 +61,8 @@ async def test_a_captured_call_shows_in_the_metrics(stack: Stack):
     assert value(await _metrics(stack), "capture_proxy_calls_total", **labels) == 1
 
 
-async def test_each_app_has_its_own_registry(make_stack: MakeStack):
-    one, two = await make_stack(), await make_stack()
+async def test_each_app_has_its_own_registry(make_stack: MakeStack, tmp_path):
+    one, two = await make_stack(), await make_stack(store_dir=tmp_path / "other")
     await one.chat("m1", _body(USER))
     labels = {"api": "chat_completions", "status": "complete", "prompt_mode": "backend_template"}
     assert value(await _metrics(one), "capture_proxy_calls_total", **labels) == 1

@@ -49,7 +49,9 @@ async def capture_session(make_stack: MakeStack, **settings) -> Session:
     retry, _ = await _step(stack, "refused", history, headers={"x-stainless-retry-count": "1"})
 
     linked = []
-    default = await make_stack(engine_config=ScriptedEngineConfig())
+    # A restart of the proxy on the same store (one proxy per store): the pages are read
+    # through this one, which sees both rollouts.
+    default = await make_stack(engine_config=ScriptedEngineConfig(), **settings)
     history = list(USER)
     for _ in range(3):
         call_id, message = await _step(default, "linked", history)
@@ -59,4 +61,4 @@ async def capture_session(make_stack: MakeStack, **settings) -> Session:
             history.append(_tool_result(message, "ok"))
         else:
             history.append({"role": "user", "content": "Go on."})
-    return Session(stack, [first, second, third, retry], linked)
+    return Session(default, [first, second, third, retry], linked)
