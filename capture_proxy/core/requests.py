@@ -46,11 +46,16 @@ class FunctionCall(_Lenient):
     @field_validator("arguments")
     @classmethod
     def _arguments_are_json(cls, value: str) -> str:
-        # vLLM parses them (chat_utils._postprocess_messages) and answers 400 otherwise.
+        # vLLM parses them (chat_utils._postprocess_messages) and answers 400 otherwise. This
+        # runs for every tool call of the history on every call: orjson first (what it accepts
+        # the stdlib accepts too); the stdlib decides what orjson refuses (NaN, Infinity).
         try:
-            json.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"tool call arguments must be JSON text: {exc}") from None
+            orjson.loads(value)
+        except orjson.JSONDecodeError:
+            try:
+                json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"tool call arguments must be JSON text: {exc}") from None
         return value
 
 

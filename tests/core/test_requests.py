@@ -135,3 +135,15 @@ def test_a_lone_surrogate_deep_in_the_body_is_named_by_its_path():
     keyed = _chat(extra={"ok": 1, "k\udc00": 2})
     with pytest.raises(InvalidRequest, match=r"'extra' contains a lone UTF-16 surrogate"):
         validate_chat_request(keyed)
+
+
+def test_tool_call_arguments_are_checked_as_the_stdlib_parses_them():
+    from capture_proxy.core.requests import FunctionCall
+
+    # orjson refuses NaN and Infinity; the stdlib (as vLLM parses them) accepts them.
+    for accepted in ('{"a": NaN}', '{"a": Infinity}', '{"big": 123456789012345678901234567890}',
+                     '{"path": "é/✓"}', "[]"):  # fmt: skip
+        assert FunctionCall(name="t", arguments=accepted).arguments == accepted
+    for refused in ('{"a": ', "{'a': 1}", "", "{} x"):
+        with pytest.raises(ValueError, match="tool call arguments must be JSON text"):
+            FunctionCall(name="t", arguments=refused)
