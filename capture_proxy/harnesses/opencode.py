@@ -16,13 +16,12 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from capture_proxy.harnesses._process import run_bounded
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCAL_BINARY = REPO_ROOT / ".cache" / "opencode" / "node_modules" / ".bin" / "opencode"
@@ -200,42 +199,12 @@ def run_opencode(
 def _run_bounded(
     cmd: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float
 ) -> OpencodeResult:
-    start = time.monotonic()
-    proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # own process group: the timeout kills its children too
-    )
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        _kill_group(proc)
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # pipes held open by an escaped grandchild
-            out, err = b"", b"(output lost: pipes still open 10 s after kill)"
-    except BaseException:
-        _kill_group(proc)
-        proc.wait(timeout=10)
-        raise
-    finally:
-        # tool subprocesses (bash tool) may outlive a finished opencode; never leak them
-        _kill_group(proc)
+    """One bounded run (``_process.run_bounded``: own process group, killed on timeout)."""
+    done = run_bounded("opencode", cmd, cwd=cwd, env=env, timeout_s=timeout_s)
     return OpencodeResult(
-        returncode=None if timed_out else proc.returncode,
-        stdout=out.decode("utf-8", "replace"),
-        stderr=err.decode("utf-8", "replace"),
-        duration_s=time.monotonic() - start,
-        timed_out=timed_out,
+        returncode=done.returncode,
+        stdout=done.stdout,
+        stderr=done.stderr,
+        duration_s=done.duration_s,
+        timed_out=done.timed_out,
     )
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
