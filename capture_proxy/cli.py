@@ -54,7 +54,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-
 def write_port_file(path: Path, port: int) -> None:
     """Write ``port`` and a newline to ``path`` atomically (a reader never sees half a
     number)."""

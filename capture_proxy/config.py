@@ -364,8 +364,9 @@ def load_settings(cli_values: dict[str, Any], config_file: Path | None = None) -
     known_env = {f"CAPTURE_PROXY_{name.upper()}" for name in Settings.model_fields}
     # A misspelt variable (CAPTURE_PROXY_PROXY_TOKN) must not quietly leave a setting unset.
     unknown_env = sorted(
-        k for k in os.environ if k.startswith("CAPTURE_PROXY_") and k not in known_env
-        and k not in ENV_NOT_SETTINGS
+        k
+        for k in os.environ
+        if k.startswith("CAPTURE_PROXY_") and k not in known_env and k not in ENV_NOT_SETTINGS
     )
     if unknown_env:
         raise ConfigError(

@@ -144,7 +144,8 @@ def _substitute_ids(value: Any, id_map: dict[str, str]) -> Any:
         return value
     if isinstance(value, dict):
         return {
-            k: id_map.get(v, v) if k in _ID_KEYS and isinstance(v, str)
+            k: id_map.get(v, v)
+            if k in _ID_KEYS and isinstance(v, str)
             else _substitute_ids(v, id_map)
             for k, v in value.items()
         }

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from capture_proxy.core.known_messages import MessageFacts, derive_facts, message_key
 from capture_proxy.core.routed_experts import routed_experts_request_fields
 
 
@@ -33,17 +34,30 @@ class PreparedRequest:
     body: dict[str, Any]
     linking_messages: list[dict[str, Any]]
     harness_note: str | None
+    #: the ``known_messages`` facts of ``body["messages"]`` and of ``linking_messages``
+    message_facts: tuple[MessageFacts, ...] | None = None
+    linking_facts: tuple[MessageFacts, ...] | None = None
 
 
-def prepare_request(body: dict[str, Any], notes: NoteMatcher | None) -> PreparedRequest:
-    """Rewrite a trailing harness note into a user message (the body is copied, not changed)."""
+def prepare_request(
+    body: dict[str, Any],
+    notes: NoteMatcher | None,
+    facts: Sequence[MessageFacts] | None = None,
+) -> PreparedRequest:
+    """Rewrite a trailing harness note into a user message (the body is copied, not changed).
+    ``facts``: the ``known_messages`` facts of ``body["messages"]``, carried along."""
     messages = list(body.get("messages") or [])
+    known = tuple(facts) if facts is not None and len(facts) == len(messages) else None
     note = notes.match_trailing_note(messages) if notes is not None else None
     if note is None:
-        return PreparedRequest(body, messages, None)
+        return PreparedRequest(body, messages, None, known, known)
     out = dict(body)
-    out["messages"] = [*messages[:-1], {"role": "user", "content": note.text}]
-    return PreparedRequest(out, messages[:-1], note.key)
+    rewritten = {"role": "user", "content": note.text}
+    out["messages"] = [*messages[:-1], rewritten]
+    if known is None:
+        return PreparedRequest(out, messages[:-1], note.key)
+    new = derive_facts(rewritten, message_key(rewritten))
+    return PreparedRequest(out, messages[:-1], note.key, (*known[:-1], new), known[:-1])
 
 
 @dataclass(frozen=True)

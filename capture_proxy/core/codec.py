@@ -214,7 +214,12 @@ def canonical_json(value: Any) -> str:
 
 def json_sha256(text: str) -> str:
     """Hex SHA-256 of a canonical JSON text (its UTF-8 bytes): the content address."""
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    return json_sha256_bytes(text).hex()
+
+
+def json_sha256_bytes(text: str) -> bytes:
+    """SHA-256 of a canonical JSON text's UTF-8 bytes (32 bytes)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
 @dataclass(frozen=True)
@@ -233,8 +238,14 @@ class MessageDigests:
 
     @classmethod
     def of(cls, messages: Sequence[Any]) -> MessageDigests:
+        """Raises ValueError on a message without a canonical text (NaN, infinities)."""
         texts = tuple(canonical_json(m) for m in messages)
-        digests = tuple(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in texts)
+        return cls.of_texts(texts, tuple(json_sha256_bytes(t) for t in texts))
+
+    @classmethod
+    def of_texts(cls, texts: tuple[str, ...], digests: tuple[bytes, ...]) -> MessageDigests:
+        """From the messages' canonical texts and their SHA-256 digests (known already, e.g.
+        ``known_messages.MessageFacts``): only the chain is computed."""
         chain = [_CHAIN_START]
         for d in digests:
             chain.append(hashlib.sha256(chain[-1] + d).digest())
@@ -263,13 +274,16 @@ class RequestEncoding:
     tools_sha256: str | None
 
     @classmethod
-    def of(cls, messages: Sequence[Any], tools: Any) -> RequestEncoding:
-        """Raises ValueError on values without a canonical text (NaN, infinities)."""
+    def of(
+        cls, messages: Sequence[Any], tools: Any, digests: MessageDigests | None = None
+    ) -> RequestEncoding:
+        """``digests``: the messages' ``MessageDigests`` when known already. Raises ValueError
+        on values without a canonical text (NaN, infinities)."""
         text = canonical_json(tools) if tools is not None else None
         return cls(
             tuple(messages),
             tools,
-            MessageDigests.of(messages),
+            digests if digests is not None else MessageDigests.of(messages),
             text,
             json_sha256(text) if text is not None else None,
         )
@@ -352,9 +366,7 @@ _META_DEFAULTS: dict[str, Any] = {"api": "chat_completions"}
 
 
 def _meta_text(meta: Mapping[str, Any]) -> str:
-    return canonical_json(
-        {key: meta.get(key, _META_DEFAULTS.get(key)) for key in _META_KEYS}
-    )
+    return canonical_json({key: meta.get(key, _META_DEFAULTS.get(key)) for key in _META_KEYS})
 
 
 def _tools_ref(tools: Any, blobs: dict[str, str]) -> str | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import orjson
 
 from capture_proxy.core.routed_experts import (
     decode_sglang_routed_experts,
@@ -64,6 +65,10 @@ class Reader(Protocol):
 Decode = Callable[[list[int]], str]
 
 
+#: Prompt ids as a dialect puts them in a body: a list, a uint32 array, or JSON text.
+PromptIds = Sequence[int] | np.ndarray | orjson.Fragment
+
+
 class Dialect(Protocol):
     name: str
     path: str
@@ -72,15 +77,16 @@ class Dialect(Protocol):
 
     def request(
         self,
-        prompt_token_ids: Sequence[int] | np.ndarray,
+        prompt_token_ids: PromptIds,
         sampling: Sampling,
         *,
         stream: bool,
         model: str | None,
         experts_start: int | None = None,
     ) -> dict[str, Any]:
-        """The request body; ``prompt_token_ids`` is put in as given (a list, or a uint32
-        array the caller serialises without a copy to Python ints). ``experts_start``: ask
+        """The request body; ``prompt_token_ids`` is put in as given (a list, a uint32 array
+        the caller serialises without a copy to Python ints, or the ids written already as an
+        ``orjson.Fragment``). ``experts_start``: ask
         for routed-expert rows from that token position on (the rows the parent does not hold;
         None: do not ask, for engines that must be asked explicitly)."""
 
@@ -140,7 +146,7 @@ class VllmCompletions:
 
     def request(
         self,
-        prompt_token_ids: Sequence[int] | np.ndarray,
+        prompt_token_ids: PromptIds,
         sampling: Sampling,
         *,
         stream: bool,
@@ -230,7 +236,7 @@ class VllmGenerate:
 
     def request(
         self,
-        prompt_token_ids: Sequence[int] | np.ndarray,
+        prompt_token_ids: PromptIds,
         sampling: Sampling,
         *,
         stream: bool,
@@ -323,7 +329,7 @@ class SglangGenerate:
 
     def request(
         self,
-        prompt_token_ids: Sequence[int] | np.ndarray,
+        prompt_token_ids: PromptIds,
         sampling: Sampling,
         *,
         stream: bool,

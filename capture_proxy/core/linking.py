@@ -39,8 +39,7 @@ from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 NO_MATCH_REASON = "no captured call produced the last model-authored turn"
 #: ... whose last turn is a captured output, under another history (turns dropped or edited).
 HISTORY_EDITED_REASON = (
-    "the last model-authored turn is a captured call's output, but the history before it "
-    "was edited"
+    "the last model-authored turn is a captured call's output, but the history before it was edited"
 )
 #: ... whose last turn is a captured output but for its tool-call ids.
 TOOL_CALL_IDS_REASON = (
@@ -134,10 +133,18 @@ def canonical_turn(message: Mapping[str, Any]) -> dict[str, Any]:
     return {"content": _content_text(message.get("content")), "tool_calls": calls}
 
 
+def turn_payload(turn: Mapping[str, Any]) -> str:
+    """``canonical(turn)``: the text one assistant message adds to a digest."""
+    return canonical_json(canonical_turn(turn))
+
+
+def _extend(digest: str, payload: str) -> str:
+    return hashlib.sha256((digest + payload).encode("utf-8")).hexdigest()
+
+
 def extend_digest(digest: str, turn: Mapping[str, Any]) -> str:
     """``sha256(digest || canonical(turn))`` as hex."""
-    payload = canonical_json(canonical_turn(turn))
-    return hashlib.sha256((digest + payload).encode("utf-8")).hexdigest()
+    return _extend(digest, turn_payload(turn))
 
 
 def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -145,14 +152,28 @@ def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return [m for m in messages if m.get("role") == "assistant"]
 
 
-def history_digest(messages: Sequence[Mapping[str, Any]]) -> str | None:
-    """The parent digest of a request: None when it has no model-authored turn (a root)."""
-    items = linking_items(messages)
-    if not items:
+def history_digest(
+    messages: Sequence[Mapping[str, Any]], payloads: Sequence[str | None] | None = None
+) -> str | None:
+    """The parent digest of a request: None when it has no model-authored turn (a root).
+
+    ``payloads``: ``turn_payload`` of each assistant message (None for the others), when
+    known already (``known_messages``); then only the digest chain is computed."""
+    if payloads is None:
+        turns = [turn_payload(m) for m in linking_items(messages)]
+    else:
+        if len(payloads) != len(messages):
+            raise ValueError(f"{len(payloads)} payloads for {len(messages)} messages")
+        turns = [
+            p if p is not None else turn_payload(m)
+            for m, p in zip(messages, payloads, strict=True)
+            if m.get("role") == "assistant"
+        ]
+    if not turns:
         return None
     digest = _DIGEST_SEED
-    for item in items:
-        digest = extend_digest(digest, item)
+    for payload in turns:
+        digest = _extend(digest, payload)
     return digest
 
 
@@ -490,9 +511,7 @@ class LinkIndex:
                     "edited)",
                 },
             )
-        alike = self._ordered(
-            self._by_turn_without_ids.get(turn_digest(last_turn, with_ids=False))
-        )
+        alike = self._ordered(self._by_turn_without_ids.get(turn_digest(last_turn, with_ids=False)))
         alike = [e for e in alike if e.model == model]
         if alike:
             return (
@@ -506,9 +525,7 @@ class LinkIndex:
             )
         return NO_MATCH_REASON, None
 
-    def prefix_ancestor(
-        self, prompt: np.ndarray, *, model: str | None, exclude: str
-    ) -> str | None:
+    def prefix_ancestor(self, prompt: np.ndarray, *, model: str | None, exclude: str) -> str | None:
         """The deepest complete call of ``model`` whose prompt + generation ids begin
         ``prompt`` (the store's prompt-parent rule, ``prefixes``), or None. O(prompt length +
         calls), from the digests kept per entry: no arrays are read."""

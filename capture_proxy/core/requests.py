@@ -8,7 +8,8 @@ with a 400 and never forwarded half-parsed.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import (
@@ -17,9 +18,13 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    TypeAdapter,
     ValidationError,
     field_validator,
 )
+
+if TYPE_CHECKING:
+    from capture_proxy.core.known_messages import MessageFacts
 
 
 class InvalidRequest(ValueError):
@@ -76,10 +81,11 @@ class Message(_Lenient):
 
 
 class ChatCompletionRequest(_Lenient):
-    """The fields the proxy relies on; all other fields go to the engine as sent."""
+    """The fields the proxy relies on; all other fields go to the engine as sent. The messages
+    are validated one by one (``Message``, see ``validate_chat_request``)."""
 
     model: str | None = None
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
     stream: StrictBool = False
     n: StrictInt = Field(1, ge=1)
@@ -149,32 +155,51 @@ def loads_like_stdlib(raw: bytes) -> Any:
     return json.loads(raw)
 
 
-def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+_MESSAGES: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
+
+
+def validate_chat_request(
+    body: dict[str, Any], facts: Sequence[MessageFacts] | None = None
+) -> ChatCompletionRequest:
     """Check a captured chat request. Raises InvalidRequest naming the first bad field.
+
+    ``facts``: the ``known_messages`` facts of ``body["messages"]``; a message validated in an
+    earlier request (``valid``) is not validated again, and the ones that pass here are marked.
 
     Refused under capture: ``n`` > 1 (one record per call; send n requests instead) and
     content parts other than text (their token data cannot be captured yet).
     """
+    head_error: ValidationError | None = None
     try:
         req = ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        # Drop pydantic's union-member tags ("str", "list[TextPart]") from the field path.
-        loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
-        if err["type"] == "missing":
-            message = f"'{loc}' is required"
-        elif loc.endswith(".type") or ".content." in f"{loc}.":
-            message = f"'{loc}': {err['msg']} (only text content parts can be captured)"
-        else:
-            message = f"'{loc}': {err['msg']}"
-        raise InvalidRequest(message, param=loc or None) from exc
+        head_error = exc
+    messages = body.get("messages")
+    if head_error is not None and not _messages_first(head_error, messages):
+        raise _invalid(head_error.errors()[0]) from head_error
+    if isinstance(messages, list):
+        if facts is not None and len(facts) != len(messages):
+            raise ValueError(f"{len(facts)} facts for {len(messages)} messages")
+        todo = [i for i in range(len(messages)) if facts is None or not facts[i].valid]
+        try:
+            _MESSAGES.validate_python([messages[i] for i in todo])
+        except ValidationError as exc:
+            err: dict[str, Any] = dict(exc.errors()[0])
+            loc = tuple(err["loc"])
+            err["loc"] = ("messages", todo[int(loc[0])], *loc[1:])
+            raise _invalid(err) from exc
+        if facts is not None:
+            for i in todo:
+                facts[i].valid = True
+    if head_error is not None:
+        raise _invalid(head_error.errors()[0]) from head_error
     if req.n != 1:
         raise InvalidRequest(
             "'n' > 1 is not supported under capture: each sample is its own rollout; send one "
             "request per rollout id (identical requests in one rollout are recorded as retries)",
             "n",
         )
-    if _is_valid_unicode(body):
+    if _is_valid_unicode(body, facts):
         return req
     # orjson refused the body: too deep, or a lone surrogate (the walks below are iterative).
     depth = _nesting(body)
@@ -191,8 +216,30 @@ def validate_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
     return req
 
 
-def _is_valid_unicode(body: dict[str, Any]) -> bool:
-    """Fast check (orjson refuses lone surrogates); the slow walk only names the field."""
+def _messages_first(head_error: ValidationError, messages: Any) -> bool:
+    """The first error of the request in field order is in a message: the head's first error
+    comes after ``messages`` (which the head only checks to be a non-empty list)."""
+    loc = head_error.errors()[0]["loc"]
+    return bool(loc) and loc[0] not in ("model", "messages") and isinstance(messages, list)
+
+
+def _invalid(err: Any) -> InvalidRequest:
+    # Drop pydantic's union-member tags ("str", "list[TextPart]") from the field path.
+    loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
+    if err["type"] == "missing":
+        message = f"'{loc}' is required"
+    elif loc.endswith(".type") or ".content." in f"{loc}.":
+        message = f"'{loc}': {err['msg']} (only text content parts can be captured)"
+    else:
+        message = f"'{loc}': {err['msg']}"
+    return InvalidRequest(message, param=loc or None)
+
+
+def _is_valid_unicode(body: dict[str, Any], facts: Sequence[MessageFacts] | None) -> bool:
+    """Fast check (orjson refuses lone surrogates); the slow walk only names the field. A
+    message with a ``known_messages`` key was written by orjson already."""
+    if facts is not None and all(f.key is not None for f in facts):
+        body = {k: v for k, v in body.items() if k != "messages"}
     try:
         orjson.dumps(body)
     except TypeError:

@@ -209,8 +209,7 @@ def expectation_check(
     if expectation == "optional" and not parent_had_rows:
         return [], []
     details = {
-        "reason": "the engine returned no routed experts"
-        + (" (streamed call)" if stream else ""),
+        "reason": "the engine returned no routed experts" + (" (streamed call)" if stream else ""),
         "expectation": expectation,
         "hint": UNAVAILABLE_HINT,
     }
@@ -218,4 +217,3 @@ def expectation_check(
     if expectation == "required":
         return [f"routed experts are required but {details['reason']}"], diagnostics
     return [], diagnostics
-

@@ -126,4 +126,3 @@ def sampling_record_tokens_in(sampling: Sampling) -> dict[str, Any]:
     if sampling.stop:
         sent["stop"] = list(sampling.stop)
     return sampling_record(sent)
-

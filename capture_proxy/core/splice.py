@@ -61,11 +61,16 @@ def parent_turn_index(messages: Sequence[Mapping[str, Any]]) -> int:
 
 
 def check_extension(
-    parent_messages: Sequence[Mapping[str, Any]], child_messages: Sequence[Mapping[str, Any]]
+    parent_messages: Sequence[Mapping[str, Any]],
+    child_messages: Sequence[Mapping[str, Any]],
+    same: Sequence[bool] | None = None,
 ) -> int:
     """Check that ``child_messages`` = the parent's request messages (harness notes left out,
     as for linking) + the parent's output turn + new messages. Returns the index of the parent's
     output turn in ``child_messages``. Raises SpliceRefused naming the first differing message.
+
+    ``same[i]`` True: message i of both is known to be the same value (``known_messages``), so
+    it is not compared again; the others are compared canonically.
     """
     j = parent_turn_index(child_messages)
     if j != len(parent_messages):
@@ -83,7 +88,10 @@ def check_extension(
             f"{len(parent_messages)}",
             first,
         )
+    known = same or ()
     for i, (a, b) in enumerate(zip(parent_messages, child_messages, strict=False)):
+        if i < len(known) and known[i]:
+            continue
         if _comparable(a) != _comparable(b):
             raise SpliceRefused(f"message {i} differs from the parent's request", i)
     return j

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import orjson
 
 from capture_proxy.core.assembly import CallContext, call_fields, check_generation, check_usage
 from capture_proxy.core.engine_formats import Piece
@@ -24,6 +25,24 @@ from capture_proxy.core.records import (
 from capture_proxy.core.routed_experts import check_row_count, expectation_check
 
 
+def prompt_ids_json(prompt_token_ids: np.ndarray) -> bytes:
+    """The prompt ids as a JSON array (orjson, straight from the array)."""
+    return orjson.dumps(prompt_token_ids, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def echo_matches(echo: Any, prompt_token_ids: np.ndarray, prompt_json: bytes | None) -> bool:
+    """True when the engine's echo is the prompt sent, id for id. Compared as JSON text, which
+    is exact (``5.0`` or ``true`` for ``5`` differ) and runs in C: 0.5 ms for 54k ids, against
+    1.5 ms to compare them as Python lists."""
+    if not isinstance(echo, list) or len(echo) != prompt_token_ids.shape[0]:
+        return False
+    try:
+        text = orjson.dumps(echo)
+    except TypeError:  # not JSON-writable by orjson (an integer past 64 bits): not an id
+        return False
+    return text == (prompt_json if prompt_json is not None else prompt_ids_json(prompt_token_ids))
+
+
 class TokensInAssembler:
     """Collect pieces of one generation from ``prompt_token_ids`` (what the proxy sent)."""
 
@@ -32,10 +51,13 @@ class TokensInAssembler:
         ctx: CallContext,
         prompt_token_ids: np.ndarray,
         decode_experts: Callable[[Any], np.ndarray] | None = None,
+        prompt_json: bytes | None = None,
     ) -> None:
         """``decode_experts``: the dialect's routed-experts decoder; rows start at
-        ``ctx.routed_experts_start``."""
+        ``ctx.routed_experts_start``. ``prompt_json``: the prompt ids as the JSON array sent
+        (orjson), to compare the engine's echo with."""
         self.ctx = ctx
+        self.prompt_json = prompt_json
         self.decode_experts = decode_experts
         self.routed_experts_raw: Any = None
         self.prompt_token_ids = prompt_token_ids
@@ -61,7 +83,7 @@ class TokensInAssembler:
         if piece.routed_experts is not None:
             self.routed_experts_raw = piece.routed_experts
         if piece.prompt_token_ids is not None and self.echo is None:
-            self.echo = list(piece.prompt_token_ids)
+            self.echo = piece.prompt_token_ids
 
     @property
     def generated_text(self) -> str:
@@ -78,7 +100,9 @@ class TokensInAssembler:
     ) -> CallRecord:
         problems: list[str] = []
         diagnostics = list(extra_diagnostics or [])
-        if self.echo is not None and self.echo != self.prompt_token_ids.tolist():
+        if self.echo is not None and not echo_matches(
+            self.echo, self.prompt_token_ids, self.prompt_json
+        ):
             problems.append("engine echoed prompt_token_ids that differ from the ids sent")
         checked = check_generation(
             self.token_ids if self.saw_token_ids else None,

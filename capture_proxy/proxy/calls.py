@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -26,6 +26,7 @@ from capture_proxy.core.assembly import CallContext, abandoned_record, failed_re
 from capture_proxy.core.capture import NoteMatcher, PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts.base import Answer, FrontCodec, FrontRequest, TokenIds
+from capture_proxy.core.known_messages import KnownMessages, message_digests
 from capture_proxy.core.linking import Resolution, Verdict
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.linker import Linker
@@ -68,6 +69,8 @@ class CaptureDeps:
     notes: NoteMatcher | None
     first_byte_timeout_s: float | None = None
     connect_retries: int = 0
+    #: facts of the messages of earlier requests (validation, digests, canonical texts)
+    known_messages: KnownMessages = field(default_factory=KnownMessages)
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,7 @@ class InFlightCall:
     def error_body(
         self, status: int, message: str, error_type: str, code: str | None = None
     ) -> dict[str, Any]:
-        return self.front.error_body(
-            status, message, error_type=error_type, param=None, code=code
-        )
+        return self.front.error_body(status, message, error_type=error_type, param=None, code=code)
 
 
 def _decoder(deps: CaptureDeps, model: str | None) -> Any:
@@ -144,6 +145,8 @@ async def finish_call(
             parent_call_id=None,
             linking={"verdict": Verdict.UNRESOLVED.value, "reason": f"verification failed: {exc}"},
         )
+    if request is None:
+        request = encode_request(call)
     if await deps.recorder.persist(record, request):
         try:
             await deps.linker.remember(record)
@@ -151,13 +154,18 @@ async def finish_call(
             log.error("call %s: indexing failed: %s", record.call_id, exc)
 
 
-def encode_request(ctx: CallContext) -> RequestEncoding | None:
-    """The ``RequestEncoding`` of the call's request; None when it has no canonical text (the
-    store's write then names the problem)."""
+def encode_request(call: InFlightCall) -> RequestEncoding | None:
+    """The ``RequestEncoding`` of the call's request, from the messages' known facts (their
+    canonical texts and digests); None when it has no canonical text (the store's write then
+    names the problem)."""
+    body = call.ctx.request_body
+    messages = body.get("messages") or []
+    facts = call.prepared.message_facts
     try:
-        return RequestEncoding.of(
-            ctx.request_body.get("messages") or [], ctx.request_body.get("tools")
-        )
+        digests = None
+        if facts is not None and body is call.prepared.body and len(facts) == len(messages):
+            digests = message_digests(facts)
+        return RequestEncoding.of(messages, body.get("tools"), digests)
     except ValueError:
         return None
 
@@ -243,9 +251,7 @@ async def relay_engine_error(
         message = _engine_error_message(payload, raw, upstream.reason)
         error_type = "invalid_request_error" if status < 500 else "upstream_error"
         payload = call.error_body(status, f"engine returned {status}: {message}", error_type)
-    await record_failed(
-        deps, call, t0, f"engine returned HTTP {status}", status, prompt_token_ids
-    )
+    await record_failed(deps, call, t0, f"engine returned HTTP {status}", status, prompt_token_ids)
     return web.json_response(payload, status=status, headers={CALL_ID_HEADER: call.ctx.call_id})
 
 

@@ -24,6 +24,7 @@ from capture_proxy.core.assembly import CallContext
 from capture_proxy.core.capture import augment_chat_request, prepare_request
 from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest, InvalidFrontRequest
 from capture_proxy.core.fronts.responses import referenced_response_id
+from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.linking import Resolution, Verdict, request_digest
 from capture_proxy.core.requests import InvalidRequest, parse_json_object
 from capture_proxy.core.routing import Route
@@ -115,6 +116,7 @@ async def _resolve(
             call_id=call_id,
             created_at=created_at,
             retry_requested=retry_requested(retry_count),
+            linking_facts=prepared.linking_facts,
         )
     except Exception as exc:
         log.error("rollout %s: parent resolution failed: %s", rollout_id, exc)
@@ -124,6 +126,18 @@ async def _resolve(
             request_digest(prepared.body),
             reason=f"parent resolution failed: {type(exc).__name__}: {exc}",
         )
+
+
+def _message_facts(known: KnownMessages, parsed: FrontRequest) -> Any:
+    """The facts of the canonical messages: the front's, else derived here (a failure leaves
+    the call to derive what it needs from the messages)."""
+    if parsed.message_facts is not None:
+        return parsed.message_facts
+    try:
+        return known.facts(parsed.chat.get("messages") or [])
+    except Exception as exc:
+        log.warning("message facts not derived: %s: %s", type(exc).__name__, exc)
+        return None
 
 
 async def handle_captured_call(
@@ -142,18 +156,17 @@ async def handle_captured_call(
     except InvalidRequest as exc:
         raise _bad_request(exc) from exc
     previous = await _previous_messages(deps, front, body, route.rollout_id)
+    known = deps.known_messages
     try:
-        parsed: FrontRequest = front.parse(body, previous=previous)
+        parsed: FrontRequest = front.parse(body, previous=previous, known=known)
     except InvalidFrontRequest as exc:
         raise _bad_request(exc) from exc
 
     created_at = time.time()
-    prepared = prepare_request(parsed.chat, deps.notes)
+    prepared = prepare_request(parsed.chat, deps.notes, _message_facts(known, parsed))
     call_id = new_call_id()
     retry_count = request.headers.get(RETRY_COUNT_HEADER)
-    resolution = await _resolve(
-        deps, route.rollout_id, prepared, call_id, created_at, retry_count
-    )
+    resolution = await _resolve(deps, route.rollout_id, prepared, call_id, created_at, retry_count)
     ctx = CallContext(
         call_id=call_id,
         rollout_id=route.rollout_id,

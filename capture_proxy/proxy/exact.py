@@ -28,6 +28,7 @@ from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
 from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Reader
 from capture_proxy.core.fronts.base import Answer, answer_as_deltas
 from capture_proxy.core.fronts.chat import chat_usage
+from capture_proxy.core.known_messages import same_messages
 from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
@@ -46,7 +47,7 @@ from capture_proxy.core.splice import (
     splice_prompt,
 )
 from capture_proxy.core.sse import SSEStreamDecoder
-from capture_proxy.core.tokens_in_assembly import TokensInAssembler
+from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     CaptureDeps,
@@ -284,8 +285,13 @@ async def build_prompt(
         found = await deps.linker.get_call(candidate.call_id)
         if found is None or found.status is not CallStatus.COMPLETE:
             continue
+        parent_messages = _parent_request_messages(found)
+        child_facts = call.prepared.linking_facts
+        same = None
+        if child_facts is not None:
+            same = same_messages(deps.known_messages.facts(parent_messages), child_facts)
         try:
-            j = check_extension(_parent_request_messages(found), call.prepared.linking_messages)
+            j = check_extension(parent_messages, call.prepared.linking_messages, same)
         except SpliceRefused as exc:
             if refusal is None:
                 refusal, refused_parent = exc, found.call_id
@@ -410,8 +416,11 @@ async def handle_exact_tokens(
                 {"requested": sampling.clamped_from, "max_tokens": sampling.max_tokens},
             )
         )
+    # The prompt is the one part of the body that grows with the history: written once, by
+    # orjson straight from the array, put in the body as it is and compared with the echo.
+    prompt_json = prompt_ids_json(prompt.token_ids)
     engine_body = exact.dialect.request(
-        prompt.token_ids,
+        orjson.Fragment(prompt_json),
         sampling,
         stream=ctx.stream,
         model=body.get("model"),
@@ -436,9 +445,7 @@ async def handle_exact_tokens(
             deps.backend + exact.dialect.path,
             first_byte_timeout_s=deps.first_byte_timeout_s,
             connect_retries=deps.connect_retries,
-            # orjson writes the id array straight from numpy: the prompt is the one part of
-            # the body that grows with the history.
-            data=orjson.dumps(engine_body, option=orjson.OPT_SERIALIZE_NUMPY),
+            data=orjson.dumps(engine_body),
             headers=headers,
             auto_decompress=True,
         )
@@ -449,7 +456,9 @@ async def handle_exact_tokens(
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0, prompt.token_ids)
         raise
-    assembler = TokensInAssembler(ctx, prompt.token_ids, exact.dialect.decode_routed_experts)
+    assembler = TokensInAssembler(
+        ctx, prompt.token_ids, exact.dialect.decode_routed_experts, prompt_json
+    )
     reader = exact.dialect.reader(exact.decode)
     deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
     async with upstream:
@@ -540,7 +549,7 @@ class _Generation:
         await writer.write(b"".join(encoder.start()))
         # The first events are out: encode the request side of the record while the engine
         # generates.
-        request_encoding = encode_request(ctx)
+        request_encoding = encode_request(call)
         cancelled = False
         problem: str | None = None
         done = False

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from capture_proxy.core.codec import token_digest
+from capture_proxy.core.known_messages import MessageFacts, turn_payloads
 from capture_proxy.core.linking import (
     HISTORY_EDITED_REASON,
     IN_FLIGHT,
@@ -181,16 +182,19 @@ class Linker:
         call_id: str,
         created_at: float,
         retry_requested: bool = False,
+        linking_facts: Sequence[MessageFacts] | None = None,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
         call's retry only on an explicit signal (``retry_requested``: the harness's retry
-        header; or this call failed or was left incomplete), else a sibling sample."""
+        header; or this call failed or was left incomplete), else a sibling sample.
+        ``linking_facts``: the ``known_messages`` facts of ``linking_messages``."""
         index = await self._index(rollout_id)
         req_digest = request_digest(body)
         items = linking_items(linking_messages)
         model = body.get("model")
-        parent_digest = history_digest(linking_messages)
+        payloads = turn_payloads(linking_facts) if linking_facts is not None else None
+        parent_digest = history_digest(linking_messages, payloads)
 
         def resolve() -> Resolution:
             return index.resolve(
@@ -247,9 +251,7 @@ class Linker:
         if reason == NO_MATCH_REASON:
             diagnostics.append(Diagnostic(DiagnosticKind.FOREIGN_TURN, {"reason": reason}))
         elif reason is not None and reason.startswith(MODEL_SCOPE_REASON):
-            diagnostics.append(
-                Diagnostic(DiagnosticKind.PARENT_MODEL_MISMATCH, {"reason": reason})
-            )
+            diagnostics.append(Diagnostic(DiagnosticKind.PARENT_MODEL_MISMATCH, {"reason": reason}))
         elif resolution.mismatch is not None:
             diagnostics.append(
                 Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, dict(resolution.mismatch))
@@ -273,9 +275,7 @@ class Linker:
                     record, resolution.parent_call_id, linking_messages, decode
                 )
                 if mismatch is not None:
-                    diagnostics.append(
-                        Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch)
-                    )
+                    diagnostics.append(Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, mismatch))
         if parent_call_id is None and self._may_prefix_link(verdict, reason, record):
             index = await self._index(record.rollout_id)
             ancestor = index.prefix_ancestor(
@@ -342,9 +342,13 @@ class Linker:
             return False
         if verdict is Verdict.REFUSED:
             return True
-        return verdict is Verdict.UNRESOLVED and reason is not None and (
-            reason in (NO_MATCH_REASON, HISTORY_EDITED_REASON, TOOL_CALL_IDS_REASON)
-            or reason.startswith(MODEL_SCOPE_REASON)
+        return (
+            verdict is Verdict.UNRESOLVED
+            and reason is not None
+            and (
+                reason in (NO_MATCH_REASON, HISTORY_EDITED_REASON, TOOL_CALL_IDS_REASON)
+                or reason.startswith(MODEL_SCOPE_REASON)
+            )
         )
 
     @staticmethod

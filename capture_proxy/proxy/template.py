@@ -107,7 +107,10 @@ def _canonical_delta(chunk: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 async def handle_template(
-    request: web.Request, call: InFlightCall, deps: CaptureDeps, upstream_body: dict[str, Any],
+    request: web.Request,
+    call: InFlightCall,
+    deps: CaptureDeps,
+    upstream_body: dict[str, Any],
     asked: HarnessAsked,
 ) -> web.StreamResponse:
     """Serve one captured call through the engine's chat endpoint. Raises ProxyError."""
@@ -274,7 +277,7 @@ async def _relay_stream(
                 # The first events are on their way: while the engine generates, encode the
                 # request side of the record and check the prompt ids, so the write before
                 # the end does less.
-                request_encoding, encoded_request = encode_request(ctx), True
+                request_encoding, encoded_request = encode_request(call), True
                 relay.assembler.settle_prompt()
             if writer.gone or relay.done_seen:
                 return  # after [DONE] only the end of the engine's body is left: read below

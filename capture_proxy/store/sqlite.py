@@ -590,9 +590,7 @@ class SQLiteStore:
         finally:
             self._release_writer_lock()
 
-    async def _stop_workers(
-        self, reader: WorkerThread | None, writer: WorkerThread | None
-    ) -> None:
+    async def _stop_workers(self, reader: WorkerThread | None, writer: WorkerThread | None) -> None:
         # Reader first: the writer's connection, closed last, checkpoints the WAL.
         for worker, close in ((reader, self._close_reader), (writer, self._close_writer)):
             if worker is None:

@@ -29,17 +29,18 @@ async def test_streamed_calls_hand_over_their_request_encoding(
 ):
     store = HandedStore(tmp_path / "handed")
     stack = await make_stack(store=store, prompt_mode=prompt_mode)
-    computed: list[int] = []
+    computed: list[tuple[int, bool]] = []
     original = RequestEncoding.of.__func__  # type: ignore[attr-defined]
 
-    def counting(cls, messages, tools):
-        computed.append(len(messages))
-        return original(cls, messages, tools)
+    def counting(cls, messages, tools, digests=None):
+        computed.append((len(messages), digests is not None))
+        return original(cls, messages, tools, digests)
 
     monkeypatch.setattr(RequestEncoding, "of", classmethod(counting))
     ids = await _session(stack, "r1", stream=True)
     assert store.handed == [True, True, True]
-    assert len(computed) == 3  # once per call, in the proxy; never again in the store
+    # once per call, in the proxy, from the messages' known facts; never again in the store
+    assert computed == [(2, True), (4, True), (6, True)]
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     stored = [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]]
     assert sorted(sum(stored, [])) == sorted(ids)

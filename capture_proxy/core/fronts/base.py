@@ -38,6 +38,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+
 
 class Api(enum.StrEnum):
     """The wire API a call came in on (recorded on the call as ``api``)."""
@@ -68,6 +70,8 @@ class FrontRequest:
     stream: bool
     received: dict[str, Any] = field(default_factory=dict)
     options: Any = None
+    #: the ``known_messages`` facts of ``chat["messages"]``, when the front derived them
+    message_facts: tuple[MessageFacts, ...] | None = None
 
 
 #: Token ids as a list or a uint32 array.
@@ -137,11 +141,17 @@ class FrontCodec(Protocol):
     api: Api
 
     def parse(
-        self, body: dict[str, Any], *, previous: list[dict[str, Any]] | None = None
+        self,
+        body: dict[str, Any],
+        *,
+        previous: list[dict[str, Any]] | None = None,
+        known: KnownMessages | None = None,
     ) -> FrontRequest:
         """Validate ``body`` and map it to the canonical conversation. ``previous``: canonical
         messages a reference in the body stands for (Responses ``previous_response_id``; the
-        adapter resolves it). Raises InvalidFrontRequest naming the field."""
+        adapter resolves it). ``known``: facts of the messages of earlier requests; a front
+        may skip what it checked of them before, and give the facts of the canonical messages
+        (``FrontRequest.message_facts``). Raises InvalidFrontRequest naming the field."""
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         """The whole (non-streaming) response body in the API's shape."""

@@ -19,6 +19,7 @@ from capture_proxy.core.fronts.base import (
     InvalidFrontRequest,
     token_id_list,
 )
+from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.requests import InvalidRequest, validate_chat_request
 from capture_proxy.core.sse import encode_json_event
 
@@ -32,9 +33,7 @@ def openai_error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def logprobs_content(
-    token_ids: list[int], log_probs: list[float | None] | None
-) -> dict[str, Any]:
+def logprobs_content(token_ids: list[int], log_probs: list[float | None] | None) -> dict[str, Any]:
     """Chat-shaped log probs (tokens as ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids``
     form, since the proxy may have no tokenizer; no top alternatives)."""
     values = log_probs or []
@@ -61,14 +60,20 @@ class ChatCodec:
     api = Api.CHAT_COMPLETIONS
 
     def parse(
-        self, body: dict[str, Any], *, previous: list[dict[str, Any]] | None = None
+        self,
+        body: dict[str, Any],
+        *,
+        previous: list[dict[str, Any]] | None = None,
+        known: KnownMessages | None = None,
     ) -> FrontRequest:
+        messages = body.get("messages")
+        facts = known.facts(messages) if known is not None and isinstance(messages, list) else None
         try:
-            validate_chat_request(body)
+            validate_chat_request(body, facts)
         except InvalidRequest as exc:
             raise InvalidFrontRequest(str(exc), exc.param) from exc
         received = {k: v for k, v in body.items() if k != "messages"}
-        return FrontRequest(self.api, body, bool(body.get("stream")), received)
+        return FrontRequest(self.api, body, bool(body.get("stream")), received, message_facts=facts)
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         body = request.chat

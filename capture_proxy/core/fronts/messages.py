@@ -69,6 +69,7 @@ from capture_proxy.core.fronts.base import (
     seal_reasoning,
     sse_event,
 )
+from capture_proxy.core.known_messages import KnownMessages
 
 #: Put before a tool result's text when the harness marked it ``is_error``.
 TOOL_ERROR_PREFIX = "Error: "
@@ -593,7 +594,11 @@ class MessagesCodec:
     api = Api.MESSAGES
 
     def parse(
-        self, body: dict[str, Any], *, previous: list[dict[str, Any]] | None = None
+        self,
+        body: dict[str, Any],
+        *,
+        previous: list[dict[str, Any]] | None = None,
+        known: KnownMessages | None = None,
     ) -> FrontRequest:
         return _parse(body, count_tokens=False)
 

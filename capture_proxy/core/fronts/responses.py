@@ -56,6 +56,7 @@ from capture_proxy.core.fronts.base import (
     seal_reasoning,
     sse_event,
 )
+from capture_proxy.core.known_messages import KnownMessages
 
 #: The chat parameters a freeform (``custom``) tool is offered under.
 CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
@@ -393,7 +394,11 @@ class ResponsesCodec:
     api = Api.RESPONSES
 
     def parse(
-        self, body: dict[str, Any], *, previous: list[dict[str, Any]] | None = None
+        self,
+        body: dict[str, Any],
+        *,
+        previous: list[dict[str, Any]] | None = None,
+        known: KnownMessages | None = None,
     ) -> FrontRequest:
         model = body.get("model")
         if model is None:
