@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -69,8 +69,12 @@ class CaptureDeps:
     notes: NoteMatcher | None
     first_byte_timeout_s: float | None = None
     connect_retries: int = 0
-    #: facts of the messages of earlier requests (validation, digests, canonical texts)
-    known_messages: KnownMessages = field(default_factory=KnownMessages)
+
+    @property
+    def known_messages(self) -> KnownMessages:
+        """Facts of the messages of earlier requests (validation, digests, canonical texts):
+        the process's, kept by the linker with its other memory of recent calls."""
+        return self.linker.known_messages
 
 
 @dataclass(frozen=True)

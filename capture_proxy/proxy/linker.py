@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from capture_proxy.core.codec import token_digest
-from capture_proxy.core.known_messages import MessageFacts, turn_payloads
+from capture_proxy.core.known_messages import KnownMessages, MessageFacts, turn_payloads
 from capture_proxy.core.linking import (
     HISTORY_EDITED_REASON,
     IN_FLIGHT,
@@ -99,6 +99,8 @@ class Linker:
         self._locks: dict[str, asyncio.Lock] = {}
         #: the records this process stored lately (the parents of the next calls)
         self.recent = RecentCalls(recent_max_bytes)
+        #: facts of the messages of the requests this process saw lately
+        self.known_messages = KnownMessages()
 
     async def _index(self, rollout_id: str) -> LinkIndex:
         index = self._indexes.get(rollout_id)

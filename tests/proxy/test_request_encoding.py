@@ -46,3 +46,26 @@ async def test_streamed_calls_hand_over_their_request_encoding(
     assert sorted(sum(stored, [])) == sorted(ids)
     if prompt_mode == "exact_tokens":
         assert stored == [ids]
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_a_call_validates_only_the_messages_no_earlier_call_had(
+    make_stack, monkeypatch, prompt_mode
+):
+    from capture_proxy.core import requests as requests_module
+
+    stack = await make_stack(prompt_mode=prompt_mode)
+    validated: list[int] = []
+    adapter = requests_module._MESSAGES
+
+    class Counting:
+        def validate_python(self, messages):
+            validated.append(len(messages))
+            return adapter.validate_python(messages)
+
+    monkeypatch.setattr(requests_module, "_MESSAGES", Counting())
+    ids = await _session(stack, "r1", stream=False)
+    # 2, 4 and 6 messages sent; each call brings 2 new ones (the answer and a tool result)
+    assert validated == [2, 2, 2]
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [ids]
