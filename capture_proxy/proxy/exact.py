@@ -28,7 +28,7 @@ from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
 from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Reader
 from capture_proxy.core.fronts.base import Answer, answer_as_deltas
 from capture_proxy.core.fronts.chat import chat_usage
-from capture_proxy.core.known_messages import same_messages
+from capture_proxy.core.known_messages import MessageFacts, same_messages
 from capture_proxy.core.linking import Verdict
 from capture_proxy.core.parsers import MessageDelta, OutputParser
 from capture_proxy.core.parsers.base import apply_deltas
@@ -219,6 +219,17 @@ def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def _parent_facts(
+    deps: CaptureDeps, parent: Any, messages: list[dict[str, Any]]
+) -> tuple[MessageFacts, ...]:
+    """The facts of ``messages`` (``_parent_request_messages(parent)``): kept with the
+    parent's record in memory, else derived."""
+    kept = deps.linker.message_facts(parent.call_id)
+    if kept is not None and len(kept) >= len(messages):
+        return kept[: len(messages)]
+    return deps.known_messages.facts(messages)
+
+
 async def _full_render(
     exact: ExactTokens, messages: list[dict[str, Any]], tools: Any, kwargs: Any
 ) -> np.ndarray:
@@ -289,7 +300,7 @@ async def build_prompt(
         child_facts = call.prepared.linking_facts
         same = None
         if child_facts is not None:
-            same = same_messages(deps.known_messages.facts(parent_messages), child_facts)
+            same = same_messages(_parent_facts(deps, found, parent_messages), child_facts)
         try:
             j = check_extension(parent_messages, call.prepared.linking_messages, same)
         except SpliceRefused as exc:

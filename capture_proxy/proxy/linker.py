@@ -219,11 +219,17 @@ class Linker:
         index.add(call_id, created_at, child_digest=None, request_digest=req_digest, model=model)
         return resolution
 
-    async def remember(self, record: CallRecord) -> None:
+    async def remember(
+        self, record: CallRecord, message_facts: Sequence[MessageFacts] | None = None
+    ) -> None:
         """Make a persisted call findable by its children (by digest, and its record in
-        memory)."""
+        memory, with the facts of its request messages)."""
         self._add(await self._index(record.rollout_id), record)
-        self.recent.put(record)
+        self.recent.put(record, message_facts)
+
+    def message_facts(self, call_id: str) -> tuple[MessageFacts, ...] | None:
+        """The facts of a recent call's request messages (None when not in memory)."""
+        return self.recent.message_facts(call_id)
 
     async def verify(
         self,

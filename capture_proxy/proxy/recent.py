@@ -17,18 +17,21 @@ never correctness. A deleted rollout's calls are dropped (``forget``). Must not:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import orjson
 
+from capture_proxy.core.known_messages import MessageFacts
 from capture_proxy.core.records import CallRecord
 
 #: Default bound of the cache (bytes, estimated): about a thousand 57k-token sessions' tips.
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
 
 
-def _size(record: CallRecord) -> int:
+def _size(record: CallRecord, facts: Sequence[MessageFacts] | None) -> int:
     """Bytes the record holds, estimated: its arrays, and its messages as JSON (their Python
-    objects are larger; a bound, not an account)."""
+    objects are larger; a bound, not an account), known from their facts' keys if given."""
     experts = record.routed_experts
     arrays = (
         record.prompt_token_ids.nbytes
@@ -36,6 +39,8 @@ def _size(record: CallRecord) -> int:
         + record.generation_log_probs.nbytes
         + (experts.nbytes if experts is not None else 0)
     )
+    if facts is not None:
+        return arrays + sum(len(f.key or b"") for f in facts)
     try:
         messages = len(orjson.dumps(record.request_messages))
     except TypeError:  # integers past 64 bits: rare, any estimate will do
@@ -43,12 +48,20 @@ def _size(record: CallRecord) -> int:
     return arrays + messages
 
 
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    record: CallRecord
+    size: int
+    #: the ``known_messages`` facts of ``record.request_messages``, when the call had them
+    message_facts: tuple[MessageFacts, ...] | None
+
+
 class RecentCalls:
     """Stored records by call id, at most ``max_bytes`` (estimated) in all."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
-        self._records: OrderedDict[str, tuple[CallRecord, int]] = OrderedDict()
+        self._records: OrderedDict[str, _Entry] = OrderedDict()
         self._by_rollout: dict[str, set[str]] = {}
         self._bytes = 0
 
@@ -60,15 +73,24 @@ class RecentCalls:
         if entry is None:
             return None
         self._records.move_to_end(call_id)
-        return entry[0]
+        return entry.record
 
-    def put(self, record: CallRecord) -> None:
-        """Keep ``record`` (it was stored); a record larger than the bound is not kept."""
+    def message_facts(self, call_id: str) -> tuple[MessageFacts, ...] | None:
+        """The facts of a kept record's request messages, if it came with them."""
+        entry = self._records.get(call_id)
+        return entry.message_facts if entry is not None else None
+
+    def put(self, record: CallRecord, message_facts: Sequence[MessageFacts] | None = None) -> None:
+        """Keep ``record`` (it was stored) and the facts of its request messages; a record
+        larger than the bound is not kept."""
         self._drop(record.call_id)
-        size = _size(record)
+        facts = tuple(message_facts) if message_facts is not None else None
+        if facts is not None and len(facts) != len(record.request_messages):
+            facts = None
+        size = _size(record, facts)
         if size > self.max_bytes:
             return
-        self._records[record.call_id] = (record, size)
+        self._records[record.call_id] = _Entry(record, size, facts)
         self._by_rollout.setdefault(record.rollout_id, set()).add(record.call_id)
         self._bytes += size
         while self._bytes > self.max_bytes:
@@ -84,8 +106,8 @@ class RecentCalls:
         entry = self._records.pop(call_id, None)
         if entry is None:
             return
-        record, size = entry
-        self._bytes -= size
+        record = entry.record
+        self._bytes -= entry.size
         ids = self._by_rollout.get(record.rollout_id)
         if ids is not None:
             ids.discard(call_id)
