@@ -10,14 +10,15 @@ before per-call extension, ``serve --exact-full-render``), all in one run agains
 - ``exact_tokens``: the proxy extends the parent's ids by the rendering of the new messages;
 - ``exact_full_render``: the proxy renders and tokenizes the whole conversation (twice) per call.
 
-The rollouts advance in lockstep: at each turn every proxy in turn serves its N calls while the
-others idle, so the CPU a proxy process spent over that turn (``/proc/<pid>/stat``, all
-threads) divided by N is its CPU per call at that turn. Added latency: a call's latency as the
-harness saw it minus the engine's part of it (the call record's ``latency_ms``: from sending the
-engine request to the end of its answer), so what is left is the proxy's own work before and
-after the engine (parsing, linking, rendering, persisting). Every proxied rollout is checked to
-be one chain. ``--py-spy MODE`` records that proxy's samples to a file over the turns (from
-``--py-spy-from TURN`` on, to profile a long history alone).
+Each proxy first serves a short unmeasured session (``--warmup-turns``), so one-off costs do not
+count in the first bucket. The rollouts advance in lockstep: at each turn every proxy in turn
+serves its N calls while the others idle, so the CPU a proxy process spent over that turn
+(``/proc/<pid>/stat``, all threads) divided by N is its CPU per call at that turn. Added
+latency: a call's latency as the harness saw it minus the engine's part of it (the call record's
+``latency_ms``: from sending the engine request to the end of its answer), so what is left is
+the proxy's own work before and after the engine (parsing, linking, rendering, persisting).
+Every proxied rollout is checked to be one chain. ``--py-spy MODE`` records that proxy's samples
+to a file over the turns (from ``--py-spy-from TURN`` on, to profile a long history alone).
 
 Run: ``.venv/bin/python benchmarks/long_session.py [--rollouts 4] [--turns 120]``.
 """
@@ -220,6 +221,21 @@ async def run(args: argparse.Namespace) -> int:
                 ]
                 for m in modes
             }
+            # Warm up every proxy with a short session of its own (not measured), so that
+            # one-off costs (first renders, template compilation, store statements) stay out
+            # of the first bucket.
+            warm = {m: Rollout(m, f"warmup-{m.replace('@', '.')}", [system, user]) for m in modes}
+            for turn in range(1, args.warmup_turns + 1):
+                for mode in modes:
+                    await one_call(
+                        session,
+                        proxies[mode].url,
+                        engine.url,
+                        warm[mode],
+                        tool_defs,
+                        args.tool_output_kb,
+                        turn,
+                    )
             for turn in range(1, args.turns + 1):
                 if args.py_spy and turn == args.py_spy_from:
                     spy = start_py_spy(
@@ -328,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tools-kb", type=float, default=20.0, help="tool definitions size")
     p.add_argument("--tool-output-kb", type=float, default=0.95, help="each tool result's size")
     p.add_argument("--no-full-render", action="store_true", help="skip the full-render path")
+    p.add_argument(
+        "--warmup-turns",
+        type=int,
+        default=3,
+        help="turns of an unmeasured session per proxy before the measured ones",
+    )
     p.add_argument("--call-timeout-s", type=float, default=600)
     p.add_argument(
         "--baseline-src",
