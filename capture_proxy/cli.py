@@ -64,8 +64,8 @@ def write_port_file(path: Path, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from capture_proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.proxy import server
-    from capture_proxy.proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.rendering import RenderError
     from capture_proxy.store import open_store
     from capture_proxy.store.base import StoreError
