@@ -23,8 +23,9 @@ from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
 async def health(request: web.Request) -> web.Response:
     """Proxy and store health (503 when the store cannot answer), whether the engine answers
     (a cached probe: ``engine.ok`` is reported, it does not make the proxy unhealthy, since an
-    engine loading its model is normal), and the capture counters. With a token set the
-    store's filesystem path is left out (``/health`` is open to anyone)."""
+    engine loading its model is normal; ``null`` in the read-only app, which has no engine),
+    and the capture counters. With a token set the store's filesystem path is left out
+    (``/health`` is open to anyone)."""
     settings = request.app[SETTINGS_KEY]
     recorder = request.app[RECORDER_KEY]
     try:
@@ -36,7 +37,8 @@ async def health(request: web.Request) -> web.Response:
         store = {k: v for k, v in store.items() if k != "path"}
         if not ok:
             store = {"error": "store unavailable (details in the proxy's log)"}
-    engine = await request.app[ENGINE_PROBE_KEY].status(request.app[SESSION_KEY])
+    probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
+    engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
     return web.json_response(
         {
             "status": "ok" if ok else "degraded",
