@@ -179,14 +179,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from capture_proxy.show import show
+    from capture_proxy.show import make_console, show
 
     if not args.store.is_dir():
         print(f"capture-proxy: no store at {args.store}", file=sys.stderr)
         return 2
-    return asyncio.run(show(args.store, args.rollout, Console()))
+    return asyncio.run(show(args.store, args.rollout, make_console()))
 
 
 def _scripted_engine(args: argparse.Namespace) -> int:
