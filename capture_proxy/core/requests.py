@@ -8,11 +8,10 @@ with a 400 and never forwarded half-parsed.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import orjson
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -21,7 +20,15 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from pydantic_core import PydanticCustomError
+
+from capture_proxy.core.sampling import (
+    SEED_MAX,
+    SEED_MIN,
+    LogitBias,
+    Number,
+    StopStrings,
+    TokenIds,
+)
 
 
 class InvalidRequest(ValueError):
@@ -77,36 +84,8 @@ class Message(_Lenient):
     reasoning: str | None = None
 
 
-#: A JSON number: an integer or a float, never a bool or a numeric string; finite (the stdlib
-#: parses ``1e400`` as infinity). Bounds go on the field.
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-
-
-def _token_id_key(key: str) -> str:
-    # JSON object keys are strings; vLLM turns each into a token id with int().
-    if not key.isascii() or not key.isdecimal():
-        raise PydanticCustomError("token_id", "keys must be token ids (decimal integers)")
-    return key
-
-
-#: A ``logit_bias`` key: a token id, as a JSON object key (a string of digits).
-TokenIdKey = Annotated[str, AfterValidator(_token_id_key)]
-
-
-#: vLLM's range of ``seed`` (a 64-bit signed integer: ``torch.long``).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-
-
 class ChatCompletionRequest(_Lenient):
-    """The fields the proxy relies on or forwards to the engine's sampler, checked here so a
-    bad value is a 400 naming the field before anything is forwarded or stored; all other
-    fields go to the engine as sent (the body is forwarded, never this model).
-
-    Sampling ranges are OpenAI's where the engine (vLLM) refuses the same values, and vLLM's
-    where it accepts more than OpenAI documents (``top_k``, ``min_p``, ``repetition_penalty``,
-    ``top_logprobs`` -1 and past 20, whose bound is the engine's ``max_logprobs``).
-    ``logit_bias`` keeps OpenAI's [-100, 100], which vLLM would clamp to: the call's record
-    must name the bias that was applied."""
+    """The fields the proxy relies on; all other fields go to the engine as sent."""
 
     model: str | None = None
     messages: list[Message] = Field(min_length=1)
@@ -118,58 +97,30 @@ class ChatCompletionRequest(_Lenient):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     #: the proxy adds ``include_usage`` to it, and reads what the harness asked from it
     stream_options: dict[str, Any] | None = None
-    # -- sampling (``core.sampling``: passed to tokens-in engines by name, and recorded) --
+    # Sampling (``core.sampling``: passed to tokens-in engines by name, and recorded),
+    # declared so that a bad type or an out-of-range value is a 400 naming the field before
+    # anything is forwarded or stored (the body is forwarded as sent, never this model).
+    # Ranges: OpenAI's where vLLM refuses the same values, vLLM's where it takes more.
     temperature: Number | None = Field(None, ge=0, le=2)
     #: (0, 1]: vLLM refuses 0
     top_p: Number | None = Field(None, gt=0, le=1)
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    #: a string or a list of strings; vLLM refuses an empty one
-    stop: str | list[str] | None = None
-    #: -1 (vLLM): every token of the vocabulary
+    stop: StopStrings | None = None
+    #: -1 (vLLM): the whole vocabulary; past OpenAI's 20 the engine's ``max_logprobs`` decides
     top_logprobs: StrictInt | None = Field(None, ge=-1)
-    #: token id (a JSON object key) -> bias added to its logit
-    logit_bias: dict[TokenIdKey, Annotated[Number, Field(ge=-100, le=100)]] | None = None
-    # vLLM's extras: 0 or -1 turn ``top_k`` off
+    logit_bias: LogitBias | None = None
+    #: vLLM's extras; 0 or -1 turn ``top_k`` off
     top_k: StrictInt | None = Field(None, ge=-1)
     min_p: Number | None = Field(None, ge=0, le=1)
     repetition_penalty: Number | None = Field(None, gt=0)
     min_tokens: StrictInt | None = Field(None, ge=0)
-    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool | None = None
-    # constrained decoding: objects, checked by the engine
+    #: constrained decoding: objects, checked by the engine
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_strings(cls, value: Any) -> Any:
-        if value is None:
-            return value
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list):
-            raise PydanticCustomError(
-                "stop", "must be a string or a list of strings, not {kind}", {"kind": _kind(value)}
-            )
-        for i, item in enumerate(items):
-            where = "stop" if isinstance(value, str) else f"stop[{i}]"
-            if not isinstance(item, str):
-                raise PydanticCustomError(
-                    "stop", "{where} is {kind}, not a string", {"where": where, "kind": _kind(item)}
-                )
-            if not item:
-                raise PydanticCustomError(
-                    "stop",
-                    "{where} is empty (the engine refuses an empty stop string)",
-                    {"where": where},
-                )
-        return value
-
-
-def _kind(value: Any) -> str:
-    """A JSON value's kind, for messages (``int``, ``dict``, ``list``, ...)."""
-    return "null" if value is None else type(value).__name__
 
 
 def _reject_constant(name: str) -> float:
