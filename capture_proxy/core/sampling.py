@@ -1,74 +1,15 @@
 """Mapping a chat request's sampling settings onto a tokens-in request. Pure.
 
 Owns which chat-completions fields carry over to the engine's tokens-in endpoints, faithfully
-and by name, the types those fields must have (``requests.ChatCompletionRequest`` declares
-each with its range, so a bad value is refused before anything is forwarded), and the clamp
-of the generation budget to the context length: a chat request's ``max_tokens`` (or
-``max_completion_tokens``) may exceed what the context leaves after the exact-token prompt;
-the engine would refuse the request, so it is clamped (and said so).
+and by name, and the clamp of the generation budget to the context length: a chat request's
+``max_tokens`` (or ``max_completion_tokens``) may exceed what the context leaves after the
+exact-token prompt; the engine would refuse the request, so it is clamped (and said so).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
-
-from pydantic import AfterValidator, BeforeValidator, Field
-from pydantic_core import PydanticCustomError
-
-#: A JSON number: an integer or a float, never a bool or a numeric string; finite (the stdlib
-#: parses ``1e400`` as infinity). Its range goes on the field.
-Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-
-#: vLLM's range of ``seed``: a 64-bit signed integer (``torch.long``).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-
-
-def _kind(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _stop_strings(value: Any) -> Any:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list):
-        raise PydanticCustomError(
-            "stop", "must be a string or a list of strings, not {kind}", {"kind": _kind(value)}
-        )
-    for i, item in enumerate(items):
-        where = "stop" if isinstance(value, str) else f"stop[{i}]"
-        if not isinstance(item, str):
-            raise PydanticCustomError(
-                "stop", "{where} is {kind}, not a string", {"where": where, "kind": _kind(item)}
-            )
-        if not item:
-            raise PydanticCustomError(
-                "stop",
-                "{where} is empty (the engine refuses an empty stop string)",
-                {"where": where},
-            )
-    return value
-
-
-#: ``stop``: a string or a list of strings, none empty (vLLM refuses an empty one).
-StopStrings = Annotated[str | list[str], BeforeValidator(_stop_strings)]
-
-
-def _token_id_key(key: str) -> str:
-    # JSON object keys are strings; vLLM turns each into a token id with int().
-    if not key.isascii() or not key.isdecimal():
-        raise PydanticCustomError("token_id", "keys must be token ids (decimal integers)")
-    return key
-
-
-#: ``logit_bias``: token id (a JSON object key) -> the bias added to its logit, in OpenAI's
-#: [-100, 100]. vLLM would clamp a bias past it; refused instead, so that the call's record
-#: names the bias that was applied.
-LogitBias = dict[
-    Annotated[str, AfterValidator(_token_id_key)], Annotated[Number, Field(ge=-100, le=100)]
-]
-
-#: ``stop_token_ids``: token ids (integers, 0 or more).
-TokenIds = list[Annotated[int, Field(strict=True, ge=0)]]
+from typing import Any
 
 #: Chat fields passed to the engine's sampling parameters under the same name (vLLM
 #: ``SamplingParams`` / SGLang ``sampling_params`` share these names).
@@ -185,3 +126,4 @@ def sampling_record_tokens_in(sampling: Sampling) -> dict[str, Any]:
     if sampling.stop:
         sent["stop"] = list(sampling.stop)
     return sampling_record(sent)
+

@@ -305,7 +305,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                 ("stop", "a_number", 5, "stop"),
                 ("seed", "a_string", "x", "seed"),
                 ("logit_bias", "a_list", [1], "logit_bias"),
-                ("logit_bias", "a_word_key", {"hello": 1}, "logit_bias.hello"),
+                ("logit_bias", "a_word_key", {"hello": 1}, "logit_bias"),
                 ("top_k", "a_float", 1.5, "top_k"),
             ]
         ),
