@@ -11,6 +11,8 @@ Architecture, bottom to top (lower layers never import upper ones):
   record, persists it, and finishes the response. One middleware turns exceptions into
   OpenAI-shaped errors.
 - ``capture_proxy.rest``: the read API under ``/captures``.
+- ``capture_proxy.app``: the composition root. Builds the app from settings: store, upstream
+  session, the proxy's dispatch, the read API, the viewer. Nothing below it imports it.
 - ``capture_proxy.scripted_engine``: a vLLM-dialect engine with a real tokenizer and a
   scripted policy, for tests, demos and harness CI.
 - ``capture_proxy.cli``: ``capture-proxy serve | scripted-engine | demo``.

@@ -63,8 +63,8 @@ def write_port_file(path: Path, port: int) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from capture_proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.proxy import server
-    from capture_proxy.proxy.app import build_proxy_app, build_read_only_app
     from capture_proxy.rendering import RenderError
     from capture_proxy.store import open_store
     from capture_proxy.store.base import StoreError
@@ -178,14 +178,12 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    from capture_proxy.show import show
+    from capture_proxy.show import make_console, show
 
     if not args.store.is_dir():
         print(f"capture-proxy: no store at {args.store}", file=sys.stderr)
         return 2
-    return asyncio.run(show(args.store, args.rollout, Console()))
+    return asyncio.run(show(args.store, args.rollout, make_console()))
 
 
 def _scripted_engine(args: argparse.Namespace) -> int:

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.harnesses.opencode import find_opencode, run_opencode
-from capture_proxy.proxy.app import build_proxy_app
 from capture_proxy.replay import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy

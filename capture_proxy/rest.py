@@ -37,14 +37,11 @@ from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
 from capture_proxy.core.summary import link_stats, main_chain
-from capture_proxy.proxy.errors import BadRequest, NotFound
-from capture_proxy.proxy.linker import Linker
+from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
+from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.store.base import CaptureStore, RolloutInfo
+from capture_proxy.store.base import RolloutInfo
 
-STORE_KEY = web.AppKey("store", CaptureStore)
-RECORDER_KEY = web.AppKey("recorder", Recorder)
-LINKER_KEY = web.AppKey("linker", Linker)
 REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)
 
 #: ``GET /captures/rollouts`` page size: default and maximum.
@@ -413,6 +410,29 @@ async def _rest_thread(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         app[REST_THREAD_KEY].shutdown(wait=True, cancel_futures=True)
+
+
+async def unknown_captures_path(request: web.Request) -> web.Response:
+    """Under ``/captures``, what no read-API route took: a 405 with ``Allow`` when a route
+    exists for the path with other methods (``POST /captures/rollouts``), else a 404. Routed
+    for ``/captures`` and ``/captures/{tail}`` after every other ``/captures`` route (the
+    lifecycle's and the export's too), so it takes only what none of them took."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is request.match_info.route.resource or not resource.canonical.startswith(
+            "/captures/"
+        ):
+            continue
+        match, methods = await resource.resolve(request)
+        if match is None:
+            allowed |= methods
+    if allowed:
+        raise MethodNotAllowed(
+            f"{request.method} is not allowed on {request.path} (allowed: "
+            f"{', '.join(sorted(allowed))})",
+            allowed=tuple(sorted(allowed)),
+        )
+    raise NotFound(f"no such read API path: {request.path}", code="not_found")
 
 
 def add_routes(app: web.Application, *, read_only: bool = False) -> None:

@@ -40,10 +40,9 @@ from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, chain_samples
 from capture_proxy.core.tree import build_tree, write_tree
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
+from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest import (
     MAX_PAGE_SIZE,
-    RECORDER_KEY,
-    STORE_KEY,
     RolloutState,
     _diagnostics,
     _json,

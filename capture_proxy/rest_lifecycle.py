@@ -27,7 +27,8 @@ from aiohttp import web
 
 from capture_proxy.core.metadata import MetadataError, RolloutMetadata
 from capture_proxy.proxy.errors import BadRequest, Conflict, NotFound, ProxyError
-from capture_proxy.rest import LINKER_KEY, STORE_KEY, _rollout_id
+from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
+from capture_proxy.rest import _rollout_id
 from capture_proxy.store.base import LifecycleConflict, RolloutDeleted, RolloutNotFound
 
 _SNAPSHOT_ID = re.compile(r"[0-9a-f]{32}")

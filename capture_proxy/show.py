@@ -4,10 +4,16 @@ Reads a store directory with the store's own methods (no proxy running, no engin
 the same page models the viewer renders (``core.view``): without a rollout id, every rollout
 (status, calls, chains, refused links, incomplete, reward, age, diagnostic kinds); with one, its
 facts and its chains as a tree with the same marks.
+
+No value is ever cut short: a cell too narrow for its value wraps it onto more lines
+(``overflow="fold"``, never Rich's ``…``), and output that is not a terminal (a pipe, a file)
+is as wide as its longest line unless ``COLUMNS`` says otherwise, so each value stays whole on
+one line for ``grep``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +29,18 @@ from capture_proxy.store.sqlite import SQLiteStore
 
 PAGE = 500
 STATUS_STYLE = {"complete": "green", "incomplete": "yellow", "failed": "red"}
+#: Columns of a console that is not a terminal and has no ``COLUMNS``: wider than any line
+#: (a table is only as wide as its cells, so nothing is padded to it).
+UNBOUNDED_WIDTH = 1_000_000
+
+
+def make_console() -> Console:
+    """The console ``show`` prints on: a terminal's width, or ``COLUMNS`` when it is set;
+    anything else (a pipe, a file) is not wrapped at all, where Rich would take 80 columns."""
+    console = Console()
+    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return console
+    return Console(width=UNBOUNDED_WIDTH)
 
 
 def _dash(value: object) -> str:
@@ -42,7 +60,7 @@ def rollouts_table(rows: list[RolloutRow]) -> Table:
         ("age", "right"),
         ("diagnostics", "left"),
     ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for r in rows:
         table.add_row(
             r.rollout_id,
@@ -77,7 +95,8 @@ def _link_text(r: TreeRow) -> Text:
 def tree_table(rollout_id: str, rows: list[TreeRow], title: str) -> Table:
     table = Table(title=title, title_justify="left")
     for name in ("call", "link", "latency", "finish", "prompt (new)", "generated", "diagnostics"):
-        table.add_column(name, justify="right" if name in ("latency", "generated") else "left")
+        justify = "right" if name in ("latency", "generated") else "left"
+        table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for r in rows:
         call = Text("".join(r.guides), style="dim")
         call.append(f"#{r.number} ", style="bold blue" if r.is_main else "bold")

@@ -30,7 +30,7 @@ import sys
 from capture_proxy.cli import build_parser
 from capture_proxy.config import Settings
 from capture_proxy.proxy import server
-from capture_proxy.proxy.app import build_proxy_app
+from capture_proxy.app import build_proxy_app
 from capture_proxy.store.sqlite import SQLiteStore
 settings = Settings(
     backend="http://127.0.0.1:9", store={str(tmp_path)!r}, prompt_mode="exact_tokens"

@@ -22,6 +22,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 if TYPE_CHECKING:
     from capture_proxy.core.known_messages import MessageFacts
@@ -94,6 +95,93 @@ class ChatCompletionRequest(_Lenient):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     #: the proxy adds ``include_usage`` to it, and reads what the harness asked from it
     stream_options: dict[str, Any] | None = None
+    # Sampling (``core.sampling``: passed to tokens-in engines by name, and recorded),
+    # declared so that a bad type or an out-of-range value is a 400 naming the field before
+    # anything is forwarded or stored (the body is forwarded as sent, never this model).
+    # Ranges: OpenAI's where vLLM refuses the same values, vLLM's where it takes more. A
+    # number is an int or a float (never a bool or a numeric string), finite (the stdlib
+    # parses ``1e400`` as infinity).
+    temperature: float | None = Field(None, strict=True, allow_inf_nan=False, ge=0, le=2)
+    #: (0, 1]: vLLM refuses 0
+    top_p: float | None = Field(None, strict=True, allow_inf_nan=False, gt=0, le=1)
+    presence_penalty: float | None = Field(None, strict=True, allow_inf_nan=False, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, strict=True, allow_inf_nan=False, ge=-2, le=2)
+    #: vLLM's range: a 64-bit signed integer (``torch.long``)
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    #: a string or a list of strings, none empty (vLLM refuses an empty one)
+    stop: str | list[str] | None = None
+    #: -1 (vLLM): the whole vocabulary; past OpenAI's 20 the engine's ``max_logprobs`` decides
+    top_logprobs: StrictInt | None = Field(None, ge=-1)
+    #: token id (a JSON object key) -> the bias added to its logit
+    logit_bias: dict[str, float] | None = None
+    #: vLLM's extras; 0 or -1 turn ``top_k`` off
+    top_k: StrictInt | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, strict=True, allow_inf_nan=False, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, strict=True, allow_inf_nan=False, gt=0)
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool | None = None
+    #: constrained decoding: objects, checked by the engine
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list):
+            raise PydanticCustomError(
+                "stop", "must be a string or a list of strings, not {kind}", {"kind": _kind(value)}
+            )
+        for i, item in enumerate(items):
+            where = "stop" if isinstance(value, str) else f"stop[{i}]"
+            if not isinstance(item, str):
+                raise PydanticCustomError(
+                    "stop", "{where} is {kind}, not a string", {"where": where, "kind": _kind(item)}
+                )
+            if not item:
+                raise PydanticCustomError(
+                    "stop",
+                    "{where} is empty (the engine refuses an empty stop string)",
+                    {"where": where},
+                )
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        # OpenAI's [-100, 100]: vLLM would clamp a bias past it; refused instead, so that the
+        # call's record names the bias that was applied.
+        if not isinstance(value, dict):
+            return value  # null, or not an object (the dict type names that)
+        for key, bias in value.items():
+            # JSON object keys are strings; vLLM turns each into a token id with int().
+            if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+                raise PydanticCustomError(
+                    "token_id",
+                    "key {key} is not a token id (a decimal integer)",
+                    {"key": repr(key)},
+                )
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
+                raise PydanticCustomError(
+                    "bias",
+                    "the bias of {key} is {kind}, not a number",
+                    {"key": key, "kind": _kind(bias)},
+                )
+            if not -100 <= bias <= 100:
+                raise PydanticCustomError(
+                    "bias",
+                    "the bias of {key} is {bias}, not from -100 to 100",
+                    {"key": key, "bias": bias},
+                )
+        return value
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's kind, for messages (``int``, ``dict``, ``list``, ...)."""
+    return "null" if value is None else type(value).__name__
 
 
 def _reject_constant(name: str) -> float:

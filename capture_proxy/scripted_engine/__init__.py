@@ -2,20 +2,22 @@
 
 Modules: ``policy`` (the policy file and step choice; pure), ``generation`` (a scripted
 message -> token ids, log probs and per-token stream events; pure), ``faults`` (injected
-misbehaviour), ``tokens_in`` (token-id endpoints), ``moe`` (routed experts), ``app`` (the app).
+misbehaviour), ``chatml`` (a rendered prompt read back into messages; pure), ``families``
+(each model family's rendering and output), ``moe`` (routed experts), ``state`` (the options,
+the app's state keys, ``SentCall`` and ``RequestError``), ``tokens_in`` (token-id endpoints),
+``app`` (the chat endpoints and the app).
 Importing this package does not load the tokenizer.
 """
 
-from capture_proxy.scripted_engine.app import (
+from capture_proxy.scripted_engine.app import build_scripted_engine_app, run_scripted_engine
+from capture_proxy.scripted_engine.faults import Faults
+from capture_proxy.scripted_engine.policy import Policy, Step, ToolCallSpec
+from capture_proxy.scripted_engine.state import (
     CLIENT_GONE,
     SENT_CALLS,
     ScriptedEngineConfig,
     SentCall,
-    build_scripted_engine_app,
-    run_scripted_engine,
 )
-from capture_proxy.scripted_engine.faults import Faults
-from capture_proxy.scripted_engine.policy import Policy, Step, ToolCallSpec
 
 __all__ = [
     "CLIENT_GONE",

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from capture_proxy.renderers import ModelFamily
+from capture_proxy.scripted_engine.chatml import parse_chatml
 from capture_proxy.scripted_engine.generation import (
     Generation,
     TokenEvent,
@@ -147,8 +148,6 @@ class EngineFamily:
         """Messages (roles, text, tool calls counted) and whether tools were offered."""
         if self.harmony:
             return _read_harmony(self, ids)
-        from capture_proxy.scripted_engine.tokens_in import parse_chatml
-
         messages, tools = parse_chatml(self.decode(ids))
         if self.name == "qwen3_coder":
             tools = _qwen3_coder_tools(messages) if tools is None else tools

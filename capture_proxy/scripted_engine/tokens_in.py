@@ -2,10 +2,11 @@
 vLLM ``/inference/v1/generate`` (only with ``enable_scale_out``) and SGLang ``/generate``.
 
 Owns: the wire shapes of those three dialects (see ``docs`` in each handler), turning a prompt
-of token ids back into a conversation (decode, then parse our ChatML + Hermes layout) so the
-same policy / responder as ``/v1/chat/completions`` answers it, and the stop / length /
-detokenisation rules of each engine. The generated ids and log probs are those of
-``generation.generate`` for the same conversation, so chat and tokens-in answers agree.
+of token ids back into a conversation (decode, then the family reads it: ``chatml`` for our
+ChatML + Hermes layout) so the same policy / responder as ``/v1/chat/completions`` answers
+it, and the stop / length / detokenisation rules of each engine. The generated ids and log
+probs are those of ``generation.generate`` for the same conversation, so chat and tokens-in
+answers agree.
 Must not: render chat templates (the prompt is given) or load the tokenizer.
 
 Sources (vLLM main of 2026): ``entrypoints/openai/completion/{protocol,serving}.py``,
@@ -20,7 +21,6 @@ from __future__ import annotations
 import codecs
 import hashlib
 import json
-import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -29,13 +29,6 @@ from typing import Any, cast
 
 from aiohttp import web
 
-from capture_proxy.scripted_engine.app import (
-    CONFIG,
-    FAMILY,
-    SENT_CALLS,
-    RequestError,
-    SentCall,
-)
 from capture_proxy.scripted_engine.families import QWEN_SPECIAL_IDS, EngineFamily
 from capture_proxy.scripted_engine.generation import Generation, synthetic_logprob
 from capture_proxy.scripted_engine.moe import (
@@ -43,98 +36,17 @@ from capture_proxy.scripted_engine.moe import (
     sglang_routed_experts,
     vllm_routed_experts,
 )
+from capture_proxy.scripted_engine.state import (
+    CONFIG,
+    FAMILY,
+    SENT_CALLS,
+    RequestError,
+    SentCall,
+)
 from capture_proxy.tokenizer import SPECIAL_START_ID
 
 #: Ids of the Qwen tokens ``skip_special_tokens`` drops (``<tool_call>``, ``<think>``... stay).
 SPECIAL_IDS = QWEN_SPECIAL_IDS
-TOOLS_HEADER = "# Tools\n\nYou may call one or more functions"
-_TOOL_RESPONSES = re.compile(r"(?:\n<tool_response>\n.*?\n</tool_response>)+", re.S)
-_TOOL_RESPONSE = re.compile(r"\n<tool_response>\n(.*?)\n</tool_response>", re.S)
-_TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
-_THINK = re.compile(r"<think>\n(.*?)\n</think>\n\n", re.S)
-
-
-# --------------------------------------------------------------------------- prompt -> chat
-
-
-def parse_chatml(text: str) -> tuple[list[dict[str, Any]], list[Any] | None]:
-    """Messages (role + content; assistant reasoning and tool calls; tool results) and the
-    offered tools of a prompt rendered by our ChatML + Hermes templates. Text outside ChatML
-    turns becomes a user message; the open ``<|im_start|>assistant\\n`` at the end is the
-    generation prompt and is dropped."""
-    head, *turns = text.split("<|im_start|>")
-    messages: list[dict[str, Any]] = []
-    tools: list[Any] | None = None
-    if head.strip():
-        messages.append({"role": "user", "content": head})
-    for turn in turns:
-        closed = "<|im_end|>" in turn
-        body = turn.split("<|im_end|>", 1)[0]
-        role, _, content = body.partition("\n")
-        if not closed and role == "assistant" and not content:
-            continue  # the generation prompt
-        if role == "system" and "<tools>" in content:
-            system, _, rest = content.partition(TOOLS_HEADER)
-            tools = _parse_tools(rest)
-            if system.endswith("\n\n"):
-                messages.append({"role": "system", "content": system[:-2]})
-            elif system:
-                messages.append({"role": "system", "content": system})
-        elif role == "user" and _TOOL_RESPONSES.fullmatch("\n" + content):
-            messages += [
-                {"role": "tool", "content": c} for c in _TOOL_RESPONSE.findall("\n" + content)
-            ]
-        elif role == "assistant":
-            messages.append(_parse_assistant(content))
-        else:
-            messages.append({"role": role, "content": content})
-    return messages, tools
-
-
-def _parse_tools(text: str) -> list[Any]:
-    inner = text.partition("\n<tools>")[2].partition("\n</tools>")[0]
-    out = []
-    for line in inner.splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                out.append(line)
-    return out
-
-
-def _parse_assistant(text: str) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": "assistant"}
-    m = _THINK.match(text)
-    if m:
-        msg["reasoning_content"] = m.group(1)
-        text = text[m.end() :]
-    calls = []
-    first = text.find("<tool_call>")
-    if first >= 0:
-        for i, block in enumerate(_TOOL_CALL.findall(text[first:])):
-            try:
-                obj = json.loads(block)
-                name, args = str(obj["name"]), obj.get("arguments", {})
-            except (ValueError, KeyError, TypeError):
-                name, args = "", block
-            calls.append(
-                {
-                    "id": f"call_{i}",
-                    "type": "function",
-                    "function": {
-                        "name": name,
-                        "arguments": args
-                        if isinstance(args, str)
-                        else json.dumps(args, ensure_ascii=False),
-                    },
-                }
-            )
-        text = text[:first].removesuffix("\n") if calls else text
-    msg["content"] = text
-    if calls:
-        msg["tool_calls"] = calls
-    return msg
 
 
 # --------------------------------------------------------------------------- generation

@@ -17,7 +17,8 @@ def test_valid_request_passes_with_extras():
             "chat_template_kwargs": {"a": 1},
         }
     )
-    assert req.model_extra == {"temperature": 0.2, "chat_template_kwargs": {"a": 1}}
+    assert req.model_extra == {"chat_template_kwargs": {"a": 1}}
+    assert req.temperature == 0.2
 
 
 @pytest.mark.parametrize(
@@ -147,3 +148,84 @@ def test_tool_call_arguments_are_checked_as_the_stdlib_parses_them():
     for refused in ('{"a": ', "{'a': 1}", "", "{} x"):
         with pytest.raises(ValueError, match="tool call arguments must be JSON text"):
             FunctionCall(name="t", arguments=refused)
+
+
+#: Every sampling field the proxy forwards at a value OpenAI or vLLM accepts, at the edges.
+ACCEPTED_SAMPLING = [
+    {"temperature": 0},
+    {"temperature": 2},
+    {"temperature": 0.7, "top_p": 1, "top_k": -1, "min_p": 0},
+    {"top_p": 1e-9, "top_k": 0, "min_p": 1},
+    {"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1e-3},
+    {"seed": -(2**63)},
+    {"seed": 2**63 - 1},
+    {"stop": "END"},
+    {"stop": []},
+    {"stop": ["</done>", "\n\nUser:"]},
+    {"top_logprobs": 0},
+    {"top_logprobs": -1, "logprobs": True},  # vLLM: the whole vocabulary
+    {"top_logprobs": 50},  # past OpenAI's 20: the engine's max_logprobs decides
+    {"logit_bias": {}},
+    {"logit_bias": {"50256": -100, "7": 100, "12": 0.5}},
+    {"stop_token_ids": [151645], "min_tokens": 0, "ignore_eos": False},
+    {"response_format": {"type": "json_object"}},
+    {"structured_outputs": {"regex": "[0-9]+"}},
+    {k: None for k in ("temperature", "top_p", "seed", "stop", "logit_bias", "top_k")},
+]
+
+
+@pytest.mark.parametrize("fields", ACCEPTED_SAMPLING)
+def test_sampling_fields_in_range_pass(fields):
+    validate_chat_request(_chat(**fields))
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        ({"temperature": "hot"}, "temperature", "valid number"),
+        ({"temperature": True}, "temperature", "valid number"),
+        ({"temperature": -0.1}, "temperature", "greater than or equal to 0"),
+        ({"temperature": 2.5}, "temperature", "less than or equal to 2"),
+        ({"temperature": float("inf")}, "temperature", "finite"),
+        ({"top_p": []}, "top_p", "valid number"),
+        ({"top_p": 0}, "top_p", "greater than 0"),
+        ({"top_p": 1.5}, "top_p", "less than or equal to 1"),
+        ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),
+        ({"frequency_penalty": "0"}, "frequency_penalty", "valid number"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"top_k": 1.5}, "top_k", "valid integer"),
+        ({"top_k": -2}, "top_k", "greater than or equal to -1"),
+        ({"min_p": 1.1}, "min_p", "less than or equal to 1"),
+        ({"seed": "x"}, "seed", "valid integer"),
+        ({"seed": 1.0}, "seed", "valid integer"),
+        ({"seed": 2**63}, "seed", "less than or equal to"),
+        ({"stop": 5}, "stop", "a string or a list of strings"),
+        ({"stop": {"a": 1}}, "stop", "a string or a list of strings"),
+        ({"stop": ["a", 5]}, "stop", "stop[1] is int"),
+        ({"stop": ""}, "stop", "empty"),
+        ({"stop": ["a", ""]}, "stop", "stop[1] is empty"),
+        ({"top_logprobs": "3"}, "top_logprobs", "valid integer"),
+        ({"top_logprobs": -2}, "top_logprobs", "greater than or equal to -1"),
+        ({"top_logprobs": 2.0}, "top_logprobs", "valid integer"),
+        ({"logit_bias": [1, 2]}, "logit_bias", "valid dictionary"),
+        ({"logit_bias": "x"}, "logit_bias", "valid dictionary"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias", "key 'hello' is not a token id"),
+        ({"logit_bias": {"-5": 1}}, "logit_bias", "key '-5' is not a token id"),
+        ({"logit_bias": {"5": "up"}}, "logit_bias", "the bias of 5 is str, not a number"),
+        ({"logit_bias": {"5": True}}, "logit_bias", "the bias of 5 is bool"),
+        ({"logit_bias": {"5": 101}}, "logit_bias", "the bias of 5 is 101, not from -100 to 100"),
+        ({"logit_bias": {"5": float("inf")}}, "logit_bias", "not from -100 to 100"),
+        ({"stop_token_ids": [1, "2"]}, "stop_token_ids.1", "valid integer"),
+        ({"stop_token_ids": 5}, "stop_token_ids", "valid list"),
+        ({"min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "valid boolean"),
+        ({"response_format": "json"}, "response_format", "valid dictionary"),
+    ],
+)
+def test_bad_sampling_fields_are_refused_naming_the_field(fields, param, fragment):
+    with pytest.raises(InvalidRequest) as info:
+        validate_chat_request(_chat(**fields))
+    assert info.value.param == param
+    assert str(info.value).startswith(f"'{param}': ")
+    assert fragment in str(info.value)

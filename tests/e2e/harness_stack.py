@@ -22,8 +22,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.app import build_proxy_app
 from capture_proxy.scripted_engine.app import (
     SENT_CALLS,
     ScriptedEngineConfig,

@@ -29,9 +29,9 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.harnesses.opencode import OpencodeResult, find_opencode, run_opencode
-from capture_proxy.proxy.app import build_proxy_app
 from capture_proxy.scripted_engine.app import (
     SENT_CALLS,
     ScriptedEngineConfig,

@@ -276,6 +276,7 @@ async def test_engine_errors_come_in_the_api_error_shape(make_stack, api, mode, 
 # -- 3. bad input ----------------------------------------------------------------------------
 
 _IMAGE_URL = "https://example.com/cat.png"
+_HI = {"role": "user", "content": "hi"}
 BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
     # (case, body, the field the error names)
     "chat_completions": [
@@ -295,6 +296,19 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
             "messages.0.content",  # (the message says only text parts can be captured)
         ),
         ("n_2", {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}, "n"),
+        *(
+            (f"{field}_{case}", {"model": MODEL, field: value, "messages": [_HI]}, param)
+            for field, case, value, param in [
+                ("temperature", "a_string", "hot", "temperature"),
+                ("temperature", "past_2", 2.5, "temperature"),
+                ("top_p", "a_list", [], "top_p"),
+                ("stop", "a_number", 5, "stop"),
+                ("seed", "a_string", "x", "seed"),
+                ("logit_bias", "a_list", [1], "logit_bias"),
+                ("logit_bias", "a_word_key", {"hello": 1}, "logit_bias"),
+                ("top_k", "a_float", 1.5, "top_k"),
+            ]
+        ),
     ],
     "responses": [
         ("missing_model", {"input": "hi"}, "model"),
@@ -319,6 +333,8 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
             {"model": MODEL, "input": "hi", "previous_response_id": "resp_" + "0" * 32},
             "previous_response_id",
         ),
+        ("temperature_past_2", {"model": MODEL, "input": "hi", "temperature": 3}, "temperature"),
+        ("top_p_0", {"model": MODEL, "input": "hi", "top_p": 0}, "top_p"),
     ],
     "messages": [
         (
@@ -352,6 +368,15 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
             "tool_role_in_messages",
             {"model": MODEL, "max_tokens": 64, "messages": [{"role": "tool", "content": "x"}]},
             "messages.0.role",
+        ),
+        *(
+            (f"{field}_{case}", {"model": MODEL, "max_tokens": 64, field: v, "messages": [_HI]}, p)
+            for field, case, v, p in [
+                ("temperature", "past_1", 1.5, "temperature"),
+                ("top_p", "a_string", "0.9", "top_p"),
+                ("top_k", "negative", -1, "top_k"),
+                ("stop_sequences", "an_empty_one", ["END", ""], "stop_sequences.1"),
+            ]
         ),
     ],
 }

@@ -160,8 +160,8 @@ async def test_a_trailing_slash_on_a_captured_path_is_refused(stack: Stack):
 
 
 async def test_count_tokens_with_the_engine_down_is_a_502(make_stack, unused_tcp_port):
+    from capture_proxy.app import build_proxy_app
     from capture_proxy.config import Settings
-    from capture_proxy.proxy.app import build_proxy_app
     from capture_proxy.store.sqlite import SQLiteStore
 
     stack = await make_stack()

@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.app import build_proxy_app
-from capture_proxy.rest import RECORDER_KEY
+from capture_proxy.proxy.keys import RECORDER_KEY
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.sqlite import SQLiteStore

@@ -267,7 +267,7 @@ async def test_a_request_after_a_failed_identical_one_is_its_retry(make_stack):
 
 
 async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):
-    from capture_proxy.rest import LINKER_KEY
+    from capture_proxy.proxy.keys import LINKER_KEY
 
     stack = await make_stack(link_index_max_rollouts=2)
     first = {}
@@ -323,7 +323,7 @@ async def test_recent_calls_answer_what_the_store_does_and_go_with_their_rollout
     again): a hit holds the values the store gives back, and a deleted rollout's are dropped."""
     import numpy as np
 
-    from capture_proxy.rest import LINKER_KEY, STORE_KEY
+    from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
 
     stack = await make_stack()
     call_id, message = await _step(stack, "ra", list(USER))

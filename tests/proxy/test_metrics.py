@@ -10,9 +10,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.core.records import Diagnostic, DiagnosticKind
-from capture_proxy.proxy.app import ENGINE_PROBE_KEY, build_proxy_app
+from capture_proxy.proxy.keys import ENGINE_PROBE_KEY
 from capture_proxy.proxy.metrics import Metrics
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.store.sqlite import SQLiteStore

@@ -8,14 +8,14 @@ import math
 
 import numpy as np
 
-from capture_proxy.proxy.app import (
+from capture_proxy.app import (
     MAX_SWEEP_INTERVAL_S,
     SWEEPER_KEY,
     sweep_interval_s,
     sweep_tombstones,
 )
+from capture_proxy.proxy.keys import STORE_KEY
 from capture_proxy.readers import load_chains
-from capture_proxy.rest import STORE_KEY
 from capture_proxy.scripted_engine import Faults, ScriptedEngineConfig
 from capture_proxy.scripted_engine.moe import expert_rows
 from tests.proxy.conftest import MakeStack

@@ -13,12 +13,13 @@ import pytest
 
 from capture_proxy import rest
 from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.proxy.keys import STORE_KEY
 from tests.factories import record
 from tests.proxy.conftest import Stack
 
 
 async def _put(stack: Stack, *records) -> None:
-    store = stack.client.app[rest.STORE_KEY]
+    store = stack.client.app[STORE_KEY]
     for r in records:
         await store.put_call(r)
 

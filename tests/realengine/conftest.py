@@ -15,8 +15,8 @@ import httpx
 import pytest
 from aiohttp.test_utils import TestClient
 
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.app import build_proxy_app
 from capture_proxy.store.sqlite import SQLiteStore
 
 VLLM_URL = os.environ.get("CAPTURE_PROXY_VLLM_URL", "").rstrip("/")

@@ -23,8 +23,8 @@ from benchmarks.load import (
     verify_calls,
     verify_chains,
 )
+from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.app import build_proxy_app
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app
 from capture_proxy.store.postgres import PostgresStore
 

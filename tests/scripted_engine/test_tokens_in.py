@@ -11,7 +11,8 @@ from capture_proxy.scripted_engine import (
     ScriptedEngineConfig,
     build_scripted_engine_app,
 )
-from capture_proxy.scripted_engine.tokens_in import SPECIAL_IDS, parse_chatml
+from capture_proxy.scripted_engine.chatml import parse_chatml
+from capture_proxy.scripted_engine.tokens_in import SPECIAL_IDS
 from capture_proxy.tokenizer import IM_END_ID
 from tests.scripted_engine.test_app import FIRST, POLICY, TOOLS, body, post
 

@@ -31,7 +31,8 @@ Request mapping (errors name the field as a dotted path, e.g. ``messages.3.conte
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``"auto"`` / ``"required"`` /
   ``{"type": "function", ...}`` / ``"none"``; ``disable_parallel_tool_use`` ->
   ``parallel_tool_calls: false``.
-- ``stop_sequences`` -> ``stop``; ``temperature``, ``top_p``, ``top_k`` as they are;
+- ``stop_sequences`` -> ``stop``; ``temperature`` (0 to 1), ``top_p`` (above 0, at most 1),
+  ``top_k`` (0 or more) as they are, each refused outside its range;
   ``thinking`` -> ``MessagesOptions.thinking`` and, when explicitly ``enabled`` / ``disabled``,
   ``chat_template_kwargs: {"enable_thinking": bool}`` (the vLLM chat-template kwarg that the
   Qwen3 templates read; ``adaptive`` leaves the template's default). ``metadata``,
@@ -132,6 +133,12 @@ def _type_name(value: Any) -> str:
 def _str(value: Any, path: str) -> str:
     if not isinstance(value, str):
         raise _fail(path, f"must be a string, not {_type_name(value)}")
+    return value
+
+
+def _stop_sequence(value: Any, path: str) -> str:
+    if not _str(value, path):
+        raise _fail(path, "must not be empty (the engine refuses an empty stop string)")
     return value
 
 
@@ -435,12 +442,23 @@ def _parse(body: Any, *, count_tokens: bool) -> FrontRequest:
     if not count_tokens:
         if body.get("stop_sequences") is not None:
             stops = _list(body["stop_sequences"], "stop_sequences")
-            chat["stop"] = [_str(s, f"stop_sequences.{k}") for k, s in enumerate(stops)]
-        for key in ("temperature", "top_p"):
-            if body.get(key) is not None:
-                chat[key] = _number(body[key], key)
+            chat["stop"] = [_stop_sequence(s, f"stop_sequences.{k}") for k, s in enumerate(stops)]
+        if body.get("temperature") is not None:
+            temperature = _number(body["temperature"], "temperature")
+            if not 0 <= temperature <= 1:
+                raise _fail("temperature", f"must be from 0 to 1, not {temperature}")
+            chat["temperature"] = temperature
+        if body.get("top_p") is not None:
+            top_p = _number(body["top_p"], "top_p")
+            if not 0 < top_p <= 1:
+                # Anthropic documents [0, 1]; the engine (vLLM) refuses 0.
+                raise _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+            chat["top_p"] = top_p
         if body.get("top_k") is not None:
-            chat["top_k"] = _int(body["top_k"], "top_k")
+            top_k = _int(body["top_k"], "top_k")
+            if top_k < 0:
+                raise _fail("top_k", f"must be 0 or more, not {top_k}")
+            chat["top_k"] = top_k
         if body.get("stream") is not None:
             stream = _bool(body["stream"], "stream")
         if stream:

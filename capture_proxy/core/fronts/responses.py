@@ -444,12 +444,21 @@ class ResponsesCodec:
             if not _is_int(limit) or limit < 1:
                 _fail("max_output_tokens", "must be a positive integer")
             chat["max_tokens"] = limit
-        for key in ("temperature", "top_p"):
-            value = body.get(key)
-            if value is not None:
-                if not _is_number(value):
-                    _fail(key, "must be a number")
-                chat[key] = value
+        temperature = body.get("temperature")
+        if temperature is not None:
+            if not _is_number(temperature):
+                _fail("temperature", "must be a number")
+            if not 0 <= temperature <= 2:
+                _fail("temperature", f"must be from 0 to 2, not {temperature}")
+            chat["temperature"] = temperature
+        top_p = body.get("top_p")
+        if top_p is not None:
+            if not _is_number(top_p):
+                _fail("top_p", "must be a number")
+            if not 0 < top_p <= 1:
+                # OpenAI documents [0, 1]; the engine (vLLM) refuses 0.
+                _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+            chat["top_p"] = top_p
         if body.get("text") is not None:
             response_format = _response_format(body["text"])
             if response_format is not None:

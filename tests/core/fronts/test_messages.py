@@ -537,9 +537,15 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         ),
         (_with(stop_sequences="END"), "stop_sequences"),
         (_with(stop_sequences=["a", 2]), "stop_sequences.1"),
+        (_with(stop_sequences=["a", ""]), "stop_sequences.1"),
         (_with(temperature="hot"), "temperature"),
+        (_with(temperature=1.5), "temperature"),
+        (_with(temperature=-0.1), "temperature"),
         (_with(top_p=True), "top_p"),
+        (_with(top_p=0), "top_p"),
+        (_with(top_p=1.01), "top_p"),
         (_with(top_k=0.5), "top_k"),
+        (_with(top_k=-1), "top_k"),
         (_with(stream="yes"), "stream"),
         (_with(thinking=True), "thinking"),
         (_with(thinking={"type": "on"}), "thinking.type"),
@@ -556,6 +562,19 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
         CODEC.parse(body)
     assert info.value.param == param
     assert str(info.value).startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {"temperature": 0, "top_p": 1, "top_k": 0},
+        {"temperature": 1, "top_p": 1e-6, "top_k": 500, "stop_sequences": []},
+    ],
+)
+def test_sampling_at_the_edges_of_its_ranges_is_mapped(sampling: dict[str, Any]) -> None:
+    chat = CODEC.parse(_with(**sampling)).chat
+    mapped = {"stop" if k == "stop_sequences" else k: v for k, v in sampling.items()}
+    assert {k: chat[k] for k in mapped} == mapped
 
 
 def test_a_body_that_is_not_an_object_is_refused() -> None:

@@ -417,7 +417,11 @@ REFUSALS = [
     ({"max_output_tokens": True}, "max_output_tokens"),
     ({"max_output_tokens": 1.5}, "max_output_tokens"),
     ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -1}, "temperature"),
     ({"top_p": False}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
     ({"stream": "true"}, "stream"),
     ({"reasoning": "high"}, "reasoning"),
     ({"reasoning": {"effort": 3}}, "reasoning.effort"),
@@ -436,6 +440,14 @@ def test_refusals_name_the_field(overrides: dict[str, Any], param: str):
         CODEC.parse(body)
     assert exc.value.param == param
     assert str(exc.value).startswith(f"'{param}'")
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0, "top_p": 1}, {"temperature": 2, "top_p": 1e-6}]
+)
+def test_sampling_at_the_edges_of_its_ranges_is_mapped(sampling: dict[str, Any]):
+    chat = CODEC.parse(codex_body(**sampling)).chat
+    assert {k: chat[k] for k in sampling} == sampling
 
 
 def test_refused_image_says_only_text_is_captured():

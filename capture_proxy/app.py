@@ -1,0 +1,256 @@
+"""The composition root: builds the whole application from settings.
+
+Owns the wiring: which middlewares run (errors, auth, traffic recording), which resources
+live in ``cleanup_ctx`` (the store opened and closed with the app, one upstream
+``ClientSession``, the exact-token machinery, the tombstone sweeper), the app's state
+(``proxy.keys``), and which routes serve what: ``/health`` and ``/metrics`` (``proxy.status``),
+the read API (``rest``, ``rest_lifecycle``, ``rest_export``), the viewer, and last the
+proxy's catch-all ``dispatch`` (``proxy.app``). Everything above it (``cli``, ``demo``,
+tests, benchmarks) builds an app here; nothing below it imports it. Must not: handle a
+request itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from capture_proxy import rest, rest_export, rest_lifecycle
+from capture_proxy.config import Settings
+from capture_proxy.core.engine_formats import get_dialect
+from capture_proxy.core.parsers import get_parser
+from capture_proxy.proxy.app import dispatch
+from capture_proxy.proxy.auth import auth_middleware
+from capture_proxy.proxy.engine_probe import EngineProbe
+from capture_proxy.proxy.errors import error_middleware
+from capture_proxy.proxy.exact import ExactTokens
+from capture_proxy.proxy.keys import (
+    ENGINE_PROBE_KEY,
+    EXACT_KEY,
+    LINKER_KEY,
+    NOTES_KEY,
+    RECORDER_KEY,
+    SESSION_KEY,
+    SETTINGS_KEY,
+    STORE_KEY,
+)
+from capture_proxy.proxy.linker import Linker
+from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
+from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recording import TrafficRecorder, recording_middleware
+from capture_proxy.proxy.status import health, metrics
+from capture_proxy.proxy.upstream import make_client_session
+from capture_proxy.renderers import load_family
+from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
+from capture_proxy.rest import unknown_captures_path
+from capture_proxy.store.base import CaptureStore
+from capture_proxy.viewer import ViewerConfig, add_viewer_routes
+from harness_notes import NoteRegistry, default_registry
+
+log = logging.getLogger("capture_proxy")
+
+SWEEPER_KEY = web.AppKey("tombstone_sweeper", asyncio.Task)
+
+
+def make_exact_tokens(
+    settings: Settings, session: aiohttp.ClientSession, renderer: ChatRenderer | None = None
+) -> ExactTokens:
+    """Exact-token machinery from settings: a local tokenizer when ``tokenizer`` is set, else
+    the engine's ``/tokenize``; each model of ``model_families`` gets its family's renderer,
+    parser and closers. Raises RenderError when a tokenizer cannot be loaded."""
+    end_of_turn_ids = None
+    if renderer is None and settings.tokenizer is not None:
+        local = LocalRenderer.from_directory(settings.tokenizer)
+        token_id = local.token_id(settings.end_of_turn_token)
+        if token_id is None:
+            raise RenderError(f"end_of_turn_token {settings.end_of_turn_token!r} is not one token")
+        end_of_turn_ids = frozenset({token_id})
+        renderer = local
+    dialect = get_dialect(settings.tokens_in_dialect, experts_shape=settings.routed_experts_shape)
+    # One family object per family named, shared by its models (a tokenizer loads once).
+    families: dict[str, ExactTokens] = {}
+    tokenizer_dirs: dict[str, Path] = {str(k): v for k, v in settings.family_tokenizers.items()}
+    for family in sorted(set(settings.model_families.values())):
+        families[family] = ExactTokens.of_family(
+            load_family(family, tokenizer_dir=tokenizer_dirs.get(family)),
+            dialect,
+            max_model_len=settings.max_model_len,
+            full_render=settings.exact_prompt_full_render,
+        )
+    return ExactTokens(
+        renderer or EngineRenderer(session, settings.backend_base),
+        get_parser(settings.output_parser),
+        dialect,
+        max_model_len=settings.max_model_len,
+        end_of_turn_ids=end_of_turn_ids,
+        end_of_turn_token=settings.end_of_turn_token,
+        full_render=settings.exact_prompt_full_render,
+        by_model={model: families[f] for model, f in settings.model_families.items()},
+    )
+
+
+#: Longest pause between two tombstone sweeps (seconds).
+MAX_SWEEP_INTERVAL_S = 3600.0
+
+
+def sweep_interval_s(retention_s: float) -> float:
+    """A tenth of the retention, at most an hour: a tombstone lives at most 1.1 retentions."""
+    return min(retention_s / 10, MAX_SWEEP_INTERVAL_S)
+
+
+async def sweep_tombstones(store: CaptureStore, retention_s: float) -> int:
+    """One sweep: remove tombstones older than ``retention_s``. Never raises (logged)."""
+    try:
+        swept = await store.sweep_tombstones(retention_s)
+    except Exception as exc:
+        log.error("sweeping tombstones failed: %s", exc)
+        return 0
+    if swept:
+        log.info("swept %d tombstone(s) older than %.0f s", swept, retention_s)
+    return swept
+
+
+def tombstone_sweeper(
+    retention_s: float,
+) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
+    """A cleanup context running ``sweep_tombstones`` every ``sweep_interval_s(retention_s)``
+    while the app runs (the task is cancelled and awaited on shutdown)."""
+
+    @contextlib.asynccontextmanager
+    async def sweeper(app: web.Application) -> AsyncIterator[None]:
+        store = app[STORE_KEY]
+
+        async def loop() -> None:
+            while True:
+                await sweep_tombstones(store, retention_s)
+                await asyncio.sleep(sweep_interval_s(retention_s))
+
+        task = asyncio.create_task(loop(), name="capture-tombstone-sweeper")
+        app[SWEEPER_KEY] = task
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return sweeper
+
+
+def build_proxy_app(
+    settings: Settings,
+    store: CaptureStore,
+    notes: NoteRegistry | None = None,
+    renderer: ChatRenderer | None = None,
+) -> web.Application:
+    """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
+    registry (default: every registered harness); ``renderer``: exact-token renderer override
+    (default: from settings)."""
+    middlewares = [error_middleware, auth_middleware(settings)]
+    if settings.record_dir is not None:
+        # Outermost: what the harness sent and got, errors included (see ``recording``).
+        middlewares.insert(0, recording_middleware(TrafficRecorder(settings.record_dir)))
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=settings.max_request_body_bytes,
+    )
+    app[SETTINGS_KEY] = settings
+    app[STORE_KEY] = store
+    app[METRICS_KEY] = Metrics()
+    app[RECORDER_KEY] = Recorder(
+        store, metrics=app[METRICS_KEY], prompt_mode_for=settings.prompt_mode_for
+    )
+    app[ENGINE_PROBE_KEY] = EngineProbe(
+        settings.backend_base,
+        interval_s=settings.engine_health_interval_s,
+        timeout_s=settings.engine_health_timeout_s,
+        headers=(
+            {"Authorization": f"Bearer {settings.backend_api_key.get_secret_value()}"}
+            if settings.backend_api_key is not None
+            else None
+        ),
+    )
+    app[LINKER_KEY] = Linker(
+        store,
+        refuse_note_parents=settings.parent_resolution == "source_history",
+        max_rollouts=settings.link_index_max_rollouts,
+        refresh_on_miss=store.shared,
+    )
+    app[NOTES_KEY] = notes if notes is not None else default_registry()
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            app[SESSION_KEY] = make_client_session(settings)
+            try:
+                if settings.uses_exact_tokens:
+                    app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                yield
+            finally:
+                await app[SESSION_KEY].close()
+        finally:
+            # Also when start-up fails half-way: the store's threads must not keep the
+            # process alive.
+            await store.close()
+
+    app.cleanup_ctx.append(resources)
+    app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    rest.add_routes(app)
+    rest_lifecycle.add_routes(app)
+    rest_export.add_routes(app)
+    add_viewer_routes(
+        app,
+        ViewerConfig(
+            captures_token=settings.captures_token,
+            backend=settings.backend_base,
+            tokenizer=settings.tokenizer,
+        ),
+    )
+    app.router.add_route("*", "/captures", unknown_captures_path)
+    app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    return app
+
+
+def build_read_only_app(
+    settings: Settings, store: CaptureStore, *, backend: str | None = None
+) -> web.Application:
+    """The read API (without ``DELETE``) and the viewer over ``store``, with no engine and no
+    proxied paths (``serve --read-only``): browse a store after the run. ``backend``: an
+    engine for ``/detokenize``, if one is up; ``settings.backend`` is not used."""
+    app = web.Application(middlewares=[error_middleware, auth_middleware(settings)])
+    app[SETTINGS_KEY] = settings
+    app[STORE_KEY] = store
+    app[RECORDER_KEY] = Recorder(store)
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            yield
+        finally:
+            await store.close()
+
+    app.cleanup_ctx.append(resources)
+    app.router.add_get("/health", health)
+    rest.add_routes(app, read_only=True)
+    add_viewer_routes(
+        app,
+        ViewerConfig(
+            captures_token=settings.captures_token,
+            backend=backend,
+            tokenizer=settings.tokenizer,
+            read_only=True,
+        ),
+    )
+    app.router.add_route("*", "/captures", unknown_captures_path)
+    app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
+    return app

@@ -1,0 +1,64 @@
+"""The proxy's status endpoints: ``GET /health`` and ``GET /metrics``.
+
+Owns what they answer; they read the app's state (``proxy.keys``) and never change it. The
+composition root (``capture_proxy.app``) decides which app serves them: the read-only app
+serves ``/health`` alone.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from capture_proxy import __version__
+from capture_proxy.proxy.keys import (
+    ENGINE_PROBE_KEY,
+    RECORDER_KEY,
+    SESSION_KEY,
+    SETTINGS_KEY,
+    STORE_KEY,
+)
+from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
+
+
+async def health(request: web.Request) -> web.Response:
+    """Proxy and store health (503 when the store cannot answer), whether the engine answers
+    (a cached probe: ``engine.ok`` is reported, it does not make the proxy unhealthy, since an
+    engine loading its model is normal; ``null`` in the read-only app, which has no engine),
+    and the capture counters. With a token set the store's filesystem path is left out
+    (``/health`` is open to anyone)."""
+    settings = request.app[SETTINGS_KEY]
+    recorder = request.app[RECORDER_KEY]
+    try:
+        store = await request.app[STORE_KEY].health()
+        ok = True
+    except Exception as exc:
+        store, ok = {"error": str(exc)}, False
+    if settings.captures_token is not None or settings.proxy_token is not None:
+        store = {k: v for k, v in store.items() if k != "path"}
+        if not ok:
+            store = {"error": "store unavailable (details in the proxy's log)"}
+    probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
+    engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
+    return web.json_response(
+        {
+            "status": "ok" if ok else "degraded",
+            "version": __version__,
+            "store": store,
+            "engine": engine,
+            "capture": {
+                "persisted": recorder.stats.persisted,
+                "store_failures": recorder.stats.store_failures,
+                "late_calls_refused": recorder.stats.late_calls_refused,
+                "incomplete_calls": recorder.stats.incomplete,
+                "failed_calls": recorder.stats.failed,
+            },
+        },
+        status=200 if ok else 503,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: the app's metrics in the Prometheus text format (behind
+    ``captures_token`` when it is set, like the read API)."""
+    body = request.app[METRICS_KEY].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

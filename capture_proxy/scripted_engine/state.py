@@ -1,0 +1,96 @@
+"""What the scripted engine's handlers share: its options, the app's state and its errors.
+
+Owns ``ScriptedEngineConfig`` (one engine's options), the typed keys of the app's state (set
+once by ``app.build_scripted_engine_app``), ``SentCall`` (the record of answered calls that
+tests compare against) and ``RequestError`` (a client error). The chat endpoints (``app``) and
+the tokens-in endpoints (``tokens_in``) both read these, so neither imports the other for
+them. Must not: handle a request or load the tokenizer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from transformers import PreTrainedTokenizerFast
+
+from capture_proxy.scripted_engine.families import EngineFamily
+from capture_proxy.scripted_engine.faults import Faults
+from capture_proxy.scripted_engine.moe import MoeShape
+from capture_proxy.scripted_engine.policy import Policy
+
+
+@dataclass(frozen=True)
+class ScriptedEngineConfig:
+    """Options of one scripted engine. ``sse_fragment_bytes``: write each SSE event in pieces
+    of that many bytes; ``omit_token_ids``: ignore ``return_token_ids``/``logprobs`` like a
+    plain OpenAI server; ``fail_status``: answer every chat request with that HTTP status;
+    ``responder``: answers a request body with an assistant message (tool calls with ids),
+    replacing the policy (used to replay recorded sessions)."""
+
+    policy: Policy = field(default_factory=Policy.default)
+    responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    tokenizer_template: str = "keep_reasoning"
+    #: the model family it renders and writes as (``capture_proxy.renderers``): qwen3
+    #: (Hermes JSON, with ``tokenizer_template``), qwen3_coder (XML tool calls), gpt_oss
+    #: (harmony); the proxy's exact-token mode renders and parses with the same objects
+    family: str = "qwen3"
+    model_name: str = "scripted-qwen"
+    max_model_len: int = 32768
+    sse_fragment_bytes: int | None = None
+    omit_token_ids: bool = False
+    fail_status: int | None = None
+    #: with ``fail_status``: fail only the first this many chat requests (None: all)
+    fail_first_n: int | None = None
+    tokenizer_cache_dir: Path | None = None
+    #: MoE mode: ``(num_layers, top_k, num_experts)``; non-streaming answers then carry
+    #: ``choices[0].routed_experts`` (vLLM: base64 ``.npy``, rows from the request's
+    #: ``routed_experts_prompt_start``). Streams carry none, like vLLM.
+    moe: MoeShape | None = None
+    #: Serve vLLM's ``/inference/v1/generate`` (vLLM's ``--enable-scale-out``); else 404.
+    enable_scale_out: bool = False
+    #: SGLang ``/generate`` streams deltas (``--incremental-streaming-output``), not the
+    #: default cumulative ``text`` / ``output_ids`` / log probs.
+    sglang_incremental_streaming: bool = False
+    #: injected misbehaviour of chat completions (see ``faults.Faults``)
+    faults: Faults = field(default_factory=Faults)
+
+
+@dataclass(frozen=True)
+class SentCall:
+    """One chat completion the engine answered, in arrival order. ``generation_log_probs[i]``
+    belongs to ``generation_token_ids[i]``; the last id is 151645 unless finish is length."""
+
+    request_body: dict[str, Any]
+    prompt_token_ids: list[int]
+    generation_token_ids: list[int]
+    generation_log_probs: list[float]
+    stream: bool
+    finish_reason: str
+    #: the HTTP headers of the request (chat completions), e.g. to check credentials
+    request_headers: dict[str, str] = field(default_factory=dict)
+    #: the client's (host, port): equal for calls that came over one kept-alive connection
+    peer: tuple[str, int] | None = None
+
+
+CONFIG = web.AppKey("scripted_engine_config", ScriptedEngineConfig)
+#: set when a stream could not be written to the end because the client went away
+CLIENT_GONE = web.AppKey("scripted_engine_client_gone", asyncio.Event)
+TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
+TEMPLATE = web.AppKey("scripted_engine_template", str)
+FAMILY = web.AppKey("scripted_engine_family", EngineFamily)
+SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
+#: chat requests failed so far by ``fail_status`` (a one-item list: app state is set once)
+FAILED_SO_FAR = web.AppKey("scripted_engine_failed_so_far", list[int])
+
+
+class RequestError(ValueError):
+    """A client error: becomes a 400 ``{"error": {...}}`` body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
