@@ -73,7 +73,11 @@ def make_exact_tokens(
             raise RenderError(f"end_of_turn_token {settings.end_of_turn_token!r} is not one token")
         end_of_turn_ids = frozenset({token_id})
         renderer = local
-    dialect = get_dialect(settings.tokens_in_dialect, experts_shape=settings.routed_experts_shape)
+    dialect = get_dialect(
+        settings.tokens_in_dialect,
+        experts_shape=settings.routed_experts_shape,
+        echo_prompt=settings.tokens_in_echo_prompt,
+    )
     # One family object per family named, shared by its models (a tokenizer loads once).
     families: dict[str, ExactTokens] = {}
     tokenizer_dirs: dict[str, Path] = {str(k): v for k, v in settings.family_tokenizers.items()}

@@ -140,6 +140,13 @@ class Settings(BaseSettings):
     tokens_in_dialect: Literal["vllm_completions", "vllm_generate", "sglang_generate"] = Field(
         "vllm_completions", description="the engine endpoint that takes token ids (exact_tokens)"
     )
+    tokens_in_echo_prompt: bool = Field(
+        False,
+        description="exact_tokens with vllm_completions: ask the engine to echo the prompt ids "
+        "(return_token_ids) and check them id for id; off: the prompt is checked by its length "
+        "(usage.prompt_tokens) and no per-call work grows with the prompt (the echo costs about "
+        "2 ms per call at 54k prompt tokens)",
+    )
     output_parser: Literal["qwen"] = Field(
         "qwen", description="model family whose output format turns tokens back into a message"
     )

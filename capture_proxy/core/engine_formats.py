@@ -6,8 +6,10 @@ the request for (prompt ids, sampling, stream) and turns a response body or stre
 A dialect's ``reader()`` is stateful per call, for engines whose stream chunks are cumulative.
 
 - ``vllm_completions``: vLLM ``POST /v1/completions`` with ``prompt`` = token ids (vLLM 0.32):
-  ``return_token_ids`` puts ``prompt_token_ids`` and ``token_ids`` on the choice; legacy log
-  probs ``choices[0].logprobs.token_logprobs``; streaming chunks carry only new tokens.
+  legacy log probs ``choices[0].logprobs.token_logprobs``, and with
+  ``return_tokens_as_token_ids`` their ``tokens`` as ``token_id:<id>``; ``return_token_ids``
+  (asked only to echo the prompt) puts ``prompt_token_ids`` and ``token_ids`` on the choice;
+  streaming chunks carry only new tokens.
 - ``vllm_generate``: vLLM ``POST /inference/v1/generate`` (server flag ``--enable-scale-out``):
   ``token_ids`` + ``sampling_params``; choices carry ``token_ids`` and chat-shaped
   ``logprobs.content[].logprob`` but no text, so the text comes from a local tokenizer.
@@ -106,6 +108,29 @@ def _finish_reason(value: Any) -> str | None:
     return str(value)
 
 
+#: vLLM's ``return_tokens_as_token_ids`` form of a log-prob token (``format_token_id_placeholder``)
+TOKEN_ID_PREFIX = "token_id:"
+
+
+def _ids_of_token_strings(tokens: Any) -> list[int]:
+    """Token ids from log-prob ``tokens`` of the form ``token_id:<int>``. Raises
+    EngineFormatError on any other form (the engine ignored ``return_tokens_as_token_ids``)."""
+    if not isinstance(tokens, list):
+        raise EngineFormatError("logprobs.tokens is not a list")
+    ids = []
+    for token in tokens:
+        if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+            raise EngineFormatError(
+                f"logprobs.tokens entry {token!r} is not 'token_id:<id>' "
+                "(return_tokens_as_token_ids ignored?)"
+            )
+        digits = token[len(TOKEN_ID_PREFIX) :]
+        if not digits.isdigit() or not digits.isascii():
+            raise EngineFormatError(f"logprobs.tokens entry {token!r} has no token id")
+        ids.append(int(digits))
+    return ids
+
+
 class VllmCompletionsReader:
     def whole(self, body: dict[str, Any]) -> Piece:
         return self._choice(body, body)
@@ -131,6 +156,11 @@ class VllmCompletionsReader:
             if isinstance(logprobs, dict) and logprobs.get("token_logprobs") is not None:
                 piece.saw_log_probs = True
                 piece.log_probs = list(logprobs["token_logprobs"])
+            if not piece.saw_token_ids and isinstance(logprobs, dict):
+                tokens = logprobs.get("tokens")
+                if tokens is not None:
+                    piece.saw_token_ids = True
+                    piece.token_ids = _ids_of_token_strings(tokens)
             piece.text = choice.get("text") or ""
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
             piece.routed_experts = choice.get("routed_experts")
@@ -140,9 +170,19 @@ class VllmCompletionsReader:
 
 
 class VllmCompletions:
+    """vLLM ``/v1/completions`` with token ids in. Generated ids come from the log probs
+    (``return_tokens_as_token_ids``: ``logprobs.tokens`` = ``token_id:<id>``), so the answer
+    grows with the generation only. ``echo_prompt``: also ask for ``return_token_ids``, whose
+    ``prompt_token_ids`` echo lets the proxy check the prompt id for id (the answer then
+    carries the whole prompt: about 2 ms of proxy CPU per call at 54k tokens); without it the
+    prompt is checked by its length (``usage.prompt_tokens``)."""
+
     name = "vllm_completions"
     path = "/v1/completions"
     needs_decode = False
+
+    def __init__(self, echo_prompt: bool = False) -> None:
+        self.echo_prompt = echo_prompt
 
     def request(
         self,
@@ -157,10 +197,12 @@ class VllmCompletions:
             "prompt": prompt_token_ids,
             "max_tokens": sampling.max_tokens,
             "logprobs": 0,
-            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
             "stream": stream,
             **sampling.extra,
         }
+        if self.echo_prompt:
+            body["return_token_ids"] = True
         if model:
             body["model"] = model
         if sampling.stop:
@@ -366,10 +408,15 @@ DIALECTS: dict[str, Dialect] = {
 }
 
 
-def get_dialect(name: str, *, experts_shape: tuple[int, int] | None = None) -> Dialect:
-    """Raises KeyError naming the known dialects. ``experts_shape``: see ``SglangGenerate``."""
+def get_dialect(
+    name: str, *, experts_shape: tuple[int, int] | None = None, echo_prompt: bool = False
+) -> Dialect:
+    """Raises KeyError naming the known dialects. ``experts_shape``: see ``SglangGenerate``;
+    ``echo_prompt``: see ``VllmCompletions``."""
     if name == SglangGenerate.name:
         return SglangGenerate(experts_shape)
+    if name == VllmCompletions.name:
+        return VllmCompletions(echo_prompt)
     try:
         return DIALECTS[name]
     except KeyError:

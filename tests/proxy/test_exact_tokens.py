@@ -137,6 +137,29 @@ async def test_exact_tokens_mode_keeps_one_exact_chain(make_stack, tokenizer_dir
     assert [c["finish_reason"] for c in calls] == ["tool_calls", "tool_calls", "stop"]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_vllm_completions_echo_is_asked_only_when_configured(make_stack, stream):
+    ids_by_echo = {}
+    for echo in (False, True):
+        stack = await make_stack(
+            engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
+            prompt_mode="exact_tokens",
+            tokens_in_echo_prompt=echo,
+        )
+        rollout = f"r-echo-{echo}"
+        ids = await _session(stack, rollout, stream=stream)
+        assert await _chains(stack, rollout) == [ids]
+        bodies = [s.request_body for s in stack.sent]
+        assert [b.get("return_token_ids") for b in bodies] == [True if echo else None] * 3
+        assert all(b["return_tokens_as_token_ids"] is True for b in bodies)
+        chains = await stack.get_json(f"/captures/rollouts/{rollout}/chains")
+        calls = chains["chains"][0]["calls"]
+        assert all(c["status"] == "complete" for c in calls)
+        ids_by_echo[echo] = [(c["prompt_token_ids"], c["generation_token_ids"]) for c in calls]
+        assert [c[1] for c in ids_by_echo[echo]] == [s.generation_token_ids for s in stack.sent]
+    assert ids_by_echo[False] == ids_by_echo[True]
+
+
 async def test_exact_tokens_answer_has_the_chat_shape(make_stack):
     stack = await make_stack(
         engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY), prompt_mode="exact_tokens"
