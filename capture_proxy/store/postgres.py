@@ -44,8 +44,8 @@ is always taken after the rollout lock, so no lock cycle arises.
 
 Layout: the tables of ``sqlite.py`` (``calls``, ``json_blobs``, ``call_json``, ``rollouts``,
 ``tombstones``, ``counters``) plus ``schema_migrations`` (one row per applied step of
-``MIGRATIONS``; 2 added the lifecycle). Opening
-applies the missing steps in one transaction under a global advisory lock (replicas starting
+``MIGRATIONS``; 2 added the lifecycle, 3 the retry link and the count of incomplete calls).
+Opening applies the missing steps in one transaction under a global advisory lock (replicas starting
 together migrate once), refuses a layout newer than it knows, and rewrites records older than
 the codec's schema version through ``codec.migrate`` (none today: this store began at v3).
 Use a database of its own (or a schema of its own, via ``options=-csearch_path=...`` in the
@@ -77,6 +77,7 @@ from capture_proxy.core.codec import (
     migrate,
     same_content,
 )
+from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
@@ -185,13 +186,30 @@ MIGRATIONS: tuple[str, ...] = (
     );
     INSERT INTO counters (name, value) VALUES ('export_cursor', 0);
     """,
+    # 3: the retry link as a column (sqlite.py's LAYOUT_VERSION 5) and the rollout's count of
+    # incomplete calls no complete retry supersedes (``core.completeness``; counted after the
+    # steps, ``_count_incomplete_calls``); ``rollouts.incomplete`` says from now on only that
+    # a rollout-level diagnostic marked it (``mark_rollout_incomplete`` always adds one).
+    """
+    ALTER TABLE calls ADD COLUMN retry_of text;
+    ALTER TABLE rollouts ADD COLUMN incomplete_calls integer NOT NULL DEFAULT 0;
+    UPDATE calls SET retry_of = meta::json ->> 'retry_of'
+        WHERE meta::json ->> 'retry_of' IS NOT NULL;
+    UPDATE rollouts SET incomplete = false WHERE diagnostics = '[]';
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 
 _CALL_COLUMNS = ", ".join(COLUMNS)
+# The codec's columns, then the store's own: ``late``, ``retry_of``.
 _INSERT_CALL = (
-    f"INSERT INTO calls ({_CALL_COLUMNS}) VALUES ({', '.join(['%s'] * len(COLUMNS))}) "
-    "ON CONFLICT (call_id) DO NOTHING"
+    f"INSERT INTO calls ({_CALL_COLUMNS}, late, retry_of) "
+    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 2))}) ON CONFLICT (call_id) DO NOTHING"
+)
+# The calls completeness depends on (``core.completeness``): counted, incomplete or a retry.
+_RETRY_LINKS = (
+    "SELECT call_id, status, retry_of FROM calls WHERE rollout_id = %s AND NOT late "
+    "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
 )
 _BLOBS_OF = (
     "SELECT b.sha256, b.json FROM json_blobs b WHERE b.sha256 IN "
@@ -203,8 +221,8 @@ _ANCESTRY = (
     "WHERE c.prompt_parent_call_id IS NOT NULL) "
 )
 _ROLLOUT_SELECT = (
-    "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
-    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
+    "SELECT r.rollout_id, r.created_at, r.incomplete OR r.incomplete_calls > 0, "
+    "r.diagnostics, (SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
     "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
     "array(SELECT c.call_id FROM calls c WHERE c.rollout_id = r.rollout_id AND c.late "
     "ORDER BY c.created_at, c.call_id) "
@@ -358,6 +376,12 @@ def _stored_messages(db: Conn, call_id: str) -> StoredMessages | None:
     return StoredMessages(call_id, row[0], row[1], row[2], bytes(row[3])) if row else None
 
 
+def _count_incomplete(db: Conn, rollout_id: str) -> int:
+    """The rollout's counted calls that are incomplete and superseded by no complete retry."""
+    links = [RetryLink(*r) for r in db.execute(_RETRY_LINKS, (rollout_id,)).fetchall()]
+    return len(unsuperseded_incomplete(links))
+
+
 def _tombstoned(db: Conn, rollout_id: str) -> bool:
     row = db.execute("SELECT 1 FROM tombstones WHERE rollout_id = %s", (rollout_id,)).fetchone()
     return row is not None
@@ -478,6 +502,8 @@ class PostgresStore:
                     "INSERT INTO schema_migrations (version, applied_at) VALUES (%s, %s)",
                     (step, time.time()),
                 )
+            if version < 3:
+                self._count_incomplete_calls(db)
             rollouts = [
                 r[0]
                 for r in db.execute(
@@ -487,6 +513,19 @@ class PostgresStore:
             ]
             for rollout_id in rollouts:  # one rollout in memory at a time
                 self._migrate_rollout(db, rollout_id)
+
+    @staticmethod
+    def _count_incomplete_calls(db: Conn) -> None:
+        """Layout 3: count each rollout's incomplete calls (after ``retry_of`` is filled)."""
+        rollouts = db.execute(
+            "SELECT DISTINCT rollout_id FROM calls WHERE NOT late "
+            "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
+        ).fetchall()
+        for (rollout_id,) in rollouts:
+            db.execute(
+                "UPDATE rollouts SET incomplete_calls = %s WHERE rollout_id = %s",
+                (_count_incomplete(db, rollout_id), rollout_id),
+            )
 
     @staticmethod
     def _migrate_rollout(db: Conn, rollout_id: str) -> None:
@@ -539,8 +578,6 @@ class PostgresStore:
 
     @staticmethod
     def _put(db: Conn, record: CallRecord, request: RequestEncoding | None) -> None:
-        incomplete = record.status is CallStatus.INCOMPLETE
-
         def body() -> None:
             if _tombstoned(db, record.rollout_id):
                 raise RolloutDeleted(
@@ -579,12 +616,12 @@ class PostgresStore:
             enc = encode_record(
                 record, prompt_parent=parent, messages_prefix_len=k, request=encoding
             )
-            cur = db.execute(_INSERT_CALL, column_values(enc))
+            cur = db.execute(
+                _INSERT_CALL, (*column_values(enc), frozen is not None, record.retry_of)
+            )
             inserted = bool(cur.rowcount)
             if inserted:
                 _store_json(db, enc)
-                if frozen:
-                    db.execute("UPDATE calls SET late = true WHERE call_id = %s", (enc.call_id,))
             else:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s", (enc.call_id,)
@@ -596,12 +633,22 @@ class PostgresStore:
                     )
             # A late call changes neither the snapshot's revision nor its completeness.
             counts = inserted and not frozen
+            recount = counts and (
+                record.status is CallStatus.INCOMPLETE or record.retry_of is not None
+            )
             db.execute(
-                "INSERT INTO rollouts (rollout_id, created_at, incomplete, version) "
+                "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
-                "incomplete = rollouts.incomplete OR excluded.incomplete, "
+                "incomplete_calls = CASE WHEN %s THEN excluded.incomplete_calls "
+                "ELSE rollouts.incomplete_calls END, "
                 "version = rollouts.version + excluded.version",
-                (enc.rollout_id, enc.created_at, incomplete and counts, int(counts)),
+                (
+                    enc.rollout_id,
+                    enc.created_at,
+                    _count_incomplete(db, enc.rollout_id) if recount else 0,
+                    int(counts),
+                    recount,
+                ),
             )
 
         _transaction(db, record.rollout_id, body)

@@ -32,11 +32,17 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
   refers to, in the same transaction.
-- ``rollouts``: first-seen time, incomplete flag, rollout-level diagnostics, the revision
+- ``rollouts``: first-seen time, the rollout-level incomplete flag (``incomplete``: set by
+  ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the calls counted in the
+  rollout that are incomplete and that no complete retry supersedes, ``core.completeness``,
+  recounted by ``put_call`` when it stores an incomplete call or a retry), rollout-level
+  diagnostics, the revision
   (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
   (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
+  ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
+  as a column so that completeness is counted without decoding records.
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
   rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
   retire answers the same.
@@ -77,6 +83,7 @@ from capture_proxy.core.codec import (
     rebase_messages,
     same_content,
 )
+from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.episodes import episode_glob, parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
@@ -98,8 +105,9 @@ DB_FILE_NAME = "captures.sqlite3"
 #: Held (flock, exclusive) by the one process that writes the store; names its pid.
 WRITER_LOCK_NAME = "writer.lock"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records,
-#: 4 added the lifecycle (snapshots, late calls, metadata, retirements).
-LAYOUT_VERSION = 4
+#: 4 added the lifecycle (snapshots, late calls, metadata, retirements), 5 the retry link
+#: (``calls.retry_of``) and ``rollouts.incomplete_calls``.
+LAYOUT_VERSION = 5
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
 
@@ -125,7 +133,8 @@ CREATE TABLE IF NOT EXISTS calls (
     num_messages INTEGER NOT NULL DEFAULT 0,
     messages_sha256 BLOB NOT NULL DEFAULT x'',
     messages_chain BLOB NOT NULL DEFAULT x'',
-    late INTEGER NOT NULL DEFAULT 0
+    late INTEGER NOT NULL DEFAULT 0,
+    retry_of TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
 CREATE TABLE IF NOT EXISTS json_blobs (
@@ -151,6 +160,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     incomplete INTEGER NOT NULL DEFAULT 0,
     diagnostics TEXT NOT NULL DEFAULT '[]',
     version INTEGER NOT NULL DEFAULT 0,
+    incomplete_calls INTEGER NOT NULL DEFAULT 0,
     metadata TEXT NOT NULL DEFAULT '{}',
     snapshot_id TEXT,
     frozen_at REAL,
@@ -170,8 +180,10 @@ CREATE UNIQUE INDEX IF NOT EXISTS rollouts_by_cursor ON rollouts (export_cursor)
 
 # In ``EncodedRecord`` field order.
 _CALL_COLUMNS = ", ".join(COLUMNS)
+# The codec's columns, then the store's own: ``late``, ``retry_of``.
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) VALUES ({','.join('?' * len(COLUMNS))})"
+    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}, late, retry_of) "
+    f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
 )
 _V2_COLUMNS = {
     "prompt_parent_call_id": "TEXT",
@@ -200,6 +212,15 @@ _V4_COLUMNS = {
     },
     "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
 }
+_V5_COLUMNS = {
+    "calls": {"retry_of": "TEXT"},
+    "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
+}
+# The calls completeness depends on (``core.completeness``): counted, incomplete or a retry.
+_RETRY_LINKS = (
+    "SELECT call_id, status, retry_of FROM calls WHERE rollout_id = ? AND late = 0 "
+    "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
+)
 # The JSON texts the given calls refer to (``{calls}``: a subquery of call ids).
 _BLOBS_OF = (
     "SELECT b.sha256, b.json FROM json_blobs b WHERE b.sha256 IN "
@@ -211,8 +232,8 @@ _ANCESTRY = (
     "WHERE c.prompt_parent_call_id IS NOT NULL) "
 )
 _ROLLOUT_SELECT = (
-    "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
-    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
+    "SELECT r.rollout_id, r.created_at, r.incomplete <> 0 OR r.incomplete_calls > 0, "
+    "r.diagnostics, (SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
     "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
     "(SELECT json_group_array(call_id) FROM (SELECT call_id FROM calls c "
     "WHERE c.rollout_id = r.rollout_id AND c.late = 1 ORDER BY created_at, call_id)) "
@@ -366,6 +387,12 @@ def _stored_messages(db: sqlite3.Connection, call_id: str) -> StoredMessages | N
     return StoredMessages(call_id, row[0], row[1], row[2], bytes(row[3])) if row else None
 
 
+def _count_incomplete(db: sqlite3.Connection, rollout_id: str) -> int:
+    """The rollout's counted calls that are incomplete and superseded by no complete retry."""
+    links = [RetryLink(*r) for r in db.execute(_RETRY_LINKS, (rollout_id,)).fetchall()]
+    return len(unsuperseded_incomplete(links))
+
+
 def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
     row = db.execute("SELECT 1 FROM tombstones WHERE rollout_id = ?", (rollout_id,)).fetchone()
     return row is not None
@@ -515,8 +542,11 @@ class SQLiteStore:
         db.executescript(_SCHEMA)
 
         def body() -> None:
-            columns = {"calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"]}
-            columns |= {t: _V4_COLUMNS[t] for t in ("rollouts", "tombstones")}
+            columns = {
+                "calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"] | _V5_COLUMNS["calls"],
+                "rollouts": _V4_COLUMNS["rollouts"] | _V5_COLUMNS["rollouts"],
+                "tombstones": _V4_COLUMNS["tombstones"],
+            }
             for table, wanted in columns.items():
                 existing = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
                 for name, decl in wanted.items():
@@ -541,9 +571,31 @@ class SQLiteStore:
             ]
             for rollout_id in rollouts:  # one rollout in memory at a time
                 self._migrate_rollout(db, rollout_id)
+            if version < 5:
+                self._count_incomplete_calls(db)
             db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
 
         _transaction(db, body)
+
+    @staticmethod
+    def _count_incomplete_calls(db: sqlite3.Connection) -> None:
+        """Layout 5: the retry links out of the records' metadata, the incomplete calls counted
+        per rollout, and ``rollouts.incomplete`` kept only where a rollout-level diagnostic
+        set it (before, it also said that some call was incomplete, superseded or not)."""
+        db.execute(
+            "UPDATE calls SET retry_of = json_extract(meta, '$.retry_of') "
+            "WHERE json_valid(meta) AND json_extract(meta, '$.retry_of') IS NOT NULL"
+        )
+        db.execute("UPDATE rollouts SET incomplete = 0 WHERE diagnostics = '[]'")
+        rollouts = db.execute(
+            "SELECT DISTINCT rollout_id FROM calls WHERE late = 0 "
+            "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
+        ).fetchall()
+        for (rollout_id,) in rollouts:
+            db.execute(
+                "UPDATE rollouts SET incomplete_calls = ? WHERE rollout_id = ?",
+                (_count_incomplete(db, rollout_id), rollout_id),
+            )
 
     @staticmethod
     def _migrate_rollout(db: sqlite3.Connection, rollout_id: str) -> None:
@@ -590,9 +642,7 @@ class SQLiteStore:
         finally:
             self._release_writer_lock()
 
-    async def _stop_workers(
-        self, reader: WorkerThread | None, writer: WorkerThread | None
-    ) -> None:
+    async def _stop_workers(self, reader: WorkerThread | None, writer: WorkerThread | None) -> None:
         # Reader first: the writer's connection, closed last, checkpoints the WAL.
         for worker, close in ((reader, self._close_reader), (writer, self._close_writer)):
             if worker is None:
@@ -630,8 +680,6 @@ class SQLiteStore:
 
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
-        incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
-
         def body() -> int:
             if _tombstoned(db, record.rollout_id):
                 raise RolloutDeleted(
@@ -669,12 +717,12 @@ class SQLiteStore:
                 record, prompt_parent=parent, messages_prefix_len=k, request=encoding
             )
             written = 0
-            cur = db.execute(_INSERT_CALL, column_values(enc))
+            cur = db.execute(
+                _INSERT_CALL, (*column_values(enc), int(bool(frozen)), record.retry_of)
+            )
             inserted = bool(cur.rowcount)
             if inserted:
                 written = _encoded_bytes(enc) + _store_json(db, enc)
-                if frozen:
-                    db.execute("UPDATE calls SET late = 1 WHERE call_id = ?", (enc.call_id,))
             else:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
@@ -686,12 +734,21 @@ class SQLiteStore:
                     )
             # A late call changes neither the snapshot's revision nor its completeness.
             counts = inserted and not frozen
+            recount = counts and (
+                record.status is CallStatus.INCOMPLETE or record.retry_of is not None
+            )
             db.execute(
-                "INSERT INTO rollouts (rollout_id, created_at, incomplete, version) "
+                "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (?,?,?,?) ON CONFLICT(rollout_id) DO UPDATE SET "
-                "incomplete = max(incomplete, excluded.incomplete), "
-                "version = version + excluded.version",
-                (enc.rollout_id, enc.created_at, incomplete if counts else 0, int(counts)),
+                "incomplete_calls = CASE WHEN ? THEN excluded.incomplete_calls "
+                "ELSE incomplete_calls END, version = version + excluded.version",
+                (
+                    enc.rollout_id,
+                    enc.created_at,
+                    _count_incomplete(db, enc.rollout_id) if recount else 0,
+                    int(counts),
+                    recount,
+                ),
             )
             return written
 
