@@ -55,12 +55,10 @@ URL).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
 import time
 import urllib.parse
-import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -71,28 +69,21 @@ from capture_proxy.core.codec import (
     RequestEncoding,
     StoredMessages,
     column_values,
-    common_messages_prefix,
     decode_records,
-    encode_record,
     migrate,
-    same_content,
 )
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
-from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
-    ConflictingRecord,
     Retirement,
-    RolloutDeleted,
     RolloutInfo,
-    RolloutNotFound,
-    RolloutNotFrozen,
     Snapshot,
-    SnapshotMismatch,
     StoreError,
 )
+from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
 from capture_proxy.store.worker import WorkerThread
 
 try:  # an optional extra: ``pip install 'capture-proxy[postgres]'``
@@ -292,40 +283,8 @@ def _transaction(db: Conn, rollout_id: str | None, body: Callable[[], T]) -> T:
 
 
 def _info(row: tuple[Any, ...]) -> RolloutInfo:
-    (
-        rollout_id,
-        created_at,
-        incomplete,
-        diagnostics,
-        num_calls,
-        version,
-        metadata,
-        snapshot_id,
-        frozen_at,
-        frozen_num_calls,
-        export_cursor,
-        late,
-    ) = row
-    snapshot = (
-        None
-        if snapshot_id is None
-        else Snapshot(snapshot_id, int(version), frozen_num_calls, frozen_at, int(export_cursor))
-    )
-    return RolloutInfo(
-        rollout_id=rollout_id,
-        created_at=created_at,
-        num_calls=int(num_calls),
-        incomplete=bool(incomplete),
-        diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
-        version=int(version),
-        snapshot=snapshot,
-        late_call_ids=tuple(late),
-        metadata=RolloutMetadata.from_json(json.loads(metadata)),
-    )
-
-
-def _metadata_text(metadata: RolloutMetadata) -> str:
-    return json.dumps(metadata.to_json(), ensure_ascii=False, sort_keys=True)
+    """From a row of ``_ROLLOUT_SELECT`` (late call ids as an array)."""
+    return lifecycle.rollout_info(row[:-1], row[-1])
 
 
 def _next_cursor(db: Conn) -> int:
@@ -382,9 +341,22 @@ def _count_incomplete(db: Conn, rollout_id: str) -> int:
     return len(unsuperseded_incomplete(links))
 
 
-def _tombstoned(db: Conn, rollout_id: str) -> bool:
-    row = db.execute("SELECT 1 FROM tombstones WHERE rollout_id = %s", (rollout_id,)).fetchone()
-    return row is not None
+def _tombstone(db: Conn, rollout_id: str) -> Tombstone | None:
+    return Tombstone.of(
+        db.execute(
+            f"SELECT {lifecycle.TOMBSTONE_COLUMNS} FROM tombstones WHERE rollout_id = %s",
+            (rollout_id,),
+        ).fetchone()
+    )
+
+
+def _lifecycle_row(db: Conn, rollout_id: str) -> LifecycleRow | None:
+    return LifecycleRow.of(
+        db.execute(
+            f"SELECT {lifecycle.LIFECYCLE_COLUMNS} FROM rollouts WHERE rollout_id = %s",
+            (rollout_id,),
+        ).fetchone()
+    )
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -579,10 +551,7 @@ class PostgresStore:
     @staticmethod
     def _put(db: Conn, record: CallRecord, request: RequestEncoding | None) -> None:
         def body() -> None:
-            if _tombstoned(db, record.rollout_id):
-                raise RolloutDeleted(
-                    f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
-                )
+            lifecycle.refuse_deleted(record, _tombstone(db, record.rollout_id) is not None)
             # Under the rollout's lock, as the freeze is: a call racing a freeze is either
             # counted in its snapshot (stored first) or late (stored after), never both.
             frozen = db.execute(
@@ -600,21 +569,8 @@ class PostgresStore:
                     (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
                 ).fetchall()
             ]
-            parent = choose_prompt_parent(
-                record.prompt_token_ids, candidates, exclude=record.call_id
-            )
-            encoding = (
-                request
-                if request is not None and request.belongs_to(record)
-                else RequestEncoding.of(record.request_messages, record.request_tools)
-            )
-            k = 0
-            if parent is not None:
-                k = common_messages_prefix(
-                    encoding.message_digests, parent.call_id, lambda c: _stored_messages(db, c)
-                )
-            enc = encode_record(
-                record, prompt_parent=parent, messages_prefix_len=k, request=encoding
+            enc = lifecycle.encode_call(
+                record, request, candidates, lambda c: _stored_messages(db, c)
             )
             cur = db.execute(
                 _INSERT_CALL, (*column_values(enc), frozen is not None, record.retry_of)
@@ -626,16 +582,8 @@ class PostgresStore:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s", (enc.call_id,)
                 ).fetchone()
-                if row is not None and not same_content(_bytes_row(row), enc):
-                    raise ConflictingRecord(
-                        f"call {enc.call_id} is already stored with different content; "
-                        "original kept"
-                    )
-            # A late call changes neither the snapshot's revision nor its completeness.
-            counts = inserted and not frozen
-            recount = counts and (
-                record.status is CallStatus.INCOMPLETE or record.retry_of is not None
-            )
+                lifecycle.check_re_put(None if row is None else _bytes_row(row), enc)
+            effect = lifecycle.call_effect(record, frozen=frozen is not None, inserted=inserted)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
@@ -645,9 +593,9 @@ class PostgresStore:
                 (
                     enc.rollout_id,
                     enc.created_at,
-                    _count_incomplete(db, enc.rollout_id) if recount else 0,
-                    int(counts),
-                    recount,
+                    _count_incomplete(db, enc.rollout_id) if effect.recount else 0,
+                    effect.version_delta,
+                    effect.recount,
                 ),
             )
 
@@ -662,16 +610,13 @@ class PostgresStore:
     @staticmethod
     def _mark(db: Conn, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
-            if _tombstoned(db, rollout_id):
+            if _tombstone(db, rollout_id) is not None:
                 # A deleted rollout stays deleted; the failed write was logged by the caller.
                 return
             row = db.execute(
                 "SELECT diagnostics FROM rollouts WHERE rollout_id = %s", (rollout_id,)
             ).fetchone()
-            diags = [Diagnostic.from_json(d) for d in json.loads(row[0])] if row else []
-            if all(d.kind != diagnostic.kind for d in diags):
-                diags.append(diagnostic)
-            text = json.dumps([d.to_json() for d in diags], ensure_ascii=False)
+            text = lifecycle.with_diagnostic(row[0] if row else None, diagnostic)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete, diagnostics) "
                 "VALUES (%s, %s, true, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
@@ -724,17 +669,12 @@ class PostgresStore:
     @staticmethod
     def _freeze(db: Conn, rollout_id: str, known_elsewhere: bool) -> Snapshot:
         def body() -> Snapshot:
-            if _tombstoned(db, rollout_id):
-                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
-            row = db.execute(
-                "SELECT version, snapshot_id, frozen_at, frozen_num_calls, export_cursor "
-                "FROM rollouts WHERE rollout_id = %s",
-                (rollout_id,),
-            ).fetchone()
-            if row is None and not known_elsewhere:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            if row is not None and row[1] is not None:  # frozen before: the same snapshot
-                return Snapshot(row[1], int(row[0]), row[3], row[2], int(row[4]))
+            row = _lifecycle_row(db, rollout_id)
+            earlier = lifecycle.earlier_freeze(
+                rollout_id, _tombstone(db, rollout_id), row, known_elsewhere=known_elsewhere
+            )
+            if earlier is not None:
+                return earlier
             now = time.time()
             if row is None:  # nothing stored yet, a first call in flight: frozen empty
                 db.execute(
@@ -745,12 +685,8 @@ class PostgresStore:
                 "SELECT count(*) FROM calls WHERE rollout_id = %s AND NOT late", (rollout_id,)
             ).fetchone()
             # Last: the counter row's lock is held from here to COMMIT (``_next_cursor``).
-            snapshot = Snapshot(
-                uuid.uuid4().hex,
-                0 if row is None else int(row[0]),
-                int(num_calls),
-                now,
-                _next_cursor(db),
+            snapshot = lifecycle.new_snapshot(
+                row, num_calls=num_calls, now=now, cursor=_next_cursor(db)
             )
             db.execute(
                 "UPDATE rollouts SET snapshot_id = %s, frozen_at = %s, frozen_num_calls = %s, "
@@ -771,21 +707,15 @@ class PostgresStore:
     @staticmethod
     def _set_metadata(db: Conn, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
-            if _tombstoned(db, rollout_id):
-                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
-            row = db.execute(
-                "SELECT version, metadata FROM rollouts WHERE rollout_id = %s", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            text = _metadata_text(metadata)
-            if text == _metadata_text(RolloutMetadata.from_json(json.loads(row[1]))):
-                return int(row[0])  # a retry, or nothing new: the same version
-            db.execute(
-                "UPDATE rollouts SET metadata = %s, version = version + 1 WHERE rollout_id = %s",
-                (text, rollout_id),
+            after, text = lifecycle.metadata_change(
+                rollout_id, _tombstone(db, rollout_id), _lifecycle_row(db, rollout_id), metadata
             )
-            return int(row[0]) + 1
+            if text is not None:
+                db.execute(
+                    "UPDATE rollouts SET metadata = %s, version = %s WHERE rollout_id = %s",
+                    (text, after, rollout_id),
+                )
+            return after
 
         return _transaction(db, rollout_id, body)
 
@@ -798,44 +728,16 @@ class PostgresStore:
 
     @staticmethod
     def _retire(db: Conn, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
-        def check(have_snapshot: str, have_version: int) -> None:
-            if have_snapshot != snapshot_id:
-                raise SnapshotMismatch(
-                    f"snapshot_id {snapshot_id!r} is not rollout {rollout_id}'s snapshot "
-                    f"({have_snapshot!r})",
-                    field="snapshot_id",
-                )
-            if have_version != version:
-                raise SnapshotMismatch(
-                    f"version {version} is not rollout {rollout_id}'s version ({have_version}): "
-                    "it changed after it was read (a late reward or tag?); read it again",
-                    field="version",
-                )
-
         def body() -> Retirement:
-            tomb = db.execute(
-                "SELECT deleted_at, snapshot_id, version, deleted_calls FROM tombstones "
-                "WHERE rollout_id = %s",
-                (rollout_id,),
-            ).fetchone()
-            if tomb is not None:
-                if tomb[1] is None:
-                    raise SnapshotMismatch(
-                        f"rollout {rollout_id} was deleted without a snapshot, not retired",
-                        field="snapshot_id",
-                    )
-                check(tomb[1], int(tomb[2]))  # a retry with the same identifiers: the same
-                return Retirement(rollout_id, tomb[1], int(tomb[2]), int(tomb[3]), tomb[0])
-            row = db.execute(
-                "SELECT snapshot_id, version FROM rollouts WHERE rollout_id = %s", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            if row[0] is None:
-                raise RolloutNotFrozen(
-                    f"rollout {rollout_id} is not frozen: freeze it, read it, then retire it"
-                )
-            check(row[0], int(row[1]))
+            earlier = lifecycle.earlier_retirement(
+                rollout_id,
+                snapshot_id,
+                version,
+                _tombstone(db, rollout_id),
+                _lifecycle_row(db, rollout_id),
+            )
+            if earlier is not None:  # a retry with the same identifiers: the same answer
+                return earlier
             deleted = _delete_rows(db, rollout_id)
             now = time.time()
             db.execute(
@@ -970,7 +872,7 @@ class PostgresStore:
             "WHERE rollout_id = %s OR starts_with(rollout_id, %s)",
             (base, f"{base}-a", base, f"{base}-a"),
         ).fetchall()
-        return sorted(r[0] for r in rows if r[0] == base or parse_episode(r[0]).base == base)
+        return lifecycle.episodes_of(base, (r[0] for r in rows))
 
     async def health(self) -> dict[str, Any]:
         return await self._read(self._health)

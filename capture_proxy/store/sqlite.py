@@ -64,7 +64,6 @@ import json
 import os
 import sqlite3
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
@@ -76,29 +75,23 @@ from capture_proxy.core.codec import (
     RequestEncoding,
     StoredMessages,
     column_values,
-    common_messages_prefix,
     decode_records,
-    encode_record,
     migrate,
     rebase_messages,
-    same_content,
 )
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
-from capture_proxy.core.episodes import episode_glob, parse_episode
+from capture_proxy.core.episodes import episode_glob
 from capture_proxy.core.metadata import RolloutMetadata
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
-    ConflictingRecord,
     Retirement,
-    RolloutDeleted,
     RolloutInfo,
-    RolloutNotFound,
-    RolloutNotFrozen,
     Snapshot,
-    SnapshotMismatch,
     StoreError,
 )
+from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
 from capture_proxy.store.worker import WorkerThread
 
 DB_FILE_NAME = "captures.sqlite3"
@@ -296,40 +289,8 @@ def _read_transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
 
 
 def _info(row: tuple[Any, ...]) -> RolloutInfo:
-    (
-        rollout_id,
-        created_at,
-        incomplete,
-        diagnostics,
-        num_calls,
-        version,
-        metadata,
-        snapshot_id,
-        frozen_at,
-        frozen_num_calls,
-        export_cursor,
-        late,
-    ) = row
-    snapshot = (
-        None
-        if snapshot_id is None
-        else Snapshot(snapshot_id, version, frozen_num_calls, frozen_at, export_cursor)
-    )
-    return RolloutInfo(
-        rollout_id=rollout_id,
-        created_at=created_at,
-        num_calls=num_calls,
-        incomplete=bool(incomplete),
-        diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
-        version=version,
-        snapshot=snapshot,
-        late_call_ids=tuple(json.loads(late)),
-        metadata=RolloutMetadata.from_json(json.loads(metadata)),
-    )
-
-
-def _metadata_text(metadata: RolloutMetadata) -> str:
-    return json.dumps(metadata.to_json(), ensure_ascii=False, sort_keys=True)
+    """From a row of ``_ROLLOUT_SELECT`` (late call ids as a JSON array)."""
+    return lifecycle.rollout_info(row[:-1], json.loads(row[-1]))
 
 
 def _next_counter(db: sqlite3.Connection, name: str) -> int:
@@ -393,9 +354,22 @@ def _count_incomplete(db: sqlite3.Connection, rollout_id: str) -> int:
     return len(unsuperseded_incomplete(links))
 
 
-def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
-    row = db.execute("SELECT 1 FROM tombstones WHERE rollout_id = ?", (rollout_id,)).fetchone()
-    return row is not None
+def _tombstone(db: sqlite3.Connection, rollout_id: str) -> Tombstone | None:
+    return Tombstone.of(
+        db.execute(
+            f"SELECT {lifecycle.TOMBSTONE_COLUMNS} FROM tombstones WHERE rollout_id = ?",
+            (rollout_id,),
+        ).fetchone()
+    )
+
+
+def _lifecycle_row(db: sqlite3.Connection, rollout_id: str) -> LifecycleRow | None:
+    return LifecycleRow.of(
+        db.execute(
+            f"SELECT {lifecycle.LIFECYCLE_COLUMNS} FROM rollouts WHERE rollout_id = ?",
+            (rollout_id,),
+        ).fetchone()
+    )
 
 
 class SQLiteStore:
@@ -681,10 +655,7 @@ class SQLiteStore:
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
         def body() -> int:
-            if _tombstoned(db, record.rollout_id):
-                raise RolloutDeleted(
-                    f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
-                )
+            lifecycle.refuse_deleted(record, _tombstone(db, record.rollout_id) is not None)
             frozen = db.execute(
                 "SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL",
                 (record.rollout_id,),
@@ -700,25 +671,12 @@ class SQLiteStore:
                     (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
                 ).fetchall()
             ]
-            parent = choose_prompt_parent(
-                record.prompt_token_ids, candidates, exclude=record.call_id
-            )
-            encoding = (
-                request
-                if request is not None and request.belongs_to(record)
-                else RequestEncoding.of(record.request_messages, record.request_tools)
-            )
-            k = 0
-            if parent is not None:
-                k = common_messages_prefix(
-                    encoding.message_digests, parent.call_id, lambda c: _stored_messages(db, c)
-                )
-            enc = encode_record(
-                record, prompt_parent=parent, messages_prefix_len=k, request=encoding
+            enc = lifecycle.encode_call(
+                record, request, candidates, lambda c: _stored_messages(db, c)
             )
             written = 0
             cur = db.execute(
-                _INSERT_CALL, (*column_values(enc), int(bool(frozen)), record.retry_of)
+                _INSERT_CALL, (*column_values(enc), int(frozen is not None), record.retry_of)
             )
             inserted = bool(cur.rowcount)
             if inserted:
@@ -727,16 +685,8 @@ class SQLiteStore:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
                 ).fetchone()
-                if row is not None and not same_content(_row_to_encoded(tuple(row)), enc):
-                    raise ConflictingRecord(
-                        f"call {enc.call_id} is already stored with different content; "
-                        "original kept"
-                    )
-            # A late call changes neither the snapshot's revision nor its completeness.
-            counts = inserted and not frozen
-            recount = counts and (
-                record.status is CallStatus.INCOMPLETE or record.retry_of is not None
-            )
+                lifecycle.check_re_put(None if row is None else _row_to_encoded(tuple(row)), enc)
+            effect = lifecycle.call_effect(record, frozen=frozen is not None, inserted=inserted)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (?,?,?,?) ON CONFLICT(rollout_id) DO UPDATE SET "
@@ -745,9 +695,9 @@ class SQLiteStore:
                 (
                     enc.rollout_id,
                     enc.created_at,
-                    _count_incomplete(db, enc.rollout_id) if recount else 0,
-                    int(counts),
-                    recount,
+                    _count_incomplete(db, enc.rollout_id) if effect.recount else 0,
+                    effect.version_delta,
+                    effect.recount,
                 ),
             )
             return written
@@ -763,16 +713,13 @@ class SQLiteStore:
     @staticmethod
     def _mark(db: sqlite3.Connection, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
-            if _tombstoned(db, rollout_id):
+            if _tombstone(db, rollout_id) is not None:
                 # A deleted rollout stays deleted; the failed write was logged by the caller.
                 return
             row = db.execute(
                 "SELECT diagnostics FROM rollouts WHERE rollout_id = ?", (rollout_id,)
             ).fetchone()
-            diags = [Diagnostic.from_json(d) for d in json.loads(row[0])] if row else []
-            if all(d.kind != diagnostic.kind for d in diags):
-                diags.append(diagnostic)
-            text = json.dumps([d.to_json() for d in diags], ensure_ascii=False)
+            text = lifecycle.with_diagnostic(row[0] if row else None, diagnostic)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete, diagnostics) "
                 "VALUES (?,?,1,?) ON CONFLICT(rollout_id) DO UPDATE SET incomplete = 1, "
@@ -825,31 +772,22 @@ class SQLiteStore:
     @staticmethod
     def _freeze(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> Snapshot:
         def body() -> Snapshot:
-            if _tombstoned(db, rollout_id):
-                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
-            row = db.execute(
-                "SELECT version, snapshot_id, frozen_at, frozen_num_calls, export_cursor "
-                "FROM rollouts WHERE rollout_id = ?",
-                (rollout_id,),
-            ).fetchone()
-            if row is None and not known_elsewhere:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            if row is not None and row[1] is not None:  # frozen before: the same snapshot
-                return Snapshot(row[1], row[0], row[3], row[2], row[4])
+            row = _lifecycle_row(db, rollout_id)
+            earlier = lifecycle.earlier_freeze(
+                rollout_id, _tombstone(db, rollout_id), row, known_elsewhere=known_elsewhere
+            )
+            if earlier is not None:
+                return earlier
             now = time.time()
             if row is None:  # nothing stored yet, a first call in flight: frozen empty
                 db.execute(
                     "INSERT INTO rollouts (rollout_id, created_at) VALUES (?, ?)", (rollout_id, now)
                 )
-            num_calls = db.execute(
+            (num_calls,) = db.execute(
                 "SELECT count(*) FROM calls WHERE rollout_id = ? AND late = 0", (rollout_id,)
-            ).fetchone()[0]
-            snapshot = Snapshot(
-                uuid.uuid4().hex,
-                0 if row is None else int(row[0]),
-                int(num_calls),
-                now,
-                _next_counter(db, "export_cursor"),
+            ).fetchone()
+            snapshot = lifecycle.new_snapshot(
+                row, num_calls=num_calls, now=now, cursor=_next_counter(db, "export_cursor")
             )
             db.execute(
                 "UPDATE rollouts SET snapshot_id = ?, frozen_at = ?, frozen_num_calls = ?, "
@@ -870,21 +808,15 @@ class SQLiteStore:
     @staticmethod
     def _set_metadata(db: sqlite3.Connection, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
-            if _tombstoned(db, rollout_id):
-                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
-            row = db.execute(
-                "SELECT version, metadata FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            text = _metadata_text(metadata)
-            if text == _metadata_text(RolloutMetadata.from_json(json.loads(row[1]))):
-                return int(row[0])  # a retry, or nothing new: the same version
-            db.execute(
-                "UPDATE rollouts SET metadata = ?, version = version + 1 WHERE rollout_id = ?",
-                (text, rollout_id),
+            after, text = lifecycle.metadata_change(
+                rollout_id, _tombstone(db, rollout_id), _lifecycle_row(db, rollout_id), metadata
             )
-            return int(row[0]) + 1
+            if text is not None:
+                db.execute(
+                    "UPDATE rollouts SET metadata = ?, version = ? WHERE rollout_id = ?",
+                    (text, after, rollout_id),
+                )
+            return after
 
         return _transaction(db, body)
 
@@ -899,44 +831,16 @@ class SQLiteStore:
     def _retire(
         db: sqlite3.Connection, rollout_id: str, snapshot_id: str, version: int
     ) -> Retirement:
-        def check(have_snapshot: str, have_version: int) -> None:
-            if have_snapshot != snapshot_id:
-                raise SnapshotMismatch(
-                    f"snapshot_id {snapshot_id!r} is not rollout {rollout_id}'s snapshot "
-                    f"({have_snapshot!r})",
-                    field="snapshot_id",
-                )
-            if have_version != version:
-                raise SnapshotMismatch(
-                    f"version {version} is not rollout {rollout_id}'s version ({have_version}): "
-                    "it changed after it was read (a late reward or tag?); read it again",
-                    field="version",
-                )
-
         def body() -> Retirement:
-            tomb = db.execute(
-                "SELECT deleted_at, snapshot_id, version, deleted_calls FROM tombstones "
-                "WHERE rollout_id = ?",
-                (rollout_id,),
-            ).fetchone()
-            if tomb is not None:
-                if tomb[1] is None:
-                    raise SnapshotMismatch(
-                        f"rollout {rollout_id} was deleted without a snapshot, not retired",
-                        field="snapshot_id",
-                    )
-                check(tomb[1], tomb[2])  # a retry with the same identifiers: the same answer
-                return Retirement(rollout_id, tomb[1], tomb[2], tomb[3], tomb[0])
-            row = db.execute(
-                "SELECT snapshot_id, version FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            if row[0] is None:
-                raise RolloutNotFrozen(
-                    f"rollout {rollout_id} is not frozen: freeze it, read it, then retire it"
-                )
-            check(row[0], row[1])
+            earlier = lifecycle.earlier_retirement(
+                rollout_id,
+                snapshot_id,
+                version,
+                _tombstone(db, rollout_id),
+                _lifecycle_row(db, rollout_id),
+            )
+            if earlier is not None:  # a retry with the same identifiers: the same answer
+                return earlier
             deleted = _delete_rows(db, rollout_id)
             now = time.time()
             db.execute(
@@ -1062,7 +966,7 @@ class SQLiteStore:
             "UNION SELECT rollout_id FROM tombstones WHERE rollout_id = ? OR rollout_id GLOB ?",
             (base, pattern, base, pattern),
         ).fetchall()
-        return sorted(r[0] for r in rows if r[0] == base or parse_episode(r[0]).base == base)
+        return lifecycle.episodes_of(base, (r[0] for r in rows))
 
     async def health(self) -> dict[str, Any]:
         return await self._read(self._health)
