@@ -84,6 +84,7 @@ from capture_proxy.store.base import (
     StoreError,
 )
 from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
+from capture_proxy.store.threaded import ThreadedStore
 from capture_proxy.store.worker import WorkerThread
 
 try:  # an optional extra: ``pip install 'capture-proxy[postgres]'``
@@ -370,9 +371,10 @@ def _retryable(exc: BaseException) -> bool:
     )
 
 
-class PostgresStore:
+class PostgresStore(ThreadedStore):
     """Shared store at ``url`` (``postgresql://user[:password]@host[:port]/database``).
-    ``pool_size``: pooled connections, and worker threads, of this process."""
+    ``pool_size``: pooled connections, and worker threads, of this process. Its
+    ``CaptureStore`` methods are ``ThreadedStore``'s: reads and writes hop to any pool thread."""
 
     #: Other processes write this store too: a rollout's link index may be stale (the linker
     #: reloads it on a digest miss).
@@ -387,6 +389,7 @@ class PostgresStore:
             raise ValueError(f"expected a postgresql:// URL, got {redact_url(url)!r}")
         if pool_size < 1:
             raise ValueError(f"pool_size: expected at least 1, got {pool_size}")
+        self._driver_error = psycopg.Error
         self.url = url
         self.pool_size = pool_size
         self._pool: Any = None  # ConnectionPool, used by the worker threads only
@@ -403,6 +406,12 @@ class PostgresStore:
         if self._worker is None:
             raise StoreError("store is not open")
         return await self._worker.run(self._with_connection, fn, *args)
+
+    async def _write_hop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._run(fn, *args)
+
+    async def _read_hop(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._run(fn, *args)
 
     def _with_connection(self, fn: Callable[..., T], *args: Any) -> T:
         pool = self._pool
@@ -537,17 +546,6 @@ class PostgresStore:
 
     # --- writes --------------------------------------------------------------------------
 
-    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> None:
-        """Store ``record`` durably (committed before returning). ``request``: the record's
-        ``RequestEncoding`` if the caller computed it ahead (see ``RequestEncoding.belongs_to``).
-
-        Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
-        stored with other content (the original is kept), StoreError on failure."""
-        try:
-            await self._run(self._put, record, request)
-        except psycopg.Error as exc:
-            raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
-
     @staticmethod
     def _put(db: Conn, record: CallRecord, request: RequestEncoding | None) -> None:
         def body() -> None:
@@ -601,12 +599,6 @@ class PostgresStore:
 
         _transaction(db, record.rollout_id, body)
 
-    async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
-        try:
-            await self._run(self._mark, rollout_id, diagnostic)
-        except psycopg.Error as exc:
-            raise StoreError(f"marking rollout {rollout_id} incomplete failed: {exc}") from exc
-
     @staticmethod
     def _mark(db: Conn, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
@@ -625,15 +617,6 @@ class PostgresStore:
             )
 
         _transaction(db, rollout_id, body)
-
-    async def delete_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> int | None:
-        """Delete the rollout's calls and bookkeeping and leave a tombstone. Returns the
-        number of calls deleted (0 when it was deleted before), or None, writing nothing,
-        when the store has never heard of the rollout and ``known_elsewhere`` is False."""
-        try:
-            return await self._run(self._delete, rollout_id, known_elsewhere)
-        except psycopg.Error as exc:
-            raise StoreError(f"deleting rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _delete(db: Conn, rollout_id: str, known_elsewhere: bool) -> int | None:
@@ -658,13 +641,6 @@ class PostgresStore:
         return _transaction(db, rollout_id, body)
 
     # --- lifecycle -----------------------------------------------------------------------
-
-    async def freeze_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> Snapshot:
-        """See ``CaptureStore.freeze_rollout``."""
-        try:
-            return await self._run(self._freeze, rollout_id, known_elsewhere)
-        except psycopg.Error as exc:
-            raise StoreError(f"freezing rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _freeze(db: Conn, rollout_id: str, known_elsewhere: bool) -> Snapshot:
@@ -697,13 +673,6 @@ class PostgresStore:
 
         return _transaction(db, rollout_id, body)
 
-    async def set_metadata(self, rollout_id: str, metadata: RolloutMetadata) -> int:
-        """See ``CaptureStore.set_metadata``."""
-        try:
-            return await self._run(self._set_metadata, rollout_id, metadata)
-        except psycopg.Error as exc:
-            raise StoreError(f"setting metadata of rollout {rollout_id} failed: {exc}") from exc
-
     @staticmethod
     def _set_metadata(db: Conn, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
@@ -718,13 +687,6 @@ class PostgresStore:
             return after
 
         return _transaction(db, rollout_id, body)
-
-    async def retire_rollout(self, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
-        """See ``CaptureStore.retire_rollout``."""
-        try:
-            return await self._run(self._retire, rollout_id, snapshot_id, version)
-        except psycopg.Error as exc:
-            raise StoreError(f"retiring rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _retire(db: Conn, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
@@ -749,12 +711,6 @@ class PostgresStore:
 
         return _transaction(db, rollout_id, body)
 
-    async def sweep_tombstones(self, older_than_s: float) -> int:
-        try:
-            return await self._run(self._sweep, older_than_s)
-        except psycopg.Error as exc:
-            raise StoreError(f"sweeping tombstones failed: {exc}") from exc
-
     @staticmethod
     def _sweep(db: Conn, older_than_s: float) -> int:
         cur = db.execute(
@@ -764,25 +720,12 @@ class PostgresStore:
 
     # --- reads ---------------------------------------------------------------------------
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        try:
-            return await self._run(fn, *args)
-        except psycopg.Error as exc:
-            raise StoreError(f"reading the store failed: {exc}") from exc
-
-    async def get_tombstone(self, rollout_id: str) -> float | None:
-        """When the rollout was deleted (Unix s), or None when it has no tombstone."""
-        return await self._read(self._get_tombstone, rollout_id)
-
     @staticmethod
     def _get_tombstone(db: Conn, rollout_id: str) -> float | None:
         row = db.execute(
             "SELECT deleted_at FROM tombstones WHERE rollout_id = %s", (rollout_id,)
         ).fetchone()
         return float(row[0]) if row else None
-
-    async def get_call(self, call_id: str) -> CallRecord | None:
-        return await self._read(self._get_call, call_id)
 
     @staticmethod
     def _get_call(db: Conn, call_id: str) -> CallRecord | None:
@@ -803,9 +746,6 @@ class PostgresStore:
             return None
         return next(r for r in decode_records(encoded) if r.call_id == call_id)
 
-    async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
-        return await self._read(self._get_rollout_calls, rollout_id)
-
     @staticmethod
     def _get_rollout_calls(db: Conn, rollout_id: str) -> list[CallRecord]:
         def body() -> tuple[list[Any], dict[str, str]]:
@@ -822,20 +762,10 @@ class PostgresStore:
         rows, blobs = _read_transaction(db, body)
         return decode_records(_bytes_row(r, blobs) for r in rows)
 
-    async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
-        return await self._read(self._get_rollout, rollout_id)
-
     @staticmethod
     def _get_rollout(db: Conn, rollout_id: str) -> RolloutInfo | None:
         row = db.execute(_ROLLOUT_SELECT + " WHERE r.rollout_id = %s", (rollout_id,)).fetchone()
         return _info(tuple(row)) if row else None
-
-    async def list_rollouts(
-        self, *, limit: int | None = None, after: str | None = None
-    ) -> list[RolloutInfo]:
-        """Rollouts in rollout id order: at most ``limit``, only ids greater than ``after``
-        (a page after the last id of the previous one)."""
-        return await self._read(self._list_rollouts, limit, after)
 
     @staticmethod
     def _list_rollouts(db: Conn, limit: int | None, after: str | None) -> list[RolloutInfo]:
@@ -847,10 +777,6 @@ class PostgresStore:
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
 
-    async def list_frozen(self, *, after: int = 0, limit: int | None = None) -> list[RolloutInfo]:
-        """Frozen rollouts with a cursor greater than ``after``, in cursor order."""
-        return await self._read(self._list_frozen, after, limit)
-
     @staticmethod
     def _list_frozen(db: Conn, after: int, limit: int | None) -> list[RolloutInfo]:
         rows = db.execute(
@@ -858,10 +784,6 @@ class PostgresStore:
             (after, limit),
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
-
-    async def list_episodes(self, base_rollout_id: str) -> list[str]:
-        """Episode ids of ``base_rollout_id``, stored or tombstoned, sorted."""
-        return await self._read(self._list_episodes, base_rollout_id)
 
     @staticmethod
     def _list_episodes(db: Conn, base: str) -> list[str]:
@@ -873,9 +795,6 @@ class PostgresStore:
             (base, f"{base}-a", base, f"{base}-a"),
         ).fetchall()
         return lifecycle.episodes_of(base, (r[0] for r in rows))
-
-    async def health(self) -> dict[str, Any]:
-        return await self._read(self._health)
 
     def _health(self, db: Conn) -> dict[str, Any]:
         row = db.execute("SELECT count(*) FROM calls").fetchone()

@@ -92,6 +92,7 @@ from capture_proxy.store.base import (
     StoreError,
 )
 from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
+from capture_proxy.store.threaded import ThreadedStore
 from capture_proxy.store.worker import WorkerThread
 
 DB_FILE_NAME = "captures.sqlite3"
@@ -372,11 +373,13 @@ def _lifecycle_row(db: sqlite3.Connection, rollout_id: str) -> LifecycleRow | No
     )
 
 
-class SQLiteStore:
-    """Embedded store in directory ``path`` (created on first use)."""
+class SQLiteStore(ThreadedStore):
+    """Embedded store in directory ``path`` (created on first use). Its ``CaptureStore``
+    methods are ``ThreadedStore``'s: writes hop to the writer thread, reads to the reader."""
 
     #: One process owns the store: its caches are never stale.
     shared = False
+    _driver_error = sqlite3.Error
 
     def __init__(
         self,
@@ -406,7 +409,7 @@ class SQLiteStore:
 
     # --- threads -------------------------------------------------------------------------
 
-    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _write_hop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(writer connection, *args)`` on the writer thread (one hop)."""
         if self._writer is None:
             raise StoreError("store is not open")
@@ -417,7 +420,7 @@ class SQLiteStore:
             raise StoreError("store is not open")
         return fn(self._wdb, *args)
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read_hop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(reader connection, *args)`` on the reader thread (one hop)."""
         if self._reader is None:
             raise StoreError("store is not open")
@@ -638,20 +641,6 @@ class SQLiteStore:
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> int:
-        """Store ``record`` durably (committed, with the store's synchronous mode, before
-        returning). ``request``: the record's ``RequestEncoding`` if the caller computed it
-        ahead (used when it belongs to the record, see ``RequestEncoding.belongs_to``).
-        Returns the bytes written: the record's metadata, arrays and message delta, and the
-        JSON texts new to the store (0 when the same record was stored before).
-
-        Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
-        stored with other content (the original is kept), StoreError on I/O failure."""
-        try:
-            return await self._write(self._put, record, request)
-        except sqlite3.Error as exc:
-            raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
-
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
         def body() -> int:
@@ -704,12 +693,6 @@ class SQLiteStore:
 
         return _transaction(db, body)
 
-    async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
-        try:
-            await self._write(self._mark, rollout_id, diagnostic)
-        except sqlite3.Error as exc:
-            raise StoreError(f"marking rollout {rollout_id} incomplete failed: {exc}") from exc
-
     @staticmethod
     def _mark(db: sqlite3.Connection, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
@@ -728,16 +711,6 @@ class SQLiteStore:
             )
 
         _transaction(db, body)
-
-    async def delete_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> int | None:
-        """Delete the rollout's calls and bookkeeping and leave a tombstone. Returns the
-        number of calls deleted (0 when it was deleted before), or None, writing nothing,
-        when the store has never heard of the rollout and ``known_elsewhere`` is False (the
-        caller knows of no call of it in flight): a typo must not block a rollout id."""
-        try:
-            return await self._write(self._delete, rollout_id, known_elsewhere)
-        except sqlite3.Error as exc:
-            raise StoreError(f"deleting rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _delete(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> int | None:
@@ -761,13 +734,6 @@ class SQLiteStore:
         return _transaction(db, body)
 
     # --- lifecycle (writer thread) -------------------------------------------------------
-
-    async def freeze_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> Snapshot:
-        """See ``CaptureStore.freeze_rollout``."""
-        try:
-            return await self._write(self._freeze, rollout_id, known_elsewhere)
-        except sqlite3.Error as exc:
-            raise StoreError(f"freezing rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _freeze(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> Snapshot:
@@ -798,13 +764,6 @@ class SQLiteStore:
 
         return _transaction(db, body)
 
-    async def set_metadata(self, rollout_id: str, metadata: RolloutMetadata) -> int:
-        """See ``CaptureStore.set_metadata``."""
-        try:
-            return await self._write(self._set_metadata, rollout_id, metadata)
-        except sqlite3.Error as exc:
-            raise StoreError(f"setting metadata of rollout {rollout_id} failed: {exc}") from exc
-
     @staticmethod
     def _set_metadata(db: sqlite3.Connection, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
@@ -819,13 +778,6 @@ class SQLiteStore:
             return after
 
         return _transaction(db, body)
-
-    async def retire_rollout(self, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
-        """See ``CaptureStore.retire_rollout``."""
-        try:
-            return await self._write(self._retire, rollout_id, snapshot_id, version)
-        except sqlite3.Error as exc:
-            raise StoreError(f"retiring rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _retire(
@@ -852,12 +804,6 @@ class SQLiteStore:
 
         return _transaction(db, body)
 
-    async def sweep_tombstones(self, older_than_s: float) -> int:
-        try:
-            return await self._write(self._sweep, older_than_s)
-        except sqlite3.Error as exc:
-            raise StoreError(f"sweeping tombstones failed: {exc}") from exc
-
     @staticmethod
     def _sweep(db: sqlite3.Connection, older_than_s: float) -> int:
         cur = db.execute(
@@ -867,19 +813,12 @@ class SQLiteStore:
 
     # --- reads (reader thread) -----------------------------------------------------------
 
-    async def get_tombstone(self, rollout_id: str) -> float | None:
-        """When the rollout was deleted (Unix s), or None when it has no tombstone."""
-        return await self._read(self._get_tombstone, rollout_id)
-
     @staticmethod
     def _get_tombstone(db: sqlite3.Connection, rollout_id: str) -> float | None:
         row = db.execute(
             "SELECT deleted_at FROM tombstones WHERE rollout_id = ?", (rollout_id,)
         ).fetchone()
         return float(row[0]) if row else None
-
-    async def get_call(self, call_id: str) -> CallRecord | None:
-        return await self._read(self._get_call, call_id)
 
     @staticmethod
     def _get_call(db: sqlite3.Connection, call_id: str) -> CallRecord | None:
@@ -899,9 +838,6 @@ class SQLiteStore:
             return None
         return next(r for r in decode_records(encoded) if r.call_id == call_id)
 
-    async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
-        return await self._read(self._get_rollout_calls, rollout_id)
-
     @staticmethod
     def _get_rollout_calls(db: sqlite3.Connection, rollout_id: str) -> list[CallRecord]:
         def body() -> tuple[list[Any], dict[str, str]]:
@@ -917,20 +853,10 @@ class SQLiteStore:
         rows, blobs = _read_transaction(db, body)
         return decode_records(_row_to_encoded(tuple(r), blobs) for r in rows)
 
-    async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
-        return await self._read(self._get_rollout, rollout_id)
-
     @staticmethod
     def _get_rollout(db: sqlite3.Connection, rollout_id: str) -> RolloutInfo | None:
         row = db.execute(_ROLLOUT_SELECT + " WHERE r.rollout_id = ?", (rollout_id,)).fetchone()
         return _info(tuple(row)) if row else None
-
-    async def list_rollouts(
-        self, *, limit: int | None = None, after: str | None = None
-    ) -> list[RolloutInfo]:
-        """Rollouts in rollout id order: at most ``limit``, only ids greater than ``after``
-        (a page after the last id of the previous one)."""
-        return await self._read(self._list_rollouts, limit, after)
 
     @staticmethod
     def _list_rollouts(
@@ -942,10 +868,6 @@ class SQLiteStore:
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
 
-    async def list_frozen(self, *, after: int = 0, limit: int | None = None) -> list[RolloutInfo]:
-        """Frozen rollouts with a cursor greater than ``after``, in cursor order."""
-        return await self._read(self._list_frozen, after, limit)
-
     @staticmethod
     def _list_frozen(db: sqlite3.Connection, after: int, limit: int | None) -> list[RolloutInfo]:
         rows = db.execute(
@@ -953,10 +875,6 @@ class SQLiteStore:
             (after, limit if limit is not None else -1),
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
-
-    async def list_episodes(self, base_rollout_id: str) -> list[str]:
-        """Episode ids of ``base_rollout_id``, stored or tombstoned, sorted."""
-        return await self._read(self._list_episodes, base_rollout_id)
 
     @staticmethod
     def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:
@@ -967,9 +885,6 @@ class SQLiteStore:
             (base, pattern, base, pattern),
         ).fetchall()
         return lifecycle.episodes_of(base, (r[0] for r in rows))
-
-    async def health(self) -> dict[str, Any]:
-        return await self._read(self._health)
 
     def _health(self, db: sqlite3.Connection) -> dict[str, Any]:
         row = db.execute("SELECT count(*) FROM calls").fetchone()
