@@ -2,9 +2,10 @@
 change and a retire do to a rollout, given the rows the store read, and how rows become
 ``RolloutInfo``. The contract is ``base.py``'s; this module is its one implementation.
 
-Pure: no I/O, no driver (sqlite3, psycopg) and no aiohttp. A store reads the rows named here
-inside its own transaction (``TOMBSTONE_COLUMNS``, ``LIFECYCLE_COLUMNS``), asks a function
-here, and writes what it answers; the SQL, the locking and the transaction stay in the store.
+Pure: no I/O, no driver (sqlite3, psycopg) and no aiohttp. A store reads a rollout's state
+inside its own transaction (``STATE_COLUMNS``: its tombstone and its ``rollouts`` row, one
+statement), asks a function here, and writes what it answers; the SQL, the locking and the
+transaction stay in the store.
 Each function either returns what to do or raises the contract's exception, whose message is
 the same on every store. ``encode_call`` is ``put_call``'s step from a record to its stored
 form; ``lookup`` is the store's reader of ``StoredMessages`` (the one callback here).
@@ -41,10 +42,15 @@ from capture_proxy.store.base import (
     SnapshotMismatch,
 )
 
-#: The ``tombstones`` columns ``Tombstone.of`` reads, in order.
-TOMBSTONE_COLUMNS = "deleted_at, snapshot_id, version, deleted_calls"
-#: The ``rollouts`` columns ``LifecycleRow.of`` reads, in order.
-LIFECYCLE_COLUMNS = "version, metadata, snapshot_id, frozen_at, frozen_num_calls, export_cursor"
+#: What ``state_of`` reads, in order: the columns of the rollout's tombstone (``t``, all NULL
+#: for none) and of its ``rollouts`` row (``r``, all NULL for none), e.g. ``SELECT
+#: {STATE_COLUMNS} FROM (SELECT ? AS id) k LEFT JOIN tombstones t ON t.rollout_id = k.id
+#: LEFT JOIN rollouts r ON r.rollout_id = k.id``.
+STATE_COLUMNS = (
+    "t.deleted_at, t.snapshot_id, t.version, t.deleted_calls, "
+    "r.version, r.metadata, r.diagnostics, r.snapshot_id, r.frozen_at, r.frozen_num_calls, "
+    "r.export_cursor"
+)
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,11 @@ class Tombstone:
     deleted_calls: int | None = None
 
     @classmethod
-    def of(cls, row: Sequence[Any] | None) -> Tombstone | None:
-        """From a row of ``TOMBSTONE_COLUMNS`` (None: no tombstone)."""
-        if row is None:
-            return None
+    def of(cls, row: Sequence[Any]) -> Tombstone | None:
+        """From its four values in ``STATE_COLUMNS`` (None: no tombstone)."""
         deleted_at, snapshot_id, version, deleted_calls = row
+        if deleted_at is None:
+            return None
         return cls(
             float(deleted_at),
             snapshot_id,
@@ -72,23 +78,28 @@ class Tombstone:
 
 @dataclass(frozen=True)
 class LifecycleRow:
-    """The lifecycle columns of a rollout's ``rollouts`` row: its revision, its metadata text
-    and, once frozen, its snapshot."""
+    """The lifecycle columns of a rollout's ``rollouts`` row: its revision, its metadata and
+    rollout-level diagnostics (JSON texts) and, once frozen, its snapshot."""
 
     version: int
     metadata: str = "{}"
+    diagnostics: str = "[]"
     snapshot_id: str | None = None
     frozen_at: float | None = None
     frozen_num_calls: int | None = None
     export_cursor: int | None = None
 
     @classmethod
-    def of(cls, row: Sequence[Any] | None) -> LifecycleRow | None:
-        """From a row of ``LIFECYCLE_COLUMNS`` (None: no such rollout)."""
-        if row is None:
+    def of(cls, row: Sequence[Any]) -> LifecycleRow | None:
+        """From its seven values in ``STATE_COLUMNS`` (None: no such rollout)."""
+        version, metadata, diagnostics, snapshot_id, frozen_at, num_calls, cursor = row
+        if version is None:  # NOT NULL in a row that exists
             return None
-        version, metadata, snapshot_id, frozen_at, frozen_num_calls, export_cursor = row
-        return cls(int(version), metadata, snapshot_id, frozen_at, frozen_num_calls, export_cursor)
+        return cls(int(version), metadata, diagnostics, snapshot_id, frozen_at, num_calls, cursor)
+
+    @property
+    def frozen(self) -> bool:
+        return self.snapshot_id is not None
 
     @property
     def snapshot(self) -> Snapshot | None:
@@ -112,6 +123,11 @@ def _snapshot(
         return None
     assert num_calls is not None and frozen_at is not None and cursor is not None
     return Snapshot(snapshot_id, int(version), int(num_calls), float(frozen_at), int(cursor))
+
+
+def state_of(row: Sequence[Any]) -> tuple[Tombstone | None, LifecycleRow | None]:
+    """(tombstone, ``rollouts`` row) of a rollout from a row of ``STATE_COLUMNS``."""
+    return Tombstone.of(row[:4]), LifecycleRow.of(row[4:])
 
 
 def deleted(rollout_id: str) -> RolloutDeleted:
@@ -185,10 +201,10 @@ def call_effect(record: CallRecord, *, frozen: bool, inserted: bool) -> CallEffe
 # --- mark_rollout_incomplete ---------------------------------------------------------------
 
 
-def with_diagnostic(diagnostics: str | None, diagnostic: Diagnostic) -> str:
-    """The rollout's diagnostics text (``diagnostics``: the stored one, None for a new
-    rollout) with ``diagnostic`` added unless one of its kind is there (one per kind)."""
-    diags = [Diagnostic.from_json(d) for d in json.loads(diagnostics)] if diagnostics else []
+def with_diagnostic(row: LifecycleRow | None, diagnostic: Diagnostic) -> str:
+    """The rollout's diagnostics text (``row``: its row, None for a new rollout) with
+    ``diagnostic`` added unless one of its kind is there (one per kind)."""
+    diags = [Diagnostic.from_json(d) for d in json.loads(row.diagnostics)] if row else []
     if all(d.kind != diagnostic.kind for d in diags):
         diags.append(diagnostic)
     return json.dumps([d.to_json() for d in diags], ensure_ascii=False)

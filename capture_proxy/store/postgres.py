@@ -198,6 +198,11 @@ _INSERT_CALL = (
     f"INSERT INTO calls ({_CALL_COLUMNS}, late, retry_of) "
     f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 2))}) ON CONFLICT (call_id) DO NOTHING"
 )
+# A rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``); one row, NULLs for none.
+_STATE = (
+    f"SELECT {lifecycle.STATE_COLUMNS} FROM (SELECT %s::text AS id) k "
+    "LEFT JOIN tombstones t ON t.rollout_id = k.id LEFT JOIN rollouts r ON r.rollout_id = k.id"
+)
 # The calls completeness depends on (``core.completeness``): counted, incomplete or a retry.
 _RETRY_LINKS = (
     "SELECT call_id, status, retry_of FROM calls WHERE rollout_id = %s AND NOT late "
@@ -342,22 +347,10 @@ def _count_incomplete(db: Conn, rollout_id: str) -> int:
     return len(unsuperseded_incomplete(links))
 
 
-def _tombstone(db: Conn, rollout_id: str) -> Tombstone | None:
-    return Tombstone.of(
-        db.execute(
-            f"SELECT {lifecycle.TOMBSTONE_COLUMNS} FROM tombstones WHERE rollout_id = %s",
-            (rollout_id,),
-        ).fetchone()
-    )
-
-
-def _lifecycle_row(db: Conn, rollout_id: str) -> LifecycleRow | None:
-    return LifecycleRow.of(
-        db.execute(
-            f"SELECT {lifecycle.LIFECYCLE_COLUMNS} FROM rollouts WHERE rollout_id = %s",
-            (rollout_id,),
-        ).fetchone()
-    )
+def _state(db: Conn, rollout_id: str) -> tuple[Tombstone | None, LifecycleRow | None]:
+    """The rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``), one statement."""
+    row = db.execute(_STATE, (rollout_id,)).fetchone()
+    return lifecycle.state_of(row)
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -549,13 +542,9 @@ class PostgresStore(ThreadedStore):
     @staticmethod
     def _put(db: Conn, record: CallRecord, request: RequestEncoding | None) -> None:
         def body() -> None:
-            lifecycle.refuse_deleted(record, _tombstone(db, record.rollout_id) is not None)
-            # Under the rollout's lock, as the freeze is: a call racing a freeze is either
-            # counted in its snapshot (stored first) or late (stored after), never both.
-            frozen = db.execute(
-                "SELECT 1 FROM rollouts WHERE rollout_id = %s AND snapshot_id IS NOT NULL",
-                (record.rollout_id,),
-            ).fetchone()
+            tomb, rollout = _state(db, record.rollout_id)
+            lifecycle.refuse_deleted(record, tomb is not None)
+            frozen = rollout is not None and rollout.frozen
             # Under the rollout's lock: no candidate can appear or vanish before the insert.
             candidates = [
                 StoredPrefix(r[0], r[1], r[2], bytes(r[3]))
@@ -570,9 +559,7 @@ class PostgresStore(ThreadedStore):
             enc = lifecycle.encode_call(
                 record, request, candidates, lambda c: _stored_messages(db, c)
             )
-            cur = db.execute(
-                _INSERT_CALL, (*column_values(enc), frozen is not None, record.retry_of)
-            )
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
             inserted = bool(cur.rowcount)
             if inserted:
                 _store_json(db, enc)
@@ -581,7 +568,7 @@ class PostgresStore(ThreadedStore):
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s", (enc.call_id,)
                 ).fetchone()
                 lifecycle.check_re_put(None if row is None else _bytes_row(row), enc)
-            effect = lifecycle.call_effect(record, frozen=frozen is not None, inserted=inserted)
+            effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (%s, %s, %s, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
@@ -602,13 +589,11 @@ class PostgresStore(ThreadedStore):
     @staticmethod
     def _mark(db: Conn, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
-            if _tombstone(db, rollout_id) is not None:
+            tomb, row = _state(db, rollout_id)
+            if tomb is not None:
                 # A deleted rollout stays deleted; the failed write was logged by the caller.
                 return
-            row = db.execute(
-                "SELECT diagnostics FROM rollouts WHERE rollout_id = %s", (rollout_id,)
-            ).fetchone()
-            text = lifecycle.with_diagnostic(row[0] if row else None, diagnostic)
+            text = lifecycle.with_diagnostic(row, diagnostic)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete, diagnostics) "
                 "VALUES (%s, %s, true, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
@@ -645,9 +630,9 @@ class PostgresStore(ThreadedStore):
     @staticmethod
     def _freeze(db: Conn, rollout_id: str, known_elsewhere: bool) -> Snapshot:
         def body() -> Snapshot:
-            row = _lifecycle_row(db, rollout_id)
+            tomb, row = _state(db, rollout_id)
             earlier = lifecycle.earlier_freeze(
-                rollout_id, _tombstone(db, rollout_id), row, known_elsewhere=known_elsewhere
+                rollout_id, tomb, row, known_elsewhere=known_elsewhere
             )
             if earlier is not None:
                 return earlier
@@ -676,9 +661,7 @@ class PostgresStore(ThreadedStore):
     @staticmethod
     def _set_metadata(db: Conn, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
-            after, text = lifecycle.metadata_change(
-                rollout_id, _tombstone(db, rollout_id), _lifecycle_row(db, rollout_id), metadata
-            )
+            after, text = lifecycle.metadata_change(rollout_id, *_state(db, rollout_id), metadata)
             if text is not None:
                 db.execute(
                     "UPDATE rollouts SET metadata = %s, version = %s WHERE rollout_id = %s",
@@ -691,13 +674,8 @@ class PostgresStore(ThreadedStore):
     @staticmethod
     def _retire(db: Conn, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
         def body() -> Retirement:
-            earlier = lifecycle.earlier_retirement(
-                rollout_id,
-                snapshot_id,
-                version,
-                _tombstone(db, rollout_id),
-                _lifecycle_row(db, rollout_id),
-            )
+            tomb, row = _state(db, rollout_id)
+            earlier = lifecycle.earlier_retirement(rollout_id, snapshot_id, version, tomb, row)
             if earlier is not None:  # a retry with the same identifiers: the same answer
                 return earlier
             deleted = _delete_rows(db, rollout_id)

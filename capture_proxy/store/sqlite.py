@@ -210,6 +210,11 @@ _V5_COLUMNS = {
     "calls": {"retry_of": "TEXT"},
     "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
 }
+# A rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``); one row, NULLs for none.
+_STATE = (
+    f"SELECT {lifecycle.STATE_COLUMNS} FROM (SELECT ? AS id) k "
+    "LEFT JOIN tombstones t ON t.rollout_id = k.id LEFT JOIN rollouts r ON r.rollout_id = k.id"
+)
 # The calls completeness depends on (``core.completeness``): counted, incomplete or a retry.
 _RETRY_LINKS = (
     "SELECT call_id, status, retry_of FROM calls WHERE rollout_id = ? AND late = 0 "
@@ -355,22 +360,10 @@ def _count_incomplete(db: sqlite3.Connection, rollout_id: str) -> int:
     return len(unsuperseded_incomplete(links))
 
 
-def _tombstone(db: sqlite3.Connection, rollout_id: str) -> Tombstone | None:
-    return Tombstone.of(
-        db.execute(
-            f"SELECT {lifecycle.TOMBSTONE_COLUMNS} FROM tombstones WHERE rollout_id = ?",
-            (rollout_id,),
-        ).fetchone()
-    )
-
-
-def _lifecycle_row(db: sqlite3.Connection, rollout_id: str) -> LifecycleRow | None:
-    return LifecycleRow.of(
-        db.execute(
-            f"SELECT {lifecycle.LIFECYCLE_COLUMNS} FROM rollouts WHERE rollout_id = ?",
-            (rollout_id,),
-        ).fetchone()
-    )
+def _state(db: sqlite3.Connection, rollout_id: str) -> tuple[Tombstone | None, LifecycleRow | None]:
+    """The rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``), one statement."""
+    row = db.execute(_STATE, (rollout_id,)).fetchone()
+    return lifecycle.state_of(row)
 
 
 class SQLiteStore(ThreadedStore):
@@ -644,11 +637,9 @@ class SQLiteStore(ThreadedStore):
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
         def body() -> int:
-            lifecycle.refuse_deleted(record, _tombstone(db, record.rollout_id) is not None)
-            frozen = db.execute(
-                "SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL",
-                (record.rollout_id,),
-            ).fetchone()
+            tomb, rollout = _state(db, record.rollout_id)
+            lifecycle.refuse_deleted(record, tomb is not None)
+            frozen = rollout is not None and rollout.frozen
             # Inside the transaction: no candidate can appear or vanish before the insert.
             candidates = [
                 StoredPrefix(r[0], r[1], r[2], r[3])
@@ -664,9 +655,7 @@ class SQLiteStore(ThreadedStore):
                 record, request, candidates, lambda c: _stored_messages(db, c)
             )
             written = 0
-            cur = db.execute(
-                _INSERT_CALL, (*column_values(enc), int(frozen is not None), record.retry_of)
-            )
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), int(frozen), record.retry_of))
             inserted = bool(cur.rowcount)
             if inserted:
                 written = _encoded_bytes(enc) + _store_json(db, enc)
@@ -675,7 +664,7 @@ class SQLiteStore(ThreadedStore):
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
                 ).fetchone()
                 lifecycle.check_re_put(None if row is None else _row_to_encoded(tuple(row)), enc)
-            effect = lifecycle.call_effect(record, frozen=frozen is not None, inserted=inserted)
+            effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (?,?,?,?) ON CONFLICT(rollout_id) DO UPDATE SET "
@@ -696,13 +685,11 @@ class SQLiteStore(ThreadedStore):
     @staticmethod
     def _mark(db: sqlite3.Connection, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
-            if _tombstone(db, rollout_id) is not None:
+            tomb, row = _state(db, rollout_id)
+            if tomb is not None:
                 # A deleted rollout stays deleted; the failed write was logged by the caller.
                 return
-            row = db.execute(
-                "SELECT diagnostics FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            text = lifecycle.with_diagnostic(row[0] if row else None, diagnostic)
+            text = lifecycle.with_diagnostic(row, diagnostic)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete, diagnostics) "
                 "VALUES (?,?,1,?) ON CONFLICT(rollout_id) DO UPDATE SET incomplete = 1, "
@@ -738,9 +725,9 @@ class SQLiteStore(ThreadedStore):
     @staticmethod
     def _freeze(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> Snapshot:
         def body() -> Snapshot:
-            row = _lifecycle_row(db, rollout_id)
+            tomb, row = _state(db, rollout_id)
             earlier = lifecycle.earlier_freeze(
-                rollout_id, _tombstone(db, rollout_id), row, known_elsewhere=known_elsewhere
+                rollout_id, tomb, row, known_elsewhere=known_elsewhere
             )
             if earlier is not None:
                 return earlier
@@ -767,9 +754,7 @@ class SQLiteStore(ThreadedStore):
     @staticmethod
     def _set_metadata(db: sqlite3.Connection, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
-            after, text = lifecycle.metadata_change(
-                rollout_id, _tombstone(db, rollout_id), _lifecycle_row(db, rollout_id), metadata
-            )
+            after, text = lifecycle.metadata_change(rollout_id, *_state(db, rollout_id), metadata)
             if text is not None:
                 db.execute(
                     "UPDATE rollouts SET metadata = ?, version = ? WHERE rollout_id = ?",
@@ -784,13 +769,8 @@ class SQLiteStore(ThreadedStore):
         db: sqlite3.Connection, rollout_id: str, snapshot_id: str, version: int
     ) -> Retirement:
         def body() -> Retirement:
-            earlier = lifecycle.earlier_retirement(
-                rollout_id,
-                snapshot_id,
-                version,
-                _tombstone(db, rollout_id),
-                _lifecycle_row(db, rollout_id),
-            )
+            tomb, row = _state(db, rollout_id)
+            earlier = lifecycle.earlier_retirement(rollout_id, snapshot_id, version, tomb, row)
             if earlier is not None:  # a retry with the same identifiers: the same answer
                 return earlier
             deleted = _delete_rows(db, rollout_id)

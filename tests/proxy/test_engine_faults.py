@@ -40,6 +40,16 @@ async def _only_call(stack: Stack, rollout: str = "r1") -> dict:
     return await stack.get_json(f"/captures/calls/{call_id}")
 
 
+async def _leave_mid_stream(resp) -> None:
+    """Read the role chunk and three token chunks, then go away (the harness, mid-stream)."""
+    data_lines = 0
+    while data_lines < 4:
+        line = await resp.content.readline()
+        assert line, "stream ended early"
+        data_lines += line.startswith(b"data: ")
+    resp.close()
+
+
 async def _faulty(make_stack, faults: Faults, **settings) -> Stack:
     return await make_stack(engine_config=ScriptedEngineConfig(faults=faults), **settings)
 
@@ -133,13 +143,7 @@ async def test_engine_4xx_passes_through_in_openai_shape(make_stack):
 
 async def test_client_disconnect_cancels_upstream_and_records_what_arrived(make_stack):
     stack = await _faulty(make_stack, Faults(chunk_delay_s=0.05))
-    resp = await stack.chat("r1", _body(USER, stream=True))
-    data_lines = 0
-    while data_lines < 4:  # the role chunk and three token chunks
-        line = await resp.content.readline()
-        assert line, "stream ended early"
-        data_lines += line.startswith(b"data: ")
-    resp.close()  # the harness goes away mid-stream
+    await _leave_mid_stream(await stack.chat("r1", _body(USER, stream=True)))
     async with asyncio.timeout(WAIT_S):
         await stack.engine_app[CLIENT_GONE].wait()  # the proxy closed its upstream request
     call = await _only_call(stack)
@@ -240,13 +244,7 @@ async def test_a_cut_off_stream_retried_to_completion_leaves_the_rollout_complet
 
     stack = await _faulty(make_stack, Faults(chunk_delay_s=0.02))
     body = _body(USER, stream=True)
-    resp = await stack.chat("r1", body, headers={"x-stainless-retry-count": "0"})
-    data_lines = 0
-    while data_lines < 4:  # the role chunk and three token chunks
-        line = await resp.content.readline()
-        assert line, "stream ended early"
-        data_lines += line.startswith(b"data: ")
-    resp.close()  # the harness goes away mid-stream
+    await _leave_mid_stream(await stack.chat("r1", body, headers={"x-stainless-retry-count": "0"}))
     cut = await _only_call(stack)
     assert cut["status"] == "incomplete"
     assert (await stack.get_json("/captures/rollouts/r1"))["incomplete"] is True

@@ -26,18 +26,28 @@ from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
 from tests.factories import record
 
 OPEN = LifecycleRow(version=3, metadata='{"reward": 1.0, "tags": {}, "task_id": null}')
-FROZEN = LifecycleRow(4, "{}", "s" * 32, 10.0, 2, 7)
+FROZEN = LifecycleRow(4, "{}", "[]", "s" * 32, 10.0, 2, 7)
 RETIRED = Tombstone(20.0, "s" * 32, 4, 2)
 DELETED = Tombstone(20.0)
 
 
-def test_rows_are_read_in_the_order_of_the_column_lists():
-    assert lifecycle.LIFECYCLE_COLUMNS.split(", ")[:3] == ["version", "metadata", "snapshot_id"]
-    assert LifecycleRow.of((4, "{}", "s" * 32, 10.0, 2, 7)) == FROZEN
-    assert FROZEN.snapshot == Snapshot("s" * 32, 4, 2, 10.0, 7)
-    assert OPEN.snapshot is None and LifecycleRow.of(None) is None
-    assert Tombstone.of((20, "s" * 32, 4, 2)) == RETIRED
-    assert Tombstone.of((20.0, None, None, None)) == DELETED and Tombstone.of(None) is None
+def test_a_state_row_is_read_in_the_order_of_its_columns():
+    columns = [c.strip() for c in lifecycle.STATE_COLUMNS.split(",")]
+    assert columns[:5] == [
+        "t.deleted_at",
+        "t.snapshot_id",
+        "t.version",
+        "t.deleted_calls",
+        "r.version",
+    ]
+    assert len(columns) == 11
+    frozen = (None,) * 4 + (4, "{}", "[]", "s" * 32, 10.0, 2, 7)
+    assert lifecycle.state_of(frozen) == (None, FROZEN)
+    assert FROZEN.frozen and FROZEN.snapshot == Snapshot("s" * 32, 4, 2, 10.0, 7)
+    assert not OPEN.frozen and OPEN.snapshot is None
+    assert lifecycle.state_of((20, "s" * 32, 4, 2) + (None,) * 7) == (RETIRED, None)
+    assert lifecycle.state_of((20.0, None, None, None) + (None,) * 7) == (DELETED, None)
+    assert lifecycle.state_of((None,) * 11) == (None, None)
 
 
 def test_freeze_returns_the_earlier_snapshot_or_says_freeze_now():
@@ -149,8 +159,9 @@ def test_a_call_is_encoded_against_its_prompt_parent_and_re_puts_are_compared():
 def test_diagnostics_keep_one_per_kind():
     first = Diagnostic("store_failed", {"call_id": "a"})
     text = lifecycle.with_diagnostic(None, first)
-    assert lifecycle.with_diagnostic(text, Diagnostic("store_failed", {"call_id": "b"})) == text
-    both = lifecycle.with_diagnostic(text, Diagnostic("other", {}))
+    marked = LifecycleRow(1, diagnostics=text)
+    assert lifecycle.with_diagnostic(marked, Diagnostic("store_failed", {"call_id": "b"})) == text
+    both = lifecycle.with_diagnostic(marked, Diagnostic("other", {}))
     assert [d["kind"] for d in json.loads(both)] == ["store_failed", "other"]
 
 
