@@ -27,6 +27,7 @@ from capture_proxy.core.codec import (
     encode_record,
     same_content,
 )
+from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
@@ -192,10 +193,23 @@ class CallEffect:
     recount: bool
 
 
+def may_recount(record: CallRecord) -> bool:
+    """Whether storing ``record`` may change its rollout's count of incomplete calls (it is
+    incomplete, or a retry): the store then reads the rollout's ``RetryLink`` rows first."""
+    return record.status is CallStatus.INCOMPLETE or record.retry_of is not None
+
+
 def call_effect(record: CallRecord, *, frozen: bool, inserted: bool) -> CallEffect:
     counts = inserted and not frozen
-    recount = counts and (record.status is CallStatus.INCOMPLETE or record.retry_of is not None)
-    return CallEffect(int(counts), recount)
+    return CallEffect(int(counts), counts and may_recount(record))
+
+
+def incomplete_calls(links: Iterable[RetryLink], record: CallRecord) -> int:
+    """The rollout's count of incomplete calls no complete retry supersedes once ``record`` is
+    stored and counted (``links``: its counted calls that are incomplete or retries, read in
+    the same transaction before the insert)."""
+    new = RetryLink(record.call_id, record.status.value, record.retry_of)
+    return len(unsuperseded_incomplete([*links, new]))
 
 
 # --- mark_rollout_incomplete ---------------------------------------------------------------

@@ -4,7 +4,8 @@ Owns the table layout and the durability settings. ``synchronous=FULL`` in WAL m
 default) makes every committed transaction survive a crash or power loss, so a ``put_call``
 that returned is durable; ``synchronous=NORMAL`` (opt-in) keeps that across a crash of this
 process only (the commit is in the OS's page cache, fsynced at checkpoints). Record encoding
-is the core codec's; this module only moves bytes.
+is the core codec's, what each operation decides ``lifecycle``'s and the async methods
+``threaded``'s; this module holds the SQL and moves bytes.
 
 Threads: the event loop never touches the database. Each store operation is ONE synchronous
 function run on a ``WorkerThread`` (one thread, one queue), so it costs one hop off the loop
@@ -354,10 +355,13 @@ def _stored_messages(db: sqlite3.Connection, call_id: str) -> StoredMessages | N
     return StoredMessages(call_id, row[0], row[1], row[2], bytes(row[3])) if row else None
 
 
+def _retry_links(db: sqlite3.Connection, rollout_id: str) -> list[RetryLink]:
+    return [RetryLink(*r) for r in db.execute(_RETRY_LINKS, (rollout_id,)).fetchall()]
+
+
 def _count_incomplete(db: sqlite3.Connection, rollout_id: str) -> int:
     """The rollout's counted calls that are incomplete and superseded by no complete retry."""
-    links = [RetryLink(*r) for r in db.execute(_RETRY_LINKS, (rollout_id,)).fetchall()]
-    return len(unsuperseded_incomplete(links))
+    return len(unsuperseded_incomplete(_retry_links(db, rollout_id)))
 
 
 def _state(db: sqlite3.Connection, rollout_id: str) -> tuple[Tombstone | None, LifecycleRow | None]:
@@ -640,6 +644,7 @@ class SQLiteStore(ThreadedStore):
             tomb, rollout = _state(db, record.rollout_id)
             lifecycle.refuse_deleted(record, tomb is not None)
             frozen = rollout is not None and rollout.frozen
+            links = _retry_links(db, record.rollout_id) if lifecycle.may_recount(record) else []
             # Inside the transaction: no candidate can appear or vanish before the insert.
             candidates = [
                 StoredPrefix(r[0], r[1], r[2], r[3])
@@ -673,7 +678,7 @@ class SQLiteStore(ThreadedStore):
                 (
                     enc.rollout_id,
                     enc.created_at,
-                    _count_incomplete(db, enc.rollout_id) if effect.recount else 0,
+                    lifecycle.incomplete_calls(links, record) if effect.recount else 0,
                     effect.version_delta,
                     effect.recount,
                 ),
