@@ -3,9 +3,11 @@
 Owns the PostgreSQL table layout, its versioned migrations, and the concurrency rules that let
 several proxy processes write one store. Record encoding is the core codec's (schema v3, the
 same ``EncodedRecord`` columns as ``sqlite.py``, arrays as ``bytea`` in the same little-endian
-layout); the prompt parent is chosen by the same rule (``core.prefixes``). This module mirrors
-``sqlite.py`` statement for statement where it can: one synchronous function per store
-operation, taking a connection, so a method added there is added here the same way.
+layout); the prompt parent is chosen by the same rule (``core.prefixes``). What an operation
+decides is ``lifecycle``'s and its async method ``threaded``'s, as for ``sqlite.py``, which
+this module mirrors statement for statement where it can: one synchronous function per store
+operation, taking a connection, so a function added there is added here the same way. The
+exception is ``put_call``, the hot path, written for round trips (below).
 
 Driver: psycopg 3 (libpq, the C build from ``psycopg[binary]``) with ``psycopg_pool``, sync,
 on ``pool_size`` worker threads that share one job queue (``WorkerThread(threads=n)``); each
@@ -14,19 +16,29 @@ store's write transaction (``benchmarks/pg_drivers.py``, 2 CPUs): about 1,000 vs
 at the same CPU per write; and the codec's encoding and decoding (numpy, SHA-256) stay off the
 event loop, as with SQLite.
 
+Round trips: ``put_call`` is one transaction in two round trips, in pipeline mode (BEGIN and
+COMMIT sent as statements, so that psycopg's transaction block adds no syncs of its own):
+first the rollout's lock and every read the write depends on (the rollout's state, the call
+if stored, the prompt-parent candidates with the ``StoredMessages`` of the deepest
+``PREFETCHED_MESSAGES``, the retry links when they count), then the inserts, the rollout's
+upsert and COMMIT (``benchmarks/pg_put_call.py``: 12 round trips before). ``health()`` is one
+catalog lookup (no row count).
+
 Durability: a ``put_call`` returns after ``COMMIT``, which with the server's default
 ``synchronous_commit = on`` has flushed the WAL: the promise "committed before the answer
 ends" holds, for any replica.
 
-Concurrency (several replicas, one rollout): every write transaction of a rollout first takes
-a transaction-scoped advisory lock on the rollout id (``pg_advisory_xact_lock``), so writes of
+Concurrency (several replicas, one rollout): every write transaction of a rollout first takes a
+transaction-scoped advisory lock on the rollout id (``pg_advisory_xact_lock``), so writes of
 one rollout serialise across processes: the prompt parent chosen inside the transaction cannot
 vanish before the insert (a concurrent ``delete_rollout`` waits), and a write cannot slip in
-between a delete and its tombstone. ``calls.call_id`` is the primary key (a re-put is
-``ON CONFLICT DO NOTHING`` plus the content comparison). Content-addressed JSON is shared
-across rollouts: ``call_json.sha256`` references ``json_blobs``, so a delete that would remove
-a text another rollout's transaction just referred to fails with a foreign-key violation
-instead of orphaning it; such failures, serialization failures, deadlocks and lost connections
+between a delete and its tombstone. ``calls.call_id`` is the primary key: a re-put finds the
+stored call under the lock and is compared by content; the same call id inserted meanwhile by
+another rollout's transaction (not under this lock) fails the insert with a unique violation,
+and the retry finds it stored. Content-addressed JSON is shared across rollouts:
+``call_json.sha256`` references ``json_blobs``, so a delete that would remove a text another
+rollout's transaction just referred to fails with a foreign-key violation instead of orphaning
+it; such failures, unique violations, serialization failures, deadlocks and lost connections
 are retried (``MAX_ATTEMPTS``, jittered backoff). Every write is idempotent, so a retry after
 an ambiguous commit is harmless. Blobs are inserted and deleted in SHA-256 order (one lock
 order for all transactions).
@@ -54,6 +66,7 @@ URL).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import random
@@ -90,6 +103,7 @@ from capture_proxy.store.worker import WorkerThread
 try:  # an optional extra: ``pip install 'capture-proxy[postgres]'``
     import psycopg
     from psycopg import errors as pg_errors
+    from psycopg import pq
     from psycopg_pool import ConnectionPool
 except ImportError:  # pragma: no cover - exercised only without the extra
     psycopg = None  # type: ignore[assignment]
@@ -194,9 +208,32 @@ LAYOUT_VERSION = len(MIGRATIONS)
 
 _CALL_COLUMNS = ", ".join(COLUMNS)
 # The codec's columns, then the store's own: ``late``, ``retry_of``.
+# No ON CONFLICT: ``put_call`` looked under the rollout's lock and found no such call; the same
+# id stored meanwhile by another rollout's transaction is a UniqueViolation, retried.
 _INSERT_CALL = (
     f"INSERT INTO calls ({_CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 2))}) ON CONFLICT (call_id) DO NOTHING"
+    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 2))})"
+)
+_STORED_CALL = f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s"
+#: The deepest prompt-parent candidates whose ``StoredMessages`` come with the candidates (the
+#: chosen parent is nearly always among them; another is read when needed).
+PREFETCHED_MESSAGES = 4
+# The rollout's prompt-parent candidates (``core.prefixes``): complete, with output, not longer
+# than the prompt; then the ``StoredMessages`` columns, the chain only for the deepest few.
+_CANDIDATES = (
+    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
+    "prompt_parent_call_id, messages_prefix_len, num_messages, CASE WHEN row_number() OVER "
+    "(ORDER BY num_prompt_tokens + num_generation_tokens DESC) <= "
+    f"{PREFETCHED_MESSAGES} THEN messages_chain END "
+    "FROM calls WHERE rollout_id = %s AND status = %s AND num_generation_tokens > 0 "
+    "AND num_prompt_tokens + num_generation_tokens <= %s"
+)
+# A late call (``version`` + 0) changes neither the revision nor the count of incomplete calls.
+_UPSERT_ROLLOUT = (
+    "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
+    "VALUES (%s, %s, %s, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
+    "incomplete_calls = CASE WHEN %s THEN excluded.incomplete_calls "
+    "ELSE rollouts.incomplete_calls END, version = rollouts.version + excluded.version"
 )
 # A rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``); one row, NULLs for none.
 _STATE = (
@@ -353,13 +390,25 @@ def _state(db: Conn, rollout_id: str) -> tuple[Tombstone | None, LifecycleRow | 
     return lifecycle.state_of(row)
 
 
+def _candidates(rows: list[Any]) -> tuple[list[StoredPrefix], dict[str, StoredMessages]]:
+    """Rows of ``_CANDIDATES``: the ``StoredPrefix`` of each, the ``StoredMessages`` of those
+    that came with their messages chain."""
+    prefixes = [StoredPrefix(r[0], r[1], r[2], bytes(r[3])) for r in rows]
+    messages = {
+        r[0]: StoredMessages(r[0], r[4], r[5], r[6], bytes(r[7])) for r in rows if r[7] is not None
+    }
+    return prefixes, messages
+
+
 def _retryable(exc: BaseException) -> bool:
-    """Failures a second attempt of the whole (idempotent) operation can get past."""
+    """Failures a second attempt of the whole (idempotent) operation can get past (a
+    UniqueViolation: another rollout's transaction stored the same call id first)."""
     return isinstance(
         exc,
         pg_errors.SerializationFailure
         | pg_errors.DeadlockDetected
         | pg_errors.ForeignKeyViolation
+        | pg_errors.UniqueViolation
         | psycopg.OperationalError,
     )
 
@@ -541,50 +590,57 @@ class PostgresStore(ThreadedStore):
 
     @staticmethod
     def _put(db: Conn, record: CallRecord, request: RequestEncoding | None) -> None:
-        def body() -> None:
-            tomb, rollout = _state(db, record.rollout_id)
-            lifecycle.refuse_deleted(record, tomb is not None)
-            frozen = rollout is not None and rollout.frozen
-            # Under the rollout's lock: no candidate can appear or vanish before the insert.
-            candidates = [
-                StoredPrefix(r[0], r[1], r[2], bytes(r[3]))
-                for r in db.execute(
-                    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
-                    "tokens_sha256 FROM calls WHERE rollout_id = %s AND status = %s "
-                    "AND num_generation_tokens > 0 "
-                    "AND num_prompt_tokens + num_generation_tokens <= %s",
-                    (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
-                ).fetchall()
-            ]
-            enc = lifecycle.encode_call(
-                record, request, candidates, lambda c: _stored_messages(db, c)
-            )
-            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
-            inserted = bool(cur.rowcount)
-            if inserted:
+        """One transaction in two round trips (pipeline mode, BEGIN and COMMIT sent as
+        statements): the rollout's lock and all the write depends on (its state, the call if
+        stored, the prompt-parent candidates with the deepest ones' ``StoredMessages``, the
+        retry links when they count), then the writes and COMMIT. A re-put writes nothing."""
+        rid = record.rollout_id
+        try:
+            with db.pipeline():
+                db.execute("BEGIN")
+                # Under the rollout's lock, as the freeze is: a call racing a freeze is either
+                # counted in its snapshot (stored first) or late (stored after), never both;
+                # and no candidate can appear or vanish before the insert.
+                db.execute(_LOCK_ROLLOUT, (rid,))
+                state = db.execute(_STATE, (rid,))
+                stored = db.execute(_STORED_CALL, (record.call_id,), binary=True)
+                candidates = db.execute(
+                    _CANDIDATES,
+                    (rid, CallStatus.COMPLETE.value, record.num_prompt_tokens),
+                    binary=True,
+                )
+                links = db.execute(_RETRY_LINKS, (rid,)) if lifecycle.may_recount(record) else None
+                tomb, rollout = lifecycle.state_of(state.fetchone())  # the first round trip
+                lifecycle.refuse_deleted(record, tomb is not None)
+                frozen = rollout is not None and rollout.frozen
+                prefixes, messages = _candidates(candidates.fetchall())
+                enc = lifecycle.encode_call(
+                    record, request, prefixes, lambda c: messages.get(c) or _stored_messages(db, c)
+                )
+                row = stored.fetchone()
+                if row is not None:  # stored before: the same content, or refused
+                    lifecycle.check_re_put(_bytes_row(row), enc)
+                    db.execute("COMMIT")
+                    return
+                effect = lifecycle.call_effect(record, frozen=frozen, inserted=True)
+                count = 0
+                if effect.recount and links is not None:
+                    count = lifecycle.incomplete_calls(
+                        (RetryLink(*r) for r in links.fetchall()), record
+                    )
+                db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
                 _store_json(db, enc)
-            else:
-                row = db.execute(
-                    f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s", (enc.call_id,)
-                ).fetchone()
-                lifecycle.check_re_put(None if row is None else _bytes_row(row), enc)
-            effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
-            db.execute(
-                "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
-                "VALUES (%s, %s, %s, %s) ON CONFLICT (rollout_id) DO UPDATE SET "
-                "incomplete_calls = CASE WHEN %s THEN excluded.incomplete_calls "
-                "ELSE rollouts.incomplete_calls END, "
-                "version = rollouts.version + excluded.version",
-                (
-                    enc.rollout_id,
-                    enc.created_at,
-                    _count_incomplete(db, enc.rollout_id) if effect.recount else 0,
-                    effect.version_delta,
-                    effect.recount,
-                ),
-            )
-
-        _transaction(db, record.rollout_id, body)
+                db.execute(
+                    _UPSERT_ROLLOUT,
+                    (rid, enc.created_at, count, effect.version_delta, effect.recount),
+                )
+                db.execute("COMMIT")
+            # The second round trip: the pipeline's sync at its end (errors are raised here).
+        except BaseException:
+            if db.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+                with contextlib.suppress(psycopg.Error):  # a lost connection: nothing to undo
+                    db.execute("ROLLBACK")
+            raise
 
     @staticmethod
     def _mark(db: Conn, rollout_id: str, diagnostic: Diagnostic) -> None:
