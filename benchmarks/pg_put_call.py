@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import socket
 import subprocess
 import sys
@@ -158,8 +159,8 @@ async def child(args: argparse.Namespace) -> dict[str, Any]:
     store = PostgresStore(args.url, pool_size=args.concurrency)
     await store.open()
     out: dict[str, Any] = {}
+    work = Path(tempfile.mkdtemp(prefix="pg-put-"))
     try:
-        work = Path(tempfile.mkdtemp(prefix="pg-put-"))
         await store.put_call(chains[0][0])  # warm-up: statements, caches, the rollouts row
         if args.concurrency == 1:
             with traced(store, work) as turns:
@@ -196,6 +197,7 @@ async def child(args: argparse.Namespace) -> dict[str, Any]:
             out["health"] = health | {"url": "..."}
     finally:
         await store.close()
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 
@@ -331,6 +333,7 @@ async def parent(args: argparse.Namespace) -> None:
     finally:
         delayed.close()
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main() -> None:
