@@ -144,11 +144,14 @@ class RolloutInfo:
     """Per-rollout bookkeeping kept beside the calls.
 
     ``created_at`` is Unix seconds of the first call seen; ``num_calls`` counts every stored
-    call, late ones included; ``incomplete`` is True once any call of the rollout lost token
-    data or failed to store; ``diagnostics`` are rollout-level conditions (one per kind, with
-    details), e.g. ``store_failed``. ``version`` is the revision (module docstring);
-    ``snapshot`` is set once frozen; ``late_call_ids`` are the calls stored after the freeze,
-    in arrival order; ``metadata`` is what the trainer attached.
+    call, late ones included; ``incomplete`` is True while a call counted in the rollout (not
+    late) lost token data and no complete retry of it supersedes it (``core.completeness``:
+    the harness continued from the retry), and once a rollout-level diagnostic marked it
+    (``mark_rollout_incomplete``, e.g. a call that failed to store); ``diagnostics`` are those
+    rollout-level conditions (one per kind, with details), e.g. ``store_failed``. ``version``
+    is the revision (module docstring); ``snapshot`` is set once frozen; ``late_call_ids`` are
+    the calls stored after the freeze, in arrival order; ``metadata`` is what the trainer
+    attached.
     """
 
     rollout_id: str
@@ -183,7 +186,8 @@ class CaptureStore(Protocol):
         Raises ConflictingRecord, RolloutDeleted or StoreError."""
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
-        """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind)."""
+        """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind);
+        no retry clears it."""
 
     async def delete_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> int | None:
         """Delete a rollout's calls and bookkeeping and leave a tombstone (idempotent).

@@ -4,7 +4,8 @@ Owns the table layout and the durability settings. ``synchronous=FULL`` in WAL m
 default) makes every committed transaction survive a crash or power loss, so a ``put_call``
 that returned is durable; ``synchronous=NORMAL`` (opt-in) keeps that across a crash of this
 process only (the commit is in the OS's page cache, fsynced at checkpoints). Record encoding
-is the core codec's; this module only moves bytes.
+is the core codec's, what each operation decides ``lifecycle``'s and the async methods
+``threaded``'s; this module holds the SQL and moves bytes.
 
 Threads: the event loop never touches the database. Each store operation is ONE synchronous
 function run on a ``WorkerThread`` (one thread, one queue), so it costs one hop off the loop
@@ -32,11 +33,17 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
   refers to, in the same transaction.
-- ``rollouts``: first-seen time, incomplete flag, rollout-level diagnostics, the revision
+- ``rollouts``: first-seen time, the rollout-level incomplete flag (``incomplete``: set by
+  ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the calls counted in the
+  rollout that are incomplete and that no complete retry supersedes, ``core.completeness``,
+  recounted by ``put_call`` when it stores an incomplete call or a retry), rollout-level
+  diagnostics, the revision
   (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
   (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
+  ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
+  as a column so that completeness is counted without decoding records.
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
   rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
   retire answers the same.
@@ -58,7 +65,6 @@ import json
 import os
 import sqlite3
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
@@ -70,36 +76,33 @@ from capture_proxy.core.codec import (
     RequestEncoding,
     StoredMessages,
     column_values,
-    common_messages_prefix,
     decode_records,
-    encode_record,
     migrate,
     rebase_messages,
-    same_content,
 )
-from capture_proxy.core.episodes import episode_glob, parse_episode
+from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
+from capture_proxy.core.episodes import episode_glob
 from capture_proxy.core.metadata import RolloutMetadata
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
-    ConflictingRecord,
     Retirement,
-    RolloutDeleted,
     RolloutInfo,
-    RolloutNotFound,
-    RolloutNotFrozen,
     Snapshot,
-    SnapshotMismatch,
     StoreError,
 )
+from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
+from capture_proxy.store.threaded import ThreadedStore
 from capture_proxy.store.worker import WorkerThread
 
 DB_FILE_NAME = "captures.sqlite3"
 #: Held (flock, exclusive) by the one process that writes the store; names its pid.
 WRITER_LOCK_NAME = "writer.lock"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records,
-#: 4 added the lifecycle (snapshots, late calls, metadata, retirements).
-LAYOUT_VERSION = 4
+#: 4 added the lifecycle (snapshots, late calls, metadata, retirements), 5 the retry link
+#: (``calls.retry_of``) and ``rollouts.incomplete_calls``.
+LAYOUT_VERSION = 5
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
 
@@ -125,7 +128,8 @@ CREATE TABLE IF NOT EXISTS calls (
     num_messages INTEGER NOT NULL DEFAULT 0,
     messages_sha256 BLOB NOT NULL DEFAULT x'',
     messages_chain BLOB NOT NULL DEFAULT x'',
-    late INTEGER NOT NULL DEFAULT 0
+    late INTEGER NOT NULL DEFAULT 0,
+    retry_of TEXT
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
 CREATE TABLE IF NOT EXISTS json_blobs (
@@ -151,6 +155,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     incomplete INTEGER NOT NULL DEFAULT 0,
     diagnostics TEXT NOT NULL DEFAULT '[]',
     version INTEGER NOT NULL DEFAULT 0,
+    incomplete_calls INTEGER NOT NULL DEFAULT 0,
     metadata TEXT NOT NULL DEFAULT '{}',
     snapshot_id TEXT,
     frozen_at REAL,
@@ -170,8 +175,10 @@ CREATE UNIQUE INDEX IF NOT EXISTS rollouts_by_cursor ON rollouts (export_cursor)
 
 # In ``EncodedRecord`` field order.
 _CALL_COLUMNS = ", ".join(COLUMNS)
+# The codec's columns, then the store's own: ``late``, ``retry_of``.
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}) VALUES ({','.join('?' * len(COLUMNS))})"
+    f"INSERT OR IGNORE INTO calls ({_CALL_COLUMNS}, late, retry_of) "
+    f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
 )
 _V2_COLUMNS = {
     "prompt_parent_call_id": "TEXT",
@@ -200,6 +207,20 @@ _V4_COLUMNS = {
     },
     "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
 }
+_V5_COLUMNS = {
+    "calls": {"retry_of": "TEXT"},
+    "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
+}
+# A rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``); one row, NULLs for none.
+_STATE = (
+    f"SELECT {lifecycle.STATE_COLUMNS} FROM (SELECT ? AS id) k "
+    "LEFT JOIN tombstones t ON t.rollout_id = k.id LEFT JOIN rollouts r ON r.rollout_id = k.id"
+)
+# The calls completeness depends on (``core.completeness``): counted, incomplete or a retry.
+_RETRY_LINKS = (
+    "SELECT call_id, status, retry_of FROM calls WHERE rollout_id = ? AND late = 0 "
+    "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
+)
 # The JSON texts the given calls refer to (``{calls}``: a subquery of call ids).
 _BLOBS_OF = (
     "SELECT b.sha256, b.json FROM json_blobs b WHERE b.sha256 IN "
@@ -211,8 +232,8 @@ _ANCESTRY = (
     "WHERE c.prompt_parent_call_id IS NOT NULL) "
 )
 _ROLLOUT_SELECT = (
-    "SELECT r.rollout_id, r.created_at, r.incomplete, r.diagnostics, "
-    "(SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
+    "SELECT r.rollout_id, r.created_at, r.incomplete <> 0 OR r.incomplete_calls > 0, "
+    "r.diagnostics, (SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
     "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
     "(SELECT json_group_array(call_id) FROM (SELECT call_id FROM calls c "
     "WHERE c.rollout_id = r.rollout_id AND c.late = 1 ORDER BY created_at, call_id)) "
@@ -275,40 +296,8 @@ def _read_transaction(db: sqlite3.Connection, body: Callable[[], T]) -> T:
 
 
 def _info(row: tuple[Any, ...]) -> RolloutInfo:
-    (
-        rollout_id,
-        created_at,
-        incomplete,
-        diagnostics,
-        num_calls,
-        version,
-        metadata,
-        snapshot_id,
-        frozen_at,
-        frozen_num_calls,
-        export_cursor,
-        late,
-    ) = row
-    snapshot = (
-        None
-        if snapshot_id is None
-        else Snapshot(snapshot_id, version, frozen_num_calls, frozen_at, export_cursor)
-    )
-    return RolloutInfo(
-        rollout_id=rollout_id,
-        created_at=created_at,
-        num_calls=num_calls,
-        incomplete=bool(incomplete),
-        diagnostics=[Diagnostic.from_json(d) for d in json.loads(diagnostics)],
-        version=version,
-        snapshot=snapshot,
-        late_call_ids=tuple(json.loads(late)),
-        metadata=RolloutMetadata.from_json(json.loads(metadata)),
-    )
-
-
-def _metadata_text(metadata: RolloutMetadata) -> str:
-    return json.dumps(metadata.to_json(), ensure_ascii=False, sort_keys=True)
+    """From a row of ``_ROLLOUT_SELECT`` (late call ids as a JSON array)."""
+    return lifecycle.rollout_info(row[:-1], json.loads(row[-1]))
 
 
 def _next_counter(db: sqlite3.Connection, name: str) -> int:
@@ -366,16 +355,28 @@ def _stored_messages(db: sqlite3.Connection, call_id: str) -> StoredMessages | N
     return StoredMessages(call_id, row[0], row[1], row[2], bytes(row[3])) if row else None
 
 
-def _tombstoned(db: sqlite3.Connection, rollout_id: str) -> bool:
-    row = db.execute("SELECT 1 FROM tombstones WHERE rollout_id = ?", (rollout_id,)).fetchone()
-    return row is not None
+def _retry_links(db: sqlite3.Connection, rollout_id: str) -> list[RetryLink]:
+    return [RetryLink(*r) for r in db.execute(_RETRY_LINKS, (rollout_id,)).fetchall()]
 
 
-class SQLiteStore:
-    """Embedded store in directory ``path`` (created on first use)."""
+def _count_incomplete(db: sqlite3.Connection, rollout_id: str) -> int:
+    """The rollout's counted calls that are incomplete and superseded by no complete retry."""
+    return len(unsuperseded_incomplete(_retry_links(db, rollout_id)))
+
+
+def _state(db: sqlite3.Connection, rollout_id: str) -> tuple[Tombstone | None, LifecycleRow | None]:
+    """The rollout's tombstone and ``rollouts`` row (``lifecycle.state_of``), one statement."""
+    row = db.execute(_STATE, (rollout_id,)).fetchone()
+    return lifecycle.state_of(row)
+
+
+class SQLiteStore(ThreadedStore):
+    """Embedded store in directory ``path`` (created on first use). Its ``CaptureStore``
+    methods are ``ThreadedStore``'s: writes hop to the writer thread, reads to the reader."""
 
     #: One process owns the store: its caches are never stale.
     shared = False
+    _driver_error = sqlite3.Error
 
     def __init__(
         self,
@@ -405,7 +406,7 @@ class SQLiteStore:
 
     # --- threads -------------------------------------------------------------------------
 
-    async def _write(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _write_hop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(writer connection, *args)`` on the writer thread (one hop)."""
         if self._writer is None:
             raise StoreError("store is not open")
@@ -416,7 +417,7 @@ class SQLiteStore:
             raise StoreError("store is not open")
         return fn(self._wdb, *args)
 
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _read_hop(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(reader connection, *args)`` on the reader thread (one hop)."""
         if self._reader is None:
             raise StoreError("store is not open")
@@ -515,8 +516,11 @@ class SQLiteStore:
         db.executescript(_SCHEMA)
 
         def body() -> None:
-            columns = {"calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"]}
-            columns |= {t: _V4_COLUMNS[t] for t in ("rollouts", "tombstones")}
+            columns = {
+                "calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"] | _V5_COLUMNS["calls"],
+                "rollouts": _V4_COLUMNS["rollouts"] | _V5_COLUMNS["rollouts"],
+                "tombstones": _V4_COLUMNS["tombstones"],
+            }
             for table, wanted in columns.items():
                 existing = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
                 for name, decl in wanted.items():
@@ -541,9 +545,31 @@ class SQLiteStore:
             ]
             for rollout_id in rollouts:  # one rollout in memory at a time
                 self._migrate_rollout(db, rollout_id)
+            if version < 5:
+                self._count_incomplete_calls(db)
             db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
 
         _transaction(db, body)
+
+    @staticmethod
+    def _count_incomplete_calls(db: sqlite3.Connection) -> None:
+        """Layout 5: the retry links out of the records' metadata, the incomplete calls counted
+        per rollout, and ``rollouts.incomplete`` kept only where a rollout-level diagnostic
+        set it (before, it also said that some call was incomplete, superseded or not)."""
+        db.execute(
+            "UPDATE calls SET retry_of = json_extract(meta, '$.retry_of') "
+            "WHERE json_valid(meta) AND json_extract(meta, '$.retry_of') IS NOT NULL"
+        )
+        db.execute("UPDATE rollouts SET incomplete = 0 WHERE diagnostics = '[]'")
+        rollouts = db.execute(
+            "SELECT DISTINCT rollout_id FROM calls WHERE late = 0 "
+            "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
+        ).fetchall()
+        for (rollout_id,) in rollouts:
+            db.execute(
+                "UPDATE rollouts SET incomplete_calls = ? WHERE rollout_id = ?",
+                (_count_incomplete(db, rollout_id), rollout_id),
+            )
 
     @staticmethod
     def _migrate_rollout(db: sqlite3.Connection, rollout_id: str) -> None:
@@ -612,33 +638,13 @@ class SQLiteStore:
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    async def put_call(self, record: CallRecord, request: RequestEncoding | None = None) -> int:
-        """Store ``record`` durably (committed, with the store's synchronous mode, before
-        returning). ``request``: the record's ``RequestEncoding`` if the caller computed it
-        ahead (used when it belongs to the record, see ``RequestEncoding.belongs_to``).
-        Returns the bytes written: the record's metadata, arrays and message delta, and the
-        JSON texts new to the store (0 when the same record was stored before).
-
-        Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
-        stored with other content (the original is kept), StoreError on I/O failure."""
-        try:
-            return await self._write(self._put, record, request)
-        except sqlite3.Error as exc:
-            raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
-
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
-        incomplete = 1 if record.status is CallStatus.INCOMPLETE else 0
-
         def body() -> int:
-            if _tombstoned(db, record.rollout_id):
-                raise RolloutDeleted(
-                    f"rollout {record.rollout_id} was deleted; call {record.call_id} refused"
-                )
-            frozen = db.execute(
-                "SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL",
-                (record.rollout_id,),
-            ).fetchone()
+            tomb, rollout = _state(db, record.rollout_id)
+            lifecycle.refuse_deleted(record, tomb is not None)
+            frozen = rollout is not None and rollout.frozen
+            links = _retry_links(db, record.rollout_id) if lifecycle.may_recount(record) else []
             # Inside the transaction: no candidate can appear or vanish before the insert.
             candidates = [
                 StoredPrefix(r[0], r[1], r[2], r[3])
@@ -650,70 +656,45 @@ class SQLiteStore:
                     (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
                 ).fetchall()
             ]
-            parent = choose_prompt_parent(
-                record.prompt_token_ids, candidates, exclude=record.call_id
-            )
-            encoding = (
-                request
-                if request is not None and request.belongs_to(record)
-                else RequestEncoding.of(record.request_messages, record.request_tools)
-            )
-            k = 0
-            if parent is not None:
-                k = common_messages_prefix(
-                    encoding.message_digests, parent.call_id, lambda c: _stored_messages(db, c)
-                )
-            enc = encode_record(
-                record, prompt_parent=parent, messages_prefix_len=k, request=encoding
+            enc = lifecycle.encode_call(
+                record, request, candidates, lambda c: _stored_messages(db, c)
             )
             written = 0
-            cur = db.execute(_INSERT_CALL, column_values(enc))
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), int(frozen), record.retry_of))
             inserted = bool(cur.rowcount)
             if inserted:
                 written = _encoded_bytes(enc) + _store_json(db, enc)
-                if frozen:
-                    db.execute("UPDATE calls SET late = 1 WHERE call_id = ?", (enc.call_id,))
             else:
                 row = db.execute(
                     f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = ?", (enc.call_id,)
                 ).fetchone()
-                if row is not None and not same_content(_row_to_encoded(tuple(row)), enc):
-                    raise ConflictingRecord(
-                        f"call {enc.call_id} is already stored with different content; "
-                        "original kept"
-                    )
-            # A late call changes neither the snapshot's revision nor its completeness.
-            counts = inserted and not frozen
+                lifecycle.check_re_put(None if row is None else _row_to_encoded(tuple(row)), enc)
+            effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
             db.execute(
-                "INSERT INTO rollouts (rollout_id, created_at, incomplete, version) "
+                "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
                 "VALUES (?,?,?,?) ON CONFLICT(rollout_id) DO UPDATE SET "
-                "incomplete = max(incomplete, excluded.incomplete), "
-                "version = version + excluded.version",
-                (enc.rollout_id, enc.created_at, incomplete if counts else 0, int(counts)),
+                "incomplete_calls = CASE WHEN ? THEN excluded.incomplete_calls "
+                "ELSE incomplete_calls END, version = version + excluded.version",
+                (
+                    enc.rollout_id,
+                    enc.created_at,
+                    lifecycle.incomplete_calls(links, record) if effect.recount else 0,
+                    effect.version_delta,
+                    effect.recount,
+                ),
             )
             return written
 
         return _transaction(db, body)
 
-    async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
-        try:
-            await self._write(self._mark, rollout_id, diagnostic)
-        except sqlite3.Error as exc:
-            raise StoreError(f"marking rollout {rollout_id} incomplete failed: {exc}") from exc
-
     @staticmethod
     def _mark(db: sqlite3.Connection, rollout_id: str, diagnostic: Diagnostic) -> None:
         def body() -> None:
-            if _tombstoned(db, rollout_id):
+            tomb, row = _state(db, rollout_id)
+            if tomb is not None:
                 # A deleted rollout stays deleted; the failed write was logged by the caller.
                 return
-            row = db.execute(
-                "SELECT diagnostics FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            diags = [Diagnostic.from_json(d) for d in json.loads(row[0])] if row else []
-            if all(d.kind != diagnostic.kind for d in diags):
-                diags.append(diagnostic)
-            text = json.dumps([d.to_json() for d in diags], ensure_ascii=False)
+            text = lifecycle.with_diagnostic(row, diagnostic)
             db.execute(
                 "INSERT INTO rollouts (rollout_id, created_at, incomplete, diagnostics) "
                 "VALUES (?,?,1,?) ON CONFLICT(rollout_id) DO UPDATE SET incomplete = 1, "
@@ -722,16 +703,6 @@ class SQLiteStore:
             )
 
         _transaction(db, body)
-
-    async def delete_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> int | None:
-        """Delete the rollout's calls and bookkeeping and leave a tombstone. Returns the
-        number of calls deleted (0 when it was deleted before), or None, writing nothing,
-        when the store has never heard of the rollout and ``known_elsewhere`` is False (the
-        caller knows of no call of it in flight): a typo must not block a rollout id."""
-        try:
-            return await self._write(self._delete, rollout_id, known_elsewhere)
-        except sqlite3.Error as exc:
-            raise StoreError(f"deleting rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _delete(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> int | None:
@@ -756,41 +727,25 @@ class SQLiteStore:
 
     # --- lifecycle (writer thread) -------------------------------------------------------
 
-    async def freeze_rollout(self, rollout_id: str, *, known_elsewhere: bool = False) -> Snapshot:
-        """See ``CaptureStore.freeze_rollout``."""
-        try:
-            return await self._write(self._freeze, rollout_id, known_elsewhere)
-        except sqlite3.Error as exc:
-            raise StoreError(f"freezing rollout {rollout_id} failed: {exc}") from exc
-
     @staticmethod
     def _freeze(db: sqlite3.Connection, rollout_id: str, known_elsewhere: bool) -> Snapshot:
         def body() -> Snapshot:
-            if _tombstoned(db, rollout_id):
-                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
-            row = db.execute(
-                "SELECT version, snapshot_id, frozen_at, frozen_num_calls, export_cursor "
-                "FROM rollouts WHERE rollout_id = ?",
-                (rollout_id,),
-            ).fetchone()
-            if row is None and not known_elsewhere:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            if row is not None and row[1] is not None:  # frozen before: the same snapshot
-                return Snapshot(row[1], row[0], row[3], row[2], row[4])
+            tomb, row = _state(db, rollout_id)
+            earlier = lifecycle.earlier_freeze(
+                rollout_id, tomb, row, known_elsewhere=known_elsewhere
+            )
+            if earlier is not None:
+                return earlier
             now = time.time()
             if row is None:  # nothing stored yet, a first call in flight: frozen empty
                 db.execute(
                     "INSERT INTO rollouts (rollout_id, created_at) VALUES (?, ?)", (rollout_id, now)
                 )
-            num_calls = db.execute(
+            (num_calls,) = db.execute(
                 "SELECT count(*) FROM calls WHERE rollout_id = ? AND late = 0", (rollout_id,)
-            ).fetchone()[0]
-            snapshot = Snapshot(
-                uuid.uuid4().hex,
-                0 if row is None else int(row[0]),
-                int(num_calls),
-                now,
-                _next_counter(db, "export_cursor"),
+            ).fetchone()
+            snapshot = lifecycle.new_snapshot(
+                row, num_calls=num_calls, now=now, cursor=_next_counter(db, "export_cursor")
             )
             db.execute(
                 "UPDATE rollouts SET snapshot_id = ?, frozen_at = ?, frozen_num_calls = ?, "
@@ -801,83 +756,28 @@ class SQLiteStore:
 
         return _transaction(db, body)
 
-    async def set_metadata(self, rollout_id: str, metadata: RolloutMetadata) -> int:
-        """See ``CaptureStore.set_metadata``."""
-        try:
-            return await self._write(self._set_metadata, rollout_id, metadata)
-        except sqlite3.Error as exc:
-            raise StoreError(f"setting metadata of rollout {rollout_id} failed: {exc}") from exc
-
     @staticmethod
     def _set_metadata(db: sqlite3.Connection, rollout_id: str, metadata: RolloutMetadata) -> int:
         def body() -> int:
-            if _tombstoned(db, rollout_id):
-                raise RolloutDeleted(f"rollout {rollout_id} was deleted or retired")
-            row = db.execute(
-                "SELECT version, metadata FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            text = _metadata_text(metadata)
-            if text == _metadata_text(RolloutMetadata.from_json(json.loads(row[1]))):
-                return int(row[0])  # a retry, or nothing new: the same version
-            db.execute(
-                "UPDATE rollouts SET metadata = ?, version = version + 1 WHERE rollout_id = ?",
-                (text, rollout_id),
-            )
-            return int(row[0]) + 1
+            after, text = lifecycle.metadata_change(rollout_id, *_state(db, rollout_id), metadata)
+            if text is not None:
+                db.execute(
+                    "UPDATE rollouts SET metadata = ?, version = ? WHERE rollout_id = ?",
+                    (text, after, rollout_id),
+                )
+            return after
 
         return _transaction(db, body)
-
-    async def retire_rollout(self, rollout_id: str, snapshot_id: str, version: int) -> Retirement:
-        """See ``CaptureStore.retire_rollout``."""
-        try:
-            return await self._write(self._retire, rollout_id, snapshot_id, version)
-        except sqlite3.Error as exc:
-            raise StoreError(f"retiring rollout {rollout_id} failed: {exc}") from exc
 
     @staticmethod
     def _retire(
         db: sqlite3.Connection, rollout_id: str, snapshot_id: str, version: int
     ) -> Retirement:
-        def check(have_snapshot: str, have_version: int) -> None:
-            if have_snapshot != snapshot_id:
-                raise SnapshotMismatch(
-                    f"snapshot_id {snapshot_id!r} is not rollout {rollout_id}'s snapshot "
-                    f"({have_snapshot!r})",
-                    field="snapshot_id",
-                )
-            if have_version != version:
-                raise SnapshotMismatch(
-                    f"version {version} is not rollout {rollout_id}'s version ({have_version}): "
-                    "it changed after it was read (a late reward or tag?); read it again",
-                    field="version",
-                )
-
         def body() -> Retirement:
-            tomb = db.execute(
-                "SELECT deleted_at, snapshot_id, version, deleted_calls FROM tombstones "
-                "WHERE rollout_id = ?",
-                (rollout_id,),
-            ).fetchone()
-            if tomb is not None:
-                if tomb[1] is None:
-                    raise SnapshotMismatch(
-                        f"rollout {rollout_id} was deleted without a snapshot, not retired",
-                        field="snapshot_id",
-                    )
-                check(tomb[1], tomb[2])  # a retry with the same identifiers: the same answer
-                return Retirement(rollout_id, tomb[1], tomb[2], tomb[3], tomb[0])
-            row = db.execute(
-                "SELECT snapshot_id, version FROM rollouts WHERE rollout_id = ?", (rollout_id,)
-            ).fetchone()
-            if row is None:
-                raise RolloutNotFound(f"rollout {rollout_id} not found")
-            if row[0] is None:
-                raise RolloutNotFrozen(
-                    f"rollout {rollout_id} is not frozen: freeze it, read it, then retire it"
-                )
-            check(row[0], row[1])
+            tomb, row = _state(db, rollout_id)
+            earlier = lifecycle.earlier_retirement(rollout_id, snapshot_id, version, tomb, row)
+            if earlier is not None:  # a retry with the same identifiers: the same answer
+                return earlier
             deleted = _delete_rows(db, rollout_id)
             now = time.time()
             db.execute(
@@ -889,12 +789,6 @@ class SQLiteStore:
 
         return _transaction(db, body)
 
-    async def sweep_tombstones(self, older_than_s: float) -> int:
-        try:
-            return await self._write(self._sweep, older_than_s)
-        except sqlite3.Error as exc:
-            raise StoreError(f"sweeping tombstones failed: {exc}") from exc
-
     @staticmethod
     def _sweep(db: sqlite3.Connection, older_than_s: float) -> int:
         cur = db.execute(
@@ -904,19 +798,12 @@ class SQLiteStore:
 
     # --- reads (reader thread) -----------------------------------------------------------
 
-    async def get_tombstone(self, rollout_id: str) -> float | None:
-        """When the rollout was deleted (Unix s), or None when it has no tombstone."""
-        return await self._read(self._get_tombstone, rollout_id)
-
     @staticmethod
     def _get_tombstone(db: sqlite3.Connection, rollout_id: str) -> float | None:
         row = db.execute(
             "SELECT deleted_at FROM tombstones WHERE rollout_id = ?", (rollout_id,)
         ).fetchone()
         return float(row[0]) if row else None
-
-    async def get_call(self, call_id: str) -> CallRecord | None:
-        return await self._read(self._get_call, call_id)
 
     @staticmethod
     def _get_call(db: sqlite3.Connection, call_id: str) -> CallRecord | None:
@@ -936,9 +823,6 @@ class SQLiteStore:
             return None
         return next(r for r in decode_records(encoded) if r.call_id == call_id)
 
-    async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
-        return await self._read(self._get_rollout_calls, rollout_id)
-
     @staticmethod
     def _get_rollout_calls(db: sqlite3.Connection, rollout_id: str) -> list[CallRecord]:
         def body() -> tuple[list[Any], dict[str, str]]:
@@ -954,20 +838,10 @@ class SQLiteStore:
         rows, blobs = _read_transaction(db, body)
         return decode_records(_row_to_encoded(tuple(r), blobs) for r in rows)
 
-    async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
-        return await self._read(self._get_rollout, rollout_id)
-
     @staticmethod
     def _get_rollout(db: sqlite3.Connection, rollout_id: str) -> RolloutInfo | None:
         row = db.execute(_ROLLOUT_SELECT + " WHERE r.rollout_id = ?", (rollout_id,)).fetchone()
         return _info(tuple(row)) if row else None
-
-    async def list_rollouts(
-        self, *, limit: int | None = None, after: str | None = None
-    ) -> list[RolloutInfo]:
-        """Rollouts in rollout id order: at most ``limit``, only ids greater than ``after``
-        (a page after the last id of the previous one)."""
-        return await self._read(self._list_rollouts, limit, after)
 
     @staticmethod
     def _list_rollouts(
@@ -979,10 +853,6 @@ class SQLiteStore:
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
 
-    async def list_frozen(self, *, after: int = 0, limit: int | None = None) -> list[RolloutInfo]:
-        """Frozen rollouts with a cursor greater than ``after``, in cursor order."""
-        return await self._read(self._list_frozen, after, limit)
-
     @staticmethod
     def _list_frozen(db: sqlite3.Connection, after: int, limit: int | None) -> list[RolloutInfo]:
         rows = db.execute(
@@ -990,10 +860,6 @@ class SQLiteStore:
             (after, limit if limit is not None else -1),
         ).fetchall()
         return [_info(tuple(r)) for r in rows]
-
-    async def list_episodes(self, base_rollout_id: str) -> list[str]:
-        """Episode ids of ``base_rollout_id``, stored or tombstoned, sorted."""
-        return await self._read(self._list_episodes, base_rollout_id)
 
     @staticmethod
     def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:
@@ -1003,10 +869,7 @@ class SQLiteStore:
             "UNION SELECT rollout_id FROM tombstones WHERE rollout_id = ? OR rollout_id GLOB ?",
             (base, pattern, base, pattern),
         ).fetchall()
-        return sorted(r[0] for r in rows if r[0] == base or parse_episode(r[0]).base == base)
-
-    async def health(self) -> dict[str, Any]:
-        return await self._read(self._health)
+        return lifecycle.episodes_of(base, (r[0] for r in rows))
 
     def _health(self, db: sqlite3.Connection) -> dict[str, Any]:
         row = db.execute("SELECT count(*) FROM calls").fetchone()

@@ -40,6 +40,16 @@ async def _only_call(stack: Stack, rollout: str = "r1") -> dict:
     return await stack.get_json(f"/captures/calls/{call_id}")
 
 
+async def _leave_mid_stream(resp) -> None:
+    """Read the role chunk and three token chunks, then go away (the harness, mid-stream)."""
+    data_lines = 0
+    while data_lines < 4:
+        line = await resp.content.readline()
+        assert line, "stream ended early"
+        data_lines += line.startswith(b"data: ")
+    resp.close()
+
+
 async def _faulty(make_stack, faults: Faults, **settings) -> Stack:
     return await make_stack(engine_config=ScriptedEngineConfig(faults=faults), **settings)
 
@@ -133,13 +143,7 @@ async def test_engine_4xx_passes_through_in_openai_shape(make_stack):
 
 async def test_client_disconnect_cancels_upstream_and_records_what_arrived(make_stack):
     stack = await _faulty(make_stack, Faults(chunk_delay_s=0.05))
-    resp = await stack.chat("r1", _body(USER, stream=True))
-    data_lines = 0
-    while data_lines < 4:  # the role chunk and three token chunks
-        line = await resp.content.readline()
-        assert line, "stream ended early"
-        data_lines += line.startswith(b"data: ")
-    resp.close()  # the harness goes away mid-stream
+    await _leave_mid_stream(await stack.chat("r1", _body(USER, stream=True)))
     async with asyncio.timeout(WAIT_S):
         await stack.engine_app[CLIENT_GONE].wait()  # the proxy closed its upstream request
     call = await _only_call(stack)
@@ -229,3 +233,46 @@ async def test_a_harness_that_leaves_before_the_first_byte_still_gets_its_call_r
     assert diag["details"]["reasons"] == ["client disconnected before the engine answered"]
     assert call["generation_token_ids"] == []
     assert (await stack.get_json("/health"))["status"] == "ok"
+
+
+async def test_a_cut_off_stream_retried_to_completion_leaves_the_rollout_complete(make_stack):
+    """The harness loses a stream midway and retries the same request (an SDK's retry header);
+    the retry completes and the harness goes on from its answer. The cut-off call is kept (as
+    incomplete, unlinked), the retry supersedes it: the rollout reads complete, its chain is
+    retry -> child."""
+    from tests.proxy.test_chains_rest import _echo
+
+    stack = await _faulty(make_stack, Faults(chunk_delay_s=0.02))
+    body = _body(USER, stream=True)
+    await _leave_mid_stream(await stack.chat("r1", body, headers={"x-stainless-retry-count": "0"}))
+    cut = await _only_call(stack)
+    assert cut["status"] == "incomplete"
+    assert (await stack.get_json("/captures/rollouts/r1"))["incomplete"] is True
+
+    retry = await stack.chat("r1", body, headers={"x-stainless-retry-count": "1"})
+    assert (await _events(retry))[-1] == "[DONE]"
+    retry_id = retry.headers["X-Capture-Call-Id"]
+    retried = await stack.get_json(f"/captures/calls/{retry_id}")
+    assert (retried["status"], retried["retry_of"]) == ("complete", cut["call_id"])
+    assert (await stack.get_json("/captures/rollouts/r1"))["incomplete"] is False
+
+    message = retried["response_message"]
+    messages = [
+        *USER,
+        _echo(message),
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "a.txt"},
+    ]
+    child = await stack.chat("r1", _body(messages, stream=True))
+    assert (await _events(child))[-1] == "[DONE]"
+    child_id = child.headers["X-Capture-Call-Id"]
+    assert (await stack.get_json(f"/captures/calls/{child_id}"))["parent_call_id"] == retry_id
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert chains["incomplete"] is False
+    assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [
+        [retry_id, child_id]
+    ]
+    assert [(u["call_id"], u["reason"], u["superseded_by"]) for u in chains["unlinked_calls"]] == [
+        (cut["call_id"], "superseded_retry", retry_id)
+    ]
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert (summary["incomplete"], summary["num_calls"], summary["num_chains"]) == (False, 3, 1)

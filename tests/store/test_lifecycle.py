@@ -22,7 +22,7 @@ from capture_proxy.store.base import (
 )
 from capture_proxy.store.postgres import LAYOUT_VERSION as PG_LAYOUT_VERSION
 from capture_proxy.store.postgres import PostgresStore
-from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
+from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
 from tests.factories import record
 
 # ``store`` (tests/store/conftest.py): one run on SQLite, one on PostgreSQL.
@@ -193,11 +193,13 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
     finally:
         await s.close()
     with sqlite3.connect(tmp_path / "v3" / DB_FILE_NAME) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 4
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION
 
 
 # A PostgreSQL store from before the lifecycle: layout 1 (MIGRATIONS[0] only).
 _PG_LAYOUT_1 = """
+ALTER TABLE calls DROP COLUMN retry_of;
+ALTER TABLE rollouts DROP COLUMN incomplete_calls;
 DROP INDEX rollouts_by_cursor;
 DROP TABLE counters;
 ALTER TABLE calls DROP COLUMN late;

@@ -10,8 +10,10 @@ import psycopg
 import pytest
 
 from capture_proxy.config import Settings
+from capture_proxy.core.codec import COLUMNS
+from capture_proxy.core.records import CallStatus
 from capture_proxy.store import PostgresStore, SQLiteStore, open_store
-from capture_proxy.store.base import StoreError
+from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
 from capture_proxy.store.postgres import LAYOUT_VERSION, MIGRATIONS, redact_url
 from tests.core.test_codec_v2 import assert_same, chain
 from tests.core.test_codec_v3 import assert_same_json, session
@@ -31,7 +33,7 @@ async def test_migrations_apply_once_and_a_newer_layout_is_refused(pg_url):
     try:
         applied = rows(stores[0], "SELECT version FROM schema_migrations ORDER BY version")
         assert applied == [(v,) for v in range(1, len(MIGRATIONS) + 1)]
-        assert LAYOUT_VERSION == len(MIGRATIONS) == 2
+        assert LAYOUT_VERSION == len(MIGRATIONS) == 3
     finally:
         for s in stores:
             await s.close()
@@ -139,7 +141,8 @@ async def test_the_store_setting_takes_a_url_and_logs_no_password(pg_url, tmp_pa
     try:
         health = await store.health()
         assert health | {"url": None} == {
-            "kind": "postgresql", "url": None, "pool_size": 1, "retries": 0, "calls": 0
+            "kind": "postgresql", "url": None, "pool_size": 1, "retries": 0,
+            "calls_estimate": None,  # never analyzed
         }
     finally:
         await store.close()
@@ -155,3 +158,113 @@ async def test_an_unreachable_server_fails_open_with_a_store_error(postgres_serv
     store.open_timeout_s = 1.0
     with pytest.raises(StoreError, match="cannot connect"):
         await asyncio.wait_for(store.open(), timeout=30)
+
+
+def _turns(trace: str) -> int:
+    """Client-server turns in a libpq trace: frontend messages answered by the backend."""
+    turns, last = 0, ""
+    for line in trace.splitlines():
+        if line[:1] == "B" and last == "F":
+            turns += 1
+        last = line[:1] if line[:1] in ("F", "B") else last
+    return turns
+
+
+async def _traced(store: PostgresStore, tmp_path, action) -> int:
+    """Round trips the one pooled connection of ``store`` makes while ``action`` runs."""
+    from psycopg import pq
+
+    path = tmp_path / "trace.txt"
+    with path.open("w") as f:
+        with store._pool.connection() as conn:
+            conn.pgconn.trace(f.fileno())
+            conn.pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        try:
+            await action()
+        finally:
+            with store._pool.connection() as conn:
+                conn.pgconn.untrace()
+    return _turns(path.read_text())
+
+
+async def test_put_call_is_two_round_trips_and_health_one(pg_url, tmp_path):
+    """A new call: the lock and every read at once, then the writes and COMMIT; a re-put:
+    the reads, then COMMIT, nothing written; a cut-off call and its retry likewise (the retry
+    links come with the reads); ``health`` is one catalog lookup."""
+    from tests.factories import record
+
+    store = PostgresStore(pg_url, pool_size=1)
+    await store.open()
+    try:
+        first, second, third = session(3)
+        await store.put_call(first)
+        await store.put_call(second)
+        assert await _traced(store, tmp_path, lambda: store.put_call(third)) == 2
+        assert await _traced(store, tmp_path, lambda: store.put_call(third)) == 2
+        cut = record("cut", [1, 2], [3], status=CallStatus.INCOMPLETE, rollout_id="r2")
+        retry = record("ok", [1, 2], [3, 4], rollout_id="r2").replace(retry_of="cut")
+        for rec in (cut, retry):
+            assert await _traced(store, tmp_path, lambda rec=rec: store.put_call(rec)) == 2
+        assert not (await store.get_rollout("r2")).incomplete
+        assert await _traced(store, tmp_path, store.health) == 1
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("ANALYZE calls")
+        assert (await store.health())["calls_estimate"] == 5
+        for got, want in zip(await store.get_rollout_calls("r1"), session(3), strict=True):
+            assert_same_json(got, want)
+    finally:
+        await store.close()
+
+
+async def test_a_refused_put_leaves_its_connection_clean(pg_url):
+    """ConflictingRecord and RolloutDeleted are raised between the two round trips: the
+    transaction is rolled back and the one pooled connection serves the next call."""
+    from tests.factories import record
+
+    store = PostgresStore(pg_url, pool_size=1)
+    await store.open()
+    try:
+        await store.put_call(record("c1", [1, 2], [3]))
+        with pytest.raises(ConflictingRecord):
+            await store.put_call(record("c1", [1, 2], [4]))
+        await store.put_call(record("d1", [1], [2], rollout_id="gone"))
+        await store.delete_rollout("gone")
+        with pytest.raises(RolloutDeleted):
+            await store.put_call(record("d2", [1], [2], rollout_id="gone"))
+        await store.put_call(record("c2", [1, 2, 3, 5], [6], created_at=1.0))
+        assert [r.call_id for r in await store.get_rollout_calls("r1")] == ["c1", "c2"]
+        assert rows(store, "SELECT call_id FROM calls ORDER BY call_id") == [("c1",), ("c2",)]
+        assert rows(store, "SELECT version FROM rollouts") == [(2,)]
+    finally:
+        await store.close()
+
+
+async def test_a_call_id_stored_meanwhile_by_another_rollout_is_refused_after_a_retry(pg_url):
+    """Another rollout's transaction inserts the same call id after this put looked (its row
+    uncommitted): the insert waits on it, fails on the unique key once it commits, and the
+    retry finds the stored call and refuses this one; nothing of it is written."""
+    from capture_proxy.core.codec import column_values, encode_record
+    from tests.factories import record
+
+    store = PostgresStore(pg_url, pool_size=1)
+    await store.open()
+    other = psycopg.connect(pg_url)
+    try:
+        theirs = encode_record(record("x", [9], [9], rollout_id="other"))
+        other.execute(
+            f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join(['%s'] * len(COLUMNS))})",
+            column_values(theirs),
+        )
+        put = asyncio.create_task(store.put_call(record("x", [1], [2])))
+        async with asyncio.timeout(10):
+            while not rows(store, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"):
+                await asyncio.sleep(0.01)
+        other.commit()
+        with pytest.raises(ConflictingRecord, match="call x is already stored"):
+            await asyncio.wait_for(put, timeout=10)
+        assert store.retries == 1
+        assert rows(store, "SELECT rollout_id FROM calls") == [("other",)]
+        assert rows(store, "SELECT count(*) FROM rollouts") == [(0,)]
+    finally:
+        other.close()
+        await store.close()

@@ -243,7 +243,7 @@ async def test_synchronous_mode_is_the_writers(tmp_path, synchronous, pragma):
     store = SQLiteStore(tmp_path / "s", synchronous=synchronous)
     await store.open()
     try:
-        got = await store._write(lambda db: db.execute("PRAGMA synchronous").fetchone()[0])
+        got = await store._write_hop(lambda db: db.execute("PRAGMA synchronous").fetchone()[0])
         assert got == pragma
         assert (await store.health())["synchronous"] == synchronous
     finally:

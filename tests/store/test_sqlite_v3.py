@@ -134,7 +134,7 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
     finally:
         await s.close()
     with sqlite3.connect(path / DB_FILE_NAME) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 4
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 5
         assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(3,)]
         # Whole v2 messages were re-split against their prompt parents'.
         ks = db.execute("SELECT messages_prefix_len FROM calls ORDER BY call_id").fetchall()
@@ -183,3 +183,20 @@ async def test_a_matching_request_encoding_is_not_computed_again(store, monkeypa
     assert computed == []
     await store.put_call(session(3)[2])  # none given: the store computes it
     assert computed == [6]
+
+
+async def test_a_prompt_parent_behind_deeper_candidates_still_shares_its_messages(store):
+    """Six deeper calls of the rollout that do not prefix the child's prompt (more than
+    PostgreSQL reads the messages of with the candidates): the parent is still chosen, and the
+    child's messages still split after the parent's."""
+    from tests.factories import record
+
+    parent, child = session(2)
+    await store.put_call(parent)
+    n = child.num_prompt_tokens
+    for i in range(6):
+        await store.put_call(record(f"s{i}", list(range(100 + i, 100 + i + n - 2)), [7]))
+    await store.put_call(child)
+    split = "SELECT prompt_parent_call_id, messages_prefix_len FROM calls WHERE call_id = 'c001'"
+    assert columns(store, split) == [("c000", 2)]
+    assert_same_json(await store.get_call("c001"), child)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture_proxy.core.chains import build_chains
+from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.records import CallRecord, CallStatus, DiagnosticKind
 
 #: Values of the listing's ``status`` filter.
@@ -22,7 +23,8 @@ STATUSES = ("complete", "incomplete", "failed")
 @dataclass(frozen=True)
 class RolloutRow:
     """One rollout in the listing. ``status``: ``failed`` when a call failed, else
-    ``incomplete`` when the rollout lost token data, else ``complete``. ``diagnostic_kinds``:
+    ``incomplete`` when the rollout lost token data (a call no complete retry superseded, or a
+    rollout-level mark), else ``complete``. ``diagnostic_kinds``:
     sorted kinds found on the rollout or any of its calls. ``age_s``: seconds since the first
     call."""
 
@@ -84,7 +86,9 @@ def rollout_row(
     num_failed = sum(1 for r in records if r.status is CallStatus.FAILED)
     num_incomplete = sum(1 for r in records if r.status is CallStatus.INCOMPLETE)
     kinds = {d.kind for r in records for d in r.diagnostics} | set(rollout_diagnostic_kinds)
-    incomplete = incomplete or num_incomplete > 0
+    # A cut-off call that a complete retry superseded leaves the rollout complete, as in the store.
+    links = (RetryLink(r.call_id, r.status.value, r.retry_of) for r in records)
+    incomplete = incomplete or bool(unsuperseded_incomplete(links))
     status = "failed" if num_failed else "incomplete" if incomplete else "complete"
     refused = sum(
         1 for r in records for d in r.diagnostics if d.kind == DiagnosticKind.PARENT_DIGEST_MISMATCH

@@ -180,6 +180,26 @@ def test_listing_rows_and_filters():
     ]
 
 
+def test_a_cut_off_call_superseded_by_a_complete_retry_leaves_the_row_complete():
+    cut = record("a", [1, 2], [3], status=CallStatus.INCOMPLETE)
+    retry = record("b", [1, 2], [3, 4], created_at=1.0).replace(retry_of="a")
+
+    def row(records, incomplete=False):
+        return rollout_row(
+            rollout_id="r1",
+            created_at=0.0,
+            incomplete=incomplete,
+            rollout_diagnostic_kinds=[],
+            records=records,
+            metadata=None,
+            now=1.0,
+        )
+
+    assert (row([cut]).status, row([cut, retry]).status) == ("incomplete", "complete")
+    assert row([cut, retry]).num_incomplete == 1  # the cut-off call is still counted
+    assert row([cut, retry], incomplete=True).status == "incomplete"  # a rollout-level mark
+
+
 def test_named_rewards_are_shown_by_name():
     from capture_proxy.core.view.rollouts import format_reward, reward_of
 
