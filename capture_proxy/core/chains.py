@@ -109,11 +109,15 @@ def find_parents(records: Iterable[CallRecord]) -> dict[str, str | None]:
 def superseded_retries(
     records: Iterable[CallRecord], parent_of: dict[str, str | None]
 ) -> dict[str, str]:
-    """Map each superseded member of a retry group to the member that stays in the chain."""
+    """Map each superseded member of a retry group to the member that stays in the chain. A
+    group is all attempts of one request: a retry names the attempt before it (C retries B,
+    which retries A), so members are grouped by the first attempt."""
+    records = list(records)
+    retry_of = {r.call_id: r.retry_of for r in records}
     groups: dict[str, list[CallRecord]] = {}
     for r in records:
         if r.call_id in parent_of:
-            groups.setdefault(r.retry_of or r.call_id, []).append(r)
+            groups.setdefault(_first_attempt(r.call_id, retry_of), []).append(r)
     has_children = {p for p in parent_of.values() if p is not None}
     out: dict[str, str] = {}
     for members in groups.values():
@@ -125,6 +129,20 @@ def superseded_retries(
             if m not in kept:
                 out[m.call_id] = kept[-1].call_id
     return out
+
+
+def _first_attempt(call_id: str, retry_of: dict[str, str | None]) -> str:
+    """The attempt a chain of retries starts from (among the known calls; a cycle, which no
+    store writes, stops the walk)."""
+    seen = {call_id}
+    while True:
+        earlier = retry_of.get(call_id)
+        if earlier is None or earlier in seen:
+            return call_id
+        seen.add(earlier)
+        call_id = earlier
+        if call_id not in retry_of:
+            return call_id
 
 
 def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChains:
@@ -164,7 +182,18 @@ def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChain
     for r in sorted(records, key=_order_key):
         if r.retry_of is not None:
             retried_by[r.retry_of] = r.call_id
+    unlinked_ids = {r.call_id for r in unlinked}
     for r in unlinked:
         if r.call_id not in superseded and r.call_id in retried_by:
-            superseded[r.call_id] = retried_by[r.call_id]
+            # through later attempts to the one that stays (a cut-off retry of a cut-off call)
+            target, seen = retried_by[r.call_id], {r.call_id}
+            while target not in seen:
+                seen.add(target)
+                if target in superseded:
+                    target = superseded[target]
+                elif target in unlinked_ids and target in retried_by:
+                    target = retried_by[target]
+                else:
+                    break
+            superseded[r.call_id] = target
     return RolloutChains(rollout_id, chains, unlinked, superseded)

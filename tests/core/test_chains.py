@@ -2,7 +2,7 @@ import itertools
 import random
 
 from capture_proxy.core.chains import build_chains, find_parents
-from capture_proxy.core.records import CallStatus
+from capture_proxy.core.records import CallRecord, CallStatus
 from tests.factories import record
 
 # A title root, and an agent chain a1 -> a2 -> a3 with a branch a2 -> b3.
@@ -105,3 +105,34 @@ def test_an_unlinked_call_the_harness_retried_is_superseded_by_the_retry():
     assert [c.chain_id for c in chains.chains] == ["c2"]
     assert [r.call_id for r in chains.unlinked] == ["c1"]
     assert chains.superseded == {"c1": "c2"}
+
+
+def test_three_attempts_of_one_request_leave_one_in_the_chain():
+    # Each retry names the attempt before it (the linker's latest identical call): c3 -> c2 -> c1.
+    cut = CallRecord(call_id="c1", rollout_id="r", created_at=1.0, status=CallStatus.INCOMPLETE)
+    second = CallRecord(
+        call_id="c2", rollout_id="r", created_at=2.0, status=CallStatus.INCOMPLETE, retry_of="c1"
+    )
+    third = record("c3", [1, 2], [3], created_at=3.0).replace(
+        retry_of="c2", linking={"verdict": "root"}
+    )
+    child = record("c4", [1, 2, 3, 5], [6], created_at=4.0).replace(
+        parent_call_id="c3", linking={"verdict": "resolved"}
+    )
+    for order in itertools.permutations([cut, second, third, child]):
+        chains = build_chains("r", order)
+        assert [[r.call_id for r in c.calls] for c in chains.chains] == [["c3", "c4"]]
+        assert chains.superseded == {"c1": "c3", "c2": "c3"}
+
+
+def test_three_complete_attempts_keep_the_one_the_session_continued_from():
+    a = record("a", [1, 2], [3], created_at=1.0).replace(linking={"verdict": "root"})
+    b = record("b", [1, 2], [4], created_at=2.0).replace(retry_of="a", linking={"verdict": "root"})
+    c = record("c", [1, 2], [5], created_at=3.0).replace(retry_of="b", linking={"verdict": "root"})
+    child = record("d", [1, 2, 5, 7], [8], created_at=4.0).replace(
+        parent_call_id="c", linking={"verdict": "resolved"}
+    )
+    for order in itertools.permutations([a, b, c, child]):
+        chains = build_chains("r", order)
+        assert [[r.call_id for r in ch.calls] for ch in chains.chains] == [["c", "d"]]
+        assert chains.superseded == {"a": "c", "b": "c"}
