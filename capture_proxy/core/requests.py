@@ -8,6 +8,7 @@ with a 400 and never forwarded half-parsed.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -188,6 +189,15 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one past the double range (``1e400``) is refused, not made
+    an infinity that JSON cannot write back (orjson would send it on as ``null``)."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"number {text[:40]} is out of the range of a double")
+    return value
+
+
 #: Digits 1-9 to 0, so that ``_LONG_NUMBER in raw.translate(...)`` finds any run of 20 digits.
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 #: 2**64 has 20 digits: a number this long may be past what orjson keeps exact (it parses
@@ -216,7 +226,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
             if isinstance(fast, dict):
                 return fast
     try:
-        obj = json.loads(raw, parse_constant=_reject_constant)
+        obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
         raise InvalidRequest(f"request body is not UTF-8: {exc.reason}") from exc
     except ValueError as exc:

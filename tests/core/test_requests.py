@@ -104,6 +104,12 @@ def test_numbers_past_64_bits_stay_exact_and_bad_json_is_named():
     with pytest.raises(InvalidRequest, match="not UTF-8"):
         parse_json_object(b'{"a": "\xff"}')
     assert parse_json_object(b'{"a": "\\ud800"}') == {"a": "\ud800"}  # named later
+    # A number past the double range would be an infinity, which JSON (and orjson, which
+    # writes it as null) cannot carry on: refused, on both parse paths.
+    for raw in (b'{"x": 1e400}', b'{"x": -1e400, "seed": 123456789012345678901234567890}'):
+        with pytest.raises(InvalidRequest, match="out of the range of a double"):
+            parse_json_object(raw)
+    assert parse_json_object(b'{"x": 1.7976931348623157e308}') == {"x": 1.7976931348623157e308}
 
 
 def _nested(levels: int) -> object:
