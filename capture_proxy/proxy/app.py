@@ -129,6 +129,14 @@ async def _serve_capture_path(
         return await handle_count_tokens(raw_body, parse_count_tokens, _back_ends(request)), (
             "counted"
         )
+    if kind is EndpointKind.NOT_NORMAL:
+        raise BadRequest(
+            f"POST {path}: a path under a capture path must be in normal form (no "
+            "percent-encoding, no empty, '.' or '..' segments): the engine could read it as "
+            "a generation endpoint the proxy would not capture",
+            param="path",
+            code="path_not_normal",
+        )
     if kind is EndpointKind.NOT_CAPTURABLE:
         raise BadRequest(
             f"POST {path} generates but cannot be captured under a capture path: use "

@@ -174,3 +174,48 @@ async def test_count_tokens_with_the_engine_down_is_a_502(make_stack, unused_tcp
         resp = await client.post(BASE + "/v1/messages/count_tokens", json=body)
         assert resp.status == 502
         assert (await resp.json())["type"] == "error"
+
+
+async def _raw_post(stack: Stack, raw_path: str, body: bytes) -> tuple[int, dict]:
+    """POST ``raw_path`` byte for byte (an HTTP client would normalise dot segments)."""
+    import asyncio
+    import json
+
+    server = stack.client.server
+    reader, writer = await asyncio.open_connection(server.host, server.port)
+    writer.write(
+        f"POST {raw_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        "/v1/chat%2Fcompletions",
+        "/v1/chat/completion%73",
+        "/v1//chat/completions",
+        "/v1/./chat/completions",
+        "/v1/x/../chat/completions",
+        "/v1/chat/completions/.",
+        "/invocations",
+    ],
+)
+async def test_a_generation_path_the_engine_could_read_otherwise_is_refused(
+    stack: Stack, tail: str
+):
+    # Starlette (vLLM, SGLang) routes the decoded path: /v1/chat%2Fcompletions would generate
+    # there, uncaptured.
+    chat = b'{"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}'
+    status, body = await _raw_post(stack, BASE + tail, chat)
+    assert status == 400
+    expected = "endpoint_not_captured" if tail == "/invocations" else "path_not_normal"
+    assert body["error"]["code"] == expected and body["error"]["param"] == "path"
+    assert stack.sent == []
+    assert await _rollout_calls(stack) == 0

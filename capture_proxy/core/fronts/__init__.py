@@ -48,6 +48,9 @@ class EndpointKind(enum.StrEnum):
     CAPTURED = "captured"  # a model call: parsed, captured, answered by the proxy
     COUNT_TOKENS = "count_tokens"  # answered from the tokenizer, not captured
     NOT_CAPTURABLE = "not_capturable"  # generates, but the proxy cannot capture it: refused
+    #: a POST path not in normal form (percent-encoded, empty or dot segments): the engine
+    #: may decode or normalise it into a generation endpoint, so it is refused
+    NOT_NORMAL = "not_normal"
     FORWARDED = "forwarded"  # no generation (models, tokenize, ...): forwarded, not captured
 
 
@@ -67,7 +70,19 @@ NOT_CAPTURABLE_PATHS = (
     "/v1/messages/",
     "/v1/audio/",
     "/v1/realtime",
+    "/invocations",
 )
+
+
+def is_normal_path(path: str) -> bool:
+    """True when ``path`` reads the same to every server: no percent-encoding (an engine on
+    Starlette routes ``/v1/chat%2Fcompletions`` as ``/v1/chat/completions``), no empty
+    segments and no ``.`` or ``..`` segments (HTTP clients and servers normalise them)."""
+    if "%" in path or not path.startswith("/"):
+        return False
+    segments = path[1:].split("/")
+    inner = segments[:-1]  # a trailing "/" (an empty last segment) is its own case
+    return all(seg not in ("", ".", "..") for seg in inner) and segments[-1] not in (".", "..")
 
 
 def front_for(path: str) -> FrontCodec | None:
@@ -91,6 +106,8 @@ def endpoint_kind(method: str, path: str) -> EndpointKind:
         return EndpointKind.CAPTURED
     if method != "POST":
         return EndpointKind.FORWARDED
+    if not is_normal_path(path):
+        return EndpointKind.NOT_NORMAL
     if path.rstrip("/") in _FRONTS:
         # ``/v1/chat/completions/``: a model call the proxy would not see as one.
         return EndpointKind.NOT_CAPTURABLE
