@@ -53,17 +53,25 @@ class FunctionCall(_Lenient):
     @field_validator("arguments")
     @classmethod
     def _arguments_are_json(cls, value: str) -> str:
-        # vLLM parses them (chat_utils._postprocess_messages) and answers 400 otherwise. This
-        # runs for every tool call of the history on every call: orjson first (what it accepts
-        # the stdlib accepts too); the stdlib decides what orjson refuses (NaN, Infinity).
-        try:
-            orjson.loads(value)
-        except orjson.JSONDecodeError:
-            try:
-                json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"tool call arguments must be JSON text: {exc}") from None
+        problem = arguments_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
+
+
+def arguments_problem(value: str) -> str | None:
+    """Why tool-call ``arguments`` text is not what vLLM accepts (it parses them with
+    ``json.loads``, chat_utils._postprocess_messages, and answers 400 otherwise); None when
+    it is. orjson first (what it accepts the stdlib accepts too); the stdlib decides what
+    orjson refuses (NaN, Infinity)."""
+    try:
+        orjson.loads(value)
+    except orjson.JSONDecodeError:
+        try:
+            json.loads(value)
+        except ValueError as exc:
+            return f"tool call arguments must be JSON text: {exc}"
+    return None
 
 
 class ToolCall(_Lenient):

@@ -57,6 +57,7 @@ from capture_proxy.core.fronts.base import (
     sse_event,
 )
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.requests import arguments_problem
 
 #: The chat parameters a freeform (``custom``) tool is offered under.
 CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
@@ -264,11 +265,15 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
             if text:
                 turn.reasoning.append(text)
         elif kind == "function_call":
+            arguments = _string(item, "arguments", path) or ""
+            problem = arguments_problem(arguments)
+            if problem is not None:
+                _fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
             turn.tool_calls.append(
                 _tool_call(
                     _string(item, "call_id", path) or "",
                     _string(item, "name", path) or "",
-                    _string(item, "arguments", path) or "",
+                    arguments,
                 )
             )
         elif kind == "custom_tool_call":

@@ -380,6 +380,16 @@ REFUSALS = [
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]},
         "input.0.arguments",
     ),
+    (
+        # vLLM parses a history's tool-call arguments: not JSON is refused here, not there
+        {
+            "input": [
+                _user("hi"),
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"},
+            ]
+        },
+        "input.1.arguments",
+    ),
     ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "f"}]}, "input.0.input"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input.0.output"),
     (
