@@ -81,7 +81,9 @@ async def _off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T
 def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -> dict[str, Any]:
     """One call for ``dumps``: token ids uint32 arrays, log probs as float64 (the float32
     value exactly, as engines send it), routed experts ``[num_rows, num_layers, top_k]``.
-    ``detail`` adds the request messages and tools."""
+    ``detail`` adds the request messages and tools, and the request as the harness sent it
+    less its history field (``request_received``: what the canonical form leaves out, e.g.
+    ``metadata``, server tools, ``cache_control``)."""
     experts = record.routed_experts
     out: dict[str, Any] = {
         "call_id": record.call_id,
@@ -112,6 +114,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
     if detail:
         out["request_messages"] = record.request_messages
         out["request_tools"] = record.request_tools
+        out["request_received"] = record.request_received
     return out
 
 

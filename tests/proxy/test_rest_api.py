@@ -190,3 +190,34 @@ async def test_an_unknown_read_api_path_is_still_404(stack: Stack):
     resp = await stack.client.post("/captures/nothing")
     assert resp.status == 404
     assert (await resp.json())["error"]["type"] == "not_found_error"
+
+
+async def test_a_call_reads_back_the_request_as_the_harness_sent_it(stack: Stack):
+    base = "/ng-rollout/r-received/training-token-capture"
+    chat = {
+        "model": "stub-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"task": "t-1", "n": 1.0},
+        "user": "u-7",
+        "temperature": 0.5,
+    }
+    resp = await stack.client.post(base + "/v1/chat/completions", json=chat)
+    assert resp.status == 200
+    call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert call["request_received"] == {k: v for k, v in chat.items() if k != "messages"}
+    assert isinstance(call["request_received"]["metadata"]["n"], float)
+    assert call["request_messages"] == chat["messages"]
+    # Anthropic Messages: what the canonical form leaves out (cache_control, server tools)
+    messages = {
+        "model": "stub-model",
+        "max_tokens": 16,
+        "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+    }
+    resp = await stack.client.post(
+        base + "/v1/messages", json=messages, headers={"anthropic-version": "2023-06-01"}
+    )
+    assert resp.status == 200
+    call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert call["request_received"] == {k: v for k, v in messages.items() if k != "messages"}
