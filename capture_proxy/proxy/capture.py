@@ -36,7 +36,12 @@ from capture_proxy.proxy.calls import (
     new_call_id,
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable
-from capture_proxy.proxy.exact import ExactTokens, handle_exact_tokens
+from capture_proxy.proxy.exact import (
+    ExactTokens,
+    continues_final_message,
+    handle_exact_tokens,
+    refuse_continuation,
+)
 from capture_proxy.proxy.template import handle_template
 from capture_proxy.rendering import ChatRenderer, RenderError, RendererUnavailable
 
@@ -162,6 +167,13 @@ async def handle_captured_call(
     except InvalidFrontRequest as exc:
         raise _bad_request(exc) from exc
 
+    model = parsed.chat.get("model")
+    if (
+        back_ends.exact is not None
+        and back_ends.exact_for_model(model)
+        and continues_final_message(parsed.chat)
+    ):
+        raise refuse_continuation()
     created_at = time.time()
     prepared = prepare_request(parsed.chat, deps.notes, _message_facts(known, parsed))
     call_id = new_call_id()

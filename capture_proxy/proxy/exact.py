@@ -357,6 +357,25 @@ async def build_prompt(
     return _Prompt(spliced.prompt_token_ids, parent.call_id, diags, rows_end(parent) or 0)
 
 
+def continues_final_message(body: Mapping[str, Any]) -> bool:
+    """The request asks to continue its last message rather than answer it (an Anthropic
+    prefill, vLLM's ``continue_final_message`` / ``add_generation_prompt: false``)."""
+    return bool(body.get("continue_final_message")) or body.get("add_generation_prompt") is False
+
+
+def refuse_continuation() -> BadRequest:
+    """Exact-token mode does not build a prompt that ends inside the last message yet: the
+    request is refused (nothing forwarded or stored) rather than answered as a new turn."""
+    return BadRequest(
+        "continuing a final assistant message (an Anthropic prefill, or "
+        "continue_final_message / add_generation_prompt=false) is not supported in "
+        "exact-token mode; end the conversation with a user or tool message, or use "
+        "prompt_mode backend_template",
+        param="messages",
+        code="prefill_not_supported",
+    )
+
+
 def _refused(parent_call_id: str, exc: SpliceRefused) -> Diagnostic:
     details: dict[str, Any] = {"parent_call_id": parent_call_id, "reason": exc.reason}
     if exc.message_index is not None:

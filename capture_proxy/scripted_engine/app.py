@@ -206,7 +206,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             failed[0] += 1
             raise RequestError("scripted failure", None, cfg.fail_status)
     _validate_chat(body)
-    prompt = render_prompt(app, body, True)
+    if body.get("continue_final_message") is True:
+        # vLLM: the template renders the last (assistant) message without closing it, and
+        # the model continues it
+        closed = render_prompt(app, body, False)
+        eot = app[FAMILY].family.end_of_turn_id
+        if eot not in closed:
+            raise RequestError("continue_final_message: the last message is not a turn", "messages")
+        prompt = closed[: len(closed) - 1 - closed[::-1].index(eot)]
+    else:
+        prompt = render_prompt(app, body, True)
     if len(prompt) >= cfg.max_model_len:
         raise RequestError(
             f"prompt has {len(prompt)} tokens; max_model_len is {cfg.max_model_len}", "messages"

@@ -219,3 +219,43 @@ async def test_a_generation_path_the_engine_could_read_otherwise_is_refused(
     assert body["error"]["code"] == expected and body["error"]["param"] == "path"
     assert stack.sent == []
     assert await _rollout_calls(stack) == 0
+
+
+PREFILL = {
+    "model": "stub-model",
+    "max_tokens": 32,
+    "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Sure, "},
+    ],
+}
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+
+
+async def test_an_anthropic_prefill_is_continued_not_answered_as_a_new_turn(
+    stack: Stack, qwen_tokenizer
+):
+    resp = await stack.client.post(BASE + "/v1/messages", json=PREFILL, headers=ANTHROPIC)
+    assert resp.status == 200, await resp.text()
+    (sent,) = stack.sent
+    assert sent.request_body["continue_final_message"] is True
+    assert sent.request_body["add_generation_prompt"] is False
+    text = qwen_tokenizer.decode(sent.prompt_token_ids)
+    assert text.endswith("<|im_start|>assistant\nSure, ")  # the prefill, left open
+    call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert call["prompt_token_ids"] == sent.prompt_token_ids
+
+
+async def test_a_prefill_is_refused_in_exact_token_mode(make_stack):
+    stack = await make_stack(prompt_mode="exact_tokens")
+    resp = await stack.client.post(BASE + "/v1/messages", json=PREFILL, headers=ANTHROPIC)
+    assert resp.status == 400
+    body = await resp.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "prefill" in body["error"]["message"]
+    chat = {"model": "stub-model", "messages": PREFILL["messages"], "continue_final_message": True}
+    resp = await stack.client.post(BASE + "/v1/chat/completions", json=chat)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "prefill_not_supported"
+    assert stack.sent == []
+    assert await _rollout_calls(stack) == 0

@@ -479,6 +479,11 @@ def _parse(body: Any, *, count_tokens: bool) -> FrontRequest:
         prefill=raw_messages[-1].get("role") == "assistant",
         count_tokens=count_tokens,
     )
+    if options.prefill and not count_tokens:
+        # Anthropic continues a trailing assistant message (a prefill): vLLM's chat extras
+        # ask the same of the template (exact-token mode refuses them, see proxy.exact).
+        chat["continue_final_message"] = True
+        chat["add_generation_prompt"] = False
     received = {k: v for k, v in body.items() if k != "messages"}
     return FrontRequest(Api.MESSAGES, chat, stream, received, options)
 
