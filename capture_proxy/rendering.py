@@ -102,6 +102,21 @@ class TailRenderer(Protocol):
     ) -> list[int] | None: ...
 
 
+@runtime_checkable
+class ContinuationRenderer(Protocol):
+    """A renderer that can leave the last message open for the model to continue (an
+    Anthropic prefill, vLLM's ``continue_final_message``)."""
+
+    async def render_continuation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation, its last message left open. Raises RenderError."""
+
+
 class ChatRenderer(Protocol):
     async def render(
         self,
@@ -152,12 +167,40 @@ class LocalRenderer:
         text = self._text(messages, tools, add_generation_prompt, chat_template_kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def render_continuation_sync(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the conversation with its last message left open for the model to
+        continue (transformers' ``continue_final_message``, as vLLM's chat extra of that
+        name: no generation prompt, the final turn's end-of-turn text cut)."""
+        text = self._text(messages, tools, False, chat_template_kwargs, continue_final=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def render_continuation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        return await asyncio.to_thread(
+            self.render_continuation_sync,
+            messages,
+            tools,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+
     def _text(
         self,
         messages: Sequence[Mapping[str, Any]],
         tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None,
+        continue_final: bool = False,
     ) -> str:
         try:
             return str(
@@ -166,6 +209,7 @@ class LocalRenderer:
                     tools=tools or None,
                     chat_template=self.chat_template,
                     add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final,
                     tokenize=False,
                     **(chat_template_kwargs or {}),
                 )
@@ -257,11 +301,14 @@ class EngineRenderer:
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None = None,
         model: str | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         body: dict[str, Any] = {
             "messages": [_reasoning_as_vllm_reads_it(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
         }
+        if continue_final_message:
+            body["continue_final_message"] = True
         if tools:
             body["tools"] = tools
         if chat_template_kwargs:
@@ -287,3 +334,19 @@ class EngineRenderer:
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise RenderError("engine /tokenize returned no token list")
         return tokens
+
+    async def render_continuation(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """``/tokenize`` with vLLM's ``continue_final_message`` (no generation prompt)."""
+        return await self.render(
+            messages,
+            tools,
+            add_generation_prompt=False,
+            chat_template_kwargs=chat_template_kwargs,
+            continue_final_message=True,
+        )

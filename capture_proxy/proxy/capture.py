@@ -38,6 +38,7 @@ from capture_proxy.proxy.calls import (
 from capture_proxy.proxy.errors import BadRequest, UpstreamUnavailable
 from capture_proxy.proxy.exact import (
     ExactTokens,
+    can_continue,
     continues_final_message,
     handle_exact_tokens,
     refuse_continuation,
@@ -172,6 +173,7 @@ async def handle_captured_call(
         back_ends.exact is not None
         and back_ends.exact_for_model(model)
         and continues_final_message(parsed.chat)
+        and not can_continue(back_ends.exact, model)
     ):
         raise refuse_continuation()
     created_at = time.time()

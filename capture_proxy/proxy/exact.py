@@ -67,6 +67,7 @@ from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate
 from capture_proxy.renderers import ModelFamily
 from capture_proxy.rendering import (
     ChatRenderer,
+    ContinuationRenderer,
     RenderError,
     RendererUnavailable,
     TailRenderer,
@@ -285,6 +286,17 @@ async def build_prompt(
     messages, tools = body["messages"], body.get("tools")
     kwargs = body.get("chat_template_kwargs")
     res = call.resolution
+    if continues_final_message(body):
+        # The last message is left open (a prefill): the whole conversation rendered so; the
+        # link is taken at verification by tokens (the deepest token-exact ancestor).
+        renderer = exact.renderer
+        if not isinstance(renderer, ContinuationRenderer):
+            raise refuse_continuation()
+        ids = await renderer.render_continuation(messages, tools, chat_template_kwargs=kwargs)
+        why = {"reason": "continue_final_message"}
+        return _Prompt(
+            np.asarray(ids, dtype=np.uint32), None, [Diagnostic(EXACT_PROMPT_FULL_RENDER, why)]
+        )
     if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
         return _Prompt(await _full_render(exact, messages, tools, kwargs), None, [])
     # Several candidates share the digest (parallel sub-agents that answered alike): the
@@ -363,14 +375,20 @@ def continues_final_message(body: Mapping[str, Any]) -> bool:
     return bool(body.get("continue_final_message")) or body.get("add_generation_prompt") is False
 
 
+def can_continue(exact: ExactTokens, model: str | None) -> bool:
+    """Whether ``model``'s renderer builds a prompt that ends inside the last message (the
+    HF-template families do; harmony does not)."""
+    return isinstance(exact.for_model(model).renderer, ContinuationRenderer)
+
+
 def refuse_continuation() -> BadRequest:
-    """Exact-token mode does not build a prompt that ends inside the last message yet: the
-    request is refused (nothing forwarded or stored) rather than answered as a new turn."""
+    """A renderer that cannot leave the last message open: the request is refused (nothing
+    forwarded or stored) rather than answered as a new turn."""
     return BadRequest(
         "continuing a final assistant message (an Anthropic prefill, or "
-        "continue_final_message / add_generation_prompt=false) is not supported in "
-        "exact-token mode; end the conversation with a user or tool message, or use "
-        "prompt_mode backend_template",
+        "continue_final_message / add_generation_prompt=false) is not supported by this "
+        "model family's renderer in exact-token mode; end the conversation with a user or "
+        "tool message, or use prompt_mode backend_template",
         param="messages",
         code="prefill_not_supported",
     )

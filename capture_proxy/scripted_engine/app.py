@@ -154,6 +154,28 @@ def render_prompt(app: web.Application, body: dict[str, Any], generation_prompt:
         raise RequestError(f"cannot render messages: {e}", "messages") from e
 
 
+def render_continuation(app: web.Application, body: dict[str, Any]) -> list[int]:
+    """Prompt ids with the last message left open (vLLM's ``continue_final_message``), by the
+    family's renderer (the proxy's). Raises RequestError."""
+    renderer = app[FAMILY].family.renderer
+    if not isinstance(renderer, LocalRenderer):
+        raise RequestError("continue_final_message is not supported for this family", "messages")
+    try:
+        if app[FAMILY].tokenizer is not None:
+            _parse_tool_arguments(body["messages"])
+        return list(
+            renderer.render_continuation_sync(
+                body["messages"],
+                body.get("tools") or None,
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            )
+        )
+    except RequestError:
+        raise
+    except Exception as e:  # template errors are the client's fault
+        raise RequestError(f"cannot render messages: {e}", "messages") from e
+
+
 def _logprob_entry(family: EngineFamily, e: TokenEvent, top: int, as_ids: bool) -> dict:
     def one(tid: int, lp: float) -> dict[str, Any]:
         text = f"token_id:{tid}" if as_ids else family.decode([tid])
@@ -207,13 +229,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             raise RequestError("scripted failure", None, cfg.fail_status)
     _validate_chat(body)
     if body.get("continue_final_message") is True:
-        # vLLM: the template renders the last (assistant) message without closing it, and
-        # the model continues it
-        closed = render_prompt(app, body, False)
-        eot = app[FAMILY].family.end_of_turn_id
-        if eot not in closed:
-            raise RequestError("continue_final_message: the last message is not a turn", "messages")
-        prompt = closed[: len(closed) - 1 - closed[::-1].index(eot)]
+        # vLLM: transformers' continue_final_message leaves the last message open
+        prompt = render_continuation(app, body)
     else:
         prompt = render_prompt(app, body, True)
     if len(prompt) >= cfg.max_model_len:
@@ -417,7 +434,10 @@ async def tokenize(request: web.Request) -> web.Response:
             {k: v for k, v in m.items() if k != "reasoning_content"} for m in body["messages"]
         ]
         generation_prompt = body.get("add_generation_prompt", True) is not False
-        ids = render_prompt(app, {**body, "messages": messages}, generation_prompt)
+        if body.get("continue_final_message") is True:
+            ids = render_continuation(app, {**body, "messages": messages})
+        else:
+            ids = render_prompt(app, {**body, "messages": messages}, generation_prompt)
     elif isinstance(body.get("prompt"), str):
         ids = app[FAMILY].encode(body["prompt"])
     else:

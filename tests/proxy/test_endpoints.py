@@ -19,8 +19,13 @@ async def _rollout_calls(stack: Stack) -> int:
 
 @pytest.mark.parametrize(
     "path",
-    ["/v1/completions", "/completions", "/generate", "/inference/v1/generate",
-     "/v1/responses/compact"],
+    [
+        "/v1/completions",
+        "/completions",
+        "/generate",
+        "/inference/v1/generate",
+        "/v1/responses/compact",
+    ],
 )
 async def test_generation_endpoints_it_cannot_capture_are_refused_not_forwarded(
     stack: Stack, path: str
@@ -124,8 +129,11 @@ async def test_metrics_count_calls_by_api_and_time_the_engine(stack: Stack):
     assert (await stack.client.post(BASE + "/v1/chat/completions", json=chat)).status == 200
     responses = {"model": "stub-model", "input": "hi"}
     assert (await stack.client.post(BASE + "/v1/responses", json=responses)).status == 200
-    messages = {"model": "stub-model", "max_tokens": 64,
-                "messages": [{"role": "user", "content": "hi"}]}
+    messages = {
+        "model": "stub-model",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
     assert (await stack.client.post(BASE + "/v1/messages", json=messages)).status == 200
     text = await (await stack.client.get("/metrics")).text()
     for api in ("chat_completions", "responses", "messages"):
@@ -232,30 +240,32 @@ PREFILL = {
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
 
 
+@pytest.mark.parametrize("mode", ["backend_template", "exact_tokens"])
 async def test_an_anthropic_prefill_is_continued_not_answered_as_a_new_turn(
-    stack: Stack, qwen_tokenizer
+    make_stack, qwen_tokenizer, mode
 ):
+    stack = await make_stack(prompt_mode=mode)
     resp = await stack.client.post(BASE + "/v1/messages", json=PREFILL, headers=ANTHROPIC)
     assert resp.status == 200, await resp.text()
     (sent,) = stack.sent
-    assert sent.request_body["continue_final_message"] is True
-    assert sent.request_body["add_generation_prompt"] is False
+    if mode == "backend_template":
+        assert sent.request_body["continue_final_message"] is True
+        assert sent.request_body["add_generation_prompt"] is False
+    # the prefill left open (transformers' continue_final_message)
     text = qwen_tokenizer.decode(sent.prompt_token_ids)
-    assert text.endswith("<|im_start|>assistant\nSure, ")  # the prefill, left open
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nSure, ")
     call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
     assert call["prompt_token_ids"] == sent.prompt_token_ids
+    kinds = {d["kind"]: d.get("details") for d in call["diagnostics"]}
+    if mode == "exact_tokens":
+        assert kinds["exact_prompt_full_render"] == {"reason": "continue_final_message"}
 
 
-async def test_a_prefill_is_refused_in_exact_token_mode(make_stack):
-    stack = await make_stack(prompt_mode="exact_tokens")
-    resp = await stack.client.post(BASE + "/v1/messages", json=PREFILL, headers=ANTHROPIC)
-    assert resp.status == 400
-    body = await resp.json()
-    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "prefill" in body["error"]["message"]
-    chat = {"model": "stub-model", "messages": PREFILL["messages"], "continue_final_message": True}
-    resp = await stack.client.post(BASE + "/v1/chat/completions", json=chat)
-    assert resp.status == 400
-    assert (await resp.json())["error"]["code"] == "prefill_not_supported"
-    assert stack.sent == []
-    assert await _rollout_calls(stack) == 0
+async def test_the_prompt_of_a_prefill_is_the_same_in_both_modes(make_stack, qwen_tokenizer):
+    prompts = []
+    for mode in ("backend_template", "exact_tokens"):
+        stack = await make_stack(prompt_mode=mode)
+        resp = await stack.client.post(BASE + "/v1/messages", json=PREFILL, headers=ANTHROPIC)
+        assert resp.status == 200
+        prompts.append(stack.sent[-1].prompt_token_ids)
+    assert prompts[0] == prompts[1]

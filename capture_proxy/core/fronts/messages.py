@@ -481,7 +481,7 @@ def _parse(body: Any, *, count_tokens: bool) -> FrontRequest:
     )
     if options.prefill and not count_tokens:
         # Anthropic continues a trailing assistant message (a prefill): vLLM's chat extras
-        # ask the same of the template (exact-token mode refuses them, see proxy.exact).
+        # ask the same of the template (and exact-token mode of its renderer).
         chat["continue_final_message"] = True
         chat["add_generation_prompt"] = False
     received = {k: v for k, v in body.items() if k != "messages"}
