@@ -307,6 +307,13 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                 ("logit_bias", "a_list", [1], "logit_bias"),
                 ("logit_bias", "a_word_key", {"hello": 1}, "logit_bias"),
                 ("top_k", "a_float", 1.5, "top_k"),
+                (
+                    "tools",
+                    "a_nameless_function",
+                    [{"type": "function", "function": {}}],
+                    "tools.0.function.name",
+                ),
+                ("tool_choice", "a_number", 5, "tool_choice"),
             ]
         ),
     ],
