@@ -27,7 +27,8 @@ Request mapping (errors name the field as a dotted path, e.g. ``messages.3.conte
   the content and the tool calls).
 - ``tools``: custom tools -> chat function tools (``parameters`` = ``input_schema``); server
   tools (a ``type`` other than ``custom``, e.g. ``web_search_20250305``) cannot run behind an
-  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools``.
+  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools`` and named by
+  the call's ``tools_not_rendered`` diagnostic.
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``"auto"`` / ``"required"`` /
   ``{"type": "function", ...}`` / ``"none"``; ``disable_parallel_tool_use`` ->
   ``parallel_tool_calls: false``.
@@ -69,6 +70,7 @@ from capture_proxy.core.fronts.base import (
     open_reasoning,
     seal_reasoning,
     sse_event,
+    tools_not_rendered,
 )
 from capture_proxy.core.known_messages import KnownMessages
 
@@ -480,7 +482,9 @@ def _parse(body: Any, *, count_tokens: bool) -> FrontRequest:
         count_tokens=count_tokens,
     )
     received = {k: v for k, v in body.items() if k != "messages"}
-    return FrontRequest(Api.MESSAGES, chat, stream, received, options)
+    return FrontRequest(
+        Api.MESSAGES, chat, stream, received, options, diagnostics=tools_not_rendered(server_tools)
+    )
 
 
 def parse_count_tokens(body: dict[str, Any]) -> FrontRequest:

@@ -395,6 +395,16 @@ def test_parse_tools_server_tools_and_tool_choice() -> None:
         {"type": "function", "function": {"name": "Bash", "parameters": BASH_SCHEMA}}
     ]
     assert request.options.server_tools == (web_search, bash)
+    [diagnostic] = request.diagnostics
+    assert diagnostic.to_json() == {
+        "kind": "tools_not_rendered",
+        "details": {
+            "tools": [
+                {"type": "web_search_20250305", "name": "web_search"},
+                {"type": "bash_20250124", "name": "bash"},
+            ]
+        },
+    }
     assert request.chat["tool_choice"] == "auto"
     assert "parallel_tool_calls" not in request.chat
 
@@ -421,6 +431,19 @@ def test_parse_only_server_tools_sends_no_tools() -> None:
     )
     assert "tools" not in request.chat
     assert "tool_choice" not in request.chat
+    assert [d.kind for d in request.diagnostics] == ["tools_not_rendered"]
+
+
+def test_parse_without_server_tools_has_no_diagnostic() -> None:
+    request = CODEC.parse(
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "Bash", "input_schema": BASH_SCHEMA}],
+        }
+    )
+    assert request.diagnostics == ()
 
 
 BASE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
