@@ -156,6 +156,13 @@ def _list(value: Any, path: str) -> list[Any]:
     return value
 
 
+def _blocks(value: Any, path: str, what: str = "content blocks") -> list[Any]:
+    """The blocks of a field that is a string (the caller takes that) or an array of blocks."""
+    if not isinstance(value, list):
+        raise _fail(path, f"must be a string or an array of {what}, not {_type_name(value)}")
+    return value
+
+
 def _int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(path, f"must be an integer, not {_type_name(value)}")
@@ -204,7 +211,7 @@ class _Collected:
 def _user_messages(content: Any, path: str, seen: _Collected) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    blocks = _list(content, f"{path}.content")
+    blocks = _blocks(content, f"{path}.content")
     if not blocks:
         raise _fail(f"{path}.content", "must not be empty")
     out: list[dict[str, Any]] = []
@@ -234,7 +241,7 @@ def _tool_message(block: dict[str, Any], path: str, seen: _Collected) -> dict[st
     elif isinstance(raw, str):
         text = raw
     else:
-        text = _texts(_list(raw, f"{path}.content"), f"{path}.content")
+        text = _texts(_blocks(raw, f"{path}.content", "text blocks"), f"{path}.content")
     is_error = block.get("is_error")
     if is_error is not None and _bool(is_error, f"{path}.is_error"):
         seen.tool_errors.append(tool_use_id)
@@ -262,7 +269,7 @@ def _loads_or_none(text: str) -> Any:
 def _assistant_message(content: Any, path: str, seen: _Collected) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    blocks = _list(content, f"{path}.content")
+    blocks = _blocks(content, f"{path}.content")
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -317,7 +324,10 @@ def _assistant_message(content: Any, path: str, seen: _Collected) -> dict[str, A
 def _system_message(system: Any) -> dict[str, Any] | None:
     if system is None:
         return None
-    text = system if isinstance(system, str) else _texts(_list(system, "system"), "system")
+    if isinstance(system, str):
+        text = system
+    else:
+        text = _texts(_blocks(system, "system", "text blocks"), "system")
     return {"role": "system", "content": text} if text else None
 
 
@@ -329,7 +339,7 @@ def _inline_system_message(content: Any, path: str) -> dict[str, Any]:
     give the same canonical message."""
     if isinstance(content, str):
         return {"role": "system", "content": content}
-    blocks = _list(content, f"{path}.content")
+    blocks = _blocks(content, f"{path}.content", "text blocks")
     return {"role": "system", "content": _texts(blocks, f"{path}.content")}
 
 

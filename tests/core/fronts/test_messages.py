@@ -1111,3 +1111,32 @@ def test_count_tokens_refusals() -> None:
     with pytest.raises(InvalidFrontRequest) as info:
         parse_count_tokens({"messages": BASE["messages"]})
     assert info.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (_with(system=5), "system: must be a string or an array of text blocks, not int"),
+        (
+            _with(messages=[{"role": "system", "content": {}}]),
+            "messages.0.content: must be a string or an array of text blocks, not dict",
+        ),
+        (
+            _with(messages=[{"role": "user", "content": 3}]),
+            "messages.0.content: must be a string or an array of content blocks, not int",
+        ),
+        (
+            _with(messages=_assistant()[:1] + [{"role": "assistant", "content": None}]),
+            "messages.1.content: must be a string or an array of content blocks, not null",
+        ),
+        (
+            _with(messages=_user({"type": "tool_result", "tool_use_id": "t", "content": 3})),
+            "messages.0.content.0.content: must be a string or an array of text blocks, not int",
+        ),
+        (_with(tools={}), "tools: must be an array, not dict"),
+    ],
+)
+def test_a_field_that_may_be_a_string_says_so(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidFrontRequest) as info:
+        CODEC.parse(body)
+    assert str(info.value) == message
