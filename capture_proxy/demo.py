@@ -151,6 +151,18 @@ def print_chains(chains: dict[str, Any], summary: dict[str, Any]) -> None:
         print(f"  unlinked {call['call_id']} ({call['status']}): {call['diagnostics']}")
 
 
+def read_again_hint(store_dir: Path, rollout_id: str) -> str:
+    """How to read the demo's store once the demo (and its engine) has stopped: commands
+    that need no engine."""
+    return (
+        "\nRead it again later (no engine needed):\n"
+        f"  .venv/bin/capture-proxy show --store {store_dir} {rollout_id}\n"
+        f"  .venv/bin/capture-proxy serve --read-only --store {store_dir}\n"
+        f"    then GET http://127.0.0.1:8080/captures/rollouts/{rollout_id}/chains, "
+        "or open http://127.0.0.1:8080/captures/ui/"
+    )
+
+
 async def run_demo(
     *, store_dir: Path | None, use_opencode: str = "auto", policy_path: Path | None = None
 ) -> int:
@@ -189,10 +201,7 @@ async def run_demo(
             async with http.get(f"{proxy.url}/captures/rollouts/{rollout_id}/chains") as resp:
                 chains = await resp.json()
         print_chains(chains, summary)
-        print(
-            "\nRead it again later: .venv/bin/capture-proxy serve --backend <engine> "
-            f"--store {store_dir} then GET /captures/rollouts/{rollout_id}/chains"
-        )
+        print(read_again_hint(store_dir, rollout_id))
         ok = not chains["incomplete"] and any(len(c["calls"]) > 1 for c in chains["chains"])
         return 0 if ok else 1
     finally:

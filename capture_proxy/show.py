@@ -79,8 +79,12 @@ def rollouts_table(rows: list[RolloutRow]) -> Table:
 def _link_text(r: TreeRow) -> Text:
     text = Text()
     if r.refused is not None:
-        text.append(f"refused: {r.refused.mismatch_class}", style="bold red")
-        text.append(f" from #{r.refused.parent_number} at {r.refused.position}")
+        # The stored verdict: ``refused``, ``prefix`` (linked to an ancestor after the
+        # refusal), or ``unresolved`` (a captured turn under an edited history: no position).
+        text.append(f"{r.verdict or 'refused'}: {r.refused.mismatch_class}", style="bold red")
+        text.append(f" from #{r.refused.parent_number}")
+        if r.refused.position is not None:
+            text.append(f" at {r.refused.position}")
     elif r.verdict:
         text.append(r.verdict, style="dim")
     if r.retry_of_number:

@@ -6,10 +6,18 @@ from capture_proxy.cli import main
 
 
 def test_demo_with_the_built_in_client(tmp_path, capsys):
-    assert main(["demo", "--opencode", "no", "--store", str(tmp_path / "store")]) == 0
+    store = str(tmp_path / "store")
+    assert main(["demo", "--opencode", "no", "--store", store]) == 0
     out = capsys.readouterr().out
     assert re.search(r"rollout demo-\d+: 4 calls, 2 chains, incomplete=False", out)
     assert "child of #2" in out and (tmp_path / "store" / "captures.sqlite3").exists()
+    # The closing hint names commands that work without the demo's engine, which is gone.
+    rollout = re.search(r"rollout (demo-\d+):", out)[1]
+    assert f"capture-proxy show --store {store} {rollout}\n" in out
+    assert f"capture-proxy serve --read-only --store {store}\n" in out
+    assert "--backend" not in out
+    assert main(["show", "--store", store, rollout]) == 0
+    assert f"{rollout} complete  calls 4 · chains 2" in capsys.readouterr().out
 
 
 def test_replay_of_a_recording(fixtures_dir, capsys):

@@ -65,3 +65,42 @@ def test_a_narrow_width_folds_values_instead_of_cutting_them(
     assert all(len(line) <= int(columns) for line in listing.splitlines())
     first_cells = [line.split("│")[1].strip() for line in listing.splitlines() if "│" in line]
     assert "".join(first_cells).startswith(ROLLOUT)
+
+
+def test_a_named_mismatch_shows_the_stored_verdict_and_a_position_only_when_known(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+    def mismatch(cls: str, **position: int) -> list[Diagnostic]:
+        details = {"class": cls, "parent_call_id": "call-a", **position}
+        return [Diagnostic(DiagnosticKind.PARENT_DIGEST_MISMATCH, details)]
+
+    async def fill() -> None:
+        store = SQLiteStore(tmp_path)
+        await store.open()
+        try:
+            await store.put_call(record("call-a", [1, 2], [3], created_at=1.0))
+            refused = record("call-b", [1, 2, 9, 4], [5], created_at=2.0)
+            await store.put_call(
+                refused.replace(
+                    linking={"verdict": "refused"}, diagnostics=mismatch("retokenized", position=2)
+                )
+            )
+            # a captured turn under an edited history: unresolved, and no position to name
+            edited = record("call-c", [7, 8], [9], created_at=3.0)
+            await store.put_call(
+                edited.replace(
+                    linking={"verdict": "unresolved"}, diagnostics=mismatch("history_edited")
+                )
+            )
+        finally:
+            await store.close()
+
+    asyncio.run(fill())
+    assert main(["show", "--store", str(tmp_path), "r1"]) == 0
+    tree = capsys.readouterr().out
+    assert "refused: retokenized from #1 at 2" in tree
+    assert "unresolved: history_edited from #1" in tree
+    assert "at None" not in tree
+    assert "refused: history_edited" not in tree

@@ -55,6 +55,9 @@ class CallContext:
     #: ``routed_experts`` setting for the call's model; whether its digest parent held rows
     routed_experts_expectation: str = "optional"
     parent_had_rows: bool = False
+    #: diagnostics the front found in the request (``FrontRequest.diagnostics``), on every
+    #: record of the call
+    front_diagnostics: tuple[Diagnostic, ...] = ()
 
 
 def call_fields(ctx: CallContext) -> dict[str, Any]:
@@ -302,7 +305,7 @@ class ChatCaptureAssembler:
     def finish(self, *, latency_ms: float, http_status: int) -> CallRecord:
         """Build the record and verify it. Never raises on engine data."""
         ctx = self.ctx
-        diagnostics: list[Diagnostic] = []
+        diagnostics = list(ctx.front_diagnostics)
         problems = list(self.problems)
         self.settle_prompt()
         prompt = self._prompt
@@ -385,7 +388,10 @@ def failed_record(
         status=CallStatus.FAILED,
         latency_ms=latency_ms,
         http_status=http_status,
-        diagnostics=[Diagnostic(DiagnosticKind.UPSTREAM_FAILED, {"reason": reason})],
+        diagnostics=[
+            *ctx.front_diagnostics,
+            Diagnostic(DiagnosticKind.UPSTREAM_FAILED, {"reason": reason}),
+        ],
     )
 
 
@@ -396,7 +402,10 @@ def abandoned_record(ctx: CallContext, *, reason: str, latency_ms: float) -> Cal
         **call_fields(ctx),
         status=CallStatus.INCOMPLETE,
         latency_ms=latency_ms,
-        diagnostics=[Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": [reason]})],
+        diagnostics=[
+            *ctx.front_diagnostics,
+            Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": [reason]}),
+        ],
     )
 
 

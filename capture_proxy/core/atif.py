@@ -164,8 +164,9 @@ class _Steps:
 
 
 #: Diagnostics that record what happened without any token data missing or altered: a retry
-#: (the harness asked again; the superseded call is kept aside) and a rewritten harness note.
-NOT_GAPS = frozenset({"retry", "harness_note_rewritten"})
+#: (the harness asked again; the superseded call is kept aside), a rewritten harness note, and
+#: tools left out of the prompt (the prompt ids are what the engine saw; Codex always sends some).
+NOT_GAPS = frozenset({"retry", "harness_note_rewritten", "tools_not_rendered"})
 
 
 def gaps(

@@ -55,6 +55,9 @@ class DiagnosticKind(enum.StrEnum):
     TURN_REWRITTEN = "turn_rewritten"
     TOKEN_COUNT_MISMATCH = "token_count_mismatch"
     ROUTED_EXPERTS_UNAVAILABLE = "routed_experts_unavailable"
+    #: the request declared tools the engine cannot render (Anthropic server tools, Responses
+    #: hosted tools, namespaces): the model was not shown them
+    TOOLS_NOT_RENDERED = "tools_not_rendered"
 
 
 @dataclass(frozen=True)

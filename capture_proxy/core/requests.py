@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
     StrictInt,
+    Tag,
     TypeAdapter,
     ValidationError,
     field_validator,
@@ -90,13 +92,65 @@ class Message(_Lenient):
     reasoning: str | None = None
 
 
+class FunctionDefinition(_Lenient):
+    """A tool's function as vLLM reads it (``ChatCompletionToolsParam``); ``strict`` and other
+    keys pass through."""
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    #: a JSON Schema object, checked by the engine
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(_Lenient):
+    """One entry of ``tools``: vLLM takes function tools only (a missing ``type`` is one)."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _tool_choice_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "[mode]"
+    if isinstance(value, dict):
+        return "[function]"
+    return None
+
+
+#: ``tool_choice``: a mode or a named function. The tags (dropped from field paths, see
+#: ``_is_union_tag``) pick the member by JSON kind, so that an error is the chosen member's.
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("[mode]")]
+    | Annotated[NamedToolChoice, Tag("[function]")],
+    Discriminator(
+        _tool_choice_kind,
+        custom_error_type="tool_choice",
+        custom_error_message=(
+            "must be 'none', 'auto', 'required' or "
+            '{"type": "function", "function": {"name": ...}}'
+        ),
+    ),
+]
+
+
 class ChatCompletionRequest(_Lenient):
     """The fields the proxy relies on; all other fields go to the engine as sent. The messages
     are validated one by one (``Message``, see ``validate_chat_request``)."""
 
     model: str | None = None
     messages: list[Any] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    #: checked so that a record's ``request_tools`` are tools the engine could render
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
     stream: StrictBool = False
     n: StrictInt = Field(1, ge=1)
     logprobs: StrictBool | None = None
@@ -334,8 +388,10 @@ def _invalid(err: Any) -> InvalidRequest:
     loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     if err["type"] == "missing":
         message = f"'{loc}' is required"
-    elif loc.endswith(".type") or ".content." in f"{loc}.":
+    elif loc.startswith("messages.") and (loc.endswith(".type") or ".content." in f"{loc}."):
         message = f"'{loc}': {err['msg']} (only text content parts can be captured)"
+    elif loc.startswith("tools.") and loc.endswith(".type"):
+        message = f"'{loc}': {err['msg']} (the engine renders function tools only)"
     else:
         message = f"'{loc}': {err['msg']}"
     return InvalidRequest(message, param=loc or None)

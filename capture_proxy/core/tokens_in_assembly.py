@@ -99,7 +99,7 @@ class TokensInAssembler:
         extra_diagnostics: list[Diagnostic] | None = None,
     ) -> CallRecord:
         problems: list[str] = []
-        diagnostics = list(extra_diagnostics or [])
+        diagnostics = [*self.ctx.front_diagnostics, *(extra_diagnostics or [])]
         if self.echo is not None and not echo_matches(
             self.echo, self.prompt_token_ids, self.prompt_json
         ):

@@ -112,12 +112,14 @@ async def _serve_capture_path(
     if shaped_by is not None:
         # Errors of this request, from here on, take its API's error shape.
         request[ERROR_SHAPE_KEY] = shaped_by.error_body
+    if kind in (EndpointKind.CAPTURED, EndpointKind.COUNT_TOKENS) and request.method != "POST":
+        raise MethodNotAllowed(
+            f"{request.method} {path} is not allowed: "
+            + ("model calls" if kind is EndpointKind.CAPTURED else "token counts")
+            + " are POST",
+            allowed=("POST",),
+        )
     if kind is EndpointKind.CAPTURED and front is not None:
-        if request.method != "POST":
-            raise MethodNotAllowed(
-                f"{request.method} {path} is not allowed: model calls are POST",
-                allowed=("POST",),
-            )
         if request.app[SETTINGS_KEY].late_calls == "refuse":
             await _refuse_if_frozen(request, target)
         deps = _capture_deps(request)

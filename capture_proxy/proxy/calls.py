@@ -88,13 +88,22 @@ class InFlightCall:
     prepared: PreparedRequest
     resolution: Resolution
     retry_count: str | None
+    #: the model an answer names when the request names none (exact-token mode: the
+    #: engine's served model, since OpenAI's schema requires a string)
+    served_model: str | None = None
+
+    @property
+    def answer_model(self) -> str | None:
+        """The model the proxy's answer names: the request's, else ``served_model``."""
+        model = self.prepared.body.get("model")
+        return model if model is not None else self.served_model
 
     def answer_head(self, prompt_token_ids: TokenIds | None = None) -> Answer:
         """The answer's identity before anything is generated (for a stream's first events)."""
         return Answer(
             call_id=self.ctx.call_id,
             created_at=self.ctx.created_at,
-            model=self.prepared.body.get("model"),
+            model=self.answer_model,
             message={"role": "assistant", "content": None},
             finish_reason=None,
             prompt_token_ids=prompt_token_ids,

@@ -193,6 +193,7 @@ async def handle_captured_call(
         request_received=parsed.received,
         routed_experts_expectation=back_ends.routed_experts_for(prepared.body.get("model")),
         parent_had_rows=resolution.parent_rows_end is not None,
+        front_diagnostics=parsed.diagnostics,
     )
     call = InFlightCall(front, parsed, ctx, prepared, resolution, retry_count)
     metrics = deps.recorder.metrics

@@ -110,6 +110,9 @@ class ExactTokens:
         self.dialect = dialect
         self.max_model_len = max_model_len
         self.end_of_turn_ids = end_of_turn_ids
+        #: the engine's first ``/v1/models`` id ("": it names none; None: not asked yet), for
+        #: an answer to a request that names no model
+        self.served_model: str | None = None
         self.end_of_turn_token = end_of_turn_token
         #: render every resolved call's whole conversation (the path before per-call
         #: extension; kept for comparison, e.g. ``benchmarks/long_session.py``)
@@ -180,6 +183,7 @@ class ExactTokens:
                             code="engine_bad_response",
                         )
                     self.max_model_len = min(found)
+                    self.served_model = _first_model_id(data)
                 if self.end_of_turn_ids is None:
                     body = {"prompt": self.end_of_turn_token, "add_special_tokens": False}
                     async with session.post(
@@ -199,6 +203,28 @@ class ExactTokens:
             except ValueError as exc:
                 raise UpstreamUnavailable(f"engine metadata unusable: {exc}") from exc
         return self.max_model_len, self.end_of_turn_ids
+
+    async def served_model_name(self, session: aiohttp.ClientSession, backend: str) -> str:
+        """The engine's served model (its first ``/v1/models`` id): kept from ``ready``, else
+        asked once; "" when the engine cannot tell (asked again at the next call)."""
+        async with self._lock:
+            if self.served_model is None:
+                try:
+                    timeout = aiohttp.ClientTimeout(total=30)
+                    async with session.get(backend + "/v1/models", timeout=timeout) as resp:
+                        self.served_model = _first_model_id(await resp.json(content_type=None))
+                except CLIENT_ERRORS + (ValueError,) as exc:
+                    log.warning("engine /v1/models unusable for the model name: %s", exc)
+                    return ""
+            return self.served_model
+
+
+def _first_model_id(models: Any) -> str:
+    """The first model id of a ``/v1/models`` answer, or ""."""
+    data = models.get("data") if isinstance(models, dict) else None
+    first = data[0] if isinstance(data, list) and data else None
+    model_id = first.get("id") if isinstance(first, dict) else None
+    return model_id if isinstance(model_id, str) else ""
 
 
 @dataclass(frozen=True)
@@ -413,7 +439,7 @@ def _answer(
     return Answer(
         call_id=call.ctx.call_id,
         created_at=call.ctx.created_at,
-        model=call.prepared.body.get("model"),
+        model=call.answer_model,
         message=message,
         finish_reason=finish_reason,
         usage=chat_usage(int(asm.prompt_token_ids.shape[0]), len(asm.token_ids)),
@@ -438,6 +464,9 @@ async def handle_exact_tokens(
         # as failed, as in backend-template mode.
         await record_failed(deps, call, t_ready, exc.message, None)
         raise
+    if body.get("model") is None:
+        served = await exact.served_model_name(deps.session, deps.backend)
+        call = dataclasses.replace(call, served_model=served)
     try:
         prompt = await build_prompt(call, deps, exact, end_of_turn_ids)
         sampling = sampling_from_chat(

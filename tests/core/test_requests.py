@@ -136,12 +136,76 @@ def test_nesting_up_to_the_limit_is_accepted_and_deeper_is_a_400():
 
 
 def test_a_lone_surrogate_deep_in_the_body_is_named_by_its_path():
-    body = _chat(tools=[{"function": {"parameters": {"a": [{"b": "x\ud800"}]}}}])
+    body = _chat(tools=[{"function": {"name": "t", "parameters": {"a": [{"b": "x\ud800"}]}}}])
     with pytest.raises(InvalidRequest, match=r"'tools.0.function.parameters.a.0.b' contains"):
         validate_chat_request(body)
     keyed = _chat(extra={"ok": 1, "k\udc00": 2})
     with pytest.raises(InvalidRequest, match=r"'extra' contains a lone UTF-16 surrogate"):
         validate_chat_request(keyed)
+
+
+def test_tools_and_tool_choice_are_checked_and_extras_pass():
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "read", "description": "d", "parameters": {}, "strict": True},
+            "cache_control": {"type": "ephemeral"},
+        },
+        {"function": {"name": "ls"}},  # vLLM: a missing type is a function tool
+    ]
+    choice = {"type": "function", "function": {"name": "read"}}
+    req = validate_chat_request(_chat(tools=tools, tool_choice=choice))
+    assert req.tools is not None
+    assert [t.function.name for t in req.tools] == ["read", "ls"]
+    assert req.tools[0].model_extra == {"cache_control": {"type": "ephemeral"}}
+    assert req.tools[0].function.model_extra == {"strict": True}
+    for mode in ("none", "auto", "required", None):
+        assert validate_chat_request(_chat(tool_choice=mode)).tool_choice == mode
+
+
+def _fn(**function: object) -> dict:
+    return {"tools": [{"type": "function", "function": function}]}
+
+
+def _choice(**function: object) -> dict:
+    return {"tool_choice": {"type": "function", "function": function}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "fragment"),
+    [
+        (_fn(), "tools.0.function.name", "required"),
+        (_fn(name=""), "tools.0.function.name", "at least 1"),
+        (_fn(name=5), "tools.0.function.name", "valid string"),
+        (_fn(name="a", description=3), "tools.0.function.description", "valid string"),
+        (_fn(name="a", parameters=[]), "tools.0.function.parameters", "valid dictionary"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function", "required"),
+        (
+            {"tools": [{"function": {"name": "a"}}, {"type": "web_search", "function": {}}]},
+            "tools.1.type",
+            "function tools only",
+        ),
+        ({"tools": ["read"]}, "tools.0", "valid dictionary"),
+        ({"tools": {"function": {"name": "a"}}}, "tools", "valid list"),
+        ({"tool_choice": 5}, "tool_choice", "must be 'none', 'auto', 'required' or {"),
+        ({"tool_choice": ["auto"]}, "tool_choice", "must be 'none', 'auto', 'required' or {"),
+        ({"tool_choice": "any"}, "tool_choice", "'none', 'auto' or 'required'"),
+        (_choice(), "tool_choice.function.name", "required"),
+        (_choice(name=""), "tool_choice.function.name", "at least 1"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice.function", "required"),
+        (
+            {"tool_choice": {"type": "tool", "function": {"name": "a"}}},
+            "tool_choice.type",
+            "'function'",
+        ),
+    ],
+)
+def test_bad_tools_and_tool_choice_are_refused_naming_the_field(fields, param, fragment):
+    with pytest.raises(InvalidRequest) as info:
+        validate_chat_request(_chat(**fields))
+    assert info.value.param == param
+    assert fragment in str(info.value)
+    assert "text content parts" not in str(info.value)
 
 
 def test_tool_call_arguments_are_checked_as_the_stdlib_parses_them():

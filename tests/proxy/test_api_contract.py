@@ -307,6 +307,13 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                 ("logit_bias", "a_list", [1], "logit_bias"),
                 ("logit_bias", "a_word_key", {"hello": 1}, "logit_bias"),
                 ("top_k", "a_float", 1.5, "top_k"),
+                (
+                    "tools",
+                    "a_nameless_function",
+                    [{"type": "function", "function": {}}],
+                    "tools.0.function.name",
+                ),
+                ("tool_choice", "a_number", 5, "tool_choice"),
             ]
         ),
     ],
@@ -594,3 +601,48 @@ async def test_opaque_reasoning_comes_back(make_stack, api, mode, tamper, stream
         assert call["linking"]["verdict"] == "refused"
         [diag] = [d for d in call["diagnostics"] if d["kind"] == "parent_digest_mismatch"]
         assert diag["details"]["class"] == "template_rerendered"
+
+
+# -- 7. tools the engine cannot render -------------------------------------------------------
+
+#: per API: a tool the engine cannot render, and how the diagnostic names it
+HOSTED_TOOLS = {
+    "responses": ({"type": "web_search"}, {"type": "web_search"}),
+    "messages": (
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+        {"type": "web_search_20250305", "name": "web_search"},
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", [None, "backend_down"], ids=["answered", "backend_down"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("api", list(HOSTED_TOOLS))
+async def test_tools_left_out_are_named_on_the_record(make_stack, api, mode, stream, fault):
+    stack = await _stack(make_stack, mode)
+    if fault == "backend_down":
+        await stack.engine.close()
+    h = harness(api, stack, "r1", stream=stream)
+    sent, named = HOSTED_TOOLS[api]
+    h.extra["tools"] = [*h.tools(), sent]
+    reply = await h.send()
+    assert reply.status == (502 if fault else 200)
+    [call] = await _stored_calls(stack)
+    assert call["status"] == ("failed" if fault else "complete")
+    # the harness's own tools reach the engine; the hosted one does not, and the record says so
+    assert [t["function"]["name"] for t in call["request_tools"]] == [
+        t["function"]["name"]
+        for t in harness("chat_completions", stack, "r1", stream=False).tools()
+    ]
+    [diag] = [d for d in call["diagnostics"] if d["kind"] == "tools_not_rendered"]
+    assert diag["details"] == {"tools": [named]}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_call_whose_tools_all_render_has_no_such_diagnostic(make_stack, mode):
+    stack = await _stack(make_stack, mode)
+    reply = await harness("messages", stack, "r1", stream=False).send()
+    call = await _call(stack, reply.call_id)
+    assert call["request_tools"]
+    assert "tools_not_rendered" not in [d["kind"] for d in call["diagnostics"]]

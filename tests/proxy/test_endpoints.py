@@ -56,6 +56,7 @@ async def test_model_listing_and_tokenize_are_forwarded_uncaptured(stack: Stack)
         ("/v1/chat/completions", "openai"),
         ("/v1/responses", "openai"),
         ("/v1/messages", "anthropic"),
+        ("/v1/messages/count_tokens", "anthropic"),  # answered by the proxy, never forwarded
     ],
 )
 async def test_get_on_a_captured_path_is_a_405_in_the_apis_shape(
@@ -63,6 +64,7 @@ async def test_get_on_a_captured_path_is_a_405_in_the_apis_shape(
 ):
     resp = await stack.client.get(BASE + path)
     assert resp.status == 405
+    assert stack.sent == []
     assert resp.headers["Allow"] == "POST"
     body = await resp.json()
     if shape == "anthropic":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -359,3 +361,68 @@ async def test_exact_tokens_mode_stores_routed_experts_of_new_rows_only(
         for s in stack.sent
     ]
     assert starts[0] == 0 and all(s > 0 for s in starts[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize(
+    ("max_model_len", "model_name", "answered"),
+    [
+        (None, "served-qwen", "served-qwen"),  # the id comes with ready()'s /v1/models
+        (32768, "served-qwen", "served-qwen"),  # /v1/models not needed for it: asked lazily
+        (32768, "", ""),  # the engine names no model: the empty string, never null
+    ],
+)
+async def test_an_answer_to_a_request_without_a_model_names_the_served_model(
+    make_stack, stream, max_model_len, model_name, answered
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(model_name=model_name),
+        prompt_mode="exact_tokens",
+        max_model_len=max_model_len,
+    )
+    body = _body(USER, stream=stream)
+    del body["model"]
+    resp = await stack.chat("r1", body)
+    assert resp.status == 200, await resp.text()
+    if stream:
+        decoder = SSEStreamDecoder()
+        chunks = [
+            json.loads(e.data) for e in [*decoder.feed(await resp.read())] if e.data != "[DONE]"
+        ]
+        assert chunks and {c["model"] for c in chunks} == {answered}
+    else:
+        assert (await resp.json())["model"] == answered
+    call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert call["model"] is None  # the record keeps the request as sent
+    # a request that names its model is answered with that name
+    named = await stack.chat("r2", _body(USER))
+    assert (await named.json())["model"] == _body(USER)["model"]
+
+
+async def test_the_served_model_name_is_asked_again_after_a_failure(aiohttp_server):
+    from aiohttp import ClientSession, web
+
+    from capture_proxy.core.engine_formats import get_dialect
+    from capture_proxy.core.parsers import get_parser
+    from capture_proxy.proxy.exact import ExactTokens
+    from capture_proxy.rendering import EngineRenderer
+
+    answers = [web.Response(status=500, text="not ready"), web.json_response({"data": []})]
+    asked = []
+
+    async def models(request: web.Request) -> web.Response:
+        asked.append(1)
+        return answers[len(asked) - 1]
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    server = await aiohttp_server(app)
+    base = str(server.make_url("")).rstrip("/")
+    async with ClientSession() as session:
+        exact = ExactTokens(
+            EngineRenderer(session, base), get_parser("qwen"), get_dialect("vllm_completions")
+        )
+        assert await exact.served_model_name(session, base) == ""  # 500: not kept
+        assert await exact.served_model_name(session, base) == ""  # no model: kept
+        assert await exact.served_model_name(session, base) == ""
+    assert len(asked) == 2

@@ -32,20 +32,24 @@ MAX_MODEL_LEN = 32768  # ScriptedEngineConfig's default
 REWRITTEN = ("turn_rewritten", None)
 MISMATCH = ("parent_digest_mismatch", "template_rerendered")
 CLAMPED = ("max_tokens_clamped", None)
+#: Codex offers its sub-agent tools as a namespace, which the engine cannot render
+NOT_RENDERED = ("tools_not_rendered", None)
+CODEX_NOTE = {seq: [NOT_RENDERED] for seq in (1, 2, 3, 4)}
 
 # (harness, prompt mode) -> ({seq: parent seq (None: root)}, {seq: verdict},
 #                            {seq: [(diagnostic kind, class)]})
 EXPECTED: dict[tuple[str, str], tuple[dict, dict, dict]] = {
-    # Codex hands every answer back as given: one exact chain, nothing diagnosed.
+    # Codex hands every answer back as given: one exact chain, nothing diagnosed but the
+    # namespace tools left out.
     ("codex", "backend_template"): (
         {1: None, 2: 1, 3: 2, 4: 3},
         {1: "root", 2: "resolved", 3: "resolved", 4: "resolved"},
-        {},
+        CODEX_NOTE,
     ),
     ("codex", "exact_tokens"): (
         {1: None, 2: 1, 3: 2, 4: 3},
         {1: "root", 2: "resolved", 3: "resolved", 4: "resolved"},
-        {},
+        CODEX_NOTE,
     ),
     # Claude Code rebuilds Edit's input ({"replace_all": false, ...} first): the 4th call's
     # digest parent (3, the Edit call) is found by its tool-call ids (turn_rewritten); the
@@ -118,6 +122,8 @@ async def test_recorded_harness_session_chains(
                 }
             elif d["kind"] == "turn_rewritten":
                 assert seq_of[d["details"]["parent_call_id"]] == seq - 1
+            elif d["kind"] == "tools_not_rendered":
+                assert d["details"] == {"tools": [{"type": "namespace", "name": "multi_agent_v1"}]}
 
     # every link is token-exact; where a digest parent was refused, the tokens say why, and
     # the call hangs on the deepest call it does extend

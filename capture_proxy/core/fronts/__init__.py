@@ -101,9 +101,12 @@ def error_front(path: str) -> FrontCodec | None:
 
 def endpoint_kind(method: str, path: str) -> EndpointKind:
     """What a ``method`` request to ``path`` under the capture prefix is. Only POSTs generate:
-    other methods on any path are forwarded (a GET on a captured path is the caller's 405)."""
+    other methods on any other path are forwarded (a GET on a captured path, or on
+    ``count_tokens``, which the proxy answers itself, is the caller's 405)."""
     if path in _FRONTS:
         return EndpointKind.CAPTURED
+    if path == "/v1/messages/count_tokens":
+        return EndpointKind.COUNT_TOKENS
     if method != "POST":
         return EndpointKind.FORWARDED
     if not is_normal_path(path):
@@ -111,8 +114,6 @@ def endpoint_kind(method: str, path: str) -> EndpointKind:
     if path.rstrip("/") in _FRONTS:
         # ``/v1/chat/completions/``: a model call the proxy would not see as one.
         return EndpointKind.NOT_CAPTURABLE
-    if path == "/v1/messages/count_tokens":
-        return EndpointKind.COUNT_TOKENS
     for prefix in NOT_CAPTURABLE_PATHS:
         if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
             return EndpointKind.NOT_CAPTURABLE

@@ -39,6 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+from capture_proxy.core.records import Diagnostic, DiagnosticKind
 
 
 class Api(enum.StrEnum):
@@ -72,6 +73,20 @@ class FrontRequest:
     options: Any = None
     #: the ``known_messages`` facts of ``chat["messages"]``, when the front derived them
     message_facts: tuple[MessageFacts, ...] | None = None
+    #: what the front knows of the call that the record must say (``tools_not_rendered``)
+    diagnostics: tuple[Diagnostic, ...] = ()
+
+
+def tools_not_rendered(tools: Sequence[Mapping[str, Any]]) -> tuple[Diagnostic, ...]:
+    """A ``tools_not_rendered`` diagnostic naming ``tools`` (left out of the chat tools, so
+    the model was not shown them), with each one's ``type`` and ``name`` (when it has one);
+    none when ``tools`` is empty."""
+    if not tools:
+        return ()
+    named = [
+        {k: tool[k] for k in ("type", "name") if isinstance(tool.get(k), str)} for tool in tools
+    ]
+    return (Diagnostic(DiagnosticKind.TOOLS_NOT_RENDERED, {"tools": named}),)
 
 
 #: Token ids as a list or a uint32 array.

@@ -27,7 +27,8 @@ Request mapping (errors name the field as a dotted path, e.g. ``messages.3.conte
   the content and the tool calls).
 - ``tools``: custom tools -> chat function tools (``parameters`` = ``input_schema``); server
   tools (a ``type`` other than ``custom``, e.g. ``web_search_20250305``) cannot run behind an
-  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools``.
+  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools`` and named by
+  the call's ``tools_not_rendered`` diagnostic.
 - ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``"auto"`` / ``"required"`` /
   ``{"type": "function", ...}`` / ``"none"``; ``disable_parallel_tool_use`` ->
   ``parallel_tool_calls: false``.
@@ -69,6 +70,7 @@ from capture_proxy.core.fronts.base import (
     open_reasoning,
     seal_reasoning,
     sse_event,
+    tools_not_rendered,
 )
 from capture_proxy.core.known_messages import KnownMessages
 
@@ -154,6 +156,13 @@ def _list(value: Any, path: str) -> list[Any]:
     return value
 
 
+def _blocks(value: Any, path: str, what: str = "content blocks") -> list[Any]:
+    """The blocks of a field that is a string (the caller takes that) or an array of blocks."""
+    if not isinstance(value, list):
+        raise _fail(path, f"must be a string or an array of {what}, not {_type_name(value)}")
+    return value
+
+
 def _int(value: Any, path: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _fail(path, f"must be an integer, not {_type_name(value)}")
@@ -202,7 +211,7 @@ class _Collected:
 def _user_messages(content: Any, path: str, seen: _Collected) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    blocks = _list(content, f"{path}.content")
+    blocks = _blocks(content, f"{path}.content")
     if not blocks:
         raise _fail(f"{path}.content", "must not be empty")
     out: list[dict[str, Any]] = []
@@ -232,7 +241,7 @@ def _tool_message(block: dict[str, Any], path: str, seen: _Collected) -> dict[st
     elif isinstance(raw, str):
         text = raw
     else:
-        text = _texts(_list(raw, f"{path}.content"), f"{path}.content")
+        text = _texts(_blocks(raw, f"{path}.content", "text blocks"), f"{path}.content")
     is_error = block.get("is_error")
     if is_error is not None and _bool(is_error, f"{path}.is_error"):
         seen.tool_errors.append(tool_use_id)
@@ -260,7 +269,7 @@ def _loads_or_none(text: str) -> Any:
 def _assistant_message(content: Any, path: str, seen: _Collected) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    blocks = _list(content, f"{path}.content")
+    blocks = _blocks(content, f"{path}.content")
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -315,7 +324,10 @@ def _assistant_message(content: Any, path: str, seen: _Collected) -> dict[str, A
 def _system_message(system: Any) -> dict[str, Any] | None:
     if system is None:
         return None
-    text = system if isinstance(system, str) else _texts(_list(system, "system"), "system")
+    if isinstance(system, str):
+        text = system
+    else:
+        text = _texts(_blocks(system, "system", "text blocks"), "system")
     return {"role": "system", "content": text} if text else None
 
 
@@ -327,7 +339,7 @@ def _inline_system_message(content: Any, path: str) -> dict[str, Any]:
     give the same canonical message."""
     if isinstance(content, str):
         return {"role": "system", "content": content}
-    blocks = _list(content, f"{path}.content")
+    blocks = _blocks(content, f"{path}.content", "text blocks")
     return {"role": "system", "content": _texts(blocks, f"{path}.content")}
 
 
@@ -485,7 +497,9 @@ def _parse(body: Any, *, count_tokens: bool) -> FrontRequest:
         chat["continue_final_message"] = True
         chat["add_generation_prompt"] = False
     received = {k: v for k, v in body.items() if k != "messages"}
-    return FrontRequest(Api.MESSAGES, chat, stream, received, options)
+    return FrontRequest(
+        Api.MESSAGES, chat, stream, received, options, diagnostics=tools_not_rendered(server_tools)
+    )
 
 
 def parse_count_tokens(body: dict[str, Any]) -> FrontRequest:

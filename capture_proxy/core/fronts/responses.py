@@ -17,7 +17,8 @@ Request (``parse``):
   does not keep (``item_reference``) or calls of tools it never offers (hosted tools).
 - ``tools``: ``function`` tools pass; ``custom`` (freeform) tools become a function with one
   string parameter ``input``; ``namespace`` and hosted tools (``web_search``, ...) cannot be
-  rendered by a local engine and are left out (named in ``ResponsesOptions.unrendered_tools``).
+  rendered by a local engine and are left out (``ResponsesOptions.unrendered_tools``, named by
+  the call's ``tools_not_rendered`` diagnostic).
 
 Reasoning, and how Codex hands it back: Codex sends ``store: false`` and
 ``include: ["reasoning.encrypted_content"]`` and replays every ``reasoning`` output item on
@@ -55,6 +56,7 @@ from capture_proxy.core.fronts.base import (
     open_reasoning,
     seal_reasoning,
     sse_event,
+    tools_not_rendered,
 )
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.requests import arguments_problem
@@ -82,8 +84,8 @@ class ResponsesOptions:
 
     #: names of freeform tools: a call of one is answered as a ``custom_tool_call``
     custom_tools: frozenset[str] = frozenset()
-    #: names (or types) of tools left out of the chat tools: namespaces, hosted tools
-    unrendered_tools: tuple[str, ...] = ()
+    #: the tools left out of the chat tools, as sent: namespaces, hosted tools
+    unrendered_tools: tuple[Mapping[str, Any], ...] = ()
     #: the request's ``reasoning`` object (``effort``, ``summary``) and ``include`` list
     reasoning: Mapping[str, Any] | None = None
     include: tuple[str, ...] = ()
@@ -305,11 +307,13 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-def _tools(raw: Any) -> tuple[list[dict[str, Any]], frozenset[str], tuple[str, ...]]:
-    """Chat function tools, the names of freeform tools, the names of tools left out."""
+def _tools(
+    raw: Any,
+) -> tuple[list[dict[str, Any]], frozenset[str], tuple[Mapping[str, Any], ...]]:
+    """Chat function tools, the names of freeform tools, the tools left out."""
     tools: list[dict[str, Any]] = []
     custom: set[str] = set()
-    unrendered: list[str] = []
+    unrendered: list[Mapping[str, Any]] = []
     for i, entry in enumerate(_list(raw, "tools")):
         path = f"tools.{i}"
         tool = _object(entry, path)
@@ -337,8 +341,7 @@ def _tools(raw: Any) -> tuple[list[dict[str, Any]], frozenset[str], tuple[str, .
                 custom.add(name)
             tools.append({"type": "function", "function": function})
         else:
-            label = tool.get("name")
-            unrendered.append(label if isinstance(label, str) and label else kind)
+            unrendered.append(tool)
     return tools, frozenset(custom), tuple(unrendered)
 
 
@@ -429,7 +432,7 @@ class ResponsesCodec:
 
         chat: dict[str, Any] = {"model": model, "messages": messages}
         custom: frozenset[str] = frozenset()
-        unrendered: tuple[str, ...] = ()
+        unrendered: tuple[Mapping[str, Any], ...] = ()
         if body.get("tools") is not None:
             tools, custom, unrendered = _tools(body["tools"])
             if tools:
@@ -496,7 +499,12 @@ class ResponsesCodec:
             include=tuple(include),
         )
         return FrontRequest(
-            api=Api.RESPONSES, chat=chat, stream=stream, received=received, options=options
+            api=Api.RESPONSES,
+            chat=chat,
+            stream=stream,
+            received=received,
+            options=options,
+            diagnostics=tools_not_rendered(unrendered),
         )
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:

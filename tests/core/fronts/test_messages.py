@@ -395,6 +395,16 @@ def test_parse_tools_server_tools_and_tool_choice() -> None:
         {"type": "function", "function": {"name": "Bash", "parameters": BASH_SCHEMA}}
     ]
     assert request.options.server_tools == (web_search, bash)
+    [diagnostic] = request.diagnostics
+    assert diagnostic.to_json() == {
+        "kind": "tools_not_rendered",
+        "details": {
+            "tools": [
+                {"type": "web_search_20250305", "name": "web_search"},
+                {"type": "bash_20250124", "name": "bash"},
+            ]
+        },
+    }
     assert request.chat["tool_choice"] == "auto"
     assert "parallel_tool_calls" not in request.chat
 
@@ -421,6 +431,19 @@ def test_parse_only_server_tools_sends_no_tools() -> None:
     )
     assert "tools" not in request.chat
     assert "tool_choice" not in request.chat
+    assert [d.kind for d in request.diagnostics] == ["tools_not_rendered"]
+
+
+def test_parse_without_server_tools_has_no_diagnostic() -> None:
+    request = CODEC.parse(
+        {
+            "model": "m",
+            "max_tokens": 5,
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "Bash", "input_schema": BASH_SCHEMA}],
+        }
+    )
+    assert request.diagnostics == ()
 
 
 BASE = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
@@ -1088,3 +1111,32 @@ def test_count_tokens_refusals() -> None:
     with pytest.raises(InvalidFrontRequest) as info:
         parse_count_tokens({"messages": BASE["messages"]})
     assert info.value.param == "model"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (_with(system=5), "system: must be a string or an array of text blocks, not int"),
+        (
+            _with(messages=[{"role": "system", "content": {}}]),
+            "messages.0.content: must be a string or an array of text blocks, not dict",
+        ),
+        (
+            _with(messages=[{"role": "user", "content": 3}]),
+            "messages.0.content: must be a string or an array of content blocks, not int",
+        ),
+        (
+            _with(messages=_assistant()[:1] + [{"role": "assistant", "content": None}]),
+            "messages.1.content: must be a string or an array of content blocks, not null",
+        ),
+        (
+            _with(messages=_user({"type": "tool_result", "tool_use_id": "t", "content": 3})),
+            "messages.0.content.0.content: must be a string or an array of text blocks, not int",
+        ),
+        (_with(tools={}), "tools: must be an array, not dict"),
+    ],
+)
+def test_a_field_that_may_be_a_string_says_so(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidFrontRequest) as info:
+        CODEC.parse(body)
+    assert str(info.value) == message

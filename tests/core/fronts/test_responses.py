@@ -158,10 +158,15 @@ def test_codex_first_request():
     }
     assert req.options == ResponsesOptions(
         custom_tools=frozenset({"apply_patch"}),
-        unrendered_tools=("multi_agent_v1", "web_search"),
+        unrendered_tools=tuple(TOOLS[-2:]),
         reasoning={"summary": "auto"},
         include=("reasoning.encrypted_content",),
     )
+    [diagnostic] = req.diagnostics
+    assert diagnostic.kind == "tools_not_rendered"
+    assert diagnostic.details == {
+        "tools": [{"type": "namespace", "name": "multi_agent_v1"}, {"type": "web_search"}]
+    }
     body = codex_body()
     del body["input"]
     assert req.received == body
@@ -323,7 +328,10 @@ def test_tool_choice_forms():
     # only hosted tools: nothing to offer the engine, so no tools and no choice
     req = request(tools=[{"type": "web_search"}])
     assert "tools" not in req.chat and "tool_choice" not in req.chat
-    assert req.options.unrendered_tools == ("web_search",)
+    assert req.options.unrendered_tools == ({"type": "web_search"},)
+    assert [d.to_json() for d in req.diagnostics] == [
+        {"kind": "tools_not_rendered", "details": {"tools": [{"type": "web_search"}]}}
+    ]
 
 
 def test_previous_response_history():
