@@ -260,11 +260,12 @@ def _finite_float(text: str) -> float:
     return value
 
 
-#: Digits 1-9 to 0, so that ``_LONG_NUMBER in raw.translate(...)`` finds any run of 20 digits.
+#: Digits 1-9 to 0, so that ``_LONG_NUMBER in raw.translate(...)`` finds any run of 19 digits.
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
-#: 2**64 has 20 digits: a number this long may be past what orjson keeps exact (it parses
-#: integers past 64 bits as floats), so such bodies take the stdlib's exact path.
-_LONG_NUMBER = b"0" * 20
+#: orjson keeps integers in [-2**63, 2**64) exact and parses any other as a float: 2**64 has 20
+#: digits, but -2**63 - 1 has 19, so a body with a run of 19 digits takes the stdlib's exact
+#: path (slower, and rare: token ids and counts have fewer digits).
+_LONG_NUMBER = b"0" * 19
 
 
 #: Deepest nesting of arrays and objects a request may have: what orjson serialises (it
@@ -277,7 +278,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """Parse a request body as a JSON object (strict: no NaN/Infinity). Raises InvalidRequest.
 
     orjson first (3-5x faster on agent histories of tens of KB); a body orjson refuses, or
-    one with a 20-digit number, goes through the stdlib, which keeps big integers exact and
+    one with a 19-digit number, goes through the stdlib, which keeps big integers exact and
     names what is wrong."""
     if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
         try:
@@ -304,7 +305,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 def loads_like_stdlib(raw: bytes) -> Any:
     """``json.loads(raw)``, by orjson where that parses to the same value (3-5x faster on an
-    engine answer carrying a long prompt's ids): a body with a 20-digit number (orjson makes
+    engine answer carrying a long prompt's ids): a body with a 19-digit number (orjson makes
     a float of an integer past 64 bits) or one orjson refuses (``NaN`` literals, lone
     surrogates) takes the stdlib. Raises ValueError."""
     if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):

@@ -95,6 +95,9 @@ def test_numbers_past_64_bits_stay_exact_and_bad_json_is_named():
     body = parse_json_object(b'{"seed": 123456789012345678901234567890, "messages": []}')
     assert body["seed"] == 123456789012345678901234567890
     assert parse_json_object(b'{"a": 18446744073709551615}') == {"a": 2**64 - 1}
+    # 19 digits, below orjson's int64 range: it would be a float there
+    assert parse_json_object(b'{"a": -9223372036854775809}') == {"a": -(2**63) - 1}
+    assert parse_json_object(b'{"a": -9223372036854775808}') == {"a": -(2**63)}
     with pytest.raises(InvalidRequest, match="NaN is not valid JSON"):
         parse_json_object(b'{"temperature": NaN}')
     with pytest.raises(InvalidRequest, match="not valid JSON"):
