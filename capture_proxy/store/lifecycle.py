@@ -21,6 +21,7 @@ from typing import Any
 
 from capture_proxy.core.codec import (
     EncodedRecord,
+    PromptParent,
     RequestEncoding,
     StoredMessages,
     common_messages_prefix,
@@ -162,6 +163,17 @@ def encode_call(
     ``StoredMessages``). ``request``: its ``RequestEncoding`` if computed ahead, used only when
     it belongs to the record."""
     parent = choose_prompt_parent(record.prompt_token_ids, candidates, exclude=record.call_id)
+    return encode_with_parent(record, request, parent, lookup)
+
+
+def encode_with_parent(
+    record: CallRecord,
+    request: RequestEncoding | None,
+    parent: PromptParent | None,
+    lookup: Callable[[str], StoredMessages | None],
+) -> EncodedRecord:
+    """``encode_call`` with the prompt parent chosen already (``prefixes.choose_prompt_parent``
+    over the candidates a store read)."""
     encoding = (
         request
         if request is not None and request.belongs_to(record)

@@ -83,7 +83,7 @@ from capture_proxy.core.codec import (
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.episodes import episode_glob
 from capture_proxy.core.metadata import RolloutMetadata
-from capture_proxy.core.prefixes import StoredPrefix
+from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
@@ -370,6 +370,37 @@ def _state(db: sqlite3.Connection, rollout_id: str) -> tuple[Tombstone | None, L
     return lifecycle.state_of(row)
 
 
+def _candidates(db: sqlite3.Connection, record: CallRecord, floor: int) -> list[StoredPrefix]:
+    """The rollout's complete calls with output whose prompt + generation length is in
+    ``[floor, len(record prompt)]``: the prompt parents it may have."""
+    return [
+        StoredPrefix(r[0], r[1], r[2], r[3])
+        for r in db.execute(
+            "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
+            "tokens_sha256 FROM calls WHERE rollout_id = ? AND status = ? "
+            "AND num_generation_tokens > 0 "
+            "AND num_prompt_tokens + num_generation_tokens BETWEEN ? AND ?",
+            (record.rollout_id, CallStatus.COMPLETE.value, floor, record.num_prompt_tokens),
+        ).fetchall()
+    ]
+
+
+def _parent_depth(db: sqlite3.Connection, record: CallRecord) -> int:
+    """Prompt + generation length of the record's verified parent when it is a stored
+    complete call of the rollout with output (its tokens are a prefix of the record's prompt,
+    the linker checked), else 0."""
+    if record.parent_call_id is None:
+        return 0
+    row = db.execute(
+        "SELECT num_prompt_tokens + num_generation_tokens FROM calls WHERE call_id = ? "
+        "AND rollout_id = ? AND status = ? AND num_generation_tokens > 0",
+        (record.parent_call_id, record.rollout_id, CallStatus.COMPLETE.value),
+    ).fetchone()
+    if row is None or row[0] > record.num_prompt_tokens:
+        return 0
+    return int(row[0])
+
+
 class SQLiteStore(ThreadedStore):
     """Embedded store in directory ``path`` (created on first use). Its ``CaptureStore``
     methods are ``ThreadedStore``'s: writes hop to the writer thread, reads to the reader."""
@@ -640,24 +671,27 @@ class SQLiteStore(ThreadedStore):
 
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
+        """Store one record (writer thread); the JSON bytes new to the store."""
         def body() -> int:
             tomb, rollout = _state(db, record.rollout_id)
             lifecycle.refuse_deleted(record, tomb is not None)
             frozen = rollout is not None and rollout.frozen
             links = _retry_links(db, record.rollout_id) if lifecycle.may_recount(record) else []
             # Inside the transaction: no candidate can appear or vanish before the insert.
-            candidates = [
-                StoredPrefix(r[0], r[1], r[2], r[3])
-                for r in db.execute(
-                    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
-                    "tokens_sha256 FROM calls WHERE rollout_id = ? AND status = ? "
-                    "AND num_generation_tokens > 0 "
-                    "AND num_prompt_tokens + num_generation_tokens <= ?",
-                    (record.rollout_id, CallStatus.COMPLETE.value, record.num_prompt_tokens),
-                ).fetchall()
-            ]
-            enc = lifecycle.encode_call(
-                record, request, candidates, lambda c: _stored_messages(db, c)
+            # The deepest candidate wins, and a verified parent is one (its tokens are a prefix
+            # of the record's prompt): only candidates at least as deep are read, so a call of
+            # a long rollout reads a row or two, not every call before it.
+            # (A parent that is not a prefix, a record put by hand, falls back to all.)
+            floor = _parent_depth(db, record)
+            parent = choose_prompt_parent(
+                record.prompt_token_ids, _candidates(db, record, floor), exclude=record.call_id
+            )
+            if parent is None and floor > 0:
+                parent = choose_prompt_parent(
+                    record.prompt_token_ids, _candidates(db, record, 0), exclude=record.call_id
+                )
+            enc = lifecycle.encode_with_parent(
+                record, request, parent, lambda c: _stored_messages(db, c)
             )
             written = 0
             cur = db.execute(_INSERT_CALL, (*column_values(enc), int(frozen), record.retry_of))

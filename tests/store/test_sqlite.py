@@ -266,3 +266,26 @@ async def test_deleting_a_rollout_never_heard_of_writes_no_tombstone(store):
     with pytest.raises(RolloutDeleted):
         await store.put_call(record("c2", [1, 2], [3], rollout_id="inflight"))
     assert await store.delete_rollout("inflight") == 0  # a repeat: tombstoned, known
+
+
+async def test_a_verified_parent_narrows_the_prompt_parent_search_to_deeper_calls(store):
+    # A call names its verified parent (the linker checked its tokens are a prefix): only
+    # calls at least as deep are candidates, and the choice is the one a full scan makes.
+    records = chain(6, new_prompt=5, gen=2)
+    linked = [records[0]] + [
+        r.replace(parent_call_id=p.call_id) for p, r in zip(records, records[1:], strict=False)
+    ]
+    for rec in linked:
+        await store.put_call(rec)
+    assert [p for _, _, p in blob_sizes(store)] == [None] + [r.call_id for r in records[:-1]]
+    for got, want in zip(await store.get_rollout_calls("r1"), linked, strict=True):
+        assert_same(got, want)
+    # A parent that is not a prefix (a record put by hand): the search falls back to all calls.
+    b0, b1, _ = (r.replace(rollout_id="r2", call_id=f"b{i}") for i, r in enumerate(chain(3)))
+    await store.put_call(b0)
+    await store.put_call(b1.replace(parent_call_id="b0"))
+    prompt = np.concatenate([b0.full_token_ids(), np.arange(900, 910, dtype=np.uint32)])
+    b2 = record("b2", prompt.tolist(), [5, 6], rollout_id="r2", created_at=9.0)
+    await store.put_call(b2.replace(parent_call_id="b1"))  # b1 is not a prefix of it
+    assert [p for c, _, p in blob_sizes(store) if c == "b2"] == ["b0"]
+    assert_same((await store.get_rollout_calls("r2"))[2], b2.replace(parent_call_id="b1"))
