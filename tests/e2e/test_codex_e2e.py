@@ -30,7 +30,8 @@ Harness notes: Codex adds no assistant message or model-side item the model did 
 module under ``harness_notes/``.
 
 Chains, both modes: ONE chain of the 4 calls, every link ``resolved`` and token-exact, no
-diagnostics at all (on calls or the rollout). In exact-token mode the engine got token ids,
+diagnostics but ``tools_not_rendered`` on each call (Codex always sends a ``namespace`` tool,
+``multi_agent_v1``, which no chat template renders). In exact-token mode the engine got token ids,
 exactly the stored prompt ids.
 """
 
@@ -128,11 +129,12 @@ async def test_codex_session_is_one_exact_chain(
         assert (summary["num_incomplete"], summary["num_failed"]) == (0, 0), summary
         assert (summary["num_chains"], summary["num_roots"]) == (1, 1), summary
         assert summary["incomplete"] is False
-        assert summary["diagnostics"] == {"rollout": [], "calls_by_kind": {}}, summary
+        only_unrendered = {"rollout": [], "calls_by_kind": {"tools_not_rendered": CALLS}}
+        assert summary["diagnostics"] == only_unrendered, summary
 
         body = await stack.get(f"/captures/rollouts/{ROLLOUT}/chains")
         assert body["unlinked_calls"] == [] and body["incomplete"] is False
-        assert body["diagnostics"] == {"rollout": [], "calls_by_kind": {}}
+        assert body["diagnostics"] == only_unrendered
         (chain,) = body["chains"]
         calls = chain["calls"]
         assert len(calls) == CALLS
@@ -141,7 +143,10 @@ async def test_codex_session_is_one_exact_chain(
         assert calls[0]["linking"]["verdict"] == "root"
         for call in calls:
             assert call["api"] == "responses" and call["status"] == "complete", call["call_id"]
-            assert call["stream"] is True and call["diagnostics"] == [], call["call_id"]
+            assert call["stream"] is True, call["call_id"]
+            (unrendered,) = call["diagnostics"]
+            assert unrendered["kind"] == "tools_not_rendered", call["call_id"]
+            assert [t["type"] for t in unrendered["details"]["tools"]] == ["namespace"]
         # one chain, token-exact: every child's prompt begins with parent prompt + generation
         for parent, child in zip(calls, calls[1:], strict=False):
             assert child["parent_call_id"] == parent["call_id"]
