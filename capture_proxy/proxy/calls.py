@@ -162,17 +162,10 @@ async def finish_call(
         request = encode_request(call)
     if await deps.recorder.persist(record, request):
         try:
-            await deps.linker.remember(record, _record_facts(call, record))
+            # (facts that do not fit the record's messages are not kept: RecentCalls.put)
+            await deps.linker.remember(record, call.prepared.message_facts)
         except Exception as exc:
             log.error("call %s: indexing failed: %s", record.call_id, exc)
-
-
-def _record_facts(call: InFlightCall, record: CallRecord) -> tuple[Any, ...] | None:
-    """The facts of ``record.request_messages`` (the call's body messages), when known."""
-    facts = call.prepared.message_facts
-    if facts is None or len(facts) != len(record.request_messages):
-        return None
-    return facts
 
 
 def encode_request(call: InFlightCall) -> RequestEncoding | None:

@@ -173,8 +173,7 @@ class ExactTokens:
             timeout = aiohttp.ClientTimeout(total=30)
             try:
                 if self.max_model_len is None:
-                    async with session.get(backend + "/v1/models", timeout=timeout) as resp:
-                        data = await resp.json(content_type=None)
+                    data = await _models(session, backend)
                     lengths = [m.get("max_model_len") for m in data.get("data", [])]
                     found = [n for n in lengths if isinstance(n, int)]
                     if not found:
@@ -210,13 +209,18 @@ class ExactTokens:
         async with self._lock:
             if self.served_model is None:
                 try:
-                    timeout = aiohttp.ClientTimeout(total=30)
-                    async with session.get(backend + "/v1/models", timeout=timeout) as resp:
-                        self.served_model = _first_model_id(await resp.json(content_type=None))
+                    self.served_model = _first_model_id(await _models(session, backend))
                 except CLIENT_ERRORS + (ValueError,) as exc:
                     log.warning("engine /v1/models unusable for the model name: %s", exc)
                     return ""
             return self.served_model
+
+
+async def _models(session: aiohttp.ClientSession, backend: str) -> Any:
+    """The engine's ``GET /v1/models`` answer (JSON). Raises aiohttp's errors, ValueError."""
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with session.get(backend + "/v1/models", timeout=timeout) as resp:
+        return await resp.json(content_type=None)
 
 
 def _first_model_id(models: Any) -> str:
