@@ -64,8 +64,8 @@ def write_port_file(path: Path, port: int) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from capture_proxy.app import build_proxy_app, build_read_only_app
+    from capture_proxy.families.base import RenderError
     from capture_proxy.proxy import server
-    from capture_proxy.rendering import RenderError
     from capture_proxy.store import open_store
     from capture_proxy.store.base import StoreError
 
@@ -226,7 +226,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _export_tokenizer(args: argparse.Namespace) -> int:
-    from capture_proxy.tokenizer import load_qwen_tokenizer
+    from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 
     tokenizer = load_qwen_tokenizer(template=args.template)
     tokenizer.save_pretrained(str(args.directory))

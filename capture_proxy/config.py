@@ -170,7 +170,7 @@ class Settings(BaseSettings):
     model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss"]] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
-        "turn-closing tokens, see capture_proxy.renderers): qwen3 (Hermes JSON tool calls), "
+        "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
         "qwen3_coder (XML tool calls), gpt_oss (harmony); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )

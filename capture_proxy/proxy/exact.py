@@ -30,8 +30,6 @@ from capture_proxy.core.fronts.base import Answer, answer_as_deltas
 from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.known_messages import MessageFacts, same_messages
 from capture_proxy.core.linking import Verdict
-from capture_proxy.core.parsers import MessageDelta, OutputParser
-from capture_proxy.core.parsers.base import apply_deltas
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.sampling import (
@@ -48,6 +46,16 @@ from capture_proxy.core.splice import (
 )
 from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
+from capture_proxy.families.base import (
+    ChatRenderer,
+    ContinuationRenderer,
+    ModelFamily,
+    RenderError,
+    RendererUnavailable,
+    TailRenderer,
+)
+from capture_proxy.families.hf_template import cut_after_end_of_turn, tail_context
+from capture_proxy.families.parsing import MessageDelta, OutputParser, apply_deltas
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     CaptureDeps,
@@ -64,16 +72,6 @@ from capture_proxy.proxy.calls import (
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
-from capture_proxy.renderers import ModelFamily
-from capture_proxy.rendering import (
-    ChatRenderer,
-    ContinuationRenderer,
-    RenderError,
-    RendererUnavailable,
-    TailRenderer,
-    cut_after_end_of_turn,
-    tail_context,
-)
 
 log = logging.getLogger("capture_proxy")
 

@@ -23,8 +23,10 @@ import aiohttp
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
-from capture_proxy.renderers import load_family
-from capture_proxy.rendering import LocalRenderer, RenderError
+from capture_proxy.families import load_family
+from capture_proxy.families.base import RenderError
+from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.generation import Generation, TokenEvent
@@ -43,7 +45,6 @@ from capture_proxy.scripted_engine.state import (
     SentCall,
 )
 from capture_proxy.scripted_engine.tokens_in import add_tokens_in_routes
-from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

@@ -1,6 +1,6 @@
 """The scripted engine's model family: the proxy's renderer and output format, engine-side.
 
-Owns what the engine needs of a family (``capture_proxy.renderers.ModelFamily``, the same
+Owns what the engine needs of a family (``capture_proxy.families.ModelFamily``, the same
 objects exact-token mode renders and parses with, so ids agree by construction): rendering a
 chat request, the ids a scripted message is sampled as (``ModelFamily.write``: Hermes JSON,
 Qwen3-Coder XML or harmony channels) with the per-token events the chat endpoint streams,
@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from capture_proxy.renderers import ModelFamily
+from capture_proxy.families import ModelFamily
+from capture_proxy.families.qwen_vocab import QWEN_ADDED_TOKENS, SPECIAL_START_ID
 from capture_proxy.scripted_engine.chatml import parse_chatml
 from capture_proxy.scripted_engine.generation import (
     Generation,
@@ -29,7 +30,6 @@ from capture_proxy.scripted_engine.generation import (
     synthetic_logprob,
     token_bytes,
 )
-from capture_proxy.tokenizer import QWEN_ADDED_TOKENS, SPECIAL_START_ID
 
 QWEN_SPECIAL_IDS = frozenset(
     SPECIAL_START_ID + i for i, (_, special) in enumerate(QWEN_ADDED_TOKENS) if special
@@ -57,7 +57,7 @@ class EngineFamily:
     @property
     def vocab_size(self) -> int:
         if self.harmony:
-            from capture_proxy.renderers.harmony import HARMONY_VOCAB_SIZE
+            from capture_proxy.families.gpt_oss import HARMONY_VOCAB_SIZE
 
             return HARMONY_VOCAB_SIZE
         return len(self.tokenizer)
@@ -179,7 +179,7 @@ def _event(tid: int, logprob: float, deltas: list[Any]) -> TokenEvent:
 def _harmony_bytes(ef: EngineFamily, token_id: int) -> bytes:
     inverse = getattr(ef, "_inverse", None)
     if inverse is None:
-        from capture_proxy.renderers.harmony import o200k_ranks
+        from capture_proxy.families.gpt_oss import o200k_ranks
 
         inverse = {rank: piece for piece, rank in o200k_ranks().items()}
         ef._inverse = inverse  # type: ignore[attr-defined]

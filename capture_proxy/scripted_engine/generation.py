@@ -18,13 +18,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from capture_proxy.tokenizer import (
+from capture_proxy.families.qwen3 import content_text, render_assistant_generation, render_tool_call
+from capture_proxy.families.qwen_vocab import (
     BYTE_DECODER,
     IM_END_ID,
     SPECIAL_START_ID,
-    content_text,
-    render_assistant_generation,
-    render_tool_call,
 )
 
 

@@ -35,7 +35,7 @@ class ScriptedEngineConfig:
     policy: Policy = field(default_factory=Policy.default)
     responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     tokenizer_template: str = "keep_reasoning"
-    #: the model family it renders and writes as (``capture_proxy.renderers``): qwen3
+    #: the model family it renders and writes as (``capture_proxy.families``): qwen3
     #: (Hermes JSON, with ``tokenizer_template``), qwen3_coder (XML tool calls), gpt_oss
     #: (harmony); the proxy's exact-token mode renders and parses with the same objects
     family: str = "qwen3"

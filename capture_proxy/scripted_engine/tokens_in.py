@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from capture_proxy.families.qwen_vocab import SPECIAL_START_ID
 from capture_proxy.scripted_engine.families import QWEN_SPECIAL_IDS, EngineFamily
 from capture_proxy.scripted_engine.generation import Generation, synthetic_logprob
 from capture_proxy.scripted_engine.moe import (
@@ -43,7 +44,6 @@ from capture_proxy.scripted_engine.state import (
     RequestError,
     SentCall,
 )
-from capture_proxy.tokenizer import SPECIAL_START_ID
 
 #: Ids of the Qwen tokens ``skip_special_tokens`` drops (``<tool_call>``, ``<think>``... stay).
 SPECIAL_IDS = QWEN_SPECIAL_IDS

