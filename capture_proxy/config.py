@@ -147,8 +147,10 @@ class Settings(BaseSettings):
         "(usage.prompt_tokens) and no per-call work grows with the prompt (the echo costs about "
         "2 ms per call at 54k prompt tokens)",
     )
-    output_parser: Literal["qwen"] = Field(
-        "qwen", description="model family whose output format turns tokens back into a message"
+    output_parser: Literal["qwen", "qwen3", "qwen3_coder"] = Field(
+        "qwen",
+        description="model family whose output format turns tokens back into a message: qwen "
+        "or qwen3 (Hermes JSON tool calls, <think> reasoning), qwen3_coder (XML tool calls)",
     )
     max_model_len: int | None = Field(
         None, gt=0, description="context length in tokens; unset: the engine's /v1/models"

@@ -133,13 +133,19 @@ REASONING_LOOKBACK = 8
 def prompt_opens_reasoning(
     renderer: Any, markers: tuple[str, str] | None, prompt_token_ids: Sequence[int]
 ) -> bool:
-    """True when the last ``REASONING_LOOKBACK`` prompt ids hold the open marker of
-    ``markers`` with no close marker after it. False without markers or their ids."""
+    """``ends_in_open_block`` with the ids of ``markers`` in ``renderer``'s vocabulary; False
+    without markers or their ids."""
     if markers is None:
         return False
     open_id, close_id = renderer.token_id(markers[0]), renderer.token_id(markers[1])
     if open_id is None or close_id is None:
         return False
+    return ends_in_open_block(prompt_token_ids, int(open_id), int(close_id))
+
+
+def ends_in_open_block(prompt_token_ids: Sequence[int], open_id: int, close_id: int) -> bool:
+    """True when the last ``REASONING_LOOKBACK`` ids hold ``open_id`` with no ``close_id``
+    after it (the generation prompt opened a block the model is to close)."""
     tail = [int(t) for t in prompt_token_ids[-REASONING_LOOKBACK:]]
     if open_id not in tail:
         return False

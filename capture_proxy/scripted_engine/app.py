@@ -244,11 +244,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = min(max_tokens or cfg.max_model_len, cfg.max_model_len - len(prompt))
     family, tools = app[FAMILY], body.get("tools")
     if cfg.responder is not None:
-        gen = family.generate(cfg.responder(body), max_tokens, tools=tools, id_seed=seed)
+        gen = family.generate(
+            cfg.responder(body), max_tokens, tools=tools, id_seed=seed, prompt=prompt
+        )
     else:
         message = step.assistant_message(seed)
         gen = family.generate(
-            message, max_tokens, token_split=step.token_split, tools=tools, id_seed=seed
+            message,
+            max_tokens,
+            token_split=step.token_split,
+            tools=tools,
+            id_seed=seed,
+            prompt=prompt,
         )
     stream = body.get("stream") is True
     app[SENT_CALLS].append(
@@ -503,7 +510,7 @@ def build_scripted_engine_app(
     Raises ValueError for an unknown template."""
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[CONFIG] = config
-    app[TEMPLATE] = load_chat_template(config.tokenizer_template)
+    app[TEMPLATE] = config.chat_template or load_chat_template(config.tokenizer_template)
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[FAMILY] = engine_family(config, app[TOKENIZER])
     app[SENT_CALLS] = []
@@ -525,7 +532,10 @@ def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFa
         family = load_family(config.family, tokenizer=tokenizer)
     except RenderError as exc:
         raise ValueError(str(exc)) from exc
-    if config.family == "qwen3":
+    if config.chat_template is not None and config.family != "gpt_oss":
+        renderer = LocalRenderer(tokenizer, config.chat_template)
+        family = dataclasses.replace(family, renderer=renderer)
+    elif config.family == "qwen3":
         template = load_chat_template(config.tokenizer_template)
         family = dataclasses.replace(family, renderer=LocalRenderer(tokenizer, template))
     return EngineFamily(family, tokenizer if config.family != "gpt_oss" else None)

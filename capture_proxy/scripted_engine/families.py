@@ -117,14 +117,23 @@ class EngineFamily:
         token_split: str = "canonical",
         tools: Any = None,
         id_seed: str = "",
+        prompt: Sequence[int] = (),
     ) -> Generation:
-        """The scripted message as sampled tokens, written in the family's format."""
+        """The scripted message as sampled tokens, written in the family's format, from
+        inside the reasoning block when ``prompt`` (the ids it continues) opened one."""
+        opened = self.family.opens_reasoning(prompt)
         if self.name == "qwen3":
-            return generate(self.tokenizer, message, max_tokens, token_split=token_split)
+            return generate(
+                self.tokenizer,
+                message,
+                max_tokens,
+                token_split=token_split,
+                reasoning_opened=opened,
+            )
         ids = self.family.write(message)
         # id_seed: the seed the policy made the message's tool-call ids from, so the ids the
         # parser gives are the message's own
-        stream = self.family.parser.stream(id_seed, tools)
+        stream = self.family.parser.stream(id_seed, tools, in_reasoning=opened)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         events: list[TokenEvent] = []
         for k, tid in enumerate(ids):

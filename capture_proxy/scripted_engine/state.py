@@ -35,6 +35,9 @@ class ScriptedEngineConfig:
     policy: Policy = field(default_factory=Policy.default)
     responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     tokenizer_template: str = "keep_reasoning"
+    #: a chat template's jinja text that the Qwen families render with instead of
+    #: ``tokenizer_template`` (a published template, e.g. Qwen3's, in tests)
+    chat_template: str | None = None
     #: the model family it renders and writes as (``capture_proxy.families``): qwen3
     #: (Hermes JSON, with ``tokenizer_template``), qwen3_coder (XML tool calls), gpt_oss
     #: (harmony); the proxy's exact-token mode renders and parses with the same objects

@@ -76,10 +76,14 @@ def scripted_generation(app: web.Application, prompt: list[int]) -> Generation:
         body: dict[str, Any] = {"model": cfg.model_name, "messages": messages}
         if tools is not None:
             body["tools"] = tools
-        return family.generate(cfg.responder(body), None, id_seed=seed)
+        return family.generate(cfg.responder(body), None, id_seed=seed, prompt=prompt)
     step = cfg.policy.choose(messages, tools is not None)
     return family.generate(
-        step.assistant_message(seed), None, token_split=step.token_split, id_seed=seed
+        step.assistant_message(seed),
+        None,
+        token_split=step.token_split,
+        id_seed=seed,
+        prompt=prompt,
     )
 
 
