@@ -199,6 +199,7 @@ def _scripted_engine(args: argparse.Namespace) -> int:
         template=args.template,
         max_model_len=args.max_model_len,
         family=args.family,
+        chat_template_path=args.chat_template,
     )
 
 
@@ -229,8 +230,12 @@ def _export_tokenizer(args: argparse.Namespace) -> int:
     from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 
     tokenizer = load_qwen_tokenizer(template=args.template)
+    which = args.template
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
+        which = str(args.chat_template)
     tokenizer.save_pretrained(str(args.directory))
-    print(f"wrote the scripted engine's Qwen tokenizer ({args.template}) to {args.directory}")
+    print(f"wrote the scripted engine's Qwen tokenizer ({which}) to {args.directory}")
     return 0
 
 
@@ -357,6 +362,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["qwen3", "qwen3_coder", "gpt_oss"],
         help="model family it renders and writes as (the proxy's model_families)",
     )
+    engine.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a jinja chat template file to render with (e.g. a model's published one) "
+        "instead of --template",
+    )
     engine.set_defaults(func=_scripted_engine)
 
     demo = sub.add_parser(
@@ -410,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("directory", type=Path)
     exp.add_argument(
         "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    exp.add_argument(
+        "--chat-template", type=Path, help="a jinja chat template file to write instead"
     )
     exp.set_defaults(func=_export_tokenizer)
     return parser

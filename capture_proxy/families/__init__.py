@@ -138,19 +138,25 @@ def load_family(
     raise RenderError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
 
 
-def write_model_tokenizer(directory: Path, family: str = "qwen3", tokenizer: Any = None) -> Path:
-    """Write the built-in Qwen tokenizer with ``family``'s chat template as an HF tokenizer
-    directory (``tokenizer.json``, ``tokenizer_config.json`` with ``chat_template``): what a
-    model directory carries so that an engine rendering its template (vLLM's
-    ``apply_chat_template``) gives the ids ``load_family(family)`` renders. Raises RenderError
-    for a family without a jinja template (gpt_oss renders with harmony)."""
+def write_model_tokenizer(
+    directory: Path,
+    family: str = "qwen3",
+    tokenizer: Any = None,
+    chat_template: str | None = None,
+) -> Path:
+    """Write the built-in Qwen tokenizer with ``family``'s chat template (or ``chat_template``,
+    e.g. a published one) as an HF tokenizer directory (``tokenizer.json``,
+    ``tokenizer_config.json`` / ``chat_template.jinja``): what a model directory carries so that
+    an engine rendering its template (vLLM's ``apply_chat_template``) gives the ids a
+    ``LocalRenderer`` of that directory renders. Raises RenderError for a family without a
+    jinja template (gpt_oss renders with harmony)."""
     if family not in _QWEN_TEMPLATES:
         raise RenderError(f"family {family!r} has no chat template to write")
     from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
 
     tok = tokenizer if tokenizer is not None else load_qwen_tokenizer()
     saved = tok.chat_template
-    tok.chat_template = load_chat_template(_QWEN_TEMPLATES[family])
+    tok.chat_template = chat_template or load_chat_template(_QWEN_TEMPLATES[family])
     try:
         tok.save_pretrained(str(directory))
     finally:

@@ -66,18 +66,26 @@ def tail_context(messages: Sequence[Mapping[str, Any]], turn_index: int) -> list
     return [*head, messages[turn_index]]
 
 
-def cut_after_end_of_turn(
-    through: Sequence[int], full: Sequence[int], end_of_turn_ids: frozenset[int]
+def tail_renderable(
+    context: Sequence[Mapping[str, Any]], new_messages: Sequence[Mapping[str, Any]]
+) -> bool:
+    """Whether the tail can be rendered in the small context: something before the turn to
+    anchor it (a system or user message), and no assistant message among the new ones (its
+    rendering may depend on the whole conversation, e.g. Qwen3's last-query rule)."""
+    return len(context) > 1 and not any(m.get("role") == "assistant" for m in new_messages)
+
+
+def find_tail_ids(
+    head: Sequence[int], small: Sequence[int], end_of_turn_ids: frozenset[int]
 ) -> list[int] | None:
-    """``full[cut:]`` where ``cut`` is one past the last end-of-turn token of ``through`` (the
-    context rendered without the generation prompt), provided ``full`` renders the same tokens
-    up to there; else None. (For renderers without a text form: the engine's ``/tokenize``.)"""
-    cut = next(
-        (i + 1 for i in range(len(through) - 1, -1, -1) if through[i] in end_of_turn_ids), None
-    )
-    if cut is None or len(full) < cut or list(full[:cut]) != list(through[:cut]):
+    """``find_tail_text`` on token ids (for renderers without a text form: the engine's
+    ``/tokenize``): the ids after the first end-of-turn token that follows ``head`` in
+    ``small``; None when ``head`` is not a prefix of ``small`` or no end of turn follows."""
+    n = len(head)
+    if len(small) < n or list(small[:n]) != list(head):
         return None
-    return list(full[cut:])
+    at = next((i for i in range(n, len(small)) if small[i] in end_of_turn_ids), None)
+    return None if at is None else list(small[at + 1 :])
 
 
 def find_tail_text(head_text: str, small_text: str, end_of_turn_text: str) -> str | None:
@@ -224,10 +232,9 @@ class LocalRenderer:
 
         Only the tail text is tokenized: it begins right after an added special token, where
         the tokenizer always splits, so its ids are those of the whole text's tokenization."""
-        head = context[:-1]
-        if not head or any(m.get("role") == "assistant" for m in new_messages):
+        if not tail_renderable(context, new_messages):
             return None
-        head_text = self._text(head, tools, False, chat_template_kwargs)
+        head_text = self._text(context[:-1], tools, False, chat_template_kwargs)
         small = self._text([*context, *new_messages], tools, True, chat_template_kwargs)
         tail = find_tail_text(head_text, small, end_of_turn_text)
         if tail is None:

@@ -55,7 +55,7 @@ from capture_proxy.families.base import (
     TailRenderer,
     ends_in_open_block,
 )
-from capture_proxy.families.hf_template import cut_after_end_of_turn, tail_context
+from capture_proxy.families.hf_template import find_tail_ids, tail_context, tail_renderable
 from capture_proxy.families.parsing import MessageDelta, OutputParser, apply_deltas
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
@@ -320,7 +320,7 @@ async def _render_tail(
     end_of_turn_ids: frozenset[int],
 ) -> list[int] | None:
     """What follows the parent's end-of-turn token, rendered in a small context (see
-    ``rendering.render_tail``); None when the template does not allow it."""
+    ``families.hf_template``); None when it cannot be found that way."""
     context, new = tail_context(messages, j), messages[j + 1 :]
     renderer = exact.renderer
     if isinstance(renderer, TailRenderer):
@@ -333,13 +333,15 @@ async def _render_tail(
             end_of_turn_text=exact.end_of_turn_token,
             chat_template_kwargs=kwargs,
         )
-    through = await renderer.render(
-        context, tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+    if not tail_renderable(context, new):
+        return None
+    head_ids = await renderer.render(
+        context[:-1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
     )
-    full = await renderer.render(
+    small = await renderer.render(
         [*context, *new], tools, add_generation_prompt=True, chat_template_kwargs=kwargs
     )
-    return cut_after_end_of_turn(through, full, end_of_turn_ids)
+    return find_tail_ids(head_ids, small, end_of_turn_ids)
 
 
 async def build_prompt(

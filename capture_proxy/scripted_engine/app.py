@@ -565,11 +565,20 @@ def run_scripted_engine_cli(
     template: str = "keep_reasoning",
     max_model_len: int = 32768,
     family: str = "qwen3",
+    chat_template_path: Path | None = None,
 ) -> int:
-    """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one)."""
+    """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one);
+    ``chat_template_path``: a jinja chat template file to render with instead of ours."""
     policy = Policy.load(policy_path) if policy_path is not None else Policy.default()
+    chat_template = None
+    if chat_template_path is not None:
+        chat_template = chat_template_path.read_text(encoding="utf-8")
     config = ScriptedEngineConfig(
-        policy=policy, tokenizer_template=template, max_model_len=max_model_len, family=family
+        policy=policy,
+        tokenizer_template=template,
+        max_model_len=max_model_len,
+        family=family,
+        chat_template=chat_template,
     )
     run_scripted_engine(host, port, config)
     return 0

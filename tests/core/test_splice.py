@@ -312,3 +312,15 @@ def test_tail_of_a_template_that_rerenders_the_continued_turn_is_still_taken(qwe
         is None
     )
     assert r.render_tail_sync([msg], new, TOOLS, end_of_turn_text="<|im_end|>") is None
+
+
+def test_find_tail_ids_cuts_after_the_first_end_of_turn_after_the_head():
+    from capture_proxy.families.hf_template import find_tail_ids
+
+    eot = frozenset({9})
+    head = [1, 2, 9, 3, 9]
+    # the turn (5, 6) renders however it likes; the tail is what follows its end of turn
+    assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6, 9, 7, 8], eot) == [7, 8]
+    assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6, 9], eot) == []
+    assert find_tail_ids(head, [1, 2, 9, 4, 9, 5, 9, 7], eot) is None  # head not a prefix
+    assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6], eot) is None  # the turn never ends
