@@ -17,8 +17,8 @@ Architecture, bottom to top (lower layers never import upper ones):
   scripted policy, for tests, demos and harness CI.
 - ``capture_proxy.cli``: ``capture-proxy serve | scripted-engine | demo``.
 
-The product brief, words and contracts live in the project's DESIGN notes; README.md has the
-user-facing view.
+The product brief, words and contracts live in the project's DESIGN notes; README.md and
+the documentation site under docs/ have the user-facing view.
 """
 
 __version__ = "0.1.0"

@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="store_synchronous",
         choices=["full", "normal"],
         help="full (default): fsync each call before its answer ends; normal: survives a "
-        "proxy crash, not a power loss (see README)",
+        "proxy crash, not a power loss (see docs/configuration.md)",
     )
     serve.add_argument(
         "--store-pool-size",

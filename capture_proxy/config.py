@@ -55,12 +55,18 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTURE_PROXY_", frozen=True, extra="forbid")
 
     backend: AnyHttpUrl = Field(description="Engine base URL, e.g. http://127.0.0.1:8000")
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    host: str = Field(
+        "127.0.0.1",
+        description="listen address; one that is not a loopback address needs captures_token "
+        "(or allow_unauthenticated_read_api)",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="listen port; 0: a free port")
     store: Path | str = Field(
         Path("capture-store"),
-        description="Embedded store directory (SQLite), or a postgresql:// URL: the shared "
-        "PostgreSQL store for proxy replicas (needs the 'postgres' extra)",
+        description="Embedded store directory (SQLite WAL + binary arrays, created on first "
+        "use; one proxy per directory: a second one refuses to start, while serve --read-only "
+        "and show read a store in use), or a postgresql:// URL: the shared PostgreSQL store "
+        "for proxy replicas (needs the 'postgres' extra)",
     )
     store_pool_size: int = Field(
         8, ge=1, le=256, description="PostgreSQL store: pooled connections (and threads)"
@@ -73,8 +79,15 @@ class Settings(BaseSettings):
         "here); an acknowledged call survives a proxy crash (SIGKILL, OOM kill) but a power "
         "loss or kernel crash can drop the calls committed since the last checkpoint",
     )
-    max_request_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
-    upstream_connect_timeout_s: float = Field(10.0, gt=0)
+    max_request_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="largest request body accepted (413 above it); long agent histories need "
+        "more than aiohttp's default of 1 MiB",
+    )
+    upstream_connect_timeout_s: float = Field(
+        10.0, gt=0, description="max seconds to open a connection to the engine"
+    )
     upstream_first_byte_timeout_s: float | None = Field(
         None,
         gt=0,
@@ -89,7 +102,8 @@ class Settings(BaseSettings):
         ge=0,
         description="Retries of a request whose connection to the engine could not be made "
         "(refused, or no connection within upstream_connect_timeout_s): nothing was sent, so "
-        "a retry is safe; backoff 0.2 s, 0.4 s, ...",
+        "a retry is safe (engines' listen queues overflow under load); backoff 0.2 s, "
+        "0.4 s, ...",
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="auto: uvloop when installed (a dependency on Linux), else asyncio"
@@ -98,7 +112,10 @@ class Settings(BaseSettings):
         4096, gt=0, description="Listen queue of the proxy's socket (aiohttp's default is 128)"
     )
     upstream_connection_limit: int = Field(
-        4096, ge=0, description="Max concurrent upstream connections (0: unlimited)"
+        4096,
+        ge=0,
+        description="Max concurrent upstream connections (0: unlimited); aiohttp's default "
+        "of 100 starves thousands of concurrent rollouts",
     )
     upstream_keepalive_timeout_s: float = Field(
         2.0,
@@ -182,7 +199,9 @@ class Settings(BaseSettings):
         "template) per Qwen family; unset: the built-in Qwen tokenizer and our template",
     )
     captures_token: SecretStr | None = Field(
-        None, description="bearer token required by the /captures read API (unset: open)"
+        None,
+        description="bearer token required by the /captures read API, the viewer and /metrics "
+        "(unset: open)",
     )
     proxy_token: SecretStr | None = Field(
         None,
@@ -230,7 +249,9 @@ class Settings(BaseSettings):
         description="record every request under a capture path, with the answer sent, to "
         "DIR/<rollout_id>.jsonl in the replay format (for building fixtures; unset: off)",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="log level (any case); logs carry sizes, never bodies or credentials"
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod
