@@ -139,6 +139,17 @@ class LocalRenderer:
         text = self._text(messages, tools, add_generation_prompt, chat_template_kwargs)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def render_text_sync(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The template's text of the conversation (before tokenizing). Raises RenderError."""
+        return self._text(messages, tools, add_generation_prompt, chat_template_kwargs)
+
     def render_continuation_sync(
         self,
         messages: Sequence[Mapping[str, Any]],

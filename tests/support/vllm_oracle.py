@@ -16,8 +16,9 @@ turn (``turn_index``), the ids after that turn are kept too: after the n-th end-
 n being the number of end-of-turn tokens in the render of the messages through the turn.
 
 Writes ``OUT_DIR/<name>.json``: ``{"vllm_version", "template_sha256", "cases": {name:
-{"prompt_sha256", "prompt_len", "prompt_token_ids" (small cases only), "tail_token_ids",
-"error"}}}``. It imports nothing of capture_proxy (vLLM's venv does not have it).
+{"prompt_sha256", "prompt_len", "prompt_text_sha256" (the template's text before
+tokenizing), "prompt_token_ids" (small cases only), "tail_token_ids", "error"}}}``. It imports
+nothing of capture_proxy (vLLM's venv does not have it).
 """
 
 from __future__ import annotations
@@ -85,20 +86,24 @@ def render(
         add_generation_prompt=add_generation_prompt,
         **(case.get("chat_template_kwargs") or {}),
     )
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text, list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def golden(tokenizer: Any, template: str, case: dict[str, Any], eot_id: int) -> dict[str, Any]:
     try:
-        ids = render(tokenizer, template, case, case["messages"], True)
+        text, ids = render(tokenizer, template, case, case["messages"], True)
     except Exception as exc:  # vLLM refuses: the golden says so
         return {"error": f"{type(exc).__name__}: {exc}"}
-    out: dict[str, Any] = {"prompt_sha256": _sha(ids), "prompt_len": len(ids)}
+    out: dict[str, Any] = {
+        "prompt_sha256": _sha(ids),
+        "prompt_len": len(ids),
+        "prompt_text_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }
     if len(ids) <= KEEP_IDS_UP_TO:
         out["prompt_token_ids"] = ids
     j = case.get("turn_index")
     if j is not None:
-        through = render(tokenizer, template, case, case["messages"][: j + 1], False)
+        _, through = render(tokenizer, template, case, case["messages"][: j + 1], False)
         n = through.count(eot_id)
         seen = 0
         for pos, tid in enumerate(ids):
