@@ -39,7 +39,7 @@ def _split_tools(body: str) -> tuple[list[Any], str]:
             tool, end = _DECODER.raw_decode(rest)
         except ValueError:
             break
-        if not isinstance(tool, dict) or "function" not in tool and "name" not in tool:
+        if not isinstance(tool, dict) or ("function" not in tool and "name" not in tool):
             break
         fn = tool.get("function", tool)
         names.append(fn.get("name") if isinstance(fn, dict) else None)
@@ -64,9 +64,7 @@ def parse_llama3_prompt(text: str) -> tuple[list[dict[str, Any]], list[Any] | No
             body = _SYSTEM_PREAMBLE.sub("", body, count=1)
             if body:
                 messages.append({"role": "system", "content": body})
-        elif (
-            role == "user" and body.startswith(TOOLS_PREAMBLE) and not messages_have_user(messages)
-        ):
+        elif role == "user" and body.startswith(TOOLS_PREAMBLE) and not _has_user(messages):
             tools, body = _split_tools(body)
             messages.append({"role": "user", "content": body})
         elif role == "ipython":
@@ -82,5 +80,5 @@ def parse_llama3_prompt(text: str) -> tuple[list[dict[str, Any]], list[Any] | No
     return messages, tools
 
 
-def messages_have_user(messages: list[dict[str, Any]]) -> bool:
+def _has_user(messages: list[dict[str, Any]]) -> bool:
     return any(m["role"] == "user" for m in messages)

@@ -304,3 +304,42 @@ def test_tail_after_a_continued_turn_equals_the_full_render(family: ModelFamily,
     assert tail == full[len(through) :]
     assert tail[:2] == [START, 882 if new[0]["role"] == "user" else 23799]
     assert tail[-4:] == [START, 78191, END, 271]
+
+
+# ---------------------------------------------------------------- the scripted engine's reader
+def test_the_scripted_engine_reads_a_llama_prompt_back(family: ModelFamily) -> None:
+    from capture_proxy.scripted_engine.llama_prompt import parse_llama3_prompt
+
+    messages, tools = CONVERSATIONS["second_user_turn"]
+    ids = family.renderer.render_sync(messages, tools, add_generation_prompt=True)
+    read, offered = parse_llama3_prompt(family.renderer.decode(ids))
+    assert offered == ["get_weather"]
+    assert read == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Weather in Zürich?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": tool_call_id("prompt", 0),
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "arguments": '{"city": "Zürich", "unit": "°C"}',
+                    },
+                }
+            ],
+        },
+        {"role": "tool", "content": '"sunny, 21 °C"'},
+        {"role": "assistant", "content": "Sunny, 21 °C. Take {sunglasses}!"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]
+    plain, none = parse_llama3_prompt(
+        family.renderer.decode(
+            family.renderer.render_sync(
+                CONVERSATIONS["no_system"][0], None, add_generation_prompt=True
+            )
+        )
+    )
+    assert (plain, none) == ([{"role": "user", "content": "Weather in Zürich?"}], None)
