@@ -200,6 +200,7 @@ def _scripted_engine(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         family=args.family,
         chat_template_path=args.chat_template,
+        tokenizer_dir=args.tokenizer_dir,
     )
 
 
@@ -359,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--family",
         default="qwen3",
-        choices=["qwen3", "qwen3_coder", "gpt_oss"],
+        choices=["qwen3", "qwen3_coder", "gpt_oss", "llama3"],
         help="model family it renders and writes as (the proxy's model_families)",
     )
     engine.add_argument(
@@ -367,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="a jinja chat template file to render with (e.g. a model's published one) "
         "instead of --template",
+    )
+    engine.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=None,
+        help="the family's tokenizer directory (tokenizer.json and chat template; required "
+        "for llama3; a Qwen family's replaces the built-in tokenizer and template)",
     )
     engine.set_defaults(func=_scripted_engine)
 

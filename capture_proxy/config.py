@@ -186,17 +186,19 @@ class Settings(BaseSettings):
     end_of_turn_token: str = Field(
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
-    model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss"]] = Field(
+    model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3"]] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
         "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
-        "qwen3_coder (XML tool calls), gpt_oss (harmony); models not named use tokenizer, "
+        "qwen3_coder (XML tool calls), gpt_oss (harmony), llama3 (Llama 3.x JSON tool calls; "
+        "needs family_tokenizers.llama3); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )
-    family_tokenizers: dict[Literal["qwen3", "qwen3_coder"], Path] = Field(
+    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3"], Path] = Field(
         default_factory=dict,
         description="a local HF tokenizer directory (the model's own tokenizer and chat "
-        "template) per Qwen family; unset: the built-in Qwen tokenizer and our template",
+        "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "
+        "families; llama3 has no built-in one and needs its directory)",
     )
     captures_token: SecretStr | None = Field(
         None,
@@ -294,6 +296,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "tokens_in_dialect vllm_generate answers carry no text: set tokenizer "
                 "(a local HF tokenizer directory) to decode them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _llama3_has_a_tokenizer(self) -> Settings:
+        if "llama3" in self.model_families.values() and "llama3" not in self.family_tokenizers:
+            models = sorted(m for m, f in self.model_families.items() if f == "llama3")
+            raise ValueError(
+                f"model_families names llama3 for {', '.join(models)}: set "
+                "family_tokenizers.llama3 to the model's tokenizer directory (tokenizer.json "
+                "and its chat template; there is no built-in Llama template)"
             )
         return self
 

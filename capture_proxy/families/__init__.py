@@ -14,6 +14,10 @@ model's chat format, in one place, so both render and parse with the same object
   (tool calls are ``commentary`` messages to ``functions.NAME``), closed by ``<|return|>`` or
   ``<|call|>`` (``<|end|>`` is appended after a length stop); the o200k vocabulary of
   quicktok-v1. vLLM renders gpt-oss with harmony too, not with its jinja template.
+- ``llama3`` (``llama3.py``): Llama 3.1/3.2/3.3 Instruct, JSON tool calls
+  ``{"name": N, "parameters": {...}}`` (vLLM's ``llama3_json``), turn closed by
+  ``<|eot_id|>`` or ``<|eom_id|>``. Always the model's own template from its tokenizer
+  directory: there is no built-in Llama template.
 
 Every jinja-template family renders through ``hf_template.LocalRenderer``, which applies vLLM's
 message normalisation (``vllm_messages.py``) first. Adding a family is one module (its writer,
@@ -30,12 +34,13 @@ from typing import Any, Literal
 
 from capture_proxy.families.base import ModelFamily, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.llama3 import Llama3JsonParser
 from capture_proxy.families.parsing import OutputParser
 from capture_proxy.families.qwen3 import QwenHermesParser
 from capture_proxy.families.qwen3_coder import Qwen3CoderParser
 
-FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss"]
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss")
+FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3"]
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss", "llama3")
 _QWEN_TEMPLATES = {"qwen3": "keep_reasoning", "qwen3_coder": "qwen3_coder"}
 
 
@@ -44,6 +49,7 @@ PARSERS: dict[str, OutputParser] = {
     "qwen": QwenHermesParser(),
     "qwen3": QwenHermesParser(),
     "qwen3_coder": Qwen3CoderParser(),
+    "llama3": Llama3JsonParser(),
 }
 #: what the published templates leave out of a conversation's history
 _QWEN_DROPS = (
@@ -120,6 +126,41 @@ def _gpt_oss_family(cache_dir: Path | None) -> ModelFamily:
     )
 
 
+#: what the published Llama 3.3 template leaves out of a conversation's history
+_LLAMA3_DROPS = (
+    "leading and trailing whitespace of every message's content (trim); an assistant turn's "
+    "content beside its tool call; it refuses more than one tool call per assistant turn"
+)
+
+
+def _llama3_family(tokenizer_dir: Path | None) -> ModelFamily:
+    from capture_proxy.families.llama3 import EOM, EOT, write_llama3
+
+    if tokenizer_dir is None:
+        raise RenderError(
+            "the llama3 family needs the model's tokenizer directory (family_tokenizers.llama3: "
+            "its tokenizer.json and chat template); there is no built-in Llama template"
+        )
+    renderer = LocalRenderer.from_directory(tokenizer_dir)
+    eot = renderer.token_id(EOT)
+    if eot is None:
+        raise RenderError(f"the llama3 tokenizer at {tokenizer_dir} has no {EOT} token")
+
+    def write(message: Mapping[str, Any]) -> list[int]:
+        text = write_llama3(message)
+        return [*renderer.tokenizer.encode(text, add_special_tokens=False), eot]
+
+    return ModelFamily(
+        "llama3",
+        renderer,
+        get_parser("llama3"),
+        EOT,
+        (EOM, "<|end_of_text|>"),
+        write,
+        drops=_LLAMA3_DROPS,
+    )
+
+
 def load_family(
     name: str,
     *,
@@ -128,13 +169,16 @@ def load_family(
     tokenizer: Any = None,
 ) -> ModelFamily:
     """The family ``name``. ``tokenizer_dir``: a local HF tokenizer directory with the model's
-    own chat template (Qwen families); ``cache_dir``: where the gpt-oss vocabulary is converted
-    to (default ``~/.cache/capture-proxy/encodings``); ``tokenizer``: a loaded built-in Qwen
-    tokenizer to share. Raises RenderError (unknown family, tokenizer not loadable)."""
+    own chat template (Qwen families; required for llama3); ``cache_dir``: where the gpt-oss
+    vocabulary is converted to (default ``~/.cache/capture-proxy/encodings``); ``tokenizer``:
+    a loaded built-in Qwen tokenizer to share. Raises RenderError (unknown family, tokenizer
+    not loadable, llama3 without a tokenizer directory)."""
     if name in _QWEN_TEMPLATES:
         return _qwen_family(name, tokenizer_dir, None, tokenizer)
     if name == "gpt_oss":
         return _gpt_oss_family(cache_dir)
+    if name == "llama3":
+        return _llama3_family(tokenizer_dir)
     raise RenderError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
 
 

@@ -456,7 +456,7 @@ async def tokenize(request: web.Request) -> web.Response:
             "max_model_len": app[CONFIG].max_model_len,
             "tokens": ids,
             "token_strs": (
-                app[TOKENIZER].convert_ids_to_tokens(ids)
+                app[FAMILY].tokenizer.convert_ids_to_tokens(ids)
                 if app[FAMILY].tokenizer is not None
                 else [app[FAMILY].decode([i]) for i in ids]
             ),
@@ -526,19 +526,22 @@ def build_scripted_engine_app(
 
 
 def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFast) -> EngineFamily:
-    """The engine's family, sharing ``tokenizer`` (the Qwen families). Raises ValueError for
-    an unknown family or template."""
+    """The engine's family, sharing ``tokenizer`` (the Qwen families without a
+    ``tokenizer_dir``). Raises ValueError for an unknown family or template, or llama3
+    without ``tokenizer_dir``."""
     try:
-        family = load_family(config.family, tokenizer=tokenizer)
+        family = load_family(config.family, tokenizer=tokenizer, tokenizer_dir=config.tokenizer_dir)
     except RenderError as exc:
         raise ValueError(str(exc)) from exc
     if config.chat_template is not None and config.family != "gpt_oss":
-        renderer = LocalRenderer(tokenizer, config.chat_template)
+        renderer = LocalRenderer(family.renderer.tokenizer, config.chat_template)
         family = dataclasses.replace(family, renderer=renderer)
-    elif config.family == "qwen3":
+    elif config.family == "qwen3" and config.tokenizer_dir is None:
         template = load_chat_template(config.tokenizer_template)
         family = dataclasses.replace(family, renderer=LocalRenderer(tokenizer, template))
-    return EngineFamily(family, tokenizer if config.family != "gpt_oss" else None)
+    if config.family == "gpt_oss":
+        return EngineFamily(family, None)
+    return EngineFamily(family, family.renderer.tokenizer)
 
 
 def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
@@ -566,6 +569,7 @@ def run_scripted_engine_cli(
     max_model_len: int = 32768,
     family: str = "qwen3",
     chat_template_path: Path | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> int:
     """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one);
     ``chat_template_path``: a jinja chat template file to render with instead of ours."""
@@ -579,6 +583,7 @@ def run_scripted_engine_cli(
         max_model_len=max_model_len,
         family=family,
         chat_template=chat_template,
+        tokenizer_dir=tokenizer_dir,
     )
     run_scripted_engine(host, port, config)
     return 0

@@ -5,7 +5,9 @@ objects exact-token mode renders and parses with, so ids agree by construction):
 chat request, the ids a scripted message is sampled as (``ModelFamily.write``: Hermes JSON,
 Qwen3-Coder XML or harmony channels) with the per-token events the chat endpoint streams,
 reading a token prompt back into a conversation (tokens-in endpoints), token bytes, the stop
-ids and the special ids ``skip_special_tokens`` drops. Pure: no aiohttp, no I/O.
+ids and the special ids ``skip_special_tokens`` drops. Pure: no aiohttp, no I/O. llama3
+renders with the model's own tokenizer directory and reads prompts back with
+``llama_prompt``.
 
 qwen3 keeps ``generation.generate`` (its character splits and vLLM-hermes argument re-dump);
 the other families' events come from running the family's own stream parser over the ids.
@@ -30,6 +32,7 @@ from capture_proxy.scripted_engine.generation import (
     synthetic_logprob,
     token_bytes,
 )
+from capture_proxy.scripted_engine.llama_prompt import parse_llama3_prompt
 
 QWEN_SPECIAL_IDS = frozenset(
     SPECIAL_START_ID + i for i, (_, special) in enumerate(QWEN_ADDED_TOKENS) if special
@@ -43,7 +46,7 @@ class EngineFamily:
     """A model family as the scripted engine uses it (module docstring)."""
 
     family: ModelFamily
-    tokenizer: Any = None  # the HF tokenizer of the Qwen families
+    tokenizer: Any = None  # the HF tokenizer of the Qwen families and llama3
 
     @property
     def name(self) -> str:
@@ -75,11 +78,16 @@ class EngineFamily:
         """Ids ``skip_special_tokens`` drops."""
         if self.harmony:
             return cast(frozenset[int], self.family.renderer.special_ids)
+        if self.name == "llama3":
+            added = self.tokenizer.added_tokens_decoder.items()
+            return frozenset(i for i, t in added if t.special)
         return QWEN_SPECIAL_IDS
 
     def token_bytes(self, token_id: int) -> bytes:
         if self.harmony:
             return _harmony_bytes(self, token_id)
+        if self.name == "llama3" and token_id in self.special_ids:
+            return str(self.tokenizer.convert_ids_to_tokens(token_id)).encode("utf-8")
         return token_bytes(self.tokenizer, token_id)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -157,6 +165,8 @@ class EngineFamily:
         """Messages (roles, text, tool calls counted) and whether tools were offered."""
         if self.harmony:
             return _read_harmony(self, ids)
+        if self.name == "llama3":
+            return parse_llama3_prompt(self.decode(ids))
         messages, tools = parse_chatml(self.decode(ids))
         if self.name == "qwen3_coder":
             tools = _qwen3_coder_tools(messages) if tools is None else tools
