@@ -26,7 +26,7 @@ import pytest
 from tests.realengine.conftest import IM_END, VLLM_URL, RealStack, _stack
 from tests.realengine.test_vllm import SYSTEM, TOOLS, USER, _stream
 
-pytestmark = [pytest.mark.realengine, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.realengine, pytest.mark.timeout(1200)]
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDENS = ROOT / "tests" / "fixtures" / "chat_templates" / "goldens"
@@ -64,7 +64,10 @@ def _tokenize(real: RealStack, messages: list, tools: Any, generation: bool, kwa
 def test_goldens_are_what_this_vllm_renders(tmp_path):
     assert VLLM_URL
     subprocess.run(
-        [str(ROOT / "scripts" / "render-goldens"), str(tmp_path)], check=True, timeout=540, cwd=ROOT
+        [str(ROOT / "scripts" / "render-goldens"), str(tmp_path)],
+        check=True,
+        timeout=1100,
+        cwd=ROOT,
     )
     for committed in sorted(GOLDENS.glob("*.json")):
         fresh = json.loads((tmp_path / committed.name).read_text(encoding="utf-8"))
