@@ -176,8 +176,8 @@ def build_proxy_app(
         interval_s=settings.engine_health_interval_s,
         timeout_s=settings.engine_health_timeout_s,
         headers=(
-            {"Authorization": f"Bearer {settings.backend_api_key.get_secret_value()}"}
-            if settings.backend_api_key is not None
+            {"Authorization": settings.backend_auth_header}
+            if settings.backend_auth_header is not None
             else None
         ),
     )

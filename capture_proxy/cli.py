@@ -111,6 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from capture_proxy.core.redact import RedactingFilter
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
     port_file: Path | None = args.port_file
     if port_file is not None:
         if not port_file.parent.is_dir():
@@ -147,7 +151,7 @@ def _serve(args: argparse.Namespace) -> int:
         target = "read-only"
     else:
         app = build_proxy_app(settings, store)
-        target = settings.backend_base
+        target = settings.backend_label
 
     def listening() -> None:
         # Called once the store is open and the socket listens.

@@ -33,6 +33,7 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy.core.fronts import error_front
+from capture_proxy.core.redact import redact_text
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 
 log = logging.getLogger("capture_proxy")
@@ -47,6 +48,8 @@ class ProxyError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        #: The stored call this error ended (a failed engine call): its id goes on the answer.
+        self.call_id: str | None = None
 
 
 class BadRequest(ProxyError, ValueError):
@@ -123,17 +126,23 @@ def _shape_of_path(request: web.Request) -> ErrorShape | None:
 
 
 def error_response(exc: ProxyError, request: web.Request | None = None) -> web.Response:
+    """The client's answer to ``exc``: its API's shape, the message with every URL password
+    masked (``core.redact``), an ``Allow`` header for a 405, and ``X-Capture-Call-Id`` when
+    the failed call was stored (``exc.call_id``)."""
     shape = None
     if request is not None:
         shape = request.get(ERROR_SHAPE_KEY) or _shape_of_path(request)
+    message = redact_text(exc.message)
     if shape is not None:
-        body = shape(
-            exc.status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
-        )
+        body = shape(exc.status, message, error_type=exc.error_type, param=exc.param, code=exc.code)
     else:
-        body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
-    headers = {"Allow": ", ".join(exc.allowed)} if isinstance(exc, MethodNotAllowed) else None
-    return web.json_response(body, status=exc.status, headers=headers)
+        body = error_body(message, exc.error_type, param=exc.param, code=exc.code)
+    headers: dict[str, str] = {}
+    if isinstance(exc, MethodNotAllowed):
+        headers["Allow"] = ", ".join(exc.allowed)
+    if exc.call_id is not None:
+        headers["X-Capture-Call-Id"] = exc.call_id
+    return web.json_response(body, status=exc.status, headers=headers or None)
 
 
 def _log_rejected(request: web.Request, status: int, what: str | None) -> None:

@@ -467,6 +467,7 @@ async def handle_exact_tokens(
         # The engine cannot be asked what the prompt needs: the call fails, and is recorded
         # as failed, as in backend-template mode.
         await record_failed(deps, call, t_ready, exc.message, None)
+        exc.call_id = call.ctx.call_id
         raise
     if body.get("model") is None:
         served = await exact.served_model_name(deps.session, deps.backend)
@@ -533,6 +534,7 @@ async def handle_exact_tokens(
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
         await record_failed(deps, call, t0, err.message, None, prompt.token_ids)
+        err.call_id = call.ctx.call_id
         raise err from exc
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0, prompt.token_ids)
@@ -586,7 +588,9 @@ class _Generation:
             await record_failed(
                 self.deps, call, self.t0, reason, upstream.status, asm.prompt_token_ids
             )
-            raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
+            err = UpstreamUnavailable(reason, code="engine_bad_response")
+            err.call_id = call.ctx.call_id
+            raise err from exc
         parsed = self.exact.parser.parse(
             asm.generated_text,
             call.ctx.call_id,
