@@ -25,11 +25,11 @@ from aiohttp import web
 from capture_proxy.core.assembly import CallContext, abandoned_record, failed_record
 from capture_proxy.core.capture import NoteMatcher, PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
-from capture_proxy.core.redact import redact_text
 from capture_proxy.core.fronts.base import Answer, FrontCodec, FrontRequest, TokenIds
 from capture_proxy.core.known_messages import KnownMessages, message_digests
 from capture_proxy.core.linking import Resolution, Verdict
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.redact import redact_text
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.recording import TAP_KEY, ResponseTap

@@ -5,6 +5,11 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     ProxyError                       (500, "internal_error")
     +-- BadRequest(ValueError)        (400, "invalid_request_error"; ``param`` names the field)
     |   +-- PayloadTooLarge           (413)
+    |   +-- UnsupportedMediaType      (415: a body not typed JSON, an encoding not decodable)
+    |   +-- ExpectationFailed         (417: an ``Expect`` other than ``100-continue``)
+    |   +-- MisdirectedRequest        (421: a ``Host`` this proxy does not answer)
+    +-- Forbidden(PermissionError)    (403, "permission_error": a cross-site request)
+    +-- RequestTimeout(TimeoutError)  (408, "invalid_request_error": the body stopped coming)
     +-- NotFound(LookupError)         (404, "not_found_error")
     +-- MethodNotAllowed              (405, "invalid_request_error"; an ``Allow`` header)
     +-- Conflict                      (409, "conflict_error": the rollout's lifecycle state)
@@ -42,6 +47,8 @@ log = logging.getLogger("capture_proxy")
 class ProxyError(Exception):
     status = 500
     error_type = "internal_error"
+    #: Close the connection after the answer (the request was not read to its end).
+    close_connection = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -59,6 +66,30 @@ class BadRequest(ProxyError, ValueError):
 
 class PayloadTooLarge(BadRequest):
     status = 413
+
+
+class UnsupportedMediaType(BadRequest):
+    status = 415
+
+
+class ExpectationFailed(BadRequest):
+    status = 417
+
+
+class MisdirectedRequest(BadRequest):
+    status = 421
+
+
+class Forbidden(ProxyError, PermissionError):
+    status = 403
+    error_type = "permission_error"
+
+
+class RequestTimeout(ProxyError, TimeoutError):
+    status = 408
+    error_type = "invalid_request_error"
+    #: The body was not read to its end: the connection cannot carry another request.
+    close_connection = True
 
 
 class NotFound(ProxyError, LookupError):
@@ -142,7 +173,10 @@ def error_response(exc: ProxyError, request: web.Request | None = None) -> web.R
         headers["Allow"] = ", ".join(exc.allowed)
     if exc.call_id is not None:
         headers["X-Capture-Call-Id"] = exc.call_id
-    return web.json_response(body, status=exc.status, headers=headers or None)
+    response = web.json_response(body, status=exc.status, headers=headers or None)
+    if exc.close_connection:
+        response.force_close()
+    return response
 
 
 def _log_rejected(request: web.Request, status: int, what: str | None) -> None:

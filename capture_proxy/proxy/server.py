@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_log import AccessLogger
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
@@ -39,6 +39,18 @@ def protocol_error_response(status: int, exc: BaseException | None) -> web.Respo
     if status >= 500:
         body = error_body("internal proxy error", "internal_error")
     else:
+        if isinstance(exc, ContentEncodingError):
+            # The parser refuses an encoding it has no decoder for (br, zstd) on the headers.
+            body = error_body(
+                "this Content-Encoding is not supported: send the body plain, or gzip or "
+                "deflate encoded",
+                "invalid_request_error",
+                param="Content-Encoding",
+                code="unsupported_content_encoding",
+            )
+            resp = web.json_response(body, status=415)
+            resp.force_close()
+            return resp
         if isinstance(exc, LineTooLong):
             # aiohttp's message quotes the line (perhaps a credential): say only how long.
             limit = exc.message.split(" when reading", 1)[0].removeprefix("Got ")

@@ -33,24 +33,30 @@ def _dead_port() -> int:
 
 
 async def _raw(port: int, data: bytes, *, read_s: float = WAIT_S) -> bytes:
-    """Send ``data`` on a new connection and read until the server closes it (bounded)."""
+    """Send ``data`` on a new connection; read one answer (its head and Content-Length
+    body), or, when the server closes without one, b"" (bounded)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(data)
         await writer.drain()
         async with asyncio.timeout(read_s):
-            return await reader.read()
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as exc:
+                return exc.partial
+            length = 0
+            for line in head.split(b"\r\n"):
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            return head + await reader.readexactly(length)
     finally:
         writer.close()
 
 
 def _status_and_body(raw: bytes) -> tuple[int, dict]:
     head, _, body = raw.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    if b"transfer-encoding: chunked" in head.lower():
-        size, _, rest = body.partition(b"\r\n")
-        body = rest[: int(size, 16)]
-    return status, json.loads(body)
+    return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
 # --- 1. engine credentials ---------------------------------------------------------------
