@@ -46,7 +46,7 @@ from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.recording import TrafficRecorder, recording_middleware
+from capture_proxy.proxy.recording import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.renderers import load_family
@@ -160,13 +160,16 @@ def build_proxy_app(
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings)."""
     middlewares = [error_middleware, auth_middleware(settings), policy_middleware(settings)]
-    if settings.record_dir is not None:
+    traffic = TrafficRecorder(settings.record_dir) if settings.record_dir is not None else None
+    if traffic is not None:
         # Outermost: what the harness sent and got, errors included (see ``recording``).
-        middlewares.insert(0, recording_middleware(TrafficRecorder(settings.record_dir)))
+        middlewares.insert(0, recording_middleware(traffic))
     app = web.Application(
         middlewares=middlewares,
         client_max_size=settings.max_request_body_bytes,
     )
+    if traffic is not None:
+        app[RECORDING_KEY] = traffic
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
     app[METRICS_KEY] = Metrics()

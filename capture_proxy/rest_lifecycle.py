@@ -29,6 +29,7 @@ from capture_proxy.core.metadata import MetadataError, RolloutMetadata
 from capture_proxy.core.requests import MAX_NESTING, text_problem
 from capture_proxy.proxy.errors import BadRequest, Conflict, NotFound, ProxyError
 from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
+from capture_proxy.proxy.recording import remove_recording
 from capture_proxy.rest import _rollout_id
 from capture_proxy.store.base import LifecycleConflict, RolloutDeleted, RolloutNotFound
 
@@ -131,6 +132,7 @@ async def retire_rollout(request: web.Request) -> web.Response:
     except (RolloutNotFound, LifecycleConflict) as exc:
         raise lifecycle_error(exc, rollout_id) from exc
     request.app[LINKER_KEY].forget(rollout_id)
+    remove_recording(request.app, rollout_id)
     return web.json_response(done.to_json())
 
 

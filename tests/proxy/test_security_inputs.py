@@ -132,10 +132,11 @@ async def test_what_the_recorder_cannot_write_never_fails_the_call(
 ):
     record_dir = tmp_path / "rec"
     stack = await make_stack(record_dir=record_dir)
-    deep: object = "x"
-    for _ in range(990):
-        deep = [deep]
-    resp = await _post_raw(stack, CAPTURE.format(rollout="d1"), {**_body(USER), "deep": deep})
+    plain = json.dumps(_body(USER))
+    deep = plain[:-1] + ', "deep": ' + "[" * 990 + '"x"' + "]" * 990 + "}"
+    resp = await stack.client.post(
+        CAPTURE.format(rollout="d1"), data=deep, headers={"Content-Type": "application/json"}
+    )
     assert resp.status == 400, await resp.text()  # refused, in OpenAI's shape; not a 500
     assert (await resp.json())["error"]["code"] == "invalid_request"
     lone = await _post_raw(
