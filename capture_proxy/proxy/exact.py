@@ -46,7 +46,7 @@ from capture_proxy.core.splice import (
     extend_prompt,
     splice_prompt,
 )
-from capture_proxy.core.sse import SSEStreamDecoder
+from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
@@ -579,7 +579,8 @@ class _Generation:
     ) -> web.StreamResponse:
         call, asm = self.call, self.asm
         try:
-            payload = orjson.loads(await upstream.read())
+            # parse_json_event: engines write bare NaN / -Infinity log probs (orjson refuses)
+            payload = parse_json_event(await upstream.read())
             if not isinstance(payload, dict):
                 raise EngineFormatError("not a JSON object")
             asm.add(self.reader.whole(payload))
@@ -648,7 +649,7 @@ class _Generation:
                     if event.data == "[DONE]":
                         done = True
                         continue
-                    piece = self.reader.chunk(orjson.loads(event.data))
+                    piece = self.reader.chunk(parse_json_event(event.data))
                     asm.add(piece)
                     new = parser_stream.feed(piece.text, piece.token_ids)
                     deltas += new
