@@ -162,6 +162,16 @@ def _check_content_type(request: web.Request) -> None:
         )
 
 
+def _check_length(request: web.Request) -> None:
+    limit = request.client_max_size
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(
+            f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes "
+            "(setting max_request_body_bytes)",
+            code="request_too_large",
+        )
+
+
 def _check_expect(request: web.Request) -> None:
     expect = request.headers.get("Expect")
     if expect is not None and expect.lower() != "100-continue":
@@ -195,12 +205,6 @@ def _decoded_request(request: web.Request) -> web.Request:
 async def _read_body(request: web.Request, timeout_s: float) -> None:
     """Read the body into the request (aiohttp keeps it: handlers' ``read()`` returns it)."""
     limit = request.client_max_size
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(
-            f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes "
-            "(setting max_request_body_bytes)",
-            code="request_too_large",
-        )
     try:
         async with asyncio.timeout(timeout_s):
             await request.read()
@@ -240,6 +244,7 @@ def policy_middleware(settings: Settings) -> Middleware:
         _check_host(request, hosts)
         _check_origin(request)
         _check_expect(request)
+        _check_length(request)
         _check_content_type(request)
         if request.body_exists:
             request = _decoded_request(request)
