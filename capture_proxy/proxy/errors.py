@@ -39,7 +39,7 @@ from aiohttp import web
 
 from capture_proxy.core.fronts import error_front
 from capture_proxy.core.redact import redact_text
-from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
+from capture_proxy.core.routing import api_path_of
 
 log = logging.getLogger("capture_proxy")
 
@@ -146,13 +146,8 @@ ERROR_SHAPE_KEY: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")
 def _shape_of_path(request: web.Request) -> ErrorShape | None:
     """The error shape a request's path asks for before any handler ran (a 401 from the auth
     middleware, a 413): an Anthropic client on ``.../v1/messages`` reads Anthropic's shape."""
-    try:
-        target = route(request.raw_path.split("?", 1)[0])
-    except InvalidRolloutId:
-        return None
-    if target.kind is not RouteKind.CAPTURE:
-        return None
-    front = error_front(target.upstream_path)
+    path = api_path_of(request.raw_path.split("?", 1)[0])
+    front = error_front(path) if path is not None else None
     return front.error_body if front is not None else None
 
 
