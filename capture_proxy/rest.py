@@ -450,3 +450,19 @@ def add_routes(app: web.Application, *, read_only: bool = False) -> None:
     app.router.add_get("/captures/calls/{call_id}", get_call)
     if not read_only:
         app.router.add_delete("/captures/rollouts/{rollout_id}", delete_rollout)
+        return
+    # The proxy's writes, answered as refused here rather than as unknown paths.
+    app.router.add_delete("/captures/rollouts/{rollout_id}", refuse_read_only)
+    app.router.add_post("/captures/rollouts/{rollout_id}/freeze", refuse_read_only)
+    app.router.add_put("/captures/rollouts/{rollout_id}/metadata", refuse_read_only)
+    app.router.add_post("/captures/rollouts/{rollout_id}/retire", refuse_read_only)
+
+
+async def refuse_read_only(request: web.Request) -> web.Response:
+    """A write (delete, freeze, metadata, retire) to ``serve --read-only``: a 405."""
+    raise MethodNotAllowed(
+        f"{request.method} {request.path}: this server is read-only (serve --read-only): "
+        "freeze, metadata, retire and delete go to the proxy that captured the rollout",
+        allowed=("GET", "HEAD"),
+        code="read_only",
+    )

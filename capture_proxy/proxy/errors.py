@@ -101,8 +101,10 @@ class MethodNotAllowed(ProxyError):
     status = 405
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, allowed: tuple[str, ...]):
-        super().__init__(message, code="method_not_allowed")
+    def __init__(
+        self, message: str, *, allowed: tuple[str, ...], code: str = "method_not_allowed"
+    ):
+        super().__init__(message, code=code)
         self.allowed = allowed
 
 

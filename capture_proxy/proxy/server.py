@@ -138,9 +138,11 @@ def run(
     on_listening: Callable[[], None],
     loop: asyncio.AbstractEventLoop,
     access_log: logging.Logger | None = None,
+    server_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGINT or SIGTERM, as ``web.run_app`` does;
-    ``on_listening()`` runs once the app has started and the socket listens. Errors during
+    ``on_listening()`` runs once the app has started and the socket listens;
+    ``server_kwargs``: aiohttp's connection knobs (``Settings.server_kwargs``). Errors during
     start-up (a store that cannot open) are raised."""
     main = loop.create_task(
         _serve(
@@ -148,7 +150,11 @@ def run(
             sock,
             backlog=backlog,
             on_listening=on_listening,
-            runner_kwargs={"access_log": access_log, "access_log_class": AccessLogger},
+            runner_kwargs={
+                "access_log": access_log,
+                "access_log_class": AccessLogger,
+                **(server_kwargs or {}),
+            },
         )
     )
     try:
