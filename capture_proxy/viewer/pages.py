@@ -145,6 +145,7 @@ def _rows(
             # The trainer's metadata (core.metadata.RolloutMetadata): a dash when absent.
             metadata=info.metadata.to_json() if info.metadata is not None else None,
             now=now,
+            frozen=info.snapshot is not None,
         )
         for info, kinds, records in batch
     ]
