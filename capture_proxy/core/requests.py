@@ -297,15 +297,17 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"request body is not UTF-8: {exc.reason}") from exc
+        raise InvalidRequest(f"request body is not UTF-8: {exc.reason}", "body") from exc
     except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", "body") from exc
     except RecursionError as exc:
         raise InvalidRequest(
-            f"request body nests too deeply; at most {MAX_NESTING} levels are accepted"
+            f"request body nests too deeply; at most {MAX_NESTING} levels are accepted", "body"
         ) from exc
     if not isinstance(obj, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {type(obj).__name__}")
+        raise InvalidRequest(
+            f"request body must be a JSON object, got {type(obj).__name__}", "body"
+        )
     _check_text(obj)
     return obj
 
@@ -405,7 +407,7 @@ def validate_chat_request(
     depth = _nesting(body)
     if depth > MAX_NESTING:
         raise InvalidRequest(
-            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted"
+            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted", "body"
         )
     surrogate = _lone_surrogate_path(body)
     if surrogate is not None:

@@ -148,7 +148,8 @@ ERROR_SHAPE_KEY: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")
 def _shape_of_path(request: web.Request) -> ErrorShape | None:
     """The error shape a request's path asks for before any handler ran (a 401 from the auth
     middleware, a 413): an Anthropic client on ``.../v1/messages`` reads Anthropic's shape."""
-    path = api_path_of(request.raw_path.split("?", 1)[0])
+    # rel_url: the path also of an absolute-form target, without a fragment
+    path = api_path_of(request.rel_url.raw_path)
     front = error_front(path) if path is not None else None
     return front.error_body if front is not None else None
 

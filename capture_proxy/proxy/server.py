@@ -35,7 +35,9 @@ log = logging.getLogger("capture_proxy")
 
 
 def protocol_error_response(status: int, exc: BaseException | None) -> web.Response:
-    """The JSON answer to a request aiohttp could not parse (``status`` from its parser)."""
+    """The JSON answer to a request aiohttp could not parse (``status`` from its parser), in
+    OpenAI's shape whatever the path (aiohttp gives no path for a request it cannot read).
+    ``param``: ``headers`` (or ``Content-Encoding``)."""
     if status >= 500:
         body = error_body("internal proxy error", "internal_error")
     else:
@@ -59,7 +61,9 @@ def protocol_error_response(status: int, exc: BaseException | None) -> web.Respo
         else:
             detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
             message, code = f"malformed HTTP request: {detail or 'bad request'}", "bad_request"
-        body = error_body(message, "invalid_request_error", code=code)
+        # The request line or a header is what could not be read (the path is not known
+        # here, so the shape is OpenAI's on every path).
+        body = error_body(message, "invalid_request_error", param="headers", code=code)
     resp = web.json_response(body, status=status)
     resp.force_close()
     return resp
