@@ -10,6 +10,8 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     |   +-- MisdirectedRequest        (421: a ``Host`` this proxy does not answer)
     +-- Forbidden(PermissionError)    (403, "permission_error": a cross-site request)
     +-- RequestTimeout(TimeoutError)  (408, "invalid_request_error": the body stopped coming)
+    +-- ClientGone(ConnectionResetError) (499, nginx's "client closed request": the client left
+    |                                 while its body was read; the answer reaches no one)
     +-- NotFound(LookupError)         (404, "not_found_error")
     +-- MethodNotAllowed              (405, "invalid_request_error"; an ``Allow`` header)
     +-- Conflict                      (409, "conflict_error": the rollout's lifecycle state)
@@ -89,6 +91,12 @@ class RequestTimeout(ProxyError, TimeoutError):
     status = 408
     error_type = "invalid_request_error"
     #: The body was not read to its end: the connection cannot carry another request.
+    close_connection = True
+
+
+class ClientGone(ProxyError, ConnectionResetError):
+    status = 499
+    error_type = "invalid_request_error"
     close_connection = True
 
 
@@ -177,7 +185,7 @@ def error_response(exc: ProxyError, request: web.Request | None = None) -> web.R
     return response
 
 
-def _log_rejected(request: web.Request, status: int, what: str | None) -> None:
+def log_rejected(request: web.Request, status: int, what: str | None) -> None:
     """One line per error response: method, path, status, what, the body's declared size
     (never the body, the query or a credential)."""
     size = request.content_length
@@ -203,12 +211,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ProxyError as exc:
         # A 4xx message may quote the body; its code says what without it.
         what = exc.message if exc.status >= 500 else exc.code or exc.error_type
-        _log_rejected(request, exc.status, what)
+        log_rejected(request, exc.status, what)
         return error_response(exc, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        _log_rejected(request, exc.status, exc.reason)
+        log_rejected(request, exc.status, exc.reason)
         allow = exc.headers.get("Allow")
         return web.json_response(
             error_body(

@@ -21,7 +21,8 @@ and nothing forwarded or stored:
   decoded, and the header dropped before anyone forwards it; an undecodable body is a 400
   (``body_not_decodable``); another encoding a 415 (``unsupported_content_encoding``);
 - the body arrives within ``client_body_timeout_s``: else 408 (``request_timeout``) and the
-  connection is closed. (A request head that never ends is aiohttp's ``keepalive_timeout``,
+  connection is closed; a client that leaves mid-body is one log line (499,
+  ``client_gone``). (A request head that never ends is aiohttp's ``keepalive_timeout``,
   ``Settings.server_kwargs``.)
 
 Runs inside the auth middleware (aiohttp refuses to clone a request whose body was read).
@@ -43,6 +44,7 @@ from multidict import CIMultiDict
 from capture_proxy.config import Settings
 from capture_proxy.proxy.errors import (
     BadRequest,
+    ClientGone,
     ExpectationFailed,
     Forbidden,
     Handler,
@@ -50,6 +52,7 @@ from capture_proxy.proxy.errors import (
     PayloadTooLarge,
     RequestTimeout,
     UnsupportedMediaType,
+    log_rejected,
 )
 
 #: Encodings aiohttp's request parser decodes (``http_parser``; ``br`` and ``zstd`` only with
@@ -214,6 +217,18 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
             "client_body_timeout_s)",
             param="body",
             code="request_timeout",
+        ) from exc
+    except asyncio.CancelledError:
+        # The client left and the server cancels its handler (handler_cancellation): the same
+        # one line as a reset, then the cancellation goes on.
+        log_rejected(request, ClientGone.status, "client_gone")
+        raise
+    except ConnectionResetError as exc:
+        # The client left mid-body: one log line (the error middleware's), no traceback.
+        raise ClientGone(
+            "the client closed the connection while sending its body",
+            param="body",
+            code="client_gone",
         ) from exc
     except web.HTTPRequestEntityTooLarge as exc:
         raise PayloadTooLarge(

@@ -372,3 +372,45 @@ def test_serve_help_names_the_proxy_token(capsys):
     out = capsys.readouterr().out
     assert "--proxy-token" in out and "CAPTURE_PROXY_PROXY_TOKEN" in out
     assert "--allowed-host" in out
+
+
+async def test_a_client_gone_mid_body_is_one_log_line_without_a_traceback(
+    make_stack: MakeStack, caplog
+):
+    """The fuzzer's 239 tracebacks: a client that resets the connection while sending its
+    body was an 'unhandled error' (500) with a traceback."""
+    import socket
+    import struct
+
+    caplog.set_level(logging.INFO)
+    stack = await make_stack()
+    body = json.dumps(_body(USER)).encode()
+    head = (
+        f"POST {CAPTURE.format(rollout='mb')} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Expect: 100-continue\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", stack.client.port)
+    writer.write(head)
+    await writer.drain()
+    # The 100 Continue says the handler runs and waits for the body (no sleep needed).
+    async with asyncio.timeout(WAIT_S):
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100")
+    writer.write(body[:-5])
+    await writer.drain()
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+    writer.close()
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "/ng-rollout/mb/" in r.getMessage()]
+
+    async with asyncio.timeout(WAIT_S):
+        while not lines():
+            await asyncio.sleep(0.02)
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert lines() == [
+        f"POST {CAPTURE.format(rollout='mb')} -> 499 (client_gone, <{len(body)} bytes in>)"
+    ]
+    assert stack.sent == []
+    assert await _num_calls(stack, "mb") == 0
