@@ -8,19 +8,22 @@
 # The image listens on 0.0.0.0, so it refuses to start without CAPTURE_PROXY_CAPTURES_TOKEN
 # (the read API can delete captures) unless told CAPTURE_PROXY_ALLOW_UNAUTHENTICATED_READ_API=true.
 #
-# Only what `serve` needs is installed (no tokenizer stack). For exact_tokens mode with a local
-# tokenizer directory (setting `tokenizer`), build with --build-arg EXTRAS="[tokenizer]".
+# Only what `serve` needs is installed (no tokenizer stack, no pyarrow: the bulk export's Arrow
+# stream is written by capture_proxy/core/arrow_ipc.py). For exact_tokens mode with a local
+# tokenizer directory (setting `tokenizer`), build with --build-arg EXTRAS="[postgres,tokenizer]".
 #
 # The base image is a build argument: any Debian-like image with Python 3.11+ and its venv
 # module (the default official slim image, or a locally built one where no registry is
-# reachable; scripts/container-test builds localhost/debian-py:bookworm with debootstrap).
+# reachable; scripts/container-test builds localhost/debian-py:bookworm-slim with debootstrap).
 ARG BASE=python:3.12-slim-bookworm
 # Extras: [postgres] (the shared store's driver, for replicas); add ",tokenizer" for
 # exact-token mode with a local tokenizer directory.
 ARG EXTRAS="[postgres]"
 
 # Build stage: install the package and its runtime dependencies (no test tools) into a venv,
-# with the PostgreSQL store's driver (extra `postgres`) for replicas on a shared store.
+# with the PostgreSQL store's driver (extra `postgres`) for replicas on a shared store; then
+# drop what serving never runs: pip, setuptools, bytecode caches and the packages' own test
+# suites (numpy's are 17 MB).
 FROM ${BASE} AS build
 ARG EXTRAS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -32,7 +35,8 @@ RUN python3 -m venv /opt/capture-proxy \
  && /opt/capture-proxy/bin/pip install --no-compile ".${EXTRAS}" \
  && (/opt/capture-proxy/bin/pip uninstall -y setuptools || true) \
  && /opt/capture-proxy/bin/pip uninstall -y pip \
- && find /opt/capture-proxy -name '__pycache__' -prune -exec rm -rf {} +
+ && find /opt/capture-proxy -name '__pycache__' -prune -exec rm -rf {} + \
+ && find /opt/capture-proxy/lib -type d -name tests -path '*/site-packages/*' -prune -exec rm -rf {} +
 
 # Runtime stage: the base image plus the venv; no build tools, no source tree.
 FROM ${BASE}

@@ -20,7 +20,11 @@ the proxy's own work before and after the engine (parsing, linking, rendering, p
 Every proxied rollout is checked to be one chain. ``--py-spy MODE`` records that proxy's samples
 to a file over the turns (from ``--py-spy-from TURN`` on, to profile a long history alone).
 
-Run: ``.venv/bin/python benchmarks/long_session.py [--rollouts 4] [--turns 120]``.
+``--template FILE``: the engine and the proxy's tokenizer directory use that chat template (a
+published one, e.g. Qwen3's) instead of ours; the report counts the calls rendered whole
+(``exact_prompt_full_render``) per mode.
+
+Run: ``.venv/bin/python benchmarks/long_session.py [--rollouts 4] [--turns 120] [--template F]``.
 """
 
 from __future__ import annotations
@@ -168,7 +172,8 @@ async def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="long-session-"))
     (work / "policy.json").write_text(json.dumps(policy(args.turns)))
     tok = work / "tokenizer"
-    subprocess.run([*cli_command(), "export-tokenizer", str(tok)], check=True, cwd=ROOT)
+    template = ["--chat-template", str(Path(args.template).resolve())] if args.template else []
+    subprocess.run([*cli_command(), "export-tokenizer", str(tok), *template], check=True, cwd=ROOT)
     engine = Service(
         "engine",
         [
@@ -180,6 +185,7 @@ async def run(args: argparse.Namespace) -> int:
             str(work / "policy.json"),
             "--max-model-len",
             "262144",
+            *template,
         ],
         port,
         work / "engine.log",
@@ -266,8 +272,9 @@ async def run(args: argparse.Namespace) -> int:
             if spy is not None:
                 stop_py_spy(spy, str(work / f"py-spy-{args.py_spy}.txt"))
                 spy = None
-            # every rollout one chain; the last prompt's size
+            # every rollout one chain; the last prompt's size; calls rendered whole
             last_prompt = 0
+            whole: dict[str, int] = dict.fromkeys(modes, 0)
             for mode in modes:
                 for r in rollouts[mode]:
                     url = f"{proxies[mode].url}/captures/rollouts/{r.rollout_id}/chains"
@@ -281,6 +288,8 @@ async def run(args: argparse.Namespace) -> int:
                         zip(chains["chains"][0]["calls"], r.latencies_ms, strict=True), 1
                     ):
                         samples[mode][turn].added_ms.append(seen - c["latency_ms"])
+                        kinds = [d["kind"] for d in c.get("diagnostics") or []]
+                        whole[mode] += "exact_prompt_full_render" in kinds
                     if mode.startswith("exact_tokens"):
                         last = chains["chains"][0]["calls"][-1]
                         last_prompt = len(last["prompt_token_ids"])
@@ -290,6 +299,10 @@ async def run(args: argparse.Namespace) -> int:
         for s in services:
             s.stop()
     report(samples, args, last_prompt)
+    print(
+        "calls rendered whole (exact_prompt_full_render): "
+        + ", ".join(f"{m} {n}" for m, n in whole.items() if not m.startswith("backend_template"))
+    )
     return 0
 
 
@@ -344,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tools-kb", type=float, default=20.0, help="tool definitions size")
     p.add_argument("--tool-output-kb", type=float, default=0.95, help="each tool result's size")
     p.add_argument("--no-full-render", action="store_true", help="skip the full-render path")
+    p.add_argument(
+        "--template",
+        help="a jinja chat template file (e.g. tests/fixtures/chat_templates/qwen3_hybrid.jinja)"
+        " that the engine and the proxy's tokenizer render with instead of ours",
+    )
     p.add_argument(
         "--warmup-turns",
         type=int,

@@ -5,7 +5,11 @@ Architecture, bottom to top (lower layers never import upper ones):
 - ``capture_proxy.core``: the pure core. Call records and their binary codec, chain
   building, path routing, request augmentation and response stripping, the incremental
   SSE/stream assembler. No aiohttp, no I/O; tested without an event loop.
-- ``capture_proxy.store``: the embedded store (SQLite in WAL mode, arrays as BLOBs).
+- ``capture_proxy.families``: one object and one module per model family (how vLLM renders
+  its conversations, with vLLM's message normalisation; how its generation parses back; its
+  turn tokens). No aiohttp; tokenizer-bound (transformers, openai-harmony) where it renders.
+- ``capture_proxy.store``: the embedded store (SQLite in WAL mode, arrays as BLOBs) and the
+  shared PostgreSQL store.
 - ``capture_proxy.proxy``: the aiohttp adapter. Routes a request, validates it, forwards it
   to the engine (streaming as it arrives), hands the observed call to the core to assemble a
   record, persists it, and finishes the response. One middleware turns exceptions into
@@ -17,8 +21,8 @@ Architecture, bottom to top (lower layers never import upper ones):
   scripted policy, for tests, demos and harness CI.
 - ``capture_proxy.cli``: ``capture-proxy serve | scripted-engine | demo``.
 
-The product brief, words and contracts live in the project's DESIGN notes; README.md has the
-user-facing view.
+The product brief, words and contracts live in the project's DESIGN notes; README.md and
+the documentation site under docs/ have the user-facing view.
 """
 
 __version__ = "0.1.0"

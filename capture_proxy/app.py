@@ -26,10 +26,13 @@ from aiohttp import web
 from capture_proxy import rest, rest_export, rest_lifecycle
 from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
-from capture_proxy.core.parsers import get_parser
+from capture_proxy.families import get_parser, load_family
+from capture_proxy.families.base import ChatRenderer, RenderError
+from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.proxy.app import dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
+from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.errors import error_middleware
 from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.keys import (
@@ -49,8 +52,6 @@ from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.recording import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.upstream import make_client_session
-from capture_proxy.renderers import load_family
-from capture_proxy.rendering import ChatRenderer, EngineRenderer, LocalRenderer, RenderError
 from capture_proxy.rest import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes

@@ -64,8 +64,8 @@ def write_port_file(path: Path, port: int) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from capture_proxy.app import build_proxy_app, build_read_only_app
+    from capture_proxy.families.base import RenderError
     from capture_proxy.proxy import server
-    from capture_proxy.rendering import RenderError
     from capture_proxy.store import open_store
     from capture_proxy.store.base import StoreError
 
@@ -208,6 +208,8 @@ def _scripted_engine(args: argparse.Namespace) -> int:
         template=args.template,
         max_model_len=args.max_model_len,
         family=args.family,
+        chat_template_path=args.chat_template,
+        tokenizer_dir=args.tokenizer_dir,
     )
 
 
@@ -235,11 +237,15 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _export_tokenizer(args: argparse.Namespace) -> int:
-    from capture_proxy.tokenizer import load_qwen_tokenizer
+    from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 
     tokenizer = load_qwen_tokenizer(template=args.template)
+    which = args.template
+    if args.chat_template is not None:
+        tokenizer.chat_template = args.chat_template.read_text(encoding="utf-8")
+        which = str(args.chat_template)
     tokenizer.save_pretrained(str(args.directory))
-    print(f"wrote the scripted engine's Qwen tokenizer ({args.template}) to {args.directory}")
+    print(f"wrote the scripted engine's Qwen tokenizer ({which}) to {args.directory}")
     return 0
 
 
@@ -270,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="store_synchronous",
         choices=["full", "normal"],
         help="full (default): fsync each call before its answer ends; normal: survives a "
-        "proxy crash, not a power loss (see README)",
+        "proxy crash, not a power loss (see docs/configuration.md)",
     )
     serve.add_argument(
         "--store-pool-size",
@@ -391,8 +397,21 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--family",
         default="qwen3",
-        choices=["qwen3", "qwen3_coder", "gpt_oss"],
+        choices=["qwen3", "qwen3_coder", "gpt_oss", "llama3"],
         help="model family it renders and writes as (the proxy's model_families)",
+    )
+    engine.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a jinja chat template file to render with (e.g. a model's published one) "
+        "instead of --template",
+    )
+    engine.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=None,
+        help="the family's tokenizer directory (tokenizer.json and chat template; required "
+        "for llama3; a Qwen family's replaces the built-in tokenizer and template)",
     )
     engine.set_defaults(func=_scripted_engine)
 
@@ -447,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("directory", type=Path)
     exp.add_argument(
         "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    exp.add_argument(
+        "--chat-template", type=Path, help="a jinja chat template file to write instead"
     )
     exp.set_defaults(func=_export_tokenizer)
     return parser

@@ -57,12 +57,18 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CAPTURE_PROXY_", frozen=True, extra="forbid")
 
     backend: AnyHttpUrl = Field(description="Engine base URL, e.g. http://127.0.0.1:8000")
-    host: str = "127.0.0.1"
-    port: int = Field(8080, ge=0, le=65535)
+    host: str = Field(
+        "127.0.0.1",
+        description="listen address; one that is not a loopback address needs captures_token "
+        "(or allow_unauthenticated_read_api)",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="listen port; 0: a free port")
     store: Path | str = Field(
         Path("capture-store"),
-        description="Embedded store directory (SQLite), or a postgresql:// URL: the shared "
-        "PostgreSQL store for proxy replicas (needs the 'postgres' extra)",
+        description="Embedded store directory (SQLite WAL + binary arrays, created on first "
+        "use; one proxy per directory: a second one refuses to start, while serve --read-only "
+        "and show read a store in use), or a postgresql:// URL: the shared PostgreSQL store "
+        "for proxy replicas (needs the 'postgres' extra)",
     )
     store_pool_size: int = Field(
         8, ge=1, le=256, description="PostgreSQL store: pooled connections (and threads)"
@@ -75,8 +81,15 @@ class Settings(BaseSettings):
         "here); an acknowledged call survives a proxy crash (SIGKILL, OOM kill) but a power "
         "loss or kernel crash can drop the calls committed since the last checkpoint",
     )
-    max_request_body_bytes: int = Field(64 * 1024 * 1024, gt=0)
-    upstream_connect_timeout_s: float = Field(10.0, gt=0)
+    max_request_body_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="largest request body accepted (413 above it); long agent histories need "
+        "more than aiohttp's default of 1 MiB",
+    )
+    upstream_connect_timeout_s: float = Field(
+        10.0, gt=0, description="max seconds to open a connection to the engine"
+    )
     upstream_first_byte_timeout_s: float | None = Field(
         None,
         gt=0,
@@ -91,7 +104,8 @@ class Settings(BaseSettings):
         ge=0,
         description="Retries of a request whose connection to the engine could not be made "
         "(refused, or no connection within upstream_connect_timeout_s): nothing was sent, so "
-        "a retry is safe; backoff 0.2 s, 0.4 s, ...",
+        "a retry is safe (engines' listen queues overflow under load); backoff 0.2 s, "
+        "0.4 s, ...",
     )
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         "auto", description="auto: uvloop when installed (a dependency on Linux), else asyncio"
@@ -100,7 +114,10 @@ class Settings(BaseSettings):
         4096, gt=0, description="Listen queue of the proxy's socket (aiohttp's default is 128)"
     )
     upstream_connection_limit: int = Field(
-        4096, ge=0, description="Max concurrent upstream connections (0: unlimited)"
+        4096,
+        ge=0,
+        description="Max concurrent upstream connections (0: unlimited); aiohttp's default "
+        "of 100 starves thousands of concurrent rollouts",
     )
     upstream_keepalive_timeout_s: float = Field(
         2.0,
@@ -149,8 +166,10 @@ class Settings(BaseSettings):
         "(usage.prompt_tokens) and no per-call work grows with the prompt (the echo costs about "
         "2 ms per call at 54k prompt tokens)",
     )
-    output_parser: Literal["qwen"] = Field(
-        "qwen", description="model family whose output format turns tokens back into a message"
+    output_parser: Literal["qwen", "qwen3", "qwen3_coder"] = Field(
+        "qwen",
+        description="model family whose output format turns tokens back into a message: qwen "
+        "or qwen3 (Hermes JSON tool calls, <think> reasoning), qwen3_coder (XML tool calls)",
     )
     max_model_len: int | None = Field(
         None, gt=0, description="context length in tokens; unset: the engine's /v1/models"
@@ -169,20 +188,24 @@ class Settings(BaseSettings):
     end_of_turn_token: str = Field(
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
-    model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss"]] = Field(
+    model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3"]] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
-        "turn-closing tokens, see capture_proxy.renderers): qwen3 (Hermes JSON tool calls), "
-        "qwen3_coder (XML tool calls), gpt_oss (harmony); models not named use tokenizer, "
+        "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
+        "qwen3_coder (XML tool calls), gpt_oss (harmony), llama3 (Llama 3.x JSON tool calls; "
+        "needs family_tokenizers.llama3); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )
-    family_tokenizers: dict[Literal["qwen3", "qwen3_coder"], Path] = Field(
+    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3"], Path] = Field(
         default_factory=dict,
         description="a local HF tokenizer directory (the model's own tokenizer and chat "
-        "template) per Qwen family; unset: the built-in Qwen tokenizer and our template",
+        "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "
+        "families; llama3 has no built-in one and needs its directory)",
     )
     captures_token: SecretStr | None = Field(
-        None, description="bearer token required by the /captures read API (unset: open)"
+        None,
+        description="bearer token required by the /captures read API, the viewer and /metrics "
+        "(unset: open)",
     )
     proxy_token: SecretStr | None = Field(
         None,
@@ -251,7 +274,9 @@ class Settings(BaseSettings):
         description="longest wait for a request body after its headers (seconds); a body "
         "that stops coming is answered 408 (request_timeout) and never reaches the engine",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="log level (any case); logs carry sizes, never bodies or credentials"
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -292,6 +317,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 "tokens_in_dialect vllm_generate answers carry no text: set tokenizer "
                 "(a local HF tokenizer directory) to decode them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _llama3_has_a_tokenizer(self) -> Settings:
+        if "llama3" in self.model_families.values() and "llama3" not in self.family_tokenizers:
+            models = sorted(m for m, f in self.model_families.items() if f == "llama3")
+            raise ValueError(
+                f"model_families names llama3 for {', '.join(models)}: set "
+                "family_tokenizers.llama3 to the model's tokenizer directory (tokenizer.json "
+                "and its chat template; there is no built-in Llama template)"
             )
         return self
 

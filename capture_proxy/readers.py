@@ -1,9 +1,10 @@
 """Readers for training loaders: captured rollouts as numpy / Arrow, from the proxy or a file.
 
 Owns the client side of the read API for trainers (see ``core.samples``, ``core.export`` and
-``core.tree`` for the forms). Depends on numpy, pyarrow (imported only by the bulk reader) and
-the standard library, so a training job can import it without aiohttp. Every function that
-talks to a proxy takes ``token``: the proxy's ``captures_token``, sent as a bearer token.
+``core.tree`` for the forms). Depends on numpy, pyarrow (imported only by the bulk reader; the
+``arrow`` extra, else an ImportError naming it) and the standard library, so a training job
+can import it without aiohttp. Every function that talks to a proxy takes ``token``: the
+proxy's ``captures_token``, sent as a bearer token.
 
     from capture_proxy.readers import fetch_chains, iter_rollouts
     chains = fetch_chains("http://proxy:8080", "rollout-17", token=TOKEN)
@@ -249,7 +250,12 @@ def iter_rollouts(
     page (``limit`` per request) until a page comes back short. Rollouts frozen while this
     runs are included when they sort after the pages already read. Raises HTTPError for
     4xx/5xx, ValueError for another format, pyarrow's ArrowInvalid for a cut stream."""
-    import pyarrow as pa  # a trainer that only reads archives does not need it
+    try:
+        import pyarrow as pa  # a trainer that only reads archives does not need it
+    except ImportError as exc:
+        raise ImportError(
+            "iter_rollouts reads the Arrow export with pyarrow: pip install 'capture-proxy[arrow]'"
+        ) from exc
 
     from capture_proxy.core.export import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST_KEY
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from capture_proxy.tokenizer import load_qwen_tokenizer
+from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -15,15 +15,14 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from capture_proxy.renderers import load_family, write_model_tokenizer
-from capture_proxy.rendering import parse_tool_arguments
+from capture_proxy.families import load_family, write_model_tokenizer
+from capture_proxy.families.vllm_messages import normalise_messages, normalise_tools
 from capture_proxy.replay import load_recording
 
 
 def _conversations(fixtures_dir):
-    for path in sorted(fixtures_dir.glob("*/logs/*.jsonl")) + sorted(
-        fixtures_dir.glob("*/*.jsonl")
-    ):
+    # chat-completions recordings only (the Messages and Responses ones are other APIs)
+    for path in sorted(fixtures_dir.glob("opencode/logs/*.jsonl")):
         for rec in load_recording(path):
             if "messages" in rec.body:
                 yield rec.body["messages"], rec.body.get("tools")
@@ -31,8 +30,8 @@ def _conversations(fixtures_dir):
 
 def _vllm_render(tok, messages, tools, generation_prompt=True):
     text = tok.apply_chat_template(
-        parse_tool_arguments(messages),
-        tools=tools or None,
+        normalise_messages(messages),
+        tools=normalise_tools(tools),
         add_generation_prompt=generation_prompt,
         tokenize=False,
     )
@@ -81,7 +80,7 @@ def test_model_dir_template_renders_our_ids(tmp_path, qwen_tokenizer, fixtures_d
 
 
 def test_gpt_oss_has_no_template_to_write(tmp_path):
-    from capture_proxy.rendering import RenderError
+    from capture_proxy.families.base import RenderError
 
     with pytest.raises(RenderError, match="no chat template"):
         write_model_tokenizer(tmp_path, "gpt_oss")

@@ -3,8 +3,10 @@
 import pytest
 
 from capture_proxy.cli import main
-from capture_proxy.rendering import LocalRenderer, RenderError, parse_tool_arguments
-from capture_proxy.tokenizer import load_chat_template
+from capture_proxy.families.base import RenderError
+from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.qwen_vocab import load_chat_template
+from capture_proxy.families.vllm_messages import normalise_messages
 
 MESSAGES = [
     {"role": "system", "content": "s"},
@@ -42,22 +44,24 @@ def test_missing_directory_is_a_render_error(tmp_path):
         LocalRenderer.from_directory(tmp_path / "nope")
 
 
-def test_argument_strings_that_are_not_json_are_refused():
+def test_argument_strings_that_are_not_json_become_an_empty_object_as_in_vllm():
+    # vLLM 0.32 coerces them (chat_utils._postprocess_messages) so the turn still renders.
     bad = [
         {
             "role": "assistant",
             "tool_calls": [{"id": "x", "function": {"name": "f", "arguments": "{"}}],
         }
     ]
-    with pytest.raises(RenderError, match="not JSON"):
-        parse_tool_arguments(bad)
+    assert normalise_messages(bad)[0]["tool_calls"] == [
+        {"id": "x", "function": {"name": "f", "arguments": {}}}
+    ]
 
 
 async def test_engine_renderer_sends_reasoning_as_vllm_reads_it(aiohttp_server):
     import aiohttp
     from aiohttp import web
 
-    from capture_proxy.rendering import EngineRenderer
+    from capture_proxy.proxy.engine_render import EngineRenderer
 
     seen = []
 

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.tokenizer import (
+from capture_proxy.families.qwen3 import render_assistant_generation
+from capture_proxy.families.qwen_vocab import (
     IM_END_ID,
     load_chat_template,
     load_qwen_tokenizer,
     qwen_cache_name,
-    render_assistant_generation,
 )
 
 TOOLS = [

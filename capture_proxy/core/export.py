@@ -29,18 +29,20 @@ Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
 - ``reward``: float64 (null unless one number), ``named_rewards``: map<string, float64> (null
   unless named), ``task_id``: string, ``tags``: map<string, string>.
 
+The bytes are written by ``core.arrow_ipc`` (no pyarrow needed to serve the export); a
+reader needs any Arrow library (``readers.iter_rollouts`` uses pyarrow, the ``arrow`` extra).
+
 Pure: no I/O; ``ExportEncoder`` returns bytes for the caller to send.
 """
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
+from capture_proxy.core import arrow_ipc as ipc
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.samples import ChainSample
 
@@ -50,49 +52,35 @@ EXPORT_VERSION = 1
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 #: Custom-metadata key of each record batch: the rollout's manifest, JSON.
 MANIFEST_KEY = "rollout"
+#: The schema's key-value metadata.
+SCHEMA_METADATA = {"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)}
 
-SCHEMA = pa.schema(
-    [
-        ("rollout_id", pa.string()),
-        ("cursor", pa.int64()),
-        ("snapshot_id", pa.string()),
-        ("version", pa.int64()),
-        ("episode_of", pa.string()),
-        ("attempt", pa.int32()),
-        ("chain_id", pa.string()),
-        ("leaf_call_id", pa.string()),
-        ("main_chain", pa.bool_()),
-        ("call_ids", pa.list_(pa.string())),
-        ("input_ids", pa.list_(pa.uint32())),
-        ("loss_mask", pa.list_(pa.uint8())),
-        ("log_probs", pa.list_(pa.float32())),
-        ("generation_spans", pa.list_(pa.list_(pa.int64(), 2))),
-        ("routed_experts", pa.list_(pa.uint16())),
-        ("routed_experts_shape", pa.list_(pa.int32(), 3)),
-        ("routed_experts_mask", pa.list_(pa.uint8())),
-        ("reward", pa.float64()),
-        ("named_rewards", pa.map_(pa.string(), pa.float64())),
-        ("task_id", pa.string()),
-        ("tags", pa.map_(pa.string(), pa.string())),
-    ],
-    metadata={"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)},
+SCHEMA: tuple[ipc.Field, ...] = tuple(
+    ipc.Field(name, kind)
+    for name, kind in [
+        ("rollout_id", ipc.utf8()),
+        ("cursor", ipc.int_(64)),
+        ("snapshot_id", ipc.utf8()),
+        ("version", ipc.int_(64)),
+        ("episode_of", ipc.utf8()),
+        ("attempt", ipc.int_(32)),
+        ("chain_id", ipc.utf8()),
+        ("leaf_call_id", ipc.utf8()),
+        ("main_chain", ipc.bool_()),
+        ("call_ids", ipc.list_(ipc.utf8())),
+        ("input_ids", ipc.list_(ipc.int_(32, signed=False))),
+        ("loss_mask", ipc.list_(ipc.int_(8, signed=False))),
+        ("log_probs", ipc.list_(ipc.float_(32))),
+        ("generation_spans", ipc.list_(ipc.fixed_size_list(ipc.int_(64), 2))),
+        ("routed_experts", ipc.list_(ipc.int_(16, signed=False))),
+        ("routed_experts_shape", ipc.fixed_size_list(ipc.int_(32), 3)),
+        ("routed_experts_mask", ipc.list_(ipc.int_(8, signed=False))),
+        ("reward", ipc.float_(64)),
+        ("named_rewards", ipc.map_(ipc.utf8(), ipc.float_(64))),
+        ("task_id", ipc.utf8()),
+        ("tags", ipc.map_(ipc.utf8(), ipc.utf8())),
+    ]
 )
-
-
-def _lists(values: list[np.ndarray | None], value_type: pa.DataType) -> pa.Array:
-    """A list array from numpy arrays (None: a null list), without going through Python."""
-    present = [v for v in values if v is not None]
-    lengths = np.array([0 if v is None else v.shape[0] for v in values], np.int32)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    flat = (
-        np.concatenate([np.ascontiguousarray(v).reshape(-1) for v in present])
-        if present
-        else np.zeros(0)
-    )
-    mask = pa.array([v is None for v in values]) if len(present) < len(values) else None
-    return pa.ListArray.from_arrays(
-        pa.array(offsets), pa.array(flat, type=value_type), type=pa.list_(value_type), mask=mask
-    )
 
 
 def _experts(sample: ChainSample) -> tuple[np.ndarray | None, list[int] | None]:
@@ -101,82 +89,81 @@ def _experts(sample: ChainSample) -> tuple[np.ndarray | None, list[int] | None]:
         return None, None
     if experts.size and int(experts.max()) > np.iinfo(np.uint16).max:
         raise ValueError(f"routed expert ids of {sample.leaf_call_id} do not fit uint16")
-    return experts.astype(np.uint16).reshape(-1), [int(n) for n in experts.shape]
+    return experts.astype(np.uint16, copy=False).reshape(-1), [int(n) for n in experts.shape]
 
 
-def rollout_batch(
+def _call_ids(samples: list[ChainSample]) -> ipc.Column:
+    flat = ipc.strings([c for s in samples for c in s.call_ids])
+    return ipc.list_of(flat, [len(s.call_ids) for s in samples])
+
+
+def _generation_spans(samples: list[ChainSample]) -> ipc.Column:
+    spans = [np.asarray(s.arrays["generation_spans"], np.int64).reshape(-1, 2) for s in samples]
+    flat = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
+    pairs = ipc.Column(flat.shape[0], 0, (b"",), (ipc.primitive(flat.astype("<i8")),))
+    return ipc.list_of(pairs, [s.shape[0] for s in spans])
+
+
+def rollout_columns(
     manifest: dict[str, Any],
     samples: list[ChainSample],
     metadata: RolloutMetadata,
-) -> pa.RecordBatch:
-    """One rollout's samples as a record batch of ``SCHEMA`` (``manifest`` gives the rollout
-    columns: ``rollout_id``, ``cursor``, ``snapshot``, ``version``, ``episode_of``,
+) -> list[ipc.Column]:
+    """One rollout's samples as the columns of ``SCHEMA``, in order (``manifest`` gives the
+    rollout columns: ``rollout_id``, ``cursor``, ``snapshot``, ``version``, ``episode_of``,
     ``attempt``, ``main_chain_id``). Raises ValueError for expert ids past uint16."""
     n = len(samples)
     experts = [_experts(s) for s in samples]
     snapshot = manifest.get("snapshot") or {}
     named = metadata.named_rewards
-    columns: dict[str, pa.Array] = {
-        "rollout_id": pa.array([manifest["rollout_id"]] * n, pa.string()),
-        "cursor": pa.array([manifest["cursor"]] * n, pa.int64()),
-        "snapshot_id": pa.array([snapshot.get("snapshot_id")] * n, pa.string()),
-        "version": pa.array([manifest["version"]] * n, pa.int64()),
-        "episode_of": pa.array([manifest["episode_of"]] * n, pa.string()),
-        "attempt": pa.array([manifest["attempt"]] * n, pa.int32()),
-        "chain_id": pa.array([s.chain_id for s in samples], pa.string()),
-        "leaf_call_id": pa.array([s.leaf_call_id for s in samples], pa.string()),
-        "main_chain": pa.array([s.chain_id == manifest["main_chain_id"] for s in samples]),
-        "call_ids": pa.array([s.call_ids for s in samples], pa.list_(pa.string())),
-        "input_ids": _lists([s.arrays["input_ids"] for s in samples], pa.uint32()),
-        "loss_mask": _lists([s.arrays["loss_mask"] for s in samples], pa.uint8()),
-        "log_probs": _lists([s.arrays["log_probs"] for s in samples], pa.float32()),
-        "generation_spans": pa.array(
-            [s.arrays["generation_spans"].tolist() for s in samples],
-            pa.list_(pa.list_(pa.int64(), 2)),
+    named_rows = [None if named is None else list(named.items())] * n
+    tag_rows = [list(metadata.tags.items())] * n
+    columns = {
+        "rollout_id": ipc.strings([manifest["rollout_id"]] * n),
+        "cursor": ipc.repeated(manifest["cursor"], n, "<i8"),
+        "snapshot_id": ipc.strings([snapshot.get("snapshot_id")] * n),
+        "version": ipc.repeated(manifest["version"], n, "<i8"),
+        "episode_of": ipc.strings([manifest["episode_of"]] * n),
+        "attempt": ipc.repeated(manifest["attempt"], n, "<i4"),
+        "chain_id": ipc.strings([s.chain_id for s in samples]),
+        "leaf_call_id": ipc.strings([s.leaf_call_id for s in samples]),
+        "main_chain": ipc.booleans([s.chain_id == manifest["main_chain_id"] for s in samples]),
+        "call_ids": _call_ids(samples),
+        "input_ids": ipc.lists([s.arrays["input_ids"] for s in samples], "<u4"),
+        "loss_mask": ipc.lists([s.arrays["loss_mask"] for s in samples], "<u1"),
+        "log_probs": ipc.lists([s.arrays["log_probs"] for s in samples], "<f4"),
+        "generation_spans": _generation_spans(samples),
+        "routed_experts": ipc.lists([e for e, _ in experts], "<u2"),
+        "routed_experts_shape": ipc.fixed_size_lists([shape for _, shape in experts], 3, "<i4"),
+        "routed_experts_mask": ipc.lists(
+            [s.arrays.get("routed_experts_mask") for s in samples], "<u1"
         ),
-        "routed_experts": _lists([e for e, _ in experts], pa.uint16()),
-        "routed_experts_shape": pa.array([shape for _, shape in experts], pa.list_(pa.int32(), 3)),
-        "routed_experts_mask": _lists(
-            [s.arrays.get("routed_experts_mask") for s in samples], pa.uint8()
+        "reward": ipc.repeated(metadata.scalar_reward, n, "<f8"),
+        "named_rewards": ipc.maps(
+            named_rows,
+            ipc.primitive(np.array([v for row in named_rows if row for _, v in row], "<f8")),
         ),
-        "reward": pa.array([metadata.scalar_reward] * n, pa.float64()),
-        "named_rewards": pa.array(
-            [None if named is None else list(named.items())] * n,
-            pa.map_(pa.string(), pa.float64()),
-        ),
-        "task_id": pa.array([metadata.task_id] * n, pa.string()),
-        "tags": pa.array([list(metadata.tags.items())] * n, pa.map_(pa.string(), pa.string())),
+        "task_id": ipc.strings([metadata.task_id] * n),
+        "tags": ipc.maps(tag_rows, None),
     }
-    return pa.RecordBatch.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA)
+    return [columns[f.name] for f in SCHEMA]
 
 
 class ExportEncoder:
     """Writes the stream in pieces: ``header()`` first, one ``rollout()`` per rollout, then
-    ``end()`` (the end-of-stream marker; a stream without it was cut). Not thread-safe: one
-    encoder per response, used from one thread at a time."""
-
-    def __init__(self) -> None:
-        self._sink = io.BytesIO()
-        self._writer = pa.ipc.new_stream(self._sink, SCHEMA)
-
-    def _drain(self) -> bytes:
-        out = self._sink.getvalue()
-        self._sink.seek(0)
-        self._sink.truncate()
-        return out
+    ``end()`` (the end-of-stream marker; a stream without it was cut). Stateless between
+    calls, so one encoder per response is all it takes."""
 
     def header(self) -> bytes:
-        return self._drain()
+        return ipc.schema_message(SCHEMA, SCHEMA_METADATA)
 
     def rollout(
         self, manifest: dict[str, Any], samples: list[ChainSample], metadata: RolloutMetadata
     ) -> bytes:
         """The bytes of one rollout's record batch (see the module docstring)."""
-        batch = rollout_batch(manifest, samples, metadata)
+        columns = rollout_columns(manifest, samples, metadata)
         text = json.dumps({**manifest, "num_samples": len(samples)}, ensure_ascii=False)
-        self._writer.write_batch(batch, custom_metadata={MANIFEST_KEY: text})
-        return self._drain()
+        return ipc.record_batch_message(len(samples), columns, {MANIFEST_KEY: text})
 
     def end(self) -> bytes:
-        self._writer.close()
-        return self._drain()
+        return ipc.END_OF_STREAM

@@ -25,6 +25,7 @@ from capture_proxy.core.fronts import (
 from capture_proxy.core.routing import InvalidRolloutId, Route, RouteKind, route
 from capture_proxy.proxy.calls import CaptureDeps
 from capture_proxy.proxy.capture import BackEnds, handle_captured_call, handle_count_tokens
+from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.errors import (
     ERROR_SHAPE_KEY,
     BadRequest,
@@ -43,7 +44,6 @@ from capture_proxy.proxy.keys import (
 )
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.recording import note_request
-from capture_proxy.rendering import EngineRenderer
 
 log = logging.getLogger("capture_proxy")
 

@@ -29,6 +29,7 @@ from capture_proxy.core.linking import Resolution, Verdict, request_digest
 from capture_proxy.core.requests import InvalidRequest, parse_json_object
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sampling import sampling_record
+from capture_proxy.families.base import ChatRenderer, RenderError, RendererUnavailable
 from capture_proxy.proxy.calls import (
     CHAT_COMPLETIONS_PATH,
     CaptureDeps,
@@ -44,7 +45,6 @@ from capture_proxy.proxy.exact import (
     refuse_continuation,
 )
 from capture_proxy.proxy.template import handle_template
-from capture_proxy.rendering import ChatRenderer, RenderError, RendererUnavailable
 
 log = logging.getLogger("capture_proxy")
 

@@ -30,8 +30,6 @@ from capture_proxy.core.fronts.base import Answer, answer_as_deltas
 from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.known_messages import MessageFacts, same_messages
 from capture_proxy.core.linking import Verdict
-from capture_proxy.core.parsers import MessageDelta, OutputParser
-from capture_proxy.core.parsers.base import apply_deltas
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.sampling import (
@@ -48,6 +46,17 @@ from capture_proxy.core.splice import (
 )
 from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
+from capture_proxy.families.base import (
+    ChatRenderer,
+    ContinuationRenderer,
+    ModelFamily,
+    RenderError,
+    RendererUnavailable,
+    TailRenderer,
+    ends_in_open_block,
+)
+from capture_proxy.families.hf_template import find_tail_ids, tail_context, tail_renderable
+from capture_proxy.families.parsing import MessageDelta, OutputParser, apply_deltas
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     CaptureDeps,
@@ -64,16 +73,6 @@ from capture_proxy.proxy.calls import (
 )
 from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
 from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
-from capture_proxy.renderers import ModelFamily
-from capture_proxy.rendering import (
-    ChatRenderer,
-    ContinuationRenderer,
-    RenderError,
-    RendererUnavailable,
-    TailRenderer,
-    cut_after_end_of_turn,
-    tail_context,
-)
 
 log = logging.getLogger("capture_proxy")
 
@@ -104,6 +103,7 @@ class ExactTokens:
         close_tokens: tuple[str, ...] = ("<|endoftext|>",),
         full_render: bool = False,
         by_model: Mapping[str, ExactTokens] | None = None,
+        reasoning_tokens: tuple[str, str] | None = ("<think>", "</think>"),
     ) -> None:
         self.renderer = renderer
         self.parser = parser
@@ -128,6 +128,14 @@ class ExactTokens:
         if token_id is not None:
             ids = [token_id(t) for t in close_tokens]
             self._close_extra = frozenset(i for i in ids if isinstance(i, int))
+        #: the (open, close) markers of the family's reasoning block, and their ids (None:
+        #: not known yet; asked of the engine's /tokenize in ``ready`` without a local one)
+        self.reasoning_tokens = reasoning_tokens
+        self.reasoning_ids: tuple[int, int] | None = None
+        if token_id is not None and reasoning_tokens is not None:
+            pair = (token_id(reasoning_tokens[0]), token_id(reasoning_tokens[1]))
+            if isinstance(pair[0], int) and isinstance(pair[1], int):
+                self.reasoning_ids = (pair[0], pair[1])
         if dialect.needs_decode and self.decode is None:
             raise RenderError(
                 f"tokens_in_dialect {dialect.name} needs a local tokenizer (tokenizer)"
@@ -152,11 +160,20 @@ class ExactTokens:
             end_of_turn_token=family.end_of_turn_token,
             close_tokens=family.close_tokens,
             full_render=full_render,
+            reasoning_tokens=family.reasoning_tokens,
         )
 
     def for_model(self, model: str | None) -> ExactTokens:
         """The exact-token machinery of ``model``'s family (this one when it has none)."""
         return self.by_model.get(model or "", self)
+
+    def opens_reasoning(self, prompt_token_ids: Any) -> bool:
+        """Whether the prompt ends inside an open reasoning block (Qwen3-2507 Thinking's
+        generation prompt ``<|im_start|>assistant\n<think>\n``): the generation then starts
+        as reasoning (``families.base.ends_in_open_block``)."""
+        if self.reasoning_ids is None:
+            return False
+        return ends_in_open_block(prompt_token_ids, *self.reasoning_ids)
 
     def close_ids(self, end_of_turn_ids: frozenset[int]) -> frozenset[int]:
         """Sampled stop tokens that close the model's turn: end of turn, and (with a local
@@ -197,6 +214,10 @@ class ExactTokens:
                             code="engine_bad_response",
                         )
                     self.end_of_turn_ids = frozenset(tokens)
+                if self.reasoning_ids is None and self.reasoning_tokens is not None:
+                    self.reasoning_ids = await _single_ids(
+                        session, backend, self.reasoning_tokens, timeout
+                    )
             except CLIENT_ERRORS as exc:
                 raise translate_client_error(exc, backend) from exc
             except ValueError as exc:
@@ -214,6 +235,26 @@ class ExactTokens:
                     log.warning("engine /v1/models unusable for the model name: %s", exc)
                     return ""
             return self.served_model
+
+
+async def _single_ids(
+    session: aiohttp.ClientSession,
+    backend: str,
+    markers: tuple[str, str],
+    timeout: aiohttp.ClientTimeout,
+) -> tuple[int, int] | None:
+    """The engine's ids of two markers that are one token each, else None (the vocabulary
+    has no such tokens: the family's prompts never open a reasoning block)."""
+    ids = []
+    for marker in markers:
+        body = {"prompt": marker, "add_special_tokens": False}
+        async with session.post(backend + "/tokenize", json=body, timeout=timeout) as resp:
+            data = await resp.json(content_type=None)
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], int):
+            return None
+        ids.append(tokens[0])
+    return ids[0], ids[1]
 
 
 async def _models(session: aiohttp.ClientSession, backend: str) -> Any:
@@ -279,7 +320,7 @@ async def _render_tail(
     end_of_turn_ids: frozenset[int],
 ) -> list[int] | None:
     """What follows the parent's end-of-turn token, rendered in a small context (see
-    ``rendering.render_tail``); None when the template does not allow it."""
+    ``families.hf_template``); None when it cannot be found that way."""
     context, new = tail_context(messages, j), messages[j + 1 :]
     renderer = exact.renderer
     if isinstance(renderer, TailRenderer):
@@ -292,13 +333,15 @@ async def _render_tail(
             end_of_turn_text=exact.end_of_turn_token,
             chat_template_kwargs=kwargs,
         )
-    through = await renderer.render(
-        context, tools, add_generation_prompt=False, chat_template_kwargs=kwargs
+    if not tail_renderable(context, new):
+        return None
+    head_ids = await renderer.render(
+        context[:-1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
     )
-    full = await renderer.render(
+    small = await renderer.render(
         [*context, *new], tools, add_generation_prompt=True, chat_template_kwargs=kwargs
     )
-    return cut_after_end_of_turn(through, full, end_of_turn_ids)
+    return find_tail_ids(head_ids, small, end_of_turn_ids)
 
 
 async def build_prompt(
@@ -597,6 +640,7 @@ class _Generation:
             call.ctx.call_id,
             token_ids=asm.token_ids,
             tools=call.prepared.body.get("tools"),
+            in_reasoning=self.exact.opens_reasoning(asm.prompt_token_ids),
         )
         finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
         message = parsed.to_openai()
@@ -640,7 +684,11 @@ class _Generation:
         problem: str | None = None
         done = False
         deltas: list[MessageDelta] = []
-        parser_stream = self.exact.parser.stream(ctx.call_id, call.prepared.body.get("tools"))
+        parser_stream = self.exact.parser.stream(
+            ctx.call_id,
+            call.prepared.body.get("tools"),
+            in_reasoning=self.exact.opens_reasoning(asm.prompt_token_ids),
+        )
         decoder = SSEStreamDecoder()
         try:
             async for data in upstream.content.iter_any():

@@ -23,8 +23,10 @@ import aiohttp
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
-from capture_proxy.renderers import load_family
-from capture_proxy.rendering import LocalRenderer, RenderError
+from capture_proxy.families import load_family
+from capture_proxy.families.base import RenderError
+from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.generation import Generation, TokenEvent
@@ -43,7 +45,6 @@ from capture_proxy.scripted_engine.state import (
     SentCall,
 )
 from capture_proxy.scripted_engine.tokens_in import add_tokens_in_routes
-from capture_proxy.tokenizer import load_chat_template, load_qwen_tokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -243,11 +244,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = min(max_tokens or cfg.max_model_len, cfg.max_model_len - len(prompt))
     family, tools = app[FAMILY], body.get("tools")
     if cfg.responder is not None:
-        gen = family.generate(cfg.responder(body), max_tokens, tools=tools, id_seed=seed)
+        gen = family.generate(
+            cfg.responder(body), max_tokens, tools=tools, id_seed=seed, prompt=prompt
+        )
     else:
         message = step.assistant_message(seed)
         gen = family.generate(
-            message, max_tokens, token_split=step.token_split, tools=tools, id_seed=seed
+            message,
+            max_tokens,
+            token_split=step.token_split,
+            tools=tools,
+            id_seed=seed,
+            prompt=prompt,
         )
     stream = body.get("stream") is True
     app[SENT_CALLS].append(
@@ -450,7 +458,7 @@ async def tokenize(request: web.Request) -> web.Response:
             "max_model_len": app[CONFIG].max_model_len,
             "tokens": ids,
             "token_strs": (
-                app[TOKENIZER].convert_ids_to_tokens(ids)
+                app[FAMILY].tokenizer.convert_ids_to_tokens(ids)
                 if app[FAMILY].tokenizer is not None
                 else [app[FAMILY].decode([i]) for i in ids]
             ),
@@ -504,7 +512,7 @@ def build_scripted_engine_app(
     Raises ValueError for an unknown template."""
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[CONFIG] = config
-    app[TEMPLATE] = load_chat_template(config.tokenizer_template)
+    app[TEMPLATE] = config.chat_template or load_chat_template(config.tokenizer_template)
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[FAMILY] = engine_family(config, app[TOKENIZER])
     app[SENT_CALLS] = []
@@ -520,16 +528,22 @@ def build_scripted_engine_app(
 
 
 def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFast) -> EngineFamily:
-    """The engine's family, sharing ``tokenizer`` (the Qwen families). Raises ValueError for
-    an unknown family or template."""
+    """The engine's family, sharing ``tokenizer`` (the Qwen families without a
+    ``tokenizer_dir``). Raises ValueError for an unknown family or template, or llama3
+    without ``tokenizer_dir``."""
     try:
-        family = load_family(config.family, tokenizer=tokenizer)
+        family = load_family(config.family, tokenizer=tokenizer, tokenizer_dir=config.tokenizer_dir)
     except RenderError as exc:
         raise ValueError(str(exc)) from exc
-    if config.family == "qwen3":
+    if config.chat_template is not None and config.family != "gpt_oss":
+        renderer = LocalRenderer(family.renderer.tokenizer, config.chat_template)
+        family = dataclasses.replace(family, renderer=renderer)
+    elif config.family == "qwen3" and config.tokenizer_dir is None:
         template = load_chat_template(config.tokenizer_template)
         family = dataclasses.replace(family, renderer=LocalRenderer(tokenizer, template))
-    return EngineFamily(family, tokenizer if config.family != "gpt_oss" else None)
+    if config.family == "gpt_oss":
+        return EngineFamily(family, None)
+    return EngineFamily(family, family.renderer.tokenizer)
 
 
 def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
@@ -556,11 +570,22 @@ def run_scripted_engine_cli(
     template: str = "keep_reasoning",
     max_model_len: int = 32768,
     family: str = "qwen3",
+    chat_template_path: Path | None = None,
+    tokenizer_dir: Path | None = None,
 ) -> int:
-    """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one)."""
+    """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one);
+    ``chat_template_path``: a jinja chat template file to render with instead of ours."""
     policy = Policy.load(policy_path) if policy_path is not None else Policy.default()
+    chat_template = None
+    if chat_template_path is not None:
+        chat_template = chat_template_path.read_text(encoding="utf-8")
     config = ScriptedEngineConfig(
-        policy=policy, tokenizer_template=template, max_model_len=max_model_len, family=family
+        policy=policy,
+        tokenizer_template=template,
+        max_model_len=max_model_len,
+        family=family,
+        chat_template=chat_template,
+        tokenizer_dir=tokenizer_dir,
     )
     run_scripted_engine(host, port, config)
     return 0

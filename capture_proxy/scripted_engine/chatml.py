@@ -19,6 +19,11 @@ _TOOL_CALL = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.S)
 _THINK = re.compile(r"<think>\n(.*?)\n</think>\n\n", re.S)
 
 
+#: what follows ``<|im_start|>assistant\n`` in a generation prompt: nothing, the think block
+#: Qwen3-2507 Thinking opens, or the empty one Qwen3 closes with enable_thinking=false
+_GENERATION_PROMPTS = frozenset({"", "<think>\n", "<think>\n\n</think>\n\n"})
+
+
 def parse_chatml(text: str) -> tuple[list[dict[str, Any]], list[Any] | None]:
     """Messages (role + content; assistant reasoning and tool calls; tool results) and the
     offered tools of a prompt rendered by our ChatML + Hermes templates. Text outside ChatML
@@ -33,8 +38,8 @@ def parse_chatml(text: str) -> tuple[list[dict[str, Any]], list[Any] | None]:
         closed = "<|im_end|>" in turn
         body = turn.split("<|im_end|>", 1)[0]
         role, _, content = body.partition("\n")
-        if not closed and role == "assistant" and not content:
-            continue  # the generation prompt
+        if not closed and role == "assistant" and content in _GENERATION_PROMPTS:
+            continue
         if role == "system" and "<tools>" in content:
             system, _, rest = content.partition(TOOLS_HEADER)
             tools = _parse_tools(rest)

@@ -1,11 +1,13 @@
 """The scripted engine's model family: the proxy's renderer and output format, engine-side.
 
-Owns what the engine needs of a family (``capture_proxy.renderers.ModelFamily``, the same
+Owns what the engine needs of a family (``capture_proxy.families.ModelFamily``, the same
 objects exact-token mode renders and parses with, so ids agree by construction): rendering a
 chat request, the ids a scripted message is sampled as (``ModelFamily.write``: Hermes JSON,
 Qwen3-Coder XML or harmony channels) with the per-token events the chat endpoint streams,
 reading a token prompt back into a conversation (tokens-in endpoints), token bytes, the stop
-ids and the special ids ``skip_special_tokens`` drops. Pure: no aiohttp, no I/O.
+ids and the special ids ``skip_special_tokens`` drops. Pure: no aiohttp, no I/O. llama3
+renders with the model's own tokenizer directory and reads prompts back with
+``llama_prompt``.
 
 qwen3 keeps ``generation.generate`` (its character splits and vLLM-hermes argument re-dump);
 the other families' events come from running the family's own stream parser over the ids.
@@ -19,7 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from capture_proxy.renderers import ModelFamily
+from capture_proxy.families import ModelFamily
+from capture_proxy.families.qwen_vocab import QWEN_ADDED_TOKENS, SPECIAL_START_ID
 from capture_proxy.scripted_engine.chatml import parse_chatml
 from capture_proxy.scripted_engine.generation import (
     Generation,
@@ -29,7 +32,7 @@ from capture_proxy.scripted_engine.generation import (
     synthetic_logprob,
     token_bytes,
 )
-from capture_proxy.tokenizer import QWEN_ADDED_TOKENS, SPECIAL_START_ID
+from capture_proxy.scripted_engine.llama_prompt import parse_llama3_prompt
 
 QWEN_SPECIAL_IDS = frozenset(
     SPECIAL_START_ID + i for i, (_, special) in enumerate(QWEN_ADDED_TOKENS) if special
@@ -43,7 +46,7 @@ class EngineFamily:
     """A model family as the scripted engine uses it (module docstring)."""
 
     family: ModelFamily
-    tokenizer: Any = None  # the HF tokenizer of the Qwen families
+    tokenizer: Any = None  # the HF tokenizer of the Qwen families and llama3
 
     @property
     def name(self) -> str:
@@ -57,7 +60,7 @@ class EngineFamily:
     @property
     def vocab_size(self) -> int:
         if self.harmony:
-            from capture_proxy.renderers.harmony import HARMONY_VOCAB_SIZE
+            from capture_proxy.families.gpt_oss import HARMONY_VOCAB_SIZE
 
             return HARMONY_VOCAB_SIZE
         return len(self.tokenizer)
@@ -75,11 +78,16 @@ class EngineFamily:
         """Ids ``skip_special_tokens`` drops."""
         if self.harmony:
             return cast(frozenset[int], self.family.renderer.special_ids)
+        if self.name == "llama3":
+            added = self.tokenizer.added_tokens_decoder.items()
+            return frozenset(i for i, t in added if t.special)
         return QWEN_SPECIAL_IDS
 
     def token_bytes(self, token_id: int) -> bytes:
         if self.harmony:
             return _harmony_bytes(self, token_id)
+        if self.name == "llama3" and token_id in self.special_ids:
+            return str(self.tokenizer.convert_ids_to_tokens(token_id)).encode("utf-8")
         return token_bytes(self.tokenizer, token_id)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -117,14 +125,23 @@ class EngineFamily:
         token_split: str = "canonical",
         tools: Any = None,
         id_seed: str = "",
+        prompt: Sequence[int] = (),
     ) -> Generation:
-        """The scripted message as sampled tokens, written in the family's format."""
+        """The scripted message as sampled tokens, written in the family's format, from
+        inside the reasoning block when ``prompt`` (the ids it continues) opened one."""
+        opened = self.family.opens_reasoning(prompt)
         if self.name == "qwen3":
-            return generate(self.tokenizer, message, max_tokens, token_split=token_split)
+            return generate(
+                self.tokenizer,
+                message,
+                max_tokens,
+                token_split=token_split,
+                reasoning_opened=opened,
+            )
         ids = self.family.write(message)
         # id_seed: the seed the policy made the message's tool-call ids from, so the ids the
         # parser gives are the message's own
-        stream = self.family.parser.stream(id_seed, tools)
+        stream = self.family.parser.stream(id_seed, tools, in_reasoning=opened)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         events: list[TokenEvent] = []
         for k, tid in enumerate(ids):
@@ -148,6 +165,8 @@ class EngineFamily:
         """Messages (roles, text, tool calls counted) and whether tools were offered."""
         if self.harmony:
             return _read_harmony(self, ids)
+        if self.name == "llama3":
+            return parse_llama3_prompt(self.decode(ids))
         messages, tools = parse_chatml(self.decode(ids))
         if self.name == "qwen3_coder":
             tools = _qwen3_coder_tools(messages) if tools is None else tools
@@ -179,7 +198,7 @@ def _event(tid: int, logprob: float, deltas: list[Any]) -> TokenEvent:
 def _harmony_bytes(ef: EngineFamily, token_id: int) -> bytes:
     inverse = getattr(ef, "_inverse", None)
     if inverse is None:
-        from capture_proxy.renderers.harmony import o200k_ranks
+        from capture_proxy.families.gpt_oss import o200k_ranks
 
         inverse = {rank: piece for piece, rank in o200k_ranks().items()}
         ef._inverse = inverse  # type: ignore[attr-defined]

@@ -18,13 +18,11 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from capture_proxy.tokenizer import (
+from capture_proxy.families.qwen3 import content_text, render_assistant_generation, render_tool_call
+from capture_proxy.families.qwen_vocab import (
     BYTE_DECODER,
     IM_END_ID,
     SPECIAL_START_ID,
-    content_text,
-    render_assistant_generation,
-    render_tool_call,
 )
 
 
@@ -113,19 +111,29 @@ def _encode(
     return ids + list(tokenizer.encode(text[c1:], add_special_tokens=False))
 
 
+#: what opens a Qwen3 turn's reasoning (dropped when the prompt opened it)
+THINK_PREFIX = "<think>\n"
+
+
 def generate(
     tokenizer: PreTrainedTokenizerFast,
     message: dict[str, Any],
     max_tokens: int | None = None,
     *,
     token_split: str = "canonical",
+    reasoning_opened: bool = False,
 ) -> Generation:
     """Tokens, log probs and events for ``message`` (an assistant message with tool-call ids),
     truncated to ``max_tokens`` (finish "length"). ``token_split``: "canonical" or
-    "characters" (see ``Step.token_split``). Raises ValueError if the text does not survive
-    encode/decode (not NFC)."""
+    "characters" (see ``Step.token_split``). ``reasoning_opened``: the prompt already opened
+    the think block (Qwen3-2507 Thinking), so the model writes from inside it, without
+    ``<think>\n``. Raises ValueError if the text does not survive encode/decode (not NFC)."""
     text = render_assistant_generation(message)
     regions = _regions(message)
+    if reasoning_opened and text.startswith(THINK_PREFIX):
+        cut = len(THINK_PREFIX)
+        text = text[cut:]
+        regions = [(max(r0 - cut, 0), max(r1 - cut, 0), kind) for r0, r1, kind in regions]
     ids = _encode(tokenizer, text, regions, token_split) + [IM_END_ID]
     calls = message.get("tool_calls") or []
     decoder = codecs.getincrementaldecoder("utf-8")()

@@ -35,10 +35,17 @@ class ScriptedEngineConfig:
     policy: Policy = field(default_factory=Policy.default)
     responder: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     tokenizer_template: str = "keep_reasoning"
-    #: the model family it renders and writes as (``capture_proxy.renderers``): qwen3
+    #: a chat template's jinja text that the Qwen families render with instead of
+    #: ``tokenizer_template`` (a published template, e.g. Qwen3's, in tests)
+    chat_template: str | None = None
+    #: the model family it renders and writes as (``capture_proxy.families``): qwen3
     #: (Hermes JSON, with ``tokenizer_template``), qwen3_coder (XML tool calls), gpt_oss
-    #: (harmony); the proxy's exact-token mode renders and parses with the same objects
+    #: (harmony), llama3 (JSON tool calls; needs ``tokenizer_dir``); the proxy's exact-token
+    #: mode renders and parses with the same objects
     family: str = "qwen3"
+    #: the family's own tokenizer directory (tokenizer.json + chat template): required for
+    #: llama3, optional for the Qwen families (unset: the built-in Qwen tokenizer)
+    tokenizer_dir: Path | None = None
     model_name: str = "scripted-qwen"
     max_model_len: int = 32768
     sse_fragment_bytes: int | None = None

@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from aiohttp import web
 
+from capture_proxy.families.qwen_vocab import SPECIAL_START_ID
 from capture_proxy.scripted_engine.families import QWEN_SPECIAL_IDS, EngineFamily
 from capture_proxy.scripted_engine.generation import Generation, synthetic_logprob
 from capture_proxy.scripted_engine.moe import (
@@ -43,7 +44,6 @@ from capture_proxy.scripted_engine.state import (
     RequestError,
     SentCall,
 )
-from capture_proxy.tokenizer import SPECIAL_START_ID
 
 #: Ids of the Qwen tokens ``skip_special_tokens`` drops (``<tool_call>``, ``<think>``... stay).
 SPECIAL_IDS = QWEN_SPECIAL_IDS
@@ -76,10 +76,14 @@ def scripted_generation(app: web.Application, prompt: list[int]) -> Generation:
         body: dict[str, Any] = {"model": cfg.model_name, "messages": messages}
         if tools is not None:
             body["tools"] = tools
-        return family.generate(cfg.responder(body), None, id_seed=seed)
+        return family.generate(cfg.responder(body), None, id_seed=seed, prompt=prompt)
     step = cfg.policy.choose(messages, tools is not None)
     return family.generate(
-        step.assistant_message(seed), None, token_split=step.token_split, id_seed=seed
+        step.assistant_message(seed),
+        None,
+        token_split=step.token_split,
+        id_seed=seed,
+        prompt=prompt,
     )
 
 

@@ -7,11 +7,10 @@ import json
 
 import pytest
 
-from capture_proxy.core.parsers import tool_call_id
-from capture_proxy.core.parsers.base import apply_deltas
-from capture_proxy.core.parsers.qwen3_coder import convert_value, parse_xml_call
-from capture_proxy.renderers import load_family
-from capture_proxy.rendering import tail_context
+from capture_proxy.families import load_family
+from capture_proxy.families.hf_template import tail_context
+from capture_proxy.families.parsing import apply_deltas, tool_call_id
+from capture_proxy.families.qwen3_coder import convert_value, parse_xml_call
 
 TOOLS = [
     {

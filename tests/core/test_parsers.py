@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from capture_proxy.core.parsers import get_parser, tool_call_id
-from capture_proxy.core.parsers.base import apply_deltas
-from capture_proxy.tokenizer import render_assistant_generation
+from capture_proxy.families import get_parser
+from capture_proxy.families.parsing import apply_deltas, tool_call_id
+from capture_proxy.families.qwen3 import render_assistant_generation
 
 PARSER = get_parser("qwen")
 

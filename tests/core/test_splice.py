@@ -14,13 +14,13 @@ from capture_proxy.core.splice import (
     extend_prompt,
     splice_prompt,
 )
-from capture_proxy.rendering import LocalRenderer, tail_context
-from capture_proxy.tokenizer import (
+from capture_proxy.families.hf_template import LocalRenderer, tail_context
+from capture_proxy.families.qwen3 import render_assistant_generation
+from capture_proxy.families.qwen_vocab import (
     ENDOFTEXT_ID,
     IM_END_ID,
     IM_START_ID,
     load_chat_template,
-    render_assistant_generation,
 )
 
 EOT = frozenset({IM_END_ID})
@@ -259,6 +259,9 @@ def test_tail_extension_equals_the_full_render_splice_on_every_fixture(
         tools = child.body.get("tools")
         msgs = child.body["messages"]
         j = len(parent.body["messages"])
+        if len(msgs) > j + 1 and msgs[-1]["role"] == "assistant":
+            # OpenCode's step-limit note: the proxy forwards it as a user message
+            msgs = [*msgs[:-1], {**msgs[-1], "role": "user"}]
         prompt = np.array(
             r.render_sync(parent.body["messages"], tools, add_generation_prompt=True),
             dtype=np.uint32,
@@ -281,10 +284,11 @@ def test_tail_extension_equals_the_full_render_splice_on_every_fixture(
     assert checked >= 16
 
 
-def test_tail_of_a_template_that_rerenders_history_is_not_taken(qwen_tokenizer):
+def test_tail_of_a_template_that_rerenders_the_continued_turn_is_still_taken(qwen_tokenizer):
     """A template that renders the continued turn differently once a new user query follows
-    (Qwen3 drops reasoning before the last query) cannot be extended in a small context: the
-    tail render says so (None) and the caller falls back to a full render."""
+    (Qwen3 drops reasoning before the last query) still gives its tail in a small context:
+    the turn itself is the model's own tokens in exact-token mode and is cut away; what
+    follows it is the template's text after the turn in the whole conversation."""
     template = load_chat_template("keep_reasoning").replace(
         "{%- if keep_reasoning and reasoning -%}",
         "{%- set later_user = messages[loop.index0:] | selectattr('role', 'equalto', 'user')"
@@ -292,13 +296,31 @@ def test_tail_of_a_template_that_rerenders_history_is_not_taken(qwen_tokenizer):
     )
     r = LocalRenderer(qwen_tokenizer, template)
     msg = {"role": "assistant", "content": "Hi.", "reasoning_content": "Greet."}
-    context = [*HISTORY, msg]
-    assert r.render_tail_sync(
-        context, [{"role": "tool", "content": "x"}], TOOLS, end_of_turn_text="<|im_end|>"
+    new = [{"role": "user", "content": "Next."}]
+    tail = r.render_tail_sync([*HISTORY, msg], new, TOOLS, end_of_turn_text="<|im_end|>")
+    full = qwen_tokenizer.decode(
+        r.render_sync([*HISTORY, msg, *new], TOOLS, add_generation_prompt=True)
     )
+    assert tail is not None
+    text = qwen_tokenizer.decode(tail)
+    assert text == "\n<|im_start|>user\nNext.<|im_end|>\n<|im_start|>assistant\n"
+    assert full.endswith("Hi.<|im_end|>" + text)
+    # Not offered: an assistant message among the new ones (its rendering may depend on the
+    # whole conversation), or no user message before the turn.
     assert (
-        r.render_tail_sync(
-            context, [{"role": "user", "content": "Next."}], TOOLS, end_of_turn_text="<|im_end|>"
-        )
+        r.render_tail_sync([*HISTORY, msg], [msg, *new], TOOLS, end_of_turn_text="<|im_end|>")
         is None
     )
+    assert r.render_tail_sync([msg], new, TOOLS, end_of_turn_text="<|im_end|>") is None
+
+
+def test_find_tail_ids_cuts_after_the_first_end_of_turn_after_the_head():
+    from capture_proxy.families.hf_template import find_tail_ids
+
+    eot = frozenset({9})
+    head = [1, 2, 9, 3, 9]
+    # the turn (5, 6) renders however it likes; the tail is what follows its end of turn
+    assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6, 9, 7, 8], eot) == [7, 8]
+    assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6, 9], eot) == []
+    assert find_tail_ids(head, [1, 2, 9, 4, 9, 5, 9, 7], eot) is None  # head not a prefix
+    assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6], eot) is None  # the turn never ends

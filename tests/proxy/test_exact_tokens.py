@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
-from capture_proxy.rendering import LocalRenderer
+from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.qwen_vocab import load_chat_template
 from capture_proxy.replay import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
-from capture_proxy.tokenizer import load_chat_template
 from tests.proxy.conftest import Stack
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_chains_rest import _echo
@@ -289,17 +289,17 @@ async def test_resolved_calls_render_only_their_new_messages(make_stack, qwen_to
         assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
 
 
-async def test_a_template_that_rerenders_the_turn_falls_back_to_a_full_render(
+async def test_a_template_whose_context_is_not_a_prefix_falls_back_to_a_full_render(
     make_stack, qwen_tokenizer
 ):
-    """Where the extension cannot be proven (the template renders the continued turn differently
-    once a new user query follows it), the whole conversation is rendered and spliced, the link
-    is kept, and the fallback is recorded."""
+    """Where the tail cannot be found (the template renders the messages before the continued
+    turn differently once more follow: here the system turn counts the messages), the whole
+    conversation is rendered and spliced, the link is kept, and the fallback is recorded."""
     template = load_chat_template("keep_reasoning").replace(
-        "{%- if keep_reasoning and reasoning -%}",
-        "{%- set later_user = messages[loop.index0:] | selectattr('role', 'equalto', 'user')"
-        " | list -%}{%- if keep_reasoning and reasoning and not later_user -%}",
+        '{{- "<|im_start|>system\\n" -}}',
+        '{{- "<|im_start|>system\\n" + (messages | length | string) -}}',
     )
+    assert "messages | length | string" in template
     renderer = _CountingRenderer(qwen_tokenizer, template)
     policy = Policy.model_validate({"steps": [{"content": "Hello.", "reasoning": "Greet them."}]})
     stack = await make_stack(
@@ -403,9 +403,9 @@ async def test_the_served_model_name_is_asked_again_after_a_failure(aiohttp_serv
     from aiohttp import ClientSession, web
 
     from capture_proxy.core.engine_formats import get_dialect
-    from capture_proxy.core.parsers import get_parser
+    from capture_proxy.families import get_parser
+    from capture_proxy.proxy.engine_render import EngineRenderer
     from capture_proxy.proxy.exact import ExactTokens
-    from capture_proxy.rendering import EngineRenderer
 
     answers = [web.Response(status=500, text="not ready"), web.json_response({"data": []})]
     asked = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import urllib.error
 import zipfile
 
@@ -257,3 +258,9 @@ def test_load_chains_of_something_else_is_a_value_error(tmp_path):
     path.write_bytes(b"junk")
     with pytest.raises(ValueError):
         readers.load_chains(path)
+
+
+def test_the_bulk_reader_without_pyarrow_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what a missing package looks like
+    with pytest.raises(ImportError, match=r"pip install 'capture-proxy\[arrow\]'"):
+        next(readers.iter_rollouts("http://127.0.0.1:9"))

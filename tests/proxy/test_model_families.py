@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from capture_proxy.renderers import load_family
+from capture_proxy.families import load_family
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import Stack
@@ -73,7 +73,7 @@ FAMILIES = ["qwen3", "qwen3_coder", "gpt_oss"]
 @pytest.fixture(scope="module")
 def families(request):
     """One loaded family per name, to compute the expected ids in the tests."""
-    from capture_proxy.tokenizer import load_qwen_tokenizer
+    from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 
     tok = load_qwen_tokenizer()
     return {f: load_family(f, tokenizer=tok) for f in FAMILIES}

@@ -4,13 +4,13 @@ import json
 
 import pytest
 
+from capture_proxy.families.qwen_vocab import IM_END_ID
 from capture_proxy.scripted_engine import (
     SENT_CALLS,
     Policy,
     ScriptedEngineConfig,
     build_scripted_engine_app,
 )
-from capture_proxy.tokenizer import IM_END_ID
 
 TOOLS = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
 POLICY = Policy.model_validate(

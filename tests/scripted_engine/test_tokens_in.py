@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from capture_proxy.families.qwen_vocab import IM_END_ID
+from capture_proxy.families.vllm_messages import normalise_tools
 from capture_proxy.scripted_engine import (
     SENT_CALLS,
     ScriptedEngineConfig,
@@ -13,7 +15,6 @@ from capture_proxy.scripted_engine import (
 )
 from capture_proxy.scripted_engine.chatml import parse_chatml
 from capture_proxy.scripted_engine.tokens_in import SPECIAL_IDS
-from capture_proxy.tokenizer import IM_END_ID
 from tests.scripted_engine.test_app import FIRST, POLICY, TOOLS, body, post
 
 SECOND_TOOLS = [
@@ -373,4 +374,5 @@ async def test_responder_gets_parsed_messages(aiohttp_client, qwen_tokenizer):
     out = await (await client.post("/v1/completions", json={"prompt": prompt})).json()
     assert out["choices"][0]["text"] == "Replayed."
     assert [m["role"] for m in seen[0]["messages"]] == ["system", "user", "assistant", "tool"]
-    assert seen[0]["tools"] == TOOLS
+    # the tools as vLLM gives them to the template (missing description as null)
+    assert seen[0]["tools"] == normalise_tools(TOOLS)

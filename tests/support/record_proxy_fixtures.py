@@ -23,9 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 from capture_proxy.harnesses import claude_code, codex
 from capture_proxy.scripted_engine.policy import Policy
-from capture_proxy.tokenizer import load_qwen_tokenizer
 from tests.e2e.harness_stack import POLICIES, harness_stack, make_project, run_harness
 from tests.support.fake_harness_server import scrub_line
 

@@ -24,8 +24,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from capture_proxy.core.parsers.base import ParsedMessage, apply_deltas
-from capture_proxy.core.parsers.qwen import QwenHermesStream
+from capture_proxy.families.parsing import ParsedMessage, apply_deltas, content_text
+from capture_proxy.families.qwen3 import QwenHermesStream
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
@@ -147,8 +147,10 @@ class Qwen3CoderStream(QwenHermesStream):
 
     CONTENT_SEPARATOR = "\n\n"
 
-    def __init__(self, id_seed: str, tools: Sequence[Any] | None) -> None:
-        super().__init__(id_seed)
+    def __init__(
+        self, id_seed: str, tools: Sequence[Any] | None, *, in_reasoning: bool = False
+    ) -> None:
+        super().__init__(id_seed, in_reasoning=in_reasoning)
         self.tools = tools
 
     def parse_call(self, body: str) -> tuple[str, str] | None:
@@ -158,8 +160,10 @@ class Qwen3CoderStream(QwenHermesStream):
 class Qwen3CoderParser:
     family = "qwen3_coder"
 
-    def stream(self, id_seed: str, tools: Sequence[Any] | None = None) -> Qwen3CoderStream:
-        return Qwen3CoderStream(id_seed, tools)
+    def stream(
+        self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
+    ) -> Qwen3CoderStream:
+        return Qwen3CoderStream(id_seed, tools, in_reasoning=in_reasoning)
 
     def parse(
         self,
@@ -168,6 +172,43 @@ class Qwen3CoderParser:
         *,
         token_ids: Sequence[int] = (),
         tools: Sequence[Any] | None = None,
+        in_reasoning: bool = False,
     ) -> ParsedMessage:
-        stream = self.stream(id_seed, tools)
+        stream = self.stream(id_seed, tools, in_reasoning=in_reasoning)
         return apply_deltas([*stream.feed(text), *stream.finish()])
+
+
+def _xml_value(value: Any) -> str:
+    """A parameter value as the template renders it: JSON for objects and arrays, else
+    jinja's ``| string`` (Python ``str``: ``True``, ``None``, ``1.5``)."""
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
+
+
+def xml_tool_call(call: Mapping[str, Any]) -> str:
+    """``<tool_call>\\n<function=N>\\n(<parameter=K>\\nV\\n</parameter>\\n)*</function>\\n
+    </tool_call>``. Arguments: a JSON object, as a string or parsed."""
+    fn = call.get("function", call)
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        args = json.loads(args) if args.strip() else {}
+    params = "".join(
+        f"<parameter={k}>\n{_xml_value(v)}\n</parameter>\n" for k, v in (args or {}).items()
+    )
+    return f"<tool_call>\n<function={fn['name']}>\n{params}</function>\n</tool_call>"
+
+
+def write_qwen3_coder(message: Mapping[str, Any]) -> str:
+    """The exact text a Qwen3-Coder-layout model writes for an assistant turn (after
+    ``<|im_start|>assistant\\n``, without ``<|im_end|>``); matches ``qwen3_coder.jinja``."""
+    out = ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        out += f"<think>\n{reasoning}\n</think>\n\n"
+    content = content_text(message.get("content"))
+    out += content
+    for i, call in enumerate(message.get("tool_calls") or []):
+        out += "\n" if i else ("\n\n" if content else "")
+        out += xml_tool_call(call)
+    return out

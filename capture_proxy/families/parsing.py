@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -70,7 +70,13 @@ class OutputParser(Protocol):
 
     family: str
 
-    def stream(self, id_seed: str, tools: Sequence[Any] | None = None) -> StreamParser: ...
+    def stream(
+        self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
+    ) -> StreamParser:
+        """``in_reasoning``: the prompt already opened a reasoning block (Qwen3-2507
+        Thinking's generation prompt ends ``<think>\\n``), so the generation starts inside it
+        and its first ``</think>`` closes it."""
+        ...
 
     def parse(
         self,
@@ -79,6 +85,7 @@ class OutputParser(Protocol):
         *,
         token_ids: Sequence[int] = (),
         tools: Sequence[Any] | None = None,
+        in_reasoning: bool = False,
     ) -> ParsedMessage: ...
 
 
@@ -104,3 +111,15 @@ def apply_deltas(deltas: list[MessageDelta]) -> ParsedMessage:
             slot["function"]["arguments"] += fn.get("arguments") or ""
     msg.tool_calls = [calls[i] for i in sorted(calls)]
     return msg
+
+
+def content_text(content: Any) -> str:
+    """Text of an OpenAI message content: a string, None, or a list of parts (text parts
+    joined with "\\n", as vLLM joins them for string-format templates)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(
+        p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
+    )

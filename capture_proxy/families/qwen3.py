@@ -16,10 +16,16 @@ not part of the text this parser sees.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from capture_proxy.core.parsers.base import MessageDelta, ParsedMessage, apply_deltas, tool_call_id
+from capture_proxy.families.parsing import (
+    MessageDelta,
+    ParsedMessage,
+    apply_deltas,
+    content_text,
+    tool_call_id,
+)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TC_OPEN, TC_CLOSE = "<tool_call>", "</tool_call>"
@@ -40,9 +46,10 @@ class QwenHermesStream:
 
     CONTENT_SEPARATOR = "\n"
 
-    def __init__(self, id_seed: str) -> None:
+    def __init__(self, id_seed: str, *, in_reasoning: bool = False) -> None:
         self.id_seed = id_seed
-        self.state = "start"
+        # a prompt that opened <think> (Qwen3-2507 Thinking): the text starts as reasoning
+        self.state = "reasoning" if in_reasoning else "start"
         self.buf = ""
         self.num_calls = 0
         self.pending_newlines = 0  # newlines still to skip after "</think>"
@@ -195,8 +202,10 @@ def _parse_call(body: str) -> tuple[str, str] | None:
 class QwenHermesParser:
     family = "qwen"
 
-    def stream(self, id_seed: str, tools: Sequence[Any] | None = None) -> QwenHermesStream:
-        return QwenHermesStream(id_seed)
+    def stream(
+        self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
+    ) -> QwenHermesStream:
+        return QwenHermesStream(id_seed, in_reasoning=in_reasoning)
 
     def parse(
         self,
@@ -205,6 +214,40 @@ class QwenHermesParser:
         *,
         token_ids: Sequence[int] = (),
         tools: Sequence[Any] | None = None,
+        in_reasoning: bool = False,
     ) -> ParsedMessage:
-        stream = self.stream(id_seed)
+        stream = self.stream(id_seed, in_reasoning=in_reasoning)
         return apply_deltas([*stream.feed(text), *stream.finish()])
+
+
+def render_tool_call(call: Mapping[str, Any]) -> str:
+    """``<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>``; A verbatim if a string."""
+    fn = call.get("function", call)
+    args = fn.get("arguments")
+    if args is None:
+        args = {}
+    args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args_text}}}\n</tool_call>'
+
+
+def render_assistant_generation(message: Mapping[str, Any]) -> str:
+    """The exact text a Qwen3 model writes for an assistant turn (after
+    ``<|im_start|>assistant\\n``, without ``<|im_end|>``): ``<think>\\nR\\n</think>\\n\\n`` if
+    it has ``reasoning_content`` (or ``reasoning``), then the content, then each tool call,
+    with "\\n" before a tool call unless it comes first with no content. This is the layout
+    of the published Qwen3 templates (hybrid, 2507) and of our keep_reasoning template."""
+    out = ""
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        out += f"<think>\n{reasoning}\n</think>\n\n"
+    content = content_text(message.get("content"))
+    out += content
+    for i, call in enumerate(message.get("tool_calls") or []):
+        if i > 0 or content:
+            out += "\n"
+        out += render_tool_call(call)
+    return out
+
+
+#: Qwen3 with Hermes JSON tool calls
+write_qwen3 = render_assistant_generation

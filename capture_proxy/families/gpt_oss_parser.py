@@ -24,7 +24,7 @@ from typing import Any
 
 from openai_harmony import HarmonyEncoding, HarmonyError, Message, Role, StreamableParser
 
-from capture_proxy.core.parsers.base import MessageDelta, ParsedMessage, apply_deltas, tool_call_id
+from capture_proxy.families.parsing import MessageDelta, ParsedMessage, apply_deltas, tool_call_id
 
 FUNCTIONS_PREFIX = "functions."
 
@@ -120,7 +120,10 @@ class HarmonyParser:
     def __init__(self, encoding: HarmonyEncoding) -> None:
         self.encoding = encoding
 
-    def stream(self, id_seed: str, tools: Sequence[Any] | None = None) -> HarmonyStream:
+    def stream(
+        self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
+    ) -> HarmonyStream:
+        # harmony's generation prompt ends at <|start|>assistant: channels are in the tokens
         return HarmonyStream(self.encoding, id_seed)
 
     def parse(
@@ -130,6 +133,7 @@ class HarmonyParser:
         *,
         token_ids: Sequence[int] = (),
         tools: Sequence[Any] | None = None,
+        in_reasoning: bool = False,
     ) -> ParsedMessage:
         try:
             messages = self.encoding.parse_messages_from_completion_tokens(

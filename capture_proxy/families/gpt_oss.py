@@ -50,7 +50,7 @@ from openai_harmony import (
     load_harmony_encoding,
 )
 
-from capture_proxy.rendering import RenderError
+from capture_proxy.families.base import RenderError
 
 O200K_FILE = "o200k_base.tiktoken"
 #: sha256 of OpenAI's o200k_base.tiktoken
