@@ -1,6 +1,7 @@
 """The composition root: builds the whole application from settings.
 
-Owns the wiring: which middlewares run (errors, auth, traffic recording), which resources
+Owns the wiring: which middlewares run (errors, auth, the request policy, traffic
+recording), which resources
 live in ``cleanup_ctx`` (the store opened and closed with the app, one upstream
 ``ClientSession``, the exact-token machinery, the tombstone sweeper), the app's state
 (``proxy.keys``), and which routes serve what: ``/health`` and ``/metrics`` (``proxy.status``),
@@ -46,8 +47,9 @@ from capture_proxy.proxy.keys import (
 )
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
+from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.recording import TrafficRecorder, recording_middleware
+from capture_proxy.proxy.recording import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rest import unknown_captures_path
@@ -158,14 +160,17 @@ def build_proxy_app(
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings)."""
-    middlewares = [error_middleware, auth_middleware(settings)]
-    if settings.record_dir is not None:
+    middlewares = [error_middleware, auth_middleware(settings), policy_middleware(settings)]
+    traffic = TrafficRecorder(settings.record_dir) if settings.record_dir is not None else None
+    if traffic is not None:
         # Outermost: what the harness sent and got, errors included (see ``recording``).
-        middlewares.insert(0, recording_middleware(TrafficRecorder(settings.record_dir)))
+        middlewares.insert(0, recording_middleware(traffic))
     app = web.Application(
         middlewares=middlewares,
         client_max_size=settings.max_request_body_bytes,
     )
+    if traffic is not None:
+        app[RECORDING_KEY] = traffic
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
     app[METRICS_KEY] = Metrics()
@@ -177,8 +182,8 @@ def build_proxy_app(
         interval_s=settings.engine_health_interval_s,
         timeout_s=settings.engine_health_timeout_s,
         headers=(
-            {"Authorization": f"Bearer {settings.backend_api_key.get_secret_value()}"}
-            if settings.backend_api_key is not None
+            {"Authorization": settings.backend_auth_header}
+            if settings.backend_auth_header is not None
             else None
         ),
     )
@@ -223,6 +228,7 @@ def build_proxy_app(
     app.router.add_route("*", "/captures", unknown_captures_path)
     app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
     app.router.add_route("*", "/{tail:.*}", dispatch)
+    use_expect_continue(app)
     return app
 
 
@@ -232,7 +238,9 @@ def build_read_only_app(
     """The read API (without ``DELETE``) and the viewer over ``store``, with no engine and no
     proxied paths (``serve --read-only``): browse a store after the run. ``backend``: an
     engine for ``/detokenize``, if one is up; ``settings.backend`` is not used."""
-    app = web.Application(middlewares=[error_middleware, auth_middleware(settings)])
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware(settings), policy_middleware(settings)]
+    )
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
     app[RECORDER_KEY] = Recorder(store)
@@ -258,4 +266,5 @@ def build_read_only_app(
     )
     app.router.add_route("*", "/captures", unknown_captures_path)
     app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
+    use_expect_continue(app)
     return app

@@ -88,6 +88,10 @@ def _serve(args: argparse.Namespace) -> int:
         "allow_unauthenticated_read_api": args.insecure_read_api,
         "record_dir": args.record_dir,
         "captures_token": args.captures_token,
+        "proxy_token": args.proxy_token,
+        "allowed_hosts": args.allowed_hosts,
+        "client_header_timeout_s": args.client_header_timeout_s,
+        "client_body_timeout_s": args.client_body_timeout_s,
     }
     if args.read_only:
         if args.store is None or (
@@ -111,6 +115,10 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from capture_proxy.core.redact import RedactingFilter
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
     port_file: Path | None = args.port_file
     if port_file is not None:
         if not port_file.parent.is_dir():
@@ -147,7 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
         target = "read-only"
     else:
         app = build_proxy_app(settings, store)
-        target = settings.backend_base
+        target = settings.backend_label
 
     def listening() -> None:
         # Called once the store is open and the socket listens.
@@ -167,6 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
             sock,
             backlog=settings.listen_backlog,
             on_listening=listening,
+            server_kwargs=settings.server_kwargs,
             loop=new_event_loop(settings.event_loop),
         )
     except (StoreError, RenderError) as exc:
@@ -328,6 +337,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--captures-token",
         dest="captures_token",
         help="token for /captures and the viewer (better: CAPTURE_PROXY_CAPTURES_TOKEN)",
+    )
+    serve.add_argument(
+        "--proxy-token",
+        dest="proxy_token",
+        help="token harnesses must send (Authorization: Bearer, or x-api-key) on proxied "
+        "paths; stripped before forwarding (better: CAPTURE_PROXY_PROXY_TOKEN)",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="NAME",
+        help="a Host name the proxy answers besides loopback names, --host and IP addresses "
+        "(repeat for more; '*': any); other names get a 421 (DNS-rebinding guard)",
+    )
+    serve.add_argument(
+        "--client-header-timeout",
+        dest="client_header_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="close a connection without a complete request head after this long (default 60)",
+    )
+    serve.add_argument(
+        "--client-body-timeout",
+        dest="client_body_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="answer 408 to a request body not received within this long (default 60)",
     )
     serve.add_argument(
         "--insecure-read-api",

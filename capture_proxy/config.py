@@ -33,6 +33,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from capture_proxy.core.redact import basic_auth_header, redact_url, split_credentials
+
 
 class ConfigError(ValueError):
     """Settings are invalid or the config file cannot be read; the message names the field."""
@@ -251,6 +253,27 @@ class Settings(BaseSettings):
         description="record every request under a capture path, with the answer sent, to "
         "DIR/<rollout_id>.jsonl in the replay format (for building fixtures; unset: off)",
     )
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host header values (names or addresses, without the port) the proxy "
+        "answers; any other gets a 421 (host_not_allowed), so a web page that rebinds its own "
+        "DNS name to this address cannot read or write through the operator's browser. '*' "
+        "allows any. Unset: loopback names and addresses, the listen host, and any IP "
+        "address literal (a rebinding page always uses a name)",
+    )
+    client_header_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a client connection that has not sent a complete request head (request "
+        "line and headers) this many seconds after it opened, or after its previous answer "
+        "(an idle keep-alive), is closed (aiohttp's keepalive_timeout)",
+    )
+    client_body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="longest wait for a request body after its headers (seconds); a body "
+        "that stops coming is answered 408 (request_timeout) and never reaches the engine",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="log level (any case); logs carry sizes, never bodies or credentials"
     )
@@ -275,8 +298,6 @@ class Settings(BaseSettings):
         """The store for logs: a directory, or the URL without its password."""
         if isinstance(self.store, Path):
             return str(self.store)
-        from capture_proxy.store.postgres import redact_url
-
         return redact_url(self.store)
 
     @field_validator("tokenizer")
@@ -333,6 +354,18 @@ class Settings(BaseSettings):
             raise ValueError("backend URL must not carry a query or fragment")
         return value
 
+    @model_validator(mode="after")
+    def _one_engine_credential(self) -> Settings:
+        if self.backend_api_key is not None and split_credentials(str(self.backend))[1:] != (
+            None,
+            None,
+        ):
+            raise ValueError(
+                "backend URL carries user info and backend_api_key is set: give the engine's "
+                "credential one way"
+            )
+        return self
+
     def prompt_mode_for(self, model: str | None) -> str:
         """The prompt mode for a request's ``model``."""
         return self.prompt_mode_by_model.get(model or "", self.prompt_mode)
@@ -350,8 +383,35 @@ class Settings(BaseSettings):
 
     @property
     def backend_base(self) -> str:
-        """Backend URL without a trailing slash, e.g. ``http://127.0.0.1:8000``."""
-        return str(self.backend).rstrip("/")
+        """Backend URL without a trailing slash and without user info, e.g.
+        ``http://127.0.0.1:8000``: the URL every engine request and message is built from, so
+        no credential of ``http://user:password@host`` can reach an answer, a record or a log
+        (they go to the engine as ``backend_auth_header``)."""
+        return split_credentials(str(self.backend))[0].rstrip("/")
+
+    @property
+    def backend_label(self) -> str:
+        """The backend URL for people (start-up line): its password masked."""
+        return redact_url(str(self.backend)).rstrip("/")
+
+    @property
+    def backend_auth_header(self) -> str | None:
+        """The ``Authorization`` value every request to the engine carries: ``Bearer
+        <backend_api_key>``, or ``Basic`` of the backend URL's user info; None: the harness's
+        own header goes through."""
+        if self.backend_api_key is not None:
+            return f"Bearer {self.backend_api_key.get_secret_value()}"
+        _, user, password = split_credentials(str(self.backend))
+        if user is None and password is None:
+            return None
+        return basic_auth_header(user or "", password)
+
+    @property
+    def server_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for aiohttp's server (``AppRunner``): ``keepalive_timeout`` is
+        how long a connection may wait for a complete request head, the first one included
+        (aiohttp arms it when the connection opens)."""
+        return {"keepalive_timeout": self.client_header_timeout_s}
 
     @classmethod
     def settings_customise_sources(

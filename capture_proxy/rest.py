@@ -40,6 +40,7 @@ from capture_proxy.core.summary import link_stats, main_chain
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recording import remove_recording
 from capture_proxy.store.base import RolloutInfo
 
 REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)
@@ -404,6 +405,7 @@ async def delete_rollout(request: web.Request) -> web.Response:
             code="not_found",
         )
     linker.forget(rollout_id)
+    remove_recording(request.app, rollout_id)
     return web.json_response({"rollout_id": rollout_id, "deleted_calls": deleted})
 
 
@@ -448,3 +450,19 @@ def add_routes(app: web.Application, *, read_only: bool = False) -> None:
     app.router.add_get("/captures/calls/{call_id}", get_call)
     if not read_only:
         app.router.add_delete("/captures/rollouts/{rollout_id}", delete_rollout)
+        return
+    # The proxy's writes, answered as refused here rather than as unknown paths.
+    app.router.add_delete("/captures/rollouts/{rollout_id}", refuse_read_only)
+    app.router.add_post("/captures/rollouts/{rollout_id}/freeze", refuse_read_only)
+    app.router.add_put("/captures/rollouts/{rollout_id}/metadata", refuse_read_only)
+    app.router.add_post("/captures/rollouts/{rollout_id}/retire", refuse_read_only)
+
+
+async def refuse_read_only(request: web.Request) -> web.Response:
+    """A write (delete, freeze, metadata, retire) to ``serve --read-only``: a 405."""
+    raise MethodNotAllowed(
+        f"{request.method} {request.path}: this server is read-only (serve --read-only): "
+        "freeze, metadata, retire and delete go to the proxy that captured the rollout",
+        allowed=("GET", "HEAD"),
+        code="read_only",
+    )

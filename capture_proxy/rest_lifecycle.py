@@ -26,8 +26,10 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy.core.metadata import MetadataError, RolloutMetadata
+from capture_proxy.core.requests import MAX_NESTING, text_problem
 from capture_proxy.proxy.errors import BadRequest, Conflict, NotFound, ProxyError
 from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
+from capture_proxy.proxy.recording import remove_recording
 from capture_proxy.rest import _rollout_id
 from capture_proxy.store.base import LifecycleConflict, RolloutDeleted, RolloutNotFound
 
@@ -51,13 +53,23 @@ def lifecycle_error(exc: Exception, rollout_id: str) -> ProxyError:
 
 
 async def _json_body(request: web.Request) -> Any:
+    """The body as JSON, checked by the fronts' own text check (``text_problem``: no lone
+    surrogate, no nesting past ``MAX_NESTING``). Raises BadRequest naming the field."""
     raw = await request.read()
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(
             f"body: not valid JSON ({exc})", param="body", code="invalid_json"
         ) from exc
+    except RecursionError as exc:
+        raise BadRequest(
+            f"body: nests past {MAX_NESTING} levels", param="body", code="invalid_json"
+        ) from exc
+    problem = text_problem(value)
+    if problem is not None:
+        raise BadRequest(str(problem), param=problem.param, code="invalid_text")
+    return value
 
 
 async def freeze_rollout(request: web.Request) -> web.Response:
@@ -120,6 +132,7 @@ async def retire_rollout(request: web.Request) -> web.Response:
     except (RolloutNotFound, LifecycleConflict) as exc:
         raise lifecycle_error(exc, rollout_id) from exc
     request.app[LINKER_KEY].forget(rollout_id)
+    remove_recording(request.app, rollout_id)
     return web.json_response(done.to_json())
 
 

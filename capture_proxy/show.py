@@ -64,7 +64,7 @@ def rollouts_table(rows: list[RolloutRow]) -> Table:
     for r in rows:
         table.add_row(
             r.rollout_id,
-            Text(r.status, style=STATUS_STYLE[r.status]),
+            Text(r.state, style=STATUS_STYLE[r.status]),
             str(r.num_calls),
             str(r.num_chains),
             str(r.refused_links or ""),
@@ -104,7 +104,7 @@ def tree_table(rollout_id: str, rows: list[TreeRow], title: str) -> Table:
     for r in rows:
         call = Text("".join(r.guides), style="dim")
         call.append(f"#{r.number} ", style="bold blue" if r.is_main else "bold")
-        call.append(r.call_id[:14], style="dim")
+        call.append(r.call_id, style="dim")  # whole: the README promises no value is cut
         if r.is_main and r.is_chain_start:
             call.append(" main", style="blue")
         table.add_row(
@@ -141,6 +141,7 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
                             records=records,
                             metadata=info.metadata.to_json() if info.metadata is not None else None,
                             now=now,
+                            frozen=info.snapshot is not None,
                         )
                     )
                 if len(infos) < PAGE:
@@ -164,12 +165,13 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
         records=records,
         metadata=info.metadata.to_json() if info.metadata is not None else None,
         now=now,
+        frozen=info.snapshot is not None,
     )
     tree = build_tree(rollout_id, records)
     stats = link_stats(records, build_chains(rollout_id, records))
     refused = ", ".join(f"{k} {v}" for k, v in stats["links_refused"].items())
     console.print(
-        f"[bold]{rollout_id}[/] [{STATUS_STYLE[row.status]}]{row.status}[/]  "
+        f"[bold]{rollout_id}[/] [{STATUS_STYLE[row.status]}]{row.state}[/]  "
         f"calls {row.num_calls} · chains {tree.num_chains} · branches {tree.num_branches} · "
         f"resolved {stats['links_resolved']} · refused {tree.num_refused}"
         f"{f' ({refused})' if refused else ''} · retries {tree.num_retries} · "

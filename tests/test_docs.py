@@ -118,7 +118,8 @@ def test_the_reference_lists_every_setting_with_type_default_env_flag_and_descri
     assert rows["captures_token"]["type"] == "secret string | None"
     assert rows["allow_unauthenticated_read_api"]["flag"] == "--insecure-read-api"
     assert rows["tokens_in_dialect"]["flag"] == "--tokens-in"
-    assert rows["proxy_token"]["flag"] == ""
+    assert rows["proxy_token"]["flag"] == "--proxy-token"  # issue 26: serve --help names it
+    assert rows["allowed_hosts"]["flag"] == "--allowed-host"
 
 
 def test_every_serve_flag_sets_a_setting_or_is_named_as_not_one():

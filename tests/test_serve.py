@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -121,3 +122,55 @@ def test_a_misspelt_environment_variable_stops_start_up(tmp_path: Path):
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == ""
     assert "CAPTURE_PROXY_PROXY_TOKN" in proc.stderr
+
+
+def test_serve_masks_the_engine_password_and_cuts_off_a_stalled_request_head(tmp_path: Path):
+    """Issue 26: the start-up line, the log and a 502 say ``user:***``; a client that never
+    finishes its headers is disconnected after ``--client-header-timeout``."""
+    import socket
+    import time
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "capture_proxy.cli",
+            "serve",
+            "--backend",
+            "http://user:PASSWORD@127.0.0.1:9",
+            "--port",
+            "0",
+            "--store",
+            str(tmp_path / "s"),
+            "--client-header-timeout",
+            "0.5",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "-> http://user:***@127.0.0.1:9," in line, line
+        port = int(line.split("127.0.0.1:", 1)[1].split(" ", 1)[0])
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/ng-rollout/r1/training-token-capture/v1/chat/completions",
+            data=b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}',
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            urllib.request.urlopen(request, timeout=30)
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 502
+            assert b"PASSWORD" not in exc.read()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
+            started = time.monotonic()
+            assert sock.recv(100) == b""  # closed by the server, not by our timeout
+            assert time.monotonic() - started < 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=START_DEADLINE_S)
+    assert "PASSWORD" not in err
+    assert "engine_unreachable" in err or "-> 502" in err

@@ -104,3 +104,26 @@ def test_a_named_mismatch_shows_the_stored_verdict_and_a_position_only_when_know
     assert "unresolved: history_edited from #1" in tree
     assert "at None" not in tree
     assert "refused: history_edited" not in tree
+
+
+def test_call_ids_are_whole_and_a_frozen_rollout_says_so(tmp_path, capsys, monkeypatch):
+    """Issue 26: ``show`` cut call ids to 14 characters, and a frozen rollout read "complete"."""
+    monkeypatch.setenv("COLUMNS", "400")
+    store = _store(tmp_path)
+
+    async def freeze() -> None:
+        s = SQLiteStore(store)
+        await s.open()
+        try:
+            await s.freeze_rollout(ROLLOUT)
+        finally:
+            await s.close()
+
+    asyncio.run(freeze())
+    assert main(["show", "--store", str(store), ROLLOUT]) == 0
+    tree = capsys.readouterr().out
+    assert "call_0123456789abcdef" in tree
+    assert f"{ROLLOUT} complete · frozen  calls 1" in tree
+    assert main(["show", "--store", str(store)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if ROLLOUT in line)
+    assert "complete · frozen" in row

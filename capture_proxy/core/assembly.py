@@ -353,6 +353,8 @@ class ChatCaptureAssembler:
             )
             if mismatch is not None:
                 diagnostics.append(mismatch)
+        if self.finish_reason is None and not problems:
+            diagnostics.append(Diagnostic(DiagnosticKind.FINISH_REASON_MISSING))
         status = CallStatus.COMPLETE
         if problems:
             status = CallStatus.INCOMPLETE

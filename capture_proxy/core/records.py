@@ -58,6 +58,9 @@ class DiagnosticKind(enum.StrEnum):
     #: the request declared tools the engine cannot render (Anthropic server tools, Responses
     #: hosted tools, namespaces): the model was not shown them
     TOOLS_NOT_RENDERED = "tools_not_rendered"
+    #: the engine's answer ended with ``finish_reason: null``: whether the model stopped or
+    #: was cut off is unknown (the call is kept complete, flagged)
+    FINISH_REASON_MISSING = "finish_reason_missing"
 
 
 @dataclass(frozen=True)

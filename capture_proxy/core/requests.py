@@ -73,6 +73,8 @@ def arguments_problem(value: str) -> str | None:
             json.loads(value)
         except ValueError as exc:
             return f"tool call arguments must be JSON text: {exc}"
+        except RecursionError:
+            return f"tool call arguments nest too deeply (at most {MAX_NESTING} levels)"
     return None
 
 
@@ -287,20 +289,59 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
             pass
         else:
             if isinstance(fast, dict):
+                # orjson refuses lone surrogates but takes 1,024 levels: deeper than
+                # MAX_NESTING is possible only with that many brackets.
+                if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:
+                    _check_text(fast)
                 return fast
     try:
         obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
     except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"request body is not UTF-8: {exc.reason}") from exc
+        raise InvalidRequest(f"request body is not UTF-8: {exc.reason}", "body") from exc
     except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"request body is not valid JSON: {exc}", "body") from exc
     except RecursionError as exc:
         raise InvalidRequest(
-            f"request body nests too deeply; at most {MAX_NESTING} levels are accepted"
+            f"request body nests too deeply; at most {MAX_NESTING} levels are accepted", "body"
         ) from exc
     if not isinstance(obj, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {type(obj).__name__}")
+        raise InvalidRequest(
+            f"request body must be a JSON object, got {type(obj).__name__}", "body"
+        )
+    _check_text(obj)
     return obj
+
+
+def text_problem(value: Any) -> InvalidRequest | None:
+    """What makes a parsed JSON value unfit to forward, store or record, or None: nesting past
+    ``MAX_NESTING`` levels (``param`` ``body``), or a lone UTF-16 surrogate (JSON allows
+    ``"\\ud800"``; UTF-8 cannot carry it) in a string or key (``param``: its dotted path,
+    e.g. ``messages.0.content``). The one text check of every API front and the read API.
+    Cheap when the value is fine (orjson's encoder refuses both); iterative otherwise."""
+    try:
+        orjson.dumps(value)
+    except TypeError:
+        pass
+    else:
+        return None
+    depth = _nesting(value)
+    if depth > MAX_NESTING:
+        return InvalidRequest(
+            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted", "body"
+        )
+    surrogate = _lone_surrogate_path(value)
+    if surrogate is not None:
+        return InvalidRequest(
+            f"'{surrogate}' contains a lone UTF-16 surrogate, which is not valid Unicode",
+            surrogate,
+        )
+    return None  # orjson refused something else (an integer past 64 bits): fine
+
+
+def _check_text(value: Any) -> None:
+    problem = text_problem(value)
+    if problem is not None:
+        raise problem
 
 
 def loads_like_stdlib(raw: bytes) -> Any:
@@ -366,7 +407,7 @@ def validate_chat_request(
     depth = _nesting(body)
     if depth > MAX_NESTING:
         raise InvalidRequest(
-            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted"
+            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted", "body"
         )
     surrogate = _lone_surrogate_path(body)
     if surrogate is not None:

@@ -74,3 +74,17 @@ def route(raw_path: str) -> Route:
     if slash and segment == CAPTURE_SEGMENT:
         return Route(RouteKind.CAPTURE, "/" + after if slash2 else "/", rollout_id)
     return Route(RouteKind.CORRELATE, "/" + tail if slash else "/", rollout_id)
+
+
+def api_path_of(raw_path: str) -> str | None:
+    """The engine path a capture-path request names, without validating its rollout id (for
+    the error shape of a request whose id is refused: an Anthropic client on
+    ``/ng-rollout/bad!id/training-token-capture/v1/messages`` reads Anthropic's shape); None
+    for any other path."""
+    if not raw_path.startswith(ROLLOUT_PREFIX):
+        return None
+    _, slash, tail = raw_path[len(ROLLOUT_PREFIX) :].partition("/")
+    segment, slash2, after = tail.partition("/")
+    if not slash or segment != CAPTURE_SEGMENT:
+        return None
+    return "/" + after if slash2 else "/"

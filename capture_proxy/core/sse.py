@@ -41,7 +41,7 @@ def encode_json_event(obj: object) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def parse_json_event(data: str) -> Any:
+def parse_json_event(data: str | bytes) -> Any:
     """Parse an event's data: orjson (fast, strict), then the stdlib for what it refuses but
     some engines send anyway (``NaN``/``Infinity`` literals). Raises ValueError."""
     try:

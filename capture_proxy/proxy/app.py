@@ -9,6 +9,7 @@ Must not: build the app or know the read API, the viewer or the store's kind.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -169,28 +170,54 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
     raw_body = await _read_body(request, settings.max_request_body_bytes)
     note_request(request, raw_body, None)
-    if target.kind is RouteKind.CAPTURE:
-        response, done = await _serve_capture_path(request, target, raw_body)
-        note_request(request, raw_body, done)
-    else:
-        response = await forward_uncaptured(
-            request,
-            target,
-            raw_body,
-            request.app[SESSION_KEY],
-            settings.backend_base,
-            first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
-            connect_retries=settings.upstream_connect_retries,
-        )
-        done = "forwarded" if target.kind is RouteKind.PASSTHROUGH else "correlated"
+    done = "captured" if target.kind is RouteKind.CAPTURE else "forwarded"
+    try:
+        if target.kind is RouteKind.CAPTURE:
+            response, done = await _serve_capture_path(request, target, raw_body)
+            note_request(request, raw_body, done)
+        else:
+            response = await forward_uncaptured(
+                request,
+                target,
+                raw_body,
+                request.app[SESSION_KEY],
+                settings.backend_base,
+                first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
+                connect_retries=settings.upstream_connect_retries,
+            )
+            done = "forwarded" if target.kind is RouteKind.PASSTHROUGH else "correlated"
+    except asyncio.CancelledError:
+        # The client left and aiohttp cancelled the handler (the call was stored by then):
+        # one line, no traceback; a client leaving is no error of the proxy's.
+        _log_request(request, "client gone", done, target, raw_body, started)
+        raise
+    if _client_left(request):
+        done += ", client gone"
+    _log_request(request, response.status, done, target, raw_body, started)
+    return response
+
+
+def _log_request(
+    request: web.Request,
+    status: int | str,
+    done: str,
+    target: Route,
+    raw_body: bytes,
+    started: float,
+) -> None:
+    """The one access line of a request (sizes, never bodies or credentials)."""
     log.info(
-        "%s %s -> %d (%s, rollout %s, <%d bytes in>, %.1f ms)",
+        "%s %s -> %s (%s, rollout %s, <%d bytes in>, %.1f ms)",
         request.method,
         request.path,
-        response.status,
+        status,
         done,
         target.rollout_id or "-",
         len(raw_body),
         (time.perf_counter() - started) * 1000,
     )
-    return response
+
+
+def _client_left(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -4,7 +4,8 @@ Owns who may read captures (``captures_token``) and who may call through the pro
 (``proxy_token``), and which credential goes to the engine: with ``proxy_token`` set the
 harness's ``Authorization`` (or Anthropic's ``x-api-key``) is for the proxy and is stripped
 before forwarding;
-``backend_api_key``, when set, is the engine's. Tokens are compared in constant time and never
+``backend_api_key`` (or the backend URL's user info, as Basic auth), when set, is the
+engine's and replaces the harness's. Tokens are compared in constant time and never
 logged. ``/health`` stays open (container health checks); ``/metrics`` is guarded by
 ``captures_token`` like the read API.
 
@@ -124,15 +125,16 @@ def auth_middleware(settings: Settings) -> Middleware:
             if settings.captures_token is not None:
                 _check(request, settings.captures_token, "the read API")
             return await handler(request)
-        if settings.proxy_token is None and settings.backend_api_key is None:
+        engine_auth = settings.backend_auth_header
+        if settings.proxy_token is None and engine_auth is None:
             return await handler(request)
         if settings.proxy_token is not None:
             _check(request, settings.proxy_token, "the proxy")
         headers = CIMultiDict(request.headers)
         headers.popall("Authorization", None)
         headers.popall("x-api-key", None)
-        if settings.backend_api_key is not None:
-            headers["Authorization"] = f"Bearer {settings.backend_api_key.get_secret_value()}"
+        if engine_auth is not None:
+            headers["Authorization"] = engine_auth
         return await handler(request.clone(headers=headers))
 
     return auth

@@ -29,6 +29,7 @@ from capture_proxy.core.fronts.base import Answer, FrontCodec, FrontRequest, Tok
 from capture_proxy.core.known_messages import KnownMessages, message_digests
 from capture_proxy.core.linking import Resolution, Verdict
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.redact import redact_text
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.recording import TAP_KEY, ResponseTap
@@ -208,7 +209,7 @@ async def record_failed(
     """Record a call the engine did not answer (``prompt_token_ids``: the prompt, when the
     proxy built it)."""
     record = failed_record(
-        call.ctx, reason=reason, latency_ms=elapsed_ms(t0), http_status=http_status
+        call.ctx, reason=redact_text(reason), latency_ms=elapsed_ms(t0), http_status=http_status
     )
     if prompt_token_ids is not None:
         record.prompt_token_ids = prompt_token_ids

@@ -5,6 +5,13 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     ProxyError                       (500, "internal_error")
     +-- BadRequest(ValueError)        (400, "invalid_request_error"; ``param`` names the field)
     |   +-- PayloadTooLarge           (413)
+    |   +-- UnsupportedMediaType      (415: a body not typed JSON, an encoding not decodable)
+    |   +-- ExpectationFailed         (417: an ``Expect`` other than ``100-continue``)
+    |   +-- MisdirectedRequest        (421: a ``Host`` this proxy does not answer)
+    +-- Forbidden(PermissionError)    (403, "permission_error": a cross-site request)
+    +-- RequestTimeout(TimeoutError)  (408, "invalid_request_error": the body stopped coming)
+    +-- ClientGone(ConnectionResetError) (499, nginx's "client closed request": the client left
+    |                                 while its body was read; the answer reaches no one)
     +-- NotFound(LookupError)         (404, "not_found_error")
     +-- MethodNotAllowed              (405, "invalid_request_error"; an ``Allow`` header)
     +-- Conflict                      (409, "conflict_error": the rollout's lifecycle state)
@@ -33,7 +40,8 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy.core.fronts import error_front
-from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
+from capture_proxy.core.redact import redact_text
+from capture_proxy.core.routing import api_path_of
 
 log = logging.getLogger("capture_proxy")
 
@@ -41,12 +49,16 @@ log = logging.getLogger("capture_proxy")
 class ProxyError(Exception):
     status = 500
     error_type = "internal_error"
+    #: Close the connection after the answer (the request was not read to its end).
+    close_connection = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        #: The stored call this error ended (a failed engine call): its id goes on the answer.
+        self.call_id: str | None = None
 
 
 class BadRequest(ProxyError, ValueError):
@@ -58,6 +70,36 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
+class UnsupportedMediaType(BadRequest):
+    status = 415
+
+
+class ExpectationFailed(BadRequest):
+    status = 417
+
+
+class MisdirectedRequest(BadRequest):
+    status = 421
+
+
+class Forbidden(ProxyError, PermissionError):
+    status = 403
+    error_type = "permission_error"
+
+
+class RequestTimeout(ProxyError, TimeoutError):
+    status = 408
+    error_type = "invalid_request_error"
+    #: The body was not read to its end: the connection cannot carry another request.
+    close_connection = True
+
+
+class ClientGone(ProxyError, ConnectionResetError):
+    status = 499
+    error_type = "invalid_request_error"
+    close_connection = True
+
+
 class NotFound(ProxyError, LookupError):
     status = 404
     error_type = "not_found_error"
@@ -67,8 +109,10 @@ class MethodNotAllowed(ProxyError):
     status = 405
     error_type = "invalid_request_error"
 
-    def __init__(self, message: str, *, allowed: tuple[str, ...]):
-        super().__init__(message, code="method_not_allowed")
+    def __init__(
+        self, message: str, *, allowed: tuple[str, ...], code: str = "method_not_allowed"
+    ):
+        super().__init__(message, code=code)
         self.allowed = allowed
 
 
@@ -112,31 +156,36 @@ ERROR_SHAPE_KEY: web.RequestKey[ErrorShape] = web.RequestKey("error_shape")
 def _shape_of_path(request: web.Request) -> ErrorShape | None:
     """The error shape a request's path asks for before any handler ran (a 401 from the auth
     middleware, a 413): an Anthropic client on ``.../v1/messages`` reads Anthropic's shape."""
-    try:
-        target = route(request.raw_path.split("?", 1)[0])
-    except InvalidRolloutId:
-        return None
-    if target.kind is not RouteKind.CAPTURE:
-        return None
-    front = error_front(target.upstream_path)
+    # rel_url: the path also of an absolute-form target, without a fragment
+    path = api_path_of(request.rel_url.raw_path)
+    front = error_front(path) if path is not None else None
     return front.error_body if front is not None else None
 
 
 def error_response(exc: ProxyError, request: web.Request | None = None) -> web.Response:
+    """The client's answer to ``exc``: its API's shape, the message with every URL password
+    masked (``core.redact``), an ``Allow`` header for a 405, and ``X-Capture-Call-Id`` when
+    the failed call was stored (``exc.call_id``)."""
     shape = None
     if request is not None:
         shape = request.get(ERROR_SHAPE_KEY) or _shape_of_path(request)
+    message = redact_text(exc.message)
     if shape is not None:
-        body = shape(
-            exc.status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code
-        )
+        body = shape(exc.status, message, error_type=exc.error_type, param=exc.param, code=exc.code)
     else:
-        body = error_body(exc.message, exc.error_type, param=exc.param, code=exc.code)
-    headers = {"Allow": ", ".join(exc.allowed)} if isinstance(exc, MethodNotAllowed) else None
-    return web.json_response(body, status=exc.status, headers=headers)
+        body = error_body(message, exc.error_type, param=exc.param, code=exc.code)
+    headers: dict[str, str] = {}
+    if isinstance(exc, MethodNotAllowed):
+        headers["Allow"] = ", ".join(exc.allowed)
+    if exc.call_id is not None:
+        headers["X-Capture-Call-Id"] = exc.call_id
+    response = web.json_response(body, status=exc.status, headers=headers or None)
+    if exc.close_connection:
+        response.force_close()
+    return response
 
 
-def _log_rejected(request: web.Request, status: int, what: str | None) -> None:
+def log_rejected(request: web.Request, status: int, what: str | None) -> None:
     """One line per error response: method, path, status, what, the body's declared size
     (never the body, the query or a credential)."""
     size = request.content_length
@@ -162,12 +211,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ProxyError as exc:
         # A 4xx message may quote the body; its code says what without it.
         what = exc.message if exc.status >= 500 else exc.code or exc.error_type
-        _log_rejected(request, exc.status, what)
+        log_rejected(request, exc.status, what)
         return error_response(exc, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        _log_rejected(request, exc.status, exc.reason)
+        log_rejected(request, exc.status, exc.reason)
         allow = exc.headers.get("Allow")
         return web.json_response(
             error_body(

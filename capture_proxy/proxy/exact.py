@@ -44,7 +44,7 @@ from capture_proxy.core.splice import (
     extend_prompt,
     splice_prompt,
 )
-from capture_proxy.core.sse import SSEStreamDecoder
+from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
 from capture_proxy.families.base import (
     ChatRenderer,
@@ -510,6 +510,7 @@ async def handle_exact_tokens(
         # The engine cannot be asked what the prompt needs: the call fails, and is recorded
         # as failed, as in backend-template mode.
         await record_failed(deps, call, t_ready, exc.message, None)
+        exc.call_id = call.ctx.call_id
         raise
     if body.get("model") is None:
         served = await exact.served_model_name(deps.session, deps.backend)
@@ -576,6 +577,7 @@ async def handle_exact_tokens(
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
         await record_failed(deps, call, t0, err.message, None, prompt.token_ids)
+        err.call_id = call.ctx.call_id
         raise err from exc
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0, prompt.token_ids)
@@ -620,7 +622,8 @@ class _Generation:
     ) -> web.StreamResponse:
         call, asm = self.call, self.asm
         try:
-            payload = orjson.loads(await upstream.read())
+            # parse_json_event: engines write bare NaN / -Infinity log probs (orjson refuses)
+            payload = parse_json_event(await upstream.read())
             if not isinstance(payload, dict):
                 raise EngineFormatError("not a JSON object")
             asm.add(self.reader.whole(payload))
@@ -629,7 +632,9 @@ class _Generation:
             await record_failed(
                 self.deps, call, self.t0, reason, upstream.status, asm.prompt_token_ids
             )
-            raise UpstreamUnavailable(reason, code="engine_bad_response") from exc
+            err = UpstreamUnavailable(reason, code="engine_bad_response")
+            err.call_id = call.ctx.call_id
+            raise err from exc
         parsed = self.exact.parser.parse(
             asm.generated_text,
             call.ctx.call_id,
@@ -692,7 +697,7 @@ class _Generation:
                     if event.data == "[DONE]":
                         done = True
                         continue
-                    piece = self.reader.chunk(orjson.loads(event.data))
+                    piece = self.reader.chunk(parse_json_event(event.data))
                     asm.add(piece)
                     new = parser_stream.feed(piece.text, piece.token_ids)
                     deltas += new

@@ -1,22 +1,29 @@
 """Recording a harness's real traffic through the proxy, in the replay format.
 
 Owns ``serve --record-dir DIR``: every request under a capture path is appended, with the
-answer the proxy sent, to ``DIR/<rollout_id>.jsonl``, one JSON object per request, the format
+answer the proxy sent, to ``DIR/<rollout_id>.jsonl`` (``recording_name``: a rollout id too
+long for a file name is cut and hashed), one JSON object per request, the format
 ``capture-proxy replay`` reads (and ``tests/fixtures/*/`` keep):
 
-    seq (per file, from 1), ts / ts_done (Unix s), method, path (as received, with the
-    capture prefix and query), headers ([name, value] in wire order; credentials redacted),
-    body_raw (exact text), body (parsed, or null), classification (captured | counted |
-    refused | forwarded | error), status, call_id, response_raw (the exact bytes answered)
+    seq (per file, from 1), rollout_id, ts / ts_done (Unix s), method, path (as received,
+    with the capture prefix and query), headers ([name, value] in wire order; credentials
+    redacted), body_raw (exact text; decoded when it came compressed), body (parsed, or null
+    when the proxy refused its text), classification (captured | counted | refused |
+    forwarded | error), status, call_id, response_raw (the exact bytes answered)
+
+A rollout's recording is removed when the rollout is deleted or retired
+(``remove_recording``), as its stored calls are.
 
 The answer's bytes are tapped as the proxy writes them (``ResponseTap``), so a stream is
 recorded as the harness received it. Recording is for building fixtures, not for production
-traffic: it keeps each answer in memory until it ends. A failing write is logged, never
-raised.
+traffic: it keeps each answer in memory until it ends. Recording never fails a call: any
+failure to record (a full disk, a value JSON cannot write) is logged, one line, never raised.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import json
 import logging
 import threading
@@ -27,12 +34,24 @@ from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.core.requests import text_problem
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 
 log = logging.getLogger("capture_proxy")
 
 #: Header values never written to a recording.
-REDACTED_HEADERS = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie"})
+REDACTED_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",  # Anthropic
+        "api-key",  # Azure OpenAI
+        "x-goog-api-key",  # Gemini
+        "cookie",
+    }
+)
+#: Longest file-name stem: room for ``.jsonl`` under NAME_MAX (255 bytes).
+MAX_NAME_STEM = 200
 REDACTED = "<redacted>"
 
 
@@ -86,6 +105,9 @@ class TrafficRecorder:
         request[TAP_KEY] = tap
         return time.time(), tap
 
+    def path_of(self, rollout_id: str) -> Path:
+        return self.directory / f"{recording_name(rollout_id)}.jsonl"
+
     def write(
         self,
         request: web.Request,
@@ -94,40 +116,90 @@ class TrafficRecorder:
         started_at: float,
         tap: ResponseTap,
     ) -> None:
-        raw_body, classification = tap.raw_body, tap.classification
+        """Append one request to its rollout's file. Never raises (logged)."""
         try:
-            body: Any = json.loads(raw_body) if raw_body else None
-        except ValueError:
-            body = None
+            self._write(request, rollout_id, response, started_at, tap)
+        except Exception as exc:  # recording must never fail the call it records
+            log.error("recording rollout %s failed: %s: %s", rollout_id, type(exc).__name__, exc)
+
+    def _write(
+        self,
+        request: web.Request,
+        rollout_id: str,
+        response: web.StreamResponse,
+        started_at: float,
+        tap: ResponseTap,
+    ) -> None:
+        raw_body, classification = tap.raw_body, tap.classification
         headers = [
             [name, REDACTED if name.lower() in REDACTED_HEADERS else value]
             for name, value in raw_headers_text(request)
         ]
+        path = self.path_of(rollout_id)
         with self._lock:
             seq = self._seq.get(rollout_id)
             if seq is None:
-                seq = _lines_in(self.directory / f"{rollout_id}.jsonl")
-            seq += 1
-            self._seq[rollout_id] = seq
+                seq = _lines_in(path)
             line = {
-                "seq": seq,
+                "seq": seq + 1,
+                "rollout_id": rollout_id,
                 "ts": started_at,
                 "ts_done": time.time(),
                 "method": request.method,
                 "path": request.raw_path,
                 "headers": headers,
                 "body_raw": raw_body.decode("utf-8", "replace"),
-                "body": body,
+                "body": _parsed_body(raw_body),
                 "classification": classification,
                 "status": response.status,
                 "call_id": response.headers.get("X-Capture-Call-Id"),
                 "response_raw": tap.text(response),
             }
+            text = json.dumps(line, ensure_ascii=False) + "\n"
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(text)
+            self._seq[rollout_id] = seq + 1
+
+    def remove(self, rollout_id: str) -> None:
+        """Remove a rollout's recording (deleted or retired). Never raises (logged)."""
+        with self._lock:
+            self._seq.pop(rollout_id, None)
             try:
-                with open(self.directory / f"{rollout_id}.jsonl", "a", encoding="utf-8") as fh:
-                    fh.write(json.dumps(line, ensure_ascii=False) + "\n")
+                self.path_of(rollout_id).unlink(missing_ok=True)
             except OSError as exc:
-                log.error("recording rollout %s failed: %s", rollout_id, exc)
+                log.error("removing the recording of rollout %s failed: %s", rollout_id, exc)
+
+
+RECORDING_KEY = web.AppKey("traffic_recorder", TrafficRecorder)
+
+
+def remove_recording(app: web.Application, rollout_id: str) -> None:
+    """Remove ``rollout_id``'s recording when the app records traffic (``--record-dir``)."""
+    recorder = app.get(RECORDING_KEY)
+    if recorder is not None:
+        recorder.remove(rollout_id)
+
+
+def recording_name(rollout_id: str) -> str:
+    """The file-name stem of a rollout's recording: the rollout id (already validated: only
+    letters, digits, ``.``, ``_``, ``-``); one longer than ``MAX_NAME_STEM`` is cut to 64
+    characters plus 16 hex digits of its SHA-256, so every valid id has a file."""
+    if len(rollout_id) <= MAX_NAME_STEM:
+        return rollout_id
+    digest = hashlib.sha256(rollout_id.encode()).hexdigest()[:16]
+    return f"{rollout_id[:64]}-{digest}"
+
+
+def _parsed_body(raw_body: bytes) -> Any:
+    """The body as JSON, or None when it is not JSON or holds what the proxy refuses (a lone
+    surrogate, nesting too deep: ``text_problem``); ``body_raw`` keeps its text either way."""
+    if not raw_body:
+        return None
+    try:
+        body = json.loads(raw_body)
+    except (ValueError, RecursionError):
+        return None
+    return None if text_problem(body) is not None else body
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -147,7 +219,9 @@ def recording_middleware(recorder: TrafficRecorder) -> Any:
             return await handler(request)
         started_at, tap = recorder.start(request)
         response = await handler(request)
-        recorder.write(request, target.rollout_id, response, started_at, tap)
+        await asyncio.to_thread(
+            recorder.write, request, target.rollout_id, response, started_at, tap
+        )
         return response
 
     return record

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_log import AccessLogger
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
@@ -35,10 +35,24 @@ log = logging.getLogger("capture_proxy")
 
 
 def protocol_error_response(status: int, exc: BaseException | None) -> web.Response:
-    """The JSON answer to a request aiohttp could not parse (``status`` from its parser)."""
+    """The JSON answer to a request aiohttp could not parse (``status`` from its parser), in
+    OpenAI's shape whatever the path (aiohttp gives no path for a request it cannot read).
+    ``param``: ``headers`` (or ``Content-Encoding``)."""
     if status >= 500:
         body = error_body("internal proxy error", "internal_error")
     else:
+        if isinstance(exc, ContentEncodingError):
+            # The parser refuses an encoding it has no decoder for (br, zstd) on the headers.
+            body = error_body(
+                "this Content-Encoding is not supported: send the body plain, or gzip or "
+                "deflate encoded",
+                "invalid_request_error",
+                param="Content-Encoding",
+                code="unsupported_content_encoding",
+            )
+            resp = web.json_response(body, status=415)
+            resp.force_close()
+            return resp
         if isinstance(exc, LineTooLong):
             # aiohttp's message quotes the line (perhaps a credential): say only how long.
             limit = exc.message.split(" when reading", 1)[0].removeprefix("Got ")
@@ -47,7 +61,9 @@ def protocol_error_response(status: int, exc: BaseException | None) -> web.Respo
         else:
             detail = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
             message, code = f"malformed HTTP request: {detail or 'bad request'}", "bad_request"
-        body = error_body(message, "invalid_request_error", code=code)
+        # The request line or a header is what could not be read (the path is not known
+        # here, so the shape is OpenAI's on every path).
+        body = error_body(message, "invalid_request_error", param="headers", code=code)
     resp = web.json_response(body, status=status)
     resp.force_close()
     return resp
@@ -126,9 +142,11 @@ def run(
     on_listening: Callable[[], None],
     loop: asyncio.AbstractEventLoop,
     access_log: logging.Logger | None = None,
+    server_kwargs: dict[str, Any] | None = None,
 ) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGINT or SIGTERM, as ``web.run_app`` does;
-    ``on_listening()`` runs once the app has started and the socket listens. Errors during
+    ``on_listening()`` runs once the app has started and the socket listens;
+    ``server_kwargs``: aiohttp's connection knobs (``Settings.server_kwargs``). Errors during
     start-up (a store that cannot open) are raised."""
     main = loop.create_task(
         _serve(
@@ -136,7 +154,11 @@ def run(
             sock,
             backlog=backlog,
             on_listening=on_listening,
-            runner_kwargs={"access_log": access_log, "access_log_class": AccessLogger},
+            runner_kwargs={
+                "access_log": access_log,
+                "access_log_class": AccessLogger,
+                **(server_kwargs or {}),
+            },
         )
     )
     try:

@@ -131,6 +131,7 @@ async def handle_template(
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
         await record_failed(deps, call, t0, err.message, None)
+        err.call_id = call.ctx.call_id
         raise err from exc
     except asyncio.CancelledError:
         await record_abandoned(deps, call, t0)
@@ -160,6 +161,7 @@ async def _relay_json(
     except CLIENT_ERRORS as exc:
         err = translate_client_error(exc, deps.backend)
         await record_failed(deps, call, t0, err.message, upstream.status)
+        err.call_id = call.ctx.call_id
         raise err from exc
     latency_ms = elapsed_ms(t0)
     try:

@@ -15,6 +15,7 @@ import aiohttp
 from multidict import CIMultiDict
 
 from capture_proxy.config import Settings
+from capture_proxy.core.redact import redact_text
 from capture_proxy.proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those aiohttp must recompute for the new message.
@@ -49,7 +50,11 @@ def make_client_session(settings: Settings) -> aiohttp.ClientSession:
         sock_connect=settings.upstream_connect_timeout_s,
         sock_read=settings.upstream_read_timeout_s,
     )
+    auth = settings.backend_auth_header
     return aiohttp.ClientSession(
+        # The engine's credential on every request the proxy makes itself (/tokenize,
+        # /v1/models, tokens-in); forwarded requests carry it from the auth middleware.
+        headers={"Authorization": auth} if auth is not None else None,
         connector=connector,
         timeout=timeout,
         auto_decompress=False,
@@ -78,16 +83,18 @@ def forwardable_headers(
 
 
 def translate_client_error(exc: BaseException, backend: str) -> ProxyError:
-    """Map an aiohttp client failure to the error the harness receives."""
+    """Map an aiohttp client failure to the error the harness receives. ``backend`` is the
+    credential-free base (``Settings.backend_base``); the exception's text is masked too."""
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
         return UpstreamTimeout(f"engine at {backend} timed out", code="engine_timeout")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamUnavailable(
-            f"engine at {backend} is unreachable: {exc.os_error.strerror or exc}",
+            redact_text(f"engine at {backend} is unreachable: {exc.os_error.strerror or exc}"),
             code="engine_unreachable",
         )
     return UpstreamUnavailable(
-        f"engine at {backend} failed: {type(exc).__name__}: {exc}", code="engine_error"
+        redact_text(f"engine at {backend} failed: {type(exc).__name__}: {exc}"),
+        code="engine_error",
     )
 
 

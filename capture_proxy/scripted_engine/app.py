@@ -284,7 +284,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         "index": 0,
         "message": gen.message,
         "logprobs": None,
-        "finish_reason": gen.finish_reason,
+        "finish_reason": None if cfg.faults.null_finish_reason else gen.finish_reason,
         "stop_reason": None,
     }
     if opts.logprobs:
@@ -406,7 +406,9 @@ async def _send_tokens(
             "index": 0,
             "delta": delta,
             "logprobs": None,
-            "finish_reason": gen.finish_reason if last else None,
+            "finish_reason": (
+                gen.finish_reason if last and not app[CONFIG].faults.null_finish_reason else None
+            ),
         }
         if last:
             choice["stop_reason"] = None

@@ -3,8 +3,9 @@
 Owns the catalogue of engine misbehaviour the proxy must survive: slow first byte, slow or
 stalled chunks, a stream cut without ``[DONE]``, a connection dropped mid-stream, a malformed
 chunk, dropped chunks (ids lost, usage still counting them), a missing log prob (ids and log
-probs of different lengths), and a NaN log prob sent as
-JSON ``null`` (how pydantic-based servers serialise NaN). Pure data; ``app.py`` applies it.
+probs of different lengths), a NaN log prob sent as
+JSON ``null`` (how pydantic-based servers serialise NaN) or bare (``NaN``, ``-Infinity``, on
+the tokens-in endpoints), and a null ``finish_reason``. Pure data; ``app.py`` applies it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class Faults:
     drop_logprob_at: int | None = None
     #: the log prob of this token is NaN, sent as JSON null
     nan_logprob_at: int | None = None
+    #: tokens-in endpoints: (position, value): the log prob of that token is the value
+    #: (NaN, -inf), written bare (``NaN``, ``-Infinity``) as Python's json.dumps does
+    bare_logprob_at: tuple[int, float] | None = None
+    #: chat completions: the answer's ``finish_reason`` is null (the last chunk's too)
+    null_finish_reason: bool = False
 
     @property
     def any(self) -> bool:

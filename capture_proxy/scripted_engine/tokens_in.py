@@ -112,7 +112,8 @@ def run_generation(
     for e in gen.events:
         tid = e.token_id
         ids.append(tid)
-        lps.append(e.logprob)
+        bare = app[CONFIG].faults.bare_logprob_at
+        lps.append(bare[1] if bare is not None and bare[0] == len(ids) - 1 else e.logprob)
         shown = not (skip_special_tokens and tid in special_ids)
         if tid in stop_ids or tid in stop_token_ids:
             finish, matched = "stop", tid

@@ -71,7 +71,6 @@ import dataclasses
 import logging
 import random
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -89,6 +88,7 @@ from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.redact import redact_url
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
     Retirement,
@@ -270,18 +270,6 @@ Conn = Any  # psycopg.Connection[tuple[Any, ...]]; Any so that the module import
 
 def is_postgres_url(value: str) -> bool:
     return value.startswith(URL_SCHEMES)
-
-
-def redact_url(url: str) -> str:
-    """The URL without its password (for logs and ``/health``)."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host += f":{parts.port}"
-    netloc = f"{parts.username or ''}:***@{host}"
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _row_to_encoded(row: tuple[Any, ...], blobs: dict[str, str] | None = None) -> EncodedRecord:

@@ -29,6 +29,7 @@ from capture_proxy.core.view.rollouts import (
 )
 from capture_proxy.core.view.tree import build_tree
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
+from capture_proxy.proxy.errors import NotFound
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest import REST_THREAD_KEY
 from capture_proxy.store.base import RolloutInfo
@@ -144,6 +145,7 @@ def _rows(
             # The trainer's metadata (core.metadata.RolloutMetadata): a dash when absent.
             metadata=info.metadata.to_json() if info.metadata is not None else None,
             now=now,
+            frozen=info.snapshot is not None,
         )
         for info, kinds, records in batch
     ]
@@ -312,7 +314,22 @@ def add_viewer_routes(app: web.Application, config: ViewerConfig) -> None:
     app.router.add_route("*", UI_PREFIX + "/login", login_page)
     app.router.add_get(UI_PREFIX + "/rollouts/{rollout_id}", rollout_page)
     app.router.add_get(UI_PREFIX + "/calls/{call_id}", call_page)
-    app.router.add_static(UI_PREFIX + "/static", STATIC_DIR)
+    app.router.add_get(UI_PREFIX + "/static/{name}", static_files(STATIC_DIR))
+
+
+def static_files(directory: Path) -> Callable[[web.Request], Any]:
+    """``GET /captures/ui/static/<name>``: one of the files of ``directory`` (listed once, at
+    start-up); any other name is a 404, never a file-system lookup (a name too long for the
+    file system was a 500 under aiohttp's static route)."""
+    files = {p.name: p for p in directory.iterdir() if p.is_file()}
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        path = files.get(request.match_info["name"])
+        if path is None:
+            raise NotFound(f"no such viewer file: {request.match_info['name'][:64]}")
+        return web.FileResponse(path)
+
+    return serve
 
 
 async def _redirect_root(request: web.Request) -> web.Response:

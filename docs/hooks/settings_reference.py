@@ -55,6 +55,8 @@ def type_name(annotation: Any) -> str:
         return " | ".join(type_name(a) for a in args)
     if origin is dict:
         return f"dict[{type_name(args[0])}, {type_name(args[1])}]"
+    if origin is list:
+        return f"list[{type_name(args[0])}]"
     if origin is tuple:
         return f"[{', '.join(type_name(a) for a in args)}]"
     name = getattr(annotation, "__name__", "")

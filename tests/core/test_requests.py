@@ -106,7 +106,13 @@ def test_numbers_past_64_bits_stay_exact_and_bad_json_is_named():
         parse_json_object(b"[1, 2]")
     with pytest.raises(InvalidRequest, match="not UTF-8"):
         parse_json_object(b'{"a": "\xff"}')
-    assert parse_json_object(b'{"a": "\\ud800"}') == {"a": "\ud800"}  # named later
+    # One text check for every front: a lone surrogate is refused here, naming its field.
+    with pytest.raises(InvalidRequest, match="lone UTF-16 surrogate") as refused:
+        parse_json_object(b'{"a": {"b": ["ok", "\\ud800"]}}')
+    assert refused.value.param == "a.b.1"
+    with pytest.raises(InvalidRequest, match="nests 300 levels") as deep:
+        parse_json_object(b'{"a": ' + b"[" * 299 + b"]" * 299 + b"}")
+    assert deep.value.param == "body"
     # A number past the double range would be an infinity, which JSON (and orjson, which
     # writes it as null) cannot carry on: refused, on both parse paths.
     for raw in (b'{"x": 1e400}', b'{"x": -1e400, "seed": 123456789012345678901234567890}'):

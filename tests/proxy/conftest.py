@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
+from capture_proxy.proxy.server import ProxyRunner
 from capture_proxy.scripted_engine.app import (
     SENT_CALLS,
     ScriptedEngineConfig,
@@ -24,6 +25,14 @@ from capture_proxy.store.postgres import PostgresStore
 from capture_proxy.store.sqlite import SQLiteStore
 
 CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+
+
+class ProxyTestServer(TestServer):
+    """``TestServer`` on the proxy's own runner (``proxy.server.ProxyRunner``), as ``serve``
+    runs it: what aiohttp's parser refuses is answered in the proxy's JSON shape."""
+
+    async def _make_runner(self, **kwargs: Any) -> ProxyRunner:
+        return ProxyRunner(self.app, **kwargs)
 
 
 @dataclass
@@ -97,7 +106,8 @@ async def make_stack(
         if store is None:
             store = SQLiteStore(store_dir) if pg_url is None else PostgresStore(pg_url, pool_size=4)
         proxy_app = build_proxy_app(cfg, store, renderer=renderer)
-        client = await aiohttp_client(proxy_app)
+        # The production runner (protocol errors as JSON) with the settings' server knobs.
+        client = await aiohttp_client(ProxyTestServer(proxy_app, **cfg.server_kwargs))
         if pg_url is None:
             running[store_dir] = client
         return Stack(engine, engine_app, client, store_dir)

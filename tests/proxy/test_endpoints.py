@@ -194,7 +194,7 @@ async def _raw_post(stack: Stack, raw_path: str, body: bytes) -> tuple[int, dict
     server = stack.client.server
     reader, writer = await asyncio.open_connection(server.host, server.port)
     writer.write(
-        f"POST {raw_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {raw_path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
         + body
     )

@@ -114,7 +114,7 @@ async def test_store_failure_is_marked_on_the_rollout_when_marking_works(make_st
 @pytest.mark.parametrize(
     ("raw", "status", "param"),
     [
-        (b"{not json", 400, None),
+        (b"{not json", 400, "body"),
         (b'{"model": "m"}', 400, "messages"),
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 3}', 400, "n"),

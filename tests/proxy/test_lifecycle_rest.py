@@ -207,6 +207,10 @@ async def test_bad_input_is_a_4xx_naming_the_field(stack: Stack, method, path, b
 async def test_a_body_that_is_not_json_is_a_400_naming_it(stack: Stack):
     await _session(stack, "r1", steps=1)
     for method, path in (("put", "metadata"), ("post", "retire")):
-        resp = await getattr(stack.client, method)(f"/captures/rollouts/r1/{path}", data=b"{")
+        resp = await getattr(stack.client, method)(
+            f"/captures/rollouts/r1/{path}",
+            data=b"{",
+            headers={"Content-Type": "application/json"},
+        )
         assert resp.status == 400
         assert (await resp.json())["error"]["param"] == "body"

@@ -262,7 +262,7 @@ def _unwrap_arguments(value: dict[str, Any]) -> str:
 def _loads_or_none(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

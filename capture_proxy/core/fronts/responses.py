@@ -620,7 +620,7 @@ def custom_tool_input(arguments: str) -> str:
     arguments of another shape are passed as they are."""
     try:
         value = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return arguments
     if isinstance(value, dict) and isinstance(value.get("input"), str):
         return str(value["input"])

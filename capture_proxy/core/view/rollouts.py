@@ -26,7 +26,8 @@ class RolloutRow:
     ``incomplete`` when the rollout lost token data (a call no complete retry superseded, or a
     rollout-level mark), else ``complete``. ``diagnostic_kinds``:
     sorted kinds found on the rollout or any of its calls. ``age_s``: seconds since the first
-    call."""
+    call. ``frozen``: the rollout has a snapshot (its lifecycle, apart from its data's
+    status: a frozen rollout is shown ``complete · frozen``)."""
 
     rollout_id: str
     created_at: float
@@ -40,6 +41,12 @@ class RolloutRow:
     status: str
     diagnostic_kinds: tuple[str, ...]
     reward: float | dict[str, float] | None
+    frozen: bool = False
+
+    @property
+    def state(self) -> str:
+        """``status``, with `` · frozen`` for a frozen rollout."""
+        return f"{self.status} · frozen" if self.frozen else self.status
 
     @property
     def age(self) -> str:
@@ -82,6 +89,7 @@ def rollout_row(
     records: list[CallRecord],
     metadata: Mapping[str, Any] | None,
     now: float,
+    frozen: bool = False,
 ) -> RolloutRow:
     num_failed = sum(1 for r in records if r.status is CallStatus.FAILED)
     num_incomplete = sum(1 for r in records if r.status is CallStatus.INCOMPLETE)
@@ -106,6 +114,7 @@ def rollout_row(
         status=status,
         diagnostic_kinds=tuple(sorted(kinds)),
         reward=reward_of(metadata),
+        frozen=frozen,
     )
 
 
