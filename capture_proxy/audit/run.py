@@ -175,6 +175,24 @@ def _worst(results: list[SampleResult], n: int, tokenizer: Any | None) -> list[d
     return out
 
 
+def _calls_json(r: SampleResult, th: compare.Thresholds) -> list[dict[str, Any]]:
+    """Per path call (from the sample's generation spans; none in the tree form): its
+    generated tokens' figures, so a call decoded under constraints stands out."""
+    spans = r.sample.generation_spans
+    if spans is None:
+        return []
+    out = []
+    for call_id, (start, end) in zip(r.sample.call_ids, spans.tolist(), strict=True):
+        at = (r.tokens.positions >= start) & (r.tokens.positions < end)
+        part = compare.TokenScores(
+            r.tokens.positions[at], r.tokens.captured[at], r.tokens.recomputed[at]
+        )
+        stats = compare.logprob_stats([part], th)
+        keys = ("num_tokens", "mean_abs_delta", "max_abs_delta", "k3_mean")
+        out.append({"call_id": call_id, **{k: stats[k] for k in keys}})
+    return out
+
+
 def _sample_json(r: SampleResult, th: compare.Thresholds) -> dict[str, Any]:
     stats = compare.logprob_stats([r.tokens], th)
     return {
@@ -190,6 +208,7 @@ def _sample_json(r: SampleResult, th: compare.Thresholds) -> dict[str, Any]:
             if r.routing is not None and r.routing.overlap.size
             else None
         ),
+        "calls": _calls_json(r, th),
     }
 
 
