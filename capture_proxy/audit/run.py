@@ -74,11 +74,17 @@ def load_samples(options: AuditOptions) -> list[AuditSample]:
         import urllib.error
 
         try:
-            return api_samples(options.source, options.token, options.rollout_ids, options.form)
+            samples, missing = api_samples(
+                options.source, options.token, options.rollout_ids, options.form
+            )
         except urllib.error.HTTPError as exc:
-            raise AuditInputError(f"{exc.url}: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
+            body = exc.read()[:300].decode(errors="replace")
+            raise AuditInputError(f"{exc.url}: HTTP {exc.code}: {body}") from exc
         except urllib.error.URLError as exc:
             raise AuditInputError(f"{options.source}: {exc.reason}") from exc
+        if missing:
+            raise AuditInputError(f"frozen rollouts not exported: {', '.join(missing)}")
+        return samples
     store_dir = Path(options.source)
     from capture_proxy.store.sqlite import DB_FILE_NAME
 

@@ -229,18 +229,20 @@ def _list_rollout_ids(base_url: str, token: str | None) -> Iterator[str]:
 
 def api_samples(
     base_url: str, token: str | None, rollout_ids: list[str] | None, form: Form
-) -> list[AuditSample]:
+) -> tuple[list[AuditSample], list[str]]:
     """The samples of ``rollout_ids`` (None: every rollout; the ``arrow`` form: every frozen
-    one, as ``GET /captures/export`` serves only those) from the proxy at ``base_url``.
-    Raises urllib's HTTPError for 4xx/5xx answers (404: an unknown rollout id)."""
+    one, as ``GET /captures/export`` serves only those) from the proxy at ``base_url``, and
+    the ids asked for that the export did not hold (``arrow`` only; the other forms raise
+    urllib's HTTPError 404 for an unknown id, as for any 4xx/5xx answer)."""
     if form == "arrow":
         wanted = None if rollout_ids is None else set(rollout_ids)
-        return [
-            s
-            for rollout in iter_rollouts(base_url, token=token)
-            if wanted is None or rollout.rollout_id in wanted
-            for s in from_export(rollout)
-        ]
+        exported: list[AuditSample] = []
+        seen: set[str] = set()
+        for rollout in iter_rollouts(base_url, token=token):
+            if wanted is None or rollout.rollout_id in wanted:
+                seen.add(rollout.rollout_id)
+                exported.extend(from_export(rollout))
+        return exported, sorted((wanted or set()) - seen)
     ids = list(rollout_ids) if rollout_ids is not None else list(_list_rollout_ids(base_url, token))
     out: list[AuditSample] = []
     for rid in ids:
@@ -248,4 +250,4 @@ def api_samples(
             out.extend(from_archive(rid, fetch_chains(base_url, rid, token=token).samples))
         else:
             out.extend(from_tree(fetch_tree(base_url, rid, token=token)))
-    return out
+    return out, []

@@ -5,6 +5,7 @@ off, a wrong id, an MoE capture audited with a dense model. Bad input is exit 2.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -164,3 +165,21 @@ def test_bad_input_is_exit_2_naming_it(tiny_models, stores, tmp_path, capsys):
     )
     code, _, err = _audit(capsys, str(stores["truthful"]), "--model", str(tmp_path))
     assert code == 2 and "no config.json" in err
+
+
+async def test_the_read_api_is_a_source_too(make_stack, tiny_models, stores, tmp_path):
+    """The proxy serving the truthful store: the audit over its read API (a bearer token)
+    passes; a wrong token and an unfrozen rollout in the arrow form are exit 2."""
+    stack = await make_stack(store_dir=stores["truthful"], captures_token="t0k")
+    base = str(stack.client.make_url("")).rstrip("/")
+    model = ["--model", str(tiny_models["moe"])]
+    out_json = tmp_path / "a.json"
+    code = await asyncio.to_thread(
+        main, ["audit", base, "--token", "t0k", *model, "--json", str(out_json)]
+    )
+    assert code == 0
+    doc = json.loads(out_json.read_text())
+    assert (doc["num_samples"], doc["routing"]["agreement"]) == (2, 1.0)
+    assert await asyncio.to_thread(main, ["audit", base, "--token", "bad", *model]) == 2
+    args = ["audit", base, "--token", "t0k", *model, "--form", "arrow", "--rollout", "chain"]
+    assert await asyncio.to_thread(main, args) == 2  # not frozen: the export holds only frozen

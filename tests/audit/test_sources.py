@@ -71,7 +71,8 @@ async def test_api_samples_are_the_same_as_the_stores(make_stack: MakeStack, for
         assert resp.status == 200
     base = str(stack.client.make_url("")).rstrip("/")
     # urllib blocks: off the loop that serves the proxy.
-    got = await asyncio.to_thread(api_samples, base, "t0k", None, form)
+    got, missing = await asyncio.to_thread(api_samples, base, "t0k", None, form)
+    assert missing == []
     want, _ = await store_samples(stack.store_dir, None, form)
     assert [(s.rollout_id, s.leaf_call_id) for s in got] == [
         (s.rollout_id, s.leaf_call_id) for s in want
@@ -80,5 +81,5 @@ async def test_api_samples_are_the_same_as_the_stores(make_stack: MakeStack, for
         assert np.array_equal(g.input_ids, w.input_ids)
         assert np.array_equal(g.log_probs, w.log_probs)
         assert np.array_equal(g.routed_experts_mask, w.routed_experts_mask)
-    one = await asyncio.to_thread(api_samples, base, "t0k", ["moe-2"], form)
+    one, _ = await asyncio.to_thread(api_samples, base, "t0k", ["moe-2"], form)
     assert {s.rollout_id for s in one} == {"moe-2"}
