@@ -1,4 +1,4 @@
-"""Command line: ``capture-proxy serve | scripted-engine | demo``.
+"""Command line: ``capture-proxy serve | show | scripted-engine | demo | replay | audit``.
 
 Owns argument parsing and process start-up only; every command builds its settings once,
 validates them, and hands them down. Errors in settings exit with status 2 and a message
@@ -471,6 +471,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat-template", type=Path, help="a jinja chat template file to write instead"
     )
     exp.set_defaults(func=_export_tokenizer)
+
+    # Its arguments only: the audit's torch side is imported when the command runs.
+    from capture_proxy.audit.command import add_parser as add_audit_parser
+
+    add_audit_parser(sub)
     return parser
 
 
