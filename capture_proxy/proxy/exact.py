@@ -3,10 +3,10 @@
 Owns the adapter side of exact-token calls: build the prompt (the parent's own tokens + the
 rendering of the new messages, see ``core.splice``; a call with no verified parent is rendered
 from scratch), send it to the engine's tokens-in endpoint (``core.engine_formats``), parse the
-generated text back into an assistant message (the family's parser, ``families``), and answer the harness with a
-chat completion, streamed as chunk deltas when it asked for a stream. The record is persisted
-before the response ends, exactly as in backend-template mode. It knows no wire API: the
-call's front codec encodes the answer, whole or event by event.
+generated text back into an assistant message (the family's parser, ``families``), and answer
+the harness with a chat completion, streamed as chunk deltas when it asked for a stream. The
+record is persisted before the response ends, exactly as in backend-template mode. It knows
+no wire API: the call's front codec encodes the answer, whole or event by event.
 """
 
 from __future__ import annotations
