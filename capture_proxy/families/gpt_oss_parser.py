@@ -24,7 +24,13 @@ from typing import Any
 
 from openai_harmony import HarmonyEncoding, HarmonyError, Message, Role, StreamableParser
 
-from capture_proxy.families.parsing import MessageDelta, ParsedMessage, apply_deltas, tool_call_id
+from capture_proxy.families.parsing import (
+    MessageDelta,
+    ParsedMessage,
+    apply_deltas,
+    tool_call_deltas,
+    tool_call_id,
+)
 
 FUNCTIONS_PREFIX = "functions."
 
@@ -66,19 +72,9 @@ class HarmonyStream:
             self.done += 1
             if _kind(message.channel, message.recipient) != "tool":
                 continue
-            index = self.num_calls
-            self.num_calls += 1
             name = (message.recipient or "")[len(FUNCTIONS_PREFIX) :]
-            header = {
-                "index": index,
-                "id": tool_call_id(self.id_seed, index),
-                "type": "function",
-                "function": {"name": name, "arguments": ""},
-            }
-            out.append(MessageDelta(tool_call=header))
-            out.append(
-                MessageDelta(tool_call={"index": index, "function": {"arguments": _text(message)}})
-            )
+            out += tool_call_deltas(self.id_seed, self.num_calls, name, _text(message))
+            self.num_calls += 1
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
         out: list[MessageDelta] = []

@@ -59,9 +59,9 @@ from capture_proxy.families.parsing import (
     ParsedMessage,
     apply_deltas,
     content_text,
-    tool_call_id,
+    tool_call_deltas,
 )
-from capture_proxy.families.vllm_messages import _arguments as template_arguments
+from capture_proxy.families.vllm_messages import template_arguments
 
 PYTHON_TAG = "<|python_tag|>"
 EOT, EOM, END_OF_TEXT = "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"
@@ -191,19 +191,8 @@ class Llama3JsonStream:
         return True
 
     def _emit_call(self, out: list[MessageDelta], name: str, arguments: str) -> None:
-        index = self.num_calls
+        out += tool_call_deltas(self.id_seed, self.num_calls, name, arguments)
         self.num_calls += 1
-        out.append(
-            MessageDelta(
-                tool_call={
-                    "index": index,
-                    "id": tool_call_id(self.id_seed, index),
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                }
-            )
-        )
-        out.append(MessageDelta(tool_call={"index": index, "function": {"arguments": arguments}}))
 
 
 class Llama3JsonParser:

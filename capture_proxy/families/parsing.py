@@ -123,3 +123,18 @@ def content_text(content: Any) -> str:
     return "\n".join(
         p.get("text", "") for p in content if isinstance(p, Mapping) and p.get("type") == "text"
     )
+
+
+def tool_call_deltas(id_seed: str, index: int, name: str, arguments: str) -> list[MessageDelta]:
+    """One whole tool call as the two deltas a stream carries: its head (``index``, the
+    deterministic ``id``, ``type``, the name with empty arguments), then its arguments."""
+    head = {
+        "index": index,
+        "id": tool_call_id(id_seed, index),
+        "type": "function",
+        "function": {"name": name, "arguments": ""},
+    }
+    return [
+        MessageDelta(tool_call=head),
+        MessageDelta(tool_call={"index": index, "function": {"arguments": arguments}}),
+    ]

@@ -24,7 +24,7 @@ from capture_proxy.families.parsing import (
     ParsedMessage,
     apply_deltas,
     content_text,
-    tool_call_id,
+    tool_call_deltas,
 )
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -168,19 +168,8 @@ class QwenHermesStream:
             out.append(MessageDelta(content=TC_OPEN + body + TC_CLOSE))
             return
         name, arguments = parsed
-        index = self.num_calls
+        out += tool_call_deltas(self.id_seed, self.num_calls, name, arguments)
         self.num_calls += 1
-        out.append(
-            MessageDelta(
-                tool_call={
-                    "index": index,
-                    "id": tool_call_id(self.id_seed, index),
-                    "type": "function",
-                    "function": {"name": name, "arguments": ""},
-                }
-            )
-        )
-        out.append(MessageDelta(tool_call={"index": index, "function": {"arguments": arguments}}))
 
     def parse_call(self, body: str) -> tuple[str, str] | None:
         """(name, arguments JSON text) of one tool-call body, None when it is not one."""

@@ -108,7 +108,7 @@ def _texts(message: Mapping[str, Any], where: str) -> list[str]:
     return texts
 
 
-def _arguments(value: Any) -> dict[str, Any]:
+def template_arguments(value: Any) -> dict[str, Any]:
     """A tool call's arguments as vLLM gives them to the template: an object, else ``{}``."""
     if not value:
         return {}
@@ -131,7 +131,9 @@ def _tool_calls(calls: list[Any], where: str) -> list[dict[str, Any]]:
         fn = call.get("function")
         if call.get("type", "function") != "function" or not isinstance(fn, Mapping):
             raise MessageError(f"{where}.tool_calls.{i}: only function tool calls render")
-        out.append({**call, "function": {**fn, "arguments": _arguments(fn.get("arguments"))}})
+        out.append(
+            {**call, "function": {**fn, "arguments": template_arguments(fn.get("arguments"))}}
+        )
     return out
 
 
