@@ -89,7 +89,7 @@ from capture_proxy.core.codec import (
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.records import CallRecord, Diagnostic
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
     Retirement,

@@ -688,6 +688,7 @@ class SQLiteStore(ThreadedStore):
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
         """Store one record (writer thread); the JSON bytes new to the store."""
+
         def body() -> int:
             tomb, rollout = _state(db, record.rollout_id)
             lifecycle.refuse_deleted(record, tomb is not None)
