@@ -56,7 +56,8 @@ is always taken after the rollout lock, so no lock cycle arises.
 
 Layout: the tables of ``sqlite.py`` (``calls``, ``json_blobs``, ``call_json``, ``rollouts``,
 ``tombstones``, ``counters``) plus ``schema_migrations`` (one row per applied step of
-``MIGRATIONS``; 2 added the lifecycle, 3 the retry link and the count of incomplete calls).
+``MIGRATIONS``; 2 added the lifecycle, 3 the retry link and the count of incomplete calls, 4
+the indexes that keep a put's reads bounded whatever the rollout's size).
 Opening applies the missing steps in one transaction under a global advisory lock (replicas starting
 together migrate once), refuses a layout newer than it knows, and rewrites records older than
 the codec's schema version through ``codec.migrate`` (none today: this store began at v3).
@@ -86,8 +87,8 @@ from capture_proxy.core.codec import (
 )
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.metadata import RolloutMetadata
-from capture_proxy.core.prefixes import StoredPrefix
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.records import CallRecord, Diagnostic
 from capture_proxy.core.redact import redact_url
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (
@@ -203,6 +204,17 @@ MIGRATIONS: tuple[str, ...] = (
         WHERE meta::json ->> 'retry_of' IS NOT NULL;
     UPDATE rollouts SET incomplete = false WHERE diagnostics = '[]';
     """,
+    # 4: the indexes that keep a put's reads bounded whatever the rollout's size (sqlite.py's
+    # LAYOUT_VERSION 6): prompt-parent candidates by prompt + generation length, the retry
+    # links, the late calls.
+    """
+    CREATE INDEX IF NOT EXISTS calls_by_prefix ON calls
+        (rollout_id, (num_prompt_tokens + num_generation_tokens))
+        WHERE status = 'complete' AND num_generation_tokens > 0;
+    CREATE INDEX IF NOT EXISTS calls_retry_links ON calls (rollout_id)
+        WHERE NOT late AND (status = 'incomplete' OR retry_of IS NOT NULL);
+    CREATE INDEX IF NOT EXISTS calls_late ON calls (rollout_id, created_at, call_id) WHERE late;
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 
@@ -219,14 +231,23 @@ _STORED_CALL = f"SELECT {_CALL_COLUMNS} FROM calls WHERE call_id = %s"
 #: chosen parent is nearly always among them; another is read when needed).
 PREFETCHED_MESSAGES = 4
 # The rollout's prompt-parent candidates (``core.prefixes``): complete, with output, not longer
-# than the prompt; then the ``StoredMessages`` columns, the chain only for the deepest few.
+# than the prompt and, as in sqlite.py, at least as deep as the record's verified parent when
+# that is one (the deepest candidate wins and the parent is a candidate: a range of the partial
+# index ``calls_by_prefix``, so a call of a long rollout reads a row or two); then the
+# ``StoredMessages`` columns, the chain only for the deepest few. Literal ``'complete'``, so
+# that the planner may use the partial index.
 _CANDIDATES = (
     "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
     "prompt_parent_call_id, messages_prefix_len, num_messages, CASE WHEN row_number() OVER "
     "(ORDER BY num_prompt_tokens + num_generation_tokens DESC) <= "
     f"{PREFETCHED_MESSAGES} THEN messages_chain END "
-    "FROM calls WHERE rollout_id = %s AND status = %s AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens <= %s"
+    "FROM calls WHERE rollout_id = %(rollout)s AND status = 'complete' "
+    "AND num_generation_tokens > 0 "
+    "AND num_prompt_tokens + num_generation_tokens <= %(prompt)s "
+    "AND num_prompt_tokens + num_generation_tokens >= COALESCE((SELECT "
+    "p.num_prompt_tokens + p.num_generation_tokens FROM calls p WHERE p.call_id = %(parent)s "
+    "AND p.rollout_id = %(rollout)s AND p.status = 'complete' AND p.num_generation_tokens > 0 "
+    "AND p.num_prompt_tokens + p.num_generation_tokens <= %(prompt)s), 0)"
 )
 # A late call (``version`` + 0) changes neither the revision nor the count of incomplete calls.
 _UPSERT_ROLLOUT = (
@@ -592,18 +613,27 @@ class PostgresStore(ThreadedStore):
                 db.execute(_LOCK_ROLLOUT, (rid,))
                 state = db.execute(_STATE, (rid,))
                 stored = db.execute(_STORED_CALL, (record.call_id,), binary=True)
+                args = {"rollout": rid, "prompt": record.num_prompt_tokens}
                 candidates = db.execute(
-                    _CANDIDATES,
-                    (rid, CallStatus.COMPLETE.value, record.num_prompt_tokens),
-                    binary=True,
+                    _CANDIDATES, {**args, "parent": record.parent_call_id}, binary=True
                 )
                 links = db.execute(_RETRY_LINKS, (rid,)) if lifecycle.may_recount(record) else None
                 tomb, rollout = lifecycle.state_of(state.fetchone())  # the first round trip
                 lifecycle.refuse_deleted(record, tomb is not None)
                 frozen = rollout is not None and rollout.frozen
                 prefixes, messages = _candidates(candidates.fetchall())
-                enc = lifecycle.encode_call(
-                    record, request, prefixes, lambda c: messages.get(c) or _stored_messages(db, c)
+                parent = choose_prompt_parent(
+                    record.prompt_token_ids, prefixes, exclude=record.call_id
+                )
+                if parent is None and record.parent_call_id is not None:
+                    # A parent that is not a prefix (a record put by hand): all candidates.
+                    again = db.execute(_CANDIDATES, {**args, "parent": None}, binary=True)
+                    prefixes, messages = _candidates(again.fetchall())
+                    parent = choose_prompt_parent(
+                        record.prompt_token_ids, prefixes, exclude=record.call_id
+                    )
+                enc = lifecycle.encode_with_parent(
+                    record, request, parent, lambda c: messages.get(c) or _stored_messages(db, c)
                 )
                 row = stored.fetchone()
                 if row is not None:  # stored before: the same content, or refused

@@ -101,8 +101,10 @@ DB_FILE_NAME = "captures.sqlite3"
 WRITER_LOCK_NAME = "writer.lock"
 #: Table layout version (``PRAGMA user_version``); 0 is the layout of schema v1 records,
 #: 4 added the lifecycle (snapshots, late calls, metadata, retirements), 5 the retry link
-#: (``calls.retry_of``) and ``rollouts.incomplete_calls``.
-LAYOUT_VERSION = 5
+#: (``calls.retry_of``) and ``rollouts.incomplete_calls``, 6 the indexes that keep a put's
+#: reads bounded whatever the rollout's size (``calls_by_prefix``, ``calls_retry_links``,
+#: ``calls_late``).
+LAYOUT_VERSION = 6
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
 
@@ -171,6 +173,12 @@ CREATE TABLE IF NOT EXISTS counters (
 _INDEXES = """
 CREATE UNIQUE INDEX IF NOT EXISTS rollouts_by_cursor ON rollouts (export_cursor)
     WHERE export_cursor IS NOT NULL;
+CREATE INDEX IF NOT EXISTS calls_by_prefix ON calls
+    (rollout_id, num_prompt_tokens + num_generation_tokens, tokens_sha256, created_at, call_id)
+    WHERE status = 'complete' AND num_generation_tokens > 0;
+CREATE INDEX IF NOT EXISTS calls_retry_links ON calls (rollout_id)
+    WHERE late = 0 AND (status = 'incomplete' OR retry_of IS NOT NULL);
+CREATE INDEX IF NOT EXISTS calls_late ON calls (rollout_id, created_at, call_id) WHERE late = 1;
 """
 
 # In ``EncodedRecord`` field order.
@@ -370,17 +378,25 @@ def _state(db: sqlite3.Connection, rollout_id: str) -> tuple[Tombstone | None, L
     return lifecycle.state_of(row)
 
 
+# The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
+# of the partial index ``calls_by_prefix`` (literal ``'complete'``, so that the planner may
+# use it), read from the index alone, never the rollout's other rows.
+_CANDIDATES = (
+    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256 "
+    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = ? AND status = 'complete' "
+    "AND num_generation_tokens > 0 "
+    "AND num_prompt_tokens + num_generation_tokens BETWEEN ? AND ?"
+)
+
+
 def _candidates(db: sqlite3.Connection, record: CallRecord, floor: int) -> list[StoredPrefix]:
     """The rollout's complete calls with output whose prompt + generation length is in
-    ``[floor, len(record prompt)]``: the prompt parents it may have."""
+    ``[floor, len(record prompt)]``: the prompt parents it may have (an index range: the
+    rows read are the ones returned)."""
     return [
         StoredPrefix(r[0], r[1], r[2], r[3])
         for r in db.execute(
-            "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, "
-            "tokens_sha256 FROM calls WHERE rollout_id = ? AND status = ? "
-            "AND num_generation_tokens > 0 "
-            "AND num_prompt_tokens + num_generation_tokens BETWEEN ? AND ?",
-            (record.rollout_id, CallStatus.COMPLETE.value, floor, record.num_prompt_tokens),
+            _CANDIDATES, (record.rollout_id, floor, record.num_prompt_tokens)
         ).fetchall()
     ]
 
@@ -672,6 +688,7 @@ class SQLiteStore(ThreadedStore):
     @staticmethod
     def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
         """Store one record (writer thread); the JSON bytes new to the store."""
+
         def body() -> int:
             tomb, rollout = _state(db, record.rollout_id)
             lifecycle.refuse_deleted(record, tomb is not None)

@@ -126,13 +126,14 @@ async def test_a_sqlite_layout_4_store_is_recounted(tmp_path):
     await _old_rollouts(s := SQLiteStore(tmp_path / "v4"))
     with sqlite3.connect(s.db_path) as db:  # layout 4: one flag for calls and marks alike
         db.executescript(
+            "DROP INDEX calls_retry_links; DROP INDEX calls_by_prefix; DROP INDEX calls_late; "
             "ALTER TABLE calls DROP COLUMN retry_of; "
             "ALTER TABLE rollouts DROP COLUMN incomplete_calls; "
             "UPDATE rollouts SET incomplete = 1; PRAGMA user_version=4;"
         )
     await _assert_recounted(SQLiteStore(tmp_path / "v4"))
     with sqlite3.connect(s.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 6
         links = db.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]
 
@@ -143,6 +144,7 @@ async def test_a_postgres_layout_2_store_is_recounted(postgres_server):
     await _old_rollouts(PostgresStore(url, pool_size=2))
     with psycopg.connect(url, autocommit=True) as conn:  # layout 2: one flag for both
         conn.execute(
+            "DROP INDEX calls_retry_links, calls_by_prefix, calls_late; "
             "ALTER TABLE calls DROP COLUMN retry_of; "
             "ALTER TABLE rollouts DROP COLUMN incomplete_calls; "
             "UPDATE rollouts SET incomplete = true; "
@@ -151,6 +153,6 @@ async def test_a_postgres_layout_2_store_is_recounted(postgres_server):
     await _assert_recounted(PostgresStore(url, pool_size=2))
     with psycopg.connect(url) as conn:
         applied = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
-        assert applied == (3,)
+        assert applied == (4,)
         links = conn.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]

@@ -176,7 +176,8 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
     await s.put_call(record("c2", [1, 2, 3, 4], [5], created_at=1.0))
     await s.close()
     with sqlite3.connect(s.db_path) as db:  # back to layout 3: no lifecycle columns
-        db.execute("DROP INDEX rollouts_by_cursor")
+        for index in ("rollouts_by_cursor", "calls_retry_links", "calls_late", "calls_by_prefix"):
+            db.execute(f"DROP INDEX {index}")
         db.execute("ALTER TABLE calls DROP COLUMN late")
         db.executescript(_V3_ROLLOUTS)
     s = SQLiteStore(tmp_path / "v3")

@@ -1,0 +1,314 @@
+"""Rollout-size benchmark (issue 22): proxy CPU per call as ONE rollout grows to N calls.
+
+One scripted engine (zero delay) and, per shape, one proxy per store and source tree (this
+tree, and ``--baseline-src`` as ``STORE@base``), each on a store of its own: SQLite (embedded,
+``--store-synchronous``) and PostgreSQL (a throwaway server, ``benchmarks/infra.py``; skipped
+with a message when it is not installed: ``scripts/install-postgres``). One client sends
+non-streaming chat calls one at a time. Shapes, all calls in one rollout:
+
+- ``roots``: N independent first calls (a new task each: an evaluation sweep under one id);
+- ``chains``: agent sessions of ``--steps`` calls, one after the other (every call but a
+  session's first continues the one before);
+- ``mix``: sessions of a side call without tools (a title request: a root) then
+  ``--steps - 1`` agent calls;
+- ``mix-split``: ``mix`` with a new rollout every 100 calls (100 rollouts x 100 calls for
+  N = 10,000), to compare with one rollout of N.
+
+The proxies of a shape advance in lockstep, 100 calls at a time each in turn, so the machine's
+noise spreads over all of them. The figure is the proxy process's CPU over a block of 100
+calls (``/proc/<pid>/stat``, all threads) divided by 100; for PostgreSQL the server's CPU
+(postmaster and backends) over the same block is printed beside it. Each proxy first serves
+an unmeasured warm-up rollout. Afterwards each rollout's chains are read over REST and checked
+(every session one chain, each title call a chain of its own), and the read is timed.
+
+Run: ``.venv/bin/python benchmarks/rollout_size.py [--calls 10000] [--baseline-src DIR]``
+(``--calls 2000`` for a quick run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from infra import PostgresServer, postgres_bin_dir  # noqa: E402
+from load import (  # noqa: E402
+    CALL_ID_HEADER,
+    MODEL,
+    SYSTEM,
+    TOOLS,
+    Service,
+    baseline_env,
+    cli_command,
+    free_port,
+    proc_cpu_s,
+    raise_fd_limit,
+)
+from replicas import tree_cpu_s  # noqa: E402
+
+CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+SHAPES = ("roots", "chains", "mix", "mix-split")
+BLOCK = 100
+
+
+@dataclass
+class Target:
+    """One proxy serving one shape: its calls' session plan and what it measured per block."""
+
+    name: str
+    shape: str
+    service: Service
+    steps: int
+    rollout_prefix: str
+    cpu_ms: list[float] = field(default_factory=list)  # per block, proxy CPU per call
+    db_cpu_ms: list[float] = field(default_factory=list)  # per block, PostgreSQL per call
+    wall_s: list[float] = field(default_factory=list)  # per block
+    sessions: dict[str, list[list[str]]] = field(default_factory=dict)  # rollout -> chains
+    _messages: list[dict[str, Any]] = field(default_factory=list)
+    _step: int = 0
+    _session: int = 0
+    calls: int = 0
+
+    def rollout_id(self) -> str:
+        if self.shape == "mix-split":
+            return f"{self.rollout_prefix}-{self.calls // BLOCK}"
+        return self.rollout_prefix
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> Any:
+    async with session.post(url, json=body) as resp:
+        data = await resp.json(content_type=None)
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: {resp.status} {data}")
+        return data, resp.headers[CALL_ID_HEADER]
+
+
+def _echo(message: dict[str, Any]) -> dict[str, Any]:
+    out = {"role": "assistant", "content": message.get("content") or ""}
+    for key in ("reasoning_content", "tool_calls"):
+        if message.get(key):
+            out[key] = message[key]
+    return out
+
+
+async def next_call(session: aiohttp.ClientSession, t: Target) -> None:
+    """The target's next call in its shape's plan."""
+    rollout = t.rollout_id()
+    chains = t.sessions.setdefault(rollout, [])
+    url = t.service.url + CAPTURE.format(rollout=rollout)
+    task = {"role": "user", "content": f"Task {t._session}: read module {t._session * 7 % 101}."}
+    if t.shape == "roots":
+        body = {"model": MODEL, "messages": [SYSTEM, task], "tools": TOOLS}
+        _, call_id = await _post(session, url, body)
+        chains.append([call_id])
+        t._session += 1
+    else:
+        side = t.shape != "chains" and t._step == 0
+        if side:  # a title request: no tools, a root of its own
+            title = {"role": "system", "content": "Write a short title for the conversation."}
+            body = {"model": MODEL, "messages": [title, task]}
+            _, call_id = await _post(session, url, body)
+            chains.append([call_id])
+        else:
+            if not t._messages:
+                t._messages = [SYSTEM, task]
+                chains.append([])
+            body = {"model": MODEL, "messages": list(t._messages), "tools": TOOLS}
+            data, call_id = await _post(session, url, body)
+            chains[-1].append(call_id)
+            message = data["choices"][0]["message"]
+            t._messages.append(_echo(message))
+            for tc in message.get("tool_calls") or []:
+                out = f"output of {tc['function']['name']} at step {t._step}"
+                t._messages.append({"role": "tool", "tool_call_id": tc["id"], "content": out})
+            if not message.get("tool_calls"):
+                t._messages.append({"role": "user", "content": "Continue."})
+        t._step += 1
+        if t._step == t.steps or (t.shape == "mix-split" and (t.calls + 1) % BLOCK == 0):
+            t._step, t._messages = 0, []
+            t._session += 1
+    t.calls += 1
+
+
+async def check_chains(session: aiohttp.ClientSession, t: Target) -> tuple[str | None, float]:
+    """(a mismatch or None, seconds to read the chains of every rollout of the target)."""
+    read_s = 0.0
+    for rollout, want in t.sessions.items():
+        url = f"{t.service.url}/captures/rollouts/{rollout}/chains"
+        t0 = time.perf_counter()
+        async with session.get(url) as resp:
+            data = await resp.json()
+        read_s += time.perf_counter() - t0
+        got = sorted([c["call_id"] for c in ch["calls"]] for ch in data["chains"])
+        if got != sorted(w for w in want if w):
+            return f"{t.name} {rollout}: {len(got)} chains, expected {len(want)}", read_s
+    return None, read_s
+
+
+def proxy_argv(store: str, engine_url: str, port: int, args: argparse.Namespace) -> list[str]:
+    argv = [*cli_command(), "serve", "--backend", engine_url, "--port", str(port)]
+    argv += ["--store", store, "--log-level", "WARNING"]
+    if not store.startswith("postgresql://"):
+        argv += ["--store-synchronous", args.store_synchronous]
+    return argv
+
+
+async def run_shape(
+    shape: str,
+    args: argparse.Namespace,
+    engine: Service,
+    work: Path,
+    pg: PostgresServer | None,
+    session: aiohttp.ClientSession,
+) -> list[Target]:
+    stores = ["sqlite"] + (["postgres"] if pg is not None else [])
+    codes = [""] + (["@base"] if args.baseline_src else [])
+    targets = []
+    for store in stores:
+        for code in codes:
+            name = f"{store}{code}"
+            where = pg.create_database() if pg is not None and store == "postgres" else None
+            path = where or str(work / f"store-{shape}-{name}")
+            port = free_port()
+            env = baseline_env(args.baseline_src) if code else None
+            log = work / f"{shape}-{name}.log"
+            service = Service(name, proxy_argv(path, engine.url, port, args), port, log, env=env)
+            rollout = f"{shape}-{name.replace('@', '.')}"
+            targets.append(Target(name, shape, service, args.steps, rollout))
+    try:
+        for t in targets:
+            t.service.start()
+        for t in targets:
+            await t.service.wait_healthy(session, 120)
+            warm = Target(t.name, "chains", t.service, args.steps, "warmup-" + t.rollout_prefix)
+            for _ in range(2 * args.steps):
+                await next_call(session, warm)
+        pg_pid = pg.proc.pid if pg is not None and pg.proc is not None else None
+        for block in range(args.calls // BLOCK):
+            for t in targets:
+                cpu0, db0, t0 = proc_cpu_s(t.service.pid), 0.0, time.perf_counter()
+                if pg_pid and t.name.startswith("postgres"):
+                    db0 = tree_cpu_s(pg_pid)
+                for _ in range(BLOCK):
+                    await next_call(session, t)
+                t.wall_s.append(time.perf_counter() - t0)
+                cpu1 = proc_cpu_s(t.service.pid)
+                assert cpu0 is not None and cpu1 is not None
+                t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
+                if pg_pid and t.name.startswith("postgres"):
+                    t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
+            if (block + 1) % 10 == 0:
+                print(f"  {shape}: {(block + 1) * BLOCK} calls", file=sys.stderr)
+        for t in targets:
+            problem, read_s = await check_chains(session, t)
+            if problem:
+                raise RuntimeError(problem)
+            t.read_ms_per_call = read_s * 1000 / t.calls  # type: ignore[attr-defined]
+    finally:
+        for t in targets:
+            t.service.stop()
+    return targets
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def report(results: dict[str, list[Target]], args: argparse.Namespace) -> None:
+    n = args.calls
+    last = min(10, len(next(iter(results.values()))[0].cpu_ms))
+    print(f"\nrollout size: {n} calls in one rollout, one client, non-streaming, zero delay")
+    lo = n - last * BLOCK + 1
+    print(
+        f"proxy CPU ms/call, calls 1-100 | calls {lo}-{n} | ratio (target <= 1.2x); "
+        "calls/s in the same buckets; chains read ms/call"
+    )
+    for shape, targets in results.items():
+        for t in targets:
+            first, end = t.cpu_ms[0], _mean(t.cpu_ms[-last:])
+            cps0 = BLOCK / t.wall_s[0]
+            cps1 = BLOCK * last / sum(t.wall_s[-last:])
+            line = (
+                f"  {shape:<10} {t.name:<14} {first:6.2f} | {end:6.2f} | {end / first:5.2f}x"
+                f"   {cps0:6.0f} | {cps1:6.0f} calls/s"
+                f"   read {t.read_ms_per_call:.3f}"  # type: ignore[attr-defined]
+            )
+            if t.db_cpu_ms:
+                d0, d1 = t.db_cpu_ms[0], _mean(t.db_cpu_ms[-last:])
+                line += f"   postgres {d0:5.2f} | {d1:5.2f} | {d1 / max(d0, 1e-9):5.2f}x"
+            print(line)
+    if "mix" in results and "mix-split" in results:
+        print(f"all {n} calls: CPU ms/call, {n // BLOCK} rollouts x {BLOCK} vs one rollout")
+        for one, split in zip(results["mix"], results["mix-split"], strict=True):
+            a, b = _mean(one.cpu_ms), _mean(split.cpu_ms)
+            print(f"  {one.name:<14} one {a:6.2f} | split {b:6.2f} | one / split {a / b:5.2f}x")
+    step = max(1, len(next(iter(results.values()))[0].cpu_ms) // 10)
+    print(f"proxy CPU ms/call per {BLOCK}-call block, every {step * BLOCK} calls:")
+    for shape, targets in results.items():
+        for t in targets:
+            cells = " ".join(f"{c:5.2f}" for c in t.cpu_ms[::step])
+            print(f"  {shape:<10} {t.name:<14} {cells}")
+
+
+async def run(args: argparse.Namespace) -> int:
+    if args.calls % BLOCK or args.calls < 2 * BLOCK:
+        raise SystemExit(f"--calls: a multiple of {BLOCK}, at least {2 * BLOCK}")
+    raise_fd_limit()
+    work = Path(tempfile.mkdtemp(prefix="rollout-size-"))
+    port = free_port()
+    argv = [*cli_command(), "scripted-engine", "--port", str(port)]
+    engine = Service("engine", argv, port, work / "engine.log")
+    pg = None
+    if not args.no_postgres:
+        bin_dir = postgres_bin_dir()
+        if bin_dir is None or not (bin_dir / "postgres").exists():
+            print("PostgreSQL is not installed (scripts/install-postgres): SQLite only")
+        else:
+            pg = PostgresServer(bin_dir)
+            pg.start(deadline_s=60)
+    results: dict[str, list[Target]] = {}
+    try:
+        engine.start()
+        timeout = aiohttp.ClientTimeout(total=args.call_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await engine.wait_healthy(session, 60)
+            for shape in args.shapes.split(","):
+                if shape not in SHAPES:
+                    raise SystemExit(f"--shapes: unknown shape {shape!r} (known: {SHAPES})")
+                results[shape] = await run_shape(shape, args, engine, work, pg, session)
+    finally:
+        engine.stop()
+        if pg is not None:
+            pg.stop()
+    report(results, args)
+    print(f"work directory (logs, SQLite stores): {work}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--calls", type=int, default=10_000, help="calls in the one rollout")
+    p.add_argument("--steps", type=int, default=10, help="calls per session (chains, mix)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + str(SHAPES))
+    p.add_argument("--no-postgres", action="store_true", help="SQLite only")
+    p.add_argument("--store-synchronous", default="normal", choices=("full", "normal"))
+    p.add_argument("--call-timeout-s", type=float, default=120)
+    p.add_argument(
+        "--baseline-src",
+        metavar="DIR",
+        help="also run every store from this source tree (e.g. a git archive of the fork "
+        "point) as STORE@base, in the same run",
+    )
+    return asyncio.run(run(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
