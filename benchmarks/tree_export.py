@@ -21,7 +21,7 @@ from pathlib import Path
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.samples import chain_samples
 from capture_proxy.core.tree import build_tree
-from capture_proxy.demo import run_replay
+from capture_proxy.cli.replay import run_replay
 from capture_proxy.store.sqlite import SQLiteStore
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "opencode" / "logs"

@@ -183,7 +183,7 @@ async def store_samples(
     """The samples of ``rollout_ids`` (None: every rollout) of the embedded store at
     ``store_dir``, opened as a reader beside a running proxy. Returns (samples, rollout ids
     not found). Raises StoreError when the store cannot be opened."""
-    from capture_proxy.rest import snapshot_records
+    from capture_proxy.rest.reads import snapshot_records
     from capture_proxy.store.sqlite import SQLiteStore
 
     store = SQLiteStore(store_dir, exclusive=False)

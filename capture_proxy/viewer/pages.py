@@ -31,7 +31,7 @@ from capture_proxy.core.view.tree import build_tree
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
 from capture_proxy.proxy.errors import NotFound
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
-from capture_proxy.rest import REST_THREAD_KEY
+from capture_proxy.rest.reads import REST_THREAD_KEY
 from capture_proxy.store.base import RolloutInfo
 from capture_proxy.viewer.detokenize import (
     Detokenizer,

@@ -13,7 +13,10 @@ one line for ``grep``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -181,3 +184,11 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
     if tree.unlinked:
         console.print(tree_table(rollout_id, tree.unlinked, "not in a chain"))
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``capture-proxy show [--store DIR] [ROLLOUT]``: 0, or 2 when there is no store."""
+    if not args.store.is_dir():
+        print(f"capture-proxy: no store at {args.store}", file=sys.stderr)
+        return 2
+    return asyncio.run(show(args.store, args.rollout, make_console()))

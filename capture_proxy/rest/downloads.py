@@ -41,7 +41,7 @@ from capture_proxy.core.samples import ChainSample, chain_samples
 from capture_proxy.core.tree import build_tree, write_tree
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
-from capture_proxy.rest import (
+from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
     RolloutState,
     _diagnostics,
