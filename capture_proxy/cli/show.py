@@ -26,8 +26,8 @@ from rich.text import Text
 
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.summary import link_stats
+from capture_proxy.core.view.call_tree import TreeRow, build_call_tree
 from capture_proxy.core.view.rollouts import RolloutRow, format_reward, rollout_row
-from capture_proxy.core.view.tree import TreeRow, build_tree
 from capture_proxy.store.sqlite import SQLiteStore
 
 PAGE = 500
@@ -170,7 +170,7 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
         now=now,
         frozen=info.snapshot is not None,
     )
-    tree = build_tree(rollout_id, records)
+    tree = build_call_tree(rollout_id, records)
     stats = link_stats(records, build_chains(rollout_id, records))
     refused = ", ".join(f"{k} {v}" for k, v in stats["links_refused"].items())
     console.print(

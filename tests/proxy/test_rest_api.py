@@ -11,9 +11,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from capture_proxy.rest import reads
 from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.proxy.keys import STORE_KEY
+from capture_proxy.rest import reads
 from tests.factories import record
 from tests.proxy.conftest import Stack
 
