@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -32,25 +33,28 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from load import (
-    CALL_ID_HEADER,
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.services import (  # noqa: E402
     ROOT,
-    CallResult,
     Service,
-    Target,
-    Verification,
-    Workload,
     baseline_env,
-    by_rollout,
     cli_command,
-    client_session,
     free_port,
     proc_cpu_s,
     raise_fd_limit,
+)
+from benchmarks.sessions import (  # noqa: E402
+    CALL_ID_HEADER,
+    CallResult,
+    Target,
+    Workload,
+    client_session,
     request_body,
     stream_call,
-    verify_chains,
 )
+from benchmarks.verification import Verification, by_rollout, verify_chains  # noqa: E402
 
 MODES = ("backend_template", "exact_tokens")
 
@@ -88,7 +92,7 @@ async def sweep_session(
     stream: bool,
     workload: Workload,
 ) -> list[CallResult]:
-    """One agent session (as ``load.run_session``), streaming or not."""
+    """One agent session (as ``sessions.run_session``), streaming or not."""
     messages: list[dict[str, Any]] = [
         workload.system(),
         {"role": "user", "content": f"Task {rollout_id}."},
@@ -174,9 +178,9 @@ def proxy_argv(
     return argv
 
 
-async def run_sweep(args: argparse.Namespace) -> int:
-    raise_fd_limit()
-    work = Path(tempfile.mkdtemp(prefix="capture-sweep-"))
+def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, Service]]:
+    """The engine and one proxy per mode (``MODE@base``: from ``--baseline-src``), not started.
+    Writes the scripted engine's tokenizer for exact_tokens into ``work``."""
     tokenizer = work / "tokenizer"
     subprocess.run(
         [*cli_command(), "export-tokenizer", str(tokenizer)],
@@ -198,6 +202,64 @@ async def run_sweep(args: argparse.Namespace) -> int:
         argv = proxy_argv(mode, engine.url, p, work / f"store-{mode}", args, tokenizer)
         env = baseline_env(args.baseline_src) if mode.endswith("@base") else None
         proxies[mode] = Service(mode, argv, p, work / f"{mode}.log", env=env)
+    return engine, proxies
+
+
+async def _sweep_cells(
+    args: argparse.Namespace,
+    session: aiohttp.ClientSession,
+    proxies: dict[str, Service],
+    clients: list[int],
+    workload: Workload,
+) -> tuple[dict[tuple[str, bool, int], list[Cell]], bool]:
+    """Every cell ``--repeat`` times, interleaved; the cells and whether a call failed."""
+    cells: dict[tuple[str, bool, int], list[Cell]] = {}
+    failed = False
+    for rep in range(args.repeat):
+        for c in clients:
+            for mode, proxy in proxies.items():
+                for stream in (True, False):
+                    sessions = max(c, args.sweep_sessions)
+                    cell = await run_cell(
+                        session, proxy, mode, stream, c, sessions, args.steps, workload, f"r{rep}"
+                    )
+                    cells.setdefault((mode, stream, c), []).append(cell)
+                    bad = [r for r in cell.results if not r.ok]
+                    if bad:
+                        failed = True
+                        print(
+                            f"  {mode} stream={stream} C={c}: {len(bad)} calls failed: "
+                            f"{sorted({r.error for r in bad})}"
+                        )
+        print(f"  repeat {rep + 1} done", flush=True)
+    return cells, failed
+
+
+async def _verify_sessions(
+    session: aiohttp.ClientSession,
+    proxies: dict[str, Service],
+    cells: dict[tuple[str, bool, int], list[Cell]],
+    steps: int,
+) -> bool:
+    """Every session one chain (the last repeat's; every cell's calls were checked already).
+    True when a problem was found."""
+    v = Verification()
+    for mode, proxy in proxies.items():
+        for (m, _, _), runs in cells.items():
+            if m == mode:
+                await verify_chains(session, proxy.url, by_rollout(runs[-1].results), steps, v)
+    print(f"verify: {v.rollouts_checked} sessions' chains checked, problems: {len(v.problems)}")
+    for text in v.problems[:10]:
+        print("  " + text)
+    return bool(v.problems)
+
+
+async def run_sweep(args: argparse.Namespace) -> int:
+    """The sweep (see the module docstring): 0 when every call succeeded and every session is
+    one chain."""
+    raise_fd_limit()
+    work = Path(tempfile.mkdtemp(prefix="capture-sweep-"))
+    engine, proxies = _services(args, work)
     clients = [int(c) for c in args.sweep_concurrency.split(",")]
     workload = Workload(args.system_prompt_kb, args.tool_output_kb)
     print(
@@ -218,47 +280,13 @@ async def run_sweep(args: argparse.Namespace) -> int:
         for mode, proxy in proxies.items():  # warm-up: imports, tokenizer, connections
             for stream in (True, False):
                 await run_cell(session, proxy, mode, stream, 8, 8, args.steps, workload, "warm")
-        for rep in range(args.repeat):
-            for c in clients:
-                for mode, proxy in proxies.items():
-                    for stream in (True, False):
-                        cell = await run_cell(
-                            session,
-                            proxy,
-                            mode,
-                            stream,
-                            c,
-                            max(c, args.sweep_sessions),
-                            args.steps,
-                            workload,
-                            f"r{rep}",
-                        )
-                        cells.setdefault((mode, stream, c), []).append(cell)
-                        bad = [r for r in cell.results if not r.ok]
-                        if bad:
-                            failed = True
-                            print(
-                                f"  {mode} stream={stream} C={c}: {len(bad)} calls failed: "
-                                f"{sorted({r.error for r in bad})}"
-                            )
-            print(f"  repeat {rep + 1} done", flush=True)
-        # every session one chain (the last repeat's; every cell's calls were checked above)
-        v = Verification()
-        for mode, proxy in proxies.items():
-            for (m, _, _), runs in cells.items():
-                if m == mode:
-                    await verify_chains(
-                        session, proxy.url, by_rollout(runs[-1].results), args.steps, v
-                    )
-        print(f"verify: {v.rollouts_checked} sessions' chains checked, problems: {len(v.problems)}")
-        for text in v.problems[:10]:
-            print("  " + text)
-        failed = failed or bool(v.problems)
+        cells, failed = await _sweep_cells(args, session, proxies, clients, workload)
+        failed = await _verify_sessions(session, proxies, cells, args.steps) or failed
     finally:
         await session.close()
         for s in (*proxies.values(), engine):
             s.stop()
-    report(cells, clients, modes)
+    report(cells, clients, list(proxies))
     return 1 if failed else 0
 
 

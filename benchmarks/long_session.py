@@ -42,20 +42,20 @@ from typing import Any
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import (  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.services import (  # noqa: E402
+    ROOT,
     Service,
     baseline_env,
     cli_command,
     free_port,
-    pct,
     proc_cpu_s,
     raise_fd_limit,
     start_py_spy,
     stop_py_spy,
 )
+from benchmarks.sessions import pct  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
 MODES = ("backend_template", "exact_tokens", "exact_full_render")
 
@@ -167,9 +167,9 @@ def bucket_of(turn: int, turns: int) -> str | None:
     return None
 
 
-async def run(args: argparse.Namespace) -> int:
-    raise_fd_limit()
-    work = Path(tempfile.mkdtemp(prefix="long-session-"))
+def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, Service]]:
+    """The engine (the long session's policy) and one proxy per mode, not started. Writes the
+    policy and the tokenizer directory for exact_tokens into ``work``."""
     (work / "policy.json").write_text(json.dumps(policy(args.turns)))
     tok = work / "tokenizer"
     template = ["--chat-template", str(Path(args.template).resolve())] if args.template else []
@@ -206,12 +206,99 @@ async def run(args: argparse.Namespace) -> int:
             argv += ["--exact-full-render"]
         env = baseline_env(args.baseline_src) if mode.endswith("@base") else None
         proxies[mode] = Service(mode, argv, p, work / f"{mode}.log", env=env)
+    return engine, proxies
+
+
+@dataclass
+class _Sessions:
+    """What every call of the run shares: the client session, the proxies, the tools."""
+
+    session: aiohttp.ClientSession
+    engine_url: str
+    proxies: dict[str, Service]
+    tool_defs: list[dict[str, Any]]
+    tool_output_kb: float
+
+    async def call(self, mode: str, r: Rollout, turn: int) -> float:
+        return await one_call(
+            self.session,
+            self.proxies[mode].url,
+            self.engine_url,
+            r,
+            self.tool_defs,
+            self.tool_output_kb,
+            turn,
+        )
+
+
+async def _measured_turns(
+    run: _Sessions,
+    args: argparse.Namespace,
+    rollouts: dict[str, list[Rollout]],
+    samples: dict[str, dict[int, TurnSample]],
+    spy_path: Path,
+) -> None:
+    """Every turn of every mode's rollouts in lockstep, one mode at a time: its CPU per call
+    into ``samples``. ``--py-spy``: that proxy sampled from ``--py-spy-from`` on."""
+    spy = None
+    try:
+        for turn in range(1, args.turns + 1):
+            if args.py_spy and turn == args.py_spy_from:
+                spy = start_py_spy(str(spy_path), run.proxies[args.py_spy].pid)
+            for mode, mode_rollouts in rollouts.items():
+                pid = run.proxies[mode].pid
+                cpu0 = proc_cpu_s(pid)
+                await asyncio.gather(*(run.call(mode, r, turn) for r in mode_rollouts))
+                cpu1 = proc_cpu_s(pid)
+                assert cpu0 is not None and cpu1 is not None
+                samples[mode][turn] = TurnSample((cpu1 - cpu0) * 1000 / args.rollouts, [])
+            if turn % 10 == 0:
+                print(f"  turn {turn} done", file=sys.stderr)
+    finally:
+        if spy is not None:
+            stop_py_spy(spy, str(spy_path))
+
+
+async def _check_chains(
+    run: _Sessions,
+    rollouts: dict[str, list[Rollout]],
+    samples: dict[str, dict[int, TurnSample]],
+) -> tuple[bool, int, dict[str, int]]:
+    """Every rollout one chain (added latencies into ``samples``): whether they all are, the
+    last exact_tokens prompt's size and, per mode, the calls rendered whole."""
+    last_prompt = 0
+    whole: dict[str, int] = dict.fromkeys(rollouts, 0)
+    for mode, mode_rollouts in rollouts.items():
+        for r in mode_rollouts:
+            url = f"{run.proxies[mode].url}/captures/rollouts/{r.rollout_id}/chains"
+            async with run.session.get(url) as resp:
+                chains = await resp.json()
+            got = [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]]
+            if got != [r.call_ids]:
+                print(f"{mode} {r.rollout_id}: not one chain: {len(got)} chains")
+                return False, last_prompt, whole
+            for turn, (c, seen) in enumerate(
+                zip(chains["chains"][0]["calls"], r.latencies_ms, strict=True), 1
+            ):
+                samples[mode][turn].added_ms.append(seen - c["latency_ms"])
+                kinds = [d["kind"] for d in c.get("diagnostics") or []]
+                whole[mode] += "exact_prompt_full_render" in kinds
+            if mode.startswith("exact_tokens"):
+                last = chains["chains"][0]["calls"][-1]
+                last_prompt = len(last["prompt_token_ids"])
+    return True, last_prompt, whole
+
+
+async def run(args: argparse.Namespace) -> int:
+    """The benchmark (see the module docstring): 0, or 1 when a rollout is not one chain."""
+    raise_fd_limit()
+    work = Path(tempfile.mkdtemp(prefix="long-session-"))
+    engine, proxies = _services(args, work)
+    modes = list(proxies)
     services = [engine, *proxies.values()]
-    tool_defs = tools(args.tools_kb)
     system = {"role": "system", "content": "You are a coding agent." + _lines(args.system_kb, "s")}
     user = {"role": "user", "content": "Read every module and summarise the code base."}
     samples: dict[str, dict[int, TurnSample]] = {m: {} for m in modes}
-    spy = None
     try:
         for s in services:
             s.start()
@@ -220,6 +307,9 @@ async def run(args: argparse.Namespace) -> int:
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
             for s in services:
                 await s.wait_healthy(session, 120)
+            calls = _Sessions(
+                session, engine.url, proxies, tools(args.tools_kb), args.tool_output_kb
+            )
             rollouts = {
                 m: [
                     Rollout(m, f"{m.replace('@', '.')}-{i}", [system, user])
@@ -233,69 +323,13 @@ async def run(args: argparse.Namespace) -> int:
             warm = {m: Rollout(m, f"warmup-{m.replace('@', '.')}", [system, user]) for m in modes}
             for turn in range(1, args.warmup_turns + 1):
                 for mode in modes:
-                    await one_call(
-                        session,
-                        proxies[mode].url,
-                        engine.url,
-                        warm[mode],
-                        tool_defs,
-                        args.tool_output_kb,
-                        turn,
-                    )
-            for turn in range(1, args.turns + 1):
-                if args.py_spy and turn == args.py_spy_from:
-                    spy = start_py_spy(
-                        str(work / f"py-spy-{args.py_spy}.txt"), proxies[args.py_spy].pid
-                    )
-                for mode in modes:
-                    pid = proxies[mode].pid
-                    cpu0 = proc_cpu_s(pid)
-                    await asyncio.gather(
-                        *(
-                            one_call(
-                                session,
-                                proxies[mode].url,
-                                engine.url,
-                                r,
-                                tool_defs,
-                                args.tool_output_kb,
-                                turn,
-                            )
-                            for r in rollouts[mode]
-                        )
-                    )
-                    cpu1 = proc_cpu_s(pid)
-                    assert cpu0 is not None and cpu1 is not None
-                    samples[mode][turn] = TurnSample((cpu1 - cpu0) * 1000 / args.rollouts, [])
-                if turn % 10 == 0:
-                    print(f"  turn {turn} done", file=sys.stderr)
-            if spy is not None:
-                stop_py_spy(spy, str(work / f"py-spy-{args.py_spy}.txt"))
-                spy = None
-            # every rollout one chain; the last prompt's size; calls rendered whole
-            last_prompt = 0
-            whole: dict[str, int] = dict.fromkeys(modes, 0)
-            for mode in modes:
-                for r in rollouts[mode]:
-                    url = f"{proxies[mode].url}/captures/rollouts/{r.rollout_id}/chains"
-                    async with session.get(url) as resp:
-                        chains = await resp.json()
-                    got = [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]]
-                    if got != [r.call_ids]:
-                        print(f"{mode} {r.rollout_id}: not one chain: {len(got)} chains")
-                        return 1
-                    for turn, (c, seen) in enumerate(
-                        zip(chains["chains"][0]["calls"], r.latencies_ms, strict=True), 1
-                    ):
-                        samples[mode][turn].added_ms.append(seen - c["latency_ms"])
-                        kinds = [d["kind"] for d in c.get("diagnostics") or []]
-                        whole[mode] += "exact_prompt_full_render" in kinds
-                    if mode.startswith("exact_tokens"):
-                        last = chains["chains"][0]["calls"][-1]
-                        last_prompt = len(last["prompt_token_ids"])
+                    await calls.call(mode, warm[mode], turn)
+            spy_path = work / f"py-spy-{args.py_spy}.txt"
+            await _measured_turns(calls, args, rollouts, samples, spy_path)
+            one_chain, last_prompt, whole = await _check_chains(calls, rollouts, samples)
+            if not one_chain:
+                return 1
     finally:
-        if spy is not None:
-            stop_py_spy(spy, str(work / f"py-spy-{args.py_spy}.txt"))
         for s in services:
             s.stop()
     report(samples, args, last_prompt)

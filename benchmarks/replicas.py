@@ -53,21 +53,25 @@ from benchmarks.infra import (  # noqa: E402
     haproxy_binary,
     postgres_bin_dir,
 )
-from benchmarks.load import (  # noqa: E402
-    CallResult,
+from benchmarks.services import (  # noqa: E402
     Service,
-    Target,
-    Verification,
-    _get_json,
-    by_rollout,
-    client_session,
     engine_service,
-    pct,
     proc_cpu_s,
     proxy_service,
     raise_fd_limit,
+)
+from benchmarks.sessions import (  # noqa: E402
+    CallResult,
+    Target,
+    client_session,
+    pct,
     request_body,
     stream_call,
+)
+from benchmarks.verification import (  # noqa: E402
+    Verification,
+    by_rollout,
+    get_json,
     verify_calls,
 )
 
@@ -97,7 +101,7 @@ async def retrying_session(
     on_call: Any = None,
     attempts: int = 4,
 ) -> list[CallResult]:
-    """``benchmarks.load.run_session``'s agent session, but a call that fails is sent again
+    """``benchmarks.sessions.run_session``'s agent session, but a call that fails is sent again
     (up to ``attempts`` times, with the SDKs' retry header); stops when a step never completes.
     Returns every attempt."""
     messages: list[dict[str, Any]] = [
@@ -147,7 +151,7 @@ async def verify_rollout_chains(
             v.problem(f"{rollout_id}: {len(done)} of {steps} steps completed")
             return
         async with sem:
-            status, body = await _get_json(
+            status, body = await get_json(
                 session, f"{base_url}/captures/rollouts/{rollout_id}/chains"
             )
         v.rollouts_checked += 1

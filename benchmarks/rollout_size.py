@@ -40,11 +40,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from infra import PostgresServer, postgres_bin_dir  # noqa: E402
-from load import (  # noqa: E402
-    CALL_ID_HEADER,
-    MODEL,
-    SYSTEM,
-    TOOLS,
+from replicas import tree_cpu_s  # noqa: E402
+from services import (  # noqa: E402
     Service,
     baseline_env,
     cli_command,
@@ -52,7 +49,7 @@ from load import (  # noqa: E402
     proc_cpu_s,
     raise_fd_limit,
 )
-from replicas import tree_cpu_s  # noqa: E402
+from sessions import CALL_ID_HEADER, MODEL, SYSTEM, TOOLS  # noqa: E402
 
 CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
 SHAPES = ("roots", "chains", "mix", "mix-split")

@@ -3,7 +3,7 @@
 Replays each recording (default: ``tests/fixtures/opencode/logs/*.jsonl``, the OpenCode
 sessions) through a proxy in front of the scripted engine (``capture-proxy replay``), for both
 chat templates (reasoning kept or dropped by the template), then builds the rollout's samples
-(``core.samples``) and its token tree (``core.tree``) from the store and prints, per session:
+(``core.samples``) and its token tree (``core.token_tree``) from the store and prints, per session:
 calls, chains, samples, tokens in one sample per path, tokens in the tree, and the saving.
 
     .venv/bin/python benchmarks/tree_export.py [RECORDING.jsonl ...]
@@ -18,10 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from capture_proxy.cli.replay import run_replay
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.samples import chain_samples
-from capture_proxy.core.tree import build_tree
-from capture_proxy.demo import run_replay
+from capture_proxy.core.token_tree import build_token_tree
 from capture_proxy.store.sqlite import SQLiteStore
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "opencode" / "logs"
@@ -44,7 +44,7 @@ async def measure(recording: Path, template: str) -> tuple[int, int, int, int, i
             await store.close()
     chains = build_chains("bench", records)
     samples = [s for c in chains.chains for s in chain_samples(c)]
-    tree = build_tree("bench", samples)
+    tree = build_token_tree("bench", samples)
     return len(records), len(chains.chains), len(samples), tree.num_path_tokens, tree.num_tokens
 
 

@@ -5,8 +5,8 @@ recording), which resources
 live in ``cleanup_ctx`` (the store opened and closed with the app, one upstream
 ``ClientSession``, the exact-token machinery, the tombstone sweeper), the app's state
 (``proxy.keys``), and which routes serve what: ``/health`` and ``/metrics`` (``proxy.status``),
-the read API (``rest``, ``rest_lifecycle``, ``rest_export``), the viewer, and last the
-proxy's catch-all ``dispatch`` (``proxy.app``). Everything above it (``cli``, ``demo``,
+the read API (``rest.reads``, ``rest.lifecycle``, ``rest.downloads``), the viewer, and last the
+proxy's catch-all ``dispatch`` (``proxy.app``). Everything above it (``cli``,
 tests, benchmarks) builds an app here; nothing below it imports it. Must not: handle a
 request itself.
 """
@@ -23,7 +23,6 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from capture_proxy import rest, rest_export, rest_lifecycle
 from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.families import get_parser, load_family
@@ -52,7 +51,8 @@ from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.recording import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.upstream import make_client_session
-from capture_proxy.rest import unknown_captures_path
+from capture_proxy.rest import downloads, lifecycle, reads
+from capture_proxy.rest.reads import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
 from harness_notes import NoteRegistry, default_registry
@@ -214,9 +214,9 @@ def build_proxy_app(
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
-    rest.add_routes(app)
-    rest_lifecycle.add_routes(app)
-    rest_export.add_routes(app)
+    reads.add_routes(app)
+    lifecycle.add_routes(app)
+    downloads.add_routes(app)
     add_viewer_routes(
         app,
         ViewerConfig(
@@ -254,7 +254,7 @@ def build_read_only_app(
 
     app.cleanup_ctx.append(resources)
     app.router.add_get("/health", health)
-    rest.add_routes(app, read_only=True)
+    reads.add_routes(app, read_only=True)
     add_viewer_routes(
         app,
         ViewerConfig(

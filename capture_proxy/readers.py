@@ -1,7 +1,7 @@
 """Readers for training loaders: captured rollouts as numpy / Arrow, from the proxy or a file.
 
 Owns the client side of the read API for trainers (see ``core.samples``, ``core.export`` and
-``core.tree`` for the forms). Depends on numpy, pyarrow (imported only by the bulk reader; the
+``core.token_tree`` for the forms). Depends on numpy, pyarrow (imported only by the bulk reader; the
 ``arrow`` extra, else an ImportError naming it) and the standard library, so a training job
 can import it without aiohttp. Every function that talks to a proxy takes ``token``: the
 proxy's ``captures_token``, sent as a bearer token.
@@ -38,7 +38,7 @@ from typing import IO, Any
 import numpy as np
 
 from capture_proxy.core.samples import ChainSample, read_archive
-from capture_proxy.core.tree import TokenTree, read_tree
+from capture_proxy.core.token_tree import TokenTree, read_tree
 
 __all__ = [
     "ChainSample",
@@ -144,7 +144,7 @@ def fetch_chains(
 def fetch_tree(
     base_url: str, rollout_id: str, *, token: str | None = None, timeout_s: float = 300.0
 ) -> TokenTree:
-    """GET a rollout's token tree (``core.tree``). Raises HTTPError for 4xx/5xx answers."""
+    """GET a rollout's token tree (``core.token_tree``). Raises HTTPError for 4xx/5xx answers."""
     with _get(_rollout_url(base_url, rollout_id, "tree"), token, timeout_s) as resp:
         return load_tree(resp.read())
 

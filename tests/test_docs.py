@@ -21,7 +21,7 @@ from types import ModuleType
 import pytest
 from markdown.extensions.toc import slugify
 
-from capture_proxy.cli import build_parser
+from capture_proxy.cli.parser import build_parser
 from capture_proxy.config import ENV_NOT_SETTINGS, Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from capture_proxy.families import load_family, write_model_tokenizer
 from capture_proxy.families.vllm_messages import normalise_messages, normalise_tools
-from capture_proxy.replay import load_recording
+from capture_proxy.harnesses.recorded import load_recording
 
 
 def _conversations(fixtures_dir):

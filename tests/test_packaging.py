@@ -27,7 +27,7 @@ def test_the_base_dependencies_leave_out_the_tokenizer_stack():
 def test_the_serve_path_imports_no_tokenizer_module(tmp_path):
     code = f"""
 import sys
-from capture_proxy.cli import build_parser
+from capture_proxy.cli.parser import build_parser
 from capture_proxy.config import Settings
 from capture_proxy.proxy import server
 from capture_proxy.app import build_proxy_app

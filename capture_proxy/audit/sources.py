@@ -7,7 +7,7 @@ Owns turning rollouts into ``AuditSample`` objects in one of the trainer's forms
   ``GET .../chains?format=npz`` and ``readers.load_chains``);
 - ``arrow``: ``core.export.ExportEncoder`` then ``readers.ExportedRollout.samples`` (the
   stream of ``GET /captures/export``, read as ``readers.iter_rollouts`` reads it);
-- ``tree``: ``core.tree.build_tree`` / ``write_tree`` then ``read_tree`` and each leaf's
+- ``tree``: ``core.token_tree.build_token_tree`` / ``write_tree`` then ``read_tree`` and each leaf's
   ``path_indices`` (``GET .../tree``, ``readers.load_tree``).
 
 From a store the chains come from ``core.chains.build_chains`` over the snapshot's calls
@@ -32,7 +32,7 @@ from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.export import ExportEncoder
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, chain_samples, read_archive, write_archive
-from capture_proxy.core.tree import TokenTree, build_tree, read_tree, write_tree
+from capture_proxy.core.token_tree import TokenTree, build_token_tree, read_tree, write_tree
 from capture_proxy.readers import ExportedRollout, fetch_chains, fetch_tree, iter_rollouts
 from capture_proxy.store.base import RolloutInfo
 
@@ -171,7 +171,7 @@ def rollout_samples(info: RolloutInfo, records: list[CallRecord], form: Form) ->
         return from_export(_arrow_round_trip(info, samples))
     if form == "tree":
         buf = io.BytesIO()
-        write_tree(build_tree(info.rollout_id, samples), buf)
+        write_tree(build_token_tree(info.rollout_id, samples), buf)
         buf.seek(0)
         return from_tree(read_tree(buf))
     raise ValueError(f"form must be one of {', '.join(FORMS)}, got {form!r}")
@@ -183,7 +183,7 @@ async def store_samples(
     """The samples of ``rollout_ids`` (None: every rollout) of the embedded store at
     ``store_dir``, opened as a reader beside a running proxy. Returns (samples, rollout ids
     not found). Raises StoreError when the store cannot be opened."""
-    from capture_proxy.rest import snapshot_records
+    from capture_proxy.rest.reads import snapshot_records
     from capture_proxy.store.sqlite import SQLiteStore
 
     store = SQLiteStore(store_dir, exclusive=False)

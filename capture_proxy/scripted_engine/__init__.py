@@ -4,8 +4,10 @@ Modules: ``policy`` (the policy file and step choice; pure), ``generation`` (a s
 message -> token ids, log probs and per-token stream events; pure), ``faults`` (injected
 misbehaviour), ``chatml`` (a rendered prompt read back into messages; pure), ``families``
 (each model family's rendering and output), ``moe`` (routed experts), ``state`` (the options,
-the app's state keys, ``SentCall`` and ``RequestError``), ``tokens_in`` (token-id endpoints),
-``app`` (the chat endpoints and the app).
+the app's state keys, ``SentCall`` and ``RequestError``), ``chat_request`` (a chat body's
+validation and rendering), ``chat`` (``/v1/chat/completions``), ``service`` (``/tokenize``,
+``/detokenize``, ``/v1/models``, ``/health``), ``tokens_in`` (token-id endpoints), ``app``
+(the app built and run).
 Importing this package does not load the tokenizer.
 """
 

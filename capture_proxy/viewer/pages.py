@@ -20,6 +20,7 @@ from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.summary import link_stats
 from capture_proxy.core.view import tokens
 from capture_proxy.core.view.call import call_view, plan_call
+from capture_proxy.core.view.call_tree import build_call_tree
 from capture_proxy.core.view.rollouts import (
     STATUSES,
     RolloutRow,
@@ -27,11 +28,10 @@ from capture_proxy.core.view.rollouts import (
     matches,
     rollout_row,
 )
-from capture_proxy.core.view.tree import build_tree
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
 from capture_proxy.proxy.errors import NotFound
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
-from capture_proxy.rest import REST_THREAD_KEY
+from capture_proxy.rest.reads import REST_THREAD_KEY
 from capture_proxy.store.base import RolloutInfo
 from capture_proxy.viewer.detokenize import (
     Detokenizer,
@@ -204,7 +204,7 @@ async def rollouts_page(request: web.Request) -> web.Response:
 
 
 def _rollout_model(rollout_id: str, records: list[CallRecord]) -> dict[str, Any]:
-    tree = build_tree(rollout_id, records)
+    tree = build_call_tree(rollout_id, records)
     stats = link_stats(records, build_chains(rollout_id, records))
     return {"tree": tree, "stats": stats}
 

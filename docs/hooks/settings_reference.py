@@ -3,8 +3,8 @@
 Owns the table that replaces the marker ``<!-- settings-reference -->`` in
 ``docs/configuration.md``: one row per field of ``capture_proxy.config.Settings`` with its
 type (and bounds), default, environment variable (``CAPTURE_PROXY_<NAME>``), the ``serve``
-flag that sets it (read from ``capture_proxy.cli.build_parser``) and its description. It must
-not hold any setting's facts itself: a fact about a setting belongs in the field's
+flag that sets it (read from ``capture_proxy.cli.parser.build_parser``) and its description. It
+must not hold any setting's facts itself: a fact about a setting belongs in the field's
 ``description``, so the reference and the code cannot drift apart.
 
 Hook API (MkDocs >= 1.4): ``on_page_markdown(markdown, page, config, files)``.
@@ -117,7 +117,7 @@ def serve_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
 def reference_rows() -> list[dict[str, str]]:
     """One row per setting, in the class's order: name, type, default, env, flag,
     description (every value a plain string; ``flag`` may be empty)."""
-    from capture_proxy.cli import build_parser
+    from capture_proxy.cli.parser import build_parser
     from capture_proxy.config import Settings
 
     flags = serve_flags(build_parser())

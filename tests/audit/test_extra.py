@@ -23,7 +23,7 @@ def test_the_audit_extra_holds_torch_and_the_base_dependencies_do_not():
 def test_the_serve_path_imports_nothing_of_the_audit(tmp_path):
     code = f"""
 import sys
-from capture_proxy.cli import build_parser
+from capture_proxy.cli.parser import build_parser
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.store.sqlite import SQLiteStore

@@ -236,7 +236,7 @@ def test_check_prefix_names_the_first_differing_token():
 def _fixture_chains(fixtures_dir):
     """(file, parent request messages, parent output, child request messages, tools): every
     consecutive pair of recorded calls where the child continues the parent's output."""
-    from capture_proxy.replay import load_recording
+    from capture_proxy.harnesses.recorded import load_recording
 
     for path in sorted((fixtures_dir / "opencode" / "logs").glob("*.jsonl")):
         calls = [r for r in load_recording(path) if "messages" in r.body]

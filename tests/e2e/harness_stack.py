@@ -24,13 +24,9 @@ from aiohttp import web
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.scripted_engine.app import (
-    SENT_CALLS,
-    ScriptedEngineConfig,
-    SentCall,
-    build_scripted_engine_app,
-)
+from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
+from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
 from capture_proxy.store.sqlite import SQLiteStore
 
 POLICIES = Path(__file__).resolve().parents[2] / "capture_proxy" / "policies"

@@ -32,13 +32,9 @@ from aiohttp.test_utils import TestClient
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.harnesses.opencode import OpencodeResult, find_opencode, run_opencode
-from capture_proxy.scripted_engine.app import (
-    SENT_CALLS,
-    ScriptedEngineConfig,
-    SentCall,
-    build_scripted_engine_app,
-)
+from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
+from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
 from capture_proxy.store.sqlite import SQLiteStore
 
 OPENCODE = find_opencode()

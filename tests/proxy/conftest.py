@@ -14,12 +14,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.proxy.server import ProxyRunner
-from capture_proxy.scripted_engine.app import (
-    SENT_CALLS,
-    ScriptedEngineConfig,
-    SentCall,
-    build_scripted_engine_app,
-)
+from capture_proxy.scripted_engine.app import build_scripted_engine_app
+from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.store.postgres import PostgresStore
 from capture_proxy.store.sqlite import SQLiteStore

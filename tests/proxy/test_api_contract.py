@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from capture_proxy.core.fronts.base import open_reasoning, seal_reasoning
-from capture_proxy.scripted_engine import Faults, Policy, ScriptedEngineConfig, tokens_in
+from capture_proxy.scripted_engine import Faults, Policy, ScriptedEngineConfig
+from capture_proxy.scripted_engine.tokens_in import wire as tokens_in_wire
 from tests.proxy.api_clients import (
     MODEL,
     SYSTEM,
@@ -451,7 +452,7 @@ async def test_broken_engine_stream_ends_with_an_in_band_error(
     make_stack, monkeypatch, api, mode, fault
 ):
     faults, reason = STREAM_FAULTS[fault]
-    monkeypatch.setattr(tokens_in, "_sse", _faulty_tokens_in_sse(faults))
+    monkeypatch.setattr(tokens_in_wire, "sse", _faulty_tokens_in_sse(faults))
     stack = await _stack(make_stack, mode, faults=faults)
     reply = await harness(api, stack, "r1", stream=True).send()
     assert reply.status == 200  # the headers went out before the fault

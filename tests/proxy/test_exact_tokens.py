@@ -10,7 +10,7 @@ import pytest
 from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.families.qwen_vocab import load_chat_template
-from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import Stack

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import Stack

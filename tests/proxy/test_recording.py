@@ -8,7 +8,7 @@ from pathlib import Path
 
 from capture_proxy.core.fronts.answers import answer_message
 from capture_proxy.core.fronts.base import Api
-from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from tests.proxy.conftest import MakeStack
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 
 NOTE = "harness_note_rewritten"

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from capture_proxy.replay import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from tests.proxy.conftest import MakeStack
 

@@ -11,9 +11,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from capture_proxy import rest
 from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.proxy.keys import STORE_KEY
+from capture_proxy.rest import reads
 from tests.factories import record
 from tests.proxy.conftest import Stack
 
@@ -133,13 +133,13 @@ async def test_chains_summary_listing_and_archives_are_built_on_the_rest_thread(
     await _put(stack, record("c1", [1, 2], [3]), record("c2", [1, 2, 3, 4], [5]))
     threads: dict[str, str] = {}
     for name in ("_chains_json", "_chains_npz", "_summary_json", "_listing_json"):
-        original = getattr(rest, name)
+        original = getattr(reads, name)
 
         def spy(*args, _name=name, _original=original):
             threads[_name] = threading.current_thread().name
             return _original(*args)
 
-        monkeypatch.setattr(rest, name, spy)
+        monkeypatch.setattr(reads, name, spy)
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [["c1", "c2"]]
     assert (await stack.get_json("/captures/rollouts/r1"))["num_chains"] == 1

@@ -14,17 +14,9 @@ from __future__ import annotations
 
 import asyncio
 
-from benchmarks.load import (
-    CallResult,
-    Target,
-    Verification,
-    by_rollout,
-    client_session,
-    proxy_service,
-    run_session,
-    verify_calls,
-    verify_chains,
-)
+from benchmarks.services import proxy_service
+from benchmarks.sessions import CallResult, Target, client_session, run_session
+from benchmarks.verification import Verification, by_rollout, verify_calls, verify_chains
 from capture_proxy.scripted_engine.app import (
     SENT_CALLS,
     ScriptedEngineConfig,

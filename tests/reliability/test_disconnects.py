@@ -9,7 +9,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from benchmarks.load import client_session, proxy_service
+from benchmarks.services import proxy_service
+from benchmarks.sessions import client_session
 from capture_proxy.scripted_engine import Faults, ScriptedEngineConfig
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from tests.proxy.test_capture import USER, _body

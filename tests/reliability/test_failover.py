@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.infra import haproxy_binary
-from benchmarks.load import client_session, engine_service
 from benchmarks.replicas import failover, pg_deployment
+from benchmarks.services import engine_service
+from benchmarks.sessions import client_session
 
 pytestmark = pytest.mark.postgres
 

@@ -13,16 +13,8 @@ import asyncio
 
 import pytest
 
-from benchmarks.load import (
-    CallResult,
-    Target,
-    Verification,
-    client_session,
-    request_body,
-    stream_call,
-    verify_calls,
-    verify_chains,
-)
+from benchmarks.sessions import CallResult, Target, client_session, request_body, stream_call
+from benchmarks.verification import Verification, verify_calls, verify_chains
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app

@@ -14,7 +14,7 @@ from capture_proxy.scripted_engine import (
     build_scripted_engine_app,
 )
 from capture_proxy.scripted_engine.chatml import parse_chatml
-from capture_proxy.scripted_engine.tokens_in import SPECIAL_IDS
+from capture_proxy.scripted_engine.families import QWEN_SPECIAL_IDS as SPECIAL_IDS
 from tests.scripted_engine.test_app import FIRST, POLICY, TOOLS, body, post
 
 SECOND_TOOLS = [

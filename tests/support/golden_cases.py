@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from capture_proxy.core.fronts import front_for
-from capture_proxy.replay import load_recording
+from capture_proxy.harnesses.recorded import load_recording
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

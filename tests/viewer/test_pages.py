@@ -8,9 +8,9 @@ import hmac
 from rich.console import Console
 
 from capture_proxy.app import build_read_only_app
+from capture_proxy.cli.show import show
 from capture_proxy.config import Settings
 from capture_proxy.proxy.auth import VIEWER_COOKIE
-from capture_proxy.show import show
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.viewer.session import capture_session
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.view import tokens
-from capture_proxy.core.view.tree import RefusedLink, refused_link
+from capture_proxy.core.view.call_tree import RefusedLink, refused_link
 
 
 @dataclass(frozen=True)

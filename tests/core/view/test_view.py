@@ -10,8 +10,8 @@ import numpy as np
 from capture_proxy.core.records import CallStatus, Diagnostic
 from capture_proxy.core.view import tokens
 from capture_proxy.core.view.call import call_view, plan_call
+from capture_proxy.core.view.call_tree import build_call_tree
 from capture_proxy.core.view.rollouts import format_age, matches, reward_of, rollout_row
-from capture_proxy.core.view.tree import build_tree
 from tests.factories import record
 
 
@@ -45,7 +45,7 @@ def _rollout():
 
 
 def test_tree_draws_branches_refused_links_and_the_main_chain():
-    tree = build_tree("r1", _rollout())
+    tree = build_call_tree("r1", _rollout())
     assert [(r.call_id, "".join(r.guides), r.depth) for r in tree.rows] == [
         ("a", "", 0),
         ("b", "├─", 1),
@@ -74,7 +74,7 @@ def test_superseded_retries_are_dimmed_siblings_before_their_survivor():
     old = _linked("old", [1, 2, 3], [4], "a", created_at=2.0)
     new = _linked("new", [1, 2, 3], [4], "a", created_at=3.0)
     new.retry_of = "old"
-    tree = build_tree("r1", [a, old, new])
+    tree = build_call_tree("r1", [a, old, new])
     assert [(r.call_id, "".join(r.guides)) for r in tree.rows] == [
         ("a", ""),
         ("old", "├─"),

@@ -92,32 +92,38 @@ def refused_link(record: CallRecord, numbers: dict[str, int]) -> RefusedLink | N
     return None
 
 
-def build_tree(rollout_id: str, records: list[CallRecord]) -> RolloutTree:
-    chains = build_chains(rollout_id, records)
-    stats = link_stats(records, chains)
-    main = stats["main_chain_id"]
-    by_id = {r.call_id: r for r in records}
-    ordered = sorted(records, key=lambda r: (r.created_at, r.call_id))
-    numbers = {r.call_id: i + 1 for i, r in enumerate(ordered)}
-    parent_of = chains.parent_of
-    children: dict[str | None, list[str]] = {}
-    for chain in chains.chains:
-        for r in chain.calls:
-            children.setdefault(parent_of[r.call_id], []).append(r.call_id)
-    # Superseded retries: siblings of the member that superseded them, drawn before it.
-    superseded_by_kept: dict[str, list[str]] = {}
-    for old, kept in chains.superseded.items():
-        superseded_by_kept.setdefault(kept, []).append(old)
-    chain_of = {r.call_id: c.chain_id for c in chains.chains for r in c.calls}
+class _Drawing:
+    """One rollout's records and chains, and the rows drawn from them so far."""
 
-    def row(call_id: str, depth: int, guides: tuple[str, ...], chain_id: str | None) -> TreeRow:
+    def __init__(self, rollout_id: str, records: list[CallRecord]) -> None:
+        self.chains = chains = build_chains(rollout_id, records)
+        self.main = link_stats(records, chains)["main_chain_id"]
+        self.by_id = {r.call_id: r for r in records}
+        ordered = sorted(records, key=lambda r: (r.created_at, r.call_id))
+        self.numbers = {r.call_id: i + 1 for i, r in enumerate(ordered)}
+        self.parent_of = chains.parent_of
+        self.children: dict[str | None, list[str]] = {}
+        for chain in chains.chains:
+            for r in chain.calls:
+                self.children.setdefault(self.parent_of[r.call_id], []).append(r.call_id)
+        # Superseded retries: siblings of the member that superseded them, drawn before it.
+        self.superseded_by_kept: dict[str, list[str]] = {}
+        for old, kept in chains.superseded.items():
+            self.superseded_by_kept.setdefault(kept, []).append(old)
+        self.chain_of = {r.call_id: c.chain_id for c in chains.chains for r in c.calls}
+        self.rows: list[TreeRow] = []
+
+    def row(
+        self, call_id: str, depth: int, guides: tuple[str, ...], chain_id: str | None
+    ) -> TreeRow:
+        by_id, numbers = self.by_id, self.numbers
         r = by_id[call_id]
         # A superseded retry is in no chain: its stored link names the parent it extends.
-        parent = parent_of.get(call_id, r.parent_call_id)
+        parent = self.parent_of.get(call_id, r.parent_call_id)
         inherited = 0
         if parent is not None and parent in by_id:
             inherited = by_id[parent].num_prompt_tokens + by_id[parent].num_generation_tokens
-        superseded_by = chains.superseded.get(call_id)
+        superseded_by = self.chains.superseded.get(call_id)
         return TreeRow(
             call_id=call_id,
             number=numbers[call_id],
@@ -130,9 +136,9 @@ def build_tree(rollout_id: str, records: list[CallRecord]) -> RolloutTree:
             refused=refused_link(r, numbers),
             retry_of_number=numbers.get(r.retry_of) if r.retry_of else None,
             superseded_by_number=numbers.get(superseded_by) if superseded_by else None,
-            is_main=chain_id is not None and chain_id == main,
+            is_main=chain_id is not None and chain_id == self.main,
             is_chain_start=depth == 0 and call_id == chain_id,
-            num_children=len(children.get(call_id, [])),
+            num_children=len(self.children.get(call_id, [])),
             latency_ms=r.latency_ms,
             finish_reason=r.finish_reason,
             num_prompt_tokens=r.num_prompt_tokens,
@@ -142,35 +148,45 @@ def build_tree(rollout_id: str, records: list[CallRecord]) -> RolloutTree:
             diagnostic_kinds=tuple(sorted({d.kind for d in r.diagnostics})),
         )
 
-    rows: list[TreeRow] = []
+    def retries_of(self, call_id: str) -> list[str]:
+        """The retries ``call_id`` superseded, in call-number order."""
+        return sorted(self.superseded_by_kept.get(call_id, []), key=lambda c: self.numbers[c])
 
-    def siblings_with_retries(kids: list[str]) -> list[str]:
-        out: list[str] = []
-        for kid in kids:
-            out.extend(sorted(superseded_by_kept.get(kid, []), key=lambda c: numbers[c]))
-            out.append(kid)
-        return out
-
-    def walk(call_id: str, depth: int, prefix: tuple[str, ...], guide: tuple[str, ...]) -> None:
-        rows.append(row(call_id, depth, prefix + guide, chain_of.get(call_id)))
-        if call_id in chains.superseded:
+    def walk(
+        self, call_id: str, depth: int, prefix: tuple[str, ...], guide: tuple[str, ...]
+    ) -> None:
+        """Draw ``call_id`` and, unless it is a superseded retry, its subtree depth-first."""
+        self.rows.append(self.row(call_id, depth, prefix + guide, self.chain_of.get(call_id)))
+        if call_id in self.chains.superseded:
             return
-        kids = siblings_with_retries(children.get(call_id, []))
+        kids: list[str] = []
+        for kid in self.children.get(call_id, []):
+            kids.extend(self.retries_of(kid))
+            kids.append(kid)
         below = prefix + (("│ " if guide == ("├─",) else "  ",) if guide else ())
         for i, kid in enumerate(kids):
-            walk(kid, depth + 1, below, ("└─",) if i == len(kids) - 1 else ("├─",))
+            self.walk(kid, depth + 1, below, ("└─",) if i == len(kids) - 1 else ("├─",))
 
+
+def build_call_tree(rollout_id: str, records: list[CallRecord]) -> RolloutTree:
+    """The viewer's call tree of a rollout: its chains' rows in drawing order, then the calls
+    outside every chain (see the module docstring)."""
+    drawing = _Drawing(rollout_id, records)
+    chains = drawing.chains
     for chain in chains.chains:
-        for old in sorted(superseded_by_kept.get(chain.chain_id, []), key=lambda c: numbers[c]):
-            rows.append(row(old, 0, (), None))
-        walk(chain.chain_id, 0, (), ())
+        for old in drawing.retries_of(chain.chain_id):
+            drawing.rows.append(drawing.row(old, 0, (), None))
+        drawing.walk(chain.chain_id, 0, (), ())
+    rows = drawing.rows
     drawn = {r.call_id for r in rows}
-    unlinked = [row(r.call_id, 0, (), None) for r in chains.unlinked if r.call_id not in drawn]
+    unlinked = [
+        drawing.row(r.call_id, 0, (), None) for r in chains.unlinked if r.call_id not in drawn
+    ]
     return RolloutTree(
         rollout_id=rollout_id,
         rows=rows,
         unlinked=unlinked,
-        main_chain_id=main,
+        main_chain_id=drawing.main,
         num_chains=len(chains.chains),
         num_branches=sum(c.num_branches for c in chains.chains),
         num_refused=sum(1 for r in rows if r.refused is not None),

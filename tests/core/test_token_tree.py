@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from capture_proxy.core.samples import ChainSample
-from capture_proxy.core.tree import build_tree, read_tree, write_tree
+from capture_proxy.core.token_tree import build_token_tree, read_tree, write_tree
 
 
 def sample(leaf: str, ids: list[int], mask: list[int], experts: bool = False) -> ChainSample:
@@ -34,7 +34,7 @@ SAMPLES = [
 
 
 def test_paths_merge_into_segments_with_exact_arrays():
-    tree = build_tree("r", SAMPLES)
+    tree = build_token_tree("r", SAMPLES)
     a = tree.arrays
     assert (tree.num_tokens, tree.num_path_tokens, tree.num_segments) == (11, 21, 6)
     assert a["segment_offsets"].tolist() == [0, 2, 3, 5, 7, 9, 11]
@@ -60,7 +60,7 @@ def test_routed_experts_follow_the_tokens_and_the_archive_round_trips():
         )
         for s in SAMPLES
     ]
-    tree = build_tree("r", with_experts)
+    tree = build_token_tree("r", with_experts)
     assert tree.arrays["routed_experts"].reshape(-1).tolist() == tree.arrays["input_ids"].tolist()
     buf = io.BytesIO()
     write_tree(tree, buf, {"main_chain_id": "root"})
@@ -70,10 +70,10 @@ def test_routed_experts_follow_the_tokens_and_the_archive_round_trips():
 
 
 def test_an_identical_path_adds_nothing_and_no_samples_give_an_empty_tree():
-    tree = build_tree("r", [SAMPLES[1], SAMPLES[1]])
+    tree = build_token_tree("r", [SAMPLES[1], SAMPLES[1]])
     assert (tree.num_tokens, tree.num_path_tokens, tree.num_segments) == (7, 14, 1)
     assert tree.arrays["leaf_segment"].tolist() == [0, 0]
-    empty = build_tree("r", [])
+    empty = build_token_tree("r", [])
     assert (empty.num_tokens, empty.num_segments) == (0, 0)
 
 
@@ -82,4 +82,4 @@ def test_samples_with_other_expert_shapes_are_refused():
     other = sample("b", [1, 2], [0, 1])
     other.arrays["routed_experts"] = np.zeros((2, 2, 1), np.uint8)
     with pytest.raises(ValueError, match="disagree"):
-        build_tree("r", [one, other])
+        build_token_tree("r", [one, other])

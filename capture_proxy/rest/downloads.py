@@ -9,7 +9,7 @@ token tree and ATIF.
         (default): a superseded episode is a batch of 0 rows with ``superseded_by`` set.
 
     GET /captures/rollouts/<id>/tree
-        ``application/zip``: the snapshot's chains as one token trie (``core.tree``):
+        ``application/zip``: the snapshot's chains as one token trie (``core.token_tree``):
         ``manifest.json`` + ``tree.npz``.
     GET /captures/rollouts/<id>/atif?strict=false&agent_name=&agent_version=&experts=false
         The main path as an ATIF-v1.4 trajectory (``core.atif``); ``strict=true``: 422
@@ -38,10 +38,10 @@ from capture_proxy.core.episodes import final_episodes, parse_episode
 from capture_proxy.core.export import CONTENT_TYPE, ExportEncoder
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, chain_samples
-from capture_proxy.core.tree import build_tree, write_tree
+from capture_proxy.core.token_tree import build_token_tree, write_tree
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
-from capture_proxy.rest import (
+from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
     RolloutState,
     _diagnostics,
@@ -167,14 +167,14 @@ async def export_rollouts(request: web.Request) -> web.StreamResponse:
 
 def _tree_zip(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
     chains = build_chains(info.rollout_id, records)
-    tree = build_tree(info.rollout_id, [s for c in chains.chains for s in chain_samples(c)])
+    tree = build_token_tree(info.rollout_id, [s for c in chains.chains for s in chain_samples(c)])
     buf = io.BytesIO()
     write_tree(tree, buf, archive_manifest(info, chains, state))
     return buf.getvalue()
 
 
 async def get_tree(request: web.Request) -> web.Response:
-    """The rollout's snapshot as one token tree (``core.tree``), built on the REST thread."""
+    """The rollout's snapshot as one token tree (``core.token_tree``), built on the REST thread."""
     info, records = await _load(request)
     state = RolloutState(info, request.app[RECORDER_KEY])
     return web.Response(

@@ -11,9 +11,9 @@ arrays natively, one call at a time so the GIL passes between them) on the REST 
 (``capture-rest``). A 40-turn rollout of 293,000 prompt ids took 120 ms on the loop with the
 stdlib's json; now the loop is never held for more than one call's serialisation.
 
-A frozen rollout's reads for training (chains, npz, and the exports in ``rest_export``) hold
+A frozen rollout's reads for training (chains, npz, and the exports in ``rest.downloads``) hold
 its snapshot: the calls stored before the freeze. Calls stored after it are named in
-``late_call_ids`` and left out. Lifecycle steps are in ``rest_lifecycle``.
+``late_call_ids`` and left out. Lifecycle steps are in ``rest.lifecycle``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,10 @@ one line for ``grep``.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +26,8 @@ from rich.text import Text
 
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.summary import link_stats
+from capture_proxy.core.view.call_tree import TreeRow, build_call_tree
 from capture_proxy.core.view.rollouts import RolloutRow, format_reward, rollout_row
-from capture_proxy.core.view.tree import TreeRow, build_tree
 from capture_proxy.store.sqlite import SQLiteStore
 
 PAGE = 500
@@ -167,7 +170,7 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
         now=now,
         frozen=info.snapshot is not None,
     )
-    tree = build_tree(rollout_id, records)
+    tree = build_call_tree(rollout_id, records)
     stats = link_stats(records, build_chains(rollout_id, records))
     refused = ", ".join(f"{k} {v}" for k, v in stats["links_refused"].items())
     console.print(
@@ -181,3 +184,11 @@ async def show(store_dir: Path, rollout_id: str | None, console: Console) -> int
     if tree.unlinked:
         console.print(tree_table(rollout_id, tree.unlinked, "not in a chain"))
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """``capture-proxy show [--store DIR] [ROLLOUT]``: 0, or 2 when there is no store."""
+    if not args.store.is_dir():
+        print(f"capture-proxy: no store at {args.store}", file=sys.stderr)
+        return 2
+    return asyncio.run(show(args.store, args.rollout, make_console()))

@@ -9,6 +9,7 @@ with ``capture-proxy serve --store <dir>``.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import tempfile
 import time
@@ -22,12 +23,11 @@ from aiohttp import web
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.harnesses.opencode import find_opencode, run_opencode
-from capture_proxy.replay import RecordedResponder, load_recording, replay
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.store.sqlite import SQLiteStore
 
-OPENCODE_POLICY = Path(__file__).resolve().parent / "policies" / "opencode.json"
+OPENCODE_POLICY = Path(__file__).resolve().parents[1] / "policies" / "opencode.json"
 DEMO_TIMEOUT_S = 240
 
 DEMO_TOOLS = [
@@ -47,19 +47,22 @@ DEMO_TOOLS = [
 
 
 @dataclass
-class _Running:
+class Running:
+    """An app served on a free loopback port: its runner (``cleanup()`` stops it) and URL."""
+
     runner: web.AppRunner
     url: str
 
 
-async def _serve(app: web.Application) -> _Running:
+async def serve_app(app: web.Application) -> Running:
+    """Serve ``app`` on a free port of 127.0.0.1 until ``cleanup()``."""
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     assert runner.addresses
     port = runner.addresses[0][1]
-    return _Running(runner, f"http://127.0.0.1:{port}")
+    return Running(runner, f"http://127.0.0.1:{port}")
 
 
 async def _scripted_client_session(base_url: str) -> None:
@@ -180,9 +183,9 @@ async def run_demo(
     store_dir = store_dir or Path("capture-store")
     rollout_id = f"demo-{int(time.time())}"
 
-    engine = await _serve(build_scripted_engine_app(ScriptedEngineConfig(policy=policy)))
+    engine = await serve_app(build_scripted_engine_app(ScriptedEngineConfig(policy=policy)))
     settings = Settings(backend=engine.url, store=store_dir)
-    proxy = await _serve(build_proxy_app(settings, SQLiteStore(store_dir)))
+    proxy = await serve_app(build_proxy_app(settings, SQLiteStore(store_dir)))
     base_url = f"{proxy.url}/ng-rollout/{rollout_id}/training-token-capture/v1"
     print(f"engine  {engine.url} (scripted, vLLM dialect)")
     print(f"proxy   {proxy.url} -> store {store_dir.resolve()}")
@@ -209,60 +212,8 @@ async def run_demo(
         await engine.runner.cleanup()
 
 
-async def _print_rollout(proxy_url: str, rollout_id: str) -> dict[str, Any]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.get(f"{proxy_url}/captures/rollouts/{rollout_id}") as resp:
-            summary = await resp.json()
-        async with http.get(f"{proxy_url}/captures/rollouts/{rollout_id}/chains") as resp:
-            chains = await resp.json()
-    print_chains(chains, summary)
-    print(f"  linking: {summary['linking']}")
-    return chains
-
-
-async def run_replay(
-    recording_path: Path,
-    *,
-    proxy_url: str | None = None,
-    rollout_id: str | None = None,
-    template: str = "keep_reasoning",
-    parent_resolution: str = "captured_tokens",
-    store_dir: Path | None = None,
-) -> int:
-    """Replay a recording (see ``capture_proxy.replay``) and print the captured chains."""
-    try:
-        recording = load_recording(recording_path)
-    except (OSError, ValueError) as exc:
-        print(f"replay: {exc}")
-        return 2
-    if not recording:
-        print(f"replay: {recording_path} holds no recorded requests")
-        return 2
-    rollout_id = rollout_id or f"replay-{int(time.time())}"
-    if proxy_url is not None:
-        base = f"{proxy_url.rstrip('/')}/ng-rollout/{rollout_id}/training-token-capture/v1"
-        calls = await replay(recording, base)
-        print(f"replayed {len(calls)} requests: {[c.status for c in calls]}")
-        await _print_rollout(proxy_url.rstrip("/"), rollout_id)
-        return 0 if all(c.status == 200 for c in calls) else 1
-    with tempfile.TemporaryDirectory(prefix="capture-proxy-replay-") as tmp:
-        store = store_dir or Path(tmp) / "store"
-        config = ScriptedEngineConfig(
-            responder=RecordedResponder(recording), tokenizer_template=template
-        )
-        engine = await _serve(build_scripted_engine_app(config))
-        settings = Settings.model_validate(
-            {"backend": engine.url, "store": store, "parent_resolution": parent_resolution}
-        )
-        proxy = await _serve(build_proxy_app(settings, SQLiteStore(store)))
-        try:
-            base = f"{proxy.url}/ng-rollout/{rollout_id}/training-token-capture/v1"
-            calls = await replay(recording, base)
-            print(f"replayed {len(calls)} requests of {recording_path.name} ({template})")
-            for call in calls:
-                print(f"  seq {call.seq}: {call.status} {call.call_id} {call.classification}")
-            await _print_rollout(proxy.url, rollout_id)
-            return 0 if all(c.status == 200 for c in calls) else 1
-        finally:
-            await proxy.runner.cleanup()
-            await engine.runner.cleanup()
+def run(args: argparse.Namespace) -> int:
+    """``capture-proxy demo``: 0 when a complete chain was captured."""
+    return asyncio.run(
+        run_demo(store_dir=args.store, use_opencode=args.opencode, policy_path=args.policy)
+    )

@@ -1,4 +1,4 @@
-"""Tree export: a rollout's calls as one token trie, every shared prefix stored once. Pure.
+"""Token tree: a rollout's calls as one token trie, every shared prefix stored once. Pure.
 
 Owns the tree form (``GET /captures/rollouts/<id>/tree``, ``readers.load_tree``) for
 tree-attention trainers: instead of one sample per root-to-leaf path (``core.samples``), which
@@ -112,46 +112,69 @@ def _experts_layout(samples: list[ChainSample]) -> tuple[tuple[int, ...], np.dty
     return shapes.pop(), np.result_type(*dtypes)
 
 
-def build_tree(rollout_id: str, samples: list[ChainSample]) -> TokenTree:
-    """Merge ``samples`` (in the order given, e.g. ``chain_samples`` over the chains) into a
-    token tree. Raises ValueError when samples disagree on the routed experts' shape."""
-    layout = _experts_layout(samples)
-    nodes: list[_Node] = []
-    roots: dict[tuple[int, int, int], int] = {}
-    leaf_nodes: list[int] = []
+def _sequence(
+    sample: ChainSample, layout: tuple[tuple[int, ...], np.dtype] | None
+) -> dict[str, Any]:
+    """A sample's arrays in the node form (``_Node`` fields), experts padded to ``layout``."""
+    a = sample.arrays
+    n = int(a["input_ids"].shape[0])
+    log_probs = np.ascontiguousarray(a["log_probs"], np.float32)
+    seq: dict[str, Any] = {
+        "ids": np.ascontiguousarray(a["input_ids"], np.uint32),
+        "mask": np.ascontiguousarray(a["loss_mask"], np.uint8),
+        "bits": log_probs.view(np.uint32),
+        "log_probs": log_probs,
+        "experts": None,
+        "experts_mask": None,
+    }
+    if layout is not None:
+        shape, dtype = layout
+        ex = a.get("routed_experts")
+        seq["experts"] = np.zeros((n, *shape), dtype) if ex is None else ex.astype(dtype)
+        em = a.get("routed_experts_mask")
+        seq["experts_mask"] = np.zeros(n, np.uint8) if em is None else em.astype(np.uint8)
+    return seq
 
-    def new_node(parent: int, start: int, **parts: Any) -> int:
-        nodes.append(_Node(parent, start, **parts))
-        return len(nodes) - 1
 
-    for sample in samples:
-        a = sample.arrays
-        n = int(a["input_ids"].shape[0])
-        log_probs = np.ascontiguousarray(a["log_probs"], np.float32)
-        seq: dict[str, Any] = {
-            "ids": np.ascontiguousarray(a["input_ids"], np.uint32),
-            "mask": np.ascontiguousarray(a["loss_mask"], np.uint8),
-            "bits": log_probs.view(np.uint32),
-            "log_probs": log_probs,
-            "experts": None,
-            "experts_mask": None,
-        }
-        if layout is not None:
-            shape, dtype = layout
-            ex = a.get("routed_experts")
-            seq["experts"] = np.zeros((n, *shape), dtype) if ex is None else ex.astype(dtype)
-            em = a.get("routed_experts_mask")
-            seq["experts_mask"] = np.zeros(n, np.uint8) if em is None else em.astype(np.uint8)
+class _Trie:
+    """The radix tree while it is built: nodes, the roots by first token, each path's last
+    node (``leaf_nodes``, in insertion order)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[_Node] = []
+        self.roots: dict[tuple[int, int, int], int] = {}
+        self.leaf_nodes: list[int] = []
+
+    def new_node(self, parent: int, start: int, **parts: Any) -> int:
+        self.nodes.append(_Node(parent, start, **parts))
+        return len(self.nodes) - 1
+
+    def _split(self, c: int, k: int) -> None:
+        """Node ``c`` keeps ``[:k]``; a new child takes ``[k:]`` and the children."""
+        nodes, node = self.nodes, self.nodes[c]
+        tail = self.new_node(c, node.start + k, **node.cut(k))
+        nodes[tail].children = node.children
+        for grandchild in node.children.values():
+            nodes[grandchild].parent = tail
+        for name, value in node.cut(0, k).items():
+            setattr(node, name, value)
+        node.children = {nodes[tail].key(): tail}
+        # A path that ended at the node's end now ends at the tail's.
+        self.leaf_nodes = [tail if x == c else x for x in self.leaf_nodes]
+
+    def insert(self, seq: dict[str, Any]) -> None:
+        """Merge one path (``_sequence``) into the tree and note its last node."""
+        n = int(seq["ids"].shape[0])
         pos, parent = 0, -1
         while pos < n:
-            children = roots if parent < 0 else nodes[parent].children
+            children = self.roots if parent < 0 else self.nodes[parent].children
             key = (int(seq["ids"][pos]), int(seq["mask"][pos]), int(seq["bits"][pos]))
             c = children.get(key)
             if c is None:
-                parent = new_node(parent, pos, **{k: _slice(v, pos) for k, v in seq.items()})
+                parent = self.new_node(parent, pos, **{k: _slice(v, pos) for k, v in seq.items()})
                 children[key] = parent
                 break
-            node = nodes[c]
+            node = self.nodes[c]
             length = int(node.ids.shape[0])
             m = min(length, n - pos)
             eq = (
@@ -161,60 +184,71 @@ def build_tree(rollout_id: str, samples: list[ChainSample]) -> TokenTree:
             )
             k = m if bool(eq.all()) else int(np.argmin(eq))
             _fill_experts(node, seq, pos, k)
-            if k < length:  # split: node keeps [:k], a new child takes [k:] and the children
-                tail = new_node(c, node.start + k, **node.cut(k))
-                nodes[tail].children = node.children
-                for grandchild in node.children.values():
-                    nodes[grandchild].parent = tail
-                for name, value in node.cut(0, k).items():
-                    setattr(node, name, value)
-                node.children = {nodes[tail].key(): tail}
-                # A path that ended at the node's end now ends at the tail's.
-                leaf_nodes = [tail if x == c else x for x in leaf_nodes]
+            if k < length:
+                self._split(c, k)
             pos += k
             parent = c
-        leaf_nodes.append(parent)
+        self.leaf_nodes.append(parent)
 
-    # Flatten, parents before children (preorder from the roots, in insertion order).
-    order: list[int] = []
-    stack = list(reversed(roots.values()))
-    while stack:
-        i = stack.pop()
-        order.append(i)
-        stack.extend(reversed(nodes[i].children.values()))
+    def preorder(self) -> list[int]:
+        """Node indices, parents before children (preorder from the roots, insertion order)."""
+        order: list[int] = []
+        stack = list(reversed(self.roots.values()))
+        while stack:
+            i = stack.pop()
+            order.append(i)
+            stack.extend(reversed(self.nodes[i].children.values()))
+        return order
+
+    def arrays(
+        self, order: list[int], layout: tuple[tuple[int, ...], np.dtype] | None
+    ) -> dict[str, np.ndarray]:
+        """The tree's arrays (see the module docstring) over the segments in ``order``."""
+        nodes = self.nodes
+        index = {node: seg for seg, node in enumerate(order)}
+        lengths = np.array([nodes[i].ids.shape[0] for i in order], np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+        def cat(name: str, dtype: Any) -> np.ndarray:
+            parts = [getattr(nodes[i], name) for i in order]
+            return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+        positions = [
+            np.arange(nodes[i].start, nodes[i].start + nodes[i].ids.shape[0]) for i in order
+        ]
+        arrays: dict[str, np.ndarray] = {
+            "input_ids": cat("ids", np.uint32),
+            "positions": (
+                np.concatenate(positions).astype(np.int32) if order else np.zeros(0, np.int32)
+            ),
+            "loss_mask": cat("mask", np.uint8),
+            "log_probs": cat("log_probs", np.float32),
+            "segment_offsets": offsets,
+            "segment_parent": np.array(
+                [index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order], np.int32
+            ),
+            "leaf_segment": np.array([index[i] for i in self.leaf_nodes], np.int32),
+        }
+        if layout is not None:
+            shape, dtype = layout
+            arrays["routed_experts"] = (
+                np.concatenate([nodes[i].experts for i in order]).astype(dtype)  # type: ignore[misc]
+                if order
+                else np.zeros((0, *shape), dtype)
+            )
+            arrays["routed_experts_mask"] = cat("experts_mask", np.uint8)
+        return arrays
+
+
+def build_token_tree(rollout_id: str, samples: list[ChainSample]) -> TokenTree:
+    """Merge ``samples`` (in the order given, e.g. ``chain_samples`` over the chains) into a
+    token tree. Raises ValueError when samples disagree on the routed experts' shape."""
+    layout = _experts_layout(samples)
+    trie = _Trie()
+    for sample in samples:
+        trie.insert(_sequence(sample, layout))
+    order = trie.preorder()
     index = {node: seg for seg, node in enumerate(order)}
-    lengths = np.array([nodes[i].ids.shape[0] for i in order], np.int64)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-
-    def cat(name: str, dtype: Any) -> np.ndarray:
-        parts = [getattr(nodes[i], name) for i in order]
-        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
-
-    arrays: dict[str, np.ndarray] = {
-        "input_ids": cat("ids", np.uint32),
-        "positions": (
-            np.concatenate(
-                [np.arange(nodes[i].start, nodes[i].start + nodes[i].ids.shape[0]) for i in order]
-            ).astype(np.int32)
-            if order
-            else np.zeros(0, np.int32)
-        ),
-        "loss_mask": cat("mask", np.uint8),
-        "log_probs": cat("log_probs", np.float32),
-        "segment_offsets": offsets,
-        "segment_parent": np.array(
-            [index[nodes[i].parent] if nodes[i].parent >= 0 else -1 for i in order], np.int32
-        ),
-        "leaf_segment": np.array([index[i] for i in leaf_nodes], np.int32),
-    }
-    if layout is not None:
-        shape, dtype = layout
-        arrays["routed_experts"] = (
-            np.concatenate([nodes[i].experts for i in order]).astype(dtype)  # type: ignore[misc]
-            if order
-            else np.zeros((0, *shape), dtype)
-        )
-        arrays["routed_experts_mask"] = cat("experts_mask", np.uint8)
     leaves = [
         {
             "chain_id": s.chain_id,
@@ -223,10 +257,10 @@ def build_tree(rollout_id: str, samples: list[ChainSample]) -> TokenTree:
             "segment": index[leaf],
             "num_tokens": int(s.arrays["input_ids"].shape[0]),
         }
-        for s, leaf in zip(samples, leaf_nodes, strict=True)
+        for s, leaf in zip(samples, trie.leaf_nodes, strict=True)
     ]
     total = sum(int(s.arrays["input_ids"].shape[0]) for s in samples)
-    return TokenTree(rollout_id, arrays, leaves, total)
+    return TokenTree(rollout_id, trie.arrays(order, layout), leaves, total)
 
 
 def _slice(value: np.ndarray | None, start: int) -> np.ndarray | None:

@@ -1,0 +1,316 @@
+"""The command line's arguments: one parser function per subcommand, and ``build_parser``.
+
+Owns the flags, their help and defaults, and which function runs each subcommand. Each
+command's module (``serve``, ``show``, ``demo``, ``replay``, ``engine``, ``export_tokenizer``,
+``audit.command``) is imported only when that command runs, so ``serve`` never imports the
+tokenizer stack the ``scripted`` commands need. Must not: validate settings or start anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from capture_proxy.cli.serve import run
+
+    return run(args)
+
+
+def _run_show(args: argparse.Namespace) -> int:
+    from capture_proxy.cli.show import run
+
+    return run(args)
+
+
+def _run_scripted_engine(args: argparse.Namespace) -> int:
+    from capture_proxy.cli.engine import run
+
+    return run(args)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from capture_proxy.cli.demo import run
+
+    return run(args)
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from capture_proxy.cli.replay import run
+
+    return run(args)
+
+
+def _run_export_tokenizer(args: argparse.Namespace) -> int:
+    from capture_proxy.cli.export_tokenizer import run
+
+    return run(args)
+
+
+def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--backend", help="engine base URL, e.g. http://127.0.0.1:8000")
+    serve.add_argument("--host", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="listen port (default 8080; 0: a free port)")
+    serve.add_argument(
+        "--port-file",
+        dest="port_file",
+        type=Path,
+        help="write the bound port to this file once the proxy listens (for --port 0)",
+    )
+    serve.add_argument(
+        "--store",
+        help="embedded store directory (default ./capture-store), or a postgresql:// URL "
+        "(the shared store for replicas)",
+    )
+    serve.add_argument(
+        "--store-synchronous",
+        dest="store_synchronous",
+        choices=["full", "normal"],
+        help="full (default): fsync each call before its answer ends; normal: survives a "
+        "proxy crash, not a power loss (see docs/configuration.md)",
+    )
+    serve.add_argument(
+        "--store-pool-size",
+        type=int,
+        dest="store_pool_size",
+        help="PostgreSQL store: pooled connections per process (default 8)",
+    )
+    serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
+    serve.add_argument("--log-level", dest="log_level")
+
+
+def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--parent-resolution",
+        dest="parent_resolution",
+        choices=["captured_tokens", "source_history"],
+        help="how a call after a rewritten harness note is linked (default captured_tokens)",
+    )
+    serve.add_argument(
+        "--late-calls",
+        dest="late_calls",
+        choices=["record", "refuse"],
+        help="a call to a frozen rollout: record it as late (default) or refuse it with a 409",
+    )
+    serve.add_argument(
+        "--prompt-mode",
+        dest="prompt_mode",
+        choices=["backend_template", "exact_tokens"],
+        help="who renders the prompt (default backend_template: the engine)",
+    )
+    serve.add_argument(
+        "--tokenizer", type=Path, help="local HF tokenizer dir for exact_tokens rendering"
+    )
+    serve.add_argument(
+        "--tokens-in",
+        dest="tokens_in_dialect",
+        choices=["vllm_completions", "vllm_generate", "sglang_generate"],
+        help="engine endpoint taking token ids in exact_tokens mode",
+    )
+    serve.add_argument("--max-model-len", dest="max_model_len", type=int)
+    serve.add_argument(
+        "--exact-full-render",
+        dest="exact_prompt_full_render",
+        action="store_const",
+        const=True,
+        help="exact_tokens: render every call's whole conversation (for comparison only)",
+    )
+    serve.add_argument(
+        "--record-dir",
+        dest="record_dir",
+        type=Path,
+        help="record capture-path traffic to DIR/<rollout_id>.jsonl (the replay format)",
+    )
+    serve.add_argument(
+        "--read-only",
+        dest="read_only",
+        action="store_true",
+        help="serve only the read API and the viewer over --store (no engine needed)",
+    )
+
+
+def _add_serve_access(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--captures-token",
+        dest="captures_token",
+        help="token for /captures and the viewer (better: CAPTURE_PROXY_CAPTURES_TOKEN)",
+    )
+    serve.add_argument(
+        "--proxy-token",
+        dest="proxy_token",
+        help="token harnesses must send (Authorization: Bearer, or x-api-key) on proxied "
+        "paths; stripped before forwarding (better: CAPTURE_PROXY_PROXY_TOKEN)",
+    )
+    serve.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        metavar="NAME",
+        help="a Host name the proxy answers besides loopback names, --host and IP addresses "
+        "(repeat for more; '*': any); other names get a 421 (DNS-rebinding guard)",
+    )
+    serve.add_argument(
+        "--client-header-timeout",
+        dest="client_header_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="close a connection without a complete request head after this long (default 60)",
+    )
+    serve.add_argument(
+        "--client-body-timeout",
+        dest="client_body_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="answer 408 to a request body not received within this long (default 60)",
+    )
+    serve.add_argument(
+        "--insecure-read-api",
+        dest="insecure_read_api",
+        action="store_const",
+        const=True,
+        help="allow a non-loopback host without captures_token: anyone who reaches the port "
+        "can read and delete captures (setting allow_unauthenticated_read_api)",
+    )
+
+
+def _add_serve(sub: Any) -> None:
+    """Add ``serve`` to ``sub`` (an ``argparse`` subparsers action)."""
+    serve = sub.add_parser("serve", help="run the proxy in front of an engine")
+    _add_serve_listen_and_store(serve)
+    _add_serve_capture(serve)
+    _add_serve_access(serve)
+    serve.add_argument("--config", type=Path, help="TOML file with the same settings")
+    serve.set_defaults(func=_run_serve)
+
+
+def _add_show(sub: Any) -> None:
+    """Add ``show`` to ``sub`` (an ``argparse`` subparsers action)."""
+    show_parser = sub.add_parser(
+        "show", help="print a store's rollouts, or one rollout's chains, in the terminal"
+    )
+    show_parser.add_argument("--store", type=Path, default=Path("capture-store"))
+    show_parser.add_argument("rollout", nargs="?", help="rollout id (default: list the rollouts)")
+    show_parser.set_defaults(func=_run_show)
+
+
+def _add_scripted_engine(sub: Any) -> None:
+    """Add ``scripted-engine`` to ``sub`` (an ``argparse`` subparsers action)."""
+    engine = sub.add_parser(
+        "scripted-engine", help="run the scripted vLLM-dialect engine (tests, demos, harness CI)"
+    )
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8000)
+    engine.add_argument("--policy", type=Path, help="policy JSON file (default: built-in)")
+    engine.add_argument(
+        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    engine.add_argument("--max-model-len", type=int, default=32768)
+    engine.add_argument(
+        "--family",
+        default="qwen3",
+        choices=["qwen3", "qwen3_coder", "gpt_oss", "llama3"],
+        help="model family it renders and writes as (the proxy's model_families)",
+    )
+    engine.add_argument(
+        "--chat-template",
+        type=Path,
+        help="a jinja chat template file to render with (e.g. a model's published one) "
+        "instead of --template",
+    )
+    engine.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        default=None,
+        help="the family's tokenizer directory (tokenizer.json and chat template; required "
+        "for llama3; a Qwen family's replaces the built-in tokenizer and template)",
+    )
+    engine.set_defaults(func=_run_scripted_engine)
+
+
+def _add_demo(sub: Any) -> None:
+    """Add ``demo`` to ``sub`` (an ``argparse`` subparsers action)."""
+    demo = sub.add_parser(
+        "demo", help="run engine + proxy locally, drive a session, print the captured chain"
+    )
+    demo.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="store directory (default ./capture-store, serve's default, so that `capture-proxy "
+        "serve` reads the demo's rollout afterwards)",
+    )
+    demo.add_argument(
+        "--opencode",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="drive the session with the OpenCode CLI when installed (auto), always, or never",
+    )
+    demo.add_argument("--policy", type=Path, help="policy JSON for the scripted engine")
+    demo.set_defaults(func=_run_demo)
+
+
+def _add_replay(sub: Any) -> None:
+    """Add ``replay`` to ``sub`` (an ``argparse`` subparsers action)."""
+    rep = sub.add_parser(
+        "replay",
+        help="replay a recorded harness session through the proxy and print the chains",
+    )
+    rep.add_argument(
+        "recording", type=Path, help="JSONL recording (the format of tests/fixtures/opencode/logs)"
+    )
+    rep.add_argument(
+        "--proxy",
+        help="send to this running proxy (e.g. http://127.0.0.1:8080) instead of an in-process "
+        "proxy + scripted engine that answers what the recording answered",
+    )
+    rep.add_argument("--rollout", default=None, help="rollout id (default: replay-<unix time>)")
+    rep.add_argument(
+        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    rep.add_argument(
+        "--parent-resolution",
+        default="captured_tokens",
+        choices=["captured_tokens", "source_history"],
+    )
+    rep.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
+    rep.set_defaults(func=_run_replay)
+
+
+def _add_export_tokenizer(sub: Any) -> None:
+    """Add ``export-tokenizer`` to ``sub`` (an ``argparse`` subparsers action)."""
+    exp = sub.add_parser(
+        "export-tokenizer",
+        help="write the scripted engine's tokenizer + chat template as an HF directory "
+        "(for serve --tokenizer in exact_tokens mode)",
+    )
+    exp.add_argument("directory", type=Path)
+    exp.add_argument(
+        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+    )
+    exp.add_argument(
+        "--chat-template", type=Path, help="a jinja chat template file to write instead"
+    )
+    exp.set_defaults(func=_run_export_tokenizer)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``capture-proxy``'s parser: each subcommand sets ``func``, the function that runs it
+    (``args`` -> process exit code)."""
+    parser = argparse.ArgumentParser(
+        prog="capture-proxy",
+        description="Token-capture reverse proxy for agentic RL rollouts.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_show(sub)
+    _add_scripted_engine(sub)
+    _add_demo(sub)
+    _add_replay(sub)
+    _add_export_tokenizer(sub)
+    # Its arguments only: the audit's torch side is imported when the command runs.
+    from capture_proxy.audit.command import add_parser as add_audit_parser
+
+    add_audit_parser(sub)
+    return parser

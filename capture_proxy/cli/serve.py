@@ -1,0 +1,230 @@
+"""``capture-proxy serve``: its options, and starting the proxy (or the read-only app).
+
+Owns turning the flags into settings (``config.load_settings``: flags over the TOML file over
+the environment), binding the socket, opening the store and handing both to
+``proxy.server.run``. Errors in settings, the socket or the store exit with status 2 and a
+message naming what failed. Must not: build the app itself (``app`` does) or serve a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from capture_proxy.config import ConfigError, Settings, load_settings
+
+#: The backend of ``serve --read-only`` without ``--backend``: never contacted.
+READ_ONLY_BACKEND = "http://no-backend.invalid"
+
+#: Settings fields set by a flag of the same meaning: field name -> ``args`` attribute.
+SETTING_FLAGS = {
+    "backend": "backend",
+    "host": "host",
+    "port": "port",
+    "store": "store",
+    "store_synchronous": "store_synchronous",
+    "store_pool_size": "store_pool_size",
+    "max_request_body_bytes": "max_request_body_bytes",
+    "log_level": "log_level",
+    "parent_resolution": "parent_resolution",
+    "late_calls": "late_calls",
+    "prompt_mode": "prompt_mode",
+    "tokenizer": "tokenizer",
+    "tokens_in_dialect": "tokens_in_dialect",
+    "max_model_len": "max_model_len",
+    "exact_prompt_full_render": "exact_prompt_full_render",
+    "allow_unauthenticated_read_api": "insecure_read_api",
+    "record_dir": "record_dir",
+    "captures_token": "captures_token",
+    "proxy_token": "proxy_token",
+    "allowed_hosts": "allowed_hosts",
+    "client_header_timeout_s": "client_header_timeout_s",
+    "client_body_timeout_s": "client_body_timeout_s",
+}
+
+
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """uvloop (libuv) for ``uvloop``, and for ``auto`` when installed; else asyncio's loop.
+    Measured with benchmarks/load.py: about 10% less proxy CPU per streamed call."""
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+        except ImportError:
+            if kind == "uvloop":
+                raise
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (port 0: a free one), not yet listening: aiohttp
+    starts listening on it once the app has started (store open). Raises OSError (address in
+    use, unknown host, no permission)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` and a newline to ``path`` atomically (a reader never sees half a
+    number)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{port}\n")
+    tmp.replace(path)
+
+
+class ServeExit(Exception):
+    """Start-up failed: the message to print (after ``capture-proxy: ``); exit status 2."""
+
+
+def _is_store_to_read(store: str | None) -> bool:
+    """Whether ``--read-only`` has a store to read: an existing directory or a PostgreSQL URL."""
+    if store is None:
+        return False
+    return store.startswith(("postgresql://", "postgres://")) or Path(store).is_dir()
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The settings of ``args`` (flags over ``--config`` over the environment). Raises
+    ServeExit (``--read-only`` without a store, a setting that does not validate)."""
+    cli_values: dict[str, Any] = {
+        field: getattr(args, attribute) for field, attribute in SETTING_FLAGS.items()
+    }
+    if args.read_only:
+        if not _is_store_to_read(args.store):
+            raise ServeExit(
+                "--read-only needs --store DIR (an existing store) or a postgresql:// URL"
+            )
+        # No engine: the backend setting is required by the settings model but never used
+        # (a --backend given is only asked to /detokenize for the viewer).
+        cli_values["backend"] = args.backend or READ_ONLY_BACKEND
+    try:
+        return load_settings(cli_values, args.config)
+    except ConfigError as exc:
+        raise ServeExit(str(exc)) from exc
+
+
+def _configure_logging(settings: Settings) -> None:
+    from capture_proxy.core.redact import RedactingFilter
+
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
+
+
+def _clear_port_file(port_file: Path | None) -> None:
+    """Remove a stale port file (an earlier run's number must not be read as this run's).
+    Raises ServeExit when its directory does not exist."""
+    if port_file is None:
+        return
+    if not port_file.parent.is_dir():
+        raise ServeExit(f"--port-file {port_file}: no directory {port_file.parent}")
+    port_file.unlink(missing_ok=True)
+
+
+def _bind(settings: Settings) -> socket.socket:
+    try:
+        return bind_socket(settings.host, settings.port)
+    except OSError as exc:  # address in use, unknown host, no permission
+        raise ServeExit(
+            f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}"
+        ) from exc
+
+
+def _open_store(settings: Settings, *, read_only: bool) -> Any:
+    from capture_proxy.store import open_store
+    from capture_proxy.store.base import StoreError
+
+    try:
+        return open_store(
+            settings.store,
+            synchronous=settings.store_synchronous,
+            pool_size=settings.store_pool_size,
+            read_only=read_only,
+        )
+    except StoreError as exc:
+        raise ServeExit(str(exc)) from exc
+
+
+def _listening_banner(
+    settings: Settings, port: int, target: str, port_file: Path | None
+) -> Callable[[], None]:
+    def listening() -> None:
+        # Called once the store is open and the socket listens.
+        if port_file is not None:
+            write_port_file(port_file, port)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        print(
+            f"capture-proxy: serving on http://{host}:{port} -> "
+            f"{target}, store {settings.store_label}; viewer at "
+            f"http://{host}:{port}/captures/ui/",
+            flush=True,
+        )
+
+    return listening
+
+
+def _run_app(args: argparse.Namespace, settings: Settings, sock: socket.socket) -> None:
+    """Build the app over the opened store and serve it on ``sock`` until stopped. Raises
+    ServeExit (the store cannot open, start or render)."""
+    from capture_proxy.app import build_proxy_app, build_read_only_app
+    from capture_proxy.families.base import RenderError
+    from capture_proxy.proxy import server
+    from capture_proxy.store.base import StoreError
+
+    store = _open_store(settings, read_only=args.read_only)
+    if args.read_only:
+        app = build_read_only_app(settings, store, backend=args.backend)
+        target = "read-only"
+    else:
+        app = build_proxy_app(settings, store)
+        target = settings.backend_label
+    port = sock.getsockname()[1]
+    try:
+        server.run(
+            app,
+            sock,
+            backlog=settings.listen_backlog,
+            on_listening=_listening_banner(settings, port, target, args.port_file),
+            server_kwargs=settings.server_kwargs,
+            loop=new_event_loop(settings.event_loop),
+        )
+    except (StoreError, RenderError) as exc:
+        raise ServeExit(str(exc)) from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until stopped: 0, or 2 with a message on stderr when start-up fails."""
+    try:
+        settings = settings_from_args(args)
+        _configure_logging(settings)
+        _clear_port_file(args.port_file)
+        sock = _bind(settings)
+        try:
+            _run_app(args, settings, sock)
+        finally:
+            sock.close()
+    except ServeExit as exc:
+        print(f"capture-proxy: {exc}", file=sys.stderr)
+        return 2
+    return 0

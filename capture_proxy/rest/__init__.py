@@ -1,0 +1,9 @@
+"""The REST API under ``/captures``: thin aiohttp handlers over the store and the core.
+
+- ``reads``: rollouts, chains and calls as JSON (and npz); the REST thread that serialises
+  them off the proxy's event loop; the read-only app's refusals.
+- ``lifecycle``: the trainer's hand-off steps (freeze, metadata, retire).
+- ``downloads``: a rollout in a training format (the bulk Arrow export, the token tree, ATIF).
+
+Must not: build chains, trees or samples itself (the core does), or touch the proxy's call flow.
+"""
