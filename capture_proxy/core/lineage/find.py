@@ -5,9 +5,10 @@ root, in arrival order:
 
 1. ``retried_from``: the root is recorded as a retry (``retry_of``) of a call of another chain.
 2. History replayed: the root's compared messages (``lineage.messages``) begin with the whole
-   conversation of an earlier call of another chain (its request and its answer), the longest
-   such prefix wins. After it: a harness's fork marker, or a branch the first chain did not
-   take, is ``forked_from``; a new user message after the conversation of a chain's last call
+   conversation of an earlier call of another chain: its request, then its answer (or, as a
+   fork replays it, some of the answer's tool calls unchanged); the longest such prefix wins.
+   After it: a harness's fork marker, or a branch the first chain did not take, is
+   ``forked_from``; a new user message after the conversation of a chain's last call
    is ``resumed_from``; anything else (a tool result the link was refused for) ``forked_from``.
 3. ``spawned_by`` (only when 2 found nothing): a text part of the root's first user message is
    the input of an earlier tool call of another chain: a declared sub-agent tool's prompt
@@ -16,12 +17,14 @@ root, in arrival order:
 4. ``compacted_from`` (only when 2 and 3 found nothing): the root carries the answer of a
    summary call of another chain: the body of a declared summary tag, the text after a
    declared summary prefix, the answer to a declared summary instruction, else (generic) a
-   message whose whole text is an earlier answer of at least ``min_carried_chars``.
+   message whose whole text is an earlier answer of at least ``min_carried_chars``; of several
+   such calls, the latest before the root (a compaction follows its summary call).
 
-Cost: one hash per call for the answer index and one per call for the conversation-length
-index, the compared messages of each root hashed once, and a full conversation digest only for
-the calls whose length and last message match a root's prefix: linear in the rollout's
-messages. Deterministic: the same records give the same edges in any order. Pure: no I/O.
+Cost: one hash per call for the answer index and one per call for the request index (by the
+number of compared request messages and the last one's key), the compared messages of each
+root hashed once, and a full request digest only for the calls whose length and last message
+match a root's prefix: linear in the rollout's messages. Deterministic: the same records give
+the same edges in any order. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -87,8 +90,8 @@ class _Rollout:
     chains: RolloutChains
     chain_of: dict[str, str] = field(default_factory=dict)
     has_child: set[str] = field(default_factory=set)
-    #: (number of compared messages of request + answer, sha256 of the answer's key) -> calls
-    ends: dict[tuple[int, bytes], list[CallRecord]] = field(default_factory=dict)
+    #: (number of compared request messages, sha256 of the last one's key) -> calls
+    requests: dict[tuple[int, bytes], list[CallRecord]] = field(default_factory=dict)
     #: sha256 of an answer's squashed text -> calls
     answers: dict[str, list[CallRecord]] = field(default_factory=dict)
     #: squashed tool input text -> (call, tool_call_id, tool name, field, rule)
@@ -97,7 +100,7 @@ class _Rollout:
     )
     summaries: list[tuple[CallRecord, str, str]] = field(default_factory=list)
     used_spawns: set[tuple[str, str]] = field(default_factory=set)
-    _conversation: dict[str, bytes] = field(default_factory=dict)
+    _request: dict[str, bytes] = field(default_factory=dict)
 
     def index(self) -> None:
         for chain in self.chains.chains:
@@ -110,9 +113,10 @@ class _Rollout:
             answer = call.response_message
             if answer is None:
                 continue
-            n = len(compared(call.request_messages)) + 1
-            key = hashlib.sha256(message_key(answer)).digest()
-            self.ends.setdefault((n, key), []).append(call)
+            asked = compared(call.request_messages)
+            if asked:
+                key = hashlib.sha256(message_key(asked[-1])).digest()
+                self.requests.setdefault((len(asked), key), []).append(call)
             text = squash(message_text(answer))
             if len(text) >= self.rules.min_carried_chars:
                 self.answers.setdefault(text_sha256(text), []).append(call)
@@ -153,14 +157,12 @@ class _Rollout:
             if text and squash(request.instruction) in last:
                 self.summaries.append((call, text, f"{request.harness}.summary_request"))
 
-    def conversation_digest(self, call: CallRecord) -> bytes:
-        """The chained digest of a call's compared request messages and its answer."""
-        digest = self._conversation.get(call.call_id)
+    def request_digest(self, call: CallRecord) -> bytes:
+        """The chained digest of a call's compared request messages (computed once)."""
+        digest = self._request.get(call.call_id)
         if digest is None:
-            assert call.response_message is not None
-            messages = [*compared(call.request_messages), call.response_message]
-            digest = prefix_digests(messages)[-1]
-            self._conversation[call.call_id] = digest
+            digest = prefix_digests(compared(call.request_messages))[-1]
+            self._request[call.call_id] = digest
         return digest
 
     def earlier_other(self, calls: Iterable[CallRecord], root: CallRecord) -> list[CallRecord]:
@@ -201,20 +203,36 @@ def _replay_kind(
     return LineageKind.FORKED_FROM, "generic.history_replayed", details
 
 
+def _replays_answer(turn: Mapping[str, Any], answer: Mapping[str, Any]) -> bool:
+    """``turn`` is ``answer`` as a harness replays it: the same compared message, or (a fork
+    replaying only the tool call that started it) some of its tool calls, each unchanged."""
+    if message_key(turn) == message_key(answer):
+        return True
+    if turn.get("role") != "assistant" or not turn.get("tool_calls"):
+        return False
+    own = {call_id: (name, args) for call_id, name, args in tool_calls(answer)}
+    replayed = list(tool_calls(turn))
+    return bool(replayed) and all(own.get(i) == (n, a) for i, n, a in replayed)
+
+
 def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     messages = compared(root.request_messages)
     digests: list[bytes] | None = None
-    for k in range(len(messages), 0, -1):
+    # k: the replayed conversation is messages[:k], its last message an earlier call's answer
+    for k in range(len(messages), 1, -1):
         if messages[k - 1].get("role") != "assistant":
             continue
-        key = hashlib.sha256(message_key(messages[k - 1])).digest()
-        candidates = rollout.ends.get((k, key))
+        key = hashlib.sha256(message_key(messages[k - 2])).digest()
+        candidates = rollout.requests.get((k - 1, key))
         if not candidates:
             continue
         if digests is None:
             digests = prefix_digests(messages)
         for source in rollout.earlier_other(candidates, root):
-            if rollout.conversation_digest(source) != digests[k - 1]:
+            answer = source.response_message
+            if answer is None or rollout.request_digest(source) != digests[k - 2]:
+                continue
+            if not _replays_answer(messages[k - 1], answer):
                 continue
             kind, rule, details = _replay_kind(rollout, messages, k, source)
             evidence = {
@@ -284,7 +302,8 @@ def _compaction_edge(
 def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     messages = compared(root.request_messages)
     texts = [squash(message_text(m)) for m in messages]
-    summaries = [s for s in rollout.summaries if rollout.earlier_other([s[0]], root)]
+    # the latest summary before the root first: a compaction follows its summary call
+    summaries = [s for s in reversed(rollout.summaries) if rollout.earlier_other([s[0]], root)]
     for source, carried, rule in summaries:
         for i, text in enumerate(texts):
             if messages[i].get("role") == "user" and carried in text:
@@ -295,7 +314,7 @@ def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             if text.startswith(prefix):
                 carried = text[len(prefix) :].strip()
                 found = rollout.answers.get(text_sha256(carried), [])
-                for source in rollout.earlier_other(found, root):
+                for source in reversed(rollout.earlier_other(found, root)):
                     return _compaction_edge(
                         rollout, source, f"{harness}.summary_prefix", i, carried
                     )
@@ -303,7 +322,7 @@ def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
         if len(text) < rollout.rules.min_carried_chars:
             continue
         found = rollout.answers.get(text_sha256(text), [])
-        for source in rollout.earlier_other(found, root):
+        for source in reversed(rollout.earlier_other(found, root)):
             return _compaction_edge(rollout, source, "generic.answer_text_carried", i, text)
     return None
 

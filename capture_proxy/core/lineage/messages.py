@@ -2,10 +2,12 @@
 
 A harness that starts one conversation from another replays messages, but not byte for byte:
 system prompts differ per conversation (Claude Code's billing header), thinking may be left
-out (a Claude Code fork drops the thinking of the parent's turn), text blocks may be split or
-joined otherwise. So a message is compared by its role, its text with whitespace runs collapsed,
-its tool calls (name, arguments as canonical JSON, id) and the tool call it answers; system and
-developer messages take no part. Pure: no I/O.
+out, and so may the text beside a tool call (a Claude Code 2.1.328 fork replays the parent's
+``Agent`` turn as its tool_use blocks alone), text blocks may be split or joined otherwise. So
+a message is compared by its role and: an assistant turn with tool calls by its tool calls
+(id, name, arguments as canonical JSON; the ids name the turn), any other message by its text
+with whitespace runs collapsed and the tool call it answers. System and developer messages take
+no part. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -87,12 +89,8 @@ def message_key(message: Mapping[str, Any]) -> bytes:
         [call_id, name, json.dumps(args, sort_keys=True, ensure_ascii=False)]
         for call_id, name, args in tool_calls(message)
     ]
-    form = [
-        str(message.get("role") or ""),
-        squash(message_text(message)),
-        calls,
-        str(message.get("tool_call_id") or ""),
-    ]
+    text = "" if calls else squash(message_text(message))
+    form = [str(message.get("role") or ""), text, calls, str(message.get("tool_call_id") or "")]
     return json.dumps(form, ensure_ascii=False).encode("utf-8", "surrogatepass")
 
 

@@ -136,9 +136,21 @@ def test_two_identical_sub_agents_take_one_tool_call_each_in_order() -> None:
 
 
 def test_a_fork_is_found_by_its_replayed_history_and_marker() -> None:
+    # as Claude Code 2.1.328 forks: the parent's turn replayed as the fork's own tool call
+    # alone (no text, no thinking, not the turn's other tool calls)
     m1 = main_turn()
-    m1.response_message = {**m1.response_message, "reasoning_content": "I will fork."}  # type: ignore[dict-item]
-    replayed = {k: v for k, v in m1.response_message.items() if k != "reasoning_content"}
+    other = {"id": "toolu_2", "type": "function", "function": {"name": "Read", "arguments": "{}"}}
+    m1.response_message = {  # type: ignore[assignment]
+        **m1.response_message,  # type: ignore[dict-item]
+        "content": "Forking.",
+        "reasoning_content": "I will fork.",
+        "tool_calls": [*m1.response_message["tool_calls"], other],  # type: ignore[index]
+    }
+    replayed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": m1.response_message["tool_calls"][:1],
+    }
     fork = call(
         "f1",
         2.0,
