@@ -2,7 +2,8 @@
 through the ``task`` tool; the sub-agent's session (first user message = the tool input's
 ``prompt``) is its own chain, joined to the main chain by a ``spawned_by`` edge in
 ``GET .../chains``, the summary's counts, the Arrow export's ``lineage`` column, the npz
-manifest and ATIF's ``subagent_trajectory_ref``; both stores, both prompt modes."""
+manifest, ATIF's ``subagent_trajectory_ref`` and the viewer's episode outline; both stores,
+both prompt modes."""
 
 from __future__ import annotations
 
@@ -131,6 +132,13 @@ async def test_a_sub_agent_chain_is_spawned_by_the_main_chains_call(
             "extra": {"chain_id": sub, "kind": "spawned_by", "evidence": edge["evidence"]},
         }
     ]
+
+    page = await stack.client.get("/captures/ui/rollouts/ep")
+    html = await page.text()
+    assert page.status == 200 and '<table class="grid tree" id="episode">' in html
+    assert f'<tr data-chain="{sub}" data-depth="1">' in html
+    assert f'<tr data-chain="{main_1}" data-depth="0">' in html
+    assert 'data-kind="spawned_by" title="opencode.spawn_tool"' in html
 
     assert (await stack.client.post("/captures/rollouts/ep/freeze")).status == 200
     resp = await stack.client.get("/captures/export")

@@ -38,6 +38,7 @@ import numpy as np
 
 from capture_proxy.core.chains import RolloutChains
 from capture_proxy.core.lineage.messages import (
+    SKIPPED_ROLES,
     compared,
     message_key,
     message_text,
@@ -175,6 +176,11 @@ class _Rollout:
         ]
 
 
+def _positions(root: CallRecord) -> list[int]:
+    """The index in ``request_messages`` of each compared message (evidence names those)."""
+    return [i for i, m in enumerate(root.request_messages) if m.get("role") not in SKIPPED_ROLES]
+
+
 def _retried(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     earlier = root.retry_of
     if earlier is None or earlier not in rollout.chain_of:
@@ -186,13 +192,17 @@ def _retried(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
 
 
 def _replay_kind(
-    rollout: _Rollout, messages: list[Mapping[str, Any]], k: int, source: CallRecord
+    rollout: _Rollout,
+    root: CallRecord,
+    messages: list[Mapping[str, Any]],
+    k: int,
+    source: CallRecord,
 ) -> tuple[LineageKind, str, dict[str, Any]]:
     after = messages[k:]
     for marker in rollout.rules.of(ForkMarker):
         for i, message in enumerate(after):
             if marker.text in message_text(message):
-                details = {"marker": marker.text, "message_index": k + i}
+                details = {"marker": marker.text, "message_index": _positions(root)[k + i]}
                 return LineageKind.FORKED_FROM, f"{marker.harness}.fork_marker", details
     next_role = str(after[0].get("role")) if after else None
     details = {"next_role": next_role}
@@ -234,7 +244,7 @@ def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
                 continue
             if not _replays_answer(messages[k - 1], answer):
                 continue
-            kind, rule, details = _replay_kind(rollout, messages, k, source)
+            kind, rule, details = _replay_kind(rollout, root, messages, k, source)
             evidence = {
                 "rule": rule,
                 "num_messages": k,
@@ -259,7 +269,7 @@ def _spawned(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     first = _first_user(compared(root.request_messages))
     if first is None:
         return None
-    index, message = first
+    index, message = _positions(root)[first[0]], first[1]
     for text in dict.fromkeys([squash(message_text(message)), *map(squash, text_parts(message))]):
         entries = rollout.tool_inputs.get(text) if text else None
         if not entries:
@@ -302,12 +312,13 @@ def _compaction_edge(
 def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     messages = compared(root.request_messages)
     texts = [squash(message_text(m)) for m in messages]
+    at = _positions(root)
     # the latest summary before the root first: a compaction follows its summary call
     summaries = [s for s in reversed(rollout.summaries) if rollout.earlier_other([s[0]], root)]
     for source, carried, rule in summaries:
         for i, text in enumerate(texts):
             if messages[i].get("role") == "user" and carried in text:
-                return _compaction_edge(rollout, source, rule, i, carried)
+                return _compaction_edge(rollout, source, rule, at[i], carried)
     prefixes = [(squash(d.prefix), d.harness) for d in rollout.rules.of(SummaryPrefix)]
     for i, text in enumerate(texts):
         for prefix, harness in prefixes:
@@ -323,7 +334,8 @@ def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             continue
         found = rollout.answers.get(text_sha256(text), [])
         for source in reversed(rollout.earlier_other(found, root)):
-            return _compaction_edge(rollout, source, "generic.answer_text_carried", i, text)
+            rule = "generic.answer_text_carried"
+            return _compaction_edge(rollout, source, rule, at[i], text)
     return None
 
 

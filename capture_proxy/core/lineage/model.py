@@ -30,8 +30,10 @@ class LineageEdge:
     """An edge into a chain's root: ``kind``, the chain it comes from (``chain_id``, that
     chain's root call id), the call of that chain it starts at (``from_call_id``) and the
     evidence (``rule``: which declaration or generic rule matched, and what it matched:
-    ``message_index``, ``text_sha256``, ``num_chars``, ``num_messages``,
-    ``common_prefix_tokens``, ...)."""
+    ``message_index`` (an index into the root's ``request_messages``), ``text_sha256`` and
+    ``num_chars`` of the matched text, ``num_messages`` (how many non-system messages of the
+    history were replayed), ``common_prefix_tokens`` (of the root's prompt and the source's
+    prompt + generation), ``tool_call_id``, ``marker``, ``replaces_chain_id``, ...)."""
 
     kind: LineageKind
     chain_id: str

@@ -103,7 +103,7 @@ def test_a_sub_agent_is_spawned_by_the_call_of_its_agent_tool() -> None:
                     "tool_name": "Agent",
                     "tool_call_id": "toolu_1",
                     "field": "prompt",
-                    "message_index": 0,
+                    "message_index": 1,  # after the system message
                     "text_sha256": text_sha256(SUB_PROMPT),
                     "num_chars": len(SUB_PROMPT),
                 },
@@ -175,7 +175,7 @@ def test_a_fork_is_found_by_its_replayed_history_and_marker() -> None:
                 "num_messages": 2,
                 "common_prefix_tokens": 2,
                 "marker": "Fork started \u2014 that fork is you.",
-                "message_index": 2,
+                "message_index": 3,  # in request_messages
             },
         }
     ]
@@ -207,7 +207,7 @@ def test_a_claude_code_compaction_comes_from_the_summary_call() -> None:
                 "from_call_id": "m2",
                 "evidence": {
                     "rule": "claude_code.summary_tags",
-                    "message_index": 0,
+                    "message_index": 1,
                     "text_sha256": text_sha256(SUMMARY_BODY),
                     "num_chars": len(SUMMARY_BODY),
                     "replaces_chain_id": "m1",
