@@ -98,7 +98,7 @@ async def test_a_sub_agent_chain_is_spawned_by_the_main_chains_call(
             "tool_name": "task",
             "tool_call_id": tool_call_id,
             "field": "prompt",
-            "message_index": 0,
+            "message_index": 1,  # request_messages[1]: after the system message
             "text_sha256": text_sha256(SUB_PROMPT),
             "num_chars": len(SUB_PROMPT),
         },

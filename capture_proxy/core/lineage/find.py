@@ -73,6 +73,17 @@ class LineageRules:
         return [d for d in self.declarations if isinstance(d, kind)]
 
 
+def _count_compared(
+    messages: list[dict[str, Any]],
+) -> tuple[int, Mapping[str, Any] | None]:
+    """How many messages take part in the comparison, and the last of them."""
+    skipped = sum(1 for m in messages if m.get("role") in SKIPPED_ROLES)
+    for message in reversed(messages):
+        if message.get("role") not in SKIPPED_ROLES:
+            return len(messages) - skipped, message
+    return 0, None
+
+
 def _order(record: CallRecord) -> tuple[float, str]:
     return (record.created_at, record.call_id)
 
@@ -114,15 +125,15 @@ class _Rollout:
             answer = call.response_message
             if answer is None:
                 continue
-            asked = compared(call.request_messages)
-            if asked:
-                key = hashlib.sha256(message_key(asked[-1])).digest()
-                self.requests.setdefault((len(asked), key), []).append(call)
+            n, last = _count_compared(call.request_messages)
+            if last is not None:
+                key = hashlib.sha256(message_key(last)).digest()
+                self.requests.setdefault((n, key), []).append(call)
             text = squash(message_text(answer))
             if len(text) >= self.rules.min_carried_chars:
                 self.answers.setdefault(text_sha256(text), []).append(call)
             self._index_tool_inputs(call, answer, spawn_fields)
-            self._index_summary(call, answer, text)
+            self._index_summary(call, answer, text, last)
 
     def _index_tool_inputs(
         self, call: CallRecord, answer: Mapping[str, Any], spawn_fields: dict[tuple[str, str], str]
@@ -144,7 +155,14 @@ class _Rollout:
                 entry = (call, tool_call_id, name, str(arg), rule)
                 self.tool_inputs.setdefault(text, []).append(entry)
 
-    def _index_summary(self, call: CallRecord, answer: Mapping[str, Any], text: str) -> None:
+    def _index_summary(
+        self,
+        call: CallRecord,
+        answer: Mapping[str, Any],
+        text: str,
+        asked: Mapping[str, Any] | None,
+    ) -> None:
+        """``asked``: the call's last compared request message."""
         raw = message_text(answer)
         for tags in self.rules.of(SummaryTags):
             start, end = raw.find(tags.open_tag), raw.rfind(tags.close_tag)
@@ -152,8 +170,7 @@ class _Rollout:
                 body = squash(raw[start + len(tags.open_tag) : end])
                 if body:
                     self.summaries.append((call, body, f"{tags.harness}.summary_tags"))
-        asked = compared(call.request_messages)
-        last = squash(message_text(asked[-1])) if asked else ""
+        last = squash(message_text(asked)) if asked is not None else ""
         for request in self.rules.of(SummaryRequest):
             if text and squash(request.instruction) in last:
                 self.summaries.append((call, text, f"{request.harness}.summary_request"))
@@ -162,7 +179,8 @@ class _Rollout:
         """The chained digest of a call's compared request messages (computed once)."""
         digest = self._request.get(call.call_id)
         if digest is None:
-            digest = prefix_digests(compared(call.request_messages))[-1]
+            keys = [message_key(m) for m in compared(call.request_messages)]
+            digest = prefix_digests(keys)[-1]
             self._request[call.call_id] = digest
         return digest
 
@@ -227,17 +245,17 @@ def _replays_answer(turn: Mapping[str, Any], answer: Mapping[str, Any]) -> bool:
 
 def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     messages = compared(root.request_messages)
+    keys = [message_key(m) for m in messages]
     digests: list[bytes] | None = None
     # k: the replayed conversation is messages[:k], its last message an earlier call's answer
     for k in range(len(messages), 1, -1):
         if messages[k - 1].get("role") != "assistant":
             continue
-        key = hashlib.sha256(message_key(messages[k - 2])).digest()
-        candidates = rollout.requests.get((k - 1, key))
+        candidates = rollout.requests.get((k - 1, hashlib.sha256(keys[k - 2]).digest()))
         if not candidates:
             continue
         if digests is None:
-            digests = prefix_digests(messages)
+            digests = prefix_digests(keys)
         for source in rollout.earlier_other(candidates, root):
             answer = source.response_message
             if answer is None or rollout.request_digest(source) != digests[k - 2]:

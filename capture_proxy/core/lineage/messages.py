@@ -17,6 +17,8 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import orjson
+
 #: Roles left out of the compared history (they differ between conversations of one episode).
 SKIPPED_ROLES = frozenset({"system", "developer"})
 
@@ -61,8 +63,8 @@ def text_sha256(text: str) -> str:
 def _arguments(raw: Any) -> Any:
     if isinstance(raw, str):
         try:
-            return json.loads(raw)
-        except ValueError:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
             return raw
     return raw
 
@@ -85,13 +87,22 @@ def tool_calls(message: Mapping[str, Any]) -> Iterator[tuple[str, str, Any]]:
 
 def message_key(message: Mapping[str, Any]) -> bytes:
     """The compared form of one message, as bytes (see the module docstring)."""
-    calls = [
-        [call_id, name, json.dumps(args, sort_keys=True, ensure_ascii=False)]
-        for call_id, name, args in tool_calls(message)
-    ]
-    text = "" if calls else squash(message_text(message))
-    form = [str(message.get("role") or ""), text, calls, str(message.get("tool_call_id") or "")]
-    return json.dumps(form, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    role = str(message.get("role") or "")
+    if message.get("tool_calls"):
+        calls = [[call_id, name, args] for call_id, name, args in tool_calls(message)]
+        if calls:
+            return _dumps([role, "", calls, ""])
+    return _dumps([role, squash(message_text(message)), [], str(message.get("tool_call_id") or "")])
+
+
+def _dumps(form: list[Any]) -> bytes:
+    """orjson with sorted keys (arguments compare as canonical JSON); the stdlib for what orjson
+    refuses (integers past 64 bits, lone surrogates)."""
+    try:
+        return orjson.dumps(form, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        text = json.dumps(form, sort_keys=True, ensure_ascii=False)
+        return text.encode("utf-8", "surrogatepass")
 
 
 def compared(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -99,12 +110,13 @@ def compared(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     return [m for m in messages if m.get("role") not in SKIPPED_ROLES]
 
 
-def prefix_digests(messages: Sequence[Mapping[str, Any]]) -> list[bytes]:
-    """``out[k]``: the digest of the first ``k + 1`` compared messages, chained (sha256 of the
-    previous digest and the message's key), so each prefix costs one hash."""
+def prefix_digests(keys: Sequence[bytes]) -> list[bytes]:
+    """``out[k]``: the digest of the first ``k + 1`` compared messages (given by their
+    ``message_key``), chained (sha256 of the previous digest and the key's), so each prefix
+    costs one hash."""
     out: list[bytes] = []
     digest = b""
-    for message in messages:
-        digest = hashlib.sha256(digest + hashlib.sha256(message_key(message)).digest()).digest()
+    for key in keys:
+        digest = hashlib.sha256(digest + hashlib.sha256(key).digest()).digest()
         out.append(digest)
     return out
