@@ -10,6 +10,7 @@ tests/fixtures/opencode/logs/02_step_limit_obeyed.jsonl and 03_step_limit_ignore
 the text below is byte-identical to step_limit_note.txt, 750 bytes, no trailing newline).
 """
 
+from harness_notes.lineage import SpawnTool
 from harness_notes.registry import HarnessNote
 
 STEP_LIMIT_NOTE_TEXT = (
@@ -39,3 +40,8 @@ STEP_LIMIT_NOTE = HarnessNote(
 )
 
 NOTES = (STEP_LIMIT_NOTE,)
+
+#: OpenCode's ``task`` tool starts a sub-agent session whose first user message is the
+#: tool input's ``prompt`` (its compaction summary is carried as an assistant message with
+#: the summary call's answer text, which the generic carried-answer rule finds).
+LINEAGE = (SpawnTool("opencode", "task", "prompt"),)

@@ -17,7 +17,14 @@ an object; arguments that are not a JSON object are kept as ``{"_raw": text}``),
 non-finite value as null) and ``extra`` (``call_id``, ``finish_reason``, and with
 ``include_experts`` the ``routed_experts`` rows ``[num_rows, num_layers, top_k]`` with
 ``routed_experts_start``). Root ``extra``: the rollout id, chain and call ids, reward, task id,
-tags, snapshot id, version, the other chains and unlinked calls, and the diagnostics.
+tags, snapshot id, version, the other chains and unlinked calls, the diagnostics, and the
+rollout's lineage edges (``lineage``: ``[{"kind", "chain_id", "from_call_id", "evidence",
+"to_chain_id"}]``, ``core.lineage``).
+
+Sub-agents: a tool result on the path whose tool call spawned another chain (a ``spawned_by``
+edge from that call and tool call id) carries ``subagent_trajectory_ref``: ``[{"session_id":
+"<rollout_id>/<chain_id>", "extra": {"chain_id", "kind", "evidence"}}]``, the sub-agent's
+chain in this rollout (its calls are in ``GET /captures/rollouts/<id>/chains``).
 
 Strict mode (``strict=True``) refuses, with ``AtifGaps``, a rollout with any gap: a call's
 diagnostic, a rollout-level diagnostic, or an incomplete rollout.
@@ -31,6 +38,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from capture_proxy.core.chains import Chain, RolloutChains
+from capture_proxy.core.lineage import LineageEdge, LineageKind
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.summary import main_chain
@@ -105,9 +113,28 @@ def _finite(values: Any) -> list[float | None]:
 
 
 class _Steps:
-    def __init__(self) -> None:
+    def __init__(
+        self, rollout_id: str, spawned: dict[tuple[str, str], list[tuple[str, LineageEdge]]]
+    ) -> None:
         self.steps: list[dict[str, Any]] = []
         self.last_agent: dict[str, Any] | None = None
+        self.last_call_id: str | None = None
+        self.rollout_id = rollout_id
+        #: (from_call_id, tool_call_id) -> (the sub-agent's chain id, its spawned_by edge)
+        self.spawned = spawned
+
+    def _result(self, tool_call_id: Any, content: Any) -> dict[str, Any]:
+        result: dict[str, Any] = {"source_call_id": tool_call_id, "content": _text(content)}
+        edges = self.spawned.get((self.last_call_id or "", str(tool_call_id or "")), [])
+        if edges:
+            result["subagent_trajectory_ref"] = [
+                {
+                    "session_id": f"{self.rollout_id}/{chain_id}",
+                    "extra": {"chain_id": chain_id, "kind": e.kind.value, "evidence": e.evidence},
+                }
+                for chain_id, e in edges
+            ]
+        return result
 
     def add(self, step: dict[str, Any]) -> None:
         step = {"step_id": len(self.steps) + 1, **step}
@@ -120,9 +147,7 @@ class _Steps:
             role = m.get("role")
             if role == "tool" and self.last_agent is not None:
                 results = self.last_agent.setdefault("observation", {"results": []})["results"]
-                results.append(
-                    {"source_call_id": m.get("tool_call_id"), "content": _text(m.get("content"))}
-                )
+                results.append(self._result(m.get("tool_call_id"), m.get("content")))
             elif role == "assistant":
                 step: dict[str, Any] = {"source": "agent", "message": _text(m.get("content"))}
                 if m.get("reasoning_content"):
@@ -131,6 +156,7 @@ class _Steps:
                     step["tool_calls"] = _tool_calls(m)
                 step["extra"] = {"captured": False}
                 self.add(step)
+                self.last_call_id = None
             else:
                 source = "system" if role in ("system", "developer") else "user"
                 self.add({"source": source, "message": _text(m.get("content"))})
@@ -161,6 +187,7 @@ class _Steps:
             "extra": extra,
         }
         self.add(step)
+        self.last_call_id = call.call_id
 
 
 #: Diagnostics that record what happened without any token data missing or altered: a retry
@@ -199,15 +226,28 @@ def trajectory(
     strict: bool = False,
     include_experts: bool = False,
     extra: dict[str, Any] | None = None,
+    lineage: dict[str, list[LineageEdge]] | None = None,
 ) -> dict[str, Any]:
     """The ATIF trajectory of a rollout (see the module docstring). ``records``: the calls
     the read holds (the snapshot's); ``extra``: more root ``extra`` fields (snapshot id,
-    version). Raises AtifGaps in strict mode when the rollout has any gap."""
+    version); ``lineage``: the rollout's edges by the chain they lead into
+    (``core.lineage.find_lineage``). Raises AtifGaps in strict mode when the rollout has any
+    gap."""
     found = gaps(records, rollout_diagnostics, incomplete)
     if strict and found:
         raise AtifGaps(found)
     chain, path = main_path(chains)
-    steps = _Steps()
+    edges = [
+        (to_chain, edge)
+        for to_chain, chain_edges in (lineage or {}).items()
+        for edge in chain_edges
+    ]
+    spawned: dict[tuple[str, str], list[tuple[str, LineageEdge]]] = {}
+    for to_chain, edge in edges:
+        if edge.kind is LineageKind.SPAWNED_BY:
+            key = (edge.from_call_id, str(edge.evidence.get("tool_call_id") or ""))
+            spawned.setdefault(key, []).append((to_chain, edge))
+    steps = _Steps(rollout_id, spawned)
     parent: CallRecord | None = None
     for call in path:
         history = call.request_messages or []
@@ -245,6 +285,7 @@ def trajectory(
             "other_chain_ids": [c.chain_id for c in chains.chains if c is not chain],
             "unlinked_call_ids": [r.call_id for r in chains.unlinked],
             "gaps": found,
+            "lineage": [{**edge.to_json(), "to_chain_id": to} for to, edge in edges],
             **(extra or {}),
         },
     }

@@ -11,10 +11,10 @@ Stream layout: the schema (``SCHEMA``; schema metadata ``format`` = ``EXPORT_FOR
 ``version`` = ``EXPORT_VERSION``), then one record batch per rollout, in cursor order, whose
 custom metadata ``rollout`` is the rollout's manifest (JSON: ``rollout_id``, ``cursor``,
 ``snapshot``, ``version``, ``episode_of``, ``attempt``, ``superseded_by``, ``metadata``,
-``unlinked_call_ids``, ``late_call_ids``, ``main_chain_id``, ``incomplete``, ``diagnostics``,
-``num_samples``). A rollout with no sample (every call failed) or a superseded episode (exports
-of final episodes only) is a batch of 0 rows: it still has its manifest, so the trainer can
-retire it and the cursor passes it.
+``unlinked_call_ids``, ``late_call_ids``, ``main_chain_id``, ``lineage``, ``incomplete``,
+``diagnostics``, ``num_samples``). A rollout with no sample (every call failed) or a
+superseded episode (exports of final episodes only) is a batch of 0 rows: it still has its
+manifest, so the trainer can retire it and the cursor passes it.
 
 Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
 
@@ -27,7 +27,9 @@ Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
   row-major, with ``routed_experts_shape`` fixed_size_list<int32, 3> and
   ``routed_experts_mask`` list<uint8> ``[seq]``; null without routed experts;
 - ``reward``: float64 (null unless one number), ``named_rewards``: map<string, float64> (null
-  unless named), ``task_id``: string, ``tags``: map<string, string>.
+  unless named), ``task_id``: string, ``tags``: map<string, string>;
+- ``lineage``: string, JSON, the lineage edges into the sample's chain
+  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none).
 
 The bytes are written by ``core.arrow_ipc`` (no pyarrow needed to serve the export); a
 reader needs any Arrow library (``readers.iter_rollouts`` uses pyarrow, the ``arrow`` extra).
@@ -79,6 +81,7 @@ SCHEMA: tuple[ipc.Field, ...] = tuple(
         ("named_rewards", ipc.map_(ipc.utf8(), ipc.float_(64))),
         ("task_id", ipc.utf8()),
         ("tags", ipc.map_(ipc.utf8(), ipc.utf8())),
+        ("lineage", ipc.utf8()),
     ]
 )
 
@@ -104,6 +107,11 @@ def _generation_spans(samples: list[ChainSample]) -> ipc.Column:
     return ipc.list_of(pairs, [s.shape[0] for s in spans])
 
 
+def _lineage(manifest: dict[str, Any], chain_id: str) -> str:
+    edges = (manifest.get("lineage") or {}).get(chain_id, [])
+    return json.dumps(edges, ensure_ascii=False, sort_keys=True)
+
+
 def rollout_columns(
     manifest: dict[str, Any],
     samples: list[ChainSample],
@@ -111,7 +119,7 @@ def rollout_columns(
 ) -> list[ipc.Column]:
     """One rollout's samples as the columns of ``SCHEMA``, in order (``manifest`` gives the
     rollout columns: ``rollout_id``, ``cursor``, ``snapshot``, ``version``, ``episode_of``,
-    ``attempt``, ``main_chain_id``). Raises ValueError for expert ids past uint16."""
+    ``attempt``, ``main_chain_id``, ``lineage``). Raises ValueError for expert ids past uint16."""
     n = len(samples)
     experts = [_experts(s) for s in samples]
     snapshot = manifest.get("snapshot") or {}
@@ -145,6 +153,7 @@ def rollout_columns(
         ),
         "task_id": ipc.strings([metadata.task_id] * n),
         "tags": ipc.maps(tag_rows, None),
+        "lineage": ipc.strings([_lineage(manifest, s.chain_id) for s in samples]),
     }
     return [columns[f.name] for f in SCHEMA]
 

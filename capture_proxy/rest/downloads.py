@@ -36,6 +36,7 @@ from capture_proxy.core.atif import AtifGaps, trajectory
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
 from capture_proxy.core.export import CONTENT_TYPE, ExportEncoder
+from capture_proxy.core.lineage import find_lineage
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, chain_samples
 from capture_proxy.core.token_tree import build_token_tree, write_tree
@@ -215,6 +216,7 @@ def _atif_json(
             rollout_diagnostics=_diagnostics(info, records, state)["rollout"],
             incomplete=state.incomplete,
             extra={k: lifecycle[k] for k in ("status", "snapshot_id", "version", "episode_of")},
+            lineage=find_lineage(chains),
             **options,
         )
     )

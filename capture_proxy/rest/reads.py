@@ -33,6 +33,8 @@ from aiohttp import web
 
 from capture_proxy.core.chains import RolloutChains, build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
+from capture_proxy.core.lineage import LineageEdge, find_lineage
+from capture_proxy.core.lineage.find import count_by_kind
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
@@ -274,6 +276,7 @@ def _summary_json(
                 for c in chains.chains
             ],
             "linking": link_stats(records, chains),
+            "lineage": count_by_kind(find_lineage(chains)),
             "incomplete": state.incomplete,
             "diagnostics": _diagnostics(info, records, state),
             **lifecycle_json(info),
@@ -315,10 +318,15 @@ def _chains_body(
     chains: RolloutChains,
     calls: dict[str, Any],
 ) -> dict[str, Any]:
+    lineage = lineage_json(find_lineage(chains))
     return {
         "rollout_id": info.rollout_id,
         "chains": [
-            {"chain_id": chain.chain_id, "calls": [calls[r.call_id] for r in chain.calls]}
+            {
+                "chain_id": chain.chain_id,
+                "lineage": lineage.get(chain.chain_id, []),
+                "calls": [calls[r.call_id] for r in chain.calls],
+            }
             for chain in chains.chains
         ],
         "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
@@ -327,6 +335,12 @@ def _chains_body(
         "diagnostics": _diagnostics(info, records, state),
         **lifecycle_json(info),
     }
+
+
+def lineage_json(lineage: dict[str, list[LineageEdge]]) -> dict[str, list[dict[str, Any]]]:
+    """Lineage edges by the chain they lead into: ``{chain_id: [{"kind", "chain_id",
+    "from_call_id", "evidence"}]}`` (``core.lineage``)."""
+    return {chain_id: [e.to_json() for e in edges] for chain_id, edges in lineage.items()}
 
 
 def _main_chain_id(chains: RolloutChains) -> str | None:
@@ -338,11 +352,13 @@ def archive_manifest(
     info: RolloutInfo, chains: RolloutChains, state: RolloutState
 ) -> dict[str, Any]:
     """The rollout-level fields of the npz archive's ``manifest.json`` (and of an export's
-    rollout manifest): unlinked calls, the main chain, completeness, and under ``lifecycle``
-    the status, version, snapshot id, episode, metadata and late calls."""
+    rollout manifest and the tree's): unlinked calls, the main chain, the lineage edges by
+    the chain they lead into, completeness, and under ``lifecycle`` the status, version,
+    snapshot id, episode, metadata and late calls."""
     return {
         "unlinked_call_ids": [r.call_id for r in chains.unlinked],
         "main_chain_id": _main_chain_id(chains),
+        "lineage": lineage_json(find_lineage(chains)),
         "incomplete": state.incomplete,
         # Nested: the archive's own ``version`` is its format's.
         "lifecycle": lifecycle_json(info),

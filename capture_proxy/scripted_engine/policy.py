@@ -10,9 +10,12 @@ request (e.g. a harness's title request) and gets ``title``.
 
 Rules (optional ``rules``) are checked in order before all of that: the first rule whose
 ``when_last_message_contains`` occurs in the text of the LAST message of the request (any
-role; string content, or the text parts of a part list) answers with its ``step``. This lets a
-scripted model obey a harness note, e.g. OpenCode's step-limit note once the proxy has
-forwarded it as a user message (after which step selection alone would restart at step 0).
+role; string content, or the text parts of a part list), or whose
+``when_first_user_message_contains`` / ``when_last_user_message_contains`` occurs in the text
+of the FIRST / LAST user message, answers with its ``step``. This lets a scripted model obey
+a harness note, e.g. OpenCode's step-limit note once the proxy has forwarded it as a user
+message (after which step selection alone would restart at step 0), and play a sub-agent
+whose task the first user message holds.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_POLICY_PATH = Path(__file__).resolve().parent.parent / "policies" / "default.json"
 
@@ -85,11 +88,41 @@ class Step(BaseModel):
 
 
 class Rule(BaseModel):
-    """Answer with ``step`` when the last message's text contains ``when_last_message_contains``."""
+    """Answer with ``step`` when the last message's text contains
+    ``when_last_message_contains``, or the first (last) user message's text contains
+    ``when_first_user_message_contains`` (``when_last_user_message_contains``); exactly one of
+    the three is given."""
 
     model_config = ConfigDict(extra="forbid")
-    when_last_message_contains: str = Field(min_length=1)
+    when_last_message_contains: str | None = Field(default=None, min_length=1)
+    when_first_user_message_contains: str | None = Field(default=None, min_length=1)
+    when_last_user_message_contains: str | None = Field(default=None, min_length=1)
     step: Step
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> Rule:
+        given = [
+            self.when_last_message_contains,
+            self.when_first_user_message_contains,
+            self.when_last_user_message_contains,
+        ]
+        if sum(c is not None for c in given) != 1:
+            raise ValueError(
+                "a rule needs exactly one of when_last_message_contains, "
+                "when_first_user_message_contains and when_last_user_message_contains"
+            )
+        return self
+
+    def matches(self, messages: Sequence[Mapping[str, Any]]) -> bool:
+        if self.when_last_message_contains is not None:
+            return self.when_last_message_contains in message_text(messages[-1])
+        users = [m for m in messages if m.get("role") == "user"]
+        if not users:
+            return False
+        if self.when_first_user_message_contains is not None:
+            return self.when_first_user_message_contains in message_text(users[0])
+        assert self.when_last_user_message_contains is not None
+        return self.when_last_user_message_contains in message_text(users[-1])
 
 
 class Policy(BaseModel):
@@ -114,9 +147,8 @@ class Policy(BaseModel):
     def choose(self, messages: Sequence[Mapping[str, Any]], has_tools: bool) -> Step:
         """The step answering a request with these messages (see module docstring)."""
         if self.rules and messages:
-            text = message_text(messages[-1])
             for rule in self.rules:
-                if rule.when_last_message_contains in text:
+                if rule.matches(messages):
                     return rule.step
         if not has_tools:
             return Step(content=self.title)

@@ -15,12 +15,14 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from capture_proxy.core.chains import build_chains
+from capture_proxy.core.lineage import find_lineage
 from capture_proxy.core.records import CallRecord, DiagnosticKind
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.summary import link_stats
 from capture_proxy.core.view import tokens
 from capture_proxy.core.view.call import call_view, plan_call
 from capture_proxy.core.view.call_tree import build_call_tree
+from capture_proxy.core.view.episode import episode_rows
 from capture_proxy.core.view.rollouts import (
     STATUSES,
     RolloutRow,
@@ -205,8 +207,11 @@ async def rollouts_page(request: web.Request) -> web.Response:
 
 def _rollout_model(rollout_id: str, records: list[CallRecord]) -> dict[str, Any]:
     tree = build_call_tree(rollout_id, records)
-    stats = link_stats(records, build_chains(rollout_id, records))
-    return {"tree": tree, "stats": stats}
+    chains = build_chains(rollout_id, records)
+    stats = link_stats(records, chains)
+    lineage = find_lineage(chains)
+    episode = episode_rows(records, chains, lineage) if lineage else []
+    return {"tree": tree, "stats": stats, "episode": episode}
 
 
 async def rollout_page(request: web.Request) -> web.Response:

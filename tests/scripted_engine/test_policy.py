@@ -111,3 +111,39 @@ def test_opencode_step_limit_policy_obeys_the_note():
     note = {"role": "user", "content": STEP_LIMIT_NOTE_TEXT}
     answer = policy.choose([U, A, T, A, T, note], True)
     assert answer.content and not answer.tool_calls
+
+
+def test_rules_on_the_first_and_last_user_message():
+    policy = Policy.model_validate(
+        {
+            "steps": [{"content": "step 0"}],
+            "rules": [
+                {"when_first_user_message_contains": "count lines", "step": {"content": "sub"}},
+                {"when_last_user_message_contains": "say hello", "step": {"content": "Hello."}},
+            ],
+        }
+    )
+    sub = [
+        {"role": "system", "content": "x"},
+        {"role": "user", "content": [{"type": "text", "text": "Please count lines."}]},
+        {"role": "system", "content": "deferred tools"},
+    ]
+    assert policy.choose(sub, has_tools=True).content == "sub"
+    later = [
+        {"role": "user", "content": "task"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "now say hello"},
+        {"role": "system", "content": "deferred tools"},
+    ]
+    assert policy.choose(later, has_tools=True).content == "Hello."
+    assert policy.choose([{"role": "user", "content": "task"}], has_tools=True).content == "step 0"
+    assert policy.choose([{"role": "system", "content": "x"}], has_tools=True).content == "step 0"
+
+
+@pytest.mark.parametrize(
+    "conditions",
+    [{}, {"when_last_message_contains": "a", "when_first_user_message_contains": "b"}],
+)
+def test_a_rule_has_exactly_one_condition(conditions):
+    with pytest.raises(ValueError, match="exactly one of"):
+        Policy.model_validate({"rules": [{**conditions, "step": {"content": "x"}}]})

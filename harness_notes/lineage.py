@@ -1,0 +1,64 @@
+"""What a harness leaves in its requests when one conversation starts from another.
+
+Declarations only (no matching, no I/O): each harness module lists, in a ``LINEAGE`` tuple,
+the tools whose input hands a sub-agent its task (``SpawnTool``), the texts that mark a fork's
+first new messages (``ForkMarker``), and how a compaction summary is carried into the next
+conversation (``SummaryTags``: the summary call's answer wraps it in tags; ``SummaryPrefix``:
+the next conversation's message starts with a fixed text and then the summary;
+``SummaryRequest``: the summary call's last user message holds a fixed instruction). The rules
+that use them live in ``capture_proxy.core.lineage``, which also has generic rules for
+harnesses that declare nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SpawnTool:
+    """A tool call that starts a sub-agent: ``arguments[prompt_field]`` (a string) is the
+    sub-agent's first user message."""
+
+    harness: str
+    tool_name: str
+    prompt_field: str
+
+
+@dataclass(frozen=True)
+class ForkMarker:
+    """A text found in a fork's messages after the history it replays."""
+
+    harness: str
+    text: str
+
+
+@dataclass(frozen=True)
+class SummaryTags:
+    """A summary call's answer holds the summary between ``open_tag`` and ``close_tag``; the
+    next conversation's first user message carries that body."""
+
+    harness: str
+    open_tag: str
+    close_tag: str
+
+
+@dataclass(frozen=True)
+class SummaryPrefix:
+    """The next conversation carries the summary in a message that starts with ``prefix``;
+    the text after it (stripped) is the summary call's answer."""
+
+    harness: str
+    prefix: str
+
+
+@dataclass(frozen=True)
+class SummaryRequest:
+    """A call whose last user message contains ``instruction`` asks for a summary: its answer
+    text is carried into the next conversation."""
+
+    harness: str
+    instruction: str
+
+
+LineageDeclaration = SpawnTool | ForkMarker | SummaryTags | SummaryPrefix | SummaryRequest

@@ -1,0 +1,419 @@
+"""Lineage edges between the chains of a rollout: each harness scenario gives exactly the
+expected edge with its evidence; unrelated sessions stay unjoined; the order of the records
+does not matter."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+from capture_proxy.core.chains import build_chains
+from capture_proxy.core.lineage import LineageKind, LineageRules, find_lineage
+from capture_proxy.core.lineage.find import count_by_kind
+from capture_proxy.core.lineage.messages import text_sha256
+from capture_proxy.core.records import CallRecord
+from harness_notes.codex import SUMMARY_PREFIX
+from tests.factories import record
+
+TASK = "Fix the failing test in tests/test_math.py and run the suite."
+SUB_PROMPT = (
+    "Search the repository for every caller of parse_config and list the files with line "
+    "numbers; do not edit anything."
+)
+SUMMARY_BODY = (
+    "The user asked to fix the failing test. I read tests/test_math.py, found the off-by-one "
+    "in add(), fixed it and the suite passes except one slow test."
+)
+
+
+def user(text: str | list[str]) -> dict[str, Any]:
+    if isinstance(text, list):
+        return {"role": "user", "content": [{"type": "text", "text": t} for t in text]}
+    return {"role": "user", "content": text}
+
+
+def assistant(text: str | None = None, calls: list[tuple[str, str, dict[str, Any]]] = ()):  # type: ignore[assignment]
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["tool_calls"] = [
+            {"id": i, "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+            for i, n, a in calls
+        ]
+    return message
+
+
+def tool(call_id: str, text: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def call(
+    call_id: str,
+    created_at: float,
+    prompt: list[int],
+    generation: list[int],
+    messages: list[dict[str, Any]],
+    answer: dict[str, Any],
+    retry_of: str | None = None,
+) -> CallRecord:
+    r = record(call_id, prompt, generation, created_at=created_at)
+    r.request_messages = messages
+    r.response_message = answer
+    r.retry_of = retry_of
+    return r
+
+
+SYSTEM = {"role": "system", "content": "x-anthropic-billing-header: cc_version=2.1.328.a1f;"}
+FORK_SYSTEM = {
+    "role": "system",
+    "content": "x-anthropic-billing-header: cc_version=2.1.328.9c2; cc_is_subagent=true;",
+}
+
+
+def lineage_of(records: list[CallRecord]) -> dict[str, list[dict[str, Any]]]:
+    chains = build_chains("r1", records)
+    return {k: [e.to_json() for e in v] for k, v in find_lineage(chains).items()}
+
+
+def main_turn() -> CallRecord:
+    answer = assistant(None, [("toolu_1", "Agent", {"description": "find", "prompt": SUB_PROMPT})])
+    return call("m1", 1.0, [1, 2, 3], [4, 5], [SYSTEM, user(TASK)], answer)
+
+
+def test_a_sub_agent_is_spawned_by_the_call_of_its_agent_tool() -> None:
+    sub = call(
+        "s1",
+        2.0,
+        [100, 101],
+        [102],
+        [
+            {"role": "system", "content": "sub"},
+            user(["<system-reminder>x</system-reminder>", SUB_PROMPT]),
+        ],
+        assistant("found 3 callers"),
+    )
+    assert lineage_of([main_turn(), sub]) == {
+        "s1": [
+            {
+                "kind": "spawned_by",
+                "chain_id": "m1",
+                "from_call_id": "m1",
+                "evidence": {
+                    "rule": "claude_code.spawn_tool",
+                    "tool_name": "Agent",
+                    "tool_call_id": "toolu_1",
+                    "field": "prompt",
+                    "message_index": 1,  # after the system message
+                    "text_sha256": text_sha256(SUB_PROMPT),
+                    "num_chars": len(SUB_PROMPT),
+                },
+            }
+        ]
+    }
+
+
+def test_two_identical_sub_agents_take_one_tool_call_each_in_order() -> None:
+    agent = {"description": "find", "prompt": SUB_PROMPT}
+    m1 = call(
+        "m1",
+        1.0,
+        [1, 2, 3],
+        [4, 5],
+        [user(TASK)],
+        assistant(None, [("toolu_a", "Agent", agent), ("toolu_b", "Agent", agent)]),
+    )
+    subs = [
+        call(f"s{i}", 2.0 + i, [100 + 10 * i], [101], [user(SUB_PROMPT)], assistant("done"))
+        for i in (1, 2)
+    ]
+    edges = lineage_of([m1, *subs])
+    assert {
+        k: (v[0]["from_call_id"], v[0]["evidence"]["tool_call_id"]) for k, v in edges.items()
+    } == {
+        "s1": ("m1", "toolu_a"),
+        "s2": ("m1", "toolu_b"),
+    }
+
+
+def test_a_fork_is_found_by_its_replayed_history_and_marker() -> None:
+    # as Claude Code 2.1.328 forks: the parent's turn replayed as the fork's own tool call
+    # alone (no text, no thinking, not the turn's other tool calls)
+    m1 = main_turn()
+    other = {"id": "toolu_2", "type": "function", "function": {"name": "Read", "arguments": "{}"}}
+    m1.response_message = {  # type: ignore[assignment]
+        **m1.response_message,  # type: ignore[dict-item]
+        "content": "Forking.",
+        "reasoning_content": "I will fork.",
+        "tool_calls": [*m1.response_message["tool_calls"], other],  # type: ignore[index]
+    }
+    replayed = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": m1.response_message["tool_calls"][:1],
+    }
+    fork = call(
+        "f1",
+        2.0,
+        [1, 2, 9, 9],
+        [10],
+        [
+            FORK_SYSTEM,
+            user(TASK),
+            replayed,
+            tool("toolu_1", "Fork started \u2014 that fork is you."),
+            user("<fork-boilerplate>You are a fork.</fork-boilerplate>"),
+        ],
+        assistant("fork working"),
+    )
+    assert lineage_of([m1, fork])["f1"] == [
+        {
+            "kind": "forked_from",
+            "chain_id": "m1",
+            "from_call_id": "m1",
+            "evidence": {
+                "rule": "claude_code.fork_marker",
+                "num_messages": 2,
+                "common_prefix_tokens": 2,
+                "marker": "Fork started \u2014 that fork is you.",
+                "message_index": 3,  # in request_messages
+            },
+        }
+    ]
+
+
+def test_a_claude_code_compaction_comes_from_the_summary_call() -> None:
+    m1 = call("m1", 1.0, [1, 2, 3], [4, 5], [user(TASK)], assistant("I fixed add()."))
+    summary = call(
+        "m2",
+        2.0,
+        [1, 2, 3, 4, 5, 6],
+        [7],
+        [user(TASK), assistant("I fixed add()."), user("Summarise the conversation.")],
+        assistant(f"<analysis>notes</analysis>\n<summary>\n{SUMMARY_BODY}\n</summary>"),
+    )
+    after = call(
+        "c1",
+        3.0,
+        [1, 50, 51],
+        [52],
+        [SYSTEM, user(f"This session is being continued.\nSummary:\n{SUMMARY_BODY}\n\nGo on.")],
+        assistant("continuing"),
+    )
+    assert lineage_of([m1, summary, after]) == {
+        "c1": [
+            {
+                "kind": "compacted_from",
+                "chain_id": "m1",
+                "from_call_id": "m2",
+                "evidence": {
+                    "rule": "claude_code.summary_tags",
+                    "message_index": 1,
+                    "text_sha256": text_sha256(SUMMARY_BODY),
+                    "num_chars": len(SUMMARY_BODY),
+                    "replaces_chain_id": "m1",
+                },
+            }
+        ]
+    }
+
+
+def test_a_codex_compaction_carries_the_summary_after_its_prefix() -> None:
+    summary = call(
+        "m1", 1.0, [1, 2, 3], [4, 5], [user(TASK), user("compact")], assistant(SUMMARY_BODY)
+    )
+    after = call(
+        "c1",
+        2.0,
+        [60, 61],
+        [62],
+        [user(TASK), user(f"{SUMMARY_PREFIX} Here is the summary:\n{SUMMARY_BODY}")],
+        assistant("ok"),
+    )
+    # the prefix rule takes the text after the declared prefix; here more text follows the
+    # prefix than the answer, so only the generic rules could match, and neither does
+    assert lineage_of([summary, after]) == {}
+    after.request_messages = [user(TASK), user(f"{SUMMARY_PREFIX}\n{SUMMARY_BODY}")]
+    edges = lineage_of([summary, after])
+    assert [(e["kind"], e["from_call_id"], e["evidence"]["rule"]) for e in edges["c1"]] == [
+        ("compacted_from", "m1", "codex.summary_prefix")
+    ]
+    assert edges["c1"][0]["evidence"]["message_index"] == 1
+
+
+def test_a_resumed_session_replays_the_whole_conversation_of_a_chains_last_call() -> None:
+    a1 = call("a1", 1.0, [1, 2], [3], [SYSTEM, user(TASK)], assistant("step 1"))
+    a2 = call(
+        "a2",
+        2.0,
+        [1, 2, 3, 4],
+        [5],
+        [SYSTEM, user(TASK), assistant("step 1"), user("next")],
+        assistant("step 2"),
+    )
+    resumed = call(
+        "r1",
+        3.0,
+        [1, 7, 8],
+        [9],
+        [
+            FORK_SYSTEM,
+            user(TASK),
+            assistant("step 1"),
+            user("next"),
+            assistant("step 2"),
+            user("go on"),
+        ],
+        assistant("step 3"),
+    )
+    edges = lineage_of([a1, a2, resumed])
+    assert edges == {
+        "r1": [
+            {
+                "kind": "resumed_from",
+                "chain_id": "a1",
+                "from_call_id": "a2",
+                "evidence": {
+                    "rule": "generic.history_replayed",
+                    "num_messages": 4,
+                    "common_prefix_tokens": 1,
+                    "next_role": "user",
+                },
+            }
+        ]
+    }
+
+
+def test_a_history_that_leaves_a_chain_midway_is_a_branch() -> None:
+    a1 = call("a1", 1.0, [1, 2], [3], [user(TASK)], assistant("step 1"))
+    a2 = call(
+        "a2",
+        2.0,
+        [1, 2, 3, 4],
+        [5],
+        [user(TASK), assistant("step 1"), user("next")],
+        assistant("x"),
+    )
+    other = call(
+        "b1",
+        3.0,
+        [20, 21],
+        [22],
+        [user(TASK), assistant("step 1"), user("other way")],
+        assistant("y"),
+    )
+    edges = lineage_of([a1, a2, other])
+    assert [(e["kind"], e["from_call_id"], e["evidence"]["rule"]) for e in edges["b1"]] == [
+        ("forked_from", "a1", "generic.history_branch")
+    ]
+
+
+def test_unrelated_sessions_with_one_task_stay_unjoined() -> None:
+    records = []
+    for s in range(3):  # parallel samples of one task, two turns each
+        base = 1000 * (s + 1)
+        first = assistant(None, [(f"call_{s}", "bash", {"command": "pytest -q"})])
+        records.append(call(f"s{s}a", 1.0 + s, [base], [base + 1], [user(TASK)], first))
+        history = [user(TASK), first, tool(f"call_{s}", "1 failed")]
+        records.append(
+            call(
+                f"s{s}b",
+                5.0 + s,
+                [base, base + 1, base + 2],
+                [base + 3],
+                history,
+                assistant("done"),
+            )
+        )
+    chains = build_chains("r1", records)
+    assert len(chains.chains) == 3
+    assert find_lineage(chains) == {}
+
+
+def continued(parent: CallRecord, call_id: str, created_at: float) -> CallRecord:
+    prompt = [*parent.prompt_token_ids.tolist(), *parent.generation_token_ids.tolist(), 99]
+    history = [*parent.request_messages, parent.response_message, user("next")]
+    return call(call_id, created_at, prompt, [98], history, assistant("more"))  # type: ignore[list-item]
+
+
+def test_a_root_retrying_a_call_of_another_chain_is_retried_from_it() -> None:
+    # both attempts went on (each has a child), so both stay in chains: an episode retried
+    a1 = call("a1", 1.0, [1, 2], [3], [user(TASK)], assistant("step 1"))
+    again = call("a9", 2.0, [40, 41], [42], [user(TASK)], assistant("step 1'"), retry_of="a1")
+    children = [continued(a1, "a2", 3.0), continued(again, "a10", 4.0)]
+    assert lineage_of([a1, again, *children]) == {
+        "a9": [
+            {
+                "kind": "retried_from",
+                "chain_id": "a1",
+                "from_call_id": "a1",
+                "evidence": {"rule": "retry_of"},
+            }
+        ]
+    }
+
+
+def test_generic_rules_for_undeclared_harnesses() -> None:
+    long_task = (
+        "Write a migration that adds an index on calls(rollout_id, depth) and a test for it."
+    )
+    m1 = call(
+        "m1",
+        1.0,
+        [1, 2],
+        [3],
+        [user(TASK)],
+        assistant(None, [("c1", "spawn_worker", {"instructions": long_task, "tag": "w"})]),
+    )
+    worker = call("w1", 2.0, [70], [71], [user(long_task)], assistant(SUMMARY_BODY))
+    # OpenCode-style compaction: the next root holds the summary call's answer as a message
+    resumed = call(
+        "n1", 3.0, [80], [81], [user(TASK), assistant(SUMMARY_BODY), user("go on")], assistant("k")
+    )
+    edges = lineage_of([m1, worker, resumed])
+    assert [
+        (k, e["kind"], e["from_call_id"], e["evidence"]["rule"])
+        for k, v in edges.items()
+        for e in v
+    ] == [
+        ("w1", "spawned_by", "m1", "generic.tool_input_text"),
+        ("n1", "compacted_from", "w1", "generic.answer_text_carried"),
+    ]
+    assert count_by_kind(find_lineage(build_chains("r1", [m1, worker, resumed]))) == {
+        "spawned_by": 1,
+        "forked_from": 0,
+        "compacted_from": 1,
+        "resumed_from": 0,
+        "retried_from": 0,
+    }
+
+
+def test_short_inputs_of_undeclared_tools_and_later_calls_are_no_evidence() -> None:
+    m1 = call(
+        "m1",
+        1.0,
+        [1],
+        [2],
+        [user(TASK)],
+        assistant(None, [("c1", "grep", {"pattern": "parse_config"})]),
+    )
+    sub = call("s1", 2.0, [30], [31], [user("parse_config")], assistant("x"))
+    assert lineage_of([m1, sub]) == {}
+    # a tool call received after the root cannot have spawned it
+    early = call("s0", 0.5, [30], [31], [user(SUB_PROMPT)], assistant("x"))
+    assert lineage_of([main_turn(), early]) == {}
+    rules = LineageRules(declarations=())
+    assert find_lineage(build_chains("r1", [main_turn(), early]), rules) == {}
+
+
+def test_edges_do_not_depend_on_the_order_of_the_records() -> None:
+    sub = call("s1", 2.0, [100], [101], [user(SUB_PROMPT)], assistant("done"))
+    a1 = call("a1", 3.0, [1000], [3], [user("other")], assistant("step 1"))
+    again = call("a9", 4.0, [40, 41], [42], [user("other")], assistant("z"), retry_of="a1")
+    records = [main_turn(), sub, a1, again, continued(a1, "a2", 5.0), continued(again, "a10", 6.0)]
+    expected = lineage_of(records)
+    assert set(expected) == {"s1", "a9"}
+    rng = random.Random(7)
+    for _ in range(5):
+        rng.shuffle(records)
+        assert lineage_of(records) == expected
+    assert LineageKind("spawned_by") is LineageKind.SPAWNED_BY
