@@ -16,7 +16,7 @@ def test_sub_agents_are_drawn_under_the_chain_that_spawned_them() -> None:
         4.0,
         [1, 2, 3, 4, 5, 6],
         [7],
-        [user("task"), m1.response_message, {"role": "tool", "tool_call_id": "toolu_1", "content": "x"}],  # type: ignore[list-item]
+        [user("task"), m1.response_message, {"role": "tool", "tool_call_id": "toolu_1"}],  # type: ignore[list-item]
         assistant("done"),
     )
     subs = [
