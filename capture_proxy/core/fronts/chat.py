@@ -10,8 +10,9 @@ proxy added, see ``core.capture``). Pure.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
+from capture_proxy.core.conversation import ChatRequest
 from capture_proxy.core.fronts.base import (
     Answer,
     Api,
@@ -73,7 +74,9 @@ class ChatCodec:
         except InvalidRequest as exc:
             raise InvalidFrontRequest(str(exc), exc.param) from exc
         received = {k: v for k, v in body.items() if k != "messages"}
-        return FrontRequest(self.api, body, bool(body.get("stream")), received, message_facts=facts)
+        # Validated: the chat body is the canonical request itself (extras and all).
+        chat = cast(ChatRequest, body)
+        return FrontRequest(self.api, chat, bool(body.get("stream")), received, message_facts=facts)
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         body = request.chat
