@@ -20,8 +20,9 @@ from capture_proxy.core.fronts.base import (
     InvalidFrontRequest,
     token_id_list,
 )
+from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.requests import InvalidRequest, validate_chat_request
+from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.sse import encode_json_event
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -47,6 +48,7 @@ def logprobs_content(token_ids: list[int], log_probs: list[float | None] | None)
 
 
 def chat_usage(num_prompt_tokens: int, num_generation_tokens: int) -> dict[str, int]:
+    """Chat ``usage``: ``{prompt_tokens, completion_tokens, total_tokens}``."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_generation_tokens,
