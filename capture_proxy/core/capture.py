@@ -45,8 +45,9 @@ def prepare_request(
     notes: NoteMatcher | None,
     facts: Sequence[MessageFacts] | None = None,
 ) -> PreparedRequest:
-    """Rewrite a trailing harness note into a user message (the body is copied, not changed).
-    ``facts``: the ``known_messages`` facts of ``body["messages"]``, carried along."""
+    """Rewrite a trailing harness note into a user message (the request is copied, not
+    changed). ``facts``: the ``known_messages`` facts of ``request["messages"]``, carried
+    along."""
     body = open_dict(request)  # the engine's body: the canonical request, extras and all
     messages = list(body.get("messages") or [])
     known = tuple(facts) if facts is not None and len(facts) == len(messages) else None

@@ -159,8 +159,9 @@ class PartsStreamEncoder(abc.ABC):
     encoders); subclasses give ``start``, ``finish``, ``error`` and the three parts. Empty
     text parts and fragments that are not objects are skipped; token data is ignored."""
 
-    #: the delta keys that carry reasoning: the first one present (not None) is read
-    reasoning_keys: tuple[str, ...] = ("reasoning_content",)
+    #: reasoning is read from ``reasoning_content``, and when that is absent (None) also from
+    #: vLLM's newer name ``reasoning`` if this is set
+    reads_reasoning_alias: bool = False
 
     def delta(
         self,
@@ -170,7 +171,9 @@ class PartsStreamEncoder(abc.ABC):
         log_probs: list[float | None] | None = None,
     ) -> list[bytes]:
         out: list[bytes] = []
-        reasoning = next((delta[k] for k in self.reasoning_keys if delta.get(k) is not None), None)
+        reasoning = delta.get("reasoning_content")
+        if reasoning is None and self.reads_reasoning_alias:
+            reasoning = delta.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
             out += self.reasoning_part(reasoning)
         content = delta.get("content")

@@ -93,6 +93,8 @@ def stop_reason(answer: Answer) -> str:
 
 
 def message_usage(answer: Answer) -> dict[str, int]:
+    """The ``usage`` of a ``message``: prompt and generated token counts of the chat usage
+    (0 when the engine gave none), no cache counts (the proxy caches nothing)."""
     usage = answer.usage or {}
     return {
         "input_tokens": int(usage.get("prompt_tokens") or 0),
@@ -148,10 +150,12 @@ def options_of(request: FrontRequest) -> MessagesOptions:
 
 
 def anthropic_error_body(message: str, error_type: str) -> dict[str, Any]:
+    """Anthropic's error shape ``{"type": "error", "error": {"type", "message"}}``."""
     return {"type": "error", "error": {"type": error_type, "message": message}}
 
 
 def error_type_for(status: int) -> str:
+    """The Anthropic error type of an HTTP ``status`` (``ERROR_TYPES``)."""
     if status in ERROR_TYPES:
         return ERROR_TYPES[status]
     return "api_error" if status >= 500 else "invalid_request_error"

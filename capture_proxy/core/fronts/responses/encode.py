@@ -60,6 +60,7 @@ class ItemIds:
 
 
 def reasoning_item(item_id: str, call_id: str, text: str, opts: ResponsesOptions) -> dict[str, Any]:
+    """A done ``reasoning`` item holding ``text`` (see the module docstring for where)."""
     item: dict[str, Any] = {
         "id": item_id,
         "type": "reasoning",
@@ -72,10 +73,12 @@ def reasoning_item(item_id: str, call_id: str, text: str, opts: ResponsesOptions
 
 
 def text_part(text: str) -> dict[str, Any]:
+    """An ``output_text`` content part."""
     return {"type": "output_text", "text": text, "annotations": []}
 
 
 def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    """An assistant ``message`` item (``text`` None: the in-progress item, no part yet)."""
     return {
         "id": item_id,
         "type": "message",
@@ -124,6 +127,7 @@ def call_item(
 
 
 def response_usage(usage: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The Responses ``usage`` of a chat usage (None when there is none)."""
     if not usage:
         return None
     prompt = usage.get("prompt_tokens") or 0

@@ -70,7 +70,7 @@ class ResponsesStream(PartsStreamEncoder):
     turn, so the deltas must add up to the answer; parts of the answer no delta carried are
     streamed by ``finish``."""
 
-    reasoning_keys = ("reasoning_content", "reasoning")
+    reads_reasoning_alias = True
 
     def __init__(self, request: FrontRequest, head: Answer):
         self.request = request
