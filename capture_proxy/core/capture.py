@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from capture_proxy.core.conversation import ChatRequest, open_dict
 from capture_proxy.core.known_messages import MessageFacts, derive_facts, message_key
 from capture_proxy.core.routed_experts import routed_experts_request_fields
 
@@ -40,12 +41,14 @@ class PreparedRequest:
 
 
 def prepare_request(
-    body: dict[str, Any],
+    request: ChatRequest | dict[str, Any],
     notes: NoteMatcher | None,
     facts: Sequence[MessageFacts] | None = None,
 ) -> PreparedRequest:
-    """Rewrite a trailing harness note into a user message (the body is copied, not changed).
-    ``facts``: the ``known_messages`` facts of ``body["messages"]``, carried along."""
+    """Rewrite a trailing harness note into a user message (the request is copied, not
+    changed). ``facts``: the ``known_messages`` facts of ``request["messages"]``, carried
+    along."""
+    body = open_dict(request)  # the engine's body: the canonical request, extras and all
     messages = list(body.get("messages") or [])
     known = tuple(facts) if facts is not None and len(facts) == len(messages) else None
     note = notes.match_trailing_note(messages) if notes is not None else None

@@ -10,7 +10,7 @@ session: about 3 ms of a 20 ms call at the last turn, against nothing at the fir
 ``KnownMessages`` keeps those facts per message value. The key is the message's orjson text
 (compact, keys in their order): two messages with the same key are the same JSON value, and the
 key tells apart what Python's ``==`` does not (``1``, ``1.0`` and ``true``). Messages come from
-JSON, which has no NaN or infinities (``requests.parse_json_object`` refuses them, also a number
+JSON, which has no NaN or infinities (``json_bodies.parse_json_object`` refuses them, also a number
 past the double range), so no key's ``null`` stands for one (orjson writes them as ``null``). A
 message orjson
 cannot write (an integer past 64 bits, a lone surrogate, deep nesting) gets facts that are

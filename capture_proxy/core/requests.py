@@ -8,7 +8,6 @@ with a 400 and never forwarded half-parsed.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -27,16 +26,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from capture_proxy.core.json_bodies import MAX_NESTING, InvalidRequest, check_text
+
 if TYPE_CHECKING:
     from capture_proxy.core.known_messages import MessageFacts
-
-
-class InvalidRequest(ValueError):
-    """The body is not a valid captured chat request. ``param`` names the field (dotted)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 class _Lenient(BaseModel):
@@ -249,114 +242,6 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    """A JSON number as a float; one past the double range (``1e400``) is refused, not made
-    an infinity that JSON cannot write back (orjson would send it on as ``null``)."""
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"number {text[:40]} is out of the range of a double")
-    return value
-
-
-#: Digits 1-9 to 0, so that ``_LONG_NUMBER in raw.translate(...)`` finds any run of 19 digits.
-_DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
-#: orjson keeps integers in [-2**63, 2**64) exact and parses any other as a float: 2**64 has 20
-#: digits, but -2**63 - 1 has 19, so a body with a run of 19 digits takes the stdlib's exact
-#: path (slower, and rare: token ids and counts have fewer digits).
-_LONG_NUMBER = b"0" * 19
-
-
-#: Deepest nesting of arrays and objects a request may have: what orjson serialises (it
-#: refuses deeper values, which is how a deep body is noticed without a walk over every
-#: request); no chat request comes near it.
-MAX_NESTING = 254
-
-
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Parse a request body as a JSON object (strict: no NaN/Infinity). Raises InvalidRequest.
-
-    orjson first (3-5x faster on agent histories of tens of KB); a body orjson refuses, or
-    one with a 19-digit number, goes through the stdlib, which keeps big integers exact and
-    names what is wrong."""
-    if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
-        try:
-            fast = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            if isinstance(fast, dict):
-                # orjson refuses lone surrogates but takes 1,024 levels: deeper than
-                # MAX_NESTING is possible only with that many brackets.
-                if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:
-                    _check_text(fast)
-                return fast
-    try:
-        obj = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
-    except UnicodeDecodeError as exc:
-        raise InvalidRequest(f"request body is not UTF-8: {exc.reason}", "body") from exc
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}", "body") from exc
-    except RecursionError as exc:
-        raise InvalidRequest(
-            f"request body nests too deeply; at most {MAX_NESTING} levels are accepted", "body"
-        ) from exc
-    if not isinstance(obj, dict):
-        raise InvalidRequest(
-            f"request body must be a JSON object, got {type(obj).__name__}", "body"
-        )
-    _check_text(obj)
-    return obj
-
-
-def text_problem(value: Any) -> InvalidRequest | None:
-    """What makes a parsed JSON value unfit to forward, store or record, or None: nesting past
-    ``MAX_NESTING`` levels (``param`` ``body``), or a lone UTF-16 surrogate (JSON allows
-    ``"\\ud800"``; UTF-8 cannot carry it) in a string or key (``param``: its dotted path,
-    e.g. ``messages.0.content``). The one text check of every API front and the read API.
-    Cheap when the value is fine (orjson's encoder refuses both); iterative otherwise."""
-    try:
-        orjson.dumps(value)
-    except TypeError:
-        pass
-    else:
-        return None
-    depth = _nesting(value)
-    if depth > MAX_NESTING:
-        return InvalidRequest(
-            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted", "body"
-        )
-    surrogate = _lone_surrogate_path(value)
-    if surrogate is not None:
-        return InvalidRequest(
-            f"'{surrogate}' contains a lone UTF-16 surrogate, which is not valid Unicode",
-            surrogate,
-        )
-    return None  # orjson refused something else (an integer past 64 bits): fine
-
-
-def _check_text(value: Any) -> None:
-    problem = text_problem(value)
-    if problem is not None:
-        raise problem
-
-
-def loads_like_stdlib(raw: bytes) -> Any:
-    """``json.loads(raw)``, by orjson where that parses to the same value (3-5x faster on an
-    engine answer carrying a long prompt's ids): a body with a 19-digit number (orjson makes
-    a float of an integer past 64 bits) or one orjson refuses (``NaN`` literals, lone
-    surrogates) takes the stdlib. Raises ValueError."""
-    if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
-
-
 _MESSAGES: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
 
 
@@ -401,20 +286,8 @@ def validate_chat_request(
             "request per rollout id (identical requests in one rollout are recorded as retries)",
             "n",
         )
-    if _is_valid_unicode(body, facts):
-        return req
-    # orjson refused the body: too deep, or a lone surrogate (the walks below are iterative).
-    depth = _nesting(body)
-    if depth > MAX_NESTING:
-        raise InvalidRequest(
-            f"request body nests {depth} levels deep; at most {MAX_NESTING} are accepted", "body"
-        )
-    surrogate = _lone_surrogate_path(body)
-    if surrogate is not None:
-        raise InvalidRequest(
-            f"'{surrogate}' contains a lone UTF-16 surrogate, which is not valid Unicode",
-            surrogate,
-        )
+    if not _is_valid_unicode(body, facts):
+        check_text(body)  # orjson refused the body: name what is too deep or not Unicode
     return req
 
 
@@ -453,49 +326,3 @@ def _is_valid_unicode(body: dict[str, Any], facts: Sequence[MessageFacts] | None
 
 def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "bool"} or "[" in part)
-
-
-def _children(value: Any, path: str) -> list[tuple[str, Any]]:
-    if isinstance(value, dict):
-        return [(f"{path}.{k}" if path else str(k), v) for k, v in value.items()]
-    if isinstance(value, list):
-        return [(f"{path}.{i}" if path else str(i), v) for i, v in enumerate(value)]
-    return []
-
-
-def _nesting(value: Any) -> int:
-    """How many arrays and objects deep ``value`` goes (without recursion)."""
-    deepest = 0
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for _, child in _children(item, ""))
-    return deepest
-
-
-def _lone_surrogate_path(value: Any) -> str | None:
-    """Dotted path of the first string (key or value, in document order) holding a lone
-    surrogate (JSON allows ``\ud800``); walked without recursion."""
-    stack: list[tuple[str, Any]] = [("", value)]
-    while stack:
-        path, item = stack.pop()
-        if isinstance(item, str):
-            if not _encodes(item):
-                return path or "body"
-            continue
-        if isinstance(item, dict):
-            for key in item:
-                if isinstance(key, str) and not _encodes(key):
-                    return path or "body"
-        stack.extend(reversed(_children(item, path)))
-    return None
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

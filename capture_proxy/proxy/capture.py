@@ -23,10 +23,10 @@ from aiohttp import web
 from capture_proxy.core.assembly import CallContext
 from capture_proxy.core.capture import augment_chat_request, prepare_request
 from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest, InvalidFrontRequest
-from capture_proxy.core.fronts.responses import referenced_response_id
+from capture_proxy.core.fronts.responses.parse import referenced_response_id
+from capture_proxy.core.json_bodies import InvalidRequest, parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.linking import Resolution, Verdict, request_digest
-from capture_proxy.core.requests import InvalidRequest, parse_json_object
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sampling import sampling_record
 from capture_proxy.families.base import ChatRenderer, RenderError, RendererUnavailable

@@ -34,7 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
-from capture_proxy.core.requests import text_problem
+from capture_proxy.core.json_bodies import text_problem
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 
 log = logging.getLogger("capture_proxy")

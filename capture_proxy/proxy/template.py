@@ -26,8 +26,8 @@ from capture_proxy.core.capture import HarnessAsked, strip_chat_chunk, strip_cha
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts.base import Answer, Api, StreamEncoder, answer_as_deltas
 from capture_proxy.core.fronts.chat import DONE_EVENT, openai_error_body
+from capture_proxy.core.json_bodies import loads_like_stdlib
 from capture_proxy.core.records import CallRecord
-from capture_proxy.core.requests import loads_like_stdlib
 from capture_proxy.core.sse import (
     DONE_SENTINEL,
     SSEStreamDecoder,

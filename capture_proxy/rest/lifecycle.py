@@ -25,8 +25,8 @@ from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.core.json_bodies import MAX_NESTING, text_problem
 from capture_proxy.core.metadata import MetadataError, RolloutMetadata
-from capture_proxy.core.requests import MAX_NESTING, text_problem
 from capture_proxy.proxy.errors import BadRequest, Conflict, NotFound, ProxyError
 from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
 from capture_proxy.proxy.recording import remove_recording

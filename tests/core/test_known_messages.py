@@ -13,6 +13,7 @@ from capture_proxy.core.assembly import CallContext
 from capture_proxy.core.capture import prepare_request
 from capture_proxy.core.codec import MessageDigests, canonical_json
 from capture_proxy.core.engine_formats import Piece
+from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import (
     KnownMessages,
     message_digests,
@@ -21,7 +22,7 @@ from capture_proxy.core.known_messages import (
 )
 from capture_proxy.core.linking import history_digest
 from capture_proxy.core.records import CallStatus
-from capture_proxy.core.requests import InvalidRequest, validate_chat_request
+from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.splice import SpliceRefused, check_extension
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, echo_matches
 

@@ -18,7 +18,8 @@ from capture_proxy.core.fronts.base import (
     StreamEncoder,
 )
 from capture_proxy.core.fronts.chat import ChatCodec
-from capture_proxy.core.fronts.messages import MessagesCodec, parse_count_tokens
+from capture_proxy.core.fronts.messages import MessagesCodec
+from capture_proxy.core.fronts.messages.parse import parse_count_tokens
 from capture_proxy.core.fronts.responses import ResponsesCodec
 
 __all__ = [

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
+from capture_proxy.core.conversation import ChatMessage, open_dict
 from capture_proxy.core.fronts.base import Api
 from capture_proxy.core.fronts.messages import MessagesCodec
 from capture_proxy.core.fronts.responses import ResponsesCodec
@@ -71,10 +72,10 @@ def _messages_message(content: list[Any]) -> dict[str, Any]:
     return _last_assistant(MessagesCodec().parse(body).chat["messages"])
 
 
-def _last_assistant(messages: list[dict[str, Any]]) -> dict[str, Any]:
+def _last_assistant(messages: list[ChatMessage]) -> dict[str, Any]:
     for message in reversed(messages):
         if message.get("role") == "assistant":
-            return message
+            return open_dict(message)
     return {"role": "assistant", "content": None}
 
 

@@ -4,9 +4,9 @@ Owns the shapes every front codec (``chat``, ``responses``, ``messages``) maps t
 that linking, both prompt modes, verification and storage never know which API a call came in
 on. Pure: no I/O, no aiohttp.
 
-The canonical conversation is a chat-completions request body (``FrontRequest.chat``), the
-form the engine renders in backend-template mode and the form records, digests and splices
-already use:
+The canonical conversation is a chat-completions request body (``FrontRequest.chat``, typed
+``core.conversation.ChatRequest``), the form the engine renders in backend-template mode and
+the form records, digests and splices already use:
 
 - ``messages``: ``system`` / ``user`` / ``assistant`` / ``tool`` messages. ``content`` is a
   string (or None on an assistant turn with tool calls); an assistant turn may carry
@@ -27,17 +27,19 @@ front's ``StreamEncoder`` turns into its API's SSE events as they arrive.
 
 from __future__ import annotations
 
+import abc
 import base64
 import enum
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
+from capture_proxy.core.conversation import ChatRequest
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.records import Diagnostic, DiagnosticKind
 
@@ -61,13 +63,14 @@ class InvalidFrontRequest(ValueError):
 
 @dataclass(frozen=True)
 class FrontRequest:
-    """A parsed request. ``chat``: the canonical conversation (see the module docstring);
-    ``stream``: whether the harness asked for SSE; ``received``: the body as received, less
-    its history field (``messages`` / ``input``), kept on the record; ``options``: what the
-    front's encoder needs back (front-private)."""
+    """A parsed request. ``chat``: the canonical conversation (``ChatRequest``, see the module
+    docstring); ``stream``: whether the harness asked for SSE; ``received``: the body as
+    received, less its history field (``messages`` / ``input``), kept on the record;
+    ``options``: what the front's encoder needs back (front-private: ``ResponsesOptions``,
+    ``MessagesOptions``, None for chat)."""
 
     api: Api
-    chat: dict[str, Any]
+    chat: ChatRequest
     stream: bool
     received: dict[str, Any] = field(default_factory=dict)
     options: Any = None
@@ -150,6 +153,51 @@ class StreamEncoder(Protocol):
         """An in-band error event for a stream whose headers are sent (no clean end)."""
 
 
+class PartsStreamEncoder(abc.ABC):
+    """The ``delta`` of a ``StreamEncoder`` that answers each part of a chat delta by itself,
+    in the order reasoning, content, tool-call fragments (the Responses and Messages
+    encoders); subclasses give ``start``, ``finish``, ``error`` and the three parts. Empty
+    text parts and fragments that are not objects are skipped; token data is ignored."""
+
+    #: reasoning is read from ``reasoning_content``, and when that is absent (None) also from
+    #: vLLM's newer name ``reasoning`` if this is set
+    reads_reasoning_alias: bool = False
+
+    def delta(
+        self,
+        delta: Mapping[str, Any],
+        *,
+        token_ids: list[int] | None = None,
+        log_probs: list[float | None] | None = None,
+    ) -> list[bytes]:
+        out: list[bytes] = []
+        reasoning = delta.get("reasoning_content")
+        if reasoning is None and self.reads_reasoning_alias:
+            reasoning = delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            out += self.reasoning_part(reasoning)
+        content = delta.get("content")
+        if isinstance(content, str) and content:
+            out += self.text_part(content)
+        for position, fragment in enumerate(delta.get("tool_calls") or []):
+            if isinstance(fragment, Mapping):
+                out += self.tool_call_part(fragment, position)
+        return out
+
+    @abc.abstractmethod
+    def reasoning_part(self, text: str) -> list[bytes]:
+        """The events of a reasoning text (non-empty)."""
+
+    @abc.abstractmethod
+    def text_part(self, text: str) -> list[bytes]:
+        """The events of a content text (non-empty)."""
+
+    @abc.abstractmethod
+    def tool_call_part(self, fragment: Mapping[str, Any], position: int) -> list[bytes]:
+        """The events of one tool-call fragment (``{"index", "id"?, "function"?}``), the
+        ``position``-th of its delta."""
+
+
 class FrontCodec(Protocol):
     """One wire API. Pure."""
 
@@ -207,6 +255,39 @@ def answer_as_deltas(message: Mapping[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+_Options = TypeVar("_Options")
+
+
+def front_options(request: FrontRequest, kind: type[_Options]) -> _Options:
+    """``request.options`` when it is a ``kind`` (the front's options dataclass), else
+    ``kind()``, its defaults (a request parsed by another front)."""
+    options = request.options
+    return options if isinstance(options, kind) else kind()
+
+
+def answer_model(request: FrontRequest, answer: Answer) -> Any:
+    """The model an answer names: the engine's, else the one the request asked for."""
+    return answer.model or request.chat.get("model")
+
+
+def is_int(value: Any) -> bool:
+    """A JSON integer (``True`` is not one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A JSON number: an int or a float (``True`` is not one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def loads_or_none(text: str) -> Any:
+    """``json.loads(text)``, or None when it is not JSON (or nests past the stack)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def sse_event(data: Any, event: str | None = None) -> bytes:

@@ -10,8 +10,9 @@ proxy added, see ``core.capture``). Pure.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
+from capture_proxy.core.conversation import ChatRequest
 from capture_proxy.core.fronts.base import (
     Answer,
     Api,
@@ -19,8 +20,9 @@ from capture_proxy.core.fronts.base import (
     InvalidFrontRequest,
     token_id_list,
 )
+from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.requests import InvalidRequest, validate_chat_request
+from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.sse import encode_json_event
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -46,6 +48,7 @@ def logprobs_content(token_ids: list[int], log_probs: list[float | None] | None)
 
 
 def chat_usage(num_prompt_tokens: int, num_generation_tokens: int) -> dict[str, int]:
+    """Chat ``usage``: ``{prompt_tokens, completion_tokens, total_tokens}``."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_generation_tokens,
@@ -73,7 +76,9 @@ class ChatCodec:
         except InvalidRequest as exc:
             raise InvalidFrontRequest(str(exc), exc.param) from exc
         received = {k: v for k, v in body.items() if k != "messages"}
-        return FrontRequest(self.api, body, bool(body.get("stream")), received, message_facts=facts)
+        # Validated: the chat body is the canonical request itself (extras and all).
+        chat = cast(ChatRequest, body)
+        return FrontRequest(self.api, chat, bool(body.get("stream")), received, message_facts=facts)
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         body = request.chat

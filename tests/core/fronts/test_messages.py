@@ -15,12 +15,10 @@ from capture_proxy.core.fronts.base import (
     open_reasoning,
     seal_reasoning,
 )
-from capture_proxy.core.fronts.messages import (
-    MessagesCodec,
-    MessagesOptions,
-    encode_count_tokens,
-    parse_count_tokens,
-)
+from capture_proxy.core.fronts.messages import MessagesCodec
+from capture_proxy.core.fronts.messages.encode import encode_count_tokens
+from capture_proxy.core.fronts.messages.options import MessagesOptions
+from capture_proxy.core.fronts.messages.parse import parse_count_tokens
 from capture_proxy.core.linking import canonical_turn, history_digest
 
 CODEC = MessagesCodec()

@@ -13,10 +13,10 @@ from capture_proxy.core.fronts.base import (
     open_reasoning,
     seal_reasoning,
 )
-from capture_proxy.core.fronts.responses import (
+from capture_proxy.core.fronts.responses import ResponsesCodec
+from capture_proxy.core.fronts.responses.options import ResponsesOptions
+from capture_proxy.core.fronts.responses.parse import (
     CUSTOM_TOOL_PARAMETERS,
-    ResponsesCodec,
-    ResponsesOptions,
     referenced_response_id,
 )
 

@@ -1,0 +1,459 @@
+"""Parsing an Anthropic Messages request (and a ``count_tokens`` one) into the canonical
+conversation.
+
+Owns the validation of a Messages body (errors name the field as a dotted path, e.g.
+``messages.3.content.1.type``), its mapping to the canonical chat request (see
+``fronts.base``) and to ``MessagesOptions``. Pure; must not encode answers (``encode``,
+``stream``).
+
+- ``system`` (a string or ``text`` blocks, joined with ``"\\n"``) -> one leading ``system``
+  message. ``cache_control`` anywhere is ignored.
+- a ``system`` message inside ``messages`` (Claude Code's ``# Environment`` block) -> a
+  ``system`` message in its place (a string, or ``text`` blocks joined with ``"\\n"``).
+- a ``user`` message -> its blocks in order: a run of ``text`` blocks -> one ``user`` message
+  (joined with ``"\\n"``); each ``tool_result`` -> a ``tool`` message. Only text is captured:
+  ``image``, ``document`` and any other block is refused.
+- ``tool_result.is_error``: chat templates have no place for it, so the tool message's text
+  says it: ``"Error: "`` (``TOOL_ERROR_PREFIX``) is put before the result text, and the ids are
+  listed in ``MessagesOptions.tool_errors``. The model sees what the harness meant; the
+  stored conversation shows exactly what the model saw.
+- an ``assistant`` message -> one assistant message: ``text`` blocks -> ``content`` (joined;
+  None when there is none but tool calls, else ``""``), ``thinking`` -> ``reasoning_content``
+  (the text sealed in its ``signature`` when it is a value this proxy issued, since Claude
+  Code's ``display: omitted`` leaves the visible text empty; else the visible text),
+  ``redacted_thinking`` -> the sealed text when its ``data`` opens, else nothing;
+  ``tool_use`` -> a tool call whose arguments are ``json.dumps(input, ensure_ascii=False)``
+  (an ``{"INVALID_JSON": <text>}`` input, ``encode``'s wrapping, is unwrapped). What ``encode``
+  emitted for an answer parses back to that answer's message (linking digests the content and
+  the tool calls).
+- ``tools``: custom tools -> chat function tools (``parameters`` = ``input_schema``); server
+  tools (a ``type`` other than ``custom``, e.g. ``web_search_20250305``) cannot run behind an
+  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools`` and named by
+  the call's ``tools_not_rendered`` diagnostic.
+- ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``"auto"`` / ``"required"`` /
+  ``{"type": "function", ...}`` / ``"none"``; ``disable_parallel_tool_use`` ->
+  ``parallel_tool_calls: false``.
+- ``stop_sequences`` -> ``stop``; ``temperature`` (0 to 1), ``top_p`` (above 0, at most 1),
+  ``top_k`` (0 or more) as they are, each refused outside its range;
+  ``thinking`` -> ``MessagesOptions.thinking`` and, when explicitly ``enabled`` / ``disabled``,
+  ``chat_template_kwargs: {"enable_thinking": bool}`` (the vLLM chat-template kwarg that the
+  Qwen3 templates read; ``adaptive`` leaves the template's default). ``metadata``,
+  ``context_management``, ``service_tier`` and other fields are not sent to the engine (they
+  stay in ``received``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from capture_proxy.core.conversation import (
+    ChatFunction,
+    ChatMessage,
+    ChatNamedToolChoice,
+    ChatRequest,
+    ChatTool,
+    ChatToolCall,
+    tool_call,
+)
+from capture_proxy.core.fronts.base import (
+    Api,
+    FrontRequest,
+    InvalidFrontRequest,
+    is_int,
+    is_number,
+    loads_or_none,
+    open_reasoning,
+    tools_not_rendered,
+)
+from capture_proxy.core.fronts.messages.options import MessagesOptions
+
+#: Put before a tool result's text when the harness marked it ``is_error``.
+TOOL_ERROR_PREFIX = "Error: "
+#: The key that wraps tool-call arguments that are not a JSON object.
+INVALID_JSON_KEY = "INVALID_JSON"
+
+
+def _fail(path: str, what: str) -> InvalidFrontRequest:
+    return InvalidFrontRequest(f"{path}: {what}", path)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _str(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(path, f"must be a string, not {_type_name(value)}")
+    return value
+
+
+def _stop_sequence(value: Any, path: str) -> str:
+    if not _str(value, path):
+        raise _fail(path, "must not be empty (the engine refuses an empty stop string)")
+    return value
+
+
+def _obj(value: Any, path: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(path, f"must be an object, not {_type_name(value)}")
+    return value
+
+
+def _list(value: Any, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _fail(path, f"must be an array, not {_type_name(value)}")
+    return value
+
+
+def _blocks(value: Any, path: str, what: str = "content blocks") -> list[Any]:
+    """The blocks of a field that is a string (the caller takes that) or an array of blocks."""
+    if not isinstance(value, list):
+        raise _fail(path, f"must be a string or an array of {what}, not {_type_name(value)}")
+    return value
+
+
+def _int(value: Any, path: str) -> int:
+    if not is_int(value):
+        raise _fail(path, f"must be an integer, not {_type_name(value)}")
+    return value
+
+
+def _number(value: Any, path: str) -> float | int:
+    if not is_number(value):
+        raise _fail(path, f"must be a number, not {_type_name(value)}")
+    return value
+
+
+def _bool(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(path, f"must be a boolean, not {_type_name(value)}")
+    return value
+
+
+def _block_type(block: Any, path: str) -> str:
+    return _str(_obj(block, path).get("type"), f"{path}.type")
+
+
+def _texts(blocks: list[Any], path: str) -> str:
+    """``text`` blocks joined with ``"\\n"``; anything else is refused."""
+    parts = []
+    for j, block in enumerate(blocks):
+        p = f"{path}.{j}"
+        kind = _block_type(block, p)
+        if kind != "text":
+            raise _fail(f"{p}.type", f"only text can be captured, not {kind!r}")
+        parts.append(_str(block.get("text"), f"{p}.text"))
+    return "\n".join(parts)
+
+
+class _Collected:
+    """What parsing the messages found besides the canonical messages."""
+
+    def __init__(self) -> None:
+        self.tool_errors: list[str] = []
+        self.reasoning_hints: list[str] = []
+
+
+def _user_messages(content: Any, path: str, seen: _Collected) -> list[ChatMessage]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    blocks = _blocks(content, f"{path}.content")
+    if not blocks:
+        raise _fail(f"{path}.content", "must not be empty")
+    out: list[ChatMessage] = []
+    texts: list[str] = []
+    for j, block in enumerate(blocks):
+        p = f"{path}.content.{j}"
+        kind = _block_type(block, p)
+        if kind == "text":
+            texts.append(_str(block.get("text"), f"{p}.text"))
+        elif kind == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            out.append(_tool_message(block, p, seen))
+        else:
+            raise _fail(f"{p}.type", f"only text and tool_result can be captured, not {kind!r}")
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _tool_message(block: dict[str, Any], path: str, seen: _Collected) -> ChatMessage:
+    tool_use_id = _str(block.get("tool_use_id"), f"{path}.tool_use_id")
+    raw = block.get("content")
+    if raw is None:
+        text = ""
+    elif isinstance(raw, str):
+        text = raw
+    else:
+        text = _texts(_blocks(raw, f"{path}.content", "text blocks"), f"{path}.content")
+    is_error = block.get("is_error")
+    if is_error is not None and _bool(is_error, f"{path}.is_error"):
+        seen.tool_errors.append(tool_use_id)
+        text = TOOL_ERROR_PREFIX + text
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+
+
+def _unwrap_arguments(value: dict[str, Any]) -> str:
+    """Tool-call arguments text from a ``tool_use`` ``input``: the wrapping ``encode`` uses for
+    arguments that are not a JSON object is undone."""
+    if set(value) == {INVALID_JSON_KEY} and isinstance(value[INVALID_JSON_KEY], str):
+        raw = value[INVALID_JSON_KEY]
+        if not isinstance(loads_or_none(raw), dict):
+            return raw
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _assistant_message(content: Any, path: str, seen: _Collected) -> ChatMessage:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    blocks = _blocks(content, f"{path}.content")
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ChatToolCall] = []
+    for j, block in enumerate(blocks):
+        p = f"{path}.content.{j}"
+        kind = _block_type(block, p)
+        if kind == "text":
+            texts.append(_str(block.get("text"), f"{p}.text"))
+        elif kind == "thinking":
+            visible = _str(block.get("thinking"), f"{p}.thinking")
+            signature = block.get("signature")
+            if signature is not None:
+                _str(signature, f"{p}.signature")
+            opened = open_reasoning(signature)
+            if opened is not None:
+                seen.reasoning_hints.append(opened[0])
+                reasoning.append(opened[1])
+            elif visible:
+                reasoning.append(visible)
+        elif kind == "redacted_thinking":
+            opened = open_reasoning(_str(block.get("data"), f"{p}.data"))
+            if opened is not None:
+                seen.reasoning_hints.append(opened[0])
+                reasoning.append(opened[1])
+        elif kind == "tool_use":
+            call_id = _str(block.get("id"), f"{p}.id")
+            name = _str(block.get("name"), f"{p}.name")
+            arguments = _unwrap_arguments(_obj(block.get("input"), f"{p}.input"))
+            calls.append(tool_call(call_id, name, arguments))
+        else:
+            raise _fail(
+                f"{p}.type",
+                f"only text, thinking and tool_use can be captured, not {kind!r}",
+            )
+    message: ChatMessage = {
+        "role": "assistant",
+        "content": "\n".join(texts) if texts else (None if calls else ""),
+    }
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _system_message(system: Any) -> ChatMessage | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        text = system
+    else:
+        text = _texts(_blocks(system, "system", "text blocks"), "system")
+    return {"role": "system", "content": text} if text else None
+
+
+def _inline_system_message(content: Any, path: str) -> ChatMessage:
+    """A ``role: "system"`` message inside ``messages`` (Claude Code 2.1.328 puts its
+    ``# Environment`` block there, after the task) -> a ``system`` message in its place. Its
+    content is a string or ``text`` blocks joined with ``"\\n"``: Claude Code sends it as a
+    one-block list with ``cache_control`` first and as a plain string afterwards, which must
+    give the same canonical message."""
+    if isinstance(content, str):
+        return {"role": "system", "content": content}
+    blocks = _blocks(content, f"{path}.content", "text blocks")
+    return {"role": "system", "content": _texts(blocks, f"{path}.content")}
+
+
+def _tools(raw: Any) -> tuple[list[ChatTool], list[dict[str, Any]]]:
+    """(chat function tools, server tools)."""
+    chat: list[ChatTool] = []
+    server: list[dict[str, Any]] = []
+    for i, tool in enumerate(_list(raw, "tools")):
+        p = f"tools.{i}"
+        _obj(tool, p)
+        kind = tool.get("type")
+        if kind is not None and _str(kind, f"{p}.type") != "custom":
+            server.append(tool)
+            continue
+        fn: ChatFunction = {"name": _str(tool.get("name"), f"{p}.name")}
+        if tool.get("description") is not None:
+            fn["description"] = _str(tool["description"], f"{p}.description")
+        fn["parameters"] = _obj(tool.get("input_schema"), f"{p}.input_schema")
+        chat.append({"type": "function", "function": fn})
+    return chat, server
+
+
+def _tool_choice(raw: Any, tool_names: Sequence[str], out: ChatRequest) -> None:
+    choice = _obj(raw, "tool_choice")
+    kind = _str(choice.get("type"), "tool_choice.type")
+    if kind == "auto":
+        value: str | ChatNamedToolChoice = "auto"
+    elif kind == "any":
+        value = "required"
+    elif kind == "tool":
+        name = _str(choice.get("name"), "tool_choice.name")
+        if name not in tool_names:
+            raise _fail("tool_choice.name", f"{name!r} is not one of the (custom) tools")
+        value = {"type": "function", "function": {"name": name}}
+    elif kind == "none":
+        value = "none"
+    else:
+        raise _fail("tool_choice.type", f"must be auto, any, tool or none, not {kind!r}")
+    if kind == "any" and not tool_names:
+        raise _fail("tool_choice.type", "any needs at least one (custom) tool")
+    disable = choice.get("disable_parallel_tool_use")
+    if disable is not None and _bool(disable, "tool_choice.disable_parallel_tool_use"):
+        out["parallel_tool_calls"] = False
+    if tool_names:
+        out["tool_choice"] = value
+
+
+def _thinking(raw: Any, out: ChatRequest) -> tuple[dict[str, Any], bool]:
+    """(the thinking object, display omitted)."""
+    thinking = _obj(raw, "thinking")
+    kind = _str(thinking.get("type"), "thinking.type")
+    if kind == "enabled":
+        budget = _int(thinking.get("budget_tokens"), "thinking.budget_tokens")
+        if budget < 1:
+            raise _fail("thinking.budget_tokens", "must be positive")
+        out["chat_template_kwargs"] = {"enable_thinking": True}
+    elif kind == "disabled":
+        out["chat_template_kwargs"] = {"enable_thinking": False}
+    elif kind != "adaptive":
+        raise _fail("thinking.type", f"must be enabled, disabled or adaptive, not {kind!r}")
+    display = thinking.get("display")
+    if display is not None:
+        _str(display, "thinking.display")
+    return thinking, display == "omitted"
+
+
+def _messages(body: dict[str, Any], raw_messages: list[Any], seen: _Collected) -> list[ChatMessage]:
+    """The canonical messages: ``system``, then each message of ``messages`` in order."""
+    messages: list[ChatMessage] = []
+    system = _system_message(body.get("system"))
+    if system is not None:
+        messages.append(system)
+    for i, raw in enumerate(raw_messages):
+        path = f"messages.{i}"
+        message = _obj(raw, path)
+        role = message.get("role")
+        if role == "user":
+            messages.extend(_user_messages(message.get("content"), path, seen))
+        elif role == "assistant":
+            messages.append(_assistant_message(message.get("content"), path, seen))
+        elif role == "system":
+            messages.append(_inline_system_message(message.get("content"), path))
+        else:
+            raise _fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
+    return messages
+
+
+def _tool_fields(body: dict[str, Any], chat: ChatRequest) -> list[dict[str, Any]]:
+    """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat``; returns the
+    server tools (left out)."""
+    server_tools: list[dict[str, Any]] = []
+    names: list[str] = []
+    if body.get("tools") is not None:
+        tools, server_tools = _tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
+        names = [t["function"]["name"] for t in tools]
+    if body.get("tool_choice") is not None:
+        _tool_choice(body["tool_choice"], names, chat)
+    return server_tools
+
+
+def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
+    """Sets ``stop``, ``temperature``, ``top_p``, ``top_k`` and the stream fields of ``chat``;
+    returns whether the harness asked for a stream."""
+    if body.get("stop_sequences") is not None:
+        stops = _list(body["stop_sequences"], "stop_sequences")
+        chat["stop"] = [_stop_sequence(s, f"stop_sequences.{k}") for k, s in enumerate(stops)]
+    if body.get("temperature") is not None:
+        temperature = _number(body["temperature"], "temperature")
+        if not 0 <= temperature <= 1:
+            raise _fail("temperature", f"must be from 0 to 1, not {temperature}")
+        chat["temperature"] = temperature
+    if body.get("top_p") is not None:
+        top_p = _number(body["top_p"], "top_p")
+        if not 0 < top_p <= 1:
+            # Anthropic documents [0, 1]; the engine (vLLM) refuses 0.
+            raise _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+        chat["top_p"] = top_p
+    if body.get("top_k") is not None:
+        top_k = _int(body["top_k"], "top_k")
+        if top_k < 0:
+            raise _fail("top_k", f"must be 0 or more, not {top_k}")
+        chat["top_k"] = top_k
+    stream = False
+    if body.get("stream") is not None:
+        stream = _bool(body["stream"], "stream")
+    if stream:
+        chat["stream"] = True
+        chat["stream_options"] = {"include_usage": True}
+    return stream
+
+
+def parse_request(body: Any, *, count_tokens: bool = False) -> FrontRequest:
+    """A Messages body as a ``FrontRequest`` (``options``: ``MessagesOptions``). With
+    ``count_tokens`` a ``count_tokens`` body: no ``max_tokens``, sampling fields and
+    ``stream`` are not read. Raises InvalidFrontRequest naming the first bad field."""
+    _obj(body, "body")
+    model = _str(body.get("model"), "model")
+    if not model:
+        raise _fail("model", "must not be empty")
+    if not count_tokens:
+        max_tokens = _int(body.get("max_tokens"), "max_tokens")
+        if max_tokens < 1:
+            raise _fail("max_tokens", "must be positive")
+    raw_messages = _list(body.get("messages"), "messages")
+    if not raw_messages:
+        raise _fail("messages", "must not be empty")
+    seen = _Collected()
+    chat: ChatRequest = {"model": model, "messages": _messages(body, raw_messages, seen)}
+    if not count_tokens:
+        chat["max_tokens"] = max_tokens
+    server_tools = _tool_fields(body, chat)
+    stream = False if count_tokens else _sampling_fields(body, chat)
+    thinking: dict[str, Any] | None = None
+    omit = False
+    if body.get("thinking") is not None:
+        thinking, omit = _thinking(body["thinking"], chat)
+    options = MessagesOptions(
+        thinking=thinking,
+        omit_thinking=omit,
+        server_tools=tuple(server_tools),
+        tool_errors=tuple(seen.tool_errors),
+        reasoning_hints=tuple(seen.reasoning_hints),
+        prefill=raw_messages[-1].get("role") == "assistant",
+        count_tokens=count_tokens,
+    )
+    if options.prefill and not count_tokens:
+        # Anthropic continues a trailing assistant message (a prefill): vLLM's chat extras
+        # ask the same of the template (and exact-token mode of its renderer).
+        chat["continue_final_message"] = True
+        chat["add_generation_prompt"] = False
+    received = {k: v for k, v in body.items() if k != "messages"}
+    return FrontRequest(
+        Api.MESSAGES, chat, stream, received, options, diagnostics=tools_not_rendered(server_tools)
+    )
+
+
+def parse_count_tokens(body: dict[str, Any]) -> FrontRequest:
+    """``POST /v1/messages/count_tokens``: the same shapes as a Messages body, without
+    ``max_tokens`` (ignored when present); sampling fields and ``stream`` are not read."""
+    return parse_request(body, count_tokens=True)

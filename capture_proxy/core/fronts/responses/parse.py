@@ -1,0 +1,478 @@
+"""Parsing a Responses request (``POST /v1/responses``) into the canonical conversation.
+
+Owns the validation of a Responses body (errors name the field as a dotted path, e.g.
+``input.3.content.0.type``) and its mapping to the canonical chat request (see ``fronts.base``)
+and to ``ResponsesOptions``. Pure; must not encode answers (``encode``, ``stream``).
+
+- ``instructions`` becomes a leading system message (replacing the leading system message of
+  the history ``previous_response_id`` stands for, when the adapter resolved one).
+- ``input`` items: ``message`` items (``developer``/``system`` -> system), ``function_call``
+  and ``custom_tool_call`` (freeform: arguments ``{"input": <text>}``), their outputs (tool
+  messages), ``reasoning`` (-> ``reasoning_content``: the sealed text, then ``content``, then
+  ``summary``). Consecutive model-side items (reasoning, assistant message, calls) form ONE
+  assistant message, exactly the message the proxy's answer was, so that linking finds the
+  call it continues. Only text is captured: images and files are refused, naming the field;
+  so are items that stand for state the proxy does not keep (``item_reference``) or calls of
+  tools it never offers (hosted tools).
+- ``tools``: ``function`` tools pass; ``custom`` (freeform) tools become a function with one
+  string parameter ``input``; ``namespace`` and hosted tools (``web_search``, ...) cannot be
+  rendered by a local engine and are left out (``ResponsesOptions.unrendered_tools``, named by
+  the call's ``tools_not_rendered`` diagnostic).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from capture_proxy.core.conversation import (
+    ChatFunction,
+    ChatMessage,
+    ChatNamedToolChoice,
+    ChatRequest,
+    ChatTool,
+    ChatToolCall,
+    Role,
+    kept_messages,
+    tool_call,
+)
+from capture_proxy.core.fronts.base import (
+    Api,
+    FrontRequest,
+    InvalidFrontRequest,
+    is_int,
+    is_number,
+    open_reasoning,
+    tools_not_rendered,
+)
+from capture_proxy.core.fronts.responses.options import ResponsesOptions
+from capture_proxy.core.requests import arguments_problem
+
+#: The chat parameters a freeform (``custom``) tool is offered under.
+CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string"}},
+    "required": ["input"],
+}
+
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
+_TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
+_ROLES: dict[str, Role] = {
+    "system": "system",
+    "developer": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
+_TOOL_CHOICES = frozenset({"auto", "none", "required"})
+
+
+def _fail(param: str, message: str) -> NoReturn:
+    raise InvalidFrontRequest(f"'{param}' {message}", param)
+
+
+def _string(obj: Mapping[str, Any], key: str, path: str, *, required: bool = True) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        if required:
+            _fail(f"{path}.{key}" if path else key, "is required")
+        return None
+    if not isinstance(value, str):
+        _fail(f"{path}.{key}" if path else key, f"must be a string, got {type(value).__name__}")
+    return value
+
+
+def _object(value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        _fail(path, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, path: str) -> list[Any]:
+    if not isinstance(value, list):
+        _fail(path, f"must be an array, got {type(value).__name__}")
+    return value
+
+
+def referenced_response_id(body: Mapping[str, Any]) -> str | None:
+    """The ``previous_response_id`` a request continues (None when it has none), for the
+    adapter to resolve into canonical messages before ``parse``."""
+    value = body.get("previous_response_id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        _fail("previous_response_id", "must be a non-empty string")
+    return value
+
+
+def _part_texts(parts: Any, path: str, allowed: frozenset[str]) -> list[str]:
+    """The texts of a list of content parts; anything but text is refused, naming it."""
+    texts = []
+    for i, raw in enumerate(_list(parts, path)):
+        part = _object(raw, f"{path}.{i}")
+        kind = part.get("type")
+        if kind in allowed:
+            texts.append(_string(part, "text", f"{path}.{i}") or "")
+        elif kind == "refusal":
+            texts.append(_string(part, "refusal", f"{path}.{i}") or "")
+        else:
+            _fail(
+                f"{path}.{i}.type",
+                f"is {kind!r}: only text content can be captured "
+                f"({', '.join(sorted(allowed))} or refusal parts)",
+            )
+    return texts
+
+
+def _content_text(value: Any, path: str, allowed: frozenset[str]) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        _fail(path, "is required")
+    if not isinstance(value, list):
+        _fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
+    return "\n".join(_part_texts(value, path, allowed))
+
+
+def _reasoning_text(item: Mapping[str, Any], path: str) -> str:
+    """The reasoning an item stands for: our sealed value's text, else the ``content``
+    reasoning texts, else the summary texts."""
+    sealed = item.get("encrypted_content")
+    if sealed is not None and not isinstance(sealed, str):
+        _fail(f"{path}.encrypted_content", "must be a string")
+    opened = open_reasoning(sealed)
+    if opened is not None:
+        return opened[1]
+    content = item.get("content")
+    if content is not None:
+        texts = _part_texts(content, f"{path}.content", frozenset({"reasoning_text", "text"}))
+        if any(texts):
+            return "".join(texts)
+    summary = item.get("summary")
+    if summary is None:
+        return ""
+    return "\n".join(_part_texts(summary, f"{path}.summary", frozenset({"summary_text"})))
+
+
+@dataclass
+class _Turn:
+    """The model-side items of one assistant turn, gathered until a non-model item."""
+
+    texts: list[str] = field(default_factory=list)
+    has_message: bool = False
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[ChatToolCall] = field(default_factory=list)
+
+    def message(self) -> ChatMessage | None:
+        reasoning = "".join(self.reasoning)
+        if not (self.has_message or reasoning or self.tool_calls):
+            return None
+        message: ChatMessage = {
+            "role": "assistant",
+            "content": "".join(self.texts) if self.has_message else None,
+        }
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = self.tool_calls
+        return message
+
+
+def _custom_arguments(text: str) -> str:
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def _input_messages(items: list[Any]) -> list[ChatMessage]:
+    messages: list[ChatMessage] = []
+    turn = _Turn()
+
+    def close_turn() -> None:
+        nonlocal turn
+        message = turn.message()
+        if message is not None:
+            messages.append(message)
+        turn = _Turn()
+
+    for i, raw in enumerate(items):
+        path = f"input.{i}"
+        item = _object(raw, path)
+        kind = item.get("type")
+        if kind is None and "role" in item:
+            kind = "message"
+        if not isinstance(kind, str):
+            _fail(f"{path}.type", "is required (a string)")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                _fail(f"{path}.role", "must be one of 'system', 'developer', 'user', 'assistant'")
+            text = _content_text(item.get("content"), f"{path}.content", _TEXT_PARTS)
+            if role == "assistant":
+                turn.has_message = True
+                turn.texts.append(text)
+                continue
+            close_turn()
+            messages.append({"role": _ROLES[role], "content": text})
+        elif kind == "reasoning":
+            text = _reasoning_text(item, path)
+            if text:
+                turn.reasoning.append(text)
+        elif kind == "function_call":
+            arguments = _string(item, "arguments", path) or ""
+            problem = arguments_problem(arguments)
+            if problem is not None:
+                _fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
+            turn.tool_calls.append(
+                tool_call(
+                    _string(item, "call_id", path) or "",
+                    _string(item, "name", path) or "",
+                    arguments,
+                )
+            )
+        elif kind == "custom_tool_call":
+            turn.tool_calls.append(
+                tool_call(
+                    _string(item, "call_id", path) or "",
+                    _string(item, "name", path) or "",
+                    _custom_arguments(_string(item, "input", path) or ""),
+                )
+            )
+        elif kind in _TOOL_OUTPUTS:
+            close_turn()
+            call_id = _string(item, "call_id", path) or ""
+            output = _content_text(item.get("output"), f"{path}.output", _TEXT_PARTS)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "item_reference":
+            _fail(
+                f"{path}.type",
+                "is 'item_reference': the proxy keeps no stored items to refer to; send the "
+                "item itself (as Codex does with store: false)",
+            )
+        else:
+            _fail(
+                f"{path}.type",
+                f"is {kind!r}: this item cannot be captured (only messages, reasoning, "
+                "function and custom tool calls and their outputs can)",
+            )
+    close_turn()
+    return messages
+
+
+def _tools(
+    raw: Any,
+) -> tuple[list[ChatTool], frozenset[str], tuple[Mapping[str, Any], ...]]:
+    """Chat function tools, the names of freeform tools, the tools left out."""
+    tools: list[ChatTool] = []
+    custom: set[str] = set()
+    unrendered: list[Mapping[str, Any]] = []
+    for i, entry in enumerate(_list(raw, "tools")):
+        path = f"tools.{i}"
+        tool = _object(entry, path)
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            _fail(f"{path}.type", "is required (a string)")
+        if kind in ("function", "custom"):
+            name = _string(tool, "name", path) or ""
+            function: ChatFunction = {"name": name}
+            description = _string(tool, "description", path, required=False)
+            if description is not None:
+                function["description"] = description
+            if kind == "function":
+                parameters = tool.get("parameters")
+                if parameters is None:
+                    parameters = {"type": "object", "properties": {}}
+                function["parameters"] = dict(_object(parameters, f"{path}.parameters"))
+                strict = tool.get("strict")
+                if strict is not None:
+                    if not isinstance(strict, bool):
+                        _fail(f"{path}.strict", "must be a boolean")
+                    function["strict"] = strict
+            else:
+                function["parameters"] = copy.deepcopy(CUSTOM_TOOL_PARAMETERS)
+                custom.add(name)
+            tools.append({"type": "function", "function": function})
+        else:
+            unrendered.append(tool)
+    return tools, frozenset(custom), tuple(unrendered)
+
+
+def _tool_choice(value: Any) -> str | ChatNamedToolChoice:
+    if isinstance(value, str):
+        if value not in _TOOL_CHOICES:
+            _fail("tool_choice", "must be 'auto', 'none', 'required' or a function choice")
+        return value
+    choice = _object(value, "tool_choice")
+    if choice.get("type") in ("function", "custom"):
+        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
+    _fail(
+        "tool_choice.type",
+        f"is {choice.get('type')!r}: only a function or custom tool can be forced "
+        "(hosted tools are not run by the engine)",
+    )
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    fmt = _object(text, "text").get("format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema: dict[str, Any] = {
+            "name": _string(fmt, "name", "text.format"),
+            "schema": dict(_object(fmt.get("schema"), "text.format.schema")),
+        }
+        description = _string(fmt, "description", "text.format", required=False)
+        if description is not None:
+            schema["description"] = description
+        if fmt.get("strict") is not None:
+            schema["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": schema}
+    _fail("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
+
+
+def _with_instructions(
+    previous: list[dict[str, Any]], instructions: str | None
+) -> list[ChatMessage]:
+    messages = kept_messages(previous)
+    if instructions is None:
+        return messages
+    system: ChatMessage = {"role": "system", "content": instructions}
+    if messages and messages[0].get("role") == "system":
+        return [system, *messages[1:]]
+    return [system, *messages]
+
+
+def _input(body: Mapping[str, Any], previous: list[dict[str, Any]] | None) -> list[ChatMessage]:
+    """The canonical messages: the referenced history, ``instructions``, then ``input``."""
+    reference = referenced_response_id(body)
+    instructions = _string(body, "instructions", "", required=False)
+    raw_input = body.get("input")
+    if raw_input is None and reference is None:
+        _fail("input", "is required (or previous_response_id)")
+    if raw_input is None:
+        new: list[ChatMessage] = []
+    elif isinstance(raw_input, str):
+        new = [{"role": "user", "content": raw_input}]
+    elif isinstance(raw_input, list):
+        new = _input_messages(raw_input)
+    else:
+        _fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
+    messages = _with_instructions(previous or [], instructions) + new
+    if not messages:
+        _fail("input", "holds no message to answer")
+    return messages
+
+
+def _tool_fields(
+    body: Mapping[str, Any], chat: ChatRequest
+) -> tuple[frozenset[str], tuple[Mapping[str, Any], ...]]:
+    """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat`` (the last two
+    only when a tool is rendered); returns the freeform tools' names and the tools left out."""
+    custom: frozenset[str] = frozenset()
+    unrendered: tuple[Mapping[str, Any], ...] = ()
+    if body.get("tools") is not None:
+        tools, custom, unrendered = _tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        choice = _tool_choice(body["tool_choice"])
+        if "tools" in chat:
+            chat["tool_choice"] = choice
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            _fail("parallel_tool_calls", "must be a boolean")
+        if "tools" in chat:
+            chat["parallel_tool_calls"] = parallel
+    return custom, unrendered
+
+
+def _sampling_fields(body: Mapping[str, Any], chat: ChatRequest) -> None:
+    """Sets ``max_tokens``, ``temperature``, ``top_p`` and ``response_format`` of ``chat``."""
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not is_int(limit) or limit < 1:
+            _fail("max_output_tokens", "must be a positive integer")
+        chat["max_tokens"] = limit
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not is_number(temperature):
+            _fail("temperature", "must be a number")
+        if not 0 <= temperature <= 2:
+            _fail("temperature", f"must be from 0 to 2, not {temperature}")
+        chat["temperature"] = temperature
+    top_p = body.get("top_p")
+    if top_p is not None:
+        if not is_number(top_p):
+            _fail("top_p", "must be a number")
+        if not 0 < top_p <= 1:
+            # OpenAI documents [0, 1]; the engine (vLLM) refuses 0.
+            _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+        chat["top_p"] = top_p
+    if body.get("text") is not None:
+        response_format = _response_format(body["text"])
+        if response_format is not None:
+            chat["response_format"] = response_format
+
+
+def _reasoning_fields(body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, tuple[str, ...]]:
+    """The ``reasoning`` object (``effort`` and ``summary`` checked) and the ``include`` list."""
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        reasoning = _object(reasoning, "reasoning")
+        for key in ("effort", "summary"):
+            _string(reasoning, key, "reasoning", required=False)
+    include: list[str] = []
+    if body.get("include") is not None:
+        for i, value in enumerate(_list(body["include"], "include")):
+            if not isinstance(value, str):
+                _fail(f"include.{i}", "must be a string")
+            include.append(value)
+    return (dict(reasoning) if reasoning is not None else None), tuple(include)
+
+
+def _stream(body: Mapping[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        _fail("stream", "must be a boolean")
+    return stream
+
+
+def parse_request(
+    body: dict[str, Any], previous: list[dict[str, Any]] | None = None
+) -> FrontRequest:
+    """A Responses body as a ``FrontRequest`` (``options``: ``ResponsesOptions``).
+    ``previous``: the canonical messages ``previous_response_id`` stands for. Raises
+    InvalidFrontRequest naming the first bad field, in the order the fields are read below."""
+    model = body.get("model")
+    if model is None:
+        _fail("model", "is required")
+    if not isinstance(model, str):
+        _fail("model", f"must be a string, got {type(model).__name__}")
+    chat: ChatRequest = {"model": model, "messages": _input(body, previous)}
+    custom, unrendered = _tool_fields(body, chat)
+    _sampling_fields(body, chat)
+    reasoning, include = _reasoning_fields(body)
+    stream = _stream(body)
+    chat["stream"] = stream
+    if stream:
+        chat["stream_options"] = {"include_usage": True}
+    options = ResponsesOptions(
+        custom_tools=custom, unrendered_tools=unrendered, reasoning=reasoning, include=include
+    )
+    return FrontRequest(
+        api=Api.RESPONSES,
+        chat=chat,
+        stream=stream,
+        received={k: v for k, v in body.items() if k != "input"},
+        options=options,
+        diagnostics=tools_not_rendered(unrendered),
+    )
