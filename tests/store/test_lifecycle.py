@@ -20,9 +20,10 @@ from capture_proxy.store.base import (
     RolloutStatus,
     SnapshotMismatch,
 )
-from capture_proxy.store.postgres import LAYOUT_VERSION as PG_LAYOUT_VERSION
 from capture_proxy.store.postgres import PostgresStore
-from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
+from capture_proxy.store.postgres_layout import LAYOUT_VERSION as PG_LAYOUT_VERSION
+from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
+from capture_proxy.store.sqlite_layout import LAYOUT_VERSION
 from tests.factories import record
 
 # ``store`` (tests/store/conftest.py): one run on SQLite, one on PostgreSQL.
