@@ -352,7 +352,7 @@ class PostgresStore(SQLStore):
                 sql.store_json(POSTGRES, db, enc, count=False)
                 db.execute(
                     POSTGRES.sql(sql.UPSERT_ROLLOUT),
-                    (rid, enc.created_at, count, effect.version_delta, effect.recount),
+                    (rid, enc.created_at, count, effect.version_delta, 1, effect.recount),
                 )
                 db.execute("COMMIT")
             # The second round trip: the pipeline's sync at its end (errors are raised here).

@@ -115,6 +115,13 @@ MIGRATIONS: tuple[str, ...] = (
         WHERE NOT late AND (status = 'incomplete' OR retry_of IS NOT NULL);
     CREATE INDEX IF NOT EXISTS calls_late ON calls (rollout_id, created_at, call_id) WHERE late;
     """,
+    # 5: the rollout's number of calls, kept by every put and delete, so that a listing reads
+    # it instead of counting the rollout's rows (sqlite.py's LAYOUT_VERSION 7).
+    """
+    ALTER TABLE rollouts ADD COLUMN num_calls bigint NOT NULL DEFAULT 0;
+    UPDATE rollouts SET num_calls = (SELECT count(*) FROM calls c
+        WHERE c.rollout_id = rollouts.rollout_id);
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 

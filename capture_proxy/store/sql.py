@@ -43,7 +43,9 @@ class Dialect:
     aggregate of a rollout's late call ids, ordered; ``late_ids_of`` reads its value) and
     ``text_order`` (a collation that orders text by bytes, or empty). ``no_limit``: the LIMIT
     value meaning "all rows". ``read_options``: keyword arguments of ``execute`` for reads of
-    whole call rows (PostgreSQL: binary results)."""
+    whole call rows (PostgreSQL: binary results). ``counts_calls``: the store keeps its number
+    of calls in the ``counters`` row ``calls`` (SQLite, for ``/health``; PostgreSQL's replicas
+    would all wait on one row, and its health reads the planner's estimate)."""
 
     name: str
     placeholder: str
@@ -51,6 +53,7 @@ class Dialect:
     no_limit: int | None
     late_ids_of: Callable[[Any], Iterable[str]]
     read_options: dict[str, Any] = field(default_factory=dict)
+    counts_calls: bool = False
     _texts: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def sql(self, template: str) -> str:
@@ -76,12 +79,16 @@ RETRY_LINKS = (
     "AND (status = 'incomplete' OR retry_of IS NOT NULL)"
 )
 # A late call (``version`` + 0) changes neither the revision nor the count of incomplete calls.
+# ``num_calls`` + 1 for a call inserted (+ 0 for a re-put).
 UPSERT_ROLLOUT = (
-    "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version) "
-    "VALUES (?, ?, ?, ?) ON CONFLICT (rollout_id) DO UPDATE SET "
+    "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version, num_calls) "
+    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (rollout_id) DO UPDATE SET "
     "incomplete_calls = CASE WHEN ? THEN excluded.incomplete_calls "
-    "ELSE rollouts.incomplete_calls END, version = rollouts.version + excluded.version"
+    "ELSE rollouts.incomplete_calls END, version = rollouts.version + excluded.version, "
+    "num_calls = rollouts.num_calls + excluded.num_calls"
 )
+# The store's number of calls (``Dialect.counts_calls``), by a signed delta.
+COUNT_CALLS = "UPDATE counters SET value = value + ? WHERE name = 'calls'"
 # The JSON texts the calls of a subquery of call ids refer to (the subquery follows).
 _BLOBS_OF = (
     "SELECT b.sha256, b.json FROM json_blobs b WHERE b.sha256 IN "
@@ -95,7 +102,7 @@ ANCESTRY = (
 ROLLOUT_CALLS = "SELECT call_id FROM calls WHERE rollout_id = ?"
 ROLLOUT_SELECT = (
     "SELECT r.rollout_id, r.created_at, r.incomplete OR r.incomplete_calls > 0, "
-    "r.diagnostics, (SELECT count(*) FROM calls c WHERE c.rollout_id = r.rollout_id), "
+    "r.diagnostics, r.num_calls, "
     "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
     "{late_ids} FROM rollouts r"
 )
@@ -209,6 +216,8 @@ def delete_rows(d: Dialect, db: Conn, rollout_id: str) -> int:
         )
     deleted = db.execute(d.sql("DELETE FROM calls WHERE rollout_id = ?"), (rollout_id,)).rowcount
     db.execute(d.sql("DELETE FROM rollouts WHERE rollout_id = ?"), (rollout_id,))
+    if d.counts_calls and deleted:
+        db.execute(d.sql(COUNT_CALLS), (-deleted,))
     return int(deleted)
 
 
@@ -275,6 +284,7 @@ SQLITE = Dialect(
     },
     no_limit=-1,
     late_ids_of=json.loads,
+    counts_calls=True,
 )
 POSTGRES = Dialect(
     name="postgresql",

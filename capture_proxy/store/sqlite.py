@@ -33,13 +33,14 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
   refers to, in the same transaction.
-- ``rollouts``: first-seen time, the rollout-level incomplete flag (``incomplete``: set by
-  ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the calls counted in the
-  rollout that are incomplete and that no complete retry supersedes, ``core.completeness``,
-  recounted by ``put_call`` when it stores an incomplete call or a retry), rollout-level
-  diagnostics, the revision
-  (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
-  (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
+- ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
+  delete, so that a listing counts no rows), the rollout-level incomplete flag
+  (``incomplete``: set by ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the
+  calls counted in the rollout that are incomplete and that no complete retry supersedes,
+  ``core.completeness``, recounted by ``put_call`` when it stores an incomplete call or a
+  retry), rollout-level diagnostics, the revision (``version``), the trainer's ``metadata``
+  (JSON) and, once frozen, the snapshot (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``,
+  ``export_cursor``).
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
   ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
@@ -47,7 +48,8 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
   rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
   retire answers the same.
-- ``counters``: store-wide sequences (``export_cursor``: the last cursor handed out).
+- ``counters``: store-wide sequences (``export_cursor``: the last cursor handed out) and
+  counts (``calls``: the calls stored, kept by every put and delete, for ``/health``).
 
 Reads that span several statements (calls, then their JSON texts) run in one read
 transaction, so they see one snapshot.
@@ -356,6 +358,7 @@ class SQLiteStore(SQLStore):
             inserted = bool(cur.rowcount)
             if inserted:
                 written = sql.encoded_bytes(enc) + sql.store_json(SQLITE, db, enc)
+                db.execute(sql.COUNT_CALLS, (1,))
             else:
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
                 lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
@@ -363,7 +366,14 @@ class SQLiteStore(SQLStore):
             count = lifecycle.incomplete_calls(links, record) if effect.recount else 0
             db.execute(
                 SQLITE.sql(sql.UPSERT_ROLLOUT),
-                (enc.rollout_id, enc.created_at, count, effect.version_delta, effect.recount),
+                (
+                    enc.rollout_id,
+                    enc.created_at,
+                    count,
+                    effect.version_delta,
+                    int(inserted),
+                    effect.recount,
+                ),
             )
             return written
 
@@ -380,7 +390,8 @@ class SQLiteStore(SQLStore):
         return lifecycle.episodes_of(base, (r[0] for r in rows))
 
     def _health(self, db: sqlite3.Connection) -> dict[str, Any]:
-        row = db.execute("SELECT count(*) FROM calls").fetchone()
+        # The count kept by every put and delete (layout 7): one row, whatever the size.
+        row = db.execute("SELECT value FROM counters WHERE name = 'calls'").fetchone()
         return {
             "kind": "sqlite",
             "path": str(self.db_path),

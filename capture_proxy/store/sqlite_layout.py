@@ -23,8 +23,9 @@ T = TypeVar("T")
 #: 4 added the lifecycle (snapshots, late calls, metadata, retirements), 5 the retry link
 #: (``calls.retry_of``) and ``rollouts.incomplete_calls``, 6 the indexes that keep a put's
 #: reads bounded whatever the rollout's size (``calls_by_prefix``, ``calls_retry_links``,
-#: ``calls_late``).
-LAYOUT_VERSION = 6
+#: ``calls_late``), 7 the counts that listings and ``/health`` read instead of counting rows
+#: (``rollouts.num_calls``, the ``counters`` row ``calls``).
+LAYOUT_VERSION = 7
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
@@ -75,6 +76,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
     diagnostics TEXT NOT NULL DEFAULT '[]',
     version INTEGER NOT NULL DEFAULT 0,
     incomplete_calls INTEGER NOT NULL DEFAULT 0,
+    num_calls INTEGER NOT NULL DEFAULT 0,
     metadata TEXT NOT NULL DEFAULT '{}',
     snapshot_id TEXT,
     frozen_at REAL,
@@ -125,6 +127,7 @@ _V4_COLUMNS = {
     },
     "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
 }
+_V7_COLUMNS = {"rollouts": {"num_calls": "INTEGER NOT NULL DEFAULT 0"}}
 _V5_COLUMNS = {
     "calls": {"retry_of": "TEXT"},
     "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
@@ -173,16 +176,18 @@ def migrate_layout(db: sqlite3.Connection, db_path: Path) -> None:
         sql.migrate_records(sql.SQLITE, db)
         if version < 5:
             _count_incomplete_calls(db)
+        if version < 7:
+            _count_calls(db)
         db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
 
     write_transaction(db, body)
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
-    """The columns of layouts 1 to 5 that an older table lacks."""
+    """The columns of layouts 1 to 7 that an older table lacks."""
     columns = {
         "calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"] | _V5_COLUMNS["calls"],
-        "rollouts": _V4_COLUMNS["rollouts"] | _V5_COLUMNS["rollouts"],
+        "rollouts": _V4_COLUMNS["rollouts"] | _V5_COLUMNS["rollouts"] | _V7_COLUMNS["rollouts"],
         "tombstones": _V4_COLUMNS["tombstones"],
     }
     for table, wanted in columns.items():
@@ -202,3 +207,13 @@ def _count_incomplete_calls(db: sqlite3.Connection) -> None:
     )
     db.execute("UPDATE rollouts SET incomplete = 0 WHERE diagnostics = '[]'")
     sql.recount_incomplete_calls(sql.SQLITE, db)
+
+
+def _count_calls(db: sqlite3.Connection) -> None:
+    """Layout 7: each rollout's number of calls, and the store's (``counters`` row ``calls``),
+    kept from now on by every put and delete."""
+    db.execute(
+        "UPDATE rollouts SET num_calls = (SELECT count(*) FROM calls c "
+        "WHERE c.rollout_id = rollouts.rollout_id)"
+    )
+    db.execute("INSERT OR REPLACE INTO counters (name, value) SELECT 'calls', count(*) FROM calls")
