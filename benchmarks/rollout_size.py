@@ -19,7 +19,9 @@ noise spreads over all of them. The figure is the proxy process's CPU over a blo
 calls (``/proc/<pid>/stat``, all threads) divided by 100; for PostgreSQL the server's CPU
 (postmaster and backends) over the same block is printed beside it. Each proxy first serves
 an unmeasured warm-up rollout. Afterwards each rollout's chains are read over REST and checked
-(every session one chain, each title call a chain of its own), and the read is timed.
+(every session one chain, each title call a chain of its own), and the read is timed. After
+each block the proxy answers ``HEALTH_READS`` ``/health`` requests (the store's counts), their
+proxy CPU per read reported for the first and the last blocks.
 
 Run: ``.venv/bin/python benchmarks/rollout_size.py [--calls 10000] [--baseline-src DIR]``
 (``--calls 2000`` for a quick run).
@@ -54,6 +56,9 @@ from sessions import CALL_ID_HEADER, MODEL, SYSTEM, TOOLS  # noqa: E402
 CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
 SHAPES = ("roots", "chains", "mix", "mix-split")
 BLOCK = 100
+#: ``/health`` reads after each block (their proxy CPU, per read, is reported beside; the
+#: CPU clock ticks in 10 ms, so 100 reads resolve 0.1 ms).
+HEALTH_READS = 100
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Target:
     cpu_ms: list[float] = field(default_factory=list)  # per block, proxy CPU per call
     db_cpu_ms: list[float] = field(default_factory=list)  # per block, PostgreSQL per call
     wall_s: list[float] = field(default_factory=list)  # per block
+    health_ms: list[float] = field(default_factory=list)  # per block, proxy CPU per /health
     sessions: dict[str, list[list[str]]] = field(default_factory=dict)  # rollout -> chains
     _messages: list[dict[str, Any]] = field(default_factory=list)
     _step: int = 0
@@ -150,6 +156,19 @@ async def check_chains(session: aiohttp.ClientSession, t: Target) -> tuple[str |
     return None, read_s
 
 
+async def health_cpu_ms(session: aiohttp.ClientSession, t: Target) -> float:
+    """Proxy CPU per ``GET /health`` (its store counts), over ``HEALTH_READS`` reads."""
+    cpu0 = proc_cpu_s(t.service.pid)
+    for _ in range(HEALTH_READS):
+        async with session.get(f"{t.service.url}/health") as resp:
+            await resp.read()
+            if resp.status != 200:
+                raise RuntimeError(f"{t.name}: /health answered {resp.status}")
+    cpu1 = proc_cpu_s(t.service.pid)
+    assert cpu0 is not None and cpu1 is not None
+    return (cpu1 - cpu0) * 1000 / HEALTH_READS
+
+
 def proxy_argv(store: str, engine_url: str, port: int, args: argparse.Namespace) -> list[str]:
     argv = [*cli_command(), "serve", "--backend", engine_url, "--port", str(port)]
     argv += ["--store", store, "--log-level", "WARNING"]
@@ -202,6 +221,7 @@ async def run_shape(
                 t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
                 if pg_pid and t.name.startswith("postgres"):
                     t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
+                t.health_ms.append(await health_cpu_ms(session, t))
             if (block + 1) % 10 == 0:
                 print(f"  {shape}: {(block + 1) * BLOCK} calls", file=sys.stderr)
         for t in targets:
@@ -226,7 +246,8 @@ def report(results: dict[str, list[Target]], args: argparse.Namespace) -> None:
     lo = n - last * BLOCK + 1
     print(
         f"proxy CPU ms/call, calls 1-100 | calls {lo}-{n} | ratio (target <= 1.2x); "
-        "calls/s in the same buckets; chains read ms/call"
+        "calls/s in the same buckets; chains read ms/call; proxy CPU ms per /health read "
+        "after the first and the last blocks"
     )
     for shape, targets in results.items():
         for t in targets:
@@ -238,6 +259,8 @@ def report(results: dict[str, list[Target]], args: argparse.Namespace) -> None:
                 f"   {cps0:6.0f} | {cps1:6.0f} calls/s"
                 f"   read {t.read_ms_per_call:.3f}"  # type: ignore[attr-defined]
             )
+            h0, h1 = t.health_ms[0], _mean(t.health_ms[-last:])
+            line += f"   /health {h0:5.2f} | {h1:5.2f} | {h1 / max(h0, 1e-9):5.2f}x"
             if t.db_cpu_ms:
                 d0, d1 = t.db_cpu_ms[0], _mean(t.db_cpu_ms[-last:])
                 line += f"   postgres {d0:5.2f} | {d1:5.2f} | {d1 / max(d0, 1e-9):5.2f}x"

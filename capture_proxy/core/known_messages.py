@@ -27,8 +27,8 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.core.codec import MessageDigests, canonical_json, json_sha256_bytes
 from capture_proxy.core.linking import turn_payload
+from capture_proxy.core.stored_form import MessageDigests, canonical_json, json_sha256_bytes
 
 #: Default bound (bytes of keys and texts): the histories of a few hundred long sessions.
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
@@ -39,7 +39,7 @@ class MessageFacts:
     """What is known of one message value.
 
     ``key``: its orjson text (None when orjson cannot write it; such facts are not kept);
-    ``text``/``sha256``: its canonical JSON text (``codec.canonical_json``; None when it has
+    ``text``/``sha256``: its canonical JSON text (``stored_form.canonical_json``; None when it has
     none, e.g. NaN) and the SHA-256 of that text's UTF-8 bytes; ``turn``: the parent-digest
     payload of an assistant message (``linking.turn_payload``), else None; ``valid``: it passed
     chat-message validation (set by ``core.requests``)."""
@@ -125,7 +125,7 @@ def _size(key: bytes, facts: MessageFacts) -> int:
 
 
 def message_digests(facts: Sequence[MessageFacts]) -> MessageDigests:
-    """The ``codec.MessageDigests`` of the messages these are the facts of. Raises ValueError
+    """The ``stored_form.MessageDigests`` of the messages these are the facts of. Raises ValueError
     when one has no canonical text (as ``MessageDigests.of`` does)."""
     texts, digests = [], []
     for i, f in enumerate(facts):

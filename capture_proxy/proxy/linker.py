@@ -18,7 +18,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from capture_proxy.core.codec import token_digest
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts, turn_payloads
 from capture_proxy.core.linking import (
     HISTORY_EDITED_REASON,
@@ -43,6 +42,7 @@ from capture_proxy.core.linking import (
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.splice import SpliceRefused, check_extension
+from capture_proxy.core.stored_form import token_digest
 from capture_proxy.proxy.recent import DEFAULT_MAX_BYTES, RecentCalls
 from capture_proxy.store.base import CaptureStore
 

@@ -19,20 +19,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from capture_proxy.core.codec import (
-    EncodedRecord,
-    PromptParent,
-    RequestEncoding,
-    StoredMessages,
-    common_messages_prefix,
-    encode_record,
-    same_content,
-)
+from capture_proxy.core.codec import PromptParent, RequestEncoding, encode_record, same_content
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
 from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.stored_form import EncodedRecord, StoredMessages, common_messages_prefix
 from capture_proxy.store.base import (
     ConflictingRecord,
     Retirement,

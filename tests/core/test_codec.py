@@ -6,12 +6,12 @@ import pytest
 
 from capture_proxy.core.codec import (
     SCHEMA_VERSION,
-    UnsupportedSchemaVersion,
     compact_routed_experts,
     decode_record,
     encode_record,
 )
 from capture_proxy.core.records import CallStatus, Diagnostic
+from capture_proxy.core.stored_form import UnsupportedSchemaVersion
 from tests.factories import record
 
 

@@ -11,18 +11,20 @@ import pytest
 from capture_proxy.core import codec
 from capture_proxy.core.codec import (
     SCHEMA_VERSION,
-    CorruptRecord,
-    EncodedRecord,
     PromptParent,
-    UnsupportedSchemaVersion,
     decode_record,
     decode_records,
     encode_record,
-    migrate,
     same_content,
+)
+from capture_proxy.core.record_migrations import migrate
+from capture_proxy.core.records import CallRecord
+from capture_proxy.core.stored_form import (
+    CorruptRecord,
+    EncodedRecord,
+    UnsupportedSchemaVersion,
     token_digest,
 )
-from capture_proxy.core.records import CallRecord
 from tests.factories import record
 
 

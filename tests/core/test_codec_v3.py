@@ -9,19 +9,21 @@ import pytest
 
 from capture_proxy.core.codec import (
     SCHEMA_VERSION,
-    CorruptRecord,
-    MessageDigests,
     PromptParent,
     RequestEncoding,
-    StoredMessages,
-    common_messages_prefix,
     decode_record,
     decode_records,
     encode_record,
-    migrate,
     same_content,
 )
+from capture_proxy.core.record_migrations import migrate
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.stored_form import (
+    CorruptRecord,
+    MessageDigests,
+    StoredMessages,
+    common_messages_prefix,
+)
 from tests.core.test_codec_v2 import assert_same, chain, v2_form
 
 TOOLS = [
@@ -254,7 +256,7 @@ def test_canonical_json_is_the_stdlib_text_whichever_encoder_writes_it():
 
     import pytest
 
-    from capture_proxy.core.codec import canonical_json
+    from capture_proxy.core.stored_form import canonical_json
 
     def stdlib(value):
         return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -272,10 +274,34 @@ def test_canonical_json_is_the_stdlib_text_whichever_encoder_writes_it():
         HIGH = 3
 
     values = [
-        None, True, False, 0, -1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), -(2**63) - 1,
-        10**30, 1.0, 1e16, 1e-7, 0.1, -0.0, "\ud800 lone", {"\udfff": 1}, {1: "int key"},
-        {"a": [1, True, None, {"é": "\u2028\x7f\x00"}], "b": (1, 2)}, [], {}, "", [[[]]],
-        {"text": Text("sub")}, [Level.HIGH], {"f": [1, 2.5]},
+        None,
+        True,
+        False,
+        0,
+        -1,
+        2**63 - 1,
+        2**63,
+        2**64 - 1,
+        2**64,
+        -(2**63),
+        -(2**63) - 1,
+        10**30,
+        1.0,
+        1e16,
+        1e-7,
+        0.1,
+        -0.0,
+        "\ud800 lone",
+        {"\udfff": 1},
+        {1: "int key"},
+        {"a": [1, True, None, {"é": "\u2028\x7f\x00"}], "b": (1, 2)},
+        [],
+        {},
+        "",
+        [[[]]],
+        {"text": Text("sub")},
+        [Level.HIGH],
+        {"f": [1, 2.5]},
     ]
     for value in values:
         assert canonical_json(value) == stdlib(value), value

@@ -11,7 +11,6 @@ import pytest
 
 from capture_proxy.core.assembly import CallContext
 from capture_proxy.core.capture import prepare_request
-from capture_proxy.core.codec import MessageDigests, canonical_json
 from capture_proxy.core.engine_formats import Piece
 from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import (
@@ -24,6 +23,7 @@ from capture_proxy.core.linking import history_digest
 from capture_proxy.core.records import CallStatus
 from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.splice import SpliceRefused, check_extension
+from capture_proxy.core.stored_form import MessageDigests, canonical_json
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, echo_matches
 
 
@@ -174,9 +174,7 @@ def test_prepare_request_carries_facts_past_a_rewritten_note():
     assert prepared.message_facts[-1].text == (
         '{"role":"user","content":"You have reached the step limit."}'
     )
-    assert message_digests(prepared.message_facts) == MessageDigests.of(
-        prepared.body["messages"]
-    )
+    assert message_digests(prepared.message_facts) == MessageDigests.of(prepared.body["messages"])
 
 
 CTX = CallContext("call-1", "r1", 100.0, False, "/v1/completions", {"model": "m"})

@@ -140,8 +140,13 @@ class TestIndex:
         assert got.parent_call_id == "A1"
         # A2 took A1 as its parent: B2 now prefers B1, which has no child yet.
         index.add(
-            "A2", 3.0, child_digest="dA2", request_digest="qa2", status="complete",
-            parent_call_id="A1", **key,
+            "A2",
+            3.0,
+            child_digest="dA2",
+            request_digest="qa2",
+            status="complete",
+            parent_call_id="A1",
+            **key,
         )
         got = index.resolve("d", "qb2")
         assert [c.call_id for c in got.candidates] == ["B1", "A1"]
@@ -151,8 +156,13 @@ class TestIndex:
         key = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
         index.add("a", 1.0, child_digest="d1", request_digest="q1", status="complete", **key)
         index.add(
-            "a2", 2.0, child_digest="d1", request_digest="q1", status="complete",
-            retry_of="a", **key,
+            "a2",
+            2.0,
+            child_digest="d1",
+            request_digest="q1",
+            status="complete",
+            retry_of="a",
+            **key,
         )
         assert [c.call_id for c in index.resolve("d1", "q9").candidates] == ["a2", "a"]
 
@@ -166,12 +176,19 @@ class TestIndex:
         assert index.resolve("d", "q2", model="small").parent_call_id == "t"
 
     def test_an_unmatched_history_whose_last_turn_is_a_captured_output_is_history_edited(self):
-        turn = {"role": "assistant", "content": "ls", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
-        ]}
+        turn = {
+            "role": "assistant",
+            "content": "ls",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": "{}"},
+                }
+            ],
+        }
         index = LinkIndex()
-        index.add("p", 1.0, child_digest="d", request_digest="q", status="complete",
-                  response=turn)
+        index.add("p", 1.0, child_digest="d", request_digest="q", status="complete", response=turn)
         got = index.resolve("other", "q2", last_turn=turn)
         assert got.verdict is Verdict.UNRESOLVED
         assert got.reason == HISTORY_EDITED_REASON
@@ -186,19 +203,40 @@ class TestIndex:
         assert index.resolve("other", "q4", last_turn=foreign).reason == NO_MATCH_REASON
 
     def test_prefix_ancestor_is_the_deepest_token_exact_call_of_the_model(self):
-        from capture_proxy.core.codec import token_digest
+        from capture_proxy.core.stored_form import token_digest
 
         def key(prompt, gen):
             p, g = np.asarray(prompt, np.uint32), np.asarray(gen, np.uint32)
             return {"num_tokens": len(prompt) + len(gen), "tokens_sha256": token_digest(p, g)}
 
         index = LinkIndex()
-        index.add("a", 1.0, child_digest="da", request_digest="qa", model="m",
-                  status="complete", **key([1, 2], [3]))
-        index.add("b", 2.0, child_digest="db", request_digest="qb", model="m",
-                  status="complete", **key([1, 2, 3, 4], [5]))
-        index.add("c", 3.0, child_digest="dc", request_digest="qc", model="other",
-                  status="complete", **key([1, 2, 3, 4, 5], [6]))
+        index.add(
+            "a",
+            1.0,
+            child_digest="da",
+            request_digest="qa",
+            model="m",
+            status="complete",
+            **key([1, 2], [3]),
+        )
+        index.add(
+            "b",
+            2.0,
+            child_digest="db",
+            request_digest="qb",
+            model="m",
+            status="complete",
+            **key([1, 2, 3, 4], [5]),
+        )
+        index.add(
+            "c",
+            3.0,
+            child_digest="dc",
+            request_digest="qc",
+            model="other",
+            status="complete",
+            **key([1, 2, 3, 4, 5], [6]),
+        )
         prompt = np.asarray([1, 2, 3, 4, 5, 6, 7], np.uint32)
         assert index.prefix_ancestor(prompt, model="m", exclude="x") == "b"
         assert index.prefix_ancestor(prompt, model="other", exclude="x") == "c"
@@ -304,8 +342,8 @@ def test_other_stop_token_at_the_end_is_named():
 
 
 def test_extends_by_digest():
-    from capture_proxy.core.codec import token_digest
     from capture_proxy.core.linking import extends_by_digest
+    from capture_proxy.core.stored_form import token_digest
 
     p, g = np.array([1, 2, 3], np.uint32), np.array([4, 5], np.uint32)
     key = token_digest(p, g)

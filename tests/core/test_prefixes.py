@@ -5,9 +5,10 @@ import random
 import numpy as np
 
 from capture_proxy.core.chains import find_parents
-from capture_proxy.core.codec import PromptParent, token_digest
+from capture_proxy.core.codec import PromptParent
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, prefix_digests
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.stored_form import token_digest
 from tests.factories import record
 
 

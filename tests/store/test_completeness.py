@@ -133,7 +133,7 @@ async def test_a_sqlite_layout_4_store_is_recounted(tmp_path):
         )
     await _assert_recounted(SQLiteStore(tmp_path / "v4"))
     with sqlite3.connect(s.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 6
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 7
         links = db.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]
 
@@ -146,13 +146,13 @@ async def test_a_postgres_layout_2_store_is_recounted(postgres_server):
         conn.execute(
             "DROP INDEX calls_retry_links, calls_by_prefix, calls_late; "
             "ALTER TABLE calls DROP COLUMN retry_of; "
-            "ALTER TABLE rollouts DROP COLUMN incomplete_calls; "
+            "ALTER TABLE rollouts DROP COLUMN incomplete_calls, DROP COLUMN num_calls; "
             "UPDATE rollouts SET incomplete = true; "
             "DELETE FROM schema_migrations WHERE version > 2"
         )
     await _assert_recounted(PostgresStore(url, pool_size=2))
     with psycopg.connect(url) as conn:
         applied = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
-        assert applied == (4,)
+        assert applied == (5,)
         links = conn.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]

@@ -20,9 +20,10 @@ from capture_proxy.store.base import (
     RolloutStatus,
     SnapshotMismatch,
 )
-from capture_proxy.store.postgres import LAYOUT_VERSION as PG_LAYOUT_VERSION
 from capture_proxy.store.postgres import PostgresStore
-from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
+from capture_proxy.store.postgres_layout import LAYOUT_VERSION as PG_LAYOUT_VERSION
+from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
+from capture_proxy.store.sqlite_layout import LAYOUT_VERSION
 from tests.factories import record
 
 # ``store`` (tests/store/conftest.py): one run on SQLite, one on PostgreSQL.
@@ -186,6 +187,7 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
         info = await s.get_rollout("r1")
         assert info is not None
         assert (info.version, info.status, info.late_call_ids) == (2, RolloutStatus.OPEN, ())
+        assert info.num_calls == 2  # counted once by the migration, kept from then on
         assert info.metadata == RolloutMetadata()
         snap = await s.freeze_rollout("r1")
         assert (snap.version, snap.num_calls, snap.cursor) == (2, 2, 1)
@@ -200,7 +202,7 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
 # A PostgreSQL store from before the lifecycle: layout 1 (MIGRATIONS[0] only).
 _PG_LAYOUT_1 = """
 ALTER TABLE calls DROP COLUMN retry_of;
-ALTER TABLE rollouts DROP COLUMN incomplete_calls;
+ALTER TABLE rollouts DROP COLUMN incomplete_calls, DROP COLUMN num_calls;
 DROP INDEX rollouts_by_cursor;
 DROP TABLE counters;
 ALTER TABLE calls DROP COLUMN late;
@@ -228,6 +230,7 @@ async def test_a_postgres_layout_1_store_is_migrated_and_takes_the_lifecycle(pos
         info = await s.get_rollout("r1")
         assert info is not None
         assert (info.version, info.status, info.late_call_ids) == (2, RolloutStatus.OPEN, ())
+        assert info.num_calls == 2  # counted once by the migration, kept from then on
         assert info.metadata == RolloutMetadata()
         snap = await s.freeze_rollout("r1")
         assert (snap.version, snap.num_calls, snap.cursor) == (2, 2, 1)

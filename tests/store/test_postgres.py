@@ -10,11 +10,12 @@ import psycopg
 import pytest
 
 from capture_proxy.config import Settings
-from capture_proxy.core.codec import COLUMNS
 from capture_proxy.core.records import CallStatus
+from capture_proxy.core.stored_form import COLUMNS
 from capture_proxy.store import PostgresStore, SQLiteStore, open_store
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
-from capture_proxy.store.postgres import LAYOUT_VERSION, MIGRATIONS, redact_url
+from capture_proxy.store.postgres import redact_url
+from capture_proxy.store.postgres_layout import LAYOUT_VERSION, MIGRATIONS
 from tests.core.test_codec_v2 import assert_same, chain
 from tests.core.test_codec_v3 import assert_same_json, session
 from tests.store.conftest import rows
@@ -33,7 +34,7 @@ async def test_migrations_apply_once_and_a_newer_layout_is_refused(pg_url):
     try:
         applied = rows(stores[0], "SELECT version FROM schema_migrations ORDER BY version")
         assert applied == [(v,) for v in range(1, len(MIGRATIONS) + 1)]
-        assert LAYOUT_VERSION == len(MIGRATIONS) == 4
+        assert LAYOUT_VERSION == len(MIGRATIONS) == 5
     finally:
         for s in stores:
             await s.close()
@@ -62,9 +63,12 @@ async def test_replicas_writing_one_rollout_at_once_lose_nothing(pg_url):
             assert [r.call_id for r in got] == [r.call_id for r in records]
             for g, want in zip(got, records, strict=True):
                 assert_same(g, want)
-        parents = rows(a, "SELECT count(*) FROM calls c WHERE prompt_parent_call_id IS NOT NULL "
-                          "AND NOT EXISTS (SELECT 1 FROM calls p WHERE p.call_id = "
-                          "c.prompt_parent_call_id)")
+        parents = rows(
+            a,
+            "SELECT count(*) FROM calls c WHERE prompt_parent_call_id IS NOT NULL "
+            "AND NOT EXISTS (SELECT 1 FROM calls p WHERE p.call_id = "
+            "c.prompt_parent_call_id)",
+        )
         assert parents == [(0,)]
         assert (await a.get_rollout("r1")).num_calls == 40
     finally:
@@ -79,6 +83,7 @@ async def test_deletes_racing_writes_that_share_json_keep_every_reference(pg_url
     await a.open()
     await b.open()
     try:
+
         def rollout(n: int) -> list:
             return [r.replace(rollout_id=f"r{n}", call_id=f"r{n}-{r.call_id}") for r in session(3)]
 
@@ -88,8 +93,11 @@ async def test_deletes_racing_writes_that_share_json_keep_every_reference(pg_url
         writes = [b.put_call(rec) for n in range(1, 8, 2) for rec in rollout(n)]
         deletes = [a.delete_rollout(f"r{n}") for n in range(0, 8, 2)]
         await asyncio.gather(*writes, *deletes)
-        orphans = rows(a, "SELECT count(*) FROM call_json j WHERE NOT EXISTS "
-                          "(SELECT 1 FROM json_blobs b WHERE b.sha256 = j.sha256)")
+        orphans = rows(
+            a,
+            "SELECT count(*) FROM call_json j WHERE NOT EXISTS "
+            "(SELECT 1 FROM json_blobs b WHERE b.sha256 = j.sha256)",
+        )
         assert orphans == [(0,)]
         assert [i.rollout_id for i in await a.list_rollouts()] == ["r1", "r3", "r5", "r7"]
         for n in range(1, 8, 2):
@@ -133,15 +141,19 @@ async def test_the_store_setting_takes_a_url_and_logs_no_password(pg_url, tmp_pa
     assert settings.store == secret
     assert "hunter2" not in settings.store_label and ":***@" in settings.store_label
     assert isinstance(open_store(settings.store), PostgresStore)
-    assert isinstance(open_store(Settings(backend="http://x", store=str(tmp_path)).store),
-                      SQLiteStore)
+    assert isinstance(
+        open_store(Settings(backend="http://x", store=str(tmp_path)).store), SQLiteStore
+    )
     assert redact_url("postgresql://u:p@h:5/d?x=1") == "postgresql://u:***@h:5/d?x=1"
     store = PostgresStore(pg_url, pool_size=1)
     await store.open()
     try:
         health = await store.health()
         assert health | {"url": None} == {
-            "kind": "postgresql", "url": None, "pool_size": 1, "retries": 0,
+            "kind": "postgresql",
+            "url": None,
+            "pool_size": 1,
+            "retries": 0,
             "calls_estimate": None,  # never analyzed
         }
     finally:
@@ -243,7 +255,8 @@ async def test_a_call_id_stored_meanwhile_by_another_rollout_is_refused_after_a_
     """Another rollout's transaction inserts the same call id after this put looked (its row
     uncommitted): the insert waits on it, fails on the unique key once it commits, and the
     retry finds the stored call and refuses this one; nothing of it is written."""
-    from capture_proxy.core.codec import column_values, encode_record
+    from capture_proxy.core.codec import encode_record
+    from capture_proxy.core.stored_form import column_values
     from tests.factories import record
 
     store = PostgresStore(pg_url, pool_size=1)

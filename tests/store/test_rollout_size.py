@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 
-from capture_proxy.store.sqlite import _CANDIDATES, _RETRY_LINKS, SQLiteStore
+from capture_proxy.store.sql import RETRY_LINKS, SQLITE
+from capture_proxy.store.sqlite import _CANDIDATES, SQLiteStore
 from tests.factories import record
 from tests.store.conftest import rows
 
@@ -47,7 +48,9 @@ async def test_sqlite_put_reads_candidates_and_retry_links_through_their_indexes
     with sqlite3.connect(store.db_path) as db:
         plans = {
             "candidates": db.execute("EXPLAIN QUERY PLAN " + _CANDIDATES, ("r1", 0, 9)).fetchall(),
-            "links": db.execute("EXPLAIN QUERY PLAN " + _RETRY_LINKS, ("r1",)).fetchall(),
+            "links": db.execute(
+                "EXPLAIN QUERY PLAN " + SQLITE.sql(RETRY_LINKS), ("r1",)
+            ).fetchall(),
         }
     details = {k: [row[3] for row in v] for k, v in plans.items()}
     assert details == {

@@ -13,7 +13,8 @@ import pytest
 from capture_proxy.core.records import CallStatus, Diagnostic
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
-from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
+from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
+from capture_proxy.store.sqlite_layout import LAYOUT_VERSION
 from tests.core.test_codec_v2 import assert_same, chain, v1_form
 from tests.factories import record
 from tests.store.conftest import rows

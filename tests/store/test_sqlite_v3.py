@@ -8,7 +8,8 @@ import pytest
 
 from capture_proxy.core.codec import PromptParent, RequestEncoding
 from capture_proxy.store.base import ConflictingRecord
-from capture_proxy.store.sqlite import DB_FILE_NAME, LAYOUT_VERSION, SQLiteStore
+from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
+from capture_proxy.store.sqlite_layout import LAYOUT_VERSION
 from tests.core.test_codec_v2 import v2_form
 from tests.core.test_codec_v3 import TOOLS, assert_same_json, session
 from tests.store.conftest import rows as columns
@@ -134,7 +135,7 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
     finally:
         await s.close()
     with sqlite3.connect(path / DB_FILE_NAME) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 6
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 7
         assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(3,)]
         # Whole v2 messages were re-split against their prompt parents'.
         ks = db.execute("SELECT messages_prefix_len FROM calls ORDER BY call_id").fetchall()
@@ -152,13 +153,9 @@ async def test_request_encodings_computed_ahead_store_the_same_rows(make_store):
     for i, rec in enumerate(session(5)):
         await plain.put_call(rec)
         source = (
-            rec
-            if i % 2
-            else rec.replace(request_messages=[dict(m) for m in rec.request_messages])
+            rec if i % 2 else rec.replace(request_messages=[dict(m) for m in rec.request_messages])
         )
-        await ahead.put_call(
-            rec, RequestEncoding.of(source.request_messages, rec.request_tools)
-        )
+        await ahead.put_call(rec, RequestEncoding.of(source.request_messages, rec.request_tools))
     sql = "SELECT * FROM calls ORDER BY call_id"
     assert columns(ahead, sql) == columns(plain, sql)
     blobs = "SELECT * FROM json_blobs ORDER BY sha256"
