@@ -44,6 +44,7 @@ PA_SCHEMA = pa.schema(
         ("named_rewards", pa.map_(pa.string(), pa.float64())),
         ("task_id", pa.string()),
         ("tags", pa.map_(pa.string(), pa.string())),
+        ("lineage", pa.string()),
     ],
     metadata=SCHEMA_METADATA,
 )
@@ -91,6 +92,10 @@ def _reference_batch(manifest: dict, samples: list[ChainSample], meta: RolloutMe
         "named_rewards": [None if named is None else list(named.items())] * n,
         "task_id": [meta.task_id] * n,
         "tags": [list(meta.tags.items())] * n,
+        "lineage": [
+            json.dumps((manifest.get("lineage") or {}).get(s.chain_id, []), sort_keys=True)
+            for s in samples
+        ],
     }
     return pa.RecordBatch.from_arrays(
         [pa.array(columns[f.name], f.type) for f in PA_SCHEMA], schema=PA_SCHEMA
@@ -106,6 +111,11 @@ def _manifest(rollout_id: str, cursor: int, main: str) -> dict:
         "episode_of": rollout_id.split("-a")[0],
         "attempt": 1,
         "main_chain_id": main,
+        "lineage": {
+            "c9": [{"kind": "spawned_by", "chain_id": "c1", "from_call_id": "c1", "evidence": {}}]
+        }
+        if main == "c1"
+        else {},
     }
 
 
