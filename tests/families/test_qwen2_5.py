@@ -151,3 +151,16 @@ def test_parser_keeps_a_block_that_is_not_a_call_as_content(family, step):
     want = {"role": "assistant", "content": "Here.<tool_call>\n{not json}\n</tool_call>"}
     got = _both(family, text, step)
     assert got == [{**want, "tool_calls": []}] * 2
+
+
+def test_vendored_template_is_the_one_its_provenance_names():
+    import hashlib
+
+    provenance = json.loads((TEMPLATE.parent / "PROVENANCE.json").read_text(encoding="utf-8"))
+    (entry,) = [t for t in provenance["templates"] if t["file"] == TEMPLATE.name]
+    data = TEMPLATE.read_bytes()
+    assert (entry["sha256"], entry["bytes"]) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert entry["family"] == "qwen2_5" and entry["verbatim"] is True
+    assert entry["copy"]["commit"] == "ddb28eb931be8493db1ad275461fa4e60800aa6a"
+    assert entry["vocabulary"]["vocab_size"] == QWEN2_5_VOCAB_SIZE
+    assert not data.endswith(b"\n") and b"\r" not in data
