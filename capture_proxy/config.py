@@ -188,19 +188,22 @@ class Settings(BaseSettings):
     end_of_turn_token: str = Field(
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
-    model_families: dict[str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3"]] = Field(
+    model_families: dict[
+        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"]
+    ] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
         "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
         "qwen3_coder (XML tool calls), gpt_oss (harmony), llama3 (Llama 3.x JSON tool calls; "
-        "needs family_tokenizers.llama3); models not named use tokenizer, "
+        "needs family_tokenizers.llama3), qwen2_5 (Qwen2.5 / Qwen2.5-Coder Instruct, Hermes JSON "
+        "tool calls; needs family_tokenizers.qwen2_5); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )
-    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3"], Path] = Field(
+    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5"], Path] = Field(
         default_factory=dict,
         description="a local HF tokenizer directory (the model's own tokenizer and chat "
         "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "
-        "families; llama3 has no built-in one and needs its directory)",
+        "families; llama3 and qwen2_5 have no built-in one and need their directory)",
     )
     captures_token: SecretStr | None = Field(
         None,

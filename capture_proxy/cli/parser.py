@@ -210,7 +210,7 @@ def _add_scripted_engine(sub: Any) -> None:
     engine.add_argument(
         "--family",
         default="qwen3",
-        choices=["qwen3", "qwen3_coder", "gpt_oss", "llama3"],
+        choices=["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"],
         help="model family it renders and writes as (the proxy's model_families)",
     )
     engine.add_argument(

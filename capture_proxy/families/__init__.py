@@ -18,6 +18,9 @@ model's chat format, in one place, so both render and parse with the same object
   ``{"name": N, "parameters": {...}}`` (vLLM's ``llama3_json``), turn closed by
   ``<|eot_id|>`` or ``<|eom_id|>``. Always the model's own template from its tokenizer
   directory: there is no built-in Llama template.
+- ``qwen2_5`` (``qwen2_5.py``): Qwen2.5 Instruct and Qwen2.5-Coder Instruct, Hermes JSON tool
+  calls (vLLM's ``hermes``), no reasoning, closed as Qwen3; the model's own template from its
+  tokenizer directory (no built-in one), the Qwen vocabulary.
 
 Every jinja-template family renders through ``hf_template.LocalRenderer``, which applies vLLM's
 message normalisation (``vllm_messages.py``) first. Adding a family is one module (its writer,
@@ -36,11 +39,12 @@ from capture_proxy.families.base import ModelFamily, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.families.llama3 import Llama3JsonParser
 from capture_proxy.families.parsing import OutputParser
+from capture_proxy.families.qwen2_5 import Qwen25HermesParser, load_qwen2_5_family
 from capture_proxy.families.qwen3 import QwenHermesParser
 from capture_proxy.families.qwen3_coder import Qwen3CoderParser
 
-FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3"]
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss", "llama3")
+FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"]
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5")
 _QWEN_TEMPLATES = {"qwen3": "keep_reasoning", "qwen3_coder": "qwen3_coder"}
 
 
@@ -50,6 +54,7 @@ PARSERS: dict[str, OutputParser] = {
     "qwen3": QwenHermesParser(),
     "qwen3_coder": Qwen3CoderParser(),
     "llama3": Llama3JsonParser(),
+    "qwen2_5": Qwen25HermesParser(),
 }
 #: what the published templates leave out of a conversation's history
 _QWEN_DROPS = (
@@ -169,16 +174,18 @@ def load_family(
     tokenizer: Any = None,
 ) -> ModelFamily:
     """The family ``name``. ``tokenizer_dir``: a local HF tokenizer directory with the model's
-    own chat template (Qwen families; required for llama3); ``cache_dir``: where the gpt-oss
-    vocabulary is converted to (default ``~/.cache/capture-proxy/encodings``); ``tokenizer``:
-    a loaded built-in Qwen tokenizer to share. Raises RenderError (unknown family, tokenizer
-    not loadable, llama3 without a tokenizer directory)."""
+    own chat template (Qwen families; required for llama3 and qwen2_5); ``cache_dir``: where
+    the gpt-oss vocabulary is converted to (default ``~/.cache/capture-proxy/encodings``);
+    ``tokenizer``: a loaded built-in Qwen tokenizer to share. Raises RenderError (unknown
+    family, tokenizer not loadable, llama3 or qwen2_5 without a tokenizer directory)."""
     if name in _QWEN_TEMPLATES:
         return _qwen_family(name, tokenizer_dir, None, tokenizer)
     if name == "gpt_oss":
         return _gpt_oss_family(cache_dir)
     if name == "llama3":
         return _llama3_family(tokenizer_dir)
+    if name == "qwen2_5":
+        return load_qwen2_5_family(tokenizer_dir)
     raise RenderError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
 
 

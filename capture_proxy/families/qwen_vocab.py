@@ -170,6 +170,14 @@ def _ensure_cached(cache_dir: Path) -> Path:
     return final
 
 
+def qwen_tokenizer_json(cache_dir: Path | None = None) -> Path:
+    """``tokenizer.json`` of the built Qwen3 vocabulary (151,669 tokens), built on first use
+    into ``cache_dir`` (default ``default_cache_dir()``)."""
+    return _ensure_cached(cache_dir if cache_dir is not None else default_cache_dir()) / (
+        "tokenizer.json"
+    )
+
+
 def load_chat_template(template: str = "keep_reasoning") -> str:
     """Jinja source of a template: ``keep_reasoning``, ``drop_reasoning`` (ChatML + Hermes) or
     ``qwen3_coder`` (ChatML + Qwen3-Coder XML tool calls).
