@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 
 from capture_proxy.core.codec import MessageDigests, canonical_json, json_sha256_bytes
-from capture_proxy.core.linking import turn_payload
+from capture_proxy.core.linking.digests import turn_payload
 
 #: Default bound (bytes of keys and texts): the histories of a few hundred long sessions.
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024

@@ -25,7 +25,9 @@ from capture_proxy.core.capture import augment_chat_request, prepare_request
 from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest, InvalidFrontRequest
 from capture_proxy.core.fronts.responses import referenced_response_id
 from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.linking import Resolution, Verdict, request_digest
+from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.requests import InvalidRequest, parse_json_object
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sampling import sampling_record

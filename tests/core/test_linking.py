@@ -4,22 +4,21 @@ import numpy as np
 import pytest
 
 from capture_proxy.core.capture import prepare_request
-from capture_proxy.core.linking import (
-    HISTORY_EDITED_REASON,
-    NO_MATCH_REASON,
-    TOOL_CALL_IDS_REASON,
-    DecodedTexts,
-    LinkIndex,
-    MismatchClass,
-    Verdict,
+from capture_proxy.core.linking.digests import (
     canonical_arguments,
     child_digest,
     child_digest_after,
-    classify_mismatch,
-    first_difference,
     history_digest,
     request_digest,
 )
+from capture_proxy.core.linking.index import LinkIndex
+from capture_proxy.core.linking.mismatch import (
+    DecodedTexts,
+    MismatchClass,
+    classify_mismatch,
+    first_difference,
+)
+from capture_proxy.core.linking.verdicts import ReasonKind, Verdict
 from harness_notes import default_registry
 from harness_notes.opencode import STEP_LIMIT_NOTE
 
@@ -113,7 +112,8 @@ class TestIndex:
         res = index.resolve("d1", "q2")
         assert (res.verdict, res.parent_call_id, res.retry_of) == (Verdict.RESOLVED, "a", None)
         res = index.resolve("zz", "q2")
-        assert res.verdict is Verdict.UNRESOLVED and res.reason.startswith("no captured call")
+        assert res.verdict is Verdict.UNRESOLVED and res.reason.kind is ReasonKind.NO_MATCH
+        assert res.reason.text == "no captured call produced the last model-authored turn"
 
     def test_an_identical_request_is_a_retry_only_on_an_explicit_signal(self):
         index = LinkIndex()
@@ -161,8 +161,11 @@ class TestIndex:
         index.add("t", 1.0, child_digest="d", request_digest="q", model="small", status="complete")
         got = index.resolve("d", "q2", model="big")
         assert got.verdict is Verdict.UNRESOLVED and got.candidates == ()
-        assert got.reason.startswith("the matching turns come from a call to another model")
-        assert "small" in got.reason and "big" in got.reason
+        assert got.reason.kind is ReasonKind.MODEL_SCOPE
+        assert got.reason.text == (
+            "the matching turns come from a call to another model: the turns were produced by "
+            "model small, this call is to big"
+        )
         assert index.resolve("d", "q2", model="small").parent_call_id == "t"
 
     def test_an_unmatched_history_whose_last_turn_is_a_captured_output_is_history_edited(self):
@@ -174,16 +177,24 @@ class TestIndex:
                   response=turn)
         got = index.resolve("other", "q2", last_turn=turn)
         assert got.verdict is Verdict.UNRESOLVED
-        assert got.reason == HISTORY_EDITED_REASON
+        assert got.reason.kind is ReasonKind.HISTORY_EDITED
+        assert got.reason.text == (
+            "the last model-authored turn is a captured call's output, but the history before "
+            "it was edited"
+        )
         assert got.mismatch["class"] == "history_edited"
         assert got.mismatch["parent_call_id"] == "p"
         # The same turn with other tool-call ids: named as such, not as a foreign turn.
         renamed = {**turn, "tool_calls": [{**turn["tool_calls"][0], "id": "toolu_9"}]}
         got = index.resolve("other", "q3", last_turn=renamed)
-        assert got.reason == TOOL_CALL_IDS_REASON
+        assert got.reason.kind is ReasonKind.TOOL_CALL_IDS
+        assert got.reason.text == (
+            "the last model-authored turn equals a captured call's output but for its "
+            "tool-call ids"
+        )
         assert got.mismatch["parent_call_id"] == "p"
         foreign = {"role": "assistant", "content": "never said"}
-        assert index.resolve("other", "q4", last_turn=foreign).reason == NO_MATCH_REASON
+        assert index.resolve("other", "q4", last_turn=foreign).reason.kind is ReasonKind.NO_MATCH
 
     def test_prefix_ancestor_is_the_deepest_token_exact_call_of_the_model(self):
         from capture_proxy.core.codec import token_digest
@@ -210,7 +221,8 @@ class TestIndex:
         index.add("note", 1.0, child_digest="d1", request_digest="q1", harness_note=True)
         assert index.resolve("d1", "q2").verdict is Verdict.RESOLVED
         res = index.resolve("d1", "q2", refuse_note_parents=True)
-        assert res.verdict is Verdict.UNRESOLVED and "harness note" in res.reason
+        assert res.verdict is Verdict.UNRESOLVED and res.reason.kind is ReasonKind.NOTE_PARENT
+        assert res.reason.text == "parent prompt carried a rewritten harness note (source_history)"
 
 
 def test_first_difference():
@@ -305,7 +317,7 @@ def test_other_stop_token_at_the_end_is_named():
 
 def test_extends_by_digest():
     from capture_proxy.core.codec import token_digest
-    from capture_proxy.core.linking import extends_by_digest
+    from capture_proxy.core.linking.digests import extends_by_digest
 
     p, g = np.array([1, 2, 3], np.uint32), np.array([4, 5], np.uint32)
     key = token_digest(p, g)
@@ -318,7 +330,7 @@ def test_extends_by_digest():
 def test_canonical_json_matches_the_stdlib_form():
     import json
 
-    from capture_proxy.core.linking import canonical_json
+    from capture_proxy.core.linking.digests import canonical_json
 
     for value in [{"b": 1, "a": [1.5, "caf\u00e9", None, True]}, {"n": 2**70}, "x", [], {}]:
         assert canonical_json(value) == json.dumps(

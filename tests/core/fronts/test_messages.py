@@ -21,7 +21,7 @@ from capture_proxy.core.fronts.messages import (
     encode_count_tokens,
     parse_count_tokens,
 )
-from capture_proxy.core.linking import canonical_turn, history_digest
+from capture_proxy.core.linking.digests import canonical_turn, history_digest
 
 CODEC = MessagesCodec()
 CALL_ID = "call-0123456789abcdef0123456789abcdef"
