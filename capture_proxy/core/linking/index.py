@@ -57,9 +57,13 @@ class _Entry:
     turn_digest_without_ids: str | None = None
     #: the tool-call ids of its answer (ids are unique per answer: engine- or proxy-made)
     tool_call_ids: tuple[str, ...] = ()
-    #: verified children so far; a later identical retry that supersedes this call
+    #: children so far: stored with this call as their parent, or in flight and resolved to
+    #: it (two identical sub-agents in flight at once each continue their own); a later
+    #: identical retry that supersedes this call
     children: int = 0
     superseded_by: str | None = None
+    #: the parent this call is counted as a child of (in flight: the one it was resolved to)
+    counted_parent: str | None = None
 
 
 @dataclass
@@ -95,7 +99,9 @@ class LinkIndex:
         """Add a call, or replace what is known of it (a call is added when its request
         arrives and again, with its child digest and status, once it is stored).
         ``response``: its answer (indexed alone, to name a history that dropped turns);
-        ``parent_call_id`` / ``retry_of``: its verified parent and the call it retried."""
+        ``parent_call_id`` / ``retry_of``: its verified parent and the call it retried; for a
+        call in flight, ``parent_call_id`` is the candidate it was resolved to: it counts as
+        that call's child until it is stored with its verified parent (or none)."""
         old = self.entries.get(call_id)
         if old is not None:
             self._unindex(old)
@@ -121,10 +127,15 @@ class LinkIndex:
             if digest is not None:
                 index.setdefault(digest, {})[call_id] = entry
         if old is None or old.status == IN_FLIGHT:
+            if old is not None and old.counted_parent in self.entries:
+                self.entries[old.counted_parent].children -= 1
             if parent_call_id is not None and parent_call_id in self.entries:
                 self.entries[parent_call_id].children += 1
+                entry.counted_parent = parent_call_id
             if retry_of is not None and retry_of in self.entries:
                 self.entries[retry_of].superseded_by = call_id
+        else:
+            entry.counted_parent = old.counted_parent
 
     def _keys(self, entry: _Entry) -> tuple[tuple[dict[str, dict[str, _Entry]], str | None], ...]:
         return (
@@ -161,8 +172,8 @@ class LinkIndex:
     @staticmethod
     def _preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
         # Verifiable first; a call a retry superseded last (the harness lost its answer);
-        # then one with no child yet (parallel sub-agents that answered alike: each continues
-        # its own), then the earliest.
+        # then one with no child yet, stored or in flight (parallel sub-agents that answered
+        # alike: each continues its own, also when both continue at once), then the earliest.
         return (
             entry.num_tokens is None,
             entry.superseded_by is not None,
@@ -186,11 +197,11 @@ class LinkIndex:
         Candidates are the calls of the same ``model`` (a parent from another model would put
         its tokens and log probs in this model's chain) whose child digest is
         ``parent_digest``, preferred in this order: verifiable, not superseded by a retry,
-        without a child yet, earliest (see ``_preference``). With ``refuse_note_parents``
-        (``parent_resolution = source_history``), a parent whose prompt carried a rewritten
-        harness note is not taken: the call starts a new chain. ``last_turn``: the history's
-        last assistant message, to tell a dropped or edited turn from a foreign one when no
-        call matches.
+        without a child yet (stored or in flight), earliest (see ``_preference``). With
+        ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose
+        prompt carried a rewritten harness note is not taken: the call starts a new chain.
+        ``last_turn``: the history's last assistant message, to tell a dropped or edited turn
+        from a foreign one when no call matches.
         """
         retry_of = self._retry_of(req_digest, retry_requested)
         if parent_digest is None:

@@ -37,7 +37,8 @@ def resolve_step(
 
     With ``refresh_on_miss``, an unresolved history with model-authored turns asks
     ``ReadRolloutCalls(rollout_id)`` once, adds the calls the index lacks and resolves again.
-    Afterwards ``call_id`` is in ``index`` in flight, under the request's digest."""
+    Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
+    a child of the preferred candidate (``LinkIndex.add``)."""
     req_digest = request_digest(body)
     items = linking_items(linking_messages)
     model = body.get("model")
@@ -58,5 +59,14 @@ def resolve_step(
     if refresh_on_miss and resolution.verdict is Verdict.UNRESOLVED and parent_digest is not None:
         refresh_index(index, (yield from ask(ReadRolloutCalls(rollout_id))))
         resolution = resolve()
-    index.add(call_id, created_at, child_digest=None, request_digest=req_digest, model=model)
+    # In flight, the call counts as a child of the candidate it was resolved to, so an
+    # identical sibling resolved before it is stored prefers another candidate.
+    index.add(
+        call_id,
+        created_at,
+        child_digest=None,
+        request_digest=req_digest,
+        model=model,
+        parent_call_id=resolution.parent_call_id,
+    )
     return resolution
