@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.core.linking import turn_payload
+from capture_proxy.core.linking.digests import turn_payload
 from capture_proxy.core.stored_form import MessageDigests, canonical_json, json_sha256_bytes
 
 #: Default bound (bytes of keys and texts): the histories of a few hundred long sessions.

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.linking import canonical_turn
+from capture_proxy.core.linking.digests import canonical_turn
 
 TOKEN_DTYPE = np.uint32
 

@@ -27,7 +27,8 @@ from capture_proxy.core.capture import NoteMatcher, PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts.base import Answer, FrontCodec, FrontRequest, TokenIds
 from capture_proxy.core.known_messages import KnownMessages, message_digests
-from capture_proxy.core.linking import Resolution, Verdict
+from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.redact import redact_text
 from capture_proxy.proxy.linker import Linker

@@ -26,7 +26,9 @@ from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest, InvalidFron
 from capture_proxy.core.fronts.responses.parse import referenced_response_id
 from capture_proxy.core.json_bodies import InvalidRequest, parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.linking import Resolution, Verdict, request_digest
+from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sampling import sampling_record
 from capture_proxy.families.base import ChatRenderer, RenderError, RendererUnavailable

@@ -29,7 +29,7 @@ from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Reader
 from capture_proxy.core.fronts.base import Answer, answer_as_deltas
 from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.known_messages import MessageFacts, same_messages
-from capture_proxy.core.linking import Verdict
+from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.sampling import (

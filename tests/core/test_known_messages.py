@@ -19,7 +19,7 @@ from capture_proxy.core.known_messages import (
     same_messages,
     turn_payloads,
 )
-from capture_proxy.core.linking import history_digest
+from capture_proxy.core.linking.digests import history_digest
 from capture_proxy.core.records import CallStatus
 from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.splice import SpliceRefused, check_extension

@@ -254,9 +254,7 @@ async def test_a_request_the_harness_marks_as_a_retry_supersedes_the_earlier_one
 
 
 async def test_a_request_after_a_failed_identical_one_is_its_retry(make_stack):
-    stack = await make_stack(
-        engine_config=ScriptedEngineConfig(fail_status=500, fail_first_n=1)
-    )
+    stack = await make_stack(engine_config=ScriptedEngineConfig(fail_status=500, fail_first_n=1))
     body = _body(list(USER))
     failed = await stack.chat("r1", body)
     assert failed.status >= 500
@@ -362,3 +360,63 @@ def test_recent_calls_stay_within_their_bound_least_recently_used_out():
     recent.forget("r")
     assert len(recent) == 1 and recent.get("d") is not None
     RecentCalls(max_bytes=10).put(record("big"))  # larger than the bound: not kept
+
+
+async def test_two_identical_sub_agents_continuing_at_once_are_two_chains(tmp_path):
+    """Two sub-agents given the same task answer alike (same tool-call ids, same tokens, as in
+    backend-template mode); both continuations are resolved before either is stored. The
+    second's must not take the first's call (no stored child yet) but its own sibling's: two
+    chains, each session whole."""
+    import numpy as np
+
+    from capture_proxy.core.chains import build_chains
+    from capture_proxy.core.records import CallRecord
+    from capture_proxy.proxy.linker import Linker
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    task = [{"role": "user", "content": "count the files"}]
+    call = {"id": "call_0", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+    answer = {"content": None, "tool_calls": [call]}
+    history = [*task, {"role": "assistant", **answer}, {"role": "tool", "content": "a b"}]
+    body = {"model": "m", "messages": history}
+
+    def record(call_id: str, created_at: float, messages: list, prompt: list, gen: list):
+        return CallRecord(
+            call_id=call_id,
+            rollout_id="r1",
+            created_at=created_at,
+            model="m",
+            request_messages=messages,
+            response_message=answer if messages is task else {"content": "2 files"},
+            prompt_token_ids=np.asarray(prompt, np.uint32),
+            generation_token_ids=np.asarray(gen, np.uint32),
+            generation_log_probs=np.full(len(gen), -0.5, np.float32),
+        )
+
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store)
+        for first in (
+            record("a1", 1.0, task, [1, 2], [3, 4]),
+            record("b1", 2.0, task, [1, 2], [3, 4]),
+        ):
+            await store.put_call(first)
+            await linker.remember(first)
+        kwargs = {"harness_note": None, "retry_count": None, "decode": None}
+        resolutions = {
+            name: await linker.resolve("r1", history, body, call_id=name, created_at=at)
+            for name, at in (("a2", 3.0), ("b2", 4.0))
+        }
+        for name, at in (("b2", 4.0), ("a2", 3.0)):
+            second = record(name, at, history, [1, 2, 3, 4, 5], [6])
+            second = await linker.verify(second, resolutions[name], history, **kwargs)
+            await store.put_call(second)
+            await linker.remember(second)
+        chains = build_chains("r1", await store.get_rollout_calls("r1"))
+        assert [[c.call_id for c in chain.calls] for chain in chains.chains] == [
+            ["a1", "a2"],
+            ["b1", "b2"],
+        ]
+    finally:
+        await store.close()

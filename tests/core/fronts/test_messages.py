@@ -19,7 +19,7 @@ from capture_proxy.core.fronts.messages import MessagesCodec
 from capture_proxy.core.fronts.messages.encode import encode_count_tokens
 from capture_proxy.core.fronts.messages.options import MessagesOptions
 from capture_proxy.core.fronts.messages.parse import parse_count_tokens
-from capture_proxy.core.linking import canonical_turn, history_digest
+from capture_proxy.core.linking.digests import canonical_turn, history_digest
 
 CODEC = MessagesCodec()
 CALL_ID = "call-0123456789abcdef0123456789abcdef"

@@ -1,0 +1,174 @@
+"""Canonical linking items and their digests: how a turn that arrives as text is named.
+
+Owns the canonical form of a model-authored turn, the chained history digests (a request's
+parent digest, a captured call's child digest), the request digest (for retries), a turn's own
+digest and tool-call ids, and the digest check that a prompt begins with a parent's tokens.
+Pure: no aiohttp, no I/O; knows nothing of the index or of records.
+
+Canonical form of a model-authored turn (an assistant message), as decided here:
+- ``content``: text; ``null``, ``""`` and an absent key are the same (OpenCode sends ``""``
+  where the engine sent ``null``); a list of text parts is joined with ``"\\n"`` (vLLM's join).
+- ``tool_calls``: in order, each as ``(id, name, arguments)`` with arguments as canonical JSON
+  (parsed, then dumped with sorted keys, no spaces, no ASCII escaping), so OpenCode's compact
+  re-serialisation and ``\\u00e9``-to-UTF-8 rewriting compare equal; arguments that are not
+  JSON are compared as the raw string.
+- reasoning is NOT part of the digest: harnesses drop or keep it depending on their
+  configuration, and a template may drop it; whether the tokens still chain is for token
+  verification to decide (``parent_digest_mismatch`` with class ``template_rerendered``).
+
+Digests chain: ``d_0 = sha256("capture-proxy/linking/v2")`` and
+``d_k = sha256(d_{k-1} || canonical(turn_k))``. A request's *parent digest* is the digest over
+all assistant turns of its history; a captured call's *child digest* (under which a child finds
+it) is the digest over its request's turns followed by its own response message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+_DIGEST_SEED = hashlib.sha256(b"capture-proxy/linking/v2").hexdigest()
+
+#: Request fields that do not change what the engine computes (so a retry may differ in them).
+_NON_SEMANTIC_REQUEST_FIELDS = frozenset({"stream", "stream_options", "user", "metadata"})
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return str(content)
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no spaces, UTF-8 text (no ASCII escapes): the digests' serialisation.
+    orjson for speed; the stdlib (same output) for integers past 64 bits."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_arguments(arguments: Any) -> str:
+    """Tool-call arguments as canonical JSON text (raw text when not JSON)."""
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+    else:
+        value = arguments
+    return canonical_json(value)
+
+
+def canonical_turn(message: Mapping[str, Any]) -> dict[str, Any]:
+    """The canonical form of one assistant message (see the module docstring)."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        calls.append(
+            {
+                "id": call.get("id"),
+                "name": fn.get("name"),
+                "arguments": canonical_arguments(fn.get("arguments")),
+            }
+        )
+    return {"content": _content_text(message.get("content")), "tool_calls": calls}
+
+
+def turn_payload(turn: Mapping[str, Any]) -> str:
+    """``canonical(turn)``: the text one assistant message adds to a digest."""
+    return canonical_json(canonical_turn(turn))
+
+
+def _extend(digest: str, payload: str) -> str:
+    return hashlib.sha256((digest + payload).encode("utf-8")).hexdigest()
+
+
+def extend_digest(digest: str, turn: Mapping[str, Any]) -> str:
+    """``sha256(digest || canonical(turn))`` as hex."""
+    return _extend(digest, turn_payload(turn))
+
+
+def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The model-authored turns of a history: its assistant messages, in order."""
+    return [m for m in messages if m.get("role") == "assistant"]
+
+
+def history_digest(
+    messages: Sequence[Mapping[str, Any]], payloads: Sequence[str | None] | None = None
+) -> str | None:
+    """The parent digest of a request: None when it has no model-authored turn (a root).
+
+    ``payloads``: ``turn_payload`` of each assistant message (None for the others), when
+    known already (``known_messages``); then only the digest chain is computed."""
+    if payloads is None:
+        turns = [turn_payload(m) for m in linking_items(messages)]
+    else:
+        if len(payloads) != len(messages):
+            raise ValueError(f"{len(payloads)} payloads for {len(messages)} messages")
+        turns = [
+            p if p is not None else turn_payload(m)
+            for m, p in zip(messages, payloads, strict=True)
+            if m.get("role") == "assistant"
+        ]
+    if not turns:
+        return None
+    digest = _DIGEST_SEED
+    for payload in turns:
+        digest = _extend(digest, payload)
+    return digest
+
+
+def child_digest(messages: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> str:
+    """The digest under which a child of this call finds it."""
+    return history_digest([*linking_items(messages), {"role": "assistant", **response}]) or ""
+
+
+def child_digest_after(parent_digest: str | None, response: Mapping[str, Any]) -> str:
+    """``child_digest(messages, response)`` from ``parent_digest = history_digest(messages)``:
+    one step of the chain instead of the whole history again."""
+    start = parent_digest if parent_digest is not None else _DIGEST_SEED
+    return extend_digest(start, {"role": "assistant", **response})
+
+
+def request_digest(body: Mapping[str, Any]) -> str:
+    """Digest of everything in a request that affects the engine's answer (for retries)."""
+    semantic = {k: v for k, v in body.items() if k not in _NON_SEMANTIC_REQUEST_FIELDS}
+    text = canonical_json(semantic)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tool_call_ids(turn: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The ids of a turn's tool calls, in order (empty when it has none or one lacks an id)."""
+    ids = tuple(str(c.get("id") or "") for c in (turn or {}).get("tool_calls") or [])
+    return ids if all(ids) else ()
+
+
+def turn_digest(turn: Mapping[str, Any], *, with_ids: bool = True) -> str:
+    """Digest of one assistant turn alone (not chained): finds the call that produced a turn
+    whatever history came before it."""
+    canonical = canonical_turn(turn)
+    if not with_ids:
+        canonical = {
+            **canonical,
+            "tool_calls": [{**c, "id": None} for c in canonical["tool_calls"]],
+        }
+    return hashlib.sha256(canonical_json(canonical).encode("utf-8")).hexdigest()
+
+
+def extends_by_digest(child_prompt: np.ndarray, num_tokens: int, tokens_sha256: bytes) -> bool:
+    """True when ``child_prompt`` begins with the ``num_tokens`` ids whose ``<u4`` bytes hash
+    to ``tokens_sha256`` (the parent's prompt + generation, ``codec.token_digest``)."""
+    if child_prompt.shape[0] < num_tokens:
+        return False
+    head = child_prompt[:num_tokens].astype("<u4", copy=False).tobytes()
+    return hashlib.sha256(head).digest() == tokens_sha256

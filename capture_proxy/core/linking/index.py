@@ -1,0 +1,355 @@
+"""The per-rollout link index: captured calls by child, request and answer digest.
+
+Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, the candidates'
+preference order, the retry target, why a history matched no call, the deepest token-exact
+ancestor) and how a stored record enters it (``add_record``, ``refresh_index``). Pure: no
+aiohttp, no I/O; the adapter that owns the cache reads the records and hands them in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from capture_proxy.core.stored_form import token_digest
+from capture_proxy.core.linking.digests import child_digest, tool_call_ids, turn_digest
+from capture_proxy.core.linking.mismatch import MismatchClass
+from capture_proxy.core.linking.resolution import Candidate, Resolution
+from capture_proxy.core.linking.verdicts import (
+    HISTORY_EDITED,
+    NO_MATCH,
+    NOTE_PARENT,
+    TOOL_CALL_IDS,
+    TURN_REWRITTEN,
+    Reason,
+    Verdict,
+    model_scope,
+)
+from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.routed_experts import rows_end
+
+#: Record statuses the index keeps (``CallStatus`` values).
+CALL_FAILED = CallStatus.FAILED.value
+CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
+
+#: Status of an index entry whose call is still in flight.
+IN_FLIGHT = "in_flight"
+
+
+@dataclass
+class _Entry:
+    call_id: str
+    created_at: float
+    child_digest: str | None
+    request_digest: str | None
+    harness_note: bool
+    rows_end: int | None = None
+    num_tokens: int | None = None
+    tokens_sha256: bytes | None = None
+    model: str | None = None
+    status: str = IN_FLIGHT
+    #: digests of the call's own answer, alone (with and without its tool-call ids)
+    turn_digest: str | None = None
+    turn_digest_without_ids: str | None = None
+    #: the tool-call ids of its answer (ids are unique per answer: engine- or proxy-made)
+    tool_call_ids: tuple[str, ...] = ()
+    #: children so far: stored with this call as their parent, or in flight and resolved to
+    #: it (two identical sub-agents in flight at once each continue their own); a later
+    #: identical retry that supersedes this call
+    children: int = 0
+    superseded_by: str | None = None
+    #: the parent this call is counted as a child of (in flight: the one it was resolved to)
+    counted_parent: str | None = None
+
+
+@dataclass
+class LinkIndex:
+    """Per-rollout digests of captured calls, looked up by child digest, by request digest and
+    by answer digest (dicts: a lookup costs the same at call 5 and at call 5,000). Not
+    thread-safe; one per rollout."""
+
+    entries: dict[str, _Entry] = field(default_factory=dict)
+    _by_child: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _by_request: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _by_turn: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _by_turn_without_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _by_tool_call_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+
+    def add(
+        self,
+        call_id: str,
+        created_at: float,
+        *,
+        child_digest: str | None,
+        request_digest: str | None,
+        harness_note: bool = False,
+        rows_end: int | None = None,
+        num_tokens: int | None = None,
+        tokens_sha256: bytes | None = None,
+        model: str | None = None,
+        status: str = IN_FLIGHT,
+        response: Mapping[str, Any] | None = None,
+        parent_call_id: str | None = None,
+        retry_of: str | None = None,
+    ) -> None:
+        """Add a call, or replace what is known of it (a call is added when its request
+        arrives and again, with its child digest and status, once it is stored).
+        ``response``: its answer (indexed alone, to name a history that dropped turns);
+        ``parent_call_id`` / ``retry_of``: its verified parent and the call it retried; for a
+        call in flight, ``parent_call_id`` is the candidate it was resolved to: it counts as
+        that call's child until it is stored with its verified parent (or none)."""
+        old = self.entries.get(call_id)
+        if old is not None:
+            self._unindex(old)
+        entry = _Entry(
+            call_id,
+            created_at,
+            child_digest,
+            request_digest,
+            harness_note,
+            rows_end,
+            num_tokens,
+            tokens_sha256,
+            model,
+            status,
+            turn_digest(response) if response is not None else None,
+            turn_digest(response, with_ids=False) if response is not None else None,
+            tool_call_ids(response),
+        )
+        if old is not None:
+            entry.children, entry.superseded_by = old.children, old.superseded_by
+        self.entries[call_id] = entry
+        for index, digest in self._keys(entry):
+            if digest is not None:
+                index.setdefault(digest, {})[call_id] = entry
+        if old is None or old.status == IN_FLIGHT:
+            if old is not None and old.counted_parent in self.entries:
+                self.entries[old.counted_parent].children -= 1
+            if parent_call_id is not None and parent_call_id in self.entries:
+                self.entries[parent_call_id].children += 1
+                entry.counted_parent = parent_call_id
+            if retry_of is not None and retry_of in self.entries:
+                self.entries[retry_of].superseded_by = call_id
+        else:
+            entry.counted_parent = old.counted_parent
+
+    def _keys(self, entry: _Entry) -> tuple[tuple[dict[str, dict[str, _Entry]], str | None], ...]:
+        return (
+            (self._by_child, entry.child_digest),
+            (self._by_request, entry.request_digest),
+            (self._by_turn, entry.turn_digest),
+            (self._by_turn_without_ids, entry.turn_digest_without_ids),
+            (self._by_tool_call_ids, "\x1f".join(entry.tool_call_ids) or None),
+        )
+
+    def _unindex(self, entry: _Entry) -> None:
+        for index, digest in self._keys(entry):
+            if digest is not None and digest in index:
+                index[digest].pop(entry.call_id, None)
+                if not index[digest]:
+                    del index[digest]
+
+    @staticmethod
+    def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
+        return sorted((entries or {}).values(), key=lambda e: (e.created_at, e.call_id))
+
+    def _retry_of(self, req_digest: str, retry_requested: bool) -> str | None:
+        """The call an identical request retries: only on an explicit signal (the harness says
+        it retries, or the latest identical call failed or was left incomplete). Identical
+        requests otherwise are sibling samples, each its own call."""
+        earlier = self._ordered(self._by_request.get(req_digest))
+        if not earlier:
+            return None
+        latest = earlier[-1]
+        if retry_requested or latest.status in (CALL_FAILED, CALL_INCOMPLETE):
+            return latest.call_id
+        return None
+
+    @staticmethod
+    def _preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
+        # Verifiable first; a call a retry superseded last (the harness lost its answer);
+        # then one with no child yet, stored or in flight (parallel sub-agents that answered
+        # alike: each continues its own, also when both continue at once), then the earliest.
+        return (
+            entry.num_tokens is None,
+            entry.superseded_by is not None,
+            entry.children > 0,
+            entry.created_at,
+            entry.call_id,
+        )
+
+    def resolve(
+        self,
+        parent_digest: str | None,
+        req_digest: str,
+        *,
+        model: str | None = None,
+        last_turn: Mapping[str, Any] | None = None,
+        retry_requested: bool = False,
+        refuse_note_parents: bool = False,
+    ) -> Resolution:
+        """Find the parent candidates by digest, and the call an identical request retries.
+
+        Candidates are the calls of the same ``model`` (a parent from another model would put
+        its tokens and log probs in this model's chain) whose child digest is
+        ``parent_digest``, preferred in this order: verifiable, not superseded by a retry,
+        without a child yet (stored or in flight), earliest (see ``_preference``). With
+        ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose
+        prompt carried a rewritten harness note is not taken: the call starts a new chain.
+        ``last_turn``: the history's last assistant message, to tell a dropped or edited turn
+        from a foreign one when no call matches.
+        """
+        retry_of = self._retry_of(req_digest, retry_requested)
+        if parent_digest is None:
+            return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
+        found = list((self._by_child.get(parent_digest) or {}).values())
+        matches = sorted((e for e in found if e.model == model), key=self._preference)
+        rewritten = None
+        if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
+            # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
+            # adding defaults): its tool-call ids still name the call that produced it.
+            # Tokens decide whether the link is taken.
+            ids = "\x1f".join(tool_call_ids(last_turn))
+            by_ids = (self._by_tool_call_ids.get(ids) or {}).values() if ids else ()
+            matches = sorted((e for e in by_ids if e.model == model), key=self._preference)
+            rewritten = TURN_REWRITTEN if matches else None
+        if not matches:
+            reason, mismatch = self._why_unmatched(found, model, last_turn)
+            return Resolution(
+                Verdict.UNRESOLVED,
+                parent_digest,
+                req_digest,
+                retry_of=retry_of,
+                reason=reason,
+                mismatch=mismatch,
+            )
+        if refuse_note_parents and matches[0].harness_note:
+            return Resolution(
+                Verdict.UNRESOLVED,
+                parent_digest,
+                req_digest,
+                retry_of=retry_of,
+                reason=NOTE_PARENT,
+            )
+        candidates = tuple(
+            Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in matches
+        )
+        first = candidates[0]
+        return Resolution(
+            Verdict.RESOLVED,
+            parent_digest,
+            req_digest,
+            first.call_id,
+            retry_of=retry_of,
+            reason=rewritten,
+            parent_rows_end=first.rows_end,
+            parent_num_tokens=first.num_tokens,
+            parent_tokens_sha256=first.tokens_sha256,
+            candidates=candidates,
+        )
+
+    def _is_captured_turn(self, turn: Mapping[str, Any], model: str | None) -> bool:
+        """True when ``turn`` is, exactly or but for its tool-call ids, a captured output."""
+        for index, digest in (
+            (self._by_turn, turn_digest(turn)),
+            (self._by_turn_without_ids, turn_digest(turn, with_ids=False)),
+        ):
+            if any(e.model == model for e in (index.get(digest) or {}).values()):
+                return True
+        return False
+
+    def _why_unmatched(
+        self, found: list[_Entry], model: str | None, last_turn: Mapping[str, Any] | None
+    ) -> tuple[Reason, dict[str, Any] | None]:
+        if found:
+            models = sorted({str(e.model) for e in found})
+            return model_scope(models, model), None
+        if last_turn is None:
+            return NO_MATCH, None
+        same = self._ordered(self._by_turn.get(turn_digest(last_turn)))
+        same = [e for e in same if e.model == model]
+        if same:
+            return (
+                HISTORY_EDITED,
+                {
+                    "class": MismatchClass.HISTORY_EDITED.value,
+                    "parent_call_id": same[-1].call_id,
+                    "explanation": "the last model-authored turn is this call's output, but "
+                    "the turns before it differ from its history (a turn was dropped or "
+                    "edited)",
+                },
+            )
+        alike = self._ordered(self._by_turn_without_ids.get(turn_digest(last_turn, with_ids=False)))
+        alike = [e for e in alike if e.model == model]
+        if alike:
+            return (
+                TOOL_CALL_IDS,
+                {
+                    "class": MismatchClass.HISTORY_EDITED.value,
+                    "parent_call_id": alike[-1].call_id,
+                    "explanation": "the last model-authored turn equals this call's output "
+                    "but for its tool-call ids (the harness rewrote them)",
+                },
+            )
+        return NO_MATCH, None
+
+    def prefix_ancestor(self, prompt: np.ndarray, *, model: str | None, exclude: str) -> str | None:
+        """The deepest complete call of ``model`` whose prompt + generation ids begin
+        ``prompt`` (the store's prompt-parent rule, ``prefixes``), or None. O(prompt length +
+        calls), from the digests kept per entry: no arrays are read."""
+        candidates = [
+            StoredPrefix(e.call_id, e.created_at, e.num_tokens, e.tokens_sha256)
+            for e in self.entries.values()
+            if e.model == model and e.num_tokens is not None and e.tokens_sha256 is not None
+        ]
+        parent = choose_prompt_parent(prompt, candidates, exclude=exclude)
+        return parent.call_id if parent is not None else None
+
+
+def _token_key(record: CallRecord) -> dict[str, Any]:
+    """Length and digest of a complete call's prompt + generation (for digest verification)."""
+    if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
+        return {}
+    return {
+        "num_tokens": record.num_prompt_tokens + record.num_generation_tokens,
+        "tokens_sha256": token_digest(record.prompt_token_ids, record.generation_token_ids),
+    }
+
+
+def add_record(index: LinkIndex, record: CallRecord) -> None:
+    """Index a stored call (again, if it was in flight): by the child digest its record keeps
+    (else derived from its request and answer), its request digest, answer and token key."""
+    linking = record.linking or {}
+    child = linking.get("child_digest")
+    response = record.response_message if record.status is not CallStatus.FAILED else None
+    if child is None and response is not None:
+        child = child_digest(record.request_messages, response)
+    index.add(
+        record.call_id,
+        record.created_at,
+        # A failed call has no answer to continue from; it is indexed for its request
+        # only (a later identical request retries it).
+        child_digest=child if response is not None else None,
+        request_digest=linking.get("request_digest"),
+        harness_note=bool(linking.get("harness_note")),
+        rows_end=rows_end(record),
+        model=record.model,
+        status=record.status.value,
+        response=response,
+        parent_call_id=record.parent_call_id,
+        retry_of=record.retry_of,
+        **_token_key(record),
+    )
+
+
+def refresh_index(index: LinkIndex, records: Iterable[CallRecord]) -> None:
+    """Add the stored ``records`` of the rollout (in stored order) this index does not hold as
+    stored: written by another replica since it was loaded."""
+    for record in records:
+        entry = index.entries.get(record.call_id)
+        if entry is None or entry.status == IN_FLIGHT:
+            add_record(index, record)

@@ -1,0 +1,72 @@
+"""The request-time parent lookup step: digest a request's history and ask the index.
+
+Owns the order of request-time resolution: digest the linking items, resolve against the
+rollout's index, on a miss (with replicas sharing a store) refresh the index from the stored
+calls and resolve again, then register the call in flight so a later identical request is
+known. Pure: a generator of ``commands`` (it asks ``ReadRolloutCalls``); the caller hands in
+the rollout's loaded ``LinkIndex``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from capture_proxy.core.known_messages import MessageFacts, turn_payloads
+from capture_proxy.core.linking.commands import ReadRolloutCalls, Step, ask
+from capture_proxy.core.linking.digests import history_digest, linking_items, request_digest
+from capture_proxy.core.linking.index import LinkIndex, refresh_index
+from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.verdicts import Verdict
+
+
+def resolve_step(
+    index: LinkIndex,
+    rollout_id: str,
+    linking_messages: Sequence[Mapping[str, Any]],
+    body: Mapping[str, Any],
+    *,
+    call_id: str,
+    created_at: float,
+    retry_requested: bool = False,
+    linking_facts: Sequence[MessageFacts] | None = None,
+    refuse_note_parents: bool = False,
+    refresh_on_miss: bool = False,
+) -> Step[Resolution]:
+    """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
+
+    With ``refresh_on_miss``, an unresolved history with model-authored turns asks
+    ``ReadRolloutCalls(rollout_id)`` once, adds the calls the index lacks and resolves again.
+    Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
+    a child of the preferred candidate (``LinkIndex.add``)."""
+    req_digest = request_digest(body)
+    items = linking_items(linking_messages)
+    model = body.get("model")
+    payloads = turn_payloads(linking_facts) if linking_facts is not None else None
+    parent_digest = history_digest(linking_messages, payloads)
+
+    def resolve() -> Resolution:
+        return index.resolve(
+            parent_digest,
+            req_digest,
+            model=model,
+            last_turn=items[-1] if items else None,
+            retry_requested=retry_requested,
+            refuse_note_parents=refuse_note_parents,
+        )
+
+    resolution = resolve()
+    if refresh_on_miss and resolution.verdict is Verdict.UNRESOLVED and parent_digest is not None:
+        refresh_index(index, (yield from ask(ReadRolloutCalls(rollout_id))))
+        resolution = resolve()
+    # In flight, the call counts as a child of the candidate it was resolved to, so an
+    # identical sibling resolved before it is stored prefers another candidate.
+    index.add(
+        call_id,
+        created_at,
+        child_digest=None,
+        request_digest=req_digest,
+        model=model,
+        parent_call_id=resolution.parent_call_id,
+    )
+    return resolution

@@ -1,0 +1,180 @@
+"""The per-rollout link index: candidates, retries, unmatched histories (``core.linking.index``)."""
+
+import numpy as np
+
+from capture_proxy.core.linking.index import LinkIndex
+from capture_proxy.core.linking.verdicts import ReasonKind, Verdict
+
+
+class TestIndex:
+    def test_verdicts(self):
+        index = LinkIndex()
+        index.add("a", 1.0, child_digest="d1", request_digest="q1")
+        assert index.resolve(None, "q0").verdict is Verdict.ROOT
+        res = index.resolve("d1", "q2")
+        assert (res.verdict, res.parent_call_id, res.retry_of) == (Verdict.RESOLVED, "a", None)
+        res = index.resolve("zz", "q2")
+        assert res.verdict is Verdict.UNRESOLVED and res.reason.kind is ReasonKind.NO_MATCH
+        assert res.reason.text == "no captured call produced the last model-authored turn"
+
+    def test_an_identical_request_is_a_retry_only_on_an_explicit_signal(self):
+        index = LinkIndex()
+        index.add("a", 1.0, child_digest="d1", request_digest="q1", status="complete")
+        # Identical and the earlier one answered: a sibling sample, not a retry.
+        assert index.resolve(None, "q1").retry_of is None
+        # The harness says it retries (x-stainless-retry-count > 0): the latest identical.
+        index.add("a2", 2.0, child_digest="d1", request_digest="q1", status="complete")
+        assert index.resolve(None, "q1", retry_requested=True).retry_of == "a2"
+        # The latest identical call failed or was left incomplete: its retry.
+        index.add("a3", 3.0, child_digest=None, request_digest="q1", status="failed")
+        assert index.resolve(None, "q1").retry_of == "a3"
+        index.add("a3", 3.0, child_digest=None, request_digest="q1", status="incomplete")
+        assert index.resolve(None, "q1").retry_of == "a3"
+
+    def test_candidates_prefer_no_child_yet_then_the_earliest(self):
+        # Parallel sub-agents A and B answered alike (one child digest): A1, B1, then A2.
+        index = LinkIndex()
+        key = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
+        index.add("A1", 1.0, child_digest="d", request_digest="qa", status="complete", **key)
+        index.add("B1", 2.0, child_digest="d", request_digest="qb", status="complete", **key)
+        got = index.resolve("d", "qa2")
+        assert [c.call_id for c in got.candidates] == ["A1", "B1"]
+        assert got.parent_call_id == "A1"
+        # A2 took A1 as its parent: B2 now prefers B1, which has no child yet.
+        index.add(
+            "A2",
+            3.0,
+            child_digest="dA2",
+            request_digest="qa2",
+            status="complete",
+            parent_call_id="A1",
+            **key,
+        )
+        got = index.resolve("d", "qb2")
+        assert [c.call_id for c in got.candidates] == ["B1", "A1"]
+
+    def test_a_retry_supersedes_the_call_it_retried_as_a_candidate(self):
+        index = LinkIndex()
+        key = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
+        index.add("a", 1.0, child_digest="d1", request_digest="q1", status="complete", **key)
+        index.add(
+            "a2",
+            2.0,
+            child_digest="d1",
+            request_digest="q1",
+            status="complete",
+            retry_of="a",
+            **key,
+        )
+        assert [c.call_id for c in index.resolve("d1", "q9").candidates] == ["a2", "a"]
+
+    def test_candidates_are_scoped_by_model(self):
+        index = LinkIndex()
+        index.add("t", 1.0, child_digest="d", request_digest="q", model="small", status="complete")
+        got = index.resolve("d", "q2", model="big")
+        assert got.verdict is Verdict.UNRESOLVED and got.candidates == ()
+        assert got.reason.kind is ReasonKind.MODEL_SCOPE
+        assert got.reason.text == (
+            "the matching turns come from a call to another model: the turns were produced by "
+            "model small, this call is to big"
+        )
+        assert index.resolve("d", "q2", model="small").parent_call_id == "t"
+
+    def test_an_unmatched_history_whose_last_turn_is_a_captured_output_is_history_edited(self):
+        turn = {
+            "role": "assistant",
+            "content": "ls",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": "{}"},
+                }
+            ],
+        }
+        index = LinkIndex()
+        index.add("p", 1.0, child_digest="d", request_digest="q", status="complete", response=turn)
+        got = index.resolve("other", "q2", last_turn=turn)
+        assert got.verdict is Verdict.UNRESOLVED
+        assert got.reason.kind is ReasonKind.HISTORY_EDITED
+        assert got.reason.text == (
+            "the last model-authored turn is a captured call's output, but the history before "
+            "it was edited"
+        )
+        assert got.mismatch["class"] == "history_edited"
+        assert got.mismatch["parent_call_id"] == "p"
+        # The same turn with other tool-call ids: named as such, not as a foreign turn.
+        renamed = {**turn, "tool_calls": [{**turn["tool_calls"][0], "id": "toolu_9"}]}
+        got = index.resolve("other", "q3", last_turn=renamed)
+        assert got.reason.kind is ReasonKind.TOOL_CALL_IDS
+        assert got.reason.text == (
+            "the last model-authored turn equals a captured call's output but for its tool-call ids"
+        )
+        assert got.mismatch["parent_call_id"] == "p"
+        foreign = {"role": "assistant", "content": "never said"}
+        assert index.resolve("other", "q4", last_turn=foreign).reason.kind is ReasonKind.NO_MATCH
+
+    def test_prefix_ancestor_is_the_deepest_token_exact_call_of_the_model(self):
+        from capture_proxy.core.stored_form import token_digest
+
+        def key(prompt, gen):
+            p, g = np.asarray(prompt, np.uint32), np.asarray(gen, np.uint32)
+            return {"num_tokens": len(prompt) + len(gen), "tokens_sha256": token_digest(p, g)}
+
+        index = LinkIndex()
+        index.add(
+            "a",
+            1.0,
+            child_digest="da",
+            request_digest="qa",
+            model="m",
+            status="complete",
+            **key([1, 2], [3]),
+        )
+        index.add(
+            "b",
+            2.0,
+            child_digest="db",
+            request_digest="qb",
+            model="m",
+            status="complete",
+            **key([1, 2, 3, 4], [5]),
+        )
+        index.add(
+            "c",
+            3.0,
+            child_digest="dc",
+            request_digest="qc",
+            model="other",
+            status="complete",
+            **key([1, 2, 3, 4, 5], [6]),
+        )
+        prompt = np.asarray([1, 2, 3, 4, 5, 6, 7], np.uint32)
+        assert index.prefix_ancestor(prompt, model="m", exclude="x") == "b"
+        assert index.prefix_ancestor(prompt, model="other", exclude="x") == "c"
+        assert index.prefix_ancestor(prompt[:3], model="m", exclude="x") == "a"
+        assert index.prefix_ancestor(np.asarray([9], np.uint32), model="m", exclude="x") is None
+
+    def test_source_history_refuses_note_parents(self):
+        index = LinkIndex()
+        index.add("note", 1.0, child_digest="d1", request_digest="q1", harness_note=True)
+        assert index.resolve("d1", "q2").verdict is Verdict.RESOLVED
+        res = index.resolve("d1", "q2", refuse_note_parents=True)
+        assert res.verdict is Verdict.UNRESOLVED and res.reason.kind is ReasonKind.NOTE_PARENT
+        assert res.reason.text == "parent prompt carried a rewritten harness note (source_history)"
+
+
+def test_link_index_replaces_what_it_knows_of_a_call_and_orders_matches():
+    index = LinkIndex()
+    index.add("c1", 1.0, child_digest=None, request_digest="req")  # the request arrived
+    assert index.resolve(None, "req", retry_requested=True).retry_of == "c1"
+    index.add("c1", 1.0, child_digest="d1", request_digest="req", status="complete")  # stored
+    index.add("c2", 2.0, child_digest="d1", request_digest="req", status="complete", retry_of="c1")
+    got = index.resolve("d1", "req", retry_requested=True)
+    assert (got.verdict, got.parent_call_id, got.retry_of) == (Verdict.RESOLVED, "c2", "c2")
+    index.add("c2", 2.0, child_digest="d2", request_digest="other", status="complete")
+    got = index.resolve("d1", "other", retry_requested=True)
+    assert (got.parent_call_id, got.retry_of) == ("c1", "c2")
+    assert index.resolve("d2", "req").parent_call_id == "c2"
+    assert index.resolve("d3", "new").verdict is Verdict.UNRESOLVED
+    assert len(index.entries) == 2

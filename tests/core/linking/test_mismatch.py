@@ -1,0 +1,83 @@
+"""Why tokens do not chain: first difference and mismatch classes (``core.linking.mismatch``)."""
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.linking.mismatch import (
+    DecodedTexts,
+    MismatchClass,
+    classify_mismatch,
+    first_difference,
+)
+
+
+def test_first_difference():
+    a = np.array([1, 2, 3], dtype=np.uint32)
+    assert first_difference(a, np.array([1, 2, 3, 4], dtype=np.uint32)) is None
+    assert first_difference(a, np.array([1, 9, 3, 4], dtype=np.uint32)) == 1
+    assert first_difference(a, np.array([1, 2], dtype=np.uint32)) == 2
+
+
+P = np.array([10, 11, 12], dtype=np.uint32)
+
+
+G = np.array([20, 21, 99], dtype=np.uint32)
+
+
+@pytest.mark.parametrize(
+    ("child", "texts", "reasoning", "expected"),
+    [
+        ([10, 11, 12, 20, 21, 99, 5], None, None, None),
+        ([10, 13, 12, 20, 21, 99, 5], None, None, (1, MismatchClass.HISTORY_EDITED)),
+        # Same text "p" + "ab" + "<e>", split differently: 20 21 -> 22.
+        (
+            [10, 11, 12, 22, 99, 5],
+            DecodedTexts("p", "pab<e>", "pab<e>\nx"),
+            None,
+            (3, MismatchClass.RETOKENIZED),
+        ),
+        # Reasoning dropped by the template.
+        (
+            [10, 11, 12, 21, 99, 5],
+            DecodedTexts("p", "p<think>r</think>ab<e>", "pab<e>\nx"),
+            "r",
+            (3, MismatchClass.TEMPLATE_RERENDERED),
+        ),
+        # Arguments re-serialised: text differs, no reasoning involved.
+        (
+            [10, 11, 12, 20, 23, 5],
+            DecodedTexts("p", 'p{"a" : 1}', 'p{"a":1}'),
+            None,
+            (4, MismatchClass.TEMPLATE_RERENDERED),
+        ),
+        ([10, 11, 12, 20, 23, 5], None, None, (4, MismatchClass.TEMPLATE_RERENDERED)),
+    ],
+    ids=[
+        "chains",
+        "history-edited",
+        "retokenized",
+        "reasoning-dropped",
+        "args-rerendered",
+        "no-text",
+    ],
+)
+def test_mismatch_classes(child, texts, reasoning, expected):
+    got = classify_mismatch(
+        P, G, np.array(child, dtype=np.uint32), texts=texts, parent_reasoning=reasoning
+    )
+    if expected is None:
+        assert got is None
+    else:
+        assert (got.position, got.mismatch_class) == expected
+
+
+def test_other_stop_token_at_the_end_is_named():
+    # The parent stopped on <|endoftext|> (151643); the template closes turns with 151645.
+    prompt = np.array([1, 2], dtype=np.uint32)
+    gen = np.array([5, 151643], dtype=np.uint32)
+    child = np.array([1, 2, 5, 151645, 198], dtype=np.uint32)
+    got = classify_mismatch(prompt, gen, child)
+    assert (got.position, got.mismatch_class) == (3, MismatchClass.TEMPLATE_RERENDERED)
+    assert got.explanation == (
+        "the parent stopped on token 151643; the template closes the turn with 151645"
+    )
