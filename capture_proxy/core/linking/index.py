@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.stored_form import token_digest
 from capture_proxy.core.linking.digests import child_digest, tool_call_ids, turn_digest
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.resolution import Candidate, Resolution
@@ -31,6 +30,7 @@ from capture_proxy.core.linking.verdicts import (
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end
+from capture_proxy.core.stored_form import token_digest
 
 #: Record statuses the index keeps (``CallStatus`` values).
 CALL_FAILED = CallStatus.FAILED.value

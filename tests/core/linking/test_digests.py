@@ -118,8 +118,8 @@ def test_prepare_rewrites_a_trailing_note_and_leaves_it_out_of_linking():
 
 
 def test_extends_by_digest():
-    from capture_proxy.core.stored_form import token_digest
     from capture_proxy.core.linking.digests import extends_by_digest
+    from capture_proxy.core.stored_form import token_digest
 
     p, g = np.array([1, 2, 3], np.uint32), np.array([4, 5], np.uint32)
     key = token_digest(p, g)
