@@ -21,7 +21,7 @@ from capture_proxy.core.capture import NoteMatcher
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.recording import TAP_KEY, ResponseTap
+from capture_proxy.proxy.traffic_tap import TAP_KEY, ResponseTap
 from capture_proxy.proxy.upstream import forwardable_headers
 
 log = logging.getLogger("capture_proxy")

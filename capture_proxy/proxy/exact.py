@@ -6,7 +6,7 @@ and the engine facts fetched once: context length, end-of-turn ids, served model
 exact-token calls yield: render with the family's renderer (which may be the engine's
 ``/tokenize``), render a tail in a small context, ask the engine's facts. Every decision of an
 exact-token call (prompt path, splice, sampling, parsing, the answer) is the flow's
-(``core.flow.exact``, ``core.flow.prompt``).
+(``core.flow.exact_mode``, ``core.flow.prompt``).
 """
 
 from __future__ import annotations

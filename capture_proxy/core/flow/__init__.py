@@ -12,7 +12,8 @@ errors that end a call (``errors``). A flow is a generator: it yields a command
         command = flow.send(reply)     # StopIteration(value=Outcome) at the end
         reply = perform(command)       # the executor: proxy.executor and one per back end
 
-Modules: ``captured`` (entry), ``template`` (the engine renders), ``exact`` and ``prompt``
-(the proxy sends exact tokens), ``call`` (shared sub-flows). Must not import aiohttp or
-asyncio, read a clock of its own or do any I/O; tested in ``tests/core/flow`` without a loop.
+Modules: ``captured`` (entry), ``template_mode`` (the engine renders), ``exact_mode`` and
+``prompt`` (the proxy sends exact tokens), ``call`` (shared sub-flows). Must not import
+aiohttp or asyncio, read a clock of its own or do any I/O; tested in ``tests/core/flow``
+without a loop.
 """

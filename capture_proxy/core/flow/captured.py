@@ -4,9 +4,9 @@ Owns what happens between the front's parse and the back end: the refusal of a p
 family cannot continue (before anything is resolved or forwarded), harness notes
 (``core.capture.prepare_request``), parent resolution (a command: ``Linker.resolve``; its
 failure leaves the call unresolved, never fails it), the call's context, then one back end's
-flow: ``core.flow.template`` (the engine renders) or ``core.flow.exact`` (the proxy sends
-exact tokens). Returns the ``Outcome`` with the stored record. Must not import aiohttp or
-asyncio or do any I/O.
+flow: ``core.flow.template_mode`` (the engine renders) or ``core.flow.exact_mode`` (the proxy
+sends exact tokens). Returns the ``Outcome`` with the stored record. Must not import aiohttp
+or asyncio or do any I/O.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from capture_proxy.core.capture import NoteMatcher, prepare_request
 from capture_proxy.core.flow.call import CHAT_COMPLETIONS_PATH, Call, Clock, Flow, Outcome
 from capture_proxy.core.flow.commands import Resolve
 from capture_proxy.core.flow.events import Resolved, StepFailed
-from capture_proxy.core.flow.exact import exact_call
+from capture_proxy.core.flow.exact_mode import exact_call
 from capture_proxy.core.flow.prompt import ExactFamily, refuse_if_cannot_continue
-from capture_proxy.core.flow.template import template_call
+from capture_proxy.core.flow.template_mode import template_call
 from capture_proxy.core.fronts.base import FrontCodec, FrontRequest
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.linking import Resolution, Verdict, request_digest

@@ -239,3 +239,15 @@ def test_a_client_that_leaves_before_the_engine_answers_keeps_the_prompt():
         verify.record.generation_token_ids is None or verify.record.generation_token_ids.size == 0
     )
     assert _finish(pb, verify, {"verdict": "root"}) is None
+
+
+def test_the_flow_imports_no_http_library():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, capture_proxy.core.flow.captured; "
+        "print(sorted(m for m in ('aiohttp', 'multidict', 'yarl') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
