@@ -88,7 +88,7 @@ class CallExecutor:
         """The reply to ``command`` when the handler was cancelled while it ran."""
         if self._writer is not None:
             self._writer.gone = True
-        return ev.ClientState(True) if isinstance(command, _CLIENT_WRITES) else ev.ClientLeft()
+        return ev.CLIENT_GONE if isinstance(command, _CLIENT_WRITES) else ev.ClientLeft()
 
     async def close(self) -> None:
         """Give the engine's response back (closes its request when not read to the end)."""
@@ -189,17 +189,17 @@ class CallExecutor:
         self._writer = ClientWriter(sse_response(c.status, self.call_id))
         self.response = self._writer.response
         await self._writer.prepare(self.request)
-        return ev.ClientState(self._writer.gone)
+        return ev.CLIENT_GONE if self._writer.gone else ev.CLIENT_THERE
 
     async def _write(self, c: cmd.WriteClient) -> ev.ClientState:
         assert self._writer is not None
         await self._writer.write(c.data)
-        return ev.ClientState(self._writer.gone)
+        return ev.CLIENT_GONE if self._writer.gone else ev.CLIENT_THERE
 
     async def _end(self, c: cmd.EndClient) -> ev.ClientState:
         assert self._writer is not None
         await self._writer.end(c.data)
-        return ev.ClientState(self._writer.gone)
+        return ev.CLIENT_GONE if self._writer.gone else ev.CLIENT_THERE
 
     async def _respond_json(self, c: cmd.RespondJson) -> None:
         self.response = web.json_response(

@@ -1,13 +1,15 @@
 """What a call's flow asks its executor to do: the commands (sans-io, mitmproxy's model).
 
-Owns the vocabulary of the flow's outbound side. Each command is a frozen dataclass the
-executor (``proxy.executor`` and one subclass per back end) performs with real I/O, answering
-with one reply of ``core.flow.events``. A command does nothing by itself: it is data, compared
+Owns the vocabulary of the flow's outbound side. Each command is a dataclass the executor
+(``proxy.executor`` and one subclass per back end) performs with real I/O, answering with one
+reply of ``core.flow.events``. A command does nothing by itself: it is data, compared
 by value in the flow's tests. Must not import aiohttp or asyncio or do any I/O.
 
-``client_left_reply``: whether a cancellation of the handler (the harness left) while the
-command runs is answered with ``ClientLeft`` (the flow then records the call); for the other
-commands a cancellation goes through unrecorded, as the flow cannot act on it.
+Commands are not changed once made (slotted, not frozen: a stream makes a few per engine
+read, and a frozen dataclass costs twice as much to make). ``client_left_reply``: whether a
+cancellation of the handler (the harness left) while the command runs is answered with
+``ClientLeft`` (the flow then records the call); for the other commands a cancellation goes
+through unrecorded, as the flow cannot act on it.
 """
 
 from __future__ import annotations
@@ -22,14 +24,14 @@ from capture_proxy.core.linking import Resolution
 from capture_proxy.core.records import CallRecord
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Command:
     """Base of every command."""
 
     client_left_reply: ClassVar[bool] = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Resolve(Command):
     """Request-time parent resolution (``Linker.resolve``). Reply: ``Resolved`` or
     ``StepFailed`` (the call then goes on unresolved)."""
@@ -43,7 +45,7 @@ class Resolve(Command):
     linking_facts: tuple[MessageFacts, ...] | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LookUpCall(Command):
     """A stored call by id, with its request messages' facts when kept in memory. Reply:
     ``CallFound``."""
@@ -51,7 +53,7 @@ class LookUpCall(Command):
     call_id: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AskEngineFacts(Command):
     """The engine's context length and end-of-turn ids (exact-token mode; asked of the engine
     once when not configured), and its served model when ``served_model`` is asked for.
@@ -60,7 +62,7 @@ class AskEngineFacts(Command):
     served_model: bool
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Render(Command):
     """Render messages with the family's chat template (the renderer may be the engine's
     ``/tokenize``). ``continuation``: leave the last message open (a prefill). Reply:
@@ -73,7 +75,7 @@ class Render(Command):
     continuation: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RenderTail(Command):
     """Render what follows a continued turn in a small context (``TailRenderer``). Reply:
     ``Rendered`` (``token_ids`` None: not findable so) or ``RenderFailed``."""
@@ -85,7 +87,7 @@ class RenderTail(Command):
     chat_template_kwargs: Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SendToEngine(Command):
     """POST ``body`` (JSON bytes) to the engine's ``path`` and wait for its status line.
     ``harness_headers``: forward the harness's headers (backend-template mode), else only its
@@ -97,7 +99,7 @@ class SendToEngine(Command):
     harness_headers: bool
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReadEngineBody(Command):
     """Read the engine's whole body. Reply: ``EngineBody``, ``EngineFailed`` or
     ``ClientLeft``."""
@@ -105,7 +107,7 @@ class ReadEngineBody(Command):
     client_left_reply: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReadEngine(Command):
     """Read the next bytes of the engine's streamed body, as they arrive. Reply:
     ``EnginePiece``, ``EngineEnd``, ``EngineBroke`` or ``ClientLeft``."""
@@ -113,13 +115,17 @@ class ReadEngine(Command):
     client_left_reply: ClassVar[bool] = True
 
 
-@dataclass(frozen=True)
+#: ``ReadEngine()``, made once (one per engine read otherwise)
+READ_ENGINE = ReadEngine()
+
+
+@dataclass(slots=True)
 class DrainEngine(Command):
     """Read the end of the engine's body after its ``[DONE]`` (bounded), so the connection
     goes back to the pool. Reply: None."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StartClientStream(Command):
     """Send the client the head of an SSE response with ``status``. Reply: ``ClientState``."""
 
@@ -127,7 +133,7 @@ class StartClientStream(Command):
     status: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class WriteClient(Command):
     """Write bytes to the client's stream. Reply: ``ClientState``."""
 
@@ -135,7 +141,7 @@ class WriteClient(Command):
     data: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EndClient(Command):
     """Write the last bytes and end the client's stream. Reply: ``ClientState``."""
 
@@ -143,7 +149,7 @@ class EndClient(Command):
     data: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RespondJson(Command):
     """Answer the client with one JSON body (the call id header set). Reply: None."""
 
@@ -151,7 +157,7 @@ class RespondJson(Command):
     body: Any
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Verify(Command):
     """Verify the record's link (``Linker.verify``, which may detokenize through the engine).
     Reply: ``Verified`` or ``StepFailed``."""
@@ -163,7 +169,7 @@ class Verify(Command):
     retry_count: str | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Persist(Command):
     """Store the record durably (``request``: its request encoding, if known). Reply:
     ``Persisted``."""
@@ -172,7 +178,7 @@ class Persist(Command):
     request: RequestEncoding | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Remember(Command):
     """Make a persisted call findable by its children. Reply: None."""
 

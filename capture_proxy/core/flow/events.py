@@ -3,7 +3,8 @@
 Owns the vocabulary of the flow's inbound side: one reply per command of
 ``core.flow.commands`` (the render's ids or its error, the engine's status, body, stream pieces
 and end, the engine failing, the client leaving). Frozen dataclasses, compared by value in the
-flow's tests. Must not import aiohttp or asyncio or do any I/O.
+flow's tests (slotted, not frozen: a stream makes a few per engine read; never changed once
+made). Must not import aiohttp or asyncio or do any I/O.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from capture_proxy.core.records import CallRecord
 from capture_proxy.families.base import RenderError
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Resolved:
     resolution: Resolution
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepFailed:
     """A step whose failure the flow absorbs (resolution, verification): the exception's
     class name and text."""
@@ -30,7 +31,7 @@ class StepFailed:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CallFound:
     """``record`` None: no such call; ``message_facts``: its request's facts, when kept."""
 
@@ -38,7 +39,7 @@ class CallFound:
     message_facts: tuple[MessageFacts, ...] | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineFacts:
     """``served_model``: the engine's first model id ("" when it names none), when asked."""
 
@@ -47,14 +48,14 @@ class EngineFacts:
     served_model: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Rendered:
     """Token ids (None from ``RenderTail``: the tail cannot be found in a small context)."""
 
     token_ids: list[int] | None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RenderFailed:
     """The renderer refused (``RenderError``) or could not be reached
     (``RendererUnavailable``, a subclass)."""
@@ -62,7 +63,7 @@ class RenderFailed:
     error: RenderError
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineResponded:
     """The engine's status line; ``event_stream``: its body is ``text/event-stream``;
     ``reason``: the status's reason phrase."""
@@ -72,7 +73,7 @@ class EngineResponded:
     reason: str | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineFailed:
     """The engine could not be reached, or its body could not be read (``message`` for the
     client and the record; ``code`` as the client's error code; ``timeout``: it timed out, a
@@ -85,24 +86,24 @@ class EngineFailed:
     detail: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineBody:
     data: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EnginePiece:
     """Bytes of the engine's stream as they arrived (any split: events may be cut)."""
 
     data: bytes
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineEnd:
     """The engine's stream ended."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class EngineBroke:
     """The engine's stream broke mid-way: the exception's class name and text."""
 
@@ -110,23 +111,28 @@ class EngineBroke:
     message: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ClientLeft:
     """The harness left (its connection closed, the handler cancelled)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ClientState:
     """After a write: ``gone``: the client has left (later writes are dropped)."""
 
     gone: bool
 
 
-@dataclass(frozen=True)
+#: the two client states, made once (one per client write otherwise)
+CLIENT_THERE = ClientState(False)
+CLIENT_GONE = ClientState(True)
+
+
+@dataclass(slots=True)
 class Verified:
     record: CallRecord
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Persisted:
     ok: bool

@@ -31,9 +31,9 @@ from capture_proxy.core.flow.call import (
     whole_as_stream,
 )
 from capture_proxy.core.flow.commands import (
+    READ_ENGINE,
     AskEngineFacts,
     EndClient,
-    ReadEngine,
     ReadEngineBody,
     RespondJson,
     SendToEngine,
@@ -300,7 +300,7 @@ class _Pump:
         the client left."""
         decoder = SSEStreamDecoder()
         while True:
-            piece = yield ReadEngine()
+            piece = yield READ_ENGINE
             if isinstance(piece, ClientLeft):
                 return True
             if isinstance(piece, EngineBroke):

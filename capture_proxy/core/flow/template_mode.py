@@ -42,9 +42,9 @@ from capture_proxy.core.flow.call import (
     whole_as_stream,
 )
 from capture_proxy.core.flow.commands import (
+    READ_ENGINE,
     DrainEngine,
     EndClient,
-    ReadEngine,
     ReadEngineBody,
     RespondJson,
     SendToEngine,
@@ -248,7 +248,7 @@ def _pump(call: Call, relay: _Relay) -> Flow[tuple[bool, RequestEncoding | None]
     request_encoding: RequestEncoding | None = None
     encoded = False
     while True:
-        piece = yield ReadEngine()
+        piece = yield READ_ENGINE
         if isinstance(piece, ClientLeft):
             return True, request_encoding
         if isinstance(piece, EngineBroke):
