@@ -1,34 +1,31 @@
 """capture-proxy: a token-capture reverse proxy for agentic RL rollouts.
 
-Architecture, bottom to top (lower layers never import upper ones):
+Architecture, bottom to top (lower layers never import upper ones; docs/architecture.md
+follows one call through it):
 
-- ``capture_proxy.core``: the pure core. Call records and their binary codec, chain
-  building, path routing, request augmentation and response stripping, the incremental
-  SSE/stream assembler. No aiohttp, no I/O; tested without an event loop.
-- ``capture_proxy.families``: one object and one module per model family (how vLLM renders
-  its conversations, with vLLM's message normalisation; how its generation parses back; its
-  turn tokens). No aiohttp; tokenizer-bound (transformers, openai-harmony) where it renders.
-- ``capture_proxy.store``: the embedded store (SQLite in WAL mode, arrays as BLOBs) and the
-  shared PostgreSQL store.
-- ``capture_proxy.proxy``: the aiohttp adapter. Routes a request, validates it, forwards it
-  to the engine (streaming as it arrives), hands the observed call to the core to assemble a
-  record, persists it, and finishes the response. One middleware turns exceptions into
-  OpenAI-shaped errors.
-- ``capture_proxy.rest``: the REST API under ``/captures`` (reads, the trainer's lifecycle
-  steps, downloads in training formats); ``capture_proxy.viewer``: its pages.
-- ``capture_proxy.readers``: the trainer's side of the read API (``iter_rollouts``, ...).
-- ``capture_proxy.config``: the settings (``Settings``, ``load_settings``).
-- ``capture_proxy.app``: the composition root. Builds the app from settings: store, upstream
-  session, the proxy's dispatch, the read API, the viewer. Nothing below it imports it.
-- ``capture_proxy.scripted_engine``: a vLLM-dialect engine with a real tokenizer and a
-  scripted policy, for tests, demos and harness CI.
-- ``capture_proxy.harnesses``: drivers of sessions through the proxy (OpenCode, Codex, Claude
-  Code, and recorded sessions replayed).
-- ``capture_proxy.cli``: ``capture-proxy serve | show | scripted-engine | demo | replay |
-  export-tokenizer | audit`` (``capture_proxy.audit``: the audit's model side).
-
-The product brief, words and contracts live in the project's DESIGN notes; README.md and
-the documentation site under docs/ have the user-facing view.
+- ``core``: the pure core (no aiohttp, no I/O, tested without an event loop). Front codecs
+  (``core.fronts``: each wire API to one canonical conversation and back), linking and
+  digests (``core.linking``, whose verification asks for what it needs by command), lineage
+  between chains (``core.lineage``), splicing, engine formats, record assembly, records and
+  their codec, chains. ``core.flow`` is the call itself as a sans-io state machine: it is fed
+  events (resolution, render result, engine status, stream pieces and end, client gone) and
+  yields commands (resolve, render, send to the engine, write to the client, verify, persist)
+  and returns the record with its diagnostics.
+- ``families``: one object per model family (render as vLLM does, with vLLM's message
+  normalisation; parse the generation back; name its turn tokens). No aiohttp.
+- ``store``: the embedded SQLite store and the shared PostgreSQL store, over one set of
+  transaction bodies (``store.transactions``, ``store.sql``).
+- ``proxy``: the aiohttp adapter. Routes a request, parses it with its front, runs the call's
+  flow on one executor per back end (``proxy.executor``, ``proxy.exact``), maps core errors
+  to client errors in one table (``proxy.errors``).
+- ``rest``: the REST API under ``/captures`` (reads, the trainer's lifecycle steps, downloads
+  in training formats); ``viewer``: its pages; ``readers``: the trainer's side
+  (``iter_rollouts``, ...); ``config``: the settings.
+- ``app``: the composition root (builds the app from settings; nothing below imports it).
+- ``scripted_engine`` (a vLLM-dialect engine for tests and demos), ``harnesses`` (drivers of
+  OpenCode, Codex and Claude Code sessions, and recorded sessions replayed), ``cli``
+  (``capture-proxy serve | show | scripted-engine | demo | replay | export-tokenizer |
+  audit``; ``audit``: the audit's model side).
 """
 
 __version__ = "0.1.0"

@@ -48,8 +48,8 @@ from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.recording import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.status import health, metrics
+from capture_proxy.proxy.traffic_tap import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rest import downloads, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path

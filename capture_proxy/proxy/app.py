@@ -23,8 +23,8 @@ from capture_proxy.core.fronts import (
     parse_count_tokens,
 )
 from capture_proxy.core.routing import InvalidRolloutId, Route, RouteKind, route
+from capture_proxy.proxy.call_handler import BackEnds, handle_captured_call, handle_count_tokens
 from capture_proxy.proxy.calls import CaptureDeps
-from capture_proxy.proxy.capture import BackEnds, handle_captured_call, handle_count_tokens
 from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.errors import (
     ERROR_SHAPE_KEY,
@@ -43,7 +43,7 @@ from capture_proxy.proxy.keys import (
     STORE_KEY,
 )
 from capture_proxy.proxy.passthrough import forward_uncaptured
-from capture_proxy.proxy.recording import note_request
+from capture_proxy.proxy.traffic_tap import note_request
 
 log = logging.getLogger("capture_proxy")
 

@@ -28,20 +28,34 @@ Every error response made here is logged, one line (4xx at INFO, 5xx at WARNING)
 access log line of ``dispatch`` is not reached for a request rejected on the way in (a 401, a
 413).
 Once a response has started streaming, errors can no longer become a status; the stream
-handlers deal with those themselves.
+handlers deal with those themselves. The core's exceptions (a request that does not parse, a
+prompt that does not render, an engine that fails) become client errors in one table,
+``CORE_ERRORS``, through ``map_core_errors`` (httpx's ``map_exceptions`` is the model).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.core.flow.errors import (
+    EngineAnswerUnusable,
+    EngineTimedOut,
+    EngineUnreachable,
+    PrefillNotSupported,
+    UnknownPreviousResponse,
+)
 from capture_proxy.core.fronts import error_front
+from capture_proxy.core.fronts.base import InvalidFrontRequest
+from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.redact import redact_text
 from capture_proxy.core.routing import api_path_of
+from capture_proxy.core.sampling import SamplingError
+from capture_proxy.families.base import RenderError, RendererUnavailable
 
 log = logging.getLogger("capture_proxy")
 
@@ -109,9 +123,7 @@ class MethodNotAllowed(ProxyError):
     status = 405
     error_type = "invalid_request_error"
 
-    def __init__(
-        self, message: str, *, allowed: tuple[str, ...], code: str = "method_not_allowed"
-    ):
+    def __init__(self, message: str, *, allowed: tuple[str, ...], code: str = "method_not_allowed"):
         super().__init__(message, code=code)
         self.allowed = allowed
 
@@ -228,3 +240,51 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return web.json_response(error_body("internal proxy error", "internal_error"), status=500)
+
+
+#: Take the core exception's own attribute (``code`` / ``param``) in ``CORE_ERRORS``.
+OWN = object()
+
+#: The core's exceptions -> the client's error: (core class, client class, code, param), the
+#: first matching row wins (a subclass before its base). ``OWN``: the exception's attribute.
+#: The one place a core error becomes a status, an error type, a code and a param.
+CORE_ERRORS: tuple[tuple[type[Exception], type[ProxyError], Any, Any], ...] = (
+    (InvalidRequest, BadRequest, "invalid_request", OWN),
+    (InvalidFrontRequest, BadRequest, "invalid_request", OWN),
+    (SamplingError, BadRequest, "invalid_request", OWN),
+    (PrefillNotSupported, BadRequest, OWN, "messages"),
+    (UnknownPreviousResponse, BadRequest, OWN, "previous_response_id"),
+    (RendererUnavailable, UpstreamUnavailable, "engine_unreachable", None),
+    (RenderError, BadRequest, "render_failed", "messages"),
+    (EngineTimedOut, UpstreamTimeout, OWN, None),
+    (EngineUnreachable, UpstreamUnavailable, OWN, None),
+    (EngineAnswerUnusable, UpstreamUnavailable, OWN, None),
+)
+_CORE_TYPES = tuple(row[0] for row in CORE_ERRORS)
+
+
+def client_error(exc: Exception) -> ProxyError:
+    """The client's error for a core exception (a row of ``CORE_ERRORS``); the stored call it
+    ended (``call_id``) goes with it. Raises LookupError for an exception of no row."""
+    for core_type, client_type, code, param in CORE_ERRORS:
+        if isinstance(exc, core_type):
+            err = client_type(
+                getattr(exc, "message", None) or str(exc),
+                code=getattr(exc, "code", None) if code is OWN else code,
+                param=getattr(exc, "param", None) if param is OWN else param,
+            )
+            err.call_id = getattr(exc, "call_id", None)
+            return err
+    raise LookupError(f"no client error for {type(exc).__name__}")
+
+
+@contextmanager
+def map_core_errors() -> Iterator[None]:
+    """Raise the client's error (``CORE_ERRORS``) for a core exception raised inside
+    (httpx's ``map_exceptions``); a ``ProxyError`` and anything else go through."""
+    try:
+        yield
+    except ProxyError:
+        raise
+    except _CORE_TYPES as exc:
+        raise client_error(exc) from exc

@@ -1,84 +1,42 @@
-"""Exact-token mode: the proxy renders and splices the prompt, the engine generates from ids.
+"""Exact-token mode's adapter: the family machinery and the executor of its calls.
 
-Owns the adapter side of exact-token calls: build the prompt (the parent's own tokens + the
-rendering of the new messages, see ``core.splice``; a call with no verified parent is rendered
-from scratch), send it to the engine's tokens-in endpoint (``core.engine_formats``), parse the
-generated text back into an assistant message (the family's parser, ``families``), and answer
-the harness with a chat completion, streamed as chunk deltas when it asked for a stream. The
-record is persisted before the response ends, exactly as in backend-template mode. It knows
-no wire API: the call's front codec encodes the answer, whole or event by event.
+Owns ``ExactTokens`` (a model family's renderer, output parser, the engine's tokens-in dialect,
+and the engine facts fetched once: context length, end-of-turn ids, served model) and
+``ExactExecutor``, which adds to the shared executor (``proxy.executor``) the commands only
+exact-token calls yield: render with the family's renderer (which may be the engine's
+``/tokenize``), render a tail in a small context, ask the engine's facts. Every decision of an
+exact-token call (prompt path, splice, sampling, parsing, the answer) is the flow's
+(``core.flow.exact_mode``, ``core.flow.prompt``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import numpy as np
-import orjson
 from aiohttp import web
 
-from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
-from capture_proxy.core.engine_formats import Dialect, EngineFormatError, Reader
-from capture_proxy.core.fronts.base import Answer, answer_as_deltas
-from capture_proxy.core.fronts.chat import chat_usage
-from capture_proxy.core.known_messages import MessageFacts, same_messages
-from capture_proxy.core.linking.verdicts import Verdict
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
-from capture_proxy.core.routed_experts import rows_end
-from capture_proxy.core.sampling import (
-    SamplingError,
-    sampling_from_chat,
-    sampling_record_tokens_in,
-)
-from capture_proxy.core.splice import (
-    SpliceRefused,
-    check_extension,
-    check_prefix,
-    extend_prompt,
-    splice_prompt,
-)
-from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
-from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
+from capture_proxy.core.engine_formats import Dialect
+from capture_proxy.core.flow import commands as cmd
+from capture_proxy.core.flow import events as ev
 from capture_proxy.families.base import (
     ChatRenderer,
     ContinuationRenderer,
     ModelFamily,
     RenderError,
-    RendererUnavailable,
     TailRenderer,
     ends_in_open_block,
 )
-from capture_proxy.families.hf_template import find_tail_ids, tail_context, tail_renderable
-from capture_proxy.families.parsing import MessageDelta, OutputParser, apply_deltas
-from capture_proxy.proxy.calls import (
-    CALL_ID_HEADER,
-    CaptureDeps,
-    ClientWriter,
-    InFlightCall,
-    dumps_text,
-    elapsed_ms,
-    encode_request,
-    finish_call,
-    record_abandoned,
-    record_failed,
-    relay_engine_error,
-    sse_response,
-)
-from capture_proxy.proxy.errors import BadRequest, UpstreamTimeout, UpstreamUnavailable
-from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
+from capture_proxy.families.parsing import OutputParser
+from capture_proxy.proxy.calls import CaptureDeps
+from capture_proxy.proxy.errors import UpstreamTimeout, UpstreamUnavailable
+from capture_proxy.proxy.executor import CallExecutor
+from capture_proxy.proxy.upstream import CLIENT_ERRORS, translate_client_error
 
 log = logging.getLogger("capture_proxy")
-
-EXACT_PROMPT_REFUSED = "exact_prompt_refused"
-#: a resolved call whose prompt was spliced from a full render, not extended (see build_prompt)
-EXACT_PROMPT_FULL_RENDER = "exact_prompt_full_render"
 
 
 class ExactTokens:
@@ -272,475 +230,67 @@ def _first_model_id(models: Any) -> str:
     return model_id if isinstance(model_id, str) else ""
 
 
-@dataclass(frozen=True)
-class _Prompt:
-    """``experts_start``: the first token position to ask routed-expert rows for: where the
-    parent's rows end when the prompt extends the parent, else 0."""
+class ExactExecutor(CallExecutor):
+    """The executor of an exact-token call: the shared commands, and rendering with
+    ``exact``'s renderer and the engine's facts."""
 
-    token_ids: np.ndarray
-    spliced_from: str | None
-    diagnostics: list[Diagnostic]
-    experts_start: int = 0
+    def __init__(
+        self,
+        request: web.Request,
+        deps: CaptureDeps,
+        call_id: str,
+        rollout_id: str,
+        exact: ExactTokens,
+    ) -> None:
+        super().__init__(request, deps, call_id, rollout_id)
+        self.exact = exact
+        self._handlers[cmd.Render] = self._render
+        self._handlers[cmd.RenderTail] = self._render_tail
+        self._handlers[cmd.AskEngineFacts] = self._engine_facts
 
-
-def _parent_request_messages(parent: Any) -> list[dict[str, Any]]:
-    """The parent's request as the harness sent it, less a rewritten trailing note."""
-    messages = list(parent.request_messages)
-    if (parent.linking or {}).get("harness_note") and messages:
-        messages = messages[:-1]
-    return messages
-
-
-def _parent_facts(
-    deps: CaptureDeps, parent: Any, messages: list[dict[str, Any]]
-) -> tuple[MessageFacts, ...]:
-    """The facts of ``messages`` (``_parent_request_messages(parent)``): kept with the
-    parent's record in memory, else derived."""
-    kept = deps.linker.message_facts(parent.call_id)
-    if kept is not None and len(kept) >= len(messages):
-        return kept[: len(messages)]
-    return deps.known_messages.facts(messages)
-
-
-async def _full_render(
-    exact: ExactTokens, messages: list[dict[str, Any]], tools: Any, kwargs: Any
-) -> np.ndarray:
-    ids = await exact.renderer.render(
-        messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
-    )
-    return np.asarray(ids, dtype=np.uint32)
-
-
-async def _render_tail(
-    exact: ExactTokens,
-    messages: list[dict[str, Any]],
-    j: int,
-    tools: Any,
-    kwargs: Any,
-    end_of_turn_ids: frozenset[int],
-) -> list[int] | None:
-    """What follows the parent's end-of-turn token, rendered in a small context (see
-    ``families.hf_template``); None when it cannot be found that way."""
-    context, new = tail_context(messages, j), messages[j + 1 :]
-    renderer = exact.renderer
-    if isinstance(renderer, TailRenderer):
-        # Small (the new messages and the system turn's text): cheaper on the loop than a
-        # hop to a worker thread and back.
-        return renderer.render_tail_sync(
-            context,
-            new,
-            tools,
-            end_of_turn_text=exact.end_of_turn_token,
-            chat_template_kwargs=kwargs,
-        )
-    if not tail_renderable(context, new):
-        return None
-    head_ids = await renderer.render(
-        context[:-1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
-    )
-    small = await renderer.render(
-        [*context, *new], tools, add_generation_prompt=True, chat_template_kwargs=kwargs
-    )
-    return find_tail_ids(head_ids, small, end_of_turn_ids)
-
-
-async def build_prompt(
-    call: InFlightCall, deps: CaptureDeps, exact: ExactTokens, end_of_turn_ids: frozenset[int]
-) -> _Prompt:
-    """The exact-token prompt for ``call``. Raises RenderError (the request cannot render).
-
-    A resolved call's prompt is the parent's prompt + generation ids extended by the rendering
-    of the new messages only (work in proportion to the new tokens). The extended prompt must
-    begin with parent prompt + generation, token for token, or the link is refused with its
-    reason. Only where the extension cannot be had (the template renders the continued turn
-    differently in a small context, or a full render is asked for) the whole conversation is
-    rendered and spliced, and that is recorded (``exact_prompt_full_render``)."""
-    body = call.prepared.body
-    messages, tools = body["messages"], body.get("tools")
-    kwargs = body.get("chat_template_kwargs")
-    res = call.resolution
-    if continues_final_message(body):
-        # The last message is left open (a prefill): the whole conversation rendered so; the
-        # link is taken at verification by tokens (the deepest token-exact ancestor).
-        renderer = exact.renderer
-        if not isinstance(renderer, ContinuationRenderer):
-            raise refuse_continuation()
-        ids = await renderer.render_continuation(messages, tools, chat_template_kwargs=kwargs)
-        why = {"reason": "continue_final_message"}
-        return _Prompt(
-            np.asarray(ids, dtype=np.uint32), None, [Diagnostic(EXACT_PROMPT_FULL_RENDER, why)]
-        )
-    if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
-        return _Prompt(await _full_render(exact, messages, tools, kwargs), None, [])
-    # Several candidates share the digest (parallel sub-agents that answered alike): the
-    # first, in the resolution's preference, whose request this history extends.
-    refusal: SpliceRefused | None = None
-    refused_parent = res.parent_call_id
-    parent = None
-    for candidate in res.candidates or ():
-        found = await deps.linker.get_call(candidate.call_id)
-        if found is None or found.status is not CallStatus.COMPLETE:
-            continue
-        parent_messages = _parent_request_messages(found)
-        child_facts = call.prepared.linking_facts
-        same = None
-        if child_facts is not None:
-            same = same_messages(_parent_facts(deps, found, parent_messages), child_facts)
+    async def _render(self, c: cmd.Render) -> ev.Rendered | ev.RenderFailed:
+        renderer = self.exact.renderer
         try:
-            j = check_extension(parent_messages, call.prepared.linking_messages, same)
-        except SpliceRefused as exc:
-            if refusal is None:
-                refusal, refused_parent = exc, found.call_id
-            continue
-        parent = found
-        break
-    if parent is None:
-        diagnostics = [] if refusal is None else [_refused(refused_parent, refusal)]
-        return _Prompt(await _full_render(exact, messages, tools, kwargs), None, diagnostics)
-    close_ids = exact.close_ids(end_of_turn_ids)
-    diags: list[Diagnostic] = []
-    try:
-        tail = None
-        if not exact.full_render:
-            tail = await _render_tail(exact, messages, j, tools, kwargs, end_of_turn_ids)
-        if tail is not None:
-            spliced = extend_prompt(
-                parent.prompt_token_ids,
-                parent.generation_token_ids,
-                tail,
-                end_of_turn_id=min(end_of_turn_ids),
-                close_ids=close_ids,
-            )
-        else:
-            reason = "configured" if exact.full_render else "template_not_prefix_stable"
-            diags.append(Diagnostic(EXACT_PROMPT_FULL_RENDER, {"reason": reason}))
-            full = await exact.renderer.render(
-                messages, tools, add_generation_prompt=True, chat_template_kwargs=kwargs
-            )
-            through = await exact.renderer.render(
-                messages[: j + 1], tools, add_generation_prompt=False, chat_template_kwargs=kwargs
-            )
-            spliced = splice_prompt(
-                parent.prompt_token_ids,
-                parent.generation_token_ids,
-                full,
-                through,
-                end_of_turn_ids=end_of_turn_ids,
-                close_ids=close_ids,
-            )
-        bad = check_prefix(
-            spliced.prompt_token_ids, parent.prompt_token_ids, parent.generation_token_ids
-        )
-        if bad is not None:
-            raise SpliceRefused(f"the extended prompt differs from the parent's at token {bad}")
-    except SpliceRefused as exc:
-        return _Prompt(
-            await _full_render(exact, messages, tools, kwargs),
-            None,
-            [*diags, _refused(parent.call_id, exc)],
-        )
-    return _Prompt(spliced.prompt_token_ids, parent.call_id, diags, rows_end(parent) or 0)
+            if c.continuation:
+                assert isinstance(renderer, ContinuationRenderer)
+                ids = await renderer.render_continuation(
+                    c.messages, c.tools, chat_template_kwargs=c.chat_template_kwargs
+                )
+            else:
+                ids = await renderer.render(
+                    c.messages,
+                    c.tools,
+                    add_generation_prompt=c.add_generation_prompt,
+                    chat_template_kwargs=c.chat_template_kwargs,
+                )
+        except RenderError as exc:
+            return ev.RenderFailed(exc)
+        return ev.Rendered(ids)
 
-
-def continues_final_message(body: Mapping[str, Any]) -> bool:
-    """The request asks to continue its last message rather than answer it (an Anthropic
-    prefill, vLLM's ``continue_final_message`` / ``add_generation_prompt: false``)."""
-    return bool(body.get("continue_final_message")) or body.get("add_generation_prompt") is False
-
-
-def can_continue(exact: ExactTokens, model: str | None) -> bool:
-    """Whether ``model``'s renderer builds a prompt that ends inside the last message (the
-    HF-template families do; harmony does not)."""
-    return isinstance(exact.for_model(model).renderer, ContinuationRenderer)
-
-
-def refuse_continuation() -> BadRequest:
-    """A renderer that cannot leave the last message open: the request is refused (nothing
-    forwarded or stored) rather than answered as a new turn."""
-    return BadRequest(
-        "continuing a final assistant message (an Anthropic prefill, or "
-        "continue_final_message / add_generation_prompt=false) is not supported by this "
-        "model family's renderer in exact-token mode; end the conversation with a user or "
-        "tool message, or use prompt_mode backend_template",
-        param="messages",
-        code="prefill_not_supported",
-    )
-
-
-def _refused(parent_call_id: str, exc: SpliceRefused) -> Diagnostic:
-    details: dict[str, Any] = {"parent_call_id": parent_call_id, "reason": exc.reason}
-    if exc.message_index is not None:
-        details["message_index"] = exc.message_index
-    return Diagnostic(EXACT_PROMPT_REFUSED, details)
-
-
-def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
-    if engine_reason == "length":
-        return "length"
-    return "tool_calls" if has_tool_calls else "stop"
-
-
-def _answer(
-    call: InFlightCall, asm: TokensInAssembler, message: dict[str, Any], finish_reason: str
-) -> Answer:
-    return Answer(
-        call_id=call.ctx.call_id,
-        created_at=call.ctx.created_at,
-        model=call.answer_model,
-        message=message,
-        finish_reason=finish_reason,
-        usage=chat_usage(int(asm.prompt_token_ids.shape[0]), len(asm.token_ids)),
-        token_ids=asm.token_ids,
-        log_probs=asm.log_probs,
-        prompt_token_ids=asm.prompt_token_ids,
-    )
-
-
-async def handle_exact_tokens(
-    request: web.Request, call: InFlightCall, deps: CaptureDeps, exact: ExactTokens
-) -> web.StreamResponse:
-    """Serve one captured call from exact tokens. Raises ProxyError."""
-    body = call.prepared.body
-    exact = exact.for_model(body.get("model"))
-    ctx = call.ctx
-    t_ready = time.perf_counter()
-    try:
-        max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
-    except (UpstreamUnavailable, UpstreamTimeout) as exc:
-        # The engine cannot be asked what the prompt needs: the call fails, and is recorded
-        # as failed, as in backend-template mode.
-        await record_failed(deps, call, t_ready, exc.message, None)
-        exc.call_id = call.ctx.call_id
-        raise
-    if body.get("model") is None:
-        served = await exact.served_model_name(deps.session, deps.backend)
-        call = dataclasses.replace(call, served_model=served)
-    try:
-        prompt = await build_prompt(call, deps, exact, end_of_turn_ids)
-        sampling = sampling_from_chat(
-            body, num_prompt_tokens=int(prompt.token_ids.shape[0]), max_model_len=max_model_len
-        )
-    except RendererUnavailable as exc:
-        raise UpstreamUnavailable(str(exc), code="engine_unreachable") from exc
-    except RenderError as exc:
-        raise BadRequest(str(exc), param="messages", code="render_failed") from exc
-    except SamplingError as exc:
-        raise BadRequest(str(exc), param=exc.param, code="invalid_request") from exc
-    if prompt.spliced_from is not None:
-        # Verification prefers the parent the prompt was spliced from.
-        call = dataclasses.replace(call, resolution=call.resolution.preferring(prompt.spliced_from))
-    call = dataclasses.replace(
-        call, ctx=dataclasses.replace(call.ctx, sampling=sampling_record_tokens_in(sampling))
-    )
-    ctx = call.ctx
-    extra_diags = list(prompt.diagnostics)
-    if sampling.clamped_from is not None:
-        extra_diags.append(
-            Diagnostic(
-                "max_tokens_clamped",
-                {"requested": sampling.clamped_from, "max_tokens": sampling.max_tokens},
-            )
-        )
-    # The prompt is the one part of the body that grows with the history: written once, by
-    # orjson straight from the array, put in the body as it is and compared with the echo.
-    prompt_json = prompt_ids_json(prompt.token_ids)
-    engine_body = exact.dialect.request(
-        orjson.Fragment(prompt_json),
-        sampling,
-        stream=ctx.stream,
-        model=body.get("model"),
-        experts_start=prompt.experts_start,
-    )
-    # Rows are asked for from where the parent's end (0 when the prompt is not the parent's).
-    ctx = dataclasses.replace(ctx, routed_experts_start=prompt.experts_start)
-    call = dataclasses.replace(call, ctx=ctx)
-    headers = {
-        "Content-Type": "application/json",
-        "Accept-Encoding": "identity",
-        "X-Request-Id": ctx.call_id,
-        "X-NG-Rollout-Id": ctx.rollout_id,
-    }
-    if request.headers.get("Authorization"):
-        headers["Authorization"] = request.headers["Authorization"]
-    t0 = time.perf_counter()
-    try:
-        upstream = await send_upstream(
-            deps.session,
-            "POST",
-            deps.backend + exact.dialect.path,
-            first_byte_timeout_s=deps.first_byte_timeout_s,
-            connect_retries=deps.connect_retries,
-            data=orjson.dumps(engine_body),
-            headers=headers,
-            auto_decompress=True,
-        )
-    except CLIENT_ERRORS as exc:
-        err = translate_client_error(exc, deps.backend)
-        await record_failed(deps, call, t0, err.message, None, prompt.token_ids)
-        err.call_id = call.ctx.call_id
-        raise err from exc
-    except asyncio.CancelledError:
-        await record_abandoned(deps, call, t0, prompt.token_ids)
-        raise
-    assembler = TokensInAssembler(
-        ctx, prompt.token_ids, exact.dialect.decode_routed_experts, prompt_json
-    )
-    reader = exact.dialect.reader(exact.decode)
-    deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
-    async with upstream:
-        if upstream.status >= 400:
-            return await relay_engine_error(upstream, call, deps, t0, prompt.token_ids)
-        run = _Generation(call, deps, exact, assembler, reader, extra_diags, t0)
-        if ctx.stream and upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return await run.stream(request, upstream)
-        return await run.whole(request, upstream)
-
-
-@dataclass
-class _Generation:
-    """One tokens-in generation: engine pieces in, the record and the front's answer out."""
-
-    call: InFlightCall
-    deps: CaptureDeps
-    exact: ExactTokens
-    asm: TokensInAssembler
-    reader: Reader
-    extra_diags: list[Diagnostic]
-    t0: float
-
-    def record(self, message: dict[str, Any], finish_reason: str, status: int) -> CallRecord:
-        return self.asm.finish(
-            response_message=message,
-            finish_reason=finish_reason,
-            latency_ms=elapsed_ms(self.t0),
-            http_status=status,
-            extra_diagnostics=self.extra_diags,
-        )
-
-    async def whole(
-        self, request: web.Request, upstream: aiohttp.ClientResponse
-    ) -> web.StreamResponse:
-        call, asm = self.call, self.asm
+    async def _render_tail(self, c: cmd.RenderTail) -> ev.Rendered | ev.RenderFailed:
+        renderer = self.exact.renderer
+        assert isinstance(renderer, TailRenderer)
         try:
-            # parse_json_event: engines write bare NaN / -Infinity log probs (orjson refuses)
-            payload = parse_json_event(await upstream.read())
-            if not isinstance(payload, dict):
-                raise EngineFormatError("not a JSON object")
-            asm.add(self.reader.whole(payload))
-        except CLIENT_ERRORS + (ValueError,) as exc:
-            reason = f"engine answer unusable: {type(exc).__name__}: {exc}"
-            await record_failed(
-                self.deps, call, self.t0, reason, upstream.status, asm.prompt_token_ids
+            # Small (the new messages and the system turn's text): cheaper on the loop than a
+            # hop to a worker thread and back.
+            ids = renderer.render_tail_sync(
+                c.context,
+                c.new,
+                c.tools,
+                end_of_turn_text=c.end_of_turn_text,
+                chat_template_kwargs=c.chat_template_kwargs,
             )
-            err = UpstreamUnavailable(reason, code="engine_bad_response")
-            err.call_id = call.ctx.call_id
-            raise err from exc
-        parsed = self.exact.parser.parse(
-            asm.generated_text,
-            call.ctx.call_id,
-            token_ids=asm.token_ids,
-            tools=call.prepared.body.get("tools"),
-            in_reasoning=self.exact.opens_reasoning(asm.prompt_token_ids),
-        )
-        finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
-        message = parsed.to_openai()
-        await finish_call(self.deps, call, self.record(message, finish_reason, upstream.status))
-        answer = _answer(call, asm, message, finish_reason)
-        if call.ctx.stream:
-            # Asked for a stream; the engine answered whole: the whole answer as events.
-            encoder = call.front.stream_encoder(
-                call.front_request, call.answer_head(answer.prompt_token_ids)
-            )
-            events = encoder.start()
-            for delta in answer_as_deltas(message):
-                events += encoder.delta(delta)
-            events += encoder.finish(answer)
-            writer = ClientWriter(sse_response(200, call.ctx.call_id))
-            await writer.prepare(request)
-            await writer.end(b"".join(events))
-            return writer.response
-        return web.json_response(
-            call.front.encode(call.front_request, answer),
-            headers={CALL_ID_HEADER: call.ctx.call_id},
-            dumps=dumps_text,
-        )
+        except RenderError as exc:
+            return ev.RenderFailed(exc)
+        return ev.Rendered(ids)
 
-    async def stream(
-        self, request: web.Request, upstream: aiohttp.ClientResponse
-    ) -> web.StreamResponse:
-        """Engine token chunks in, the front's events out, as they can be decided."""
-        call, asm = self.call, self.asm
-        ctx = call.ctx
-        encoder = call.front.stream_encoder(
-            call.front_request, call.answer_head(asm.prompt_token_ids)
-        )
-        writer = ClientWriter(sse_response(200, ctx.call_id))
-        await writer.prepare(request)
-        await writer.write(b"".join(encoder.start()))
-        # The first events are out: encode the request side of the record while the engine
-        # generates.
-        request_encoding = encode_request(call)
-        cancelled = False
-        problem: str | None = None
-        done = False
-        deltas: list[MessageDelta] = []
-        parser_stream = self.exact.parser.stream(
-            ctx.call_id,
-            call.prepared.body.get("tools"),
-            in_reasoning=self.exact.opens_reasoning(asm.prompt_token_ids),
-        )
-        decoder = SSEStreamDecoder()
+    async def _engine_facts(self, c: cmd.AskEngineFacts) -> ev.EngineFacts | ev.EngineFailed:
+        exact, deps = self.exact, self.deps
         try:
-            async for data in upstream.content.iter_any():
-                out: list[bytes] = []
-                for event in decoder.feed(data):
-                    if event.data == "[DONE]":
-                        done = True
-                        continue
-                    piece = self.reader.chunk(parse_json_event(event.data))
-                    asm.add(piece)
-                    new = parser_stream.feed(piece.text, piece.token_ids)
-                    deltas += new
-                    if new:
-                        # token data goes with the first delta of its piece
-                        out += encoder.delta(
-                            new[0].to_openai(),
-                            token_ids=piece.token_ids,
-                            log_probs=piece.log_probs,
-                        )
-                        for d in new[1:]:
-                            out += encoder.delta(d.to_openai())
-                    elif piece.token_ids:
-                        out += encoder.delta(
-                            {}, token_ids=piece.token_ids, log_probs=piece.log_probs
-                        )
-                await writer.write(b"".join(out))
-                if writer.gone:
-                    break
-        except CLIENT_ERRORS as exc:
-            problem = f"engine stream broke: {type(exc).__name__}: {exc}"
-        except (ValueError, EngineFormatError) as exc:
-            problem = f"engine sent a malformed stream event: {exc}"
-        except asyncio.CancelledError:
-            writer.gone = cancelled = True  # keep what arrived; re-raised after persisting
-        tail = parser_stream.finish()
-        deltas += tail
-        events: list[bytes] = []
-        for d in tail:
-            events += encoder.delta(d.to_openai())
-        message = apply_deltas(deltas).to_openai()
-        finish_reason = _finish_reason(asm.finish_reason, bool(message.get("tool_calls")))
-        record = self.record(message, finish_reason, upstream.status)
-        reasons = stream_end_reasons(client_gone=writer.gone, problem=problem, done_seen=done)
-        if reasons:
-            record = mark_incomplete(record, reasons)
-        if cancelled:
-            await asyncio.shield(finish_call(self.deps, call, record, request_encoding))
-            raise asyncio.CancelledError
-        await finish_call(self.deps, call, record, request_encoding)
-        if problem:
-            events.append(encoder.error(problem))
-        else:
-            events += encoder.finish(_answer(call, asm, message, finish_reason))
-        await writer.end(b"".join(events))
-        return writer.response
+            max_model_len, end_of_turn_ids = await exact.ready(deps.session, deps.backend)
+        except (UpstreamUnavailable, UpstreamTimeout) as exc:
+            return ev.EngineFailed(exc.message, exc.code, isinstance(exc, UpstreamTimeout))
+        served = None
+        if c.served_model:
+            served = await exact.served_model_name(deps.session, deps.backend)
+        return ev.EngineFacts(max_model_len, end_of_turn_ids, served)

@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.core.routing import Route
-from capture_proxy.proxy.recording import TAP_KEY
+from capture_proxy.proxy.traffic_tap import TAP_KEY
 from capture_proxy.proxy.upstream import (
     CLIENT_ERRORS,
     forwardable_headers,

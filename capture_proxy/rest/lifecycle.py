@@ -29,7 +29,7 @@ from capture_proxy.core.json_bodies import MAX_NESTING, text_problem
 from capture_proxy.core.metadata import MetadataError, RolloutMetadata
 from capture_proxy.proxy.errors import BadRequest, Conflict, NotFound, ProxyError
 from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
-from capture_proxy.proxy.recording import remove_recording
+from capture_proxy.proxy.traffic_tap import remove_recording
 from capture_proxy.rest.reads import _rollout_id
 from capture_proxy.store.base import LifecycleConflict, RolloutDeleted, RolloutNotFound
 

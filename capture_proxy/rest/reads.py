@@ -42,7 +42,7 @@ from capture_proxy.core.summary import link_stats, main_chain
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.recording import remove_recording
+from capture_proxy.proxy.traffic_tap import remove_recording
 from capture_proxy.store.base import RolloutInfo
 
 REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)

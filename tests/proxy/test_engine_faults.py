@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 
 from capture_proxy.core.sse import SSEStreamDecoder
-from capture_proxy.proxy import template as capture_module
+from capture_proxy.proxy import executor as capture_module
 from capture_proxy.scripted_engine import CLIENT_GONE, Faults, ScriptedEngineConfig
 from tests.proxy.conftest import CAPTURE, Stack
 from tests.proxy.test_capture import USER, _body

@@ -1,0 +1,70 @@
+"""The errors a call's flow raises to end the call with a client error (sans-io).
+
+Owns the flow's own exception classes; ``proxy.errors.CORE_ERRORS`` maps each (and the core's
+``InvalidRequest``, ``InvalidFrontRequest``, ``RenderError``, ``RendererUnavailable``,
+``SamplingError``) to the client's status, error type, code and param in one table. ``call_id``
+names the stored call the error ended (a failed engine call), so its id goes on the answer.
+Must not import aiohttp or know HTTP statuses.
+"""
+
+from __future__ import annotations
+
+
+class CallError(Exception):
+    """Base of the flow's errors; ``message`` for the client (masked by the adapter)."""
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.call_id: str | None = None
+
+
+class PrefillNotSupported(CallError, ValueError):
+    """The request continues its final assistant message and the family's renderer cannot
+    leave a message open (exact-token mode): refused, nothing forwarded or stored."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "continuing a final assistant message (an Anthropic prefill, or "
+            "continue_final_message / add_generation_prompt=false) is not supported by this "
+            "model family's renderer in exact-token mode; end the conversation with a user or "
+            "tool message, or use prompt_mode backend_template",
+            code="prefill_not_supported",
+        )
+
+
+class UnknownPreviousResponse(CallError, LookupError):
+    """A Responses ``previous_response_id`` that names no answered response of the rollout."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(
+            f"previous_response_id {response_id!r} names no answered response of this rollout",
+            code="previous_response_not_found",
+        )
+
+
+class EngineUnreachable(CallError):
+    """The engine could not be reached or could not tell what the call needs; ``code``:
+    ``engine_unreachable``, ``engine_error``, ``engine_bad_response``, ..."""
+
+
+class EngineTimedOut(EngineUnreachable):
+    """The engine did not answer in time (``code``: ``engine_timeout``)."""
+
+
+def engine_unreachable(
+    message: str, code: str | None, timeout: bool, call_id: str
+) -> EngineUnreachable:
+    """The error ending a call whose engine failed (``timeout``: it timed out), naming the
+    stored call."""
+    err = (EngineTimedOut if timeout else EngineUnreachable)(message, code=code)
+    err.call_id = call_id
+    return err
+
+
+class EngineAnswerUnusable(CallError):
+    """The engine answered with a body the proxy cannot read (not JSON, not its format)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_bad_response")

@@ -1,0 +1,267 @@
+"""The executor of a call's flow: performs its commands with aiohttp, feeds the replies back.
+
+Owns the I/O of one captured call and nothing else: the engine request (``send_upstream``,
+its first-byte timeout and connect retries) and its body, whole or piece by piece as it
+arrives (streaming stays streaming: each engine read becomes one client write, never the
+whole body), the client's response (``ClientWriter``: a client that left is remembered, never
+raised), the linker's resolve / verify / remember and the recorder's persist. Every decision
+is the flow's (``core.flow``). ``CallExecutor`` is backend-template mode's executor; exact-token
+mode's (``proxy.exact.ExactExecutor``) adds rendering and the engine's facts. ``drive`` is the
+one loop that runs a flow on an executor.
+
+Cancellation (the harness left, the server cancelled the handler): a command the flow can act
+on is answered ``ClientLeft`` (or a gone ``ClientState``), the commands after it run shielded
+so the record is written, then the cancellation goes on; during any other command it goes
+through at once, as the flow cannot act on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from capture_proxy.core.flow import commands as cmd
+from capture_proxy.core.flow import events as ev
+from capture_proxy.core.flow.call import Flow, Outcome
+from capture_proxy.proxy.calls import (
+    CALL_ID_HEADER,
+    CaptureDeps,
+    ClientWriter,
+    decoder,
+    dumps_text,
+    sse_response,
+    upstream_headers,
+)
+from capture_proxy.proxy.errors import UpstreamTimeout
+from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
+
+log = logging.getLogger("capture_proxy")
+
+#: How long the end of an engine's body may take after its ``[DONE]`` (seconds).
+BODY_END_TIMEOUT_S = 5.0
+
+_CLIENT_WRITES = (cmd.StartClientStream, cmd.WriteClient, cmd.EndClient)
+
+
+class CallExecutor:
+    """Performs the commands of one call (backend-template mode; the base of the others).
+    ``response``: the client's response, once a command made it."""
+
+    def __init__(
+        self, request: web.Request, deps: CaptureDeps, call_id: str, rollout_id: str
+    ) -> None:
+        self.request = request
+        self.deps = deps
+        self.call_id = call_id
+        self.rollout_id = rollout_id
+        self.response: web.StreamResponse | None = None
+        self.upstream: aiohttp.ClientResponse | None = None
+        self._writer: ClientWriter | None = None
+        self._pieces: AsyncIterator[bytes] | None = None
+        self._handlers: dict[type[cmd.Command], Callable[[Any], Awaitable[Any]]] = {
+            cmd.Resolve: self._resolve,
+            cmd.LookUpCall: self._look_up,
+            cmd.SendToEngine: self._send,
+            cmd.ReadEngineBody: self._read_body,
+            cmd.ReadEngine: self._read_piece,
+            cmd.DrainEngine: self._drain,
+            cmd.StartClientStream: self._start_stream,
+            cmd.WriteClient: self._write,
+            cmd.EndClient: self._end,
+            cmd.RespondJson: self._respond_json,
+            cmd.Verify: self._verify,
+            cmd.Persist: self._persist,
+            cmd.Remember: self._remember,
+        }
+
+    def execute(self, command: cmd.Command) -> Awaitable[Any]:
+        """Perform ``command``; its reply (``core.flow.events``)."""
+        return self._handlers[type(command)](command)
+
+    def client_left(self, command: cmd.Command) -> Any:
+        """The reply to ``command`` when the handler was cancelled while it ran."""
+        if self._writer is not None:
+            self._writer.gone = True
+        return ev.CLIENT_GONE if isinstance(command, _CLIENT_WRITES) else ev.ClientLeft()
+
+    async def close(self) -> None:
+        """Give the engine's response back (closes its request when not read to the end)."""
+        if self.upstream is not None:
+            await self.upstream.__aexit__(None, None, None)
+
+    async def _resolve(self, c: cmd.Resolve) -> ev.Resolved | ev.StepFailed:
+        try:
+            resolution = await self.deps.linker.resolve(
+                c.rollout_id,
+                c.linking_messages,
+                c.body,
+                call_id=c.call_id,
+                created_at=c.created_at,
+                retry_requested=c.retry_requested,
+                linking_facts=c.linking_facts,
+            )
+        except Exception as exc:
+            log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)
+            return ev.StepFailed(type(exc).__name__, str(exc))
+        return ev.Resolved(resolution)
+
+    async def _look_up(self, c: cmd.LookUpCall) -> ev.CallFound:
+        record = await self.deps.linker.get_call(c.call_id)
+        facts = self.deps.linker.message_facts(c.call_id) if record is not None else None
+        return ev.CallFound(record, facts)
+
+    def engine_headers(self, harness_headers: bool) -> dict[str, str]:
+        """The engine request's headers: the harness's (backend-template mode), else ours and
+        the harness's ``Authorization`` only."""
+        request, call_id = self.request, self.call_id
+        if harness_headers:
+            return upstream_headers(request, call_id, self.rollout_id)
+        headers = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+            "X-Request-Id": call_id,
+            "X-NG-Rollout-Id": self.rollout_id,
+        }
+        if request.headers.get("Authorization"):
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
+    async def _send(self, c: cmd.SendToEngine) -> ev.EngineResponded | ev.EngineFailed:
+        deps = self.deps
+        t0 = time.perf_counter()
+        try:
+            upstream = await send_upstream(
+                deps.session,
+                "POST",
+                deps.backend + c.path,
+                first_byte_timeout_s=deps.first_byte_timeout_s,
+                connect_retries=deps.connect_retries,
+                data=c.body,
+                headers=self.engine_headers(c.harness_headers),
+                auto_decompress=True,
+            )
+        except CLIENT_ERRORS as exc:
+            return _failed(exc, deps.backend)
+        self.upstream = upstream
+        deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
+        content_type = upstream.headers.get("Content-Type", "")
+        return ev.EngineResponded(
+            upstream.status, content_type.startswith("text/event-stream"), upstream.reason
+        )
+
+    async def _read_body(self, c: cmd.ReadEngineBody) -> ev.EngineBody | ev.EngineFailed:
+        assert self.upstream is not None
+        try:
+            return ev.EngineBody(await self.upstream.read())
+        except CLIENT_ERRORS as exc:
+            log.warning("call %s: reading the engine's body failed: %s", self.call_id, exc)
+            return _failed(exc, self.deps.backend)
+
+    async def _read_piece(self, c: cmd.ReadEngine) -> Any:
+        assert self.upstream is not None
+        if self._pieces is None:
+            self._pieces = aiter(self.upstream.content.iter_any())
+        try:
+            return ev.EnginePiece(await anext(self._pieces))
+        except StopAsyncIteration:
+            return ev.EngineEnd()
+        except CLIENT_ERRORS as exc:
+            return ev.EngineBroke(type(exc).__name__, str(exc))
+
+    async def _drain(self, c: cmd.DrainEngine) -> None:
+        """Read the end of the engine's body after its ``[DONE]`` (the chunked terminator,
+        usually there already), so the connection goes back to the pool; a body that does not
+        end within ``BODY_END_TIMEOUT_S`` is closed instead."""
+        assert self.upstream is not None
+        try:
+            async with asyncio.timeout(BODY_END_TIMEOUT_S):
+                await self.upstream.content.read()
+        except CLIENT_ERRORS:
+            self.upstream.close()
+
+    async def _start_stream(self, c: cmd.StartClientStream) -> ev.ClientState:
+        self._writer = ClientWriter(sse_response(c.status, self.call_id))
+        self.response = self._writer.response
+        await self._writer.prepare(self.request)
+        return ev.CLIENT_GONE if self._writer.gone else ev.CLIENT_THERE
+
+    async def _write(self, c: cmd.WriteClient) -> ev.ClientState:
+        assert self._writer is not None
+        await self._writer.write(c.data)
+        return ev.CLIENT_GONE if self._writer.gone else ev.CLIENT_THERE
+
+    async def _end(self, c: cmd.EndClient) -> ev.ClientState:
+        assert self._writer is not None
+        await self._writer.end(c.data)
+        return ev.CLIENT_GONE if self._writer.gone else ev.CLIENT_THERE
+
+    async def _respond_json(self, c: cmd.RespondJson) -> None:
+        self.response = web.json_response(
+            c.body, status=c.status, headers={CALL_ID_HEADER: self.call_id}, dumps=dumps_text
+        )
+
+    async def _verify(self, c: cmd.Verify) -> ev.Verified | ev.StepFailed:
+        try:
+            record = await self.deps.linker.verify(
+                c.record,
+                c.resolution,
+                c.linking_messages,
+                harness_note=c.harness_note,
+                retry_count=c.retry_count,
+                decode=decoder(self.deps, c.record.model),
+            )
+        except Exception as exc:
+            log.error("call %s: link verification failed: %s", c.record.call_id, exc)
+            return ev.StepFailed(type(exc).__name__, str(exc))
+        return ev.Verified(record)
+
+    async def _persist(self, c: cmd.Persist) -> ev.Persisted:
+        return ev.Persisted(await self.deps.recorder.persist(c.record, c.request))
+
+    async def _remember(self, c: cmd.Remember) -> None:
+        try:
+            await self.deps.linker.remember(c.record, c.message_facts)
+        except Exception as exc:
+            log.error("call %s: indexing failed: %s", c.record.call_id, exc)
+
+
+def _failed(exc: BaseException, backend: str) -> ev.EngineFailed:
+    err = translate_client_error(exc, backend)
+    timeout = isinstance(err, UpstreamTimeout)
+    return ev.EngineFailed(err.message, err.code, timeout, type(exc).__name__, str(exc))
+
+
+async def drive(flow: Flow[Outcome], executor: CallExecutor) -> Outcome:
+    """Run ``flow`` on ``executor`` to its end: each command performed, its reply sent back.
+    Raises what the flow raises (the core's errors), and the handler's cancellation once the
+    flow has recorded the call."""
+    reply: Any = None
+    cancelled = False
+    try:
+        while True:
+            try:
+                command = flow.send(reply)
+            except StopIteration as stop:
+                outcome: Outcome = stop.value
+                break
+            if cancelled:
+                reply = await asyncio.shield(executor.execute(command))
+                continue
+            try:
+                reply = await executor.execute(command)
+            except asyncio.CancelledError:
+                if not command.client_left_reply:
+                    raise
+                cancelled = True
+                reply = executor.client_left(command)
+    finally:
+        await executor.close()
+    if cancelled:
+        raise asyncio.CancelledError
+    return outcome

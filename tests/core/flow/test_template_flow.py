@@ -1,0 +1,270 @@
+"""Backend-template mode's flow, command by command (no event loop): a whole call, a stream,
+an engine 4xx/5xx, an engine that fails before its status or mid-stream, a client that leaves
+before the answer and mid-stream."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from capture_proxy.core.flow import commands as c
+from capture_proxy.core.flow import events as e
+from capture_proxy.core.flow.errors import EngineTimedOut
+from capture_proxy.core.fronts.chat import ChatCodec
+from capture_proxy.core.fronts.messages import MessagesCodec
+from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.verdicts import Verdict
+from capture_proxy.core.records import CallStatus
+from capture_proxy.core.sse import encode_json_event
+from tests.core.flow.playbook import CALL_ID, CREATED_AT, ROLLOUT_ID, playbook
+
+MESSAGES = [{"role": "user", "content": "Say hi"}]
+BODY = {"model": "m", "messages": MESSAGES}
+STREAM_BODY = {**BODY, "stream": True}
+
+
+def _root(body: dict) -> e.Resolved:
+    return e.Resolved(Resolution(Verdict.ROOT, None, request_digest(body)))
+
+
+def _to_engine(pb, body: dict) -> c.Command:
+    first = pb.start()
+    assert first == c.Resolve(
+        ROLLOUT_ID, MESSAGES, body, CALL_ID, CREATED_AT, False, first.linking_facts
+    )
+    send = pb.send(_root(body))
+    assert isinstance(send, c.SendToEngine)
+    assert (send.path, send.harness_headers) == ("/v1/chat/completions", True)
+    return send
+
+
+def _verified(verify: c.Command) -> e.Verified:
+    assert isinstance(verify, c.Verify)
+    linking = {"verdict": "root", "reason": None}
+    return e.Verified(verify.record.replace(linking=linking))
+
+
+WHOLE = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "prompt_token_ids": [10, 11, 12],
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "Hi"},
+            "finish_reason": "stop",
+            "token_ids": [7, 8],
+            "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}]},
+        }
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+}
+
+
+def test_a_whole_call_is_sent_augmented_recorded_and_answered_stripped():
+    pb = playbook(ChatCodec(), BODY)
+    send = _to_engine(pb, BODY)
+    assert orjson.loads(send.body) == {
+        **BODY,
+        "logprobs": True,
+        "top_logprobs": 0,
+        "return_token_ids": True,
+    }
+    assert pb.send(e.EngineResponded(200, False)) == c.ReadEngineBody()
+    verify = pb.send(e.EngineBody(orjson.dumps(WHOLE)))
+    record = verify.record
+    assert record.status is CallStatus.COMPLETE
+    assert record.prompt_token_ids.tolist() == [10, 11, 12]
+    assert record.generation_token_ids.tolist() == [7, 8]
+    assert record.generation_log_probs.tolist() == [-0.5, -0.25]
+    assert record.response_message == {"role": "assistant", "content": "Hi"}
+    assert record.latency_ms == 250.0
+    verified = _verified(verify)
+    persist = pb.send(verified)
+    assert isinstance(persist, c.Persist) and persist.record is verified.record
+    assert pb.send(e.Persisted(True)) == c.Remember(verified.record, None)
+    respond = pb.send(None)
+    stripped = {**WHOLE, "choices": [{**WHOLE["choices"][0], "logprobs": None}]}
+    del stripped["prompt_token_ids"], stripped["choices"][0]["token_ids"]
+    assert respond == c.RespondJson(200, stripped)
+    assert pb.send(None) is None
+    assert pb.outcome.record is verified.record
+
+
+def _chunk(delta: dict, token_ids: list[int], logprob: float, finish: str | None = None) -> dict:
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "finish_reason": finish,
+                "token_ids": token_ids,
+                "logprobs": {"content": [{"logprob": logprob}]},
+            }
+        ],
+    }
+
+
+CHUNKS = [
+    {**_chunk({"role": "assistant", "content": "H"}, [7], -0.5), "prompt_token_ids": [10, 11]},
+    _chunk({"content": "i"}, [8], -0.25, "stop"),
+]
+
+
+def _stripped(chunk: dict) -> dict:
+    out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
+    choice = {k: v for k, v in chunk["choices"][0].items() if k != "token_ids"}
+    return {**out, "choices": [{**choice, "logprobs": None}]}
+
+
+def test_a_stream_is_forwarded_piece_by_piece_and_persisted_before_its_end():
+    pb = playbook(ChatCodec(), STREAM_BODY)
+    send = _to_engine(pb, STREAM_BODY)
+    assert orjson.loads(send.body)["stream_options"] == {"include_usage": True}
+    assert pb.send(e.EngineResponded(200, True)) == c.StartClientStream(200)
+    assert pb.send(e.ClientState(False)) == c.ReadEngine()
+    # an engine read that cuts an event in two: nothing complete yet, an empty write
+    first = encode_json_event(CHUNKS[0])
+    assert pb.send(e.EnginePiece(first[:9])) == c.WriteClient(b"")
+    assert pb.send(e.ClientState(False)) == c.ReadEngine()
+    rest = first[9:] + encode_json_event(CHUNKS[1])
+    assert pb.send(e.EnginePiece(rest)) == c.WriteClient(
+        encode_json_event(_stripped(CHUNKS[0])) + encode_json_event(_stripped(CHUNKS[1]))
+    )
+    assert pb.send(e.ClientState(False)) == c.ReadEngine()
+    assert pb.send(e.EnginePiece(b"data: [DONE]\n\n")) == c.WriteClient(b"")
+    verify = pb.send(e.ClientState(False))
+    record = verify.record
+    assert record.status is CallStatus.COMPLETE
+    assert record.prompt_token_ids.tolist() == [10, 11]
+    assert record.generation_token_ids.tolist() == [7, 8]
+    assert record.generation_log_probs.tolist() == [-0.5, -0.25]
+    assert record.response_message == {"role": "assistant", "content": "Hi"}
+    persist = pb.send(_verified(verify))
+    assert isinstance(persist, c.Persist) and persist.request is not None
+    assert isinstance(pb.send(e.Persisted(True)), c.Remember)
+    assert pb.send(None) == c.EndClient(b"data: [DONE]\n\n")
+    assert pb.send(e.ClientState(False)) == c.DrainEngine()
+    assert pb.send(None) is None
+    assert pb.outcome.record.status is CallStatus.COMPLETE
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type"), [(400, "invalid_request_error"), (503, "overloaded_error")]
+)
+def test_an_engine_error_is_recorded_failed_and_answered_in_the_front_shape(status, error_type):
+    pb = playbook(MessagesCodec(), {**BODY, "max_tokens": 16})
+    pb.start()
+    assert isinstance(pb.send(_root({})), c.SendToEngine)
+    assert pb.send(e.EngineResponded(status, False, "Oops")) == c.ReadEngineBody()
+    engine_body = orjson.dumps({"error": {"message": "bad things", "type": "x"}})
+    verify = pb.send(e.EngineBody(engine_body))
+    record = verify.record
+    assert record.status is CallStatus.FAILED
+    assert record.http_status == status
+    assert [(d.kind, d.details) for d in record.diagnostics] == [
+        ("upstream_failed", {"reason": f"engine returned HTTP {status}"})
+    ]
+    assert isinstance(pb.send(_verified(verify)), c.Persist)
+    assert isinstance(pb.send(e.Persisted(True)), c.Remember)
+    respond = pb.send(None)
+    assert respond.status == status
+    assert respond.body["type"] == "error"
+    assert respond.body["error"]["message"] == f"engine returned {status}: bad things"
+    assert respond.body["error"]["type"] == error_type
+    assert pb.send(None) is None
+
+
+def test_an_engine_that_times_out_fails_the_call_after_recording_it():
+    pb = playbook(ChatCodec(), BODY)
+    _to_engine(pb, BODY)
+    verify = pb.send(e.EngineFailed("engine at http://e timed out", "engine_timeout", True))
+    assert verify.record.status is CallStatus.FAILED
+    assert verify.record.http_status is None
+    pb.send(_verified(verify))
+    pb.send(e.Persisted(True))
+    with pytest.raises(EngineTimedOut) as raised:
+        pb.send(None)
+    assert (raised.value.code, raised.value.call_id) == ("engine_timeout", CALL_ID)
+
+
+def test_an_engine_stream_that_breaks_ends_the_client_stream_with_an_error():
+    pb = playbook(ChatCodec(), STREAM_BODY)
+    _to_engine(pb, STREAM_BODY)
+    pb.send(e.EngineResponded(200, True))
+    pb.send(e.ClientState(False))
+    assert pb.send(e.EnginePiece(encode_json_event(CHUNKS[0]))) == c.WriteClient(
+        encode_json_event(_stripped(CHUNKS[0]))
+    )
+    assert pb.send(e.ClientState(False)) == c.ReadEngine()
+    verify = pb.send(e.EngineBroke("ClientPayloadError", "connection lost"))
+    record = verify.record
+    assert record.status is CallStatus.INCOMPLETE
+    assert record.generation_token_ids.tolist() == [7]
+    reasons = ["engine stream broke: ClientPayloadError: connection lost"]
+    assert [(d.kind, d.details) for d in record.diagnostics] == [
+        ("finish_reason_missing", {}),
+        ("capture_incomplete", {"reasons": reasons}),
+    ]
+    pb.send(_verified(verify))
+    pb.send(e.Persisted(True))
+    end = pb.send(None)
+    assert isinstance(end, c.EndClient)
+    error = orjson.loads(end.data.removeprefix(b"data: "))["error"]
+    assert (error["message"], error["type"]) == (reasons[0], "upstream_error")
+    assert pb.send(e.ClientState(False)) is None
+    assert pb.outcome.record.status is CallStatus.INCOMPLETE
+
+
+def test_a_client_that_leaves_before_the_answer_is_recorded_abandoned():
+    pb = playbook(ChatCodec(), BODY)
+    _to_engine(pb, BODY)
+    verify = pb.send(e.ClientLeft())
+    record = verify.record
+    assert record.status is CallStatus.INCOMPLETE
+    assert record.latency_ms == 250.0
+    reasons = ["client disconnected before the engine answered"]
+    assert [(d.kind, d.details) for d in record.diagnostics] == [
+        ("capture_incomplete", {"reasons": reasons})
+    ]
+    pb.send(_verified(verify))
+    assert isinstance(pb.send(e.Persisted(True)), c.Remember)
+    assert pb.send(None) is None
+    assert pb.outcome.record.status is CallStatus.INCOMPLETE
+
+
+def test_a_client_that_leaves_mid_stream_keeps_what_arrived_and_gets_no_end():
+    pb = playbook(ChatCodec(), STREAM_BODY)
+    _to_engine(pb, STREAM_BODY)
+    pb.send(e.EngineResponded(200, True))
+    pb.send(e.ClientState(False))
+    pb.send(e.EnginePiece(encode_json_event(CHUNKS[0])))
+    verify = pb.send(e.ClientState(True))
+    record = verify.record
+    assert record.status is CallStatus.INCOMPLETE
+    assert record.generation_token_ids.tolist() == [7]
+    reasons = ["client disconnected before the stream ended"]
+    assert [(d.kind, d.details) for d in record.diagnostics] == [
+        ("finish_reason_missing", {}),
+        ("capture_incomplete", {"reasons": reasons}),
+    ]
+    pb.send(_verified(verify))
+    # not persisted: not remembered; the client is gone: no end is written
+    assert pb.send(e.Persisted(False)) is None
+    assert pb.outcome.record.status is CallStatus.INCOMPLETE
+
+
+def test_a_failed_verification_leaves_the_call_unresolved():
+    pb = playbook(ChatCodec(), BODY)
+    _to_engine(pb, BODY)
+    pb.send(e.EngineResponded(200, False))
+    assert isinstance(pb.send(e.EngineBody(orjson.dumps(WHOLE))), c.Verify)
+    persist = pb.send(e.StepFailed("RuntimeError", "store down"))
+    assert persist.record.parent_call_id is None
+    assert persist.record.linking == {
+        "verdict": "unresolved",
+        "reason": "verification failed: store down",
+    }
