@@ -8,17 +8,22 @@ Owns three things:
   u16 length + bytes + u32 rank per token); converted to tiktoken text (base64 token, space,
   rank, newline, by rank) it is byte-identical to OpenAI's file, which is checked by its
   sha256 before the file is written (atomically) into the user cache.
-- ``HarmonyRenderer``: chat messages as vLLM maps them to harmony (``harmony_utils``): a
-  system message (reasoning effort from ``chat_template_kwargs``, no date, so a render is
-  deterministic), a developer message with the leading system/developer text as instructions
-  and the tools as ``functions``, then user turns, assistant turns (reasoning on
-  ``analysis``; content on ``final``, or ``commentary`` beside tool calls; each tool call a
-  ``commentary`` message to ``functions.NAME`` in ``<|constrain|>json``) and tool results
-  (from ``functions.NAME`` to the assistant, the name found by ``tool_call_id``).
+- ``HarmonyRenderer``: chat messages as vLLM 0.32 maps them to harmony (``harmony_utils``): a
+  system message (reasoning effort from ``chat_template_kwargs``; ``Current date:`` the
+  ``start_date`` given, the serving vLLM's ``VLLM_SYSTEM_START_DATE``, else today's local date
+  at each render, as vLLM), a developer message with the leading system/developer text as
+  instructions and the tools as ``functions``, then user turns (each text part encoded on its
+  own), assistant turns (on a tool-call turn the content on ``commentary`` before the
+  reasoning on ``analysis``, each call a ``commentary`` message to ``functions.NAME`` in
+  ``json``; else reasoning, then content on ``final``), tool results (from ``functions.NAME``
+  to the assistant, the name found by ``tool_call_id``, with oss-harmony 0.0.11's header
+  ``functions.NAME<|channel|>commentary to=assistant``, which we rewrite from openai-harmony
+  0.0.8's) and later system/developer messages (developer messages with ``# Instructions``).
   The tail after a continued turn is exact by construction: harmony renders every message
   after the system and developer ones on its own (``encoding.render``).
 - ``write_assistant``: the ids gpt-oss samples for an assistant message after the generation
-  prompt ``<|start|>assistant``, closed by ``<|call|>`` (tool calls) or ``<|return|>``.
+  prompt ``<|start|>assistant``, closed by ``<|call|>`` (tool calls) or ``<|return|>``: the
+  reasoning first, each call in ``<|constrain|>json`` (not how vLLM re-renders it as history).
 
 Tool-call arguments are rendered as the strings they arrive as (as vLLM does), never re-dumped.
 """
