@@ -86,7 +86,11 @@ def make_exact_tokens(
     tokenizer_dirs: dict[str, Path] = {str(k): v for k, v in settings.family_tokenizers.items()}
     for family in sorted(set(settings.model_families.values())):
         families[family] = ExactTokens.of_family(
-            load_family(family, tokenizer_dir=tokenizer_dirs.get(family)),
+            load_family(
+                family,
+                tokenizer_dir=tokenizer_dirs.get(family),
+                system_start_date=settings.system_start_date,
+            ),
             dialect,
             max_model_len=settings.max_model_len,
             full_render=settings.exact_prompt_full_render,

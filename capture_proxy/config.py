@@ -205,6 +205,10 @@ class Settings(BaseSettings):
         "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "
         "families; llama3 and qwen2_5 have no built-in one and need their directory)",
     )
+    system_start_date: str | None = Field(
+        None, pattern=r"^\d{4}-\d{2}-\d{2}$", description="gpt_oss: the 'Current date:' (Y-M-D),"
+        " the serving vLLM's VLLM_SYSTEM_START_DATE; unset: today (local time zone), as vLLM",
+    )
     captures_token: SecretStr | None = Field(
         None,
         description="bearer token required by the /captures read API, the viewer and /metrics "

@@ -54,6 +54,7 @@ def test_settings_are_frozen():
         ({"backend": "not a url"}, None, "backend"),
         ({"backend": "http://e:1", "port": 70000}, None, "port"),
         ({"backend": "http://e:1", "store_synchronous": "off"}, None, "store_synchronous"),
+        ({"backend": "http://e:1", "system_start_date": "1 Jan 2026"}, None, "system_start_date"),
         ({}, 'backend = "http://e:1"\nbogus = 1\n', "unknown setting(s) bogus"),
         ({}, "backend = ", "invalid TOML"),
     ],

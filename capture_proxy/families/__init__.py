@@ -110,7 +110,7 @@ def _qwen_family(
     )
 
 
-def _gpt_oss_family(cache_dir: Path | None) -> ModelFamily:
+def _gpt_oss_family(cache_dir: Path | None, system_start_date: str | None) -> ModelFamily:
     try:
         from capture_proxy.families.gpt_oss import HarmonyRenderer, load_gpt_oss_encoding
         from capture_proxy.families.gpt_oss_parser import HarmonyParser
@@ -119,7 +119,7 @@ def _gpt_oss_family(cache_dir: Path | None) -> ModelFamily:
             f"the gpt_oss family needs openai-harmony ({exc}): pip install 'capture-proxy[harmony]'"
         ) from exc
     encoding = load_gpt_oss_encoding(cache_dir)
-    renderer = HarmonyRenderer(encoding)
+    renderer = HarmonyRenderer(encoding, start_date=system_start_date)
     return ModelFamily(
         "gpt_oss",
         renderer,
@@ -172,16 +172,19 @@ def load_family(
     tokenizer_dir: Path | None = None,
     cache_dir: Path | None = None,
     tokenizer: Any = None,
+    system_start_date: str | None = None,
 ) -> ModelFamily:
     """The family ``name``. ``tokenizer_dir``: a local HF tokenizer directory with the model's
     own chat template (Qwen families; required for llama3 and qwen2_5); ``cache_dir``: where
     the gpt-oss vocabulary is converted to (default ``~/.cache/capture-proxy/encodings``);
-    ``tokenizer``: a loaded built-in Qwen tokenizer to share. Raises RenderError (unknown
+    ``tokenizer``: a loaded built-in Qwen tokenizer to share; ``system_start_date``: gpt-oss's
+    ``Current date:`` (``YYYY-MM-DD``, the serving vLLM's ``VLLM_SYSTEM_START_DATE``; None:
+    today's local date at each render, as vLLM picks it). Raises RenderError (unknown
     family, tokenizer not loadable, llama3 or qwen2_5 without a tokenizer directory)."""
     if name in _QWEN_TEMPLATES:
         return _qwen_family(name, tokenizer_dir, None, tokenizer)
     if name == "gpt_oss":
-        return _gpt_oss_family(cache_dir)
+        return _gpt_oss_family(cache_dir, system_start_date)
     if name == "llama3":
         return _llama3_family(tokenizer_dir)
     if name == "qwen2_5":

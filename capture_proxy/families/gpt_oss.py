@@ -8,17 +8,22 @@ Owns three things:
   u16 length + bytes + u32 rank per token); converted to tiktoken text (base64 token, space,
   rank, newline, by rank) it is byte-identical to OpenAI's file, which is checked by its
   sha256 before the file is written (atomically) into the user cache.
-- ``HarmonyRenderer``: chat messages as vLLM maps them to harmony (``harmony_utils``): a
-  system message (reasoning effort from ``chat_template_kwargs``, no date, so a render is
-  deterministic), a developer message with the leading system/developer text as instructions
-  and the tools as ``functions``, then user turns, assistant turns (reasoning on
-  ``analysis``; content on ``final``, or ``commentary`` beside tool calls; each tool call a
-  ``commentary`` message to ``functions.NAME`` in ``<|constrain|>json``) and tool results
-  (from ``functions.NAME`` to the assistant, the name found by ``tool_call_id``).
+- ``HarmonyRenderer``: chat messages as vLLM 0.32 maps them to harmony (``harmony_utils``): a
+  system message (reasoning effort from ``chat_template_kwargs``; ``Current date:`` the
+  ``start_date`` given, the serving vLLM's ``VLLM_SYSTEM_START_DATE``, else today's local date
+  at each render, as vLLM), a developer message with the leading system/developer text as
+  instructions and the tools as ``functions``, then user turns (each text part encoded on its
+  own), assistant turns (on a tool-call turn the content on ``commentary`` before the
+  reasoning on ``analysis``, each call a ``commentary`` message to ``functions.NAME`` in
+  ``json``; else reasoning, then content on ``final``), tool results (from ``functions.NAME``
+  to the assistant, the name found by ``tool_call_id``, with oss-harmony 0.0.11's header
+  ``functions.NAME<|channel|>commentary to=assistant``, which we rewrite from openai-harmony
+  0.0.8's) and later system/developer messages (developer messages with ``# Instructions``).
   The tail after a continued turn is exact by construction: harmony renders every message
   after the system and developer ones on its own (``encoding.render``).
 - ``write_assistant``: the ids gpt-oss samples for an assistant message after the generation
-  prompt ``<|start|>assistant``, closed by ``<|call|>`` (tool calls) or ``<|return|>``.
+  prompt ``<|start|>assistant``, closed by ``<|call|>`` (tool calls) or ``<|return|>``: the
+  reasoning first, each call in ``<|constrain|>json`` (not how vLLM re-renders it as history).
 
 Tool-call arguments are rendered as the strings they arrive as (as vLLM does), never re-dumped.
 """
@@ -26,12 +31,13 @@ Tool-call arguments are rendered as the strings they arrive as (as vLLM does), n
 from __future__ import annotations
 
 import base64
+import datetime
 import hashlib
 import json
 import os
 import struct
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -46,6 +52,7 @@ from openai_harmony import (
     ReasoningEffort,
     Role,
     SystemContent,
+    TextContent,
     ToolDescription,
     load_harmony_encoding,
 )
@@ -152,6 +159,33 @@ def _text(content: Any) -> str:
     )
 
 
+def _parts(content: Any) -> list[TextContent]:
+    """A user message's or final answer's content as vLLM keeps it: one ``TextContent`` per
+    text part (harmony encodes each on its own, so ``"a."`` + ``"B"`` is not ``"a.B"``)."""
+    if content is None or isinstance(content, str):
+        return [TextContent(text=content or "")]
+    return [
+        TextContent(text=p.get("text", ""))
+        for p in content
+        if isinstance(p, Mapping) and p.get("type") == "text"
+    ] or [TextContent(text="")]
+
+
+def _instructions_text(content: Any) -> str | None:
+    """A system or developer message's text as vLLM flattens it (``str`` parts and every
+    part's ``text``), None when it has none."""
+    if content is None or isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return None
+    texts = [
+        p if isinstance(p, str) else p["text"]
+        for p in content
+        if isinstance(p, str) or (isinstance(p, Mapping) and p.get("text") is not None)
+    ]
+    return "".join(texts) if texts else None
+
+
 def _arguments_text(arguments: Any) -> str:
     """Tool-call arguments as the model wrote them: a string verbatim (as vLLM renders it)."""
     if isinstance(arguments, str):
@@ -159,26 +193,34 @@ def _arguments_text(arguments: Any) -> str:
     return json.dumps({} if arguments is None else arguments, ensure_ascii=False)
 
 
-def assistant_messages(message: Mapping[str, Any]) -> list[Message]:
-    """One chat assistant turn as harmony messages (see the module docstring)."""
-    out: list[Message] = []
+def assistant_messages(message: Mapping[str, Any], *, history: bool = True) -> list[Message]:
+    """One chat assistant turn as harmony messages (see the module docstring).
+
+    ``history``: as vLLM renders a turn of the request's history (on a tool-call turn the
+    content before the reasoning, each call in ``json``); else as gpt-oss samples it
+    (reasoning first, each call in ``<|constrain|>json``)."""
     reasoning = message.get("reasoning_content") or message.get("reasoning")
-    if reasoning:
-        out.append(
-            Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis")
-        )
+    analysis = (
+        [Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis")]
+        if reasoning
+        else []
+    )
     calls = message.get("tool_calls") or []
     content = _text(message.get("content"))
+    said: list[Message] = []
     if content or not (calls or reasoning):
         channel = "commentary" if calls else "final"
-        out.append(Message.from_role_and_content(Role.ASSISTANT, content).with_channel(channel))
+        # vLLM keeps a final answer's parts apart (each encoded on its own); joins commentary
+        parts = [TextContent(text=content)] if calls else _parts(message.get("content"))
+        said.append(Message.from_role_and_contents(Role.ASSISTANT, parts).with_channel(channel))
+    out = said + analysis if history and calls else analysis + said
     for call in calls:
         fn = call.get("function") or {}
         out.append(
             Message.from_role_and_content(Role.ASSISTANT, _arguments_text(fn.get("arguments")))
             .with_channel("commentary")
             .with_recipient(f"functions.{fn.get('name', '')}")
-            .with_content_type("<|constrain|>json")
+            .with_content_type("json" if history else "<|constrain|>json")
         )
     return out
 
@@ -207,15 +249,41 @@ def chat_message(message: Mapping[str, Any], tool_names: Mapping[str, str]) -> l
             .with_recipient("assistant")
         ]
     if role in ("system", "developer"):
-        return [Message.from_role_and_content(Role.DEVELOPER, _text(message.get("content")))]
-    return [Message.from_role_and_content(Role.USER, _text(message.get("content")))]
+        # vLLM: a later system or developer message is a developer message whose text is its
+        # ``# Instructions``; one without text parts is dropped
+        instructions = _instructions_text(message.get("content"))
+        if instructions is None:
+            return []
+        return [
+            Message.from_role_and_content(
+                Role.DEVELOPER, DeveloperContent.new().with_instructions(instructions)
+            )
+        ]
+    return [Message.from_role_and_contents(Role.USER, _parts(message.get("content")))]
+
+
+def local_date() -> str:
+    """Today in the machine's local time zone, ``YYYY-MM-DD``: how vLLM dates a request
+    (``datetime.datetime.now()``) when ``VLLM_SYSTEM_START_DATE`` is unset."""
+    return datetime.datetime.now().strftime("%Y-%m-%d")
 
 
 class HarmonyRenderer:
-    """Renders chat conversations for gpt-oss with ``openai-harmony`` (module docstring)."""
+    """Renders chat conversations for gpt-oss with ``openai-harmony`` (module docstring).
 
-    def __init__(self, encoding: HarmonyEncoding) -> None:
+    ``start_date``: the system message's ``Current date:`` (``YYYY-MM-DD``), what the serving
+    vLLM has as ``VLLM_SYSTEM_START_DATE``; None: ``today()`` at each render, as vLLM does."""
+
+    def __init__(
+        self,
+        encoding: HarmonyEncoding,
+        *,
+        start_date: str | None = None,
+        today: Callable[[], str] = local_date,
+    ) -> None:
         self.encoding = encoding
+        self.start_date = start_date
+        self.today = today
         self.generation_prompt = list(
             encoding.render_conversation_for_completion(
                 Conversation.from_messages([]), Role.ASSISTANT
@@ -224,11 +292,16 @@ class HarmonyRenderer:
         self.special_ids = frozenset(
             encoding.encode(t, allowed_special="all")[0] for t in encoding.special_tokens_set
         )
+        self._start_id, self._channel_id, self._message_id = (
+            encoding.encode(t, allowed_special="all")[0] for t in (START, CHANNEL, MESSAGE)
+        )
 
     def _head(
         self, messages: Sequence[Mapping[str, Any]], tools: Any, kwargs: Mapping[str, Any] | None
     ) -> tuple[list[Message], int]:
-        system = SystemContent.new()
+        system = SystemContent.new().with_conversation_start_date(
+            self.start_date if self.start_date is not None else self.today()
+        )
         effort = (kwargs or {}).get("reasoning_effort")
         if effort is not None:
             if effort not in _EFFORT:
@@ -275,10 +348,52 @@ class HarmonyRenderer:
         conv = Conversation.from_messages(self.messages(messages, tools, chat_template_kwargs))
         try:
             if add_generation_prompt:
-                return list(self.encoding.render_conversation_for_completion(conv, Role.ASSISTANT))
-            return list(self.encoding.render_conversation(conv))
+                ids = self.encoding.render_conversation_for_completion(conv, Role.ASSISTANT)
+            else:
+                ids = self.encoding.render_conversation(conv)
         except Exception as exc:  # the library's errors: the request's fault
             raise RenderError(f"harmony render failed: {exc}") from exc
+        return self.tool_result_headers(list(ids))
+
+    def tool_result_headers(self, token_ids: list[int]) -> list[int]:
+        """``token_ids`` with every tool result's header as oss-harmony 0.0.11 (vLLM's)
+        renders it: ``functions.N<|channel|>commentary to=assistant``, not openai-harmony
+        0.0.8's ``functions.N to=assistant<|channel|>commentary``; the rest unchanged."""
+        start, channel, message = self._start_id, self._channel_id, self._message_id
+        out: list[int] = []
+        i = 0
+        while i < len(token_ids):
+            if token_ids[i] != start:
+                out.append(token_ids[i])
+                i += 1
+                continue
+            try:
+                c = token_ids.index(channel, i + 1)
+                m = token_ids.index(message, c + 1)
+            except ValueError:
+                out.extend(token_ids[i:])
+                break
+            header = token_ids[i + 1 : c]
+            if self._special_in(header) or self._special_in(token_ids[c + 1 : m]):
+                out.append(token_ids[i])
+                i += 1
+                continue
+            author, sep, recipient = self.decode(header).partition(" to=")
+            if not (sep and author.startswith("functions.")):
+                out.extend(token_ids[i : m + 1])
+                i = m + 1
+                continue
+            kind = self.decode(token_ids[c + 1 : m])
+            out += [start, *self._ordinary(author), channel]
+            out += [*self._ordinary(f"{kind} to={recipient}"), message]
+            i = m + 1
+        return out
+
+    def _ordinary(self, text: str) -> list[int]:
+        return list(self.encoding.encode(text, disallowed_special=()))
+
+    def _special_in(self, token_ids: Sequence[int]) -> bool:
+        return any(t in self.special_ids for t in token_ids)
 
     async def render(
         self,
@@ -314,11 +429,11 @@ class HarmonyRenderer:
                     ids += self.encoding.render(h)
         except Exception as exc:
             raise RenderError(f"harmony render failed: {exc}") from exc
-        return ids + self.generation_prompt
+        return self.tool_result_headers(ids) + self.generation_prompt
 
     def write_assistant(self, message: Mapping[str, Any]) -> list[int]:
         """The ids gpt-oss samples for ``message`` after ``<|start|>assistant``."""
-        parts = assistant_messages(message)
+        parts = assistant_messages(message, history=False)
         ids: list[int] = []
         for h in parts:
             ids += self.encoding.render(h)

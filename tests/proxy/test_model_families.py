@@ -9,6 +9,7 @@ import json
 import pytest
 
 from capture_proxy.families import load_family
+from capture_proxy.families.hf_template import tail_context
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import Stack
@@ -68,6 +69,9 @@ USER = [
     {"role": "user", "content": "Read the notes."},
 ]
 FAMILIES = ["qwen3", "qwen3_coder", "gpt_oss"]
+#: the proxy's ``system_start_date`` (gpt-oss's ``Current date:``; not today's, so that a render
+#: by the proxy is told from one by a family loaded without it)
+START_DATE = "2026-01-01"
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,7 @@ def families(request):
     from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
 
     tok = load_qwen_tokenizer()
-    return {f: load_family(f, tokenizer=tok) for f in FAMILIES}
+    return {f: load_family(f, tokenizer=tok, system_start_date=START_DATE) for f in FAMILIES}
 
 
 def _expected_message(step: dict) -> dict:
@@ -137,6 +141,7 @@ async def test_family_session_is_one_exact_chain(make_stack, families, family, s
         engine_config=ScriptedEngineConfig(policy=policy, family=family),
         prompt_mode="exact_tokens",
         model_families={MODEL: family},
+        system_start_date=START_DATE,
     )
     answers = await _session(stack, stream=stream)
     fam = families[family]
@@ -166,7 +171,9 @@ async def test_family_session_is_one_exact_chain(make_stack, families, family, s
     # Exact ids: the engine sampled the family's writing of each step, closed by its stop
     # token; the first prompt is the family's render; each later prompt is parent prompt +
     # generation + the render of the new messages, which for these layouts is also the
-    # family's render of the whole conversation (the model's turn is a prefix of it).
+    # family's render of the whole conversation (the model's turn is a prefix of it), but for
+    # gpt-oss: vLLM re-renders a tool-call turn otherwise than gpt-oss writes it (content
+    # before reasoning, calls in ``json``, not ``<|constrain|>json``).
     sent = stack.sent
     assert [s.generation_token_ids for s in sent] == [c["generation_token_ids"] for c in calls]
     for s in sent:
@@ -184,8 +191,17 @@ async def test_family_session_is_one_exact_chain(make_stack, families, family, s
             {"role": "tool", "tool_call_id": tc["id"], "content": f"out {k}.{j}"}
             for j, tc in enumerate(answer["tool_calls"])
         ]
-        assert sent[k + 1].prompt_token_ids == fam.renderer.render_sync(
-            conversation, TOOLS, add_generation_prompt=True
+        turn_index = len(conversation) - len(answer["tool_calls"]) - 1
+        tail = fam.renderer.render_tail_sync(
+            tail_context(conversation, turn_index),
+            conversation[turn_index + 1 :],
+            TOOLS,
+            end_of_turn_text=fam.end_of_turn_token,
         )
+        parent = sent[k].prompt_token_ids + sent[k].generation_token_ids
+        assert tail is not None
+        assert sent[k + 1].prompt_token_ids == parent + tail
+        full = fam.renderer.render_sync(conversation, TOOLS, add_generation_prompt=True)
+        assert (sent[k + 1].prompt_token_ids == full) is (family != "gpt_oss")
     first = dict(policy.steps[0].assistant_message("seed"))
     assert sent[0].generation_token_ids == fam.write(first)
