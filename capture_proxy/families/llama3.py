@@ -56,8 +56,7 @@ from typing import Any
 from capture_proxy.families.base import RenderError
 from capture_proxy.families.parsing import (
     MessageDelta,
-    ParsedMessage,
-    apply_deltas,
+    ParsesByStream,
     content_text,
     tool_call_deltas,
 )
@@ -195,7 +194,7 @@ class Llama3JsonStream:
         self.num_calls += 1
 
 
-class Llama3JsonParser:
+class Llama3JsonParser(ParsesByStream):
     """vLLM's ``llama3_json`` tool-call format (the module docstring). Llama 3.x has no
     reasoning: ``in_reasoning`` is ignored."""
 
@@ -206,17 +205,6 @@ class Llama3JsonParser:
     ) -> Llama3JsonStream:
         return Llama3JsonStream(id_seed)
 
-    def parse(
-        self,
-        text: str,
-        id_seed: str,
-        *,
-        token_ids: Sequence[int] = (),
-        tools: Sequence[Any] | None = None,
-        in_reasoning: bool = False,
-    ) -> ParsedMessage:
-        stream = self.stream(id_seed)
-        return apply_deltas([*stream.feed(text), *stream.finish()])
 
 
 # ---------------------------------------------------------------------- vocabulary

@@ -89,6 +89,28 @@ class OutputParser(Protocol):
     ) -> ParsedMessage: ...
 
 
+class ParsesByStream:
+    """``OutputParser.parse`` written once for the text parsers: one stream (the subclass's
+    ``stream``) fed the whole generation, then finished."""
+
+    def stream(
+        self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
+    ) -> StreamParser:
+        raise NotImplementedError
+
+    def parse(
+        self,
+        text: str,
+        id_seed: str,
+        *,
+        token_ids: Sequence[int] = (),
+        tools: Sequence[Any] | None = None,
+        in_reasoning: bool = False,
+    ) -> ParsedMessage:
+        stream = self.stream(id_seed, tools, in_reasoning=in_reasoning)
+        return apply_deltas([*stream.feed(text, token_ids), *stream.finish()])
+
+
 def apply_deltas(deltas: list[MessageDelta]) -> ParsedMessage:
     """Concatenate deltas into a message (what a client does with a stream)."""
     msg = ParsedMessage()

@@ -46,7 +46,7 @@ from typing import Any
 
 from capture_proxy.families.base import ModelFamily, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
-from capture_proxy.families.parsing import ParsedMessage, apply_deltas
+from capture_proxy.families.parsing import ParsesByStream
 from capture_proxy.families.qwen3 import QwenHermesStream, render_assistant_generation
 
 IM_END, END_OF_TEXT = "<|im_end|>", "<|endoftext|>"
@@ -73,7 +73,7 @@ class Qwen25HermesStream(QwenHermesStream):
         self.state = "content"
 
 
-class Qwen25HermesParser:
+class Qwen25HermesParser(ParsesByStream):
     """vLLM's ``hermes`` tool-call format without reasoning (the module docstring): a
     ``<think>`` the model writes stays content; ``in_reasoning`` is ignored (no Qwen2.5
     prompt opens a reasoning block)."""
@@ -85,17 +85,6 @@ class Qwen25HermesParser:
     ) -> Qwen25HermesStream:
         return Qwen25HermesStream(id_seed)
 
-    def parse(
-        self,
-        text: str,
-        id_seed: str,
-        *,
-        token_ids: Sequence[int] = (),
-        tools: Sequence[Any] | None = None,
-        in_reasoning: bool = False,
-    ) -> ParsedMessage:
-        stream = self.stream(id_seed)
-        return apply_deltas([*stream.feed(text), *stream.finish()])
 
 
 def load_qwen2_5_family(tokenizer_dir: Path | None) -> ModelFamily:

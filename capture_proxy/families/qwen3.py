@@ -21,8 +21,7 @@ from typing import Any
 
 from capture_proxy.families.parsing import (
     MessageDelta,
-    ParsedMessage,
-    apply_deltas,
+    ParsesByStream,
     content_text,
     tool_call_deltas,
 )
@@ -188,7 +187,7 @@ def _parse_call(body: str) -> tuple[str, str] | None:
     return obj["name"], arguments
 
 
-class QwenHermesParser:
+class QwenHermesParser(ParsesByStream):
     family = "qwen"
 
     def stream(
@@ -196,17 +195,6 @@ class QwenHermesParser:
     ) -> QwenHermesStream:
         return QwenHermesStream(id_seed, in_reasoning=in_reasoning)
 
-    def parse(
-        self,
-        text: str,
-        id_seed: str,
-        *,
-        token_ids: Sequence[int] = (),
-        tools: Sequence[Any] | None = None,
-        in_reasoning: bool = False,
-    ) -> ParsedMessage:
-        stream = self.stream(id_seed, in_reasoning=in_reasoning)
-        return apply_deltas([*stream.feed(text), *stream.finish()])
 
 
 def render_tool_call(call: Mapping[str, Any]) -> str:

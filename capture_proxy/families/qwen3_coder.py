@@ -24,7 +24,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from capture_proxy.families.parsing import ParsedMessage, apply_deltas, content_text
+from capture_proxy.families.parsing import ParsesByStream, content_text
 from capture_proxy.families.qwen3 import QwenHermesStream
 
 FUNCTION_OPEN, FUNCTION_CLOSE = "<function=", "</function>"
@@ -157,7 +157,7 @@ class Qwen3CoderStream(QwenHermesStream):
         return parse_xml_call(body, self.tools)
 
 
-class Qwen3CoderParser:
+class Qwen3CoderParser(ParsesByStream):
     family = "qwen3_coder"
 
     def stream(
@@ -165,17 +165,6 @@ class Qwen3CoderParser:
     ) -> Qwen3CoderStream:
         return Qwen3CoderStream(id_seed, tools, in_reasoning=in_reasoning)
 
-    def parse(
-        self,
-        text: str,
-        id_seed: str,
-        *,
-        token_ids: Sequence[int] = (),
-        tools: Sequence[Any] | None = None,
-        in_reasoning: bool = False,
-    ) -> ParsedMessage:
-        stream = self.stream(id_seed, tools, in_reasoning=in_reasoning)
-        return apply_deltas([*stream.feed(text), *stream.finish()])
 
 
 def _xml_value(value: Any) -> str:
