@@ -82,6 +82,11 @@ def _first_user_text(call: dict[str, Any]) -> str:
     return ""
 
 
+def _text_of(message: dict[str, Any]) -> str:
+    c = message.get("content")
+    return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [])
+
+
 def _last_text(call: dict[str, Any]) -> str:
     c = call["request_messages"][-1]["content"]
     return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [])
@@ -151,12 +156,23 @@ async def test_sub_agents_fork_and_compaction_are_lineage_edges(
         main_id,
         main_id,
     )
-    assert fork_edge["evidence"]["rule"] == "claude_code.fork_marker"
-    assert fork_edge["evidence"]["marker"] in (
-        "Fork started \u2014 that fork is you.",
-        "<fork-boilerplate>",
+    # the fork replays the task and the Agent turn (its own tool call alone), then the marker
+    fork = root[forks[0]]
+    marker = "Fork started \u2014 that fork is you."
+    (marker_at,) = [i for i, m in enumerate(fork["request_messages"]) if _text_of(m) == marker]
+    head = main["prompt_token_ids"] + main["generation_token_ids"]
+    pairs = zip(fork["prompt_token_ids"], head, strict=False)
+    common = next(
+        (i for i, (a, b) in enumerate(pairs) if a != b),
+        min(len(head), len(fork["prompt_token_ids"])),
     )
-    assert fork_edge["evidence"]["num_messages"] >= 2
+    assert fork_edge["evidence"] == {
+        "rule": "claude_code.fork_marker",
+        "num_messages": 2,
+        "common_prefix_tokens": common,
+        "marker": marker,
+        "message_index": marker_at,
+    }
 
     # the summary call: the last one asked for TEXT ONLY; the conversation after it
     (summary_call,) = [c for c in calls.values() if COMPACT_INSTRUCTION in _last_text(c)]

@@ -69,8 +69,17 @@ class LineageRules:
     min_tool_input_chars: int = 64
     min_carried_chars: int = 64
 
-    def of(self, kind: type[Any]) -> list[Any]:
-        return [d for d in self.declarations if isinstance(d, kind)]
+    _by_kind: dict[type, tuple[Any, ...]] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
+
+    def __post_init__(self) -> None:
+        for d in self.declarations:
+            self._by_kind[type(d)] = (*self._by_kind.get(type(d), ()), d)
+
+    def of(self, kind: type[Any]) -> tuple[Any, ...]:
+        """The declarations of one kind (grouped once: this is asked per call)."""
+        return self._by_kind.get(kind, ())
 
 
 def _count_compared(
