@@ -371,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="size of each tool result in KB (files the agent reads)",
     )
+    _add_sweep_arguments(ap)
+    ap.add_argument("--store", help="store directory (default: a temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
+    return ap
+
+
+def _add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--sweep`` and its options (``cpu_sweep.py``)."""
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -403,9 +411,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="sweep: also run the proxies from this source tree (MODE@base), in the same run",
     )
-    ap.add_argument("--store", help="store directory (default: a temporary one)")
-    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
