@@ -50,6 +50,8 @@ from services import (  # noqa: E402
     free_port,
     proc_cpu_s,
     raise_fd_limit,
+    start_py_spy,
+    stop_py_spy,
 )
 from sessions import CALL_ID_HEADER, MODEL, SYSTEM, TOOLS  # noqa: E402
 
@@ -179,6 +181,47 @@ def proxy_argv(store: str, engine_url: str, port: int, args: argparse.Namespace)
     return argv
 
 
+async def _measure_blocks(
+    shape: str,
+    targets: list[Target],
+    args: argparse.Namespace,
+    pg_pid: int | None,
+    session: aiohttp.ClientSession,
+    work: Path,
+) -> None:
+    """The shape's calls, ``BLOCK`` per target in turn, each block's CPU and wall time; with
+    ``--py-spy NAMES`` those targets are sampled over the first and the last 10 blocks."""
+    blocks = args.calls // BLOCK
+    spied = [t for t in targets if t.name in (args.py_spy or "").split(",")]
+    # the first 10 blocks and the last 10 (those after the first 10)
+    windows = {0: "first", max(10, blocks - 10): "last"}
+    ends = {min(10, blocks) - 1, blocks - 1}
+    spies: list[tuple[Any, str]] = []
+    for block in range(blocks):
+        if block in windows and block < blocks:
+            outs = [str(work / f"{shape}-{t.name}-{windows[block]}.pyspy") for t in spied]
+            spies = [(start_py_spy(o, t.service.pid), o) for o, t in zip(outs, spied, strict=True)]
+        for t in targets:
+            cpu0, db0, t0 = proc_cpu_s(t.service.pid), 0.0, time.perf_counter()
+            if pg_pid and t.name.startswith("postgres"):
+                db0 = tree_cpu_s(pg_pid)
+            for _ in range(BLOCK):
+                await next_call(session, t)
+            t.wall_s.append(time.perf_counter() - t0)
+            cpu1 = proc_cpu_s(t.service.pid)
+            assert cpu0 is not None and cpu1 is not None
+            t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
+            if pg_pid and t.name.startswith("postgres"):
+                t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
+            t.health_ms.append(await health_cpu_ms(session, t))
+        if block in ends:
+            for proc, out in spies:
+                stop_py_spy(proc, out)
+            spies = []
+        if (block + 1) % 10 == 0:
+            print(f"  {shape}: {(block + 1) * BLOCK} calls", file=sys.stderr)
+
+
 async def run_shape(
     shape: str,
     args: argparse.Namespace,
@@ -210,22 +253,7 @@ async def run_shape(
             for _ in range(2 * args.steps):
                 await next_call(session, warm)
         pg_pid = pg.proc.pid if pg is not None and pg.proc is not None else None
-        for block in range(args.calls // BLOCK):
-            for t in targets:
-                cpu0, db0, t0 = proc_cpu_s(t.service.pid), 0.0, time.perf_counter()
-                if pg_pid and t.name.startswith("postgres"):
-                    db0 = tree_cpu_s(pg_pid)
-                for _ in range(BLOCK):
-                    await next_call(session, t)
-                t.wall_s.append(time.perf_counter() - t0)
-                cpu1 = proc_cpu_s(t.service.pid)
-                assert cpu0 is not None and cpu1 is not None
-                t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
-                if pg_pid and t.name.startswith("postgres"):
-                    t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
-                t.health_ms.append(await health_cpu_ms(session, t))
-            if (block + 1) % 10 == 0:
-                print(f"  {shape}: {(block + 1) * BLOCK} calls", file=sys.stderr)
+        await _measure_blocks(shape, targets, args, pg_pid, session, work)
         for t in targets:
             problem, read_s = await check_chains(session, t)
             if problem:
@@ -330,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="also run every store from this source tree (e.g. a git archive of the fork "
         "point) as STORE@base, in the same run",
+    )
+    p.add_argument(
+        "--py-spy",
+        metavar="NAMES",
+        help="sample these proxies (e.g. sqlite,postgres) with py-spy (on PATH) over the "
+        "first and the last 10 blocks of each shape; raw stacks in the work directory",
     )
     return asyncio.run(run(p.parse_args(argv)))
 
