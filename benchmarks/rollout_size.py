@@ -21,7 +21,10 @@ calls (``/proc/<pid>/stat``, all threads) divided by 100; for PostgreSQL the ser
 an unmeasured warm-up rollout. Afterwards each rollout's chains are read over REST and checked
 (every session one chain, each title call a chain of its own), and the read is timed. After
 each block the proxy answers ``HEALTH_READS`` ``/health`` requests (the store's counts), their
-proxy CPU per read reported for the first and the last blocks.
+proxy CPU per read reported for the first and the last blocks. Each shape's ratio of calls
+9,001-10,000 (the last 1,000) to calls 1-100 is marked ``pass`` or ``FAIL`` against issue 22's
+1.2x. ``--py-spy NAMES`` samples those proxies (py-spy on ``PATH``) over the first and the last
+10 blocks, to see what grows (not in a measuring run: the sampler shares the cores).
 
 Run: ``.venv/bin/python benchmarks/rollout_size.py [--calls 10000] [--baseline-src DIR]``
 (``--calls 2000`` for a quick run).
