@@ -128,6 +128,12 @@ def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # The format names no caller, thread or process: skip collecting them for every record
+    # (the logging HOWTO's "Optimization"; a quarter of the cost of each call's access line).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
 

@@ -14,7 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.linking.digests import child_digest, tool_call_ids, turn_digest
+from capture_proxy.core.linking.digests import (
+    child_digest,
+    tool_call_ids,
+    turn_digest,
+    turn_digests,
+)
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import (
@@ -105,6 +110,7 @@ class LinkIndex:
         old = self.entries.get(call_id)
         if old is not None:
             self._unindex(old)
+        turn, turn_without_ids = turn_digests(response) if response is not None else (None, None)
         entry = _Entry(
             call_id,
             created_at,
@@ -116,8 +122,8 @@ class LinkIndex:
             tokens_sha256,
             model,
             status,
-            turn_digest(response) if response is not None else None,
-            turn_digest(response, with_ids=False) if response is not None else None,
+            turn,
+            turn_without_ids,
             tool_call_ids(response),
         )
         if old is not None:
