@@ -151,7 +151,9 @@ class RolloutInfo:
     rollout-level conditions (one per kind, with details), e.g. ``store_failed``. ``version``
     is the revision (module docstring); ``snapshot`` is set once frozen; ``late_call_ids`` are
     the calls stored after the freeze, in arrival order; ``metadata`` is what the trainer
-    attached.
+    attached. ``num_chains`` is ``len(build_chains(...).chains)`` over the calls a training
+    read holds (the late ones left out), kept by every put (``core.chain_counts``); None when
+    the store does not keep it for this rollout (the reader builds the chains).
     """
 
     rollout_id: str
@@ -163,6 +165,7 @@ class RolloutInfo:
     snapshot: Snapshot | None = None
     late_call_ids: tuple[str, ...] = ()
     metadata: RolloutMetadata = field(default_factory=RolloutMetadata)
+    num_chains: int | None = None
 
     @property
     def status(self) -> RolloutStatus:

@@ -122,6 +122,19 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE rollouts SET num_calls = (SELECT count(*) FROM calls c
         WHERE c.rollout_id = rollouts.rollout_id);
     """,
+    # 6: the number of chains a listing reads (counted after the steps, ``recount_chains``),
+    # the retry family's index and the child digest a replica's refresh reads by (sqlite.py's
+    # LAYOUT_VERSION 8).
+    """
+    ALTER TABLE rollouts ADD COLUMN num_chains bigint DEFAULT 0;
+    ALTER TABLE calls ADD COLUMN child_digest text;
+    UPDATE calls SET child_digest = meta::json -> 'linking' ->> 'child_digest'
+        WHERE meta::json -> 'linking' ->> 'child_digest' IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS calls_by_retry_of ON calls (rollout_id, retry_of)
+        WHERE retry_of IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS calls_by_child_digest ON calls (rollout_id, child_digest)
+        WHERE child_digest IS NOT NULL;
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 
@@ -152,3 +165,6 @@ def migrate_layout(db: Any, where: str) -> None:
             # Layout 3: count each rollout's incomplete calls (after ``retry_of`` is filled).
             sql.recount_incomplete_calls(sql.POSTGRES, db)
         sql.migrate_records(sql.POSTGRES, db)
+        if version < 6:
+            # Layout 6: count each rollout's chains (its records in the current schema).
+            sql.recount_chains(sql.POSTGRES, db)

@@ -89,10 +89,10 @@ BUSY_TIMEOUT_MS = 10_000
 
 T = TypeVar("T")
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``.
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
+    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}) "
+    f"VALUES ({','.join('?' * (len(COLUMNS) + 3))})"
 )
 
 # The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
@@ -346,7 +346,7 @@ class SQLiteStore(SQLStore):
             lifecycle.refuse_deleted(record, tomb is not None)
             frozen = rollout is not None and rollout.frozen
             may_recount = lifecycle.may_recount(record)
-            links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
+            links = sql.retry_family(SQLITE, db, record) if may_recount else []
             enc = lifecycle.encode_with_parent(
                 record,
                 request,
@@ -354,7 +354,8 @@ class SQLiteStore(SQLStore):
                 lambda c: sql.stored_messages(SQLITE, db, c),
             )
             written = 0
-            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
+            own = sql.store_columns(record)
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own))
             inserted = bool(cur.rowcount)
             if inserted:
                 written = sql.encoded_bytes(enc) + sql.store_json(SQLITE, db, enc)
@@ -363,16 +364,17 @@ class SQLiteStore(SQLStore):
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
                 lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
             effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
-            count = lifecycle.incomplete_calls(links, record) if effect.recount else 0
+            parent = sql.parent_status(SQLITE, db, record) if effect.version_delta else None
+            incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
             db.execute(
                 SQLITE.sql(sql.UPSERT_ROLLOUT),
                 (
                     enc.rollout_id,
                     enc.created_at,
-                    count,
+                    incomplete,
                     effect.version_delta,
                     int(inserted),
-                    effect.recount,
+                    chains,
                 ),
             )
             return written

@@ -167,7 +167,7 @@ def test_diagnostics_keep_one_per_kind():
 
 
 def test_rollout_info_and_episodes():
-    row = ("r1", 1.0, 0, "[]", 3, 4, "{}", "s" * 32, 10.0, 2, 7)
+    row = ("r1", 1.0, 0, "[]", 3, 4, "{}", "s" * 32, 10.0, 2, 7, 1)
     info = lifecycle.rollout_info(row, ["c3"])
     assert (info.num_calls, info.version, info.incomplete, info.late_call_ids) == (
         3,
@@ -175,10 +175,11 @@ def test_rollout_info_and_episodes():
         False,
         ("c3",),
     )
+    assert info.num_chains == 1
     assert info.snapshot == FROZEN.snapshot and info.metadata == RolloutMetadata()
     open_info = lifecycle.rollout_info(
-        ("r2", 1.0, True, "[]", 0, 0, "{}", None, None, None, None), []
+        ("r2", 1.0, True, "[]", 0, 0, "{}", None, None, None, None, None), []
     )
-    assert open_info.snapshot is None and open_info.incomplete
+    assert open_info.snapshot is None and open_info.incomplete and open_info.num_chains is None
     ids = ["t1-a2", "t1", "t10", "t1-b", "t1-a1-a1", "t1-a1", "t1"]
     assert lifecycle.episodes_of("t1", ids) == ["t1", "t1-a1", "t1-a2"]
