@@ -228,6 +228,13 @@ class CaptureStore(Protocol):
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]: ...
 
+    async def get_calls_by_child_digest(
+        self, rollout_id: str, child_digest: str
+    ) -> list[CallRecord]:
+        """The rollout's calls stored with this child digest (``linking.child_digest``: the
+        calls a history with this parent digest continues), in stored order; an index range,
+        whatever the rollout's size. Calls stored without one are not found."""
+
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None: ...
 
     async def list_rollouts(

@@ -87,18 +87,20 @@ RETRY_LINKS = (
 )
 # The stored members of a new call's retry family (the calls ``retry_of`` joins it to), as
 # ``RetryLink`` rows, the call itself left out: up from the call it retries (primary key), then
-# down from each of those and from the call (``calls_by_retry_of``). Parameters: the call's
+# down from each of those and from the call (``calls_by_retry_of``); CROSS JOIN keeps SQLite's
+# join order, so that every step is an index search. Parameters: the call's
 # ``retry_of``, the rollout, the call id, the rollout, the rollout, the call id. Only these
 # calls' completeness and chains can change when it is stored: the rows read are the family's,
-# however many retries and incomplete calls the rollout holds.
+# however many retries and incomplete calls the rollout holds. (No late call is read: counts
+# change only before the freeze, when there is none.)
 RETRY_FAMILY = (
-    "WITH RECURSIVE up(id) AS (SELECT CAST(? AS TEXT) UNION SELECT c.retry_of FROM calls c "
-    "JOIN up ON c.call_id = up.id WHERE c.rollout_id = ? AND c.retry_of IS NOT NULL), "
+    "WITH RECURSIVE up(id) AS (SELECT CAST(? AS TEXT) UNION SELECT c.retry_of FROM up "
+    "CROSS JOIN calls c WHERE c.call_id = up.id AND c.rollout_id = ? AND c.retry_of IS NOT NULL), "
     "down(id) AS (SELECT id FROM up WHERE id IS NOT NULL UNION SELECT CAST(? AS TEXT) "
-    "UNION SELECT c.call_id FROM calls c JOIN down ON c.retry_of = down.id "
-    "WHERE c.rollout_id = ? AND c.retry_of IS NOT NULL) "
-    "SELECT call_id, status, retry_of FROM calls WHERE call_id IN (SELECT id FROM down) "
-    "AND rollout_id = ? AND {not_late} AND call_id <> ?"
+    "UNION SELECT c.call_id FROM down CROSS JOIN calls c "
+    "WHERE c.rollout_id = ? AND c.retry_of = down.id) "
+    "SELECT c.call_id, c.status, c.retry_of FROM down CROSS JOIN calls c "
+    "WHERE c.call_id = down.id AND c.rollout_id = ? AND c.call_id <> ?"
 )
 # The status of a new call's linked parent when it is stored in the rollout (``chain_counts``).
 PARENT_STATUS = "SELECT status FROM calls WHERE call_id = ? AND rollout_id = ?"
@@ -127,6 +129,13 @@ ANCESTRY = (
     "WHERE c.prompt_parent_call_id IS NOT NULL) "
 )
 ROLLOUT_CALLS = "SELECT call_id FROM calls WHERE rollout_id = ?"
+# A rollout's calls with a child digest (``calls_by_child_digest``), and them with their prompt
+# ancestors (to decode them).
+CHILDREN_OF = "SELECT call_id FROM calls WHERE rollout_id = ? AND child_digest = ?"
+CHILDREN_ANCESTRY = (
+    f"WITH RECURSIVE anc(id) AS ({CHILDREN_OF} UNION SELECT c.prompt_parent_call_id "
+    "FROM calls c JOIN anc ON c.call_id = anc.id WHERE c.prompt_parent_call_id IS NOT NULL) "
+)
 ROLLOUT_SELECT = (
     "SELECT r.rollout_id, r.created_at, r.incomplete OR r.incomplete_calls > 0, "
     "r.diagnostics, r.num_calls, "
