@@ -34,7 +34,8 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   lists which call refers to which; deleting a rollout deletes the texts no other call
   refers to, in the same transaction.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
-  delete, so that a listing counts no rows), the rollout-level incomplete flag
+  delete, so that a listing counts no rows), the number of chains a training read builds
+  (``num_chains``, kept by every put, ``core.chain_counts``; NULL where it cannot be kept), the rollout-level incomplete flag
   (``incomplete``: set by ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the
   calls counted in the rollout that are incomplete and that no complete retry supersedes,
   ``core.completeness``, recounted by ``put_call`` when it stores an incomplete call or a
@@ -44,7 +45,9 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
   ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
-  as a column so that completeness is counted without decoding records.
+  as a column so that completeness is counted without decoding records, from the new call's
+  retry family only (``sql.RETRY_FAMILY``). ``calls.child_digest``: ``linking.child_digest``,
+  indexed for a replica's refresh (``get_calls_by_child_digest``).
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
   rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
   retire answers the same.
