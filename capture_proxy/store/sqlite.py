@@ -35,13 +35,13 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   refers to, in the same transaction.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
   delete, so that a listing counts no rows), the number of chains a training read builds
-  (``num_chains``, kept by every put, ``core.chain_counts``; NULL where it cannot be kept), the rollout-level incomplete flag
-  (``incomplete``: set by ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the
-  calls counted in the rollout that are incomplete and that no complete retry supersedes,
-  ``core.completeness``, recounted by ``put_call`` when it stores an incomplete call or a
-  retry), rollout-level diagnostics, the revision (``version``), the trainer's ``metadata``
-  (JSON) and, once frozen, the snapshot (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``,
-  ``export_cursor``).
+  (``num_chains``, kept by every put, ``core.chain_counts``; NULL where it cannot be kept),
+  the rollout-level incomplete flag (``incomplete``: set by ``mark_rollout_incomplete`` only)
+  beside ``incomplete_calls`` (the calls counted in the rollout that are incomplete and that
+  no complete retry supersedes, ``core.completeness``, recounted by ``put_call`` when it
+  stores an incomplete call or a retry), rollout-level diagnostics, the revision
+  (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
+  (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
   ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
