@@ -154,6 +154,10 @@ class RolloutInfo:
     attached. ``num_chains`` is ``len(build_chains(...).chains)`` over the calls a training
     read holds (the late ones left out), kept by every put (``core.chain_counts``); None when
     the store does not keep it for this rollout (the reader builds the chains).
+    ``num_failed``, ``num_incomplete`` and ``num_refused`` count the calls stored failed,
+    incomplete (superseded or not) and with a ``parent_digest_mismatch`` (one per such
+    diagnostic), and ``call_diagnostic_kinds`` are the kinds found on any call, sorted: all of
+    them late calls included, for the viewer's list.
     """
 
     rollout_id: str
@@ -166,6 +170,10 @@ class RolloutInfo:
     late_call_ids: tuple[str, ...] = ()
     metadata: RolloutMetadata = field(default_factory=RolloutMetadata)
     num_chains: int | None = None
+    num_failed: int = 0
+    num_incomplete: int = 0
+    num_refused: int = 0
+    call_diagnostic_kinds: tuple[str, ...] = ()
 
     @property
     def status(self) -> RolloutStatus:

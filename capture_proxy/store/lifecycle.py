@@ -25,7 +25,7 @@ from capture_proxy.core.completeness import RetryLink
 from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.stored_form import EncodedRecord, StoredMessages, common_messages_prefix
 from capture_proxy.store.base import (
     ConflictingRecord,
@@ -210,6 +210,18 @@ def call_effect(record: CallRecord, *, frozen: bool, inserted: bool) -> CallEffe
     return CallEffect(int(counts), counts and may_recount(record))
 
 
+def call_tally(record: CallRecord) -> tuple[int, int, int]:
+    """What a stored call adds to its rollout's ``num_failed``, ``num_incomplete`` and
+    ``num_refused`` (its ``parent_digest_mismatch`` diagnostics), late or not: the viewer's
+    listing counts."""
+    refused = sum(1 for d in record.diagnostics if d.kind == DiagnosticKind.PARENT_DIGEST_MISMATCH)
+    return (
+        int(record.status is CallStatus.FAILED),
+        int(record.status is CallStatus.INCOMPLETE),
+        refused,
+    )
+
+
 def count_deltas(
     record: CallRecord,
     effect: CallEffect,
@@ -345,12 +357,15 @@ def earlier_retirement(
 # --- reads ---------------------------------------------------------------------------------
 
 
-def rollout_info(row: Sequence[Any], late_call_ids: Iterable[str]) -> RolloutInfo:
+def rollout_info(
+    row: Sequence[Any], late_call_ids: Iterable[str], call_kinds: Iterable[str] = ()
+) -> RolloutInfo:
     """A ``RolloutInfo`` from the values a store's rollout query selects, in this order:
     rollout id, created at, incomplete (true for a rollout-level mark or incomplete calls),
     diagnostics (JSON text), number of calls, version, metadata (JSON text), snapshot id,
-    frozen at, frozen number of calls, export cursor, number of chains (None: not kept); then
-    the late call ids."""
+    frozen at, frozen number of calls, export cursor, number of chains (None: not kept), of
+    failed, incomplete and refused calls; then the late call ids and the calls' diagnostic
+    kinds."""
     (
         rollout_id,
         created_at,
@@ -364,6 +379,9 @@ def rollout_info(row: Sequence[Any], late_call_ids: Iterable[str]) -> RolloutInf
         frozen_num_calls,
         export_cursor,
         num_chains,
+        num_failed,
+        num_incomplete,
+        num_refused,
     ) = row
     return RolloutInfo(
         rollout_id=rollout_id,
@@ -376,6 +394,10 @@ def rollout_info(row: Sequence[Any], late_call_ids: Iterable[str]) -> RolloutInf
         late_call_ids=tuple(late_call_ids),
         metadata=RolloutMetadata.from_json(json.loads(metadata)),
         num_chains=None if num_chains is None else int(num_chains),
+        num_failed=int(num_failed),
+        num_incomplete=int(num_incomplete),
+        num_refused=int(num_refused),
+        call_diagnostic_kinds=tuple(sorted(call_kinds)),
     )
 
 

@@ -362,8 +362,17 @@ class PostgresStore(SQLStore):
                 sql.store_json(POSTGRES, db, enc, count=False)
                 db.execute(
                     POSTGRES.sql(sql.UPSERT_ROLLOUT),
-                    (rid, enc.created_at, incomplete, effect.version_delta, 1, chains),
+                    (
+                        rid,
+                        enc.created_at,
+                        incomplete,
+                        effect.version_delta,
+                        1,
+                        chains,
+                        *lifecycle.call_tally(record),
+                    ),
                 )
+                sql.keep_kinds(POSTGRES, db, rid, (d.kind for d in record.diagnostics))
                 db.execute("COMMIT")
             # The second round trip: the pipeline's sync at its end (errors are raised here).
         except BaseException:

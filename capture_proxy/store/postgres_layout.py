@@ -122,12 +122,21 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE rollouts SET num_calls = (SELECT count(*) FROM calls c
         WHERE c.rollout_id = rollouts.rollout_id);
     """,
-    # 6: the number of chains a listing reads (counted after the steps, ``recount_chains``),
+    # 6: the number of chains a listing reads and the viewer list's counts (counted after the
+    # steps, ``recount_rollouts``),
     # the retry family's index and the child digest a replica's refresh reads by (sqlite.py's
     # LAYOUT_VERSION 8).
     """
-    ALTER TABLE rollouts ADD COLUMN num_chains bigint DEFAULT 0;
-    ALTER TABLE calls ADD COLUMN child_digest text;
+    ALTER TABLE rollouts ADD COLUMN IF NOT EXISTS num_chains bigint DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_failed bigint NOT NULL DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_incomplete bigint NOT NULL DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_refused bigint NOT NULL DEFAULT 0;
+    CREATE TABLE IF NOT EXISTS rollout_kinds (
+        rollout_id text NOT NULL,
+        kind text NOT NULL,
+        PRIMARY KEY (rollout_id, kind)
+    );
+    ALTER TABLE calls ADD COLUMN IF NOT EXISTS child_digest text;
     UPDATE calls SET child_digest = meta::json -> 'linking' ->> 'child_digest'
         WHERE meta::json -> 'linking' ->> 'child_digest' IS NOT NULL;
     CREATE INDEX IF NOT EXISTS calls_by_retry_of ON calls (rollout_id, retry_of)
@@ -167,4 +176,4 @@ def migrate_layout(db: Any, where: str) -> None:
         sql.migrate_records(sql.POSTGRES, db)
         if version < 6:
             # Layout 6: count each rollout's chains (its records in the current schema).
-            sql.recount_chains(sql.POSTGRES, db)
+            sql.recount_rollouts(sql.POSTGRES, db)

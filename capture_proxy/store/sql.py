@@ -105,16 +105,25 @@ RETRY_FAMILY = (
 # The status of a new call's linked parent when it is stored in the rollout (``chain_counts``).
 PARENT_STATUS = "SELECT status FROM calls WHERE call_id = ? AND rollout_id = ?"
 # A late call (``version`` + 0) changes neither the revision nor the counts of incomplete calls
-# and chains. ``num_calls`` + 1 for a call inserted (+ 0 for a re-put); ``incomplete_calls``
-# and ``num_chains`` by their deltas (``core.chain_counts``; a NULL delta: the number of
-# chains is no longer kept, and stays NULL).
+# and chains. ``num_calls`` + 1 for a call inserted (+ 0 for a re-put), and so ``num_failed``,
+# ``num_incomplete`` and ``num_refused`` (``lifecycle.call_tally``, late calls included);
+# ``incomplete_calls`` and ``num_chains`` by their deltas (``core.chain_counts``; a NULL
+# delta: the number of chains is no longer kept, and stays NULL).
 UPSERT_ROLLOUT = (
     "INSERT INTO rollouts (rollout_id, created_at, incomplete_calls, version, num_calls, "
-    "num_chains) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (rollout_id) DO UPDATE SET "
+    "num_chains, num_failed, num_incomplete, num_refused) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+    "ON CONFLICT (rollout_id) DO UPDATE SET "
     "incomplete_calls = rollouts.incomplete_calls + excluded.incomplete_calls, "
     "version = rollouts.version + excluded.version, "
     "num_calls = rollouts.num_calls + excluded.num_calls, "
-    "num_chains = rollouts.num_chains + excluded.num_chains"
+    "num_chains = rollouts.num_chains + excluded.num_chains, "
+    "num_failed = rollouts.num_failed + excluded.num_failed, "
+    "num_incomplete = rollouts.num_incomplete + excluded.num_incomplete, "
+    "num_refused = rollouts.num_refused + excluded.num_refused"
+)
+# A diagnostic kind found on a call of the rollout (``rollout_kinds``, for the viewer's list).
+KEEP_KIND = (
+    "INSERT INTO rollout_kinds (rollout_id, kind) VALUES (?, ?) ON CONFLICT DO NOTHING"
 )
 # The store's number of calls (``Dialect.counts_calls``), by a signed delta.
 COUNT_CALLS = "UPDATE counters SET value = value + ? WHERE name = 'calls'"
@@ -140,7 +149,8 @@ ROLLOUT_SELECT = (
     "SELECT r.rollout_id, r.created_at, r.incomplete OR r.incomplete_calls > 0, "
     "r.diagnostics, r.num_calls, "
     "r.version, r.metadata, r.snapshot_id, r.frozen_at, r.frozen_num_calls, r.export_cursor, "
-    "r.num_chains, {late_ids} FROM rollouts r"
+    "r.num_chains, r.num_failed, r.num_incomplete, r.num_refused, {call_kinds}, {late_ids} "
+    "FROM rollouts r"
 )
 
 
@@ -215,6 +225,12 @@ def store_columns(record: CallRecord) -> tuple[str | None, str | None]:
     return record.retry_of, None if linking is None else linking.get("child_digest")
 
 
+def keep_kinds(d: Dialect, db: Conn, rollout_id: str, kinds: Iterable[str]) -> None:
+    """Note the diagnostic kinds of a new call in ``rollout_kinds`` (sorted: one lock order)."""
+    for kind in sorted(set(kinds)):
+        db.execute(d.sql(KEEP_KIND), (rollout_id, kind))
+
+
 def retry_family(d: Dialect, db: Conn, record: CallRecord) -> list[RetryLink]:
     """The stored members of ``record``'s retry family (``RETRY_FAMILY``)."""
     rid, cid = record.rollout_id, record.call_id
@@ -274,6 +290,7 @@ def delete_rows(d: Dialect, db: Conn, rollout_id: str) -> int:
         )
     deleted = db.execute(d.sql("DELETE FROM calls WHERE rollout_id = ?"), (rollout_id,)).rowcount
     db.execute(d.sql("DELETE FROM rollouts WHERE rollout_id = ?"), (rollout_id,))
+    db.execute(d.sql("DELETE FROM rollout_kinds WHERE rollout_id = ?"), (rollout_id,))
     if d.counts_calls and deleted:
         db.execute(d.sql(COUNT_CALLS), (-deleted,))
     return int(deleted)
@@ -296,26 +313,35 @@ def recount_incomplete_calls(d: Dialect, db: Conn) -> None:
         )
 
 
-def recount_chains(d: Dialect, db: Conn) -> None:
+def recount_rollouts(d: Dialect, db: Conn) -> None:
     """Count every rollout's chains into ``rollouts.num_chains`` (``chain_counts.kept_chains``
-    over its calls but the late ones; NULL where the figure cannot be kept), a rollout at a time
-    (one in memory): a migration step, after ``num_calls`` is counted."""
+    over its calls but the late ones; NULL where the figure cannot be kept), its failed,
+    incomplete and refused calls (``lifecycle.call_tally``, late ones included) and its calls'
+    diagnostic kinds (``rollout_kinds``), a rollout at a time (one in memory): a migration
+    step, after ``num_calls`` is counted."""
     rollouts = db.execute(d.sql("SELECT rollout_id FROM rollouts WHERE num_calls > 0")).fetchall()
     for (rollout_id,) in rollouts:
         rows = db.execute(
             d.sql(
-                f"SELECT {CALL_COLUMNS} FROM calls WHERE rollout_id = ? AND {{not_late}} "
+                f"SELECT {CALL_COLUMNS}, late FROM calls WHERE rollout_id = ? "
                 "ORDER BY created_at, call_id"
             ),
             (rollout_id,),
             **d.read_options,
         ).fetchall()
         blobs = blobs_of(d, db, ROLLOUT_CALLS, (rollout_id,))
-        records = decode_records(encoded_row(r, blobs) for r in rows)
+        late = {r[0] for r in rows if r[-1]}
+        records = decode_records(encoded_row(r[:-1], blobs) for r in rows)
+        tally = [sum(t) for t in zip(*(lifecycle.call_tally(r) for r in records), strict=True)]
+        chains = kept_chains(rollout_id, (r for r in records if r.call_id not in late))
         db.execute(
-            d.sql("UPDATE rollouts SET num_chains = ? WHERE rollout_id = ?"),
-            (kept_chains(rollout_id, records), rollout_id),
+            d.sql(
+                "UPDATE rollouts SET num_chains = ?, num_failed = ?, num_incomplete = ?, "
+                "num_refused = ? WHERE rollout_id = ?"
+            ),
+            (chains, *(tally or (0, 0, 0)), rollout_id),
         )
+        keep_kinds(d, db, rollout_id, (k.kind for r in records for k in r.diagnostics))
 
 
 def migrate_records(d: Dialect, db: Conn) -> None:
@@ -360,6 +386,8 @@ SQLITE = Dialect(
         "not_late": "late = 0",
         "late_ids": "(SELECT json_group_array(call_id) FROM (SELECT call_id FROM calls c "
         "WHERE c.rollout_id = r.rollout_id AND c.late = 1 ORDER BY created_at, call_id))",
+        "call_kinds": "(SELECT json_group_array(kind) FROM (SELECT kind FROM rollout_kinds k "
+        "WHERE k.rollout_id = r.rollout_id ORDER BY kind))",
         "text_order": "",
     },
     no_limit=-1,
@@ -374,6 +402,8 @@ POSTGRES = Dialect(
         "not_late": "NOT late",
         "late_ids": "array(SELECT c.call_id FROM calls c WHERE c.rollout_id = r.rollout_id "
         "AND c.late ORDER BY c.created_at, c.call_id)",
+        "call_kinds": "array(SELECT k.kind FROM rollout_kinds k "
+        'WHERE k.rollout_id = r.rollout_id ORDER BY k.kind COLLATE "C")',
         "text_order": ' COLLATE "C"',
     },
     no_limit=None,

@@ -369,6 +369,7 @@ class SQLiteStore(SQLStore):
             effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
             parent = sql.parent_status(SQLITE, db, record) if effect.version_delta else None
             incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
+            tally = lifecycle.call_tally(record) if inserted else (0, 0, 0)
             db.execute(
                 SQLITE.sql(sql.UPSERT_ROLLOUT),
                 (
@@ -378,8 +379,11 @@ class SQLiteStore(SQLStore):
                     effect.version_delta,
                     int(inserted),
                     chains,
+                    *tally,
                 ),
             )
+            if inserted:
+                sql.keep_kinds(SQLITE, db, enc.rollout_id, (d.kind for d in record.diagnostics))
             return written
 
         return write_transaction(db, body)

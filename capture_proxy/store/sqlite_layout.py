@@ -25,8 +25,9 @@ T = TypeVar("T")
 #: reads bounded whatever the rollout's size (``calls_by_prefix``, ``calls_retry_links``,
 #: ``calls_late``), 7 the counts that listings and ``/health`` read instead of counting rows
 #: (``rollouts.num_calls``, the ``counters`` row ``calls``), 8 the number of chains a listing
-#: reads (``rollouts.num_chains``, ``core.chain_counts``), the retry family's index
-#: (``calls_by_retry_of``) and the child digest a replica's refresh reads by
+#: reads (``rollouts.num_chains``, ``core.chain_counts``) and those of the viewer's list
+#: (``num_failed``, ``num_incomplete``, ``num_refused``, ``rollout_kinds``), the retry
+#: family's index (``calls_by_retry_of``) and the child digest a replica's refresh reads by
 #: (``calls.child_digest``, ``calls_by_child_digest``).
 LAYOUT_VERSION = 8
 _SCHEMA = """
@@ -82,12 +83,20 @@ CREATE TABLE IF NOT EXISTS rollouts (
     incomplete_calls INTEGER NOT NULL DEFAULT 0,
     num_calls INTEGER NOT NULL DEFAULT 0,
     num_chains INTEGER DEFAULT 0,
+    num_failed INTEGER NOT NULL DEFAULT 0,
+    num_incomplete INTEGER NOT NULL DEFAULT 0,
+    num_refused INTEGER NOT NULL DEFAULT 0,
     metadata TEXT NOT NULL DEFAULT '{}',
     snapshot_id TEXT,
     frozen_at REAL,
     frozen_num_calls INTEGER,
     export_cursor INTEGER
 );
+CREATE TABLE IF NOT EXISTS rollout_kinds (
+    rollout_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, kind)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
@@ -137,7 +146,15 @@ _V4_COLUMNS = {
     "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
 }
 _V7_COLUMNS = {"rollouts": {"num_calls": "INTEGER NOT NULL DEFAULT 0"}}
-_V8_COLUMNS = {"calls": {"child_digest": "TEXT"}, "rollouts": {"num_chains": "INTEGER DEFAULT 0"}}
+_V8_COLUMNS = {
+    "calls": {"child_digest": "TEXT"},
+    "rollouts": {
+        "num_chains": "INTEGER DEFAULT 0",
+        "num_failed": "INTEGER NOT NULL DEFAULT 0",
+        "num_incomplete": "INTEGER NOT NULL DEFAULT 0",
+        "num_refused": "INTEGER NOT NULL DEFAULT 0",
+    },
+}
 _V5_COLUMNS = {
     "calls": {"retry_of": "TEXT"},
     "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
@@ -240,9 +257,10 @@ def _count_calls(db: sqlite3.Connection) -> None:
 
 def _count_chains(db: sqlite3.Connection) -> None:
     """Layout 8: the child digests out of the records' metadata, and each rollout's number of
-    chains, kept from now on by every put."""
+    chains, of failed, incomplete and refused calls and its calls' diagnostic kinds, kept from
+    now on by every put."""
     db.execute(
         "UPDATE calls SET child_digest = json_extract(meta, '$.linking.child_digest') "
         "WHERE json_valid(meta) AND json_extract(meta, '$.linking.child_digest') IS NOT NULL"
     )
-    sql.recount_chains(sql.SQLITE, db)
+    sql.recount_rollouts(sql.SQLITE, db)

@@ -258,7 +258,8 @@ class SQLStore(ThreadedStore):
 
     def _info(self, row: tuple[Any, ...]) -> RolloutInfo:
         """From a row of ``ROLLOUT_SELECT``."""
-        return lifecycle.rollout_info(row[:-1], self.dialect.late_ids_of(row[-1]))
+        read = self.dialect.late_ids_of
+        return lifecycle.rollout_info(row[:-2], read(row[-1]), read(row[-2]))
 
     def _get_rollout(self, db: Conn, rollout_id: str) -> RolloutInfo | None:
         sql = self.dialect.sql(ROLLOUT_SELECT + " WHERE r.rollout_id = ?")

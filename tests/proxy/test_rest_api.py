@@ -11,12 +11,12 @@ import zipfile
 import numpy as np
 import pytest
 
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest import reads
 from tests.factories import record
 from tests.proxy.conftest import ON_BOTH_STORES, Stack
-from tests.store.test_chain_counts import ROLLOUTS
+from tests.store.test_chain_counts import ROLLOUTS, moved
 
 
 async def _put(stack: Stack, *records) -> None:
@@ -226,17 +226,6 @@ async def test_a_call_reads_back_the_request_as_the_harness_sent_it(stack: Stack
 
 @ON_BOTH_STORES
 async def test_the_listing_answers_as_when_it_built_every_rollouts_chains(stack: Stack):
-    def moved(rec: CallRecord, rid: str) -> CallRecord:
-        def named(call_id: str | None) -> str | None:
-            return None if call_id is None else f"{rid}.{call_id}"
-
-        return rec.replace(
-            call_id=named(rec.call_id),
-            rollout_id=rid,
-            parent_call_id=named(rec.parent_call_id),
-            retry_of=named(rec.retry_of),
-        )
-
     store = stack.client.app[STORE_KEY]
     ids = {name: f"k{i:02d}" for i, name in enumerate(ROLLOUTS)}
     for name, (calls, _, _) in ROLLOUTS.items():

@@ -13,7 +13,7 @@ import pytest
 from capture_proxy.core.chain_counts import kept_chains
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
-from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.rest.reads import snapshot_records
 from tests.factories import record
 from tests.store.conftest import rows
@@ -88,6 +88,20 @@ ROLLOUTS: dict[str, tuple[list[CallRecord], int, bool]] = {
     "no verdict": ([call("a", 0, linking=False), call("b", 1)], 2, False),
     "failed without verdict": ([call("a", 0), call("b", 1, status=FAILED, linking=False)], 1, True),
 }
+
+
+def moved(rec: CallRecord, rid: str) -> CallRecord:
+    """``rec`` in rollout ``rid``, its ids (and those it names) prefixed with ``rid``."""
+
+    def named(call_id: str | None) -> str | None:
+        return None if call_id is None else f"{rid}.{call_id}"
+
+    return rec.replace(
+        call_id=named(rec.call_id),
+        rollout_id=rid,
+        parent_call_id=named(rec.parent_call_id),
+        retry_of=named(rec.retry_of),
+    )
 
 
 async def _info(store: Any, rollout_id: str) -> Any:
@@ -193,3 +207,103 @@ async def test_varied_rollouts_in_any_order_keep_exact_counts(store):
         1,
         9,
     )
+
+
+KINDS = ["parent_digest_mismatch", "retry", "harness_note_rewritten"]
+
+
+def _diagnosed(rng: random.Random, calls: list[CallRecord]) -> list[CallRecord]:
+    """``calls`` with 0 to 2 diagnostics each (a kind may repeat: each refusal counts)."""
+    return [
+        c.replace(diagnostics=[Diagnostic(k) for k in rng.choices(KINDS, k=rng.randint(0, 2))])
+        for c in calls
+    ]
+
+
+async def test_the_viewer_counts_are_those_of_the_calls_late_ones_included(store):
+    rng = random.Random(7)
+    for i in range(8):
+        rid = f"w{i}"
+        calls = _diagnosed(rng, _session(rng, rid, rng.randint(1, 20)))
+        half = len(calls) // 2
+        for c in calls[:half]:
+            await store.put_call(c)
+        if i % 2:
+            await store.freeze_rollout(rid, known_elsewhere=True)
+        for c in calls[half:]:  # late, after a freeze
+            await store.put_call(c)
+            await store.put_call(c)  # a re-put counts once
+    assert await store.delete_rollout("w0") is not None
+    infos = await store.list_rollouts()
+    assert [i.rollout_id for i in infos] == [f"w{i}" for i in range(1, 8)]
+    late = 0
+    for info in infos:
+        records = await store.get_rollout_calls(info.rollout_id)
+        late += len(info.late_call_ids)
+        want = (
+            sum(1 for r in records if r.status is FAILED),
+            sum(1 for r in records if r.status is INCOMPLETE),
+            sum(1 for r in records for d in r.diagnostics if d.kind == "parent_digest_mismatch"),
+            tuple(sorted({d.kind for r in records for d in r.diagnostics})),
+        )
+        got = (info.num_failed, info.num_incomplete, info.num_refused, info.call_diagnostic_kinds)
+        assert got == want, info.rollout_id
+    assert late > 0
+    assert rows(store, "SELECT count(*) FROM rollout_kinds WHERE rollout_id = 'w0'") == [(0,)]
+
+
+_LAYOUT_7 = (
+    "DROP INDEX calls_by_retry_of; DROP INDEX calls_by_child_digest; DROP TABLE rollout_kinds; "
+    "ALTER TABLE calls DROP COLUMN child_digest; ALTER TABLE rollouts DROP COLUMN num_chains; "
+    "ALTER TABLE rollouts DROP COLUMN num_failed; ALTER TABLE rollouts DROP COLUMN num_incomplete; "
+    "ALTER TABLE rollouts DROP COLUMN num_refused; PRAGMA user_version=7;"
+)
+_PG_LAYOUT_5 = (
+    "DROP INDEX calls_by_retry_of, calls_by_child_digest; DROP TABLE rollout_kinds; "
+    "ALTER TABLE calls DROP COLUMN child_digest; ALTER TABLE rollouts DROP COLUMN num_chains, "
+    "DROP COLUMN num_failed, DROP COLUMN num_incomplete, DROP COLUMN num_refused; "
+    "DELETE FROM schema_migrations WHERE version > 5"
+)
+
+
+async def test_an_older_store_is_counted_once_when_it_opens(make_store):
+    from capture_proxy.store.postgres import PostgresStore
+
+    store = await make_store()
+    for name in ("chain", "retry of a complete root", "child stored first"):
+        calls, _, _ = ROLLOUTS[name]
+        for c in calls:
+            await store.put_call(moved(c, name))
+    await store.put_call(
+        call("x", 0, rollout_id="frozen").replace(diagnostics=[Diagnostic("retry")])
+    )
+    await store.freeze_rollout("frozen")
+    await store.put_call(call("y", 1, rollout_id="frozen", status=FAILED))  # late
+    before = {i.rollout_id: i for i in await store.list_rollouts()}
+    assert len(before) == 4
+    await store.close()
+    if isinstance(store, PostgresStore):
+        import psycopg
+
+        with psycopg.connect(store.url, autocommit=True) as conn:
+            conn.execute(_PG_LAYOUT_5)
+        again: Any = PostgresStore(store.url, pool_size=2)
+    else:
+        import sqlite3
+
+        with sqlite3.connect(store.db_path) as db:
+            db.executescript(_LAYOUT_7)
+        again = type(store)(store.path)
+    await again.open()
+    try:
+        after = {i.rollout_id: i for i in await again.list_rollouts()}
+        # the same figures, but where the put could not keep one that all the calls settle
+        assert before["child stored first"].num_chains is None
+        assert after["child stored first"].num_chains == 1
+        after["child stored first"] = before["child stored first"]
+        assert after == before
+        assert [after[r].num_chains for r in sorted(after)] == [1, None, 1, None]
+        assert after["frozen"].call_diagnostic_kinds == ("retry",)
+        assert (after["frozen"].num_failed, after["frozen"].late_call_ids) == (1, ("y",))
+    finally:
+        await again.close()
