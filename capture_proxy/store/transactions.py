@@ -118,9 +118,9 @@ class SQLStore(ThreadedStore):
                     d.sql("INSERT INTO rollouts (rollout_id, created_at) VALUES (?, ?)"),
                     (rollout_id, now),
                 )
+            # The kept count, not the rows: before the first freeze no call is late.
             (num_calls,) = db.execute(
-                d.sql("SELECT count(*) FROM calls WHERE rollout_id = ? AND {not_late}"),
-                (rollout_id,),
+                d.sql("SELECT num_calls FROM rollouts WHERE rollout_id = ?"), (rollout_id,)
             ).fetchone()
             # Last: the counter row's lock is held from here to COMMIT (``next_cursor``).
             snapshot = lifecycle.new_snapshot(
