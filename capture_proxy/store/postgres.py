@@ -158,8 +158,9 @@ def _retry_family(db: Conn, record: CallRecord) -> Any:
 
 
 def _parent_status(db: Conn, record: CallRecord) -> Any:
-    """The cursor of the record's linked parent's status (``sql.PARENT_STATUS``), or None."""
-    if record.parent_call_id is None:
+    """The cursor of the record's linked parent's status (``sql.PARENT_STATUS``), or None when
+    the number of chains does not ask it (``core.chain_counts``)."""
+    if record.parent_call_id is None or not record.linkable or record.linking is None:
         return None
     return db.execute(POSTGRES.sql(sql.PARENT_STATUS), (record.parent_call_id, record.rollout_id))
 

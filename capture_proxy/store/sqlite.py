@@ -367,7 +367,8 @@ class SQLiteStore(SQLStore):
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
                 lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
             effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
-            parent = sql.parent_status(SQLITE, db, record) if effect.version_delta else None
+            counted = effect.version_delta and record.linkable and record.linking is not None
+            parent = sql.parent_status(SQLITE, db, record) if counted else None
             incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
             tally = lifecycle.call_tally(record) if inserted else (0, 0, 0)
             db.execute(
