@@ -6,9 +6,9 @@ replicas too, refreshed from the store when a digest misses), the calls stored l
 (``RecentCalls``: a parent is read from memory, not decoded from the store, see ``get_call``;
 stored records never change, so this holds with replicas too), and the answers to the
 commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve_step`` and
-``capture_proxy.core.linking.verification.verify_step``): a parent record, a rollout's stored
-calls, a prefix ancestor from the cached index, texts from the engine's ``/detokenize``. Every
-linking decision is the core's; this module must not take one.
+``capture_proxy.core.linking.verification.verify_step``): a parent record, the stored calls a
+history continues (by child digest), a prefix ancestor from the cached index, texts from the
+engine's ``/detokenize``. Every linking decision is the core's; this module must not take one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from capture_proxy.core.linking.commands import (
     Detokenize,
     FindPrefixAncestor,
     ReadParent,
-    ReadRolloutCalls,
+    ReadParentCandidates,
     Step,
 )
 from capture_proxy.core.linking.index import LinkIndex, add_record
@@ -197,8 +197,10 @@ class Linker:
     async def _answer(self, command: Command[Any], decode: Decoder | None) -> Any:
         if isinstance(command, ReadParent):
             return await self.get_call(command.call_id)
-        if isinstance(command, ReadRolloutCalls):
-            return await self.store.get_rollout_calls(command.rollout_id)
+        if isinstance(command, ReadParentCandidates):
+            return await self.store.get_calls_by_child_digest(
+                command.rollout_id, command.parent_digest
+            )
         if isinstance(command, FindPrefixAncestor):
             index = await self._index(command.rollout_id)
             return index.prefix_ancestor(

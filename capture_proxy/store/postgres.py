@@ -19,9 +19,9 @@ Round trips: ``put_call`` is one transaction in two round trips, in pipeline mod
 COMMIT sent as statements, so that psycopg's transaction block adds no syncs of its own):
 first the rollout's lock and every read the write depends on (the rollout's state, the call
 if stored, the prompt-parent candidates with the ``StoredMessages`` of the deepest
-``PREFETCHED_MESSAGES``, the retry links when they count), then the inserts, the rollout's
-upsert and COMMIT (``benchmarks/pg_put_call.py``: 12 round trips before). ``health()`` is one
-catalog lookup (no row count).
+``PREFETCHED_MESSAGES``, the call's retry family when it counts, its linked parent's
+status), then the inserts, the rollout's upsert and COMMIT (``benchmarks/pg_put_call.py``: 12
+round trips before). ``health()`` is one catalog lookup (no row count).
 
 Durability: a ``put_call`` returns after ``COMMIT``, which with the server's default
 ``synchronous_commit = on`` has flushed the WAL: the promise "committed before the answer
@@ -99,12 +99,12 @@ MAX_ATTEMPTS = 6
 #: Seconds to wait for the pool's first connections on open.
 OPEN_TIMEOUT_S = 30.0
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``.
 # No ON CONFLICT: ``put_call`` looked under the rollout's lock and found no such call; the same
 # id stored meanwhile by another rollout's transaction is a UniqueViolation, retried.
 _INSERT_CALL = (
-    f"INSERT INTO calls ({sql.CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 2))})"
+    f"INSERT INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}) "
+    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 3))})"
 )
 
 #: The deepest prompt-parent candidates whose ``StoredMessages`` come with the candidates (the
@@ -150,9 +150,19 @@ def _candidates(rows: list[Any]) -> tuple[list[StoredPrefix], dict[str, StoredMe
     return prefixes, messages
 
 
-def _retry_links(db: Conn, rollout_id: str) -> Any:
-    """The cursor of the rollout's retry links (``sql.RETRY_LINKS``), for the pipeline."""
-    return db.execute(POSTGRES.sql(sql.RETRY_LINKS), (rollout_id,))
+def _retry_family(db: Conn, record: CallRecord) -> Any:
+    """The cursor of the record's retry family (``sql.RETRY_FAMILY``), for the pipeline."""
+    rid, cid = record.rollout_id, record.call_id
+    args = (record.retry_of, rid, cid, rid, rid, cid)
+    return db.execute(POSTGRES.sql(sql.RETRY_FAMILY), args)
+
+
+def _parent_status(db: Conn, record: CallRecord) -> Any:
+    """The cursor of the record's linked parent's status (``sql.PARENT_STATUS``), or None when
+    the number of chains does not ask it (``core.chain_counts``)."""
+    if record.parent_call_id is None or not record.linkable or record.linking is None:
+        return None
+    return db.execute(POSTGRES.sql(sql.PARENT_STATUS), (record.parent_call_id, record.rollout_id))
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -316,7 +326,8 @@ class PostgresStore(SQLStore):
                 candidates = db.execute(
                     _CANDIDATES, {**args, "parent": record.parent_call_id}, binary=True
                 )
-                links = _retry_links(db, rid) if lifecycle.may_recount(record) else None
+                links = _retry_family(db, record) if lifecycle.may_recount(record) else None
+                parent_row = _parent_status(db, record)
                 tomb, rollout = lifecycle.state_of(state.fetchone())  # the first round trip
                 lifecycle.refuse_deleted(record, tomb is not None)
                 frozen = rollout is not None and rollout.frozen
@@ -343,17 +354,26 @@ class PostgresStore(SQLStore):
                     db.execute("COMMIT")
                     return
                 effect = lifecycle.call_effect(record, frozen=frozen, inserted=True)
-                count = 0
-                if effect.recount and links is not None:
-                    count = lifecycle.incomplete_calls(
-                        (RetryLink(*r) for r in links.fetchall()), record
-                    )
-                db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
+                family = [RetryLink(*r) for r in links.fetchall()] if links is not None else []
+                found = parent_row.fetchone() if parent_row is not None else None
+                incomplete, chains = lifecycle.count_deltas(
+                    record, effect, family, None if found is None else str(found[0])
+                )
+                db.execute(_INSERT_CALL, (*column_values(enc), frozen, *sql.store_columns(record)))
                 sql.store_json(POSTGRES, db, enc, count=False)
                 db.execute(
                     POSTGRES.sql(sql.UPSERT_ROLLOUT),
-                    (rid, enc.created_at, count, effect.version_delta, 1, effect.recount),
+                    (
+                        rid,
+                        enc.created_at,
+                        incomplete,
+                        effect.version_delta,
+                        1,
+                        chains,
+                        *lifecycle.call_tally(record),
+                    ),
                 )
+                sql.keep_kinds(POSTGRES, db, rid, (d.kind for d in record.diagnostics))
                 db.execute("COMMIT")
             # The second round trip: the pipeline's sync at its end (errors are raised here).
         except BaseException:

@@ -122,6 +122,28 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE rollouts SET num_calls = (SELECT count(*) FROM calls c
         WHERE c.rollout_id = rollouts.rollout_id);
     """,
+    # 6: the number of chains a listing reads and the viewer list's counts (counted after the
+    # steps, ``recount_rollouts``),
+    # the retry family's index and the child digest a replica's refresh reads by (sqlite.py's
+    # LAYOUT_VERSION 8).
+    """
+    ALTER TABLE rollouts ADD COLUMN IF NOT EXISTS num_chains bigint DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_failed bigint NOT NULL DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_incomplete bigint NOT NULL DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_refused bigint NOT NULL DEFAULT 0;
+    CREATE TABLE IF NOT EXISTS rollout_kinds (
+        rollout_id text NOT NULL,
+        kind text NOT NULL,
+        PRIMARY KEY (rollout_id, kind)
+    );
+    ALTER TABLE calls ADD COLUMN IF NOT EXISTS child_digest text;
+    UPDATE calls SET child_digest = meta::json -> 'linking' ->> 'child_digest'
+        WHERE meta::json -> 'linking' ->> 'child_digest' IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS calls_by_retry_of ON calls (rollout_id, retry_of)
+        WHERE retry_of IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS calls_by_child_digest ON calls (rollout_id, child_digest)
+        WHERE child_digest IS NOT NULL;
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 
@@ -152,3 +174,6 @@ def migrate_layout(db: Any, where: str) -> None:
             # Layout 3: count each rollout's incomplete calls (after ``retry_of`` is filled).
             sql.recount_incomplete_calls(sql.POSTGRES, db)
         sql.migrate_records(sql.POSTGRES, db)
+        if version < 6:
+            # Layout 6: count each rollout's chains (its records in the current schema).
+            sql.recount_rollouts(sql.POSTGRES, db)

@@ -34,17 +34,20 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   lists which call refers to which; deleting a rollout deletes the texts no other call
   refers to, in the same transaction.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
-  delete, so that a listing counts no rows), the rollout-level incomplete flag
-  (``incomplete``: set by ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the
-  calls counted in the rollout that are incomplete and that no complete retry supersedes,
-  ``core.completeness``, recounted by ``put_call`` when it stores an incomplete call or a
-  retry), rollout-level diagnostics, the revision (``version``), the trainer's ``metadata``
-  (JSON) and, once frozen, the snapshot (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``,
-  ``export_cursor``).
+  delete, so that a listing counts no rows), the number of chains a training read builds
+  (``num_chains``, kept by every put, ``core.chain_counts``; NULL where it cannot be kept),
+  the rollout-level incomplete flag (``incomplete``: set by ``mark_rollout_incomplete`` only)
+  beside ``incomplete_calls`` (the calls counted in the rollout that are incomplete and that
+  no complete retry supersedes, ``core.completeness``, recounted by ``put_call`` when it
+  stores an incomplete call or a retry), rollout-level diagnostics, the revision
+  (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
+  (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
   ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
-  as a column so that completeness is counted without decoding records.
+  as a column so that completeness is counted without decoding records, from the new call's
+  retry family only (``sql.RETRY_FAMILY``). ``calls.child_digest``: ``linking.child_digest``,
+  indexed for a replica's refresh (``get_calls_by_child_digest``).
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
   rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
   retire answers the same.
@@ -89,10 +92,10 @@ BUSY_TIMEOUT_MS = 10_000
 
 T = TypeVar("T")
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``.
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
+    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}) "
+    f"VALUES ({','.join('?' * (len(COLUMNS) + 3))})"
 )
 
 # The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
@@ -346,7 +349,7 @@ class SQLiteStore(SQLStore):
             lifecycle.refuse_deleted(record, tomb is not None)
             frozen = rollout is not None and rollout.frozen
             may_recount = lifecycle.may_recount(record)
-            links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
+            links = sql.retry_family(SQLITE, db, record) if may_recount else []
             enc = lifecycle.encode_with_parent(
                 record,
                 request,
@@ -354,7 +357,8 @@ class SQLiteStore(SQLStore):
                 lambda c: sql.stored_messages(SQLITE, db, c),
             )
             written = 0
-            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
+            own = sql.store_columns(record)
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own))
             inserted = bool(cur.rowcount)
             if inserted:
                 written = sql.encoded_bytes(enc) + sql.store_json(SQLITE, db, enc)
@@ -363,18 +367,24 @@ class SQLiteStore(SQLStore):
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
                 lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
             effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
-            count = lifecycle.incomplete_calls(links, record) if effect.recount else 0
+            counted = effect.version_delta and record.linkable and record.linking is not None
+            parent = sql.parent_status(SQLITE, db, record) if counted else None
+            incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
+            tally = lifecycle.call_tally(record) if inserted else (0, 0, 0)
             db.execute(
                 SQLITE.sql(sql.UPSERT_ROLLOUT),
                 (
                     enc.rollout_id,
                     enc.created_at,
-                    count,
+                    incomplete,
                     effect.version_delta,
                     int(inserted),
-                    effect.recount,
+                    chains,
+                    *tally,
                 ),
             )
+            if inserted:
+                sql.keep_kinds(SQLITE, db, enc.rollout_id, (d.kind for d in record.diagnostics))
             return written
 
         return write_transaction(db, body)

@@ -1,13 +1,21 @@
 """A put reads a bounded number of rows whatever its rollout's size (issue 22): the prompt
 parent is chosen from an index range (``calls_by_prefix``) starting at the verified parent's
-depth, with the same choice as before, and the retry links come from their own index."""
+depth, with the same choice as before, and the call's retry family comes from its own index;
+a replica's refresh reads the calls under one child digest (``calls_by_child_digest``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import sqlite3
 
-from capture_proxy.store.sql import RETRY_LINKS, SQLITE
+from capture_proxy.store.sql import (
+    CALL_COLUMNS,
+    CHILDREN_ANCESTRY,
+    CHILDREN_OF,
+    RETRY_FAMILY,
+    RETRY_LINKS,
+    SQLITE,
+)
 from capture_proxy.store.sqlite import _CANDIDATES, SQLiteStore
 from tests.factories import record
 from tests.store.conftest import rows
@@ -59,3 +67,62 @@ async def test_sqlite_put_reads_candidates_and_retry_links_through_their_indexes
         ],
         "links": ["SEARCH calls USING INDEX calls_retry_links (rollout_id=?)"],
     }
+
+
+async def test_sqlite_retry_family_and_refresh_are_index_searches(tmp_path):
+    store = SQLiteStore(tmp_path / "s")
+    await store.open()
+    await store.put_call(record("a", [1, 2], [3]))
+    await store.close()
+    refresh = (
+        CHILDREN_ANCESTRY
+        + f"SELECT {CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)"
+    )
+    with sqlite3.connect(store.db_path) as db:
+        plans = {
+            "family": db.execute(
+                "EXPLAIN QUERY PLAN " + SQLITE.sql(RETRY_FAMILY), ("x", "r1", "c", "r1", "r1", "c")
+            ).fetchall(),
+            "children": db.execute("EXPLAIN QUERY PLAN " + CHILDREN_OF, ("r1", "d")).fetchall(),
+            "refresh": db.execute("EXPLAIN QUERY PLAN " + refresh, ("r1", "d")).fetchall(),
+        }
+    reads = {
+        k: [row[3] for row in v if row[3].startswith(("SEARCH", "SCAN c"))]
+        for k, v in plans.items()
+    }
+    pk = "SEARCH c USING INDEX sqlite_autoindex_calls_1 (call_id=?)"
+    assert reads == {
+        "family": [
+            pk,
+            "SEARCH c USING INDEX calls_by_retry_of (rollout_id=? AND retry_of=?)",
+            pk,
+        ],
+        "children": [
+            "SEARCH calls USING INDEX calls_by_child_digest (rollout_id=? AND child_digest=?)"
+        ],
+        "refresh": [
+            "SEARCH calls USING INDEX sqlite_autoindex_calls_1 (call_id=?)",
+            "SEARCH calls USING INDEX calls_by_child_digest (rollout_id=? AND child_digest=?)",
+            pk,
+        ],
+    }
+
+
+async def test_calls_by_child_digest_are_those_a_history_continues(store):
+    def linked(call_id, prompt, gen, digest, n, parent=None, rollout_id="r1"):
+        rec = record(call_id, prompt, gen, rollout_id=rollout_id, created_at=n)
+        return rec.replace(linking={"child_digest": digest}, parent_call_id=parent)
+
+    a = linked("a", [1, 2], [3], "da", 0)
+    b = linked("b", [1, 2, 3, 4], [5], "db", 1, parent="a")
+    b2 = linked("b2", [1, 2, 3, 4], [5], "db", 2, parent="a")  # a sibling sample, answered alike
+    other = linked("o", [1, 2, 3, 4], [5], "db", 3, rollout_id="r2")
+    for rec in (a, b, b2, other, record("plain", [9], [9], created_at=4)):
+        await store.put_call(rec)
+    found = await store.get_calls_by_child_digest("r1", "db")
+    assert [r.call_id for r in found] == ["b", "b2"]
+    # decoded whole (their prompts are stored after their prompt parent's tokens)
+    assert [r.prompt_token_ids.tolist() for r in found] == [[1, 2, 3, 4], [1, 2, 3, 4]]
+    assert found[0].linking == {"child_digest": "db"} and found[0].parent_call_id == "a"
+    assert await store.get_calls_by_child_digest("r1", "none") == []
+    assert [r.call_id for r in await store.get_calls_by_child_digest("r2", "db")] == ["o"]
