@@ -132,18 +132,23 @@ def _encoded_tools_ref(request: RequestEncoding, blobs: dict[str, str]) -> str |
 
 
 def _received_refs(
-    received: Mapping[str, Any] | None, blobs: dict[str, str]
+    received: Mapping[str, Any] | None, request: RequestEncoding, blobs: dict[str, str]
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
     """The received body's small values inline, and its large ones (a system prompt, a tools
-    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``."""
+    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``. A
+    value that is the request's tools list itself (the chat front keeps the body's object)
+    takes the text and address ``request`` computed already."""
     if received is None:
         return None, None
     inline: dict[str, Any] = {}
     refs: dict[str, str] = {}
     for key, value in received.items():
-        text = canonical_json(value)
+        if value is request.tools and request.tools_text is not None:
+            text, sha = request.tools_text, request.tools_sha256
+        else:
+            text, sha = canonical_json(value), None
         if len(text) >= REF_MIN_BYTES:
-            sha = json_sha256(text)
+            sha = sha or json_sha256(text)
             blobs[sha] = text
             refs[key] = sha
         else:
@@ -209,7 +214,7 @@ def _meta_of(
         "sampling": record.sampling,
     }
     meta["request_received"], meta["request_received_blobs"] = _received_refs(
-        record.request_received, blobs
+        record.request_received, request, blobs
     )
     return meta
 
@@ -220,6 +225,7 @@ def encode_record(
     prompt_parent: PromptParent | None = None,
     messages_prefix_len: int = 0,
     request: RequestEncoding | None = None,
+    tokens_sha256: bytes | None = None,
 ) -> EncodedRecord:
     """Serialise a record in the current schema version.
 
@@ -229,6 +235,8 @@ def encode_record(
     ``messages_prefix_len``: how many leading request messages equal the prompt parent's
     (``common_messages_prefix``); only the rest are kept. ``request``: the record's
     ``RequestEncoding`` when the caller computed it ahead (else it is computed here).
+    ``tokens_sha256``: the record's ``token_digest`` when the caller computed it already
+    (``prefixes.choose_with_digest``: the same pass that chose the parent), else computed here.
     Raises ValueError when the arrays have the wrong rank, the prefix is longer than the
     prompt, the messages prefix is longer than the messages or has no prompt parent, or
     ``request`` does not belong to the record.
@@ -264,7 +272,8 @@ def encode_record(
         prompt_prefix_len=prefix_len,
         num_prompt_tokens=record.num_prompt_tokens,
         num_generation_tokens=record.num_generation_tokens,
-        tokens_sha256=token_digest(record.prompt_token_ids, record.generation_token_ids),
+        tokens_sha256=tokens_sha256
+        or token_digest(record.prompt_token_ids, record.generation_token_ids),
         messages_delta=delta_items(messages, digests, messages_prefix_len, blobs),
         messages_prefix_len=messages_prefix_len,
         num_messages=len(messages),

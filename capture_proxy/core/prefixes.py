@@ -33,20 +33,44 @@ class StoredPrefix:
     tokens_sha256: bytes
 
 
-def prefix_digests(prompt: np.ndarray, lengths: Iterable[int]) -> dict[int, bytes]:
-    """SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
-    in one pass over the prompt."""
-    data = prompt.astype("<u4", copy=False)
+def _token_hash(
+    prompt: np.ndarray, lengths: Iterable[int]
+) -> tuple[dict[int, bytes], hashlib._Hash, np.ndarray, int]:
+    """The SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
+    in one pass; then the hash state at the last of them, the ``<u4`` prompt and that length
+    (so a caller may go on to the whole prompt without hashing its head again)."""
+    data = np.ascontiguousarray(prompt.astype("<u4", copy=False))
     h = hashlib.sha256()
     out: dict[int, bytes] = {}
     done = 0
     for n in sorted(set(lengths)):
         if n > data.shape[0] or n < 0:
             continue
-        h.update(data[done:n].tobytes())
+        h.update(data[done:n])  # a contiguous slice: hashed in place, no copy
         done = n
         out[n] = h.copy().digest()
-    return out
+    return out, h, data, done
+
+
+def prefix_digests(prompt: np.ndarray, lengths: Iterable[int]) -> dict[int, bytes]:
+    """SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
+    in one pass over the prompt."""
+    return _token_hash(prompt, lengths)[0]
+
+
+def _fitting(
+    prompt: np.ndarray, candidates: Iterable[StoredPrefix], exclude: str | None
+) -> list[StoredPrefix]:
+    return [c for c in candidates if c.call_id != exclude and 0 < c.num_tokens <= prompt.shape[0]]
+
+
+def _deepest(fitting: list[StoredPrefix], digests: dict[int, bytes]) -> PromptParent | None:
+    """The deepest candidate whose digest matches (ties: earliest, then smallest call id)."""
+    matches = [c for c in fitting if digests[c.num_tokens] == c.tokens_sha256]
+    if not matches:
+        return None
+    best = min(matches, key=lambda c: (-c.num_tokens, c.created_at, c.call_id))
+    return PromptParent(call_id=best.call_id, prefix_len=best.num_tokens)
 
 
 def choose_prompt_parent(
@@ -54,14 +78,24 @@ def choose_prompt_parent(
 ) -> PromptParent | None:
     """The prompt parent of a record with ``prompt`` among ``candidates`` (the rollout's complete
     calls with a non-empty generation), or None. ``exclude``: the record's own call id."""
-    fitting = [
-        c for c in candidates if c.call_id != exclude and 0 < c.num_tokens <= prompt.shape[0]
-    ]
+    fitting = _fitting(prompt, candidates, exclude)
     if not fitting:
         return None
-    digests = prefix_digests(prompt, (c.num_tokens for c in fitting))
-    matches = [c for c in fitting if digests[c.num_tokens] == c.tokens_sha256]
-    if not matches:
-        return None
-    best = min(matches, key=lambda c: (-c.num_tokens, c.created_at, c.call_id))
-    return PromptParent(call_id=best.call_id, prefix_len=best.num_tokens)
+    return _deepest(fitting, prefix_digests(prompt, (c.num_tokens for c in fitting)))
+
+
+def choose_with_digest(
+    prompt: np.ndarray,
+    generation: np.ndarray,
+    candidates: Iterable[StoredPrefix],
+    *,
+    exclude: str | None = None,
+) -> tuple[PromptParent | None, bytes]:
+    """``choose_prompt_parent``, and the record's own ``stored_form.token_digest`` (of
+    ``prompt`` + ``generation``) from the same pass over the prompt: a store that chooses a
+    parent hashes the prompt once, not once to choose and once to encode."""
+    fitting = _fitting(prompt, candidates, exclude)
+    digests, h, data, done = _token_hash(prompt, (c.num_tokens for c in fitting))
+    h.update(data[done:])
+    h.update(np.ascontiguousarray(generation.astype("<u4", copy=False)))
+    return (_deepest(fitting, digests) if fitting else None), h.digest()

@@ -155,15 +155,61 @@ def column_values(encoded: EncodedRecord) -> tuple[Any, ...]:
 _CANONICAL_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 _CONTAINERS = (dict, list, tuple)
 
+#: Floats whose text the stdlib writes without an exponent (``repr``: 0, and magnitudes in
+#: [1e-4, 1e16)), and the ones orjson is checked against at import for them (the boundaries
+#: and digits that a shortest round-trip writer could spell otherwise).
+_PLAIN_FLOAT_MIN, _PLAIN_FLOAT_MAX = 1e-4, 1e16
+_FLOAT_PROBES = (
+    0.0,
+    -0.0,
+    1.0,
+    -2.5,
+    0.1,
+    1 / 3,
+    1e-4,
+    0.00012345,
+    0.000999,
+    123.456,
+    1e15,
+    123456789012345.6,
+    9999999999999998.0,
+    2.0**53,
+    -(2.0**52) + 0.5,
+    1.7976931348623157e15,
+    0.30000000000000004,
+)
+
+
+def _orjson_writes_plain_floats_alike() -> bool:
+    """True when this orjson writes the probes' floats as the stdlib does (some versions spell
+    numbers otherwise; then floats take the stdlib)."""
+    try:
+        return all(orjson.dumps(v).decode() == _CANONICAL_ENCODER.encode(v) for v in _FLOAT_PROBES)
+    except (TypeError, ValueError):  # pragma: no cover - an orjson that refuses floats
+        return False
+
+
+_PLAIN_FLOATS_ALIKE = _orjson_writes_plain_floats_alike()
+
+
+def _plain_float(value: float) -> bool:
+    """A float both encoders write alike: no exponent (NaN and infinities are not)."""
+    return _PLAIN_FLOATS_ALIKE and (
+        value == 0.0 or _PLAIN_FLOAT_MIN <= abs(value) < _PLAIN_FLOAT_MAX
+    )
+
 
 def _orjson_writes_it_alike(value: Any) -> bool:
-    """True when ``value`` holds only dicts, lists, tuples, ``str``, ``int``, ``bool`` and
-    None (those exact types, no subclasses): orjson's text of it is then the stdlib's (tested
-    on every code point), or orjson refuses it (a key that is not a string, an integer past 64
-    bits, a lone surrogate) and the stdlib writes it. Not floats: orjson writes ``1e16`` where
-    the stdlib writes ``1e+16``, and NaN as ``null``. A walk over the nodes, not over the
+    """True when ``value`` holds only dicts, lists, tuples, ``str``, ``int``, ``bool``, None and
+    floats without an exponent (those exact types, no subclasses): orjson's text of it is then
+    the stdlib's (tested on every code point, and on floats at and beyond the boundaries), or
+    orjson refuses it (a key that is not a string, an integer past 64 bits, a lone surrogate)
+    and the stdlib writes it. Not other floats: orjson writes ``1e-05`` as ``0.00001`` (some
+    versions ``1e16`` for ``1e+16``), and NaN as ``null``. A walk over the nodes, not over the
     strings' characters, which is where the stdlib's time goes."""
     if type(value) not in _CONTAINERS:
+        if type(value) is float:
+            return _plain_float(value)
         return value is None or type(value) in (str, int, bool)
     stack = [value]
     while stack:
@@ -174,7 +220,7 @@ def _orjson_writes_it_alike(value: Any) -> bool:
                 continue
             if kind is dict or kind is list or kind is tuple:
                 stack.append(child)
-            else:
+            elif kind is not float or not _plain_float(child):
                 return False
     return True
 

@@ -71,8 +71,8 @@ from typing import IO, Any, Literal, TypeVar
 
 from capture_proxy.core.codec import PromptParent, RequestEncoding
 from capture_proxy.core.episodes import episode_glob
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
-from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, choose_with_digest
+from capture_proxy.core.records import CallRecord
 from capture_proxy.core.stored_form import COLUMNS, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
@@ -97,59 +97,45 @@ _INSERT_CALL = (
 
 # The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
 # of the partial index ``calls_by_prefix`` (literal ``'complete'``, so that the planner may
-# use it), read from the index alone, never the rollout's other rows.
+# use it), read from the index alone, never the rollout's other rows. The range starts at the
+# depth of the record's verified parent when that is a stored complete call of the rollout with
+# output, no longer than the prompt (the linker checked its tokens are a prefix; the subquery
+# reads its one row), else at 0: the deepest candidate wins and the parent is one, so a call of
+# a long rollout reads a row or two, not every call before it.
 _CANDIDATES = (
     "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256 "
-    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = ? AND status = 'complete' "
+    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = :rollout AND status = 'complete' "
     "AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens BETWEEN ? AND ?"
+    "AND num_prompt_tokens + num_generation_tokens BETWEEN COALESCE((SELECT "
+    "p.num_prompt_tokens + p.num_generation_tokens FROM calls p WHERE p.call_id = :parent "
+    "AND p.rollout_id = :rollout AND p.status = 'complete' AND p.num_generation_tokens > 0 "
+    "AND p.num_prompt_tokens + p.num_generation_tokens <= :prompt), 0) AND :prompt"
 )
 
 
-def _candidates(db: sqlite3.Connection, record: CallRecord, floor: int) -> list[StoredPrefix]:
+def _candidates(
+    db: sqlite3.Connection, record: CallRecord, parent: str | None
+) -> list[StoredPrefix]:
     """The rollout's complete calls with output whose prompt + generation length is in
-    ``[floor, len(record prompt)]``: the prompt parents it may have (an index range: the
-    rows read are the ones returned)."""
-    return [
-        StoredPrefix(r[0], r[1], r[2], r[3])
-        for r in db.execute(
-            _CANDIDATES, (record.rollout_id, floor, record.num_prompt_tokens)
-        ).fetchall()
-    ]
+    ``[depth of parent, len(record prompt)]`` (``parent``: a call id or None, depth 0): the
+    prompt parents it may have (an index range: the rows read are the ones returned)."""
+    args = {"rollout": record.rollout_id, "parent": parent, "prompt": record.num_prompt_tokens}
+    return [StoredPrefix(r[0], r[1], r[2], r[3]) for r in db.execute(_CANDIDATES, args)]
 
 
-def _parent_depth(db: sqlite3.Connection, record: CallRecord) -> int:
-    """Prompt + generation length of the record's verified parent when it is a stored
-    complete call of the rollout with output (its tokens are a prefix of the record's prompt,
-    the linker checked), else 0."""
-    if record.parent_call_id is None:
-        return 0
-    row = db.execute(
-        "SELECT num_prompt_tokens + num_generation_tokens FROM calls WHERE call_id = ? "
-        "AND rollout_id = ? AND status = ? AND num_generation_tokens > 0",
-        (record.parent_call_id, record.rollout_id, CallStatus.COMPLETE.value),
-    ).fetchone()
-    if row is None or row[0] > record.num_prompt_tokens:
-        return 0
-    return int(row[0])
-
-
-def _prompt_parent(db: sqlite3.Connection, record: CallRecord) -> PromptParent | None:
+def _prompt_parent(db: sqlite3.Connection, record: CallRecord) -> tuple[PromptParent | None, bytes]:
     """The record's prompt parent among the rollout's stored calls (inside the put's
-    transaction: no candidate can appear or vanish before the insert). The deepest candidate
-    wins, and a verified parent is one (its tokens are a prefix of the record's prompt): only
-    candidates at least as deep are read, so a call of a long rollout reads a row or two, not
-    every call before it. (A parent that is not a prefix, a record put by hand, falls back to
-    all.)"""
-    floor = _parent_depth(db, record)
-    parent = choose_prompt_parent(
-        record.prompt_token_ids, _candidates(db, record, floor), exclude=record.call_id
+    transaction: no candidate can appear or vanish before the insert), and the record's
+    ``tokens_sha256`` from the same pass over its prompt. Only candidates at least as deep as
+    the verified parent are read (``_CANDIDATES``); a parent that is not a prefix, a record put
+    by hand, falls back to all."""
+    prompt, generation = record.prompt_token_ids, record.generation_token_ids
+    parent, digest = choose_with_digest(
+        prompt, generation, _candidates(db, record, record.parent_call_id), exclude=record.call_id
     )
-    if parent is None and floor > 0:
-        parent = choose_prompt_parent(
-            record.prompt_token_ids, _candidates(db, record, 0), exclude=record.call_id
-        )
-    return parent
+    if parent is None and record.parent_call_id is not None:
+        parent = choose_prompt_parent(prompt, _candidates(db, record, None), exclude=record.call_id)
+    return parent, digest
 
 
 class SQLiteStore(SQLStore):
@@ -347,11 +333,13 @@ class SQLiteStore(SQLStore):
             frozen = rollout is not None and rollout.frozen
             may_recount = lifecycle.may_recount(record)
             links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
+            parent, tokens_sha256 = _prompt_parent(db, record)
             enc = lifecycle.encode_with_parent(
                 record,
                 request,
-                _prompt_parent(db, record),
+                parent,
                 lambda c: sql.stored_messages(SQLITE, db, c),
+                tokens_sha256,
             )
             written = 0
             cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))

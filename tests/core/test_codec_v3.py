@@ -310,3 +310,36 @@ def test_canonical_json_is_the_stdlib_text_whichever_encoder_writes_it():
             canonical_json(bad)
     with pytest.raises(TypeError):
         canonical_json({"when": object()})
+
+
+def test_floats_without_an_exponent_take_orjson_and_keep_the_stdlib_text():
+    """A float the stdlib writes without an exponent (0, magnitudes in [1e-4, 1e16)) lets orjson
+    write the value (a record's metadata holds latency and sampling floats); the text is the
+    stdlib's, at the boundaries, across every decade and on random bit patterns. Others
+    (1e-05, 1e+16, NaN) take the stdlib."""
+    import json
+    import math
+    import random
+    import struct
+
+    from capture_proxy.core.stored_form import _orjson_writes_it_alike, canonical_json
+
+    def stdlib(value):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+    assert _orjson_writes_it_alike({"latency_ms": 412.5, "sampling": [1.0, 0.95, 0.0, -0.0]})
+    for outside in (1e-5, 9.99e-5, 1e16, -1e16, 1e300, 5e-324, math.inf, math.nan):
+        assert not _orjson_writes_it_alike({"f": [outside]}), outside
+    floats = [
+        sign * m * 10.0**e
+        for e in range(-330, 309)
+        for m in (1.0, 1.2345678901234567, 5.0, 9.999999999999999)
+        for sign in (1, -1)
+    ]
+    rng = random.Random(22)
+    floats += [
+        struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))[0] for _ in range(20000)
+    ]
+    floats += [1e-4, math.nextafter(1e-4, 0), 9999999999999998.0, math.nextafter(1e16, 0)]
+    for value in (f for f in floats if math.isfinite(f)):
+        assert canonical_json({"x": [value]}) == stdlib({"x": [value]}), value

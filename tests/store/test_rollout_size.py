@@ -47,7 +47,9 @@ async def test_sqlite_put_reads_candidates_and_retry_links_through_their_indexes
     await store.close()
     with sqlite3.connect(store.db_path) as db:
         plans = {
-            "candidates": db.execute("EXPLAIN QUERY PLAN " + _CANDIDATES, ("r1", 0, 9)).fetchall(),
+            "candidates": db.execute(
+                "EXPLAIN QUERY PLAN " + _CANDIDATES, {"rollout": "r1", "parent": "a", "prompt": 9}
+            ).fetchall(),
             "links": db.execute(
                 "EXPLAIN QUERY PLAN " + SQLITE.sql(RETRY_LINKS), ("r1",)
             ).fetchall(),
@@ -55,7 +57,9 @@ async def test_sqlite_put_reads_candidates_and_retry_links_through_their_indexes
     details = {k: [row[3] for row in v] for k, v in plans.items()}
     assert details == {
         "candidates": [
-            "SEARCH calls USING INDEX calls_by_prefix (rollout_id=? AND <expr>>? AND <expr><?)"
+            "SEARCH calls USING INDEX calls_by_prefix (rollout_id=? AND <expr>>? AND <expr><?)",
+            "SCALAR SUBQUERY 1",  # the verified parent's depth: one row, by its call id
+            "SEARCH p USING INDEX sqlite_autoindex_calls_1 (call_id=?)",
         ],
         "links": ["SEARCH calls USING INDEX calls_retry_links (rollout_id=?)"],
     }

@@ -1,0 +1,304 @@
+"""The SQLite store's writer thread: CPU per ``put_call`` and database pages per commit, this
+tree against another (``--baseline-src``) in the same run (issue 22: the writer's share of
+the proxy's CPU per call).
+
+Workload: ``--rollouts`` agent sessions of ``--turns`` calls each, stored in chain order as the
+proxy stores them: each call's prompt is its parent's prompt + generation + a tool result
+(a 1,200-token first prompt; 40-160 generated tokens; 150-300 tokens of tool result), with
+float32 log probs, the session's messages (a 3 KB system prompt, the task, then assistant
+tool calls and tool results), an 8-tool list (also in the received body, as the chat front
+keeps it), the linker's ``linking`` and a verified ``parent_call_id``, and the
+``RequestEncoding`` the proxy computes ahead. ``--experts on`` adds routed experts
+``uint8[new rows, 48, 8]`` (the rows after the parent's). The records are built before the
+clock starts.
+
+Each tree runs in a subprocess of its own (``--tree``: its package is imported from there; the
+workload is this file's, so both store the same records), on a new store with the defaults
+(``synchronous=full``: one fsync per commit), and puts the records one at a time through the
+real threaded ``SQLiteStore``. Figures:
+- ``user ms/put``, ``sys ms/put``: the writer thread's own CPU (``getrusage(RUSAGE_THREAD)``
+  taken on the writer thread before and after), over all puts, median of ``--repeats`` runs;
+- ``pages/commit``: WAL frames appended per put (a second pass with automatic checkpoints
+  off, so the WAL holds every frame written; its size / (page size + 24));
+- ``KB/commit``: the same in bytes.
+Every record is read back after the run and compared with what was put (tokens, log probs,
+experts, messages, tools, metadata): a tree that stores something else fails.
+
+Run: ``.venv/bin/python benchmarks/put_cost.py [--baseline-src DIR] [--experts off,on]``
+(``DIR``: e.g. ``git archive main | tar -x -C DIR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SYSTEM = "You are a coding agent. Follow the repository's conventions and run the tests. " * 40
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name}: " + "runs the given input and returns its output. " * 6,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "input": {"type": "string", "description": "what to run"},
+                    "timeout_ms": {"type": "integer", "description": "how long at most"},
+                },
+                "required": ["input"],
+            },
+        },
+    }
+    for name in ("bash", "read", "write", "edit", "glob", "grep", "list", "todo")
+]
+FIRST_PROMPT, VOCAB, LAYERS, TOP_K = 1200, 151_936, 48, 8
+
+
+def _hex(rng: np.random.Generator) -> str:
+    return rng.bytes(32).hex()
+
+
+def session(rollout: str, turns: int, experts: bool, seed: int) -> list[Any]:
+    """The records of one session's calls, in the order the proxy puts them."""
+    from capture_proxy.core.records import CallRecord
+
+    rng = np.random.default_rng(seed)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Fix the failing test in module {seed}. " * 8},
+    ]
+    prompt = rng.integers(0, VOCAB, FIRST_PROMPT).astype(np.uint32)
+    out: list[Any] = []
+    parent: str | None = None
+    rows_end = 0
+    for t in range(turns):
+        call_id = f"{rollout}-c{t:04d}-{_hex(rng)[:12]}"
+        gen = rng.integers(0, VOCAB, int(rng.integers(40, 160))).astype(np.uint32)
+        log_probs = (-rng.exponential(1.0, gen.shape[0])).astype(np.float32)
+        args = json.dumps({"input": f"pytest -x tests/test_{t}.py", "timeout_ms": 60000})
+        response = {
+            "role": "assistant",
+            "content": f"Running the tests of step {t} to see what fails.",
+            "tool_calls": [
+                {
+                    "id": f"call_{_hex(rng)[:24]}",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": args},
+                }
+            ],
+        }
+        body = {
+            "model": "Qwen/Qwen3-30B-A3B",
+            "messages": list(messages),
+            "tools": TOOLS,
+            "stream": False,
+            "temperature": 1.0,
+            "max_tokens": 4096,
+            "logprobs": True,
+        }
+        received = {k: v for k, v in body.items() if k != "messages"}
+        total = prompt.shape[0] + gen.shape[0]
+        routed = None
+        if experts:
+            routed = rng.integers(0, 128, (total - 1 - rows_end, LAYERS, TOP_K)).astype(np.uint8)
+        record = CallRecord(
+            call_id=call_id,
+            rollout_id=rollout,
+            created_at=1_780_000_000.0 + seed * 1000 + t,
+            model=body["model"],
+            latency_ms=float(rng.uniform(200, 900)),
+            request_received=received,
+            sampling={
+                "sent": {"temperature": 1.0, "max_tokens": 4096, "logprobs": 1},
+                "engine_defaults": ["top_p", "top_k", "min_p"],
+            },
+            request_messages=body["messages"],
+            request_tools=TOOLS,
+            response_message=response,
+            finish_reason="tool_calls",
+            usage={
+                "prompt_tokens": int(prompt.shape[0]),
+                "completion_tokens": int(gen.shape[0]),
+                "total_tokens": int(total),
+            },
+            http_status=200,
+            prompt_token_ids=prompt,
+            generation_token_ids=gen,
+            generation_log_probs=log_probs,
+            routed_experts=routed,
+            routed_experts_start=rows_end if experts else 0,
+            parent_call_id=parent,
+            linking={
+                "verdict": "root" if parent is None else "resolved",
+                "parent_digest": None if parent is None else _hex(rng),
+                "child_digest": _hex(rng),
+                "request_digest": _hex(rng),
+                "digest_parent_call_id": parent,
+                "reason": None,
+                "harness_note": None,
+            },
+        )
+        out.append(record)
+        tool_text = f"tests/test_{t}.py::test_case FAILED: assert {t} == {t + 1}\n" * 12
+        messages = [
+            *messages,
+            response,
+            {"role": "tool", "tool_call_id": response["tool_calls"][0]["id"], "content": tool_text},
+        ]
+        tool_ids = rng.integers(0, VOCAB, int(rng.integers(150, 300))).astype(np.uint32)
+        prompt = np.concatenate([prompt, gen, tool_ids])
+        parent, rows_end = call_id, total - 1
+    return out
+
+
+def workload(rollouts: int, turns: int, experts: bool) -> list[Any]:
+    calls: list[Any] = []
+    for r in range(rollouts):
+        calls += session(f"bench-r{r:03d}", turns, experts, seed=r + (1000 if experts else 0))
+    return calls
+
+
+def main_thread_work(record: Any) -> Any:
+    """What the proxy's main thread does with the record's data shortly before the put (and
+    so what is in the caches when the writer reads it): the ``RequestEncoding`` computed
+    ahead, and the linker's digest of the prompt (verification). Not measured."""
+    from capture_proxy.core.codec import RequestEncoding
+
+    hashlib.sha256(record.prompt_token_ids).digest()
+    return RequestEncoding.of(record.request_messages, record.request_tools)
+
+
+def _thread_usage() -> tuple[float, float]:
+    u = resource.getrusage(resource.RUSAGE_THREAD)
+    return u.ru_utime, u.ru_stime
+
+
+def _same(a: Any, b: Any) -> bool:
+    arrays = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+    for name in arrays:
+        if not np.array_equal(getattr(a, name), getattr(b, name)):
+            return False
+    ea, eb = a.routed_experts, b.routed_experts
+    if (ea is None) != (eb is None) or (ea is not None and not np.array_equal(ea, eb)):
+        return False
+    skip = {*arrays, "routed_experts", "diagnostics", "status"}
+    fields = [f for f in a.__dataclass_fields__ if f not in skip]
+    return all(getattr(a, f) == getattr(b, f) for f in fields) and a.status == b.status
+
+
+async def measure(calls: list[Any], store_dir: Path, pages: bool) -> dict[str, float]:
+    """Put every call on a new store; the writer thread's CPU per put, or (``pages``) the WAL
+    bytes per put with automatic checkpoints off."""
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(store_dir)
+    await store.open()
+    writer = store._writer
+    assert writer is not None
+    try:
+        if pages:
+            await store._write_hop(lambda db: db.execute("PRAGMA wal_autocheckpoint=0"))
+            await store._write_hop(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)"))
+        wal = store.db_path.with_name(store.db_path.name + "-wal")
+        wal0 = wal.stat().st_size if wal.exists() else 0
+        u0, s0 = await writer.run(_thread_usage)
+        for record in calls:
+            await store.put_call(record, main_thread_work(record))
+        u1, s1 = await writer.run(_thread_usage)
+        page_size = await store._write_hop(lambda db: db.execute("PRAGMA page_size").fetchone()[0])
+        wal1 = wal.stat().st_size
+        n = len(calls)
+        result = {
+            "user_ms": (u1 - u0) * 1000 / n,
+            "sys_ms": (s1 - s0) * 1000 / n,
+            "wal_kb": (wal1 - wal0) / 1024 / n,
+            "pages": (wal1 - wal0) / (page_size + 24) / n,
+        }
+        if pages:
+            for rollout in sorted({r.rollout_id for r in calls}):
+                got = {c.call_id: c for c in await store.get_rollout_calls(rollout)}
+                for record in calls:
+                    if record.rollout_id == rollout and not _same(got[record.call_id], record):
+                        raise SystemExit(f"call {record.call_id} reads back different")
+        return result
+    finally:
+        await store.close()
+
+
+def child(args: argparse.Namespace) -> int:
+    """One tree (the one imported): each experts setting, ``--repeats`` CPU runs and a pages
+    run; prints JSON."""
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="put-cost-") as tmp:
+        for setting in args.experts.split(","):
+            calls = workload(args.rollouts, args.turns, setting == "on")
+            runs = [
+                asyncio.run(measure(calls, Path(tmp) / f"{setting}-{i}", pages=False))
+                for i in range(args.repeats)
+            ]
+            page_run = asyncio.run(measure(calls, Path(tmp) / f"{setting}-pages", pages=True))
+            out[setting] = {
+                "user_ms": statistics.median(r["user_ms"] for r in runs),
+                "sys_ms": statistics.median(r["sys_ms"] for r in runs),
+                "total_ms": statistics.median(r["user_ms"] + r["sys_ms"] for r in runs),
+                "pages": page_run["pages"],
+                "wal_kb": page_run["wal_kb"],
+                "calls": len(calls),
+            }
+    print(json.dumps(out))
+    return 0
+
+
+def run_tree(name: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ)
+    if src:
+        env["PYTHONPATH"] = str(Path(src).resolve())
+    argv = [sys.executable, __file__, "--child", "--experts", args.experts]
+    argv += ["--rollouts", str(args.rollouts), "--turns", str(args.turns)]
+    argv += ["--repeats", str(args.repeats)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr}")
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rollouts", type=int, default=20, help="sessions, one rollout each")
+    p.add_argument("--turns", type=int, default=16, help="calls per session")
+    p.add_argument("--experts", default="off,on", help="routed experts: off, on or off,on")
+    p.add_argument("--repeats", type=int, default=3, help="CPU runs per tree (median)")
+    p.add_argument("--baseline-src", metavar="DIR", help="also run this source tree as @base")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        return child(args)
+    trees = [("this", None)] + ([("@base", args.baseline_src)] if args.baseline_src else [])
+    results = {name: run_tree(name, src, args) for name, src in trees}
+    print(f"{args.rollouts} sessions x {args.turns} calls, synchronous=full, per put:")
+    head = ("tree", "experts", "user ms", "sys ms", "total", "pages", "KB")
+    print(f"{head[0]:8} {head[1]:8} " + " ".join(f"{h:>8}" for h in head[2:]))
+    for name, by_setting in results.items():
+        for setting, r in by_setting.items():
+            print(
+                f"{name:8} {setting:8} {r['user_ms']:8.3f} {r['sys_ms']:8.3f} "
+                f"{r['total_ms']:8.3f} {r['pages']:8.2f} {r['wal_kb']:8.1f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
