@@ -17,7 +17,9 @@ workload is this file's, so both store the same records), on a new store with th
 (``synchronous=full``: one fsync per commit), and puts the records one at a time through the
 real threaded ``SQLiteStore``. Figures:
 - ``user ms/put``, ``sys ms/put``: the writer thread's own CPU (``getrusage(RUSAGE_THREAD)``
-  taken on the writer thread before and after), over all puts, median of ``--repeats`` runs;
+  taken on the writer thread before and after) over all puts of a run; ``--rounds`` rounds
+  of ``--repeats`` runs per tree, the trees in turn; medians over all runs, and ``vs base``
+  the median over rounds of this tree's total / the baseline's;
 - ``pages/commit``: WAL frames appended per put (a second pass with automatic checkpoints
   off, so the WAL holds every frame written; its size / (page size + 24));
 - ``KB/commit``: the same in bytes.
@@ -36,6 +38,7 @@ import hashlib
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -85,7 +88,7 @@ def session(rollout: str, turns: int, experts: bool, seed: int) -> list[Any]:
     parent: str | None = None
     rows_end = 0
     for t in range(turns):
-        call_id = f"{rollout}-c{t:04d}-{_hex(rng)[:12]}"
+        call_id = f"call-{_hex(rng)[:32]}"  # as the proxy names calls: random (uuid4)
         gen = rng.integers(0, VOCAB, int(rng.integers(40, 160))).astype(np.uint32)
         log_probs = (-rng.exponential(1.0, gen.shape[0])).astype(np.float32)
         args = json.dumps({"input": f"pytest -x tests/test_{t}.py", "timeout_ms": 60000})
@@ -164,10 +167,11 @@ def session(rollout: str, turns: int, experts: bool, seed: int) -> list[Any]:
     return out
 
 
-def workload(rollouts: int, turns: int, experts: bool) -> list[Any]:
+def workload(rollouts: int, turns: int, experts: bool, first: int = 0) -> list[Any]:
+    """The records of sessions ``first`` .. ``first + rollouts - 1``, in put order."""
     calls: list[Any] = []
-    for r in range(rollouts):
-        calls += session(f"bench-r{r:03d}", turns, experts, seed=r + (1000 if experts else 0))
+    for r in range(first, first + rollouts):
+        calls += session(f"bench-r{r:05d}", turns, experts, seed=r * 2 + int(experts))
     return calls
 
 
@@ -199,11 +203,29 @@ def _same(a: Any, b: Any) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in fields) and a.status == b.status
 
 
-async def measure(calls: list[Any], store_dir: Path, pages: bool) -> dict[str, float]:
-    """Put every call on a new store; the writer thread's CPU per put, or (``pages``) the WAL
-    bytes per put with automatic checkpoints off."""
+async def prefill(calls: list[Any], store_dir: Path) -> None:
+    """A store holding ``calls`` (other rollouts), for runs on a store that is not new."""
     from capture_proxy.store.sqlite import SQLiteStore
 
+    store = SQLiteStore(store_dir, synchronous="normal")
+    await store.open()
+    try:
+        for record in calls:
+            await store.put_call(record)
+    finally:
+        await store.close()
+
+
+async def measure(
+    calls: list[Any], store_dir: Path, pages: bool, template: Path | None = None
+) -> dict[str, float]:
+    """Put every call on a new store (a copy of ``template`` when given); the writer thread's
+    CPU per put, or (``pages``) the WAL bytes per put with automatic checkpoints off."""
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    if template is not None:
+        shutil.copytree(template, store_dir)
+        (store_dir / "writer.lock").unlink(missing_ok=True)
     store = SQLiteStore(store_dir)
     await store.open()
     writer = store._writer
@@ -239,25 +261,26 @@ async def measure(calls: list[Any], store_dir: Path, pages: bool) -> dict[str, f
 
 
 def child(args: argparse.Namespace) -> int:
-    """One tree (the one imported): each experts setting, ``--repeats`` CPU runs and a pages
-    run; prints JSON."""
+    """One tree (the one imported): for each experts setting, ``--repeats`` CPU runs and a
+    pages run; prints JSON."""
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="put-cost-") as tmp:
         for setting in args.experts.split(","):
-            calls = workload(args.rollouts, args.turns, setting == "on")
+            experts = setting == "on"
+            template = None
+            if args.prefill:
+                template = Path(tmp) / f"{setting}-template"
+                others = workload(args.prefill // args.turns, args.turns, experts, first=10_000)
+                asyncio.run(prefill(others, template))
+                del others
+            calls = workload(args.rollouts, args.turns, experts)
             runs = [
-                asyncio.run(measure(calls, Path(tmp) / f"{setting}-{i}", pages=False))
+                asyncio.run(measure(calls, Path(tmp) / f"{setting}-{i}", False, template))
                 for i in range(args.repeats)
             ]
-            page_run = asyncio.run(measure(calls, Path(tmp) / f"{setting}-pages", pages=True))
-            out[setting] = {
-                "user_ms": statistics.median(r["user_ms"] for r in runs),
-                "sys_ms": statistics.median(r["sys_ms"] for r in runs),
-                "total_ms": statistics.median(r["user_ms"] + r["sys_ms"] for r in runs),
-                "pages": page_run["pages"],
-                "wal_kb": page_run["wal_kb"],
-                "calls": len(calls),
-            }
+            page_dir = Path(tmp) / f"{setting}-pages"
+            page_run = asyncio.run(measure(calls, page_dir, True, template))
+            out[setting] = {"runs": runs, "pages": page_run["pages"], "wal_kb": page_run["wal_kb"]}
     print(json.dumps(out))
     return 0
 
@@ -268,11 +291,42 @@ def run_tree(name: str, src: str | None, args: argparse.Namespace) -> dict[str, 
         env["PYTHONPATH"] = str(Path(src).resolve())
     argv = [sys.executable, __file__, "--child", "--experts", args.experts]
     argv += ["--rollouts", str(args.rollouts), "--turns", str(args.turns)]
-    argv += ["--repeats", str(args.repeats)]
+    argv += ["--repeats", str(args.repeats), "--prefill", str(args.prefill)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _total(result: dict[str, Any]) -> float:
+    return statistics.median(r["user_ms"] + r["sys_ms"] for r in result["runs"])
+
+
+def report(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
+    """Medians over every run of every round; with a baseline, the ratio this / @base of the
+    total, round by round (the trees alternate, so a drift of the machine's speed cancels)."""
+    print(
+        f"{args.rollouts} sessions x {args.turns} calls on a store of {args.prefill} calls, "
+        f"synchronous=full, writer thread per put; {len(rounds)} rounds x {args.repeats} runs"
+    )
+    head = ("tree", "experts", "user ms", "sys ms", "total", "pages", "KB", "vs base")
+    print(f"{head[0]:8} {head[1]:8} " + " ".join(f"{h:>8}" for h in head[2:]))
+    for name in rounds[0]:
+        for setting in rounds[0][name]:
+            runs = [r for rnd in rounds for r in rnd[name][setting]["runs"]]
+            last = rounds[-1][name][setting]
+            ratio = ""
+            if name != "@base" and "@base" in rounds[0]:
+                pairs = [
+                    _total(rnd[name][setting]) / _total(rnd["@base"][setting]) for rnd in rounds
+                ]
+                ratio = f"{statistics.median(pairs):8.2f}"
+            print(
+                f"{name:8} {setting:8} {statistics.median(r['user_ms'] for r in runs):8.3f} "
+                f"{statistics.median(r['sys_ms'] for r in runs):8.3f} "
+                f"{statistics.median(r['user_ms'] + r['sys_ms'] for r in runs):8.3f} "
+                f"{last['pages']:8.2f} {last['wal_kb']:8.1f} {ratio}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,23 +334,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollouts", type=int, default=20, help="sessions, one rollout each")
     p.add_argument("--turns", type=int, default=16, help="calls per session")
     p.add_argument("--experts", default="off,on", help="routed experts: off, on or off,on")
-    p.add_argument("--repeats", type=int, default=3, help="CPU runs per tree (median)")
+    p.add_argument("--repeats", type=int, default=3, help="CPU runs per tree and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the trees in turn")
+    p.add_argument(
+        "--prefill", type=int, default=0, help="calls of other rollouts in the store first"
+    )
     p.add_argument("--baseline-src", metavar="DIR", help="also run this source tree as @base")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args)
     trees = [("this", None)] + ([("@base", args.baseline_src)] if args.baseline_src else [])
-    results = {name: run_tree(name, src, args) for name, src in trees}
-    print(f"{args.rollouts} sessions x {args.turns} calls, synchronous=full, per put:")
-    head = ("tree", "experts", "user ms", "sys ms", "total", "pages", "KB")
-    print(f"{head[0]:8} {head[1]:8} " + " ".join(f"{h:>8}" for h in head[2:]))
-    for name, by_setting in results.items():
-        for setting, r in by_setting.items():
-            print(
-                f"{name:8} {setting:8} {r['user_ms']:8.3f} {r['sys_ms']:8.3f} "
-                f"{r['total_ms']:8.3f} {r['pages']:8.2f} {r['wal_kb']:8.1f}"
-            )
+    rounds = [{name: run_tree(name, src, args) for name, src in trees} for _ in range(args.rounds)]
+    report(rounds, args)
     return 0
 
 

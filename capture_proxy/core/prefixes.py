@@ -33,21 +33,28 @@ class StoredPrefix:
     tokens_sha256: bytes
 
 
+def _u4_view(tokens: np.ndarray) -> memoryview:
+    """The ``<u4`` bytes of ``tokens`` as a flat view (no copy for a contiguous uint32 array):
+    hashed in place, where ``tobytes`` would copy."""
+    return np.ascontiguousarray(tokens.astype("<u4", copy=False)).data.cast("B")
+
+
 def _token_hash(
     prompt: np.ndarray, lengths: Iterable[int]
-) -> tuple[dict[int, bytes], hashlib._Hash, np.ndarray, int]:
+) -> tuple[dict[int, bytes], hashlib._Hash, memoryview, int]:
     """The SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
-    in one pass; then the hash state at the last of them, the ``<u4`` prompt and that length
-    (so a caller may go on to the whole prompt without hashing its head again)."""
-    data = np.ascontiguousarray(prompt.astype("<u4", copy=False))
+    in one pass; then the hash state at the last of them, the prompt's bytes and how many of
+    them are hashed (so a caller may go on to the whole prompt without hashing its head
+    again)."""
+    data = _u4_view(prompt)
     h = hashlib.sha256()
     out: dict[int, bytes] = {}
     done = 0
     for n in sorted(set(lengths)):
-        if n > data.shape[0] or n < 0:
+        if n > prompt.shape[0] or n < 0:
             continue
-        h.update(data[done:n])  # a contiguous slice: hashed in place, no copy
-        done = n
+        h.update(data[done : 4 * n])
+        done = 4 * n
         out[n] = h.copy().digest()
     return out, h, data, done
 
@@ -97,5 +104,5 @@ def choose_with_digest(
     fitting = _fitting(prompt, candidates, exclude)
     digests, h, data, done = _token_hash(prompt, (c.num_tokens for c in fitting))
     h.update(data[done:])
-    h.update(np.ascontiguousarray(generation.astype("<u4", copy=False)))
+    h.update(_u4_view(generation))
     return (_deepest(fitting, digests) if fitting else None), h.digest()

@@ -73,7 +73,7 @@ from capture_proxy.core.codec import PromptParent, RequestEncoding
 from capture_proxy.core.episodes import episode_glob
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, choose_with_digest
 from capture_proxy.core.records import CallRecord
-from capture_proxy.core.stored_form import COLUMNS, column_values
+from capture_proxy.core.stored_form import COLUMNS, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.sql import SQLITE
@@ -101,9 +101,15 @@ _INSERT_CALL = (
 # depth of the record's verified parent when that is a stored complete call of the rollout with
 # output, no longer than the prompt (the linker checked its tokens are a prefix; the subquery
 # reads its one row), else at 0: the deepest candidate wins and the parent is one, so a call of
-# a long rollout reads a row or two, not every call before it.
+# a long rollout reads a row or two, not every call before it. The verified parent's
+# ``StoredMessages`` columns come with it (it is nearly always the one chosen): SQLite seeks
+# a candidate's table row only when a column outside the index is read, so only its row is.
 _CANDIDATES = (
-    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256 "
+    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
+    "CASE WHEN call_id = :parent THEN prompt_parent_call_id END, "
+    "CASE WHEN call_id = :parent THEN messages_prefix_len END, "
+    "CASE WHEN call_id = :parent THEN num_messages END, "
+    "CASE WHEN call_id = :parent THEN messages_chain END "
     "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = :rollout AND status = 'complete' "
     "AND num_generation_tokens > 0 "
     "AND num_prompt_tokens + num_generation_tokens BETWEEN COALESCE((SELECT "
@@ -115,27 +121,49 @@ _CANDIDATES = (
 
 def _candidates(
     db: sqlite3.Connection, record: CallRecord, parent: str | None
-) -> list[StoredPrefix]:
+) -> tuple[list[StoredPrefix], StoredMessages | None]:
     """The rollout's complete calls with output whose prompt + generation length is in
     ``[depth of parent, len(record prompt)]`` (``parent``: a call id or None, depth 0): the
-    prompt parents it may have (an index range: the rows read are the ones returned)."""
+    prompt parents it may have (an index range: the rows read are the ones returned); and
+    ``parent``'s ``StoredMessages`` when it is among them."""
     args = {"rollout": record.rollout_id, "parent": parent, "prompt": record.num_prompt_tokens}
-    return [StoredPrefix(r[0], r[1], r[2], r[3]) for r in db.execute(_CANDIDATES, args)]
+    prefixes, messages = [], None
+    for r in db.execute(_CANDIDATES, args):
+        prefixes.append(StoredPrefix(r[0], r[1], r[2], r[3]))
+        if r[0] == parent:
+            messages = StoredMessages(r[0], r[4], r[5], r[6], r[7])
+    return prefixes, messages
 
 
-def _prompt_parent(db: sqlite3.Connection, record: CallRecord) -> tuple[PromptParent | None, bytes]:
+def _prompt_parent(
+    db: sqlite3.Connection, record: CallRecord
+) -> tuple[PromptParent | None, bytes, StoredMessages | None]:
     """The record's prompt parent among the rollout's stored calls (inside the put's
-    transaction: no candidate can appear or vanish before the insert), and the record's
-    ``tokens_sha256`` from the same pass over its prompt. Only candidates at least as deep as
-    the verified parent are read (``_CANDIDATES``); a parent that is not a prefix, a record put
-    by hand, falls back to all."""
+    transaction: no candidate can appear or vanish before the insert), the record's
+    ``tokens_sha256`` from the same pass over its prompt, and the verified parent's
+    ``StoredMessages`` when it was read. Only candidates at least as deep as the verified
+    parent are read (``_CANDIDATES``); a parent that is not a prefix, a record put by hand,
+    falls back to all."""
     prompt, generation = record.prompt_token_ids, record.generation_token_ids
-    parent, digest = choose_with_digest(
-        prompt, generation, _candidates(db, record, record.parent_call_id), exclude=record.call_id
-    )
+    prefixes, messages = _candidates(db, record, record.parent_call_id)
+    parent, digest = choose_with_digest(prompt, generation, prefixes, exclude=record.call_id)
     if parent is None and record.parent_call_id is not None:
-        parent = choose_prompt_parent(prompt, _candidates(db, record, None), exclude=record.call_id)
-    return parent, digest
+        prefixes = _candidates(db, record, None)[0]
+        parent = choose_prompt_parent(prompt, prefixes, exclude=record.call_id)
+    return parent, digest, messages
+
+
+def _lookup(
+    db: sqlite3.Connection, known: StoredMessages | None
+) -> Callable[[str], StoredMessages | None]:
+    """A stored call's ``StoredMessages``: ``known`` for its call, else one row read."""
+
+    def lookup(call_id: str) -> StoredMessages | None:
+        if known is not None and call_id == known.call_id:
+            return known
+        return sql.stored_messages(SQLITE, db, call_id)
+
+    return lookup
 
 
 class SQLiteStore(SQLStore):
@@ -333,13 +361,9 @@ class SQLiteStore(SQLStore):
             frozen = rollout is not None and rollout.frozen
             may_recount = lifecycle.may_recount(record)
             links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
-            parent, tokens_sha256 = _prompt_parent(db, record)
+            parent, tokens_sha256, known = _prompt_parent(db, record)
             enc = lifecycle.encode_with_parent(
-                record,
-                request,
-                parent,
-                lambda c: sql.stored_messages(SQLITE, db, c),
-                tokens_sha256,
+                record, request, parent, _lookup(db, known), tokens_sha256
             )
             written = 0
             cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
