@@ -40,7 +40,6 @@ from capture_proxy.core.records import (
 )
 from capture_proxy.core.stored_form import (
     DIGEST_LEN,
-    REF_MIN_BYTES,
     CorruptRecord,
     EncodedRecord,
     MessageDigests,
@@ -50,6 +49,7 @@ from capture_proxy.core.stored_form import (
     delta_items,
     json_sha256,
     meta_text,
+    received_refs,
     token_digest,
 )
 
@@ -131,31 +131,6 @@ def _encoded_tools_ref(request: RequestEncoding, blobs: dict[str, str]) -> str |
     return request.tools_sha256
 
 
-def _received_refs(
-    received: Mapping[str, Any] | None, request: RequestEncoding, blobs: dict[str, str]
-) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
-    """The received body's small values inline, and its large ones (a system prompt, a tools
-    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``. A
-    value that is the request's tools list itself (the chat front keeps the body's object)
-    takes the text and address ``request`` computed already."""
-    if received is None:
-        return None, None
-    inline: dict[str, Any] = {}
-    refs: dict[str, str] = {}
-    for key, value in received.items():
-        if value is request.tools and request.tools_text is not None:
-            text, sha = request.tools_text, request.tools_sha256
-        else:
-            text, sha = canonical_json(value), None
-        if len(text) >= REF_MIN_BYTES:
-            sha = sha or json_sha256(text)
-            blobs[sha] = text
-            refs[key] = sha
-        else:
-            inline[key] = value
-    return inline, refs or None
-
-
 def _decode_received(
     encoded: EncodedRecord, meta: Mapping[str, Any], parsed: dict[str, Any] | None
 ) -> dict[str, Any] | None:
@@ -213,8 +188,12 @@ def _meta_of(
         "api": record.api,
         "sampling": record.sampling,
     }
-    meta["request_received"], meta["request_received_blobs"] = _received_refs(
-        record.request_received, request, blobs
+    meta["request_received"], meta["request_received_blobs"] = received_refs(
+        record.request_received,
+        blobs,
+        tools=request.tools,
+        tools_text=request.tools_text,
+        tools_sha256=request.tools_sha256,
     )
     return meta
 

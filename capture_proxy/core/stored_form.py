@@ -2,8 +2,8 @@
 keeps), the canonical JSON text that digests and content addresses use, the messages' chain
 digests, what a store keeps per call to split a child's messages without reading any
 (``StoredMessages``, ``common_messages_prefix``), and the pieces of a record's metadata that
-encoding and migration write alike (``meta_text``, ``tools_ref``, ``delta_items``);
-``StoredMeta`` is the metadata's shape.
+encoding and migration write alike (``meta_text``, ``tools_ref``, ``delta_items``,
+``received_refs``); ``StoredMeta`` is the metadata's shape.
 
 Pure: no I/O. Owns no decision about which stored call is a parent (``prefixes``, the stores)
 nor the mapping from a ``CallRecord`` (``codec``) nor the steps between versions
@@ -308,6 +308,52 @@ def tools_ref(tools: Any, blobs: dict[str, str]) -> str | None:
     sha = json_sha256(text)
     blobs[sha] = text
     return sha
+
+
+def _short_scalar(value: Any) -> bool:
+    """True for a value whose canonical text is surely shorter than ``REF_MIN_BYTES``: None, a
+    bool, a float, an int below 10**18, a str of fewer than 80 characters (an escape writes a
+    character in at most 6)."""
+    kind = type(value)
+    if kind is str:
+        return len(value) < 80
+    if kind is int:
+        return -(10**18) < value < 10**18
+    return value is None or kind is bool or kind is float
+
+
+def received_refs(
+    received: Mapping[str, Any] | None,
+    blobs: dict[str, str],
+    *,
+    tools: Any = None,
+    tools_text: str | None = None,
+    tools_sha256: str | None = None,
+) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+    """The received body's small values inline, and its large ones (a system prompt, a tools
+    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``, their
+    texts added to ``blobs``. A value that is ``tools`` itself (the request's tools list: the
+    chat front keeps the body's object) takes ``tools_text`` and ``tools_sha256``, its text
+    and address computed already."""
+    if received is None:
+        return None, None
+    inline: dict[str, Any] = {}
+    refs: dict[str, str] = {}
+    for key, value in received.items():
+        if _short_scalar(value):  # its text is shorter than REF_MIN_BYTES: not written here
+            inline[key] = value
+            continue
+        if value is tools and tools_text is not None:
+            text, sha = tools_text, tools_sha256
+        else:
+            text, sha = canonical_json(value), None
+        if len(text) >= REF_MIN_BYTES:
+            sha = sha or json_sha256(text)
+            blobs[sha] = text
+            refs[key] = sha
+        else:
+            inline[key] = value
+    return inline, refs or None
 
 
 def delta_items(

@@ -73,7 +73,7 @@ from capture_proxy.core.codec import PromptParent, RequestEncoding
 from capture_proxy.core.episodes import episode_glob
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, choose_with_digest
 from capture_proxy.core.records import CallRecord
-from capture_proxy.core.stored_form import COLUMNS, StoredMessages, column_values
+from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.sql import SQLITE
@@ -86,6 +86,8 @@ DB_FILE_NAME = "captures.sqlite3"
 WRITER_LOCK_NAME = "writer.lock"
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
+#: Content addresses a writer remembers as stored (``SQLiteStore._stored_blobs``) at most.
+_STORED_BLOBS_MAX = 4096
 
 T = TypeVar("T")
 
@@ -200,6 +202,10 @@ class SQLiteStore(SQLStore):
         self._rdb: sqlite3.Connection | None = None  # reader thread only
         self.exclusive = exclusive
         self._lock_file: IO[str] | None = None
+        #: Content addresses of JSON texts committed by this writer and not deleted since
+        #: (writer thread only): a put skips their insert (a session's tools list is on every
+        #: call). Cleared by every other write transaction, the only ones that delete texts.
+        self._stored_blobs: set[bytes] = set()
 
     # --- threads -------------------------------------------------------------------------
 
@@ -338,6 +344,7 @@ class SQLiteStore(SQLStore):
     ) -> T:
         """One ``BEGIN IMMEDIATE`` transaction (writes serialise on the one writer thread, so
         ``rollout_id`` needs no lock of its own)."""
+        self._stored_blobs.clear()  # it may delete texts
         return write_transaction(db, body)
 
     def _read_transaction(self, db: sqlite3.Connection, body: Callable[[], T]) -> T:
@@ -351,11 +358,13 @@ class SQLiteStore(SQLStore):
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    @staticmethod
-    def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
-        """Store one record (writer thread); the JSON bytes new to the store."""
+    def _put(
+        self, db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None
+    ) -> int:
+        """Store one record (writer thread); the bytes new to the store."""
+        stored_blobs = self._stored_blobs
 
-        def body() -> int:
+        def body() -> tuple[int, EncodedRecord | None]:
             tomb, rollout = sql.state(SQLITE, db, record.rollout_id)
             lifecycle.refuse_deleted(record, tomb is not None)
             frozen = rollout is not None and rollout.frozen
@@ -369,7 +378,9 @@ class SQLiteStore(SQLStore):
             cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
             inserted = bool(cur.rowcount)
             if inserted:
-                written = sql.encoded_bytes(enc) + sql.store_json(SQLITE, db, enc)
+                written = sql.encoded_bytes(enc) + sql.store_json(
+                    SQLITE, db, enc, known=stored_blobs
+                )
                 db.execute(sql.COUNT_CALLS, (1,))
             else:
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
@@ -387,9 +398,14 @@ class SQLiteStore(SQLStore):
                     effect.recount,
                 ),
             )
-            return written
+            return written, enc if inserted else None  # a re-put's texts may be others
 
-        return write_transaction(db, body)
+        written, stored = write_transaction(db, body)
+        if stored is not None:  # committed
+            if len(stored_blobs) > _STORED_BLOBS_MAX:
+                stored_blobs.clear()
+            stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
+        return written
 
     @staticmethod
     def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:
