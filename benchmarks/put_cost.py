@@ -1,33 +1,34 @@
-"""The SQLite store's writer thread: CPU per ``put_call`` and database pages per commit, this
-tree against another (``--baseline-src``) in the same run (issue 22: the writer's share of
-the proxy's CPU per call).
+"""The store's put: the SQLite writer thread's CPU per ``put_call`` and database pages per
+commit (or, ``--postgres``, the PostgreSQL store's), this tree against another
+(``--baseline-src``) in the same run (issue 22: the writer's share of the proxy's CPU per call).
 
 Workload: ``--rollouts`` agent sessions of ``--turns`` calls each, stored in chain order as the
 proxy stores them: each call's prompt is its parent's prompt + generation + a tool result
 (a 1,200-token first prompt; 40-160 generated tokens; 150-300 tokens of tool result), with
 float32 log probs, the session's messages (a 3 KB system prompt, the task, then assistant
 tool calls and tool results), an 8-tool list (also in the received body, as the chat front
-keeps it), the linker's ``linking`` and a verified ``parent_call_id``, and the
-``RequestEncoding`` the proxy computes ahead. ``--experts on`` adds routed experts
-``uint8[new rows, 48, 8]`` (the rows after the parent's). The records are built before the
-clock starts.
+keeps it), the linker's ``linking`` and a verified ``parent_call_id``, random call ids (as the
+proxy's), and the ``RequestEncoding`` the proxy computes ahead (on the main thread, not
+measured). ``--experts on`` adds routed experts ``uint8[new rows, 48, 8]`` (the rows after
+the parent's). ``--prefill N``: the store holds N calls of other sessions first.
 
-Each tree runs in a subprocess of its own (``--tree``: its package is imported from there; the
-workload is this file's, so both store the same records), on a new store with the defaults
-(``synchronous=full``: one fsync per commit), and puts the records one at a time through the
-real threaded ``SQLiteStore``. Figures:
-- ``user ms/put``, ``sys ms/put``: the writer thread's own CPU (``getrusage(RUSAGE_THREAD)``
+Each tree runs in a subprocess of its own (``PYTHONPATH``: its package is imported from there;
+the workload is this file's, so both store the same records), on a new store with the
+defaults (``synchronous=full``: one fsync per commit), and puts the records one at a time
+through the real threaded store. Figures:
+- ``user ms``, ``sys ms``: the writer thread's own CPU per put (``getrusage(RUSAGE_THREAD)``
   taken on the writer thread before and after) over all puts of a run; ``--rounds`` rounds
   of ``--repeats`` runs per tree, the trees in turn; medians over all runs, and ``vs base``
-  the median over rounds of this tree's total / the baseline's;
-- ``pages/commit``: WAL frames appended per put (a second pass with automatic checkpoints
-  off, so the WAL holds every frame written; its size / (page size + 24));
-- ``KB/commit``: the same in bytes.
-Every record is read back after the run and compared with what was put (tokens, log probs,
-experts, messages, tools, metadata): a tree that stores something else fails.
+  the median over rounds of this tree's total / the baseline's. PostgreSQL: ``user ms`` is
+  the store thread's CPU (user + system, ``schedstat``), ``sys ms`` the server's processes'
+  (clock ticks), per put, through one pooled connection;
+- ``pages``: WAL frames appended per put (a second pass with automatic checkpoints off, so
+  the WAL holds every frame written; its size / (page size + 24)); ``KB`` the same in bytes.
+Every record is read back after the pages pass and compared with what was put (tokens, log
+probs, experts, messages, tools, metadata): a tree that stores something else fails.
 
-Run: ``.venv/bin/python benchmarks/put_cost.py [--baseline-src DIR] [--experts off,on]``
-(``DIR``: e.g. ``git archive main | tar -x -C DIR``).
+Run: ``.venv/bin/python benchmarks/put_cost.py [--baseline-src DIR] [--experts off,on]
+[--postgres]`` (``DIR``: e.g. ``git archive main | tar -x -C DIR``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import resource
 import shutil
@@ -260,6 +262,47 @@ async def measure(
         await store.close()
 
 
+def _task_cpu_ns(tid: int) -> int:
+    """CPU time of one of this process's threads (``schedstat``: nanoseconds, exact)."""
+    return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+
+
+def _tree_cpu_s(pid: int) -> float:
+    """CPU seconds of ``pid`` and its children (PostgreSQL's backends; clock ticks)."""
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if entry.name == str(pid) or stat[1] == str(pid):
+                total += int(stat[11]) + int(stat[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def measure_pg(calls: list[Any], url: str, server_pid: int) -> dict[str, float]:
+    """Put every call on a new PostgreSQL database through one pooled connection (the
+    proxy's case at one client): the store thread's CPU per put (``user_ms``: all of it, user
+    and system) and the server's (``sys_ms``: its processes, in clock ticks)."""
+    from capture_proxy.store.postgres import PostgresStore
+
+    store = PostgresStore(url, pool_size=1)
+    await store.open()
+    try:
+        assert store._worker is not None
+        tid = store._worker._threads[0].native_id
+        assert tid is not None
+        c0, s0 = _task_cpu_ns(tid), _tree_cpu_s(server_pid)
+        for record in calls:
+            await store.put_call(record, main_thread_work(record))
+        c1, s1 = _task_cpu_ns(tid), _tree_cpu_s(server_pid)
+    finally:
+        await store.close()
+    n = len(calls)
+    return {"user_ms": (c1 - c0) / 1e6 / n, "sys_ms": (s1 - s0) * 1000 / n}
+
+
 def child(args: argparse.Namespace) -> int:
     """One tree (the one imported): for each experts setting, ``--repeats`` CPU runs and a
     pages run; prints JSON."""
@@ -274,6 +317,15 @@ def child(args: argparse.Namespace) -> int:
                 asyncio.run(prefill(others, template))
                 del others
             calls = workload(args.rollouts, args.turns, experts)
+            if args.pg_urls:
+                urls = args.pg_urls.split(",")
+                runs = [
+                    asyncio.run(measure_pg(calls, urls.pop(), args.pg_pid))
+                    for _ in range(args.repeats)
+                ]
+                out[setting] = {"runs": runs, "pages": math.nan, "wal_kb": math.nan}
+                args.pg_urls = ",".join(urls)
+                continue
             runs = [
                 asyncio.run(measure(calls, Path(tmp) / f"{setting}-{i}", False, template))
                 for i in range(args.repeats)
@@ -285,13 +337,21 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_tree(name: str, src: str | None, args: argparse.Namespace) -> dict[str, Any]:
+def run_tree(
+    name: str, src: str | None, args: argparse.Namespace, pg: Any = None
+) -> dict[str, Any]:
+    """One child run of a tree (``pg``: a ``PostgresServer``, for the PostgreSQL store)."""
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = str(Path(src).resolve())
     argv = [sys.executable, __file__, "--child", "--experts", args.experts]
     argv += ["--rollouts", str(args.rollouts), "--turns", str(args.turns)]
     argv += ["--repeats", str(args.repeats), "--prefill", str(args.prefill)]
+    if pg is not None:
+        assert pg.proc is not None
+        count = args.repeats * len(args.experts.split(","))
+        argv += ["--pg-pid", str(pg.proc.pid)]
+        argv += ["--pg-urls", ",".join(pg.create_database() for _ in range(count))]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{name}: exit {done.returncode}\n{done.stderr}")
@@ -310,6 +370,8 @@ def report(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) ->
         f"synchronous=full, writer thread per put; {len(rounds)} rounds x {args.repeats} runs"
     )
     head = ("tree", "experts", "user ms", "sys ms", "total", "pages", "KB", "vs base")
+    if args.postgres:
+        print("PostgreSQL: user ms = the store thread's CPU, sys ms = the server's (ticks)")
     print(f"{head[0]:8} {head[1]:8} " + " ".join(f"{h:>8}" for h in head[2:]))
     for name in rounds[0]:
         for setting in rounds[0][name]:
@@ -340,12 +402,35 @@ def main(argv: list[str] | None = None) -> int:
         "--prefill", type=int, default=0, help="calls of other rollouts in the store first"
     )
     p.add_argument("--baseline-src", metavar="DIR", help="also run this source tree as @base")
+    p.add_argument(
+        "--postgres",
+        action="store_true",
+        help="the PostgreSQL store instead (a throwaway server): ms/put of its thread and server",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--pg-urls", help=argparse.SUPPRESS)
+    p.add_argument("--pg-pid", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         return child(args)
     trees = [("this", None)] + ([("@base", args.baseline_src)] if args.baseline_src else [])
-    rounds = [{name: run_tree(name, src, args) for name, src in trees} for _ in range(args.rounds)]
+    pg = None
+    if args.postgres:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from benchmarks.infra import PostgresServer, postgres_bin_dir
+
+        bin_dir = postgres_bin_dir()
+        if bin_dir is None:
+            raise SystemExit("PostgreSQL is not installed (scripts/install-postgres)")
+        pg = PostgresServer(bin_dir)
+        pg.start()
+    try:
+        rounds = [
+            {name: run_tree(name, src, args, pg) for name, src in trees} for _ in range(args.rounds)
+        ]
+    finally:
+        if pg is not None:
+            pg.stop()
     report(rounds, args)
     return 0
 
