@@ -120,13 +120,17 @@ def encoded_bytes(enc: EncodedRecord) -> int:
     """The bytes of a call's own row: metadata, arrays and message delta (not the database's
     page overhead)."""
     return (
-        len(enc.meta.encode())
+        _utf8_len(enc.meta)
         + len(enc.prompt_token_ids)
         + len(enc.generation_token_ids)
         + len(enc.generation_log_probs)
         + len(enc.routed_experts or b"")
-        + len(enc.messages_delta.encode())
+        + _utf8_len(enc.messages_delta)
     )
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def blobs_of(d: Dialect, db: Conn, calls_sql: str, args: tuple[Any, ...]) -> dict[str, str]:

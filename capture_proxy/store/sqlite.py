@@ -97,6 +97,13 @@ _INSERT_CALL = (
     f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
 )
 
+# What a put needs of its rollout's state (``lifecycle``): tombstoned, frozen (two key reads,
+# none of the rollout's texts).
+_PUT_STATE = (
+    "SELECT EXISTS (SELECT 1 FROM tombstones WHERE rollout_id = ?), "
+    "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL)"
+)
+
 # The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
 # of the partial index ``calls_by_prefix`` (literal ``'complete'``, so that the planner may
 # use it), read from the index alone, never the rollout's other rows. The range starts at the
@@ -365,9 +372,9 @@ class SQLiteStore(SQLStore):
         stored_blobs = self._stored_blobs
 
         def body() -> tuple[int, EncodedRecord | None]:
-            tomb, rollout = sql.state(SQLITE, db, record.rollout_id)
-            lifecycle.refuse_deleted(record, tomb is not None)
-            frozen = rollout is not None and rollout.frozen
+            tombstoned, frozen = db.execute(_PUT_STATE, (record.rollout_id,) * 2).fetchone()
+            lifecycle.refuse_deleted(record, bool(tombstoned))
+            frozen = bool(frozen)
             may_recount = lifecycle.may_recount(record)
             links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
             parent, tokens_sha256, known = _prompt_parent(db, record)
