@@ -71,10 +71,16 @@ class Linker:
         #: facts of the messages of the requests this process saw lately
         self.known_messages = KnownMessages()
 
-    async def _index(self, rollout_id: str) -> LinkIndex:
+    def _cached_index(self, rollout_id: str) -> LinkIndex | None:
+        """The rollout's index when it is in memory (marked most recently used)."""
         index = self._indexes.get(rollout_id)
         if index is not None:
             self._indexes.move_to_end(rollout_id)
+        return index
+
+    async def _index(self, rollout_id: str) -> LinkIndex:
+        index = self._cached_index(rollout_id)
+        if index is not None:
             return index
         lock = self._locks.setdefault(rollout_id, asyncio.Lock())
         async with lock:
@@ -129,7 +135,7 @@ class Linker:
         header; or this call failed or was left incomplete), else a sibling sample.
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``."""
         step = resolve_step(
-            await self._index(rollout_id),
+            self._cached_index(rollout_id) or await self._index(rollout_id),
             rollout_id,
             linking_messages,
             body,
@@ -147,7 +153,8 @@ class Linker:
     ) -> None:
         """Make a persisted call findable by its children (by digest, and its record in
         memory, with the facts of its request messages)."""
-        add_record(await self._index(record.rollout_id), record)
+        rollout_id = record.rollout_id
+        add_record(self._cached_index(rollout_id) or await self._index(rollout_id), record)
         self.recent.put(record, message_facts)
 
     def message_facts(self, call_id: str) -> tuple[MessageFacts, ...] | None:
