@@ -199,6 +199,13 @@ class PrefixIndex:
     ) -> PromptParent | None:
         """The deepest filed call of ``model`` (ties: earliest ``created_at``, then smallest
         call id) whose prompt + generation ids begin ``prompt``, other than ``exclude``."""
+        call = self.deepest_call(prompt, model=model, exclude=exclude)
+        return None if call is None else PromptParent(call.call_id, call.num_tokens)
+
+    def deepest_call(
+        self, prompt: np.ndarray, *, model: str | None, exclude: str | None = None
+    ) -> StoredPrefix | None:
+        """``deepest``, as the call was filed."""
         data = prompt.astype("<u4", copy=False)
         n = data.shape[0]
         h = hashlib.sha256()
@@ -216,8 +223,7 @@ class PrefixIndex:
                 calls = node.calls[length].get(digests[length], {})
                 found = [c for c in calls.values() if c.call_id != exclude]
                 if found:
-                    best = min(found, key=lambda c: (c.created_at, c.call_id))
-                    return PromptParent(call_id=best.call_id, prefix_len=length)
+                    return min(found, key=lambda c: (c.created_at, c.call_id))
         return None
 
 

@@ -69,13 +69,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-from capture_proxy.core.codec import PromptParent, RequestEncoding
+from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, choose_with_digest
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.prefixes import StoredPrefix, token_digests
+from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
+from capture_proxy.store.prompt_parents import PromptParents
 from capture_proxy.store.sql import SQLITE
 from capture_proxy.store.sqlite_layout import migrate_layout, write_transaction
 from capture_proxy.store.transactions import SQLStore
@@ -91,10 +92,10 @@ _STORED_BLOBS_MAX = 4096
 
 T = TypeVar("T")
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``tokens_block_sha256``.
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
+    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, retry_of, tokens_block_sha256) "
+    f"VALUES ({','.join('?' * (len(COLUMNS) + 3))})"
 )
 
 # What a put needs of its rollout's state (``lifecycle``): tombstoned, frozen (two key reads,
@@ -104,62 +105,10 @@ _PUT_STATE = (
     "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL)"
 )
 
-# The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
-# of the partial index ``calls_by_prefix`` (literal ``'complete'``, so that the planner may
-# use it), read from the index alone, never the rollout's other rows. The range starts at the
-# depth of the record's verified parent when that is a stored complete call of the rollout with
-# output, no longer than the prompt (the linker checked its tokens are a prefix; the subquery
-# reads its one row), else at 0: the deepest candidate wins and the parent is one, so a call of
-# a long rollout reads a row or two, not every call before it. The verified parent's
-# ``StoredMessages`` columns come with it (it is nearly always the one chosen): SQLite seeks
-# a candidate's table row only when a column outside the index is read, so only its row is.
-_CANDIDATES = (
-    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
-    "CASE WHEN call_id = :parent THEN prompt_parent_call_id END, "
-    "CASE WHEN call_id = :parent THEN messages_prefix_len END, "
-    "CASE WHEN call_id = :parent THEN num_messages END, "
-    "CASE WHEN call_id = :parent THEN messages_chain END "
-    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = :rollout AND status = 'complete' "
-    "AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens BETWEEN COALESCE((SELECT "
-    "p.num_prompt_tokens + p.num_generation_tokens FROM calls p WHERE p.call_id = :parent "
-    "AND p.rollout_id = :rollout AND p.status = 'complete' AND p.num_generation_tokens > 0 "
-    "AND p.num_prompt_tokens + p.num_generation_tokens <= :prompt), 0) AND :prompt"
-)
 
-
-def _candidates(
-    db: sqlite3.Connection, record: CallRecord, parent: str | None
-) -> tuple[list[StoredPrefix], StoredMessages | None]:
-    """The rollout's complete calls with output whose prompt + generation length is in
-    ``[depth of parent, len(record prompt)]`` (``parent``: a call id or None, depth 0): the
-    prompt parents it may have (an index range: the rows read are the ones returned); and
-    ``parent``'s ``StoredMessages`` when it is among them."""
-    args = {"rollout": record.rollout_id, "parent": parent, "prompt": record.num_prompt_tokens}
-    prefixes, messages = [], None
-    for r in db.execute(_CANDIDATES, args):
-        prefixes.append(StoredPrefix(r[0], r[1], r[2], r[3]))
-        if r[0] == parent:
-            messages = StoredMessages(r[0], r[4], r[5], r[6], r[7])
-    return prefixes, messages
-
-
-def _prompt_parent(
-    db: sqlite3.Connection, record: CallRecord
-) -> tuple[PromptParent | None, bytes, StoredMessages | None]:
-    """The record's prompt parent among the rollout's stored calls (inside the put's
-    transaction: no candidate can appear or vanish before the insert), the record's
-    ``tokens_sha256`` from the same pass over its prompt, and the verified parent's
-    ``StoredMessages`` when it was read. Only candidates at least as deep as the verified
-    parent are read (``_CANDIDATES``); a parent that is not a prefix, a record put by hand,
-    falls back to all."""
-    prompt, generation = record.prompt_token_ids, record.generation_token_ids
-    prefixes, messages = _candidates(db, record, record.parent_call_id)
-    parent, digest = choose_with_digest(prompt, generation, prefixes, exclude=record.call_id)
-    if parent is None and record.parent_call_id is not None:
-        prefixes = _candidates(db, record, None)[0]
-        parent = choose_prompt_parent(prompt, prefixes, exclude=record.call_id)
-    return parent, digest, messages
+def _is_prompt_parent(record: CallRecord) -> bool:
+    """A call later prompts may extend (``prefixes``): complete, with output."""
+    return record.status is CallStatus.COMPLETE and record.num_generation_tokens > 0
 
 
 def _lookup(
@@ -213,6 +162,9 @@ class SQLiteStore(SQLStore):
         #: (writer thread only): a put skips their insert (a session's tools list is on every
         #: call). Cleared by every other write transaction, the only ones that delete texts.
         self._stored_blobs: set[bytes] = set()
+        #: each rollout's stored calls by their token prefixes (writer thread only): a put's
+        #: prompt parent without reading the rollout's other rows
+        self._prompt_parents = PromptParents()
 
     # --- threads -------------------------------------------------------------------------
 
@@ -352,6 +304,7 @@ class SQLiteStore(SQLStore):
         """One ``BEGIN IMMEDIATE`` transaction (writes serialise on the one writer thread, so
         ``rollout_id`` needs no lock of its own)."""
         self._stored_blobs.clear()  # it may delete texts
+        self._prompt_parents.forget(rollout_id)  # and calls
         return write_transaction(db, body)
 
     def _read_transaction(self, db: sqlite3.Connection, body: Callable[[], T]) -> T:
@@ -370,6 +323,10 @@ class SQLiteStore(SQLStore):
     ) -> int:
         """Store one record (writer thread); the bytes new to the store."""
         stored_blobs = self._stored_blobs
+        prompt_parents = self._prompt_parents
+        tokens_sha256, block_sha256 = token_digests(
+            record.prompt_token_ids, record.generation_token_ids
+        )
 
         def body() -> tuple[int, EncodedRecord | None]:
             tombstoned, frozen = db.execute(_PUT_STATE, (record.rollout_id,) * 2).fetchone()
@@ -377,12 +334,15 @@ class SQLiteStore(SQLStore):
             frozen = bool(frozen)
             may_recount = lifecycle.may_recount(record)
             links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
-            parent, tokens_sha256, known = _prompt_parent(db, record)
+            parent = prompt_parents.choose(
+                db, record.rollout_id, record.prompt_token_ids, record.call_id
+            )
             enc = lifecycle.encode_with_parent(
-                record, request, parent, _lookup(db, known), tokens_sha256
+                record, request, parent, _lookup(db, None), tokens_sha256
             )
             written = 0
-            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
+            block = block_sha256 if _is_prompt_parent(record) else None
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of, block))
             inserted = bool(cur.rowcount)
             if inserted:
                 written = sql.encoded_bytes(enc) + sql.store_json(
@@ -412,6 +372,10 @@ class SQLiteStore(SQLStore):
             if len(stored_blobs) > _STORED_BLOBS_MAX:
                 stored_blobs.clear()
             stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
+            if _is_prompt_parent(record):
+                n = record.num_prompt_tokens + record.num_generation_tokens
+                call = StoredPrefix(record.call_id, record.created_at, n, tokens_sha256)
+                prompt_parents.stored(record.rollout_id, call, block_sha256)
         return written
 
     @staticmethod

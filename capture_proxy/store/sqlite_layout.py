@@ -24,8 +24,10 @@ T = TypeVar("T")
 #: (``calls.retry_of``) and ``rollouts.incomplete_calls``, 6 the indexes that keep a put's
 #: reads bounded whatever the rollout's size (``calls_by_prefix``, ``calls_retry_links``,
 #: ``calls_late``), 7 the counts that listings and ``/health`` read instead of counting rows
-#: (``rollouts.num_calls``, the ``counters`` row ``calls``).
-LAYOUT_VERSION = 7
+#: (``rollouts.num_calls``, the ``counters`` row ``calls``), 9 the block digest a put's prompt
+#: parent is found by (``calls.tokens_block_sha256``, ``store.prompt_parents``; NULL in rows
+#: written before).
+LAYOUT_VERSION = 9
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
@@ -49,7 +51,8 @@ CREATE TABLE IF NOT EXISTS calls (
     messages_sha256 BLOB NOT NULL DEFAULT x'',
     messages_chain BLOB NOT NULL DEFAULT x'',
     late INTEGER NOT NULL DEFAULT 0,
-    retry_of TEXT
+    retry_of TEXT,
+    tokens_block_sha256 BLOB
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
 CREATE TABLE IF NOT EXISTS json_blobs (
@@ -128,6 +131,7 @@ _V4_COLUMNS = {
     "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
 }
 _V7_COLUMNS = {"rollouts": {"num_calls": "INTEGER NOT NULL DEFAULT 0"}}
+_V9_COLUMNS = {"calls": {"tokens_block_sha256": "BLOB"}}
 _V5_COLUMNS = {
     "calls": {"retry_of": "TEXT"},
     "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
@@ -184,9 +188,13 @@ def migrate_layout(db: sqlite3.Connection, db_path: Path) -> None:
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
-    """The columns of layouts 1 to 7 that an older table lacks."""
+    """The columns of layouts 1 to 9 that an older table lacks."""
     columns = {
-        "calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"] | _V5_COLUMNS["calls"],
+        "calls": _V2_COLUMNS
+        | _V3_COLUMNS
+        | _V4_COLUMNS["calls"]
+        | _V5_COLUMNS["calls"]
+        | _V9_COLUMNS["calls"],
         "rollouts": _V4_COLUMNS["rollouts"] | _V5_COLUMNS["rollouts"] | _V7_COLUMNS["rollouts"],
         "tombstones": _V4_COLUMNS["tombstones"],
     }
