@@ -35,20 +35,51 @@ class StoredPrefix:
     tokens_sha256: bytes
 
 
-def prefix_digests(prompt: np.ndarray, lengths: Iterable[int]) -> dict[int, bytes]:
-    """SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
-    in one pass over the prompt."""
-    data = prompt.astype("<u4", copy=False)
+def _u4_view(tokens: np.ndarray) -> memoryview:
+    """The ``<u4`` bytes of ``tokens`` as a flat view (no copy for a contiguous uint32 array):
+    hashed in place, where ``tobytes`` would copy."""
+    return np.ascontiguousarray(tokens.astype("<u4", copy=False)).data.cast("B")
+
+
+def _token_hash(
+    prompt: np.ndarray, lengths: Iterable[int]
+) -> tuple[dict[int, bytes], hashlib._Hash, memoryview, int]:
+    """The SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
+    in one pass; then the hash state at the last of them, the prompt's bytes and how many of
+    them are hashed (so a caller may go on to the whole prompt without hashing its head
+    again)."""
+    data = _u4_view(prompt)
     h = hashlib.sha256()
     out: dict[int, bytes] = {}
     done = 0
     for n in sorted(set(lengths)):
-        if n > data.shape[0] or n < 0:
+        if n > prompt.shape[0] or n < 0:
             continue
-        h.update(data[done:n].tobytes())
-        done = n
+        h.update(data[done : 4 * n])
+        done = 4 * n
         out[n] = h.copy().digest()
-    return out
+    return out, h, data, done
+
+
+def prefix_digests(prompt: np.ndarray, lengths: Iterable[int]) -> dict[int, bytes]:
+    """SHA-256 of ``prompt[:n]`` (as ``<u4`` bytes) for each ``n`` in ``lengths`` that fits,
+    in one pass over the prompt."""
+    return _token_hash(prompt, lengths)[0]
+
+
+def _fitting(
+    prompt: np.ndarray, candidates: Iterable[StoredPrefix], exclude: str | None
+) -> list[StoredPrefix]:
+    return [c for c in candidates if c.call_id != exclude and 0 < c.num_tokens <= prompt.shape[0]]
+
+
+def _deepest(fitting: list[StoredPrefix], digests: dict[int, bytes]) -> PromptParent | None:
+    """The deepest candidate whose digest matches (ties: earliest, then smallest call id)."""
+    matches = [c for c in fitting if digests[c.num_tokens] == c.tokens_sha256]
+    if not matches:
+        return None
+    best = min(matches, key=lambda c: (-c.num_tokens, c.created_at, c.call_id))
+    return PromptParent(call_id=best.call_id, prefix_len=best.num_tokens)
 
 
 def choose_prompt_parent(
@@ -56,11 +87,29 @@ def choose_prompt_parent(
 ) -> PromptParent | None:
     """The prompt parent of a record with ``prompt`` among ``candidates`` (the rollout's complete
     calls with a non-empty generation), or None. ``exclude``: the record's own call id."""
-    fitting = [
-        c for c in candidates if c.call_id != exclude and 0 < c.num_tokens <= prompt.shape[0]
-    ]
+    fitting = _fitting(prompt, candidates, exclude)
     if not fitting:
         return None
+    return _deepest(fitting, prefix_digests(prompt, (c.num_tokens for c in fitting)))
+
+
+def choose_with_digest(
+    prompt: np.ndarray,
+    generation: np.ndarray,
+    candidates: Iterable[StoredPrefix],
+    *,
+    exclude: str | None = None,
+) -> tuple[PromptParent | None, bytes]:
+    """``choose_prompt_parent``, and the record's own ``stored_form.token_digest`` (of
+    ``prompt`` + ``generation``) from the same pass over the prompt: a store that chooses a
+    parent hashes the prompt once, not once to choose and once to encode."""
+    fitting = _fitting(prompt, candidates, exclude)
+    digests, h, data, done = _token_hash(prompt, (c.num_tokens for c in fitting))
+    h.update(data[done:])
+    h.update(_u4_view(generation))
+    return (_deepest(fitting, digests) if fitting else None), h.digest()
+
+
     digests = prefix_digests(prompt, (c.num_tokens for c in fitting))
     matches = [c for c in fitting if digests[c.num_tokens] == c.tokens_sha256]
     if not matches:
@@ -150,6 +199,13 @@ class PrefixIndex:
     ) -> PromptParent | None:
         """The deepest filed call of ``model`` (ties: earliest ``created_at``, then smallest
         call id) whose prompt + generation ids begin ``prompt``, other than ``exclude``."""
+        call = self.deepest_call(prompt, model=model, exclude=exclude)
+        return None if call is None else PromptParent(call.call_id, call.num_tokens)
+
+    def deepest_call(
+        self, prompt: np.ndarray, *, model: str | None, exclude: str | None = None
+    ) -> StoredPrefix | None:
+        """``deepest``, as the call was filed."""
         data = prompt.astype("<u4", copy=False)
         n = data.shape[0]
         h = hashlib.sha256()
@@ -167,8 +223,7 @@ class PrefixIndex:
                 calls = node.calls[length].get(digests[length], {})
                 found = [c for c in calls.values() if c.call_id != exclude]
                 if found:
-                    best = min(found, key=lambda c: (c.created_at, c.call_id))
-                    return PromptParent(call_id=best.call_id, prefix_len=length)
+                    return min(found, key=lambda c: (c.created_at, c.call_id))
         return None
 
 

@@ -165,9 +165,10 @@ def encode_with_parent(
     request: RequestEncoding | None,
     parent: PromptParent | None,
     lookup: Callable[[str], StoredMessages | None],
+    tokens_sha256: bytes | None = None,
 ) -> EncodedRecord:
-    """``encode_call`` with the prompt parent chosen already (``prefixes.choose_prompt_parent``
-    over the candidates a store read)."""
+    """``encode_call`` with the prompt parent chosen already (``prefixes.choose_with_digest``
+    over the candidates a store read, which also gives the record's ``tokens_sha256``)."""
     encoding = (
         request
         if request is not None and request.belongs_to(record)
@@ -176,7 +177,13 @@ def encode_with_parent(
     k = 0
     if parent is not None:
         k = common_messages_prefix(encoding.message_digests, parent.call_id, lookup)
-    return encode_record(record, prompt_parent=parent, messages_prefix_len=k, request=encoding)
+    return encode_record(
+        record,
+        prompt_parent=parent,
+        messages_prefix_len=k,
+        request=encoding,
+        tokens_sha256=tokens_sha256,
+    )
 
 
 def check_re_put(stored: EncodedRecord | None, enc: EncodedRecord) -> None:

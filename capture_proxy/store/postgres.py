@@ -72,7 +72,7 @@ from typing import Any, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.completeness import RetryLink
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, choose_with_digest
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.redact import redact_url
 from capture_proxy.core.stored_form import COLUMNS, StoredMessages, column_values
@@ -332,8 +332,11 @@ class PostgresStore(SQLStore):
                 lifecycle.refuse_deleted(record, tomb is not None)
                 frozen = rollout is not None and rollout.frozen
                 prefixes, messages = _candidates(candidates.fetchall())
-                parent = choose_prompt_parent(
-                    record.prompt_token_ids, prefixes, exclude=record.call_id
+                parent, tokens_sha256 = choose_with_digest(
+                    record.prompt_token_ids,
+                    record.generation_token_ids,
+                    prefixes,
+                    exclude=record.call_id,
                 )
                 if parent is None and record.parent_call_id is not None:
                     # A parent that is not a prefix (a record put by hand): all candidates.
@@ -347,6 +350,7 @@ class PostgresStore(SQLStore):
                     request,
                     parent,
                     lambda c: messages.get(c) or sql.stored_messages(POSTGRES, db, c),
+                    tokens_sha256,
                 )
                 row = stored.fetchone()
                 if row is not None:  # stored before: the same content, or refused

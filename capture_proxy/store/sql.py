@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -166,13 +166,17 @@ def encoded_bytes(enc: EncodedRecord) -> int:
     """The bytes of a call's own row: metadata, arrays and message delta (not the database's
     page overhead)."""
     return (
-        len(enc.meta.encode())
+        _utf8_len(enc.meta)
         + len(enc.prompt_token_ids)
         + len(enc.generation_token_ids)
         + len(enc.generation_log_probs)
         + len(enc.routed_experts or b"")
-        + len(enc.messages_delta.encode())
+        + _utf8_len(enc.messages_delta)
     )
+
+
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
 
 
 def blobs_of(d: Dialect, db: Conn, calls_sql: str, args: tuple[Any, ...]) -> dict[str, str]:
@@ -182,19 +186,29 @@ def blobs_of(d: Dialect, db: Conn, calls_sql: str, args: tuple[Any, ...]) -> dic
     return {bytes(sha).hex(): text for sha, text in rows}
 
 
-def store_json(d: Dialect, db: Conn, enc: EncodedRecord, *, count: bool = True) -> int:
+def store_json(
+    d: Dialect,
+    db: Conn,
+    enc: EncodedRecord,
+    *,
+    count: bool = True,
+    known: Container[bytes] = frozenset(),
+) -> int:
     """Keep the record's content-addressed JSON (once per content) and its references, in
     SHA-256 order (one lock order across transactions). Returns the UTF-8 bytes of the texts
-    new to the store (0 when not ``count``: PostgreSQL's pipelined put reads no row counts)."""
+    new to the store (0 when not ``count``: PostgreSQL's pipelined put reads no row counts).
+    ``known``: addresses whose texts the caller knows are stored (their insert is skipped; only
+    the reference is written)."""
     written = 0
     for sha, text in sorted(enc.json_blobs.items()):
         key = bytes.fromhex(sha)
-        cur = db.execute(
-            d.sql("INSERT INTO json_blobs (sha256, json) VALUES (?, ?) ON CONFLICT DO NOTHING"),
-            (key, text),
-        )
-        if count and cur.rowcount > 0:
-            written += len(text.encode())
+        if key not in known:
+            cur = db.execute(
+                d.sql("INSERT INTO json_blobs (sha256, json) VALUES (?, ?) ON CONFLICT DO NOTHING"),
+                (key, text),
+            )
+            if count and cur.rowcount > 0:
+                written += len(text.encode())
         db.execute(
             d.sql("INSERT INTO call_json (call_id, sha256) VALUES (?, ?) ON CONFLICT DO NOTHING"),
             (enc.call_id, key),

@@ -28,8 +28,10 @@ T = TypeVar("T")
 #: reads (``rollouts.num_chains``, ``core.chain_counts``) and those of the viewer's list
 #: (``num_failed``, ``num_incomplete``, ``num_refused``, ``rollout_kinds``), the retry
 #: family's index (``calls_by_retry_of``) and the child digest a replica's refresh reads by
-#: (``calls.child_digest``, ``calls_by_child_digest``).
-LAYOUT_VERSION = 8
+#: (``calls.child_digest``, ``calls_by_child_digest``), 9 the block digest a put's prompt
+#: parent is found by (``calls.tokens_block_sha256``, ``store.prompt_parents``; NULL in rows
+#: written before).
+LAYOUT_VERSION = 9
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
@@ -54,7 +56,8 @@ CREATE TABLE IF NOT EXISTS calls (
     messages_chain BLOB NOT NULL DEFAULT x'',
     late INTEGER NOT NULL DEFAULT 0,
     retry_of TEXT,
-    child_digest TEXT
+    child_digest TEXT,
+    tokens_block_sha256 BLOB
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
 CREATE TABLE IF NOT EXISTS json_blobs (
@@ -155,6 +158,7 @@ _V8_COLUMNS = {
         "num_refused": "INTEGER NOT NULL DEFAULT 0",
     },
 }
+_V9_COLUMNS = {"calls": {"tokens_block_sha256": "BLOB"}}
 _V5_COLUMNS = {
     "calls": {"retry_of": "TEXT"},
     "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
@@ -213,13 +217,14 @@ def migrate_layout(db: sqlite3.Connection, db_path: Path) -> None:
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
-    """The columns of layouts 1 to 8 that an older table lacks."""
+    """The columns of layouts 1 to 9 that an older table lacks."""
     columns = {
         "calls": _V2_COLUMNS
         | _V3_COLUMNS
         | _V4_COLUMNS["calls"]
         | _V5_COLUMNS["calls"]
-        | _V8_COLUMNS["calls"],
+        | _V8_COLUMNS["calls"]
+        | _V9_COLUMNS["calls"],
         "rollouts": _V4_COLUMNS["rollouts"]
         | _V5_COLUMNS["rollouts"]
         | _V7_COLUMNS["rollouts"]

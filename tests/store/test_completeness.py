@@ -135,7 +135,7 @@ async def test_a_sqlite_layout_4_store_is_recounted(tmp_path):
         )
     await _assert_recounted(SQLiteStore(tmp_path / "v4"))
     with sqlite3.connect(s.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 8
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 9
         links = db.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]
 
