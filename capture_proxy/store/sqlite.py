@@ -32,7 +32,8 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
 - ``json_blobs``: content-addressed JSON (SHA-256 of the canonical text -> text): tools lists
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
-  refers to, in the same transaction.
+  refers to, in the same transaction. The writer remembers the addresses it stored (until any
+  other write transaction, which may delete) and writes only the reference for those.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
   delete, so that a listing counts no rows), the rollout-level incomplete flag
   (``incomplete``: set by ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the
