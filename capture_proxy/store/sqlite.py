@@ -212,7 +212,8 @@ class SQLiteStore(SQLStore):
         self._lock_file: IO[str] | None = None
         #: Content addresses of JSON texts committed by this writer and not deleted since
         #: (writer thread only): a put skips their insert (a session's tools list is on every
-        #: call). Cleared by every other write transaction, the only ones that delete texts.
+        #: call). Cleared by every other write transaction, the only ones that delete texts;
+        #: kept only while the writer lock is held (``exclusive``: no other process writes).
         self._stored_blobs: set[bytes] = set()
 
     # --- threads -------------------------------------------------------------------------
@@ -409,7 +410,7 @@ class SQLiteStore(SQLStore):
             return written, enc if inserted else None  # a re-put's texts may be others
 
         written, stored = write_transaction(db, body)
-        if stored is not None:  # committed
+        if stored is not None and self.exclusive:  # committed, and no other writer
             if len(stored_blobs) > _STORED_BLOBS_MAX:
                 stored_blobs.clear()
             stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
