@@ -107,24 +107,30 @@ _PUT_STATE = (
 
 # The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
 # of the partial index ``calls_by_prefix`` (literal ``'complete'``, so that the planner may
-# use it), read from the index alone, never the rollout's other rows. The range starts at the
-# depth of the record's verified parent when that is a stored complete call of the rollout with
-# output, no longer than the prompt (the linker checked its tokens are a prefix; the subquery
-# reads its one row), else at 0: the deepest candidate wins and the parent is one, so a call of
-# a long rollout reads a row or two, not every call before it. The verified parent's
-# ``StoredMessages`` columns come with it (it is nearly always the one chosen): SQLite seeks
-# a candidate's table row only when a column outside the index is read, so only its row is.
+# use it), read from the index alone, never the rollout's other rows.
+_CANDIDATES_IN = (
+    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = :rollout AND status = 'complete' "
+    "AND num_generation_tokens > 0 AND num_prompt_tokens + num_generation_tokens BETWEEN "
+)
+_CANDIDATE = "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256 "
+# All of them, from depth 0 (a call without a verified parent).
+_ALL_CANDIDATES = _CANDIDATE + _CANDIDATES_IN + "0 AND :prompt"
+# From the depth of the record's verified parent when that is a stored complete call of the
+# rollout with output, no longer than the prompt (the linker checked its tokens are a prefix;
+# the subquery reads its one row), else from 0: the deepest candidate wins and the parent is
+# one, so a call of a long rollout reads a row or two, not every call before it. The verified
+# parent's ``StoredMessages`` columns come with it (it is nearly always the one chosen): SQLite
+# seeks a candidate's table row only when a column outside the index is read, so only its row
+# is.
 _CANDIDATES = (
-    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
-    "CASE WHEN call_id = :parent THEN prompt_parent_call_id END, "
+    _CANDIDATE + ", CASE WHEN call_id = :parent THEN prompt_parent_call_id END, "
     "CASE WHEN call_id = :parent THEN messages_prefix_len END, "
     "CASE WHEN call_id = :parent THEN num_messages END, "
     "CASE WHEN call_id = :parent THEN messages_chain END "
-    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = :rollout AND status = 'complete' "
-    "AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens BETWEEN COALESCE((SELECT "
-    "p.num_prompt_tokens + p.num_generation_tokens FROM calls p WHERE p.call_id = :parent "
-    "AND p.rollout_id = :rollout AND p.status = 'complete' AND p.num_generation_tokens > 0 "
+    + _CANDIDATES_IN
+    + "COALESCE((SELECT p.num_prompt_tokens + p.num_generation_tokens FROM calls p "
+    "WHERE p.call_id = :parent AND p.rollout_id = :rollout AND p.status = 'complete' "
+    "AND p.num_generation_tokens > 0 "
     "AND p.num_prompt_tokens + p.num_generation_tokens <= :prompt), 0) AND :prompt"
 )
 
@@ -137,6 +143,8 @@ def _candidates(
     prompt parents it may have (an index range: the rows read are the ones returned); and
     ``parent``'s ``StoredMessages`` when it is among them."""
     args = {"rollout": record.rollout_id, "parent": parent, "prompt": record.num_prompt_tokens}
+    if parent is None:
+        return list(map(StoredPrefix._make, db.execute(_ALL_CANDIDATES, args))), None
     prefixes, messages = [], None
     for r in db.execute(_CANDIDATES, args):
         prefixes.append(StoredPrefix(r[0], r[1], r[2], r[3]))

@@ -8,7 +8,7 @@ import dataclasses
 import sqlite3
 
 from capture_proxy.store.sql import RETRY_LINKS, SQLITE
-from capture_proxy.store.sqlite import _CANDIDATES, SQLiteStore
+from capture_proxy.store.sqlite import _ALL_CANDIDATES, _CANDIDATES, SQLiteStore
 from tests.factories import record
 from tests.store.conftest import rows
 
@@ -50,6 +50,9 @@ async def test_sqlite_put_reads_candidates_and_retry_links_through_their_indexes
             "candidates": db.execute(
                 "EXPLAIN QUERY PLAN " + _CANDIDATES, {"rollout": "r1", "parent": "a", "prompt": 9}
             ).fetchall(),
+            "root candidates": db.execute(
+                "EXPLAIN QUERY PLAN " + _ALL_CANDIDATES, {"rollout": "r1", "prompt": 9}
+            ).fetchall(),
             "links": db.execute(
                 "EXPLAIN QUERY PLAN " + SQLITE.sql(RETRY_LINKS), ("r1",)
             ).fetchall(),
@@ -60,6 +63,9 @@ async def test_sqlite_put_reads_candidates_and_retry_links_through_their_indexes
             "SEARCH calls USING INDEX calls_by_prefix (rollout_id=? AND <expr>>? AND <expr><?)",
             "SCALAR SUBQUERY 1",  # the verified parent's depth: one row, by its call id
             "SEARCH p USING INDEX sqlite_autoindex_calls_1 (call_id=?)",
+        ],
+        "root candidates": [
+            "SEARCH calls USING INDEX calls_by_prefix (rollout_id=? AND <expr>>? AND <expr><?)"
         ],
         "links": ["SEARCH calls USING INDEX calls_retry_links (rollout_id=?)"],
     }
