@@ -311,7 +311,7 @@ def child(args: argparse.Namespace) -> int:
         for setting in args.experts.split(","):
             experts = setting == "on"
             template = None
-            if args.prefill:
+            if args.prefill and not args.pg_urls:  # SQLite only
                 template = Path(tmp) / f"{setting}-template"
                 others = workload(args.prefill // args.turns, args.turns, experts, first=10_000)
                 asyncio.run(prefill(others, template))
@@ -365,13 +365,14 @@ def _total(result: dict[str, Any]) -> float:
 def report(rounds: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> None:
     """Medians over every run of every round; with a baseline, the ratio this / @base of the
     total, round by round (the trees alternate, so a drift of the machine's speed cancels)."""
+    where = "PostgreSQL, one pooled connection" if args.postgres else "SQLite, synchronous=full"
     print(
         f"{args.rollouts} sessions x {args.turns} calls on a store of {args.prefill} calls, "
-        f"synchronous=full, writer thread per put; {len(rounds)} rounds x {args.repeats} runs"
+        f"{where}, per put; {len(rounds)} rounds x {args.repeats} runs"
     )
     head = ("tree", "experts", "user ms", "sys ms", "total", "pages", "KB", "vs base")
     if args.postgres:
-        print("PostgreSQL: user ms = the store thread's CPU, sys ms = the server's (ticks)")
+        print("user ms: the store thread's CPU (user + sys); sys ms: the server's (ticks)")
     print(f"{head[0]:8} {head[1]:8} " + " ".join(f"{h:>8}" for h in head[2:]))
     for name in rounds[0]:
         for setting in rounds[0][name]:
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="CPU runs per tree and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds, the trees in turn")
     p.add_argument(
-        "--prefill", type=int, default=0, help="calls of other rollouts in the store first"
+        "--prefill", type=int, default=0, help="SQLite: calls of other rollouts in the store first"
     )
     p.add_argument("--baseline-src", metavar="DIR", help="also run this source tree as @base")
     p.add_argument(

@@ -17,17 +17,18 @@ import bisect
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from capture_proxy.core.codec import PromptParent
 
 
-@dataclass(frozen=True)
-class StoredPrefix:
+class StoredPrefix(NamedTuple):
     """What a store keeps per call to be chosen as a prompt parent without reading arrays:
-    ``num_tokens`` = prompt + generation length, ``tokens_sha256`` = ``codec.token_digest``."""
+    ``num_tokens`` = prompt + generation length, ``tokens_sha256`` = ``codec.token_digest``.
+    A tuple, so that a store builds one per candidate row cheaply (``StoredPrefix._make``: a
+    root call of a long rollout may have thousands)."""
 
     call_id: str
     created_at: float

@@ -32,7 +32,8 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
 - ``json_blobs``: content-addressed JSON (SHA-256 of the canonical text -> text): tools lists
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
-  refers to, in the same transaction.
+  refers to, in the same transaction. The writer remembers the addresses it stored (until any
+  other write transaction, which may delete) and writes only the reference for those.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
   delete, so that a listing counts no rows), the number of chains a training read builds
   (``num_chains``, kept by every put, ``core.chain_counts``; NULL where it cannot be kept),
@@ -165,7 +166,8 @@ class SQLiteStore(SQLStore):
         self._lock_file: IO[str] | None = None
         #: Content addresses of JSON texts committed by this writer and not deleted since
         #: (writer thread only): a put skips their insert (a session's tools list is on every
-        #: call). Cleared by every other write transaction, the only ones that delete texts.
+        #: call). Cleared by every other write transaction, the only ones that delete texts;
+        #: kept only while the writer lock is held (``exclusive``: no other process writes).
         self._stored_blobs: set[bytes] = set()
         #: each rollout's stored calls by their token prefixes (writer thread only): a put's
         #: prompt parent without reading the rollout's other rows
@@ -380,7 +382,7 @@ class SQLiteStore(SQLStore):
             return written, enc if inserted else None  # a re-put's texts may be others
 
         written, stored = write_transaction(db, body)
-        if stored is not None:  # committed
+        if stored is not None and self.exclusive:  # committed, and no other writer
             if len(stored_blobs) > _STORED_BLOBS_MAX:
                 stored_blobs.clear()
             stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
