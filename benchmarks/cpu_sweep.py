@@ -1,20 +1,34 @@
-"""The load benchmark's concurrency sweep (issue 16 item 4): proxy CPU per call at C clients.
+"""The load benchmark's concurrency sweep (issue 16 item 4, issue 22): CPU per call at C clients.
 
 ``load.py --sweep`` runs this instead of its load phases. One scripted engine, two proxies (one
 per prompt mode: ``backend_template`` and ``exact_tokens`` with the scripted engine's tokenizer),
-each on its own store. For each prompt mode, streaming and not, and each concurrency C
-(default 1, 16, 256), ``max(C, --sweep-sessions)`` agent sessions of ``--steps`` calls run with
-C at a time (a new session starts when one ends), all against the same processes. The figure is
-the proxy process's CPU time (``/proc/<pid>/stat``, all threads) over the phase divided by the
-calls served, so it is per call whatever the phase's length; the calls and sessions have the
-same shape at every C, so a rise with C is what concurrency costs. Cells are run ``--repeat``
-times, interleaved (the machine's noise spreads over all of them), and the table gives the
-median and the range. Every call must succeed, and every session is checked to be one chain.
+each on its own store, and ``direct``: the same sessions sent to the engine without a proxy,
+with the body the proxy sends upstream (``Target(augment=True)``). For each target, streaming
+and not, and each concurrency C (default 1, 16, 256), ``max(C, ceil(--sweep-calls / --steps))``
+agent sessions of ``--steps`` calls run with C at a time (a new session starts when one ends),
+all against the same processes. Each session is its own rollout, or with
+``--sweep-one-rollout`` every session of a cell shares ONE rollout id (the peers' shape:
+16 clients, one rollout). Every answer is a text of exactly ``--answer-tokens`` generation
+tokens (default 32: a policy file for the scripted engine; 0: the engine's default policy,
+two tool calls then an answer); the count per call is printed.
+
+The figure is the proxy process's CPU time (``/proc/<pid>/stat``, all threads; for ``direct``
+the engine's) over the phase divided by the calls served, so it is per call whatever the
+phase's length; beside it the engine's CPU, the proxy's CPU by thread (the event loop's main
+thread, the store's writer and reader, other; user and system apart: the proxies run under
+``named_threads.py`` so that ``/proc/<pid>/task/*/comm`` names them) and the latency, with the
+direct call's figures and the ratios. The CPU clock ticks in 10 ms, so 1,000 calls per cell
+resolve 0.01 ms. The calls and sessions have the same shape at every C, so a rise with C is
+what concurrency costs. Cells are run ``--repeat`` times, interleaved (the machine's noise
+spreads over all of them), and the tables give medians (and the range). The targets of issue
+22 are printed with PASS or FAIL. Every call must succeed, and every session is checked to be
+one chain (by call ids, also when sessions share a rollout).
 
 ``--baseline-src DIR`` also runs both proxies from another source tree (``MODE@base``), in the
 same run against the same engine.
 
-Run: ``.venv/bin/python benchmarks/load.py --sweep [--repeat 3] [--sweep-concurrency 1,16,256]``.
+Run: ``.venv/bin/python benchmarks/load.py --sweep [--repeat 3] [--sweep-concurrency 1,16,256]
+[--sweep-one-rollout]``.
 """
 
 from __future__ import annotations
@@ -22,8 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +58,7 @@ from benchmarks.services import (  # noqa: E402
     free_port,
     proc_cpu_s,
     raise_fd_limit,
+    thread_cpu_s,
 )
 from benchmarks.sessions import (  # noqa: E402
     CALL_ID_HEADER,
@@ -54,9 +69,65 @@ from benchmarks.sessions import (  # noqa: E402
     request_body,
     stream_call,
 )
-from benchmarks.verification import Verification, by_rollout, verify_chains  # noqa: E402
+from benchmarks.sweep_report import DIRECT, Cell, Cells, report  # noqa: E402
+from benchmarks.verification import (  # noqa: E402
+    Verification,
+    by_rollout,
+    verify_chains,
+    verify_shared_chains,
+)
 
 MODES = ("backend_template", "exact_tokens")
+NAMED_THREADS = Path(__file__).resolve().parent / "named_threads.py"
+#: words of one token each after a space (Qwen's vocabulary): n of them and a full stop are
+#: n + 1 tokens, and the engine ends the turn with ``<|im_end|>``
+WORDS = (
+    "Step",
+    "one",
+    "of",
+    "the",
+    "plan",
+    "is",
+    "done",
+    "and",
+    "the",
+    "next",
+    "step",
+    "reads",
+    "the",
+    "module",
+    "tests",
+    "then",
+    "runs",
+    "them",
+    "again",
+    "so",
+    "we",
+    "see",
+    "whether",
+    "the",
+    "fix",
+    "holds",
+    "for",
+    "every",
+    "case",
+    "we",
+    "know",
+)
+
+
+def answer_text(tokens: int) -> str:
+    """A text the scripted engine answers in exactly ``tokens`` generation tokens (at least 3):
+    ``tokens - 2`` words, a full stop, ``<|im_end|>``."""
+    words = [WORDS[i % len(WORDS)] for i in range(tokens - 2)]
+    return " ".join(words) + "."
+
+
+def write_policy(work: Path, tokens: int) -> Path:
+    """A scripted-engine policy answering every agent call with ``answer_text(tokens)``."""
+    path = work / "policy.json"
+    path.write_text(json.dumps({"steps": [], "final": answer_text(tokens)}))
+    return path
 
 
 async def whole_call(
@@ -88,14 +159,16 @@ async def sweep_session(
     session: aiohttp.ClientSession,
     target: Target,
     rollout_id: str,
+    session_id: str,
     steps: int,
     stream: bool,
     workload: Workload,
 ) -> list[CallResult]:
-    """One agent session (as ``sessions.run_session``), streaming or not."""
+    """One agent session (as ``sessions.run_session``), streaming or not; its task names
+    ``session_id``, so sessions sharing a rollout differ from the first call."""
     messages: list[dict[str, Any]] = [
         workload.system(),
-        {"role": "user", "content": f"Task {rollout_id}."},
+        {"role": "user", "content": f"Task {session_id}."},
     ]
     results = []
     for step in range(steps):
@@ -103,7 +176,8 @@ async def sweep_session(
         if not stream:
             body.pop("stream_options", None)
         call = stream_call if stream else whole_call
-        result = await call(session, target.url(rollout_id), body, CallResult(rollout_id, step))
+        result = CallResult(rollout_id, step, session_id=session_id)
+        result = await call(session, target.url(rollout_id), body, result)
         results.append(result)
         if not result.ok:
             break
@@ -119,59 +193,73 @@ async def sweep_session(
 
 
 @dataclass
-class Cell:
-    """One phase: a prompt mode, streaming or not, C clients."""
+class Sweep:
+    """What every cell of one sweep shares."""
 
-    mode: str
-    stream: bool
-    clients: int
-    cpu_ms_per_call: float
-    calls: int
-    calls_per_s: float
-    results: list[CallResult]
+    args: argparse.Namespace
+    session: aiohttp.ClientSession
+    workload: Workload
+    engine: Service
+
+
+def _thread_delta(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]], calls: int
+) -> dict[str, tuple[float, float]]:
+    """(user, system) ms per call of each thread role between two ``thread_cpu_s`` reads."""
+    out = {}
+    for role, (u1, s1) in after.items():
+        u0, s0 = before.get(role, (0.0, 0.0))
+        out[role] = ((u1 - u0) * 1000 / calls, (s1 - s0) * 1000 / calls)
+    return out
 
 
 async def run_cell(
-    session: aiohttp.ClientSession,
-    proxy: Service,
-    mode: str,
-    stream: bool,
-    clients: int,
-    sessions: int,
-    steps: int,
-    workload: Workload,
-    tag: str,
+    sw: Sweep, name: str, target: Target, pid: int, stream: bool, clients: int, tag: str
 ) -> Cell:
-    target = Target(mode, proxy.url, capture=True)
-    pending = [f"sweep-{tag}-{mode[0]}{int(stream)}-c{clients}-{i:04d}" for i in range(sessions)]
+    """One phase: ``name``'s sessions (``pid``: the process measured) at ``clients``."""
+    n = max(clients, math.ceil(sw.args.sweep_calls / sw.args.steps))
+    cell_id = f"sweep-{tag}-{name[0]}{name.count('@')}{int(stream)}-c{clients}"
+    if sw.args.sweep_one_rollout:
+        pending = [(cell_id, f"{cell_id}-{i:04d}") for i in range(n)]
+    else:
+        pending = [(f"{cell_id}-{i:04d}",) * 2 for i in range(n)]
+    pending.reverse()
     results: list[CallResult] = []
 
     async def client() -> None:
         while pending:
-            rollout = pending.pop()
-            results.extend(await sweep_session(session, target, rollout, steps, stream, workload))
+            rollout, sid = pending.pop()
+            results.extend(
+                await sweep_session(
+                    sw.session, target, rollout, sid, sw.args.steps, stream, sw.workload
+                )
+            )
 
-    cpu0, t0 = proc_cpu_s(proxy.pid), time.perf_counter()
+    threads0 = thread_cpu_s(pid) if name != DIRECT else {}
+    cpu0, eng0, t0 = proc_cpu_s(pid), proc_cpu_s(sw.engine.pid), time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    cpu1, wall = proc_cpu_s(proxy.pid), time.perf_counter() - t0
-    assert cpu0 is not None and cpu1 is not None
-    ok = [r for r in results if r.ok]
+    cpu1, eng1, wall = proc_cpu_s(pid), proc_cpu_s(sw.engine.pid), time.perf_counter() - t0
+    threads1 = thread_cpu_s(pid) if name != DIRECT else {}
+    assert cpu0 is not None and cpu1 is not None and eng0 is not None and eng1 is not None
+    ok = max(1, sum(1 for r in results if r.ok))
     return Cell(
-        mode,
+        name,
         stream,
         clients,
-        (cpu1 - cpu0) * 1000 / max(1, len(ok)),
-        len(ok),
-        len(ok) / wall,
+        (cpu1 - cpu0) * 1000 / ok,
+        (eng1 - eng0) * 1000 / ok,
+        ok,
+        ok / wall,
         results,
+        _thread_delta(threads0, threads1, ok),
     )
 
 
 def proxy_argv(
     mode: str, engine_url: str, port: int, store: Path, args: argparse.Namespace, tokenizer: Path
 ) -> list[str]:
-    argv = [*cli_command(), "serve", "--backend", engine_url, "--port", str(port)]
-    argv += ["--store", str(store), "--log-level", args.proxy_log_level]
+    argv = [sys.executable, str(NAMED_THREADS), "serve", "--backend", engine_url]
+    argv += ["--port", str(port), "--store", str(store), "--log-level", args.proxy_log_level]
     argv += ["--store-synchronous", args.store_synchronous]
     if mode.startswith("exact_tokens"):
         argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(tokenizer)]
@@ -180,7 +268,7 @@ def proxy_argv(
 
 def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, Service]]:
     """The engine and one proxy per mode (``MODE@base``: from ``--baseline-src``), not started.
-    Writes the scripted engine's tokenizer for exact_tokens into ``work``."""
+    Writes the scripted engine's tokenizer for exact_tokens (and its policy) into ``work``."""
     tokenizer = work / "tokenizer"
     subprocess.run(
         [*cli_command(), "export-tokenizer", str(tokenizer)],
@@ -189,12 +277,10 @@ def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, 
         stdout=subprocess.DEVNULL,
     )
     port = free_port()
-    engine = Service(
-        "engine",
-        [*cli_command(), "scripted-engine", "--port", str(port)],
-        port,
-        work / "engine.log",
-    )
+    argv = [*cli_command(), "scripted-engine", "--port", str(port)]
+    if args.answer_tokens:
+        argv += ["--policy", str(write_policy(work, args.answer_tokens))]
+    engine = Service("engine", argv, port, work / "engine.log")
     modes = [*MODES, *(f"{m}@base" for m in MODES if args.baseline_src)]
     proxies = {}
     for mode in modes:
@@ -205,49 +291,51 @@ def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, 
     return engine, proxies
 
 
+def _targets(sw: Sweep, proxies: dict[str, Service]) -> dict[str, tuple[Target, int]]:
+    """``direct`` (the engine, the proxy's upstream body) and each proxy: target and pid."""
+    out = {DIRECT: (Target(DIRECT, sw.engine.url, capture=False, augment=True), sw.engine.pid)}
+    for mode, proxy in proxies.items():
+        out[mode] = (Target(mode, proxy.url, capture=True), proxy.pid)
+    return out
+
+
 async def _sweep_cells(
-    args: argparse.Namespace,
-    session: aiohttp.ClientSession,
-    proxies: dict[str, Service],
-    clients: list[int],
-    workload: Workload,
-) -> tuple[dict[tuple[str, bool, int], list[Cell]], bool]:
+    sw: Sweep, proxies: dict[str, Service], clients: list[int]
+) -> tuple[Cells, bool]:
     """Every cell ``--repeat`` times, interleaved; the cells and whether a call failed."""
-    cells: dict[tuple[str, bool, int], list[Cell]] = {}
+    cells: Cells = {}
     failed = False
-    for rep in range(args.repeat):
+    targets = _targets(sw, proxies)
+    for rep in range(sw.args.repeat):
         for c in clients:
-            for mode, proxy in proxies.items():
+            for name, (target, pid) in targets.items():
                 for stream in (True, False):
-                    sessions = max(c, args.sweep_sessions)
-                    cell = await run_cell(
-                        session, proxy, mode, stream, c, sessions, args.steps, workload, f"r{rep}"
-                    )
-                    cells.setdefault((mode, stream, c), []).append(cell)
+                    cell = await run_cell(sw, name, target, pid, stream, c, f"r{rep}")
+                    cells.setdefault((name, stream, c), []).append(cell)
                     bad = [r for r in cell.results if not r.ok]
                     if bad:
                         failed = True
                         print(
-                            f"  {mode} stream={stream} C={c}: {len(bad)} calls failed: "
+                            f"  {name} stream={stream} C={c}: {len(bad)} calls failed: "
                             f"{sorted({r.error for r in bad})}"
                         )
         print(f"  repeat {rep + 1} done", flush=True)
     return cells, failed
 
 
-async def _verify_sessions(
-    session: aiohttp.ClientSession,
-    proxies: dict[str, Service],
-    cells: dict[tuple[str, bool, int], list[Cell]],
-    steps: int,
-) -> bool:
+async def _verify_sessions(sw: Sweep, proxies: dict[str, Service], cells: Cells) -> bool:
     """Every session one chain (the last repeat's; every cell's calls were checked already).
     True when a problem was found."""
     v = Verification()
     for mode, proxy in proxies.items():
         for (m, _, _), runs in cells.items():
-            if m == mode:
-                await verify_chains(session, proxy.url, by_rollout(runs[-1].results), steps, v)
+            if m != mode:
+                continue
+            results = runs[-1].results
+            if sw.args.sweep_one_rollout:
+                await verify_shared_chains(sw.session, proxy.url, results, sw.args.steps, v)
+            else:
+                await verify_chains(sw.session, proxy.url, by_rollout(results), sw.args.steps, v)
     print(f"verify: {v.rollouts_checked} sessions' chains checked, problems: {len(v.problems)}")
     for text in v.problems[:10]:
         print("  " + text)
@@ -261,59 +349,35 @@ async def run_sweep(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="capture-sweep-"))
     engine, proxies = _services(args, work)
     clients = [int(c) for c in args.sweep_concurrency.split(",")]
-    workload = Workload(args.system_prompt_kb, args.tool_output_kb)
+    per_cell = math.ceil(args.sweep_calls / args.steps)
+    shape = "one rollout per cell" if args.sweep_one_rollout else "a rollout each"
     print(
-        f"sweep: proxy CPU per call at C clients; sessions of {args.steps} calls "
-        f"(max(C, {args.sweep_sessions}) sessions per cell), {args.repeat} repeats; "
+        f"sweep: CPU per call at C clients; sessions of {args.steps} calls (max(C, {per_cell}) "
+        f"sessions per cell, {shape}), "
+        f"answers of {args.answer_tokens or 'the default policy'} tokens, {args.repeat} repeats; "
         f"{os.cpu_count()} CPUs shared by engine, proxies and generator; store_synchronous "
         f"{args.store_synchronous}, log level {args.proxy_log_level}; work dir {work}",
         flush=True,
     )
-    cells: dict[tuple[str, bool, int], list[Cell]] = {}
+    cells: Cells = {}
     failed = False
     session = client_session(max(clients) + 16, read_timeout_s=args.duration_limit_s)
+    sw = Sweep(args, session, Workload(args.system_prompt_kb, args.tool_output_kb), engine)
     try:
         for s in (engine, *proxies.values()):
             s.start()
         for s in (engine, *proxies.values()):
             await s.wait_healthy(session, 120)
-        for mode, proxy in proxies.items():  # warm-up: imports, tokenizer, connections
+        warm_args = argparse.Namespace(**{**vars(args), "sweep_calls": 8 * args.steps})
+        warm = Sweep(warm_args, session, sw.workload, engine)
+        for name, (target, pid) in _targets(sw, proxies).items():  # imports, tokenizer, pools
             for stream in (True, False):
-                await run_cell(session, proxy, mode, stream, 8, 8, args.steps, workload, "warm")
-        cells, failed = await _sweep_cells(args, session, proxies, clients, workload)
-        failed = await _verify_sessions(session, proxies, cells, args.steps) or failed
+                await run_cell(warm, name, target, pid, stream, 8, "warm")
+        cells, failed = await _sweep_cells(sw, proxies, clients)
+        failed = await _verify_sessions(sw, proxies, cells) or failed
     finally:
         await session.close()
         for s in (*proxies.values(), engine):
             s.stop()
     report(cells, clients, list(proxies))
     return 1 if failed else 0
-
-
-def report(
-    cells: dict[tuple[str, bool, int], list[Cell]], clients: list[int], modes: list[str]
-) -> None:
-    print("\nproxy CPU ms per call: median (min-max over repeats); calls/s median")
-    head = f"  {'mode':<22}{'stream':<8}" + "".join(f"{'C=' + str(c):>26}" for c in clients)
-    print(head + "".join(f"{f'C={c}/C={clients[0]}':>12}" for c in clients[1:]))
-    for mode in modes:
-        for stream in (True, False):
-            row = f"  {mode:<22}{'yes' if stream else 'no':<8}"
-            med = {}
-            for c in clients:
-                runs = cells[(mode, stream, c)]
-                cpu = [r.cpu_ms_per_call for r in runs]
-                med[c] = statistics.median(cpu)
-                rate = statistics.median(r.calls_per_s for r in runs)
-                row += f"{med[c]:>7.2f} ({min(cpu):.2f}-{max(cpu):.2f}) {rate:>6.0f}/s"
-            row += "".join(f"{med[c] / med[clients[0]]:>11.2f}x" for c in clients[1:])
-            print(row)
-    print("target: C=16/C=1 <= 1.3x in both prompt modes, streaming and not")
-    print(
-        json.dumps(
-            {
-                f"{m}|{'stream' if s else 'whole'}|{c}": [r.cpu_ms_per_call for r in v]
-                for (m, s, c), v in cells.items()
-            }
-        )
-    )

@@ -37,7 +37,8 @@ Every wait is bounded (``--duration-limit-s`` for the whole run, deadlines on st
 engine, the proxy and this generator share the machine's cores; the report prints how many.
 
 ``--sweep`` runs the concurrency sweep instead (``cpu_sweep.py``): proxy CPU per call at 1, 16
-and 256 clients, in both prompt modes, streaming and not.
+and 256 clients, in both prompt modes, streaming and not, beside the same calls sent direct;
+``--sweep-one-rollout`` puts every session of a cell in one rollout.
 
 Run: ``.venv/bin/python benchmarks/load.py [--rollouts 1024] [--steps 3]``.
 """
@@ -370,6 +371,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="size of each tool result in KB (files the agent reads)",
     )
+    _add_sweep_arguments(ap)
+    ap.add_argument("--store", help="store directory (default: a temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
+    return ap
+
+
+def _add_sweep_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--sweep`` and its options (``cpu_sweep.py``)."""
     ap.add_argument(
         "--sweep",
         action="store_true",
@@ -378,7 +387,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--sweep-concurrency", default="1,16,256", help="sweep: C values (1,16,256)")
     ap.add_argument(
-        "--sweep-sessions", type=int, default=32, help="sweep: sessions per cell, at least C (32)"
+        "--sweep-calls",
+        type=int,
+        default=1000,
+        help="sweep: calls per cell, in sessions of --steps, at least C sessions (1000: the "
+        "CPU clock's 10 ms tick resolves 0.01 ms per call)",
+    )
+    ap.add_argument(
+        "--sweep-one-rollout",
+        action="store_true",
+        help="sweep: every session of a cell in ONE rollout (the peers' shape), not one each",
+    )
+    ap.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=32,
+        help="sweep: every answer a text of exactly N generation tokens (32; 0: the scripted "
+        "engine's default policy, tool calls then an answer)",
     )
     ap.add_argument("--repeat", type=int, default=3, help="sweep: repeats of every cell (3)")
     ap.add_argument(
@@ -386,15 +411,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="sweep: also run the proxies from this source tree (MODE@base), in the same run",
     )
-    ap.add_argument("--store", help="store directory (default: a temporary one)")
-    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, store)")
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.rollouts < 1 or args.steps < 1:
         print("--rollouts and --steps must be positive", file=sys.stderr)
+        return 2
+    if args.answer_tokens and args.answer_tokens < 3:
+        print("--answer-tokens: 0, or at least 3", file=sys.stderr)
         return 2
     if args.sweep:
         from benchmarks.cpu_sweep import run_sweep

@@ -21,7 +21,10 @@ calls (``/proc/<pid>/stat``, all threads) divided by 100; for PostgreSQL the ser
 an unmeasured warm-up rollout. Afterwards each rollout's chains are read over REST and checked
 (every session one chain, each title call a chain of its own), and the read is timed. After
 each block the proxy answers ``HEALTH_READS`` ``/health`` requests (the store's counts), their
-proxy CPU per read reported for the first and the last blocks.
+proxy CPU per read reported for the first and the last blocks. Each shape's ratio of calls
+9,001-10,000 (the last 1,000) to calls 1-100 is marked ``pass`` or ``FAIL`` against issue 22's
+1.2x. ``--py-spy NAMES`` samples those proxies (py-spy on ``PATH``) over the first and the last
+10 blocks, to see what grows (not in a measuring run: the sampler shares the cores).
 
 Run: ``.venv/bin/python benchmarks/rollout_size.py [--calls 10000] [--baseline-src DIR]``
 (``--calls 2000`` for a quick run).
@@ -57,6 +60,8 @@ from services import (  # noqa: E402
     free_port,
     proc_cpu_s,
     raise_fd_limit,
+    start_py_spy,
+    stop_py_spy,
 )
 from sessions import CALL_ID_HEADER, MODEL, SYSTEM, TOOLS  # noqa: E402
 
@@ -66,6 +71,8 @@ BLOCK = 100
 #: ``/health`` reads after each block (their proxy CPU, per read, is reported beside; the
 #: CPU clock ticks in 10 ms, so 100 reads resolve 0.1 ms).
 HEALTH_READS = 100
+#: issue 22: calls 9,001-10,000 of one rollout cost at most this times calls 1-100
+RATIO_TARGET = 1.2
 
 
 @dataclass
@@ -184,6 +191,47 @@ def proxy_argv(store: str, engine_url: str, port: int, args: argparse.Namespace)
     return argv
 
 
+async def _measure_blocks(
+    shape: str,
+    targets: list[Target],
+    args: argparse.Namespace,
+    pg_pid: int | None,
+    session: aiohttp.ClientSession,
+    work: Path,
+) -> None:
+    """The shape's calls, ``BLOCK`` per target in turn, each block's CPU and wall time; with
+    ``--py-spy NAMES`` those targets are sampled over the first and the last 10 blocks."""
+    blocks = args.calls // BLOCK
+    spied = [t for t in targets if t.name in (args.py_spy or "").split(",")]
+    # the first 10 blocks and the last 10 (those after the first 10)
+    windows = {0: "first", max(10, blocks - 10): "last"}
+    ends = {min(10, blocks) - 1, blocks - 1}
+    spies: list[tuple[Any, str]] = []
+    for block in range(blocks):
+        if block in windows and block < blocks:
+            outs = [str(work / f"{shape}-{t.name}-{windows[block]}.pyspy") for t in spied]
+            spies = [(start_py_spy(o, t.service.pid), o) for o, t in zip(outs, spied, strict=True)]
+        for t in targets:
+            cpu0, db0, t0 = proc_cpu_s(t.service.pid), 0.0, time.perf_counter()
+            if pg_pid and t.name.startswith("postgres"):
+                db0 = tree_cpu_s(pg_pid)
+            for _ in range(BLOCK):
+                await next_call(session, t)
+            t.wall_s.append(time.perf_counter() - t0)
+            cpu1 = proc_cpu_s(t.service.pid)
+            assert cpu0 is not None and cpu1 is not None
+            t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
+            if pg_pid and t.name.startswith("postgres"):
+                t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
+            t.health_ms.append(await health_cpu_ms(session, t))
+        if block in ends:
+            for proc, out in spies:
+                stop_py_spy(proc, out)
+            spies = []
+        if (block + 1) % 10 == 0:
+            print(f"  {shape}: {(block + 1) * BLOCK} calls", file=sys.stderr)
+
+
 async def run_shape(
     shape: str,
     args: argparse.Namespace,
@@ -215,22 +263,7 @@ async def run_shape(
             for _ in range(2 * args.steps):
                 await next_call(session, warm)
         pg_pid = pg.proc.pid if pg is not None and pg.proc is not None else None
-        for block in range(args.calls // BLOCK):
-            for t in targets:
-                cpu0, db0, t0 = proc_cpu_s(t.service.pid), 0.0, time.perf_counter()
-                if pg_pid and t.name.startswith("postgres"):
-                    db0 = tree_cpu_s(pg_pid)
-                for _ in range(BLOCK):
-                    await next_call(session, t)
-                t.wall_s.append(time.perf_counter() - t0)
-                cpu1 = proc_cpu_s(t.service.pid)
-                assert cpu0 is not None and cpu1 is not None
-                t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
-                if pg_pid and t.name.startswith("postgres"):
-                    t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
-                t.health_ms.append(await health_cpu_ms(session, t))
-            if (block + 1) % 10 == 0:
-                print(f"  {shape}: {(block + 1) * BLOCK} calls", file=sys.stderr)
+        await _measure_blocks(shape, targets, args, pg_pid, session, work)
         for t in targets:
             problem, read_s = await check_chains(session, t)
             if problem:
@@ -252,7 +285,7 @@ def report(results: dict[str, list[Target]], args: argparse.Namespace) -> None:
     print(f"\nrollout size: {n} calls in one rollout, one client, non-streaming, zero delay")
     lo = n - last * BLOCK + 1
     print(
-        f"proxy CPU ms/call, calls 1-100 | calls {lo}-{n} | ratio (target <= 1.2x); "
+        f"proxy CPU ms/call, calls 1-100 | calls {lo}-{n} | ratio (target <= {RATIO_TARGET}x); "
         "calls/s in the same buckets; chains read ms/call; proxy CPU ms per /health read "
         "after the first and the last blocks"
     )
@@ -261,8 +294,10 @@ def report(results: dict[str, list[Target]], args: argparse.Namespace) -> None:
             first, end = t.cpu_ms[0], _mean(t.cpu_ms[-last:])
             cps0 = BLOCK / t.wall_s[0]
             cps1 = BLOCK * last / sum(t.wall_s[-last:])
+            verdict = "pass" if end <= RATIO_TARGET * first else "FAIL"
             line = (
                 f"  {shape:<10} {t.name:<14} {first:6.2f} | {end:6.2f} | {end / first:5.2f}x"
+                f" {verdict}"
                 f"   {cps0:6.0f} | {cps1:6.0f} calls/s"
                 f"   read {t.read_ms_per_call:.3f}"  # type: ignore[attr-defined]
             )
@@ -414,6 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="also run every store from this source tree (e.g. a git archive of the fork "
         "point) as STORE@base, in the same run",
+    )
+    p.add_argument(
+        "--py-spy",
+        metavar="NAMES",
+        help="sample these proxies (e.g. sqlite,postgres) with py-spy (on PATH) over the "
+        "first and the last 10 blocks of each shape; raw stacks in the work directory",
     )
     p.add_argument("--listing", action="store_true", help="the listing read (docstring)")
     p.add_argument("--listing-sizes", default="100,5000", help="calls per rollout, of 10")

@@ -174,6 +174,29 @@ def proc_cpu_s(pid: int) -> float | None:
         return None
 
 
+def thread_cpu_s(pid: int) -> dict[str, tuple[float, float]]:
+    """User and system CPU seconds of each live thread of ``pid``, summed by thread role:
+    ``main`` (the thread whose id is the pid: the event loop), the store's threads by their
+    OS name (``capture-store-w``: the writer, ``capture-store-r``: the reader; names are cut
+    to 15 characters and set only when the process runs under ``named_threads.py``), and
+    ``other``. Threads that ended are missing: take the process total for them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, tuple[float, float]] = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            head, rest = (task / "stat").read_text().rsplit(")", 1)
+        except OSError:
+            continue  # the thread ended
+        comm = head.split("(", 1)[1]
+        fields = rest.split()
+        role = "main" if task.name == str(pid) else comm
+        if role != "main" and not role.startswith("capture-store-"):
+            role = "other"
+        user, system = out.get(role, (0.0, 0.0))
+        out[role] = (user + int(fields[11]) / tick, system + int(fields[12]) / tick)
+    return out
+
+
 def start_py_spy(out: str, pid: int) -> subprocess.Popen[bytes]:
     """``py-spy record`` on ``pid`` (all threads, native frames off) until stopped."""
     argv = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--threads"]

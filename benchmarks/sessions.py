@@ -117,6 +117,8 @@ class CallResult:
     generation_log_probs: list[float] = field(default_factory=list)
     #: the replica that answered, when a load balancer says (``X-Capture-Replica``)
     served_by: str | None = None
+    #: the agent session the call belongs to, when several share one rollout (else None)
+    session_id: str | None = None
 
     @property
     def ok(self) -> bool:

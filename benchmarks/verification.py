@@ -95,9 +95,52 @@ async def verify_chains(
 ) -> None:
     """Each rollout whose every call completed is one chain of its calls, in order, linked
     parent to child, nothing unlinked, not incomplete."""
+    full = {
+        rid: [[r.call_id for r in calls]]
+        for rid, calls in sessions.items()
+        if len(calls) == steps and all(c.ok for c in calls)
+    }
+    await _verify_rollouts(session, proxy_url, full, v)
+
+
+async def verify_shared_chains(
+    session: aiohttp.ClientSession,
+    proxy_url: str,
+    results: list[CallResult],
+    steps: int,
+    v: Verification,
+) -> None:
+    """Many sessions in one rollout (``CallResult.session_id``): each rollout whose every call
+    completed holds exactly one chain per session, each the session's calls in order, linked
+    parent to child, nothing unlinked, not incomplete. ``rollouts_checked`` counts sessions."""
+    full = session_chains(results, steps)
+    await _verify_rollouts(session, proxy_url, full, v)
+    v.rollouts_checked += sum(len(chains) for chains in full.values()) - len(full)
+
+
+def session_chains(results: list[CallResult], steps: int) -> dict[str, list[list[str | None]]]:
+    """Rollout -> the chain of call ids of each of its sessions (``CallResult.session_id``),
+    for the rollouts whose every session made ``steps`` calls, all complete."""
+    plans: dict[str, dict[str, list[CallResult]]] = {}
+    for r in sorted(results, key=lambda r: r.step):
+        plans.setdefault(r.rollout_id, {}).setdefault(r.session_id or "", []).append(r)
+    return {
+        rid: [[r.call_id for r in calls] for calls in by_session.values()]
+        for rid, by_session in plans.items()
+        if all(len(calls) == steps and all(c.ok for c in calls) for calls in by_session.values())
+    }
+
+
+async def _verify_rollouts(
+    session: aiohttp.ClientSession,
+    proxy_url: str,
+    want: dict[str, list[list[str | None]]],
+    v: Verification,
+) -> None:
+    """Each rollout's chains read over REST are ``want[rollout]`` (in any order)."""
     sem = asyncio.Semaphore(32)
 
-    async def one(rollout_id: str, calls: list[CallResult]) -> None:
+    async def one(rollout_id: str, chains: list[list[str | None]]) -> None:
         async with sem:
             status, body = await get_json(
                 session, f"{proxy_url}/captures/rollouts/{rollout_id}/chains"
@@ -106,26 +149,33 @@ async def verify_chains(
         if status != 200:
             v.problem(f"{rollout_id}: chains answered {status}")
             return
-        want = [r.call_id for r in calls]
-        got = [[c["call_id"] for c in ch["calls"]] for ch in body.get("chains", [])]
-        if got != [want]:
-            v.problem(f"{rollout_id}: chains {got} != [{want}]")
-        for ch in body.get("chains", []):
-            parents = [c["parent_call_id"] for c in ch["calls"]]
-            ids = [c["call_id"] for c in ch["calls"]]
-            if parents != [None, *ids[:-1]]:
-                v.problem(f"{rollout_id}: parents {parents} do not follow {ids}")
-        if body.get("unlinked_calls"):
-            v.problem(f"{rollout_id}: {len(body['unlinked_calls'])} unlinked calls")
-        if body.get("incomplete"):
-            v.problem(f"{rollout_id}: marked incomplete ({body.get('diagnostics')})")
+        v.problems += chain_problems(rollout_id, chains, body)
 
-    full = {
-        rid: calls
-        for rid, calls in sessions.items()
-        if len(calls) == steps and all(c.ok for c in calls)
-    }
-    await asyncio.gather(*(one(rid, calls) for rid, calls in full.items()))
+    await asyncio.gather(*(one(rid, chains) for rid, chains in want.items()))
+
+
+def chain_problems(
+    rollout_id: str, want: list[list[str | None]], body: dict[str, Any]
+) -> list[str]:
+    """What differs between a rollout's chains read over REST (``body``) and the chains the
+    harness made (``want``: each a list of call ids in order; the chains in any order)."""
+    out = []
+    got = [[c["call_id"] for c in ch["calls"]] for ch in body.get("chains", [])]
+    if sorted(got, key=str) != sorted(want, key=str):
+        if len(want) == 1:
+            out.append(f"{rollout_id}: chains {got} != {want}")
+        else:
+            out.append(f"{rollout_id}: {len(got)} chains are not the {len(want)} sessions")
+    for ch in body.get("chains", []):
+        parents = [c["parent_call_id"] for c in ch["calls"]]
+        ids = [c["call_id"] for c in ch["calls"]]
+        if parents != [None, *ids[:-1]]:
+            out.append(f"{rollout_id}: parents {parents} do not follow {ids}")
+    if body.get("unlinked_calls"):
+        out.append(f"{rollout_id}: {len(body['unlinked_calls'])} unlinked calls")
+    if body.get("incomplete"):
+        out.append(f"{rollout_id}: marked incomplete ({body.get('diagnostics')})")
+    return out
 
 
 async def stored_call_count(session: aiohttp.ClientSession, proxy_url: str) -> int:
