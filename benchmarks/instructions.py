@@ -32,11 +32,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cpu_sweep import run_cell  # noqa: E402
+from benchmarks.cpu_sweep import sweep_session  # noqa: E402
 from benchmarks.services import ROOT, Service, engine_service, proxy_service  # noqa: E402
-from benchmarks.sessions import Workload, client_session  # noqa: E402
+from benchmarks.sessions import CallResult, Target, Workload, client_session  # noqa: E402
 
 #: What callgrind prints at exit: the instructions counted while instrumentation was on.
 _COLLECTED = re.compile(r"Collected : (\d+)")
@@ -86,25 +88,35 @@ async def measure(tree: str, src: Path, stream: bool, sessions: int) -> Figure:
         await engine.wait_healthy(http, 60)
         proxy.start()
         await proxy.wait_healthy(http, 600)
-        workload = Workload(0.0, 0.0)
-        await run_cell(http, proxy, "backend_template", stream, 1, 10, 3, workload, "warm")
+        target = Target("backend_template", proxy.url, capture=True)
+        await _sessions(http, target, stream, 10, f"warm-{tree}")
         _control(proxy, "-i", "on")
-        cell = await run_cell(
-            http, proxy, "backend_template", stream, 1, sessions, 3, workload, "m"
-        )
+        results = await _sessions(http, target, stream, sessions, f"m-{tree}")
         _control(proxy, "-i", "off")
     finally:
         await http.close()
         proxy.stop()
         engine.stop()
-    bad = [r for r in cell.results if not r.ok]
+    bad = [r for r in results if not r.ok]
     if bad:
         errors = sorted({str(r.error) for r in bad})
         raise RuntimeError(f"{tree}: {len(bad)} calls failed: {errors}")
     found = _COLLECTED.search(proxy.tail(100_000))
     if found is None:
         raise RuntimeError(f"{tree}: callgrind printed no count: {proxy.tail()}")
-    return Figure(tree, stream, cell.calls, int(found.group(1)))
+    return Figure(tree, stream, len(results), int(found.group(1)))
+
+
+async def _sessions(
+    http: aiohttp.ClientSession, target: Target, stream: bool, n: int, tag: str
+) -> list[CallResult]:
+    """``n`` agent sessions of 3 calls, one at a time, each in its own rollout."""
+    workload = Workload(0.0, 0.0)
+    results: list[CallResult] = []
+    for i in range(n):
+        rid = f"{tag}-{int(stream)}-{i:04d}"
+        results += await sweep_session(http, target, rid, rid, 3, stream, workload)
+    return results
 
 
 def _control(proxy: Service, *args: str) -> None:
