@@ -137,6 +137,19 @@ def token_digests(prompt: np.ndarray, generation: np.ndarray) -> tuple[bytes, by
     return h.digest(), block
 
 
+def block_digests(prompt: np.ndarray) -> list[bytes]:
+    """SHA-256 of ``prompt[:j * PREFIX_BLOCK]`` (``<u4`` bytes) for j = 1 .. len // block, in
+    one pass: the block digests under which the calls a prompt may extend are filed (a call of
+    ``n >= PREFIX_BLOCK`` ids under ``token_digests``' block digest)."""
+    data = prompt.astype("<u4", copy=False)
+    h = hashlib.sha256()
+    out = []
+    for j in range(1, data.shape[0] // PREFIX_BLOCK + 1):
+        h.update(data[(j - 1) * PREFIX_BLOCK : j * PREFIX_BLOCK].tobytes())
+        out.append(h.copy().digest())
+    return out
+
+
 @dataclass
 class _Node:
     """The calls filed under one (model, block count, block digest): by length, by digest."""

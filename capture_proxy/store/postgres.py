@@ -72,8 +72,15 @@ from typing import Any, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.completeness import RetryLink
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, choose_with_digest
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.prefixes import (
+    PREFIX_BLOCK,
+    StoredPrefix,
+    block_digests,
+    choose_prompt_parent,
+    choose_with_digest,
+    token_digests,
+)
+from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_url
 from capture_proxy.core.stored_form import COLUMNS, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
@@ -99,35 +106,49 @@ MAX_ATTEMPTS = 6
 #: Seconds to wait for the pool's first connections on open.
 OPEN_TIMEOUT_S = 30.0
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``.
-# No ON CONFLICT: ``put_call`` looked under the rollout's lock and found no such call; the same
-# id stored meanwhile by another rollout's transaction is a UniqueViolation, retried.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``,
+# ``tokens_block_sha256``. No ON CONFLICT: ``put_call`` looked under the rollout's lock and
+# found no such call; the same id stored meanwhile by another rollout's transaction is a
+# UniqueViolation, retried.
 _INSERT_CALL = (
-    f"INSERT INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}) "
-    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 3))})"
+    f"INSERT INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}, tokens_block_sha256) "
+    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 4))})"
 )
 
 #: The deepest prompt-parent candidates whose ``StoredMessages`` come with the candidates (the
 #: chosen parent is nearly always among them; another is read when needed).
 PREFETCHED_MESSAGES = 4
+_N = "num_prompt_tokens + num_generation_tokens"
+_CANDIDATE_OF = (
+    f"SELECT call_id, created_at, {_N} AS n, tokens_sha256, prompt_parent_call_id, "
+    "messages_prefix_len, num_messages, messages_chain FROM calls, depth "
+    "WHERE rollout_id = %(rollout)s AND status = 'complete' AND num_generation_tokens > 0 AND "
+)
 # The rollout's prompt-parent candidates (``core.prefixes``): complete, with output, not longer
 # than the prompt and, as in sqlite.py, at least as deep as the record's verified parent when
-# that is one (the deepest candidate wins and the parent is a candidate: a range of the partial
-# index ``calls_by_prefix``, so a call of a long rollout reads a row or two); then the
-# ``StoredMessages`` columns, the chain only for the deepest few. Literal ``'complete'``, so
-# that the planner may use the partial index.
+# that is one (the deepest candidate wins and the parent is a candidate). Those shorter than a
+# block are a range of the partial index ``calls_by_prefix``; the others are those filed under
+# one of the prompt's block digests (``calls_by_block``, ``prefixes.block_digests``): the calls
+# that share the prompt's blocks, not every call of the rollout in the length range (other
+# sessions' calls of the same depth); rows written before migration 7 (no block digest) are
+# read as before. Then the ``StoredMessages`` columns, the chain only for the deepest few.
+# Literal ``'complete'``, so that the planner may use the partial indexes.
 _CANDIDATES = (
-    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
-    "prompt_parent_call_id, messages_prefix_len, num_messages, CASE WHEN row_number() OVER "
-    "(ORDER BY num_prompt_tokens + num_generation_tokens DESC) <= "
-    f"{PREFETCHED_MESSAGES} THEN messages_chain END "
-    "FROM calls WHERE rollout_id = %(rollout)s AND status = 'complete' "
-    "AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens <= %(prompt)s "
-    "AND num_prompt_tokens + num_generation_tokens >= COALESCE((SELECT "
-    "p.num_prompt_tokens + p.num_generation_tokens FROM calls p WHERE p.call_id = %(parent)s "
-    "AND p.rollout_id = %(rollout)s AND p.status = 'complete' AND p.num_generation_tokens > 0 "
-    "AND p.num_prompt_tokens + p.num_generation_tokens <= %(prompt)s), 0)"
+    "WITH depth AS (SELECT COALESCE((SELECT p.num_prompt_tokens + p.num_generation_tokens "
+    "FROM calls p WHERE p.call_id = %(parent)s AND p.rollout_id = %(rollout)s "
+    "AND p.status = 'complete' AND p.num_generation_tokens > 0 "
+    "AND p.num_prompt_tokens + p.num_generation_tokens <= %(prompt)s), 0) AS d), c AS ("
+    + _CANDIDATE_OF
+    + f"{_N} BETWEEN depth.d AND LEAST(%(prompt)s, %(block)s - 1) UNION ALL "
+    + _CANDIDATE_OF
+    + f"tokens_block_sha256 = ANY(%(blocks)s) AND {_N} BETWEEN GREATEST(depth.d, %(block)s) "
+    "AND %(prompt)s UNION ALL "
+    + _CANDIDATE_OF
+    + f"tokens_block_sha256 IS NULL AND {_N} BETWEEN GREATEST(depth.d, %(block)s) "
+    "AND %(prompt)s) "
+    "SELECT call_id, created_at, n, tokens_sha256, prompt_parent_call_id, messages_prefix_len, "
+    "num_messages, CASE WHEN row_number() OVER (ORDER BY n DESC) <= "
+    f"{PREFETCHED_MESSAGES} THEN messages_chain END FROM c"
 )
 # A late call (``version`` + 0) changes neither the revision nor the count of incomplete calls.
 _LOCK_ROLLOUT = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
@@ -148,6 +169,14 @@ def _candidates(rows: list[Any]) -> tuple[list[StoredPrefix], dict[str, StoredMe
         r[0]: StoredMessages(r[0], r[4], r[5], r[6], bytes(r[7])) for r in rows if r[7] is not None
     }
     return prefixes, messages
+
+
+def _block_sha256(record: CallRecord) -> bytes | None:
+    """``calls.tokens_block_sha256`` of a call later prompts may extend (complete, with
+    output), else None."""
+    if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
+        return None
+    return token_digests(record.prompt_token_ids, record.generation_token_ids)[1]
 
 
 def _retry_family(db: Conn, record: CallRecord) -> Any:
@@ -322,7 +351,12 @@ class PostgresStore(SQLStore):
                 db.execute(_LOCK_ROLLOUT, (rid,))
                 state = db.execute(POSTGRES.sql(sql.STATE), (rid,))
                 stored = db.execute(POSTGRES.sql(sql.STORED_CALL), (record.call_id,), binary=True)
-                args = {"rollout": rid, "prompt": record.num_prompt_tokens}
+                args = {
+                    "rollout": rid,
+                    "prompt": record.num_prompt_tokens,
+                    "block": PREFIX_BLOCK,
+                    "blocks": block_digests(record.prompt_token_ids),
+                }
                 candidates = db.execute(
                     _CANDIDATES, {**args, "parent": record.parent_call_id}, binary=True
                 )
@@ -363,7 +397,9 @@ class PostgresStore(SQLStore):
                 incomplete, chains = lifecycle.count_deltas(
                     record, effect, family, None if found is None else str(found[0])
                 )
-                db.execute(_INSERT_CALL, (*column_values(enc), frozen, *sql.store_columns(record)))
+                block = _block_sha256(record)
+                own = sql.store_columns(record)
+                db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
                 sql.store_json(POSTGRES, db, enc, count=False)
                 db.execute(
                     POSTGRES.sql(sql.UPSERT_ROLLOUT),

@@ -144,6 +144,15 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX IF NOT EXISTS calls_by_child_digest ON calls (rollout_id, child_digest)
         WHERE child_digest IS NOT NULL;
     """,
+    # 7: the block digest a put's prompt parent is found by (``prefixes.token_digests``;
+    # sqlite.py's LAYOUT_VERSION 9): the candidates of a block or more are those filed under
+    # one of the prompt's block digests, not every call of the rollout in the length range.
+    # NULL in rows written before (read aside, as before).
+    """
+    ALTER TABLE calls ADD COLUMN IF NOT EXISTS tokens_block_sha256 bytea;
+    CREATE INDEX IF NOT EXISTS calls_by_block ON calls (rollout_id, tokens_block_sha256)
+        WHERE status = 'complete' AND num_generation_tokens > 0;
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 

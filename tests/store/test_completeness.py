@@ -157,6 +157,6 @@ async def test_a_postgres_layout_2_store_is_recounted(postgres_server):
     await _assert_recounted(PostgresStore(url, pool_size=2))
     with psycopg.connect(url) as conn:
         applied = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
-        assert applied == (6,)
+        assert applied == (7,)
         links = conn.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]
