@@ -28,6 +28,13 @@ proxy CPU per read reported for the first and the last blocks. Each shape's rati
 
 Run: ``.venv/bin/python benchmarks/rollout_size.py [--calls 10000] [--baseline-src DIR]``
 (``--calls 2000`` for a quick run).
+
+``--listing``: the store-level read of one listing page instead (no proxy): per store, 10
+rollouts of agent sessions (``--steps`` calls each, every call but the first continuing the one
+before) put directly, at each size of ``--listing-sizes`` calls per rollout; then the page of 10
+read as ``GET /captures/rollouts`` reads it (the store's rows, the kept number of chains) and as
+it read it before (every rollout's calls loaded and its chains built), CPU (this process, all
+threads) and wall time per page.
 """
 
 from __future__ import annotations
@@ -348,6 +355,87 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+async def listing(args: argparse.Namespace) -> int:
+    """``--listing`` (module docstring)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from capture_proxy.core.chains import build_chains
+    from capture_proxy.core.records import CallRecord
+    from capture_proxy.rest.reads import RolloutState, _listing_json, snapshot_records
+    from capture_proxy.store.postgres import PostgresStore
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    def session_calls(rid: str, size: int) -> list[CallRecord]:
+        out: list[CallRecord] = []
+        for n in range(size):
+            prev = out[-1] if n % args.steps else None
+            head = [] if prev is None else [*prev.prompt_token_ids, *prev.generation_token_ids]
+            prompt = np.asarray([*head, 1000 + n % 7, 2000 + n], dtype=np.uint32)
+            out.append(
+                CallRecord(
+                    call_id=f"{rid}-{n:05d}",
+                    rollout_id=rid,
+                    created_at=float(n),
+                    prompt_token_ids=prompt,
+                    generation_token_ids=np.asarray([3000 + n, 4], dtype=np.uint32),
+                    generation_log_probs=np.asarray([-0.5, -0.1], dtype=np.float32),
+                    parent_call_id=None if prev is None else prev.call_id,
+                    linking={"verdict": "root" if prev is None else "resolved"},
+                )
+            )
+        return out
+
+    async def page(store: Any, *, build: bool) -> tuple[float, float]:
+        recorder = SimpleNamespace(unstored_incomplete={})
+        cpu, wall = time.process_time(), time.perf_counter()
+        infos = await store.list_rollouts(limit=10)
+        rows = []
+        for info in infos:
+            records = None
+            if build or info.num_chains is None:
+                records = snapshot_records(info, await store.get_rollout_calls(info.rollout_id))
+            rows.append((info, records, RolloutState(info, recorder)))  # type: ignore[arg-type]
+        body = _listing_json(rows, None)
+        assert body.count(b'"num_chains"') == len(infos) == 10
+        if build:  # the kept figure is the one built
+            assert all(len(build_chains(i.rollout_id, r or []).chains) for i, r, _ in rows)
+        return (time.process_time() - cpu) * 1e3, (time.perf_counter() - wall) * 1e3
+
+    work = Path(tempfile.mkdtemp(prefix="listing-size-"))
+    bin_dir = postgres_bin_dir()
+    pg = PostgresServer(bin_dir) if bin_dir is not None and not args.no_postgres else None
+    if pg is not None:
+        pg.start(deadline_s=60)
+    print("store       calls/rollout  read           cpu ms/page  wall ms/page")
+    try:
+        for size in (int(x) for x in args.listing_sizes.split(",")):
+            stores: list[tuple[str, Any]] = [
+                ("sqlite", SQLiteStore(work / f"s{size}", synchronous="normal"))
+            ]
+            if pg is not None:
+                stores.append(("postgresql", PostgresStore(pg.create_database(), pool_size=2)))
+            for name, store in stores:
+                await store.open()
+                try:
+                    for r in range(10):
+                        for rec in session_calls(f"r{r:02d}", size):
+                            await store.put_call(rec)
+                    for build, label, reps in ((False, "kept figures", 50), (True, "built", 3)):
+                        await page(store, build=build)  # warm
+                        got = [await page(store, build=build) for _ in range(reps)]
+                        cpu = sum(g[0] for g in got) / reps
+                        wall = sum(g[1] for g in got) / reps
+                        print(f"{name:<11} {size:>13}  {label:<13} {cpu:>12.2f} {wall:>13.2f}")
+                finally:
+                    await store.close()
+    finally:
+        if pg is not None:
+            pg.stop()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--calls", type=int, default=10_000, help="calls in the one rollout")
@@ -368,7 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         help="sample these proxies (e.g. sqlite,postgres) with py-spy (on PATH) over the "
         "first and the last 10 blocks of each shape; raw stacks in the work directory",
     )
-    return asyncio.run(run(p.parse_args(argv)))
+    p.add_argument("--listing", action="store_true", help="the listing read (docstring)")
+    p.add_argument("--listing-sizes", default="100,5000", help="calls per rollout, of 10")
+    args = p.parse_args(argv)
+    return asyncio.run(listing(args) if args.listing else run(args))
 
 
 if __name__ == "__main__":

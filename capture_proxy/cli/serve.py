@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import socket
@@ -128,6 +129,12 @@ def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # The format names no caller, thread or process: skip collecting them for every record
+    # (the logging HOWTO's "Optimization"; a quarter of the cost of each call's access line).
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
 
@@ -170,7 +177,10 @@ def _listening_banner(
     settings: Settings, port: int, target: str, port_file: Path | None
 ) -> Callable[[], None]:
     def listening() -> None:
-        # Called once the store is open and the socket listens.
+        # Called once the store is open and the socket listens. What start-up built (modules,
+        # settings, templates, tokenizers) lives as long as the process: out of the cyclic
+        # collector's way, so its full collections walk only what calls made since.
+        gc.freeze()
         if port_file is not None:
             write_port_file(port_file, port)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host

@@ -40,7 +40,6 @@ from capture_proxy.core.records import (
 )
 from capture_proxy.core.stored_form import (
     DIGEST_LEN,
-    REF_MIN_BYTES,
     CorruptRecord,
     EncodedRecord,
     MessageDigests,
@@ -50,6 +49,7 @@ from capture_proxy.core.stored_form import (
     delta_items,
     json_sha256,
     meta_text,
+    received_refs,
     token_digest,
 )
 
@@ -131,26 +131,6 @@ def _encoded_tools_ref(request: RequestEncoding, blobs: dict[str, str]) -> str |
     return request.tools_sha256
 
 
-def _received_refs(
-    received: Mapping[str, Any] | None, blobs: dict[str, str]
-) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
-    """The received body's small values inline, and its large ones (a system prompt, a tools
-    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``."""
-    if received is None:
-        return None, None
-    inline: dict[str, Any] = {}
-    refs: dict[str, str] = {}
-    for key, value in received.items():
-        text = canonical_json(value)
-        if len(text) >= REF_MIN_BYTES:
-            sha = json_sha256(text)
-            blobs[sha] = text
-            refs[key] = sha
-        else:
-            inline[key] = value
-    return inline, refs or None
-
-
 def _decode_received(
     encoded: EncodedRecord, meta: Mapping[str, Any], parsed: dict[str, Any] | None
 ) -> dict[str, Any] | None:
@@ -208,8 +188,12 @@ def _meta_of(
         "api": record.api,
         "sampling": record.sampling,
     }
-    meta["request_received"], meta["request_received_blobs"] = _received_refs(
-        record.request_received, blobs
+    meta["request_received"], meta["request_received_blobs"] = received_refs(
+        record.request_received,
+        blobs,
+        tools=request.tools,
+        tools_text=request.tools_text,
+        tools_sha256=request.tools_sha256,
     )
     return meta
 
@@ -220,6 +204,7 @@ def encode_record(
     prompt_parent: PromptParent | None = None,
     messages_prefix_len: int = 0,
     request: RequestEncoding | None = None,
+    tokens_sha256: bytes | None = None,
 ) -> EncodedRecord:
     """Serialise a record in the current schema version.
 
@@ -229,6 +214,8 @@ def encode_record(
     ``messages_prefix_len``: how many leading request messages equal the prompt parent's
     (``common_messages_prefix``); only the rest are kept. ``request``: the record's
     ``RequestEncoding`` when the caller computed it ahead (else it is computed here).
+    ``tokens_sha256``: the record's ``token_digest`` when the caller computed it already
+    (``prefixes.choose_with_digest``: the same pass that chose the parent), else computed here.
     Raises ValueError when the arrays have the wrong rank, the prefix is longer than the
     prompt, the messages prefix is longer than the messages or has no prompt parent, or
     ``request`` does not belong to the record.
@@ -264,7 +251,8 @@ def encode_record(
         prompt_prefix_len=prefix_len,
         num_prompt_tokens=record.num_prompt_tokens,
         num_generation_tokens=record.num_generation_tokens,
-        tokens_sha256=token_digest(record.prompt_token_ids, record.generation_token_ids),
+        tokens_sha256=tokens_sha256
+        or token_digest(record.prompt_token_ids, record.generation_token_ids),
         messages_delta=delta_items(messages, digests, messages_prefix_len, blobs),
         messages_prefix_len=messages_prefix_len,
         num_messages=len(messages),

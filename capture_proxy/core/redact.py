@@ -11,6 +11,7 @@ never holds it (the engine's credentials become one header, ``basic_auth_header`
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import re
 import urllib.parse
@@ -42,9 +43,11 @@ def redact_text(text: str) -> str:
     return _USERINFO_RE.sub(lambda m: f"{m['head']}:{MASK}@", text)
 
 
+@functools.lru_cache(maxsize=64)
 def split_credentials(url: str) -> tuple[str, str | None, str | None]:
     """``(url without user info, username, password)``; the names are percent-decoded (as
-    user agents send them). ``username`` and ``password`` are None when absent."""
+    user agents send them). ``username`` and ``password`` are None when absent. Cached: the
+    backend URL is split on every engine request."""
     parts = urllib.parse.urlsplit(url)
     if parts.username is None and parts.password is None:
         return url, None, None

@@ -2,8 +2,8 @@
 keeps), the canonical JSON text that digests and content addresses use, the messages' chain
 digests, what a store keeps per call to split a child's messages without reading any
 (``StoredMessages``, ``common_messages_prefix``), and the pieces of a record's metadata that
-encoding and migration write alike (``meta_text``, ``tools_ref``, ``delta_items``);
-``StoredMeta`` is the metadata's shape.
+encoding and migration write alike (``meta_text``, ``tools_ref``, ``delta_items``,
+``received_refs``); ``StoredMeta`` is the metadata's shape.
 
 Pure: no I/O. Owns no decision about which stored call is a parent (``prefixes``, the stores)
 nor the mapping from a ``CallRecord`` (``codec``) nor the steps between versions
@@ -155,15 +155,61 @@ def column_values(encoded: EncodedRecord) -> tuple[Any, ...]:
 _CANONICAL_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 _CONTAINERS = (dict, list, tuple)
 
+#: Floats whose text the stdlib writes without an exponent (``repr``: 0, and magnitudes in
+#: [1e-4, 1e16)), and the ones orjson is checked against at import for them (the boundaries
+#: and digits that a shortest round-trip writer could spell otherwise).
+_PLAIN_FLOAT_MIN, _PLAIN_FLOAT_MAX = 1e-4, 1e16
+_FLOAT_PROBES = (
+    0.0,
+    -0.0,
+    1.0,
+    -2.5,
+    0.1,
+    1 / 3,
+    1e-4,
+    0.00012345,
+    0.000999,
+    123.456,
+    1e15,
+    123456789012345.6,
+    9999999999999998.0,
+    2.0**53,
+    -(2.0**52) + 0.5,
+    1.7976931348623157e15,
+    0.30000000000000004,
+)
+
+
+def _orjson_writes_plain_floats_alike() -> bool:
+    """True when this orjson writes the probes' floats as the stdlib does (some versions spell
+    numbers otherwise; then floats take the stdlib)."""
+    try:
+        return all(orjson.dumps(v).decode() == _CANONICAL_ENCODER.encode(v) for v in _FLOAT_PROBES)
+    except (TypeError, ValueError):  # pragma: no cover - an orjson that refuses floats
+        return False
+
+
+_PLAIN_FLOATS_ALIKE = _orjson_writes_plain_floats_alike()
+
+
+def _plain_float(value: float) -> bool:
+    """A float both encoders write alike: no exponent (NaN and infinities are not)."""
+    return _PLAIN_FLOATS_ALIKE and (
+        value == 0.0 or _PLAIN_FLOAT_MIN <= abs(value) < _PLAIN_FLOAT_MAX
+    )
+
 
 def _orjson_writes_it_alike(value: Any) -> bool:
-    """True when ``value`` holds only dicts, lists, tuples, ``str``, ``int``, ``bool`` and
-    None (those exact types, no subclasses): orjson's text of it is then the stdlib's (tested
-    on every code point), or orjson refuses it (a key that is not a string, an integer past 64
-    bits, a lone surrogate) and the stdlib writes it. Not floats: orjson writes ``1e16`` where
-    the stdlib writes ``1e+16``, and NaN as ``null``. A walk over the nodes, not over the
+    """True when ``value`` holds only dicts, lists, tuples, ``str``, ``int``, ``bool``, None and
+    floats without an exponent (those exact types, no subclasses): orjson's text of it is then
+    the stdlib's (tested on every code point, and on floats at and beyond the boundaries), or
+    orjson refuses it (a key that is not a string, an integer past 64 bits, a lone surrogate)
+    and the stdlib writes it. Not other floats: orjson writes ``1e-05`` as ``0.00001`` (some
+    versions ``1e16`` for ``1e+16``), and NaN as ``null``. A walk over the nodes, not over the
     strings' characters, which is where the stdlib's time goes."""
     if type(value) not in _CONTAINERS:
+        if type(value) is float:
+            return _plain_float(value)
         return value is None or type(value) in (str, int, bool)
     stack = [value]
     while stack:
@@ -174,7 +220,7 @@ def _orjson_writes_it_alike(value: Any) -> bool:
                 continue
             if kind is dict or kind is list or kind is tuple:
                 stack.append(child)
-            else:
+            elif kind is not float or not _plain_float(child):
                 return False
     return True
 
@@ -262,6 +308,52 @@ def tools_ref(tools: Any, blobs: dict[str, str]) -> str | None:
     sha = json_sha256(text)
     blobs[sha] = text
     return sha
+
+
+def _short_scalar(value: Any) -> bool:
+    """True for a value whose canonical text is surely shorter than ``REF_MIN_BYTES``: None, a
+    bool, a float, an int below 10**18, a str of fewer than 80 characters (an escape writes a
+    character in at most 6)."""
+    kind = type(value)
+    if kind is str:
+        return len(value) < 80
+    if kind is int:
+        return -(10**18) < value < 10**18
+    return value is None or kind is bool or kind is float
+
+
+def received_refs(
+    received: Mapping[str, Any] | None,
+    blobs: dict[str, str],
+    *,
+    tools: Any = None,
+    tools_text: str | None = None,
+    tools_sha256: str | None = None,
+) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
+    """The received body's small values inline, and its large ones (a system prompt, a tools
+    list: they repeat on every call of a session) content-addressed: ``{key: sha256}``, their
+    texts added to ``blobs``. A value that is ``tools`` itself (the request's tools list: the
+    chat front keeps the body's object) takes ``tools_text`` and ``tools_sha256``, its text
+    and address computed already."""
+    if received is None:
+        return None, None
+    inline: dict[str, Any] = {}
+    refs: dict[str, str] = {}
+    for key, value in received.items():
+        if _short_scalar(value):  # its text is shorter than REF_MIN_BYTES: not written here
+            inline[key] = value
+            continue
+        if value is tools and tools_text is not None:
+            text, sha = tools_text, tools_sha256
+        else:
+            text, sha = canonical_json(value), None
+        if len(text) >= REF_MIN_BYTES:
+            sha = sha or json_sha256(text)
+            blobs[sha] = text
+            refs[key] = sha
+        else:
+            inline[key] = value
+    return inline, refs or None
 
 
 def delta_items(

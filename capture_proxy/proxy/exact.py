@@ -244,9 +244,6 @@ class ExactExecutor(CallExecutor):
     ) -> None:
         super().__init__(request, deps, call_id, rollout_id)
         self.exact = exact
-        self._handlers[cmd.Render] = self._render
-        self._handlers[cmd.RenderTail] = self._render_tail
-        self._handlers[cmd.AskEngineFacts] = self._engine_facts
 
     async def _render(self, c: cmd.Render) -> ev.Rendered | ev.RenderFailed:
         renderer = self.exact.renderer
@@ -294,3 +291,11 @@ class ExactExecutor(CallExecutor):
         if c.served_model:
             served = await exact.served_model_name(deps.session, deps.backend)
         return ev.EngineFacts(max_model_len, end_of_turn_ids, served)
+
+
+ExactExecutor.HANDLERS = {
+    **CallExecutor.HANDLERS,
+    cmd.Render: ExactExecutor._render,
+    cmd.RenderTail: ExactExecutor._render_tail,
+    cmd.AskEngineFacts: ExactExecutor._engine_facts,
+}

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 from aiohttp import web
@@ -64,25 +64,13 @@ class CallExecutor:
         self.upstream: aiohttp.ClientResponse | None = None
         self._writer: ClientWriter | None = None
         self._pieces: AsyncIterator[bytes] | None = None
-        self._handlers: dict[type[cmd.Command], Callable[[Any], Awaitable[Any]]] = {
-            cmd.Resolve: self._resolve,
-            cmd.LookUpCall: self._look_up,
-            cmd.SendToEngine: self._send,
-            cmd.ReadEngineBody: self._read_body,
-            cmd.ReadEngine: self._read_piece,
-            cmd.DrainEngine: self._drain,
-            cmd.StartClientStream: self._start_stream,
-            cmd.WriteClient: self._write,
-            cmd.EndClient: self._end,
-            cmd.RespondJson: self._respond_json,
-            cmd.Verify: self._verify,
-            cmd.Persist: self._persist,
-            cmd.Remember: self._remember,
-        }
+
+    #: The method that performs each command (set below the class; a subclass extends it).
+    HANDLERS: ClassVar[dict[type[cmd.Command], Callable[[Any, Any], Awaitable[Any]]]]
 
     def execute(self, command: cmd.Command) -> Awaitable[Any]:
         """Perform ``command``; its reply (``core.flow.events``)."""
-        return self._handlers[type(command)](command)
+        return self.HANDLERS[type(command)](self, command)
 
     def client_left(self, command: cmd.Command) -> Any:
         """The reply to ``command`` when the handler was cancelled while it ran."""
@@ -229,6 +217,23 @@ class CallExecutor:
             await self.deps.linker.remember(c.record, c.message_facts)
         except Exception as exc:
             log.error("call %s: indexing failed: %s", c.record.call_id, exc)
+
+
+CallExecutor.HANDLERS = {
+    cmd.Resolve: CallExecutor._resolve,
+    cmd.LookUpCall: CallExecutor._look_up,
+    cmd.SendToEngine: CallExecutor._send,
+    cmd.ReadEngineBody: CallExecutor._read_body,
+    cmd.ReadEngine: CallExecutor._read_piece,
+    cmd.DrainEngine: CallExecutor._drain,
+    cmd.StartClientStream: CallExecutor._start_stream,
+    cmd.WriteClient: CallExecutor._write,
+    cmd.EndClient: CallExecutor._end,
+    cmd.RespondJson: CallExecutor._respond_json,
+    cmd.Verify: CallExecutor._verify,
+    cmd.Persist: CallExecutor._persist,
+    cmd.Remember: CallExecutor._remember,
+}
 
 
 def _failed(exc: BaseException, backend: str) -> ev.EngineFailed:

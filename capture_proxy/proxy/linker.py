@@ -6,9 +6,9 @@ replicas too, refreshed from the store when a digest misses), the calls stored l
 (``RecentCalls``: a parent is read from memory, not decoded from the store, see ``get_call``;
 stored records never change, so this holds with replicas too), and the answers to the
 commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve_step`` and
-``capture_proxy.core.linking.verification.verify_step``): a parent record, a rollout's stored
-calls, a prefix ancestor from the cached index, texts from the engine's ``/detokenize``. Every
-linking decision is the core's; this module must not take one.
+``capture_proxy.core.linking.verification.verify_step``): a parent record, the stored calls a
+history continues (by child digest), a prefix ancestor from the cached index, texts from the
+engine's ``/detokenize``. Every linking decision is the core's; this module must not take one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from capture_proxy.core.linking.commands import (
     Detokenize,
     FindPrefixAncestor,
     ReadParent,
-    ReadRolloutCalls,
+    ReadParentCandidates,
     Step,
 )
 from capture_proxy.core.linking.index import LinkIndex, add_record
@@ -71,10 +71,16 @@ class Linker:
         #: facts of the messages of the requests this process saw lately
         self.known_messages = KnownMessages()
 
-    async def _index(self, rollout_id: str) -> LinkIndex:
+    def _cached_index(self, rollout_id: str) -> LinkIndex | None:
+        """The rollout's index when it is in memory (marked most recently used)."""
         index = self._indexes.get(rollout_id)
         if index is not None:
             self._indexes.move_to_end(rollout_id)
+        return index
+
+    async def _index(self, rollout_id: str) -> LinkIndex:
+        index = self._cached_index(rollout_id)
+        if index is not None:
             return index
         lock = self._locks.setdefault(rollout_id, asyncio.Lock())
         async with lock:
@@ -129,7 +135,7 @@ class Linker:
         header; or this call failed or was left incomplete), else a sibling sample.
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``."""
         step = resolve_step(
-            await self._index(rollout_id),
+            self._cached_index(rollout_id) or await self._index(rollout_id),
             rollout_id,
             linking_messages,
             body,
@@ -147,7 +153,8 @@ class Linker:
     ) -> None:
         """Make a persisted call findable by its children (by digest, and its record in
         memory, with the facts of its request messages)."""
-        add_record(await self._index(record.rollout_id), record)
+        rollout_id = record.rollout_id
+        add_record(self._cached_index(rollout_id) or await self._index(rollout_id), record)
         self.recent.put(record, message_facts)
 
     def message_facts(self, call_id: str) -> tuple[MessageFacts, ...] | None:
@@ -190,8 +197,10 @@ class Linker:
     async def _answer(self, command: Command[Any], decode: Decoder | None) -> Any:
         if isinstance(command, ReadParent):
             return await self.get_call(command.call_id)
-        if isinstance(command, ReadRolloutCalls):
-            return await self.store.get_rollout_calls(command.rollout_id)
+        if isinstance(command, ReadParentCandidates):
+            return await self.store.get_calls_by_child_digest(
+                command.rollout_id, command.parent_digest
+            )
         if isinstance(command, FindPrefixAncestor):
             index = await self._index(command.rollout_id)
             return index.prefix_ancestor(

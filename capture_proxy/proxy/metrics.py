@@ -95,6 +95,8 @@ class Metrics:
         self.calls_in_flight = Gauge(
             p + "calls_in_flight", "Captured calls started and not yet finished", registry=r
         )
+        #: labelled children by (metric, label values): see ``_child``
+        self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
 
     # --- what the call pipeline reports ---------------------------------------------------
 
@@ -120,17 +122,26 @@ class Metrics:
         """A record reaching the recorder: its API, status, prompt mode, verdict, diagnostics
         and upstream latency."""
         api = getattr(record, "api", None) or "chat_completions"
-        self.calls.labels(str(api), record.status.value, prompt_mode).inc()
+        self._child(self.calls, str(api), record.status.value, prompt_mode).inc()
         linking: dict[str, Any] = record.linking or {}
         verdict = linking.get("verdict")
         if verdict is not None:
-            self.link_verdicts.labels(str(verdict)).inc()
+            self._child(self.link_verdicts, str(verdict)).inc()
             if verdict in ("refused", "prefix") and _has_refusal(record):
                 self.link_refusals.labels(_refusal_class(record)).inc()
         for d in record.diagnostics:
             self.diagnostics.labels(d.kind).inc()
         if record.latency_ms is not None:
             self.observe_upstream(None, record.latency_ms / 1000)
+
+    def _child(self, metric: Counter, *labels: str) -> Counter:
+        """``metric.labels(*labels)``, kept (``labels`` takes a lock and checks the values on
+        every call; these are asked on every call)."""
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def observe_store_write(self, seconds: float, stored_bytes: int | None) -> None:
         self.store_write_seconds.observe(seconds)
@@ -171,3 +182,4 @@ def _refusal_class(record: CallRecord) -> str:
 
 #: The app's ``Metrics`` (also ``Recorder.metrics``).
 METRICS_KEY = web.AppKey("metrics", Metrics)
+

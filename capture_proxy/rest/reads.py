@@ -212,14 +212,14 @@ def _page_params(request: web.Request) -> tuple[int, str | None]:
 
 
 def _listing_json(
-    page: list[tuple[RolloutInfo, list[CallRecord], RolloutState]], next_after: str | None
+    page: list[tuple[RolloutInfo, list[CallRecord] | None, RolloutState]], next_after: str | None
 ) -> bytes:
     rollouts = [
         {
             "rollout_id": info.rollout_id,
             "created_at": info.created_at,
             "num_calls": info.num_calls,
-            "num_chains": len(build_chains(info.rollout_id, records).chains),
+            "num_chains": _num_chains(info, records),
             "incomplete": state.incomplete,
             **lifecycle_json(info),
         }
@@ -228,11 +228,21 @@ def _listing_json(
     return dumps({"rollouts": rollouts, "next_after": next_after})
 
 
+def _num_chains(info: RolloutInfo, records: list[CallRecord] | None) -> int:
+    """The rollout's number of chains: kept by the store, else built from ``records``."""
+    if records is None:
+        assert info.num_chains is not None
+        return info.num_chains
+    return len(build_chains(info.rollout_id, records).chains)
+
+
 async def list_rollouts(request: web.Request) -> web.Response:
     """One page of rollouts in rollout id order (``?limit``, default 100, at most 1,000;
     ``?after=<rollout id>``: the page after that id). ``next_after`` names the last rollout
     of the page when more rollouts follow it (pass it as ``after``), null on the last page
-    (one rollout more than the page is fetched to know)."""
+    (one rollout more than the page is fetched to know). Reads the store's rows of the page,
+    no call: the number of chains is kept per rollout (``RolloutInfo.num_chains``); only a
+    rollout whose store does not keep it has its calls loaded and its chains built."""
     limit, after = _page_params(request)
     store = request.app[STORE_KEY]
     recorder = request.app[RECORDER_KEY]
@@ -242,7 +252,9 @@ async def list_rollouts(request: web.Request) -> web.Response:
     page = [
         (
             info,
-            snapshot_records(info, await store.get_rollout_calls(info.rollout_id)),
+            None
+            if info.num_chains is not None
+            else snapshot_records(info, await store.get_rollout_calls(info.rollout_id)),
             RolloutState(info, recorder),
         )
         for info in infos

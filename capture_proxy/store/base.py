@@ -151,7 +151,13 @@ class RolloutInfo:
     rollout-level conditions (one per kind, with details), e.g. ``store_failed``. ``version``
     is the revision (module docstring); ``snapshot`` is set once frozen; ``late_call_ids`` are
     the calls stored after the freeze, in arrival order; ``metadata`` is what the trainer
-    attached.
+    attached. ``num_chains`` is ``len(build_chains(...).chains)`` over the calls a training
+    read holds (the late ones left out), kept by every put (``core.chain_counts``); None when
+    the store does not keep it for this rollout (the reader builds the chains).
+    ``num_failed``, ``num_incomplete`` and ``num_refused`` count the calls stored failed,
+    incomplete (superseded or not) and with a ``parent_digest_mismatch`` (one per such
+    diagnostic), and ``call_diagnostic_kinds`` are the kinds found on any call, sorted: all of
+    them late calls included, for the viewer's list.
     """
 
     rollout_id: str
@@ -163,6 +169,11 @@ class RolloutInfo:
     snapshot: Snapshot | None = None
     late_call_ids: tuple[str, ...] = ()
     metadata: RolloutMetadata = field(default_factory=RolloutMetadata)
+    num_chains: int | None = None
+    num_failed: int = 0
+    num_incomplete: int = 0
+    num_refused: int = 0
+    call_diagnostic_kinds: tuple[str, ...] = ()
 
     @property
     def status(self) -> RolloutStatus:
@@ -224,6 +235,13 @@ class CaptureStore(Protocol):
     async def get_call(self, call_id: str) -> CallRecord | None: ...
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]: ...
+
+    async def get_calls_by_child_digest(
+        self, rollout_id: str, child_digest: str
+    ) -> list[CallRecord]:
+        """The rollout's calls stored with this child digest (``linking.child_digest``: the
+        calls a history with this parent digest continues), in stored order; an index range,
+        whatever the rollout's size. Calls stored without one are not found."""
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None: ...
 

@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from capture_proxy.core.chain_counts import chains_delta, incomplete_delta
 from capture_proxy.core.codec import PromptParent, RequestEncoding, encode_record, same_content
-from capture_proxy.core.completeness import RetryLink, unsuperseded_incomplete
+from capture_proxy.core.completeness import RetryLink
 from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.stored_form import EncodedRecord, StoredMessages, common_messages_prefix
 from capture_proxy.store.base import (
     ConflictingRecord,
@@ -164,9 +165,10 @@ def encode_with_parent(
     request: RequestEncoding | None,
     parent: PromptParent | None,
     lookup: Callable[[str], StoredMessages | None],
+    tokens_sha256: bytes | None = None,
 ) -> EncodedRecord:
-    """``encode_call`` with the prompt parent chosen already (``prefixes.choose_prompt_parent``
-    over the candidates a store read)."""
+    """``encode_call`` with the prompt parent chosen already (``prefixes.choose_with_digest``
+    over the candidates a store read, which also gives the record's ``tokens_sha256``)."""
     encoding = (
         request
         if request is not None and request.belongs_to(record)
@@ -175,7 +177,13 @@ def encode_with_parent(
     k = 0
     if parent is not None:
         k = common_messages_prefix(encoding.message_digests, parent.call_id, lookup)
-    return encode_record(record, prompt_parent=parent, messages_prefix_len=k, request=encoding)
+    return encode_record(
+        record,
+        prompt_parent=parent,
+        messages_prefix_len=k,
+        request=encoding,
+        tokens_sha256=tokens_sha256,
+    )
 
 
 def check_re_put(stored: EncodedRecord | None, enc: EncodedRecord) -> None:
@@ -209,12 +217,33 @@ def call_effect(record: CallRecord, *, frozen: bool, inserted: bool) -> CallEffe
     return CallEffect(int(counts), counts and may_recount(record))
 
 
-def incomplete_calls(links: Iterable[RetryLink], record: CallRecord) -> int:
-    """The rollout's count of incomplete calls no complete retry supersedes once ``record`` is
-    stored and counted (``links``: its counted calls that are incomplete or retries, read in
-    the same transaction before the insert)."""
-    new = RetryLink(record.call_id, record.status.value, record.retry_of)
-    return len(unsuperseded_incomplete([*links, new]))
+def call_tally(record: CallRecord) -> tuple[int, int, int]:
+    """What a stored call adds to its rollout's ``num_failed``, ``num_incomplete`` and
+    ``num_refused`` (its ``parent_digest_mismatch`` diagnostics), late or not: the viewer's
+    listing counts."""
+    refused = sum(1 for d in record.diagnostics if d.kind == DiagnosticKind.PARENT_DIGEST_MISMATCH)
+    return (
+        int(record.status is CallStatus.FAILED),
+        int(record.status is CallStatus.INCOMPLETE),
+        refused,
+    )
+
+
+def count_deltas(
+    record: CallRecord,
+    effect: CallEffect,
+    family: Sequence[RetryLink],
+    parent_status: str | None,
+) -> tuple[int, int | None]:
+    """How storing ``record`` changes its rollout's kept counts: (incomplete calls no complete
+    retry supersedes, chains; None: no longer kept), both 0 for a late call or a re-put.
+    ``family``: the stored members of its retry family (``sql.RETRY_FAMILY``), read when
+    ``may_recount``; ``parent_status``: its linked parent's status when stored in the rollout
+    (``core.chain_counts``)."""
+    if not effect.version_delta:
+        return 0, 0
+    incomplete = incomplete_delta(record, family) if effect.recount else 0
+    return incomplete, chains_delta(record, parent_status, family if may_recount(record) else None)
 
 
 # --- mark_rollout_incomplete ---------------------------------------------------------------
@@ -335,11 +364,15 @@ def earlier_retirement(
 # --- reads ---------------------------------------------------------------------------------
 
 
-def rollout_info(row: Sequence[Any], late_call_ids: Iterable[str]) -> RolloutInfo:
+def rollout_info(
+    row: Sequence[Any], late_call_ids: Iterable[str], call_kinds: Iterable[str] = ()
+) -> RolloutInfo:
     """A ``RolloutInfo`` from the values a store's rollout query selects, in this order:
     rollout id, created at, incomplete (true for a rollout-level mark or incomplete calls),
     diagnostics (JSON text), number of calls, version, metadata (JSON text), snapshot id,
-    frozen at, frozen number of calls, export cursor; then the late call ids."""
+    frozen at, frozen number of calls, export cursor, number of chains (None: not kept), of
+    failed, incomplete and refused calls; then the late call ids and the calls' diagnostic
+    kinds."""
     (
         rollout_id,
         created_at,
@@ -352,6 +385,10 @@ def rollout_info(row: Sequence[Any], late_call_ids: Iterable[str]) -> RolloutInf
         frozen_at,
         frozen_num_calls,
         export_cursor,
+        num_chains,
+        num_failed,
+        num_incomplete,
+        num_refused,
     ) = row
     return RolloutInfo(
         rollout_id=rollout_id,
@@ -363,6 +400,11 @@ def rollout_info(row: Sequence[Any], late_call_ids: Iterable[str]) -> RolloutInf
         snapshot=_snapshot(snapshot_id, version, frozen_num_calls, frozen_at, export_cursor),
         late_call_ids=tuple(late_call_ids),
         metadata=RolloutMetadata.from_json(json.loads(metadata)),
+        num_chains=None if num_chains is None else int(num_chains),
+        num_failed=int(num_failed),
+        num_incomplete=int(num_incomplete),
+        num_refused=int(num_refused),
+        call_diagnostic_kinds=tuple(sorted(call_kinds)),
     )
 
 

@@ -19,9 +19,9 @@ Round trips: ``put_call`` is one transaction in two round trips, in pipeline mod
 COMMIT sent as statements, so that psycopg's transaction block adds no syncs of its own):
 first the rollout's lock and every read the write depends on (the rollout's state, the call
 if stored, the prompt-parent candidates with the ``StoredMessages`` of the deepest
-``PREFETCHED_MESSAGES``, the retry links when they count), then the inserts, the rollout's
-upsert and COMMIT (``benchmarks/pg_put_call.py``: 12 round trips before). ``health()`` is one
-catalog lookup (no row count).
+``PREFETCHED_MESSAGES``, the call's retry family when it counts, its linked parent's
+status), then the inserts, the rollout's upsert and COMMIT (``benchmarks/pg_put_call.py``: 12
+round trips before). ``health()`` is one catalog lookup (no row count).
 
 Durability: a ``put_call`` returns after ``COMMIT``, which with the server's default
 ``synchronous_commit = on`` has flushed the WAL: the promise "committed before the answer
@@ -72,8 +72,15 @@ from typing import Any, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.completeness import RetryLink
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.prefixes import (
+    PREFIX_BLOCK,
+    StoredPrefix,
+    block_digests,
+    choose_prompt_parent,
+    choose_with_digest,
+    token_digests,
+)
+from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_url
 from capture_proxy.core.stored_form import COLUMNS, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
@@ -99,35 +106,49 @@ MAX_ATTEMPTS = 6
 #: Seconds to wait for the pool's first connections on open.
 OPEN_TIMEOUT_S = 30.0
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``.
-# No ON CONFLICT: ``put_call`` looked under the rollout's lock and found no such call; the same
-# id stored meanwhile by another rollout's transaction is a UniqueViolation, retried.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``,
+# ``tokens_block_sha256``. No ON CONFLICT: ``put_call`` looked under the rollout's lock and
+# found no such call; the same id stored meanwhile by another rollout's transaction is a
+# UniqueViolation, retried.
 _INSERT_CALL = (
-    f"INSERT INTO calls ({sql.CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 2))})"
+    f"INSERT INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}, tokens_block_sha256) "
+    f"VALUES ({', '.join(['%s'] * (len(COLUMNS) + 4))})"
 )
 
 #: The deepest prompt-parent candidates whose ``StoredMessages`` come with the candidates (the
 #: chosen parent is nearly always among them; another is read when needed).
 PREFETCHED_MESSAGES = 4
+_N = "num_prompt_tokens + num_generation_tokens"
+_CANDIDATE_OF = (
+    f"SELECT call_id, created_at, {_N} AS n, tokens_sha256, prompt_parent_call_id, "
+    "messages_prefix_len, num_messages, messages_chain FROM calls, depth "
+    "WHERE rollout_id = %(rollout)s AND status = 'complete' AND num_generation_tokens > 0 AND "
+)
 # The rollout's prompt-parent candidates (``core.prefixes``): complete, with output, not longer
 # than the prompt and, as in sqlite.py, at least as deep as the record's verified parent when
-# that is one (the deepest candidate wins and the parent is a candidate: a range of the partial
-# index ``calls_by_prefix``, so a call of a long rollout reads a row or two); then the
-# ``StoredMessages`` columns, the chain only for the deepest few. Literal ``'complete'``, so
-# that the planner may use the partial index.
+# that is one (the deepest candidate wins and the parent is a candidate). Those shorter than a
+# block are a range of the partial index ``calls_by_prefix``; the others are those filed under
+# one of the prompt's block digests (``calls_by_block``, ``prefixes.block_digests``): the calls
+# that share the prompt's blocks, not every call of the rollout in the length range (other
+# sessions' calls of the same depth); rows written before migration 7 (no block digest) are
+# read as before. Then the ``StoredMessages`` columns, the chain only for the deepest few.
+# Literal ``'complete'``, so that the planner may use the partial indexes.
 _CANDIDATES = (
-    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
-    "prompt_parent_call_id, messages_prefix_len, num_messages, CASE WHEN row_number() OVER "
-    "(ORDER BY num_prompt_tokens + num_generation_tokens DESC) <= "
-    f"{PREFETCHED_MESSAGES} THEN messages_chain END "
-    "FROM calls WHERE rollout_id = %(rollout)s AND status = 'complete' "
-    "AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens <= %(prompt)s "
-    "AND num_prompt_tokens + num_generation_tokens >= COALESCE((SELECT "
-    "p.num_prompt_tokens + p.num_generation_tokens FROM calls p WHERE p.call_id = %(parent)s "
-    "AND p.rollout_id = %(rollout)s AND p.status = 'complete' AND p.num_generation_tokens > 0 "
-    "AND p.num_prompt_tokens + p.num_generation_tokens <= %(prompt)s), 0)"
+    "WITH depth AS (SELECT COALESCE((SELECT p.num_prompt_tokens + p.num_generation_tokens "
+    "FROM calls p WHERE p.call_id = %(parent)s AND p.rollout_id = %(rollout)s "
+    "AND p.status = 'complete' AND p.num_generation_tokens > 0 "
+    "AND p.num_prompt_tokens + p.num_generation_tokens <= %(prompt)s), 0) AS d), c AS ("
+    + _CANDIDATE_OF
+    + f"{_N} BETWEEN depth.d AND LEAST(%(prompt)s, %(block)s - 1) UNION ALL "
+    + _CANDIDATE_OF
+    + f"tokens_block_sha256 = ANY(%(blocks)s) AND {_N} BETWEEN GREATEST(depth.d, %(block)s) "
+    "AND %(prompt)s UNION ALL "
+    + _CANDIDATE_OF
+    + f"tokens_block_sha256 IS NULL AND {_N} BETWEEN GREATEST(depth.d, %(block)s) "
+    "AND %(prompt)s) "
+    "SELECT call_id, created_at, n, tokens_sha256, prompt_parent_call_id, messages_prefix_len, "
+    "num_messages, CASE WHEN row_number() OVER (ORDER BY n DESC) <= "
+    f"{PREFETCHED_MESSAGES} THEN messages_chain END FROM c"
 )
 # A late call (``version`` + 0) changes neither the revision nor the count of incomplete calls.
 _LOCK_ROLLOUT = "SELECT pg_advisory_xact_lock(hashtextextended(%s, 0))"
@@ -150,9 +171,27 @@ def _candidates(rows: list[Any]) -> tuple[list[StoredPrefix], dict[str, StoredMe
     return prefixes, messages
 
 
-def _retry_links(db: Conn, rollout_id: str) -> Any:
-    """The cursor of the rollout's retry links (``sql.RETRY_LINKS``), for the pipeline."""
-    return db.execute(POSTGRES.sql(sql.RETRY_LINKS), (rollout_id,))
+def _block_sha256(record: CallRecord) -> bytes | None:
+    """``calls.tokens_block_sha256`` of a call later prompts may extend (complete, with
+    output), else None."""
+    if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
+        return None
+    return token_digests(record.prompt_token_ids, record.generation_token_ids)[1]
+
+
+def _retry_family(db: Conn, record: CallRecord) -> Any:
+    """The cursor of the record's retry family (``sql.RETRY_FAMILY``), for the pipeline."""
+    rid, cid = record.rollout_id, record.call_id
+    args = (record.retry_of, rid, cid, rid, rid, cid)
+    return db.execute(POSTGRES.sql(sql.RETRY_FAMILY), args)
+
+
+def _parent_status(db: Conn, record: CallRecord) -> Any:
+    """The cursor of the record's linked parent's status (``sql.PARENT_STATUS``), or None when
+    the number of chains does not ask it (``core.chain_counts``)."""
+    if record.parent_call_id is None or not record.linkable or record.linking is None:
+        return None
+    return db.execute(POSTGRES.sql(sql.PARENT_STATUS), (record.parent_call_id, record.rollout_id))
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -312,17 +351,26 @@ class PostgresStore(SQLStore):
                 db.execute(_LOCK_ROLLOUT, (rid,))
                 state = db.execute(POSTGRES.sql(sql.STATE), (rid,))
                 stored = db.execute(POSTGRES.sql(sql.STORED_CALL), (record.call_id,), binary=True)
-                args = {"rollout": rid, "prompt": record.num_prompt_tokens}
+                args = {
+                    "rollout": rid,
+                    "prompt": record.num_prompt_tokens,
+                    "block": PREFIX_BLOCK,
+                    "blocks": block_digests(record.prompt_token_ids),
+                }
                 candidates = db.execute(
                     _CANDIDATES, {**args, "parent": record.parent_call_id}, binary=True
                 )
-                links = _retry_links(db, rid) if lifecycle.may_recount(record) else None
+                links = _retry_family(db, record) if lifecycle.may_recount(record) else None
+                parent_row = _parent_status(db, record)
                 tomb, rollout = lifecycle.state_of(state.fetchone())  # the first round trip
                 lifecycle.refuse_deleted(record, tomb is not None)
                 frozen = rollout is not None and rollout.frozen
                 prefixes, messages = _candidates(candidates.fetchall())
-                parent = choose_prompt_parent(
-                    record.prompt_token_ids, prefixes, exclude=record.call_id
+                parent, tokens_sha256 = choose_with_digest(
+                    record.prompt_token_ids,
+                    record.generation_token_ids,
+                    prefixes,
+                    exclude=record.call_id,
                 )
                 if parent is None and record.parent_call_id is not None:
                     # A parent that is not a prefix (a record put by hand): all candidates.
@@ -336,6 +384,7 @@ class PostgresStore(SQLStore):
                     request,
                     parent,
                     lambda c: messages.get(c) or sql.stored_messages(POSTGRES, db, c),
+                    tokens_sha256,
                 )
                 row = stored.fetchone()
                 if row is not None:  # stored before: the same content, or refused
@@ -343,17 +392,28 @@ class PostgresStore(SQLStore):
                     db.execute("COMMIT")
                     return
                 effect = lifecycle.call_effect(record, frozen=frozen, inserted=True)
-                count = 0
-                if effect.recount and links is not None:
-                    count = lifecycle.incomplete_calls(
-                        (RetryLink(*r) for r in links.fetchall()), record
-                    )
-                db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
+                family = [RetryLink(*r) for r in links.fetchall()] if links is not None else []
+                found = parent_row.fetchone() if parent_row is not None else None
+                incomplete, chains = lifecycle.count_deltas(
+                    record, effect, family, None if found is None else str(found[0])
+                )
+                block = _block_sha256(record)
+                own = sql.store_columns(record)
+                db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
                 sql.store_json(POSTGRES, db, enc, count=False)
                 db.execute(
                     POSTGRES.sql(sql.UPSERT_ROLLOUT),
-                    (rid, enc.created_at, count, effect.version_delta, 1, effect.recount),
+                    (
+                        rid,
+                        enc.created_at,
+                        incomplete,
+                        effect.version_delta,
+                        1,
+                        chains,
+                        *lifecycle.call_tally(record),
+                    ),
                 )
+                sql.keep_kinds(POSTGRES, db, rid, (d.kind for d in record.diagnostics))
                 db.execute("COMMIT")
             # The second round trip: the pipeline's sync at its end (errors are raised here).
         except BaseException:

@@ -122,6 +122,37 @@ MIGRATIONS: tuple[str, ...] = (
     UPDATE rollouts SET num_calls = (SELECT count(*) FROM calls c
         WHERE c.rollout_id = rollouts.rollout_id);
     """,
+    # 6: the number of chains a listing reads and the viewer list's counts (counted after the
+    # steps, ``recount_rollouts``),
+    # the retry family's index and the child digest a replica's refresh reads by (sqlite.py's
+    # LAYOUT_VERSION 8).
+    """
+    ALTER TABLE rollouts ADD COLUMN IF NOT EXISTS num_chains bigint DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_failed bigint NOT NULL DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_incomplete bigint NOT NULL DEFAULT 0,
+        ADD COLUMN IF NOT EXISTS num_refused bigint NOT NULL DEFAULT 0;
+    CREATE TABLE IF NOT EXISTS rollout_kinds (
+        rollout_id text NOT NULL,
+        kind text NOT NULL,
+        PRIMARY KEY (rollout_id, kind)
+    );
+    ALTER TABLE calls ADD COLUMN IF NOT EXISTS child_digest text;
+    UPDATE calls SET child_digest = meta::json -> 'linking' ->> 'child_digest'
+        WHERE meta::json -> 'linking' ->> 'child_digest' IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS calls_by_retry_of ON calls (rollout_id, retry_of)
+        WHERE retry_of IS NOT NULL;
+    CREATE INDEX IF NOT EXISTS calls_by_child_digest ON calls (rollout_id, child_digest)
+        WHERE child_digest IS NOT NULL;
+    """,
+    # 7: the block digest a put's prompt parent is found by (``prefixes.token_digests``;
+    # sqlite.py's LAYOUT_VERSION 9): the candidates of a block or more are those filed under
+    # one of the prompt's block digests, not every call of the rollout in the length range.
+    # NULL in rows written before (read aside, as before).
+    """
+    ALTER TABLE calls ADD COLUMN IF NOT EXISTS tokens_block_sha256 bytea;
+    CREATE INDEX IF NOT EXISTS calls_by_block ON calls (rollout_id, tokens_block_sha256)
+        WHERE status = 'complete' AND num_generation_tokens > 0;
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 
@@ -152,3 +183,6 @@ def migrate_layout(db: Any, where: str) -> None:
             # Layout 3: count each rollout's incomplete calls (after ``retry_of`` is filled).
             sql.recount_incomplete_calls(sql.POSTGRES, db)
         sql.migrate_records(sql.POSTGRES, db)
+        if version < 6:
+            # Layout 6: count each rollout's chains (its records in the current schema).
+            sql.recount_rollouts(sql.POSTGRES, db)

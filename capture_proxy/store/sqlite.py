@@ -32,19 +32,23 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
 - ``json_blobs``: content-addressed JSON (SHA-256 of the canonical text -> text): tools lists
   and large system messages, stored once however many calls refer to them. ``call_json``
   lists which call refers to which; deleting a rollout deletes the texts no other call
-  refers to, in the same transaction.
+  refers to, in the same transaction. The writer remembers the addresses it stored (until any
+  other write transaction, which may delete) and writes only the reference for those.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and
-  delete, so that a listing counts no rows), the rollout-level incomplete flag
-  (``incomplete``: set by ``mark_rollout_incomplete`` only) beside ``incomplete_calls`` (the
-  calls counted in the rollout that are incomplete and that no complete retry supersedes,
-  ``core.completeness``, recounted by ``put_call`` when it stores an incomplete call or a
-  retry), rollout-level diagnostics, the revision (``version``), the trainer's ``metadata``
-  (JSON) and, once frozen, the snapshot (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``,
-  ``export_cursor``).
+  delete, so that a listing counts no rows), the number of chains a training read builds
+  (``num_chains``, kept by every put, ``core.chain_counts``; NULL where it cannot be kept),
+  the rollout-level incomplete flag (``incomplete``: set by ``mark_rollout_incomplete`` only)
+  beside ``incomplete_calls`` (the calls counted in the rollout that are incomplete and that
+  no complete retry supersedes, ``core.completeness``, recounted by ``put_call`` when it
+  stores an incomplete call or a retry), rollout-level diagnostics, the revision
+  (``version``), the trainer's ``metadata`` (JSON) and, once frozen, the snapshot
+  (``snapshot_id``, ``frozen_at``, ``frozen_num_calls``, ``export_cursor``).
 - ``calls.late``: 1 for a call stored after its rollout was frozen (decided inside
   ``put_call``'s transaction, so a call racing the freeze is either in the snapshot or late).
   ``calls.retry_of``: the call it retries (``CallRecord.retry_of``, also in ``meta``), kept
-  as a column so that completeness is counted without decoding records.
+  as a column so that completeness is counted without decoding records, from the new call's
+  retry family only (``sql.RETRY_FAMILY``). ``calls.child_digest``: ``linking.child_digest``,
+  indexed for a replica's refresh (``get_calls_by_child_digest``).
 - ``tombstones``: deleted rollouts and when (Unix s); writes to them are refused. A retired
   rollout's tombstone keeps the snapshot id, version and deleted-call count, so a retried
   retire answers the same.
@@ -69,13 +73,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-from capture_proxy.core.codec import PromptParent, RequestEncoding
+from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.prefixes import StoredPrefix, token_digests
 from capture_proxy.core.records import CallRecord, CallStatus
-from capture_proxy.core.stored_form import COLUMNS, column_values
+from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
+from capture_proxy.store.prompt_parents import PromptParents
 from capture_proxy.store.sql import SQLITE
 from capture_proxy.store.sqlite_layout import migrate_layout, write_transaction
 from capture_proxy.store.transactions import SQLStore
@@ -86,70 +91,43 @@ DB_FILE_NAME = "captures.sqlite3"
 WRITER_LOCK_NAME = "writer.lock"
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
+#: Content addresses a writer remembers as stored (``SQLiteStore._stored_blobs``) at most.
+_STORED_BLOBS_MAX = 4096
 
 T = TypeVar("T")
 
-# The codec's columns, then the store's own: ``late``, ``retry_of``.
+# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``,
+# ``tokens_block_sha256``.
 _INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, retry_of) "
-    f"VALUES ({','.join('?' * (len(COLUMNS) + 2))})"
+    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}, "
+    "tokens_block_sha256) "
+    f"VALUES ({','.join('?' * (len(COLUMNS) + 4))})"
 )
 
-# The rollout's prompt-parent candidates in a range of prompt + generation lengths: a range
-# of the partial index ``calls_by_prefix`` (literal ``'complete'``, so that the planner may
-# use it), read from the index alone, never the rollout's other rows.
-_CANDIDATES = (
-    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256 "
-    "FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = ? AND status = 'complete' "
-    "AND num_generation_tokens > 0 "
-    "AND num_prompt_tokens + num_generation_tokens BETWEEN ? AND ?"
+# What a put needs of its rollout's state (``lifecycle``): tombstoned, frozen (two key reads,
+# none of the rollout's texts).
+_PUT_STATE = (
+    "SELECT EXISTS (SELECT 1 FROM tombstones WHERE rollout_id = ?), "
+    "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL)"
 )
 
 
-def _candidates(db: sqlite3.Connection, record: CallRecord, floor: int) -> list[StoredPrefix]:
-    """The rollout's complete calls with output whose prompt + generation length is in
-    ``[floor, len(record prompt)]``: the prompt parents it may have (an index range: the
-    rows read are the ones returned)."""
-    return [
-        StoredPrefix(r[0], r[1], r[2], r[3])
-        for r in db.execute(
-            _CANDIDATES, (record.rollout_id, floor, record.num_prompt_tokens)
-        ).fetchall()
-    ]
+def _is_prompt_parent(record: CallRecord) -> bool:
+    """A call later prompts may extend (``prefixes``): complete, with output."""
+    return record.status is CallStatus.COMPLETE and record.num_generation_tokens > 0
 
 
-def _parent_depth(db: sqlite3.Connection, record: CallRecord) -> int:
-    """Prompt + generation length of the record's verified parent when it is a stored
-    complete call of the rollout with output (its tokens are a prefix of the record's prompt,
-    the linker checked), else 0."""
-    if record.parent_call_id is None:
-        return 0
-    row = db.execute(
-        "SELECT num_prompt_tokens + num_generation_tokens FROM calls WHERE call_id = ? "
-        "AND rollout_id = ? AND status = ? AND num_generation_tokens > 0",
-        (record.parent_call_id, record.rollout_id, CallStatus.COMPLETE.value),
-    ).fetchone()
-    if row is None or row[0] > record.num_prompt_tokens:
-        return 0
-    return int(row[0])
+def _lookup(
+    db: sqlite3.Connection, known: StoredMessages | None
+) -> Callable[[str], StoredMessages | None]:
+    """A stored call's ``StoredMessages``: ``known`` for its call, else one row read."""
 
+    def lookup(call_id: str) -> StoredMessages | None:
+        if known is not None and call_id == known.call_id:
+            return known
+        return sql.stored_messages(SQLITE, db, call_id)
 
-def _prompt_parent(db: sqlite3.Connection, record: CallRecord) -> PromptParent | None:
-    """The record's prompt parent among the rollout's stored calls (inside the put's
-    transaction: no candidate can appear or vanish before the insert). The deepest candidate
-    wins, and a verified parent is one (its tokens are a prefix of the record's prompt): only
-    candidates at least as deep are read, so a call of a long rollout reads a row or two, not
-    every call before it. (A parent that is not a prefix, a record put by hand, falls back to
-    all.)"""
-    floor = _parent_depth(db, record)
-    parent = choose_prompt_parent(
-        record.prompt_token_ids, _candidates(db, record, floor), exclude=record.call_id
-    )
-    if parent is None and floor > 0:
-        parent = choose_prompt_parent(
-            record.prompt_token_ids, _candidates(db, record, 0), exclude=record.call_id
-        )
-    return parent
+    return lookup
 
 
 class SQLiteStore(SQLStore):
@@ -186,6 +164,14 @@ class SQLiteStore(SQLStore):
         self._rdb: sqlite3.Connection | None = None  # reader thread only
         self.exclusive = exclusive
         self._lock_file: IO[str] | None = None
+        #: Content addresses of JSON texts committed by this writer and not deleted since
+        #: (writer thread only): a put skips their insert (a session's tools list is on every
+        #: call). Cleared by every other write transaction, the only ones that delete texts;
+        #: kept only while the writer lock is held (``exclusive``: no other process writes).
+        self._stored_blobs: set[bytes] = set()
+        #: each rollout's stored calls by their token prefixes (writer thread only): a put's
+        #: prompt parent without reading the rollout's other rows
+        self._prompt_parents = PromptParents()
 
     # --- threads -------------------------------------------------------------------------
 
@@ -324,6 +310,8 @@ class SQLiteStore(SQLStore):
     ) -> T:
         """One ``BEGIN IMMEDIATE`` transaction (writes serialise on the one writer thread, so
         ``rollout_id`` needs no lock of its own)."""
+        self._stored_blobs.clear()  # it may delete texts
+        self._prompt_parents.forget(rollout_id)  # and calls
         return write_transaction(db, body)
 
     def _read_transaction(self, db: sqlite3.Connection, body: Callable[[], T]) -> T:
@@ -337,47 +325,72 @@ class SQLiteStore(SQLStore):
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    @staticmethod
-    def _put(db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None) -> int:
-        """Store one record (writer thread); the JSON bytes new to the store."""
+    def _put(
+        self, db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None
+    ) -> int:
+        """Store one record (writer thread); the bytes new to the store."""
+        stored_blobs = self._stored_blobs
+        prompt_parents = self._prompt_parents
+        tokens_sha256, block_sha256 = token_digests(
+            record.prompt_token_ids, record.generation_token_ids
+        )
 
-        def body() -> int:
-            tomb, rollout = sql.state(SQLITE, db, record.rollout_id)
-            lifecycle.refuse_deleted(record, tomb is not None)
-            frozen = rollout is not None and rollout.frozen
+        def body() -> tuple[int, EncodedRecord | None]:
+            tombstoned, frozen = db.execute(_PUT_STATE, (record.rollout_id,) * 2).fetchone()
+            lifecycle.refuse_deleted(record, bool(tombstoned))
+            frozen = bool(frozen)
             may_recount = lifecycle.may_recount(record)
-            links = sql.retry_links(SQLITE, db, record.rollout_id) if may_recount else []
+            links = sql.retry_family(SQLITE, db, record) if may_recount else []
+            prompt_parent = prompt_parents.choose(
+                db, record.rollout_id, record.prompt_token_ids, record.call_id
+            )
             enc = lifecycle.encode_with_parent(
-                record,
-                request,
-                _prompt_parent(db, record),
-                lambda c: sql.stored_messages(SQLITE, db, c),
+                record, request, prompt_parent, _lookup(db, None), tokens_sha256
             )
             written = 0
-            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, record.retry_of))
+            own = sql.store_columns(record)
+            block = block_sha256 if _is_prompt_parent(record) else None
+            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
             inserted = bool(cur.rowcount)
             if inserted:
-                written = sql.encoded_bytes(enc) + sql.store_json(SQLITE, db, enc)
+                written = sql.encoded_bytes(enc) + sql.store_json(
+                    SQLITE, db, enc, known=stored_blobs
+                )
                 db.execute(sql.COUNT_CALLS, (1,))
             else:
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
                 lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
             effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
-            count = lifecycle.incomplete_calls(links, record) if effect.recount else 0
+            counted = effect.version_delta and record.linkable and record.linking is not None
+            parent = sql.parent_status(SQLITE, db, record) if counted else None
+            incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
+            tally = lifecycle.call_tally(record) if inserted else (0, 0, 0)
             db.execute(
                 SQLITE.sql(sql.UPSERT_ROLLOUT),
                 (
                     enc.rollout_id,
                     enc.created_at,
-                    count,
+                    incomplete,
                     effect.version_delta,
                     int(inserted),
-                    effect.recount,
+                    chains,
+                    *tally,
                 ),
             )
-            return written
+            if inserted:
+                sql.keep_kinds(SQLITE, db, enc.rollout_id, (d.kind for d in record.diagnostics))
+            return written, enc if inserted else None  # a re-put's texts may be others
 
-        return write_transaction(db, body)
+        written, stored = write_transaction(db, body)
+        if stored is not None and self.exclusive:  # committed, and no other writer
+            if len(stored_blobs) > _STORED_BLOBS_MAX:
+                stored_blobs.clear()
+            stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
+            if _is_prompt_parent(record):
+                n = record.num_prompt_tokens + record.num_generation_tokens
+                call = StoredPrefix(record.call_id, record.created_at, n, tokens_sha256)
+                prompt_parents.stored(record.rollout_id, call, block_sha256)
+        return written
 
     @staticmethod
     def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:

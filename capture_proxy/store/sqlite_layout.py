@@ -24,8 +24,14 @@ T = TypeVar("T")
 #: (``calls.retry_of``) and ``rollouts.incomplete_calls``, 6 the indexes that keep a put's
 #: reads bounded whatever the rollout's size (``calls_by_prefix``, ``calls_retry_links``,
 #: ``calls_late``), 7 the counts that listings and ``/health`` read instead of counting rows
-#: (``rollouts.num_calls``, the ``counters`` row ``calls``).
-LAYOUT_VERSION = 7
+#: (``rollouts.num_calls``, the ``counters`` row ``calls``), 8 the number of chains a listing
+#: reads (``rollouts.num_chains``, ``core.chain_counts``) and those of the viewer's list
+#: (``num_failed``, ``num_incomplete``, ``num_refused``, ``rollout_kinds``), the retry
+#: family's index (``calls_by_retry_of``) and the child digest a replica's refresh reads by
+#: (``calls.child_digest``, ``calls_by_child_digest``), 9 the block digest a put's prompt
+#: parent is found by (``calls.tokens_block_sha256``, ``store.prompt_parents``; NULL in rows
+#: written before).
+LAYOUT_VERSION = 9
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
@@ -49,7 +55,9 @@ CREATE TABLE IF NOT EXISTS calls (
     messages_sha256 BLOB NOT NULL DEFAULT x'',
     messages_chain BLOB NOT NULL DEFAULT x'',
     late INTEGER NOT NULL DEFAULT 0,
-    retry_of TEXT
+    retry_of TEXT,
+    child_digest TEXT,
+    tokens_block_sha256 BLOB
 );
 CREATE INDEX IF NOT EXISTS calls_by_rollout ON calls (rollout_id, created_at);
 CREATE TABLE IF NOT EXISTS json_blobs (
@@ -77,12 +85,21 @@ CREATE TABLE IF NOT EXISTS rollouts (
     version INTEGER NOT NULL DEFAULT 0,
     incomplete_calls INTEGER NOT NULL DEFAULT 0,
     num_calls INTEGER NOT NULL DEFAULT 0,
+    num_chains INTEGER DEFAULT 0,
+    num_failed INTEGER NOT NULL DEFAULT 0,
+    num_incomplete INTEGER NOT NULL DEFAULT 0,
+    num_refused INTEGER NOT NULL DEFAULT 0,
     metadata TEXT NOT NULL DEFAULT '{}',
     snapshot_id TEXT,
     frozen_at REAL,
     frozen_num_calls INTEGER,
     export_cursor INTEGER
 );
+CREATE TABLE IF NOT EXISTS rollout_kinds (
+    rollout_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, kind)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
@@ -98,6 +115,10 @@ CREATE INDEX IF NOT EXISTS calls_by_prefix ON calls
 CREATE INDEX IF NOT EXISTS calls_retry_links ON calls (rollout_id)
     WHERE late = 0 AND (status = 'incomplete' OR retry_of IS NOT NULL);
 CREATE INDEX IF NOT EXISTS calls_late ON calls (rollout_id, created_at, call_id) WHERE late = 1;
+CREATE INDEX IF NOT EXISTS calls_by_retry_of ON calls (rollout_id, retry_of)
+    WHERE retry_of IS NOT NULL;
+CREATE INDEX IF NOT EXISTS calls_by_child_digest ON calls (rollout_id, child_digest)
+    WHERE child_digest IS NOT NULL;
 """
 
 _V2_COLUMNS = {
@@ -128,6 +149,16 @@ _V4_COLUMNS = {
     "tombstones": {"snapshot_id": "TEXT", "version": "INTEGER", "deleted_calls": "INTEGER"},
 }
 _V7_COLUMNS = {"rollouts": {"num_calls": "INTEGER NOT NULL DEFAULT 0"}}
+_V8_COLUMNS = {
+    "calls": {"child_digest": "TEXT"},
+    "rollouts": {
+        "num_chains": "INTEGER DEFAULT 0",
+        "num_failed": "INTEGER NOT NULL DEFAULT 0",
+        "num_incomplete": "INTEGER NOT NULL DEFAULT 0",
+        "num_refused": "INTEGER NOT NULL DEFAULT 0",
+    },
+}
+_V9_COLUMNS = {"calls": {"tokens_block_sha256": "BLOB"}}
 _V5_COLUMNS = {
     "calls": {"retry_of": "TEXT"},
     "rollouts": {"incomplete_calls": "INTEGER NOT NULL DEFAULT 0"},
@@ -178,16 +209,26 @@ def migrate_layout(db: sqlite3.Connection, db_path: Path) -> None:
             _count_incomplete_calls(db)
         if version < 7:
             _count_calls(db)
+        if version < 8:
+            _count_chains(db)
         db.execute(f"PRAGMA user_version={LAYOUT_VERSION}")
 
     write_transaction(db, body)
 
 
 def _add_columns(db: sqlite3.Connection) -> None:
-    """The columns of layouts 1 to 7 that an older table lacks."""
+    """The columns of layouts 1 to 9 that an older table lacks."""
     columns = {
-        "calls": _V2_COLUMNS | _V3_COLUMNS | _V4_COLUMNS["calls"] | _V5_COLUMNS["calls"],
-        "rollouts": _V4_COLUMNS["rollouts"] | _V5_COLUMNS["rollouts"] | _V7_COLUMNS["rollouts"],
+        "calls": _V2_COLUMNS
+        | _V3_COLUMNS
+        | _V4_COLUMNS["calls"]
+        | _V5_COLUMNS["calls"]
+        | _V8_COLUMNS["calls"]
+        | _V9_COLUMNS["calls"],
+        "rollouts": _V4_COLUMNS["rollouts"]
+        | _V5_COLUMNS["rollouts"]
+        | _V7_COLUMNS["rollouts"]
+        | _V8_COLUMNS["rollouts"],
         "tombstones": _V4_COLUMNS["tombstones"],
     }
     for table, wanted in columns.items():
@@ -217,3 +258,14 @@ def _count_calls(db: sqlite3.Connection) -> None:
         "WHERE c.rollout_id = rollouts.rollout_id)"
     )
     db.execute("INSERT OR REPLACE INTO counters (name, value) SELECT 'calls', count(*) FROM calls")
+
+
+def _count_chains(db: sqlite3.Connection) -> None:
+    """Layout 8: the child digests out of the records' metadata, and each rollout's number of
+    chains, of failed, incomplete and refused calls and its calls' diagnostic kinds, kept from
+    now on by every put."""
+    db.execute(
+        "UPDATE calls SET child_digest = json_extract(meta, '$.linking.child_digest') "
+        "WHERE json_valid(meta) AND json_extract(meta, '$.linking.child_digest') IS NOT NULL"
+    )
+    sql.recount_rollouts(sql.SQLITE, db)

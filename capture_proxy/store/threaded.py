@@ -9,7 +9,8 @@ Owns no connection, no thread and no SQL. A store (``sqlite.py``, ``postgres.py`
 - ``_driver_error``: its driver's exception class (``sqlite3.Error``, ``psycopg.Error``);
 - the synchronous functions, connection first, each one transaction: ``_put``, ``_mark``,
   ``_delete``, ``_freeze``, ``_set_metadata``, ``_retire``, ``_sweep``; the reads
-  ``_get_tombstone``, ``_get_call``, ``_get_rollout_calls``, ``_get_rollout``,
+  ``_get_tombstone``, ``_get_call``, ``_get_rollout_calls``, ``_get_calls_by_child_digest``,
+  ``_get_rollout``,
   ``_list_rollouts``, ``_list_frozen``, ``_list_episodes``, ``_health``. What they decide
   is ``lifecycle``'s; they hold the SQL.
 """
@@ -44,6 +45,7 @@ class ThreadedStore:
     _get_tombstone: Callable[..., float | None]
     _get_call: Callable[..., CallRecord | None]
     _get_rollout_calls: Callable[..., list[CallRecord]]
+    _get_calls_by_child_digest: Callable[..., list[CallRecord]]
     _get_rollout: Callable[..., RolloutInfo | None]
     _list_rollouts: Callable[..., list[RolloutInfo]]
     _list_frozen: Callable[..., list[RolloutInfo]]
@@ -128,6 +130,11 @@ class ThreadedStore:
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         return await self._read(self._get_rollout_calls, rollout_id)
+
+    async def get_calls_by_child_digest(
+        self, rollout_id: str, child_digest: str
+    ) -> list[CallRecord]:
+        return await self._read(self._get_calls_by_child_digest, rollout_id, child_digest)
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
         return await self._read(self._get_rollout, rollout_id)

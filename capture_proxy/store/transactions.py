@@ -23,6 +23,8 @@ from capture_proxy.store.base import Retirement, RolloutInfo, Snapshot
 from capture_proxy.store.sql import (
     ANCESTRY,
     CALL_COLUMNS,
+    CHILDREN_ANCESTRY,
+    CHILDREN_OF,
     ROLLOUT_CALLS,
     ROLLOUT_SELECT,
     Conn,
@@ -116,9 +118,9 @@ class SQLStore(ThreadedStore):
                     d.sql("INSERT INTO rollouts (rollout_id, created_at) VALUES (?, ?)"),
                     (rollout_id, now),
                 )
+            # The kept count, not the rows: before the first freeze no call is late.
             (num_calls,) = db.execute(
-                d.sql("SELECT count(*) FROM calls WHERE rollout_id = ? AND {not_late}"),
-                (rollout_id,),
+                d.sql("SELECT num_calls FROM rollouts WHERE rollout_id = ?"), (rollout_id,)
             ).fetchone()
             # Last: the counter row's lock is held from here to COMMIT (``next_cursor``).
             snapshot = lifecycle.new_snapshot(
@@ -226,9 +228,38 @@ class SQLStore(ThreadedStore):
         rows, blobs = self._read_transaction(db, body)
         return decode_records(encoded_row(r, blobs) for r in rows)
 
+    def _get_calls_by_child_digest(
+        self, db: Conn, rollout_id: str, child_digest: str
+    ) -> list[CallRecord]:
+        d = self.dialect
+        args = (rollout_id, child_digest)
+
+        def body() -> tuple[list[Any], list[Any], dict[str, str]]:
+            # The calls (``calls_by_child_digest``), then them and their prompt ancestors.
+            found = db.execute(d.sql(CHILDREN_OF), args).fetchall()
+            if not found:
+                return found, [], {}
+            rows = db.execute(
+                d.sql(
+                    CHILDREN_ANCESTRY
+                    + f"SELECT {CALL_COLUMNS} FROM calls WHERE call_id IN (SELECT id FROM anc)"
+                ),
+                args,
+                **d.read_options,
+            ).fetchall()
+            return found, rows, blobs_of(d, db, CHILDREN_ANCESTRY + "SELECT id FROM anc", args)
+
+        found, rows, blobs = self._read_transaction(db, body)
+        wanted = {r[0] for r in found}
+        records = decode_records(encoded_row(r, blobs) for r in rows)
+        return sorted(
+            (r for r in records if r.call_id in wanted), key=lambda r: (r.created_at, r.call_id)
+        )
+
     def _info(self, row: tuple[Any, ...]) -> RolloutInfo:
         """From a row of ``ROLLOUT_SELECT``."""
-        return lifecycle.rollout_info(row[:-1], self.dialect.late_ids_of(row[-1]))
+        read = self.dialect.late_ids_of
+        return lifecycle.rollout_info(row[:-2], read(row[-1]), read(row[-2]))
 
     def _get_rollout(self, db: Conn, rollout_id: str) -> RolloutInfo | None:
         sql = self.dialect.sql(ROLLOUT_SELECT + " WHERE r.rollout_id = ?")

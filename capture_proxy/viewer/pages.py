@@ -27,6 +27,7 @@ from capture_proxy.core.view.rollouts import (
     STATUSES,
     RolloutRow,
     format_reward,
+    kept_rollout_row,
     matches,
     rollout_row,
 )
@@ -134,23 +135,56 @@ def _rollout_diag_kinds(request: web.Request, info: RolloutInfo) -> list[str]:
     return kinds
 
 
+def _needs_calls(info: RolloutInfo) -> bool:
+    """Whether the listing row needs the rollout's calls: the store does not keep its number of
+    chains, or it has late calls (the row counts them; the store's figures leave them out)."""
+    return info.num_chains is None or bool(info.late_call_ids)
+
+
 def _rows(
-    batch: list[tuple[RolloutInfo, list[str], list[CallRecord]]], now: float
+    batch: list[tuple[RolloutInfo, list[str], list[CallRecord] | None]], now: float
 ) -> list[RolloutRow]:
-    return [
-        rollout_row(
-            rollout_id=info.rollout_id,
-            created_at=info.created_at,
-            incomplete=info.incomplete or DiagnosticKind.STORE_FAILED.value in kinds,
-            rollout_diagnostic_kinds=kinds,
-            records=records,
-            # The trainer's metadata (core.metadata.RolloutMetadata): a dash when absent.
-            metadata=info.metadata.to_json() if info.metadata is not None else None,
-            now=now,
-            frozen=info.snapshot is not None,
+    """The rows of ``batch`` (each rollout's info, rollout-level diagnostic kinds and, when
+    ``_needs_calls``, its calls; else the counts the store keeps)."""
+    rows = []
+    for info, kinds, records in batch:
+        # The trainer's metadata (core.metadata.RolloutMetadata): a dash when absent.
+        metadata = info.metadata.to_json() if info.metadata is not None else None
+        incomplete = info.incomplete or DiagnosticKind.STORE_FAILED.value in kinds
+        frozen = info.snapshot is not None
+        if records is not None:
+            rows.append(
+                rollout_row(
+                    rollout_id=info.rollout_id,
+                    created_at=info.created_at,
+                    incomplete=incomplete,
+                    rollout_diagnostic_kinds=kinds,
+                    records=records,
+                    metadata=metadata,
+                    now=now,
+                    frozen=frozen,
+                )
+            )
+            continue
+        assert info.num_chains is not None
+        rows.append(
+            kept_rollout_row(
+                rollout_id=info.rollout_id,
+                created_at=info.created_at,
+                incomplete=incomplete,
+                rollout_diagnostic_kinds=kinds,
+                num_calls=info.num_calls,
+                num_chains=info.num_chains,
+                num_failed=info.num_failed,
+                num_incomplete=info.num_incomplete,
+                refused_links=info.num_refused,
+                call_diagnostic_kinds=info.call_diagnostic_kinds,
+                metadata=metadata,
+                now=now,
+                frozen=frozen,
+            )
         )
-        for info, kinds, records in batch
-    ]
+    return rows
 
 
 async def rollouts_page(request: web.Request) -> web.Response:
@@ -175,8 +209,13 @@ async def rollouts_page(request: web.Request) -> web.Response:
     cursor, scanned, now = after, 0, time.time()
     while True:
         infos = await store.list_rollouts(limit=LISTING_PAGE_SIZE, after=cursor)
+        # The calls only of a rollout whose counts the store does not keep (``_needs_calls``).
         batch = [
-            (i, _rollout_diag_kinds(request, i), await store.get_rollout_calls(i.rollout_id))
+            (
+                i,
+                _rollout_diag_kinds(request, i),
+                await store.get_rollout_calls(i.rollout_id) if _needs_calls(i) else None,
+            )
             for i in infos
         ]
         for row in await _off_loop(request, _rows, batch, now):

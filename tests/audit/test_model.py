@@ -43,14 +43,18 @@ def test_scores_are_the_public_forwards_batched_or_not(tiny_models, dtype, tol):
     assert list(model.batches([b, a])) == [[1, 0]]  # longest first, one pass
     together = model.score([a, b])
     alone = model.score([b])[0]
-    # Padding changes only the matmul shapes: float rounding, nothing more.
-    np.testing.assert_allclose(together[1].log_probs, alone.log_probs, atol=tol, rtol=0)
+    # Padding changes only the matmul shapes: float rounding, nothing more. In bfloat16 (8
+    # mantissa bits: a logit near 12 rounds in steps of 1/16) another shape may take another
+    # kernel (oneDNN on AVX-512 does): log probs then differ by up to 0.008 here, which is
+    # rounding; a padding leak would move them by tenths.
+    batched_tol = tol if dtype == "float32" else 0.02
+    np.testing.assert_allclose(together[1].log_probs, alone.log_probs, atol=batched_tol, rtol=0)
     np.testing.assert_array_equal(together[1].experts, alone.experts)
     for s, got in zip((a, b), together, strict=True):
         lp, experts = _public(tiny_models["moe"], getattr(torch, dtype), s.input_ids)
         gen = np.flatnonzero(s.loss_mask)
         assert np.isnan(got.log_probs[: gen[0]]).all()
-        np.testing.assert_allclose(got.log_probs[gen], lp[gen - 1], atol=tol, rtol=0)
+        np.testing.assert_allclose(got.log_probs[gen], lp[gen - 1], atol=batched_tol, rtol=0)
         assert got.experts.shape == (s.num_tokens, 2, 2)
         if dtype == "float32":  # bf16 router near-ties may order differently: sets compared
             np.testing.assert_array_equal(np.sort(got.experts, -1), np.sort(experts, -1))

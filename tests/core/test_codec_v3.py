@@ -310,3 +310,66 @@ def test_canonical_json_is_the_stdlib_text_whichever_encoder_writes_it():
             canonical_json(bad)
     with pytest.raises(TypeError):
         canonical_json({"when": object()})
+
+
+def test_floats_without_an_exponent_take_orjson_and_keep_the_stdlib_text():
+    """A float the stdlib writes without an exponent (0, magnitudes in [1e-4, 1e16)) lets orjson
+    write the value (a record's metadata holds latency and sampling floats); the text is the
+    stdlib's, at the boundaries, across every decade and on random bit patterns. Others
+    (1e-05, 1e+16, NaN) take the stdlib."""
+    import json
+    import math
+    import random
+    import struct
+
+    from capture_proxy.core.stored_form import _orjson_writes_it_alike, canonical_json
+
+    def stdlib(value):
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+    assert _orjson_writes_it_alike({"latency_ms": 412.5, "sampling": [1.0, 0.95, 0.0, -0.0]})
+    for outside in (1e-5, 9.99e-5, 1e16, -1e16, 1e300, 5e-324, math.inf, math.nan):
+        assert not _orjson_writes_it_alike({"f": [outside]}), outside
+    floats = [
+        sign * m * 10.0**e
+        for e in range(-330, 309)
+        for m in (1.0, 1.2345678901234567, 5.0, 9.999999999999999)
+        for sign in (1, -1)
+    ]
+    rng = random.Random(22)
+    floats += [
+        struct.unpack("<d", rng.getrandbits(64).to_bytes(8, "little"))[0] for _ in range(20000)
+    ]
+    floats += [1e-4, math.nextafter(1e-4, 0), 9999999999999998.0, math.nextafter(1e16, 0)]
+    for value in (f for f in floats if math.isfinite(f)):
+        assert canonical_json({"x": [value]}) == stdlib({"x": [value]}), value
+
+
+def test_received_values_are_inline_or_addressed_by_their_text_length_alone():
+    """Short scalars are kept inline without writing their text; a value that is the request's
+    tools list takes the encoding's text; everything else is written and measured: the same
+    split as writing every value (a control character's escape is 6 characters)."""
+    from capture_proxy.core.stored_form import REF_MIN_BYTES, canonical_json, received_refs
+
+    tools = [{"type": "function", "function": {"name": "bash", "description": "y" * 600}}]
+    received = {
+        "model": "m",
+        "stream": True,
+        "temperature": 0.7,
+        "seed": 10**17,
+        "big": 10**600,
+        "none": None,
+        "escaped_short": "\x00" * 79,
+        "escaped_long": "\x00" * 90,
+        "plain_long": "z" * 600,
+        "tools": tools,
+        "small": {"a": [1, 2]},
+    }
+    text = canonical_json(tools)
+    fast = received_refs(received, b1 := {}, tools=tools, tools_text=text, tools_sha256="f" * 64)
+    by_text = {k for k, v in received.items() if len(canonical_json(v)) >= REF_MIN_BYTES}
+    assert set(fast[1] or {}) == by_text == {"big", "escaped_long", "plain_long", "tools"}
+    assert set(fast[0] or {}) == set(received) - by_text
+    assert fast[1]["tools"] == "f" * 64 and b1["f" * 64] == text
+    slow = received_refs(received, b2 := {})
+    assert slow[0] == fast[0] and set(slow[1] or {}) == by_text and len(b2) == len(b1)

@@ -6,7 +6,12 @@ import numpy as np
 
 from capture_proxy.core.chains import find_parents
 from capture_proxy.core.codec import PromptParent
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent, prefix_digests
+from capture_proxy.core.prefixes import (
+    StoredPrefix,
+    choose_prompt_parent,
+    choose_with_digest,
+    prefix_digests,
+)
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.stored_form import token_digest
 from tests.factories import record
@@ -40,6 +45,27 @@ def test_deepest_match_wins_then_earliest():
     assert choose_prompt_parent(prompt, cands[:1]) == PromptParent("a", 3)
     assert choose_prompt_parent(prompt, cands[3:]) is None
     assert choose_prompt_parent(prompt, cands, exclude="c") == PromptParent("b", 5)
+
+
+def test_choosing_with_the_digest_gives_the_parent_and_the_records_token_digest():
+    """One pass over the prompt: the same parent as ``choose_prompt_parent`` and the record's
+    ``token_digest`` (also for a strided prompt, an empty one, wider ints and no candidate)."""
+    root = record("a", [1, 2], [3], created_at=1)
+    mid = record("b", [1, 2, 3, 4], [5], created_at=2)
+    cands = [stored(root), stored(mid), StoredPrefix("x", 0, 4, b"\0" * 32)]
+    prompt = np.array([1, 2, 3, 4, 5, 6], np.uint32)
+    generation = np.array([7, 8], np.uint32)
+    strided = np.array([1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0], np.uint32)[::2]
+    for p, g, want in [
+        (prompt, generation, PromptParent("b", 5)),
+        (strided, generation.astype(np.int64), PromptParent("b", 5)),
+        (prompt[:4], generation, PromptParent("a", 3)),
+        (prompt[:0], generation, None),
+    ]:
+        assert choose_with_digest(p, g, cands) == (want, token_digest(p, g))
+        assert choose_prompt_parent(p, cands) == want
+    assert choose_with_digest(prompt, generation, []) == (None, token_digest(prompt, generation))
+    assert choose_with_digest(prompt, generation, cands, exclude="b")[0] == PromptParent("a", 3)
 
 
 def test_agrees_with_chain_rule_on_random_trees():

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
-from capture_proxy.proxy.keys import STORE_KEY
+from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest import reads
 from tests.factories import record
-from tests.proxy.conftest import Stack
+from tests.proxy.conftest import ON_BOTH_STORES, Stack
+from tests.store.test_chain_counts import ROLLOUTS, moved
 
 
 async def _put(stack: Stack, *records) -> None:
@@ -221,3 +222,45 @@ async def test_a_call_reads_back_the_request_as_the_harness_sent_it(stack: Stack
     assert resp.status == 200
     call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
     assert call["request_received"] == {k: v for k, v in messages.items() if k != "messages"}
+
+
+@ON_BOTH_STORES
+async def test_the_listing_answers_as_when_it_built_every_rollouts_chains(stack: Stack):
+    store = stack.client.app[STORE_KEY]
+    ids = {name: f"k{i:02d}" for i, name in enumerate(ROLLOUTS)}
+    for name, (calls, _, _) in ROLLOUTS.items():
+        await _put(stack, *(moved(c, ids[name]) for c in calls))
+    await store.freeze_rollout(ids["chain"])
+    await _put(stack, moved(ROLLOUTS["two roots"][0][0], ids["chain"]).replace(call_id="late"))
+    loaded: list[str] = []
+    original = store.get_rollout_calls
+
+    async def counting(rollout_id: str):  # type: ignore[no-untyped-def]
+        loaded.append(rollout_id)
+        return await original(rollout_id)
+
+    store.get_rollout_calls = counting  # type: ignore[method-assign]
+    try:
+        got = await stack.get_json("/captures/rollouts?limit=5")
+        got_all = await stack.get_json("/captures/rollouts")
+    finally:
+        store.get_rollout_calls = original  # type: ignore[method-assign]
+    # Only the rollouts whose number of chains the store does not keep are loaded.
+    not_kept = sorted(ids[n] for n, (_, _, kept) in ROLLOUTS.items() if not kept)
+    assert sorted(set(loaded)) == not_kept
+    infos = await store.list_rollouts()
+    recorder = stack.client.app[RECORDER_KEY]
+    before = [  # as the listing was: every rollout's calls loaded and its chains built
+        (
+            i,
+            reads.snapshot_records(i, await store.get_rollout_calls(i.rollout_id)),
+            reads.RolloutState(i, recorder),
+        )
+        for i in infos
+    ]
+    assert got_all == json.loads(reads._listing_json(before, None))
+    assert got == json.loads(reads._listing_json(before[:5], "k04"))
+    by_id = {r["rollout_id"]: r for r in got_all["rollouts"]}
+    chain = by_id[ids["chain"]]
+    assert (chain["num_chains"], chain["late_call_ids"]) == (1, ["late"])
+    assert [by_id[ids[n]]["num_chains"] for n in ROLLOUTS] == [c for _, c, _ in ROLLOUTS.values()]

@@ -4,7 +4,8 @@ answers the read API for any rollout, a rollout whose calls alternate between th
 
 Each session sends step i to replica i % 2 (or the reverse), so each replica's link index of
 the rollout is stale at every other call: the other replica wrote the parent after this one
-cached the rollout. Only the reload on a digest miss links those calls.
+cached the rollout. Only the refresh on a digest miss (the stored calls under the request's
+parent digest) links those calls.
 """
 
 from __future__ import annotations
@@ -68,15 +69,23 @@ async def test_calls_alternating_between_replicas_form_one_chain(
         server = await aiohttp_server(build_proxy_app(settings, store))
         replicas.append(str(server.make_url("/")).rstrip("/"))
         assert (await store.health())["kind"] == "postgresql", i
-    reloads = [0, 0]
+    loads = [0, 0]
+    refreshes: list[list[tuple[str, int]]] = [[], []]
     for i, store in enumerate(stores):
         original = store.get_rollout_calls
+        by_digest = store.get_calls_by_child_digest
 
         async def counting(rollout_id: str, i: int = i, original=original):  # type: ignore[no-untyped-def]
-            reloads[i] += 1
+            loads[i] += 1
             return await original(rollout_id)
 
+        async def refresh(rollout_id: str, digest: str, i: int = i, by_digest=by_digest):  # type: ignore[no-untyped-def]
+            found = await by_digest(rollout_id, digest)
+            refreshes[i].append((rollout_id, len(found)))
+            return found
+
         store.get_rollout_calls = counting  # type: ignore[method-assign]
+        store.get_calls_by_child_digest = refresh  # type: ignore[method-assign]
 
     async with client_session(ROLLOUTS * 2, read_timeout_s=DEADLINE_S) as session:
         rollout_ids = [f"alt-{i:02d}" for i in range(ROLLOUTS)]
@@ -89,9 +98,12 @@ async def test_calls_alternating_between_replicas_form_one_chain(
             ),
             DEADLINE_S,
         )
-        # Each replica saw each rollout first with no calls cached (a load), then at each of
-        # its later calls a parent written by the other one (a reload on the digest miss).
-        assert reloads == [ROLLOUTS * STEPS // 2, ROLLOUTS * STEPS // 2]
+        # Each replica saw each rollout first with no calls cached (a load), then at its later
+        # call a parent written by the other one: a digest miss reads the calls under the
+        # parent digest, the parent alone, not the rollout's calls.
+        assert loads == [ROLLOUTS, ROLLOUTS]
+        for got in refreshes:
+            assert sorted(got) == [(rid, 1) for rid in rollout_ids]
         results = [r for s in sessions for r in s]
         for base in replicas:  # any replica answers for any rollout
             v = Verification()

@@ -127,13 +127,15 @@ async def test_a_sqlite_layout_4_store_is_recounted(tmp_path):
     with sqlite3.connect(s.db_path) as db:  # layout 4: one flag for calls and marks alike
         db.executescript(
             "DROP INDEX calls_retry_links; DROP INDEX calls_by_prefix; DROP INDEX calls_late; "
-            "ALTER TABLE calls DROP COLUMN retry_of; "
+            "DROP INDEX calls_by_retry_of; DROP INDEX calls_by_child_digest; "
+            "ALTER TABLE calls DROP COLUMN retry_of; ALTER TABLE calls DROP COLUMN child_digest; "
             "ALTER TABLE rollouts DROP COLUMN incomplete_calls; "
+            "ALTER TABLE rollouts DROP COLUMN num_chains; "
             "UPDATE rollouts SET incomplete = 1; PRAGMA user_version=4;"
         )
     await _assert_recounted(SQLiteStore(tmp_path / "v4"))
     with sqlite3.connect(s.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 7
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 9
         links = db.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]
 
@@ -144,15 +146,17 @@ async def test_a_postgres_layout_2_store_is_recounted(postgres_server):
     await _old_rollouts(PostgresStore(url, pool_size=2))
     with psycopg.connect(url, autocommit=True) as conn:  # layout 2: one flag for both
         conn.execute(
-            "DROP INDEX calls_retry_links, calls_by_prefix, calls_late; "
-            "ALTER TABLE calls DROP COLUMN retry_of; "
-            "ALTER TABLE rollouts DROP COLUMN incomplete_calls, DROP COLUMN num_calls; "
+            "DROP INDEX calls_retry_links, calls_by_prefix, calls_late, calls_by_retry_of, "
+            "calls_by_child_digest; "
+            "ALTER TABLE calls DROP COLUMN retry_of, DROP COLUMN child_digest; "
+            "ALTER TABLE rollouts DROP COLUMN incomplete_calls, DROP COLUMN num_calls, "
+            "DROP COLUMN num_chains; "
             "UPDATE rollouts SET incomplete = true; "
             "DELETE FROM schema_migrations WHERE version > 2"
         )
     await _assert_recounted(PostgresStore(url, pool_size=2))
     with psycopg.connect(url) as conn:
         applied = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
-        assert applied == (5,)
+        assert applied == (7,)
         links = conn.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]

@@ -73,7 +73,7 @@ async def test_a_sqlite_layout_6_store_is_recounted_on_open(tmp_path):
     finally:
         await store.close()
     with sqlite3.connect(store.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 7
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 9
 
 
 async def test_a_sqlite_listing_reads_no_call_rows_but_the_late_ones(tmp_path):
@@ -88,6 +88,10 @@ async def test_a_sqlite_listing_reads_no_call_rows_but_the_late_ones(tmp_path):
         "SEARCH r USING INDEX sqlite_autoindex_rollouts_1 (rollout_id>?)",
         "CORRELATED SCALAR SUBQUERY 2",
         "CO-ROUTINE (subquery-1)",
-        "SEARCH c USING INDEX calls_late (rollout_id=?)",
+        "SEARCH k USING PRIMARY KEY (rollout_id=?)",  # the calls' diagnostic kinds
         "SCAN (subquery-1)",
+        "CORRELATED SCALAR SUBQUERY 4",
+        "CO-ROUTINE (subquery-3)",
+        "SEARCH c USING INDEX calls_late (rollout_id=?)",
+        "SCAN (subquery-3)",
     ]

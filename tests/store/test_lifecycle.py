@@ -188,6 +188,7 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
         assert info is not None
         assert (info.version, info.status, info.late_call_ids) == (2, RolloutStatus.OPEN, ())
         assert info.num_calls == 2  # counted once by the migration, kept from then on
+        assert info.num_chains is None  # records without a verdict: not kept
         assert info.metadata == RolloutMetadata()
         snap = await s.freeze_rollout("r1")
         assert (snap.version, snap.num_calls, snap.cursor) == (2, 2, 1)
@@ -201,8 +202,8 @@ async def test_a_layout_3_store_is_migrated_and_takes_the_lifecycle(tmp_path):
 
 # A PostgreSQL store from before the lifecycle: layout 1 (MIGRATIONS[0] only).
 _PG_LAYOUT_1 = """
-ALTER TABLE calls DROP COLUMN retry_of;
-ALTER TABLE rollouts DROP COLUMN incomplete_calls, DROP COLUMN num_calls;
+ALTER TABLE calls DROP COLUMN retry_of, DROP COLUMN child_digest;
+ALTER TABLE rollouts DROP COLUMN incomplete_calls, DROP COLUMN num_calls, DROP COLUMN num_chains;
 DROP INDEX rollouts_by_cursor;
 DROP TABLE counters;
 ALTER TABLE calls DROP COLUMN late;
@@ -231,6 +232,7 @@ async def test_a_postgres_layout_1_store_is_migrated_and_takes_the_lifecycle(pos
         assert info is not None
         assert (info.version, info.status, info.late_call_ids) == (2, RolloutStatus.OPEN, ())
         assert info.num_calls == 2  # counted once by the migration, kept from then on
+        assert info.num_chains is None  # records without a verdict: not kept
         assert info.metadata == RolloutMetadata()
         snap = await s.freeze_rollout("r1")
         assert (snap.version, snap.num_calls, snap.cursor) == (2, 2, 1)

@@ -167,18 +167,20 @@ def test_diagnostics_keep_one_per_kind():
 
 
 def test_rollout_info_and_episodes():
-    row = ("r1", 1.0, 0, "[]", 3, 4, "{}", "s" * 32, 10.0, 2, 7)
-    info = lifecycle.rollout_info(row, ["c3"])
+    row = ("r1", 1.0, 0, "[]", 3, 4, "{}", "s" * 32, 10.0, 2, 7, 1, 1, 0, 2)
+    info = lifecycle.rollout_info(row, ["c3"], ["retry", "parent_digest_mismatch"])
     assert (info.num_calls, info.version, info.incomplete, info.late_call_ids) == (
         3,
         4,
         False,
         ("c3",),
     )
+    assert (info.num_chains, info.num_failed, info.num_incomplete, info.num_refused) == (1, 1, 0, 2)
+    assert info.call_diagnostic_kinds == ("parent_digest_mismatch", "retry")
     assert info.snapshot == FROZEN.snapshot and info.metadata == RolloutMetadata()
     open_info = lifecycle.rollout_info(
-        ("r2", 1.0, True, "[]", 0, 0, "{}", None, None, None, None), []
+        ("r2", 1.0, True, "[]", 0, 0, "{}", None, None, None, None, None, 0, 0, 0), []
     )
-    assert open_info.snapshot is None and open_info.incomplete
+    assert open_info.snapshot is None and open_info.incomplete and open_info.num_chains is None
     ids = ["t1-a2", "t1", "t10", "t1-b", "t1-a1-a1", "t1-a1", "t1"]
     assert lifecycle.episodes_of("t1", ids) == ["t1", "t1-a1", "t1-a2"]

@@ -4,6 +4,7 @@ tests taking ``store`` run on SQLite and PostgreSQL (``conftest.py``); the SQLit
 
 import asyncio
 import dataclasses
+import json
 import sqlite3
 import threading
 
@@ -290,3 +291,22 @@ async def test_a_verified_parent_narrows_the_prompt_parent_search_to_deeper_call
     await store.put_call(b2.replace(parent_call_id="b1"))  # b1 is not a prefix of it
     assert [p for c, _, p in blob_sizes(store) if c == "b2"] == ["b0"]
     assert_same((await store.get_rollout_calls("r2"))[2], b2.replace(parent_call_id="b1"))
+
+
+async def test_a_text_deleted_with_its_rollout_is_stored_again_by_a_later_call(store):
+    # The SQLite writer skips the insert of texts it stored before; a delete in between
+    # must not leave a later call referring to a text that is gone.
+    tools = [{"type": "function", "function": {"name": "bash", "description": "x" * 600}}]
+    first = record("a", [1, 2], [3], rollout_id="r1").replace(request_tools=tools)
+    again = record("b", [1, 2], [3], rollout_id="r2").replace(request_tools=tools)
+    same = record("c", [4], [5], rollout_id="r2").replace(request_tools=tools)
+    written = [await store.put_call(first)]
+    assert rows(store, "SELECT count(*) FROM json_blobs") == [(1,)]
+    assert await store.delete_rollout("r1") == 1
+    assert rows(store, "SELECT count(*) FROM json_blobs") == [(0,)]
+    written += [await store.put_call(again), await store.put_call(same)]
+    assert rows(store, "SELECT count(*) FROM json_blobs") == [(1,)]
+    assert [c.request_tools for c in await store.get_rollout_calls("r2")] == [tools, tools]
+    if written[0] is not None:  # SQLite counts the bytes: the text twice, not a third time
+        text_bytes = len(json.dumps(tools, separators=(",", ":")))
+        assert written[0] == written[1] > text_bytes > written[2]

@@ -8,8 +8,9 @@ command from memory, the store or the engine. A test plays the replies by hand, 
 Commands and their replies:
 
 - ``ReadParent(call_id)`` -> ``CallRecord | None``: the stored call (None: not found).
-- ``ReadRolloutCalls(rollout_id)`` -> ``Sequence[CallRecord]``: the rollout's stored calls,
-  in stored order.
+- ``ReadParentCandidates(rollout_id, parent_digest)`` -> ``Sequence[CallRecord]``: the
+  rollout's stored calls whose child digest is ``parent_digest`` (the calls a history with
+  that digest continues), in stored order: an index range of the store, not the rollout.
 - ``FindPrefixAncestor(rollout_id, prompt_token_ids, model, exclude)`` -> ``str | None``: the
   call id of the deepest complete call of ``model`` in the rollout's index whose prompt +
   generation begin ``prompt_token_ids`` (``index.LinkIndex.prefix_ancestor``).
@@ -53,10 +54,12 @@ class ReadParent(Command["CallRecord | None"]):
 
 
 @dataclass(frozen=True)
-class ReadRolloutCalls(Command[Sequence[CallRecord]]):
-    """Read a rollout's stored calls (to refresh its index after a digest miss)."""
+class ReadParentCandidates(Command[Sequence[CallRecord]]):
+    """Read the rollout's stored calls a history with ``parent_digest`` continues (to refresh
+    its index after a digest miss: another replica may have stored the parent)."""
 
     rollout_id: str
+    parent_digest: str
 
 
 @dataclass(frozen=True)

@@ -157,11 +157,20 @@ def turn_digest(turn: Mapping[str, Any], *, with_ids: bool = True) -> str:
     """Digest of one assistant turn alone (not chained): finds the call that produced a turn
     whatever history came before it."""
     canonical = canonical_turn(turn)
-    if not with_ids:
-        canonical = {
-            **canonical,
-            "tool_calls": [{**c, "id": None} for c in canonical["tool_calls"]],
-        }
+    return _turn_digest(canonical if with_ids else _without_ids(canonical))
+
+
+def turn_digests(turn: Mapping[str, Any]) -> tuple[str, str]:
+    """``(turn_digest(turn), turn_digest(turn, with_ids=False))``, canonicalising once."""
+    canonical = canonical_turn(turn)
+    return _turn_digest(canonical), _turn_digest(_without_ids(canonical))
+
+
+def _without_ids(canonical: dict[str, Any]) -> dict[str, Any]:
+    return {**canonical, "tool_calls": [{**c, "id": None} for c in canonical["tool_calls"]]}
+
+
+def _turn_digest(canonical: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(canonical).encode("utf-8")).hexdigest()
 
 

@@ -14,7 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.linking.digests import child_digest, tool_call_ids, turn_digest
+from capture_proxy.core.linking.digests import (
+    child_digest,
+    tool_call_ids,
+    turn_digest,
+    turn_digests,
+)
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import (
@@ -27,10 +32,9 @@ from capture_proxy.core.linking.verdicts import (
     Verdict,
     model_scope,
 )
-from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
+from capture_proxy.core.prefixes import PrefixIndex, StoredPrefix, token_digests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end
-from capture_proxy.core.stored_form import token_digest
 
 #: Record statuses the index keeps (``CallStatus`` values).
 CALL_FAILED = CallStatus.FAILED.value
@@ -78,6 +82,8 @@ class LinkIndex:
     _by_turn: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     _by_turn_without_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     _by_tool_call_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: the complete calls by their token prefixes (``prefix_ancestor``)
+    _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
 
     def add(
         self,
@@ -90,6 +96,7 @@ class LinkIndex:
         rows_end: int | None = None,
         num_tokens: int | None = None,
         tokens_sha256: bytes | None = None,
+        block_sha256: bytes | None = None,
         model: str | None = None,
         status: str = IN_FLIGHT,
         response: Mapping[str, Any] | None = None,
@@ -101,10 +108,14 @@ class LinkIndex:
         ``response``: its answer (indexed alone, to name a history that dropped turns);
         ``parent_call_id`` / ``retry_of``: its verified parent and the call it retried; for a
         call in flight, ``parent_call_id`` is the candidate it was resolved to: it counts as
-        that call's child until it is stored with its verified parent (or none)."""
+        that call's child until it is stored with its verified parent (or none).
+        ``num_tokens`` / ``tokens_sha256`` / ``block_sha256``: the token key of a complete
+        call (``prefixes.token_digests``; ``block_sha256`` may be left out below
+        ``PREFIX_BLOCK`` tokens)."""
         old = self.entries.get(call_id)
         if old is not None:
             self._unindex(old)
+        turn, turn_without_ids = turn_digests(response) if response is not None else (None, None)
         entry = _Entry(
             call_id,
             created_at,
@@ -116,13 +127,18 @@ class LinkIndex:
             tokens_sha256,
             model,
             status,
-            turn_digest(response) if response is not None else None,
-            turn_digest(response, with_ids=False) if response is not None else None,
+            turn,
+            turn_without_ids,
             tool_call_ids(response),
         )
         if old is not None:
             entry.children, entry.superseded_by = old.children, old.superseded_by
         self.entries[call_id] = entry
+        if num_tokens is not None and tokens_sha256 is not None:
+            prefix = StoredPrefix(call_id, created_at, num_tokens, tokens_sha256)
+            self._prefixes.add(model, prefix, block_sha256)
+        else:
+            self._prefixes.remove(call_id)
         for index, digest in self._keys(entry):
             if digest is not None:
                 index.setdefault(digest, {})[call_id] = entry
@@ -300,13 +316,10 @@ class LinkIndex:
     def prefix_ancestor(self, prompt: np.ndarray, *, model: str | None, exclude: str) -> str | None:
         """The deepest complete call of ``model`` whose prompt + generation ids begin
         ``prompt`` (the store's prompt-parent rule, ``prefixes``), or None. O(prompt length +
-        calls), from the digests kept per entry: no arrays are read."""
-        candidates = [
-            StoredPrefix(e.call_id, e.created_at, e.num_tokens, e.tokens_sha256)
-            for e in self.entries.values()
-            if e.model == model and e.num_tokens is not None and e.tokens_sha256 is not None
-        ]
-        parent = choose_prompt_parent(prompt, candidates, exclude=exclude)
+        the lengths of the calls that share the prompt's blocks), from the digests kept per
+        entry (``prefixes.PrefixIndex``): no arrays are read, and the rollout's other calls are
+        not looked at."""
+        parent = self._prefixes.deepest(prompt, model=model, exclude=exclude)
         return parent.call_id if parent is not None else None
 
 
@@ -314,9 +327,13 @@ def _token_key(record: CallRecord) -> dict[str, Any]:
     """Length and digest of a complete call's prompt + generation (for digest verification)."""
     if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
         return {}
+    tokens_sha256, block_sha256 = token_digests(
+        record.prompt_token_ids, record.generation_token_ids
+    )
     return {
         "num_tokens": record.num_prompt_tokens + record.num_generation_tokens,
-        "tokens_sha256": token_digest(record.prompt_token_ids, record.generation_token_ids),
+        "tokens_sha256": tokens_sha256,
+        "block_sha256": block_sha256,
     }
 
 

@@ -2,9 +2,9 @@
 
 Owns the order of request-time resolution: digest the linking items, resolve against the
 rollout's index, on a miss (with replicas sharing a store) refresh the index from the stored
-calls and resolve again, then register the call in flight so a later identical request is
-known. Pure: a generator of ``commands`` (it asks ``ReadRolloutCalls``); the caller hands in
-the rollout's loaded ``LinkIndex``.
+calls under the history's parent digest and resolve again, then register the call in flight
+so a later identical request is known. Pure: a generator of ``commands`` (it asks
+``ReadParentCandidates``); the caller hands in the rollout's loaded ``LinkIndex``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from capture_proxy.core.known_messages import MessageFacts, turn_payloads
-from capture_proxy.core.linking.commands import ReadRolloutCalls, Step, ask
+from capture_proxy.core.linking.commands import ReadParentCandidates, Step, ask
 from capture_proxy.core.linking.digests import history_digest, linking_items, request_digest
 from capture_proxy.core.linking.index import LinkIndex, refresh_index
 from capture_proxy.core.linking.resolution import Resolution
@@ -36,7 +36,9 @@ def resolve_step(
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
     With ``refresh_on_miss``, an unresolved history with model-authored turns asks
-    ``ReadRolloutCalls(rollout_id)`` once, adds the calls the index lacks and resolves again.
+    ``ReadParentCandidates(rollout_id, parent_digest)`` once (the stored calls it could
+    continue, another replica's included: not the whole rollout), adds those the index lacks
+    and resolves again.
     Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
     a child of the preferred candidate (``LinkIndex.add``)."""
     req_digest = request_digest(body)
@@ -57,7 +59,8 @@ def resolve_step(
 
     resolution = resolve()
     if refresh_on_miss and resolution.verdict is Verdict.UNRESOLVED and parent_digest is not None:
-        refresh_index(index, (yield from ask(ReadRolloutCalls(rollout_id))))
+        found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
+        refresh_index(index, found)
         resolution = resolve()
     # In flight, the call counts as a child of the candidate it was resolved to, so an
     # identical sibling resolved before it is stored prefers another candidate.

@@ -1,6 +1,8 @@
 """The rollout listing: one row per rollout, its status and diagnostic kinds, and the filters.
 
-Pure. A row is built from the rollout's bookkeeping and its records; ``reward`` is read from
+Pure. A row is built from the rollout's bookkeeping and its records (``rollout_row``), or from
+the counts a store keeps per rollout, loading no call (``kept_rollout_row``: the same row);
+``reward`` is read from
 the rollout's metadata (a ``reward`` key) when the store keeps metadata, and is None (shown as
 a dash) when it does not or the key is absent.
 """
@@ -8,7 +10,7 @@ a dash) when it does not or the key is absent.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,25 +93,59 @@ def rollout_row(
     now: float,
     frozen: bool = False,
 ) -> RolloutRow:
-    num_failed = sum(1 for r in records if r.status is CallStatus.FAILED)
-    num_incomplete = sum(1 for r in records if r.status is CallStatus.INCOMPLETE)
-    kinds = {d.kind for r in records for d in r.diagnostics} | set(rollout_diagnostic_kinds)
     # A cut-off call that a complete retry superseded leaves the rollout complete, as in the store.
     links = (RetryLink(r.call_id, r.status.value, r.retry_of) for r in records)
-    incomplete = incomplete or bool(unsuperseded_incomplete(links))
-    status = "failed" if num_failed else "incomplete" if incomplete else "complete"
-    refused = sum(
-        1 for r in records for d in r.diagnostics if d.kind == DiagnosticKind.PARENT_DIGEST_MISMATCH
+    return kept_rollout_row(
+        rollout_id=rollout_id,
+        created_at=created_at,
+        incomplete=incomplete or bool(unsuperseded_incomplete(links)),
+        rollout_diagnostic_kinds=rollout_diagnostic_kinds,
+        num_calls=len(records),
+        num_chains=len(build_chains(rollout_id, records).chains),
+        num_failed=sum(1 for r in records if r.status is CallStatus.FAILED),
+        num_incomplete=sum(1 for r in records if r.status is CallStatus.INCOMPLETE),
+        refused_links=sum(
+            1
+            for r in records
+            for d in r.diagnostics
+            if d.kind == DiagnosticKind.PARENT_DIGEST_MISMATCH
+        ),
+        call_diagnostic_kinds=[d.kind for r in records for d in r.diagnostics],
+        metadata=metadata,
+        now=now,
+        frozen=frozen,
     )
+
+
+def kept_rollout_row(
+    *,
+    rollout_id: str,
+    created_at: float,
+    incomplete: bool,
+    rollout_diagnostic_kinds: Iterable[str],
+    num_calls: int,
+    num_chains: int,
+    num_failed: int,
+    num_incomplete: int,
+    refused_links: int,
+    call_diagnostic_kinds: Iterable[str],
+    metadata: Mapping[str, Any] | None,
+    now: float,
+    frozen: bool = False,
+) -> RolloutRow:
+    """The row from counts (a store's, kept per rollout; or ``rollout_row``'s, from the
+    records). ``incomplete``: a call no complete retry superseded, or a rollout-level mark."""
+    kinds = set(call_diagnostic_kinds) | set(rollout_diagnostic_kinds)
+    status = "failed" if num_failed else "incomplete" if incomplete else "complete"
     return RolloutRow(
         rollout_id=rollout_id,
         created_at=created_at,
         age_s=max(0.0, now - created_at),
-        num_calls=len(records),
-        num_chains=len(build_chains(rollout_id, records).chains),
+        num_calls=num_calls,
+        num_chains=num_chains,
         num_failed=num_failed,
         num_incomplete=num_incomplete,
-        refused_links=refused,
+        refused_links=refused_links,
         incomplete=incomplete,
         status=status,
         diagnostic_kinds=tuple(sorted(kinds)),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from capture_proxy.core.linking.commands import ReadRolloutCalls
+from capture_proxy.core.linking.commands import ReadParentCandidates
 from capture_proxy.core.linking.digests import history_digest, request_digest
 from capture_proxy.core.linking.index import IN_FLIGHT, LinkIndex, add_record
 from capture_proxy.core.linking.parent_lookup import resolve_step
@@ -58,16 +58,18 @@ def test_a_hit_asks_nothing_and_registers_the_call_in_flight():
     )
 
 
-def test_a_miss_reads_the_rollouts_stored_calls_once_and_resolves_again():
+def test_a_miss_reads_the_calls_under_its_parent_digest_once_and_resolves_again():
     index = LinkIndex()
-    got = play(_step(index, refresh_on_miss=True), [(ReadRolloutCalls("r1"), [PARENT])])
+    ask = ReadParentCandidates("r1", history_digest(HISTORY))
+    got = play(_step(index, refresh_on_miss=True), [(ask, [PARENT])])
     assert (got.verdict, got.parent_call_id) == (Verdict.RESOLVED, "p")
     assert sorted(index.entries) == ["c", "p"]
 
 
 def test_a_miss_still_unresolved_after_the_refresh_keeps_its_reason():
     index = LinkIndex()
-    got = play(_step(index, refresh_on_miss=True), [(ReadRolloutCalls("r1"), [])])
+    ask = ReadParentCandidates("r1", history_digest(HISTORY))
+    got = play(_step(index, refresh_on_miss=True), [(ask, [])])
     assert got.verdict is Verdict.UNRESOLVED and got.reason.kind is ReasonKind.NO_MATCH
 
 

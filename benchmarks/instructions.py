@@ -1,0 +1,167 @@
+"""Instructions per captured call (issue 22): the proxy under callgrind, A/B without the noise.
+
+CPU time on a shared 2-core machine moves by 10-30% from one run to the next (the engine, the
+load client and other work share the cores, and every figure is counted in 10 ms ticks).
+Instructions do not: callgrind counts every instruction the proxy process executes (all its
+threads; the kernel's work for its system calls is not counted) and the count repeats within
+0.1%. So a change of 1% is seen in one run, where a CPU-time A/B needs dozens.
+
+One scripted engine (zero delay) and one proxy per source tree (this one, and
+``--baseline-src`` as ``base``), each run in turn under ``valgrind --tool=callgrind`` on a
+store of its own (SQLite, the default settings: fsync per call). Instrumentation is off while
+the proxy starts and serves an unmeasured warm-up; it is switched on (``callgrind_control``)
+for ``--sessions`` agent sessions of 3 calls, one at a time, non-streaming and streaming,
+then off. The figure is the instructions counted over the measured calls / the calls. Every
+call must succeed.
+
+Needs valgrind (Debian's ``valgrind`` package; the benchmark says so and exits 2 without it).
+Under callgrind the proxy runs ~50x slower: 30 sessions take about a minute per tree and mode.
+
+Run: ``.venv/bin/python benchmarks/instructions.py [--sessions 30] [--baseline-src DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.cpu_sweep import sweep_session  # noqa: E402
+from benchmarks.services import ROOT, Service, engine_service, proxy_service  # noqa: E402
+from benchmarks.sessions import CallResult, Target, Workload, client_session  # noqa: E402
+
+#: What callgrind prints at exit: the instructions counted while instrumentation was on.
+_COLLECTED = re.compile(r"Collected : (\d+)")
+
+
+@dataclass
+class Figure:
+    tree: str
+    stream: bool
+    calls: int
+    instructions: int
+
+    @property
+    def per_call_m(self) -> float:
+        return self.instructions / self.calls / 1e6
+
+
+def _under_callgrind(proxy: Service, src: Path) -> None:
+    """Run ``proxy`` under callgrind, importing ``capture_proxy`` from ``src`` (``-c`` puts
+    no directory of its own first on sys.path, so ``src`` wins over the installed tree)."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(src)!r}); "
+        "from capture_proxy.cli import main; sys.exit(main())"
+    )
+    serve_args = proxy.argv[1:]  # after the capture-proxy script
+    proxy.argv = [
+        "valgrind",
+        "--tool=callgrind",
+        "--instr-atstart=no",
+        f"--callgrind-out-file={proxy.log_path.with_suffix('.callgrind')}",
+        sys.executable,
+        "-c",
+        code,
+        *serve_args,
+    ]
+
+
+async def measure(tree: str, src: Path, stream: bool, sessions: int) -> Figure:
+    """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions."""
+    work = Path(tempfile.mkdtemp(prefix=f"instructions-{tree}-"))
+    engine = engine_service(work)
+    proxy = proxy_service(work, engine.url, work / "store")
+    _under_callgrind(proxy, src)
+    http = client_session(8, read_timeout_s=600)
+    try:
+        engine.start()
+        await engine.wait_healthy(http, 60)
+        proxy.start()
+        await proxy.wait_healthy(http, 600)
+        target = Target("backend_template", proxy.url, capture=True)
+        await _sessions(http, target, stream, 10, f"warm-{tree}")
+        _control(proxy, "-i", "on")
+        results = await _sessions(http, target, stream, sessions, f"m-{tree}")
+        _control(proxy, "-i", "off")
+    finally:
+        await http.close()
+        proxy.stop()
+        engine.stop()
+    bad = [r for r in results if not r.ok]
+    if bad:
+        errors = sorted({str(r.error) for r in bad})
+        raise RuntimeError(f"{tree}: {len(bad)} calls failed: {errors}")
+    found = _COLLECTED.search(proxy.tail(100_000))
+    if found is None:
+        raise RuntimeError(f"{tree}: callgrind printed no count: {proxy.tail()}")
+    return Figure(tree, stream, len(results), int(found.group(1)))
+
+
+async def _sessions(
+    http: aiohttp.ClientSession, target: Target, stream: bool, n: int, tag: str
+) -> list[CallResult]:
+    """``n`` agent sessions of 3 calls, one at a time, each in its own rollout."""
+    workload = Workload(0.0, 0.0)
+    results: list[CallResult] = []
+    for i in range(n):
+        rid = f"{tag}-{int(stream)}-{i:04d}"
+        results += await sweep_session(http, target, rid, rid, 3, stream, workload)
+    return results
+
+
+def _control(proxy: Service, *args: str) -> None:
+    subprocess.run(
+        ["callgrind_control", *args, str(proxy.pid)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        timeout=60,
+    )
+
+
+def report(figures: list[Figure]) -> None:
+    print("\ninstructions per captured call (callgrind; all the proxy's threads, no kernel)")
+    base = {f.stream: f for f in figures if f.tree == "base"}
+    for f in figures:
+        ratio = ""
+        if f.tree != "base" and f.stream in base:
+            ratio = f"  {f.per_call_m / base[f.stream].per_call_m:.3f}x base"
+        mode = "stream" if f.stream else "whole"
+        print(f"  {f.tree:<6}{mode:<8}{f.calls:>5} calls {f.per_call_m:>9.4f} M{ratio}")
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    trees = [("this", ROOT)]
+    if args.baseline_src:
+        trees.insert(0, ("base", Path(args.baseline_src).resolve()))
+    figures = []
+    for stream in (False, True):
+        for tree, src in trees:
+            figures.append(await measure(tree, src, stream, args.sessions))
+            print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
+    report(figures)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", type=int, default=30, help="measured sessions of 3 calls (30)")
+    ap.add_argument("--baseline-src", metavar="DIR", help="also measure this source tree (base)")
+    args = ap.parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("instructions: needs valgrind (apt-get install valgrind)", file=sys.stderr)
+        return 2
+    return asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The SQLite writer's prompt-parent index: each rollout's stored complete calls with output by
+their token prefixes, kept in the writer's memory.
+
+Owns how a put finds its prompt parent (``prefixes``' rule: the deepest stored call whose
+prompt + generation ids begin the new prompt) without reading the rollout's other rows: a
+rollout's calls are read once, on its first put in this process (its ``calls_by_prefix``
+entries and their ``tokens_block_sha256``), then each committed put is added. A put then
+costs O(prompt length + the lengths of the calls that share the prompt's blocks), whatever
+the number of calls in the rollout. Before, a root put (no verified parent to start from)
+read every shorter call of the rollout: 2.9 ms per put at 500 calls of an evaluation sweep,
+26 ms at 4,500.
+
+Rows written before layout 9 have no block digest: those of one block or more are kept aside
+and compared as before (``choose_prompt_parent``), so an older rollout gets the same parents.
+
+Writer thread only (the SQLite store is one process, its writes one thread: nothing else adds
+or removes a rollout's calls). Must not: write, or be used for a shared store (another
+replica's puts would be missing).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from capture_proxy.core.codec import PromptParent
+from capture_proxy.core.prefixes import (
+    PREFIX_BLOCK,
+    PrefixIndex,
+    StoredPrefix,
+    choose_prompt_parent,
+)
+
+#: Rollouts whose index is kept at once (least recently put dropped first; it is read again
+#: on its next put).
+MAX_ROLLOUTS = 64
+
+_LOAD = (
+    "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
+    "tokens_block_sha256 FROM calls INDEXED BY calls_by_prefix WHERE rollout_id = ? "
+    "AND status = 'complete' AND num_generation_tokens > 0"
+)
+
+
+@dataclass
+class _Rollout:
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+    #: calls of a block or more stored without a block digest (before layout 9)
+    older: list[StoredPrefix] = field(default_factory=list)
+
+    def deepest(self, prompt: np.ndarray, exclude: str) -> PromptParent | None:
+        found = self.index.deepest_call(prompt, model=None, exclude=exclude)
+        if self.older:
+            older = choose_prompt_parent(prompt, self.older, exclude=exclude)
+            if older is not None:
+                candidates = [c for c in self.older if c.call_id == older.call_id]
+                if found is not None:
+                    candidates.append(found)
+                found = min(candidates, key=lambda c: (-c.num_tokens, c.created_at, c.call_id))
+        return None if found is None else PromptParent(found.call_id, found.num_tokens)
+
+
+class PromptParents:
+    """Per rollout, its stored calls' prefix index (see the module docstring)."""
+
+    def __init__(self, max_rollouts: int = MAX_ROLLOUTS) -> None:
+        self.max_rollouts = max_rollouts
+        self._rollouts: OrderedDict[str, _Rollout] = OrderedDict()
+
+    def choose(
+        self, db: sqlite3.Connection, rollout_id: str, prompt: np.ndarray, call_id: str
+    ) -> PromptParent | None:
+        """The prompt parent of call ``call_id`` with ``prompt`` among the rollout's stored
+        calls (read from ``db`` on the rollout's first put in this process)."""
+        return self._rollout(db, rollout_id).deepest(prompt, call_id)
+
+    def stored(
+        self,
+        rollout_id: str,
+        call: StoredPrefix,
+        block_sha256: bytes,
+    ) -> None:
+        """A complete call with output was committed (``prefixes.token_digests``)."""
+        rollout = self._rollouts.get(rollout_id)
+        if rollout is not None:
+            rollout.index.add(None, call, block_sha256)
+
+    def forget(self, rollout_id: str | None = None) -> None:
+        """Drop a rollout's index (its calls were deleted or retired); None: every rollout."""
+        if rollout_id is None:
+            self._rollouts.clear()
+        else:
+            self._rollouts.pop(rollout_id, None)
+
+    def _rollout(self, db: sqlite3.Connection, rollout_id: str) -> _Rollout:
+        rollout = self._rollouts.get(rollout_id)
+        if rollout is not None:
+            self._rollouts.move_to_end(rollout_id)
+            return rollout
+        rollout = _Rollout()
+        for call_id, created_at, num_tokens, tokens_sha256, block in db.execute(
+            _LOAD, (rollout_id,)
+        ):
+            call = StoredPrefix(call_id, created_at, num_tokens, bytes(tokens_sha256))
+            if block is None and num_tokens >= PREFIX_BLOCK:
+                rollout.older.append(call)
+            else:
+                rollout.index.add(None, call, None if block is None else bytes(block))
+        self._rollouts[rollout_id] = rollout
+        while len(self._rollouts) > self.max_rollouts:
+            self._rollouts.popitem(last=False)
+        return rollout
