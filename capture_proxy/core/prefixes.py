@@ -110,7 +110,6 @@ def choose_with_digest(
     h.update(_u4_view(generation))
     return (_deepest(fitting, digests) if fitting else None), h.digest()
 
-
     digests = prefix_digests(prompt, (c.num_tokens for c in fitting))
     matches = [c for c in fitting if digests[c.num_tokens] == c.tokens_sha256]
     if not matches:
@@ -125,29 +124,44 @@ PREFIX_BLOCK = 256
 _EMPTY_SHA256 = hashlib.sha256().digest()
 
 
-def token_digests(prompt: np.ndarray, generation: np.ndarray) -> tuple[bytes, bytes]:
-    """``(tokens_sha256, block_sha256)`` of prompt + generation in one pass: the SHA-256 of
-    all their ``<u4`` bytes (``stored_form.token_digest``) and of their first
-    ``(n // PREFIX_BLOCK) * PREFIX_BLOCK`` ids (what ``PrefixIndex`` files the call under)."""
-    data = np.concatenate([prompt, generation]).astype("<u4", copy=False)
-    cut = (data.shape[0] // PREFIX_BLOCK) * PREFIX_BLOCK
-    h = hashlib.sha256(data[:cut].tobytes())
-    block = h.digest()
-    h.update(data[cut:].tobytes())
-    return h.digest(), block
-
-
-def block_digests(prompt: np.ndarray) -> list[bytes]:
-    """SHA-256 of ``prompt[:j * PREFIX_BLOCK]`` (``<u4`` bytes) for j = 1 .. len // block, in
-    one pass: the block digests under which the calls a prompt may extend are filed (a call of
-    ``n >= PREFIX_BLOCK`` ids under ``token_digests``' block digest)."""
+def block_states(prompt: np.ndarray) -> list[Any]:
+    """The SHA-256 states after ``prompt``'s first j whole blocks of ``PREFIX_BLOCK`` ids
+    (``<u4`` bytes), j = 0 .. len // PREFIX_BLOCK, in one pass: what ``block_digests``,
+    ``token_digests`` and ``PrefixIndex.deepest_call`` go on from, so that a put hashes its
+    prompt once."""
     data = prompt.astype("<u4", copy=False)
     h = hashlib.sha256()
-    out = []
+    states = [h.copy()]
     for j in range(1, data.shape[0] // PREFIX_BLOCK + 1):
         h.update(data[(j - 1) * PREFIX_BLOCK : j * PREFIX_BLOCK].tobytes())
-        out.append(h.copy().digest())
-    return out
+        states.append(h.copy())
+    return states
+
+
+def block_digests(prompt: np.ndarray, states: list[Any] | None = None) -> list[bytes]:
+    """SHA-256 of ``prompt[:j * PREFIX_BLOCK]`` for j = 1 .. len // block: the block digests
+    under which the calls a prompt may extend are filed (a call of ``n >= PREFIX_BLOCK`` ids
+    under ``token_digests``' block digest). ``states``: ``block_states(prompt)``, if known."""
+    return [s.digest() for s in (states or block_states(prompt))[1:]]
+
+
+def token_digests(
+    prompt: np.ndarray, generation: np.ndarray, states: list[Any] | None = None
+) -> tuple[bytes, bytes]:
+    """``(tokens_sha256, block_sha256)`` of prompt + generation: the SHA-256 of all their
+    ``<u4`` bytes (``stored_form.token_digest``) and of their first
+    ``(n // PREFIX_BLOCK) * PREFIX_BLOCK`` ids (what ``PrefixIndex`` files the call under).
+    ``states``: ``block_states(prompt)``, if known (then only the prompt's last partial block
+    and the generation are hashed)."""
+    states = states or block_states(prompt)
+    start = (len(states) - 1) * PREFIX_BLOCK
+    tail = np.concatenate([prompt[start:], generation]).astype("<u4", copy=False)
+    cut = ((prompt.shape[0] + generation.shape[0]) // PREFIX_BLOCK) * PREFIX_BLOCK - start
+    h = states[-1].copy()
+    h.update(tail[:cut].tobytes())
+    block = h.digest()
+    h.update(tail[cut:].tobytes())
+    return h.digest(), block
 
 
 @dataclass
@@ -217,16 +231,18 @@ class PrefixIndex:
         return None if call is None else PromptParent(call.call_id, call.num_tokens)
 
     def deepest_call(
-        self, prompt: np.ndarray, *, model: str | None, exclude: str | None = None
+        self,
+        prompt: np.ndarray,
+        *,
+        model: str | None,
+        exclude: str | None = None,
+        states: list[Any] | None = None,
     ) -> StoredPrefix | None:
-        """``deepest``, as the call was filed."""
+        """``deepest``, as the call was filed. ``states``: ``block_states(prompt)``, if
+        known."""
         data = prompt.astype("<u4", copy=False)
         n = data.shape[0]
-        h = hashlib.sha256()
-        states = [h.copy()]
-        for j in range(1, n // PREFIX_BLOCK + 1):
-            h.update(data[(j - 1) * PREFIX_BLOCK : j * PREFIX_BLOCK].tobytes())
-            states.append(h.copy())
+        states = states or block_states(prompt)
         for j in range(len(states) - 1, -1, -1):
             node = self._nodes.get((model, j, states[j].digest()))
             if node is None:

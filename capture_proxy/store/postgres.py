@@ -76,6 +76,7 @@ from capture_proxy.core.prefixes import (
     PREFIX_BLOCK,
     StoredPrefix,
     block_digests,
+    block_states,
     choose_prompt_parent,
     choose_with_digest,
     token_digests,
@@ -171,12 +172,12 @@ def _candidates(rows: list[Any]) -> tuple[list[StoredPrefix], dict[str, StoredMe
     return prefixes, messages
 
 
-def _block_sha256(record: CallRecord) -> bytes | None:
+def _block_sha256(record: CallRecord, states: list[Any]) -> bytes | None:
     """``calls.tokens_block_sha256`` of a call later prompts may extend (complete, with
-    output), else None."""
+    output), else None; ``states``: the prompt's ``prefixes.block_states``."""
     if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
         return None
-    return token_digests(record.prompt_token_ids, record.generation_token_ids)[1]
+    return token_digests(record.prompt_token_ids, record.generation_token_ids, states)[1]
 
 
 def _retry_family(db: Conn, record: CallRecord) -> Any:
@@ -351,11 +352,12 @@ class PostgresStore(SQLStore):
                 db.execute(_LOCK_ROLLOUT, (rid,))
                 state = db.execute(POSTGRES.sql(sql.STATE), (rid,))
                 stored = db.execute(POSTGRES.sql(sql.STORED_CALL), (record.call_id,), binary=True)
+                states = block_states(record.prompt_token_ids)
                 args = {
                     "rollout": rid,
                     "prompt": record.num_prompt_tokens,
                     "block": PREFIX_BLOCK,
-                    "blocks": block_digests(record.prompt_token_ids),
+                    "blocks": block_digests(record.prompt_token_ids, states),
                 }
                 candidates = db.execute(
                     _CANDIDATES, {**args, "parent": record.parent_call_id}, binary=True
@@ -397,7 +399,7 @@ class PostgresStore(SQLStore):
                 incomplete, chains = lifecycle.count_deltas(
                     record, effect, family, None if found is None else str(found[0])
                 )
-                block = _block_sha256(record)
+                block = _block_sha256(record, states)
                 own = sql.store_columns(record)
                 db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
                 sql.store_json(POSTGRES, db, enc, count=False)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import sqlite3
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -51,15 +52,12 @@ class _Rollout:
     #: calls of a block or more stored without a block digest (before layout 9)
     older: list[StoredPrefix] = field(default_factory=list)
 
-    def deepest(self, prompt: np.ndarray, exclude: str) -> PromptParent | None:
-        found = self.index.deepest_call(prompt, model=None, exclude=exclude)
-        if self.older:
-            older = choose_prompt_parent(prompt, self.older, exclude=exclude)
-            if older is not None:
-                candidates = [c for c in self.older if c.call_id == older.call_id]
-                if found is not None:
-                    candidates.append(found)
-                found = min(candidates, key=lambda c: (-c.num_tokens, c.created_at, c.call_id))
+    def deepest(self, prompt: np.ndarray, exclude: str, states: list[Any]) -> PromptParent | None:
+        found = self.index.deepest_call(prompt, model=None, exclude=exclude, states=states)
+        if self.older:  # the index's answer competes with them under the same rule
+            return choose_prompt_parent(
+                prompt, [*self.older, *filter(None, [found])], exclude=exclude
+            )
         return None if found is None else PromptParent(found.call_id, found.num_tokens)
 
 
@@ -71,11 +69,17 @@ class PromptParents:
         self._rollouts: OrderedDict[str, _Rollout] = OrderedDict()
 
     def choose(
-        self, db: sqlite3.Connection, rollout_id: str, prompt: np.ndarray, call_id: str
+        self,
+        db: sqlite3.Connection,
+        rollout_id: str,
+        prompt: np.ndarray,
+        call_id: str,
+        states: list[Any],
     ) -> PromptParent | None:
-        """The prompt parent of call ``call_id`` with ``prompt`` among the rollout's stored
-        calls (read from ``db`` on the rollout's first put in this process)."""
-        return self._rollout(db, rollout_id).deepest(prompt, call_id)
+        """The prompt parent of call ``call_id`` with ``prompt`` (``states``: its
+        ``prefixes.block_states``) among the rollout's stored calls (read from ``db`` on the
+        rollout's first put in this process)."""
+        return self._rollout(db, rollout_id).deepest(prompt, call_id, states)
 
     def stored(
         self,

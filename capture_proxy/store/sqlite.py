@@ -75,9 +75,9 @@ from typing import IO, Any, Literal, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
-from capture_proxy.core.prefixes import StoredPrefix, token_digests
+from capture_proxy.core.prefixes import StoredPrefix, block_states, token_digests
 from capture_proxy.core.records import CallRecord, CallStatus
-from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
+from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.prompt_parents import PromptParents
@@ -115,19 +115,6 @@ _PUT_STATE = (
 def _is_prompt_parent(record: CallRecord) -> bool:
     """A call later prompts may extend (``prefixes``): complete, with output."""
     return record.status is CallStatus.COMPLETE and record.num_generation_tokens > 0
-
-
-def _lookup(
-    db: sqlite3.Connection, known: StoredMessages | None
-) -> Callable[[str], StoredMessages | None]:
-    """A stored call's ``StoredMessages``: ``known`` for its call, else one row read."""
-
-    def lookup(call_id: str) -> StoredMessages | None:
-        if known is not None and call_id == known.call_id:
-            return known
-        return sql.stored_messages(SQLITE, db, call_id)
-
-    return lookup
 
 
 class SQLiteStore(SQLStore):
@@ -331,9 +318,9 @@ class SQLiteStore(SQLStore):
         """Store one record (writer thread); the bytes new to the store."""
         stored_blobs = self._stored_blobs
         prompt_parents = self._prompt_parents
-        tokens_sha256, block_sha256 = token_digests(
-            record.prompt_token_ids, record.generation_token_ids
-        )
+        prompt = record.prompt_token_ids
+        states = block_states(prompt)  # the prompt hashed once: parent, digests
+        tokens_sha256, block_sha256 = token_digests(prompt, record.generation_token_ids, states)
 
         def body() -> tuple[int, EncodedRecord | None]:
             tombstoned, frozen = db.execute(_PUT_STATE, (record.rollout_id,) * 2).fetchone()
@@ -342,10 +329,14 @@ class SQLiteStore(SQLStore):
             may_recount = lifecycle.may_recount(record)
             links = sql.retry_family(SQLITE, db, record) if may_recount else []
             prompt_parent = prompt_parents.choose(
-                db, record.rollout_id, record.prompt_token_ids, record.call_id
+                db, record.rollout_id, prompt, record.call_id, states
             )
             enc = lifecycle.encode_with_parent(
-                record, request, prompt_parent, _lookup(db, None), tokens_sha256
+                record,
+                request,
+                prompt_parent,
+                lambda c: sql.stored_messages(SQLITE, db, c),
+                tokens_sha256,
             )
             written = 0
             own = sql.store_columns(record)

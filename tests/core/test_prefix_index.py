@@ -10,6 +10,8 @@ from capture_proxy.core.prefixes import (
     PREFIX_BLOCK,
     PrefixIndex,
     StoredPrefix,
+    block_digests,
+    block_states,
     choose_prompt_parent,
     token_digests,
 )
@@ -30,6 +32,11 @@ def test_token_digests_are_the_token_digest_and_the_digest_of_the_full_blocks():
     full, block = token_digests(prompt, gen)
     assert full == token_digest(prompt, gen)
     assert block == token_digest(prompt[: 2 * B], prompt[:0])
+    states = block_states(prompt)
+    assert token_digests(prompt, gen, states) == (full, block)
+    assert block_digests(prompt, states) == [
+        token_digest(prompt[: j * B], prompt[:0]) for j in (1, 2)
+    ]
     short_full, short_block = token_digests(prompt[:3], gen)
     assert short_full == token_digest(prompt[:3], gen)
     assert short_block == token_digest(prompt[:0], prompt[:0])
