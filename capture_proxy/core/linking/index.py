@@ -44,7 +44,7 @@ CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
 IN_FLIGHT = "in_flight"
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     call_id: str
     created_at: float
