@@ -14,6 +14,14 @@ for ``--sessions`` agent sessions of 3 calls, one at a time, non-streaming and s
 then off. The figure is the instructions counted over the measured calls / the calls. Every
 call must succeed.
 
+``--rollout-size N`` (issue 22's rollout size, without the noise): every session, warm-up and
+measured, in ONE rollout, and N calls of such sessions sent into it first with instrumentation
+off; the figure is then the instructions per call at calls N+1 ... of one rollout. Run once with
+0 and once with 9,000 for the ratio (``--modes whole``: the non-streaming calls only).
+``--steps 1``: sessions of one call (every call a root). ``--postgres``: the proxy on a
+PostgreSQL store (a throwaway server, ``benchmarks/infra.py``; the server's own work is not
+counted, only the proxy process's).
+
 Needs valgrind (Debian's ``valgrind`` package; the benchmark says so and exits 2 without it).
 Under callgrind the proxy runs ~50x slower: 30 sessions take about a minute per tree and mode.
 
@@ -37,6 +45,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_sweep import sweep_session  # noqa: E402
+from benchmarks.infra import PostgresServer, postgres_bin_dir  # noqa: E402
 from benchmarks.services import ROOT, Service, engine_service, proxy_service  # noqa: E402
 from benchmarks.sessions import CallResult, Target, Workload, client_session  # noqa: E402
 
@@ -76,11 +85,22 @@ def _under_callgrind(proxy: Service, src: Path) -> None:
     ]
 
 
-async def measure(tree: str, src: Path, stream: bool, sessions: int) -> Figure:
-    """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions."""
+async def measure(
+    tree: str,
+    src: Path,
+    stream: bool,
+    sessions: int,
+    rollout_size: int | None = None,
+    *,
+    steps: int = 3,
+    store: str | None = None,
+) -> Figure:
+    """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions of
+    ``steps`` calls (``rollout_size``: all in one rollout, after that many calls sent into it
+    unmeasured), on ``store`` (default: a new SQLite store in the work directory)."""
     work = Path(tempfile.mkdtemp(prefix=f"instructions-{tree}-"))
     engine = engine_service(work)
-    proxy = proxy_service(work, engine.url, work / "store")
+    proxy = proxy_service(work, engine.url, store or work / "store")
     _under_callgrind(proxy, src)
     http = client_session(8, read_timeout_s=600)
     try:
@@ -89,9 +109,13 @@ async def measure(tree: str, src: Path, stream: bool, sessions: int) -> Figure:
         proxy.start()
         await proxy.wait_healthy(http, 600)
         target = Target("backend_template", proxy.url, capture=True)
-        await _sessions(http, target, stream, 10, f"warm-{tree}")
+        one = f"one-{tree}-{int(stream)}" if rollout_size is not None else None
+        await _sessions(http, target, stream, 10, f"warm-{tree}", one, steps)
+        if rollout_size:
+            fill = -(-rollout_size // steps)
+            await _sessions(http, target, stream, fill, f"fill-{tree}", one, steps)
         _control(proxy, "-i", "on")
-        results = await _sessions(http, target, stream, sessions, f"m-{tree}")
+        results = await _sessions(http, target, stream, sessions, f"m-{tree}", one, steps)
         _control(proxy, "-i", "off")
     finally:
         await http.close()
@@ -108,14 +132,22 @@ async def measure(tree: str, src: Path, stream: bool, sessions: int) -> Figure:
 
 
 async def _sessions(
-    http: aiohttp.ClientSession, target: Target, stream: bool, n: int, tag: str
+    http: aiohttp.ClientSession,
+    target: Target,
+    stream: bool,
+    n: int,
+    tag: str,
+    rollout_id: str | None = None,
+    steps: int = 3,
 ) -> list[CallResult]:
-    """``n`` agent sessions of 3 calls, one at a time, each in its own rollout."""
+    """``n`` agent sessions of ``steps`` calls, one at a time, each in its own rollout (or all
+    in ``rollout_id``)."""
     workload = Workload(0.0, 0.0)
     results: list[CallResult] = []
     for i in range(n):
-        rid = f"{tag}-{int(stream)}-{i:04d}"
-        results += await sweep_session(http, target, rid, rid, 3, stream, workload)
+        sid = f"{tag}-{int(stream)}-{i:05d}"
+        rid = rollout_id or sid
+        results += await sweep_session(http, target, rid, sid, steps, stream, workload)
     return results
 
 
@@ -144,10 +176,33 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.baseline_src:
         trees.insert(0, ("base", Path(args.baseline_src).resolve()))
     figures = []
-    for stream in (False, True):
-        for tree, src in trees:
-            figures.append(await measure(tree, src, stream, args.sessions))
-            print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
+    modes = {"whole": (False,), "stream": (True,), "both": (False, True)}[args.modes]
+    pg = None
+    if args.postgres:
+        bin_dir = postgres_bin_dir()
+        if bin_dir is None:
+            print("instructions: --postgres needs PostgreSQL (scripts/install-postgres)")
+            return 2
+        pg = PostgresServer(bin_dir)
+        pg.start(deadline_s=60)
+    try:
+        for stream in modes:
+            for tree, src in trees:
+                store = pg.create_database() if pg is not None else None
+                figure = await measure(
+                    tree,
+                    src,
+                    stream,
+                    args.sessions,
+                    args.rollout_size,
+                    steps=args.steps,
+                    store=store,
+                )
+                figures.append(figure)
+                print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
+    finally:
+        if pg is not None:
+            pg.stop()
     report(figures)
     return 0
 
@@ -156,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sessions", type=int, default=30, help="measured sessions of 3 calls (30)")
     ap.add_argument("--baseline-src", metavar="DIR", help="also measure this source tree (base)")
+    ap.add_argument(
+        "--rollout-size",
+        type=int,
+        metavar="N",
+        help="all sessions in one rollout, after N calls sent into it unmeasured",
+    )
+    ap.add_argument("--modes", choices=("whole", "stream", "both"), default="both")
+    ap.add_argument("--steps", type=int, default=3, help="calls per session (3; 1: roots)")
+    ap.add_argument("--postgres", action="store_true", help="a PostgreSQL store (throwaway)")
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: needs valgrind (apt-get install valgrind)", file=sys.stderr)
