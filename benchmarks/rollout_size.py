@@ -23,8 +23,11 @@ an unmeasured warm-up rollout. Afterwards each rollout's chains are read over RE
 each block the proxy answers ``HEALTH_READS`` ``/health`` requests (the store's counts), their
 proxy CPU per read reported for the first and the last blocks. Each shape's ratio of calls
 9,001-10,000 (the last 1,000) to calls 1-100 is marked ``pass`` or ``FAIL`` against issue 22's
-1.2x. ``--py-spy NAMES`` samples those proxies (py-spy on ``PATH``) over the first and the last
-10 blocks, to see what grows (not in a measuring run: the sampler shares the cores).
+1.2x. ``--repeat R`` runs each shape R times (new proxies and stores each time) and reports
+medians (one 100-call block is a noisy baseline on shared cores); every block's CPU, and its
+system part, go to ``blocks.json`` in the work directory. ``--py-spy NAMES`` samples those
+proxies (py-spy on ``PATH``) over the first and the last 10 blocks, to see what grows (not in
+a measuring run: the sampler shares the cores).
 
 Run: ``.venv/bin/python benchmarks/rollout_size.py [--calls 10000] [--baseline-src DIR]``
 (``--calls 2000`` for a quick run).
@@ -41,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import statistics
 import sys
 import tempfile
 import time
@@ -59,6 +64,7 @@ from services import (  # noqa: E402
     cli_command,
     free_port,
     proc_cpu_s,
+    proc_user_sys_s,
     raise_fd_limit,
     start_py_spy,
     stop_py_spy,
@@ -89,6 +95,7 @@ class Target:
     wall_s: list[float] = field(default_factory=list)  # per block
     health_ms: list[float] = field(default_factory=list)  # per block, proxy CPU per /health
     sessions: dict[str, list[list[str]]] = field(default_factory=dict)  # rollout -> chains
+    sys_ms: list[float] = field(default_factory=list)  # the system part of ``cpu_ms``
     _messages: list[dict[str, Any]] = field(default_factory=list)
     _step: int = 0
     _session: int = 0
@@ -212,15 +219,16 @@ async def _measure_blocks(
             outs = [str(work / f"{shape}-{t.name}-{windows[block]}.pyspy") for t in spied]
             spies = [(start_py_spy(o, t.service.pid), o) for o, t in zip(outs, spied, strict=True)]
         for t in targets:
-            cpu0, db0, t0 = proc_cpu_s(t.service.pid), 0.0, time.perf_counter()
+            cpu0, db0, t0 = proc_user_sys_s(t.service.pid), 0.0, time.perf_counter()
             if pg_pid and t.name.startswith("postgres"):
                 db0 = tree_cpu_s(pg_pid)
             for _ in range(BLOCK):
                 await next_call(session, t)
             t.wall_s.append(time.perf_counter() - t0)
-            cpu1 = proc_cpu_s(t.service.pid)
+            cpu1 = proc_user_sys_s(t.service.pid)
             assert cpu0 is not None and cpu1 is not None
-            t.cpu_ms.append((cpu1 - cpu0) * 1000 / BLOCK)
+            t.cpu_ms.append((sum(cpu1) - sum(cpu0)) * 1000 / BLOCK)
+            t.sys_ms.append((cpu1[1] - cpu0[1]) * 1000 / BLOCK)
             if pg_pid and t.name.startswith("postgres"):
                 t.db_cpu_ms.append((tree_cpu_s(pg_pid) - db0) * 1000 / BLOCK)
             t.health_ms.append(await health_cpu_ms(session, t))
@@ -279,43 +287,58 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def report(results: dict[str, list[Target]], args: argparse.Namespace) -> None:
+def report(results: dict[str, list[list[Target]]], args: argparse.Namespace) -> None:
+    """``results``: per shape, per repeat, its targets (the same names in every repeat)."""
     n = args.calls
-    last = min(10, len(next(iter(results.values()))[0].cpu_ms))
+    first_run = next(iter(results.values()))[0]
+    last = min(10, len(first_run[0].cpu_ms))
+    reps = len(next(iter(results.values())))
     print(f"\nrollout size: {n} calls in one rollout, one client, non-streaming, zero delay")
     lo = n - last * BLOCK + 1
     print(
-        f"proxy CPU ms/call, calls 1-100 | calls {lo}-{n} | ratio (target <= {RATIO_TARGET}x); "
-        "calls/s in the same buckets; chains read ms/call; proxy CPU ms per /health read "
-        "after the first and the last blocks"
+        f"proxy CPU ms/call, calls 1-100 | calls {lo}-{n} | ratio (target <= {RATIO_TARGET}x)"
+        + (f", medians of {reps} repeats (each a new proxy and store)" if reps > 1 else "")
+        + "; calls/s in the same buckets; chains read ms/call; system CPU ms/call in calls "
+        f"1-{last * BLOCK} and the last; proxy CPU ms per /health read after the first and "
+        "the last blocks"
     )
-    for shape, targets in results.items():
-        for t in targets:
-            first, end = t.cpu_ms[0], _mean(t.cpu_ms[-last:])
-            cps0 = BLOCK / t.wall_s[0]
-            cps1 = BLOCK * last / sum(t.wall_s[-last:])
+    for shape, runs in results.items():
+        for i, t0 in enumerate(runs[0]):
+            ts = [run[i] for run in runs]
+            first = statistics.median(t.cpu_ms[0] for t in ts)
+            end = statistics.median(_mean(t.cpu_ms[-last:]) for t in ts)
+            cps0 = statistics.median(BLOCK / t.wall_s[0] for t in ts)
+            cps1 = statistics.median(BLOCK * last / sum(t.wall_s[-last:]) for t in ts)
             verdict = "pass" if end <= RATIO_TARGET * first else "FAIL"
+            read = statistics.median(t.read_ms_per_call for t in ts)  # type: ignore[attr-defined]
+            s0 = statistics.median(_mean(t.sys_ms[:last]) for t in ts)
+            s1 = statistics.median(_mean(t.sys_ms[-last:]) for t in ts)
             line = (
-                f"  {shape:<10} {t.name:<14} {first:6.2f} | {end:6.2f} | {end / first:5.2f}x"
-                f" {verdict}"
-                f"   {cps0:6.0f} | {cps1:6.0f} calls/s"
-                f"   read {t.read_ms_per_call:.3f}"  # type: ignore[attr-defined]
+                f"  {shape:<10} {t0.name:<14} {first:6.2f} | {end:6.2f} | {end / first:5.2f}x"
+                f" {verdict}   {cps0:6.0f} | {cps1:6.0f} calls/s   read {read:.3f}"
+                f"   system {s0:4.2f} | {s1:4.2f}"
             )
-            h0, h1 = t.health_ms[0], _mean(t.health_ms[-last:])
+            h0 = statistics.median(t.health_ms[0] for t in ts)
+            h1 = statistics.median(_mean(t.health_ms[-last:]) for t in ts)
             line += f"   /health {h0:5.2f} | {h1:5.2f} | {h1 / max(h0, 1e-9):5.2f}x"
-            if t.db_cpu_ms:
-                d0, d1 = t.db_cpu_ms[0], _mean(t.db_cpu_ms[-last:])
+            if t0.db_cpu_ms:
+                d0 = statistics.median(t.db_cpu_ms[0] for t in ts)
+                d1 = statistics.median(_mean(t.db_cpu_ms[-last:]) for t in ts)
                 line += f"   postgres {d0:5.2f} | {d1:5.2f} | {d1 / max(d0, 1e-9):5.2f}x"
             print(line)
+            if reps > 1:
+                each = " ".join(f"{_mean(t.cpu_ms[-last:]) / t.cpu_ms[0]:.2f}x" for t in ts)
+                print(f"  {'':<10} {'':<14} each repeat: {each}")
     if "mix" in results and "mix-split" in results:
         print(f"all {n} calls: CPU ms/call, {n // BLOCK} rollouts x {BLOCK} vs one rollout")
-        for one, split in zip(results["mix"], results["mix-split"], strict=True):
-            a, b = _mean(one.cpu_ms), _mean(split.cpu_ms)
+        for i, one in enumerate(results["mix"][0]):
+            a = statistics.median(_mean(run[i].cpu_ms) for run in results["mix"])
+            b = statistics.median(_mean(run[i].cpu_ms) for run in results["mix-split"])
             print(f"  {one.name:<14} one {a:6.2f} | split {b:6.2f} | one / split {a / b:5.2f}x")
-    step = max(1, len(next(iter(results.values()))[0].cpu_ms) // 10)
-    print(f"proxy CPU ms/call per {BLOCK}-call block, every {step * BLOCK} calls:")
-    for shape, targets in results.items():
-        for t in targets:
+    step = max(1, len(first_run[0].cpu_ms) // 10)
+    print(f"proxy CPU ms/call per {BLOCK}-call block, every {step * BLOCK} calls (first repeat):")
+    for shape, runs in results.items():
+        for t in runs[0]:
             cells = " ".join(f"{c:5.2f}" for c in t.cpu_ms[::step])
             print(f"  {shape:<10} {t.name:<14} {cells}")
 
@@ -336,7 +359,7 @@ async def run(args: argparse.Namespace) -> int:
         else:
             pg = PostgresServer(bin_dir)
             pg.start(deadline_s=60)
-    results: dict[str, list[Target]] = {}
+    results: dict[str, list[list[Target]]] = {}
     try:
         engine.start()
         timeout = aiohttp.ClientTimeout(total=args.call_timeout_s)
@@ -345,13 +368,21 @@ async def run(args: argparse.Namespace) -> int:
             for shape in args.shapes.split(","):
                 if shape not in SHAPES:
                     raise SystemExit(f"--shapes: unknown shape {shape!r} (known: {SHAPES})")
-                results[shape] = await run_shape(shape, args, engine, work, pg, session)
+                for r in range(args.repeat):
+                    (work / f"r{r}").mkdir(exist_ok=True)
+                    runs = results.setdefault(shape, [])
+                    runs.append(await run_shape(shape, args, engine, work / f"r{r}", pg, session))
     finally:
         engine.stop()
         if pg is not None:
             pg.stop()
     report(results, args)
-    print(f"work directory (logs, SQLite stores): {work}")
+    raw = {
+        shape: [{t.name: {"cpu_ms": t.cpu_ms, "sys_ms": t.sys_ms} for t in run} for run in runs]
+        for shape, runs in results.items()
+    }
+    (work / "blocks.json").write_text(json.dumps(raw))
+    print(f"work directory (logs, SQLite stores, blocks.json: every block's figures): {work}")
     return 0
 
 
@@ -444,6 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-postgres", action="store_true", help="SQLite only")
     p.add_argument("--store-synchronous", default="normal", choices=("full", "normal"))
     p.add_argument("--call-timeout-s", type=float, default=120)
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run each shape this many times (new proxies and stores), medians reported",
+    )
     p.add_argument(
         "--baseline-src",
         metavar="DIR",

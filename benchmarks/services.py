@@ -167,9 +167,16 @@ def proc_status_kib(pid: int, field_name: str) -> int | None:
 
 def proc_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process (``/proc/<pid>/stat``, all threads)."""
+    split = proc_user_sys_s(pid)
+    return None if split is None else split[0] + split[1]
+
+
+def proc_user_sys_s(pid: int) -> tuple[float, float] | None:
+    """User and system CPU seconds of a process (``/proc/<pid>/stat``, all threads)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
     except (OSError, ValueError, IndexError):
         return None
 
