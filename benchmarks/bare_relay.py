@@ -1,0 +1,78 @@
+"""A bare aiohttp relay: the floor under the proxy's CPU per call (``floor.py``).
+
+One catch-all handler on aiohttp's server, on the same event loop as ``capture-proxy serve``
+(uvloop when installed), that sends each request's method, path, query, body and content type
+to ``--backend`` with one shared ``aiohttp.ClientSession`` and relays the answer: whole, or
+chunk by chunk as it arrives when the engine streams (``text/event-stream``). No middlewares,
+no access log, no parsing, no capture, no store: what any aiohttp reverse proxy costs per call.
+
+Run: ``python benchmarks/bare_relay.py --backend URL --port N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+#: The answer's headers the relay copies (the rest are aiohttp's own).
+_COPIED = ("Content-Type",)
+
+
+def make_app(backend: str) -> web.Application:
+    app = web.Application()
+    sessions: list[ClientSession] = []
+
+    async def on_startup(app: web.Application) -> None:
+        connector = TCPConnector(limit=0)
+        sessions.append(ClientSession(connector=connector, timeout=ClientTimeout(total=600)))
+
+    async def on_cleanup(app: web.Application) -> None:
+        await sessions[0].close()
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+        url = backend + request.rel_url.path_qs
+        async with sessions[0].request(request.method, url, data=body, headers=headers) as up:
+            copied = {k: up.headers[k] for k in _COPIED if k in up.headers}
+            if not up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return web.Response(status=up.status, body=await up.read(), headers=copied)
+            resp = web.StreamResponse(status=up.status, headers=copied)
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_route("*", "/{tail:.*}", relay)
+    return app
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", required=True)
+    ap.add_argument("--port", type=int, required=True)
+    args = ap.parse_args()
+    try:
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    web.run_app(
+        make_app(args.backend.rstrip("/")),
+        host="127.0.0.1",
+        port=args.port,
+        access_log=None,
+        print=None,
+        loop=loop,
+    )
+
+
+if __name__ == "__main__":
+    main()
