@@ -24,7 +24,11 @@ each block the proxy answers ``HEALTH_READS`` ``/health`` requests (the store's 
 proxy CPU per read reported for the first and the last blocks. Each shape's ratio of calls
 9,001-10,000 (the last 1,000) to calls 1-100 is marked ``pass`` or ``FAIL`` against issue 22's
 1.2x. ``--repeat R`` runs each shape R times (new proxies and stores each time) and reports
-medians (one 100-call block is a noisy baseline on shared cores); every block's CPU, and its
+medians (one 100-call block is a noisy baseline on shared cores). ``--control`` adds per
+store a control proxy of this tree (``STORE~split``) that makes the same calls in lockstep
+but starts a new rollout every 100 calls, on a store as large: the ratio of one rollout's CPU
+per call to the control's, late against early, is the cost of the rollout's size with the
+machine's noise (which both see) taken out; every block's CPU, and its
 system part, go to ``blocks.json`` in the work directory. ``--py-spy NAMES`` samples those
 proxies (py-spy on ``PATH``) over the first and the last 10 blocks, to see what grows (not in
 a measuring run: the sampler shares the cores).
@@ -79,6 +83,8 @@ BLOCK = 100
 HEALTH_READS = 100
 #: issue 22: calls 9,001-10,000 of one rollout cost at most this times calls 1-100
 RATIO_TARGET = 1.2
+#: the name suffix of ``--control``'s targets
+CONTROL = "~split"
 
 
 @dataclass
@@ -96,13 +102,15 @@ class Target:
     health_ms: list[float] = field(default_factory=list)  # per block, proxy CPU per /health
     sessions: dict[str, list[list[str]]] = field(default_factory=dict)  # rollout -> chains
     sys_ms: list[float] = field(default_factory=list)  # the system part of ``cpu_ms``
+    #: ``--control``: the same calls, a new rollout every ``BLOCK`` calls
+    split: bool = False
     _messages: list[dict[str, Any]] = field(default_factory=list)
     _step: int = 0
     _session: int = 0
     calls: int = 0
 
     def rollout_id(self) -> str:
-        if self.shape == "mix-split":
+        if self.shape == "mix-split" or self.split:
             return f"{self.rollout_prefix}-{self.calls // BLOCK}"
         return self.rollout_prefix
 
@@ -156,7 +164,8 @@ async def next_call(session: aiohttp.ClientSession, t: Target) -> None:
             if not message.get("tool_calls"):
                 t._messages.append({"role": "user", "content": "Continue."})
         t._step += 1
-        if t._step == t.steps or (t.shape == "mix-split" and (t.calls + 1) % BLOCK == 0):
+        split = t.shape == "mix-split" or t.split
+        if t._step == t.steps or (split and (t.calls + 1) % BLOCK == 0):
             t._step, t._messages = 0, []
             t._session += 1
     t.calls += 1
@@ -250,6 +259,8 @@ async def run_shape(
 ) -> list[Target]:
     stores = ["sqlite"] + (["postgres"] if pg is not None else [])
     codes = [""] + (["@base"] if args.baseline_src else [])
+    if args.control and shape != "mix-split":
+        codes.append(CONTROL)
     targets = []
     for store in stores:
         for code in codes:
@@ -257,11 +268,12 @@ async def run_shape(
             where = pg.create_database() if pg is not None and store == "postgres" else None
             path = where or str(work / f"store-{shape}-{name}")
             port = free_port()
-            env = baseline_env(args.baseline_src) if code else None
+            env = baseline_env(args.baseline_src) if code == "@base" else None
             log = work / f"{shape}-{name}.log"
             service = Service(name, proxy_argv(path, engine.url, port, args), port, log, env=env)
-            rollout = f"{shape}-{name.replace('@', '.')}"
-            targets.append(Target(name, shape, service, args.steps, rollout))
+            rollout = f"{shape}-{name.replace('@', '.').replace(CONTROL, '.split')}"
+            split = code == CONTROL
+            targets.append(Target(name, shape, service, args.steps, rollout, split=split))
     try:
         for t in targets:
             t.service.start()
@@ -329,6 +341,33 @@ def report(results: dict[str, list[list[Target]]], args: argparse.Namespace) -> 
             if reps > 1:
                 each = " ".join(f"{_mean(t.cpu_ms[-last:]) / t.cpu_ms[0]:.2f}x" for t in ts)
                 print(f"  {'':<10} {'':<14} each repeat: {each}")
+    controls = [
+        (shape, i, j)
+        for shape, runs in results.items()
+        for i, t in enumerate(runs[0])
+        for j, c in enumerate(runs[0])
+        if c.name == t.name + CONTROL
+    ]
+    if controls:
+        print(
+            f"against the control ({CONTROL}: the same proxy code and calls in lockstep, a new "
+            f"rollout every {BLOCK} calls, its store as large): CPU per call of one rollout / "
+            f"the control's, calls 1-{last * BLOCK} and {lo}-{n}; their ratio is what the "
+            "rollout's size costs, the machine's noise taken out"
+        )
+    for shape, i, j in controls:
+        runs = results[shape]
+        r0 = statistics.median(
+            _mean(run[i].cpu_ms[:last]) / _mean(run[j].cpu_ms[:last]) for run in runs
+        )
+        r1 = statistics.median(
+            _mean(run[i].cpu_ms[-last:]) / _mean(run[j].cpu_ms[-last:]) for run in runs
+        )
+        verdict = "pass" if r1 <= RATIO_TARGET * r0 else "FAIL"
+        print(
+            f"  {shape:<10} {runs[0][i].name:<14} {r0:5.2f}x | {r1:5.2f}x | "
+            f"{r1 / r0:5.2f}x {verdict}"
+        )
     if "mix" in results and "mix-split" in results:
         print(f"all {n} calls: CPU ms/call, {n // BLOCK} rollouts x {BLOCK} vs one rollout")
         for i, one in enumerate(results["mix"][0]):
@@ -492,6 +531,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAMES",
         help="sample these proxies (e.g. sqlite,postgres) with py-spy (on PATH) over the "
         "first and the last 10 blocks of each shape; raw stacks in the work directory",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help=f"per store, a control proxy (STORE{CONTROL}) in lockstep: the same calls, a new "
+        f"rollout every {BLOCK}",
     )
     p.add_argument("--listing", action="store_true", help="the listing read (docstring)")
     p.add_argument("--listing-sizes", default="100,5000", help="calls per rollout, of 10")
