@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cpu_sweep import sweep_session, write_policy  # noqa: E402
 from benchmarks.services import (  # noqa: E402
     Service,
-    cli_command,
+    engine_service,
     free_port,
     proc_cpu_s,
     proxy_service,
@@ -98,10 +98,7 @@ def commit_cpu_ms(path: Path, commits: int, kb: int) -> float:
 
 async def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="floor-"))
-    port = free_port()
-    argv = [*cli_command(), "scripted-engine", "--port", str(port)]
-    argv += ["--policy", str(write_policy(work, 32))]
-    engine = Service("engine", argv, port, work / "engine.log")
+    engine = engine_service(work, policy=write_policy(work, 32))
     proxy = proxy_service(work, engine.url, work / "store", log_level="WARNING")
     rport = free_port()
     relay_argv = [sys.executable, str(RELAY), "--backend", engine.url, "--port", str(rport)]

@@ -110,25 +110,26 @@ async def measure(
         await proxy.wait_healthy(http, 600)
         target = Target("backend_template", proxy.url, capture=True)
         one = f"one-{tree}-{int(stream)}" if rollout_size is not None else None
-        await _sessions(http, target, stream, 10, f"warm-{tree}", one, steps)
+        results = await _sessions(http, target, stream, 10, f"warm-{tree}", one, steps)
         if rollout_size:
             fill = -(-rollout_size // steps)
-            await _sessions(http, target, stream, fill, f"fill-{tree}", one, steps)
+            results += await _sessions(http, target, stream, fill, f"fill-{tree}", one, steps)
         _control(proxy, "-i", "on")
-        results = await _sessions(http, target, stream, sessions, f"m-{tree}", one, steps)
+        measured = await _sessions(http, target, stream, sessions, f"m-{tree}", one, steps)
         _control(proxy, "-i", "off")
+        results += measured
     finally:
         await http.close()
         proxy.stop()
         engine.stop()
-    bad = [r for r in results if not r.ok]
+    bad = [r for r in results if not r.ok]  # warm-up and fill calls too
     if bad:
         errors = sorted({str(r.error) for r in bad})
         raise RuntimeError(f"{tree}: {len(bad)} calls failed: {errors}")
     found = _COLLECTED.search(proxy.tail(100_000))
     if found is None:
         raise RuntimeError(f"{tree}: callgrind printed no count: {proxy.tail()}")
-    return Figure(tree, stream, len(results), int(found.group(1)))
+    return Figure(tree, stream, len(measured), int(found.group(1)))
 
 
 async def _sessions(

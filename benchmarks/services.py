@@ -126,9 +126,12 @@ def baseline_env(src: str | None) -> dict[str, str] | None:
     return {"PYTHONPATH": str(Path(src).resolve())} if src else None
 
 
-def engine_service(work: Path, port: int | None = None) -> Service:
+def engine_service(work: Path, port: int | None = None, policy: Path | None = None) -> Service:
+    """The scripted engine (``policy``: its policy file, else the default policy)."""
     port = port or free_port()
     argv = [*cli_command(), "scripted-engine", "--port", str(port)]
+    if policy is not None:
+        argv += ["--policy", str(policy)]
     return Service("engine", argv, port, work / "engine.log")
 
 
