@@ -187,6 +187,10 @@ def _meta_of(
         "routed_experts": experts_meta,
         "api": record.api,
         "sampling": record.sampling,
+        "prompt_mode": record.prompt_mode,
+        "weight_versions": record.weight_versions,
+        "weight_version_source": record.weight_version_source,
+        "images": record.images,
     }
     meta["request_received"], meta["request_received_blobs"] = received_refs(
         record.request_received,
@@ -404,6 +408,10 @@ def decode_record(
         api=meta.get("api") or "chat_completions",
         request_received=_decode_received(encoded, meta, parsed_json),
         sampling=meta.get("sampling"),
+        prompt_mode=meta.get("prompt_mode"),
+        weight_versions=meta.get("weight_versions"),
+        weight_version_source=meta.get("weight_version_source"),
+        images=meta.get("images"),
         request_messages=messages,
         request_tools=tools,
         response_message=meta.get("response_message"),

@@ -99,10 +99,20 @@ def migrate_2_to_3(encoded: EncodedRecord) -> EncodedRecord:
     )
 
 
+def migrate_3_to_4(encoded: EncodedRecord) -> EncodedRecord:
+    """v4 added ``prompt_mode``, ``weight_versions``, ``weight_version_source`` and
+    ``images`` to the metadata: a v3 record did not know them (None)."""
+    old = json.loads(encoded.meta)
+    for key in ("prompt_mode", "weight_versions", "weight_version_source", "images"):
+        old.setdefault(key, None)
+    return dataclasses.replace(encoded, schema_version=4, meta=meta_text(old))
+
+
 #: One step per version: ``MIGRATIONS[v]`` turns a version-v record into version v + 1.
 MIGRATIONS: dict[int, Callable[[EncodedRecord], EncodedRecord]] = {
     1: migrate_1_to_2,
     2: migrate_2_to_3,
+    3: migrate_3_to_4,
 }
 
 

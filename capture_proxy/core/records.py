@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 #: Version of the stored record format. Readers refuse records with a newer version.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 TOKEN_DTYPE = np.uint32
 LOG_PROB_DTYPE = np.float32
@@ -119,6 +119,21 @@ class CallRecord:
     None for records written before it existed. ``sampling``: ``{"sent": {name: value},
     "engine_defaults": [name]}``, the sampling settings sent to the engine and those left to
     its defaults (``core.sampling.sampling_record``), for importance ratios.
+
+    Schema v4 fields (None on records written before them, or where unknown):
+    ``prompt_mode``: how the prompt's tokens were made (``backend_template`` |
+    ``exact_tokens``). ``weight_versions``: ``[{"version": str, "start": int, "end": int}]``,
+    the policy weight version of each generation token over half-open index ranges
+    ``[start, end)`` of ``generation_token_ids`` (vLLM 0.32's ``WeightVersionSpan`` shape),
+    in order, covering every generated token. ``weight_version_source``: how they were known
+    (``engine_spans``: the engine named each token's version; ``engine_reported``: the engine
+    named one version for the call; ``observed``: read from the engine around the call, so a
+    change inside it is a bound, not a boundary). ``images``: the prompt's images in prompt
+    order, each ``{"sha256", "media_type", "width", "height", "prompt_start",
+    "prompt_end", "processor"}`` (``prompt_start``/``prompt_end``: the half-open token span
+    the image's placeholder tokens occupy in ``prompt_token_ids``; ``processor``: what the
+    model's processor needs to rebuild the pixel input, e.g. the grid); the bytes are stored
+    once per store, content-addressed by ``sha256``.
     """
 
     call_id: str
@@ -147,6 +162,10 @@ class CallRecord:
     linking: dict[str, Any] | None = None
     retry_of: str | None = None
     diagnostics: list[Diagnostic] = field(default_factory=list)
+    prompt_mode: str | None = None
+    weight_versions: list[dict[str, Any]] | None = None
+    weight_version_source: str | None = None
+    images: list[dict[str, Any]] | None = None
     schema_version: int = SCHEMA_VERSION
 
     @property

@@ -30,7 +30,7 @@ REF_MIN_BYTES = 512
 DIGEST_LEN = 32
 _CHAIN_START = hashlib.sha256(b"").digest()
 
-# Metadata keys of a v3 record, in the order they are written (``same_content`` compares the
+# Metadata keys of a v4 record, in the order they are written (``same_content`` compares the
 # text, so encoding and migration must agree on it).
 META_KEYS = (
     "model",
@@ -53,6 +53,10 @@ META_KEYS = (
     "request_received",
     "request_received_blobs",
     "sampling",
+    "prompt_mode",
+    "weight_versions",
+    "weight_version_source",
+    "images",
 )
 
 
@@ -67,7 +71,7 @@ class RoutedExpertsMeta(TypedDict):
 
 
 class StoredMeta(TypedDict, total=False):
-    """A v3 record's metadata (``EncodedRecord.meta``, in ``META_KEYS`` order). JSON values the
+    """A v4 record's metadata (``EncodedRecord.meta``, in ``META_KEYS`` order). JSON values the
     engine or the harness sent (the response message, usage, linking, sampling, the received
     body) are kept as given; ``diagnostics`` in ``Diagnostic.to_json`` form. Older records
     also hold ``request_messages`` and ``request_tools`` whole (v1, v2)."""
@@ -92,6 +96,10 @@ class StoredMeta(TypedDict, total=False):
     request_received: dict[str, Any] | None
     request_received_blobs: dict[str, str] | None
     sampling: Any
+    prompt_mode: str | None
+    weight_versions: list[dict[str, Any]] | None
+    weight_version_source: str | None
+    images: list[dict[str, Any]] | None
     request_messages: list[Any]
     request_tools: Any
 

@@ -1,7 +1,7 @@
 """The shared store: PostgreSQL, for proxy replicas past one machine. Same contract as SQLite.
 
 Owns the PostgreSQL table layout, its versioned migrations, and the concurrency rules that let
-several proxy processes write one store. Record encoding is the core codec's (schema v3, the
+several proxy processes write one store. Record encoding is the core codec's (schema v4, the
 same ``EncodedRecord`` columns as ``sqlite.py``, arrays as ``bytea`` in the same little-endian
 layout); the prompt parent is chosen by the same rule (``core.prefixes``). What an operation
 decides is ``lifecycle``'s and its async method ``threaded``'s, as for ``sqlite.py``: one

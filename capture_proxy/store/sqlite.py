@@ -20,7 +20,7 @@ and back however many statements it runs:
 Each connection is used only by the thread that opened it (``check_same_thread``).
 
 Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VERSION``):
-- ``calls``: one row per call in the codec's stored form (schema v3): JSON metadata beside four
+- ``calls``: one row per call in the codec's stored form (schema v4): JSON metadata beside four
   BLOB arrays; ``prompt_token_ids`` holds only the ids after the call's prompt parent
   (``prompt_parent_call_id``, ``prompt_prefix_len``), chosen inside the write transaction by
   the core's prefix rule (``core.prefixes``) from the digests kept per row (``tokens_sha256``,

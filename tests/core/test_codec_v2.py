@@ -204,7 +204,7 @@ def test_v1_records_migrate_one_step_at_a_time():
     old = v1_form(rec)
     assert old.schema_version == 1 and old.tokens_sha256 == b""
     new = migrate(old)
-    assert new.schema_version == SCHEMA_VERSION == 3
+    assert new.schema_version == SCHEMA_VERSION == 4
     assert new.prompt_parent_call_id is None
     assert new.tokens_sha256 == token_digest(rec.prompt_token_ids, rec.generation_token_ids)
     assert (new.num_prompt_tokens, new.num_generation_tokens) == (rec.num_prompt_tokens, 3)

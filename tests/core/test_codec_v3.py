@@ -190,12 +190,12 @@ def test_v2_records_migrate_in_one_step():
     pp = PromptParent(parent.call_id, parent.num_prompt_tokens + parent.num_generation_tokens)
     old = [v2_form(parent), v2_form(child, pp)]
     new = [migrate(e) for e in old]
-    assert [e.schema_version for e in new] == [SCHEMA_VERSION, SCHEMA_VERSION] == [3, 3]
+    assert [e.schema_version for e in new] == [SCHEMA_VERSION, SCHEMA_VERSION] == [4, 4]
     assert [e.messages_prefix_len for e in new] == [0, 0]
     assert "request_messages" not in new[1].meta and "d" * 100 not in new[1].meta
     for got, want in zip(decode_records(old), [parent, child], strict=True):
         assert_same_json(got, want)
-        assert got.schema_version == 3
+        assert got.schema_version == 4
     split = encode_session([parent, child])
     assert same_content(old[1], split[1]) and same_content(new[1], split[1])
 

@@ -165,7 +165,7 @@ async def test_v1_store_is_migrated_on_open(tmp_path):
     try:
         for got, want in zip(await s.get_rollout_calls("r1"), records, strict=True):
             assert_same(got, want)
-            assert got.schema_version == 3
+            assert got.schema_version == 4
         await s.put_call(records[0])  # idempotent against a migrated row
         await s.put_call(nxt)  # a new child gets a delta against a migrated parent
         assert blob_sizes(s)[-1][2] == "c002"
@@ -173,7 +173,7 @@ async def test_v1_store_is_migrated_on_open(tmp_path):
         await s.close()
     with sqlite3.connect(path / DB_FILE_NAME) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION
-        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(3,)]
+        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(4,)]
 
 
 async def test_newer_layout_is_refused(tmp_path):

@@ -127,7 +127,7 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
     try:
         for got, want in zip(await s.get_rollout_calls("r1"), records, strict=True):
             assert_same_json(got, want)
-            assert got.schema_version == 3
+            assert got.schema_version == 4
         assert_same_json(await s.get_call("c003"), records[3])
         for rec in records:
             await s.put_call(rec)  # idempotent against migrated rows
@@ -137,7 +137,7 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
         await s.close()
     with sqlite3.connect(path / DB_FILE_NAME) as db:
         assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 9
-        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(3,)]
+        assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(4,)]
         # Whole v2 messages were re-split against their prompt parents'.
         ks = db.execute("SELECT messages_prefix_len FROM calls ORDER BY call_id").fetchall()
         assert [k for (k,) in ks] == [0, 2, 4, 6, 8]
