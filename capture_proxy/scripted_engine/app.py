@@ -37,6 +37,7 @@ from capture_proxy.scripted_engine.state import (
     ScriptedEngineConfig,
 )
 from capture_proxy.scripted_engine.tokens_in.routes import add_tokens_in_routes
+from capture_proxy.scripted_engine.weights import add_weight_routes
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -73,6 +74,8 @@ def build_scripted_engine_app(
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     add_tokens_in_routes(app, config.enable_scale_out)
+    if config.dev_mode:
+        add_weight_routes(app)
     return app
 
 

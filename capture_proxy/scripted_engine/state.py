@@ -60,6 +60,8 @@ class ScriptedEngineConfig:
     moe: MoeShape | None = None
     #: Serve vLLM's ``/inference/v1/generate`` (vLLM's ``--enable-scale-out``); else 404.
     enable_scale_out: bool = False
+    #: Serve vLLM's weight-update endpoints (``VLLM_SERVER_DEV_MODE=1``; ``weights.py``).
+    dev_mode: bool = False
     #: SGLang ``/generate`` streams deltas (``--incremental-streaming-output``), not the
     #: default cumulative ``text`` / ``output_ids`` / log probs.
     sglang_incremental_streaming: bool = False
