@@ -83,7 +83,7 @@ from capture_proxy.core.prefixes import (
 )
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_url
-from capture_proxy.core.stored_form import COLUMNS, StoredMessages, column_values
+from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import lifecycle, sql
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.postgres_layout import migrate_layout
@@ -393,29 +393,10 @@ class PostgresStore(SQLStore):
                     lifecycle.check_re_put(sql.encoded_row(row), enc)
                     db.execute("COMMIT")
                     return
-                effect = lifecycle.call_effect(record, frozen=frozen, inserted=True)
                 family = [RetryLink(*r) for r in links.fetchall()] if links is not None else []
                 found = parent_row.fetchone() if parent_row is not None else None
-                incomplete, chains = lifecycle.count_deltas(
-                    record, effect, family, None if found is None else str(found[0])
-                )
-                block = _block_sha256(record, states)
-                own = sql.store_columns(record)
-                db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
-                sql.store_json(POSTGRES, db, enc, count=False)
-                db.execute(
-                    POSTGRES.sql(sql.UPSERT_ROLLOUT),
-                    (
-                        rid,
-                        enc.created_at,
-                        incomplete,
-                        effect.version_delta,
-                        1,
-                        chains,
-                        *lifecycle.call_tally(record),
-                    ),
-                )
-                sql.keep_kinds(POSTGRES, db, rid, (d.kind for d in record.diagnostics))
+                parent_status = None if found is None else str(found[0])
+                PostgresStore._insert(db, record, enc, states, frozen, family, parent_status)
                 db.execute("COMMIT")
             # The second round trip: the pipeline's sync at its end (errors are raised here).
         except BaseException:
@@ -423,6 +404,38 @@ class PostgresStore(SQLStore):
                 with contextlib.suppress(psycopg.Error):  # a lost connection: nothing to undo
                     db.execute("ROLLBACK")
             raise
+
+    @staticmethod
+    def _insert(
+        db: Conn,
+        record: CallRecord,
+        enc: EncodedRecord,
+        states: list[Any],
+        frozen: bool,
+        family: list[RetryLink],
+        parent_status: str | None,
+    ) -> None:
+        """The write half of ``_put``, queued in its pipeline before COMMIT: the call's row,
+        its JSON parts, the rollout's counters and the diagnostic kinds. No round trip."""
+        effect = lifecycle.call_effect(record, frozen=frozen, inserted=True)
+        incomplete, chains = lifecycle.count_deltas(record, effect, family, parent_status)
+        block = _block_sha256(record, states)
+        own = sql.store_columns(record)
+        db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
+        sql.store_json(POSTGRES, db, enc, count=False)
+        db.execute(
+            POSTGRES.sql(sql.UPSERT_ROLLOUT),
+            (
+                record.rollout_id,
+                enc.created_at,
+                incomplete,
+                effect.version_delta,
+                1,
+                chains,
+                *lifecycle.call_tally(record),
+            ),
+        )
+        sql.keep_kinds(POSTGRES, db, record.rollout_id, (d.kind for d in record.diagnostics))
 
     @staticmethod
     def _list_episodes(db: Conn, base: str) -> list[str]:
