@@ -61,6 +61,10 @@ class Recorder:
     metrics: Metrics = field(default_factory=Metrics)
     #: the prompt mode of a request's model (``Settings.prompt_mode_for``), for the metrics.
     prompt_mode_for: Callable[[str | None], str] = _backend_template
+    #: the error of the first write that failed since the last one that succeeded (type and
+    #: message, no record content), or None while writes succeed: ``/health`` answers 503
+    #: ``degraded`` with it, and is ok again after the next successful write.
+    write_error: str | None = None
 
     async def persist(self, record: CallRecord, request: RequestEncoding | None = None) -> bool:
         """Store ``record`` durably (``request``: its ``RequestEncoding``, if computed ahead).
@@ -86,6 +90,8 @@ class Recorder:
             self.metrics.inc_store_failures()
             reason = f"storing call {record.call_id} failed: {type(exc).__name__}: {exc}"
             log.error("rollout %s: %s", record.rollout_id, reason)
+            if self.write_error is None:
+                self.write_error = f"{type(exc).__name__}: {exc}"
             await self.mark_incomplete(
                 record.rollout_id,
                 Diagnostic(
@@ -97,6 +103,7 @@ class Recorder:
             time.perf_counter() - started,
             written if isinstance(written, int) else _record_bytes(record),
         )
+        self.write_error = None
         self.stats.persisted += 1
         if record.status == "incomplete":
             self.stats.incomplete += 1

@@ -21,7 +21,9 @@ from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
 
 
 async def health(request: web.Request) -> web.Response:
-    """Proxy and store health (503 when the store cannot answer), whether the engine answers
+    """Proxy and store health (503 ``degraded`` when the store cannot answer, or while its
+    writes fail: ``store.write_error`` is the first failed write's error, cleared by the next
+    write that succeeds), whether the engine answers
     (a cached probe: ``engine.ok`` is reported, it does not make the proxy unhealthy, since an
     engine loading its model is normal; ``null`` in the read-only app, which has no engine),
     and the capture counters. With a token set the store's filesystem path is left out
@@ -37,6 +39,8 @@ async def health(request: web.Request) -> web.Response:
         store = {k: v for k, v in store.items() if k != "path"}
         if not ok:
             store = {"error": "store unavailable (details in the proxy's log)"}
+    if recorder.write_error is not None:  # the store answers reads but refuses writes
+        store, ok = {**store, "write_error": recorder.write_error}, False
     probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
     engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
     return web.json_response(

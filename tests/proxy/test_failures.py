@@ -90,7 +90,7 @@ async def test_store_failure_never_fails_the_model_call(make_stack, tmp_path, st
         assert done
     else:
         assert (await resp.json())["choices"][0]["message"]["tool_calls"]
-    health = await stack.get_json("/health")
+    health = await stack.get_json("/health", status=503)  # degraded while writes fail
     assert health["capture"]["store_failures"] == 1
     listing = await stack.get_json("/captures/rollouts")
     assert listing["rollouts"] == []  # nothing was stored ...
@@ -180,3 +180,40 @@ async def test_deeply_nested_bodies_are_400s_not_500s(stack: Stack, levels):
     assert error["type"] == "invalid_request_error" and "nests" in error["message"]
     assert stack.sent == []
     assert (await stack.get_json("/health"))["status"] == "ok"
+
+
+async def test_health_is_degraded_while_writes_fail_and_recovers_by_itself(make_stack, tmp_path):
+    """The store still answers reads (its own health is fine) but refuses writes: ``/health``
+    is 503 ``degraded`` with the first failed write's error, ok again after one succeeds."""
+
+    class FullThenFreed(SQLiteStore):
+        full = True
+        failures = 0
+
+        async def put_call(self, record, request=None):
+            if self.full:
+                self.failures += 1
+                raise StoreError(f"database or disk is full (injected #{self.failures})")
+            return await super().put_call(record, request)
+
+    store = FullThenFreed(tmp_path / "full")
+    stack = await make_stack(store=store)
+    before = await stack.client.get("/health")
+    assert before.status == 200 and (await before.json())["status"] == "ok"
+    await stack.chat("r1", _body(USER))
+    await stack.chat("r2", _body(USER))
+    resp = await stack.client.get("/health")
+    assert resp.status == 503
+    health = await resp.json()
+    assert health["status"] == "degraded"
+    # the first failed write's error, not the latest one's
+    assert health["store"]["write_error"] == ("StoreError: database or disk is full (injected #1)")
+    assert health["capture"]["store_failures"] == 2
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert "capture_proxy_store_failures_total 2.0" in metrics
+    store.full = False
+    await stack.chat("r3", _body(USER))
+    after = await stack.client.get("/health")
+    assert after.status == 200
+    body = await after.json()
+    assert body["status"] == "ok" and "write_error" not in body["store"]
