@@ -50,6 +50,7 @@ from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.traffic_tap import RECORDING_KEY, TrafficRecorder, recording_middleware
+from capture_proxy.proxy.uncaptured import UNCAPTURED_KEY, UncapturedGeneration
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rest import downloads, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
@@ -178,6 +179,9 @@ def build_proxy_app(
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
     app[METRICS_KEY] = Metrics()
+    app[UNCAPTURED_KEY] = UncapturedGeneration(
+        app[METRICS_KEY], refuse=settings.uncaptured_generation == "refuse"
+    )
     app[RECORDER_KEY] = Recorder(
         store, metrics=app[METRICS_KEY], prompt_mode_for=settings.prompt_mode_for
     )

@@ -95,6 +95,13 @@ def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
         help="a call to a frozen rollout: record it as late (default) or refuse it with a 409",
     )
     serve.add_argument(
+        "--uncaptured-generation",
+        dest="uncaptured_generation",
+        choices=["forward", "refuse"],
+        help="a generation call outside a capture path: forward it uncaptured with a warning "
+        "(default) or refuse it with a 400 naming the capture path",
+    )
+    serve.add_argument(
         "--prompt-mode",
         dest="prompt_mode",
         choices=["backend_template", "exact_tokens"],
