@@ -50,7 +50,11 @@ from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.traffic_tap import RECORDING_KEY, TrafficRecorder, recording_middleware
-from capture_proxy.proxy.uncaptured import UNCAPTURED_KEY, UncapturedGeneration
+from capture_proxy.proxy.uncaptured import (
+    UNCAPTURED_KEY,
+    UncapturedGeneration,
+    read_only_rollout_path,
+)
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rest import downloads, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
@@ -274,5 +278,6 @@ def build_read_only_app(
     )
     app.router.add_route("*", "/captures", unknown_captures_path)
     app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
+    app.router.add_route("*", "/ng-rollout/{tail:.*}", read_only_rollout_path)
     use_expect_continue(app)
     return app

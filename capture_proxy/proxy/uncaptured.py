@@ -17,7 +17,7 @@ from aiohttp import web
 
 from capture_proxy.core.fronts import front_of_tail, generation_path
 from capture_proxy.core.routing import CAPTURE_PATH_FORM, CAPTURE_SEGMENT, Route
-from capture_proxy.proxy.errors import ERROR_SHAPE_KEY, BadRequest, NotFound
+from capture_proxy.proxy.errors import ERROR_SHAPE_KEY, BadRequest, Forbidden, NotFound
 from capture_proxy.proxy.metrics import Metrics
 
 log = logging.getLogger("capture_proxy")
@@ -79,6 +79,21 @@ def refuse_misspelt_capture_path(request: web.Request, target: Route) -> None:
         "correlation path, uncaptured: /ng-rollout/<rollout_id>/v1/...)",
         param="path",
         code="capture_path_not_found",
+    )
+
+
+async def read_only_rollout_path(request: web.Request) -> web.StreamResponse:
+    """Any ``/ng-rollout/...`` request to a read-only server (``serve --read-only``): a 503 in
+    the API's shape saying so (no engine, nothing is captured), never a bare 404. A 403, not
+    a 503: no retry of the harness's can succeed on this server."""
+    _shape_by_tail(request, request.path)
+    raise Forbidden(
+        f"{request.method} {request.path}: this server is read-only (serve --read-only): it "
+        "serves the read API and the viewer over a store and captures nothing. Send model "
+        "calls to a capturing server: capture-proxy serve --backend ENGINE_URL --store DIR "
+        f"(paths {CAPTURE_PATH_FORM})",
+        param="path",
+        code="read_only",
     )
 
 

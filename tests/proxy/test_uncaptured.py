@@ -114,3 +114,34 @@ async def test_a_misspelt_capture_segment_is_a_404_in_the_apis_shape(
 async def test_the_correlation_path_is_still_forwarded(stack: Stack):
     resp = await stack.client.post("/ng-rollout/r1/v1/chat/completions", json=CHAT)
     assert resp.status == 200, await resp.text()
+
+
+@pytest.mark.parametrize(
+    ("path", "shape"),
+    [
+        ("/ng-rollout/r1/training-token-capture/v1/chat/completions", "openai"),
+        ("/ng-rollout/r1/training-token-capture/v1/messages", "anthropic"),
+        ("/ng-rollout/r1/v1/responses", "openai"),
+    ],
+)
+async def test_a_read_only_server_says_it_is_read_only_on_a_rollout_path(
+    tmp_path, aiohttp_client, path, shape
+):
+    from capture_proxy.app import build_read_only_app
+    from capture_proxy.config import Settings
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    settings = Settings(backend="http://no-backend.invalid", store=tmp_path / "ro")
+    client = await aiohttp_client(build_read_only_app(settings, SQLiteStore(tmp_path / "ro")))
+    resp = await client.post(path, json=CHAT)
+    assert resp.status == 403
+    answer = await resp.json()
+    if shape == "anthropic":
+        assert answer["type"] == "error"
+        assert answer["error"]["type"] == "permission_error"
+    else:
+        assert answer["error"]["code"] == "read_only"
+        assert answer["error"]["param"] == "path"
+    message = answer["error"]["message"]
+    assert f"POST {path}: this server is read-only (serve --read-only)" in message
+    assert "capture-proxy serve --backend ENGINE_URL --store DIR" in message
