@@ -426,3 +426,31 @@ async def test_the_served_model_name_is_asked_again_after_a_failure(aiohttp_serv
         assert await exact.served_model_name(session, base) == ""  # no model: kept
         assert await exact.served_model_name(session, base) == ""
     assert len(asked) == 2
+
+
+def test_loading_a_tokenizer_is_logged_with_its_time(tokenizer_dir, caplog):
+    """``serve --tokenizer DIR`` takes seconds before "serving on": it says what it loads."""
+    import logging
+    import re
+
+    import aiohttp
+
+    from capture_proxy.app import make_exact_tokens
+    from capture_proxy.config import Settings
+
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    settings = Settings(
+        backend="http://127.0.0.1:9",
+        store=tokenizer_dir.parent / "s",
+        prompt_mode="exact_tokens",
+        tokens_in_dialect="vllm_generate",
+        tokenizer=tokenizer_dir,
+    )
+    make_exact_tokens(settings, aiohttp.ClientSession.__new__(aiohttp.ClientSession))
+    lines = [r.getMessage() for r in caplog.records if "tokenizer" in r.getMessage()]
+    assert lines[0] == (
+        f"loading the tokenizer and chat template from {tokenizer_dir} (setting tokenizer)"
+    )
+    assert re.fullmatch(
+        rf"loaded the tokenizer from {re.escape(str(tokenizer_dir))} in \d+\.\d s", lines[1]
+    )
