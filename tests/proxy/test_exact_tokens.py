@@ -454,3 +454,22 @@ def test_loading_a_tokenizer_is_logged_with_its_time(tokenizer_dir, caplog):
     assert re.fullmatch(
         rf"loaded the tokenizer from {re.escape(str(tokenizer_dir))} in \d+\.\d s", lines[1]
     )
+
+
+@pytest.mark.parametrize("mode", ["backend_template", "exact_tokens"])
+async def test_each_call_carries_its_prompt_mode(make_stack, mode):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, enable_scale_out=True),
+        prompt_mode=mode,
+    )
+    ids = await _session(stack, "r1", stream=False)
+    assert len(ids) == 3
+    for call_id in ids:
+        call = await stack.get_json(f"/captures/calls/{call_id}")
+        assert call["prompt_mode"] == mode
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    listed = [c for ch in chains["chains"] for c in ch["calls"]] + chains["unlinked_calls"]
+    assert sorted(c["call_id"] for c in listed) == sorted(ids)
+    assert [c["prompt_mode"] for c in listed] == [mode] * 3
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert summary["prompt_modes"] == {mode: 3}
