@@ -270,7 +270,9 @@ def _add_replay(sub: Any) -> None:
     rep.add_argument(
         "--proxy",
         help="send to this running proxy (e.g. http://127.0.0.1:8080) instead of an in-process "
-        "proxy + scripted engine that answers what the recording answered",
+        "proxy + scripted engine that answers what the recording answered; in front of a live "
+        "engine the recorded chains are not reproduced (the engine answers anew, the recorded "
+        "histories carry the recorded answers)",
     )
     rep.add_argument("--rollout", default=None, help="rollout id (default: replay-<unix time>)")
     rep.add_argument(
