@@ -223,3 +223,11 @@ def test_the_harnesses_page_names_where_the_recordings_are_and_what_replay_proxy
     assert "`tests/fixtures/opencode/logs/`" in text
     assert (ROOT / "tests/fixtures/opencode/logs").is_dir()
     assert "cannot reproduce the recorded chains" in text
+
+
+def test_the_committed_configuration_reference_is_current():
+    """docs/configuration.md reads as Markdown in the repository: the table is committed and
+    matches config.py (regenerate: python docs/hooks/settings_reference.py)."""
+    text = (DOCS / "configuration.md").read_text()
+    assert _hook().with_reference(text) == text
+    assert '<tr id="setting-uncaptured_generation">' in text
