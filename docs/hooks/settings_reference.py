@@ -3,11 +3,12 @@
 Owns the table between the markers ``<!-- settings-reference -->`` and
 ``<!-- /settings-reference -->`` in ``docs/configuration.md`` (committed, so the page reads as
 Markdown in the repository; ``python docs/hooks/settings_reference.py`` regenerates it, a test
-checks it is current, and the build writes it fresh): one row per field of ``capture_proxy.config.Settings`` with its
-type (and bounds), default, environment variable (``CAPTURE_PROXY_<NAME>``), the ``serve``
-flag that sets it (read from ``capture_proxy.cli.parser.build_parser``) and its description. It
-must not hold any setting's facts itself: a fact about a setting belongs in the field's
-``description``, so the reference and the code cannot drift apart.
+checks it is current, and the build writes it fresh): one row per field of
+``capture_proxy.config.Settings`` with its type (and bounds), default, environment variable
+(``CAPTURE_PROXY_<NAME>``), the ``serve`` flag that sets it (read from
+``capture_proxy.cli.parser.build_parser``) and its description. It must not hold any
+setting's facts itself: a fact about a setting belongs in the field's ``description``, so the
+reference and the code cannot drift apart.
 
 Hook API (MkDocs >= 1.4): ``on_page_markdown(markdown, page, config, files)``.
 """
