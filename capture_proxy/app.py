@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -50,6 +51,11 @@ from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.status import health, metrics
 from capture_proxy.proxy.traffic_tap import RECORDING_KEY, TrafficRecorder, recording_middleware
+from capture_proxy.proxy.uncaptured import (
+    UNCAPTURED_KEY,
+    UncapturedGeneration,
+    read_only_rollout_path,
+)
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.rest import downloads, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
@@ -62,6 +68,20 @@ log = logging.getLogger("capture_proxy")
 SWEEPER_KEY = web.AppKey("tombstone_sweeper", asyncio.Task)
 
 
+async def _warn_if_engine_down(app: web.Application, settings: Settings) -> None:
+    """One probe of the engine at start-up (the cached probe ``/health`` reads): a WARNING
+    naming the engine (``backend_label``: no password) when it does not answer, so that the
+    "serving on" line is not the only word on an engine that is down or still loading."""
+    engine = await app[ENGINE_PROBE_KEY].status(app[SESSION_KEY])
+    if not engine.get("ok"):
+        log.warning(
+            "the engine at %s does not answer (%s): calls fail until it does; /health says "
+            "engine_unreachable until then",
+            settings.backend_label,
+            engine.get("error") or f"HTTP {engine.get('status')}",
+        )
+
+
 def make_exact_tokens(
     settings: Settings, session: aiohttp.ClientSession, renderer: ChatRenderer | None = None
 ) -> ExactTokens:
@@ -70,7 +90,18 @@ def make_exact_tokens(
     parser and closers. Raises RenderError when a tokenizer cannot be loaded."""
     end_of_turn_ids = None
     if renderer is None and settings.tokenizer is not None:
+        # Loading a tokenizer and its chat template takes seconds: say so, then how long.
+        log.info(
+            "loading the tokenizer and chat template from %s (setting tokenizer)",
+            settings.tokenizer,
+        )
+        started = time.perf_counter()
         local = LocalRenderer.from_directory(settings.tokenizer)
+        log.info(
+            "loaded the tokenizer from %s in %.1f s",
+            settings.tokenizer,
+            time.perf_counter() - started,
+        )
         token_id = local.token_id(settings.end_of_turn_token)
         if token_id is None:
             raise RenderError(f"end_of_turn_token {settings.end_of_turn_token!r} is not one token")
@@ -85,12 +116,16 @@ def make_exact_tokens(
     families: dict[str, ExactTokens] = {}
     tokenizer_dirs: dict[str, Path] = {str(k): v for k, v in settings.family_tokenizers.items()}
     for family in sorted(set(settings.model_families.values())):
+        log.info("loading model family %s (setting model_families)", family)
+        started = time.perf_counter()
+        loaded = load_family(
+            family,
+            tokenizer_dir=tokenizer_dirs.get(family),
+            system_start_date=settings.system_start_date,
+        )
+        log.info("loaded model family %s in %.1f s", family, time.perf_counter() - started)
         families[family] = ExactTokens.of_family(
-            load_family(
-                family,
-                tokenizer_dir=tokenizer_dirs.get(family),
-                system_start_date=settings.system_start_date,
-            ),
+            loaded,
             dialect,
             max_model_len=settings.max_model_len,
             full_render=settings.exact_prompt_full_render,
@@ -178,6 +213,9 @@ def build_proxy_app(
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
     app[METRICS_KEY] = Metrics()
+    app[UNCAPTURED_KEY] = UncapturedGeneration(
+        app[METRICS_KEY], refuse=settings.uncaptured_generation == "refuse"
+    )
     app[RECORDER_KEY] = Recorder(
         store, metrics=app[METRICS_KEY], prompt_mode_for=settings.prompt_mode_for
     )
@@ -206,6 +244,7 @@ def build_proxy_app(
             try:
                 if settings.uses_exact_tokens:
                     app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                await _warn_if_engine_down(app, settings)
                 yield
             finally:
                 await app[SESSION_KEY].close()
@@ -270,5 +309,6 @@ def build_read_only_app(
     )
     app.router.add_route("*", "/captures", unknown_captures_path)
     app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
+    app.router.add_route("*", "/ng-rollout/{tail:.*}", read_only_rollout_path)
     use_expect_continue(app)
     return app

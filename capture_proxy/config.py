@@ -240,6 +240,14 @@ class Settings(BaseSettings):
         "late, left out of the snapshot and its exports; refuse: answered 409 "
         "(rollout_frozen) in the API's error shape without reaching the engine",
     )
+    uncaptured_generation: Literal["forward", "refuse"] = Field(
+        "forward",
+        description="a generation call outside a capture path (plain /v1/chat/completions, "
+        "/v1/responses, /v1/messages, /v1/completions, tokens-in /generate ...): forward "
+        "(default): forwarded uncaptured, warned once per path and counted in "
+        "capture_proxy_uncaptured_generation_calls_total; refuse: answered 400 "
+        "(capture_path_required) in the API's error shape, naming the capture path's form",
+    )
     link_index_max_rollouts: int = Field(
         10_000,
         gt=0,

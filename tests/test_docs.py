@@ -195,3 +195,39 @@ def test_every_environment_variable_the_docs_name_is_read(page: Path):
     known = {f"CAPTURE_PROXY_{n.upper()}" for n in Settings.model_fields} | ENV_NOT_SETTINGS
     named = set(re.findall(r"CAPTURE_PROXY_[A-Z0-9_]*[A-Z0-9]", page.read_text()))
     assert named - known == set(), page.name
+
+
+def test_the_handoff_page_names_every_export_column_and_the_schema_metadata():
+    from capture_proxy.core.export import SCHEMA, SCHEMA_METADATA
+
+    text = (DOCS / "handoff.md").read_text()
+    missing = [f.name for f in SCHEMA if f"`{f.name}`" not in text]
+    assert missing == []
+    assert "is empty" not in text
+    for key, value in SCHEMA_METADATA.items():
+        assert f'b"{key}": b"{value}"' in text
+
+
+def test_the_development_page_names_every_extra():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    text = (DOCS / "development.md").read_text()
+    assert [e for e in extras if e != "test" and f"`[{e}]`" not in text] == []
+
+
+def test_the_harnesses_page_names_where_the_recordings_are_and_what_replay_proxy_cannot_do():
+    text = (DOCS / "harnesses.md").read_text()
+    assert "`tests/fixtures/opencode/logs/`" in text
+    assert (ROOT / "tests/fixtures/opencode/logs").is_dir()
+    assert "cannot reproduce the recorded chains" in text
+
+
+def test_the_committed_configuration_reference_is_current():
+    """docs/configuration.md reads as Markdown in the repository: the table is committed and
+    matches config.py (regenerate: python docs/hooks/settings_reference.py)."""
+    text = (DOCS / "configuration.md").read_text()
+    assert _hook().with_reference(text) == text
+    assert '<tr id="setting-uncaptured_generation">' in text

@@ -35,3 +35,29 @@ def test_the_recorded_fixtures_are_in_the_repository(fixtures_dir):
     for name in ("README.md", "step_limit_note.txt", "opencode.json", "configs/opencode.json"):
         assert (opencode / name).is_file(), name
     assert len(list((opencode / "logs").glob("*.jsonl"))) == 5
+
+
+def test_a_build_folder_left_by_pip_install_is_not_linted_or_collected(tmp_path):
+    """``pip install .`` leaves ``build/lib/`` in the checkout; ruff and pytest skip it."""
+    import shutil
+    import subprocess
+    import sys
+
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", checkout / "pyproject.toml")
+    stale = checkout / "build" / "lib" / "capture_proxy"
+    stale.mkdir(parents=True)
+    (stale / "old.py").write_text("import os\nx=1;y=2\n")  # F401, E702
+    (checkout / "build" / "lib" / "test_old.py").write_text("def test_x():\n    assert False\n")
+    (checkout / "ok.py").write_text("X = 1\n")
+    ruff = Path(sys.executable).parent / "ruff"
+    lint = subprocess.run([str(ruff), "check", "."], cwd=checkout, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout
+    collect = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    )
+    assert "test_old.py" not in collect.stdout, collect.stdout

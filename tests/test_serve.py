@@ -11,6 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 START_DEADLINE_S = 60.0
 
 
@@ -46,12 +48,16 @@ def test_port_0_binds_a_free_port_and_the_port_file_names_it(tmp_path: Path):
         assert port != 0
         # Written before the line was printed, and the socket already listens.
         assert port_file.read_text() == f"{port}\n"
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
-            assert json.load(resp)["status"] in ("ok", "degraded")
+        # No engine on port 9: /health says so (503), not "ok".
+        with pytest.raises(urllib.error.HTTPError) as down:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10)
+        assert down.value.code == 503
+        assert json.load(down.value)["status"] == "engine_unreachable"
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=START_DEADLINE_S)
+        _, err = proc.communicate(timeout=START_DEADLINE_S)
     assert proc.returncode == 0
+    assert "WARNING capture_proxy: the engine at http://127.0.0.1:9 does not answer" in err, err
 
 
 def test_a_busy_port_is_reported_without_a_serving_line(tmp_path: Path):

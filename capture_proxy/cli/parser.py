@@ -95,6 +95,13 @@ def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
         help="a call to a frozen rollout: record it as late (default) or refuse it with a 409",
     )
     serve.add_argument(
+        "--uncaptured-generation",
+        dest="uncaptured_generation",
+        choices=["forward", "refuse"],
+        help="a generation call outside a capture path: forward it uncaptured with a warning "
+        "(default) or refuse it with a 400 naming the capture path",
+    )
+    serve.add_argument(
         "--prompt-mode",
         dest="prompt_mode",
         choices=["backend_template", "exact_tokens"],
@@ -263,7 +270,9 @@ def _add_replay(sub: Any) -> None:
     rep.add_argument(
         "--proxy",
         help="send to this running proxy (e.g. http://127.0.0.1:8080) instead of an in-process "
-        "proxy + scripted engine that answers what the recording answered",
+        "proxy + scripted engine that answers what the recording answered; in front of a live "
+        "engine the recorded chains are not reproduced (the engine answers anew, the recorded "
+        "histories carry the recorded answers)",
     )
     rep.add_argument("--rollout", default=None, help="rollout id (default: replay-<unix time>)")
     rep.add_argument(

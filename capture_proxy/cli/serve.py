@@ -36,6 +36,7 @@ SETTING_FLAGS = {
     "log_level": "log_level",
     "parent_resolution": "parent_resolution",
     "late_calls": "late_calls",
+    "uncaptured_generation": "uncaptured_generation",
     "prompt_mode": "prompt_mode",
     "tokenizer": "tokenizer",
     "tokens_in_dialect": "tokens_in_dialect",

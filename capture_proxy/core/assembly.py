@@ -58,6 +58,9 @@ class CallContext:
     #: diagnostics the front found in the request (``FrontRequest.diagnostics``), on every
     #: record of the call
     front_diagnostics: tuple[Diagnostic, ...] = ()
+    #: how the prompt's tokens were made: ``backend_template`` (the engine rendered the chat
+    #: template) | ``exact_tokens`` (the proxy sent token ids); ``CallRecord.prompt_mode``
+    prompt_mode: str = "backend_template"
 
 
 def call_fields(ctx: CallContext) -> dict[str, Any]:
@@ -76,6 +79,7 @@ def call_fields(ctx: CallContext) -> dict[str, Any]:
         "model": body.get("model"),
         "request_messages": list(body.get("messages") or []),
         "request_tools": body.get("tools"),
+        "prompt_mode": ctx.prompt_mode,
     }
 
 

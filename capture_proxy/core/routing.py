@@ -76,6 +76,10 @@ def route(raw_path: str) -> Route:
     return Route(RouteKind.CORRELATE, "/" + tail if slash else "/", rollout_id)
 
 
+#: The capture path's form, for the messages that name it.
+CAPTURE_PATH_FORM = f"{ROLLOUT_PREFIX}<rollout_id>/{CAPTURE_SEGMENT}/v1/..."
+
+
 def api_path_of(raw_path: str) -> str | None:
     """The engine path a capture-path request names, without validating its rollout id (for
     the error shape of a request whose id is refused: an Anthropic client on

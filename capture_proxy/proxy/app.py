@@ -44,6 +44,7 @@ from capture_proxy.proxy.keys import (
 )
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.traffic_tap import note_request
+from capture_proxy.proxy.uncaptured import UNCAPTURED_KEY, refuse_misspelt_capture_path
 
 log = logging.getLogger("capture_proxy")
 
@@ -176,6 +177,10 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             response, done = await _serve_capture_path(request, target, raw_body)
             note_request(request, raw_body, done)
         else:
+            if target.kind is RouteKind.PASSTHROUGH:
+                request.app[UNCAPTURED_KEY].check(request, target)
+            else:
+                refuse_misspelt_capture_path(request, target)
             response = await forward_uncaptured(
                 request,
                 target,

@@ -79,6 +79,12 @@ class Metrics:
             "Calls to a deleted (tombstoned) rollout: answered, not stored; not a store failure",
             registry=r,
         )
+        self.uncaptured_generation_calls = Counter(
+            p + "uncaptured_generation_calls",
+            "Generation calls outside a capture path, by engine path (forwarded or refused; "
+            "setting uncaptured_generation)",
+            ["path"], registry=r,
+        )  # fmt: skip
         self.stored_bytes = Counter(
             p + "stored_bytes", "Bytes written to the store for calls", registry=r
         )
@@ -150,6 +156,10 @@ class Metrics:
 
     def inc_store_failures(self) -> None:
         self.store_failures.inc()
+
+    def inc_uncaptured_generation(self, path: str) -> None:
+        """``path``: a bounded label (``core.fronts.generation_path``), never a raw path."""
+        self._child(self.uncaptured_generation_calls, path).inc()
 
     def inc_late_calls_refused(self) -> None:
         self.late_calls_refused.inc()

@@ -70,7 +70,7 @@ class Recorder:
         """Store ``record`` durably (``request``: its ``RequestEncoding``, if computed ahead).
         Returns False (never raises) when it was not stored: storing failed, or the rollout
         was deleted (a late call)."""
-        self.metrics.observe_call(record, self.prompt_mode_for(record.model))
+        self.metrics.observe_call(record, record.prompt_mode or self.prompt_mode_for(record.model))
         started = time.perf_counter()
         try:
             written = await self.store.put_call(record, request)

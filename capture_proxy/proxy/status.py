@@ -7,6 +7,8 @@ serves ``/health`` alone.
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from capture_proxy import __version__
@@ -20,13 +22,24 @@ from capture_proxy.proxy.keys import (
 from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
 
 
+def health_status(*, store_ok: bool, engine: dict[str, Any] | None) -> tuple[str, int]:
+    """``/health``'s ``status`` and HTTP status, worst first: ``degraded`` (503) when the store
+    cannot answer; ``engine_unreachable`` (503) when the engine probe failed (down, still
+    loading its model, or answering non-2xx: no call can be served until it answers);
+    else ``ok`` (200). ``engine`` None (the read-only app has no engine) is no failure."""
+    if not store_ok:
+        return "degraded", 503
+    if engine is not None and not engine.get("ok"):
+        return "engine_unreachable", 503
+    return "ok", 200
+
+
 async def health(request: web.Request) -> web.Response:
-    """Proxy and store health (503 ``degraded`` when the store cannot answer, or while its
+    """Proxy and store health, whether the engine answers (a cached probe; ``null`` in the
+    read-only app, which has no engine), and the capture counters; ``status`` and the HTTP
+    status from ``health_status`` (503 ``degraded`` when the store cannot answer or while its
     writes fail: ``store.write_error`` is the first failed write's error, cleared by the next
-    write that succeeds), whether the engine answers
-    (a cached probe: ``engine.ok`` is reported, it does not make the proxy unhealthy, since an
-    engine loading its model is normal; ``null`` in the read-only app, which has no engine),
-    and the capture counters. With a token set the store's filesystem path is left out
+    write that succeeds). With a token set the store's filesystem path is left out
     (``/health`` is open to anyone)."""
     settings = request.app[SETTINGS_KEY]
     recorder = request.app[RECORDER_KEY]
@@ -43,9 +56,10 @@ async def health(request: web.Request) -> web.Response:
         store, ok = {**store, "write_error": recorder.write_error}, False
     probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
     engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
+    status, http_status = health_status(store_ok=ok, engine=engine)
     return web.json_response(
         {
-            "status": "ok" if ok else "degraded",
+            "status": status,
             "version": __version__,
             "store": store,
             "engine": engine,
@@ -57,7 +71,7 @@ async def health(request: web.Request) -> web.Response:
                 "failed_calls": recorder.stats.failed,
             },
         },
-        status=200 if ok else 503,
+        status=http_status,
     )
 
 

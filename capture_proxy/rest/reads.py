@@ -99,6 +99,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "latency_ms": record.latency_ms,
         "model": record.model,
         "stream": record.stream,
+        "prompt_mode": record.prompt_mode,
         "finish_reason": record.finish_reason,
         "usage": record.usage,
         "num_prompt_tokens": record.num_prompt_tokens,
@@ -279,6 +280,10 @@ def _summary_json(
             "num_chains": len(chains.chains),
             "num_roots": len(chains.chains),
             "num_branches": sum(c.num_branches for c in chains.chains),
+            # calls by prompt mode (records before schema v4 have none and are not counted)
+            "prompt_modes": dict(
+                sorted(Counter(r.prompt_mode for r in records if r.prompt_mode).items())
+            ),
             "chains": [
                 {
                     "chain_id": c.chain_id,

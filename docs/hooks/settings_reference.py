@@ -1,11 +1,14 @@
 """MkDocs hook: the configuration reference, generated from the settings class at build time.
 
-Owns the table that replaces the marker ``<!-- settings-reference -->`` in
-``docs/configuration.md``: one row per field of ``capture_proxy.config.Settings`` with its
-type (and bounds), default, environment variable (``CAPTURE_PROXY_<NAME>``), the ``serve``
-flag that sets it (read from ``capture_proxy.cli.parser.build_parser``) and its description. It
-must not hold any setting's facts itself: a fact about a setting belongs in the field's
-``description``, so the reference and the code cannot drift apart.
+Owns the table between the markers ``<!-- settings-reference -->`` and
+``<!-- /settings-reference -->`` in ``docs/configuration.md`` (committed, so the page reads as
+Markdown in the repository; ``python docs/hooks/settings_reference.py`` regenerates it, a test
+checks it is current, and the build writes it fresh): one row per field of
+``capture_proxy.config.Settings`` with its type (and bounds), default, environment variable
+(``CAPTURE_PROXY_<NAME>``), the ``serve`` flag that sets it (read from
+``capture_proxy.cli.parser.build_parser``) and its description. It must not hold any
+setting's facts itself: a fact about a setting belongs in the field's ``description``, so the
+reference and the code cannot drift apart.
 
 Hook API (MkDocs >= 1.4): ``on_page_markdown(markdown, page, config, files)``.
 """
@@ -24,6 +27,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 MARKER = "<!-- settings-reference -->"
+END_MARKER = "<!-- /settings-reference -->"
 PAGE = "configuration.md"
 
 #: ``serve`` flags whose argparse dest is not the setting's name.
@@ -160,11 +164,31 @@ def reference_html() -> str:
     return "\n".join(lines)
 
 
+def with_reference(markdown: str) -> str:
+    """``markdown`` with the table between ``MARKER`` and ``END_MARKER`` made fresh (the
+    committed page holds it too, so it reads as Markdown in the repository). Raises ValueError
+    when the page lost its marker."""
+    if MARKER not in markdown:
+        raise ValueError(f"{PAGE} lost its marker {MARKER}")
+    head, _, rest = markdown.partition(MARKER)
+    tail = rest.partition(END_MARKER)[2] if END_MARKER in rest else rest
+    return f"{head}{MARKER}\n{reference_html()}\n{END_MARKER}{tail}"
+
+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     if page.file.src_uri != PAGE:
         return markdown
-    if MARKER not in markdown:
+    try:
+        # The built page keeps no markers: they are for the committed file.
+        fresh = with_reference(markdown)
+        return fresh.replace(MARKER + "\n", "").replace("\n" + END_MARKER, "")
+    except ValueError as exc:
         from mkdocs.exceptions import PluginError
 
-        raise PluginError(f"{PAGE} lost its marker {MARKER}")
-    return markdown.replace(MARKER, reference_html())
+        raise PluginError(str(exc)) from exc
+
+
+if __name__ == "__main__":
+    # Regenerate the committed table: python docs/hooks/settings_reference.py
+    page = Path(__file__).resolve().parent.parent / PAGE
+    page.write_text(with_reference(page.read_text()))

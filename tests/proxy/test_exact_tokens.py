@@ -426,3 +426,50 @@ async def test_the_served_model_name_is_asked_again_after_a_failure(aiohttp_serv
         assert await exact.served_model_name(session, base) == ""  # no model: kept
         assert await exact.served_model_name(session, base) == ""
     assert len(asked) == 2
+
+
+def test_loading_a_tokenizer_is_logged_with_its_time(tokenizer_dir, caplog):
+    """``serve --tokenizer DIR`` takes seconds before "serving on": it says what it loads."""
+    import logging
+    import re
+
+    import aiohttp
+
+    from capture_proxy.app import make_exact_tokens
+    from capture_proxy.config import Settings
+
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    settings = Settings(
+        backend="http://127.0.0.1:9",
+        store=tokenizer_dir.parent / "s",
+        prompt_mode="exact_tokens",
+        tokens_in_dialect="vllm_generate",
+        tokenizer=tokenizer_dir,
+    )
+    make_exact_tokens(settings, aiohttp.ClientSession.__new__(aiohttp.ClientSession))
+    lines = [r.getMessage() for r in caplog.records if "tokenizer" in r.getMessage()]
+    assert lines[0] == (
+        f"loading the tokenizer and chat template from {tokenizer_dir} (setting tokenizer)"
+    )
+    assert re.fullmatch(
+        rf"loaded the tokenizer from {re.escape(str(tokenizer_dir))} in \d+\.\d s", lines[1]
+    )
+
+
+@pytest.mark.parametrize("mode", ["backend_template", "exact_tokens"])
+async def test_each_call_carries_its_prompt_mode(make_stack, mode):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, enable_scale_out=True),
+        prompt_mode=mode,
+    )
+    ids = await _session(stack, "r1", stream=False)
+    assert len(ids) == 3
+    for call_id in ids:
+        call = await stack.get_json(f"/captures/calls/{call_id}")
+        assert call["prompt_mode"] == mode
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    listed = [c for ch in chains["chains"] for c in ch["calls"]] + chains["unlinked_calls"]
+    assert sorted(c["call_id"] for c in listed) == sorted(ids)
+    assert [c["prompt_mode"] for c in listed] == [mode] * 3
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert summary["prompt_modes"] == {mode: 3}

@@ -4,6 +4,7 @@ about the engine (a cached, bounded probe) and hides when a token is set."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -151,15 +152,45 @@ async def test_health_says_whether_the_engine_answers_probing_at_most_once_per_i
     assert stack.client.app[ENGINE_PROBE_KEY].probes == 1
 
 
-async def test_health_reports_an_engine_that_is_down_and_stays_up(aiohttp_client, tmp_path):
-    settings = Settings(backend=f"http://127.0.0.1:{_free_port()}", store=tmp_path / "s")
+async def test_health_reports_an_engine_that_is_down_as_engine_unreachable(
+    aiohttp_client, tmp_path, caplog
+):
+    port = _free_port()
+    settings = Settings(
+        backend=f"http://user:s3cret@127.0.0.1:{port}",
+        store=tmp_path / "s",
+        engine_health_interval_s=3600.0,
+    )
+    caplog.set_level(logging.WARNING, logger="capture_proxy")
     client = await aiohttp_client(build_proxy_app(settings, SQLiteStore(tmp_path / "s")))
+    # Start-up probed the engine once and warned, naming it without its password.
+    warnings = [r.getMessage() for r in caplog.records if "does not answer" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"the engine at http://user:***@127.0.0.1:{port} does not")
+    assert "s3cret" not in caplog.text
     resp = await client.get("/health")
-    assert resp.status == 200  # the proxy and its store are fine
+    assert resp.status == 503  # no call can be served: not "ok"
     health = await resp.json()
-    assert health["status"] == "ok"
+    assert health["status"] == "engine_unreachable"
     assert health["engine"]["ok"] is False and health["engine"]["status"] is None
     assert health["engine"]["error"]
+    assert client.app[ENGINE_PROBE_KEY].probes == 1  # /health used the start-up probe
+
+
+@pytest.mark.parametrize(
+    ("store_ok", "engine", "expected"),
+    [
+        (True, {"ok": True}, ("ok", 200)),
+        (True, None, ("ok", 200)),  # the read-only app: no engine
+        (True, {"ok": False}, ("engine_unreachable", 503)),
+        (False, {"ok": True}, ("degraded", 503)),
+        (False, {"ok": False}, ("degraded", 503)),  # the store's failure first
+    ],
+)
+def test_health_status_takes_the_worst_condition(store_ok, engine, expected):
+    from capture_proxy.proxy.status import health_status
+
+    assert health_status(store_ok=store_ok, engine=engine) == expected
 
 
 async def test_health_waits_on_a_silent_engine_only_up_to_its_timeout(

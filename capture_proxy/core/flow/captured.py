@@ -99,6 +99,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         routed_experts_expectation=start.routed_experts_expectation,
         parent_had_rows=resolution.parent_rows_end is not None,
         front_diagnostics=start.front_request.diagnostics,
+        prompt_mode="backend_template" if exact is None else "exact_tokens",
     )
     call = Call(start.front, start.front_request, ctx, prepared, resolution, start.retry_count)
     if exact is None:

@@ -33,6 +33,8 @@ __all__ = [
     "endpoint_kind",
     "error_front",
     "front_for",
+    "front_of_tail",
+    "generation_path",
     "parse_count_tokens",
 ]
 
@@ -98,6 +100,40 @@ def error_front(path: str) -> FrontCodec | None:
     if front is None and path.startswith("/v1/messages/"):
         front = _FRONTS["/v1/messages"]
     return front
+
+
+#: The path tails of the three APIs (a path ending so is meant for that API).
+_TAILS = (
+    ("/chat/completions", "/v1/chat/completions"),
+    ("/responses", "/v1/responses"),
+    ("/messages", "/v1/messages"),
+    ("/messages/count_tokens", "/v1/messages"),
+)
+
+
+def front_of_tail(path: str) -> FrontCodec | None:
+    """The codec of the API whose endpoint ``path`` ends with (``/x/v1/chat/completions``,
+    ``/responses``, ``/messages/count_tokens``), for the error shape of a path the proxy does
+    not serve (a misspelt capture segment, a read-only server); None for any other path."""
+    bare = path.rstrip("/")
+    for tail, api in _TAILS:
+        if bare.endswith(tail):
+            return _FRONTS[api]
+    return None
+
+
+def generation_path(method: str, path: str) -> str | None:
+    """The generation endpoint a ``method`` request to ``path`` outside a capture path calls
+    (``/v1/chat/completions``; for a family of paths its prefix, ``/v1/responses/``), or None
+    when it generates nothing. One of a fixed set: safe as a metric label."""
+    if method != "POST" or path == "/v1/messages/count_tokens":
+        return None
+    if path in _FRONTS:
+        return path
+    for prefix in NOT_CAPTURABLE_PATHS:
+        if path == prefix or (prefix.endswith("/") and path.startswith(prefix)):
+            return prefix
+    return None
 
 
 def endpoint_kind(method: str, path: str) -> EndpointKind:

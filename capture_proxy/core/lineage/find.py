@@ -17,8 +17,12 @@ root, in arrival order:
 4. ``compacted_from`` (only when 2 and 3 found nothing): the root carries the answer of a
    summary call of another chain: the body of a declared summary tag, the text after a
    declared summary prefix, the answer to a declared summary instruction, else (generic) a
-   message whose whole text is an earlier answer of at least ``min_carried_chars``; of several
-   such calls, the latest before the root (a compaction follows its summary call).
+   message whose whole text is an earlier answer of at least ``min_carried_chars``, else
+   (generic) a message that holds a whole earlier answer of at least ``min_carried_chars``
+   inside other text ("Summary of the earlier conversation: <answer>"); of several such
+   calls, the latest before the root (a compaction follows its summary call). 64 characters
+   (about 12 to 16 tokens of English) is longer than the short answers every session gives
+   ("Done.", "All tests pass now."), so two unrelated sessions are not joined by one.
 
 Cost: one hash per call for the answer index and one per call for the request index (by the
 number of compared request messages and the last one's key), the compared messages of each
@@ -115,6 +119,9 @@ class _Rollout:
     requests: dict[tuple[int, bytes], list[CallRecord]] = field(default_factory=dict)
     #: sha256 of an answer's squashed text -> calls
     answers: dict[str, list[CallRecord]] = field(default_factory=dict)
+    #: an answer's first ``min_carried_chars`` squashed characters -> (its text, call), for
+    #: an answer carried inside a longer message (``_carried_inside``)
+    answer_anchors: dict[str, list[tuple[str, CallRecord]]] = field(default_factory=dict)
     #: squashed tool input text -> (call, tool_call_id, tool name, field, rule)
     tool_inputs: dict[str, list[tuple[CallRecord, str, str, str, str]]] = field(
         default_factory=dict
@@ -141,6 +148,8 @@ class _Rollout:
             text = squash(message_text(answer))
             if len(text) >= self.rules.min_carried_chars:
                 self.answers.setdefault(text_sha256(text), []).append(call)
+                anchor = text[: self.rules.min_carried_chars]
+                self.answer_anchors.setdefault(anchor, []).append((text, call))
             self._index_tool_inputs(call, answer, spawn_fields)
             self._index_summary(call, answer, text, last)
 
@@ -363,6 +372,40 @@ def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
         for source in reversed(rollout.earlier_other(found, root)):
             rule = "generic.answer_text_carried"
             return _compaction_edge(rollout, source, rule, at[i], text)
+    for i, text in enumerate(texts):
+        if messages[i].get("role") == "assistant":
+            continue  # a summary is handed to the model, not written by it
+        inside = _carried_inside(rollout, root, text)
+        if inside is not None:
+            source, carried = inside
+            return _compaction_edge(rollout, source, "generic.answer_text_inside", at[i], carried)
+    return None
+
+
+def _carried_inside(
+    rollout: _Rollout, root: CallRecord, text: str
+) -> tuple[CallRecord, str] | None:
+    """The latest earlier call of another chain whose whole answer (at least
+    ``min_carried_chars``, squashed) appears inside ``text`` ("Summary of the earlier
+    conversation: <answer>"), with that answer; the longest answer at the first offset wins.
+
+    Cost: one dict lookup of a ``min_carried_chars`` slice per offset of ``text`` (the anchor
+    index holds each answer's first characters), so O(len(text) * min_carried_chars) per
+    message of a root that no other rule joined, whatever the number of calls in the rollout;
+    a candidate is compared in full only when its first characters match."""
+    width = rollout.rules.min_carried_chars
+    anchors = rollout.answer_anchors
+    for start in range(len(text) - width + 1):
+        candidates = anchors.get(text[start : start + width])
+        if not candidates:
+            continue
+        found = [(t, c) for t, c in candidates if text.startswith(t, start)]
+        allowed = {c.call_id for c in rollout.earlier_other((c for _, c in found), root)}
+        found = [(t, c) for t, c in found if c.call_id in allowed]
+        if found:
+            best = max(len(t) for t, _ in found)
+            carried, source = [(t, c) for t, c in found if len(t) == best][-1]
+            return source, carried
     return None
 
 

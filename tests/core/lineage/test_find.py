@@ -230,8 +230,11 @@ def test_a_codex_compaction_carries_the_summary_after_its_prefix() -> None:
         assistant("ok"),
     )
     # the prefix rule takes the text after the declared prefix; here more text follows the
-    # prefix than the answer, so only the generic rules could match, and neither does
-    assert lineage_of([summary, after]) == {}
+    # prefix than the answer, so only the generic rules match: the whole answer is inside
+    edges = lineage_of([summary, after])
+    assert [(e["kind"], e["from_call_id"], e["evidence"]["rule"]) for e in edges["c1"]] == [
+        ("compacted_from", "m1", "generic.answer_text_inside")
+    ]
     after.request_messages = [user(TASK), user(f"{SUMMARY_PREFIX}\n{SUMMARY_BODY}")]
     edges = lineage_of([summary, after])
     assert [(e["kind"], e["from_call_id"], e["evidence"]["rule"]) for e in edges["c1"]] == [
@@ -417,3 +420,57 @@ def test_edges_do_not_depend_on_the_order_of_the_records() -> None:
         rng.shuffle(records)
         assert lineage_of(records) == expected
     assert LineageKind("spawned_by") is LineageKind.SPAWNED_BY
+
+
+def test_an_answer_carried_inside_other_text_is_compacted_from() -> None:
+    summary_call = call("s1", 1.0, [1, 2], [3], [user(TASK)], assistant(SUMMARY_BODY))
+    later = call(
+        "x1",
+        1.5,
+        [40],
+        [41],
+        [user("Unrelated question about the weather.")],
+        assistant("It is sunny in the forecast for the whole of the coming week."),
+    )
+    carried = f"Summary of the earlier conversation: {SUMMARY_BODY} Continue from there."
+    root = call("n1", 2.0, [80], [81], [user(carried)], assistant("ok"))
+    edges = lineage_of([summary_call, later, root])
+    assert edges == {
+        "n1": [
+            {
+                "kind": "compacted_from",
+                "chain_id": "s1",
+                "from_call_id": "s1",
+                "evidence": {
+                    "rule": "generic.answer_text_inside",
+                    "message_index": 0,
+                    "text_sha256": text_sha256(SUMMARY_BODY),
+                    "num_chars": len(SUMMARY_BODY),
+                    "replaces_chain_id": "s1",
+                },
+            }
+        ]
+    }
+
+
+def test_a_short_common_answer_inside_a_message_joins_nothing() -> None:
+    first = call("a1", 1.0, [1, 2], [3], [user(TASK)], assistant("Done."))
+    second = call(
+        "b1",
+        2.0,
+        [80],
+        [81],
+        [user("Earlier the assistant said: Done. Now add docs.")],
+        assistant("ok"),
+    )
+    assert lineage_of([first, second]) == {}
+
+
+def test_two_unrelated_sessions_are_not_joined() -> None:
+    one = call("a1", 1.0, [1, 2], [3], [user(TASK)], assistant(SUMMARY_BODY))
+    other_text = (
+        "Summary of the earlier conversation: the user wanted a README for the CLI; I wrote "
+        "one with usage examples and a section on configuration files."
+    )
+    two = call("b1", 2.0, [80], [81], [user(other_text)], assistant("ok"))
+    assert lineage_of([one, two]) == {}

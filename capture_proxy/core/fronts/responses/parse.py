@@ -113,6 +113,8 @@ def _part_texts(parts: Any, path: str, allowed: frozenset[str]) -> list[str]:
     for i, raw in enumerate(_list(parts, path)):
         part = _object(raw, f"{path}.{i}")
         kind = part.get("type")
+        if not isinstance(kind, str):
+            _fail(f"{path}.{i}.type", "is required (a string)")
         if kind in allowed:
             texts.append(_string(part, "text", f"{path}.{i}") or "")
         elif kind == "refusal":
@@ -205,7 +207,8 @@ def _input_messages(items: list[Any]) -> list[ChatMessage]:
             _fail(f"{path}.type", "is required (a string)")
         if kind == "message":
             role = item.get("role")
-            if role not in _ROLES:
+            # An object or array role is unhashable: test the type before the lookup.
+            if not isinstance(role, str) or role not in _ROLES:
                 _fail(f"{path}.role", "must be one of 'system', 'developer', 'user', 'assistant'")
             text = _content_text(item.get("content"), f"{path}.content", _TEXT_PARTS)
             if role == "assistant":
