@@ -140,10 +140,10 @@ class EngineRoutes:
         backends = self.pool.backends
         verdicts = await asyncio.gather(*(self.probe(session, b) for b in backends))
         for backend, healthy in zip(backends, verdicts, strict=True):
+            first = backend.healthy is None
             if self.pool.mark(backend.url, healthy):
-                log.warning(
-                    "engine %s is %s", backend.url, "healthy" if healthy else "UNHEALTHY"
-                )
+                level = logging.INFO if first and healthy else logging.WARNING
+                log.log(level, "engine %s is %s", backend.url, "healthy" if healthy else "UNHEALTHY")
         self.probe_rounds += 1
         self._round_done.set()
         self._round_done = asyncio.Event()
