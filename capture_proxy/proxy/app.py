@@ -134,9 +134,7 @@ async def _serve_capture_path(
     if kind is EndpointKind.COUNT_TOKENS:
         return await handle_count_tokens(
             raw_body, parse_count_tokens, _back_ends(request, backend)
-        ), (
-            "counted"
-        )
+        ), ("counted")
     if kind is EndpointKind.NOT_NORMAL:
         raise BadRequest(
             f"POST {path}: a path under a capture path must be in normal form (no "

@@ -143,7 +143,9 @@ class EngineRoutes:
             first = backend.healthy is None
             if self.pool.mark(backend.url, healthy):
                 level = logging.INFO if first and healthy else logging.WARNING
-                log.log(level, "engine %s is %s", backend.url, "healthy" if healthy else "UNHEALTHY")
+                log.log(
+                    level, "engine %s is %s", backend.url, "healthy" if healthy else "UNHEALTHY"
+                )
         self.probe_rounds += 1
         self._round_done.set()
         self._round_done = asyncio.Event()
