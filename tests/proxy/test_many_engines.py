@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.proxy.engines import ROUTES_KEY
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
-from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig
+from capture_proxy.scripted_engine.state import SEEN_REQUESTS, SENT_CALLS, ScriptedEngineConfig
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.proxy.conftest import CAPTURE, ProxyTestServer
 from tests.proxy.test_capture import USER, _body
@@ -188,3 +189,43 @@ async def test_routing_key_none_sends_no_header(make_stack):
     resp = await stack.chat("task-3-a2", _body(list(USER)))
     assert resp.status == 200
     assert "x-smg-routing-key" not in {k.lower() for k in stack.sent[0].request_headers}
+
+
+@pytest.mark.parametrize("dialect", ["vllm_completions", "sglang_generate"])
+async def test_exact_tokens_tokenize_and_tokens_in_go_to_the_rollouts_engine_with_its_key(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, dialect
+):
+    """Exact-token mode without a local tokenizer: the engine's /v1/models, /tokenize and
+    tokens-in endpoint of a rollout's calls all go to the rollout's engine, with its key."""
+    engines = await two_engines(aiohttp_server, qwen_tokenizer)
+    settings = Settings(
+        backend=url(engines[0]),
+        extra_backends=[url(engines[1])],
+        store=tmp_path / "store",
+        prompt_mode="exact_tokens",
+        tokens_in_dialect=dialect,
+        backend_health_interval_s=30.0,
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    sessions = [Session(f"x{i}") for i in range(16)]
+    for _ in range(3):
+        for s in sessions:
+            await s.step(client)
+    paths: dict[str, set[str]] = {s.rollout: set() for s in sessions}
+    engine_of: dict[str, set[int]] = {s.rollout: set() for s in sessions}
+    for i, engine in enumerate(engines):
+        for method, path, headers in engine.app[SEEN_REQUESTS]:
+            if path == "/health":
+                assert header(headers, "x-smg-routing-key") is None  # the probe's, no rollout
+                continue
+            key = header(headers, "x-smg-routing-key")
+            assert key in paths, (method, path, headers)
+            paths[key].add(path)
+            engine_of[key].add(i)
+    generate = "/v1/completions" if dialect == "vllm_completions" else "/generate"
+    assert all(len(e) == 1 for e in engine_of.values()), engine_of
+    assert {p for ps in paths.values() for p in ps} >= {"/tokenize", generate}
+    assert len({next(iter(e)) for e in engine_of.values()}) == 2  # both used (16 rollouts)
+    for s in sessions:
+        await assert_exact_chain(client, s.rollout, s.call_ids)
