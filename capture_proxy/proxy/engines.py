@@ -120,6 +120,13 @@ class EngineRoutes:
         route = Route(key, backend.url)
         return Lease(self.pool, backend, route, ROUTE.set(route))
 
+    def backend_for(self, rollout_id: str) -> str:
+        """The engine a call of ``rollout_id`` would go to now (not counted in flight): for
+        work on a rollout's behalf outside a request (e.g. asking that engine's weight
+        version)."""
+        key = routing_key(rollout_id, self.key_kind)
+        return self.pool.choose(key if key is not None else rollout_id).url
+
     # --- health --------------------------------------------------------------------------
 
     async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> bool:

@@ -229,3 +229,22 @@ async def test_exact_tokens_tokenize_and_tokens_in_go_to_the_rollouts_engine_wit
     assert len({next(iter(e)) for e in engine_of.values()}) == 2  # both used (16 rollouts)
     for s in sessions:
         await assert_exact_chain(client, s.rollout, s.call_ids)
+
+
+def test_backend_for_names_the_engine_a_rollouts_next_call_goes_to():
+    from capture_proxy.proxy.engines import EngineRoutes
+
+    routes = EngineRoutes(
+        ["http://e0", "http://e1"],
+        key_kind="rollout",
+        balance_factor=1.25,
+        health_interval_s=1.0,
+        health_timeout_s=1.0,
+    )
+    lease = routes.enter("r7")
+    try:
+        assert routes.backend_for("r7") == lease.backend
+        assert lease.route.key == "r7"
+    finally:
+        lease.close()
+    assert [b.in_flight for b in routes.pool.backends] == [0, 0]
