@@ -81,6 +81,9 @@ class BackendPool:
         self._last: dict[str, str] = {}
         #: how many times a key's request went to another backend than its previous one
         self.moves = 0
+        #: running totals, so the cap costs O(1): requests in flight, backends up
+        self._in_flight = 0
+        self._up = len(self.backends)
 
     @property
     def primary(self) -> Backend:
@@ -101,9 +104,8 @@ class BackendPool:
 
     def cap(self) -> int:
         """Most requests in flight a backend may hold before a key's request goes past it."""
-        healthy = sum(1 for b in self.backends if b.up) or len(self.backends)
-        total = sum(b.in_flight for b in self.backends)
-        return math.ceil(self.balance_factor * (total + 1) / healthy)
+        healthy = self._up or len(self.backends)
+        return math.ceil(self.balance_factor * (self._in_flight + 1) / healthy)
 
     def choose(self, key: str | None) -> Backend:
         """The backend for one request with routing key ``key`` (None: the least loaded
@@ -134,15 +136,18 @@ class BackendPool:
         backend = self.choose(key)
         backend.in_flight += 1
         backend.chosen += 1
+        self._in_flight += 1
         return backend
 
     def release(self, backend: Backend) -> None:
         backend.in_flight -= 1
+        self._in_flight -= 1
 
     def mark(self, url: str, healthy: bool) -> bool:
         """Record a probe's verdict on ``url``; True when its health changed."""
         backend = self.by_url[url]
         changed = backend.healthy is not healthy
+        self._up += int(healthy) - int(backend.up)
         backend.healthy = healthy
         return changed
 

@@ -83,3 +83,17 @@ def test_bad_pools_are_refused():
         BackendPool(["http://a", "http://a"])
     with pytest.raises(ValueError, match="balance_factor"):
         BackendPool(["http://a"], balance_factor=0.5)
+
+
+def test_the_running_totals_match_the_backends():
+    pool = BackendPool(URLS)
+    held = [pool.acquire(f"r{i}") for i in range(7)]
+    pool.mark("http://e0", False)
+    pool.mark("http://e0", False)
+    pool.mark("http://e2", True)
+    assert pool._in_flight == sum(b.in_flight for b in pool.backends) == 7
+    assert pool._up == sum(b.up for b in pool.backends) == 2
+    for b in held:
+        pool.release(b)
+    pool.mark("http://e0", True)
+    assert (pool._in_flight, pool._up) == (0, 3)
