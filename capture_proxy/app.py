@@ -33,6 +33,7 @@ from capture_proxy.proxy.app import dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
 from capture_proxy.proxy.engine_render import EngineRenderer
+from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes
 from capture_proxy.proxy.errors import error_middleware
 from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.keys import (
@@ -236,6 +237,20 @@ def build_proxy_app(
         refresh_on_miss=store.shared,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
+    routes = EngineRoutes(
+        settings.backend_bases,
+        key_kind=settings.routing_key,
+        balance_factor=settings.backend_balance_factor,
+        health_interval_s=settings.backend_health_interval_s,
+        health_timeout_s=settings.backend_health_timeout_s,
+        health_headers=(
+            {"Authorization": settings.backend_auth_header}
+            if settings.backend_auth_header is not None
+            else None
+        ),
+    )
+    routes.register_metrics(app[METRICS_KEY].registry)
+    app[ROUTES_KEY] = routes
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
         await store.open()
@@ -245,7 +260,8 @@ def build_proxy_app(
                 if settings.uses_exact_tokens:
                     app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
                 await _warn_if_engine_down(app, settings)
-                yield
+                async with routes.health_task(app[SESSION_KEY]):
+                    yield
             finally:
                 await app[SESSION_KEY].close()
         finally:

@@ -263,6 +263,38 @@ class Settings(BaseSettings):
     engine_health_timeout_s: float = Field(
         2.0, gt=0, description="longest wait for the engine's /health answer (seconds)"
     )
+    extra_backends: list[AnyHttpUrl] = Field(
+        default_factory=list,
+        description="more engine base URLs besides backend (serve --backend repeated): each "
+        "rollout's calls go to one engine (rendezvous hashing on the routing key) unless it is "
+        "unhealthy or over backend_balance_factor x the mean requests in flight; no user info "
+        "(the engines share backend's credential)",
+    )
+    backend_balance_factor: float = Field(
+        1.25,
+        ge=1.0,
+        description="with several backends: a rollout's engine is passed over while its "
+        "requests in flight reach this factor x the mean (consistent hashing with bounded "
+        "loads); 1.0: strict balance, larger: stickier",
+    )
+    backend_health_interval_s: float = Field(
+        2.0, gt=0, description="with several backends: seconds between /health probes of each"
+    )
+    backend_health_timeout_s: float = Field(
+        1.0, gt=0, description="with several backends: longest wait for one /health probe"
+    )
+    routing_key: Literal["rollout", "episode", "none"] = Field(
+        "rollout",
+        description="the routing key sent on every engine request, for a router's session "
+        "affinity: rollout: the rollout id; episode: the rollout id without its attempt suffix "
+        "-a<n>; none: no header",
+    )
+    routing_key_header: str = Field(
+        "x-smg-routing-key",
+        pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$",
+        description="the header carrying the routing key: x-smg-routing-key (SMG's default); "
+        "X-Session-ID for vLLM production stack's session router; any name a router reads",
+    )
     record_dir: Path | None = Field(
         None,
         description="record every request under a capture path, with the answer sent, to "
@@ -369,6 +401,16 @@ class Settings(BaseSettings):
             raise ValueError("backend URL must not carry a query or fragment")
         return value
 
+    @field_validator("extra_backends")
+    @classmethod
+    def _extra_backends_plain(cls, value: list[AnyHttpUrl]) -> list[AnyHttpUrl]:
+        for url in value:
+            if url.query or url.fragment or url.username or url.password:
+                raise ValueError(
+                    "extra backend URLs must not carry a query, fragment or user info"
+                )
+        return value
+
     @model_validator(mode="after")
     def _one_engine_credential(self) -> Settings:
         if self.backend_api_key is not None and split_credentials(str(self.backend))[1:] != (
@@ -403,6 +445,12 @@ class Settings(BaseSettings):
         no credential of ``http://user:password@host`` can reach an answer, a record or a log
         (they go to the engine as ``backend_auth_header``)."""
         return split_credentials(str(self.backend))[0].rstrip("/")
+
+    @property
+    def backend_bases(self) -> list[str]:
+        """Every engine's base URL (``backend_base`` first, then ``extra_backends``)."""
+        extra = [str(url).rstrip("/") for url in self.extra_backends]
+        return [self.backend_base, *extra]
 
     @property
     def backend_label(self) -> str:

@@ -77,3 +77,32 @@ def test_replay_of_an_empty_recording_is_a_clear_error(tmp_path, capsys):
     empty.write_text("")
     assert main(["replay", str(empty)]) == 2
     assert "holds no recorded requests" in capsys.readouterr().out
+
+
+def test_serve_takes_backend_repeated_and_the_routing_key_flags(monkeypatch, tmp_path):
+    from capture_proxy.cli.parser import build_parser
+    from capture_proxy.cli.serve import settings_from_args
+
+    monkeypatch.delenv("CAPTURE_PROXY_BACKEND", raising=False)
+    args = build_parser().parse_args(
+        ["serve", "--backend", "http://e0:8000", "--backend", "http://e1:8000/",
+         "--backend", "http://e2:8000", "--store", str(tmp_path / "s"),
+         "--routing-key", "episode", "--routing-key-header", "X-Session-ID"]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert settings.backend_bases == ["http://e0:8000", "http://e1:8000", "http://e2:8000"]
+    assert (settings.routing_key, settings.routing_key_header) == ("episode", "X-Session-ID")
+    one = settings_from_args(build_parser().parse_args(["serve", "--backend", "http://e0:8000"]))
+    assert one.backend_bases == ["http://e0:8000"]
+    assert (one.routing_key, one.routing_key_header) == ("rollout", "x-smg-routing-key")
+
+
+def test_extra_backends_may_not_carry_their_own_credential(tmp_path):
+    import pytest
+
+    from capture_proxy.config import Settings
+
+    with pytest.raises(ValueError, match="extra backend URLs must not carry"):
+        Settings(backend="http://e0:8000", extra_backends=["http://u:p@e1:8000"])
+    with pytest.raises(ValueError, match="routing_key_header"):
+        Settings(backend="http://e0:8000", routing_key_header="bad header")

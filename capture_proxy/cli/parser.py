@@ -50,7 +50,24 @@ def _run_export_tokenizer(args: argparse.Namespace) -> int:
 
 
 def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("--backend", help="engine base URL, e.g. http://127.0.0.1:8000")
+    serve.add_argument(
+        "--backend",
+        action="append",
+        help="engine base URL, e.g. http://127.0.0.1:8000; repeat for several engines "
+        "(rollout-affine with bounded load, health-checked)",
+    )
+    serve.add_argument(
+        "--routing-key",
+        dest="routing_key",
+        choices=["rollout", "episode", "none"],
+        help="routing key sent to the engine or its router (default rollout: the rollout id)",
+    )
+    serve.add_argument(
+        "--routing-key-header",
+        dest="routing_key_header",
+        help="header of the routing key (default x-smg-routing-key; X-Session-ID for vLLM "
+        "production stack's session router)",
+    )
     serve.add_argument("--host", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="listen port (default 8080; 0: a free port)")
     serve.add_argument(

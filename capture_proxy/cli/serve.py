@@ -110,6 +110,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     cli_values: dict[str, Any] = {
         field: getattr(args, attribute) for field, attribute in SETTING_FLAGS.items()
     }
+    backends = args.backend or []
+    cli_values["backend"] = backends[0] if backends else None
+    if len(backends) > 1:
+        cli_values["extra_backends"] = backends[1:]
+    cli_values["routing_key"] = getattr(args, "routing_key", None)
+    cli_values["routing_key_header"] = getattr(args, "routing_key_header", None)
     if args.read_only:
         if not _is_store_to_read(args.store):
             raise ServeExit(
@@ -117,7 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             )
         # No engine: the backend setting is required by the settings model but never used
         # (a --backend given is only asked to /detokenize for the viewer).
-        cli_values["backend"] = args.backend or READ_ONLY_BACKEND
+        cli_values["backend"] = cli_values["backend"] or READ_ONLY_BACKEND
     try:
         return load_settings(cli_values, args.config)
     except ConfigError as exc:
@@ -205,7 +211,7 @@ def _run_app(args: argparse.Namespace, settings: Settings, sock: socket.socket) 
 
     store = _open_store(settings, read_only=args.read_only)
     if args.read_only:
-        app = build_read_only_app(settings, store, backend=args.backend)
+        app = build_read_only_app(settings, store, backend=(args.backend or [None])[0])
         target = "read-only"
     else:
         app = build_proxy_app(settings, store)

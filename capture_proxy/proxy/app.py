@@ -26,6 +26,7 @@ from capture_proxy.core.routing import InvalidRolloutId, Route, RouteKind, route
 from capture_proxy.proxy.call_handler import BackEnds, handle_captured_call, handle_count_tokens
 from capture_proxy.proxy.calls import CaptureDeps
 from capture_proxy.proxy.engine_render import EngineRenderer
+from capture_proxy.proxy.engines import ROUTES_KEY
 from capture_proxy.proxy.errors import (
     ERROR_SHAPE_KEY,
     BadRequest,
@@ -65,25 +66,27 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         ) from exc
 
 
-def _capture_deps(request: web.Request) -> CaptureDeps:
+def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
     settings = request.app[SETTINGS_KEY]
+    routes = request.app[ROUTES_KEY]
     return CaptureDeps(
         request.app[SESSION_KEY],
-        settings.backend_base,
+        backend,
         request.app[RECORDER_KEY],
         request.app[LINKER_KEY],
         request.app[NOTES_KEY],
         first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         connect_retries=settings.upstream_connect_retries,
+        on_unreachable=routes.mark_failed if routes.many else None,
     )
 
 
-def _back_ends(request: web.Request) -> BackEnds:
+def _back_ends(request: web.Request, backend: str) -> BackEnds:
     settings = request.app[SETTINGS_KEY]
     return BackEnds(
         exact=request.app.get(EXACT_KEY),
         exact_for_model=lambda model: settings.prompt_mode_for(model) == "exact_tokens",
-        token_counter=EngineRenderer(request.app[SESSION_KEY], settings.backend_base),
+        token_counter=EngineRenderer(request.app[SESSION_KEY], backend),
         routed_experts_for=settings.routed_experts_for,
     )
 
@@ -103,7 +106,7 @@ async def _refuse_if_frozen(request: web.Request, target: Route) -> None:
 
 
 async def _serve_capture_path(
-    request: web.Request, target: Route, raw_body: bytes
+    request: web.Request, target: Route, raw_body: bytes, backend: str
 ) -> tuple[web.StreamResponse, str]:
     """A request under a capture path; returns the response and what was done with it
     (``captured`` | ``counted`` | ``refused`` | ``forwarded``) for the access log."""
@@ -124,15 +127,15 @@ async def _serve_capture_path(
     if kind is EndpointKind.CAPTURED and front is not None:
         if request.app[SETTINGS_KEY].late_calls == "refuse":
             await _refuse_if_frozen(request, target)
-        deps = _capture_deps(request)
+        deps = _capture_deps(request, backend)
         response = await handle_captured_call(
-            request, target, raw_body, front, deps, _back_ends(request)
+            request, target, raw_body, front, deps, _back_ends(request, backend)
         )
         return response, "captured"
     if kind is EndpointKind.COUNT_TOKENS:
-        return await handle_count_tokens(raw_body, parse_count_tokens, _back_ends(request)), (
-            "counted"
-        )
+        return await handle_count_tokens(
+            raw_body, parse_count_tokens, _back_ends(request, backend)
+        ), ("counted")
     if kind is EndpointKind.NOT_NORMAL:
         raise BadRequest(
             f"POST {path}: a path under a capture path must be in normal form (no "
@@ -155,7 +158,7 @@ async def _serve_capture_path(
         target,
         raw_body,
         request.app[SESSION_KEY],
-        settings.backend_base,
+        backend,
         first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         connect_retries=settings.upstream_connect_retries,
     )
@@ -172,9 +175,13 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     raw_body = await _read_body(request, settings.max_request_body_bytes)
     note_request(request, raw_body, None)
     done = "captured" if target.kind is RouteKind.CAPTURE else "forwarded"
+    # The engine of this request (the rollout's, with several backends) and its routing key
+    # on every engine request made for it (``proxy.engines``).
+    engine = request.app[ROUTES_KEY].enter(target.rollout_id)
+    backend = engine.backend
     try:
         if target.kind is RouteKind.CAPTURE:
-            response, done = await _serve_capture_path(request, target, raw_body)
+            response, done = await _serve_capture_path(request, target, raw_body, backend)
             note_request(request, raw_body, done)
         else:
             if target.kind is RouteKind.PASSTHROUGH:
@@ -186,7 +193,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
                 target,
                 raw_body,
                 request.app[SESSION_KEY],
-                settings.backend_base,
+                backend,
                 first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
                 connect_retries=settings.upstream_connect_retries,
             )
@@ -196,6 +203,8 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         # one line, no traceback; a client leaving is no error of the proxy's.
         _log_request(request, "client gone", done, target, raw_body, started)
         raise
+    finally:
+        engine.close()
     if _client_left(request):
         done += ", client gone"
     _log_request(request, response.status, done, target, raw_body, started)

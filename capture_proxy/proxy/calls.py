@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,9 @@ class CaptureDeps:
     notes: NoteMatcher | None
     first_byte_timeout_s: float | None = None
     connect_retries: int = 0
+    #: told the backend's URL when a connection to it could not be made (several backends:
+    #: it is taken as unhealthy, so the rollout's next call goes to another engine)
+    on_unreachable: Callable[[str], None] | None = None
 
     @property
     def known_messages(self) -> KnownMessages:

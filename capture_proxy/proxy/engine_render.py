@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from capture_proxy.families.base import RenderError, RendererUnavailable
+from capture_proxy.proxy.engines import current_backend
 
 
 def _reasoning_as_vllm_reads_it(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -58,9 +59,11 @@ class EngineRenderer:
             body["chat_template_kwargs"] = chat_template_kwargs
         if model:
             body["model"] = model
+        # The engine chosen for the rollout being served (``proxy.engines``), else ours.
+        backend = current_backend(self.backend)
         try:
             async with self.session.post(
-                self.backend + "/tokenize", json=body, timeout=self.timeout, auto_decompress=True
+                backend + "/tokenize", json=body, timeout=self.timeout, auto_decompress=True
             ) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status >= 500:
@@ -69,7 +72,7 @@ class EngineRenderer:
                     raise RenderError(f"engine /tokenize answered {resp.status}: {data}")
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise RendererUnavailable(
-                f"engine /tokenize at {self.backend} failed: {type(exc).__name__}: {exc}"
+                f"engine /tokenize at {backend} failed: {type(exc).__name__}: {exc}"
             ) from exc
         except ValueError as exc:
             raise RenderError(f"engine /tokenize failed: {type(exc).__name__}: {exc}") from exc

@@ -39,7 +39,12 @@ from capture_proxy.proxy.calls import (
     upstream_headers,
 )
 from capture_proxy.proxy.errors import UpstreamTimeout
-from capture_proxy.proxy.upstream import CLIENT_ERRORS, send_upstream, translate_client_error
+from capture_proxy.proxy.upstream import (
+    CLIENT_ERRORS,
+    CONNECT_ERRORS,
+    send_upstream,
+    translate_client_error,
+)
 
 log = logging.getLogger("capture_proxy")
 
@@ -135,6 +140,8 @@ class CallExecutor:
                 auto_decompress=True,
             )
         except CLIENT_ERRORS as exc:
+            if deps.on_unreachable is not None and isinstance(exc, CONNECT_ERRORS):
+                deps.on_unreachable(deps.backend)
             return _failed(exc, deps.backend)
         self.upstream = upstream
         deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)

@@ -16,6 +16,7 @@ from multidict import CIMultiDict
 
 from capture_proxy.config import Settings
 from capture_proxy.core.redact import redact_text
+from capture_proxy.proxy.engines import routing_key_middleware
 from capture_proxy.proxy.errors import ProxyError, UpstreamTimeout, UpstreamUnavailable
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus those aiohttp must recompute for the new message.
@@ -51,7 +52,14 @@ def make_client_session(settings: Settings) -> aiohttp.ClientSession:
         sock_read=settings.upstream_read_timeout_s,
     )
     auth = settings.backend_auth_header
+    # The routing key (one header) on every engine request made while serving a rollout.
+    middlewares = (
+        (routing_key_middleware(settings.routing_key_header),)
+        if settings.routing_key != "none"
+        else ()
+    )
     return aiohttp.ClientSession(
+        middlewares=middlewares,
         # The engine's credential on every request the proxy makes itself (/tokenize,
         # /v1/models, tokens-in); forwarded requests carry it from the auth middleware.
         headers={"Authorization": auth} if auth is not None else None,

@@ -30,6 +30,7 @@ from capture_proxy.scripted_engine.state import (
     CONFIG,
     FAILED_SO_FAR,
     FAMILY,
+    SEEN_REQUESTS,
     SENT_CALLS,
     TEMPLATE,
     TOKENIZER,
@@ -48,6 +49,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    request.app[SEEN_REQUESTS].append((request.method, request.path, dict(request.headers)))
     try:
         return await handler(request)
     except RequestError as e:
@@ -66,6 +68,7 @@ def build_scripted_engine_app(
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[FAMILY] = engine_family(config, app[TOKENIZER])
     app[SENT_CALLS] = []
+    app[SEEN_REQUESTS] = []
     app[FAILED_SO_FAR] = [0]
     app[CLIENT_GONE] = asyncio.Event()
     app.router.add_post("/v1/chat/completions", chat_completions)

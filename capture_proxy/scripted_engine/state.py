@@ -93,6 +93,9 @@ TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
 TEMPLATE = web.AppKey("scripted_engine_template", str)
 FAMILY = web.AppKey("scripted_engine_family", EngineFamily)
 SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
+#: every request the engine received, in arrival order: (method, path, headers), e.g. to
+#: check which engine of several served a rollout's /tokenize and tokens-in requests
+SEEN_REQUESTS = web.AppKey("scripted_engine_seen_requests", list[tuple[str, str, dict[str, str]]])
 #: chat requests failed so far by ``fail_status`` (a one-item list: app state is set once)
 FAILED_SO_FAR = web.AppKey("scripted_engine_failed_so_far", list[int])
 

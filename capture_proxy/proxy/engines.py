@@ -1,0 +1,237 @@
+"""Many engines: the routing key on every engine request, and the choice of engine per rollout.
+
+Owns, around the pure choice (``core.engine_pool``):
+- ``EngineRoutes``: the pool of ``--backend`` URLs, its health probes (a background task
+  ``GET <backend>/health`` every ``backend_health_interval_s``, each within
+  ``backend_health_timeout_s``), the requests in flight per backend, and the Prometheus
+  gauges ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy
+  {backend}`` (read at scrape time, nothing on the hot path);
+- ``ROUTE``: the engine route of the request being served (routing key, chosen backend), a
+  context variable set once per request by ``dispatch``, so every engine request made on its
+  behalf (the call, tokens-in, ``/tokenize``, ``/detokenize``, ``/v1/models``, whatever module
+  makes it) carries the key and goes to the same engine;
+- ``routing_key_middleware``: the upstream session's client middleware that adds the routing
+  key header (one dict entry) to each request made under a route.
+Must not: decide a call's capture (``core.flow``), or probe the engine on a call's path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import ClientHandlerType, ClientRequest, ClientResponse, web
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from capture_proxy.core.engine_pool import Backend, BackendPool, routing_key
+
+log = logging.getLogger("capture_proxy")
+
+
+@dataclass(frozen=True)
+class Route:
+    """The engine route of one proxied request: ``key`` the routing key (None: none sent),
+    ``backend`` the chosen engine's base URL."""
+
+    key: str | None
+    backend: str
+
+
+#: The route of the request being served (None outside a request: probes, start-up).
+ROUTE: ContextVar[Route | None] = ContextVar("capture_proxy_engine_route", default=None)
+
+
+def current_backend(default: str) -> str:
+    """The backend chosen for the request being served, else ``default``."""
+    route = ROUTE.get()
+    return route.backend if route is not None else default
+
+
+def routing_key_middleware(header: str) -> Any:
+    """A client middleware adding ``header: <routing key>`` to every upstream request made
+    under a ``ROUTE`` with a key (unless the request names the header itself)."""
+
+    async def add_key(request: ClientRequest, handler: ClientHandlerType) -> ClientResponse:
+        route = ROUTE.get()
+        if route is not None and route.key is not None and header not in request.headers:
+            request.headers[header] = route.key
+        return await handler(request)
+
+    return add_key
+
+
+@dataclass
+class Lease:
+    """One request's hold on its engine (``EngineRoutes.enter``); ``close`` exactly once."""
+
+    pool: BackendPool
+    backend_state: Backend
+    route: Route
+    token: Token[Route | None]
+
+    @property
+    def backend(self) -> str:
+        return self.route.backend
+
+    def close(self) -> None:
+        ROUTE.reset(self.token)
+        self.pool.release(self.backend_state)
+
+
+class EngineRoutes:
+    """The engines of one proxy app (``--backend`` repeated): choice per rollout, health,
+    in-flight counts. ``urls``: base URLs without credentials or trailing slash."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        key_kind: str,
+        balance_factor: float,
+        health_interval_s: float,
+        health_timeout_s: float,
+        health_headers: dict[str, str] | None = None,
+    ) -> None:
+        self.pool = BackendPool(urls, balance_factor=balance_factor)
+        self.key_kind = key_kind
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.health_headers = health_headers or {}
+        #: how many probe rounds completed (tests wait on a round by it)
+        self.probe_rounds = 0
+        self._round_done = asyncio.Event()
+
+    @property
+    def many(self) -> bool:
+        return len(self.pool.backends) > 1
+
+    def enter(self, rollout_id: str | None) -> Lease:
+        """Choose the engine of one request (of ``rollout_id``; None: outside any rollout, no
+        key) and set ``ROUTE`` until the lease's ``close``; its backend counts it in flight."""
+        key = routing_key(rollout_id, self.key_kind) if rollout_id is not None else None
+        backend = self.pool.acquire(key if key is not None else rollout_id)
+        route = Route(key, backend.url)
+        return Lease(self.pool, backend, route, ROUTE.set(route))
+
+    def backend_for(self, rollout_id: str) -> str:
+        """The engine a call of ``rollout_id`` would go to now (not counted in flight): for
+        work on a rollout's behalf outside a request (e.g. asking that engine's weight
+        version)."""
+        key = routing_key(rollout_id, self.key_kind)
+        return self.pool.choose(key if key is not None else rollout_id).url
+
+    # --- health --------------------------------------------------------------------------
+
+    async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
+        """One ``GET <backend>/health`` within ``health_timeout_s``: 2xx is healthy."""
+        try:
+            async with session.get(
+                backend.url + "/health",
+                headers=self.health_headers,
+                timeout=aiohttp.ClientTimeout(total=self.health_timeout_s),
+            ) as resp:
+                await resp.read()
+                return 200 <= resp.status < 300
+        except (TimeoutError, aiohttp.ClientError):
+            return False
+
+    async def probe_all(self, session: aiohttp.ClientSession) -> None:
+        """One round: every backend probed at once; a change of health is logged."""
+        backends = self.pool.backends
+        verdicts = await asyncio.gather(*(self.probe(session, b) for b in backends))
+        for backend, healthy in zip(backends, verdicts, strict=True):
+            first = backend.healthy is None
+            if self.pool.mark(backend.url, healthy):
+                level = logging.INFO if first and healthy else logging.WARNING
+                log.log(
+                    level, "engine %s is %s", backend.url, "healthy" if healthy else "UNHEALTHY"
+                )
+        self.probe_rounds += 1
+        self._round_done.set()
+        self._round_done = asyncio.Event()
+
+    async def next_round(self, timeout_s: float) -> None:
+        """Wait for the next probe round to complete (at most ``timeout_s``; TimeoutError)."""
+        async with asyncio.timeout(timeout_s):
+            await self._round_done.wait()
+
+    def mark_failed(self, url: str) -> None:
+        """An engine request to ``url`` could not connect: take it as unhealthy until the
+        next probe says otherwise (a dead engine's rollouts move at their next call)."""
+        if self.many and self.pool.mark(url, False):
+            log.warning("engine %s is UNHEALTHY (connection failed)", url)
+
+    def health_task(
+        self, session: aiohttp.ClientSession
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The probe loop while the app runs (only with more than one backend)."""
+
+        @contextlib.asynccontextmanager
+        async def run() -> AsyncIterator[None]:
+            if not self.many:
+                yield
+                return
+
+            async def loop() -> None:
+                while True:
+                    await self.probe_all(session)
+                    await asyncio.sleep(self.health_interval_s)
+
+            task = asyncio.create_task(loop(), name="capture-engine-health")
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+        return run()
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        registry.register(_PoolCollector(self.pool))
+
+
+class _PoolCollector(Collector):
+    """Per-backend gauges read from the pool at scrape time."""
+
+    def __init__(self, pool: BackendPool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "capture_proxy_backend_in_flight",
+            "Proxied requests in flight per engine backend",
+            labels=["backend"],
+        )
+        healthy = GaugeMetricFamily(
+            "capture_proxy_backend_healthy",
+            "1: the backend's last health probe answered 2xx (or none yet); 0: it did not",
+            labels=["backend"],
+        )
+        chosen = GaugeMetricFamily(
+            "capture_proxy_backend_chosen",
+            "Requests routed to each engine backend since start",
+            labels=["backend"],
+        )
+        for b in self.pool.backends:
+            in_flight.add_metric([b.url], b.in_flight)
+            healthy.add_metric([b.url], 0 if b.healthy is False else 1)
+            chosen.add_metric([b.url], b.chosen)
+        moved = GaugeMetricFamily(
+            "capture_proxy_backend_key_moves",
+            "Times a rollout's request went to another engine than its previous one",
+        )
+        moved.add_metric([], self.pool.moves)
+        yield from (in_flight, healthy, chosen, moved)
+
+
+ROUTES_KEY = web.AppKey("engine_routes", EngineRoutes)

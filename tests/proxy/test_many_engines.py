@@ -1,0 +1,250 @@
+"""Tier 2: the proxy in front of two scripted engines (``--backend`` repeated).
+
+Every call of a rollout is served by one engine, rollouts spread over both, every engine
+request carries the routing key, and when one engine dies mid-rollout the rollout's later
+calls go to the other with its chain still exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from capture_proxy.app import build_proxy_app
+from capture_proxy.config import Settings
+from capture_proxy.proxy.engines import ROUTES_KEY
+from capture_proxy.scripted_engine.app import build_scripted_engine_app
+from capture_proxy.scripted_engine.state import SEEN_REQUESTS, SENT_CALLS, ScriptedEngineConfig
+from capture_proxy.store.sqlite import SQLiteStore
+from tests.proxy.conftest import CAPTURE, ProxyTestServer
+from tests.proxy.test_capture import USER, _body
+from tests.proxy.test_chains_rest import _echo
+
+
+@dataclass
+class Session:
+    """One agent session of ``rollout``: its messages so far and its call ids."""
+
+    rollout: str
+    messages: list[dict[str, Any]] = field(default_factory=lambda: list(USER))
+    call_ids: list[str] = field(default_factory=list)
+
+    async def step(self, client: TestClient, status: int = 200) -> Any:
+        resp = await client.post(CAPTURE.format(rollout=self.rollout), json=_body(self.messages))
+        body = await resp.json()
+        assert resp.status == status, body
+        if status != 200:
+            return body
+        self.call_ids.append(resp.headers["X-Capture-Call-Id"])
+        message = body["choices"][0]["message"]
+        self.messages.append(_echo(message))
+        for tc in message.get("tool_calls") or []:
+            self.messages.append(
+                {"role": "tool", "tool_call_id": tc["id"], "content": f"out {len(self.call_ids)}"}
+            )
+        return body
+
+
+def header(headers: dict[str, str], name: str) -> str | None:
+    """``name``'s value in ``headers``, any case (the client may respell it)."""
+    return {k.lower(): v for k, v in headers.items()}.get(name.lower())
+
+
+def served_by(engines: list[TestServer], call_id: str) -> list[int]:
+    """The indexes of the engines that received a request of ``call_id`` (vLLM's request id
+    is the call id)."""
+    return [
+        i
+        for i, e in enumerate(engines)
+        if any(header(s.request_headers, "X-Request-Id") == call_id for s in e.app[SENT_CALLS])
+    ]
+
+
+async def assert_exact_chain(client: TestClient, rollout: str, call_ids: list[str]) -> None:
+    """The rollout's chain is ``call_ids`` in order, each linked to the one before, each
+    child's prompt extending its parent's prompt and generation token for token."""
+    resp = await client.get(f"/captures/rollouts/{rollout}/chains")
+    chains = await resp.json()
+    assert resp.status == 200, chains
+    (chain,) = [c for c in chains["chains"] if c["chain_id"] == call_ids[0]]
+    calls = chain["calls"]
+    assert [(c["call_id"], c["parent_call_id"]) for c in calls] == list(
+        zip(call_ids, [None, *call_ids[:-1]], strict=True)
+    )
+    for parent, child in zip(calls, calls[1:], strict=False):
+        prefix = parent["prompt_token_ids"] + parent["generation_token_ids"]
+        assert child["prompt_token_ids"][: len(prefix)] == prefix
+
+
+async def two_engines(aiohttp_server, qwen_tokenizer) -> list[TestServer]:
+    return [
+        await aiohttp_server(build_scripted_engine_app(ScriptedEngineConfig(), qwen_tokenizer))
+        for _ in range(2)
+    ]
+
+
+def url(server: TestServer) -> str:
+    return str(server.make_url("/")).rstrip("/")
+
+
+async def test_rollouts_stick_to_one_engine_spread_and_move_when_it_dies(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path
+):
+    engines = await two_engines(aiohttp_server, qwen_tokenizer)
+    settings = Settings(
+        backend=url(engines[0]),
+        extra_backends=[url(engines[1])],
+        store=tmp_path / "store",
+        upstream_connect_retries=0,
+        backend_health_interval_s=30.0,  # the dead engine is found by the failed call here
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    sessions = [Session(f"task-{i}-a0") for i in range(32)]
+    for _ in range(2):
+        for s in sessions:
+            await s.step(client)
+    homes = {}
+    for s in sessions:
+        engine_of = {tuple(served_by(engines, c)) for c in s.call_ids}
+        assert len(engine_of) == 1 and len(next(iter(engine_of))) == 1, (s.rollout, engine_of)
+        homes[s.rollout] = next(iter(engine_of))[0]
+    spread = [list(homes.values()).count(i) for i in range(2)]
+    assert min(spread) >= 6, spread  # binomial(32, 1/2): below 6 once in 10,000 runs
+    # Every engine request carried the routing key: the rollout id, in SMG's header.
+    for engine in engines:
+        for sent in engine.app[SENT_CALLS]:
+            rollout = header(sent.request_headers, "X-NG-Rollout-Id")
+            assert header(sent.request_headers, "x-smg-routing-key") == rollout
+
+    dead = homes[sessions[0].rollout]
+    urls = [url(e) for e in engines]
+    await engines[dead].close()
+    moved = [s for s in sessions if homes[s.rollout] == dead]
+    # The first call to meet the dead engine fails, retryable, naming it; nothing is linked.
+    failed = await moved[0].step(client, status=502)
+    assert failed["error"]["code"] == "engine_unreachable"
+    assert urls[dead] in failed["error"]["message"]
+    routes = app[ROUTES_KEY]
+    assert [b.healthy for b in routes.pool.backends] == [dead != 0, dead != 1]
+    # Later calls of every rollout are served by the live engine; chains stay exact.
+    for s in sessions:
+        await s.step(client)
+    live = 1 - dead
+    for s in sessions:
+        assert served_by(engines, s.call_ids[-1]) == [live]
+        await assert_exact_chain(client, s.rollout, s.call_ids)
+    assert routes.pool.moves == len(moved)
+    metrics = await (await client.get("/metrics")).text()
+    assert f'capture_proxy_backend_healthy{{backend="{urls[dead]}"}} 0.0' in metrics
+    assert f'capture_proxy_backend_healthy{{backend="{urls[live]}"}} 1.0' in metrics
+    assert f'capture_proxy_backend_in_flight{{backend="{urls[live]}"}} 0.0' in metrics
+    assert f"capture_proxy_backend_key_moves {float(len(moved))}" in metrics
+
+
+async def test_the_health_probe_moves_rollouts_before_any_call_fails(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path
+):
+    engines = await two_engines(aiohttp_server, qwen_tokenizer)
+    settings = Settings(
+        backend=url(engines[0]),
+        extra_backends=[url(engines[1])],
+        store=tmp_path / "store",
+        backend_health_interval_s=0.05,
+        backend_health_timeout_s=1.0,
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    routes = app[ROUTES_KEY]
+    sessions = [Session(f"r{i}") for i in range(6)]
+    for s in sessions:
+        await s.step(client)
+    homes = {s.rollout: served_by(engines, s.call_ids[0]) for s in sessions}
+    dead = homes["r0"][0]
+    await engines[dead].close()
+    for _ in range(40):  # bounded: at most 40 probe rounds of <= 1 s each
+        if routes.pool.backends[dead].healthy is False:
+            break
+        await routes.next_round(timeout_s=5.0)
+    assert routes.pool.backends[dead].healthy is False
+    for s in sessions:
+        await s.step(client)  # none meets the dead engine
+        assert served_by(engines, s.call_ids[-1]) == [1 - dead]
+        await assert_exact_chain(client, s.rollout, s.call_ids)
+
+
+async def test_one_backend_sends_the_routing_key_in_the_configured_header(make_stack):
+    stack = await make_stack(routing_key="episode", routing_key_header="X-Session-ID")
+    resp = await stack.chat("task-3-a2", _body(list(USER)))
+    assert resp.status == 200
+    assert header(stack.sent[0].request_headers, "X-Session-ID") == "task-3"
+    assert "x-smg-routing-key" not in {k.lower() for k in stack.sent[0].request_headers}
+
+
+async def test_routing_key_none_sends_no_header(make_stack):
+    stack = await make_stack(routing_key="none")
+    resp = await stack.chat("task-3-a2", _body(list(USER)))
+    assert resp.status == 200
+    assert "x-smg-routing-key" not in {k.lower() for k in stack.sent[0].request_headers}
+
+
+@pytest.mark.parametrize("dialect", ["vllm_completions", "sglang_generate"])
+async def test_exact_tokens_tokenize_and_tokens_in_go_to_the_rollouts_engine_with_its_key(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, dialect
+):
+    """Exact-token mode without a local tokenizer: the engine's /v1/models, /tokenize and
+    tokens-in endpoint of a rollout's calls all go to the rollout's engine, with its key."""
+    engines = await two_engines(aiohttp_server, qwen_tokenizer)
+    settings = Settings(
+        backend=url(engines[0]),
+        extra_backends=[url(engines[1])],
+        store=tmp_path / "store",
+        prompt_mode="exact_tokens",
+        tokens_in_dialect=dialect,
+        backend_health_interval_s=30.0,
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    sessions = [Session(f"x{i}") for i in range(16)]
+    for _ in range(3):
+        for s in sessions:
+            await s.step(client)
+    paths: dict[str, set[str]] = {s.rollout: set() for s in sessions}
+    engine_of: dict[str, set[int]] = {s.rollout: set() for s in sessions}
+    for i, engine in enumerate(engines):
+        for method, path, headers in engine.app[SEEN_REQUESTS]:
+            if path == "/health":
+                assert header(headers, "x-smg-routing-key") is None  # the probe's, no rollout
+                continue
+            key = header(headers, "x-smg-routing-key")
+            assert key in paths, (method, path, headers)
+            paths[key].add(path)
+            engine_of[key].add(i)
+    generate = "/v1/completions" if dialect == "vllm_completions" else "/generate"
+    assert all(len(e) == 1 for e in engine_of.values()), engine_of
+    assert {p for ps in paths.values() for p in ps} >= {"/tokenize", generate}
+    assert len({next(iter(e)) for e in engine_of.values()}) == 2  # both used (16 rollouts)
+    for s in sessions:
+        await assert_exact_chain(client, s.rollout, s.call_ids)
+
+
+def test_backend_for_names_the_engine_a_rollouts_next_call_goes_to():
+    from capture_proxy.proxy.engines import EngineRoutes
+
+    routes = EngineRoutes(
+        ["http://e0", "http://e1"],
+        key_kind="rollout",
+        balance_factor=1.25,
+        health_interval_s=1.0,
+        health_timeout_s=1.0,
+    )
+    lease = routes.enter("r7")
+    try:
+        assert routes.backend_for("r7") == lease.backend
+        assert lease.route.key == "r7"
+    finally:
+        lease.close()
+    assert [b.in_flight for b in routes.pool.backends] == [0, 0]
