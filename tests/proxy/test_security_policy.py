@@ -98,10 +98,10 @@ async def test_engine_credentials_are_in_no_answer_record_or_log(aiohttp_client,
 async def test_backend_url_credentials_reach_the_engine_as_basic_auth(
     aiohttp_server, aiohttp_client, tmp_path
 ):
-    seen: list[str | None] = []
+    seen: list[tuple[str, str | None]] = []
 
     async def engine(request: web.Request) -> web.Response:
-        seen.append(request.headers.get("Authorization"))
+        seen.append((request.path, request.headers.get("Authorization")))
         return web.json_response({"object": "list", "data": []})
 
     spy = web.Application()
@@ -114,7 +114,10 @@ async def test_backend_url_credentials_reach_the_engine_as_basic_auth(
     for path in ("/v1/models", "/ng-rollout/r1/v1/models"):
         resp = await client.get(path, headers={"Authorization": "Bearer harness-key"})
         assert resp.status == 200, await resp.text()
-    assert seen == ["Basic dXNlcjpQQVNTV09SRC1zM2NyM3Q="] * 2
+    # (the start-up probe of the engine, GET /health, carries the credential too)
+    basic = "Basic dXNlcjpQQVNTV09SRC1zM2NyM3Q="
+    assert [auth for _, auth in seen] == [basic] * len(seen)
+    assert [path for path, _ in seen if path != "/health"] == ["/v1/models"] * 2
 
 
 # --- 2. the request policy: hosts, origins, JSON bodies, the request target -------------

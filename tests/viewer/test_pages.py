@@ -99,7 +99,9 @@ async def test_read_only_app_browses_a_store_without_an_engine(make_stack, aioht
     assert (await client.get("/captures/rollouts/refused")).status == 200
     deleted = await client.delete("/captures/rollouts/refused")
     assert deleted.status == 405 and "DELETE" not in deleted.headers["Allow"]  # read-only
-    assert (await client.post("/ng-rollout/r/v1/chat/completions", json={})).status == 404
+    refused = await client.post("/ng-rollout/r/v1/chat/completions", json={})
+    assert refused.status == 403  # a rollout path on a read-only server says it is read-only
+    assert (await refused.json())["error"]["code"] == "read_only"
 
 
 async def test_show_prints_the_listing_and_a_tree(make_stack):
