@@ -30,6 +30,7 @@ from capture_proxy.scripted_engine.state import (
     CONFIG,
     FAILED_SO_FAR,
     FAMILY,
+    GENERATIONS,
     SEEN_REQUESTS,
     SENT_CALLS,
     TEMPLATE,
@@ -68,6 +69,7 @@ def build_scripted_engine_app(
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[FAMILY] = engine_family(config, app[TOKENIZER])
     app[SENT_CALLS] = []
+    app[GENERATIONS] = []
     app[SEEN_REQUESTS] = []
     app[FAILED_SO_FAR] = [0]
     app[CLIENT_GONE] = asyncio.Event()

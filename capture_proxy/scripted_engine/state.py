@@ -96,6 +96,10 @@ SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
 #: every request the engine received, in arrival order: (method, path, headers), e.g. to
 #: check which engine of several served a rollout's /tokenize and tokens-in requests
 SEEN_REQUESTS = web.AppKey("scripted_engine_seen_requests", list[tuple[str, str, dict[str, str]]])
+#: the latest generations (prompt ids, full generation), newest last, so that a prompt that is
+#: one of them followed by the first tokens of its generation (a generation continued after an
+#: abort, tokens in) gets the rest of the same generation, as a model would
+GENERATIONS = web.AppKey("scripted_engine_generations", list[tuple[list[int], Any]])
 #: chat requests failed so far by ``fail_status`` (a one-item list: app state is set once)
 FAILED_SO_FAR = web.AppKey("scripted_engine_failed_so_far", list[int])
 

@@ -420,10 +420,11 @@ def _faulty_tokens_in_sse(faults: Faults):
     """The tokens-in endpoints' SSE writer with ``faults`` applied (the scripted engine
     injects stream faults into chat completions only)."""
 
-    async def sse(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+    async def sse(request: web.Request, events: list[Any], gate: Any = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for k, obj in enumerate(events):
+        for k, event in enumerate(events):
+            obj = event() if callable(event) else event
             if faults.disconnect_after_chunks is not None and k >= faults.disconnect_after_chunks:
                 assert request.transport is not None
                 request.transport.close()
