@@ -58,6 +58,7 @@ from capture_proxy.proxy.uncaptured import (
     read_only_rollout_path,
 )
 from capture_proxy.proxy.upstream import make_client_session
+from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY, WeightWatchers
 from capture_proxy.rest import downloads, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
@@ -256,13 +257,19 @@ def build_proxy_app(
         await store.open()
         try:
             app[SESSION_KEY] = make_client_session(settings)
+            watchers = WeightWatchers(
+                app[SESSION_KEY], settings.backend_bases, settings.weight_version_poll_s
+            )
+            app[WEIGHT_WATCHERS_KEY] = watchers
             try:
                 if settings.uses_exact_tokens:
                     app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
                 await _warn_if_engine_down(app, settings)
+                await watchers.start()
                 async with routes.health_task(app[SESSION_KEY]):
                     yield
             finally:
+                await watchers.stop()
                 await app[SESSION_KEY].close()
         finally:
             # Also when start-up fails half-way: the store's threads must not keep the

@@ -94,10 +94,15 @@ class Settings(BaseSettings):
         None,
         gt=0,
         description="Max seconds from sending a request to the engine's response headers; "
-        "None: no limit (long prompts take long to prefill)",
+        "None: no limit (long prompts take long to prefill). On a captured call it does not "
+        "cut a request the engine holds while paused (GET /is_paused true: a keep or wait "
+        "pause for a weight update)",
     )
     upstream_read_timeout_s: float | None = Field(
-        None, gt=0, description="Max seconds between bytes from the engine; None: no limit"
+        None,
+        gt=0,
+        description="Max seconds between bytes from the engine; None: no limit. On a captured "
+        "call it does not cut a stream the engine holds while paused (GET /is_paused true)",
     )
     upstream_connect_retries: int = Field(
         2,
@@ -282,6 +287,22 @@ class Settings(BaseSettings):
     )
     backend_health_timeout_s: float = Field(
         1.0, gt=0, description="with several backends: longest wait for one /health probe"
+    )
+    weight_version_poll_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="seconds between readings of each engine's weight version (GET "
+        "/weight_info, vLLM with VLLM_SERVER_DEV_MODE=1), off the calls' path: a call whose "
+        "engine does not name its tokens' versions (chat completions, /v1/completions) gets "
+        "the versions observed around it (weight_version_source observed); unset: not read",
+    )
+    engine_pause_wait_s: float = Field(
+        900.0,
+        gt=0,
+        description="after the engine aborts a generation for a weight update "
+        "(finish_reason abort), the longest wait for it to serve again (GET /is_paused false) "
+        "before the call ends incomplete with a retryable error; a stream gets an SSE comment "
+        "every 15 s meanwhile, so the harness's connection stays alive",
     )
     routing_key: Literal["rollout", "episode", "none"] = Field(
         "rollout",

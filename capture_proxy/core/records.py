@@ -62,6 +62,16 @@ class DiagnosticKind(enum.StrEnum):
     #: the engine's answer ended with ``finish_reason: null``: whether the model stopped or
     #: was cut off is unknown (the call is kept complete, flagged)
     FINISH_REASON_MISSING = "finish_reason_missing"
+    #: the engine aborted the generation (a pause for a weight update) and the proxy continued
+    #: it tokens in once the engine served again: ``{"resumes": [{"at_token", "waited_ms",
+    #: "paused", "from_version", "to_version"}]}``
+    GENERATION_RESUMED = "generation_resumed"
+    #: the engine aborted the generation and the proxy could not continue it (``reason``):
+    #: the call is incomplete and the harness got a retryable error
+    GENERATION_ABORTED = "generation_aborted"
+    #: the engine's weight version changed inside a whole answer (observed versions): where
+    #: is unknown, the older version is kept for every token
+    WEIGHT_VERSION_CHANGED = "weight_version_changed"
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ from capture_proxy.proxy.keys import (
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.traffic_tap import note_request
 from capture_proxy.proxy.uncaptured import UNCAPTURED_KEY, refuse_misspelt_capture_path
+from capture_proxy.proxy.upstream import captured_call_timeout
+from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY
 
 log = logging.getLogger("capture_proxy")
 
@@ -69,6 +71,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
     settings = request.app[SETTINGS_KEY]
     routes = request.app[ROUTES_KEY]
+    watchers = request.app.get(WEIGHT_WATCHERS_KEY)
     return CaptureDeps(
         request.app[SESSION_KEY],
         backend,
@@ -78,6 +81,10 @@ def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
         first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         connect_retries=settings.upstream_connect_retries,
         on_unreachable=routes.mark_failed if routes.many else None,
+        weights=watchers.for_backend(backend) if watchers is not None else None,
+        pause_wait_s=settings.engine_pause_wait_s,
+        read_timeout_s=settings.upstream_read_timeout_s,
+        request_timeout=captured_call_timeout(settings),
     )
 
 

@@ -24,6 +24,7 @@ from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import TAP_KEY, ResponseTap
 from capture_proxy.proxy.upstream import forwardable_headers
+from capture_proxy.proxy.weight_watch import WeightWatcher
 
 log = logging.getLogger("capture_proxy")
 
@@ -49,6 +50,14 @@ class CaptureDeps:
     #: told the backend's URL when a connection to it could not be made (several backends:
     #: it is taken as unhealthy, so the rollout's next call goes to another engine)
     on_unreachable: Callable[[str], None] | None = None
+    #: the engine's weight version and pause (``proxy.weight_watch``), None: not watched
+    weights: WeightWatcher | None = None
+    #: longest wait for a paused engine to serve again after an abort (seconds)
+    pause_wait_s: float = 900.0
+    #: ``upstream_read_timeout_s``, applied by the executor (a paused engine's stall is not
+    #: cut); ``request_timeout``: the engine requests' aiohttp timeout without it
+    read_timeout_s: float | None = None
+    request_timeout: aiohttp.ClientTimeout | None = None
 
     @property
     def known_messages(self) -> KnownMessages:

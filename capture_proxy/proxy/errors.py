@@ -46,6 +46,7 @@ from capture_proxy.core.flow.errors import (
     EngineAnswerUnusable,
     EngineTimedOut,
     EngineUnreachable,
+    GenerationAborted,
     PrefillNotSupported,
     UnknownPreviousResponse,
 )
@@ -150,6 +151,13 @@ class UpstreamUnavailable(ProxyError):
 
 class UpstreamTimeout(ProxyError, TimeoutError):
     status = 504
+    error_type = "upstream_error"
+
+
+class ServiceUnavailable(ProxyError):
+    """The call cannot be served now and may be retried (SDKs retry a 503)."""
+
+    status = 503
     error_type = "upstream_error"
 
 
@@ -259,6 +267,7 @@ CORE_ERRORS: tuple[tuple[type[Exception], type[ProxyError], Any, Any], ...] = (
     (EngineTimedOut, UpstreamTimeout, OWN, None),
     (EngineUnreachable, UpstreamUnavailable, OWN, None),
     (EngineAnswerUnusable, UpstreamUnavailable, OWN, None),
+    (GenerationAborted, ServiceUnavailable, OWN, None),
 )
 _CORE_TYPES = tuple(row[0] for row in CORE_ERRORS)
 

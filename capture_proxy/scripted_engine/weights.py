@@ -6,7 +6,8 @@ Owns ``WeightState`` (the engine's current weight version and pause state) and t
 ``GET /weight_info`` -> ``{"weight_version": str}``; ``POST /update_weight_version``
 ``{"new_version": str}``; ``POST /finish_weight_update`` ``{"weight_version": str | null}``;
 ``POST /update_weights`` (no-op: the scripted policy has no weights); ``POST
-/pause?mode=abort|keep|wait``; ``POST /resume``; ``GET /is_paused`` -> ``{"is_paused": bool}``.
+/pause?mode=abort|keep|wait``; ``POST /resume``; ``GET /is_paused`` -> ``{"is_paused": bool}``;
+``POST /abort_requests`` (every request in flight, without a pause).
 
 The pause modes, as vLLM 0.32's ``AsyncLLM.pause_generation``: ``abort`` ends every request in
 flight at once (``finish_reason: "abort"``, the tokens so far); ``keep`` freezes them until
@@ -52,6 +53,8 @@ class WeightState:
     in_flight: int = 0
     hold_at: int | None = None
     held: asyncio.Event = field(default_factory=asyncio.Event)
+    #: set by every ``GET /is_paused`` (a test waits for the proxy to have asked)
+    asked_paused: asyncio.Event = field(default_factory=asyncio.Event)
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     _released: int = 0
 
@@ -202,8 +205,20 @@ async def resume(request: web.Request) -> web.Response:
     return web.json_response({"status": "resumed"})
 
 
+async def abort_requests(request: web.Request) -> web.Response:
+    """Abort every request in flight without pausing (vLLM's ``/abort_requests`` with no ids:
+    RL frameworks end a batch early this way)."""
+    state = request.app[WEIGHTS]
+    aborted = state.in_flight
+    state.aborted += 1
+    await state.notify()
+    return web.json_response({"status": "aborted", "aborted": aborted})
+
+
 async def is_paused(request: web.Request) -> web.Response:
-    return web.json_response({"is_paused": request.app[WEIGHTS].pause_mode is not None})
+    state = request.app[WEIGHTS]
+    state.asked_paused.set()
+    return web.json_response({"is_paused": state.pause_mode is not None})
 
 
 def add_weight_routes(app: web.Application) -> None:
@@ -216,3 +231,4 @@ def add_weight_routes(app: web.Application) -> None:
     app.router.add_post("/pause", pause)
     app.router.add_post("/resume", resume)
     app.router.add_get("/is_paused", is_paused)
+    app.router.add_post("/abort_requests", abort_requests)

@@ -68,3 +68,17 @@ class EngineAnswerUnusable(CallError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="engine_bad_response")
+
+
+class GenerationAborted(CallError):
+    """The engine aborted the generation (a pause for a weight update) and the proxy could not
+    continue it: the call is stored incomplete, and the harness gets an error it retries
+    rather than a truncated answer that looks finished."""
+
+    def __init__(self, reason: str, call_id: str) -> None:
+        super().__init__(
+            f"the engine aborted the generation and it could not be continued ({reason}); "
+            "retry the request",
+            code="generation_aborted",
+        )
+        self.call_id = call_id

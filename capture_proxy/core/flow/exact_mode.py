@@ -11,13 +11,14 @@ ends, exactly as in backend-template mode. Must not import aiohttp or asyncio or
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import orjson
 
 from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
-from capture_proxy.core.engine_formats import EngineFormatError, Reader
+from capture_proxy.core.engine_formats import EngineFormatError, IncrementalText, Piece, Reader
 from capture_proxy.core.flow.call import (
     Call,
     Clock,
@@ -33,6 +34,7 @@ from capture_proxy.core.flow.call import (
 from capture_proxy.core.flow.commands import (
     READ_ENGINE,
     AskEngineFacts,
+    AwaitEngineServing,
     EndClient,
     ReadEngineBody,
     RespondJson,
@@ -40,7 +42,11 @@ from capture_proxy.core.flow.commands import (
     StartClientStream,
     WriteClient,
 )
-from capture_proxy.core.flow.errors import EngineAnswerUnusable, engine_unreachable
+from capture_proxy.core.flow.errors import (
+    EngineAnswerUnusable,
+    GenerationAborted,
+    engine_unreachable,
+)
 from capture_proxy.core.flow.events import (
     ClientLeft,
     ClientState,
@@ -50,13 +56,19 @@ from capture_proxy.core.flow.events import (
     EngineFacts,
     EngineFailed,
     EngineResponded,
+    EngineServing,
 )
 from capture_proxy.core.flow.prompt import ExactFamily, exact_prompt
 from capture_proxy.core.fronts.base import Answer
 from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.records import CallRecord, Diagnostic
-from capture_proxy.core.sampling import sampling_from_chat, sampling_record_tokens_in
+from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
+from capture_proxy.core.sampling import (
+    Sampling,
+    continued_sampling,
+    sampling_from_chat,
+    sampling_record_tokens_in,
+)
 from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
 from capture_proxy.families.parsing import MessageDelta, apply_deltas
@@ -67,9 +79,13 @@ def _ms(clock: Clock, t0: float) -> float:
 
 
 def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
-    if engine_reason == "length":
-        return "length"
+    if engine_reason in ("length", "abort"):
+        return engine_reason
     return "tool_calls" if has_tool_calls else "stop"
+
+
+#: continuations of one call after engine aborts (one per weight update; more is a loop)
+MAX_RESUMES = 8
 
 
 def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Clock) -> Flow[Outcome]:
@@ -133,7 +149,17 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
                 call, reply.status, raw, reply.reason, _ms(clock, t0), prompt.token_ids
             )
         )
-    run = _Generation(call, exact, asm, exact.dialect.reader(exact.decode), extra_diags, clock, t0)
+    asm.observe(reply.weight_version)
+    run = _Generation(
+        call,
+        exact,
+        asm,
+        exact.dialect.reader(exact.decode),
+        extra_diags,
+        clock,
+        t0,
+        sampling,
+    )
     if call.ctx.stream and reply.event_stream:
         return (yield from run.stream(reply.status))
     return (yield from run.whole(reply.status))
@@ -141,7 +167,9 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
 
 @dataclass
 class _Generation:
-    """One tokens-in generation: engine pieces in, the record and the front's answer out."""
+    """One tokens-in generation: engine pieces in, the record and the front's answer out. An
+    engine abort (a pause for a weight update) is continued tokens in once the engine serves
+    again (``_resume``): the harness sees one answer."""
 
     call: Call
     exact: ExactFamily
@@ -150,15 +178,33 @@ class _Generation:
     extra_diags: list[Diagnostic]
     clock: Clock
     t0: float
+    sampling: Sampling
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    #: why an aborted generation was not continued (the call is then incomplete)
+    aborted: str | None = None
 
-    def record(self, message: dict[str, Any], finish_reason: str, status: int) -> CallRecord:
-        return self.asm.finish(
+    def record(
+        self, message: dict[str, Any], finish_reason: str, status: int, whole: bool = False
+    ) -> CallRecord:
+        diagnostics = list(self.extra_diags)
+        if self.resumes:
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.GENERATION_RESUMED, {"resumes": self.resumes})
+            )
+        record = self.asm.finish(
             response_message=message,
             finish_reason=finish_reason,
             latency_ms=_ms(self.clock, self.t0),
             http_status=status,
-            extra_diagnostics=self.extra_diags,
+            extra_diagnostics=diagnostics,
+            whole=whole,
         )
+        if self.aborted is not None:
+            generated = len(self.asm.token_ids)
+            details = {"reason": self.aborted, "at_token": generated}
+            record = mark_incomplete(record, [self.aborted])
+            record.diagnostics.append(Diagnostic(DiagnosticKind.GENERATION_ABORTED, details))
+        return record
 
     def answer(self, message: dict[str, Any], finish_reason: str) -> Answer:
         call, asm = self.call, self.asm
@@ -174,7 +220,91 @@ class _Generation:
             prompt_token_ids=asm.prompt_token_ids,
         )
 
-    def whole(self, status: int) -> Flow[Outcome]:
+    def _resume(self) -> Flow[str]:
+        """After the engine aborted the generation: wait until it serves again, then send the
+        continuation (the prompt and every token so far, the rest of ``max_tokens``).
+        ``"continued"``: its response is open; ``"left"``: the harness left; ``"stopped"``:
+        not continued, ``aborted`` says why."""
+        asm = self.asm
+        generated = len(asm.token_ids)
+        if len(self.resumes) >= MAX_RESUMES:
+            self.aborted = f"the engine aborted the generation {MAX_RESUMES + 1} times"
+            return "stopped"
+        started = asm.segment.observed.last or asm.segment.observed.first
+        t_wait = self.clock()
+        waited = yield AwaitEngineServing()
+        if isinstance(waited, ClientLeft):
+            return "left"
+        if isinstance(waited, EngineFailed):
+            self.aborted = (
+                f"the engine aborted the generation and did not serve again: {waited.message}"
+            )
+            return "stopped"
+        assert isinstance(waited, EngineServing)
+        changed = None not in (started, waited.weight_version) and started != waited.weight_version
+        if waited.paused is False and not changed:
+            self.aborted = (
+                "the engine aborted the generation while neither paused nor updated (a request "
+                "aborted on the engine, e.g. /abort_requests): not continued"
+            )
+            return "stopped"
+        prompt_ids = np.concatenate(
+            [asm.prompt_token_ids, np.asarray(asm.token_ids, dtype=asm.prompt_token_ids.dtype)]
+        )
+        prompt_json = prompt_ids_json(prompt_ids)
+        experts_start = int(prompt_ids.shape[0]) - 1
+        body = self.exact.dialect.request(
+            orjson.Fragment(prompt_json),
+            continued_sampling(self.sampling, generated),
+            stream=self.call.ctx.stream,
+            model=self.call.prepared.body.get("model"),
+            experts_start=experts_start,
+        )
+        reply = yield SendToEngine(self.exact.dialect.path, orjson.dumps(body), False)
+        if isinstance(reply, ClientLeft):
+            return "left"
+        if isinstance(reply, EngineFailed):
+            self.aborted = f"continuing the aborted generation failed: {reply.message}"
+            return "stopped"
+        assert isinstance(reply, EngineResponded)
+        if reply.status >= 400 or reply.event_stream != self.call.ctx.stream:
+            got = yield ReadEngineBody()
+            size = len(got.data) if isinstance(got, EngineBody) else 0
+            self.aborted = (
+                f"the engine answered the continuation of the aborted generation with HTTP "
+                f"{reply.status} ({size} bytes)"
+            )
+            return "stopped"
+        self.resumes.append(
+            {
+                "at_token": generated,
+                "waited_ms": round((self.clock() - t_wait) * 1000.0, 3),
+                "paused": waited.paused,
+                "from_version": started,
+                "to_version": waited.weight_version,
+            }
+        )
+        asm.begin_continuation(prompt_json, experts_start)
+        asm.observe(reply.weight_version)
+        self.reader = self._continued_reader()
+        return "continued"
+
+    def _continued_reader(self) -> Reader:
+        """A continuation's reader: the same one where it decodes the ids itself (its text
+        state goes on), else a new one whose text is decoded locally from every id of the
+        call when a tokenizer is at hand (the engine's text of a continuation starts at its
+        own first token, which may end a character the abort split)."""
+        if self.exact.dialect.needs_decode:
+            return self.reader
+        fresh = self.exact.dialect.reader(self.exact.decode)
+        if self.exact.decode is None:
+            return fresh
+        return _LocallyDecoded(
+            fresh, self.exact.decode, self.asm.token_ids, self.asm.generated_text
+        )
+
+    def _read_whole(self, status: int) -> Flow[Outcome | None]:
+        """Read one engine body into the assembler (None), or record the call abandoned."""
         call, asm = self.call, self.asm
         reply = yield ReadEngineBody()
         if isinstance(reply, ClientLeft):
@@ -196,6 +326,23 @@ class _Generation:
             err = EngineAnswerUnusable(reason)
             err.call_id = call.ctx.call_id
             raise err from exc
+        asm.observe(reply.weight_version)
+        return None
+
+    def whole(self, status: int) -> Flow[Outcome]:
+        call, asm = self.call, self.asm
+        left = yield from self._read_whole(status)
+        while left is None and asm.finish_reason == "abort" and self.aborted is None:
+            resumed = yield from self._resume()
+            if resumed == "left":
+                latency_ms = _ms(self.clock, self.t0)
+                return Outcome(
+                    (yield from record_abandoned(call, latency_ms, asm.prompt_token_ids))
+                )
+            if resumed == "continued":
+                left = yield from self._read_whole(status)
+        if left is not None:
+            return left
         parsed = self.exact.parser.parse(
             asm.generated_text,
             call.ctx.call_id,
@@ -205,7 +352,10 @@ class _Generation:
         )
         finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
         message = parsed.to_openai()
-        record = yield from finish(call, self.record(message, finish_reason, status))
+        record = yield from finish(call, self.record(message, finish_reason, status, whole=True))
+        if self.aborted is not None:
+            # Never a truncated answer that looks finished: an error the harness retries.
+            raise GenerationAborted(self.aborted, call.ctx.call_id)
         answer = self.answer(message, finish_reason)
         if call.ctx.stream:
             # Asked for a stream; the engine answered whole: the whole answer as events.
@@ -213,6 +363,20 @@ class _Generation:
         else:
             yield RespondJson(200, call.front.encode(call.front_request, answer))
         return Outcome(record)
+
+    def _pump_all(self, pump: _Pump) -> Flow[bool]:
+        """Pump the engine's stream and, after each abort, its continuation's; whether the
+        harness left."""
+        gone = yield from pump.run()
+        while not gone and pump.problem is None and self.asm.finish_reason == "abort":
+            resumed = yield from self._resume()
+            if resumed == "left":
+                return True
+            if resumed == "stopped":
+                pump.problem = self.aborted
+                break
+            gone = yield from pump.run()
+        return gone
 
     def stream(self, status: int) -> Flow[Outcome]:
         """Engine token chunks in, the front's events out, as they can be decided."""
@@ -229,7 +393,7 @@ class _Generation:
         pump = _Pump(self, encoder)
         gone = state.gone
         if not gone:
-            gone = yield from pump.run()
+            gone = yield from self._pump_all(pump)
         events: list[bytes] = []
         for d in pump.parser_stream.finish():
             pump.deltas.append(d)
@@ -237,7 +401,8 @@ class _Generation:
         message = apply_deltas(pump.deltas).to_openai()
         finish_reason = _finish_reason(asm.finish_reason, bool(message.get("tool_calls")))
         record = self.record(message, finish_reason, status)
-        reasons = stream_end_reasons(client_gone=gone, problem=pump.problem, done_seen=pump.done)
+        problem = None if self.aborted is not None else pump.problem
+        reasons = stream_end_reasons(client_gone=gone, problem=problem, done_seen=pump.done)
         if reasons:
             record = mark_incomplete(record, reasons)
         record = yield from finish(call, record, request_encoding)
@@ -249,6 +414,27 @@ class _Generation:
             events += encoder.finish(self.answer(message, finish_reason))
         yield EndClient(b"".join(events))
         return Outcome(record)
+
+
+class _LocallyDecoded:
+    """A continuation's reader whose pieces' text is decoded locally from every id of the
+    call so far (``decode``), picking up after the text already given."""
+
+    def __init__(self, inner: Reader, decode: Any, ids: list[int], text_so_far: str) -> None:
+        self.inner = inner
+        self.text = IncrementalText(decode)
+        self.text.ids = list(ids)
+        self.text.sent = len(text_so_far)
+
+    def whole(self, body: dict[str, Any]) -> Piece:
+        piece = self.inner.whole(body)
+        piece.text = self.text.add(piece.token_ids, final=True)
+        return piece
+
+    def chunk(self, body: dict[str, Any]) -> Piece:
+        piece = self.inner.chunk(body)
+        piece.text = self.text.add(piece.token_ids, final=piece.finish_reason is not None)
+        return piece
 
 
 class _ReadFailed(Exception):
@@ -296,9 +482,10 @@ class _Pump:
         return out
 
     def run(self) -> Flow[bool]:
-        """Read until the engine's end, a problem or the client leaving; returns whether
-        the client left."""
+        """Read one engine stream until its end, a problem or the client leaving; returns
+        whether the client left."""
         decoder = SSEStreamDecoder()
+        self.done = False
         while True:
             piece = yield READ_ENGINE
             if isinstance(piece, ClientLeft):
@@ -306,6 +493,8 @@ class _Pump:
             if isinstance(piece, EngineBroke):
                 self.problem = f"engine stream broke: {piece.error_type}: {piece.message}"
                 return False
+            if piece.weight_version is not None:
+                self.gen.asm.observe(piece.weight_version)
             if isinstance(piece, EngineEnd):
                 return False
             try:
