@@ -29,7 +29,18 @@ Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
 - ``reward``: float64 (null unless one number), ``named_rewards``: map<string, float64> (null
   unless named), ``task_id``: string, ``tags``: map<string, string>;
 - ``lineage``: string, JSON, the lineage edges into the sample's chain
-  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none).
+  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none);
+- ``weight_version_index``: list<int32> ``[seq]``, each generated position's index in
+  ``weight_versions`` (-1 on prompt and interstitial positions and where unknown);
+  ``weight_versions``: list<string> ``[num_versions]``, the sample's versions oldest first;
+  ``weight_version_sources``: list<string> ``[num_calls]``, each path call's
+  ``weight_version_source``, null when unknown (the npz arrays of ``core.samples``, the npz's
+  ``""`` as null). Per token rather than spans per sample: aligned with ``input_ids`` and
+  ``loss_mask``, so staleness is one vectorised subtraction and a row stays the npz sample.
+
+Versions: 2 added the three ``weight_version*`` columns (after ``lineage``, so the earlier
+columns keep their positions) and the manifest's ``weight_filter`` (``core.weight_filter``:
+the filter of the request and the samples it dropped; null without one).
 
 The bytes are written by ``core.arrow_ipc`` (no pyarrow needed to serve the export); a
 reader needs any Arrow library (``readers.iter_rollouts`` uses pyarrow, the ``arrow`` extra).
@@ -49,7 +60,7 @@ from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.samples import ChainSample
 
 EXPORT_FORMAT = "capture-proxy.export.arrow"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
 #: The content type of the stream (the IANA registration for the Arrow IPC stream format).
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 #: Custom-metadata key of each record batch: the rollout's manifest, JSON.
@@ -82,6 +93,9 @@ SCHEMA: tuple[ipc.Field, ...] = tuple(
         ("task_id", ipc.utf8()),
         ("tags", ipc.map_(ipc.utf8(), ipc.utf8())),
         ("lineage", ipc.utf8()),
+        ("weight_version_index", ipc.list_(ipc.int_(32))),
+        ("weight_versions", ipc.list_(ipc.utf8())),
+        ("weight_version_sources", ipc.list_(ipc.utf8())),
     ]
 )
 
@@ -105,6 +119,14 @@ def _generation_spans(samples: list[ChainSample]) -> ipc.Column:
     flat = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
     pairs = ipc.Column(flat.shape[0], 0, (b"",), (ipc.primitive(flat.astype("<i8")),))
     return ipc.list_of(pairs, [s.shape[0] for s in spans])
+
+
+def _string_lists(samples: list[ChainSample], name: str, empty_is_null: bool) -> ipc.Column:
+    """A list<utf8> column from a unicode array per sample (a sample without the array: an
+    empty list); ``empty_is_null``: ``""`` becomes null."""
+    rows = [[str(v) for v in s.arrays.get(name, ())] for s in samples]
+    flat = ipc.strings([None if empty_is_null and not v else v for row in rows for v in row])
+    return ipc.list_of(flat, [len(row) for row in rows])
 
 
 def _lineage(manifest: dict[str, Any], chain_id: str) -> str:
@@ -154,6 +176,11 @@ def rollout_columns(
         "task_id": ipc.strings([metadata.task_id] * n),
         "tags": ipc.maps(tag_rows, None),
         "lineage": ipc.strings([_lineage(manifest, s.chain_id) for s in samples]),
+        "weight_version_index": ipc.lists(
+            [s.arrays.get("weight_version_index") for s in samples], "<i4"
+        ),
+        "weight_versions": _string_lists(samples, "weight_versions", False),
+        "weight_version_sources": _string_lists(samples, "weight_version_sources", True),
     }
     return [columns[f.name] for f in SCHEMA]
 
