@@ -22,7 +22,7 @@ from capture_proxy.core.weight_versions import (
 from tests.factories import record
 
 
-def _calls():
+def weighted_calls():
     """Chain a (a -> b, a -> c), chain t and chain u; c's versions are unknown."""
     a = record(
         "a",
@@ -95,7 +95,7 @@ def test_spans_are_read_defensively():
 
 
 def test_rollout_summary_counts_tokens_per_version_sources_and_unknowns():
-    assert rollout_summary(_calls()) == {
+    assert rollout_summary(weighted_calls()) == {
         "weight_versions": {"default": 1, "v7": 1, "3": 2, "4": 2, "10": 2},
         "weight_version_min": 3,
         "weight_version_max": 10,
@@ -118,7 +118,7 @@ def _samples(records):
 
 
 def test_each_sample_has_a_version_index_beside_its_loss_mask():
-    s = _samples(_calls())
+    s = _samples(weighted_calls())
     b = s["b"].arrays
     assert b["input_ids"].tolist() == [1, 2, 3, 4, 5, 9, 7, 8]
     assert b["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 1, 1]
@@ -141,7 +141,7 @@ def test_each_sample_has_a_version_index_beside_its_loss_mask():
 
 
 def test_the_archive_keeps_the_version_arrays_and_names_them_in_the_manifest():
-    chains = build_chains("r1", _calls())
+    chains = build_chains("r1", weighted_calls())
     buf = io.BytesIO()
     write_archive(chains, buf)
     manifest, samples = read_archive(io.BytesIO(buf.getvalue()))
@@ -156,7 +156,7 @@ def test_the_archive_keeps_the_version_arrays_and_names_them_in_the_manifest():
 
 
 def _kept(wf):
-    selection = select(build_chains("r1", _calls()), wf)
+    selection = select(build_chains("r1", weighted_calls()), wf)
     return [path[-1].call_id for _, path in selection.paths], selection.report
 
 
@@ -214,7 +214,7 @@ def test_exact_versions_and_what_happens_to_unknown_ones():
 def test_no_filter_keeps_every_sample_and_reports_nothing():
     kept, report = _kept(None)
     assert kept == ["b", "c", "t", "u"] and report is None
-    selection = select(build_chains("r1", _calls()), None)
+    selection = select(build_chains("r1", weighted_calls()), None)
     assert selection.call_ids() == {"a", "b", "c", "t", "u"}
 
 
