@@ -42,13 +42,7 @@ import numpy as np
 from capture_proxy.core.chains import Chain, RolloutChains
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.routed_experts import align_to_sequence
-from capture_proxy.core.weight_versions import (
-    NO_VERSION,
-    VERSION_INDEX_DTYPE,
-    spans_of,
-    token_versions,
-    version_table,
-)
+from capture_proxy.core.weight_versions import path_versions
 
 ARCHIVE_FORMAT = "capture-proxy.chains.npz"
 ARCHIVE_VERSION = 1
@@ -95,17 +89,14 @@ def path_sample(chain_id: str, path: list[CallRecord]) -> ChainSample:
     loss_mask = np.zeros(seq, np.uint8)
     log_probs = np.zeros(seq, np.float32)
     spans = np.zeros((len(path), 2), np.int64)
-    table = version_table(v for rec in path for v, _, _ in spans_of(rec))
-    index = {v: i for i, v in enumerate(table)}
-    version_index = np.full(seq, NO_VERSION, VERSION_INDEX_DTYPE)
     for i, rec in enumerate(path):
         start, end = rec.num_prompt_tokens, rec.num_prompt_tokens + rec.num_generation_tokens
         if not np.array_equal(input_ids[:end], rec.full_token_ids()):
             raise ValueError(f"call {rec.call_id} does not prefix {leaf.call_id}'s sequence")
         loss_mask[start:end] = 1
         log_probs[start:end] = rec.generation_log_probs
-        version_index[start:end] = token_versions(rec, index)
         spans[i] = (start, end)
+    table, version_index = path_versions(path)
     arrays: dict[str, np.ndarray] = {
         "input_ids": input_ids,
         "loss_mask": loss_mask,
