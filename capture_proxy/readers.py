@@ -11,6 +11,7 @@ proxy's ``captures_token``, sent as a bearer token.
     chains.manifest["main_chain_id"], chains.incomplete, chains.unlinked_call_ids
     for s in chains:                       # ChainSample, one per root-to-leaf path
         s.arrays["input_ids"], s.arrays["loss_mask"], s.arrays["log_probs"]
+        s.arrays["weight_versions"][s.arrays["weight_version_index"]]  # -1: none (masked)
 
     for rollout in iter_rollouts("http://proxy:8080", token=TOKEN, after=last_cursor):
         train_on(rollout.samples())        # dicts of numpy arrays, one per sample
@@ -227,7 +228,9 @@ class ExportedRollout:
 
     def samples(self) -> list[dict[str, Any]]:
         """The rows as dicts: list columns as numpy arrays (``routed_experts`` reshaped to
-        ``[seq, num_layers, top_k]``), the others as Python values."""
+        ``[seq, num_layers, top_k]``, ``weight_version_index`` int32), the others as Python
+        values (``weight_versions``, ``weight_version_sources``: lists of strings, None for an
+        unknown source)."""
         return _numpy_rows(self.batch)
 
 
