@@ -40,6 +40,7 @@ import numpy as np
 
 from capture_proxy.core.samples import ChainSample, read_archive
 from capture_proxy.core.token_tree import TokenTree, read_tree
+from capture_proxy.core.weight_versions import sequence_index
 
 __all__ = [
     "ChainSample",
@@ -228,9 +229,11 @@ class ExportedRollout:
 
     def samples(self) -> list[dict[str, Any]]:
         """The rows as dicts: list columns as numpy arrays (``routed_experts`` reshaped to
-        ``[seq, num_layers, top_k]``, ``weight_version_index`` int32), the others as Python
-        values (``weight_versions``, ``weight_version_sources``: lists of strings, None for an
-        unknown source)."""
+        ``[seq, num_layers, top_k]``), the others as Python values; and from
+        ``weight_version_spans`` (``[{"version", "start", "end"}]`` over the positions), the
+        npz's ``weight_version_index`` (int16 ``[seq]``, -1 where no span lies) and
+        ``weight_versions`` (the sample's versions, oldest first).
+        ``weight_version_sources``: a list of strings, None for an unknown source."""
         return _numpy_rows(self.batch)
 
 
@@ -241,7 +244,6 @@ def _numpy_rows(batch: Any) -> list[dict[str, Any]]:
         "log_probs": np.float32,
         "routed_experts_mask": np.uint8,
         "routed_experts": np.uint16,
-        "weight_version_index": np.int32,
     }
     columns = {name: batch.column(name) for name in batch.schema.names}
     rows = []
@@ -266,8 +268,18 @@ def _numpy_rows(batch: Any) -> list[dict[str, Any]]:
             row["named_rewards"] = dict(row["named_rewards"])
         if isinstance(row.get("tags"), list):
             row["tags"] = dict(row["tags"])
+        if "weight_version_spans" in row:
+            _version_arrays(row)
         rows.append(row)
     return rows
+
+
+def _version_arrays(row: dict[str, Any]) -> None:
+    """The npz's ``weight_version_index`` (int16 ``[seq]``) and ``weight_versions`` from the
+    row's ``weight_version_spans`` (``core.export``)."""
+    spans = [(s["version"], s["start"], s["end"]) for s in row["weight_version_spans"] or ()]
+    table, index = sequence_index(spans, len(row["input_ids"]))
+    row["weight_version_index"], row["weight_versions"] = index, table
 
 
 def iter_rollouts(

@@ -17,9 +17,10 @@ arrays over the leaf's full sequence (its prompt + generation):
   path's calls) with ``routed_experts_mask`` uint8 ``[seq]`` (1 where a row is present; a
   position takes the row of the first path call that holds one), only when a path call has
   routed experts;
-- ``weight_version_index``: int32 ``[seq]``, beside ``loss_mask``: each generated position's
-  index in ``weight_versions``, the weight version that sampled it, and -1 on prompt and
-  interstitial positions and on generated ones of no known version (``core.weight_versions``);
+- ``weight_version_index``: int16 ``[seq]`` (int32 past 32,767 versions), beside
+  ``loss_mask``: each generated position's index in ``weight_versions``, the weight version
+  that sampled it, and -1 on prompt and interstitial positions and on generated ones of no
+  known version (``core.weight_versions``);
   ``weight_versions``: unicode ``[num_versions]``, the versions of the sample, oldest first
   (integer versions as integers, any other version older than every integer one);
   ``weight_version_sources``: unicode ``[num_calls]``, each path call's

@@ -12,11 +12,14 @@ from capture_proxy.core.chains import build_chains
 from capture_proxy.core.samples import chain_samples, read_archive, write_archive
 from capture_proxy.core.weight_filter import WeightFilter, WeightFilterError, select
 from capture_proxy.core.weight_versions import (
+    index_dtype,
     integer_version,
     num_unknown_tokens,
+    path_versions,
     rollout_summary,
+    sequence_index,
+    sequence_spans,
     spans_of,
-    token_versions,
     version_table,
 )
 from tests.factories import record
@@ -88,7 +91,7 @@ def test_spans_are_read_defensively():
         {"version": "7", "start": 3, "end": 3},  # empty
     ]
     assert spans_of(r) == [("3", 0, 1), ("6", 2, 3)]
-    assert token_versions(r, {"3": 0, "6": 1}).tolist() == [0, -1, 1]
+    assert path_versions([r])[1].tolist() == [-1, 0, -1, 1]
     assert num_unknown_tokens(r) == 1
     assert num_unknown_tokens(record("y", [1], [2, 3])) == 2  # no spans: all unknown
     assert num_unknown_tokens(record("z", [1], [])) == 0
@@ -123,7 +126,7 @@ def test_each_sample_has_a_version_index_beside_its_loss_mask():
     assert b["input_ids"].tolist() == [1, 2, 3, 4, 5, 9, 7, 8]
     assert b["loss_mask"].tolist() == [0, 0, 1, 1, 1, 0, 1, 1]
     assert b["weight_versions"].tolist() == ["default", "3", "4"]
-    assert b["weight_version_index"].dtype == np.int32
+    assert b["weight_version_index"].dtype == np.int16
     assert b["weight_version_index"].tolist() == [-1, -1, 0, 1, 1, -1, 2, 2]
     assert b["weight_version_sources"].tolist() == ["engine_spans", "engine_reported"]
     c = s["c"].arrays  # c's own generation has no known version
@@ -245,3 +248,25 @@ def test_the_query_parameters_make_the_filter():
         -2, frozenset({"a", "b"}), keep_unknown=True
     )
     assert WeightFilter.from_query("7", [], None) == WeightFilter(7, None, keep_unknown=False)
+
+
+def test_a_sample_index_as_runs_and_back():
+    b = _samples(weighted_calls())["b"].arrays
+    spans = sequence_spans(b["weight_versions"].tolist(), b["weight_version_index"])
+    assert spans == [("default", 2, 3), ("3", 3, 5), ("4", 6, 8)]
+    table, index = sequence_index(spans, 8)
+    assert table == b["weight_versions"].tolist()
+    assert index.dtype == np.int16 and index.tobytes() == b["weight_version_index"].tobytes()
+    assert sequence_spans([], np.zeros(0, np.int32)) == []
+    assert sequence_spans(["3"], np.array([0, 0, -1, 0], np.int32)) == [("3", 0, 2), ("3", 3, 4)]
+    assert sequence_index([], 3)[1].tolist() == [-1, -1, -1]
+
+
+def test_the_index_widens_past_32767_versions():
+    assert (index_dtype(0), index_dtype(32_767), index_dtype(32_768)) == (np.int16,) * 2 + (
+        np.int32,
+    )
+    spans = [(str(i), i, i + 1) for i in range(32_768)]
+    table, index = sequence_index(spans, 32_769)
+    assert index.dtype == np.int32 and index[-2:].tolist() == [32_767, -1]
+    assert table[-1] == "32767"

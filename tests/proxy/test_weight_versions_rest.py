@@ -141,7 +141,7 @@ async def test_npz_export_and_readers_agree_on_the_version_arrays(stack: Stack):
     assert rollout.manifest["weight_filter"] is None
     for row, sample in zip(rows, npz, strict=True):
         index = sample.arrays["weight_version_index"]
-        assert row["weight_version_index"].dtype == np.int32
+        assert row["weight_version_index"].dtype == np.int16
         assert row["weight_version_index"].tobytes() == index.tobytes()
         assert row["weight_versions"] == sample.arrays["weight_versions"].tolist()
         sources = sample.arrays["weight_version_sources"].tolist()
@@ -186,7 +186,7 @@ async def test_a_captured_session_agrees_with_its_calls_spans_in_every_form(stac
     )
     for sample, row in zip(npz, rollout.samples(), strict=True):
         table = sample.arrays["weight_versions"].tolist()
-        want = np.full(len(sample.arrays["input_ids"]), -1, np.int32)
+        want = np.full(len(sample.arrays["input_ids"]), -1, np.int64)
         for call_id in sample.call_ids:
             call = calls[call_id]
             start = call["num_prompt_tokens"]
