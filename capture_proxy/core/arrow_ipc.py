@@ -80,6 +80,10 @@ def fixed_size_list(value: DataType, size: int) -> DataType:
     return DataType("fixed_size_list", size=size, children=(Field("item", value),))
 
 
+def struct_(fields: Sequence[Field]) -> DataType:
+    return DataType("struct", children=tuple(fields))
+
+
 def map_(key: DataType, value: DataType) -> DataType:
     """``map<key, value>``: a list of non-null ``entries`` structs of a non-null ``key`` and a
     nullable ``value``, keys not sorted (the Arrow spec's layout, pyarrow's names)."""
@@ -170,6 +174,14 @@ def list_of(
     """A list column over an already built child column (``lengths`` per row)."""
     nulls, bitmap = _validity(valid) if valid is not None else (0, b"")
     return Column(len(lengths), nulls, (bitmap, _offsets(lengths)), (children,))
+
+
+def structs(length: int, children: Sequence[Column]) -> Column:
+    """A struct column of ``length`` rows, no null, over its ``children`` (one per field)."""
+    for child in children:
+        if child.length != length:
+            raise ValueError(f"a struct of {length} rows got a field of {child.length}")
+    return Column(length, 0, (b"",), tuple(children))
 
 
 def fixed_size_lists(values: Sequence[Sequence[int] | None], size: int, dtype: str) -> Column:

@@ -14,10 +14,13 @@ history and answer) and one agent step for its answer: ``message`` (its text),
 an object; arguments that are not a JSON object are kept as ``{"_raw": text}``),
 ``model_name``, ``timestamp`` (ISO 8601, UTC) and ``metrics``: ``prompt_tokens``,
 ``completion_tokens``, ``prompt_token_ids``, ``completion_token_ids``, ``logprobs`` (a
-non-finite value as null) and ``extra`` (``call_id``, ``finish_reason``, and with
-``include_experts`` the ``routed_experts`` rows ``[num_rows, num_layers, top_k]`` with
-``routed_experts_start``). Root ``extra``: the rollout id, chain and call ids, reward, task id,
-tags, snapshot id, version, the other chains and unlinked calls, the diagnostics, and the
+non-finite value as null) and ``extra`` (``call_id``, ``finish_reason``,
+``weight_versions``: the call's spans ``[{"version", "start", "end"}]`` over its completion
+tokens, null when unknown, and ``weight_version_source``; with ``include_experts`` the
+``routed_experts`` rows ``[num_rows, num_layers, top_k]`` with ``routed_experts_start``).
+Root ``extra``: the rollout id, chain and call ids, reward, task id, tags, snapshot id,
+version, ``weight_versions`` (the path's completion tokens per weight version, oldest first,
+``core.weight_versions``), the other chains and unlinked calls, the diagnostics, and the
 rollout's lineage edges (``lineage``: ``[{"kind", "chain_id", "from_call_id", "evidence",
 "to_chain_id"}]``, ``core.lineage``).
 
@@ -42,6 +45,7 @@ from capture_proxy.core.lineage import LineageEdge, LineageKind
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.summary import main_chain
+from capture_proxy.core.weight_versions import tokens_by_version
 
 ATIF_VERSION = "ATIF-v1.4"
 
@@ -174,7 +178,12 @@ class _Steps:
             step["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls"):
             step["tool_calls"] = _tool_calls(message)
-        extra: dict[str, Any] = {"call_id": call.call_id, "finish_reason": call.finish_reason}
+        extra: dict[str, Any] = {
+            "call_id": call.call_id,
+            "finish_reason": call.finish_reason,
+            "weight_versions": call.weight_versions,
+            "weight_version_source": call.weight_version_source,
+        }
         if include_experts and call.routed_experts is not None:
             extra["routed_experts"] = call.routed_experts.tolist()
             extra["routed_experts_start"] = call.routed_experts_start
@@ -279,6 +288,7 @@ def trajectory(
             "rollout_id": rollout_id,
             "chain_id": chain.chain_id if chain else None,
             "call_ids": [c.call_id for c in path],
+            "weight_versions": tokens_by_version(path),
             "reward": metadata.reward,
             "task_id": metadata.task_id,
             "tags": metadata.tags,

@@ -29,7 +29,21 @@ Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
 - ``reward``: float64 (null unless one number), ``named_rewards``: map<string, float64> (null
   unless named), ``task_id``: string, ``tags``: map<string, string>;
 - ``lineage``: string, JSON, the lineage edges into the sample's chain
-  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none).
+  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none);
+- ``weight_version_spans``: list<struct<version: string, start: int64, end: int64>>, the
+  sample's weight versions as half-open runs over its positions (``[start, end)`` of
+  ``input_ids``), in order: the npz's ``weight_version_index`` run-length encoded (positions
+  in no span: prompt, interstitial, or generated of no known version);
+  ``weight_version_sources``: list<string> ``[num_calls]``, each path call's
+  ``weight_version_source``, null when unknown. Spans rather than a per-token index: a handful
+  of runs per call instead of 4 bytes a token (the index added 44% to the stream of a long
+  rollout, ``benchmarks/weight_export.py``), and a query engine reads a sample's versions
+  without unnesting its tokens; ``readers.iter_rollouts`` lays them back out as the npz's
+  ``weight_version_index`` and ``weight_versions``.
+
+Versions: 2 added the two ``weight_version*`` columns (after ``lineage``, so the earlier
+columns keep their positions) and the manifest's ``weight_filter`` (``core.weight_filter``:
+the filter of the request and the samples it dropped; null without one).
 
 The bytes are written by ``core.arrow_ipc`` (no pyarrow needed to serve the export); a
 reader needs any Arrow library (``readers.iter_rollouts`` uses pyarrow, the ``arrow`` extra).
@@ -47,15 +61,22 @@ import numpy as np
 from capture_proxy.core import arrow_ipc as ipc
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.samples import ChainSample
+from capture_proxy.core.weight_versions import sequence_spans
 
 EXPORT_FORMAT = "capture-proxy.export.arrow"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2
 #: The content type of the stream (the IANA registration for the Arrow IPC stream format).
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 #: Custom-metadata key of each record batch: the rollout's manifest, JSON.
 MANIFEST_KEY = "rollout"
 #: The schema's key-value metadata.
 SCHEMA_METADATA = {"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)}
+
+_SPAN_FIELDS = (
+    ipc.Field("version", ipc.utf8()),
+    ipc.Field("start", ipc.int_(64)),
+    ipc.Field("end", ipc.int_(64)),
+)
 
 SCHEMA: tuple[ipc.Field, ...] = tuple(
     ipc.Field(name, kind)
@@ -82,6 +103,8 @@ SCHEMA: tuple[ipc.Field, ...] = tuple(
         ("task_id", ipc.utf8()),
         ("tags", ipc.map_(ipc.utf8(), ipc.utf8())),
         ("lineage", ipc.utf8()),
+        ("weight_version_spans", ipc.list_(ipc.struct_(_SPAN_FIELDS))),
+        ("weight_version_sources", ipc.list_(ipc.utf8())),
     ]
 )
 
@@ -105,6 +128,35 @@ def _generation_spans(samples: list[ChainSample]) -> ipc.Column:
     flat = np.concatenate(spans) if spans else np.zeros((0, 2), np.int64)
     pairs = ipc.Column(flat.shape[0], 0, (b"",), (ipc.primitive(flat.astype("<i8")),))
     return ipc.list_of(pairs, [s.shape[0] for s in spans])
+
+
+def _sources(samples: list[ChainSample]) -> ipc.Column:
+    """list<utf8>: each path call's source (the npz's ``""``, unknown, as null)."""
+    rows = [[str(v) or None for v in s.arrays.get("weight_version_sources", ())] for s in samples]
+    return ipc.list_of(ipc.strings([v for row in rows for v in row]), [len(r) for r in rows])
+
+
+def _version_spans(samples: list[ChainSample]) -> ipc.Column:
+    """list<struct<version, start, end>>: each sample's version index as runs."""
+    rows = [
+        sequence_spans(
+            [str(v) for v in s.arrays["weight_versions"]], s.arrays["weight_version_index"]
+        )
+        if "weight_version_index" in s.arrays
+        else []
+        for s in samples
+    ]
+    flat = [span for row in rows for span in row]
+    bounds = np.array([(a, b) for _, a, b in flat], "<i8").reshape(-1, 2)
+    spans = ipc.structs(
+        len(flat),
+        [
+            ipc.strings([v for v, _, _ in flat]),
+            ipc.primitive(np.ascontiguousarray(bounds[:, 0])),
+            ipc.primitive(np.ascontiguousarray(bounds[:, 1])),
+        ],
+    )
+    return ipc.list_of(spans, [len(row) for row in rows])
 
 
 def _lineage(manifest: dict[str, Any], chain_id: str) -> str:
@@ -154,6 +206,8 @@ def rollout_columns(
         "task_id": ipc.strings([metadata.task_id] * n),
         "tags": ipc.maps(tag_rows, None),
         "lineage": ipc.strings([_lineage(manifest, s.chain_id) for s in samples]),
+        "weight_version_spans": _version_spans(samples),
+        "weight_version_sources": _sources(samples),
     }
     return [columns[f.name] for f in SCHEMA]
 

@@ -16,7 +16,16 @@ arrays over the leaf's full sequence (its prompt + generation):
 - ``routed_experts``: ``[seq, num_layers, top_k]`` (uint8/uint16/int32, the widest of the
   path's calls) with ``routed_experts_mask`` uint8 ``[seq]`` (1 where a row is present; a
   position takes the row of the first path call that holds one), only when a path call has
-  routed experts.
+  routed experts;
+- ``weight_version_index``: int16 ``[seq]`` (int32 past 32,767 versions), beside
+  ``loss_mask``: each generated position's index in ``weight_versions``, the weight version
+  that sampled it, and -1 on prompt and interstitial positions and on generated ones of no
+  known version (``core.weight_versions``);
+  ``weight_versions``: unicode ``[num_versions]``, the versions of the sample, oldest first
+  (integer versions as integers, any other version older than every integer one);
+  ``weight_version_sources``: unicode ``[num_calls]``, each path call's
+  ``weight_version_source`` (``engine_spans`` | ``engine_reported`` | ``observed``; ``""``
+  when unknown), in path order.
 
 Pure: no I/O; the archive format (zip of ``.npz``) is in ``write_archive`` / ``read_archive``.
 """
@@ -32,7 +41,9 @@ from typing import IO, Any
 import numpy as np
 
 from capture_proxy.core.chains import Chain, RolloutChains
+from capture_proxy.core.records import CallRecord
 from capture_proxy.core.routed_experts import align_to_sequence
+from capture_proxy.core.weight_versions import path_versions
 
 ARCHIVE_FORMAT = "capture-proxy.chains.npz"
 ARCHIVE_VERSION = 1
@@ -59,54 +70,74 @@ def _path(chain: Chain, leaf: str) -> list[str]:
     return out[::-1]
 
 
-def chain_samples(chain: Chain) -> list[ChainSample]:
-    """The samples of ``chain``, one per leaf in chain order. Raises ValueError when a path
-    call's tokens are not a prefix of the leaf's sequence (chains guarantee they are)."""
+def sample_paths(chain: Chain) -> list[list[CallRecord]]:
+    """The chain's root-to-leaf paths (root first), one per leaf in chain order."""
     by_id = {r.call_id: r for r in chain.calls}
     has_child = {p for p in chain.parent_of.values() if p is not None}
-    out = []
-    for leaf in (r for r in chain.calls if r.call_id not in has_child):
-        path = [by_id[c] for c in _path(chain, leaf.call_id)]
-        input_ids = leaf.full_token_ids()
-        seq = int(input_ids.shape[0])
-        loss_mask = np.zeros(seq, np.uint8)
-        log_probs = np.zeros(seq, np.float32)
-        spans = np.zeros((len(path), 2), np.int64)
-        for i, rec in enumerate(path):
-            start, end = rec.num_prompt_tokens, rec.num_prompt_tokens + rec.num_generation_tokens
-            if not np.array_equal(input_ids[:end], rec.full_token_ids()):
-                raise ValueError(f"call {rec.call_id} does not prefix {leaf.call_id}'s sequence")
-            loss_mask[start:end] = 1
-            log_probs[start:end] = rec.generation_log_probs
-            spans[i] = (start, end)
-        arrays: dict[str, np.ndarray] = {
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "log_probs": log_probs,
-            "generation_spans": spans,
-            "call_ids": np.array([r.call_id for r in path], dtype=np.str_),
-        }
-        aligned = align_to_sequence(
-            [
-                (r.routed_experts, r.routed_experts_start)
-                for r in path
-                if r.routed_experts is not None
-            ],
-            seq,
-        )
-        if aligned is not None:
-            arrays["routed_experts"], arrays["routed_experts_mask"] = aligned
-        out.append(ChainSample(chain.chain_id, leaf.call_id, arrays))
-    return out
+    return [
+        [by_id[c] for c in _path(chain, leaf.call_id)]
+        for leaf in chain.calls
+        if leaf.call_id not in has_child
+    ]
+
+
+def path_sample(chain_id: str, path: list[CallRecord]) -> ChainSample:
+    """The sample of one root-to-leaf ``path`` (root first). Raises ValueError when a path
+    call's tokens are not a prefix of the leaf's sequence (chains guarantee they are)."""
+    leaf = path[-1]
+    input_ids = leaf.full_token_ids()
+    seq = int(input_ids.shape[0])
+    loss_mask = np.zeros(seq, np.uint8)
+    log_probs = np.zeros(seq, np.float32)
+    spans = np.zeros((len(path), 2), np.int64)
+    for i, rec in enumerate(path):
+        start, end = rec.num_prompt_tokens, rec.num_prompt_tokens + rec.num_generation_tokens
+        if not np.array_equal(input_ids[:end], rec.full_token_ids()):
+            raise ValueError(f"call {rec.call_id} does not prefix {leaf.call_id}'s sequence")
+        loss_mask[start:end] = 1
+        log_probs[start:end] = rec.generation_log_probs
+        spans[i] = (start, end)
+    table, version_index = path_versions(path)
+    arrays: dict[str, np.ndarray] = {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "log_probs": log_probs,
+        "generation_spans": spans,
+        "call_ids": np.array([r.call_id for r in path], dtype=np.str_),
+        "weight_version_index": version_index,
+        "weight_versions": np.array(table, dtype=np.str_),
+        "weight_version_sources": np.array(
+            [r.weight_version_source or "" for r in path], dtype=np.str_
+        ),
+    }
+    aligned = align_to_sequence(
+        [(r.routed_experts, r.routed_experts_start) for r in path if r.routed_experts is not None],
+        seq,
+    )
+    if aligned is not None:
+        arrays["routed_experts"], arrays["routed_experts_mask"] = aligned
+    return ChainSample(chain_id, leaf.call_id, arrays)
+
+
+def chain_samples(chain: Chain) -> list[ChainSample]:
+    """The samples of ``chain``, one per leaf in chain order (``path_sample``)."""
+    return [path_sample(chain.chain_id, path) for path in sample_paths(chain)]
 
 
 def write_archive(
-    chains: RolloutChains, out: IO[bytes], extra: dict[str, Any] | None = None
+    chains: RolloutChains,
+    out: IO[bytes],
+    extra: dict[str, Any] | None = None,
+    samples: list[ChainSample] | None = None,
 ) -> None:
     """Write a zip archive: ``manifest.json`` and one ``<chain_id>/<leaf_call_id>.npz`` per
     sample (uncompressed ``np.savez`` members, so a loader can memory-map or stream them).
-    ``manifest.json``: ``{"format", "version", "rollout_id", "samples": [{"file",
-    "chain_id", "leaf_call_id", "call_ids", "num_tokens"}], **extra}``."""
+    ``samples``: the samples to write (default: every sample of ``chains``; a version filter
+    passes the ones it keeps). ``manifest.json``: ``{"format", "version", "rollout_id",
+    "samples": [{"file", "chain_id", "leaf_call_id", "call_ids", "num_tokens",
+    "weight_versions"}], **extra}``."""
+    if samples is None:
+        samples = [s for chain in chains.chains for s in chain_samples(chain)]
     manifest: dict[str, Any] = {
         "format": ARCHIVE_FORMAT,
         "version": ARCHIVE_VERSION,
@@ -115,23 +146,23 @@ def write_archive(
         **(extra or {}),
     }
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
-        for chain in chains.chains:
-            for sample in chain_samples(chain):
-                name = f"{sample.chain_id}/{sample.leaf_call_id}.npz"
-                buf = io.BytesIO()
-                # allow_pickle is numpy's default, named so the type checker does not match
-                # the array kwargs to it.
-                np.savez(buf, allow_pickle=True, **sample.arrays)
-                zf.writestr(name, buf.getvalue())
-                manifest["samples"].append(
-                    {
-                        "file": name,
-                        "chain_id": sample.chain_id,
-                        "leaf_call_id": sample.leaf_call_id,
-                        "call_ids": sample.call_ids,
-                        "num_tokens": int(sample.arrays["input_ids"].shape[0]),
-                    }
-                )
+        for sample in samples:
+            name = f"{sample.chain_id}/{sample.leaf_call_id}.npz"
+            buf = io.BytesIO()
+            # allow_pickle is numpy's default, named so the type checker does not match the
+            # array kwargs to it.
+            np.savez(buf, allow_pickle=True, **sample.arrays)
+            zf.writestr(name, buf.getvalue())
+            manifest["samples"].append(
+                {
+                    "file": name,
+                    "chain_id": sample.chain_id,
+                    "leaf_call_id": sample.leaf_call_id,
+                    "call_ids": sample.call_ids,
+                    "num_tokens": int(sample.arrays["input_ids"].shape[0]),
+                    "weight_versions": [str(v) for v in sample.arrays.get("weight_versions", ())],
+                }
+            )
         zf.writestr("manifest.json", json.dumps(manifest, ensure_ascii=False))
 
 

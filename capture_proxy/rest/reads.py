@@ -39,10 +39,13 @@ from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
 from capture_proxy.core.summary import link_stats, main_chain
+from capture_proxy.core.weight_filter import WeightFilter, select
+from capture_proxy.core.weight_versions import rollout_summary as rollout_weight_versions
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
 
 REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)
@@ -100,6 +103,8 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "model": record.model,
         "stream": record.stream,
         "prompt_mode": record.prompt_mode,
+        "weight_versions": record.weight_versions,
+        "weight_version_source": record.weight_version_source,
         "finish_reason": record.finish_reason,
         "usage": record.usage,
         "num_prompt_tokens": record.num_prompt_tokens,
@@ -284,6 +289,7 @@ def _summary_json(
             "prompt_modes": dict(
                 sorted(Counter(r.prompt_mode for r in records if r.prompt_mode).items())
             ),
+            **rollout_weight_versions(records),
             "chains": [
                 {
                     "chain_id": c.chain_id,
@@ -313,19 +319,25 @@ async def get_rollout(request: web.Request) -> web.Response:
     return _json(await _off_loop(request, _summary_json, info, records, state, episodes))
 
 
-def _chains_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+def _chains_json(
+    info: RolloutInfo, records: list[CallRecord], state: RolloutState, wf: WeightFilter | None
+) -> bytes:
     chains = build_chains(info.rollout_id, records)
+    selection = select(chains, wf) if wf is not None else None
+    kept = selection.call_ids() if selection is not None else None
+    report = selection.report if selection is not None else None
     calls = {
         r.call_id: call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False)
         for chain in chains.chains
         for r in chain.calls
+        if kept is None or r.call_id in kept
     }
     try:
         # One call per serialisation, spliced in whole: the GIL passes between calls.
         fragments = {k: orjson.Fragment(dumps(v)) for k, v in calls.items()}
-        return orjson.dumps(_chains_body(info, records, state, chains, fragments))
+        return orjson.dumps(_chains_body(info, records, state, chains, fragments, report))
     except TypeError:  # something outside the calls orjson refuses: all of it the slow way
-        return dumps(_chains_body(info, records, state, chains, calls))
+        return dumps(_chains_body(info, records, state, chains, calls, report))
 
 
 def _chains_body(
@@ -334,7 +346,11 @@ def _chains_body(
     state: RolloutState,
     chains: RolloutChains,
     calls: dict[str, Any],
+    weight_report: dict[str, Any] | None,
 ) -> dict[str, Any]:
+    """``calls``: the kept calls' JSON by call id (every chain call without a weight filter;
+    ``weight_report``: the filter's, ``core.weight_filter``); a chain none of whose calls is
+    kept is left out."""
     lineage = lineage_json(find_lineage(chains))
     return {
         "rollout_id": info.rollout_id,
@@ -342,14 +358,16 @@ def _chains_body(
             {
                 "chain_id": chain.chain_id,
                 "lineage": lineage.get(chain.chain_id, []),
-                "calls": [calls[r.call_id] for r in chain.calls],
+                "calls": [calls[r.call_id] for r in chain.calls if r.call_id in calls],
             }
             for chain in chains.chains
+            if any(r.call_id in calls for r in chain.calls)
         ],
         "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
         "main_chain_id": _main_chain_id(chains),
         "incomplete": state.incomplete,
         "diagnostics": _diagnostics(info, records, state),
+        "weight_filter": weight_report,
         **lifecycle_json(info),
     }
 
@@ -382,29 +400,35 @@ def archive_manifest(
     }
 
 
-def _chains_npz(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+def _chains_npz(
+    info: RolloutInfo, records: list[CallRecord], state: RolloutState, wf: WeightFilter | None
+) -> bytes:
     chains = build_chains(info.rollout_id, records)
+    selection = select(chains, wf)
     buf = io.BytesIO()
-    write_archive(chains, buf, archive_manifest(info, chains, state))
+    manifest = {**archive_manifest(info, chains, state), "weight_filter": selection.report}
+    write_archive(chains, buf, manifest, samples=selection.samples())
     return buf.getvalue()
 
 
 async def get_rollout_chains(request: web.Request) -> web.Response:
     """JSON by default; ``?format=npz``: a zip of one ``.npz`` per chain path plus
-    ``manifest.json`` for training loaders (see ``core.samples``, ``readers.load_chains``)."""
+    ``manifest.json`` for training loaders (see ``core.samples``, ``readers.load_chains``).
+    Both take the weight-version filter (``rest.weight_query``)."""
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be json or npz", param="format", code="invalid_format")
+    wf = weight_filter(request)
     info, records = await _load(request)
     state = RolloutState(info, request.app[RECORDER_KEY])
     if fmt == "npz":
         disposition = f'attachment; filename="{info.rollout_id}.chains.zip"'
         return web.Response(
-            body=await _off_loop(request, _chains_npz, info, records, state),
+            body=await _off_loop(request, _chains_npz, info, records, state, wf),
             content_type="application/zip",
             headers={"Content-Disposition": disposition},
         )
-    return _json(await _off_loop(request, _chains_json, info, records, state))
+    return _json(await _off_loop(request, _chains_json, info, records, state, wf))
 
 
 async def get_call(request: web.Request) -> web.Response:

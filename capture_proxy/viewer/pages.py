@@ -31,6 +31,7 @@ from capture_proxy.core.view.rollouts import (
     matches,
     rollout_row,
 )
+from capture_proxy.core.weight_versions import tokens_by_version
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
 from capture_proxy.proxy.errors import NotFound
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
@@ -250,7 +251,8 @@ def _rollout_model(rollout_id: str, records: list[CallRecord]) -> dict[str, Any]
     stats = link_stats(records, chains)
     lineage = find_lineage(chains)
     episode = episode_rows(records, chains, lineage) if lineage else []
-    return {"tree": tree, "stats": stats, "episode": episode}
+    versions = tokens_by_version(records)
+    return {"tree": tree, "stats": stats, "episode": episode, "weight_versions": versions}
 
 
 async def rollout_page(request: web.Request) -> web.Response:

@@ -45,6 +45,13 @@ PA_SCHEMA = pa.schema(
         ("task_id", pa.string()),
         ("tags", pa.map_(pa.string(), pa.string())),
         ("lineage", pa.string()),
+        (
+            "weight_version_spans",
+            pa.list_(
+                pa.struct([("version", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
+            ),
+        ),
+        ("weight_version_sources", pa.list_(pa.string())),
     ],
     metadata=SCHEMA_METADATA,
 )
@@ -58,11 +65,26 @@ def _sample(chain_id: str, leaf: str, calls: list[str], seq: int, experts: bool)
         "loss_mask": (rng.random(seq) < 0.5).astype(np.uint8),
         "log_probs": np.where(rng.random(seq) < 0.5, -rng.random(seq), 0.0).astype(np.float32),
         "generation_spans": np.array([[2, 5], [7, seq]][: len(calls)], np.int64),
+        "weight_version_index": rng.integers(-1, 2, seq).astype(np.int32),
+        "weight_versions": np.array(["default", "12"]),
+        "weight_version_sources": np.array(["engine_spans", ""][: len(calls)]),
     }
     if experts:
         arrays["routed_experts"] = rng.integers(0, 300, (seq, 4, 2)).astype(np.uint16)
         arrays["routed_experts_mask"] = np.ones(seq, np.uint8)
     return ChainSample(chain_id, leaf, arrays)
+
+
+def _runs(sample: ChainSample) -> list[dict]:
+    """The sample's version index as runs, by a plain loop over the positions."""
+    table, index = sample.arrays["weight_versions"], sample.arrays["weight_version_index"]
+    runs: list[dict] = []
+    for position, i in enumerate(index.tolist()):
+        if runs and runs[-1]["end"] == position and runs[-1]["index"] == i:
+            runs[-1]["end"] += 1
+        elif i >= 0:
+            runs.append({"index": i, "start": position, "end": position + 1})
+    return [{"version": str(table[r["index"]]), "start": r["start"], "end": r["end"]} for r in runs]
 
 
 def _reference_batch(manifest: dict, samples: list[ChainSample], meta: RolloutMetadata):
@@ -95,6 +117,11 @@ def _reference_batch(manifest: dict, samples: list[ChainSample], meta: RolloutMe
         "lineage": [
             json.dumps((manifest.get("lineage") or {}).get(s.chain_id, []), sort_keys=True)
             for s in samples
+        ],
+        "weight_version_spans": [_runs(s) for s in samples],
+        # the npz's "" (unknown) is null in Arrow
+        "weight_version_sources": [
+            [v or None for v in s.arrays["weight_version_sources"].tolist()] for s in samples
         ],
     }
     return pa.RecordBatch.from_arrays(
@@ -161,6 +188,9 @@ def test_pyarrow_reads_exactly_what_its_own_writer_would_have_written():
     first = got[0].batch.to_pylist()[0]
     assert first["named_rewards"] == [("pass", 1.0), ("style", 0.5)]
     assert first["routed_experts_shape"] == [40, 4, 2]
+    assert first["weight_version_spans"] == _runs(ROLLOUTS[0][1][0])
+    assert first["weight_version_sources"] == ["engine_spans", None]
+    assert reader.schema.metadata[b"version"] == b"2"
     assert got[2].batch.num_rows == 0
 
 
