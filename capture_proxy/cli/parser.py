@@ -135,6 +135,21 @@ def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--max-model-len", dest="max_model_len", type=int)
     serve.add_argument(
+        "--weight-version-poll",
+        dest="weight_version_poll_s",
+        type=float,
+        metavar="SECONDS",
+        help="read each engine's GET /weight_info this often, off the calls' path (default 1)",
+    )
+    serve.add_argument(
+        "--engine-pause-wait",
+        dest="engine_pause_wait_s",
+        type=float,
+        metavar="SECONDS",
+        help="after an engine abort (a weight update), wait this long for it to serve again "
+        "before the call ends with a retryable error (default 900)",
+    )
+    serve.add_argument(
         "--exact-full-render",
         dest="exact_prompt_full_render",
         action="store_const",

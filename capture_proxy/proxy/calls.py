@@ -60,6 +60,13 @@ class CaptureDeps:
     request_timeout: aiohttp.ClientTimeout | None = None
 
     @property
+    def head_timeout_s(self) -> float | None:
+        """The longest wait for the engine's response head: the first-byte timeout, and the
+        read timeout (no byte for that long) when it is shorter."""
+        limits = [t for t in (self.first_byte_timeout_s, self.read_timeout_s) if t is not None]
+        return min(limits) if limits else None
+
+    @property
     def known_messages(self) -> KnownMessages:
         """Facts of the messages of earlier requests (validation, digests, canonical texts):
         the process's, kept by the linker with its other memory of recent calls."""

@@ -155,6 +155,7 @@ class CallExecutor:
         deps = self.deps
         t0 = time.perf_counter()
         watcher = deps.weights
+        version = self._version()  # as the request goes out (a whole answer's head comes late)
         if self.upstream is not None:  # a continuation after an abort: the last one is done
             await self.close()
             self._pieces = None
@@ -163,7 +164,7 @@ class CallExecutor:
                 deps.session,
                 "POST",
                 deps.backend + c.path,
-                first_byte_timeout_s=deps.first_byte_timeout_s,
+                first_byte_timeout_s=deps.head_timeout_s,
                 connect_retries=deps.connect_retries,
                 still_waiting=watcher.still_paused if watcher is not None else None,
                 data=c.body,
@@ -182,7 +183,7 @@ class CallExecutor:
             upstream.status,
             content_type.startswith("text/event-stream"),
             upstream.reason,
-            self._version(),
+            version,
         )
 
     async def _read_body(self, c: cmd.ReadEngineBody) -> ev.EngineBody | ev.EngineFailed:

@@ -86,6 +86,8 @@ def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
 
 #: continuations of one call after engine aborts (one per weight update; more is a loop)
 MAX_RESUMES = 8
+#: sampling fields whose constraint an engine applies from a request's first generated token
+CONSTRAINED = frozenset({"structured_outputs", "response_format"})
 
 
 def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Clock) -> Flow[Outcome]:
@@ -229,6 +231,14 @@ class _Generation:
         generated = len(asm.token_ids)
         if len(self.resumes) >= MAX_RESUMES:
             self.aborted = f"the engine aborted the generation {MAX_RESUMES + 1} times"
+            return "stopped"
+        constrained = sorted(CONSTRAINED & self.sampling.extra.keys())
+        if constrained:
+            # The grammar would start again at the continuation's first token.
+            self.aborted = (
+                f"a constrained generation ({', '.join(constrained)}) cannot be continued "
+                "exactly after the engine aborted it"
+            )
             return "stopped"
         started = asm.segment.observed.last or asm.segment.observed.first
         t_wait = self.clock()
