@@ -232,19 +232,27 @@ async def test_keep_and_wait_hold_the_call(
 async def _audit_passes(store_dir: Path, rollout: str) -> None:
     torch = pytest.importorskip("torch", reason="the audit extra: scripts/install-audit")
     del torch
+    from capture_proxy.audit.compare import Thresholds
     from capture_proxy.audit.model import AuditModel, ModelOptions
     from capture_proxy.audit.run import AuditOptions, load_samples, run_audit
-    from tests.realengine.test_audit import BF16_TOLERANCE, MODELS
+    from tests.realengine.test_audit import MODELS
 
+    # test_audit's bf16 tolerance was measured on 16-token answers; over 600 tokens vLLM's and
+    # transformers' bf16 kernels drift further apart on a few tokens (max 0.0215 seen), while
+    # a log prob of the wrong context (a bad stitch) is off by 0.1-0.5 (test_audit's figures).
+    long_bf16 = Thresholds(
+        token_delta=0.05, max_mean_abs_delta=0.005, max_fraction_over=0.0, max_k3=1e-4
+    )
     samples = await asyncio.to_thread(
         load_samples, AuditOptions(str(store_dir), rollout_ids=[rollout])
     )
     model = AuditModel(ModelOptions(MODELS / VLLM_MODEL, dtype="bfloat16"))
-    result = run_audit(samples, model, None, AuditOptions("test", thresholds=BF16_TOLERANCE))
+    result = run_audit(samples, model, None, AuditOptions("test", thresholds=long_bf16))
     lp = result.document["log_probs"]
     print(
         f"audit of {rollout}: {lp['num_compared']} tokens, mean |delta| "
-        f"{lp['mean_abs_delta']:.5f}, max {lp['max_abs_delta']:.5f}"
+        f"{lp['mean_abs_delta']:.5f}, max {lp['max_abs_delta']:.5f}; worst "
+        f"{[(w['position'], round(w['delta'], 4)) for w in result.document['worst'][:3]]}"
     )
     assert lp["num_compared"] == MAX_TOKENS
     assert result.passed, result.failures

@@ -14,11 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import orjson
 
 from capture_proxy.core.assembly import mark_incomplete, stream_end_reasons
-from capture_proxy.core.engine_formats import EngineFormatError, IncrementalText, Piece, Reader
+from capture_proxy.core.engine_formats import EngineFormatError, Reader
 from capture_proxy.core.flow.call import (
     Call,
     Clock,
@@ -34,7 +33,6 @@ from capture_proxy.core.flow.call import (
 from capture_proxy.core.flow.commands import (
     READ_ENGINE,
     AskEngineFacts,
-    AwaitEngineServing,
     EndClient,
     ReadEngineBody,
     RespondJson,
@@ -56,16 +54,15 @@ from capture_proxy.core.flow.events import (
     EngineFacts,
     EngineFailed,
     EngineResponded,
-    EngineServing,
 )
 from capture_proxy.core.flow.prompt import ExactFamily, exact_prompt
+from capture_proxy.core.flow.resume import resume
 from capture_proxy.core.fronts.base import Answer
 from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
 from capture_proxy.core.sampling import (
     Sampling,
-    continued_sampling,
     sampling_from_chat,
     sampling_record_tokens_in,
 )
@@ -82,12 +79,6 @@ def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
     if engine_reason in ("length", "abort"):
         return engine_reason
     return "tool_calls" if has_tool_calls else "stop"
-
-
-#: continuations of one call after engine aborts (one per weight update; more is a loop)
-MAX_RESUMES = 8
-#: sampling fields whose constraint an engine applies from a request's first generated token
-CONSTRAINED = frozenset({"structured_outputs", "response_format"})
 
 
 def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Clock) -> Flow[Outcome]:
@@ -223,95 +214,7 @@ class _Generation:
         )
 
     def _resume(self) -> Flow[str]:
-        """After the engine aborted the generation: wait until it serves again, then send the
-        continuation (the prompt and every token so far, the rest of ``max_tokens``).
-        ``"continued"``: its response is open; ``"left"``: the harness left; ``"stopped"``:
-        not continued, ``aborted`` says why."""
-        asm = self.asm
-        generated = len(asm.token_ids)
-        if len(self.resumes) >= MAX_RESUMES:
-            self.aborted = f"the engine aborted the generation {MAX_RESUMES + 1} times"
-            return "stopped"
-        constrained = sorted(CONSTRAINED & self.sampling.extra.keys())
-        if constrained:
-            # The grammar would start again at the continuation's first token.
-            self.aborted = (
-                f"a constrained generation ({', '.join(constrained)}) cannot be continued "
-                "exactly after the engine aborted it"
-            )
-            return "stopped"
-        started = asm.segment.observed.last or asm.segment.observed.first
-        t_wait = self.clock()
-        waited = yield AwaitEngineServing()
-        if isinstance(waited, ClientLeft):
-            return "left"
-        if isinstance(waited, EngineFailed):
-            self.aborted = (
-                f"the engine aborted the generation and did not serve again: {waited.message}"
-            )
-            return "stopped"
-        assert isinstance(waited, EngineServing)
-        changed = None not in (started, waited.weight_version) and started != waited.weight_version
-        if waited.paused is False and not changed:
-            self.aborted = (
-                "the engine aborted the generation while neither paused nor updated (a request "
-                "aborted on the engine, e.g. /abort_requests): not continued"
-            )
-            return "stopped"
-        prompt_ids = np.concatenate(
-            [asm.prompt_token_ids, np.asarray(asm.token_ids, dtype=asm.prompt_token_ids.dtype)]
-        )
-        prompt_json = prompt_ids_json(prompt_ids)
-        experts_start = int(prompt_ids.shape[0]) - 1
-        body = self.exact.dialect.request(
-            orjson.Fragment(prompt_json),
-            continued_sampling(self.sampling, generated),
-            stream=self.call.ctx.stream,
-            model=self.call.prepared.body.get("model"),
-            experts_start=experts_start,
-        )
-        reply = yield SendToEngine(self.exact.dialect.path, orjson.dumps(body), False)
-        if isinstance(reply, ClientLeft):
-            return "left"
-        if isinstance(reply, EngineFailed):
-            self.aborted = f"continuing the aborted generation failed: {reply.message}"
-            return "stopped"
-        assert isinstance(reply, EngineResponded)
-        if reply.status >= 400 or reply.event_stream != self.call.ctx.stream:
-            got = yield ReadEngineBody()
-            size = len(got.data) if isinstance(got, EngineBody) else 0
-            self.aborted = (
-                f"the engine answered the continuation of the aborted generation with HTTP "
-                f"{reply.status} ({size} bytes)"
-            )
-            return "stopped"
-        self.resumes.append(
-            {
-                "at_token": generated,
-                "waited_ms": round((self.clock() - t_wait) * 1000.0, 3),
-                "paused": waited.paused,
-                "from_version": started,
-                "to_version": waited.weight_version,
-            }
-        )
-        asm.begin_continuation(prompt_json, experts_start)
-        asm.observe(reply.weight_version)
-        self.reader = self._continued_reader()
-        return "continued"
-
-    def _continued_reader(self) -> Reader:
-        """A continuation's reader: the same one where it decodes the ids itself (its text
-        state goes on), else a new one whose text is decoded locally from every id of the
-        call when a tokenizer is at hand (the engine's text of a continuation starts at its
-        own first token, which may end a character the abort split)."""
-        if self.exact.dialect.needs_decode:
-            return self.reader
-        fresh = self.exact.dialect.reader(self.exact.decode)
-        if self.exact.decode is None:
-            return fresh
-        return _LocallyDecoded(
-            fresh, self.exact.decode, self.asm.token_ids, self.asm.generated_text
-        )
+        return (yield from resume(self))
 
     def _read_whole(self, status: int) -> Flow[Outcome | None]:
         """Read one engine body into the assembler (None), or record the call abandoned."""
@@ -424,27 +327,6 @@ class _Generation:
             events += encoder.finish(self.answer(message, finish_reason))
         yield EndClient(b"".join(events))
         return Outcome(record)
-
-
-class _LocallyDecoded:
-    """A continuation's reader whose pieces' text is decoded locally from every id of the
-    call so far (``decode``), picking up after the text already given."""
-
-    def __init__(self, inner: Reader, decode: Any, ids: list[int], text_so_far: str) -> None:
-        self.inner = inner
-        self.text = IncrementalText(decode)
-        self.text.ids = list(ids)
-        self.text.sent = len(text_so_far)
-
-    def whole(self, body: dict[str, Any]) -> Piece:
-        piece = self.inner.whole(body)
-        piece.text = self.text.add(piece.token_ids, final=True)
-        return piece
-
-    def chunk(self, body: dict[str, Any]) -> Piece:
-        piece = self.inner.chunk(body)
-        piece.text = self.text.add(piece.token_ids, final=piece.finish_reason is not None)
-        return piece
 
 
 class _ReadFailed(Exception):
