@@ -10,11 +10,12 @@ of ``generation_token_ids`` indexes, in order, covering every generated token (v
 - ``engine_reported``: the engine named one version for the answer (SGLang
   ``meta_info.weight_version``), taken for all its tokens;
 - ``observed``: the proxy's cached reading of the engine's ``GET /weight_info`` when the call
-  was sent, and again when a change was seen between two engine reads (streams) or at the end
-  (whole answers). A change inside a call is then a bound, not a boundary: the new version's
-  span starts where the proxy first saw it, at or after the true boundary. A whole answer
-  whose version changed keeps the older version for every token (the conservative staleness)
-  and says so in a ``weight_version_changed`` diagnostic.
+  was sent, and again between engine reads and at the end. Where a change inside a call fell
+  is not known: the proxy may read tokens the engine sampled before the change (buffered in
+  its socket) after it has seen the change. So every token keeps the version the call
+  started under (staleness is never undercounted) and a ``weight_version_changed`` diagnostic
+  names the change and the tokens it may have fallen in: ``tokens: [first, end)``, from the
+  first token read after the change was seen (0 for a whole answer) to the segment's end.
 
 A call continued after an engine abort has one segment per engine request; each segment's
 spans are offset by the tokens before it and the weakest source of the segments is the call's.
@@ -133,20 +134,16 @@ class WeightVersions:
 
     def _observed(self, seen: Observation, base: int, num_tokens: int, whole: bool) -> None:
         assert seen.first is not None
-        if whole and seen.changes:
-            # One answer: where the change fell is unknown; the older version is kept for
-            # every token (staleness is never undercounted) and the change is said.
-            _append(self.spans, seen.first, base, base + num_tokens)
+        _append(self.spans, seen.first, base, base + num_tokens)
+        if seen.changes:
+            first_after = 0 if whole else min(seen.changes[0][0], num_tokens)
             self.changed.append(
-                {"from": seen.first, "to": seen.changes[-1][1], "tokens": [base, base + num_tokens]}
+                {
+                    "from": seen.first,
+                    "to": seen.changes[-1][1],
+                    "tokens": [base + first_after, base + num_tokens],
+                }
             )
-            return
-        version, at = seen.first, 0
-        for change_at, new in seen.changes:
-            cut = min(max(change_at, at), num_tokens)
-            _append(self.spans, version, base + at, base + cut)
-            version, at = new, cut
-        _append(self.spans, version, base + at, base + num_tokens)
 
     def _weakest(self, source: str) -> None:
         if self.source is None or _STRENGTH[source] < _STRENGTH[self.source]:
