@@ -38,6 +38,7 @@ from capture_proxy.scripted_engine.state import (
     SENT_CALLS,
     RequestError,
     SentCall,
+    check_model,
 )
 
 
@@ -176,6 +177,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             failed[0] += 1
             raise RequestError("scripted failure", None, cfg.fail_status)
     validate_chat(body)
+    check_model(app, body)
     prompt = _chat_prompt(app, body)
     gen = _chat_generation(app, body, prompt)
     stream = body.get("stream") is True
