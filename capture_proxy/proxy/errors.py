@@ -19,7 +19,8 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     +-- Unauthorized                  (401, "authentication_error")
     +-- UpstreamUnavailable           (502, "upstream_error": engine unreachable or broken)
     +-- ServiceUnavailable            (503, "server_error": the store refused the call's
-    |                                 record; ``Retry-After``)
+    |                                 record, or failed a read or a lifecycle step;
+    |                                 ``Retry-After``)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
@@ -59,6 +60,7 @@ from capture_proxy.core.redact import redact_text
 from capture_proxy.core.routing import api_path_of
 from capture_proxy.core.sampling import SamplingError
 from capture_proxy.families.base import RenderError, RendererUnavailable
+from capture_proxy.store.base import StoreError
 
 log = logging.getLogger("capture_proxy")
 
@@ -246,6 +248,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         what = exc.message if exc.status >= 500 else exc.code or exc.error_type
         log_rejected(request, exc.status, what)
         return error_response(exc, request)
+    except StoreError as exc:
+        if type(exc) is not StoreError:  # its subclasses are answers the handlers give
+            raise
+        # The store failed (a full disk, a database that refuses writes or is gone): a retry
+        # may succeed, not a bug of the proxy's.
+        unavailable = ServiceUnavailable(
+            f"the capture store failed: {exc}", code="store_unavailable"
+        )
+        log_rejected(request, unavailable.status, unavailable.message)
+        return error_response(unavailable, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -49,6 +49,11 @@ class Switchable(SQLiteStore):
             raise StoreError("database or disk is full (injected)")
         return await super().mark_rollout_incomplete(rollout_id, diagnostic)
 
+    async def freeze_rollout(self, rollout_id, *, known_elsewhere=False):
+        if self.full:
+            raise StoreError(f"freezing rollout {rollout_id} failed: disk I/O error (injected)")
+        return await super().freeze_rollout(rollout_id, known_elsewhere=known_elsewhere)
+
 
 def _event_names(reply: Reply) -> list[str]:
     names = []
@@ -248,3 +253,20 @@ async def test_losses_unmarked_at_shutdown_are_logged(make_stack: MakeStack, tmp
         line.startswith("rollout r9: 1 call(s) answered but not stored") and reply.call_id in line
         for line in lines
     ), lines
+
+
+async def test_a_lifecycle_step_the_store_fails_is_a_retryable_503(make_stack: MakeStack, tmp_path):
+    stack = await _stack(make_stack, tmp_path, "backend_template")
+    h = harness("chat_completions", stack, "r1", stream=False)
+    assert (await h.step()).status == 200
+    stack.client.app[RECORDER_KEY].store.full = True
+    resp = await stack.client.post("/captures/rollouts/r1/freeze")
+    assert resp.status == 503  # not a 500 "internal proxy error"
+    assert resp.headers["Retry-After"] == str(STORE_RETRY_AFTER_S)
+    error = (await resp.json())["error"]
+    assert (error["type"], error["code"]) == ("server_error", "store_unavailable")
+    assert error["message"] == (
+        "the capture store failed: freezing rollout r1 failed: disk I/O error (injected)"
+    )
+    stack.client.app[RECORDER_KEY].store.full = False
+    assert (await stack.client.post("/captures/rollouts/r1/freeze")).status == 200
