@@ -74,7 +74,7 @@ class StoreUnavailable(CallError):
     """The call's record could not be stored, so the call is not answered as a success
     (setting ``store_failure = refuse``): a retryable error for the harness. Raised by
     ``core.flow.call.finish`` before any answer is sent; a stream whose headers are out ends
-    with its API's in-band error instead (``call.end_refused_stream``)."""
+    with its API's in-band error instead (``call.refused_stream_end``)."""
 
     def __init__(self, call_id: str) -> None:
         super().__init__(
