@@ -48,6 +48,7 @@ from capture_proxy.proxy.keys import (
 )
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
+from capture_proxy.proxy.periodic import every
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.status import health, metrics
@@ -174,20 +175,13 @@ def tombstone_sweeper(
     @contextlib.asynccontextmanager
     async def sweeper(app: web.Application) -> AsyncIterator[None]:
         store = app[STORE_KEY]
-
-        async def loop() -> None:
-            while True:
-                await sweep_tombstones(store, retention_s)
-                await asyncio.sleep(sweep_interval_s(retention_s))
-
-        task = asyncio.create_task(loop(), name="capture-tombstone-sweeper")
-        app[SWEEPER_KEY] = task
-        try:
+        async with every(
+            sweep_interval_s(retention_s),
+            lambda: sweep_tombstones(store, retention_s),
+            name="capture-tombstone-sweeper",
+        ) as task:
+            app[SWEEPER_KEY] = task
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     return sweeper
 
@@ -219,7 +213,10 @@ def build_proxy_app(
         app[METRICS_KEY], refuse=settings.uncaptured_generation == "refuse"
     )
     app[RECORDER_KEY] = Recorder(
-        store, metrics=app[METRICS_KEY], prompt_mode_for=settings.prompt_mode_for
+        store,
+        metrics=app[METRICS_KEY],
+        prompt_mode_for=settings.prompt_mode_for,
+        store_failure=settings.store_failure,
     )
     app[ENGINE_PROBE_KEY] = EngineProbe(
         settings.backend_base,
@@ -238,45 +235,8 @@ def build_proxy_app(
         refresh_on_miss=store.shared,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
-    routes = EngineRoutes(
-        settings.backend_bases,
-        key_kind=settings.routing_key,
-        balance_factor=settings.backend_balance_factor,
-        health_interval_s=settings.backend_health_interval_s,
-        health_timeout_s=settings.backend_health_timeout_s,
-        health_headers=(
-            {"Authorization": settings.backend_auth_header}
-            if settings.backend_auth_header is not None
-            else None
-        ),
-    )
-    routes.register_metrics(app[METRICS_KEY].registry)
-    app[ROUTES_KEY] = routes
-
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        await store.open()
-        try:
-            app[SESSION_KEY] = make_client_session(settings)
-            watchers = WeightWatchers(
-                app[SESSION_KEY], settings.backend_bases, settings.weight_version_poll_s
-            )
-            app[WEIGHT_WATCHERS_KEY] = watchers
-            try:
-                if settings.uses_exact_tokens:
-                    app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
-                await _warn_if_engine_down(app, settings)
-                await watchers.start()
-                async with routes.health_task(app[SESSION_KEY]):
-                    yield
-            finally:
-                await watchers.stop()
-                await app[SESSION_KEY].close()
-        finally:
-            # Also when start-up fails half-way: the store's threads must not keep the
-            # process alive.
-            await store.close()
-
-    app.cleanup_ctx.append(resources)
+    app[ROUTES_KEY] = _engine_routes(settings, app[METRICS_KEY])
+    app.cleanup_ctx.append(_resources(settings, store, renderer))
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
@@ -296,6 +256,66 @@ def build_proxy_app(
     app.router.add_route("*", "/{tail:.*}", dispatch)
     use_expect_continue(app)
     return app
+
+
+def _engine_routes(settings: Settings, app_metrics: Metrics) -> EngineRoutes:
+    """The engines a rollout's calls go to (``--backend`` repeated), their metrics registered."""
+    routes = EngineRoutes(
+        settings.backend_bases,
+        key_kind=settings.routing_key,
+        balance_factor=settings.backend_balance_factor,
+        health_interval_s=settings.backend_health_interval_s,
+        health_timeout_s=settings.backend_health_timeout_s,
+        health_headers=(
+            {"Authorization": settings.backend_auth_header}
+            if settings.backend_auth_header is not None
+            else None
+        ),
+    )
+    routes.register_metrics(app_metrics.registry)
+    return routes
+
+
+def _resources(
+    settings: Settings, store: CaptureStore, renderer: ChatRenderer | None
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The proxy app's resources, opened in order and closed in reverse: the store, the
+    upstream session, the engines' weight-version readers (``proxy.weight_watch``), the
+    exact-token machinery, the engines' health probes and the marker of
+    calls answered but not stored (``proxy.losses``: its last attempt runs before the store
+    closes)."""
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            app[SESSION_KEY] = make_client_session(settings)
+            watchers = WeightWatchers(
+                app[SESSION_KEY], settings.backend_bases, settings.weight_version_poll_s
+            )
+            app[WEIGHT_WATCHERS_KEY] = watchers
+            try:
+                if settings.uses_exact_tokens:
+                    app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                await _warn_if_engine_down(app, settings)
+                await watchers.start()
+                recorder = app[RECORDER_KEY]
+                async with (
+                    app[ROUTES_KEY].health_task(app[SESSION_KEY]),
+                    recorder.losses.marker(),
+                ):
+                    try:
+                        yield
+                    finally:
+                        await recorder.close()
+            finally:
+                await watchers.stop()
+                await app[SESSION_KEY].close()
+        finally:
+            # Also when start-up fails half-way: the store's threads must not keep the
+            # process alive.
+            await store.close()
+
+    return resources
 
 
 def build_read_only_app(

@@ -81,6 +81,15 @@ class Settings(BaseSettings):
         "here); an acknowledged call survives a proxy crash (SIGKILL, OOM kill) but a power "
         "loss or kernel crash can drop the calls committed since the last checkpoint",
     )
+    store_failure: Literal["refuse", "answer"] = Field(
+        "refuse",
+        description="a call whose record the store cannot write (disk full, database "
+        "read-only): refuse (default): not answered as a success: a 503 (store_unavailable, "
+        "Retry-After) in the API's error shape, or for a stream already under way the API's "
+        "in-band error and no clean end; answer: the harness gets its answer, the loss is "
+        "counted (capture_proxy_calls_answered_unstored_total) and the rollout marked "
+        "incomplete (store_failed, naming the lost calls) once the store takes writes again",
+    )
     max_request_body_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,

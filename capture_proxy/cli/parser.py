@@ -89,6 +89,13 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
         "proxy crash, not a power loss (see docs/configuration.md)",
     )
     serve.add_argument(
+        "--store-failure",
+        dest="store_failure",
+        choices=["refuse", "answer"],
+        help="a call whose record cannot be stored: refuse (default): a retryable error "
+        "instead of its answer; answer: answered anyway, the loss counted and marked",
+    )
+    serve.add_argument(
         "--store-pool-size",
         type=int,
         dest="store_pool_size",

@@ -84,6 +84,18 @@ class Diagnostic:
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "details": self.details}
 
+    def with_call_ids_of(self, later: Diagnostic) -> Diagnostic:
+        """This diagnostic with the calls ``later`` names (``details["call_ids"]``, a list of
+        call ids, e.g. ``store_failed``'s lost calls) added, each once, in order; the other
+        details stay this one's."""
+        added = later.details.get("call_ids")
+        if not isinstance(added, list):
+            return self
+        known = self.details.get("call_ids")
+        ids = list(known) if isinstance(known, list) else []
+        ids += [i for i in added if i not in ids]
+        return Diagnostic(self.kind, {**self.details, "call_ids": ids})
+
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Diagnostic:
         return cls(kind=str(obj["kind"]), details=dict(obj.get("details") or {}))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from capture_proxy.core.engine_pool import Backend, BackendPool, routing_key
+from capture_proxy.proxy.periodic import every
 
 log = logging.getLogger("capture_proxy")
 
@@ -170,29 +171,14 @@ class EngineRoutes:
 
     def health_task(
         self, session: aiohttp.ClientSession
-    ) -> contextlib.AbstractAsyncContextManager[None]:
+    ) -> contextlib.AbstractAsyncContextManager[object]:
         """The probe loop while the app runs (only with more than one backend)."""
 
-        @contextlib.asynccontextmanager
-        async def run() -> AsyncIterator[None]:
-            if not self.many:
-                yield
-                return
-
-            async def loop() -> None:
-                while True:
-                    await self.probe_all(session)
-                    await asyncio.sleep(self.health_interval_s)
-
-            task = asyncio.create_task(loop(), name="capture-engine-health")
-            try:
-                yield
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-        return run()
+        if not self.many:
+            return contextlib.nullcontext()
+        return every(
+            self.health_interval_s, lambda: self.probe_all(session), name="capture-engine-health"
+        )
 
     # --- metrics -------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from capture_proxy.proxy.calls import (
     upstream_headers,
 )
 from capture_proxy.proxy.errors import UpstreamTimeout
+from capture_proxy.proxy.recorder import StoreWrite
 from capture_proxy.proxy.upstream import (
     CLIENT_ERRORS,
     CONNECT_ERRORS,
@@ -306,7 +307,8 @@ class CallExecutor:
         return ev.Verified(record)
 
     async def _persist(self, c: cmd.Persist) -> ev.Persisted:
-        return ev.Persisted(await self.deps.recorder.persist(c.record, c.request))
+        written = await self.deps.recorder.persist(c.record, c.request)
+        return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED)
 
     async def _remember(self, c: cmd.Remember) -> None:
         try:

@@ -48,16 +48,14 @@ from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
-    RolloutState,
-    _diagnostics,
     _json,
     _load,
     _off_loop,
     archive_manifest,
     dumps,
-    lifecycle_json,
     snapshot_records,
 )
+from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
 
@@ -122,7 +120,7 @@ def export_manifest(
         "metadata": info.metadata.to_json(),
         "late_call_ids": lifecycle["late_call_ids"],
         **base,
-        "diagnostics": _diagnostics(info, records, state),
+        "diagnostics": diagnostics_json(info, records, state),
         "weight_filter": None,
     }
     if superseded_by is not None:
@@ -225,7 +223,7 @@ def _atif_json(
             records,
             chains,
             metadata=info.metadata,
-            rollout_diagnostics=_diagnostics(info, records, state)["rollout"],
+            rollout_diagnostics=diagnostics_json(info, records, state)["rollout"],
             incomplete=state.incomplete,
             extra={k: lifecycle[k] for k in ("status", "snapshot_id", "version", "episode_of")},
             lineage=find_lineage(chains),

@@ -43,8 +43,8 @@ from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.core.weight_versions import rollout_summary as rollout_weight_versions
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
-from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
 
@@ -143,49 +143,18 @@ def snapshot_records(info: RolloutInfo, records: list[CallRecord]) -> list[CallR
 
 
 async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
-    """The rollout and its snapshot's calls (late calls left out). 404 when unknown."""
+    """The rollout and its snapshot's calls (late calls left out). 404 when unknown; a
+    rollout the store does not know but whose answered calls it lost (their loss not yet
+    marked: ``proxy.losses``) is an empty, incomplete one."""
     rollout_id = _rollout_id(request)
     store = request.app[STORE_KEY]
     info = await store.get_rollout(rollout_id)
     if info is None:
+        loss = request.app[RECORDER_KEY].losses.pending.get(rollout_id)
+        if loss is not None:
+            return RolloutInfo(rollout_id, loss.since, 0, True), []
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
     return info, snapshot_records(info, await store.get_rollout_calls(rollout_id))
-
-
-def lifecycle_json(info: RolloutInfo) -> dict[str, Any]:
-    """The lifecycle and metadata fields every rollout view carries."""
-    episode = parse_episode(info.rollout_id)
-    meta = info.metadata
-    return {
-        "status": info.status.value,
-        "version": info.version,
-        "snapshot_id": info.snapshot.snapshot_id if info.snapshot else None,
-        "episode_of": episode.base,
-        "attempt": episode.attempt,
-        "reward": meta.reward,
-        "task_id": meta.task_id,
-        "tags": meta.tags,
-        "late_call_ids": list(info.late_call_ids),
-    }
-
-
-class RolloutState:
-    """What the recorder knows of a rollout beyond the store, read on the event loop (the
-    recorder's state is the loop's) and handed to the REST thread."""
-
-    def __init__(self, info: RolloutInfo, recorder: Recorder) -> None:
-        self.unstored_reason = recorder.unstored_incomplete.get(info.rollout_id)
-        self.incomplete = info.incomplete or self.unstored_reason is not None
-
-
-def _diagnostics(
-    info: RolloutInfo, records: list[CallRecord], state: RolloutState
-) -> dict[str, Any]:
-    by_kind = Counter(d.kind for r in records for d in r.diagnostics)
-    rollout_level = [d.to_json() for d in info.diagnostics]
-    if state.unstored_reason is not None:
-        rollout_level.append({"kind": "store_failed", "details": {"reason": state.unstored_reason}})
-    return {"rollout": rollout_level, "calls_by_kind": dict(sorted(by_kind.items()))}
 
 
 def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
@@ -301,7 +270,7 @@ def _summary_json(
             "linking": link_stats(records, chains),
             "lineage": count_by_kind(find_lineage(chains)),
             "incomplete": state.incomplete,
-            "diagnostics": _diagnostics(info, records, state),
+            "diagnostics": diagnostics_json(info, records, state),
             **lifecycle_json(info),
             "snapshot": info.snapshot.to_json() if info.snapshot else None,
             "episodes": {
@@ -366,7 +335,7 @@ def _chains_body(
         "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
         "main_chain_id": _main_chain_id(chains),
         "incomplete": state.incomplete,
-        "diagnostics": _diagnostics(info, records, state),
+        "diagnostics": diagnostics_json(info, records, state),
         "weight_filter": weight_report,
         **lifecycle_json(info),
     }

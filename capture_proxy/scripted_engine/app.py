@@ -42,9 +42,11 @@ from capture_proxy.scripted_engine.tokens_in.routes import add_tokens_in_routes
 from capture_proxy.scripted_engine.weights import add_weight_routes
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI-shaped error body."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+def error_body(
+    message: str, status: int, param: str | None = None, error_type: str | None = None
+) -> dict[str, Any]:
+    """OpenAI-shaped error body (``error_type``: its ``type``, else by the status)."""
+    kind = error_type or ("invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -54,7 +56,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except RequestError as e:
-        return web.json_response(error_body(str(e), e.status, e.param), status=e.status)
+        return web.json_response(
+            error_body(str(e), e.status, e.param, e.error_type), status=e.status
+        )
 
 
 def build_scripted_engine_app(

@@ -40,6 +40,7 @@ from capture_proxy.scripted_engine.state import (
     SENT_CALLS,
     RequestError,
     SentCall,
+    check_model,
 )
 from capture_proxy.scripted_engine.weights import Sampler, sampler
 
@@ -179,6 +180,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             failed[0] += 1
             raise RequestError("scripted failure", None, cfg.fail_status)
     validate_chat(body)
+    check_model(app, body)
     prompt = _chat_prompt(app, body)
     walk = sampler(app)
     await walk.admit()

@@ -131,8 +131,9 @@ async def _not_found(request: web.Request, what: str) -> web.Response:
 
 def _rollout_diag_kinds(request: web.Request, info: RolloutInfo) -> list[str]:
     kinds = [d.kind for d in info.diagnostics]
-    if request.app[RECORDER_KEY].unstored_incomplete.get(info.rollout_id) is not None:
-        kinds.append(DiagnosticKind.STORE_FAILED.value)
+    loss = request.app[RECORDER_KEY].losses.diagnostic(info.rollout_id)
+    if loss is not None and loss.kind not in kinds:
+        kinds.append(loss.kind)
     return kinds
 
 

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
+from capture_proxy.harnesses import claude_code, codex
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
@@ -80,9 +81,14 @@ async def harness_stack(
     proxy_token: str | None = None,
     record_dir: Path | None = None,
 ) -> AsyncIterator[HarnessStack]:
-    engine_app = build_scripted_engine_app(
-        ScriptedEngineConfig(policy=policy, max_model_len=MAX_MODEL_LEN), tokenizer
+    # serving the model name the harnesses are configured with (the engine refuses others)
+    served = ScriptedEngineConfig(
+        policy=policy,
+        max_model_len=MAX_MODEL_LEN,
+        model_name=codex.MODEL_ID,
+        model_aliases=tuple({claude_code.MODEL_ID} - {codex.MODEL_ID}),
     )
+    engine_app = build_scripted_engine_app(served, tokenizer)
     engine, engine_port = await _serve(engine_app)
     try:
         settings = Settings.model_validate(

@@ -156,7 +156,7 @@ async def test_an_abort_in_backend_template_mode_is_an_honest_retryable_error(
         assert reply.status == 503
         error = reply.body["error"]
         # (Anthropic's 503 is overloaded_error, which Claude Code and the SDK retry)
-        assert error["type"] in ("upstream_error", "overloaded_error")
+        assert error["type"] in ("server_error", "overloaded_error")
         assert "aborted" in error["message"]
     else:
         assert reply.status == 200  # the stream had started

@@ -82,3 +82,17 @@ class GenerationAborted(CallError):
             code="generation_aborted",
         )
         self.call_id = call_id
+
+
+class StoreUnavailable(CallError):
+    """The call's record could not be stored, so the call is not answered as a success
+    (setting ``store_failure = refuse``): a retryable error for the harness. Raised by
+    ``core.flow.call.finish`` before any answer is sent; a stream whose headers are out ends
+    with its API's in-band error instead (``call.refused_stream_end``)."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(
+            f"the proxy could not store call {call_id}'s record (the capture store refuses "
+            "writes: disk full or read-only), so it is not answered; retry the call",
+            code="store_unavailable",
+        )

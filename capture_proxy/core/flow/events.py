@@ -156,4 +156,8 @@ class Verified:
 
 @dataclass(slots=True)
 class Persisted:
+    """``ok``: stored; ``refused``: not stored, and the call must not be answered as a
+    success (setting ``store_failure = refuse``)."""
+
     ok: bool
+    refused: bool = False

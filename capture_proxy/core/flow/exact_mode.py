@@ -25,8 +25,10 @@ from capture_proxy.core.flow.call import (
     Outcome,
     encode_request,
     finish,
+    finish_streamed,
     record_abandoned,
     record_failed,
+    refused_stream_end,
     relay_engine_error,
     whole_as_stream,
 )
@@ -318,10 +320,12 @@ class _Generation:
         reasons = stream_end_reasons(client_gone=gone, problem=problem, done_seen=pump.done)
         if reasons:
             record = mark_incomplete(record, reasons)
-        record = yield from finish(call, record, request_encoding)
+        record, refusal = yield from finish_streamed(call, record, request_encoding)
         if gone:
             return Outcome(record)
-        if pump.problem:
+        if refusal is not None:
+            events.append(refused_stream_end(encoder, refusal))
+        elif pump.problem:
             events.append(encoder.error(pump.problem))
         else:
             events += encoder.finish(self.answer(message, finish_reason))

@@ -36,8 +36,10 @@ from capture_proxy.core.flow.call import (
     Outcome,
     encode_request,
     finish,
+    finish_streamed,
     record_abandoned,
     record_failed,
+    refused_stream_end,
     relay_engine_error,
     whole_as_stream,
 )
@@ -357,11 +359,13 @@ def _relay_stream(
         record = mark_incomplete(record, reasons)
     if relay.aborted:
         record = aborted_record(record)
-    record = yield from finish(call, record, request_encoding)
+    record, refusal = yield from finish_streamed(call, record, request_encoding)
     if gone:
         return Outcome(record)
     final = b""
-    if relay.problem:
+    if refusal is not None:
+        final = refused_stream_end(encoder, refusal)
+    elif relay.problem:
         # Headers are sent; the status can no longer change: tell the harness in-band, and
         # leave out the clean end so no harness takes the answer for a complete one.
         if encoder is None:

@@ -149,8 +149,10 @@ class StreamEncoder(Protocol):
     def finish(self, answer: Answer) -> list[bytes]:
         """The closing events, from the whole answer (usage, stop reason, done items)."""
 
-    def error(self, message: str) -> bytes:
-        """An in-band error event for a stream whose headers are sent (no clean end)."""
+    def error(self, message: str, *, code: str | None = None) -> bytes:
+        """An in-band error event for a stream whose headers are sent (no clean end).
+        ``code``: the proxy's own error code, for an error of the proxy's that a retry may
+        cure (``store_unavailable``: the store refused the record); None: the engine failed."""
 
 
 class PartsStreamEncoder(abc.ABC):

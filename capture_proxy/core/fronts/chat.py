@@ -35,6 +35,14 @@ def openai_error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+def chat_error_event(message: str, *, code: str | None = None) -> bytes:
+    """A chat stream's in-band error event (``data: {"error": ...}``): ``upstream_error``
+    for the engine's failure, ``server_error`` with the proxy's ``code`` for its own."""
+    if code is None:
+        return encode_json_event(openai_error_body(message, "upstream_error"))
+    return encode_json_event(openai_error_body(message, "server_error", code=code))
+
+
 def logprobs_content(token_ids: list[int], log_probs: list[float | None] | None) -> dict[str, Any]:
     """Chat-shaped log probs (tokens as ``token_id:<id>``, vLLM's ``return_tokens_as_token_ids``
     form, since the proxy may have no tokenizer; no top alternatives)."""
@@ -174,5 +182,5 @@ class ChatStreamEncoder:
         out.append(DONE_EVENT)
         return out
 
-    def error(self, message: str) -> bytes:
-        return encode_json_event(openai_error_body(message, "upstream_error"))
+    def error(self, message: str, *, code: str | None = None) -> bytes:
+        return chat_error_event(message, code=code)

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.moe import vllm_routed_experts
-from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError
+from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError, check_model
 from capture_proxy.scripted_engine.tokens_in import wire
 from capture_proxy.scripted_engine.tokens_in.tokens_out import (
     TokensOut,
@@ -252,6 +252,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await wire.read_json(request, vllm_fail)
     wire.check_fault(app)
     opts = _completion_options(app, body)
+    check_model(app, body)
     walk = sampler(app)
     await walk.admit()
     try:
@@ -400,6 +401,7 @@ def _generate_options(app: web.Application, body: dict[str, Any]) -> dict[str, A
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
         raise RequestError("sampling_params is required and must be an object", "sampling_params")
+    check_model(app, body)
     if sp.get("n", 1) != 1:
         raise RequestError("only n=1 is supported", "sampling_params.n")
     max_tokens = sp.get("max_tokens")
