@@ -36,6 +36,12 @@ from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes
 from capture_proxy.proxy.errors import error_middleware
 from capture_proxy.proxy.exact import ExactTokens
+from capture_proxy.proxy.images import (
+    IMAGE_SESSION_KEY,
+    IMAGES_KEY,
+    ImagePolicy,
+    make_fetch_session,
+)
 from capture_proxy.proxy.keys import (
     ENGINE_PROBE_KEY,
     EXACT_KEY,
@@ -58,7 +64,7 @@ from capture_proxy.proxy.uncaptured import (
     read_only_rollout_path,
 )
 from capture_proxy.proxy.upstream import make_client_session
-from capture_proxy.rest import downloads, lifecycle, reads
+from capture_proxy.rest import downloads, images, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
@@ -237,6 +243,7 @@ def build_proxy_app(
         refresh_on_miss=store.shared,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
+    app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     routes = EngineRoutes(
         settings.backend_bases,
         key_kind=settings.routing_key,
@@ -259,11 +266,15 @@ def build_proxy_app(
             try:
                 if settings.uses_exact_tokens:
                     app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                if settings.image_fetch_remote:
+                    app[IMAGE_SESSION_KEY] = make_fetch_session()
                 await _warn_if_engine_down(app, settings)
                 async with routes.health_task(app[SESSION_KEY]):
                     yield
             finally:
                 await app[SESSION_KEY].close()
+                if IMAGE_SESSION_KEY in app:
+                    await app[IMAGE_SESSION_KEY].close()
         finally:
             # Also when start-up fails half-way: the store's threads must not keep the
             # process alive.
@@ -274,6 +285,7 @@ def build_proxy_app(
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     reads.add_routes(app)
+    images.add_routes(app)
     lifecycle.add_routes(app)
     downloads.add_routes(app)
     add_viewer_routes(
@@ -314,6 +326,7 @@ def build_read_only_app(
     app.cleanup_ctx.append(resources)
     app.router.add_get("/health", health)
     reads.add_routes(app, read_only=True)
+    images.add_routes(app)
     add_viewer_routes(
         app,
         ViewerConfig(

@@ -22,6 +22,7 @@ Source of the formulas: transformers 5.19 ``models/qwen2_vl/image_processing_qwe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,3 +209,60 @@ def rebuild_pixel_values(image_bytes: bytes, params: dict[str, Any]) -> np.ndarr
         patches[:, :, :, :, :, None, :, :], (*patches.shape[:5], t, *patches.shape[5:])
     )
     return np.ascontiguousarray(patches.reshape(gh * gw, 3 * t * p * p), dtype=np.float32)
+
+
+def expand_image_pads(
+    token_ids: Sequence[int], sizes: Sequence[tuple[int, int]], config: VisionProcessorConfig
+) -> list[int]:
+    """``token_ids`` with the k-th ``<|image_pad|>`` (a Qwen-VL chat template renders one per
+    image, between ``<|vision_start|>`` and ``<|vision_end|>``) repeated to the number of
+    tokens image k of ``sizes`` (``(height, width)``, in prompt order) takes: what vLLM 0.32's
+    Qwen2-VL / Qwen3-VL processor does to a rendered prompt (``_get_prompt_updates``: a
+    ``PromptReplacement`` whose target is the image token, wherever it stands). Raises
+    ValueError when the prompt holds another number of image tokens than ``sizes`` has
+    images, or an image's size is one the processor refuses."""
+    out: list[int] = []
+    k = 0
+    for token in token_ids:
+        if token == IMAGE_PAD_ID:
+            if k >= len(sizes):
+                raise ValueError(
+                    f"the prompt holds more image placeholders than the {len(sizes)} images"
+                )
+            height, width = sizes[k]
+            out.extend([IMAGE_PAD_ID] * image_placeholder(height, width, config).num_tokens)
+            k += 1
+        else:
+            out.append(token)
+    if k != len(sizes):
+        raise ValueError(f"the prompt holds {k} image placeholders for {len(sizes)} images")
+    return out
+
+
+def image_sizes(messages: Sequence[Any]) -> list[tuple[int, int]]:
+    """``(height, width)`` of every image part of ``messages``, in order: the proxy's
+    canonical part (``core.images``: ``width`` and ``height``), or an ``image_url`` part with a
+    base64 ``data:`` URL (as an engine gets it; its size read from the bytes, with Pillow).
+    Raises ValueError for an image part whose size cannot be known."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    sizes = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image" and "width" in part and "height" in part:
+                sizes.append((int(part["height"]), int(part["width"])))
+            elif part.get("type") in ("image", "image_url"):
+                url = (part.get("image_url") or {}).get("url", "")
+                head, _, data = str(url).partition(",")
+                if not (head.startswith("data:") and head.endswith(";base64")):
+                    raise ValueError("an image part without its size or a base64 data: URL")
+                with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+                    width, height = img.size
+                sizes.append((height, width))
+    return sizes

@@ -34,6 +34,7 @@ from capture_proxy.proxy.errors import (
     MethodNotAllowed,
     PayloadTooLarge,
 )
+from capture_proxy.proxy.images import IMAGE_SESSION_KEY, IMAGES_KEY
 from capture_proxy.proxy.keys import (
     EXACT_KEY,
     LINKER_KEY,
@@ -78,6 +79,8 @@ def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
         first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         connect_retries=settings.upstream_connect_retries,
         on_unreachable=routes.mark_failed if routes.many else None,
+        images=request.app[IMAGES_KEY],
+        image_session=request.app.get(IMAGE_SESSION_KEY),
     )
 
 

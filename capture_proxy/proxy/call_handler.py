@@ -31,6 +31,7 @@ from capture_proxy.proxy.calls import CaptureDeps, new_call_id
 from capture_proxy.proxy.errors import map_core_errors
 from capture_proxy.proxy.exact import ExactExecutor, ExactTokens
 from capture_proxy.proxy.executor import CallExecutor, drive
+from capture_proxy.proxy.images import complete_images
 
 log = logging.getLogger("capture_proxy")
 
@@ -101,7 +102,10 @@ async def handle_captured_call(
     with map_core_errors():
         body = parse_json_object(raw_body)
         previous = await _previous_messages(deps, front, body, rollout_id)
-        parsed = front.parse(body, previous=previous, known=known)
+        parsed = front.parse(body, previous=previous, known=known, images=deps.images.limits)
+        if parsed.images is not None or previous is not None:
+            store = deps.recorder.store
+            parsed = await complete_images(parsed, deps.images, deps.image_session, store)
     model = parsed.chat.get("model")
     exact = None
     if back_ends.exact is not None and back_ends.exact_for_model(model):
@@ -119,6 +123,7 @@ async def handle_captured_call(
         exact=exact,
         routed_experts_expectation=back_ends.routed_experts_for(model),
         clock=time.perf_counter,
+        vision=deps.images.processor_for(model) if parsed.images is not None else None,
     )
     executor = (
         CallExecutor(request, deps, start.call_id, rollout_id)

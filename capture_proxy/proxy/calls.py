@@ -12,7 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -20,6 +20,7 @@ from aiohttp import web
 
 from capture_proxy.core.capture import NoteMatcher
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.proxy.images import ImagePolicy
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import TAP_KEY, ResponseTap
@@ -49,6 +50,10 @@ class CaptureDeps:
     #: told the backend's URL when a connection to it could not be made (several backends:
     #: it is taken as unhealthy, so the rollout's next call goes to another engine)
     on_unreachable: Callable[[str], None] | None = None
+    #: what images a call may carry and each model's image processor; the session remote
+    #: images are fetched with (``image_fetch_remote``)
+    images: ImagePolicy = field(default_factory=lambda: ImagePolicy(None))
+    image_session: aiohttp.ClientSession | None = None
 
     @property
     def known_messages(self) -> KnownMessages:

@@ -113,6 +113,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "linking": record.linking,
         "retry_of": record.retry_of,
         "diagnostics": [d.to_json() for d in record.diagnostics],
+        "images": record.images,
         "schema_version": record.schema_version,
     }
     if detail:

@@ -15,7 +15,12 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from capture_proxy.core.assembly import CallContext, abandoned_record, failed_record
+from capture_proxy.core.assembly import (
+    CallContext,
+    abandoned_record,
+    failed_record,
+    mark_incomplete,
+)
 from capture_proxy.core.capture import PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.flow.commands import (
@@ -36,10 +41,11 @@ from capture_proxy.core.fronts.base import (
     TokenIds,
     answer_as_deltas,
 )
+from capture_proxy.core.image_spans import record_images
 from capture_proxy.core.known_messages import message_digests
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_text
 
 T = TypeVar("T")
@@ -118,6 +124,7 @@ def finish(
     ahead), make the call findable. Returns the record as stored; never fails the call (a
     verification that fails leaves the call unresolved, a failed write is the recorder's)."""
     prepared = call.prepared
+    record = with_images(call, record)
     reply = yield Verify(
         record, call.resolution, prepared.linking_messages, prepared.harness_note, call.retry_count
     )
@@ -137,6 +144,31 @@ def finish(
     if persisted.ok:
         # (facts that do not fit the record's messages are not kept: RecentCalls.put)
         yield Remember(record, prepared.message_facts)
+    return record
+
+
+def with_images(call: Call, record: CallRecord) -> CallRecord:
+    """``record`` with its images (``core.image_spans``): their entries in prompt order, their
+    bytes for the store; incomplete when its prompt's placeholder runs do not pair with them.
+    A call without images is returned as it is."""
+    request_images = call.front_request.images
+    if request_images is None:
+        return record
+    found = record_images(
+        call.ctx.request_body.get("messages") or [],
+        request_images.images,
+        record.prompt_token_ids,
+        call.ctx.vision,
+    )
+    record = record.replace(
+        images=found.entries,
+        image_data=found.data,
+        diagnostics=[*record.diagnostics, *found.diagnostics],
+    )
+    if found.unaligned and record.status is CallStatus.COMPLETE:
+        record = mark_incomplete(
+            record, ["the prompt's image placeholders do not pair with the request's images"]
+        )
     return record
 
 
