@@ -9,11 +9,15 @@ Must not decide anything about images (``core.images``).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from aiohttp import web
 
+from capture_proxy.core.images import PromptImage
+from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.errors import BadRequest, NotFound
 from capture_proxy.proxy.keys import STORE_KEY
+from capture_proxy.store.base import CaptureStore
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -38,6 +42,13 @@ async def get_image(request: web.Request) -> web.Response:
         content_type=image.media_type,
         headers={"Cache-Control": "private, max-age=31536000, immutable"},
     )
+
+
+async def images_of(store: CaptureStore, records: Iterable[CallRecord]) -> dict[str, PromptImage]:
+    """The stored images the records carry, by sha256 (for an export that holds their
+    bytes)."""
+    shas = sorted({str(e["sha256"]) for r in records for e in r.images or []})
+    return await store.get_images(shas) if shas else {}
 
 
 def add_routes(app: web.Application) -> None:

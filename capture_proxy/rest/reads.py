@@ -33,6 +33,7 @@ from aiohttp import web
 
 from capture_proxy.core.chains import RolloutChains, build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.lineage import LineageEdge, find_lineage
 from capture_proxy.core.lineage.find import count_by_kind
 from capture_proxy.core.records import CallRecord, CallStatus
@@ -43,6 +44,7 @@ from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.images import images_of
 from capture_proxy.store.base import RolloutInfo
 
 REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)
@@ -383,10 +385,15 @@ def archive_manifest(
     }
 
 
-def _chains_npz(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+def _chains_npz(
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    images: dict[str, PromptImage],
+) -> bytes:
     chains = build_chains(info.rollout_id, records)
     buf = io.BytesIO()
-    write_archive(chains, buf, archive_manifest(info, chains, state))
+    write_archive(chains, buf, archive_manifest(info, chains, state), images)
     return buf.getvalue()
 
 
@@ -401,7 +408,14 @@ async def get_rollout_chains(request: web.Request) -> web.Response:
     if fmt == "npz":
         disposition = f'attachment; filename="{info.rollout_id}.chains.zip"'
         return web.Response(
-            body=await _off_loop(request, _chains_npz, info, records, state),
+            body=await _off_loop(
+                request,
+                _chains_npz,
+                info,
+                records,
+                state,
+                await images_of(request.app[STORE_KEY], records),
+            ),
             content_type="application/zip",
             headers={"Content-Disposition": disposition},
         )
