@@ -29,6 +29,7 @@ from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.families import get_parser, load_family
 from capture_proxy.families.base import ChatRenderer, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.vision import VisionProcessorConfig
 from capture_proxy.proxy.app import dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
@@ -40,6 +41,7 @@ from capture_proxy.proxy.images import (
     IMAGE_SESSION_KEY,
     IMAGES_KEY,
     ImagePolicy,
+    load_processor,
     make_fetch_session,
 )
 from capture_proxy.proxy.keys import (
@@ -129,6 +131,7 @@ def make_exact_tokens(
             family,
             tokenizer_dir=tokenizer_dirs.get(family),
             system_start_date=settings.system_start_date,
+            vision=family_vision(settings, family),
         )
         log.info("loaded model family %s in %.1f s", family, time.perf_counter() - started)
         families[family] = ExactTokens.of_family(
@@ -147,6 +150,22 @@ def make_exact_tokens(
         full_render=settings.exact_prompt_full_render,
         by_model={model: families[f] for model, f in settings.model_families.items()},
     )
+
+
+def family_vision(settings: Settings, family: str) -> VisionProcessorConfig | None:
+    """The image processor of the models of ``family`` (``image_processors``; None: none
+    named, the family's default). Raises RenderError when its models name different ones."""
+    named = {
+        load_processor(settings.image_processors[model])
+        for model, f in settings.model_families.items()
+        if f == family and model in settings.image_processors
+    }
+    if len(named) > 1:
+        raise RenderError(
+            f"the models of family {family} name different image_processors: one family "
+            "renders with one"
+        )
+    return next(iter(named), None)
 
 
 #: Longest pause between two tombstone sweeps (seconds).

@@ -192,17 +192,21 @@ class Settings(BaseSettings):
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
     model_families: dict[
-        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"]
+        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5", "qwen3_vl"]
     ] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
         "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
         "qwen3_coder (XML tool calls), gpt_oss (harmony), llama3 (Llama 3.x JSON tool calls; "
         "needs family_tokenizers.llama3), qwen2_5 (Qwen2.5 / Qwen2.5-Coder Instruct, Hermes JSON "
-        "tool calls; needs family_tokenizers.qwen2_5); models not named use tokenizer, "
+        "tool calls; needs family_tokenizers.qwen2_5), qwen3_vl (Qwen3-VL Instruct: images, the "
+        "published template or family_tokenizers.qwen3_vl; its image processor from "
+        "image_processors); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )
-    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5"], Path] = Field(
+    family_tokenizers: dict[
+        Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5", "qwen3_vl"], Path
+    ] = Field(
         default_factory=dict,
         description="a local HF tokenizer directory (the model's own tokenizer and chat "
         "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "

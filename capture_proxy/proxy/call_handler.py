@@ -31,7 +31,7 @@ from capture_proxy.proxy.calls import CaptureDeps, new_call_id
 from capture_proxy.proxy.errors import map_core_errors
 from capture_proxy.proxy.exact import ExactExecutor, ExactTokens
 from capture_proxy.proxy.executor import CallExecutor, drive
-from capture_proxy.proxy.images import complete_images
+from capture_proxy.proxy.images import complete_images, refuse_images_without_dialect
 
 log = logging.getLogger("capture_proxy")
 
@@ -110,6 +110,8 @@ async def handle_captured_call(
     exact = None
     if back_ends.exact is not None and back_ends.exact_for_model(model):
         exact = back_ends.exact.for_model(model)
+        with map_core_errors():
+            refuse_images_without_dialect(parsed, exact.dialect.name)
     start = CallStart(
         front=front,
         front_request=parsed,

@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.config import Settings
+from capture_proxy.core.flow.exact_images import IMAGE_DIALECTS
 from capture_proxy.core.fronts.base import FrontRequest
 from capture_proxy.core.images import (
     ImageLimits,
@@ -127,6 +128,20 @@ def _referenced(parsed: FrontRequest) -> list[str]:
     """The sha256 of every canonical image part of the request's messages (in order)."""
     messages: list[Any] = list(parsed.chat.get("messages") or [])
     return [str(p.get("sha256")) for m in messages for p in image_parts(m) if "sha256" in p]
+
+
+def refuse_images_without_dialect(parsed: FrontRequest, dialect: str) -> None:
+    """An exact-token call with images needs a tokens-in dialect that takes them
+    (``flow.exact_images.IMAGE_DIALECTS``). Raises ImageRefused naming the first image."""
+    found = parsed.images
+    if found is None or dialect in IMAGE_DIALECTS:
+        return
+    where = found.paths[0] if found.paths else "previous_response_id"
+    raise ImageRefused(
+        f"'{where}': exact_tokens with tokens_in_dialect {dialect} cannot send images (vLLM's "
+        "/v1/completions takes none): use vllm_generate or sglang_generate",
+        where,
+    )
 
 
 async def complete_images(

@@ -51,6 +51,7 @@ from capture_proxy.core.flow.events import (
     EngineFailed,
     EngineResponded,
 )
+from capture_proxy.core.flow.exact_images import engine_prompt
 from capture_proxy.core.flow.prompt import ExactFamily, exact_prompt
 from capture_proxy.core.fronts.base import Answer
 from capture_proxy.core.fronts.chat import chat_usage
@@ -107,13 +108,23 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
     # The prompt is the one part of the body that grows with the history: written once, by
     # orjson straight from the array, put in the body as it is and compared with the echo.
     prompt_json = prompt_ids_json(prompt.token_ids)
+    # Images: the engine expands each image's placeholder itself (``exact_images``).
+    images = call.front_request.images
+    with_images = engine_prompt(
+        body.get("messages") or [],
+        images.images if images else None,
+        exact.dialect.name,
+        prompt.token_ids,
+    )
     engine_body = exact.dialect.request(
-        orjson.Fragment(prompt_json),
+        orjson.Fragment(prompt_json if with_images is None else with_images.prompt_json),
         sampling,
         stream=call.ctx.stream,
         model=body.get("model"),
         experts_start=prompt.experts_start,
     )
+    if with_images is not None:
+        engine_body.update(with_images.fields)
     t0 = clock()
     reply = yield SendToEngine(exact.dialect.path, orjson.dumps(engine_body), False)
     if isinstance(reply, ClientLeft):

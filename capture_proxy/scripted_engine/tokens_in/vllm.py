@@ -345,7 +345,10 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
     ``sampling_params`` (vLLM ``SamplingParams``: ``max_tokens`` (default: what fits),
     ``temperature``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``logprobs`` (int), ``n`` 1 only; others ignored),
-    ``model``, ``request_id``, ``stream``, ``stream_options.include_usage``."""
+    ``model``, ``request_id``, ``stream``, ``stream_options.include_usage``, and
+    ``content_parts`` (``[{"type": "image_url", "url": <data: URL>}]``: one ``<|image_pad|>``
+    per image in ``token_ids``, expanded as vLLM's processor does) with ``return_token_ids``
+    (the expanded prompt ids and ``mm_placeholders`` in the answer)."""
     app = request.app
     body = await wire.read_json(request, vllm_fail)
     wire.check_fault(app)
@@ -354,6 +357,12 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
     ids = body.get("token_ids")
     if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab for t in ids)):
         raise RequestError("token_ids must be a non-empty list of token ids", "token_ids")
+    parts = body.get("content_parts") or []
+    if not isinstance(parts, list) or any(
+        not isinstance(p, dict) or p.get("type") != "image_url" for p in parts
+    ):
+        raise RequestError("content_parts must be a list of image_url parts", "content_parts")
+    ids = wire.expand_images(app, ids, [p.get("url") for p in parts], "content_parts", f)
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
         raise RequestError("sampling_params is required and must be an object", "sampling_params")
@@ -384,7 +393,14 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
     )
     record_call(app, body, out, stream)
     request_id = uuid.uuid4().hex
+    echo = None
+    if wire.field(body, "return_token_ids", "bool", False, f):
+        echo = {"prompt_token_ids": list(ids), "mm_placeholders": wire.placeholders(ids)}
     if not stream:
-        return wire.json_response(_generate_json(app, body, out, n_lp, request_id))
+        return wire.json_response(
+            {**_generate_json(app, body, out, n_lp, request_id), **(echo or {})}
+        )
     events = _generate_events(out, n_lp, request_id, so.get("include_usage") is True)
+    if echo is not None and events:
+        events[0] = {**events[0], **echo}  # vLLM: in the first chunk only
     return await wire.sse(request, events)
