@@ -34,6 +34,12 @@ VISION_END_ID = 151653
 IMAGE_PAD_ID = 151655
 
 MAX_ASPECT_RATIO = 200
+#: The image processor implementation vLLM 0.32's Qwen2-VL / Qwen3-VL models run:
+#: transformers' ``image_processing_qwen2_vl.Qwen2VLImageProcessor``, torchvision-backed
+#: (``model_executor/models/qwen2_vl.py`` imports it). Its bicubic resize differs from Pillow's
+#: by up to two intensity levels on some pixels (measured against vLLM's own pixel input, see
+#: ``tests/realengine/test_vllm_images.py``), so the pixel input is rebuilt with it by default.
+PIXEL_BACKEND = "torchvision"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +150,7 @@ class ImagePlaceholder:
             "image_std": list(c.image_std),
             "rescale_factor": c.rescale_factor,
             "resample": "bicubic",
+            "backend": PIXEL_BACKEND,
         }
 
     def token_ids(self) -> list[int]:
@@ -175,13 +182,21 @@ def processor_config_from_params(params: dict[str, Any]) -> VisionProcessorConfi
     )
 
 
-def rebuild_pixel_values(image_bytes: bytes, params: dict[str, Any]) -> np.ndarray:
+def rebuild_pixel_values(
+    image_bytes: bytes, params: dict[str, Any], backend: str | None = None
+) -> np.ndarray:
     """Rebuild an image's ``pixel_values`` from its stored bytes and ``processor`` params.
 
     Returns float32 of shape (grid_h * grid_w, 3 * temporal_patch_size * patch_size**2), the
-    rows the HF Qwen-VL image processor (PIL backend) emits for this image. Needs Pillow.
-    Raises ValueError if the image does not resize to the stored grid.
+    rows the HF Qwen-VL image processor emits for this image. ``backend`` (default: the
+    params' ``backend``, else ``pil``): ``torchvision``, transformers' torchvision-backed
+    ``Qwen2VLImageProcessor``, what vLLM 0.32 runs (needs torch and torchvision: the pixel
+    input the engine had, to 1e-7); ``pil``, this module's numpy port of the Pillow backend
+    (``Qwen2VLImageProcessorPil``; Pillow only; its resize differs from torchvision's by up to
+    two intensity levels on some pixels). Raises ValueError if the image does not resize.
     """
+    if (backend or params.get("backend") or "pil") == "torchvision":
+        return _rebuild_with_torchvision(image_bytes, params)
     import io
 
     from PIL import Image
@@ -266,3 +281,29 @@ def image_sizes(messages: Sequence[Any]) -> list[tuple[int, int]]:
                     width, height = img.size
                 sizes.append((height, width))
     return sizes
+
+
+def _rebuild_with_torchvision(image_bytes: bytes, params: dict[str, Any]) -> np.ndarray:
+    """``rebuild_pixel_values`` with transformers' torchvision-backed processor."""
+    import io
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    config = processor_config_from_params(params)
+    processor = Qwen2VLImageProcessor(
+        patch_size=config.patch_size,
+        merge_size=config.merge_size,
+        temporal_patch_size=config.temporal_patch_size,
+        size={"shortest_edge": config.min_pixels, "longest_edge": config.max_pixels},
+        image_mean=list(config.image_mean),
+        image_std=list(config.image_std),
+        rescale_factor=config.rescale_factor,
+    )
+    with Image.open(io.BytesIO(image_bytes)) as img:
+        rgb = img.convert("RGB")
+    out = processor(images=[rgb], return_tensors="np")
+    grid = [int(x) for x in np.asarray(out["image_grid_thw"])[0]]
+    if grid != list(params["image_grid_thw"]):
+        raise ValueError(f"image processes to grid {grid}, stored {params['image_grid_thw']}")
+    return np.ascontiguousarray(np.asarray(out["pixel_values"]), dtype=np.float32)

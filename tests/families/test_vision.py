@@ -94,7 +94,7 @@ def test_grid_and_pixel_values_equal_the_hf_processor(height: int, width: int, s
         out = hf_processor(SMALL)(images=[img.convert("RGB")], return_tensors="np")
     assert [int(x) for x in out["image_grid_thw"][0]] == list(ph.grid_thw)
     assert out["pixel_values"].shape[0] // SMALL.merge_size**2 == ph.num_tokens
-    rebuilt = vision.rebuild_pixel_values(data, ph.processor_params())
+    rebuilt = vision.rebuild_pixel_values(data, ph.processor_params(), "pil")
     assert rebuilt.dtype == np.float32 and rebuilt.shape == out["pixel_values"].shape
     np.testing.assert_allclose(rebuilt, out["pixel_values"], rtol=0, atol=1e-5)
 
@@ -118,7 +118,7 @@ def test_processor_params_round_trip_and_published_config() -> None:
 def test_rebuild_refuses_bytes_of_another_size() -> None:
     params = vision.image_placeholder(480, 640, vision.QWEN3_VL_PROCESSOR).processor_params()
     with pytest.raises(ValueError, match="stored 480x640"):
-        vision.rebuild_pixel_values(png(100, 100, 1), params)
+        vision.rebuild_pixel_values(png(100, 100, 1), params, "pil")
 
 
 def test_expand_image_pads_repeats_each_image_token_as_the_processor_does() -> None:

@@ -142,7 +142,7 @@ async def test_a_session_with_images_is_one_chain_with_exact_spans(
             assert end - start == placeholder.num_tokens
             assert set(sent.prompt_token_ids[start:end]) == {IMAGE_PAD_ID}
             assert entry["processor"] == placeholder.processor_params()
-            pixels = rebuild_pixel_values(data, entry["processor"])
+            pixels = rebuild_pixel_values(data, entry["processor"], "pil")
             assert pixels.shape[0] == (end - start) * QWEN3_VL_PROCESSOR.merge_size**2
         # the engine was sent the bytes themselves
         sent_urls = [

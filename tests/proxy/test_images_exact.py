@@ -103,3 +103,32 @@ async def test_vllm_completions_cannot_carry_images(make_stack: MakeStack) -> No
     assert resp.status == 400 and "vllm_generate or sglang_generate" in error["message"]
     assert error["param"] == "messages.0.content.1.image_url.url"
     assert stack.sent == []
+
+
+MOE = (2, 2, 8)  # layers, top_k, experts
+
+
+async def test_routed_expert_rows_cover_the_expanded_prompt(make_stack: MakeStack, tokenizer_dir):
+    """A VL MoE model (the scripted engine's MoE mode): each call's rows are the engine's over
+    the prompt with every image expanded, from the parent's end on (vLLM on the CPU returns no
+    routed experts: this is checked on the scripted engine only)."""
+    from capture_proxy.scripted_engine.moe import expert_rows
+
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(family="qwen3_vl", enable_scale_out=True, moe=MOE),
+        tokens_in_dialect="vllm_generate",
+        tokenizer=tokenizer_dir,
+        **EXACT,
+    )
+    call_ids = await run_session(stack, "chat_completions", "moe", stream=False)
+    rows_end = 0
+    for call_id, sent in zip(call_ids, stack.sent, strict=True):
+        record = await stack.get_json(f"/captures/calls/{call_id}")
+        seq = sent.prompt_token_ids + sent.generation_token_ids
+        assert record["routed_experts_start"] == rows_end
+        assert (
+            np.asarray(record["routed_experts"]).tolist()
+            == expert_rows(seq, MOE, rows_end).tolist()
+        )
+        assert record["images"] and record["diagnostics"] == []
+        rows_end = len(seq) - 1

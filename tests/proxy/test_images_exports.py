@@ -44,7 +44,7 @@ async def test_the_npz_archive_holds_image_refs_and_each_image_once(make_stack: 
         [f"images/{sha(A)}.png", f"images/{sha(B)}.png"]
     )
     for entry, (start, end) in zip(sample.images, spans, strict=True):
-        pixels = rebuild_pixel_values(chains.images[entry["sha256"]], entry["processor"])
+        pixels = rebuild_pixel_values(chains.images[entry["sha256"]], entry["processor"], "pil")
         t, h, w = entry["processor"]["image_grid_thw"]
         assert pixels.shape == (t * h * w, 3 * 2 * 16 * 16)
         assert pixels.shape[0] == (end - start) * 4  # merge_size 2: 4 patches per token
