@@ -136,8 +136,9 @@ async def _serve_capture_path(
         )
         return response, "captured"
     if kind is EndpointKind.COUNT_TOKENS:
+        limits = request.app[IMAGES_KEY].limits
         return await handle_count_tokens(
-            raw_body, parse_count_tokens, _back_ends(request, backend)
+            raw_body, lambda body: parse_count_tokens(body, limits), _back_ends(request, backend)
         ), ("counted")
     if kind is EndpointKind.NOT_NORMAL:
         raise BadRequest(

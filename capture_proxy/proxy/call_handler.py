@@ -23,6 +23,7 @@ from capture_proxy.core.flow.captured import CallStart, captured_call
 from capture_proxy.core.flow.errors import UnknownPreviousResponse
 from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest
 from capture_proxy.core.fronts.responses.parse import referenced_response_id
+from capture_proxy.core.images import ImageRefused, engine_messages
 from capture_proxy.core.json_bodies import parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.routing import Route
@@ -148,15 +149,22 @@ async def handle_count_tokens(
 ) -> web.Response:
     """``POST /v1/messages/count_tokens``: the prompt's length as the chat template renders
     it (with the generation prompt), from the exact-token renderer or the engine's
-    ``/tokenize``. Not captured."""
+    ``/tokenize`` (which gets images as ``data:`` URLs; a remote image is not fetched to be
+    counted: refused). Not captured."""
     with map_core_errors():
         parsed = parse(parse_json_object(raw_body))
         chat = parsed.chat
+        messages: list[Any] = list(chat["messages"])
         renderer = back_ends.token_counter
         if back_ends.exact is not None and back_ends.exact_for_model(chat.get("model")):
             renderer = back_ends.exact.renderer
+        elif parsed.images is not None:
+            if parsed.images.pending:
+                where = parsed.images.pending[0].path
+                raise ImageRefused(f"'{where}': a remote image is not fetched to be counted", where)
+            messages = engine_messages(messages, parsed.images.images)
         ids = await renderer.render(
-            chat["messages"],
+            messages,
             chat.get("tools"),
             add_generation_prompt=True,
             chat_template_kwargs=chat.get("chat_template_kwargs"),

@@ -8,8 +8,14 @@ import io
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
+from capture_proxy.core.fronts import InvalidFrontRequest
+from capture_proxy.core.fronts.chat import ChatCodec
+from capture_proxy.core.fronts.messages import MessagesCodec
+from capture_proxy.core.fronts.responses import ResponsesCodec
 from capture_proxy.core.image_spans import image_runs, record_images
 from capture_proxy.core.images import (
     ImageCollector,
@@ -206,3 +212,73 @@ def test_image_identity_takes_part_in_the_linking_digests():
     assert child_digest(request, answer) == history_digest([*request, answer])
     other = [*history(a), {"role": "user", "content": [a.part()]}]
     assert child_digest(other, answer) != child_digest(request, answer)
+
+
+_IMAGE_JUNK = st.one_of(
+    st.text(max_size=40),
+    st.binary(max_size=40).map(lambda b: base64.b64encode(b).decode()),
+    st.sampled_from(["data:image/png;base64,", "data:,", "data:image/png;base64,@@", "http://"]),
+    st.integers(),
+    st.none(),
+    st.lists(st.integers(), max_size=3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=_IMAGE_JUNK, media=st.one_of(st.text(max_size=12), st.none(), st.integers()))
+def test_hostile_image_fields_are_a_named_400_in_every_front(data, media):
+    """Whatever an image field holds, each front parses it or refuses it naming the field
+    (``InvalidFrontRequest``, a 400): never another error."""
+    limits = ImageLimits(url_schemes=frozenset({"data", "http", "https"}))
+    bodies = [
+        (
+            ChatCodec(),
+            {
+                "model": "m",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image_url", "image_url": {"url": data, "detail": media}}
+                        ],
+                    }
+                ],
+            },
+        ),
+        (
+            ResponsesCodec(),
+            {
+                "model": "m",
+                "input": [
+                    {
+                        "type": "message",
+                        "role": "user",
+                        "content": [{"type": "input_image", "image_url": data, "detail": media}],
+                    }
+                ],
+            },
+        ),
+        (
+            MessagesCodec(),
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": media, "data": data},
+                            }
+                        ],
+                    }
+                ],
+            },
+        ),
+    ]
+    for codec, body in bodies:
+        try:
+            codec.parse(body, images=limits)
+        except InvalidFrontRequest as exc:
+            assert exc.param

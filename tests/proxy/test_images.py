@@ -303,3 +303,16 @@ async def test_previous_response_id_history_gets_its_images_from_the_store(
         if isinstance(m.get("content"), list)
         for p in m["content"]
     )
+
+
+async def test_count_tokens_counts_the_image_tokens(make_stack: MakeStack) -> None:
+    stack = await make_stack(**SETTINGS)
+    body = {"model": MODEL, "max_tokens": 16, "messages": [user_with_image("messages", "x", B)]}
+    base = "/ng-rollout/count/training-token-capture/v1/messages"
+    counted = await stack.client.post(base + "/count_tokens", json=body)
+    assert counted.status == 200, await counted.text()
+    resp = await stack.client.post(base, json=body)
+    assert resp.status == 200
+    record = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert (await counted.json())["input_tokens"] == record["num_prompt_tokens"]
+    assert record["num_prompt_tokens"] > image_placeholder(64, 96, QWEN3_VL_PROCESSOR).num_tokens
