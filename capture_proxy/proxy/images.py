@@ -108,20 +108,25 @@ async def fetch_image(
     """GET one remote image (no redirects, at most ``limits.max_bytes``). Raises ImageRefused
     naming ``path`` when it cannot be had."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    data = bytearray()
     try:
         async with session.get(url, timeout=timeout, allow_redirects=False) as resp:
             if resp.status != 200:
                 raise ImageRefused(f"'{path}': fetching the image answered {resp.status}", path)
-            data = await resp.content.read(limits.max_bytes + 1)
+            async for chunk in resp.content.iter_chunked(64 * 1024):
+                data += chunk
+                if len(data) > limits.max_bytes:  # stop reading: never hold more
+                    raise ImageRefused(
+                        f"'{path}' is larger than {limits.max_bytes} bytes (image_max_bytes)",
+                        path,
+                    )
+    except ImageRefused:
+        raise
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise ImageRefused(
             f"'{path}': the image could not be fetched: {type(exc).__name__}", path
         ) from exc
-    if len(data) > limits.max_bytes:
-        raise ImageRefused(
-            f"'{path}' is larger than {limits.max_bytes} bytes (image_max_bytes)", path
-        )
-    return prompt_image(data, path)
+    return prompt_image(bytes(data), path)
 
 
 def _referenced(parsed: FrontRequest) -> list[str]:

@@ -88,6 +88,7 @@ def tool_results_with_image(api: str, calls: list[Any], data: bytes) -> list[dic
 
 
 A, B = png(100, 100, 1), png(64, 96, 2)
+BIG = png(640, 640, 4)  # about 1.2 MB: a remote fetch of many reads
 
 
 async def run_session(stack: Stack, api: str, rollout: str, stream: bool) -> list[str]:
@@ -258,6 +259,8 @@ async def test_remote_images_are_fetched_only_when_allowed(make_stack, aiohttp_s
     async def serve(request: web.Request) -> web.Response:
         if request.match_info["name"] == "b.png":
             return web.Response(body=B, content_type="image/png")
+        if request.match_info["name"] == "big.png":
+            return web.Response(body=BIG, content_type="image/png")
         return web.Response(status=404)
 
     app = web.Application()
@@ -276,10 +279,24 @@ async def test_remote_images_are_fetched_only_when_allowed(make_stack, aiohttp_s
     assert record["request_messages"][0]["content"][1]["sha256"] == sha(B)
     sent = stack.sent[0].request_body["messages"][0]["content"][1]
     assert sent == {"type": "image_url", "image_url": {"url": data_url(B)}}
-    content[1] = {"type": "image_url", "image_url": {"url": str(server.make_url("/gone.png"))}}
+    # an image of many reads (1.3 MB) arrives whole
+    content[1] = {"type": "image_url", "image_url": {"url": str(server.make_url("/big.png"))}}
     resp = await stack.chat("remote", body)
-    error = (await resp.json())["error"]
-    assert resp.status == 400 and error["param"] == "messages.0.content.1.image_url.url"
+    assert resp.status == 200, await resp.text()
+    record = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert [e["sha256"] for e in record["images"]] == [sha(BIG)]
+    for name, message in (("gone.png", "answered 404"), ("big.png", "image_max_bytes")):
+        small = await make_stack(
+            **SETTINGS,
+            image_fetch_remote=True,
+            image_url_schemes=["http"],
+            image_max_bytes=len(BIG) - 1,
+        )
+        content[1] = {"type": "image_url", "image_url": {"url": str(server.make_url(f"/{name}"))}}
+        resp = await small.chat("remote", body)
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["param"] == "messages.0.content.1.image_url.url"
+        assert message in error["message"]
 
 
 async def test_previous_response_id_history_gets_its_images_from_the_store(
