@@ -29,6 +29,7 @@ from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.families import get_parser, load_family
 from capture_proxy.families.base import ChatRenderer, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.vision import VisionProcessorConfig
 from capture_proxy.proxy.app import dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
@@ -36,6 +37,13 @@ from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes
 from capture_proxy.proxy.errors import error_middleware
 from capture_proxy.proxy.exact import ExactTokens
+from capture_proxy.proxy.images import (
+    IMAGE_SESSION_KEY,
+    IMAGES_KEY,
+    ImagePolicy,
+    load_processor,
+    make_fetch_session,
+)
 from capture_proxy.proxy.keys import (
     ENGINE_PROBE_KEY,
     EXACT_KEY,
@@ -60,7 +68,7 @@ from capture_proxy.proxy.uncaptured import (
 )
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY, WeightWatchers
-from capture_proxy.rest import downloads, lifecycle, reads
+from capture_proxy.rest import downloads, images, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
@@ -125,6 +133,7 @@ def make_exact_tokens(
             family,
             tokenizer_dir=tokenizer_dirs.get(family),
             system_start_date=settings.system_start_date,
+            vision=family_vision(settings, family),
         )
         log.info("loaded model family %s in %.1f s", family, time.perf_counter() - started)
         families[family] = ExactTokens.of_family(
@@ -143,6 +152,22 @@ def make_exact_tokens(
         full_render=settings.exact_prompt_full_render,
         by_model={model: families[f] for model, f in settings.model_families.items()},
     )
+
+
+def family_vision(settings: Settings, family: str) -> VisionProcessorConfig | None:
+    """The image processor of the models of ``family`` (``image_processors``; None: none
+    named, the family's default). Raises RenderError when its models name different ones."""
+    named = {
+        load_processor(settings.image_processors[model])
+        for model, f in settings.model_families.items()
+        if f == family and model in settings.image_processors
+    }
+    if len(named) > 1:
+        raise RenderError(
+            f"the models of family {family} name different image_processors: one family "
+            "renders with one"
+        )
+    return next(iter(named), None)
 
 
 #: Longest pause between two tombstone sweeps (seconds).
@@ -235,12 +260,14 @@ def build_proxy_app(
         refresh_on_miss=store.shared,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
+    app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings, app[METRICS_KEY])
     app.cleanup_ctx.append(_resources(settings, store, renderer))
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     reads.add_routes(app)
+    images.add_routes(app)
     lifecycle.add_routes(app)
     downloads.add_routes(app)
     add_viewer_routes(
@@ -296,6 +323,8 @@ def _resources(
             try:
                 if settings.uses_exact_tokens:
                     app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                if settings.image_fetch_remote:
+                    app[IMAGE_SESSION_KEY] = make_fetch_session()
                 await _warn_if_engine_down(app, settings)
                 await watchers.start()
                 recorder = app[RECORDER_KEY]
@@ -310,6 +339,8 @@ def _resources(
             finally:
                 await watchers.stop()
                 await app[SESSION_KEY].close()
+                if IMAGE_SESSION_KEY in app:
+                    await app[IMAGE_SESSION_KEY].close()
         finally:
             # Also when start-up fails half-way: the store's threads must not keep the
             # process alive.
@@ -341,6 +372,7 @@ def build_read_only_app(
     app.cleanup_ctx.append(resources)
     app.router.add_get("/health", health)
     reads.add_routes(app, read_only=True)
+    images.add_routes(app)
     add_viewer_routes(
         app,
         ViewerConfig(

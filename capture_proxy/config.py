@@ -35,6 +35,9 @@ from pydantic_settings import (
 
 from capture_proxy.core.redact import basic_auth_header, redact_url, split_credentials
 
+ImageUrlScheme = Literal["data", "http", "https"]
+_DEFAULT_IMAGE_SCHEMES: tuple[ImageUrlScheme, ...] = ("data", "https")
+
 
 class ConfigError(ValueError):
     """Settings are invalid or the config file cannot be read; the message names the field."""
@@ -203,17 +206,21 @@ class Settings(BaseSettings):
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
     model_families: dict[
-        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"]
+        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5", "qwen3_vl"]
     ] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
         "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
         "qwen3_coder (XML tool calls), gpt_oss (harmony), llama3 (Llama 3.x JSON tool calls; "
         "needs family_tokenizers.llama3), qwen2_5 (Qwen2.5 / Qwen2.5-Coder Instruct, Hermes JSON "
-        "tool calls; needs family_tokenizers.qwen2_5); models not named use tokenizer, "
+        "tool calls; needs family_tokenizers.qwen2_5), qwen3_vl (Qwen3-VL Instruct: images, the "
+        "published template or family_tokenizers.qwen3_vl; its image processor from "
+        "image_processors); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )
-    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5"], Path] = Field(
+    family_tokenizers: dict[
+        Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5", "qwen3_vl"], Path
+    ] = Field(
         default_factory=dict,
         description="a local HF tokenizer directory (the model's own tokenizer and chat "
         "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "
@@ -222,6 +229,39 @@ class Settings(BaseSettings):
     system_start_date: str | None = Field(
         None, pattern=r"^\d{4}-\d{2}-\d{2}$", description="gpt_oss: the 'Current date:' (Y-M-D),"
         " the serving vLLM's VLLM_SYSTEM_START_DATE; unset: today (local time zone), as vLLM",
+    )
+    image_max_bytes: int = Field(
+        20 * 1024 * 1024,
+        gt=0,
+        description="largest image a call may carry (decoded bytes); a larger one is answered "
+        "400 naming its field",
+    )
+    images_per_call_max: int = Field(
+        100, ge=0, description="most image parts one call may carry (0: images refused)"
+    )
+    image_url_schemes: list[ImageUrlScheme] = Field(
+        default_factory=lambda: list(_DEFAULT_IMAGE_SCHEMES),
+        description="URL schemes an image part's URL may have (data: base64 inline; http, "
+        "https: fetched by the proxy, only with image_fetch_remote); base64 image blocks are "
+        "always taken",
+    )
+    image_fetch_remote: bool = Field(
+        False,
+        description="fetch an image given by an http(s) URL (within image_url_schemes) and send "
+        "the engine those bytes (stored with the call); off: such an image is answered 400, as "
+        "the proxy would otherwise record an image it never saw. On, the proxy requests any "
+        "URL a harness names (no redirects followed): enable it only where that is safe",
+    )
+    image_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for one remote image (image_fetch_remote)"
+    )
+    image_processors: dict[str, str] = Field(
+        default_factory=dict,
+        description="per model, the image processor whose arithmetic gives each image's "
+        "placeholder tokens and the pixel input a trainer rebuilds: qwen3_vl or qwen2_5_vl "
+        "(the published Qwen3-VL / Qwen2.5-VL processor settings), or the path of the model's "
+        "preprocessor_config.json (or of its directory) when the engine was started with other "
+        "settings; a call with images to a model not named is answered 400",
     )
     captures_token: SecretStr | None = Field(
         None,
@@ -396,6 +436,17 @@ class Settings(BaseSettings):
                 "(a local HF tokenizer directory) to decode them"
             )
         return self
+
+    @field_validator("image_processors")
+    @classmethod
+    def _image_processor_known(cls, value: dict[str, str]) -> dict[str, str]:
+        for model, name in value.items():
+            if name not in ("qwen3_vl", "qwen2_5_vl") and not Path(name).exists():
+                raise ValueError(
+                    f"{model}: {name!r} is neither qwen3_vl, qwen2_5_vl nor an existing "
+                    "preprocessor_config.json (or model directory)"
+                )
+        return value
 
     @model_validator(mode="after")
     def _llama3_has_a_tokenizer(self) -> Settings:

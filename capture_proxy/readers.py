@@ -33,12 +33,12 @@ import urllib.parse
 import urllib.request
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import numpy as np
 
-from capture_proxy.core.samples import ChainSample, read_archive
+from capture_proxy.core.samples import ChainSample, read_archive, read_archive_images
 from capture_proxy.core.token_tree import TokenTree, read_tree
 from capture_proxy.core.weight_versions import sequence_index
 
@@ -59,11 +59,15 @@ __all__ = [
 @dataclass(frozen=True)
 class Chains:
     """A rollout's chains archive: ``manifest`` (``manifest.json``: ``rollout_id``,
-    ``samples``, ``unlinked_call_ids``, ``main_chain_id``, ``incomplete``, ``lifecycle``) and
-    ``samples`` in manifest order. Iterating, ``len`` and indexing go over the samples."""
+    ``samples``, ``unlinked_call_ids``, ``main_chain_id``, ``incomplete``, ``lifecycle``,
+    ``images``), ``samples`` in manifest order and ``images``: each image's bytes by sha256
+    (a sample's ``images`` entries name them; ``families.vision.rebuild_pixel_values(bytes,
+    entry["processor"])`` rebuilds its pixel input). Iterating, ``len`` and indexing go over
+    the samples."""
 
     manifest: dict[str, Any]
     samples: list[ChainSample]
+    images: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def incomplete(self) -> bool:
@@ -104,11 +108,13 @@ def _read_source(source: bytes | str | os.PathLike[str] | IO[bytes]) -> IO[bytes
 def load_chains(source: bytes | str | os.PathLike[str] | IO[bytes]) -> Chains:
     """A chains archive: its bytes, a path to it, or an open binary file. Raises ValueError
     when it is not a chains archive this reader knows (not a zip, another format, newer)."""
+    data = _read_source(source).read()
     try:
-        manifest, samples = read_archive(_read_source(source))
+        manifest, samples = read_archive(io.BytesIO(data))
+        images = read_archive_images(io.BytesIO(data))
     except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a chains archive: {exc}") from exc
-    return Chains(manifest, samples)
+    return Chains(manifest, samples, images)
 
 
 def load_tree(source: bytes | str | os.PathLike[str] | IO[bytes]) -> TokenTree:
@@ -257,8 +263,8 @@ def _numpy_rows(batch: Any) -> list[dict[str, Any]]:
                     if not cell.is_valid
                     else cell.values.to_numpy(zero_copy_only=False).astype(arrays[name])
                 )
-            elif name == "generation_spans":
-                row[name] = np.array(cell.as_py(), np.int64).reshape(-1, 2)
+            elif name in ("generation_spans", "image_spans"):
+                row[name] = np.array(cell.as_py() or [], np.int64).reshape(-1, 2)
             else:
                 row[name] = cell.as_py()
         shape = row.get("routed_experts_shape")

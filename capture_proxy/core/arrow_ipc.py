@@ -32,13 +32,15 @@ _PADDING = bytes(8)
 _METADATA_V5 = 4
 _HEADER_SCHEMA, _HEADER_RECORD_BATCH = 1, 3
 # Type union ids (Schema.fbs ``union Type``).
-_INT, _FLOAT, _UTF8, _BOOL, _LIST, _STRUCT, _FIXED_LIST, _MAP = 2, 3, 5, 6, 12, 13, 16, 17
+_INT, _FLOAT, _BINARY, _UTF8, _BOOL, _LIST, _STRUCT, _FIXED_LIST, _MAP = (
+    2, 3, 4, 5, 6, 12, 13, 16, 17
+)
 
 
 @dataclass(frozen=True)
 class DataType:
-    """An Arrow type: ``kind`` one of int, float, bool, utf8, list, fixed_size_list, struct,
-    map; ``bits`` and ``signed`` for int and float (float: 32 or 64); ``size`` for a
+    """An Arrow type: ``kind`` one of int, float, bool, utf8, binary, list, fixed_size_list,
+    struct, map; ``bits`` and ``signed`` for int and float (float: 32 or 64); ``size`` for a
     fixed-size list; ``children`` the child fields (list: 1, map: 1 ``entries`` struct)."""
 
     kind: str
@@ -65,6 +67,10 @@ def float_(bits: int) -> DataType:
 
 def utf8() -> DataType:
     return DataType("utf8")
+
+
+def binary() -> DataType:
+    return DataType("binary")
 
 
 def bool_() -> DataType:
@@ -155,6 +161,13 @@ def strings(values: Sequence[str | None]) -> Column:
     """A utf8 column (None: null)."""
     data = [b"" if v is None else v.encode() for v in values]
     nulls, bitmap = _validity([v is not None for v in values])
+    return Column(len(values), nulls, (bitmap, _offsets([len(d) for d in data]), b"".join(data)))
+
+
+def binaries(values: Sequence[bytes | None]) -> Column:
+    """A binary column (None: null): the layout of utf8, any bytes."""
+    nulls, bitmap = _validity([v is not None for v in values])
+    data = [b"" if v is None else v for v in values]
     return Column(len(values), nulls, (bitmap, _offsets([len(d) for d in data]), b"".join(data)))
 
 
@@ -253,7 +266,7 @@ def _type_table(b: flatbuffers.Builder, t: DataType) -> tuple[int, int]:
         b.StartObject(1)
         b.PrependBoolSlot(0, False, False)
         return _MAP, b.EndObject()
-    ids = {"utf8": _UTF8, "bool": _BOOL, "list": _LIST, "struct": _STRUCT}
+    ids = {"utf8": _UTF8, "binary": _BINARY, "bool": _BOOL, "list": _LIST, "struct": _STRUCT}
     if t.kind not in ids:
         raise ValueError(f"no Arrow IPC encoding for type {t.kind!r}")
     b.StartObject(0)

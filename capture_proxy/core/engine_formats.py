@@ -13,7 +13,9 @@ A dialect's ``reader()`` is stateful per call, for engines whose stream chunks a
 - ``vllm_generate``: vLLM ``POST /inference/v1/generate`` (server flag ``--enable-scale-out``):
   ``token_ids`` + ``sampling_params``; choices carry ``token_ids`` and chat-shaped
   ``logprobs.content[].logprob`` but no text, so the text comes from a local tokenizer; the
-  whole answer and the stream's last chunk carry ``weight_versions`` spans (vLLM 0.32).
+  whole answer and the stream's last chunk carry ``weight_versions`` spans (vLLM 0.32); with
+  ``return_token_ids`` (asked for a prompt with images, ``flow.exact_images``) the body's
+  ``prompt_token_ids`` is the prompt as the engine's processor expanded it.
 - ``sglang_generate``: SGLang ``POST /generate`` with ``input_ids``, ``return_logprob`` and
   ``logprob_start_len: -1``; ``output_ids``, ``text``, ``meta_info.output_token_logprobs``
   (``[logprob, token_id, text]``), ``meta_info.finish_reason`` ``{type, matched}``,
@@ -258,6 +260,9 @@ class VllmGenerateReader:
 
     def _piece(self, body: dict[str, Any], *, final: bool) -> Piece:
         piece = Piece(usage=body.get("usage") or None)
+        if isinstance(body.get("prompt_token_ids"), list):
+            # asked with ``return_token_ids`` (a prompt with images): the expanded prompt
+            piece.prompt_token_ids = body["prompt_token_ids"]
         choices = body.get("choices")
         if not isinstance(choices, list):
             raise EngineFormatError("generate body has no 'choices' list")

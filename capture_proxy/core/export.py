@@ -41,9 +41,18 @@ Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
   without unnesting its tokens; ``readers.iter_rollouts`` lays them back out as the npz's
   ``weight_version_index`` and ``weight_versions``.
 
+- images (``core.samples``; empty lists for a sample without): ``image_sha256``: list<string>
+  (each image of the leaf's prompt, in prompt order, by the SHA-256 of its bytes);
+  ``image_spans``: list<fixed_size_list<int64, 2>> (its ``<|image_pad|>`` positions
+  ``[start, end)`` in ``input_ids``); ``image_processor``: list<string> (JSON, the processor
+  params that rebuild its ``pixel_values``, ``families.vision.rebuild_pixel_values``);
+  ``image_media_type``: list<string>; ``image_data``: list<binary> (its bytes): each row is
+  whole by itself, an image carried by several rows (or twice in one) is in each.
+
 Versions: 2 added the two ``weight_version*`` columns (after ``lineage``, so the earlier
 columns keep their positions) and the manifest's ``weight_filter`` (``core.weight_filter``:
-the filter of the request and the samples it dropped; null without one).
+the filter of the request and the samples it dropped; null without one); 3 added the five
+``image_*`` columns (after them).
 
 The bytes are written by ``core.arrow_ipc`` (no pyarrow needed to serve the export); a
 reader needs any Arrow library (``readers.iter_rollouts`` uses pyarrow, the ``arrow`` extra).
@@ -54,17 +63,19 @@ Pure: no I/O; ``ExportEncoder`` returns bytes for the caller to send.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from capture_proxy.core import arrow_ipc as ipc
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.samples import ChainSample
 from capture_proxy.core.weight_versions import sequence_spans
 
 EXPORT_FORMAT = "capture-proxy.export.arrow"
-EXPORT_VERSION = 2
+EXPORT_VERSION = 3
 #: The content type of the stream (the IANA registration for the Arrow IPC stream format).
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 #: Custom-metadata key of each record batch: the rollout's manifest, JSON.
@@ -105,6 +116,11 @@ SCHEMA: tuple[ipc.Field, ...] = tuple(
         ("lineage", ipc.utf8()),
         ("weight_version_spans", ipc.list_(ipc.struct_(_SPAN_FIELDS))),
         ("weight_version_sources", ipc.list_(ipc.utf8())),
+        ("image_sha256", ipc.list_(ipc.utf8())),
+        ("image_spans", ipc.list_(ipc.fixed_size_list(ipc.int_(64), 2))),
+        ("image_processor", ipc.list_(ipc.utf8())),
+        ("image_media_type", ipc.list_(ipc.utf8())),
+        ("image_data", ipc.list_(ipc.binary())),
     ]
 )
 
@@ -157,6 +173,29 @@ def _version_spans(samples: list[ChainSample]) -> ipc.Column:
         ],
     )
     return ipc.list_of(spans, [len(row) for row in rows])
+def _image_columns(
+    samples: list[ChainSample], images: Mapping[str, PromptImage]
+) -> dict[str, ipc.Column]:
+    """The image columns (see the module docstring). Raises ValueError for an image whose
+    bytes ``images`` lacks."""
+    lengths = [len(s.images) for s in samples]
+    entries = [e for s in samples for e in s.images]
+    missing = sorted({str(e["sha256"]) for e in entries} - set(images))
+    if missing:
+        raise ValueError(f"image {missing[0]} of a sample is not among the images given")
+    spans = np.array([[e["prompt_start"], e["prompt_end"]] for e in entries], np.int64)
+    pairs = ipc.Column(len(entries), 0, (b"",), (ipc.primitive(spans.reshape(-1).astype("<i8")),))
+    found = [images[str(e["sha256"])] for e in entries]
+    return {
+        "image_sha256": ipc.list_of(ipc.strings([str(e["sha256"]) for e in entries]), lengths),
+        "image_spans": ipc.list_of(pairs, lengths),
+        "image_processor": ipc.list_of(
+            ipc.strings([json.dumps(e.get("processor"), sort_keys=True) for e in entries]),
+            lengths,
+        ),
+        "image_media_type": ipc.list_of(ipc.strings([i.media_type for i in found]), lengths),
+        "image_data": ipc.list_of(ipc.binaries([i.data for i in found]), lengths),
+    }
 
 
 def _lineage(manifest: dict[str, Any], chain_id: str) -> str:
@@ -168,10 +207,13 @@ def rollout_columns(
     manifest: dict[str, Any],
     samples: list[ChainSample],
     metadata: RolloutMetadata,
+    images: Mapping[str, PromptImage] | None = None,
 ) -> list[ipc.Column]:
     """One rollout's samples as the columns of ``SCHEMA``, in order (``manifest`` gives the
     rollout columns: ``rollout_id``, ``cursor``, ``snapshot``, ``version``, ``episode_of``,
-    ``attempt``, ``main_chain_id``, ``lineage``). Raises ValueError for expert ids past uint16."""
+    ``attempt``, ``main_chain_id``, ``lineage``; ``images``: the samples' images by sha256).
+    Raises ValueError for expert ids past uint16, or a sample's image missing from
+    ``images``."""
     n = len(samples)
     experts = [_experts(s) for s in samples]
     snapshot = manifest.get("snapshot") or {}
@@ -208,6 +250,7 @@ def rollout_columns(
         "lineage": ipc.strings([_lineage(manifest, s.chain_id) for s in samples]),
         "weight_version_spans": _version_spans(samples),
         "weight_version_sources": _sources(samples),
+        **_image_columns(samples, images or {}),
     }
     return [columns[f.name] for f in SCHEMA]
 
@@ -221,10 +264,15 @@ class ExportEncoder:
         return ipc.schema_message(SCHEMA, SCHEMA_METADATA)
 
     def rollout(
-        self, manifest: dict[str, Any], samples: list[ChainSample], metadata: RolloutMetadata
+        self,
+        manifest: dict[str, Any],
+        samples: list[ChainSample],
+        metadata: RolloutMetadata,
+        images: Mapping[str, PromptImage] | None = None,
     ) -> bytes:
-        """The bytes of one rollout's record batch (see the module docstring)."""
-        columns = rollout_columns(manifest, samples, metadata)
+        """The bytes of one rollout's record batch (see the module docstring); ``images``: the
+        samples' images by sha256."""
+        columns = rollout_columns(manifest, samples, metadata, images)
         text = json.dumps({**manifest, "num_samples": len(samples)}, ensure_ascii=False)
         return ipc.record_batch_message(len(samples), columns, {MANIFEST_KEY: text})
 

@@ -72,6 +72,12 @@ class DiagnosticKind(enum.StrEnum):
     #: the engine's weight version changed inside a whole answer (observed versions): where
     #: is unknown, the older version is kept for every token
     WEIGHT_VERSION_CHANGED = "weight_version_changed"
+    #: the prompt's image placeholder runs (``<|vision_start|><|image_pad|>...``) do not match
+    #: the request's images one for one: the images' spans are unknown (the call incomplete)
+    IMAGE_SPANS_UNALIGNED = "image_spans_unaligned"
+    #: an image's placeholder run has another length than its processor's arithmetic gives
+    #: (the engine's processor settings differ from ``image_processors``): span kept as found
+    IMAGE_TOKENS_MISMATCH = "image_tokens_mismatch"
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,10 @@ class CallRecord:
     the image's placeholder tokens occupy in ``prompt_token_ids``; ``processor``: what the
     model's processor needs to rebuild the pixel input, e.g. the grid); the bytes are stored
     once per store, content-addressed by ``sha256``.
+
+    ``image_data``: sha256 -> the image's bytes, for the store to keep with the record (never
+    part of the stored form; None on a record read back: the bytes are the store's, read by
+    ``sha256``).
     """
 
     call_id: str
@@ -189,6 +199,7 @@ class CallRecord:
     weight_version_source: str | None = None
     images: list[dict[str, Any]] | None = None
     schema_version: int = SCHEMA_VERSION
+    image_data: dict[str, bytes] | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -26,6 +26,15 @@ arrays over the leaf's full sequence (its prompt + generation):
   ``weight_version_sources``: unicode ``[num_calls]``, each path call's
   ``weight_version_source`` (``engine_spans`` | ``engine_reported`` | ``observed``; ``""``
   when unknown), in path order.
+- with images (``core.image_spans``; the leaf's, which are every path call's): ``image_spans``
+  int64 ``[num_images, 2]`` (each image's ``[start, end)`` of ``<|image_pad|>`` positions in
+  ``input_ids``, prompt order), ``image_sha256`` unicode ``[num_images]`` (the bytes' address)
+  and ``image_grid_thw`` int64 ``[num_images, 3]``; ``ChainSample.images`` keeps each image's
+  whole entry (its ``processor`` params, to rebuild its ``pixel_values``).
+
+The archive (``write_archive``) holds each image's bytes once, as ``images/<sha256>.<ext>``,
+listed in the manifest's ``images`` (``{sha256: {"file", "media_type", "width",
+"height"}}``); each sample's manifest entry lists its images' entries.
 
 Pure: no I/O; the archive format (zip of ``.npz``) is in ``write_archive`` / ``read_archive``.
 """
@@ -35,12 +44,14 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy as np
 
 from capture_proxy.core.chains import Chain, RolloutChains
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.routed_experts import align_to_sequence
 from capture_proxy.core.weight_versions import path_versions
@@ -57,6 +68,8 @@ class ChainSample:
     chain_id: str
     leaf_call_id: str
     arrays: dict[str, np.ndarray]
+    #: the leaf's images (``CallRecord.images`` entries), in prompt order
+    images: tuple[dict[str, Any], ...] = ()
 
     @property
     def call_ids(self) -> list[str]:
@@ -116,7 +129,10 @@ def path_sample(chain_id: str, path: list[CallRecord]) -> ChainSample:
     )
     if aligned is not None:
         arrays["routed_experts"], arrays["routed_experts_mask"] = aligned
-    return ChainSample(chain_id, leaf.call_id, arrays)
+    images = tuple(leaf.images or ())
+    if images:
+        arrays.update(image_arrays(images))
+    return ChainSample(chain_id, leaf.call_id, arrays, images)
 
 
 def chain_samples(chain: Chain) -> list[ChainSample]:
@@ -124,18 +140,55 @@ def chain_samples(chain: Chain) -> list[ChainSample]:
     return [path_sample(chain.chain_id, path) for path in sample_paths(chain)]
 
 
+def image_arrays(images: tuple[dict[str, Any], ...]) -> dict[str, np.ndarray]:
+    """``image_spans``, ``image_sha256`` and ``image_grid_thw`` of a sample's images."""
+    spans = np.array([[e["prompt_start"], e["prompt_end"]] for e in images], np.int64)
+    grids = [(e.get("processor") or {}).get("image_grid_thw") or [0, 0, 0] for e in images]
+    return {
+        "image_spans": spans.reshape(-1, 2),
+        "image_sha256": np.array([e["sha256"] for e in images], dtype=np.str_),
+        "image_grid_thw": np.array(grids, np.int64).reshape(-1, 3),
+    }
+
+
+_EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp"}
+
+
+def _write_images(
+    zf: zipfile.ZipFile, shas: list[str], images: Mapping[str, PromptImage]
+) -> dict[str, Any]:
+    """Each image's bytes once, as ``images/<sha256>.<ext>``; the manifest's ``images``.
+    Raises ValueError for an image whose bytes ``images`` lacks."""
+    out: dict[str, Any] = {}
+    for sha in sorted(set(shas)):
+        image = images.get(sha)
+        if image is None:
+            raise ValueError(f"image {sha} of a sample is not among the images given")
+        name = f"images/{sha}.{_EXTENSIONS.get(image.media_type, 'bin')}"
+        zf.writestr(name, image.data)
+        out[sha] = {
+            "file": name,
+            "media_type": image.media_type,
+            "width": image.width,
+            "height": image.height,
+        }
+    return out
+
+
 def write_archive(
     chains: RolloutChains,
     out: IO[bytes],
     extra: dict[str, Any] | None = None,
     samples: list[ChainSample] | None = None,
+    images: Mapping[str, PromptImage] | None = None,
 ) -> None:
     """Write a zip archive: ``manifest.json`` and one ``<chain_id>/<leaf_call_id>.npz`` per
-    sample (uncompressed ``np.savez`` members, so a loader can memory-map or stream them).
-    ``samples``: the samples to write (default: every sample of ``chains``; a version filter
-    passes the ones it keeps). ``manifest.json``: ``{"format", "version", "rollout_id",
-    "samples": [{"file", "chain_id", "leaf_call_id", "call_ids", "num_tokens",
-    "weight_versions"}], **extra}``."""
+    sample (uncompressed ``np.savez`` members, so a loader can memory-map or stream them),
+    and each image of the samples once (``images``: their bytes by sha256). ``samples``: the
+    samples to write (default: every sample of ``chains``; a version filter passes the ones
+    it keeps). ``manifest.json``: ``{"format", "version", "rollout_id", "samples": [{"file",
+    "chain_id", "leaf_call_id", "call_ids", "num_tokens", "weight_versions", "images"}],
+    "images", **extra}``. Raises ValueError for a sample's image missing from ``images``."""
     if samples is None:
         samples = [s for chain in chains.chains for s in chain_samples(chain)]
     manifest: dict[str, Any] = {
@@ -145,6 +198,7 @@ def write_archive(
         "samples": [],
         **(extra or {}),
     }
+    shas: list[str] = []
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
         for sample in samples:
             name = f"{sample.chain_id}/{sample.leaf_call_id}.npz"
@@ -161,8 +215,11 @@ def write_archive(
                     "call_ids": sample.call_ids,
                     "num_tokens": int(sample.arrays["input_ids"].shape[0]),
                     "weight_versions": [str(v) for v in sample.arrays.get("weight_versions", ())],
+                    "images": list(sample.images),
                 }
             )
+            shas += [str(e["sha256"]) for e in sample.images]
+        manifest["images"] = _write_images(zf, shas, images or {})
         zf.writestr("manifest.json", json.dumps(manifest, ensure_ascii=False))
 
 
@@ -179,5 +236,15 @@ def read_archive(source: IO[bytes]) -> tuple[dict[str, Any], list[ChainSample]]:
         for entry in manifest["samples"]:
             with np.load(io.BytesIO(zf.read(entry["file"])), allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
-            samples.append(ChainSample(entry["chain_id"], entry["leaf_call_id"], arrays))
+            images = tuple(entry.get("images") or ())
+            samples.append(ChainSample(entry["chain_id"], entry["leaf_call_id"], arrays, images))
     return manifest, samples
+
+
+def read_archive_images(source: IO[bytes]) -> dict[str, bytes]:
+    """The image bytes of an archive ``write_archive`` wrote, by sha256."""
+    with zipfile.ZipFile(source) as zf:
+        manifest = json.loads(zf.read("manifest.json"))
+        return {
+            sha: zf.read(entry["file"]) for sha, entry in (manifest.get("images") or {}).items()
+        }

@@ -34,6 +34,7 @@ from capture_proxy.proxy.errors import (
     MethodNotAllowed,
     PayloadTooLarge,
 )
+from capture_proxy.proxy.images import IMAGE_SESSION_KEY, IMAGES_KEY
 from capture_proxy.proxy.keys import (
     EXACT_KEY,
     LINKER_KEY,
@@ -85,6 +86,8 @@ def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
         pause_wait_s=settings.engine_pause_wait_s,
         read_timeout_s=settings.upstream_read_timeout_s,
         request_timeout=captured_call_timeout(settings),
+        images=request.app[IMAGES_KEY],
+        image_session=request.app.get(IMAGE_SESSION_KEY),
     )
 
 
@@ -140,8 +143,9 @@ async def _serve_capture_path(
         )
         return response, "captured"
     if kind is EndpointKind.COUNT_TOKENS:
+        limits = request.app[IMAGES_KEY].limits
         return await handle_count_tokens(
-            raw_body, parse_count_tokens, _back_ends(request, backend)
+            raw_body, lambda body: parse_count_tokens(body, limits), _back_ends(request, backend)
         ), ("counted")
     if kind is EndpointKind.NOT_NORMAL:
         raise BadRequest(

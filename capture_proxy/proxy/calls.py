@@ -12,7 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -20,6 +20,7 @@ from aiohttp import web
 
 from capture_proxy.core.capture import NoteMatcher
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.proxy.images import ImagePolicy
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import TAP_KEY, ResponseTap
@@ -65,6 +66,10 @@ class CaptureDeps:
         read timeout (no byte for that long) when it is shorter."""
         limits = [t for t in (self.first_byte_timeout_s, self.read_timeout_s) if t is not None]
         return min(limits) if limits else None
+    #: what images a call may carry and each model's image processor; the session remote
+    #: images are fetched with (``image_fetch_remote``)
+    images: ImagePolicy = field(default_factory=lambda: ImagePolicy(None))
+    image_session: aiohttp.ClientSession | None = None
 
     @property
     def known_messages(self) -> KnownMessages:

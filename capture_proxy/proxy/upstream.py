@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import io
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
@@ -134,6 +135,21 @@ CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 CONNECT_BACKOFF_S = 0.2
 
 
+#: Bodies above this are written in pieces (aiohttp's ``TOO_LARGE_BYTES_BODY``, 1 MiB: it warns
+#: that writing more at once may hold the event loop; a request with images often is larger).
+LARGE_BODY_BYTES = 1 << 20
+
+
+def _streamed_body(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a ``data`` body above ``LARGE_BODY_BYTES`` as a fresh ``io.BytesIO``
+    (aiohttp writes it 64 KiB at a time, yielding between pieces; fresh per attempt, since a
+    payload is closed once sent)."""
+    data = kwargs.get("data")
+    if isinstance(data, bytes | bytearray) and len(data) > LARGE_BODY_BYTES:
+        return {**kwargs, "data": io.BytesIO(data)}
+    return kwargs
+
+
 async def send_upstream(
     session: aiohttp.ClientSession,
     method: str,
@@ -155,7 +171,7 @@ async def send_upstream(
     async def attempt() -> aiohttp.ClientResponse:
         for retry in range(connect_retries + 1):
             try:
-                return await session.request(method, url, **kwargs)
+                return await session.request(method, url, **_streamed_body(kwargs))
             except CONNECT_ERRORS:
                 if retry == connect_retries:
                     raise

@@ -39,6 +39,7 @@ from capture_proxy.core.atif import AtifGaps, trajectory
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
 from capture_proxy.core.export import CONTENT_TYPE, ExportEncoder
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.lineage import find_lineage
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, chain_samples
@@ -46,6 +47,7 @@ from capture_proxy.core.token_tree import build_token_tree, write_tree
 from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
+from capture_proxy.rest.images import images_of
 from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
     _json,
@@ -137,9 +139,10 @@ def _encode(
     state: RolloutState,
     superseded_by: str | None,
     wf: WeightFilter | None,
+    images: dict[str, PromptImage],
 ) -> bytes:
     manifest, samples = export_manifest(info, records, state, superseded_by, wf)
-    return encoder.rollout(manifest, samples, info.metadata)
+    return encoder.rollout(manifest, samples, info.metadata, images)
 
 
 async def export_rollouts(request: web.Request) -> web.StreamResponse:
@@ -168,8 +171,11 @@ async def export_rollouts(request: web.Request) -> web.StreamResponse:
             final = final_episodes(await store.list_episodes(base)).get(base, info.rollout_id)
             superseded_by = None if final == info.rollout_id else final
         state = RolloutState(info, recorder)
+        images = await images_of(store, records) if superseded_by is None else {}
         await resp.write(
-            await _off_loop(request, _encode, encoder, info, records, state, superseded_by, wf)
+            await _off_loop(
+                request, _encode, encoder, info, records, state, superseded_by, wf, images
+            )
         )
     await resp.write(encoder.end())
     await resp.write_eof()

@@ -33,6 +33,7 @@ from aiohttp import web
 
 from capture_proxy.core.chains import RolloutChains, build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.lineage import LineageEdge, find_lineage
 from capture_proxy.core.lineage.find import count_by_kind
 from capture_proxy.core.records import CallRecord, CallStatus
@@ -44,6 +45,7 @@ from capture_proxy.core.weight_versions import rollout_summary as rollout_weight
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.images import images_of
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
@@ -118,6 +120,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "linking": record.linking,
         "retry_of": record.retry_of,
         "diagnostics": [d.to_json() for d in record.diagnostics],
+        "images": record.images,
         "schema_version": record.schema_version,
     }
     if detail:
@@ -370,13 +373,17 @@ def archive_manifest(
 
 
 def _chains_npz(
-    info: RolloutInfo, records: list[CallRecord], state: RolloutState, wf: WeightFilter | None
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    wf: WeightFilter | None,
+    images: dict[str, PromptImage],
 ) -> bytes:
     chains = build_chains(info.rollout_id, records)
     selection = select(chains, wf)
     buf = io.BytesIO()
     manifest = {**archive_manifest(info, chains, state), "weight_filter": selection.report}
-    write_archive(chains, buf, manifest, samples=selection.samples())
+    write_archive(chains, buf, manifest, samples=selection.samples(), images=images)
     return buf.getvalue()
 
 
@@ -393,7 +400,15 @@ async def get_rollout_chains(request: web.Request) -> web.Response:
     if fmt == "npz":
         disposition = f'attachment; filename="{info.rollout_id}.chains.zip"'
         return web.Response(
-            body=await _off_loop(request, _chains_npz, info, records, state, wf),
+            body=await _off_loop(
+                request,
+                _chains_npz,
+                info,
+                records,
+                state,
+                wf,
+                await images_of(request.app[STORE_KEY], records),
+            ),
             content_type="application/zip",
             headers={"Content-Disposition": disposition},
         )

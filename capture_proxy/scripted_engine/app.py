@@ -102,6 +102,8 @@ def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFa
     elif config.family == "qwen3" and config.tokenizer_dir is None:
         template = load_chat_template(config.tokenizer_template)
         family = dataclasses.replace(family, renderer=LocalRenderer(tokenizer, template))
+    if isinstance(family.renderer, LocalRenderer):
+        family.renderer.vision = config.vision  # a renderer of its own, made above
     if config.family == "gpt_oss":
         return EngineFamily(family, None)
     return EngineFamily(family, family.renderer.tokenizer)

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
+from capture_proxy.families.vision import QWEN3_VL_PROCESSOR, VisionProcessorConfig
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.moe import MoeShape
@@ -71,6 +72,10 @@ class ScriptedEngineConfig:
     sglang_incremental_streaming: bool = False
     #: injected misbehaviour of chat completions (see ``faults.Faults``)
     faults: Faults = field(default_factory=Faults)
+    #: the image processor of a Qwen-VL model (``families.vision``): an image in a prompt
+    #: renders as the template's placeholder, expanded to its tokens as vLLM's processor
+    #: does; None: images are refused, as a text-only model's
+    vision: VisionProcessorConfig | None = QWEN3_VL_PROCESSOR
 
     @property
     def served_models(self) -> tuple[str, ...]:

@@ -27,6 +27,7 @@ from capture_proxy.core.record_migrations import migrate, rebase_messages
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import lifecycle
+from capture_proxy.store.image_rows import delete_images
 from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
 
 T = TypeVar("T")
@@ -122,9 +123,7 @@ UPSERT_ROLLOUT = (
     "num_refused = rollouts.num_refused + excluded.num_refused"
 )
 # A diagnostic kind found on a call of the rollout (``rollout_kinds``, for the viewer's list).
-KEEP_KIND = (
-    "INSERT INTO rollout_kinds (rollout_id, kind) VALUES (?, ?) ON CONFLICT DO NOTHING"
-)
+KEEP_KIND = "INSERT INTO rollout_kinds (rollout_id, kind) VALUES (?, ?) ON CONFLICT DO NOTHING"
 # The store's number of calls (``Dialect.counts_calls``), by a signed delta.
 COUNT_CALLS = "UPDATE counters SET value = value + ? WHERE name = 'calls'"
 # The JSON texts the calls of a subquery of call ids refer to (the subquery follows).
@@ -302,6 +301,7 @@ def delete_rows(d: Dialect, db: Conn, rollout_id: str) -> int:
             ),
             (sha, sha),
         )
+    delete_images(d, db, rollout_id)
     deleted = db.execute(d.sql("DELETE FROM calls WHERE rollout_id = ?"), (rollout_id,)).rowcount
     db.execute(d.sql("DELETE FROM rollouts WHERE rollout_id = ?"), (rollout_id,))
     db.execute(d.sql("DELETE FROM rollout_kinds WHERE rollout_id = ?"), (rollout_id,))

@@ -35,6 +35,7 @@ from capture_proxy.core.weight_versions import tokens_by_version
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
 from capture_proxy.proxy.errors import NotFound
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
+from capture_proxy.rest.images import get_image
 from capture_proxy.rest.reads import REST_THREAD_KEY
 from capture_proxy.store.base import RolloutInfo
 from capture_proxy.viewer.detokenize import (
@@ -361,6 +362,8 @@ def add_viewer_routes(app: web.Application, config: ViewerConfig) -> None:
     app.router.add_route("*", UI_PREFIX + "/login", login_page)
     app.router.add_get(UI_PREFIX + "/rollouts/{rollout_id}", rollout_page)
     app.router.add_get(UI_PREFIX + "/calls/{call_id}", call_page)
+    # A call's images for its page (the viewer cookie opens only /captures/ui paths).
+    app.router.add_get(UI_PREFIX + "/images/{sha256}", get_image)
     app.router.add_get(UI_PREFIX + "/static/{name}", static_files(STATIC_DIR))
 
 

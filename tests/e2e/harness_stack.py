@@ -80,7 +80,9 @@ async def harness_stack(
     prompt_mode: str,
     proxy_token: str | None = None,
     record_dir: Path | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> AsyncIterator[HarnessStack]:
+    """``settings``: more proxy settings (e.g. ``image_processors``)."""
     # serving the model name the harnesses are configured with (the engine refuses others)
     served = ScriptedEngineConfig(
         policy=policy,
@@ -91,16 +93,17 @@ async def harness_stack(
     engine_app = build_scripted_engine_app(served, tokenizer)
     engine, engine_port = await _serve(engine_app)
     try:
-        settings = Settings.model_validate(
+        config = Settings.model_validate(
             {
                 "backend": f"http://127.0.0.1:{engine_port}",
                 "store": tmp_path / "store",
                 "prompt_mode": prompt_mode,
                 "proxy_token": proxy_token,
                 "record_dir": record_dir,
+                **(settings or {}),
             }
         )
-        proxy, port = await _serve(build_proxy_app(settings, SQLiteStore(tmp_path / "store")))
+        proxy, port = await _serve(build_proxy_app(config, SQLiteStore(tmp_path / "store")))
         try:
             timeout = aiohttp.ClientTimeout(total=REST_TIMEOUT_S)
             async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -284,7 +284,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
         ("missing_messages", {"model": MODEL}, "messages"),
         ("messages_not_a_list", {"model": MODEL, "messages": "hi"}, "messages"),
         (
-            "image_part",
+            "remote_image_not_fetched",  # (image_fetch_remote is off by default)
             {
                 "model": MODEL,
                 "messages": [
@@ -294,7 +294,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                     }
                 ],
             },
-            "messages.0.content",  # (the message says only text parts can be captured)
+            "messages.0.content.0.image_url.url",
         ),
         ("n_2", {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}, "n"),
         *(
@@ -323,7 +323,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
         ("missing_input", {"model": MODEL}, "input"),
         ("input_not_a_list", {"model": MODEL, "input": 5}, "input"),
         (
-            "image_part",
+            "remote_image_not_fetched",
             {
                 "model": MODEL,
                 "input": [
@@ -334,7 +334,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                     }
                 ],
             },
-            "input.0.content.0.type",
+            "input.0.content.0.image_url",
         ),
         (
             "unknown_previous_response",
@@ -357,7 +357,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
             "max_tokens",
         ),
         (
-            "image_block",
+            "remote_image_not_fetched",
             {
                 "model": MODEL,
                 "max_tokens": 64,
@@ -370,7 +370,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                     }
                 ],
             },
-            "messages.0.content.0.type",
+            "messages.0.content.0.source.url",
         ),
         (
             "tool_role_in_messages",

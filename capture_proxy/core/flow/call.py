@@ -17,7 +17,12 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from capture_proxy.core.assembly import CallContext, abandoned_record, failed_record
+from capture_proxy.core.assembly import (
+    CallContext,
+    abandoned_record,
+    failed_record,
+    mark_incomplete,
+)
 from capture_proxy.core.capture import PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.flow.commands import (
@@ -41,6 +46,7 @@ from capture_proxy.core.fronts.base import (
     answer_as_deltas,
 )
 from capture_proxy.core.fronts.chat import chat_error_event
+from capture_proxy.core.image_spans import record_images
 from capture_proxy.core.known_messages import message_digests
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
@@ -125,6 +131,7 @@ def finish(
     record and the call must not be answered as a success (``Persisted.refused``), unless the
     call failed: its error answer stays (nothing is lost that was acknowledged)."""
     prepared = call.prepared
+    record = with_images(call, record)
     reply = yield Verify(
         record, call.resolution, prepared.linking_messages, prepared.harness_note, call.retry_count
     )
@@ -169,6 +176,29 @@ def refused_stream_end(encoder: StreamEncoder | None, refusal: StoreUnavailable)
     if encoder is None:
         return chat_error_event(refusal.message, code=refusal.code)
     return encoder.error(refusal.message, code=refusal.code)
+def with_images(call: Call, record: CallRecord) -> CallRecord:
+    """``record`` with its images (``core.image_spans``): their entries in prompt order, their
+    bytes for the store; incomplete when its prompt's placeholder runs do not pair with them.
+    A call without images is returned as it is."""
+    request_images = call.front_request.images
+    if request_images is None:
+        return record
+    found = record_images(
+        call.ctx.request_body.get("messages") or [],
+        request_images.images,
+        record.prompt_token_ids,
+        call.ctx.vision,
+    )
+    record = record.replace(
+        images=found.entries,
+        image_data=found.data,
+        diagnostics=[*record.diagnostics, *found.diagnostics],
+    )
+    if found.unaligned and record.status is CallStatus.COMPLETE:
+        record = mark_incomplete(
+            record, ["the prompt's image placeholders do not pair with the request's images"]
+        )
+    return record
 
 
 def record_failed(

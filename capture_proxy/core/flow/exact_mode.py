@@ -57,7 +57,8 @@ from capture_proxy.core.flow.events import (
     EngineFailed,
     EngineResponded,
 )
-from capture_proxy.core.flow.prompt import ExactFamily, exact_prompt
+from capture_proxy.core.flow.exact_images import engine_prompt
+from capture_proxy.core.flow.prompt import ExactFamily, Prompt, exact_prompt
 from capture_proxy.core.flow.resume import resume
 from capture_proxy.core.fronts.base import Answer
 from capture_proxy.core.fronts.chat import chat_usage
@@ -81,6 +82,31 @@ def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
     if engine_reason in ("length", "abort"):
         return engine_reason
     return "tool_calls" if has_tool_calls else "stop"
+
+
+def _engine_body(
+    call: Call, exact: ExactFamily, prompt: Prompt, sampling: Sampling, prompt_json: bytes
+) -> bytes:
+    """The tokens-in request (JSON) of the call's prompt; with images, the engine expands each
+    image's placeholder itself (``exact_images``)."""
+    body = call.prepared.body
+    images = call.front_request.images
+    with_images = engine_prompt(
+        body.get("messages") or [],
+        images.images if images else None,
+        exact.dialect.name,
+        prompt.token_ids,
+    )
+    engine_body = exact.dialect.request(
+        orjson.Fragment(prompt_json if with_images is None else with_images.prompt_json),
+        sampling,
+        stream=call.ctx.stream,
+        model=body.get("model"),
+        experts_start=prompt.experts_start,
+    )
+    if with_images is not None:
+        engine_body.update(with_images.fields)
+    return orjson.dumps(engine_body)
 
 
 def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Clock) -> Flow[Outcome]:
@@ -118,15 +144,9 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
     # The prompt is the one part of the body that grows with the history: written once, by
     # orjson straight from the array, put in the body as it is and compared with the echo.
     prompt_json = prompt_ids_json(prompt.token_ids)
-    engine_body = exact.dialect.request(
-        orjson.Fragment(prompt_json),
-        sampling,
-        stream=call.ctx.stream,
-        model=body.get("model"),
-        experts_start=prompt.experts_start,
-    )
+    engine_body = _engine_body(call, exact, prompt, sampling, prompt_json)
     t0 = clock()
-    reply = yield SendToEngine(exact.dialect.path, orjson.dumps(engine_body), False)
+    reply = yield SendToEngine(exact.dialect.path, engine_body, False)
     if isinstance(reply, ClientLeft):
         return Outcome((yield from record_abandoned(call, _ms(clock, t0), prompt.token_ids)))
     if isinstance(reply, EngineFailed):

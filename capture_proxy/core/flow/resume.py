@@ -61,6 +61,11 @@ def resume(gen: Resumable) -> Flow[str]:
     if len(gen.resumes) >= MAX_RESUMES:
         gen.aborted = f"the engine aborted the generation {MAX_RESUMES + 1} times"
         return "stopped"
+    if gen.call.front_request.images is not None:
+        # The engine expands the images itself: a continuation would have to send them again
+        # beside the unexpanded prompt (not built).
+        gen.aborted = "a generation over images is not continued after the engine aborted it"
+        return "stopped"
     constrained = sorted(CONSTRAINED & gen.sampling.extra.keys())
     if constrained:
         # The grammar would start again at the continuation's first token.

@@ -178,6 +178,7 @@ def template_call(call: Call, clock: Clock) -> Flow[Outcome]:
         call.prepared.body,
         parent_rows_end=call.resolution.parent_rows_end,
         routed_experts=call.ctx.routed_experts_expectation != "off",
+        images=call.front_request.images.images if call.front_request.images else None,
     )
     call.ctx = dataclasses.replace(call.ctx, sampling=sampling_record(upstream_body))
     t0 = clock()

@@ -123,7 +123,7 @@ def _sglang_opts(app: web.Application, body: dict[str, Any]) -> tuple[list[int],
             raise SglangError(
                 f"The input_ids {ids} contains values greater than the vocab size ({vocab})."
             )
-        prompt = list(ids)
+        prompt = wire.expand_images(app, list(ids), body.get("image_data"), "image_data", f)
     elif isinstance(text, str) and text:
         prompt = list(tok.encode(text, add_special_tokens=False))
     else:
@@ -179,7 +179,9 @@ async def sglang_generate(request: web.Request) -> web.StreamResponse:
     (``max_new_tokens`` default 128, ``temperature``, ``top_p``, ``stop``,
     ``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim``), ``return_logprob``,
     ``logprob_start_len`` (-1: output only), ``top_logprobs_num``,
-    ``return_text_in_logprobs``, ``stream``, ``rid``, ``return_routed_experts`` (MoE mode).
+    ``return_text_in_logprobs``, ``stream``, ``rid``, ``return_routed_experts`` (MoE mode),
+    ``image_data`` (base64 ``data:`` URLs, in prompt order: one ``<|image_pad|>`` per image in
+    ``input_ids``, expanded as a Qwen-VL processor does).
     Answers ``{text, output_ids, meta_info}``; streams ``data:`` chunks whose ``text``,
     ``output_ids`` and log probs are cumulative (SGLang's default), or deltas with
     ``sglang_incremental_streaming``; then ``data: [DONE]``."""

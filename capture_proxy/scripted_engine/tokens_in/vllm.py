@@ -398,6 +398,12 @@ def _generate_options(app: web.Application, body: dict[str, Any]) -> dict[str, A
     ids = body.get("token_ids")
     if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab for t in ids)):
         raise RequestError("token_ids must be a non-empty list of token ids", "token_ids")
+    parts = body.get("content_parts") or []
+    if not isinstance(parts, list) or any(
+        not isinstance(p, dict) or p.get("type") != "image_url" for p in parts
+    ):
+        raise RequestError("content_parts must be a list of image_url parts", "content_parts")
+    ids = wire.expand_images(app, ids, [p.get("url") for p in parts], "content_parts", f)
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
         raise RequestError("sampling_params is required and must be an object", "sampling_params")
@@ -436,9 +442,11 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
     ``sampling_params`` (vLLM ``SamplingParams``: ``max_tokens`` (default: what fits),
     ``temperature``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``logprobs`` (int), ``n`` 1 only; others ignored),
-    ``model``, ``request_id``, ``stream``, ``stream_options.include_usage``. The last choice
-    carries ``weight_versions``; under a pause it waits to be scheduled, holds or ends
-    ``"abort"``."""
+    ``model``, ``request_id``, ``stream``, ``stream_options.include_usage``, and
+    ``content_parts`` (``[{"type": "image_url", "url": <data: URL>}]``: one ``<|image_pad|>``
+    per image in ``token_ids``, expanded as vLLM's processor does) with ``return_token_ids``
+    (the expanded prompt ids and ``mm_placeholders`` in the answer). The last choice carries
+    ``weight_versions``; under a pause it waits to be scheduled, holds or ends ``"abort"``."""
     app = request.app
     body = await wire.read_json(request, vllm_fail)
     wire.check_fault(app)
@@ -466,11 +474,16 @@ async def _generate(
     )
     index = record_call(app, body, out, opts["stream"])
     request_id, n_lp = uuid.uuid4().hex, opts["logprobs"]
+    echo = None
+    if wire.field(body, "return_token_ids", "bool", False, vllm_fail):
+        prompt = opts["prompt"]
+        echo = {"prompt_token_ids": prompt, "mm_placeholders": wire.placeholders(prompt)}
     if not opts["stream"]:
         done = await walk.walk(len(out.ids))
         if done < len(out.ids):
             out = record_abort(app, index, out.aborted(done))
-        return wire.json_response(_generate_json(app, body, out, n_lp, request_id, walk.spans))
+        whole = _generate_json(app, body, out, n_lp, request_id, walk.spans)
+        return wire.json_response({**whole, **(echo or {})})
 
     def on_abort(k: int) -> list[wire.Event]:
         cut = record_abort(app, index, out.aborted(k))
@@ -488,4 +501,8 @@ async def _generate(
         return events
 
     events = _generate_events(out, n_lp, request_id, opts["include_usage"], walk)
+    if echo is not None and events:
+        first = events[0]
+        assert isinstance(first, dict)  # (the last chunk alone is made when sent)
+        events[0] = {**first, **echo}  # vLLM: in the first chunk only
     return await wire.sse(request, events, wire.Gate(walk, len(out.ids), on_abort))

@@ -14,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.families.vision import IMAGE_PAD_ID, expand_image_pads, image_sizes
 from capture_proxy.scripted_engine.moe import expert_rows
 from capture_proxy.scripted_engine.state import CONFIG, RequestError
 from capture_proxy.scripted_engine.tokens_in.tokens_out import TokensOut
@@ -150,3 +151,49 @@ def moe_rows(
     moe = app[CONFIG].moe
     assert moe is not None
     return expert_rows(out.prompt + out.ids, moe, start)
+
+
+def expand_images(
+    app: web.Application,
+    ids: list[int],
+    urls: Any,
+    key: str,
+    fail: Callable[[str, str], Exception],
+) -> list[int]:
+    """A tokens-in prompt (one ``<|image_pad|>`` per image) with each image's placeholder
+    expanded as vLLM's Qwen-VL processor does, for the images of ``urls`` (base64 ``data:``
+    URLs, in prompt order; none: ``ids`` as they are). Raises ``fail(message, key)``: a model
+    without an image processor, an image that cannot be read, another number of placeholders
+    than images."""
+    if not urls:
+        return ids
+    vision = app[CONFIG].vision
+    if vision is None:
+        raise fail("this model takes no image input", key)
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise fail(f"{key} must be a list of image URLs", key)
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    try:
+        sizes = image_sizes([{"role": "user", "content": parts}])
+        return expand_image_pads(ids, sizes, vision)
+    except (ValueError, OSError) as exc:
+        raise fail(f"{key}: {exc}", key) from exc
+
+
+def placeholders(ids: list[int]) -> dict[str, list[dict[str, int]]] | None:
+    """vLLM's ``mm_placeholders`` of an expanded prompt: each image's ``offset`` (its first
+    ``<|image_pad|>``) and ``length``; None without images."""
+    runs = [{"offset": start, "length": end - start} for start, end in _pad_runs(ids)]
+    return {"image": runs} if runs else None
+
+
+def _pad_runs(ids: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, tid in enumerate([*ids, -1]):
+        if tid == IMAGE_PAD_ID and start is None:
+            start = i
+        elif tid != IMAGE_PAD_ID and start is not None:
+            out.append((start, i))
+            start = None
+    return out
