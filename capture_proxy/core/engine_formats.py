@@ -231,21 +231,42 @@ class VllmCompletions:
 
 
 class IncrementalText:
-    """Text of a growing id sequence, emitted as it becomes stable: decode all ids so far and
-    hold back a trailing U+FFFD (a multi-byte character split across tokens)."""
+    """Text of a growing id sequence, emitted as it becomes stable, at a constant cost per
+    token: each step decodes only a short window (the ids from ``prefix`` on), as vLLM's and
+    transformers' incremental detokenizers do, and emits what the window's text gained over
+    the text of its already-emitted part (both decoded from the same start, so a token that
+    decodes differently at the window's edge cancels out). A trailing U+FFFD (a multi-byte
+    character split across tokens) is held back until it completes, or until ``final``."""
 
     def __init__(self, decode: Decode) -> None:
         self.decode = decode
         self.ids: list[int] = []
-        self.sent = 0
+        #: the window's start and the end of the ids whose text was emitted
+        self.prefix = 0
+        self.read = 0
+
+    def resume_after(self, ids: list[int]) -> None:
+        """Go on after ``ids``, whose text was all emitted (a continuation's first ids follow)."""
+        self.ids = list(ids)
+        self.read = len(self.ids)
+        self.prefix = max(0, self.read - WINDOW)
 
     def add(self, ids: list[int], *, final: bool = False) -> str:
         self.ids.extend(ids)
-        text = self.decode(self.ids)
-        stable = text if final else text.rstrip("\ufffd")
-        new = stable[self.sent :]
-        self.sent = max(self.sent, len(stable))
-        return new
+        if len(self.ids) == self.read:
+            return ""
+        emitted = self.decode(self.ids[self.prefix : self.read])
+        text = self.decode(self.ids[self.prefix :])
+        if len(text) <= len(emitted) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix = max(self.prefix, self.read - WINDOW)
+        self.read = len(self.ids)
+        return text[len(emitted) :]
+
+
+#: ids before the newly emitted ones a window keeps
+#: (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+WINDOW = 5
 
 
 class VllmGenerateReader:

@@ -6,7 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from capture_proxy.core.engine_formats import EngineFormatError, get_dialect
+from capture_proxy.core.engine_formats import (
+    WINDOW,
+    EngineFormatError,
+    IncrementalText,
+    get_dialect,
+)
 from capture_proxy.core.sampling import sampling_from_chat
 
 PROMPT = np.array([11, 12, 13], dtype=np.uint32)
@@ -61,3 +66,58 @@ def test_token_ids_of_the_choice_win_and_the_echo_is_read():
 def test_log_prob_tokens_without_ids_are_refused(tokens):
     with pytest.raises(EngineFormatError):
         get_dialect("vllm_completions").reader().whole(_answer(tokens))
+
+
+# --- IncrementalText: the text of a stream of ids, at a constant cost per token -------------
+
+INCREMENTAL_TEXTS = [
+    "héllo wörld — 你好，世界！ 🎉🎉 emoji and code: def f(x):\n    return x*2\n",
+    "a" * 50 + " 日本語のテキスト " * 5,
+]
+
+
+@pytest.mark.parametrize("text", INCREMENTAL_TEXTS)
+@pytest.mark.parametrize("seed", range(8))
+def test_incremental_text_is_the_whole_decode_in_any_chunking(qwen_tokenizer, text, seed):
+    import random
+
+    def decode(ids: list[int]) -> str:
+        return str(qwen_tokenizer.decode(ids, skip_special_tokens=True))
+
+    ids = qwen_tokenizer.encode(text, add_special_tokens=False)
+    rng = random.Random(seed)
+    inc, out, i = IncrementalText(decode), "", 0
+    while i < len(ids):
+        k = rng.randint(1, 4)
+        out += inc.add(ids[i : i + k], final=i + k >= len(ids))
+        i += k
+        assert "\ufffd" not in out  # a split character is held back until it completes
+    assert out == decode(ids)
+
+
+def test_incremental_text_decodes_a_bounded_window_per_step(qwen_tokenizer):
+    """Per-token work does not grow with the generation: each step decodes at most the window
+    and the new ids (was: every id so far, O(n^2) over a long answer)."""
+    seen: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        seen.append(len(ids))
+        return str(qwen_tokenizer.decode(ids))
+
+    ids = qwen_tokenizer.encode("one two three four five six " * 200, add_special_tokens=False)
+    inc, out = IncrementalText(decode), ""
+    for k, tid in enumerate(ids):
+        out += inc.add([tid], final=k == len(ids) - 1)
+    assert out == qwen_tokenizer.decode(ids)
+    assert len(ids) > 1000 and max(seen) <= WINDOW + 2
+
+
+def test_incremental_text_goes_on_after_a_continuation(qwen_tokenizer):
+    def decode(ids: list[int]) -> str:
+        return str(qwen_tokenizer.decode(ids))
+
+    ids = qwen_tokenizer.encode("before the cut, 你好 and after it", add_special_tokens=False)
+    cut = len(ids) // 2
+    inc = IncrementalText(decode)
+    inc.resume_after(ids[:cut])
+    assert decode(ids[:cut]) + inc.add(ids[cut:], final=True) == decode(ids)

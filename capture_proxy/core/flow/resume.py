@@ -142,18 +142,17 @@ def _continued_reader(gen: Resumable) -> Reader:
     fresh = gen.exact.dialect.reader(gen.exact.decode)
     if gen.exact.decode is None:
         return fresh
-    return _LocallyDecoded(fresh, gen.exact.decode, gen.asm.token_ids, gen.asm.generated_text)
+    return _LocallyDecoded(fresh, gen.exact.decode, gen.asm.token_ids)
 
 
 class _LocallyDecoded:
     """A continuation's reader whose pieces' text is decoded locally from every id of the
     call so far (``decode``), picking up after the text already given."""
 
-    def __init__(self, inner: Reader, decode: Any, ids: list[int], text_so_far: str) -> None:
+    def __init__(self, inner: Reader, decode: Any, ids: list[int]) -> None:
         self.inner = inner
         self.text = IncrementalText(decode)
-        self.text.ids = list(ids)
-        self.text.sent = len(text_so_far)
+        self.text.resume_after(ids)
 
     def whole(self, body: dict[str, Any]) -> Piece:
         piece = self.inner.whole(body)
