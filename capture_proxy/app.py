@@ -47,6 +47,7 @@ from capture_proxy.proxy.keys import (
     STORE_KEY,
 )
 from capture_proxy.proxy.linker import Linker
+from capture_proxy.proxy.loop_lag import in_flight_middleware, lag_monitor
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
@@ -200,11 +201,17 @@ def build_proxy_app(
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings)."""
-    middlewares = [error_middleware, auth_middleware(settings), policy_middleware(settings)]
+    middlewares = [
+        in_flight_middleware,
+        error_middleware,
+        auth_middleware(settings),
+        policy_middleware(settings),
+    ]
     traffic = TrafficRecorder(settings.record_dir) if settings.record_dir is not None else None
     if traffic is not None:
-        # Outermost: what the harness sent and got, errors included (see ``recording``).
-        middlewares.insert(0, recording_middleware(traffic))
+        # Outermost but the count of requests in flight: what the harness sent and got, errors
+        # included (see ``recording``).
+        middlewares.insert(1, recording_middleware(traffic))
     app = web.Application(
         middlewares=middlewares,
         client_max_size=settings.max_request_body_bytes,
@@ -271,6 +278,7 @@ def build_proxy_app(
 
     app.cleanup_ctx.append(resources)
     app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
+    app.cleanup_ctx.append(lag_monitor())
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     reads.add_routes(app)
