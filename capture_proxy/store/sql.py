@@ -122,9 +122,7 @@ UPSERT_ROLLOUT = (
     "num_refused = rollouts.num_refused + excluded.num_refused"
 )
 # A diagnostic kind found on a call of the rollout (``rollout_kinds``, for the viewer's list).
-KEEP_KIND = (
-    "INSERT INTO rollout_kinds (rollout_id, kind) VALUES (?, ?) ON CONFLICT DO NOTHING"
-)
+KEEP_KIND = "INSERT INTO rollout_kinds (rollout_id, kind) VALUES (?, ?) ON CONFLICT DO NOTHING"
 # The store's number of calls (``Dialect.counts_calls``), by a signed delta.
 COUNT_CALLS = "UPDATE counters SET value = value + ? WHERE name = 'calls'"
 # The JSON texts the calls of a subquery of call ids refer to (the subquery follows).
