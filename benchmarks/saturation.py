@@ -76,11 +76,11 @@ def target_service(name: str, engine_url: str, work: Path, args: argparse.Namesp
         argv = [sys.executable, str(HERE / "bare_relay.py"), "--backend", engine_url]
         argv += ["--port", str(port), "--lag"] + (["--per-event"] if name == "relay-event" else [])
         return Service(name, argv, port, work / f"{name}.log")
-    workers = name.partition(":")[2]
+    workers = name.partition(":")[2] or "1"
     store = work / f"store-{name.replace(':', '-')}-{time.monotonic_ns()}"
     argv = [*cli_command(), "serve", "--backend", engine_url, "--port", str(port)]
     argv += ["--store", str(store), "--log-level", args.proxy_log_level]
-    argv += ["--workers", workers] if workers else []
+    argv += ["--workers", workers]
     return Service(name, argv, port, work / f"{name.replace(':', '-')}.log")
 
 

@@ -45,8 +45,10 @@ from capture_proxy.proxy.keys import (
     SESSION_KEY,
     SETTINGS_KEY,
     STORE_KEY,
+    WORKER_KEY,
+    WorkerRole,
 )
-from capture_proxy.proxy.linker import Linker
+from capture_proxy.proxy.linker import IndexFeed, Linker
 from capture_proxy.proxy.loop_lag import in_flight_middleware, lag_monitor
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
@@ -192,15 +194,29 @@ def tombstone_sweeper(
     return sweeper
 
 
+def _pool_metrics(
+    app: web.Application, worker: WorkerRole | None
+) -> contextlib.AbstractAsyncContextManager[None]:
+    """A worker of several publishes its engine pool's gauges to the shared metric files; a
+    single process reads them at scrape time (``register_metrics``)."""
+    if worker is None:
+        return contextlib.nullcontext()
+    return app[ROUTES_KEY].publish_metrics(app[METRICS_KEY].registry)
+
+
 def build_proxy_app(
     settings: Settings,
     store: CaptureStore,
     notes: NoteRegistry | None = None,
     renderer: ChatRenderer | None = None,
+    worker: WorkerRole | None = None,
+    index_feed: IndexFeed | None = None,
 ) -> web.Application:
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
-    (default: from settings)."""
+    (default: from settings); ``worker``: this app is one worker of several (``serve
+    --workers``): its metrics are summed with theirs, and only worker 0 sweeps tombstones;
+    ``index_feed``: keeps its link indexes current with the other workers' writes."""
     middlewares = [
         in_flight_middleware,
         error_middleware,
@@ -220,7 +236,9 @@ def build_proxy_app(
         app[RECORDING_KEY] = traffic
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
-    app[METRICS_KEY] = Metrics()
+    app[METRICS_KEY] = Metrics(worker.metrics_dir if worker is not None else None)
+    if worker is not None:
+        app[WORKER_KEY] = worker
     app[UNCAPTURED_KEY] = UncapturedGeneration(
         app[METRICS_KEY], refuse=settings.uncaptured_generation == "refuse"
     )
@@ -242,6 +260,7 @@ def build_proxy_app(
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
         refresh_on_miss=store.shared,
+        feed=index_feed,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     routes = EngineRoutes(
@@ -256,7 +275,8 @@ def build_proxy_app(
             else None
         ),
     )
-    routes.register_metrics(app[METRICS_KEY].registry)
+    if worker is None:
+        routes.register_metrics(app[METRICS_KEY].registry)
     app[ROUTES_KEY] = routes
 
     async def resources(app: web.Application) -> AsyncIterator[None]:
@@ -267,7 +287,7 @@ def build_proxy_app(
                 if settings.uses_exact_tokens:
                     app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
                 await _warn_if_engine_down(app, settings)
-                async with routes.health_task(app[SESSION_KEY]):
+                async with routes.health_task(app[SESSION_KEY]), _pool_metrics(app, worker):
                     yield
             finally:
                 await app[SESSION_KEY].close()
@@ -277,7 +297,8 @@ def build_proxy_app(
             await store.close()
 
     app.cleanup_ctx.append(resources)
-    app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
+    if worker is None or worker.index == 0:
+        app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.cleanup_ctx.append(lag_monitor())
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)

@@ -221,4 +221,3 @@ def _refusal_class(record: CallRecord) -> str:
 
 #: The app's ``Metrics`` (also ``Recorder.metrics``).
 METRICS_KEY = web.AppKey("metrics", Metrics)
-

@@ -77,6 +77,7 @@ from typing import IO, Any, Literal, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
+from capture_proxy.core.linking.stored import StoredCall, of_row
 from capture_proxy.core.records import CallRecord
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import StoreError
@@ -87,6 +88,13 @@ from capture_proxy.store.transactions import SQLStore
 from capture_proxy.store.worker import WorkerThread
 
 T = TypeVar("T")
+
+#: A rollout's rows after a rowid, with the columns ``linking.stored.of_row`` reads.
+_STORED_SINCE = (
+    "SELECT rowid, call_id, created_at, status, schema_version, meta, tokens_sha256, "
+    "tokens_block_sha256, retry_of FROM calls WHERE rollout_id = ? AND rowid > ? ORDER BY rowid"
+)
+_LAST_ROWID = "SELECT max(rowid) FROM calls WHERE rollout_id = ?"
 
 DB_FILE_NAME = "captures.sqlite3"
 #: Held (flock, exclusive) by the one process that writes the store; names its pid.
@@ -306,6 +314,26 @@ class SQLiteStore(SQLStore):
             raise error
         assert written is not None
         return written
+
+    # --- the link index's catch-up (reader thread; ``store.remote``) ---------------------
+
+    @staticmethod
+    def _stored_since(
+        db: sqlite3.Connection, rollout_id: str, after_rowid: int
+    ) -> tuple[list[StoredCall] | None, int]:
+        """The index facts of the rollout's calls stored after row ``after_rowid`` (in the
+        order they were stored: a rollout's new rows get larger rowids, whatever was deleted),
+        and the largest rowid read (``after_rowid`` when none); None for the facts when a row
+        cannot tell them (read the rollout whole)."""
+        rows = db.execute(_STORED_SINCE, (rollout_id, after_rowid)).fetchall()
+        calls = [of_row(*row[1:]) for row in rows]
+        last = rows[-1][0] if rows else after_rowid
+        return (None if None in calls else calls), last  # type: ignore[return-value]
+
+    @staticmethod
+    def _last_rowid(db: sqlite3.Connection, rollout_id: str) -> int:
+        row = db.execute(_LAST_ROWID, (rollout_id,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
 
     @staticmethod
     def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:
