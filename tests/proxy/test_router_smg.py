@@ -183,8 +183,10 @@ async def test_smg_pins_exact_token_calls_too(
     aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, smg, tokenizer_dir
 ):
     """Exact-token mode behind SMG (a local tokenizer, and ``max_model_len``: SMG answers
-    ``/tokenize`` itself and its ``/v1/models`` names no context length): the tokens-in requests (vLLM ``/v1/completions``) carry the routing key, every one of a
-    rollout reaches one engine, rollouts spread over both, chains exact."""
+    ``/tokenize`` itself and its ``/v1/models`` names no context length) with SGLang's
+    ``/generate`` (SMG 1.13 refuses a ``/v1/completions`` prompt of token ids: its schema takes
+    text): the tokens-in requests carry the routing key, every one of a rollout reaches one
+    engine, rollouts spread over both, chains exact."""
     engines = await two_engines(aiohttp_server, qwen_tokenizer)
     router = await smg([url(e) for e in engines])
     settings = Settings(
