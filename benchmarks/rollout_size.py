@@ -431,13 +431,13 @@ async def run(args: argparse.Namespace) -> int:
 
 async def listing(args: argparse.Namespace) -> int:
     """``--listing`` (module docstring)."""
-    from types import SimpleNamespace
-
     import numpy as np
 
     from capture_proxy.core.chains import build_chains
     from capture_proxy.core.records import CallRecord
-    from capture_proxy.rest.reads import RolloutState, _listing_json, snapshot_records
+    from capture_proxy.proxy.recorder import Recorder
+    from capture_proxy.rest.reads import _listing_json, snapshot_records
+    from capture_proxy.rest.rollout_state import RolloutState
     from capture_proxy.store.postgres import PostgresStore
     from capture_proxy.store.sqlite import SQLiteStore
 
@@ -462,7 +462,7 @@ async def listing(args: argparse.Namespace) -> int:
         return out
 
     async def page(store: Any, *, build: bool) -> tuple[float, float]:
-        recorder = SimpleNamespace(unstored_incomplete={})
+        recorder = Recorder(store)
         cpu, wall = time.process_time(), time.perf_counter()
         infos = await store.list_rollouts(limit=10)
         rows = []
@@ -470,7 +470,7 @@ async def listing(args: argparse.Namespace) -> int:
             records = None
             if build or info.num_chains is None:
                 records = snapshot_records(info, await store.get_rollout_calls(info.rollout_id))
-            rows.append((info, records, RolloutState(info, recorder)))  # type: ignore[arg-type]
+            rows.append((info, records, RolloutState(info, recorder)))
         body = _listing_json(rows, None)
         assert body.count(b'"num_chains"') == len(infos) == 10
         if build:  # the kept figure is the one built

@@ -29,6 +29,7 @@ from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.families import get_parser, load_family
 from capture_proxy.families.base import ChatRenderer, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.vision import VisionProcessorConfig
 from capture_proxy.proxy.app import dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
@@ -36,6 +37,13 @@ from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes
 from capture_proxy.proxy.errors import error_middleware
 from capture_proxy.proxy.exact import ExactTokens
+from capture_proxy.proxy.images import (
+    IMAGE_SESSION_KEY,
+    IMAGES_KEY,
+    ImagePolicy,
+    load_processor,
+    make_fetch_session,
+)
 from capture_proxy.proxy.keys import (
     ENGINE_PROBE_KEY,
     EXACT_KEY,
@@ -51,6 +59,7 @@ from capture_proxy.proxy.keys import (
 from capture_proxy.proxy.linker import IndexFeed, Linker
 from capture_proxy.proxy.loop_lag import in_flight_middleware, lag_monitor
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
+from capture_proxy.proxy.periodic import every
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.status import health, metrics
@@ -61,7 +70,8 @@ from capture_proxy.proxy.uncaptured import (
     read_only_rollout_path,
 )
 from capture_proxy.proxy.upstream import make_client_session
-from capture_proxy.rest import downloads, lifecycle, reads
+from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY, WeightWatchers
+from capture_proxy.rest import downloads, images, lifecycle, reads
 from capture_proxy.rest.reads import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
@@ -126,6 +136,7 @@ def make_exact_tokens(
             family,
             tokenizer_dir=tokenizer_dirs.get(family),
             system_start_date=settings.system_start_date,
+            vision=family_vision(settings, family),
         )
         log.info("loaded model family %s in %.1f s", family, time.perf_counter() - started)
         families[family] = ExactTokens.of_family(
@@ -144,6 +155,22 @@ def make_exact_tokens(
         full_render=settings.exact_prompt_full_render,
         by_model={model: families[f] for model, f in settings.model_families.items()},
     )
+
+
+def family_vision(settings: Settings, family: str) -> VisionProcessorConfig | None:
+    """The image processor of the models of ``family`` (``image_processors``; None: none
+    named, the family's default). Raises RenderError when its models name different ones."""
+    named = {
+        load_processor(settings.image_processors[model])
+        for model, f in settings.model_families.items()
+        if f == family and model in settings.image_processors
+    }
+    if len(named) > 1:
+        raise RenderError(
+            f"the models of family {family} name different image_processors: one family "
+            "renders with one"
+        )
+    return next(iter(named), None)
 
 
 #: Longest pause between two tombstone sweeps (seconds).
@@ -176,27 +203,20 @@ def tombstone_sweeper(
     @contextlib.asynccontextmanager
     async def sweeper(app: web.Application) -> AsyncIterator[None]:
         store = app[STORE_KEY]
-
-        async def loop() -> None:
-            while True:
-                await sweep_tombstones(store, retention_s)
-                await asyncio.sleep(sweep_interval_s(retention_s))
-
-        task = asyncio.create_task(loop(), name="capture-tombstone-sweeper")
-        app[SWEEPER_KEY] = task
-        try:
+        async with every(
+            sweep_interval_s(retention_s),
+            lambda: sweep_tombstones(store, retention_s),
+            name="capture-tombstone-sweeper",
+        ) as task:
+            app[SWEEPER_KEY] = task
             yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
 
     return sweeper
 
 
 def _pool_metrics(
     app: web.Application, worker: WorkerRole | None
-) -> contextlib.AbstractAsyncContextManager[None]:
+) -> contextlib.AbstractAsyncContextManager[object]:
     """A worker of several publishes its engine pool's gauges to the shared metric files; a
     single process reads them at scrape time (``register_metrics``)."""
     if worker is None:
@@ -243,7 +263,10 @@ def build_proxy_app(
         app[METRICS_KEY], refuse=settings.uncaptured_generation == "refuse"
     )
     app[RECORDER_KEY] = Recorder(
-        store, metrics=app[METRICS_KEY], prompt_mode_for=settings.prompt_mode_for
+        store,
+        metrics=app[METRICS_KEY],
+        prompt_mode_for=settings.prompt_mode_for,
+        store_failure=settings.store_failure,
     )
     app[ENGINE_PROBE_KEY] = EngineProbe(
         settings.backend_base,
@@ -263,46 +286,16 @@ def build_proxy_app(
         feed=index_feed,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
-    routes = EngineRoutes(
-        settings.backend_bases,
-        key_kind=settings.routing_key,
-        balance_factor=settings.backend_balance_factor,
-        health_interval_s=settings.backend_health_interval_s,
-        health_timeout_s=settings.backend_health_timeout_s,
-        health_headers=(
-            {"Authorization": settings.backend_auth_header}
-            if settings.backend_auth_header is not None
-            else None
-        ),
-    )
-    if worker is None:
-        routes.register_metrics(app[METRICS_KEY].registry)
-    app[ROUTES_KEY] = routes
-
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        await store.open()
-        try:
-            app[SESSION_KEY] = make_client_session(settings)
-            try:
-                if settings.uses_exact_tokens:
-                    app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
-                await _warn_if_engine_down(app, settings)
-                async with routes.health_task(app[SESSION_KEY]), _pool_metrics(app, worker):
-                    yield
-            finally:
-                await app[SESSION_KEY].close()
-        finally:
-            # Also when start-up fails half-way: the store's threads must not keep the
-            # process alive.
-            await store.close()
-
-    app.cleanup_ctx.append(resources)
+    app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
+    app[ROUTES_KEY] = _engine_routes(settings, app[METRICS_KEY], worker)
+    app.cleanup_ctx.append(_resources(settings, store, renderer, worker))
     if worker is None or worker.index == 0:
         app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.cleanup_ctx.append(lag_monitor())
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     reads.add_routes(app)
+    images.add_routes(app)
     lifecycle.add_routes(app)
     downloads.add_routes(app)
     add_viewer_routes(
@@ -318,6 +311,78 @@ def build_proxy_app(
     app.router.add_route("*", "/{tail:.*}", dispatch)
     use_expect_continue(app)
     return app
+
+
+def _engine_routes(
+    settings: Settings, app_metrics: Metrics, worker: WorkerRole | None
+) -> EngineRoutes:
+    """The engines a rollout's calls go to (``--backend`` repeated), their metrics registered
+    (a worker of several publishes them to the shared files instead: ``_pool_metrics``)."""
+    routes = EngineRoutes(
+        settings.backend_bases,
+        key_kind=settings.routing_key,
+        balance_factor=settings.backend_balance_factor,
+        health_interval_s=settings.backend_health_interval_s,
+        health_timeout_s=settings.backend_health_timeout_s,
+        health_headers=(
+            {"Authorization": settings.backend_auth_header}
+            if settings.backend_auth_header is not None
+            else None
+        ),
+    )
+    if worker is None:
+        routes.register_metrics(app_metrics.registry)
+    return routes
+
+
+def _resources(
+    settings: Settings,
+    store: CaptureStore,
+    renderer: ChatRenderer | None,
+    worker: WorkerRole | None = None,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The proxy app's resources, opened in order and closed in reverse: the store, the
+    upstream session, the engines' weight-version readers (``proxy.weight_watch``), the
+    exact-token machinery, the engines' health probes and the marker of
+    calls answered but not stored (``proxy.losses``: its last attempt runs before the store
+    closes)."""
+
+    async def resources(app: web.Application) -> AsyncIterator[None]:
+        await store.open()
+        try:
+            app[SESSION_KEY] = make_client_session(settings)
+            watchers = WeightWatchers(
+                app[SESSION_KEY], settings.backend_bases, settings.weight_version_poll_s
+            )
+            app[WEIGHT_WATCHERS_KEY] = watchers
+            try:
+                if settings.uses_exact_tokens:
+                    app[EXACT_KEY] = make_exact_tokens(settings, app[SESSION_KEY], renderer)
+                if settings.image_fetch_remote:
+                    app[IMAGE_SESSION_KEY] = make_fetch_session()
+                await _warn_if_engine_down(app, settings)
+                await watchers.start()
+                recorder = app[RECORDER_KEY]
+                async with (
+                    app[ROUTES_KEY].health_task(app[SESSION_KEY]),
+                    recorder.losses.marker(),
+                    _pool_metrics(app, worker),
+                ):
+                    try:
+                        yield
+                    finally:
+                        await recorder.close()
+            finally:
+                await watchers.stop()
+                await app[SESSION_KEY].close()
+                if IMAGE_SESSION_KEY in app:
+                    await app[IMAGE_SESSION_KEY].close()
+        finally:
+            # Also when start-up fails half-way: the store's threads must not keep the
+            # process alive.
+            await store.close()
+
+    return resources
 
 
 def build_read_only_app(
@@ -343,6 +408,7 @@ def build_read_only_app(
     app.cleanup_ctx.append(resources)
     app.router.add_get("/health", health)
     reads.add_routes(app, read_only=True)
+    images.add_routes(app)
     add_viewer_routes(
         app,
         ViewerConfig(

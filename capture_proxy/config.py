@@ -35,6 +35,9 @@ from pydantic_settings import (
 
 from capture_proxy.core.redact import basic_auth_header, redact_url, split_credentials
 
+ImageUrlScheme = Literal["data", "http", "https"]
+_DEFAULT_IMAGE_SCHEMES: tuple[ImageUrlScheme, ...] = ("data", "https")
+
 
 class ConfigError(ValueError):
     """Settings are invalid or the config file cannot be read; the message names the field."""
@@ -91,6 +94,15 @@ class Settings(BaseSettings):
         "process is its one writer (workers read it themselves and send their writes there); "
         "with PostgreSQL each worker is a replica. 1: one process, no supervisor",
     )
+    store_failure: Literal["refuse", "answer"] = Field(
+        "refuse",
+        description="a call whose record the store cannot write (disk full, database "
+        "read-only): refuse (default): not answered as a success: a 503 (store_unavailable, "
+        "Retry-After) in the API's error shape, or for a stream already under way the API's "
+        "in-band error and no clean end; answer: the harness gets its answer, the loss is "
+        "counted (capture_proxy_calls_answered_unstored_total) and the rollout marked "
+        "incomplete (store_failed, naming the lost calls) once the store takes writes again",
+    )
     max_request_body_bytes: int = Field(
         64 * 1024 * 1024,
         gt=0,
@@ -104,10 +116,15 @@ class Settings(BaseSettings):
         None,
         gt=0,
         description="Max seconds from sending a request to the engine's response headers; "
-        "None: no limit (long prompts take long to prefill)",
+        "None: no limit (long prompts take long to prefill). On a captured call it does not "
+        "cut a request the engine holds while paused (GET /is_paused true: a keep or wait "
+        "pause for a weight update)",
     )
     upstream_read_timeout_s: float | None = Field(
-        None, gt=0, description="Max seconds between bytes from the engine; None: no limit"
+        None,
+        gt=0,
+        description="Max seconds between bytes from the engine; None: no limit. On a captured "
+        "call it does not cut a stream the engine holds while paused (GET /is_paused true)",
     )
     upstream_connect_retries: int = Field(
         2,
@@ -199,17 +216,21 @@ class Settings(BaseSettings):
         "<|im_end|>", description="the chat template's end-of-turn token (exact_tokens splice)"
     )
     model_families: dict[
-        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"]
+        str, Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5", "qwen3_vl"]
     ] = Field(
         default_factory=dict,
         description="exact_tokens: the model family of a model (its renderer, output parser and "
         "turn-closing tokens, see capture_proxy.families): qwen3 (Hermes JSON tool calls), "
         "qwen3_coder (XML tool calls), gpt_oss (harmony), llama3 (Llama 3.x JSON tool calls; "
         "needs family_tokenizers.llama3), qwen2_5 (Qwen2.5 / Qwen2.5-Coder Instruct, Hermes JSON "
-        "tool calls; needs family_tokenizers.qwen2_5); models not named use tokenizer, "
+        "tool calls; needs family_tokenizers.qwen2_5), qwen3_vl (Qwen3-VL Instruct: images, the "
+        "published template or family_tokenizers.qwen3_vl; its image processor from "
+        "image_processors); models not named use tokenizer, "
         "output_parser and end_of_turn_token",
     )
-    family_tokenizers: dict[Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5"], Path] = Field(
+    family_tokenizers: dict[
+        Literal["qwen3", "qwen3_coder", "llama3", "qwen2_5", "qwen3_vl"], Path
+    ] = Field(
         default_factory=dict,
         description="a local HF tokenizer directory (the model's own tokenizer and chat "
         "template) per family; unset: the built-in Qwen tokenizer and our template (Qwen "
@@ -218,6 +239,39 @@ class Settings(BaseSettings):
     system_start_date: str | None = Field(
         None, pattern=r"^\d{4}-\d{2}-\d{2}$", description="gpt_oss: the 'Current date:' (Y-M-D),"
         " the serving vLLM's VLLM_SYSTEM_START_DATE; unset: today (local time zone), as vLLM",
+    )
+    image_max_bytes: int = Field(
+        20 * 1024 * 1024,
+        gt=0,
+        description="largest image a call may carry (decoded bytes); a larger one is answered "
+        "400 naming its field",
+    )
+    images_per_call_max: int = Field(
+        100, ge=0, description="most image parts one call may carry (0: images refused)"
+    )
+    image_url_schemes: list[ImageUrlScheme] = Field(
+        default_factory=lambda: list(_DEFAULT_IMAGE_SCHEMES),
+        description="URL schemes an image part's URL may have (data: base64 inline; http, "
+        "https: fetched by the proxy, only with image_fetch_remote); base64 image blocks are "
+        "always taken",
+    )
+    image_fetch_remote: bool = Field(
+        False,
+        description="fetch an image given by an http(s) URL (within image_url_schemes) and send "
+        "the engine those bytes (stored with the call); off: such an image is answered 400, as "
+        "the proxy would otherwise record an image it never saw. On, the proxy requests any "
+        "URL a harness names (no redirects followed): enable it only where that is safe",
+    )
+    image_fetch_timeout_s: float = Field(
+        10.0, gt=0, description="longest wait for one remote image (image_fetch_remote)"
+    )
+    image_processors: dict[str, str] = Field(
+        default_factory=dict,
+        description="per model, the image processor whose arithmetic gives each image's "
+        "placeholder tokens and the pixel input a trainer rebuilds: qwen3_vl or qwen2_5_vl "
+        "(the published Qwen3-VL / Qwen2.5-VL processor settings), or the path of the model's "
+        "preprocessor_config.json (or of its directory) when the engine was started with other "
+        "settings; a call with images to a model not named is answered 400",
     )
     captures_token: SecretStr | None = Field(
         None,
@@ -292,6 +346,22 @@ class Settings(BaseSettings):
     )
     backend_health_timeout_s: float = Field(
         1.0, gt=0, description="with several backends: longest wait for one /health probe"
+    )
+    weight_version_poll_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="seconds between readings of each engine's weight version (GET "
+        "/weight_info, vLLM with VLLM_SERVER_DEV_MODE=1), off the calls' path: a call whose "
+        "engine does not name its tokens' versions (chat completions, /v1/completions) gets "
+        "the versions observed around it (weight_version_source observed); unset: not read",
+    )
+    engine_pause_wait_s: float = Field(
+        900.0,
+        gt=0,
+        description="after the engine aborts a generation for a weight update "
+        "(finish_reason abort), the longest wait for it to serve again (GET /is_paused false) "
+        "before the call ends incomplete with a retryable error; a stream gets an SSE comment "
+        "every 15 s meanwhile, so the harness's connection stays alive",
     )
     routing_key: Literal["rollout", "episode", "none"] = Field(
         "rollout",
@@ -381,6 +451,17 @@ class Settings(BaseSettings):
                 "(a local HF tokenizer directory) to decode them"
             )
         return self
+
+    @field_validator("image_processors")
+    @classmethod
+    def _image_processor_known(cls, value: dict[str, str]) -> dict[str, str]:
+        for model, name in value.items():
+            if name not in ("qwen3_vl", "qwen2_5_vl") and not Path(name).exists():
+                raise ValueError(
+                    f"{model}: {name!r} is neither qwen3_vl, qwen2_5_vl nor an existing "
+                    "preprocessor_config.json (or model directory)"
+                )
+        return value
 
     @model_validator(mode="after")
     def _llama3_has_a_tokenizer(self) -> Settings:

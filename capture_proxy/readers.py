@@ -11,6 +11,7 @@ proxy's ``captures_token``, sent as a bearer token.
     chains.manifest["main_chain_id"], chains.incomplete, chains.unlinked_call_ids
     for s in chains:                       # ChainSample, one per root-to-leaf path
         s.arrays["input_ids"], s.arrays["loss_mask"], s.arrays["log_probs"]
+        s.arrays["weight_versions"][s.arrays["weight_version_index"]]  # -1: none (masked)
 
     for rollout in iter_rollouts("http://proxy:8080", token=TOKEN, after=last_cursor):
         train_on(rollout.samples())        # dicts of numpy arrays, one per sample
@@ -32,13 +33,14 @@ import urllib.parse
 import urllib.request
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 import numpy as np
 
-from capture_proxy.core.samples import ChainSample, read_archive
+from capture_proxy.core.samples import ChainSample, read_archive, read_archive_images
 from capture_proxy.core.token_tree import TokenTree, read_tree
+from capture_proxy.core.weight_versions import sequence_index
 
 __all__ = [
     "ChainSample",
@@ -57,11 +59,15 @@ __all__ = [
 @dataclass(frozen=True)
 class Chains:
     """A rollout's chains archive: ``manifest`` (``manifest.json``: ``rollout_id``,
-    ``samples``, ``unlinked_call_ids``, ``main_chain_id``, ``incomplete``, ``lifecycle``) and
-    ``samples`` in manifest order. Iterating, ``len`` and indexing go over the samples."""
+    ``samples``, ``unlinked_call_ids``, ``main_chain_id``, ``incomplete``, ``lifecycle``,
+    ``images``), ``samples`` in manifest order and ``images``: each image's bytes by sha256
+    (a sample's ``images`` entries name them; ``families.vision.rebuild_pixel_values(bytes,
+    entry["processor"])`` rebuilds its pixel input). Iterating, ``len`` and indexing go over
+    the samples."""
 
     manifest: dict[str, Any]
     samples: list[ChainSample]
+    images: dict[str, bytes] = field(default_factory=dict)
 
     @property
     def incomplete(self) -> bool:
@@ -102,11 +108,13 @@ def _read_source(source: bytes | str | os.PathLike[str] | IO[bytes]) -> IO[bytes
 def load_chains(source: bytes | str | os.PathLike[str] | IO[bytes]) -> Chains:
     """A chains archive: its bytes, a path to it, or an open binary file. Raises ValueError
     when it is not a chains archive this reader knows (not a zip, another format, newer)."""
+    data = _read_source(source).read()
     try:
-        manifest, samples = read_archive(_read_source(source))
+        manifest, samples = read_archive(io.BytesIO(data))
+        images = read_archive_images(io.BytesIO(data))
     except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as exc:
         raise ValueError(f"not a chains archive: {exc}") from exc
-    return Chains(manifest, samples)
+    return Chains(manifest, samples, images)
 
 
 def load_tree(source: bytes | str | os.PathLike[str] | IO[bytes]) -> TokenTree:
@@ -131,12 +139,41 @@ def _rollout_url(base_url: str, rollout_id: str, tail: str) -> str:
     return f"{base_url.rstrip('/')}/captures/rollouts/{quoted}/{tail}"
 
 
+def _weight_query(
+    min_weight_version: int | None,
+    weight_versions: list[str] | None,
+    unknown_weight_version: str | None,
+) -> list[tuple[str, str]]:
+    """The weight-version filter's query parameters (``core.weight_filter``)."""
+    out = [] if min_weight_version is None else [("min_weight_version", str(min_weight_version))]
+    out += [("weight_version", v) for v in weight_versions or ()]
+    if unknown_weight_version is not None:
+        out.append(("unknown_weight_version", unknown_weight_version))
+    return out
+
+
 def fetch_chains(
-    base_url: str, rollout_id: str, *, token: str | None = None, timeout_s: float = 300.0
+    base_url: str,
+    rollout_id: str,
+    *,
+    token: str | None = None,
+    timeout_s: float = 300.0,
+    min_weight_version: int | None = None,
+    weight_versions: list[str] | None = None,
+    unknown_weight_version: str | None = None,
 ) -> Chains:
     """GET a rollout's chains archive from a proxy at ``base_url`` (e.g.
-    ``http://127.0.0.1:8080``). Raises urllib's HTTPError for 4xx/5xx answers."""
-    url = _rollout_url(base_url, rollout_id, "chains?format=npz")
+    ``http://127.0.0.1:8080``); ``min_weight_version``, ``weight_versions`` (exact) and
+    ``unknown_weight_version`` (``"drop"`` | ``"keep"``) keep only the samples whose generated
+    tokens pass (``core.weight_filter``; the dropped ones are named in
+    ``manifest["weight_filter"]``). Raises urllib's HTTPError for 4xx/5xx answers."""
+    query = urllib.parse.urlencode(
+        [
+            ("format", "npz"),
+            *_weight_query(min_weight_version, weight_versions, unknown_weight_version),
+        ]
+    )
+    url = _rollout_url(base_url, rollout_id, f"chains?{query}")
     with _get(url, token, timeout_s) as resp:
         return load_chains(resp.read())
 
@@ -198,7 +235,11 @@ class ExportedRollout:
 
     def samples(self) -> list[dict[str, Any]]:
         """The rows as dicts: list columns as numpy arrays (``routed_experts`` reshaped to
-        ``[seq, num_layers, top_k]``), the others as Python values."""
+        ``[seq, num_layers, top_k]``), the others as Python values; and from
+        ``weight_version_spans`` (``[{"version", "start", "end"}]`` over the positions), the
+        npz's ``weight_version_index`` (int16 ``[seq]``, -1 where no span lies) and
+        ``weight_versions`` (the sample's versions, oldest first).
+        ``weight_version_sources``: a list of strings, None for an unknown source."""
         return _numpy_rows(self.batch)
 
 
@@ -222,8 +263,8 @@ def _numpy_rows(batch: Any) -> list[dict[str, Any]]:
                     if not cell.is_valid
                     else cell.values.to_numpy(zero_copy_only=False).astype(arrays[name])
                 )
-            elif name == "generation_spans":
-                row[name] = np.array(cell.as_py(), np.int64).reshape(-1, 2)
+            elif name in ("generation_spans", "image_spans"):
+                row[name] = np.array(cell.as_py() or [], np.int64).reshape(-1, 2)
             else:
                 row[name] = cell.as_py()
         shape = row.get("routed_experts_shape")
@@ -233,8 +274,18 @@ def _numpy_rows(batch: Any) -> list[dict[str, Any]]:
             row["named_rewards"] = dict(row["named_rewards"])
         if isinstance(row.get("tags"), list):
             row["tags"] = dict(row["tags"])
+        if "weight_version_spans" in row:
+            _version_arrays(row)
         rows.append(row)
     return rows
+
+
+def _version_arrays(row: dict[str, Any]) -> None:
+    """The npz's ``weight_version_index`` (int16 ``[seq]``) and ``weight_versions`` from the
+    row's ``weight_version_spans`` (``core.export``)."""
+    spans = [(s["version"], s["start"], s["end"]) for s in row["weight_version_spans"] or ()]
+    table, index = sequence_index(spans, len(row["input_ids"]))
+    row["weight_version_index"], row["weight_versions"] = index, table
 
 
 def iter_rollouts(
@@ -245,11 +296,16 @@ def iter_rollouts(
     limit: int = 100,
     episodes: str = "final",
     timeout_s: float = 300.0,
+    min_weight_version: int | None = None,
+    weight_versions: list[str] | None = None,
+    unknown_weight_version: str | None = None,
 ) -> Iterator[ExportedRollout]:
     """Every frozen rollout with a cursor greater than ``after``, in cursor order, page by
     page (``limit`` per request) until a page comes back short. Rollouts frozen while this
-    runs are included when they sort after the pages already read. Raises HTTPError for
-    4xx/5xx, ValueError for another format, pyarrow's ArrowInvalid for a cut stream."""
+    runs are included when they sort after the pages already read. The weight-version filter
+    (as ``fetch_chains``) keeps only the samples that pass; a rollout all of whose samples are
+    dropped still comes, with 0 rows, to be retired. Raises HTTPError for 4xx/5xx, ValueError
+    for another format, pyarrow's ArrowInvalid for a cut stream."""
     try:
         import pyarrow as pa  # a trainer that only reads archives does not need it
     except ImportError as exc:
@@ -259,9 +315,16 @@ def iter_rollouts(
 
     from capture_proxy.core.export import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST_KEY
 
+    weight_query = _weight_query(min_weight_version, weight_versions, unknown_weight_version)
     while True:
         query = urllib.parse.urlencode(
-            {"status": "frozen", "after": after, "limit": limit, "episodes": episodes}
+            [
+                ("status", "frozen"),
+                ("after", str(after)),
+                ("limit", str(limit)),
+                ("episodes", episodes),
+                *weight_query,
+            ]
         )
         count = 0
         with _get(f"{base_url.rstrip('/')}/captures/export?{query}", token, timeout_s) as resp:

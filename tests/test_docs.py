@@ -231,3 +231,12 @@ def test_the_committed_configuration_reference_is_current():
     text = (DOCS / "configuration.md").read_text()
     assert _hook().with_reference(text) == text
     assert '<tr id="setting-uncaptured_generation">' in text
+
+
+def test_the_development_page_names_the_scripted_engines_model_and_its_404():
+    from capture_proxy.scripted_engine.state import ScriptedEngineConfig
+
+    text = (DOCS / "development.md").read_text()
+    name = ScriptedEngineConfig().model_name
+    assert f"It serves the model `{name}`" in text
+    assert f'does not exist. Valid aliases:\n{name}.", "type": "NotFoundError"' in text

@@ -61,3 +61,23 @@ def test_a_build_folder_left_by_pip_install_is_not_linted_or_collected(tmp_path)
         text=True,
     )
     assert "test_old.py" not in collect.stdout, collect.stdout
+
+
+#: The longest function the package may hold (STYLE: functions under 80 lines, docstring and
+#: decorators included: the lines a reader must take in at once).
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_of_the_package_is_longer_than_80_lines():
+    import ast
+
+    too_long = []
+    for d in ("capture_proxy", "harness_notes"):
+        for path in sorted((ROOT / d).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    first = min([node.lineno, *(dec.lineno for dec in node.decorator_list)])
+                    lines = (node.end_lineno or node.lineno) - first + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert too_long == []

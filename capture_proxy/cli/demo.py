@@ -22,6 +22,7 @@ from aiohttp import web
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
+from capture_proxy.harnesses.opencode import MODEL_ID as OPENCODE_MODEL_ID
 from capture_proxy.harnesses.opencode import find_opencode, run_opencode
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
@@ -183,7 +184,9 @@ async def run_demo(
     store_dir = store_dir or Path("capture-store")
     rollout_id = f"demo-{int(time.time())}"
 
-    engine = await serve_app(build_scripted_engine_app(ScriptedEngineConfig(policy=policy)))
+    # also serving the model name OpenCode is configured with (the engine refuses others)
+    config = ScriptedEngineConfig(policy=policy, model_aliases=(OPENCODE_MODEL_ID,))
+    engine = await serve_app(build_scripted_engine_app(config))
     settings = Settings(backend=engine.url, store=store_dir)
     proxy = await serve_app(build_proxy_app(settings, SQLiteStore(store_dir)))
     base_url = f"{proxy.url}/ng-rollout/{rollout_id}/training-token-capture/v1"

@@ -89,6 +89,13 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
         "proxy crash, not a power loss (see docs/configuration.md)",
     )
     serve.add_argument(
+        "--store-failure",
+        dest="store_failure",
+        choices=["refuse", "answer"],
+        help="a call whose record cannot be stored: refuse (default): a retryable error "
+        "instead of its answer; answer: answered anyway, the loss counted and marked",
+    )
+    serve.add_argument(
         "--store-pool-size",
         type=int,
         dest="store_pool_size",
@@ -140,6 +147,21 @@ def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
         help="engine endpoint taking token ids in exact_tokens mode",
     )
     serve.add_argument("--max-model-len", dest="max_model_len", type=int)
+    serve.add_argument(
+        "--weight-version-poll",
+        dest="weight_version_poll_s",
+        type=float,
+        metavar="SECONDS",
+        help="read each engine's GET /weight_info this often, off the calls' path (default 1)",
+    )
+    serve.add_argument(
+        "--engine-pause-wait",
+        dest="engine_pause_wait_s",
+        type=float,
+        metavar="SECONDS",
+        help="after an engine abort (a weight update), wait this long for it to serve again "
+        "before the call ends with a retryable error (default 900)",
+    )
     serve.add_argument(
         "--exact-full-render",
         dest="exact_prompt_full_render",

@@ -19,8 +19,8 @@ import aiohttp
 from capture_proxy.app import build_proxy_app
 from capture_proxy.cli.demo import print_chains, serve_app
 from capture_proxy.config import Settings
-from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
-from capture_proxy.scripted_engine.app import ScriptedEngineConfig, build_scripted_engine_app
+from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
+from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.store.sqlite import SQLiteStore
 
 
@@ -62,9 +62,7 @@ async def run_replay(
         return 0 if all(c.status == 200 for c in calls) else 1
     with tempfile.TemporaryDirectory(prefix="capture-proxy-replay-") as tmp:
         store = store_dir or Path(tmp) / "store"
-        config = ScriptedEngineConfig(
-            responder=RecordedResponder(recording), tokenizer_template=template
-        )
+        config = replay_engine_config(recording, tokenizer_template=template)
         engine = await serve_app(build_scripted_engine_app(config))
         settings = Settings.model_validate(
             {"backend": engine.url, "store": store, "parent_resolution": parent_resolution}

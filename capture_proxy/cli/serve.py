@@ -31,6 +31,7 @@ SETTING_FLAGS = {
     "port": "port",
     "store": "store",
     "store_synchronous": "store_synchronous",
+    "store_failure": "store_failure",
     "store_pool_size": "store_pool_size",
     "workers": "workers",
     "max_request_body_bytes": "max_request_body_bytes",

@@ -32,13 +32,15 @@ _PADDING = bytes(8)
 _METADATA_V5 = 4
 _HEADER_SCHEMA, _HEADER_RECORD_BATCH = 1, 3
 # Type union ids (Schema.fbs ``union Type``).
-_INT, _FLOAT, _UTF8, _BOOL, _LIST, _STRUCT, _FIXED_LIST, _MAP = 2, 3, 5, 6, 12, 13, 16, 17
+_INT, _FLOAT, _BINARY, _UTF8, _BOOL, _LIST, _STRUCT, _FIXED_LIST, _MAP = (
+    2, 3, 4, 5, 6, 12, 13, 16, 17
+)
 
 
 @dataclass(frozen=True)
 class DataType:
-    """An Arrow type: ``kind`` one of int, float, bool, utf8, list, fixed_size_list, struct,
-    map; ``bits`` and ``signed`` for int and float (float: 32 or 64); ``size`` for a
+    """An Arrow type: ``kind`` one of int, float, bool, utf8, binary, list, fixed_size_list,
+    struct, map; ``bits`` and ``signed`` for int and float (float: 32 or 64); ``size`` for a
     fixed-size list; ``children`` the child fields (list: 1, map: 1 ``entries`` struct)."""
 
     kind: str
@@ -67,6 +69,10 @@ def utf8() -> DataType:
     return DataType("utf8")
 
 
+def binary() -> DataType:
+    return DataType("binary")
+
+
 def bool_() -> DataType:
     return DataType("bool")
 
@@ -78,6 +84,10 @@ def list_(value: DataType) -> DataType:
 
 def fixed_size_list(value: DataType, size: int) -> DataType:
     return DataType("fixed_size_list", size=size, children=(Field("item", value),))
+
+
+def struct_(fields: Sequence[Field]) -> DataType:
+    return DataType("struct", children=tuple(fields))
 
 
 def map_(key: DataType, value: DataType) -> DataType:
@@ -154,6 +164,13 @@ def strings(values: Sequence[str | None]) -> Column:
     return Column(len(values), nulls, (bitmap, _offsets([len(d) for d in data]), b"".join(data)))
 
 
+def binaries(values: Sequence[bytes | None]) -> Column:
+    """A binary column (None: null): the layout of utf8, any bytes."""
+    nulls, bitmap = _validity([v is not None for v in values])
+    data = [b"" if v is None else v for v in values]
+    return Column(len(values), nulls, (bitmap, _offsets([len(d) for d in data]), b"".join(data)))
+
+
 def lists(values: Sequence[np.ndarray | None], dtype: str) -> Column:
     """A ``list<dtype>`` column from 1-D numpy arrays (None: a null list), flattened
     without going through Python values."""
@@ -170,6 +187,14 @@ def list_of(
     """A list column over an already built child column (``lengths`` per row)."""
     nulls, bitmap = _validity(valid) if valid is not None else (0, b"")
     return Column(len(lengths), nulls, (bitmap, _offsets(lengths)), (children,))
+
+
+def structs(length: int, children: Sequence[Column]) -> Column:
+    """A struct column of ``length`` rows, no null, over its ``children`` (one per field)."""
+    for child in children:
+        if child.length != length:
+            raise ValueError(f"a struct of {length} rows got a field of {child.length}")
+    return Column(length, 0, (b"",), tuple(children))
 
 
 def fixed_size_lists(values: Sequence[Sequence[int] | None], size: int, dtype: str) -> Column:
@@ -241,7 +266,7 @@ def _type_table(b: flatbuffers.Builder, t: DataType) -> tuple[int, int]:
         b.StartObject(1)
         b.PrependBoolSlot(0, False, False)
         return _MAP, b.EndObject()
-    ids = {"utf8": _UTF8, "bool": _BOOL, "list": _LIST, "struct": _STRUCT}
+    ids = {"utf8": _UTF8, "binary": _BINARY, "bool": _BOOL, "list": _LIST, "struct": _STRUCT}
     if t.kind not in ids:
         raise ValueError(f"no Arrow IPC encoding for type {t.kind!r}")
     b.StartObject(0)

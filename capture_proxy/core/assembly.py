@@ -30,6 +30,7 @@ from capture_proxy.core.routed_experts import (
     decode_vllm_routed_experts,
     expectation_check,
 )
+from capture_proxy.families.vision import VisionProcessorConfig
 
 __all__ = ["CallContext", "ChatCaptureAssembler", "decode_vllm_routed_experts", "failed_record"]
 
@@ -61,6 +62,9 @@ class CallContext:
     #: how the prompt's tokens were made: ``backend_template`` (the engine rendered the chat
     #: template) | ``exact_tokens`` (the proxy sent token ids); ``CallRecord.prompt_mode``
     prompt_mode: str = "backend_template"
+    #: the image processor settings of the call's model (``image_processors``), for its
+    #: images' spans and processor params (None: the call has no image)
+    vision: VisionProcessorConfig | None = None
 
 
 def call_fields(ctx: CallContext) -> dict[str, Any]:

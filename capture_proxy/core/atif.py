@@ -14,10 +14,14 @@ history and answer) and one agent step for its answer: ``message`` (its text),
 an object; arguments that are not a JSON object are kept as ``{"_raw": text}``),
 ``model_name``, ``timestamp`` (ISO 8601, UTC) and ``metrics``: ``prompt_tokens``,
 ``completion_tokens``, ``prompt_token_ids``, ``completion_token_ids``, ``logprobs`` (a
-non-finite value as null) and ``extra`` (``call_id``, ``finish_reason``, and with
-``include_experts`` the ``routed_experts`` rows ``[num_rows, num_layers, top_k]`` with
-``routed_experts_start``). Root ``extra``: the rollout id, chain and call ids, reward, task id,
-tags, snapshot id, version, the other chains and unlinked calls, the diagnostics, and the
+non-finite value as null) and ``extra`` (``call_id``, ``finish_reason``,
+``weight_versions``: the call's spans ``[{"version", "start", "end"}]`` over its completion
+tokens, null when unknown, and ``weight_version_source``; the call's ``images`` with their
+spans and processor params when it has some; with ``include_experts`` the
+``routed_experts`` rows ``[num_rows, num_layers, top_k]`` with ``routed_experts_start``).
+Root ``extra``: the rollout id, chain and call ids, reward, task id, tags, snapshot id,
+version, ``weight_versions`` (the path's completion tokens per weight version, oldest first,
+``core.weight_versions``), the other chains and unlinked calls, the diagnostics, and the
 rollout's lineage edges (``lineage``: ``[{"kind", "chain_id", "from_call_id", "evidence",
 "to_chain_id"}]``, ``core.lineage``).
 
@@ -25,6 +29,12 @@ Sub-agents: a tool result on the path whose tool call spawned another chain (a `
 edge from that call and tool call id) carries ``subagent_trajectory_ref``: ``[{"session_id":
 "<rollout_id>/<chain_id>", "extra": {"chain_id", "kind", "evidence"}}]``, the sub-agent's
 chain in this rollout (its calls are in ``GET /captures/rollouts/<id>/chains``).
+
+Images (``core.images``): a user message's or a tool result's content with images becomes
+ATIF-v1.6 content parts, ``{"type": "text", "text"}`` and ``{"type": "image", "source":
+{"media_type", "path"}}`` with ``path`` the image's address in the read API
+(``/captures/images/<sha256>``, relative to the proxy); such a trajectory says
+``schema_version: ATIF-v1.6`` (a trajectory without images stays v1.4).
 
 Strict mode (``strict=True``) refuses, with ``AtifGaps``, a rollout with any gap: a call's
 diagnostic, a rollout-level diagnostic, or an incomplete rollout.
@@ -38,12 +48,18 @@ from datetime import UTC, datetime
 from typing import Any
 
 from capture_proxy.core.chains import Chain, RolloutChains
+from capture_proxy.core.images import is_image_part
 from capture_proxy.core.lineage import LineageEdge, LineageKind
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.summary import main_chain
+from capture_proxy.core.weight_versions import tokens_by_version
 
 ATIF_VERSION = "ATIF-v1.4"
+#: The version of a trajectory with images (v1.6 added multimodal content parts).
+ATIF_IMAGES_VERSION = "ATIF-v1.6"
+#: Where the read API serves an image (``rest.images``), relative to the proxy.
+IMAGE_PATH = "/captures/images/"
 
 
 class AtifGaps(ValueError):
@@ -81,6 +97,20 @@ def _text(content: Any) -> str:
             str(p.get("text", "")) for p in content if isinstance(p, dict) and "text" in p
         )
     return json.dumps(content, ensure_ascii=False)
+
+
+def _content(content: Any) -> Any:
+    """A message's content as ATIF: its text, or with images ATIF-v1.6 content parts."""
+    if not (isinstance(content, list) and any(is_image_part(p) for p in content)):
+        return _text(content)
+    parts: list[dict[str, Any]] = []
+    for p in content:
+        if is_image_part(p):
+            source = {"media_type": p.get("media_type"), "path": IMAGE_PATH + str(p.get("sha256"))}
+            parts.append({"type": "image", "source": source})
+        elif isinstance(p, dict) and "text" in p:
+            parts.append({"type": "text", "text": str(p["text"])})
+    return parts
 
 
 def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
@@ -124,7 +154,7 @@ class _Steps:
         self.spawned = spawned
 
     def _result(self, tool_call_id: Any, content: Any) -> dict[str, Any]:
-        result: dict[str, Any] = {"source_call_id": tool_call_id, "content": _text(content)}
+        result: dict[str, Any] = {"source_call_id": tool_call_id, "content": _content(content)}
         edges = self.spawned.get((self.last_call_id or "", str(tool_call_id or "")), [])
         if edges:
             result["subagent_trajectory_ref"] = [
@@ -159,7 +189,7 @@ class _Steps:
                 self.last_call_id = None
             else:
                 source = "system" if role in ("system", "developer") else "user"
-                self.add({"source": source, "message": _text(m.get("content"))})
+                self.add({"source": source, "message": _content(m.get("content"))})
 
     def answer(self, call: CallRecord, include_experts: bool) -> None:
         message = call.response_message or {}
@@ -174,7 +204,15 @@ class _Steps:
             step["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls"):
             step["tool_calls"] = _tool_calls(message)
-        extra: dict[str, Any] = {"call_id": call.call_id, "finish_reason": call.finish_reason}
+        extra: dict[str, Any] = {
+            "call_id": call.call_id,
+            "finish_reason": call.finish_reason,
+            "weight_versions": call.weight_versions,
+            "weight_version_source": call.weight_version_source,
+        }
+        if call.images:
+            # each image's span in prompt_token_ids and its processor params
+            extra["images"] = call.images
         if include_experts and call.routed_experts is not None:
             extra["routed_experts"] = call.routed_experts.tolist()
             extra["routed_experts_start"] = call.routed_experts_start
@@ -254,10 +292,11 @@ def trajectory(
         steps.messages(history if parent is None else history[len(parent.request_messages) + 1 :])
         steps.answer(call, include_experts)
         parent = call
+    with_images = any(c.images for c in path)
     total_prompt = sum(c.num_prompt_tokens for c in path)
     total_completion = sum(c.num_generation_tokens for c in path)
     return {
-        "schema_version": ATIF_VERSION,
+        "schema_version": ATIF_IMAGES_VERSION if with_images else ATIF_VERSION,
         "session_id": rollout_id,
         "agent": {
             "name": agent_name,
@@ -279,6 +318,7 @@ def trajectory(
             "rollout_id": rollout_id,
             "chain_id": chain.chain_id if chain else None,
             "call_ids": [c.call_id for c in path],
+            "weight_versions": tokens_by_version(path),
             "reward": metadata.reward,
             "task_id": metadata.task_id,
             "tags": metadata.tags,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capture_proxy.core.conversation import ChatRequest, open_dict
+from capture_proxy.core.images import PromptImage, engine_messages
 from capture_proxy.core.known_messages import MessageFacts, derive_facts, message_key
 from capture_proxy.core.routed_experts import routed_experts_request_fields
 
@@ -90,7 +91,11 @@ class HarnessAsked:
 
 
 def augment_chat_request(
-    body: dict[str, Any], *, parent_rows_end: int | None = None, routed_experts: bool = True
+    body: dict[str, Any],
+    *,
+    parent_rows_end: int | None = None,
+    routed_experts: bool = True,
+    images: Mapping[str, PromptImage] | None = None,
 ) -> tuple[dict[str, Any], HarnessAsked]:
     """Return (the body to send to the engine, what the harness asked for).
 
@@ -101,6 +106,8 @@ def augment_chat_request(
     ``parent_rows_end`` (the routed-expert rows the parent already holds, see
     ``routed_experts.rows_end``) only the rows after it are asked for; None asks for all.
     ``routed_experts`` False (the model's ``routed_experts = off``): none are asked for.
+    ``images``: the bytes of the canonical image parts of the messages, which the engine gets
+    as ``image_url`` parts with ``data:`` URLs (``images.engine_messages``).
     """
     stream_options = body.get("stream_options")
     asked = HarnessAsked(
@@ -123,6 +130,8 @@ def augment_chat_request(
         out["stream_options"] = opts
     if routed_experts:
         out.update(routed_experts_request_fields(parent_rows_end))
+    if images:
+        out["messages"] = engine_messages(out.get("messages") or [], images)
     return out, asked
 
 

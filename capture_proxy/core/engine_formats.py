@@ -12,10 +12,14 @@ A dialect's ``reader()`` is stateful per call, for engines whose stream chunks a
   streaming chunks carry only new tokens.
 - ``vllm_generate``: vLLM ``POST /inference/v1/generate`` (server flag ``--enable-scale-out``):
   ``token_ids`` + ``sampling_params``; choices carry ``token_ids`` and chat-shaped
-  ``logprobs.content[].logprob`` but no text, so the text comes from a local tokenizer.
+  ``logprobs.content[].logprob`` but no text, so the text comes from a local tokenizer; the
+  whole answer and the stream's last chunk carry ``weight_versions`` spans (vLLM 0.32); with
+  ``return_token_ids`` (asked for a prompt with images, ``flow.exact_images``) the body's
+  ``prompt_token_ids`` is the prompt as the engine's processor expanded it.
 - ``sglang_generate``: SGLang ``POST /generate`` with ``input_ids``, ``return_logprob`` and
   ``logprob_start_len: -1``; ``output_ids``, ``text``, ``meta_info.output_token_logprobs``
-  (``[logprob, token_id, text]``), ``meta_info.finish_reason`` ``{type, matched}``. Streamed
+  (``[logprob, token_id, text]``), ``meta_info.finish_reason`` ``{type, matched}``,
+  ``meta_info.weight_version``. Streamed
   chunks are cumulative (SGLang's default; do not run it with ``--incremental-streaming-output``).
 """
 
@@ -55,6 +59,11 @@ class Piece:
     saw_log_probs: bool = False
     #: the engine's routed experts as sent (vLLM: base64 ``.npy``; SGLang: base64 int32)
     routed_experts: Any = None
+    #: vLLM ``/inference/v1/generate``: ``choices[0].weight_versions``, the version spans over
+    #: the request's output tokens (whole answer, or the stream's last chunk), as sent
+    weight_versions: Any = None
+    #: SGLang: ``meta_info.weight_version``, the engine's version when it answered
+    weight_version: str | None = None
 
 
 class Reader(Protocol):
@@ -251,6 +260,9 @@ class VllmGenerateReader:
 
     def _piece(self, body: dict[str, Any], *, final: bool) -> Piece:
         piece = Piece(usage=body.get("usage") or None)
+        if isinstance(body.get("prompt_token_ids"), list):
+            # asked with ``return_token_ids`` (a prompt with images): the expanded prompt
+            piece.prompt_token_ids = body["prompt_token_ids"]
         choices = body.get("choices")
         if not isinstance(choices, list):
             raise EngineFormatError("generate body has no 'choices' list")
@@ -266,6 +278,7 @@ class VllmGenerateReader:
                 piece.log_probs = [e.get("logprob") for e in logprobs["content"]]
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
             piece.routed_experts = choice.get("routed_experts")
+            piece.weight_versions = choice.get("weight_versions")
         done = final or piece.finish_reason is not None
         piece.text = self.text.add(piece.token_ids, final=done)
         return piece
@@ -348,6 +361,8 @@ class SglangGenerateReader:
             self.text_len = len(text)
         piece.finish_reason = _finish_reason(meta.get("finish_reason"))
         piece.routed_experts = meta.get("routed_experts")
+        version = meta.get("weight_version")
+        piece.weight_version = version if isinstance(version, str) else None
         prompt, completion = meta.get("prompt_tokens"), meta.get("completion_tokens")
         if isinstance(prompt, int) and isinstance(completion, int):
             piece.usage = {

@@ -29,7 +29,30 @@ Columns, per sample (one root-to-leaf path of a chain, ``core.samples``):
 - ``reward``: float64 (null unless one number), ``named_rewards``: map<string, float64> (null
   unless named), ``task_id``: string, ``tags``: map<string, string>;
 - ``lineage``: string, JSON, the lineage edges into the sample's chain
-  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none).
+  (``[{"kind", "chain_id", "from_call_id", "evidence"}]``, ``core.lineage``; ``[]`` for none);
+- ``weight_version_spans``: list<struct<version: string, start: int64, end: int64>>, the
+  sample's weight versions as half-open runs over its positions (``[start, end)`` of
+  ``input_ids``), in order: the npz's ``weight_version_index`` run-length encoded (positions
+  in no span: prompt, interstitial, or generated of no known version);
+  ``weight_version_sources``: list<string> ``[num_calls]``, each path call's
+  ``weight_version_source``, null when unknown. Spans rather than a per-token index: a handful
+  of runs per call instead of 4 bytes a token (the index added 44% to the stream of a long
+  rollout, ``benchmarks/weight_export.py``), and a query engine reads a sample's versions
+  without unnesting its tokens; ``readers.iter_rollouts`` lays them back out as the npz's
+  ``weight_version_index`` and ``weight_versions``.
+
+- images (``core.samples``; empty lists for a sample without): ``image_sha256``: list<string>
+  (each image of the leaf's prompt, in prompt order, by the SHA-256 of its bytes);
+  ``image_spans``: list<fixed_size_list<int64, 2>> (its ``<|image_pad|>`` positions
+  ``[start, end)`` in ``input_ids``); ``image_processor``: list<string> (JSON, the processor
+  params that rebuild its ``pixel_values``, ``families.vision.rebuild_pixel_values``);
+  ``image_media_type``: list<string>; ``image_data``: list<binary> (its bytes): each row is
+  whole by itself, an image carried by several rows (or twice in one) is in each.
+
+Versions: 2 added the two ``weight_version*`` columns (after ``lineage``, so the earlier
+columns keep their positions) and the manifest's ``weight_filter`` (``core.weight_filter``:
+the filter of the request and the samples it dropped; null without one); 3 added the five
+``image_*`` columns (after them).
 
 The bytes are written by ``core.arrow_ipc`` (no pyarrow needed to serve the export); a
 reader needs any Arrow library (``readers.iter_rollouts`` uses pyarrow, the ``arrow`` extra).
@@ -40,22 +63,31 @@ Pure: no I/O; ``ExportEncoder`` returns bytes for the caller to send.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from capture_proxy.core import arrow_ipc as ipc
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.samples import ChainSample
+from capture_proxy.core.weight_versions import sequence_spans
 
 EXPORT_FORMAT = "capture-proxy.export.arrow"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 3
 #: The content type of the stream (the IANA registration for the Arrow IPC stream format).
 CONTENT_TYPE = "application/vnd.apache.arrow.stream"
 #: Custom-metadata key of each record batch: the rollout's manifest, JSON.
 MANIFEST_KEY = "rollout"
 #: The schema's key-value metadata.
 SCHEMA_METADATA = {"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)}
+
+_SPAN_FIELDS = (
+    ipc.Field("version", ipc.utf8()),
+    ipc.Field("start", ipc.int_(64)),
+    ipc.Field("end", ipc.int_(64)),
+)
 
 SCHEMA: tuple[ipc.Field, ...] = tuple(
     ipc.Field(name, kind)
@@ -82,6 +114,13 @@ SCHEMA: tuple[ipc.Field, ...] = tuple(
         ("task_id", ipc.utf8()),
         ("tags", ipc.map_(ipc.utf8(), ipc.utf8())),
         ("lineage", ipc.utf8()),
+        ("weight_version_spans", ipc.list_(ipc.struct_(_SPAN_FIELDS))),
+        ("weight_version_sources", ipc.list_(ipc.utf8())),
+        ("image_sha256", ipc.list_(ipc.utf8())),
+        ("image_spans", ipc.list_(ipc.fixed_size_list(ipc.int_(64), 2))),
+        ("image_processor", ipc.list_(ipc.utf8())),
+        ("image_media_type", ipc.list_(ipc.utf8())),
+        ("image_data", ipc.list_(ipc.binary())),
     ]
 )
 
@@ -107,6 +146,58 @@ def _generation_spans(samples: list[ChainSample]) -> ipc.Column:
     return ipc.list_of(pairs, [s.shape[0] for s in spans])
 
 
+def _sources(samples: list[ChainSample]) -> ipc.Column:
+    """list<utf8>: each path call's source (the npz's ``""``, unknown, as null)."""
+    rows = [[str(v) or None for v in s.arrays.get("weight_version_sources", ())] for s in samples]
+    return ipc.list_of(ipc.strings([v for row in rows for v in row]), [len(r) for r in rows])
+
+
+def _version_spans(samples: list[ChainSample]) -> ipc.Column:
+    """list<struct<version, start, end>>: each sample's version index as runs."""
+    rows = [
+        sequence_spans(
+            [str(v) for v in s.arrays["weight_versions"]], s.arrays["weight_version_index"]
+        )
+        if "weight_version_index" in s.arrays
+        else []
+        for s in samples
+    ]
+    flat = [span for row in rows for span in row]
+    bounds = np.array([(a, b) for _, a, b in flat], "<i8").reshape(-1, 2)
+    spans = ipc.structs(
+        len(flat),
+        [
+            ipc.strings([v for v, _, _ in flat]),
+            ipc.primitive(np.ascontiguousarray(bounds[:, 0])),
+            ipc.primitive(np.ascontiguousarray(bounds[:, 1])),
+        ],
+    )
+    return ipc.list_of(spans, [len(row) for row in rows])
+def _image_columns(
+    samples: list[ChainSample], images: Mapping[str, PromptImage]
+) -> dict[str, ipc.Column]:
+    """The image columns (see the module docstring). Raises ValueError for an image whose
+    bytes ``images`` lacks."""
+    lengths = [len(s.images) for s in samples]
+    entries = [e for s in samples for e in s.images]
+    missing = sorted({str(e["sha256"]) for e in entries} - set(images))
+    if missing:
+        raise ValueError(f"image {missing[0]} of a sample is not among the images given")
+    spans = np.array([[e["prompt_start"], e["prompt_end"]] for e in entries], np.int64)
+    pairs = ipc.Column(len(entries), 0, (b"",), (ipc.primitive(spans.reshape(-1).astype("<i8")),))
+    found = [images[str(e["sha256"])] for e in entries]
+    return {
+        "image_sha256": ipc.list_of(ipc.strings([str(e["sha256"]) for e in entries]), lengths),
+        "image_spans": ipc.list_of(pairs, lengths),
+        "image_processor": ipc.list_of(
+            ipc.strings([json.dumps(e.get("processor"), sort_keys=True) for e in entries]),
+            lengths,
+        ),
+        "image_media_type": ipc.list_of(ipc.strings([i.media_type for i in found]), lengths),
+        "image_data": ipc.list_of(ipc.binaries([i.data for i in found]), lengths),
+    }
+
+
 def _lineage(manifest: dict[str, Any], chain_id: str) -> str:
     edges = (manifest.get("lineage") or {}).get(chain_id, [])
     return json.dumps(edges, ensure_ascii=False, sort_keys=True)
@@ -116,10 +207,13 @@ def rollout_columns(
     manifest: dict[str, Any],
     samples: list[ChainSample],
     metadata: RolloutMetadata,
+    images: Mapping[str, PromptImage] | None = None,
 ) -> list[ipc.Column]:
     """One rollout's samples as the columns of ``SCHEMA``, in order (``manifest`` gives the
     rollout columns: ``rollout_id``, ``cursor``, ``snapshot``, ``version``, ``episode_of``,
-    ``attempt``, ``main_chain_id``, ``lineage``). Raises ValueError for expert ids past uint16."""
+    ``attempt``, ``main_chain_id``, ``lineage``; ``images``: the samples' images by sha256).
+    Raises ValueError for expert ids past uint16, or a sample's image missing from
+    ``images``."""
     n = len(samples)
     experts = [_experts(s) for s in samples]
     snapshot = manifest.get("snapshot") or {}
@@ -154,6 +248,9 @@ def rollout_columns(
         "task_id": ipc.strings([metadata.task_id] * n),
         "tags": ipc.maps(tag_rows, None),
         "lineage": ipc.strings([_lineage(manifest, s.chain_id) for s in samples]),
+        "weight_version_spans": _version_spans(samples),
+        "weight_version_sources": _sources(samples),
+        **_image_columns(samples, images or {}),
     }
     return [columns[f.name] for f in SCHEMA]
 
@@ -167,10 +264,15 @@ class ExportEncoder:
         return ipc.schema_message(SCHEMA, SCHEMA_METADATA)
 
     def rollout(
-        self, manifest: dict[str, Any], samples: list[ChainSample], metadata: RolloutMetadata
+        self,
+        manifest: dict[str, Any],
+        samples: list[ChainSample],
+        metadata: RolloutMetadata,
+        images: Mapping[str, PromptImage] | None = None,
     ) -> bytes:
-        """The bytes of one rollout's record batch (see the module docstring)."""
-        columns = rollout_columns(manifest, samples, metadata)
+        """The bytes of one rollout's record batch (see the module docstring); ``images``: the
+        samples' images by sha256."""
+        columns = rollout_columns(manifest, samples, metadata, images)
         text = json.dumps({**manifest, "num_samples": len(samples)}, ensure_ascii=False)
         return ipc.record_batch_message(len(samples), columns, {MANIFEST_KEY: text})
 

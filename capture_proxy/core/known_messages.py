@@ -27,7 +27,7 @@ from typing import Any
 
 import orjson
 
-from capture_proxy.core.linking.digests import turn_payload
+from capture_proxy.core.linking.digests import message_payload
 from capture_proxy.core.stored_form import MessageDigests, canonical_json, json_sha256_bytes
 
 #: Default bound (bytes of keys and texts): the histories of a few hundred long sessions.
@@ -40,9 +40,10 @@ class MessageFacts:
 
     ``key``: its orjson text (None when orjson cannot write it; such facts are not kept);
     ``text``/``sha256``: its canonical JSON text (``stored_form.canonical_json``; None when it has
-    none, e.g. NaN) and the SHA-256 of that text's UTF-8 bytes; ``turn``: the parent-digest
-    payload of an assistant message (``linking.turn_payload``), else None; ``valid``: it passed
-    chat-message validation (set by ``core.requests``)."""
+    none, e.g. NaN) and the SHA-256 of that text's UTF-8 bytes; ``turn``: what the message adds
+    to the parent digest (``linking.message_payload``: an assistant turn's payload, another
+    message's images; None: nothing); ``valid``: it passed chat-message validation (set by
+    ``core.requests``)."""
 
     key: bytes | None
     text: str | None
@@ -63,9 +64,9 @@ def derive_facts(message: Any, key: bytes | None) -> MessageFacts:
         text = None
     sha = json_sha256_bytes(text) if text is not None else None
     turn = None
-    if isinstance(message, Mapping) and message.get("role") == "assistant":
+    if isinstance(message, Mapping):
         try:
-            turn = turn_payload(message)
+            turn = message_payload(message)
         except Exception:  # a malformed message: validation names it; digests derive anew
             turn = None
     return MessageFacts(key, text, sha, turn)

@@ -62,6 +62,22 @@ class DiagnosticKind(enum.StrEnum):
     #: the engine's answer ended with ``finish_reason: null``: whether the model stopped or
     #: was cut off is unknown (the call is kept complete, flagged)
     FINISH_REASON_MISSING = "finish_reason_missing"
+    #: the engine aborted the generation (a pause for a weight update) and the proxy continued
+    #: it tokens in once the engine served again: ``{"resumes": [{"at_token", "waited_ms",
+    #: "paused", "from_version", "to_version"}]}``
+    GENERATION_RESUMED = "generation_resumed"
+    #: the engine aborted the generation and the proxy could not continue it (``reason``):
+    #: the call is incomplete and the harness got a retryable error
+    GENERATION_ABORTED = "generation_aborted"
+    #: the engine's weight version changed inside a whole answer (observed versions): where
+    #: is unknown, the older version is kept for every token
+    WEIGHT_VERSION_CHANGED = "weight_version_changed"
+    #: the prompt's image placeholder runs (``<|vision_start|><|image_pad|>...``) do not match
+    #: the request's images one for one: the images' spans are unknown (the call incomplete)
+    IMAGE_SPANS_UNALIGNED = "image_spans_unaligned"
+    #: an image's placeholder run has another length than its processor's arithmetic gives
+    #: (the engine's processor settings differ from ``image_processors``): span kept as found
+    IMAGE_TOKENS_MISMATCH = "image_tokens_mismatch"
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,18 @@ class Diagnostic:
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "details": self.details}
+
+    def with_call_ids_of(self, later: Diagnostic) -> Diagnostic:
+        """This diagnostic with the calls ``later`` names (``details["call_ids"]``, a list of
+        call ids, e.g. ``store_failed``'s lost calls) added, each once, in order; the other
+        details stay this one's."""
+        added = later.details.get("call_ids")
+        if not isinstance(added, list):
+            return self
+        known = self.details.get("call_ids")
+        ids = list(known) if isinstance(known, list) else []
+        ids += [i for i in added if i not in ids]
+        return Diagnostic(self.kind, {**self.details, "call_ids": ids})
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Diagnostic:
@@ -134,6 +162,10 @@ class CallRecord:
     the image's placeholder tokens occupy in ``prompt_token_ids``; ``processor``: what the
     model's processor needs to rebuild the pixel input, e.g. the grid); the bytes are stored
     once per store, content-addressed by ``sha256``.
+
+    ``image_data``: sha256 -> the image's bytes, for the store to keep with the record (never
+    part of the stored form; None on a record read back: the bytes are the store's, read by
+    ``sha256``).
     """
 
     call_id: str
@@ -167,6 +199,7 @@ class CallRecord:
     weight_version_source: str | None = None
     images: list[dict[str, Any]] | None = None
     schema_version: int = SCHEMA_VERSION
+    image_data: dict[str, bytes] | None = field(default=None, compare=False, repr=False)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -41,6 +41,40 @@ class TextPart(_Lenient):
     text: str
 
 
+class ImageURL(_Lenient):
+    """An ``image_url`` part's object: a ``data:`` URL (or a remote one, see
+    ``core.images``) and OpenAI's ``detail``."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Lenient):
+    """An image content part (OpenAI chat ``image_url``); its bytes are checked by
+    ``core.images`` (format, size, scheme) once the message is valid."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+def _part_kind(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return "[image]" if value.get("type") == "image_url" else "[text]"
+    return None
+
+
+#: A content part: text, or an image (tagged by its ``type``, so that an error is the
+#: chosen member's).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("[text]")] | Annotated[ImagePart, Tag("[image]")],
+    Discriminator(
+        _part_kind,
+        custom_error_type="content_part",
+        custom_error_message="a content part must be an object",
+    ),
+]
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str
@@ -79,7 +113,7 @@ class ToolCall(_Lenient):
 
 class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -254,7 +288,8 @@ def validate_chat_request(
     earlier request (``valid``) is not validated again, and the ones that pass here are marked.
 
     Refused under capture: ``n`` > 1 (one record per call; send n requests instead) and
-    content parts other than text (their token data cannot be captured yet).
+    content parts other than text and ``image_url`` (an image's bytes are checked by
+    ``core.images`` afterwards).
     """
     head_error: ValidationError | None = None
     try:
@@ -304,7 +339,7 @@ def _invalid(err: Any) -> InvalidRequest:
     if err["type"] == "missing":
         message = f"'{loc}' is required"
     elif loc.startswith("messages.") and (loc.endswith(".type") or ".content." in f"{loc}."):
-        message = f"'{loc}': {err['msg']} (only text content parts can be captured)"
+        message = f"'{loc}': {err['msg']} (only text and image_url content parts can be captured)"
     elif loc.startswith("tools.") and loc.endswith(".type"):
         message = f"'{loc}': {err['msg']} (the engine renders function tools only)"
     else:

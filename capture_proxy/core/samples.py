@@ -16,7 +16,25 @@ arrays over the leaf's full sequence (its prompt + generation):
 - ``routed_experts``: ``[seq, num_layers, top_k]`` (uint8/uint16/int32, the widest of the
   path's calls) with ``routed_experts_mask`` uint8 ``[seq]`` (1 where a row is present; a
   position takes the row of the first path call that holds one), only when a path call has
-  routed experts.
+  routed experts;
+- ``weight_version_index``: int16 ``[seq]`` (int32 past 32,767 versions), beside
+  ``loss_mask``: each generated position's index in ``weight_versions``, the weight version
+  that sampled it, and -1 on prompt and interstitial positions and on generated ones of no
+  known version (``core.weight_versions``);
+  ``weight_versions``: unicode ``[num_versions]``, the versions of the sample, oldest first
+  (integer versions as integers, any other version older than every integer one);
+  ``weight_version_sources``: unicode ``[num_calls]``, each path call's
+  ``weight_version_source`` (``engine_spans`` | ``engine_reported`` | ``observed``; ``""``
+  when unknown), in path order.
+- with images (``core.image_spans``; the leaf's, which are every path call's): ``image_spans``
+  int64 ``[num_images, 2]`` (each image's ``[start, end)`` of ``<|image_pad|>`` positions in
+  ``input_ids``, prompt order), ``image_sha256`` unicode ``[num_images]`` (the bytes' address)
+  and ``image_grid_thw`` int64 ``[num_images, 3]``; ``ChainSample.images`` keeps each image's
+  whole entry (its ``processor`` params, to rebuild its ``pixel_values``).
+
+The archive (``write_archive``) holds each image's bytes once, as ``images/<sha256>.<ext>``,
+listed in the manifest's ``images`` (``{sha256: {"file", "media_type", "width",
+"height"}}``); each sample's manifest entry lists its images' entries.
 
 Pure: no I/O; the archive format (zip of ``.npz``) is in ``write_archive`` / ``read_archive``.
 """
@@ -26,13 +44,17 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
 import numpy as np
 
 from capture_proxy.core.chains import Chain, RolloutChains
+from capture_proxy.core.images import PromptImage
+from capture_proxy.core.records import CallRecord
 from capture_proxy.core.routed_experts import align_to_sequence
+from capture_proxy.core.weight_versions import path_versions
 
 ARCHIVE_FORMAT = "capture-proxy.chains.npz"
 ARCHIVE_VERSION = 1
@@ -46,6 +68,8 @@ class ChainSample:
     chain_id: str
     leaf_call_id: str
     arrays: dict[str, np.ndarray]
+    #: the leaf's images (``CallRecord.images`` entries), in prompt order
+    images: tuple[dict[str, Any], ...] = ()
 
     @property
     def call_ids(self) -> list[str]:
@@ -59,54 +83,114 @@ def _path(chain: Chain, leaf: str) -> list[str]:
     return out[::-1]
 
 
-def chain_samples(chain: Chain) -> list[ChainSample]:
-    """The samples of ``chain``, one per leaf in chain order. Raises ValueError when a path
-    call's tokens are not a prefix of the leaf's sequence (chains guarantee they are)."""
+def sample_paths(chain: Chain) -> list[list[CallRecord]]:
+    """The chain's root-to-leaf paths (root first), one per leaf in chain order."""
     by_id = {r.call_id: r for r in chain.calls}
     has_child = {p for p in chain.parent_of.values() if p is not None}
-    out = []
-    for leaf in (r for r in chain.calls if r.call_id not in has_child):
-        path = [by_id[c] for c in _path(chain, leaf.call_id)]
-        input_ids = leaf.full_token_ids()
-        seq = int(input_ids.shape[0])
-        loss_mask = np.zeros(seq, np.uint8)
-        log_probs = np.zeros(seq, np.float32)
-        spans = np.zeros((len(path), 2), np.int64)
-        for i, rec in enumerate(path):
-            start, end = rec.num_prompt_tokens, rec.num_prompt_tokens + rec.num_generation_tokens
-            if not np.array_equal(input_ids[:end], rec.full_token_ids()):
-                raise ValueError(f"call {rec.call_id} does not prefix {leaf.call_id}'s sequence")
-            loss_mask[start:end] = 1
-            log_probs[start:end] = rec.generation_log_probs
-            spans[i] = (start, end)
-        arrays: dict[str, np.ndarray] = {
-            "input_ids": input_ids,
-            "loss_mask": loss_mask,
-            "log_probs": log_probs,
-            "generation_spans": spans,
-            "call_ids": np.array([r.call_id for r in path], dtype=np.str_),
+    return [
+        [by_id[c] for c in _path(chain, leaf.call_id)]
+        for leaf in chain.calls
+        if leaf.call_id not in has_child
+    ]
+
+
+def path_sample(chain_id: str, path: list[CallRecord]) -> ChainSample:
+    """The sample of one root-to-leaf ``path`` (root first). Raises ValueError when a path
+    call's tokens are not a prefix of the leaf's sequence (chains guarantee they are)."""
+    leaf = path[-1]
+    input_ids = leaf.full_token_ids()
+    seq = int(input_ids.shape[0])
+    loss_mask = np.zeros(seq, np.uint8)
+    log_probs = np.zeros(seq, np.float32)
+    spans = np.zeros((len(path), 2), np.int64)
+    for i, rec in enumerate(path):
+        start, end = rec.num_prompt_tokens, rec.num_prompt_tokens + rec.num_generation_tokens
+        if not np.array_equal(input_ids[:end], rec.full_token_ids()):
+            raise ValueError(f"call {rec.call_id} does not prefix {leaf.call_id}'s sequence")
+        loss_mask[start:end] = 1
+        log_probs[start:end] = rec.generation_log_probs
+        spans[i] = (start, end)
+    table, version_index = path_versions(path)
+    arrays: dict[str, np.ndarray] = {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "log_probs": log_probs,
+        "generation_spans": spans,
+        "call_ids": np.array([r.call_id for r in path], dtype=np.str_),
+        "weight_version_index": version_index,
+        "weight_versions": np.array(table, dtype=np.str_),
+        "weight_version_sources": np.array(
+            [r.weight_version_source or "" for r in path], dtype=np.str_
+        ),
+    }
+    aligned = align_to_sequence(
+        [(r.routed_experts, r.routed_experts_start) for r in path if r.routed_experts is not None],
+        seq,
+    )
+    if aligned is not None:
+        arrays["routed_experts"], arrays["routed_experts_mask"] = aligned
+    images = tuple(leaf.images or ())
+    if images:
+        arrays.update(image_arrays(images))
+    return ChainSample(chain_id, leaf.call_id, arrays, images)
+
+
+def chain_samples(chain: Chain) -> list[ChainSample]:
+    """The samples of ``chain``, one per leaf in chain order (``path_sample``)."""
+    return [path_sample(chain.chain_id, path) for path in sample_paths(chain)]
+
+
+def image_arrays(images: tuple[dict[str, Any], ...]) -> dict[str, np.ndarray]:
+    """``image_spans``, ``image_sha256`` and ``image_grid_thw`` of a sample's images."""
+    spans = np.array([[e["prompt_start"], e["prompt_end"]] for e in images], np.int64)
+    grids = [(e.get("processor") or {}).get("image_grid_thw") or [0, 0, 0] for e in images]
+    return {
+        "image_spans": spans.reshape(-1, 2),
+        "image_sha256": np.array([e["sha256"] for e in images], dtype=np.str_),
+        "image_grid_thw": np.array(grids, np.int64).reshape(-1, 3),
+    }
+
+
+_EXTENSIONS = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/webp": "webp"}
+
+
+def _write_images(
+    zf: zipfile.ZipFile, shas: list[str], images: Mapping[str, PromptImage]
+) -> dict[str, Any]:
+    """Each image's bytes once, as ``images/<sha256>.<ext>``; the manifest's ``images``.
+    Raises ValueError for an image whose bytes ``images`` lacks."""
+    out: dict[str, Any] = {}
+    for sha in sorted(set(shas)):
+        image = images.get(sha)
+        if image is None:
+            raise ValueError(f"image {sha} of a sample is not among the images given")
+        name = f"images/{sha}.{_EXTENSIONS.get(image.media_type, 'bin')}"
+        zf.writestr(name, image.data)
+        out[sha] = {
+            "file": name,
+            "media_type": image.media_type,
+            "width": image.width,
+            "height": image.height,
         }
-        aligned = align_to_sequence(
-            [
-                (r.routed_experts, r.routed_experts_start)
-                for r in path
-                if r.routed_experts is not None
-            ],
-            seq,
-        )
-        if aligned is not None:
-            arrays["routed_experts"], arrays["routed_experts_mask"] = aligned
-        out.append(ChainSample(chain.chain_id, leaf.call_id, arrays))
     return out
 
 
 def write_archive(
-    chains: RolloutChains, out: IO[bytes], extra: dict[str, Any] | None = None
+    chains: RolloutChains,
+    out: IO[bytes],
+    extra: dict[str, Any] | None = None,
+    samples: list[ChainSample] | None = None,
+    images: Mapping[str, PromptImage] | None = None,
 ) -> None:
     """Write a zip archive: ``manifest.json`` and one ``<chain_id>/<leaf_call_id>.npz`` per
-    sample (uncompressed ``np.savez`` members, so a loader can memory-map or stream them).
-    ``manifest.json``: ``{"format", "version", "rollout_id", "samples": [{"file",
-    "chain_id", "leaf_call_id", "call_ids", "num_tokens"}], **extra}``."""
+    sample (uncompressed ``np.savez`` members, so a loader can memory-map or stream them),
+    and each image of the samples once (``images``: their bytes by sha256). ``samples``: the
+    samples to write (default: every sample of ``chains``; a version filter passes the ones
+    it keeps). ``manifest.json``: ``{"format", "version", "rollout_id", "samples": [{"file",
+    "chain_id", "leaf_call_id", "call_ids", "num_tokens", "weight_versions", "images"}],
+    "images", **extra}``. Raises ValueError for a sample's image missing from ``images``."""
+    if samples is None:
+        samples = [s for chain in chains.chains for s in chain_samples(chain)]
     manifest: dict[str, Any] = {
         "format": ARCHIVE_FORMAT,
         "version": ARCHIVE_VERSION,
@@ -114,24 +198,28 @@ def write_archive(
         "samples": [],
         **(extra or {}),
     }
+    shas: list[str] = []
     with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
-        for chain in chains.chains:
-            for sample in chain_samples(chain):
-                name = f"{sample.chain_id}/{sample.leaf_call_id}.npz"
-                buf = io.BytesIO()
-                # allow_pickle is numpy's default, named so the type checker does not match
-                # the array kwargs to it.
-                np.savez(buf, allow_pickle=True, **sample.arrays)
-                zf.writestr(name, buf.getvalue())
-                manifest["samples"].append(
-                    {
-                        "file": name,
-                        "chain_id": sample.chain_id,
-                        "leaf_call_id": sample.leaf_call_id,
-                        "call_ids": sample.call_ids,
-                        "num_tokens": int(sample.arrays["input_ids"].shape[0]),
-                    }
-                )
+        for sample in samples:
+            name = f"{sample.chain_id}/{sample.leaf_call_id}.npz"
+            buf = io.BytesIO()
+            # allow_pickle is numpy's default, named so the type checker does not match the
+            # array kwargs to it.
+            np.savez(buf, allow_pickle=True, **sample.arrays)
+            zf.writestr(name, buf.getvalue())
+            manifest["samples"].append(
+                {
+                    "file": name,
+                    "chain_id": sample.chain_id,
+                    "leaf_call_id": sample.leaf_call_id,
+                    "call_ids": sample.call_ids,
+                    "num_tokens": int(sample.arrays["input_ids"].shape[0]),
+                    "weight_versions": [str(v) for v in sample.arrays.get("weight_versions", ())],
+                    "images": list(sample.images),
+                }
+            )
+            shas += [str(e["sha256"]) for e in sample.images]
+        manifest["images"] = _write_images(zf, shas, images or {})
         zf.writestr("manifest.json", json.dumps(manifest, ensure_ascii=False))
 
 
@@ -148,5 +236,15 @@ def read_archive(source: IO[bytes]) -> tuple[dict[str, Any], list[ChainSample]]:
         for entry in manifest["samples"]:
             with np.load(io.BytesIO(zf.read(entry["file"])), allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
-            samples.append(ChainSample(entry["chain_id"], entry["leaf_call_id"], arrays))
+            images = tuple(entry.get("images") or ())
+            samples.append(ChainSample(entry["chain_id"], entry["leaf_call_id"], arrays, images))
     return manifest, samples
+
+
+def read_archive_images(source: IO[bytes]) -> dict[str, bytes]:
+    """The image bytes of an archive ``write_archive`` wrote, by sha256."""
+    with zipfile.ZipFile(source) as zf:
+        manifest = json.loads(zf.read("manifest.json"))
+        return {
+            sha: zf.read(entry["file"]) for sha, entry in (manifest.get("images") or {}).items()
+        }

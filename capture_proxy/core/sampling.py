@@ -8,6 +8,7 @@ exact-token prompt; the engine would refuse the request, so it is clamped (and s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,19 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
     clamped_from: int | None = None
+
+
+def continued_sampling(sampling: Sampling, num_generated: int) -> Sampling:
+    """The sampling of a generation continued after ``num_generated`` tokens (an engine abort):
+    the rest of ``max_tokens`` (at least 1) and of ``min_tokens``; the rest unchanged (a stop
+    string that spans the two requests is not seen by the engine)."""
+    extra = dict(sampling.extra)
+    min_tokens = extra.get("min_tokens")
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool):
+        extra["min_tokens"] = max(0, min_tokens - num_generated)
+    return dataclasses.replace(
+        sampling, max_tokens=max(1, sampling.max_tokens - num_generated), extra=extra
+    )
 
 
 def sampling_from_chat(

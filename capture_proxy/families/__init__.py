@@ -21,6 +21,9 @@ model's chat format, in one place, so both render and parse with the same object
 - ``qwen2_5`` (``qwen2_5.py``): Qwen2.5 Instruct and Qwen2.5-Coder Instruct, Hermes JSON tool
   calls (vLLM's ``hermes``), no reasoning, closed as Qwen3; the model's own template from its
   tokenizer directory (no built-in one), the Qwen vocabulary.
+- ``qwen3_vl`` (``qwen3_vl.py``): Qwen3-VL Instruct, vision-language: images rendered and their
+  placeholders expanded as vLLM's Qwen3-VL processor does (``vision.py``), turns as ``qwen2_5``;
+  the published template (``templates/qwen3_vl.jinja``) or the model's own.
 
 Every jinja-template family renders through ``hf_template.LocalRenderer``, which applies vLLM's
 message normalisation (``vllm_messages.py``) first. Adding a family is one module (its writer,
@@ -42,9 +45,11 @@ from capture_proxy.families.parsing import OutputParser
 from capture_proxy.families.qwen2_5 import Qwen25HermesParser, load_qwen2_5_family
 from capture_proxy.families.qwen3 import QwenHermesParser
 from capture_proxy.families.qwen3_coder import Qwen3CoderParser
+from capture_proxy.families.qwen3_vl import Qwen3VLHermesParser, load_qwen3_vl_family
+from capture_proxy.families.vision import VisionProcessorConfig
 
-FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"]
-FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5")
+FamilyName = Literal["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5", "qwen3_vl"]
+FAMILIES: tuple[str, ...] = ("qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5", "qwen3_vl")
 _QWEN_TEMPLATES = {"qwen3": "keep_reasoning", "qwen3_coder": "qwen3_coder"}
 
 
@@ -55,6 +60,7 @@ PARSERS: dict[str, OutputParser] = {
     "qwen3_coder": Qwen3CoderParser(),
     "llama3": Llama3JsonParser(),
     "qwen2_5": Qwen25HermesParser(),
+    "qwen3_vl": Qwen3VLHermesParser(),
 }
 #: what the published templates leave out of a conversation's history
 _QWEN_DROPS = (
@@ -173,14 +179,17 @@ def load_family(
     cache_dir: Path | None = None,
     tokenizer: Any = None,
     system_start_date: str | None = None,
+    vision: VisionProcessorConfig | None = None,
 ) -> ModelFamily:
     """The family ``name``. ``tokenizer_dir``: a local HF tokenizer directory with the model's
     own chat template (Qwen families; required for llama3 and qwen2_5); ``cache_dir``: where
     the gpt-oss vocabulary is converted to (default ``~/.cache/capture-proxy/encodings``);
     ``tokenizer``: a loaded built-in Qwen tokenizer to share; ``system_start_date``: gpt-oss's
     ``Current date:`` (``YYYY-MM-DD``, the serving vLLM's ``VLLM_SYSTEM_START_DATE``; None:
-    today's local date at each render, as vLLM picks it). Raises RenderError (unknown
-    family, tokenizer not loadable, llama3 or qwen2_5 without a tokenizer directory)."""
+    today's local date at each render, as vLLM picks it); ``vision``: a vision-language
+    family's image processor settings (qwen3_vl; default: the published ones). Raises
+    RenderError (unknown family, tokenizer not loadable, llama3 or qwen2_5 without a tokenizer
+    directory)."""
     if name in _QWEN_TEMPLATES:
         return _qwen_family(name, tokenizer_dir, None, tokenizer)
     if name == "gpt_oss":
@@ -189,6 +198,8 @@ def load_family(
         return _llama3_family(tokenizer_dir)
     if name == "qwen2_5":
         return load_qwen2_5_family(tokenizer_dir)
+    if name == "qwen3_vl":
+        return load_qwen3_vl_family(tokenizer_dir, tokenizer=tokenizer, vision=vision)
     raise RenderError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from capture_proxy.families.base import RenderError
 from capture_proxy.families.template_ast import template_variables
+from capture_proxy.families.vision import VisionProcessorConfig, expand_image_pads, image_sizes
 from capture_proxy.families.vllm_messages import (
     MessageError,
     detect_content_format,
@@ -103,11 +104,34 @@ def find_tail_text(head_text: str, small_text: str, end_of_turn_text: str) -> st
 
 class LocalRenderer:
     """Renders with a local HF tokenizer (``tokenizer``) and chat template (its own, or
-    ``chat_template``): template text, then ``encode`` without adding special tokens, as vLLM."""
+    ``chat_template``): template text, then ``encode`` without adding special tokens, as vLLM.
+    ``vision``: the image processor settings of a vision-language model (Qwen-VL): each image's
+    placeholder token is then expanded as vLLM's processor expands it
+    (``vision.expand_image_pads``); without, a conversation with images is refused."""
 
-    def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template: str | None = None,
+        vision: VisionProcessorConfig | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
+        self.vision = vision
+
+    def _encode(self, text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """``text`` encoded without added special tokens; its image placeholders expanded for
+        the images of ``messages`` (the messages ``text`` renders). Raises RenderError."""
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            sizes = image_sizes(messages)
+            if not sizes:
+                return ids
+            if self.vision is None:
+                raise ValueError("this renderer has no image processor (a text-only model)")
+            return expand_image_pads(ids, sizes, self.vision)
+        except ValueError as exc:
+            raise RenderError(f"images: {exc}") from exc
 
     @classmethod
     def from_directory(cls, path: Path) -> LocalRenderer:
@@ -137,7 +161,7 @@ class LocalRenderer:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         text = self._text(messages, tools, add_generation_prompt, chat_template_kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(text, messages)
 
     def render_text_sync(
         self,
@@ -161,7 +185,7 @@ class LocalRenderer:
         continue (transformers' ``continue_final_message``, as vLLM's chat extra of that
         name: no generation prompt, the final turn's end-of-turn text cut)."""
         text = self._text(messages, tools, False, chat_template_kwargs, continue_final=True)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(text, messages)
 
     async def render_continuation(
         self,
@@ -250,7 +274,7 @@ class LocalRenderer:
         tail = find_tail_text(head_text, small, end_of_turn_text)
         if tail is None:
             return None
-        return list(self.tokenizer.encode(tail, add_special_tokens=False))
+        return self._encode(tail, new_messages)
 
     async def render(
         self,

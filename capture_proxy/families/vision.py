@@ -22,6 +22,7 @@ Source of the formulas: transformers 5.19 ``models/qwen2_vl/image_processing_qwe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,12 @@ VISION_END_ID = 151653
 IMAGE_PAD_ID = 151655
 
 MAX_ASPECT_RATIO = 200
+#: The image processor implementation vLLM 0.32's Qwen2-VL / Qwen3-VL models run:
+#: transformers' ``image_processing_qwen2_vl.Qwen2VLImageProcessor``, torchvision-backed
+#: (``model_executor/models/qwen2_vl.py`` imports it). Its bicubic resize differs from Pillow's
+#: by up to two intensity levels on some pixels (measured against vLLM's own pixel input, see
+#: ``tests/realengine/test_vllm_images.py``), so the pixel input is rebuilt with it by default.
+PIXEL_BACKEND = "torchvision"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +150,7 @@ class ImagePlaceholder:
             "image_std": list(c.image_std),
             "rescale_factor": c.rescale_factor,
             "resample": "bicubic",
+            "backend": PIXEL_BACKEND,
         }
 
     def token_ids(self) -> list[int]:
@@ -174,13 +182,21 @@ def processor_config_from_params(params: dict[str, Any]) -> VisionProcessorConfi
     )
 
 
-def rebuild_pixel_values(image_bytes: bytes, params: dict[str, Any]) -> np.ndarray:
+def rebuild_pixel_values(
+    image_bytes: bytes, params: dict[str, Any], backend: str | None = None
+) -> np.ndarray:
     """Rebuild an image's ``pixel_values`` from its stored bytes and ``processor`` params.
 
     Returns float32 of shape (grid_h * grid_w, 3 * temporal_patch_size * patch_size**2), the
-    rows the HF Qwen-VL image processor (PIL backend) emits for this image. Needs Pillow.
-    Raises ValueError if the image does not resize to the stored grid.
+    rows the HF Qwen-VL image processor emits for this image. ``backend`` (default: the
+    params' ``backend``, else ``pil``): ``torchvision``, transformers' torchvision-backed
+    ``Qwen2VLImageProcessor``, what vLLM 0.32 runs (needs torch and torchvision: the pixel
+    input the engine had, to 1e-7); ``pil``, this module's numpy port of the Pillow backend
+    (``Qwen2VLImageProcessorPil``; Pillow only; its resize differs from torchvision's by up to
+    two intensity levels on some pixels). Raises ValueError if the image does not resize.
     """
+    if (backend or params.get("backend") or "pil") == "torchvision":
+        return _rebuild_with_torchvision(image_bytes, params)
     import io
 
     from PIL import Image
@@ -208,3 +224,86 @@ def rebuild_pixel_values(image_bytes: bytes, params: dict[str, Any]) -> np.ndarr
         patches[:, :, :, :, :, None, :, :], (*patches.shape[:5], t, *patches.shape[5:])
     )
     return np.ascontiguousarray(patches.reshape(gh * gw, 3 * t * p * p), dtype=np.float32)
+
+
+def expand_image_pads(
+    token_ids: Sequence[int], sizes: Sequence[tuple[int, int]], config: VisionProcessorConfig
+) -> list[int]:
+    """``token_ids`` with the k-th ``<|image_pad|>`` (a Qwen-VL chat template renders one per
+    image, between ``<|vision_start|>`` and ``<|vision_end|>``) repeated to the number of
+    tokens image k of ``sizes`` (``(height, width)``, in prompt order) takes: what vLLM 0.32's
+    Qwen2-VL / Qwen3-VL processor does to a rendered prompt (``_get_prompt_updates``: a
+    ``PromptReplacement`` whose target is the image token, wherever it stands). Raises
+    ValueError when the prompt holds another number of image tokens than ``sizes`` has
+    images, or an image's size is one the processor refuses."""
+    out: list[int] = []
+    k = 0
+    for token in token_ids:
+        if token == IMAGE_PAD_ID:
+            if k >= len(sizes):
+                raise ValueError(
+                    f"the prompt holds more image placeholders than the {len(sizes)} images"
+                )
+            height, width = sizes[k]
+            out.extend([IMAGE_PAD_ID] * image_placeholder(height, width, config).num_tokens)
+            k += 1
+        else:
+            out.append(token)
+    if k != len(sizes):
+        raise ValueError(f"the prompt holds {k} image placeholders for {len(sizes)} images")
+    return out
+
+
+def image_sizes(messages: Sequence[Any]) -> list[tuple[int, int]]:
+    """``(height, width)`` of every image part of ``messages``, in order: the proxy's
+    canonical part (``core.images``: ``width`` and ``height``), or an ``image_url`` part with a
+    base64 ``data:`` URL (as an engine gets it; its size read from the bytes, with Pillow).
+    Raises ValueError for an image part whose size cannot be known."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    sizes = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image" and "width" in part and "height" in part:
+                sizes.append((int(part["height"]), int(part["width"])))
+            elif part.get("type") in ("image", "image_url"):
+                url = (part.get("image_url") or {}).get("url", "")
+                head, _, data = str(url).partition(",")
+                if not (head.startswith("data:") and head.endswith(";base64")):
+                    raise ValueError("an image part without its size or a base64 data: URL")
+                with Image.open(io.BytesIO(base64.b64decode(data))) as img:
+                    width, height = img.size
+                sizes.append((height, width))
+    return sizes
+
+
+def _rebuild_with_torchvision(image_bytes: bytes, params: dict[str, Any]) -> np.ndarray:
+    """``rebuild_pixel_values`` with transformers' torchvision-backed processor."""
+    import io
+
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    config = processor_config_from_params(params)
+    processor = Qwen2VLImageProcessor(
+        patch_size=config.patch_size,
+        merge_size=config.merge_size,
+        temporal_patch_size=config.temporal_patch_size,
+        size={"shortest_edge": config.min_pixels, "longest_edge": config.max_pixels},
+        image_mean=list(config.image_mean),
+        image_std=list(config.image_std),
+        rescale_factor=config.rescale_factor,
+    )
+    with Image.open(io.BytesIO(image_bytes)) as img:
+        rgb = img.convert("RGB")
+    out = processor(images=[rgb], return_tensors="np")
+    grid = [int(x) for x in np.asarray(out["image_grid_thw"])[0]]
+    if grid != list(params["image_grid_thw"]):
+        raise ValueError(f"image processes to grid {grid}, stored {params['image_grid_thw']}")
+    return np.ascontiguousarray(np.asarray(out["pixel_values"]), dtype=np.float32)

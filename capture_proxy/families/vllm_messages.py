@@ -24,8 +24,14 @@ Per message, as vLLM builds its ``ConversationMessage``:
   a non-object, null or "" become ``{}``, as vLLM coerces them); ``reasoning`` (or
   ``reasoning_content``) given to the template as both ``reasoning`` and
   ``reasoning_content``.
+- images (an ``image_url`` part, as the engine gets it, or the proxy's canonical image part,
+  ``core.images``): for an openai-format template ``{"type": "image"}`` in their place (vLLM's
+  ``wrap_dicts``; the model's processor expands each template placeholder afterwards, see
+  ``families.vision.expand_image_pads``); a string-format template inserts the model's own
+  placeholder string, which this module does not know: refused (MessageError).
 - tool: ``tool_call_id`` kept; text parts joined into one string even for openai-format
-  templates.
+  templates, unless an image stands among them (then the parts are kept, as vLLM keeps a tool
+  message's non-text parts).
 - ``name`` (a string) kept on any role; every other key is dropped.
 - developer: as system (and all system messages merged into one at the front, joined with
   ``"\\n\\n"``) when the template never names the ``developer`` role.
@@ -57,6 +63,8 @@ TEXT_PARTS = {
     "thinking": "thinking",
 }
 BILLING_HEADER = "x-anthropic-billing-header"
+#: content part types that are images (vLLM's ``image_url`` and the proxy's canonical part)
+IMAGE_PARTS = frozenset({"image_url", "image"})
 
 
 class MessageError(ValueError):
@@ -87,6 +95,27 @@ def _strip_billing_header(texts: list[str]) -> list[str]:
             if not text:
                 continue
         out.append(text)
+    return out
+
+
+def _has_image(message: Mapping[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(
+        isinstance(p, Mapping) and p.get("type") in IMAGE_PARTS for p in content
+    )
+
+
+def _parts(message: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """A message's text and image parts as vLLM hands an openai-format template them:
+    ``{"type": "text", "text"}`` and ``{"type": "image"}``, in order."""
+    out: list[dict[str, Any]] = []
+    for i, part in enumerate(message.get("content") or []):
+        if isinstance(part, Mapping) and part.get("type") in IMAGE_PARTS:
+            out.append({"type": "image"})
+            continue
+        text = _part_text(part, f"{where}.content.{i}")
+        if text is not None:
+            out.append({"type": "text", "text": text})
     return out
 
 
@@ -143,12 +172,20 @@ def normalise_message(
     """One message as vLLM hands it to the template (see the module docstring). Raises
     MessageError."""
     role = message.get("role")
-    texts = _texts(message, where)
     content: Any
-    if content_format == "openai" and role != "tool":
-        content = [{"type": "text", "text": t} for t in texts]
+    if _has_image(message):
+        if content_format != "openai":
+            raise MessageError(
+                f"{where}.content: images render only through a template that loops over "
+                "content parts (the model's placeholder string is not known here)"
+            )
+        content = _parts(message, where)
     else:
-        content = "\n".join(texts)
+        texts = _texts(message, where)
+        if content_format == "openai" and role != "tool":
+            content = [{"type": "text", "text": t} for t in texts]
+        else:
+            content = "\n".join(texts)
     out: dict[str, Any] = {"role": role, "content": content}
     if role == "assistant":
         calls = message.get("tool_calls")

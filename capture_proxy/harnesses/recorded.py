@@ -5,7 +5,8 @@ Owns reading a recording (one JSON object per request, as in tests/fixtures/*/ a
 the recording's server answered) and sending its model calls, in ``seq`` order, to a proxy's
 capture path, each to its own API's endpoint (chat completions, Responses, Messages; other
 recorded requests such as count_tokens are skipped). ``RecordedResponder`` lets
-the scripted engine answer each request with the assistant message the recording answered, so
+the scripted engine answer each request with the assistant message the recording answered
+(``replay_engine_config``: that engine, serving the model names the recording names), so
 a replay reproduces the harness's real request shapes (step-limit notes, reasoning echo,
 re-serialised tool-call arguments) with real token ids.
 """
@@ -22,6 +23,7 @@ import aiohttp
 
 from capture_proxy.core.fronts.answers import API_PATHS, answer_message, api_of_path
 from capture_proxy.core.fronts.base import Api
+from capture_proxy.scripted_engine.state import ScriptedEngineConfig
 
 #: Recorded headers worth replaying (identity of the harness and its session); transport
 #: headers (Content-Length, Host, Accept-Encoding, Connection) are the client's own business.
@@ -102,6 +104,24 @@ def load_recording(path: Path) -> list[RecordedRequest]:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{line_no}: not a recorded request: {exc}") from exc
     return sorted(out, key=lambda r: r.seq)
+
+
+def recorded_models(recording: list[RecordedRequest]) -> tuple[str, ...]:
+    """The model names the recorded requests name, in the order first named (the names the
+    recording's server served)."""
+    names = (r.body.get("model") for r in recording)
+    return tuple(dict.fromkeys(n for n in names if isinstance(n, str) and n))
+
+
+def replay_engine_config(recording: list[RecordedRequest], **options: Any) -> ScriptedEngineConfig:
+    """The scripted engine's ``ScriptedEngineConfig`` that answers ``recording`` as its server
+    did: each request with the recorded message (``RecordedResponder``), under the model names
+    the recording's requests name (the engine refuses others, as vLLM does); ``options``: the
+    config's other fields."""
+    names = recorded_models(recording)
+    if names:
+        options = {"model_name": names[0], "model_aliases": names[1:], **options}
+    return ScriptedEngineConfig(responder=RecordedResponder(recording), **options)
 
 
 class RecordedResponder:

@@ -34,6 +34,7 @@ from capture_proxy.proxy.errors import (
     MethodNotAllowed,
     PayloadTooLarge,
 )
+from capture_proxy.proxy.images import IMAGE_SESSION_KEY, IMAGES_KEY
 from capture_proxy.proxy.keys import (
     EXACT_KEY,
     LINKER_KEY,
@@ -46,6 +47,8 @@ from capture_proxy.proxy.keys import (
 from capture_proxy.proxy.passthrough import forward_uncaptured
 from capture_proxy.proxy.traffic_tap import note_request
 from capture_proxy.proxy.uncaptured import UNCAPTURED_KEY, refuse_misspelt_capture_path
+from capture_proxy.proxy.upstream import captured_call_timeout
+from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY
 
 log = logging.getLogger("capture_proxy")
 
@@ -69,6 +72,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
     settings = request.app[SETTINGS_KEY]
     routes = request.app[ROUTES_KEY]
+    watchers = request.app.get(WEIGHT_WATCHERS_KEY)
     return CaptureDeps(
         request.app[SESSION_KEY],
         backend,
@@ -78,6 +82,12 @@ def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
         first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         connect_retries=settings.upstream_connect_retries,
         on_unreachable=routes.mark_failed if routes.many else None,
+        weights=watchers.for_backend(backend) if watchers is not None else None,
+        pause_wait_s=settings.engine_pause_wait_s,
+        read_timeout_s=settings.upstream_read_timeout_s,
+        request_timeout=captured_call_timeout(settings),
+        images=request.app[IMAGES_KEY],
+        image_session=request.app.get(IMAGE_SESSION_KEY),
     )
 
 
@@ -133,8 +143,9 @@ async def _serve_capture_path(
         )
         return response, "captured"
     if kind is EndpointKind.COUNT_TOKENS:
+        limits = request.app[IMAGES_KEY].limits
         return await handle_count_tokens(
-            raw_body, parse_count_tokens, _back_ends(request, backend)
+            raw_body, lambda body: parse_count_tokens(body, limits), _back_ends(request, backend)
         ), ("counted")
     if kind is EndpointKind.NOT_NORMAL:
         raise BadRequest(

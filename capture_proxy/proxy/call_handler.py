@@ -23,6 +23,7 @@ from capture_proxy.core.flow.captured import CallStart, captured_call
 from capture_proxy.core.flow.errors import UnknownPreviousResponse
 from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest
 from capture_proxy.core.fronts.responses.parse import referenced_response_id
+from capture_proxy.core.images import ImageRefused, engine_messages
 from capture_proxy.core.json_bodies import parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.routing import Route
@@ -31,6 +32,7 @@ from capture_proxy.proxy.calls import CaptureDeps, new_call_id
 from capture_proxy.proxy.errors import map_core_errors
 from capture_proxy.proxy.exact import ExactExecutor, ExactTokens
 from capture_proxy.proxy.executor import CallExecutor, drive
+from capture_proxy.proxy.images import complete_images, refuse_images_without_dialect
 
 log = logging.getLogger("capture_proxy")
 
@@ -101,11 +103,16 @@ async def handle_captured_call(
     with map_core_errors():
         body = parse_json_object(raw_body)
         previous = await _previous_messages(deps, front, body, rollout_id)
-        parsed = front.parse(body, previous=previous, known=known)
+        parsed = front.parse(body, previous=previous, known=known, images=deps.images.limits)
+        if parsed.images is not None or previous is not None:
+            store = deps.recorder.store
+            parsed = await complete_images(parsed, deps.images, deps.image_session, store)
     model = parsed.chat.get("model")
     exact = None
     if back_ends.exact is not None and back_ends.exact_for_model(model):
         exact = back_ends.exact.for_model(model)
+        with map_core_errors():
+            refuse_images_without_dialect(parsed, exact.dialect.name)
     start = CallStart(
         front=front,
         front_request=parsed,
@@ -119,6 +126,7 @@ async def handle_captured_call(
         exact=exact,
         routed_experts_expectation=back_ends.routed_experts_for(model),
         clock=time.perf_counter,
+        vision=deps.images.processor_for(model) if parsed.images is not None else None,
     )
     executor = (
         CallExecutor(request, deps, start.call_id, rollout_id)
@@ -141,15 +149,22 @@ async def handle_count_tokens(
 ) -> web.Response:
     """``POST /v1/messages/count_tokens``: the prompt's length as the chat template renders
     it (with the generation prompt), from the exact-token renderer or the engine's
-    ``/tokenize``. Not captured."""
+    ``/tokenize`` (which gets images as ``data:`` URLs; a remote image is not fetched to be
+    counted: refused). Not captured."""
     with map_core_errors():
         parsed = parse(parse_json_object(raw_body))
         chat = parsed.chat
+        messages: list[Any] = list(chat["messages"])
         renderer = back_ends.token_counter
         if back_ends.exact is not None and back_ends.exact_for_model(chat.get("model")):
             renderer = back_ends.exact.renderer
+        elif parsed.images is not None:
+            if parsed.images.pending:
+                where = parsed.images.pending[0].path
+                raise ImageRefused(f"'{where}': a remote image is not fetched to be counted", where)
+            messages = engine_messages(messages, parsed.images.images)
         ids = await renderer.render(
-            chat["messages"],
+            messages,
             chat.get("tools"),
             add_generation_prompt=True,
             chat_template_kwargs=chat.get("chat_template_kwargs"),

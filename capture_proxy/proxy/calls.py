@@ -12,7 +12,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -20,10 +20,12 @@ from aiohttp import web
 
 from capture_proxy.core.capture import NoteMatcher
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.proxy.images import ImagePolicy
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import TAP_KEY, ResponseTap
 from capture_proxy.proxy.upstream import forwardable_headers
+from capture_proxy.proxy.weight_watch import WeightWatcher
 
 log = logging.getLogger("capture_proxy")
 
@@ -49,6 +51,25 @@ class CaptureDeps:
     #: told the backend's URL when a connection to it could not be made (several backends:
     #: it is taken as unhealthy, so the rollout's next call goes to another engine)
     on_unreachable: Callable[[str], None] | None = None
+    #: the engine's weight version and pause (``proxy.weight_watch``), None: not watched
+    weights: WeightWatcher | None = None
+    #: longest wait for a paused engine to serve again after an abort (seconds)
+    pause_wait_s: float = 900.0
+    #: ``upstream_read_timeout_s``, applied by the executor (a paused engine's stall is not
+    #: cut); ``request_timeout``: the engine requests' aiohttp timeout without it
+    read_timeout_s: float | None = None
+    request_timeout: aiohttp.ClientTimeout | None = None
+
+    @property
+    def head_timeout_s(self) -> float | None:
+        """The longest wait for the engine's response head: the first-byte timeout, and the
+        read timeout (no byte for that long) when it is shorter."""
+        limits = [t for t in (self.first_byte_timeout_s, self.read_timeout_s) if t is not None]
+        return min(limits) if limits else None
+    #: what images a call may carry and each model's image processor; the session remote
+    #: images are fetched with (``image_fetch_remote``)
+    images: ImagePolicy = field(default_factory=lambda: ImagePolicy(None))
+    image_session: aiohttp.ClientSession | None = None
 
     @property
     def known_messages(self) -> KnownMessages:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +33,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from capture_proxy.core.engine_pool import Backend, BackendPool, routing_key
+from capture_proxy.proxy.periodic import every
 
 log = logging.getLogger("capture_proxy")
 
@@ -172,29 +173,14 @@ class EngineRoutes:
 
     def health_task(
         self, session: aiohttp.ClientSession
-    ) -> contextlib.AbstractAsyncContextManager[None]:
+    ) -> contextlib.AbstractAsyncContextManager[object]:
         """The probe loop while the app runs (only with more than one backend)."""
 
-        @contextlib.asynccontextmanager
-        async def run() -> AsyncIterator[None]:
-            if not self.many:
-                yield
-                return
-
-            async def loop() -> None:
-                while True:
-                    await self.probe_all(session)
-                    await asyncio.sleep(self.health_interval_s)
-
-            task = asyncio.create_task(loop(), name="capture-engine-health")
-            try:
-                yield
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-        return run()
+        if not self.many:
+            return contextlib.nullcontext()
+        return every(
+            self.health_interval_s, lambda: self.probe_all(session), name="capture-engine-health"
+        )
 
     # --- metrics -------------------------------------------------------------------------
 
@@ -203,7 +189,7 @@ class EngineRoutes:
 
     def publish_metrics(
         self, registry: CollectorRegistry, every_s: float = 1.0
-    ) -> contextlib.AbstractAsyncContextManager[None]:
+    ) -> contextlib.AbstractAsyncContextManager[object]:
         """In a worker of several (``serve --workers``): the pool's gauges as
         prometheus_client metrics, which its multiprocess files sum over the workers
         (``in_flight``, ``chosen``, ``key_moves``; ``healthy``: the least any worker sees),
@@ -228,23 +214,10 @@ class EngineRoutes:
                 gauges["chosen"].labels(b.url).set(b.chosen)
             moves.set(self.pool.moves)
 
-        @contextlib.asynccontextmanager
-        async def run() -> AsyncIterator[None]:
-            async def loop() -> None:
-                while True:
-                    publish()
-                    await asyncio.sleep(every_s)
+        async def step() -> None:
+            publish()
 
-            task = asyncio.create_task(loop(), name="capture-engine-metrics")
-            try:
-                yield
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                publish()
-
-        return run()
+        return every(every_s, step, name="capture-engine-metrics")
 
 
 _HELP = {

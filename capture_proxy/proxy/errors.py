@@ -18,6 +18,9 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     +-- Unprocessable                 (422, "invalid_request_error": valid, but not doable)
     +-- Unauthorized                  (401, "authentication_error")
     +-- UpstreamUnavailable           (502, "upstream_error": engine unreachable or broken)
+    +-- ServiceUnavailable            (503, "server_error": the store refused the call's
+    |                                 record, or failed a read or a lifecycle step;
+    |                                 ``Retry-After``)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
@@ -46,7 +49,9 @@ from capture_proxy.core.flow.errors import (
     EngineAnswerUnusable,
     EngineTimedOut,
     EngineUnreachable,
+    GenerationAborted,
     PrefillNotSupported,
+    StoreUnavailable,
     UnknownPreviousResponse,
 )
 from capture_proxy.core.fronts import error_front
@@ -56,8 +61,14 @@ from capture_proxy.core.redact import redact_text
 from capture_proxy.core.routing import api_path_of
 from capture_proxy.core.sampling import SamplingError
 from capture_proxy.families.base import RenderError, RendererUnavailable
+from capture_proxy.store.base import StoreError
 
 log = logging.getLogger("capture_proxy")
+
+
+#: Seconds a harness is asked to wait before it retries a call the store refused (a disk
+#: freed, a database failed over: seconds to minutes; the SDKs retry twice by default).
+STORE_RETRY_AFTER_S = 5
 
 
 class ProxyError(Exception):
@@ -65,6 +76,8 @@ class ProxyError(Exception):
     error_type = "internal_error"
     #: Close the connection after the answer (the request was not read to its end).
     close_connection = False
+    #: A ``Retry-After`` header (seconds) on the answer, when a retry may succeed.
+    retry_after_s: int | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -153,6 +166,15 @@ class UpstreamTimeout(ProxyError, TimeoutError):
     error_type = "upstream_error"
 
 
+class ServiceUnavailable(ProxyError):
+    """The proxy cannot serve the call now, and a retry may succeed: ``Retry-After``
+    (``retry_after_s``), which the OpenAI and Anthropic SDKs honour (their retries of a 503)."""
+
+    status = 503
+    error_type = "server_error"
+    retry_after_s = STORE_RETRY_AFTER_S
+
+
 def error_body(
     message: str, error_type: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -191,6 +213,8 @@ def error_response(exc: ProxyError, request: web.Request | None = None) -> web.R
         headers["Allow"] = ", ".join(exc.allowed)
     if exc.call_id is not None:
         headers["X-Capture-Call-Id"] = exc.call_id
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(exc.retry_after_s)
     response = web.json_response(body, status=exc.status, headers=headers or None)
     if exc.close_connection:
         response.force_close()
@@ -225,6 +249,16 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         what = exc.message if exc.status >= 500 else exc.code or exc.error_type
         log_rejected(request, exc.status, what)
         return error_response(exc, request)
+    except StoreError as exc:
+        if type(exc) is not StoreError:  # its subclasses are answers the handlers give
+            raise
+        # The store failed (a full disk, a database that refuses writes or is gone): a retry
+        # may succeed, not a bug of the proxy's.
+        unavailable = ServiceUnavailable(
+            f"the capture store failed: {exc}", code="store_unavailable"
+        )
+        log_rejected(request, unavailable.status, unavailable.message)
+        return error_response(unavailable, request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -259,6 +293,8 @@ CORE_ERRORS: tuple[tuple[type[Exception], type[ProxyError], Any, Any], ...] = (
     (EngineTimedOut, UpstreamTimeout, OWN, None),
     (EngineUnreachable, UpstreamUnavailable, OWN, None),
     (EngineAnswerUnusable, UpstreamUnavailable, OWN, None),
+    (GenerationAborted, ServiceUnavailable, OWN, None),
+    (StoreUnavailable, ServiceUnavailable, OWN, None),
 )
 _CORE_TYPES = tuple(row[0] for row in CORE_ERRORS)
 

@@ -39,6 +39,7 @@ from capture_proxy.proxy.calls import (
     upstream_headers,
 )
 from capture_proxy.proxy.errors import UpstreamTimeout
+from capture_proxy.proxy.recorder import StoreWrite
 from capture_proxy.proxy.upstream import (
     CLIENT_ERRORS,
     CONNECT_ERRORS,
@@ -50,6 +51,10 @@ log = logging.getLogger("capture_proxy")
 
 #: How long the end of an engine's body may take after its ``[DONE]`` (seconds).
 BODY_END_TIMEOUT_S = 5.0
+#: While a call waits for a paused engine, an SSE comment this often keeps the harness's
+#: stream alive (harnesses and their SDKs ignore comments).
+KEEPALIVE_S = 15.0
+PAUSE_COMMENT = b": the engine is paused for a weight update; the answer continues after it\n\n"
 
 _CLIENT_WRITES = (cmd.StartClientStream, cmd.WriteClient, cmd.EndClient)
 
@@ -69,6 +74,10 @@ class CallExecutor:
         self.upstream: aiohttp.ClientResponse | None = None
         self._writer: ClientWriter | None = None
         self._pieces: AsyncIterator[bytes] | None = None
+        #: the next engine read, while a read timeout waits on a paused engine
+        self._next_piece: asyncio.Future[bytes] | None = None
+        #: the engine's weight-version epoch as this call last saw it
+        self._epoch = -1
 
     #: The method that performs each command (set below the class; a subclass extends it).
     HANDLERS: ClassVar[dict[type[cmd.Command], Callable[[Any, Any], Awaitable[Any]]]]
@@ -85,8 +94,26 @@ class CallExecutor:
 
     async def close(self) -> None:
         """Give the engine's response back (closes its request when not read to the end)."""
+        if self._next_piece is not None:
+            self._next_piece.cancel()
+            self._next_piece = None
         if self.upstream is not None:
             await self.upstream.__aexit__(None, None, None)
+
+    def _version(self) -> str | None:
+        """The engine's weight version as last read (its epoch remembered)."""
+        watcher = self.deps.weights
+        if watcher is None:
+            return None
+        self._epoch = watcher.epoch
+        return watcher.version
+
+    def _changed_version(self) -> str | None:
+        """The engine's version when it changed since this call last looked, else None."""
+        watcher = self.deps.weights
+        if watcher is None or watcher.epoch == self._epoch:
+            return None
+        return self._version()
 
     async def _resolve(self, c: cmd.Resolve) -> ev.Resolved | ev.StepFailed:
         try:
@@ -128,16 +155,23 @@ class CallExecutor:
     async def _send(self, c: cmd.SendToEngine) -> ev.EngineResponded | ev.EngineFailed:
         deps = self.deps
         t0 = time.perf_counter()
+        watcher = deps.weights
+        version = self._version()  # as the request goes out (a whole answer's head comes late)
+        if self.upstream is not None:  # a continuation after an abort: the last one is done
+            await self.close()
+            self._pieces = None
         try:
             upstream = await send_upstream(
                 deps.session,
                 "POST",
                 deps.backend + c.path,
-                first_byte_timeout_s=deps.first_byte_timeout_s,
+                first_byte_timeout_s=deps.head_timeout_s,
                 connect_retries=deps.connect_retries,
+                still_waiting=watcher.still_paused if watcher is not None else None,
                 data=c.body,
                 headers=self.engine_headers(c.harness_headers),
                 auto_decompress=True,
+                **({"timeout": deps.request_timeout} if deps.request_timeout else {}),
             )
         except CLIENT_ERRORS as exc:
             if deps.on_unreachable is not None and isinstance(exc, CONNECT_ERRORS):
@@ -147,27 +181,83 @@ class CallExecutor:
         deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
         content_type = upstream.headers.get("Content-Type", "")
         return ev.EngineResponded(
-            upstream.status, content_type.startswith("text/event-stream"), upstream.reason
+            upstream.status,
+            content_type.startswith("text/event-stream"),
+            upstream.reason,
+            version,
         )
 
     async def _read_body(self, c: cmd.ReadEngineBody) -> ev.EngineBody | ev.EngineFailed:
         assert self.upstream is not None
         try:
-            return ev.EngineBody(await self.upstream.read())
+            data = await self._patient_read(self.upstream.read())
         except CLIENT_ERRORS as exc:
             log.warning("call %s: reading the engine's body failed: %s", self.call_id, exc)
             return _failed(exc, self.deps.backend)
+        return ev.EngineBody(data, self._version())
 
     async def _read_piece(self, c: cmd.ReadEngine) -> Any:
         assert self.upstream is not None
         if self._pieces is None:
             self._pieces = aiter(self.upstream.content.iter_any())
         try:
-            return ev.EnginePiece(await anext(self._pieces))
+            if self.deps.read_timeout_s is None:
+                data = await anext(self._pieces)
+            else:
+                data = await self._patient_read(anext(self._pieces))
         except StopAsyncIteration:
-            return ev.EngineEnd()
+            return ev.EngineEnd(self._version())
         except CLIENT_ERRORS as exc:
             return ev.EngineBroke(type(exc).__name__, str(exc))
+        return ev.EnginePiece(data, self._changed_version())
+
+    async def _patient_read(self, read: Awaitable[bytes]) -> bytes:
+        """``read`` within the read timeout (``upstream_read_timeout_s``), renewed while the
+        engine says it is paused (a keep or wait pause holds the request). Raises
+        CLIENT_ERRORS, StopAsyncIteration."""
+        timeout_s, watcher = self.deps.read_timeout_s, self.deps.weights
+        if timeout_s is None:
+            return await read
+        task = self._next_piece = asyncio.ensure_future(read)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=timeout_s)
+                if done:
+                    return task.result()
+                if watcher is None or not await watcher.still_paused():
+                    raise TimeoutError
+        finally:
+            if not task.done():
+                task.cancel()
+            self._next_piece = None
+
+    async def _await_serving(self, c: cmd.AwaitEngineServing) -> Any:
+        """Wait (``engine_pause_wait_s``) for the engine to serve again after an abort; an
+        open stream gets an SSE comment every ``KEEPALIVE_S`` meanwhile."""
+        watcher, t0 = self.deps.weights, time.perf_counter()
+        if watcher is None:
+            return ev.EngineServing(None, 0.0, None)
+        waiting = asyncio.ensure_future(watcher.wait_serving())
+        try:
+            async with asyncio.timeout(self.deps.pause_wait_s):
+                while True:
+                    done, _ = await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
+                    if done:
+                        break
+                    if self._writer is not None:
+                        await self._writer.write(PAUSE_COMMENT)
+        except TimeoutError:
+            return ev.EngineFailed(
+                f"the engine at {self.deps.backend} did not serve again within "
+                f"{self.deps.pause_wait_s:g} s (setting engine_pause_wait_s)",
+                "engine_paused",
+                timeout=True,
+            )
+        finally:
+            waiting.cancel()
+        paused = waiting.result()
+        version = await watcher.read_version()
+        return ev.EngineServing(paused, (time.perf_counter() - t0) * 1000.0, version)
 
     async def _drain(self, c: cmd.DrainEngine) -> None:
         """Read the end of the engine's body after its ``[DONE]`` (the chunked terminator,
@@ -217,7 +307,8 @@ class CallExecutor:
         return ev.Verified(record)
 
     async def _persist(self, c: cmd.Persist) -> ev.Persisted:
-        return ev.Persisted(await self.deps.recorder.persist(c.record, c.request))
+        written = await self.deps.recorder.persist(c.record, c.request)
+        return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED)
 
     async def _remember(self, c: cmd.Remember) -> None:
         try:
@@ -233,6 +324,7 @@ CallExecutor.HANDLERS = {
     cmd.ReadEngineBody: CallExecutor._read_body,
     cmd.ReadEngine: CallExecutor._read_piece,
     cmd.DrainEngine: CallExecutor._drain,
+    cmd.AwaitEngineServing: CallExecutor._await_serving,
     cmd.StartClientStream: CallExecutor._start_stream,
     cmd.WriteClient: CallExecutor._write,
     cmd.EndClient: CallExecutor._end,

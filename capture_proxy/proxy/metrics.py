@@ -13,7 +13,9 @@ Metrics (all prefixed ``capture_proxy_``)::
     link_refusals_total{class}                 refused links by mismatch class
     diagnostics_total{kind}                    call diagnostics by kind
     store_write_seconds                        histogram of put_call (successful or not)
-    store_failures_total                       writes that failed (the harness still got its answer)
+    store_failures_total                       writes that failed (refused and lost calls)
+    calls_answered_unstored_total              calls answered although not stored
+                                               (store_failure = answer: the loss is marked)
     late_calls_refused_total                   calls to a deleted rollout, not stored (no failure)
     stored_bytes_total                         bytes the store reports written
     upstream_first_byte_seconds                histogram: request sent -> engine's headers
@@ -83,9 +85,17 @@ class Metrics:
             buckets=_STORE_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.store_failures = Counter(
-            p + "store_failures", "Calls whose storing failed (the harness still got its answer)",
+            p + "store_failures",
+            "Calls whose storing failed (store_failure = refuse: not answered as a success; "
+            "answer: answered, the loss marked on the rollout)",
             registry=r,
-        )  # fmt: skip
+        )
+        self.answered_unstored = Counter(
+            p + "calls_answered_unstored",
+            "Calls answered to the harness although their record was not stored "
+            "(store_failure = answer)",
+            registry=r,
+        )
         self.late_calls_refused = Counter(
             p + "late_calls_refused",
             "Calls to a deleted (tombstoned) rollout: answered, not stored; not a store failure",
@@ -179,6 +189,9 @@ class Metrics:
 
     def inc_store_failures(self) -> None:
         self.store_failures.inc()
+
+    def inc_answered_unstored(self) -> None:
+        self.answered_unstored.inc()
 
     def inc_uncaptured_generation(self, path: str) -> None:
         """``path``: a bounded label (``core.fronts.generation_path``), never a raw path."""

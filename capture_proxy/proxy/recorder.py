@@ -1,8 +1,12 @@
-"""Persisting records without ever failing the model call.
+"""Persisting records, and what a record the store does not take does to its call.
 
-Owns the rule "a capture failure never fails the model call": store errors are caught,
-logged (sizes, never bodies), counted, and marked on the rollout. When even marking the rollout
-fails, the rollout id is remembered in memory and reported by ``/health`` and the REST summary.
+Owns the rule of a failed write (DESIGN.md, flow step 8): store errors are caught, logged
+(sizes, never bodies), counted (``store_failures``), and make ``/health`` degraded until a
+write succeeds (``write_error``). What the call becomes is the setting ``store_failure``'s:
+``refuse`` (default): ``StoreWrite.REFUSED``, and the flow answers the harness a retryable
+error instead of a success nobody can train on; ``answer``: ``StoreWrite.LOST``, the harness
+gets its answer, the loss is counted (``answered_unstored``) and kept in ``losses``
+(``proxy.losses``) until it is marked on the rollout.
 
 A late call to a deleted rollout (its tombstone refuses the write) is not a store failure: it
 is what the tombstone is for. It is counted apart (``late_calls_refused``), logged at INFO, and
@@ -14,23 +18,42 @@ prompt mode, verdict, diagnostics, upstream latency) and the store-write metrics
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from capture_proxy.core.codec import RequestEncoding
-from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
+from capture_proxy.core.records import CallRecord
+from capture_proxy.proxy.losses import LossLedger
 from capture_proxy.proxy.metrics import Metrics
 from capture_proxy.store.base import CaptureStore, RolloutDeleted
 
 log = logging.getLogger("capture_proxy")
 
 
+class StoreWrite(enum.Enum):
+    """What ``Recorder.persist`` did with a record."""
+
+    #: stored durably
+    STORED = "stored"
+    #: not stored (``store_failure = refuse``): the call must not be answered as a success
+    REFUSED = "refused"
+    #: not stored (``store_failure = answer``): answered anyway, the loss kept and marked
+    LOST = "lost"
+    #: not stored: the rollout was deleted (a late call; no failure)
+    LATE = "late"
+
+
 @dataclass
 class RecorderStats:
     persisted: int = 0
+    #: writes the store failed (refused and lost calls alike)
     store_failures: int = 0
+    #: calls answered although their record was not stored (``store_failure = answer``)
+    answered_unstored: int = 0
     incomplete: int = 0
     failed: int = 0
     #: calls to a deleted (tombstoned) rollout: answered, not stored, not a failure.
@@ -56,20 +79,29 @@ def _record_bytes(record: CallRecord) -> int:
 class Recorder:
     store: CaptureStore
     stats: RecorderStats = field(default_factory=RecorderStats)
-    #: rollout id -> reason, for rollouts whose incompleteness could not be stored either.
-    unstored_incomplete: dict[str, str] = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)
     #: the prompt mode of a request's model (``Settings.prompt_mode_for``), for the metrics.
     prompt_mode_for: Callable[[str | None], str] = _backend_template
+    #: the setting ``store_failure``: ``refuse`` (a call whose record is not stored is not
+    #: answered as a success) or ``answer`` (answered; the loss counted and marked)
+    store_failure: str = "refuse"
     #: the error of the first write that failed since the last one that succeeded (type and
     #: message, no record content), or None while writes succeed: ``/health`` answers 503
     #: ``degraded`` with it, and is ok again after the next successful write.
     write_error: str | None = None
+    #: calls answered but not stored, until their rollouts are marked (``proxy.losses``)
+    losses: LossLedger = field(init=False)
+    _marking: asyncio.Task[int] | None = field(default=None, init=False, repr=False)
 
-    async def persist(self, record: CallRecord, request: RequestEncoding | None = None) -> bool:
+    def __post_init__(self) -> None:
+        self.losses = LossLedger(self.store)
+
+    async def persist(
+        self, record: CallRecord, request: RequestEncoding | None = None
+    ) -> StoreWrite:
         """Store ``record`` durably (``request``: its ``RequestEncoding``, if computed ahead).
-        Returns False (never raises) when it was not stored: storing failed, or the rollout
-        was deleted (a late call)."""
+        Never raises: a write that fails is ``REFUSED`` or ``LOST`` (``store_failure``), a
+        deleted rollout's call ``LATE``."""
         self.metrics.observe_call(record, record.prompt_mode or self.prompt_mode_for(record.model))
         started = time.perf_counter()
         try:
@@ -83,22 +115,15 @@ class Recorder:
                 record.rollout_id,
                 record.call_id,
             )
-            return False
-        except Exception as exc:  # any store failure: the harness still gets its answer
+            return StoreWrite.LATE
+        except Exception as exc:  # any store failure: the setting says what the call becomes
             self.metrics.observe_store_write(time.perf_counter() - started, None)
-            self.stats.store_failures += 1
-            self.metrics.inc_store_failures()
-            reason = f"storing call {record.call_id} failed: {type(exc).__name__}: {exc}"
-            log.error("rollout %s: %s", record.rollout_id, reason)
-            if self.write_error is None:
-                self.write_error = f"{type(exc).__name__}: {exc}"
-            await self.mark_incomplete(
-                record.rollout_id,
-                Diagnostic(
-                    DiagnosticKind.STORE_FAILED, {"call_id": record.call_id, "reason": reason}
-                ),
-            )
-            return False
+            written_as = self._failed(record, exc)
+            if written_as is StoreWrite.LOST:
+                # Marked now when the store takes that write (a refused record, a read-only
+                # table), else kept in memory and marked once writes succeed.
+                await self.losses.mark(record.rollout_id)
+            return written_as
         self.metrics.observe_store_write(
             time.perf_counter() - started,
             written if isinstance(written, int) else _record_bytes(record),
@@ -109,11 +134,39 @@ class Recorder:
             self.stats.incomplete += 1
         elif record.status == "failed":
             self.stats.failed += 1
-        return True
+        if self.losses.pending and (self._marking is None or self._marking.done()):
+            # Writes succeed again: mark the losses kept meanwhile, off this call's path.
+            self._marking = asyncio.create_task(self.losses.mark_all(), name="capture-mark-losses")
+        return StoreWrite.STORED
 
-    async def mark_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
-        try:
-            await self.store.mark_rollout_incomplete(rollout_id, diagnostic)
-        except Exception as exc:
-            log.error("rollout %s: cannot mark incomplete: %s", rollout_id, exc)
-            self.unstored_incomplete[rollout_id] = str(diagnostic.details.get("reason", ""))
+    def _failed(self, record: CallRecord, exc: Exception) -> StoreWrite:
+        self.stats.store_failures += 1
+        self.metrics.inc_store_failures()
+        error = f"{type(exc).__name__}: {exc}"
+        if self.write_error is None:
+            self.write_error = error
+        refuse = self.store_failure == "refuse"
+        log.error(
+            "rollout %s: storing call %s failed: %s (%s)",
+            record.rollout_id,
+            record.call_id,
+            error,
+            "not answered as a success (store_failure = refuse)"
+            if refuse
+            else "answered anyway, the loss recorded (store_failure = answer)",
+        )
+        if refuse:
+            return StoreWrite.REFUSED
+        self.stats.answered_unstored += 1
+        self.metrics.inc_answered_unstored()
+        self.losses.add(record.rollout_id, record.call_id, error)
+        return StoreWrite.LOST
+
+    async def mark_losses(self) -> int:
+        """Mark the losses kept in memory now; how many rollouts are left unmarked."""
+        return await self.losses.mark_all()
+
+    async def close(self) -> None:
+        """Wait for a mark of losses in progress (at shutdown, before the store closes)."""
+        if self._marking is not None:
+            await self._marking

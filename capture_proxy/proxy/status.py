@@ -41,10 +41,11 @@ async def health(request: web.Request) -> web.Response:
     read-only app, which has no engine), and the capture counters; ``status`` and the HTTP
     status from ``health_status`` (503 ``degraded`` when the store cannot answer or while its
     writes fail: ``store.write_error`` is the first failed write's error, cleared by the next
-    write that succeeds). With a token set the store's filesystem path is left out
-    (``/health`` is open to anyone). In a worker of several (``serve --workers``), ``worker``
-    names it (``index``, ``count``, ``pid``) and ``capture`` counts its own calls; the store's
-    figures, and ``/metrics``, are the whole proxy's."""
+    write that succeeds; and while calls answered but not stored are not yet marked on their
+    rollouts: ``store.unmarked_losses``). With a token set the store's filesystem path is left
+    out (``/health`` is open to anyone). In a worker of several (``serve --workers``),
+    ``worker`` names it (``index``, ``count``, ``pid``) and ``capture`` counts its own calls;
+    the store's figures, and ``/metrics``, are the whole proxy's."""
     settings = request.app[SETTINGS_KEY]
     recorder = request.app[RECORDER_KEY]
     try:
@@ -58,6 +59,11 @@ async def health(request: web.Request) -> web.Response:
             store = {"error": "store unavailable (details in the proxy's log)"}
     if recorder.write_error is not None:  # the store answers reads but refuses writes
         store, ok = {**store, "write_error": recorder.write_error}, False
+    if recorder.losses.pending:  # store_failure = answer: losses known only in memory
+        losses = recorder.losses.health()
+        if settings.captures_token is not None or settings.proxy_token is not None:
+            losses.pop("rollout_ids")  # the read API (behind its token) names them
+        store, ok = {**store, "unmarked_losses": losses}, False
     probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
     engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
     status, http_status = health_status(store_ok=ok, engine=engine)
@@ -69,6 +75,7 @@ async def health(request: web.Request) -> web.Response:
         "capture": {
             "persisted": recorder.stats.persisted,
             "store_failures": recorder.stats.store_failures,
+            "answered_unstored": recorder.stats.answered_unstored,
             "late_calls_refused": recorder.stats.late_calls_refused,
             "incomplete_calls": recorder.stats.incomplete,
             "failed_calls": recorder.stats.failed,

@@ -83,9 +83,9 @@ def refuse_misspelt_capture_path(request: web.Request, target: Route) -> None:
 
 
 async def read_only_rollout_path(request: web.Request) -> web.StreamResponse:
-    """Any ``/ng-rollout/...`` request to a read-only server (``serve --read-only``): a 503 in
-    the API's shape saying so (no engine, nothing is captured), never a bare 404. A 403, not
-    a 503: no retry of the harness's can succeed on this server."""
+    """Any ``/ng-rollout/...`` request to a read-only server (``serve --read-only``): a 403
+    ``read_only`` in the API's shape saying so (no engine, nothing is captured), never a bare
+    404. A 403, not a 503: no retry of the harness's can succeed on this server."""
     _shape_by_tail(request, request.path)
     raise Forbidden(
         f"{request.method} {request.path}: this server is read-only (serve --read-only): it "

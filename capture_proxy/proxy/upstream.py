@@ -8,7 +8,10 @@ pass-through bytes) and the translation of aiohttp client exceptions into ``Prox
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+import contextlib
+import functools
+import io
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
@@ -72,6 +75,24 @@ def make_client_session(settings: Settings) -> aiohttp.ClientSession:
     )
 
 
+@functools.cache
+def _captured_call_timeout(
+    connect_s: float, read_s: float | None
+) -> aiohttp.ClientTimeout | None:
+    if read_s is None:
+        return None
+    return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_s, sock_read=None)
+
+
+def captured_call_timeout(settings: Settings) -> aiohttp.ClientTimeout | None:
+    """The timeout of a captured call's engine requests when ``upstream_read_timeout_s`` is set:
+    the session's without the read timeout, which the call's executor applies itself (it
+    does not cut a stream the engine holds while paused); None: the session's."""
+    return _captured_call_timeout(
+        settings.upstream_connect_timeout_s, settings.upstream_read_timeout_s
+    )
+
+
 def forwardable_headers(
     headers: Mapping[str, str] | Iterable[tuple[str, str]], *, drop: Iterable[str] = ()
 ) -> CIMultiDict[str]:
@@ -114,6 +135,21 @@ CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 CONNECT_BACKOFF_S = 0.2
 
 
+#: Bodies above this are written in pieces (aiohttp's ``TOO_LARGE_BYTES_BODY``, 1 MiB: it warns
+#: that writing more at once may hold the event loop; a request with images often is larger).
+LARGE_BODY_BYTES = 1 << 20
+
+
+def _streamed_body(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with a ``data`` body above ``LARGE_BODY_BYTES`` as a fresh ``io.BytesIO``
+    (aiohttp writes it 64 KiB at a time, yielding between pieces; fresh per attempt, since a
+    payload is closed once sent)."""
+    data = kwargs.get("data")
+    if isinstance(data, bytes | bytearray) and len(data) > LARGE_BODY_BYTES:
+        return {**kwargs, "data": io.BytesIO(data)}
+    return kwargs
+
+
 async def send_upstream(
     session: aiohttp.ClientSession,
     method: str,
@@ -121,18 +157,21 @@ async def send_upstream(
     *,
     first_byte_timeout_s: float | None,
     connect_retries: int = 0,
+    still_waiting: Callable[[], Awaitable[bool]] | None = None,
     **kwargs: Any,
 ) -> aiohttp.ClientResponse:
     """Send a request and wait for the response headers, at most ``first_byte_timeout_s``
-    (None: no limit). A connection that cannot be made is retried ``connect_retries`` times
-    with exponential backoff (under load an engine's listen queue overflows; the verifiers
-    report of 1,024 rollouts failing on a 5 s connect timeout). The caller owns the response
-    (``async with``). Raises CLIENT_ERRORS."""
+    (None: no limit), and longer for as long as ``still_waiting()`` says so when asked at each
+    timeout (the engine holds the request while paused for a weight update). A connection
+    that cannot be made is retried ``connect_retries`` times with exponential backoff (under
+    load an engine's listen queue overflows; the verifiers report of 1,024 rollouts failing
+    on a 5 s connect timeout). The caller owns the response (``async with``). Raises
+    CLIENT_ERRORS."""
 
     async def attempt() -> aiohttp.ClientResponse:
         for retry in range(connect_retries + 1):
             try:
-                return await session.request(method, url, **kwargs)
+                return await session.request(method, url, **_streamed_body(kwargs))
             except CONNECT_ERRORS:
                 if retry == connect_retries:
                     raise
@@ -141,5 +180,30 @@ async def send_upstream(
 
     if first_byte_timeout_s is None:
         return await attempt()
-    async with asyncio.timeout(first_byte_timeout_s):
-        return await attempt()
+    if still_waiting is None:
+        async with asyncio.timeout(first_byte_timeout_s):
+            return await attempt()
+    return await _patiently(attempt(), first_byte_timeout_s, still_waiting)
+
+
+async def _patiently(
+    sent: Awaitable[aiohttp.ClientResponse],
+    timeout_s: float,
+    still_waiting: Callable[[], Awaitable[bool]],
+) -> aiohttp.ClientResponse:
+    """``sent``'s response within ``timeout_s``, renewed while ``still_waiting()``. Raises
+    TimeoutError and what ``sent`` raises."""
+    task = asyncio.ensure_future(sent)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=timeout_s)
+            if done:
+                return task.result()
+            if not await still_waiting():
+                raise TimeoutError
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *CLIENT_ERRORS):
+                late = await task
+                late.close()

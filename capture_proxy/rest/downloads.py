@@ -7,6 +7,9 @@ token tree and ATIF.
         default 100). ``X-Capture-Next-After``: the cursor to pass as ``after`` for the next
         page (the last one sent; ``after`` itself on an empty page). ``episodes=final``
         (default): a superseded episode is a batch of 0 rows with ``superseded_by`` set.
+        ``min_weight_version``, ``weight_version``, ``unknown_weight_version``: keep only the
+        samples whose generated tokens pass (``core.weight_filter``); each rollout's manifest
+        names the dropped ones under ``weight_filter``.
 
     GET /captures/rollouts/<id>/tree
         ``application/zip``: the snapshot's chains as one token trie (``core.token_tree``):
@@ -36,24 +39,26 @@ from capture_proxy.core.atif import AtifGaps, trajectory
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
 from capture_proxy.core.export import CONTENT_TYPE, ExportEncoder
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.lineage import find_lineage
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, chain_samples
 from capture_proxy.core.token_tree import build_token_tree, write_tree
+from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
+from capture_proxy.rest.images import images_of
 from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
-    RolloutState,
-    _diagnostics,
     _json,
     _load,
     _off_loop,
     archive_manifest,
     dumps,
-    lifecycle_json,
     snapshot_records,
 )
+from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
+from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
 
 DEFAULT_EXPORT_PAGE = 100
@@ -98,8 +103,10 @@ def export_manifest(
     records: list[CallRecord],
     state: RolloutState,
     superseded_by: str | None,
+    wf: WeightFilter | None = None,
 ) -> tuple[dict[str, Any], list[ChainSample]]:
-    """A rollout's export manifest and samples (none for a superseded episode)."""
+    """A rollout's export manifest and samples (none for a superseded episode; those ``wf``
+    keeps, its report in the manifest's ``weight_filter``)."""
     assert info.snapshot is not None
     chains = build_chains(info.rollout_id, records)
     base = archive_manifest(info, chains, state)
@@ -115,11 +122,14 @@ def export_manifest(
         "metadata": info.metadata.to_json(),
         "late_call_ids": lifecycle["late_call_ids"],
         **base,
-        "diagnostics": _diagnostics(info, records, state),
+        "diagnostics": diagnostics_json(info, records, state),
+        "weight_filter": None,
     }
     if superseded_by is not None:
         return manifest, []
-    return manifest, [s for chain in chains.chains for s in chain_samples(chain)]
+    selection = select(chains, wf)
+    manifest["weight_filter"] = selection.report
+    return manifest, selection.samples()
 
 
 def _encode(
@@ -128,14 +138,17 @@ def _encode(
     records: list[CallRecord],
     state: RolloutState,
     superseded_by: str | None,
+    wf: WeightFilter | None,
+    images: dict[str, PromptImage],
 ) -> bytes:
-    manifest, samples = export_manifest(info, records, state, superseded_by)
-    return encoder.rollout(manifest, samples, info.metadata)
+    manifest, samples = export_manifest(info, records, state, superseded_by, wf)
+    return encoder.rollout(manifest, samples, info.metadata, images)
 
 
 async def export_rollouts(request: web.Request) -> web.StreamResponse:
     """Stream one page of frozen rollouts as Arrow IPC (see the module docstring)."""
     after, limit, all_episodes = _export_params(request)
+    wf = weight_filter(request)
     store = request.app[STORE_KEY]
     recorder = request.app[RECORDER_KEY]
     infos = await store.list_frozen(after=after, limit=limit)
@@ -158,8 +171,11 @@ async def export_rollouts(request: web.Request) -> web.StreamResponse:
             final = final_episodes(await store.list_episodes(base)).get(base, info.rollout_id)
             superseded_by = None if final == info.rollout_id else final
         state = RolloutState(info, recorder)
+        images = await images_of(store, records) if superseded_by is None else {}
         await resp.write(
-            await _off_loop(request, _encode, encoder, info, records, state, superseded_by)
+            await _off_loop(
+                request, _encode, encoder, info, records, state, superseded_by, wf, images
+            )
         )
     await resp.write(encoder.end())
     await resp.write_eof()
@@ -213,7 +229,7 @@ def _atif_json(
             records,
             chains,
             metadata=info.metadata,
-            rollout_diagnostics=_diagnostics(info, records, state)["rollout"],
+            rollout_diagnostics=diagnostics_json(info, records, state)["rollout"],
             incomplete=state.incomplete,
             extra={k: lifecycle[k] for k in ("status", "snapshot_id", "version", "episode_of")},
             lineage=find_lineage(chains),

@@ -14,7 +14,8 @@ idempotent: ``store.base``), the validation of metadata is the core's (``core.me
 Errors: 400 naming the field (bad JSON body, metadata, snapshot id or version), 404 for a
 rollout nothing is known of, 409 for a state that refuses the step (``rollout_deleted``,
 ``rollout_not_frozen``, ``snapshot_mismatch`` with ``param`` naming the identifier that does
-not match).
+not match), 503 ``store_unavailable`` for a freeze of a rollout whose lost calls cannot be
+marked yet.
 """
 
 from __future__ import annotations
@@ -27,8 +28,14 @@ from aiohttp import web
 
 from capture_proxy.core.json_bodies import MAX_NESTING, text_problem
 from capture_proxy.core.metadata import MetadataError, RolloutMetadata
-from capture_proxy.proxy.errors import BadRequest, Conflict, NotFound, ProxyError
-from capture_proxy.proxy.keys import LINKER_KEY, STORE_KEY
+from capture_proxy.proxy.errors import (
+    BadRequest,
+    Conflict,
+    NotFound,
+    ProxyError,
+    ServiceUnavailable,
+)
+from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
 from capture_proxy.rest.reads import _rollout_id
 from capture_proxy.store.base import LifecycleConflict, RolloutDeleted, RolloutNotFound
@@ -74,9 +81,19 @@ async def _json_body(request: web.Request) -> Any:
 
 async def freeze_rollout(request: web.Request) -> web.Response:
     """Freeze a rollout: later calls are late (or refused, ``late_calls = refuse``). A repeat
-    answers the same snapshot. A rollout whose first call is still in flight is frozen empty."""
+    answers the same snapshot. A rollout whose first call is still in flight is frozen empty.
+    A rollout with calls answered but not stored whose loss the store has not taken yet
+    (``proxy.losses``) is marked first; while it cannot be, the freeze is a 503: its snapshot
+    would read as complete."""
     rollout_id = _rollout_id(request)
     linker = request.app[LINKER_KEY]
+    if not await request.app[RECORDER_KEY].losses.mark(rollout_id):
+        raise ServiceUnavailable(
+            f"rollout {rollout_id} has calls answered but not stored, and the store does not "
+            "yet take the mark that says so (store_failed); freeze it once writes succeed",
+            param="rollout_id",
+            code="store_unavailable",
+        )
     try:
         snap = await request.app[STORE_KEY].freeze_rollout(
             rollout_id, known_elsewhere=linker.has_calls(rollout_id)

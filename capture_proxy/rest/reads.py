@@ -33,16 +33,21 @@ from aiohttp import web
 
 from capture_proxy.core.chains import RolloutChains, build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.lineage import LineageEdge, find_lineage
 from capture_proxy.core.lineage.find import count_by_kind
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
 from capture_proxy.core.summary import link_stats, main_chain
+from capture_proxy.core.weight_filter import WeightFilter, select
+from capture_proxy.core.weight_versions import rollout_summary as rollout_weight_versions
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
-from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.images import images_of
+from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
+from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
 
 REST_THREAD_KEY = web.AppKey("rest_thread", ThreadPoolExecutor)
@@ -100,6 +105,8 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "model": record.model,
         "stream": record.stream,
         "prompt_mode": record.prompt_mode,
+        "weight_versions": record.weight_versions,
+        "weight_version_source": record.weight_version_source,
         "finish_reason": record.finish_reason,
         "usage": record.usage,
         "num_prompt_tokens": record.num_prompt_tokens,
@@ -113,6 +120,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "linking": record.linking,
         "retry_of": record.retry_of,
         "diagnostics": [d.to_json() for d in record.diagnostics],
+        "images": record.images,
         "schema_version": record.schema_version,
     }
     if detail:
@@ -138,49 +146,18 @@ def snapshot_records(info: RolloutInfo, records: list[CallRecord]) -> list[CallR
 
 
 async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
-    """The rollout and its snapshot's calls (late calls left out). 404 when unknown."""
+    """The rollout and its snapshot's calls (late calls left out). 404 when unknown; a
+    rollout the store does not know but whose answered calls it lost (their loss not yet
+    marked: ``proxy.losses``) is an empty, incomplete one."""
     rollout_id = _rollout_id(request)
     store = request.app[STORE_KEY]
     info = await store.get_rollout(rollout_id)
     if info is None:
+        loss = request.app[RECORDER_KEY].losses.pending.get(rollout_id)
+        if loss is not None:
+            return RolloutInfo(rollout_id, loss.since, 0, True), []
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
     return info, snapshot_records(info, await store.get_rollout_calls(rollout_id))
-
-
-def lifecycle_json(info: RolloutInfo) -> dict[str, Any]:
-    """The lifecycle and metadata fields every rollout view carries."""
-    episode = parse_episode(info.rollout_id)
-    meta = info.metadata
-    return {
-        "status": info.status.value,
-        "version": info.version,
-        "snapshot_id": info.snapshot.snapshot_id if info.snapshot else None,
-        "episode_of": episode.base,
-        "attempt": episode.attempt,
-        "reward": meta.reward,
-        "task_id": meta.task_id,
-        "tags": meta.tags,
-        "late_call_ids": list(info.late_call_ids),
-    }
-
-
-class RolloutState:
-    """What the recorder knows of a rollout beyond the store, read on the event loop (the
-    recorder's state is the loop's) and handed to the REST thread."""
-
-    def __init__(self, info: RolloutInfo, recorder: Recorder) -> None:
-        self.unstored_reason = recorder.unstored_incomplete.get(info.rollout_id)
-        self.incomplete = info.incomplete or self.unstored_reason is not None
-
-
-def _diagnostics(
-    info: RolloutInfo, records: list[CallRecord], state: RolloutState
-) -> dict[str, Any]:
-    by_kind = Counter(d.kind for r in records for d in r.diagnostics)
-    rollout_level = [d.to_json() for d in info.diagnostics]
-    if state.unstored_reason is not None:
-        rollout_level.append({"kind": "store_failed", "details": {"reason": state.unstored_reason}})
-    return {"rollout": rollout_level, "calls_by_kind": dict(sorted(by_kind.items()))}
 
 
 def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
@@ -284,6 +261,7 @@ def _summary_json(
             "prompt_modes": dict(
                 sorted(Counter(r.prompt_mode for r in records if r.prompt_mode).items())
             ),
+            **rollout_weight_versions(records),
             "chains": [
                 {
                     "chain_id": c.chain_id,
@@ -295,7 +273,7 @@ def _summary_json(
             "linking": link_stats(records, chains),
             "lineage": count_by_kind(find_lineage(chains)),
             "incomplete": state.incomplete,
-            "diagnostics": _diagnostics(info, records, state),
+            "diagnostics": diagnostics_json(info, records, state),
             **lifecycle_json(info),
             "snapshot": info.snapshot.to_json() if info.snapshot else None,
             "episodes": {
@@ -313,19 +291,25 @@ async def get_rollout(request: web.Request) -> web.Response:
     return _json(await _off_loop(request, _summary_json, info, records, state, episodes))
 
 
-def _chains_json(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+def _chains_json(
+    info: RolloutInfo, records: list[CallRecord], state: RolloutState, wf: WeightFilter | None
+) -> bytes:
     chains = build_chains(info.rollout_id, records)
+    selection = select(chains, wf) if wf is not None else None
+    kept = selection.call_ids() if selection is not None else None
+    report = selection.report if selection is not None else None
     calls = {
         r.call_id: call_json(r, parent_call_id=chain.parent_of[r.call_id], detail=False)
         for chain in chains.chains
         for r in chain.calls
+        if kept is None or r.call_id in kept
     }
     try:
         # One call per serialisation, spliced in whole: the GIL passes between calls.
         fragments = {k: orjson.Fragment(dumps(v)) for k, v in calls.items()}
-        return orjson.dumps(_chains_body(info, records, state, chains, fragments))
+        return orjson.dumps(_chains_body(info, records, state, chains, fragments, report))
     except TypeError:  # something outside the calls orjson refuses: all of it the slow way
-        return dumps(_chains_body(info, records, state, chains, calls))
+        return dumps(_chains_body(info, records, state, chains, calls, report))
 
 
 def _chains_body(
@@ -334,7 +318,11 @@ def _chains_body(
     state: RolloutState,
     chains: RolloutChains,
     calls: dict[str, Any],
+    weight_report: dict[str, Any] | None,
 ) -> dict[str, Any]:
+    """``calls``: the kept calls' JSON by call id (every chain call without a weight filter;
+    ``weight_report``: the filter's, ``core.weight_filter``); a chain none of whose calls is
+    kept is left out."""
     lineage = lineage_json(find_lineage(chains))
     return {
         "rollout_id": info.rollout_id,
@@ -342,14 +330,16 @@ def _chains_body(
             {
                 "chain_id": chain.chain_id,
                 "lineage": lineage.get(chain.chain_id, []),
-                "calls": [calls[r.call_id] for r in chain.calls],
+                "calls": [calls[r.call_id] for r in chain.calls if r.call_id in calls],
             }
             for chain in chains.chains
+            if any(r.call_id in calls for r in chain.calls)
         ],
         "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
         "main_chain_id": _main_chain_id(chains),
         "incomplete": state.incomplete,
-        "diagnostics": _diagnostics(info, records, state),
+        "diagnostics": diagnostics_json(info, records, state),
+        "weight_filter": weight_report,
         **lifecycle_json(info),
     }
 
@@ -382,29 +372,47 @@ def archive_manifest(
     }
 
 
-def _chains_npz(info: RolloutInfo, records: list[CallRecord], state: RolloutState) -> bytes:
+def _chains_npz(
+    info: RolloutInfo,
+    records: list[CallRecord],
+    state: RolloutState,
+    wf: WeightFilter | None,
+    images: dict[str, PromptImage],
+) -> bytes:
     chains = build_chains(info.rollout_id, records)
+    selection = select(chains, wf)
     buf = io.BytesIO()
-    write_archive(chains, buf, archive_manifest(info, chains, state))
+    manifest = {**archive_manifest(info, chains, state), "weight_filter": selection.report}
+    write_archive(chains, buf, manifest, samples=selection.samples(), images=images)
     return buf.getvalue()
 
 
 async def get_rollout_chains(request: web.Request) -> web.Response:
     """JSON by default; ``?format=npz``: a zip of one ``.npz`` per chain path plus
-    ``manifest.json`` for training loaders (see ``core.samples``, ``readers.load_chains``)."""
+    ``manifest.json`` for training loaders (see ``core.samples``, ``readers.load_chains``).
+    Both take the weight-version filter (``rest.weight_query``)."""
     fmt = request.query.get("format", "json")
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be json or npz", param="format", code="invalid_format")
+    wf = weight_filter(request)
     info, records = await _load(request)
     state = RolloutState(info, request.app[RECORDER_KEY])
     if fmt == "npz":
         disposition = f'attachment; filename="{info.rollout_id}.chains.zip"'
         return web.Response(
-            body=await _off_loop(request, _chains_npz, info, records, state),
+            body=await _off_loop(
+                request,
+                _chains_npz,
+                info,
+                records,
+                state,
+                wf,
+                await images_of(request.app[STORE_KEY], records),
+            ),
             content_type="application/zip",
             headers={"Content-Disposition": disposition},
         )
-    return _json(await _off_loop(request, _chains_json, info, records, state))
+    return _json(await _off_loop(request, _chains_json, info, records, state, wf))
 
 
 async def get_call(request: web.Request) -> web.Response:

@@ -30,6 +30,7 @@ from capture_proxy.scripted_engine.state import (
     CONFIG,
     FAILED_SO_FAR,
     FAMILY,
+    GENERATIONS,
     SEEN_REQUESTS,
     SENT_CALLS,
     TEMPLATE,
@@ -41,9 +42,11 @@ from capture_proxy.scripted_engine.tokens_in.routes import add_tokens_in_routes
 from capture_proxy.scripted_engine.weights import add_weight_routes
 
 
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI-shaped error body."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+def error_body(
+    message: str, status: int, param: str | None = None, error_type: str | None = None
+) -> dict[str, Any]:
+    """OpenAI-shaped error body (``error_type``: its ``type``, else by the status)."""
+    kind = error_type or ("invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
@@ -53,7 +56,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         return await handler(request)
     except RequestError as e:
-        return web.json_response(error_body(str(e), e.status, e.param), status=e.status)
+        return web.json_response(
+            error_body(str(e), e.status, e.param, e.error_type), status=e.status
+        )
 
 
 def build_scripted_engine_app(
@@ -68,6 +73,7 @@ def build_scripted_engine_app(
     app[TOKENIZER] = tokenizer or load_qwen_tokenizer(config.tokenizer_cache_dir)
     app[FAMILY] = engine_family(config, app[TOKENIZER])
     app[SENT_CALLS] = []
+    app[GENERATIONS] = []
     app[SEEN_REQUESTS] = []
     app[FAILED_SO_FAR] = [0]
     app[CLIENT_GONE] = asyncio.Event()
@@ -96,6 +102,8 @@ def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFa
     elif config.family == "qwen3" and config.tokenizer_dir is None:
         template = load_chat_template(config.tokenizer_template)
         family = dataclasses.replace(family, renderer=LocalRenderer(tokenizer, template))
+    if isinstance(family.renderer, LocalRenderer):
+        family.renderer.vision = config.vision  # a renderer of its own, made above
     if config.family == "gpt_oss":
         return EngineFamily(family, None)
     return EngineFamily(family, family.renderer.tokenizer)

@@ -9,6 +9,7 @@ against. Must not: validate or render the request (``chat_request``) or load the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import time
@@ -26,6 +27,7 @@ from capture_proxy.scripted_engine.chat_request import (
     render_prompt,
     validate_chat,
 )
+from capture_proxy.scripted_engine.continuations import remember_generation
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.generation import Generation, TokenEvent
@@ -38,7 +40,9 @@ from capture_proxy.scripted_engine.state import (
     SENT_CALLS,
     RequestError,
     SentCall,
+    check_model,
 )
+from capture_proxy.scripted_engine.weights import Sampler, sampler
 
 
 def _logprob_entry(family: EngineFamily, e: TokenEvent, top: int, as_ids: bool) -> dict:
@@ -176,21 +180,37 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             failed[0] += 1
             raise RequestError("scripted failure", None, cfg.fail_status)
     validate_chat(body)
+    check_model(app, body)
     prompt = _chat_prompt(app, body)
+    walk = sampler(app)
+    await walk.admit()
+    try:
+        return await _answer(request, body, prompt, walk)
+    finally:
+        await walk.finish()
+
+
+async def _answer(
+    request: web.Request, body: dict[str, Any], prompt: list[int], walk: Sampler
+) -> web.StreamResponse:
+    """The scripted generation, whole or streamed, under the engine's pause rules (a pause in
+    abort mode ends it with ``finish_reason: "abort"`` and the tokens so far)."""
+    app, cfg = request.app, request.app[CONFIG]
     gen = _chat_generation(app, body, prompt)
+    remember_generation(app, prompt, gen)
     stream = body.get("stream") is True
-    app[SENT_CALLS].append(
-        SentCall(
-            body,
-            prompt,
-            gen.token_ids,
-            gen.log_probs,
-            stream,
-            gen.finish_reason,
-            dict(request.headers),
-            _peer(request),
-        )
+    sent = SentCall(
+        body,
+        prompt,
+        gen.token_ids,
+        gen.log_probs,
+        stream,
+        gen.finish_reason,
+        dict(request.headers),
+        _peer(request),
     )
+    app[SENT_CALLS].append(sent)
+    index = len(app[SENT_CALLS]) - 1
     opts = _options(app, body)
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -200,13 +220,33 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if cfg.faults.first_byte_delay_s:
         await asyncio.sleep(cfg.faults.first_byte_delay_s)
     if stream:
-        return await _stream(request, head, prompt, gen, opts)
+        return await _stream(request, head, prompt, gen, opts, (walk, index))
+    done = await walk.walk(len(gen.token_ids))
+    if done < len(gen.token_ids):
+        gen = _aborted(app, index, gen, done)
     out = _chat_json(app, body, head, prompt, gen, opts)
     return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
 
+def _aborted(app: web.Application, index: int, gen: Generation, num_tokens: int) -> Generation:
+    """``gen`` cut at ``num_tokens`` by an abort; ``SENT_CALLS[index]`` says so too."""
+    cut = gen.aborted(num_tokens)
+    app[SENT_CALLS][index] = dataclasses.replace(
+        app[SENT_CALLS][index],
+        generation_token_ids=cut.token_ids,
+        generation_log_probs=cut.log_probs,
+        finish_reason=cut.finish_reason,
+    )
+    return cut
+
+
 async def _stream(
-    request: web.Request, head: dict[str, Any], prompt: list[int], gen: Generation, opts: _Options
+    request: web.Request,
+    head: dict[str, Any],
+    prompt: list[int],
+    gen: Generation,
+    opts: _Options,
+    walked: tuple[Sampler, int],
 ) -> web.StreamResponse:
     app, cfg = request.app, request.app[CONFIG]
     resp = web.StreamResponse(
@@ -243,7 +283,7 @@ async def _stream(
         first["prompt_token_ids"] = prompt
     try:
         await send(first)
-        await _send_tokens(send, app, chunk, gen, opts, faults, request)
+        sent = await _send_tokens(send, app, chunk, gen, opts, faults, request, walked[0])
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         return resp  # the client left: like vLLM, abort the request
     except asyncio.CancelledError:
@@ -251,6 +291,11 @@ async def _stream(
         raise
     if faults.disconnect_after_chunks is not None:
         return resp
+    if sent < len(gen.token_ids):
+        # aborted (a pause in abort mode): one last chunk says so, vLLM's way
+        gen = _aborted(app, walked[1], gen, sent)
+        last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "abort"}
+        await send({**chunk, "choices": [{**last, "stop_reason": None}]})
     if opts.usage:
         await send({**chunk, "choices": [], "usage": _usage(prompt, gen)})
     if not faults.drop_done:
@@ -274,14 +319,18 @@ async def _send_tokens(
     opts: _Options,
     faults: Faults,
     request: web.Request,
-) -> None:
+    walk: Sampler,
+) -> int:
+    """Send the tokens' chunks; how many tokens the engine sampled (fewer: aborted)."""
     for k, e in enumerate(gen.events):
+        if not await walk.next_token(k):
+            return k
         if faults.chunk_delay_s:
             await asyncio.sleep(faults.chunk_delay_s)
         if faults.disconnect_after_chunks is not None and k >= faults.disconnect_after_chunks:
             if request.transport is not None:
                 request.transport.close()
-            return
+            return k
         if faults.malformed_chunk_at == k:
             await send("{not json")
             continue
@@ -310,6 +359,7 @@ async def _send_tokens(
         if opts.token_ids:
             choice["token_ids"] = [e.token_id]
         await send({**chunk, "choices": [choice]})
+    return len(gen.events)
 
 
 def _faulty_entries(app: web.Application, e: TokenEvent, k: int, opts: _Options) -> list[dict]:

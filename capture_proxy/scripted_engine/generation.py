@@ -46,8 +46,31 @@ class Generation:
     token_ids: list[int]
     log_probs: list[float]
     events: list[TokenEvent]
-    finish_reason: str  # "stop" | "tool_calls" | "length"
+    finish_reason: str  # "stop" | "tool_calls" | "length" | "abort"
     message: dict[str, Any] = field(default_factory=dict)
+
+    def aborted(self, num_tokens: int) -> Generation:
+        """The first ``num_tokens`` tokens only, finish ``"abort"`` (a pause in abort mode)."""
+        events = self.events[:num_tokens]
+        return Generation(
+            token_ids=[e.token_id for e in events],
+            log_probs=[e.logprob for e in events],
+            events=events,
+            finish_reason="abort",
+            message=assemble_message(events),
+        )
+
+    def after(self, num_tokens: int) -> Generation:
+        """What is left after the first ``num_tokens`` tokens (a generation continued from
+        them: the same tokens and log probs as uninterrupted)."""
+        events = self.events[num_tokens:]
+        return Generation(
+            token_ids=[e.token_id for e in events],
+            log_probs=[e.logprob for e in events],
+            events=events,
+            finish_reason=self.finish_reason,
+            message=assemble_message(events),
+        )
 
 
 def synthetic_logprob(token_id: int, position: int) -> float:

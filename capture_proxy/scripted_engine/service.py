@@ -17,7 +17,7 @@ from capture_proxy.scripted_engine.chat_request import (
     render_prompt,
     validate_chat,
 )
-from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError
+from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError, check_model
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -27,6 +27,8 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await json_body(request)
     if "messages" in body:
         validate_chat(body)
+    check_model(app, body)
+    if "messages" in body:
         # Like vLLM 0.32: only chat completions rename an assistant message's deprecated
         # ``reasoning_content`` to ``reasoning``; /tokenize drops the field, so that reasoning is
         # not rendered here (``reasoning`` is).
@@ -66,24 +68,27 @@ async def detokenize(request: web.Request) -> web.Response:
         "tokens must be a list of token ids",
         "tokens",
     )
+    check_model(request.app, body)
     return web.json_response({"prompt": request.app[FAMILY].decode(cast(list[int], ids))})
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET /v1/models``."""
+    """``GET /v1/models``: one card per served name, as vLLM lists its ``--served-model-name``s
+    (``model_name`` first)."""
     cfg = request.app[CONFIG]
     return web.json_response(
         {
             "object": "list",
             "data": [
                 {
-                    "id": cfg.model_name,
+                    "id": name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "capture-proxy",
                     "root": cfg.model_name,
                     "max_model_len": cfg.max_model_len,
                 }
+                for name in cfg.served_models
             ],
         }
     )

@@ -2,7 +2,8 @@
 
 Owns ``ScriptedEngineConfig`` (one engine's options), the typed keys of the app's state (set
 once by ``app.build_scripted_engine_app``), ``SentCall`` (the record of answered calls that
-tests compare against) and ``RequestError`` (a client error). The chat endpoints (``app``) and
+tests compare against), ``RequestError`` (a client error) and ``check_model`` (vLLM's 404 for a
+model it does not serve). The chat endpoints (``app``) and
 the tokens-in endpoints (``tokens_in``) both read these, so neither imports the other for
 them. Must not: handle a request or load the tokenizer.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerFast
 
+from capture_proxy.families.vision import QWEN3_VL_PROCESSOR, VisionProcessorConfig
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.moe import MoeShape
@@ -46,7 +48,10 @@ class ScriptedEngineConfig:
     #: the family's own tokenizer directory (tokenizer.json + chat template): required for
     #: llama3, optional for the Qwen families (unset: the built-in Qwen tokenizer)
     tokenizer_dir: Path | None = None
+    #: the model it serves (vLLM's first ``--served-model-name``), and more names for it
+    #: (the others): a request naming another model is a 404 (``check_model``)
     model_name: str = "scripted-qwen"
+    model_aliases: tuple[str, ...] = ()
     max_model_len: int = 32768
     sse_fragment_bytes: int | None = None
     omit_token_ids: bool = False
@@ -67,6 +72,15 @@ class ScriptedEngineConfig:
     sglang_incremental_streaming: bool = False
     #: injected misbehaviour of chat completions (see ``faults.Faults``)
     faults: Faults = field(default_factory=Faults)
+    #: the image processor of a Qwen-VL model (``families.vision``): an image in a prompt
+    #: renders as the template's placeholder, expanded to its tokens as vLLM's processor
+    #: does; None: images are refused, as a text-only model's
+    vision: VisionProcessorConfig | None = QWEN3_VL_PROCESSOR
+
+    @property
+    def served_models(self) -> tuple[str, ...]:
+        """Every name the engine answers to, ``model_name`` first."""
+        return (self.model_name, *self.model_aliases)
 
 
 @dataclass(frozen=True)
@@ -96,13 +110,43 @@ SENT_CALLS = web.AppKey("scripted_engine_sent_calls", list[SentCall])
 #: every request the engine received, in arrival order: (method, path, headers), e.g. to
 #: check which engine of several served a rollout's /tokenize and tokens-in requests
 SEEN_REQUESTS = web.AppKey("scripted_engine_seen_requests", list[tuple[str, str, dict[str, str]]])
+#: the latest generations (prompt ids, full generation), newest last, so that a prompt that is
+#: one of them followed by the first tokens of its generation (a generation continued after an
+#: abort, tokens in) gets the rest of the same generation, as a model would
+GENERATIONS = web.AppKey("scripted_engine_generations", list[tuple[list[int], Any]])
 #: chat requests failed so far by ``fail_status`` (a one-item list: app state is set once)
 FAILED_SO_FAR = web.AppKey("scripted_engine_failed_so_far", list[int])
 
 
 class RequestError(ValueError):
-    """A client error: becomes a 400 ``{"error": {...}}`` body."""
+    """A client error: becomes a 400 ``{"error": {...}}`` body (``error_type``: its
+    ``type``, else ``invalid_request_error`` / ``server_error`` by the status)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.error_type = param, status, error_type
+
+
+def check_model(app: web.Application, body: dict[str, Any]) -> None:
+    """Refuse a ``model`` the engine does not serve, as vLLM 0.32 does (``OpenAIServing.
+    _check_model`` in ``vllm/entrypoints/serve/engine/serving.py``, on chat and text
+    completions, ``/tokenize``, ``/detokenize`` and ``/inference/v1/generate``): a 404
+    ``{"error": {"message": "The model `X` does not exist. Valid aliases: NAME.", "type":
+    "NotFoundError", "param": "model", "code": 404}}``. No ``model``, or an empty one, is the
+    served model (vLLM's ``_is_model_supported``). Raises RequestError."""
+    model = body.get("model")
+    served = app[CONFIG].served_models
+    if not model or model in served:
+        return
+    raise RequestError(
+        f"The model `{model}` does not exist. Valid aliases: {', '.join(served)}.",
+        "model",
+        404,
+        error_type="NotFoundError",
+    )

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 
@@ -233,6 +234,11 @@ class CaptureStore(Protocol):
         the base id itself and ``<base>-a<n>``), stored or tombstoned, sorted."""
 
     async def get_call(self, call_id: str) -> CallRecord | None: ...
+
+    async def get_images(self, shas: list[str]) -> dict[str, PromptImage]:
+        """The stored images among ``shas`` (hex SHA-256 of their bytes), by sha256: each
+        image's bytes are stored once, whatever number of calls carry it."""
+        ...
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]: ...
 

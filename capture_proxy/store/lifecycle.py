@@ -251,9 +251,16 @@ def count_deltas(
 
 def with_diagnostic(row: LifecycleRow | None, diagnostic: Diagnostic) -> str:
     """The rollout's diagnostics text (``row``: its row, None for a new rollout) with
-    ``diagnostic`` added unless one of its kind is there (one per kind)."""
+    ``diagnostic`` added unless one of its kind is there (one per kind). A diagnostic of a
+    kind already there adds the calls it names (``details["call_ids"]``, a list of call
+    ids, e.g. ``store_failed``'s lost calls) to the earlier one's, each once, in order; its
+    other details are the earlier one's."""
     diags = [Diagnostic.from_json(d) for d in json.loads(row.diagnostics)] if row else []
-    if all(d.kind != diagnostic.kind for d in diags):
+    for i, earlier in enumerate(diags):
+        if earlier.kind == diagnostic.kind:
+            diags[i] = earlier.with_call_ids_of(diagnostic)
+            break
+    else:
         diags.append(diagnostic)
     return json.dumps([d.to_json() for d in diags], ensure_ascii=False)
 

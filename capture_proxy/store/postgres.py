@@ -84,7 +84,7 @@ from capture_proxy.core.prefixes import (
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_url
 from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
-from capture_proxy.store import lifecycle, sql
+from capture_proxy.store import image_rows, lifecycle, sql
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.postgres_layout import migrate_layout
 from capture_proxy.store.sql import POSTGRES
@@ -423,6 +423,7 @@ class PostgresStore(SQLStore):
         own = sql.store_columns(record)
         db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
         sql.store_json(POSTGRES, db, enc, count=False)
+        image_rows.store_images(POSTGRES, db, record, count=False)
         db.execute(
             POSTGRES.sql(sql.UPSERT_ROLLOUT),
             (

@@ -153,6 +153,23 @@ MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX IF NOT EXISTS calls_by_block ON calls (rollout_id, tokens_block_sha256)
         WHERE status = 'complete' AND num_generation_tokens > 0;
     """,
+    # 8: the images of calls (sqlite.py's LAYOUT_VERSION 10): one row per image,
+    # content-addressed by the SHA-256 of its bytes, and which calls carry it.
+    """
+    CREATE TABLE IF NOT EXISTS images (
+        sha256 bytea PRIMARY KEY,
+        media_type text NOT NULL,
+        width integer NOT NULL,
+        height integer NOT NULL,
+        data bytea NOT NULL
+    );
+    CREATE TABLE IF NOT EXISTS call_images (
+        call_id text NOT NULL,
+        sha256 bytea NOT NULL REFERENCES images (sha256),
+        PRIMARY KEY (call_id, sha256)
+    );
+    CREATE INDEX IF NOT EXISTS call_images_by_sha ON call_images (sha256);
+    """,
 )
 LAYOUT_VERSION = len(MIGRATIONS)
 

@@ -27,6 +27,7 @@ from capture_proxy.core.record_migrations import migrate, rebase_messages
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import lifecycle
+from capture_proxy.store.image_rows import delete_images
 from capture_proxy.store.lifecycle import LifecycleRow, Tombstone
 
 T = TypeVar("T")
@@ -300,6 +301,7 @@ def delete_rows(d: Dialect, db: Conn, rollout_id: str) -> int:
             ),
             (sha, sha),
         )
+    delete_images(d, db, rollout_id)
     deleted = db.execute(d.sql("DELETE FROM calls WHERE rollout_id = ?"), (rollout_id,)).rowcount
     db.execute(d.sql("DELETE FROM rollouts WHERE rollout_id = ?"), (rollout_id,))
     db.execute(d.sql("DELETE FROM rollout_kinds WHERE rollout_id = ?"), (rollout_id,))

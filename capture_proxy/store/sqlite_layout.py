@@ -30,8 +30,9 @@ T = TypeVar("T")
 #: family's index (``calls_by_retry_of``) and the child digest a replica's refresh reads by
 #: (``calls.child_digest``, ``calls_by_child_digest``), 9 the block digest a put's prompt
 #: parent is found by (``calls.tokens_block_sha256``, ``store.prompt_parents``; NULL in rows
-#: written before).
-LAYOUT_VERSION = 9
+#: written before), 10 the images of calls (``images``: one row per image, content-addressed
+#: by the SHA-256 of its bytes; ``call_images``: which calls carry it).
+LAYOUT_VERSION = 10
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     call_id TEXT PRIMARY KEY,
@@ -104,6 +105,19 @@ CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS images (
+    sha256 BLOB PRIMARY KEY,
+    media_type TEXT NOT NULL,
+    width INTEGER NOT NULL,
+    height INTEGER NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS call_images (
+    call_id TEXT NOT NULL,
+    sha256 BLOB NOT NULL,
+    PRIMARY KEY (call_id, sha256)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS call_images_by_sha ON call_images (sha256);
 """
 # Created after the columns exist (an older store gets them in the migration first).
 _INDEXES = """

@@ -25,7 +25,7 @@ from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.prefixes import StoredPrefix, block_states, token_digests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, column_values
-from capture_proxy.store import lifecycle, sql
+from capture_proxy.store import image_rows, lifecycle, sql
 from capture_proxy.store.prompt_parents import PromptParents
 from capture_proxy.store.sql import SQLITE
 
@@ -138,6 +138,7 @@ class SQLitePuts:
                 written = sql.encoded_bytes(enc) + sql.store_json(
                     SQLITE, db, enc, known=stored_blobs
                 )
+                written += image_rows.store_images(SQLITE, db, record)
                 db.execute(sql.COUNT_CALLS, (1,))
             else:
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 from capture_proxy.store.base import Retirement, RolloutInfo, Snapshot, StoreError
@@ -44,6 +45,7 @@ class ThreadedStore:
     _sweep: Callable[..., int]
     _get_tombstone: Callable[..., float | None]
     _get_call: Callable[..., CallRecord | None]
+    _get_images: Callable[..., dict[str, PromptImage]]
     _get_rollout_calls: Callable[..., list[CallRecord]]
     _get_calls_by_child_digest: Callable[..., list[CallRecord]]
     _get_rollout: Callable[..., RolloutInfo | None]
@@ -135,6 +137,10 @@ class ThreadedStore:
 
     async def get_call(self, call_id: str) -> CallRecord | None:
         return await self._read(self._get_call, call_id)
+
+    async def get_images(self, shas: list[str]) -> dict[str, PromptImage]:
+        """The stored images among ``shas`` (hex SHA-256 of their bytes), by sha256."""
+        return await self._read(self._get_images, list(shas))
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         return await self._read(self._get_rollout_calls, rollout_id)

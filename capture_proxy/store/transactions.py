@@ -16,9 +16,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from capture_proxy.core.codec import decode_records
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
-from capture_proxy.store import lifecycle
+from capture_proxy.store import image_rows, lifecycle
 from capture_proxy.store.base import Retirement, RolloutInfo, Snapshot
 from capture_proxy.store.sql import (
     ANCESTRY,
@@ -187,6 +188,13 @@ class SQLStore(ThreadedStore):
             (rollout_id,),
         ).fetchone()
         return float(row[0]) if row else None
+
+    def _get_images(self, db: Conn, shas: list[str]) -> dict[str, PromptImage]:
+        rows = self._read_transaction(db, lambda: image_rows.get_images(self.dialect, db, shas))
+        return {
+            sha: PromptImage(sha, media_type, width, height, data)
+            for sha, (media_type, width, height, data) in rows.items()
+        }
 
     def _get_call(self, db: Conn, call_id: str) -> CallRecord | None:
         d = self.dialect

@@ -31,9 +31,11 @@ from capture_proxy.core.view.rollouts import (
     matches,
     rollout_row,
 )
+from capture_proxy.core.weight_versions import tokens_by_version
 from capture_proxy.proxy.auth import UI_PREFIX, see_other, set_viewer_cookie, token_matches
 from capture_proxy.proxy.errors import NotFound
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
+from capture_proxy.rest.images import get_image
 from capture_proxy.rest.reads import REST_THREAD_KEY
 from capture_proxy.store.base import RolloutInfo
 from capture_proxy.viewer.detokenize import (
@@ -130,8 +132,9 @@ async def _not_found(request: web.Request, what: str) -> web.Response:
 
 def _rollout_diag_kinds(request: web.Request, info: RolloutInfo) -> list[str]:
     kinds = [d.kind for d in info.diagnostics]
-    if request.app[RECORDER_KEY].unstored_incomplete.get(info.rollout_id) is not None:
-        kinds.append(DiagnosticKind.STORE_FAILED.value)
+    loss = request.app[RECORDER_KEY].losses.diagnostic(info.rollout_id)
+    if loss is not None and loss.kind not in kinds:
+        kinds.append(loss.kind)
     return kinds
 
 
@@ -250,7 +253,8 @@ def _rollout_model(rollout_id: str, records: list[CallRecord]) -> dict[str, Any]
     stats = link_stats(records, chains)
     lineage = find_lineage(chains)
     episode = episode_rows(records, chains, lineage) if lineage else []
-    return {"tree": tree, "stats": stats, "episode": episode}
+    versions = tokens_by_version(records)
+    return {"tree": tree, "stats": stats, "episode": episode, "weight_versions": versions}
 
 
 async def rollout_page(request: web.Request) -> web.Response:
@@ -358,6 +362,8 @@ def add_viewer_routes(app: web.Application, config: ViewerConfig) -> None:
     app.router.add_route("*", UI_PREFIX + "/login", login_page)
     app.router.add_get(UI_PREFIX + "/rollouts/{rollout_id}", rollout_page)
     app.router.add_get(UI_PREFIX + "/calls/{call_id}", call_page)
+    # A call's images for its page (the viewer cookie opens only /captures/ui paths).
+    app.router.add_get(UI_PREFIX + "/images/{sha256}", get_image)
     app.router.add_get(UI_PREFIX + "/static/{name}", static_files(STATIC_DIR))
 
 

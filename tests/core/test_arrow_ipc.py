@@ -17,6 +17,7 @@ from capture_proxy.core.export import (
     SCHEMA_METADATA,
     ExportEncoder,
 )
+from capture_proxy.core.images import PromptImage
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.samples import ChainSample
 
@@ -45,12 +46,49 @@ PA_SCHEMA = pa.schema(
         ("task_id", pa.string()),
         ("tags", pa.map_(pa.string(), pa.string())),
         ("lineage", pa.string()),
+        (
+            "weight_version_spans",
+            pa.list_(
+                pa.struct([("version", pa.string()), ("start", pa.int64()), ("end", pa.int64())])
+            ),
+        ),
+        ("weight_version_sources", pa.list_(pa.string())),
+        ("image_sha256", pa.list_(pa.string())),
+        ("image_spans", pa.list_(pa.list_(pa.int64(), 2))),
+        ("image_processor", pa.list_(pa.string())),
+        ("image_media_type", pa.list_(pa.string())),
+        ("image_data", pa.list_(pa.binary())),
     ],
     metadata=SCHEMA_METADATA,
 )
 
+# Two images (bytes with a NUL and a non-UTF-8 byte: binary, not text), the second twice.
+IMAGES = {
+    "a" * 64: PromptImage("a" * 64, "image/png", 4, 3, b"\x89PNG\x00\xff one"),
+    "b" * 64: PromptImage("b" * 64, "image/jpeg", 5, 6, b"\xff\xd8\xff two"),
+}
 
-def _sample(chain_id: str, leaf: str, calls: list[str], seq: int, experts: bool) -> ChainSample:
+
+def _image(sha: str, start: int, end: int) -> dict:
+    return {
+        "sha256": sha,
+        "media_type": IMAGES[sha].media_type,
+        "width": IMAGES[sha].width,
+        "height": IMAGES[sha].height,
+        "prompt_start": start,
+        "prompt_end": end,
+        "processor": {"image_grid_thw": [1, 2, 2]},
+    }
+
+
+def _sample(
+    chain_id: str,
+    leaf: str,
+    calls: list[str],
+    seq: int,
+    experts: bool,
+    images: tuple[dict, ...] = (),
+) -> ChainSample:
     rng = np.random.default_rng(seq)
     arrays = {
         "call_ids": np.array(calls),
@@ -58,11 +96,26 @@ def _sample(chain_id: str, leaf: str, calls: list[str], seq: int, experts: bool)
         "loss_mask": (rng.random(seq) < 0.5).astype(np.uint8),
         "log_probs": np.where(rng.random(seq) < 0.5, -rng.random(seq), 0.0).astype(np.float32),
         "generation_spans": np.array([[2, 5], [7, seq]][: len(calls)], np.int64),
+        "weight_version_index": rng.integers(-1, 2, seq).astype(np.int32),
+        "weight_versions": np.array(["default", "12"]),
+        "weight_version_sources": np.array(["engine_spans", ""][: len(calls)]),
     }
     if experts:
         arrays["routed_experts"] = rng.integers(0, 300, (seq, 4, 2)).astype(np.uint16)
         arrays["routed_experts_mask"] = np.ones(seq, np.uint8)
-    return ChainSample(chain_id, leaf, arrays)
+    return ChainSample(chain_id, leaf, arrays, images)
+
+
+def _runs(sample: ChainSample) -> list[dict]:
+    """The sample's version index as runs, by a plain loop over the positions."""
+    table, index = sample.arrays["weight_versions"], sample.arrays["weight_version_index"]
+    runs: list[dict] = []
+    for position, i in enumerate(index.tolist()):
+        if runs and runs[-1]["end"] == position and runs[-1]["index"] == i:
+            runs[-1]["end"] += 1
+        elif i >= 0:
+            runs.append({"index": i, "start": position, "end": position + 1})
+    return [{"version": str(table[r["index"]]), "start": r["start"], "end": r["end"]} for r in runs]
 
 
 def _reference_batch(manifest: dict, samples: list[ChainSample], meta: RolloutMetadata):
@@ -96,6 +149,18 @@ def _reference_batch(manifest: dict, samples: list[ChainSample], meta: RolloutMe
             json.dumps((manifest.get("lineage") or {}).get(s.chain_id, []), sort_keys=True)
             for s in samples
         ],
+        "weight_version_spans": [_runs(s) for s in samples],
+        # the npz's "" (unknown) is null in Arrow
+        "weight_version_sources": [
+            [v or None for v in s.arrays["weight_version_sources"].tolist()] for s in samples
+        ],
+        "image_sha256": [[e["sha256"] for e in s.images] for s in samples],
+        "image_spans": [[[e["prompt_start"], e["prompt_end"]] for e in s.images] for s in samples],
+        "image_processor": [
+            [json.dumps(e["processor"], sort_keys=True) for e in s.images] for s in samples
+        ],
+        "image_media_type": [[IMAGES[e["sha256"]].media_type for e in s.images] for s in samples],
+        "image_data": [[IMAGES[e["sha256"]].data for e in s.images] for s in samples],
     }
     return pa.RecordBatch.from_arrays(
         [pa.array(columns[f.name], f.type) for f in PA_SCHEMA], schema=PA_SCHEMA
@@ -124,7 +189,14 @@ ROLLOUTS = [
         _manifest("task7-a1", 1, "c1"),
         [
             _sample("c1", "c2", ["c1", "c2"], 40, experts=True),
-            _sample("c1", "c3", ["c1", "c3"], 33, experts=True),
+            _sample(
+                "c1",
+                "c3",
+                ["c1", "c3"],
+                33,
+                experts=True,
+                images=(_image("a" * 64, 3, 7), _image("b" * 64, 9, 11), _image("b" * 64, 20, 22)),
+            ),
             _sample("c9", "c9", ["c9"], 12, experts=False),
         ],
         RolloutMetadata(reward={"pass": 1.0, "style": 0.5}, task_id="task7", tags={"split": "tr"}),
@@ -137,7 +209,7 @@ ROLLOUTS = [
 def _stream() -> bytes:
     encoder = ExportEncoder()
     parts = [encoder.header()]
-    parts += [encoder.rollout(m, s, meta) for m, s, meta in ROLLOUTS]
+    parts += [encoder.rollout(m, s, meta, IMAGES) for m, s, meta in ROLLOUTS]
     return b"".join([*parts, encoder.end()])
 
 
@@ -161,12 +233,15 @@ def test_pyarrow_reads_exactly_what_its_own_writer_would_have_written():
     first = got[0].batch.to_pylist()[0]
     assert first["named_rewards"] == [("pass", 1.0), ("style", 0.5)]
     assert first["routed_experts_shape"] == [40, 4, 2]
+    assert first["weight_version_spans"] == _runs(ROLLOUTS[0][1][0])
+    assert first["weight_version_sources"] == ["engine_spans", None]
+    assert reader.schema.metadata[b"version"] == b"3"
     assert got[2].batch.num_rows == 0
 
 
 def test_a_cut_stream_keeps_every_whole_batch():
     data = _stream()
-    whole = len(ExportEncoder().header()) + len(ExportEncoder().rollout(*ROLLOUTS[0]))
+    whole = len(ExportEncoder().header()) + len(ExportEncoder().rollout(*ROLLOUTS[0], IMAGES))
     reader = pa.ipc.open_stream(io.BytesIO(data[: whole + 100]))
     assert reader.read_next_batch().num_rows == 3
     with pytest.raises(pa.ArrowInvalid):
@@ -178,7 +253,7 @@ def test_the_message_framing_is_eight_byte_aligned_with_the_end_marker():
     assert header[:4] == b"\xff\xff\xff\xff"
     assert int.from_bytes(header[4:8], "little") == len(header) - 8
     assert len(header) % 8 == 0
-    assert len(ExportEncoder().rollout(*ROLLOUTS[0])) % 8 == 0
+    assert len(ExportEncoder().rollout(*ROLLOUTS[0], IMAGES)) % 8 == 0
     assert ExportEncoder().end() == b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 

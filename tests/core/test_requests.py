@@ -64,11 +64,11 @@ def test_valid_request_passes_with_extras():
         (
             {
                 "messages": [
-                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                    {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
                 ]
             },
             None,
-            "only text content parts",
+            "only text and image_url content parts",
         ),
     ],
 )

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
+from capture_proxy.harnesses import claude_code, codex
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
@@ -79,22 +80,30 @@ async def harness_stack(
     prompt_mode: str,
     proxy_token: str | None = None,
     record_dir: Path | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> AsyncIterator[HarnessStack]:
-    engine_app = build_scripted_engine_app(
-        ScriptedEngineConfig(policy=policy, max_model_len=MAX_MODEL_LEN), tokenizer
+    """``settings``: more proxy settings (e.g. ``image_processors``)."""
+    # serving the model name the harnesses are configured with (the engine refuses others)
+    served = ScriptedEngineConfig(
+        policy=policy,
+        max_model_len=MAX_MODEL_LEN,
+        model_name=codex.MODEL_ID,
+        model_aliases=tuple({claude_code.MODEL_ID} - {codex.MODEL_ID}),
     )
+    engine_app = build_scripted_engine_app(served, tokenizer)
     engine, engine_port = await _serve(engine_app)
     try:
-        settings = Settings.model_validate(
+        config = Settings.model_validate(
             {
                 "backend": f"http://127.0.0.1:{engine_port}",
                 "store": tmp_path / "store",
                 "prompt_mode": prompt_mode,
                 "proxy_token": proxy_token,
                 "record_dir": record_dir,
+                **(settings or {}),
             }
         )
-        proxy, port = await _serve(build_proxy_app(settings, SQLiteStore(tmp_path / "store")))
+        proxy, port = await _serve(build_proxy_app(config, SQLiteStore(tmp_path / "store")))
         try:
             timeout = aiohttp.ClientTimeout(total=REST_TIMEOUT_S)
             async with aiohttp.ClientSession(timeout=timeout) as session:

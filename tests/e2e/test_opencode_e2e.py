@@ -31,7 +31,12 @@ from aiohttp.test_utils import TestClient
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.harnesses.opencode import OpencodeResult, find_opencode, run_opencode
+from capture_proxy.harnesses.opencode import (
+    MODEL_ID,
+    OpencodeResult,
+    find_opencode,
+    run_opencode,
+)
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
@@ -81,7 +86,10 @@ async def start_stack(
     """Engine + proxy on loopback ports, store in ``tmp_path/store``. In ``exact_tokens`` mode
     the proxy renders with the engine's ``/tokenize`` (no local tokenizer) and generates over
     ``/v1/completions``, the defaults."""
-    engine_app = build_scripted_engine_app(ScriptedEngineConfig(policy=policy), tokenizer)
+    # serving the model OpenCode is configured with (the engine refuses other names)
+    engine_app = build_scripted_engine_app(
+        ScriptedEngineConfig(policy=policy, model_name=MODEL_ID), tokenizer
+    )
     engine = await aiohttp_server(engine_app, host="127.0.0.1", port=0)
     settings = Settings.model_validate(
         {

@@ -94,7 +94,7 @@ def test_grid_and_pixel_values_equal_the_hf_processor(height: int, width: int, s
         out = hf_processor(SMALL)(images=[img.convert("RGB")], return_tensors="np")
     assert [int(x) for x in out["image_grid_thw"][0]] == list(ph.grid_thw)
     assert out["pixel_values"].shape[0] // SMALL.merge_size**2 == ph.num_tokens
-    rebuilt = vision.rebuild_pixel_values(data, ph.processor_params())
+    rebuilt = vision.rebuild_pixel_values(data, ph.processor_params(), "pil")
     assert rebuilt.dtype == np.float32 and rebuilt.shape == out["pixel_values"].shape
     np.testing.assert_allclose(rebuilt, out["pixel_values"], rtol=0, atol=1e-5)
 
@@ -118,4 +118,53 @@ def test_processor_params_round_trip_and_published_config() -> None:
 def test_rebuild_refuses_bytes_of_another_size() -> None:
     params = vision.image_placeholder(480, 640, vision.QWEN3_VL_PROCESSOR).processor_params()
     with pytest.raises(ValueError, match="stored 480x640"):
-        vision.rebuild_pixel_values(png(100, 100, 1), params)
+        vision.rebuild_pixel_values(png(100, 100, 1), params, "pil")
+
+
+def test_expand_image_pads_repeats_each_image_token_as_the_processor_does() -> None:
+    ids = [1, 151652, 151655, 151653, 2, 151652, 151655, 151653]
+    sizes = [(100, 100), (480, 640)]
+    out = vision.expand_image_pads(ids, sizes, vision.QWEN3_VL_PROCESSOR)
+    assert out == [1, 151652, *[151655] * 64, 151653, 2, 151652, *[151655] * 300, 151653]
+    with pytest.raises(ValueError, match="more image placeholders than the 1 images"):
+        vision.expand_image_pads(ids, sizes[:1], vision.QWEN3_VL_PROCESSOR)
+    with pytest.raises(ValueError, match="holds 2 image placeholders for 3 images"):
+        vision.expand_image_pads(ids, [*sizes, (9, 9)], vision.QWEN3_VL_PROCESSOR)
+
+
+def test_image_sizes_read_canonical_parts_and_data_urls() -> None:
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(png(30, 40, 5)).decode()
+    messages = [
+        {"role": "user", "content": [{"type": "image", "sha256": "s", "width": 7, "height": 9}]},
+        {"role": "tool", "content": [{"type": "image_url", "image_url": {"url": url}}]},
+        {"role": "user", "content": "text"},
+    ]
+    assert vision.image_sizes(messages) == [(9, 7), (30, 40)]
+    bad = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x"}}]}]
+    with pytest.raises(ValueError, match="data: URL"):
+        vision.image_sizes(bad)
+
+
+def test_images_render_as_the_qwen_vl_placeholder_in_our_template() -> None:
+    from capture_proxy.families.hf_template import LocalRenderer
+    from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
+
+    renderer = LocalRenderer(
+        load_qwen_tokenizer(), load_chat_template("keep_reasoning"), vision.QWEN3_VL_PROCESSOR
+    )
+    part = {"type": "image", "sha256": "s", "width": 100, "height": 100}
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a"}, part, {"type": "text", "text": "b"}],
+        }
+    ]
+    text = renderer.render_text_sync(messages, None, add_generation_prompt=False)
+    assert text == "<|im_start|>user\na<|vision_start|><|image_pad|><|vision_end|>b<|im_end|>\n"
+    ids = renderer.render_sync(messages, None, add_generation_prompt=False)
+    assert ids.count(vision.IMAGE_PAD_ID) == 64
+    text_only = LocalRenderer(load_qwen_tokenizer(), load_chat_template("keep_reasoning"))
+    with pytest.raises(Exception, match="no image processor"):
+        text_only.render_sync(messages, None, add_generation_prompt=False)

@@ -448,3 +448,25 @@ def test_hostile_call_ids_and_export_queries(proxy: ServedProxy, call_id: str, q
     ):
         answer = proxy.send("GET", target)
         check(proxy, "read API", target, answer, None)
+
+
+@FUZZ
+@given(
+    target=st.sampled_from(
+        [
+            "/captures/rollouts/fz-read/chains?",
+            "/captures/rollouts/fz-read/chains?format=npz&",
+            "/captures/export?",
+        ]
+    ),
+    name=st.sampled_from(["min_weight_version", "weight_version", "unknown_weight_version"]),
+    value=st.one_of(st.text(max_size=30), HOSTILE_TEXT),
+)
+def test_hostile_weight_version_filters(
+    proxy: ServedProxy, target: str, name: str, value: str
+) -> None:
+    path = f"{target}{name}={quote(value, safe='', errors='surrogatepass')}"
+    answer = proxy.send("GET", path)
+    check(proxy, "read API", path, answer, None)
+    if answer.status == 400:  # the filter is read before the rollout: its parameter is named
+        assert answer.json()["error"]["param"] == name, (path, answer.body[:300])

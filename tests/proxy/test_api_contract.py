@@ -284,7 +284,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
         ("missing_messages", {"model": MODEL}, "messages"),
         ("messages_not_a_list", {"model": MODEL, "messages": "hi"}, "messages"),
         (
-            "image_part",
+            "remote_image_not_fetched",  # (image_fetch_remote is off by default)
             {
                 "model": MODEL,
                 "messages": [
@@ -294,7 +294,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                     }
                 ],
             },
-            "messages.0.content",  # (the message says only text parts can be captured)
+            "messages.0.content.0.image_url.url",
         ),
         ("n_2", {"model": MODEL, "n": 2, "messages": [{"role": "user", "content": "hi"}]}, "n"),
         *(
@@ -323,7 +323,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
         ("missing_input", {"model": MODEL}, "input"),
         ("input_not_a_list", {"model": MODEL, "input": 5}, "input"),
         (
-            "image_part",
+            "remote_image_not_fetched",
             {
                 "model": MODEL,
                 "input": [
@@ -334,7 +334,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                     }
                 ],
             },
-            "input.0.content.0.type",
+            "input.0.content.0.image_url",
         ),
         (
             "unknown_previous_response",
@@ -357,7 +357,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
             "max_tokens",
         ),
         (
-            "image_block",
+            "remote_image_not_fetched",
             {
                 "model": MODEL,
                 "max_tokens": 64,
@@ -370,7 +370,7 @@ BAD_BODIES: dict[str, list[tuple[str, dict[str, Any], str]]] = {
                     }
                 ],
             },
-            "messages.0.content.0.type",
+            "messages.0.content.0.source.url",
         ),
         (
             "tool_role_in_messages",
@@ -420,10 +420,11 @@ def _faulty_tokens_in_sse(faults: Faults):
     """The tokens-in endpoints' SSE writer with ``faults`` applied (the scripted engine
     injects stream faults into chat completions only)."""
 
-    async def sse(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+    async def sse(request: web.Request, events: list[Any], gate: Any = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for k, obj in enumerate(events):
+        for k, event in enumerate(events):
+            obj = event() if callable(event) else event
             if faults.disconnect_after_chunks is not None and k >= faults.disconnect_after_chunks:
                 assert request.transport is not None
                 request.transport.close()

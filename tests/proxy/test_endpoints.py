@@ -30,7 +30,7 @@ async def _rollout_calls(stack: Stack) -> int:
 async def test_generation_endpoints_it_cannot_capture_are_refused_not_forwarded(
     stack: Stack, path: str
 ):
-    resp = await stack.client.post(BASE + path, json={"model": "m", "prompt": "hi"})
+    resp = await stack.client.post(BASE + path, json={"model": "scripted-qwen", "prompt": "hi"})
     assert resp.status == 400
     error = (await resp.json())["error"]
     assert error["code"] == "endpoint_not_captured"
@@ -88,7 +88,7 @@ async def test_bad_json_on_messages_is_an_anthropic_shaped_400(stack: Stack):
 
 async def test_count_tokens_is_answered_from_the_template_render(stack: Stack, qwen_tokenizer):
     body = {
-        "model": "stub-model",
+        "model": "scripted-qwen",
         "system": "You are terse.",
         "messages": [{"role": "user", "content": "Count me."}],
     }
@@ -109,7 +109,7 @@ async def test_count_tokens_is_answered_from_the_template_render(stack: Stack, q
 
 
 async def test_count_tokens_names_a_bad_field(stack: Stack):
-    body = {"model": "stub-model", "messages": "not a list"}
+    body = {"model": "scripted-qwen", "messages": "not a list"}
     resp = await stack.client.post(BASE + "/v1/messages/count_tokens", json=body)
     assert resp.status == 400
     body = await resp.json()
@@ -118,7 +118,7 @@ async def test_count_tokens_names_a_bad_field(stack: Stack):
 
 
 async def test_unknown_previous_response_id_is_a_400_naming_it(stack: Stack):
-    body = {"model": "stub-model", "input": "hi", "previous_response_id": "resp_" + "0" * 32}
+    body = {"model": "scripted-qwen", "input": "hi", "previous_response_id": "resp_" + "0" * 32}
     resp = await stack.client.post(BASE + "/v1/responses", json=body)
     assert resp.status == 400
     error = (await resp.json())["error"]
@@ -127,12 +127,12 @@ async def test_unknown_previous_response_id_is_a_400_naming_it(stack: Stack):
 
 
 async def test_metrics_count_calls_by_api_and_time_the_engine(stack: Stack):
-    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": "scripted-qwen", "messages": [{"role": "user", "content": "hi"}]}
     assert (await stack.client.post(BASE + "/v1/chat/completions", json=chat)).status == 200
-    responses = {"model": "stub-model", "input": "hi"}
+    responses = {"model": "scripted-qwen", "input": "hi"}
     assert (await stack.client.post(BASE + "/v1/responses", json=responses)).status == 200
     messages = {
-        "model": "stub-model",
+        "model": "scripted-qwen",
         "max_tokens": 64,
         "messages": [{"role": "user", "content": "hi"}],
     }
@@ -162,7 +162,7 @@ async def test_errors_before_any_handler_take_the_apis_shape(make_stack):
 
 
 async def test_a_trailing_slash_on_a_captured_path_is_refused(stack: Stack):
-    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    chat = {"model": "scripted-qwen", "messages": [{"role": "user", "content": "hi"}]}
     resp = await stack.client.post(BASE + "/v1/chat/completions/", json=chat)
     assert resp.status == 400
     assert (await resp.json())["error"]["code"] == "endpoint_not_captured"
@@ -180,7 +180,7 @@ async def test_count_tokens_with_the_engine_down_is_a_502(make_stack, unused_tcp
     from aiohttp.test_utils import TestClient, TestServer
 
     async with TestClient(TestServer(app)) as client:
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        body = {"model": "scripted-qwen", "messages": [{"role": "user", "content": "hi"}]}
         resp = await client.post(BASE + "/v1/messages/count_tokens", json=body)
         assert resp.status == 502
         assert (await resp.json())["type"] == "error"
@@ -222,7 +222,7 @@ async def test_a_generation_path_the_engine_could_read_otherwise_is_refused(
 ):
     # Starlette (vLLM, SGLang) routes the decoded path: /v1/chat%2Fcompletions would generate
     # there, uncaptured.
-    chat = b'{"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}'
+    chat = b'{"model": "scripted-qwen", "messages": [{"role": "user", "content": "hi"}]}'
     status, body = await _raw_post(stack, BASE + tail, chat)
     assert status == 400
     expected = "endpoint_not_captured" if tail == "/invocations" else "path_not_normal"
@@ -232,7 +232,7 @@ async def test_a_generation_path_the_engine_could_read_otherwise_is_refused(
 
 
 PREFILL = {
-    "model": "stub-model",
+    "model": "scripted-qwen",
     "max_tokens": 32,
     "messages": [
         {"role": "user", "content": "hi"},

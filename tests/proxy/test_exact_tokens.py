@@ -10,7 +10,7 @@ import pytest
 from capture_proxy.core.sse import SSEStreamDecoder
 from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.families.qwen_vocab import load_chat_template
-from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import Stack
@@ -208,9 +208,7 @@ async def test_recorded_sessions_form_one_chain_in_exact_mode(
 ):
     recording = load_recording(fixtures_dir / "opencode" / "logs" / f"{name}.jsonl")
     stack = await make_stack(
-        engine_config=ScriptedEngineConfig(
-            responder=RecordedResponder(recording), tokenizer_template=template
-        ),
+        engine_config=replay_engine_config(recording, tokenizer_template=template),
         prompt_mode="exact_tokens",
     )
     calls = await replay(
@@ -375,10 +373,10 @@ async def test_exact_tokens_mode_stores_routed_experts_of_new_rows_only(
 async def test_an_answer_to_a_request_without_a_model_names_the_served_model(
     make_stack, stream, max_model_len, model_name, answered
 ):
+    # (also serving the name _body gives, for the last request)
+    engine = ScriptedEngineConfig(model_name=model_name, model_aliases=(_body(USER)["model"],))
     stack = await make_stack(
-        engine_config=ScriptedEngineConfig(model_name=model_name),
-        prompt_mode="exact_tokens",
-        max_model_len=max_model_len,
+        engine_config=engine, prompt_mode="exact_tokens", max_model_len=max_model_len
     )
     body = _body(USER, stream=stream)
     del body["model"]

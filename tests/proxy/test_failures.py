@@ -8,7 +8,6 @@ import pytest
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.keys import RECORDER_KEY
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.sqlite import SQLiteStore
@@ -68,47 +67,6 @@ async def test_engine_without_token_data_still_answers_and_marks_rollout(make_st
         "engine sent no token_ids",
         "engine sent no logprobs",
     ]
-
-
-class FailingStore(SQLiteStore):
-    """Opens and reads like the SQLite store, but every write fails."""
-
-    async def put_call(self, record, request=None):
-        raise StoreError("disk full (injected)")
-
-    async def mark_rollout_incomplete(self, rollout_id, diagnostic):
-        raise StoreError("disk full (injected)")
-
-
-@pytest.mark.parametrize("stream", [False, True])
-async def test_store_failure_never_fails_the_model_call(make_stack, tmp_path, stream):
-    stack = await make_stack(store=FailingStore(tmp_path / "failing"))
-    resp = await stack.chat("r1", _body(USER, stream=stream))
-    assert resp.status == 200
-    if stream:
-        chunks, done = await _read_stream(resp)
-        assert done
-    else:
-        assert (await resp.json())["choices"][0]["message"]["tool_calls"]
-    health = await stack.get_json("/health", status=503)  # degraded while writes fail
-    assert health["capture"]["store_failures"] == 1
-    listing = await stack.get_json("/captures/rollouts")
-    assert listing["rollouts"] == []  # nothing was stored ...
-    recorder = stack.client.app[RECORDER_KEY]
-    assert "r1" in recorder.unstored_incomplete  # ... and the loss is known and reported
-
-
-async def test_store_failure_is_marked_on_the_rollout_when_marking_works(make_stack, tmp_path):
-    class PutFails(SQLiteStore):
-        async def put_call(self, record, request=None):
-            raise StoreError("injected")
-
-    stack = await make_stack(store=PutFails(tmp_path / "putfails"))
-    resp = await stack.chat("r1", _body(USER))
-    assert resp.status == 200
-    summary = await stack.get_json("/captures/rollouts/r1")
-    assert summary["incomplete"] is True
-    assert [d["kind"] for d in summary["diagnostics"]["rollout"]] == ["store_failed"]
 
 
 @pytest.mark.parametrize(

@@ -93,9 +93,11 @@ async def test_parallel_subagents_with_identical_turns_each_keep_their_chain(
 async def test_a_parent_is_only_taken_from_a_call_to_the_same_model(
     make_stack: MakeStack, mode: str
 ):
-    stack = await make_stack(
-        engine_config=ScriptedEngineConfig(policy=SAME_ANSWER), prompt_mode=mode
+    # one engine serving both names (vLLM: --served-model-name small-model big-model)
+    engine = ScriptedEngineConfig(
+        policy=SAME_ANSWER, model_name="small-model", model_aliases=("big-model",)
     )
+    stack = await make_stack(engine_config=engine, prompt_mode=mode)
     task = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Task."}]
     small, msg = await _ask(stack, task, model="small-model", tools=TOOLS)
     big, _ = await _ask(

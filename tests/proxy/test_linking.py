@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
+from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import Stack
@@ -128,7 +128,7 @@ async def test_unknown_assistant_turn_is_unresolved_and_flagged(stack: Stack):
 async def test_source_history_starts_a_new_chain_after_each_note(make_stack, fixtures_dir):
     recording = load_recording(fixtures_dir / "opencode" / "logs" / "03_step_limit_ignored.jsonl")
     stack = await make_stack(
-        engine_config=ScriptedEngineConfig(responder=RecordedResponder(recording)),
+        engine_config=replay_engine_config(recording),
         parent_resolution="source_history",
     )
     calls = await replay(

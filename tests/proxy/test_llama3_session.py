@@ -47,7 +47,9 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def _stack(make_stack, llama_dir: Path) -> Stack:
     policy = Policy.model_validate({"steps": STEPS, "final": "Nothing more."})
     return await make_stack(
-        engine_config=ScriptedEngineConfig(policy=policy, family="llama3", tokenizer_dir=llama_dir),
+        engine_config=ScriptedEngineConfig(
+            policy=policy, family="llama3", tokenizer_dir=llama_dir, model_name=MODEL
+        ),
         prompt_mode="exact_tokens",
         model_families={MODEL: "llama3"},
         family_tokenizers={"llama3": llama_dir},

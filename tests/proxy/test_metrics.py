@@ -16,7 +16,7 @@ from capture_proxy.config import Settings
 from capture_proxy.core.records import Diagnostic, DiagnosticKind
 from capture_proxy.proxy.keys import ENGINE_PROBE_KEY
 from capture_proxy.proxy.metrics import Metrics
-from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recorder import Recorder, StoreWrite
 from capture_proxy.scripted_engine.faults import Faults
 from capture_proxy.scripted_engine.state import ScriptedEngineConfig
 from capture_proxy.store.sqlite import SQLiteStore
@@ -113,7 +113,7 @@ async def test_the_recorder_counts_verdicts_refusal_classes_diagnostics_and_fail
             ],
         )
         refused.api = "responses"  # type: ignore[attr-defined]  # the pipeline's coming field
-        assert await recorder.persist(refused) is False
+        assert await recorder.persist(refused) is StoreWrite.REFUSED
     finally:
         await store.close()
     text = metrics.render().decode()

@@ -138,7 +138,7 @@ async def test_family_session_is_one_exact_chain(make_stack, families, family, s
     steps = _steps(family)
     policy = Policy.model_validate({"steps": steps, "final": "Nothing more."})
     stack = await make_stack(
-        engine_config=ScriptedEngineConfig(policy=policy, family=family),
+        engine_config=ScriptedEngineConfig(policy=policy, family=family, model_name=MODEL),
         prompt_mode="exact_tokens",
         model_families={MODEL: family},
         system_start_date=START_DATE,

@@ -92,7 +92,7 @@ async def _session(stack: Stack, rollout: str, *, stream: bool, kwargs: dict | N
     messages = list(USER)
     answers = []
     for step in range(3):
-        body = {"model": "m", "messages": messages, "tools": TOOLS, "stream": stream}
+        body = {"model": "scripted-qwen", "messages": messages, "tools": TOOLS, "stream": stream}
         if kwargs:
             body["chat_template_kwargs"] = kwargs
         resp = await stack.chat(rollout, body)

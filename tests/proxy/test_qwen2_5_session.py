@@ -46,7 +46,9 @@ def qwen2_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine(qwen2_5_dir: Path) -> ScriptedEngineConfig:
     policy = Policy.model_validate({"steps": STEPS, "final": "Nothing more."})
-    return ScriptedEngineConfig(policy=policy, family="qwen2_5", tokenizer_dir=qwen2_5_dir)
+    return ScriptedEngineConfig(
+        policy=policy, family="qwen2_5", tokenizer_dir=qwen2_5_dir, model_name=MODEL
+    )
 
 
 def _sdk_echo(message: dict) -> dict:

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from capture_proxy.core.fronts.answers import answer_message
 from capture_proxy.core.fronts.base import Api
-from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
-from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
 from tests.proxy.conftest import MakeStack
 
 BASE = "/ng-rollout/{rollout}/training-token-capture"
@@ -25,7 +24,7 @@ TOOLS_ANTHROPIC = [
 
 def _messages_body(messages: list, stream: bool) -> dict:
     return {
-        "model": "stub-model",
+        "model": "scripted-qwen",
         "max_tokens": 256,
         "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {}}],
         "messages": messages,
@@ -70,7 +69,7 @@ async def test_recorded_messages_session_has_the_replay_format_and_replays(
         messages.append({"role": "user", "content": results or "Thanks."})
     counted = await stack.client.post(
         BASE.format(rollout="rec1") + "/v1/messages/count_tokens",
-        json={"model": "stub-model", "messages": messages[:1]},
+        json={"model": "scripted-qwen", "messages": messages[:1]},
         headers=auth,
     )
     assert counted.status == 200
@@ -94,9 +93,7 @@ async def test_recorded_messages_session_has_the_replay_format_and_replays(
     assert recording[0].response_message["tool_calls"][0]["function"]["name"] == "bash"
 
     # Replay through a fresh proxy whose engine answers what the recording answered.
-    fresh = await make_stack(
-        engine_config=ScriptedEngineConfig(responder=RecordedResponder(recording))
-    )
+    fresh = await make_stack(engine_config=replay_engine_config(recording))
     base_url = str(fresh.client.make_url(BASE.format(rollout="replayed") + "/v1"))
     calls = await replay(recording, base_url)
     assert [c.status for c in calls] == [200, 200]

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
-from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
 
 NOTE = "harness_note_rewritten"
 MISMATCH = "parent_digest_mismatch"
@@ -64,9 +63,7 @@ PREFIX_LINKED = {
 @pytest.mark.parametrize(("name", "template"), list(EXPECTED), ids=lambda v: str(v))
 async def test_recorded_session_chains(make_stack, fixtures_dir, name, template):
     recording = load_recording(fixtures_dir / "opencode" / "logs" / f"{name}.jsonl")
-    config = ScriptedEngineConfig(
-        responder=RecordedResponder(recording), tokenizer_template=template
-    )
+    config = replay_engine_config(recording, tokenizer_template=template)
     stack = await make_stack(engine_config=config)
     base = str(stack.client.make_url("/ng-rollout/rec-1/training-token-capture/v1"))
     calls = await replay(recording, base)

@@ -23,8 +23,7 @@ from typing import Any
 
 import pytest
 
-from capture_proxy.harnesses.recorded import RecordedResponder, load_recording, replay
-from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
 from tests.proxy.conftest import MakeStack
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -91,7 +90,7 @@ async def test_recorded_harness_session_chains(
     # recorded with the credentials redacted: the fixture holds no key
     assert "sk-" not in "".join(v for r in recording for _, v in r.headers)
 
-    config = ScriptedEngineConfig(responder=RecordedResponder(recording))
+    config = replay_engine_config(recording)
     stack = await make_stack(engine_config=config, prompt_mode=prompt_mode)
     rollout = f"rec-{harness}"
     base = str(stack.client.make_url(f"/ng-rollout/{rollout}/training-token-capture/v1"))

@@ -196,7 +196,7 @@ async def test_an_unknown_read_api_path_is_still_404(stack: Stack):
 async def test_a_call_reads_back_the_request_as_the_harness_sent_it(stack: Stack):
     base = "/ng-rollout/r-received/training-token-capture"
     chat = {
-        "model": "stub-model",
+        "model": "scripted-qwen",
         "messages": [{"role": "user", "content": "hi"}],
         "metadata": {"task": "t-1", "n": 1.0},
         "user": "u-7",
@@ -210,7 +210,7 @@ async def test_a_call_reads_back_the_request_as_the_harness_sent_it(stack: Stack
     assert call["request_messages"] == chat["messages"]
     # Anthropic Messages: what the canonical form leaves out (cache_control, server tools)
     messages = {
-        "model": "stub-model",
+        "model": "scripted-qwen",
         "max_tokens": 16,
         "system": [{"type": "text", "text": "sys", "cache_control": {"type": "ephemeral"}}],
         "messages": [{"role": "user", "content": "hi"}],

@@ -135,7 +135,7 @@ async def test_a_sqlite_layout_4_store_is_recounted(tmp_path):
         )
     await _assert_recounted(SQLiteStore(tmp_path / "v4"))
     with sqlite3.connect(s.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 9
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 10
         links = db.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]
 
@@ -157,6 +157,6 @@ async def test_a_postgres_layout_2_store_is_recounted(postgres_server):
     await _assert_recounted(PostgresStore(url, pool_size=2))
     with psycopg.connect(url) as conn:
         applied = conn.execute("SELECT max(version) FROM schema_migrations").fetchone()
-        assert applied == (7,)
+        assert applied == (8,)
         links = conn.execute("SELECT call_id, retry_of FROM calls ORDER BY call_id").fetchall()
         assert links == [("a", None), ("b", "a"), ("c", None), ("d", None), ("f", "c")]

@@ -73,7 +73,7 @@ async def test_a_sqlite_layout_6_store_is_recounted_on_open(tmp_path):
     finally:
         await store.close()
     with sqlite3.connect(store.db_path) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 9
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 10
 
 
 async def test_a_sqlite_listing_reads_no_call_rows_but_the_late_ones(tmp_path):

@@ -166,6 +166,16 @@ def test_diagnostics_keep_one_per_kind():
     assert [d["kind"] for d in json.loads(both)] == ["store_failed", "other"]
 
 
+def test_a_second_diagnostic_of_a_kind_adds_the_calls_it_names():
+    lost = Diagnostic("store_failed", {"reason": "disk full", "call_ids": ["c1", "c2"]})
+    marked = LifecycleRow(1, diagnostics=lifecycle.with_diagnostic(None, lost))
+    later = Diagnostic("store_failed", {"reason": "read-only", "call_ids": ["c2", "c3"]})
+    merged = json.loads(lifecycle.with_diagnostic(marked, later))
+    assert merged == [
+        {"kind": "store_failed", "details": {"reason": "disk full", "call_ids": ["c1", "c2", "c3"]}}
+    ]
+
+
 def test_rollout_info_and_episodes():
     row = ("r1", 1.0, 0, "[]", 3, 4, "{}", "s" * 32, 10.0, 2, 7, 1, 1, 0, 2)
     info = lifecycle.rollout_info(row, ["c3"], ["retry", "parent_digest_mismatch"])

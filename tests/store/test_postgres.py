@@ -34,7 +34,7 @@ async def test_migrations_apply_once_and_a_newer_layout_is_refused(pg_url):
     try:
         applied = rows(stores[0], "SELECT version FROM schema_migrations ORDER BY version")
         assert applied == [(v,) for v in range(1, len(MIGRATIONS) + 1)]
-        assert LAYOUT_VERSION == len(MIGRATIONS) == 7
+        assert LAYOUT_VERSION == len(MIGRATIONS) == 8
     finally:
         for s in stores:
             await s.close()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from capture_proxy.core.records import CallStatus, Diagnostic
-from capture_proxy.proxy.recorder import Recorder
+from capture_proxy.proxy.recorder import Recorder, StoreWrite
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
 from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
 from capture_proxy.store.sqlite_layout import LAYOUT_VERSION
@@ -100,12 +100,16 @@ async def test_conflicting_re_put_is_refused_and_original_kept(store):
     with pytest.raises(ConflictingRecord):
         await store.put_call(rec.replace(finish_reason="length"))
     assert_same(await store.get_call("c1"), rec)
-    # Through the recorder: the error is swallowed, recorded on the rollout, harness unaffected.
-    recorder = Recorder(store)
-    assert await recorder.persist(changed) is False
+    # Through the recorder: refused by default (the call is not answered as a success) ...
+    assert await Recorder(store).persist(changed) is StoreWrite.REFUSED
+    assert not (await store.get_rollout("r1")).incomplete
+    # ... or, answered anyway, the loss recorded on the rollout.
+    recorder = Recorder(store, store_failure="answer")
+    assert await recorder.persist(changed) is StoreWrite.LOST
     info = await store.get_rollout("r1")
     assert info.incomplete and info.diagnostics[0].kind == "store_failed"
     assert "ConflictingRecord" in info.diagnostics[0].details["reason"]
+    assert info.diagnostics[0].details["call_ids"] == ["c1"]
 
 
 async def test_tombstone_refuses_late_writes_until_swept(store):
@@ -120,7 +124,7 @@ async def test_tombstone_refuses_late_writes_until_swept(store):
         await store.put_call(b)
     assert isinstance(RolloutDeleted("x"), StoreError)
     # The recorder swallows it and cannot resurrect the rollout by marking it incomplete.
-    assert await Recorder(store).persist(b) is False
+    assert await Recorder(store, store_failure="answer").persist(b) is StoreWrite.LATE
     await store.mark_rollout_incomplete("r1", Diagnostic("store_failed", {}))
     assert await store.get_rollout("r1") is None
     assert await store.delete_rollout("r1") == 0  # idempotent

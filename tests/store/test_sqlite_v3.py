@@ -136,7 +136,7 @@ async def test_v2_store_is_migrated_on_open(tmp_path):
     finally:
         await s.close()
     with sqlite3.connect(path / DB_FILE_NAME) as db:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 9
+        assert db.execute("PRAGMA user_version").fetchone()[0] == LAYOUT_VERSION == 10
         assert db.execute("SELECT DISTINCT schema_version FROM calls").fetchall() == [(4,)]
         # Whole v2 messages were re-split against their prompt parents'.
         ks = db.execute("SELECT messages_prefix_len FROM calls ORDER BY call_id").fetchall()

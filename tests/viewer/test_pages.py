@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 from rich.console import Console
 
@@ -11,7 +12,9 @@ from capture_proxy.app import build_read_only_app
 from capture_proxy.cli.show import show
 from capture_proxy.config import Settings
 from capture_proxy.proxy.auth import VIEWER_COOKIE
+from capture_proxy.proxy.keys import STORE_KEY
 from capture_proxy.store.sqlite import SQLiteStore
+from tests.core.test_weight_versions import weighted_calls
 from tests.viewer.session import capture_session
 
 TOKEN = "s3cret-viewer"
@@ -122,3 +125,28 @@ async def test_show_prints_the_listing_and_a_tree(make_stack):
     assert "refused: retokenized from #1 at 147" in text
     assert "superseded by #4" in text and "retry of #3" in text
     assert await show(session.stack.store_dir, "nope", Console(record=True)) == 1
+
+
+async def test_call_and_rollout_pages_show_weight_versions(make_stack):
+    stack = await make_stack()
+    store = stack.client.app[STORE_KEY]
+    for r in weighted_calls():
+        await store.put_call(r)
+    page = await stack.client.get("/captures/ui/calls/b")
+    html = await page.text()
+    assert page.status == 200
+    fact = re.search(r'data-fact="weight-versions">(.*?)</dd>', html, re.S).group(1)
+    assert re.findall(r'data-version="([^"]+)"', fact) == ["4"]  # b's own span
+    assert "2 tokens" in fact and ">engine_reported<" in fact
+    # Every token b's path generated is labelled with its version: a's then b's.
+    labelled = re.findall(
+        r'data-p="(\d+)" data-i="\d+"(?: data-lp="[^"]+")? data-wv="([^"]+)"', html
+    )
+    assert labelled == [("2", "default"), ("3", "3"), ("4", "3"), ("6", "4"), ("7", "4")]
+    assert 'class="t wv0" data-version="default">default: 1<' in html  # the legend
+    unknown = await (await stack.client.get("/captures/ui/calls/c")).text()
+    fact = re.search(r'data-fact="weight-versions">(.*?)</dd>', unknown, re.S).group(1)
+    assert "unknown" in fact and "no source" in fact
+    rollout = await (await stack.client.get("/captures/ui/rollouts/r1")).text()
+    fact = re.search(r'data-fact="weight-versions">(.*?)</dd>', rollout, re.S).group(1)
+    assert re.findall(r'data-version="([^"]+)"', fact) == ["default", "v7", "3", "4", "10"]

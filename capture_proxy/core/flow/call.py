@@ -1,7 +1,9 @@
 """One captured call in flight, and the steps every back end's flow ends with (sans-io).
 
 Owns the call's request-time state (``Call``: front, parsed request, context, prepared request,
-verdict) and the shared sub-flows: finish (verify the link, persist, remember: ``finish``),
+verdict) and the shared sub-flows: finish (verify the link, persist, remember: ``finish``; a
+record the store refused ends the call with ``StoreUnavailable``, or for a stream whose headers
+are out with the API's in-band error: ``finish_streamed``, ``refused_stream_end``),
 record a call the engine failed (``record_failed``) or the harness left (``record_abandoned``),
 answer an engine 4xx/5xx in the front's error shape (``relay_engine_error``), show the whole
 answer as a stream (``whole_as_stream``). Sub-flows are generators of ``commands``; ``yield
@@ -15,7 +17,12 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from capture_proxy.core.assembly import CallContext, abandoned_record, failed_record
+from capture_proxy.core.assembly import (
+    CallContext,
+    abandoned_record,
+    failed_record,
+    mark_incomplete,
+)
 from capture_proxy.core.capture import PreparedRequest
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.flow.commands import (
@@ -27,19 +34,23 @@ from capture_proxy.core.flow.commands import (
     StartClientStream,
     Verify,
 )
+from capture_proxy.core.flow.errors import StoreUnavailable
 from capture_proxy.core.flow.events import ClientState, Persisted, Verified
 from capture_proxy.core.fronts.base import (
     Answer,
     Api,
     FrontCodec,
     FrontRequest,
+    StreamEncoder,
     TokenIds,
     answer_as_deltas,
 )
+from capture_proxy.core.fronts.chat import chat_error_event
+from capture_proxy.core.image_spans import record_images
 from capture_proxy.core.known_messages import message_digests
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_text
 
 T = TypeVar("T")
@@ -115,9 +126,12 @@ def finish(
     call: Call, record: CallRecord, request: RequestEncoding | None = None
 ) -> Flow[CallRecord]:
     """Verify the link, persist (``request``: the record's ``RequestEncoding``, if computed
-    ahead), make the call findable. Returns the record as stored; never fails the call (a
-    verification that fails leaves the call unresolved, a failed write is the recorder's)."""
+    ahead), make the call findable. Returns the record as stored (a verification that fails
+    leaves the call unresolved). Raises StoreUnavailable when the store did not take the
+    record and the call must not be answered as a success (``Persisted.refused``), unless the
+    call failed: its error answer stays (nothing is lost that was acknowledged)."""
     prepared = call.prepared
+    record = with_images(call, record)
     reply = yield Verify(
         record, call.resolution, prepared.linking_messages, prepared.harness_note, call.retry_count
     )
@@ -137,6 +151,53 @@ def finish(
     if persisted.ok:
         # (facts that do not fit the record's messages are not kept: RecentCalls.put)
         yield Remember(record, prepared.message_facts)
+    elif persisted.refused and record.status is not CallStatus.FAILED:
+        # DESIGN.md, flow step 8: no success for a call nobody can train on.
+        raise StoreUnavailable(call.ctx.call_id)
+    return record
+
+
+def finish_streamed(
+    call: Call, record: CallRecord, request: RequestEncoding | None = None
+) -> Flow[tuple[CallRecord, StoreUnavailable | None]]:
+    """``finish`` for a stream whose headers are sent: the refusal (``StoreUnavailable``) is
+    returned beside the record, not raised, for the stream's end (``refused_stream_end``)."""
+    try:
+        return (yield from finish(call, record, request)), None
+    except StoreUnavailable as refusal:
+        return record, refusal
+
+
+def refused_stream_end(encoder: StreamEncoder | None, refusal: StoreUnavailable) -> bytes:
+    """The last event of a stream whose call the store refused: its API's in-band error (the
+    front's ``encoder``; None: the engine's chat chunks relayed, OpenAI's error event), and no
+    clean end (no ``[DONE]``, ``message_stop`` or ``response.completed``), so no harness takes
+    the answer for one it may keep."""
+    if encoder is None:
+        return chat_error_event(refusal.message, code=refusal.code)
+    return encoder.error(refusal.message, code=refusal.code)
+def with_images(call: Call, record: CallRecord) -> CallRecord:
+    """``record`` with its images (``core.image_spans``): their entries in prompt order, their
+    bytes for the store; incomplete when its prompt's placeholder runs do not pair with them.
+    A call without images is returned as it is."""
+    request_images = call.front_request.images
+    if request_images is None:
+        return record
+    found = record_images(
+        call.ctx.request_body.get("messages") or [],
+        request_images.images,
+        record.prompt_token_ids,
+        call.ctx.vision,
+    )
+    record = record.replace(
+        images=found.entries,
+        image_data=found.data,
+        diagnostics=[*record.diagnostics, *found.diagnostics],
+    )
+    if found.unaligned and record.status is CallStatus.COMPLETE:
+        record = mark_incomplete(
+            record, ["the prompt's image placeholders do not pair with the request's images"]
+        )
     return record
 
 
@@ -167,7 +228,8 @@ def record_abandoned(
     )
     if prompt_token_ids is not None:
         record.prompt_token_ids = prompt_token_ids
-    return (yield from finish(call, record))
+    # A refusal has no one to tell: the harness left.
+    return (yield from finish_streamed(call, record))[0]
 
 
 def _engine_error_message(payload: Any, raw: bytes, reason: str | None) -> str:

@@ -26,6 +26,7 @@ from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.linking.digests import request_digest
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
+from capture_proxy.families.vision import VisionProcessorConfig
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class CallStart:
     exact: ExactFamily | None
     routed_experts_expectation: str
     clock: Clock
+    #: the image processor settings of the model (``image_processors``; None: none)
+    vision: VisionProcessorConfig | None = None
 
 
 def retry_requested(retry_count: str | None) -> bool:
@@ -100,6 +103,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         parent_had_rows=resolution.parent_rows_end is not None,
         front_diagnostics=start.front_request.diagnostics,
         prompt_mode="backend_template" if exact is None else "exact_tokens",
+        vision=start.vision,
     )
     call = Call(start.front, start.front_request, ctx, prepared, resolution, start.retry_count)
     if exact is None:

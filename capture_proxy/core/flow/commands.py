@@ -120,6 +120,16 @@ READ_ENGINE = ReadEngine()
 
 
 @dataclass(slots=True)
+class AwaitEngineServing(Command):
+    """The engine aborted the call's generation: wait (bounded) until it serves again, that
+    is until it is not paused (``GET /is_paused``), and read its weight version. Reply:
+    ``EngineServing``, ``EngineFailed`` (it did not serve again in time, or cannot be
+    reached) or ``ClientLeft``."""
+
+    client_left_reply: ClassVar[bool] = True
+
+
+@dataclass(slots=True)
 class DrainEngine(Command):
     """Read the end of the engine's body after its ``[DONE]`` (bounded), so the connection
     goes back to the pool. Reply: None."""

@@ -68,3 +68,31 @@ class EngineAnswerUnusable(CallError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, code="engine_bad_response")
+
+
+class GenerationAborted(CallError):
+    """The engine aborted the generation (a pause for a weight update) and the proxy could not
+    continue it: the call is stored incomplete, and the harness gets an error it retries
+    rather than a truncated answer that looks finished."""
+
+    def __init__(self, reason: str, call_id: str) -> None:
+        super().__init__(
+            f"the engine aborted the generation and it could not be continued ({reason}); "
+            "retry the request",
+            code="generation_aborted",
+        )
+        self.call_id = call_id
+
+
+class StoreUnavailable(CallError):
+    """The call's record could not be stored, so the call is not answered as a success
+    (setting ``store_failure = refuse``): a retryable error for the harness. Raised by
+    ``core.flow.call.finish`` before any answer is sent; a stream whose headers are out ends
+    with its API's in-band error instead (``call.refused_stream_end``)."""
+
+    def __init__(self, call_id: str) -> None:
+        super().__init__(
+            f"the proxy could not store call {call_id}'s record (the capture store refuses "
+            "writes: disk full or read-only), so it is not answered; retry the call",
+            code="store_unavailable",
+        )

@@ -66,11 +66,13 @@ class RenderFailed:
 @dataclass(slots=True)
 class EngineResponded:
     """The engine's status line; ``event_stream``: its body is ``text/event-stream``;
-    ``reason``: the status's reason phrase."""
+    ``reason``: the status's reason phrase; ``weight_version``: the engine's weight version
+    as the proxy last read it (``GET /weight_info``, off the call's path; None: unknown)."""
 
     status: int
     event_stream: bool
     reason: str | None = None
+    weight_version: str | None = None
 
 
 @dataclass(slots=True)
@@ -88,19 +90,38 @@ class EngineFailed:
 
 @dataclass(slots=True)
 class EngineBody:
+    """The engine's whole body; ``weight_version``: its version as last read, after it."""
+
     data: bytes
+    weight_version: str | None = None
 
 
 @dataclass(slots=True)
 class EnginePiece:
-    """Bytes of the engine's stream as they arrived (any split: events may be cut)."""
+    """Bytes of the engine's stream as they arrived (any split: events may be cut);
+    ``weight_version``: set when the engine's version as last read changed since the call's
+    previous reading (None: no change seen)."""
 
     data: bytes
+    weight_version: str | None = None
 
 
 @dataclass(slots=True)
 class EngineEnd:
-    """The engine's stream ended."""
+    """The engine's stream ended (``weight_version``: as last read)."""
+
+    weight_version: str | None = None
+
+
+@dataclass(slots=True)
+class EngineServing:
+    """The engine serves again after aborting a call's generation: ``paused``: it was seen
+    paused (``GET /is_paused``; None: it cannot say); ``waited_ms``: how long the proxy
+    waited; ``weight_version``: its version now (``GET /weight_info``; None: unknown)."""
+
+    paused: bool | None
+    waited_ms: float
+    weight_version: str | None
 
 
 @dataclass(slots=True)
@@ -135,4 +156,8 @@ class Verified:
 
 @dataclass(slots=True)
 class Persisted:
+    """``ok``: stored; ``refused``: not stored, and the call must not be answered as a
+    success (setting ``store_failure = refuse``)."""
+
     ok: bool
+    refused: bool = False

@@ -11,7 +11,7 @@ ends, exactly as in backend-template mode. Must not import aiohttp or asyncio or
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -25,8 +25,10 @@ from capture_proxy.core.flow.call import (
     Outcome,
     encode_request,
     finish,
+    finish_streamed,
     record_abandoned,
     record_failed,
+    refused_stream_end,
     relay_engine_error,
     whole_as_stream,
 )
@@ -40,7 +42,11 @@ from capture_proxy.core.flow.commands import (
     StartClientStream,
     WriteClient,
 )
-from capture_proxy.core.flow.errors import EngineAnswerUnusable, engine_unreachable
+from capture_proxy.core.flow.errors import (
+    EngineAnswerUnusable,
+    GenerationAborted,
+    engine_unreachable,
+)
 from capture_proxy.core.flow.events import (
     ClientLeft,
     ClientState,
@@ -51,12 +57,18 @@ from capture_proxy.core.flow.events import (
     EngineFailed,
     EngineResponded,
 )
-from capture_proxy.core.flow.prompt import ExactFamily, exact_prompt
+from capture_proxy.core.flow.exact_images import engine_prompt
+from capture_proxy.core.flow.prompt import ExactFamily, Prompt, exact_prompt
+from capture_proxy.core.flow.resume import resume
 from capture_proxy.core.fronts.base import Answer
 from capture_proxy.core.fronts.chat import chat_usage
 from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.records import CallRecord, Diagnostic
-from capture_proxy.core.sampling import sampling_from_chat, sampling_record_tokens_in
+from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
+from capture_proxy.core.sampling import (
+    Sampling,
+    sampling_from_chat,
+    sampling_record_tokens_in,
+)
 from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
 from capture_proxy.families.parsing import MessageDelta, apply_deltas
@@ -67,9 +79,34 @@ def _ms(clock: Clock, t0: float) -> float:
 
 
 def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
-    if engine_reason == "length":
-        return "length"
+    if engine_reason in ("length", "abort"):
+        return engine_reason
     return "tool_calls" if has_tool_calls else "stop"
+
+
+def _engine_body(
+    call: Call, exact: ExactFamily, prompt: Prompt, sampling: Sampling, prompt_json: bytes
+) -> bytes:
+    """The tokens-in request (JSON) of the call's prompt; with images, the engine expands each
+    image's placeholder itself (``exact_images``)."""
+    body = call.prepared.body
+    images = call.front_request.images
+    with_images = engine_prompt(
+        body.get("messages") or [],
+        images.images if images else None,
+        exact.dialect.name,
+        prompt.token_ids,
+    )
+    engine_body = exact.dialect.request(
+        orjson.Fragment(prompt_json if with_images is None else with_images.prompt_json),
+        sampling,
+        stream=call.ctx.stream,
+        model=body.get("model"),
+        experts_start=prompt.experts_start,
+    )
+    if with_images is not None:
+        engine_body.update(with_images.fields)
+    return orjson.dumps(engine_body)
 
 
 def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Clock) -> Flow[Outcome]:
@@ -107,15 +144,9 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
     # The prompt is the one part of the body that grows with the history: written once, by
     # orjson straight from the array, put in the body as it is and compared with the echo.
     prompt_json = prompt_ids_json(prompt.token_ids)
-    engine_body = exact.dialect.request(
-        orjson.Fragment(prompt_json),
-        sampling,
-        stream=call.ctx.stream,
-        model=body.get("model"),
-        experts_start=prompt.experts_start,
-    )
+    engine_body = _engine_body(call, exact, prompt, sampling, prompt_json)
     t0 = clock()
-    reply = yield SendToEngine(exact.dialect.path, orjson.dumps(engine_body), False)
+    reply = yield SendToEngine(exact.dialect.path, engine_body, False)
     if isinstance(reply, ClientLeft):
         return Outcome((yield from record_abandoned(call, _ms(clock, t0), prompt.token_ids)))
     if isinstance(reply, EngineFailed):
@@ -133,7 +164,17 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
                 call, reply.status, raw, reply.reason, _ms(clock, t0), prompt.token_ids
             )
         )
-    run = _Generation(call, exact, asm, exact.dialect.reader(exact.decode), extra_diags, clock, t0)
+    asm.observe(reply.weight_version)
+    run = _Generation(
+        call,
+        exact,
+        asm,
+        exact.dialect.reader(exact.decode),
+        extra_diags,
+        clock,
+        t0,
+        sampling,
+    )
     if call.ctx.stream and reply.event_stream:
         return (yield from run.stream(reply.status))
     return (yield from run.whole(reply.status))
@@ -141,7 +182,9 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
 
 @dataclass
 class _Generation:
-    """One tokens-in generation: engine pieces in, the record and the front's answer out."""
+    """One tokens-in generation: engine pieces in, the record and the front's answer out. An
+    engine abort (a pause for a weight update) is continued tokens in once the engine serves
+    again (``_resume``): the harness sees one answer."""
 
     call: Call
     exact: ExactFamily
@@ -150,15 +193,33 @@ class _Generation:
     extra_diags: list[Diagnostic]
     clock: Clock
     t0: float
+    sampling: Sampling
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    #: why an aborted generation was not continued (the call is then incomplete)
+    aborted: str | None = None
 
-    def record(self, message: dict[str, Any], finish_reason: str, status: int) -> CallRecord:
-        return self.asm.finish(
+    def record(
+        self, message: dict[str, Any], finish_reason: str, status: int, whole: bool = False
+    ) -> CallRecord:
+        diagnostics = list(self.extra_diags)
+        if self.resumes:
+            diagnostics.append(
+                Diagnostic(DiagnosticKind.GENERATION_RESUMED, {"resumes": self.resumes})
+            )
+        record = self.asm.finish(
             response_message=message,
             finish_reason=finish_reason,
             latency_ms=_ms(self.clock, self.t0),
             http_status=status,
-            extra_diagnostics=self.extra_diags,
+            extra_diagnostics=diagnostics,
+            whole=whole,
         )
+        if self.aborted is not None:
+            generated = len(self.asm.token_ids)
+            details = {"reason": self.aborted, "at_token": generated}
+            record = mark_incomplete(record, [self.aborted])
+            record.diagnostics.append(Diagnostic(DiagnosticKind.GENERATION_ABORTED, details))
+        return record
 
     def answer(self, message: dict[str, Any], finish_reason: str) -> Answer:
         call, asm = self.call, self.asm
@@ -174,7 +235,11 @@ class _Generation:
             prompt_token_ids=asm.prompt_token_ids,
         )
 
-    def whole(self, status: int) -> Flow[Outcome]:
+    def _resume(self) -> Flow[str]:
+        return (yield from resume(self))
+
+    def _read_whole(self, status: int) -> Flow[Outcome | None]:
+        """Read one engine body into the assembler (None), or record the call abandoned."""
         call, asm = self.call, self.asm
         reply = yield ReadEngineBody()
         if isinstance(reply, ClientLeft):
@@ -196,6 +261,23 @@ class _Generation:
             err = EngineAnswerUnusable(reason)
             err.call_id = call.ctx.call_id
             raise err from exc
+        asm.observe(reply.weight_version)
+        return None
+
+    def whole(self, status: int) -> Flow[Outcome]:
+        call, asm = self.call, self.asm
+        left = yield from self._read_whole(status)
+        while left is None and asm.finish_reason == "abort" and self.aborted is None:
+            resumed = yield from self._resume()
+            if resumed == "left":
+                latency_ms = _ms(self.clock, self.t0)
+                return Outcome(
+                    (yield from record_abandoned(call, latency_ms, asm.prompt_token_ids))
+                )
+            if resumed == "continued":
+                left = yield from self._read_whole(status)
+        if left is not None:
+            return left
         parsed = self.exact.parser.parse(
             asm.generated_text,
             call.ctx.call_id,
@@ -205,7 +287,10 @@ class _Generation:
         )
         finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
         message = parsed.to_openai()
-        record = yield from finish(call, self.record(message, finish_reason, status))
+        record = yield from finish(call, self.record(message, finish_reason, status, whole=True))
+        if self.aborted is not None:
+            # Never a truncated answer that looks finished: an error the harness retries.
+            raise GenerationAborted(self.aborted, call.ctx.call_id)
         answer = self.answer(message, finish_reason)
         if call.ctx.stream:
             # Asked for a stream; the engine answered whole: the whole answer as events.
@@ -213,6 +298,20 @@ class _Generation:
         else:
             yield RespondJson(200, call.front.encode(call.front_request, answer))
         return Outcome(record)
+
+    def _pump_all(self, pump: _Pump) -> Flow[bool]:
+        """Pump the engine's stream and, after each abort, its continuation's; whether the
+        harness left."""
+        gone = yield from pump.run()
+        while not gone and pump.problem is None and self.asm.finish_reason == "abort":
+            resumed = yield from self._resume()
+            if resumed == "left":
+                return True
+            if resumed == "stopped":
+                pump.problem = self.aborted
+                break
+            gone = yield from pump.run()
+        return gone
 
     def stream(self, status: int) -> Flow[Outcome]:
         """Engine token chunks in, the front's events out, as they can be decided."""
@@ -229,7 +328,7 @@ class _Generation:
         pump = _Pump(self, encoder)
         gone = state.gone
         if not gone:
-            gone = yield from pump.run()
+            gone = yield from self._pump_all(pump)
         events: list[bytes] = []
         for d in pump.parser_stream.finish():
             pump.deltas.append(d)
@@ -237,13 +336,16 @@ class _Generation:
         message = apply_deltas(pump.deltas).to_openai()
         finish_reason = _finish_reason(asm.finish_reason, bool(message.get("tool_calls")))
         record = self.record(message, finish_reason, status)
-        reasons = stream_end_reasons(client_gone=gone, problem=pump.problem, done_seen=pump.done)
+        problem = None if self.aborted is not None else pump.problem
+        reasons = stream_end_reasons(client_gone=gone, problem=problem, done_seen=pump.done)
         if reasons:
             record = mark_incomplete(record, reasons)
-        record = yield from finish(call, record, request_encoding)
+        record, refusal = yield from finish_streamed(call, record, request_encoding)
         if gone:
             return Outcome(record)
-        if pump.problem:
+        if refusal is not None:
+            events.append(refused_stream_end(encoder, refusal))
+        elif pump.problem:
             events.append(encoder.error(pump.problem))
         else:
             events += encoder.finish(self.answer(message, finish_reason))
@@ -296,9 +398,10 @@ class _Pump:
         return out
 
     def run(self) -> Flow[bool]:
-        """Read until the engine's end, a problem or the client leaving; returns whether
-        the client left."""
+        """Read one engine stream until its end, a problem or the client leaving; returns
+        whether the client left."""
         decoder = SSEStreamDecoder()
+        self.done = False
         while True:
             piece = yield READ_ENGINE
             if isinstance(piece, ClientLeft):
@@ -306,6 +409,8 @@ class _Pump:
             if isinstance(piece, EngineBroke):
                 self.problem = f"engine stream broke: {piece.error_type}: {piece.message}"
                 return False
+            if piece.weight_version is not None:
+                self.gen.asm.observe(piece.weight_version)
             if isinstance(piece, EngineEnd):
                 return False
             try:

@@ -36,8 +36,10 @@ from capture_proxy.core.flow.call import (
     Outcome,
     encode_request,
     finish,
+    finish_streamed,
     record_abandoned,
     record_failed,
+    refused_stream_end,
     relay_engine_error,
     whole_as_stream,
 )
@@ -51,7 +53,11 @@ from capture_proxy.core.flow.commands import (
     StartClientStream,
     WriteClient,
 )
-from capture_proxy.core.flow.errors import EngineAnswerUnusable, engine_unreachable
+from capture_proxy.core.flow.errors import (
+    EngineAnswerUnusable,
+    GenerationAborted,
+    engine_unreachable,
+)
 from capture_proxy.core.flow.events import (
     ClientLeft,
     ClientState,
@@ -64,7 +70,7 @@ from capture_proxy.core.flow.events import (
 from capture_proxy.core.fronts.base import Answer, Api, StreamEncoder
 from capture_proxy.core.fronts.chat import DONE_EVENT, openai_error_body
 from capture_proxy.core.json_bodies import loads_like_stdlib
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
 from capture_proxy.core.sampling import sampling_record
 from capture_proxy.core.sse import (
     DONE_SENTINEL,
@@ -72,6 +78,41 @@ from capture_proxy.core.sse import (
     encode_json_event,
     parse_json_event,
 )
+from capture_proxy.core.version_spans import Observation, WeightVersions
+
+#: Why an aborted engine-rendered generation is not continued (backend-template mode: the
+#: proxy has no tokens-in request and parser of its own for the model to continue it with).
+ABORTED = (
+    "the engine aborted the generation (finish_reason abort: a pause for a weight update) and "
+    "backend-template mode cannot continue it tokens in; the harness is asked to retry "
+    "(prompt_mode exact_tokens continues it, or pause with mode keep or wait)"
+)
+
+
+def with_versions(record: CallRecord, seen: Observation, *, whole: bool) -> CallRecord:
+    """``record`` with the weight versions observed around its engine request
+    (``core.version_spans``: source ``observed``)."""
+    versions = WeightVersions()
+    versions.add_segment(record.num_generation_tokens, observed=seen, whole=whole)
+    spans, source = versions.result()
+    if spans is None:
+        return record
+    diagnostics = record.diagnostics
+    if versions.changed:
+        changed = Diagnostic(DiagnosticKind.WEIGHT_VERSION_CHANGED, {"changes": versions.changed})
+        diagnostics = [*diagnostics, changed]
+    return record.replace(
+        weight_versions=spans, weight_version_source=source, diagnostics=diagnostics
+    )
+
+
+def aborted_record(record: CallRecord) -> CallRecord:
+    """An aborted generation's record: incomplete, with the reason."""
+    record = mark_incomplete(record, [ABORTED])
+    details = {"reason": ABORTED, "at_token": record.num_generation_tokens}
+    return record.replace(
+        diagnostics=[*record.diagnostics, Diagnostic(DiagnosticKind.GENERATION_ABORTED, details)]
+    )
 
 #: Keys of an engine delta that carry the answer (``reasoning``: vLLM's newer name).
 _DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
@@ -137,6 +178,7 @@ def template_call(call: Call, clock: Clock) -> Flow[Outcome]:
         call.prepared.body,
         parent_rows_end=call.resolution.parent_rows_end,
         routed_experts=call.ctx.routed_experts_expectation != "off",
+        images=call.front_request.images.images if call.front_request.images else None,
     )
     call.ctx = dataclasses.replace(call.ctx, sampling=sampling_record(upstream_body))
     t0 = clock()
@@ -153,9 +195,11 @@ def template_call(call: Call, clock: Clock) -> Flow[Outcome]:
         return (
             yield from relay_engine_error(call, reply.status, raw, reply.reason, _ms(clock, t0))
         )
+    seen = Observation()
+    seen.seen(reply.weight_version, 0)
     if call.ctx.stream and reply.event_stream:
-        return (yield from _relay_stream(call, asked, reply.status, clock, t0))
-    return (yield from _relay_json(call, asked, reply.status, clock, t0))
+        return (yield from _relay_stream(call, asked, reply.status, clock, t0, seen))
+    return (yield from _relay_json(call, asked, reply.status, clock, t0, seen))
 
 
 def _ms(clock: Clock, t0: float) -> float:
@@ -167,7 +211,7 @@ def _unreachable(reply: EngineFailed, call: Call) -> Exception:
 
 
 def _relay_json(
-    call: Call, asked: HarnessAsked, status: int, clock: Clock, t0: float
+    call: Call, asked: HarnessAsked, status: int, clock: Clock, t0: float, seen: Observation
 ) -> Flow[Outcome]:
     reply = yield ReadEngineBody()
     if isinstance(reply, ClientLeft):
@@ -187,7 +231,16 @@ def _relay_json(
         raise EngineAnswerUnusable(reason) from exc
     assembler = ChatCaptureAssembler(call.ctx)
     assembler.add_response(payload)
-    record = yield from finish(call, assembler.finish(latency_ms=latency_ms, http_status=status))
+    seen.seen(reply.weight_version, len(assembler.generation_token_ids))
+    record = assembler.finish(latency_ms=latency_ms, http_status=status)
+    record = with_versions(record, seen, whole=True)
+    aborted = assembler.finish_reason == "abort"
+    if aborted:
+        record = aborted_record(record)
+    record = yield from finish(call, record)
+    if aborted:
+        # Never a truncated answer that looks finished: an error the harness retries.
+        raise GenerationAborted(ABORTED, call.ctx.call_id)
     if call.front.api is Api.CHAT_COMPLETIONS:
         # (A chat harness that asked for a stream and got a whole answer gets it as the engine
         # sent it.)
@@ -206,12 +259,16 @@ class _Relay:
     """The per-event work of one relayed stream: assemble, then forward (chat: the engine's
     chunk stripped; other APIs: the front's events for the chunk's delta)."""
 
-    def __init__(self, call: Call, asked: HarnessAsked, encoder: StreamEncoder | None):
+    def __init__(
+        self, call: Call, asked: HarnessAsked, encoder: StreamEncoder | None, seen: Observation
+    ):
         self.asked = asked
         self.encoder = encoder
         self.assembler = ChatCaptureAssembler(call.ctx)
         self.done_seen = False
         self.problem: str | None = None
+        self.seen = seen
+        self.aborted = False
 
     def handle(self, events: list[Any]) -> list[bytes]:
         out: list[bytes] = []
@@ -230,6 +287,10 @@ class _Relay:
                 )
                 continue
             self.assembler.add_chunk(chunk)
+            if self.assembler.finish_reason == "abort" and not self.aborted:
+                # Not forwarded: the harness would take the cut answer for a finished one.
+                self.aborted, self.problem = True, ABORTED
+                continue
             if self.encoder is None:
                 stripped = strip_chat_chunk(chunk, self.asked)
                 if stripped is not None:
@@ -254,6 +315,8 @@ def _pump(call: Call, relay: _Relay) -> Flow[tuple[bool, RequestEncoding | None]
         if isinstance(piece, EngineBroke):
             relay.problem = f"engine stream broke: {piece.error_type}: {piece.message}"
             return False, request_encoding
+        if piece.weight_version is not None:
+            relay.seen.seen(piece.weight_version, len(relay.assembler.generation_token_ids))
         try:
             events = decoder.close() if isinstance(piece, EngineEnd) else decoder.feed(piece.data)
         except UnicodeDecodeError as exc:
@@ -274,12 +337,12 @@ def _pump(call: Call, relay: _Relay) -> Flow[tuple[bool, RequestEncoding | None]
 
 
 def _relay_stream(
-    call: Call, asked: HarnessAsked, status: int, clock: Clock, t0: float
+    call: Call, asked: HarnessAsked, status: int, clock: Clock, t0: float, seen: Observation
 ) -> Flow[Outcome]:
     """Forward SSE events as they complete, assembling the record on the side."""
     chat = call.front.api is Api.CHAT_COMPLETIONS
     encoder = None if chat else call.front.stream_encoder(call.front_request, call.answer_head())
-    relay = _Relay(call, asked, encoder)
+    relay = _Relay(call, asked, encoder, seen)
     # The harness left before the engine's first byte: the call (nothing arrived) is recorded
     # as incomplete; the executor's end closes the engine's request.
     state: ClientState = yield StartClientStream(status if chat else 200)
@@ -290,14 +353,20 @@ def _relay_stream(
     if not gone:
         gone, request_encoding = yield from _pump(call, relay)
     record = relay.assembler.finish(latency_ms=_ms(clock, t0), http_status=status)
-    reasons = stream_end_reasons(client_gone=gone, problem=relay.problem, done_seen=relay.done_seen)
+    record = with_versions(record, relay.seen, whole=False)
+    problem = None if relay.aborted else relay.problem
+    reasons = stream_end_reasons(client_gone=gone, problem=problem, done_seen=relay.done_seen)
     if reasons:
         record = mark_incomplete(record, reasons)
-    record = yield from finish(call, record, request_encoding)
+    if relay.aborted:
+        record = aborted_record(record)
+    record, refusal = yield from finish_streamed(call, record, request_encoding)
     if gone:
         return Outcome(record)
     final = b""
-    if relay.problem:
+    if refusal is not None:
+        final = refused_stream_end(encoder, refusal)
+    elif relay.problem:
         # Headers are sent; the status can no longer change: tell the harness in-band, and
         # leave out the clean end so no harness takes the answer for a complete one.
         if encoder is None:

@@ -9,7 +9,9 @@ The canonical conversation is a chat-completions request body (``FrontRequest.ch
 the form records, digests and splices already use:
 
 - ``messages``: ``system`` / ``user`` / ``assistant`` / ``tool`` messages. ``content`` is a
-  string (or None on an assistant turn with tool calls); an assistant turn may carry
+  string (or None on an assistant turn with tool calls); a user or tool message with images
+  is a list of ``{"type": "text", "text"}`` and canonical image parts (``core.images``), in
+  the order the harness sent them; an assistant turn may carry
   ``reasoning_content`` (str) and ``tool_calls``
   (``[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]``); a tool
   message carries ``tool_call_id``.
@@ -40,6 +42,8 @@ import numpy as np
 import numpy.typing as npt
 
 from capture_proxy.core.conversation import ChatRequest
+from capture_proxy.core.front_errors import InvalidFrontRequest as InvalidFrontRequest
+from capture_proxy.core.images import ImageLimits, RequestImages
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.records import Diagnostic, DiagnosticKind
 
@@ -50,15 +54,6 @@ class Api(enum.StrEnum):
     CHAT_COMPLETIONS = "chat_completions"
     RESPONSES = "responses"
     MESSAGES = "messages"
-
-
-class InvalidFrontRequest(ValueError):
-    """A request body that its API does not allow; ``param`` names the field (dotted path).
-    The client gets a 400 in its API's error shape; nothing is forwarded."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -78,6 +73,9 @@ class FrontRequest:
     message_facts: tuple[MessageFacts, ...] | None = None
     #: what the front knows of the call that the record must say (``tools_not_rendered``)
     diagnostics: tuple[Diagnostic, ...] = ()
+    #: the request's images (``core.images``; None: it has none): the canonical messages
+    #: hold their parts, this their bytes
+    images: RequestImages | None = None
 
 
 def tools_not_rendered(tools: Sequence[Mapping[str, Any]]) -> tuple[Diagnostic, ...]:
@@ -149,8 +147,10 @@ class StreamEncoder(Protocol):
     def finish(self, answer: Answer) -> list[bytes]:
         """The closing events, from the whole answer (usage, stop reason, done items)."""
 
-    def error(self, message: str) -> bytes:
-        """An in-band error event for a stream whose headers are sent (no clean end)."""
+    def error(self, message: str, *, code: str | None = None) -> bytes:
+        """An in-band error event for a stream whose headers are sent (no clean end).
+        ``code``: the proxy's own error code, for an error of the proxy's that a retry may
+        cure (``store_unavailable``: the store refused the record); None: the engine failed."""
 
 
 class PartsStreamEncoder(abc.ABC):
@@ -209,12 +209,15 @@ class FrontCodec(Protocol):
         *,
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
+        images: ImageLimits | None = None,
     ) -> FrontRequest:
         """Validate ``body`` and map it to the canonical conversation. ``previous``: canonical
         messages a reference in the body stands for (Responses ``previous_response_id``; the
         adapter resolves it). ``known``: facts of the messages of earlier requests; a front
         may skip what it checked of them before, and give the facts of the canonical messages
-        (``FrontRequest.message_facts``). Raises InvalidFrontRequest naming the field."""
+        (``FrontRequest.message_facts``). ``images``: what images a call may carry (None: an
+        image is refused). Raises InvalidFrontRequest naming the field, ImageRefused
+        (``core.images``) for an image it may not carry."""
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         """The whole (non-streaming) response body in the API's shape."""

@@ -20,6 +20,7 @@ from capture_proxy.core.fronts.base import (
     InvalidFrontRequest,
     token_id_list,
 )
+from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of
 from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.requests import validate_chat_request
@@ -33,6 +34,14 @@ def openai_error_body(
 ) -> dict[str, Any]:
     """OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def chat_error_event(message: str, *, code: str | None = None) -> bytes:
+    """A chat stream's in-band error event (``data: {"error": ...}``): ``upstream_error``
+    for the engine's failure, ``server_error`` with the proxy's ``code`` for its own."""
+    if code is None:
+        return encode_json_event(openai_error_body(message, "upstream_error"))
+    return encode_json_event(openai_error_body(message, "server_error", code=code))
 
 
 def logprobs_content(token_ids: list[int], log_probs: list[float | None] | None) -> dict[str, Any]:
@@ -56,9 +65,48 @@ def chat_usage(num_prompt_tokens: int, num_generation_tokens: int) -> dict[str, 
     }
 
 
+def _has_image_part(messages: Any) -> bool:
+    """Some message's content holds an ``image_url`` part (a quick look before validation)."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content
+        ):
+            return True
+    return False
+
+
+def canonical_image_messages(messages: list[Any], collector: ImageCollector) -> list[Any]:
+    """Valid chat messages with each ``image_url`` part as the canonical image part
+    (``core.images``); messages without one are passed as they are. Raises ImageRefused
+    naming the part's ``image_url.url`` (or ``detail``)."""
+    out: list[Any] = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not (isinstance(content, list) and any(p.get("type") == "image_url" for p in content)):
+            out.append(message)
+            continue
+        parts: list[Any] = []
+        for j, part in enumerate(content):
+            if part.get("type") != "image_url":
+                parts.append(part)
+                continue
+            path = f"messages.{i}.content.{j}.image_url"
+            url = part["image_url"]
+            detail = detail_of(url.get("detail"), f"{path}.detail")
+            parts.append(
+                collector.url(url.get("url"), f"{path}.url", message["role"], detail=detail)
+            )
+        out.append({**message, "content": parts})
+    return out
+
+
 class ChatCodec:
     """OpenAI chat completions. ``parse`` raises InvalidFrontRequest (from
-    ``validate_chat_request``: ``n > 1``, non-text parts, missing ``messages``, ...)."""
+    ``validate_chat_request``: ``n > 1``, parts other than text and images, missing
+    ``messages``, ...) and ImageRefused (``core.images``: an image it may not carry)."""
 
     api = Api.CHAT_COMPLETIONS
 
@@ -68,17 +116,31 @@ class ChatCodec:
         *,
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
+        images: ImageLimits | None = None,
     ) -> FrontRequest:
         messages = body.get("messages")
-        facts = known.facts(messages) if known is not None and isinstance(messages, list) else None
+        with_images = _has_image_part(messages)
+        facts = None
+        if known is not None and isinstance(messages, list) and not with_images:
+            facts = known.facts(messages)
         try:
             validate_chat_request(body, facts)
         except InvalidRequest as exc:
             raise InvalidFrontRequest(str(exc), exc.param) from exc
         received = {k: v for k, v in body.items() if k != "messages"}
-        # Validated: the chat body is the canonical request itself (extras and all).
-        chat = cast(ChatRequest, body)
-        return FrontRequest(self.api, chat, bool(body.get("stream")), received, message_facts=facts)
+        stream = bool(body.get("stream"))
+        if not with_images:
+            # Validated: the chat body is the canonical request itself (extras and all).
+            chat = cast(ChatRequest, body)
+            return FrontRequest(self.api, chat, stream, received, message_facts=facts)
+        # Images: the canonical messages hold image parts by content address, not the data
+        # (their facts are derived from those, by the adapter, once remote ones are fetched).
+        collector = ImageCollector(images)
+        assert isinstance(messages, list)
+        chat = cast(
+            ChatRequest, {**body, "messages": canonical_image_messages(messages, collector)}
+        )
+        return FrontRequest(self.api, chat, stream, received, images=collector.result())
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         body = request.chat
@@ -174,5 +236,5 @@ class ChatStreamEncoder:
         out.append(DONE_EVENT)
         return out
 
-    def error(self, message: str) -> bytes:
-        return encode_json_event(openai_error_body(message, "upstream_error"))
+    def error(self, message: str, *, code: str | None = None) -> bytes:
+        return chat_error_event(message, code=code)

@@ -17,9 +17,15 @@ Canonical form of a model-authored turn (an assistant message), as decided here:
   verification to decide (``parent_digest_mismatch`` with class ``template_rerendered``).
 
 Digests chain: ``d_0 = sha256("capture-proxy/linking/v2")`` and
-``d_k = sha256(d_{k-1} || canonical(turn_k))``. A request's *parent digest* is the digest over
-all assistant turns of its history; a captured call's *child digest* (under which a child finds
-it) is the digest over its request's turns followed by its own response message.
+``d_k = sha256(d_{k-1} || canonical(item_k))``. The items are the assistant turns, each
+preceded by the images of the messages since the turn before (``image_payload``: one item per
+user or tool message with images, ``{"images": [sha256, ...]}`` in prompt order): an image's
+placeholder tokens depend only on its size, so its identity must be in the digest for two
+calls whose images differ never to link. A history without images digests as it always did.
+A request's *parent digest* is the digest over the items up to its last assistant turn; a
+captured call's *child digest* (under which a child finds it) is the digest over all its
+request's items (its images after the last turn included) followed by its own response
+message.
 """
 
 from __future__ import annotations
@@ -103,34 +109,83 @@ def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return [m for m in messages if m.get("role") == "assistant"]
 
 
+def image_payload(message: Mapping[str, Any]) -> str | None:
+    """The digest item of a (non-assistant) message's images: ``{"images": [sha256, ...]}``
+    in order; None when it has none (the canonical image parts of ``core.images``)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return None
+    shas = [
+        p.get("sha256") for p in content if isinstance(p, Mapping) and p.get("type") == "image"
+    ]
+    return canonical_json({"images": shas}) if shas else None
+
+
+def message_payload(message: Mapping[str, Any]) -> str | None:
+    """What one message adds to the digest chain: an assistant turn's ``turn_payload``, another
+    message's ``image_payload`` (None: nothing)."""
+    if message.get("role") == "assistant":
+        return turn_payload(message)
+    return image_payload(message)
+
+
+def _chain_items(
+    messages: Sequence[Mapping[str, Any]], payloads: Sequence[str | None] | None
+) -> tuple[list[str], list[str]]:
+    """(the items up to the last assistant turn, the image items after it)."""
+    if payloads is not None and len(payloads) != len(messages):
+        raise ValueError(f"{len(payloads)} payloads for {len(messages)} messages")
+    items: list[str] = []
+    pending: list[str] = []
+    for i, message in enumerate(messages):
+        known = payloads[i] if payloads is not None else None
+        if message.get("role") == "assistant":
+            items.extend(pending)
+            pending = []
+            items.append(known if known is not None else turn_payload(message))
+        elif payloads is None or known is not None:
+            # (known payloads: None stands for a message without images)
+            payload = known if known is not None else image_payload(message)
+            if payload is not None:
+                pending.append(payload)
+    return items, pending
+
+
+def _chain(items: Sequence[str]) -> str:
+    digest = _DIGEST_SEED
+    for payload in items:
+        digest = _extend(digest, payload)
+    return digest
+
+
 def history_digest(
     messages: Sequence[Mapping[str, Any]], payloads: Sequence[str | None] | None = None
 ) -> str | None:
     """The parent digest of a request: None when it has no model-authored turn (a root).
 
-    ``payloads``: ``turn_payload`` of each assistant message (None for the others), when
-    known already (``known_messages``); then only the digest chain is computed."""
-    if payloads is None:
-        turns = [turn_payload(m) for m in linking_items(messages)]
-    else:
-        if len(payloads) != len(messages):
-            raise ValueError(f"{len(payloads)} payloads for {len(messages)} messages")
-        turns = [
-            p if p is not None else turn_payload(m)
-            for m, p in zip(messages, payloads, strict=True)
-            if m.get("role") == "assistant"
-        ]
-    if not turns:
+    ``payloads``: ``message_payload`` of each message (None for a message that adds nothing),
+    when known already (``known_messages``); then only the digest chain is computed."""
+    items, _ = _chain_items(messages, payloads)
+    if not items:
         return None
-    digest = _DIGEST_SEED
-    for payload in turns:
-        digest = _extend(digest, payload)
-    return digest
+    return _chain(items)
 
 
 def child_digest(messages: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> str:
     """The digest under which a child of this call finds it."""
-    return history_digest([*linking_items(messages), {"role": "assistant", **response}]) or ""
+    items, trailing = _chain_items(messages, None)
+    return _chain([*items, *trailing, turn_payload({"role": "assistant", **response})])
+
+
+def trailing_images(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """The messages after the last assistant turn carry images (``child_digest_after`` from a
+    history digest would leave them out)."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return False
+        if image_payload(message) is not None:
+            return True
+    return False
 
 
 def child_digest_after(parent_digest: str | None, response: Mapping[str, Any]) -> str:

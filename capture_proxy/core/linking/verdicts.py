@@ -54,6 +54,9 @@ class ReasonKind(enum.Enum):
     PARENT_INCOMPLETE = "parent_incomplete"
     #: the digest parent's tokens are not a prefix of the call's prompt
     TOKENS_DO_NOT_CHAIN = "tokens_do_not_chain"
+    #: the digest parent's tokens are a prefix of the call's prompt, its images are not the
+    #: call's images at the same places
+    IMAGES_DIFFER = "images_differ"
     #: a refusal or miss, then linked to the deepest token-exact ancestor (see ``cause``)
     PREFIX_LINKED = "prefix_linked"
     #: a text an adapter gave (its resolution failed); nothing is decided by it
@@ -95,6 +98,10 @@ NOTE_PARENT = Reason(
 )
 CALL_INCOMPLETE = Reason(ReasonKind.CALL_INCOMPLETE, "call has no complete token data to verify")
 PARENT_INCOMPLETE = Reason(ReasonKind.PARENT_INCOMPLETE, "parent has no complete token data")
+IMAGES_DIFFER = Reason(
+    ReasonKind.IMAGES_DIFFER,
+    "the parent's tokens chain but its images are not the call's at the same places",
+)
 
 
 def model_scope(models: Iterable[str], model: str | None) -> Reason:

@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from capture_proxy.core.linking.commands import (
     Detokenize,
     FindPrefixAncestor,
@@ -28,11 +30,13 @@ from capture_proxy.core.linking.digests import (
     child_digest_after,
     extends_by_digest,
     linking_items,
+    trailing_images,
 )
 from capture_proxy.core.linking.mismatch import DecodedTexts, Mismatch, classify_mismatch
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import (
     CALL_INCOMPLETE,
+    IMAGES_DIFFER,
     PARENT_INCOMPLETE,
     Reason,
     ReasonKind,
@@ -43,6 +47,7 @@ from capture_proxy.core.linking.verdicts import (
 )
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.core.splice import SpliceRefused, check_extension
+from capture_proxy.families.vision import IMAGE_PAD_ID
 
 #: Reasons of an unresolved verdict after which a token-exact ancestor may still be linked (a
 #: history no call matched for a named reason; not the source_history refusal of a note
@@ -108,6 +113,10 @@ def verify_step(
                 record.rollout_id, record.prompt_token_ids, record.model, record.call_id
             )
         )
+        if ancestor is not None and may_carry_images(record):
+            found = yield from ask(ReadParent(ancestor))
+            if found is None or not images_agree(found, record):
+                ancestor = None  # the same tokens, other images: no link
         if ancestor is not None:
             reason = prefix_linked(verdict, reason)
             verdict, parent_call_id = Verdict.PREFIX, ancestor
@@ -209,6 +218,13 @@ def check_tokens(
         record.prompt_token_ids,
         history_unchanged=unchanged,
     )
+    if mismatch is None and not images_agree(parent, record):
+        return TokenCheck(
+            Verdict.REFUSED,
+            IMAGES_DIFFER,
+            None,
+            {"parent_call_id": parent_id, "reason": "the same tokens, other images"},
+        )
     if mismatch is None:
         return TokenCheck(Verdict.RESOLVED, None, parent_id)
     texts = None
@@ -280,6 +296,29 @@ def history_unchanged(parent: CallRecord, linking_messages: Sequence[Mapping[str
     return True
 
 
+def _image_spans(record: CallRecord, limit: int | None = None) -> list[tuple[Any, Any, Any]]:
+    return [
+        (e.get("sha256"), e.get("prompt_start"), e.get("prompt_end"))
+        for e in record.images or []
+        if limit is None or (e.get("prompt_start") is not None and e["prompt_start"] < limit)
+    ]
+
+
+def images_agree(parent: CallRecord, child: CallRecord) -> bool:
+    """The child's images within the parent's prompt + generation are the parent's images,
+    at the same spans: tokens alone cannot tell two images of one size apart."""
+    if not parent.images and not child.images:
+        return True
+    limit = parent.num_prompt_tokens + parent.num_generation_tokens
+    return _image_spans(child, limit) == _image_spans(parent)
+
+
+def may_carry_images(record: CallRecord) -> bool:
+    """The record has images, or its prompt holds an image token (a Qwen-VL placeholder): a
+    token-exact ancestor must then also have the same images."""
+    return bool(record.images) or bool(np.any(record.prompt_token_ids == IMAGE_PAD_ID))
+
+
 def may_prefix_link(verdict: Verdict, reason: Reason | None, record: CallRecord) -> bool:
     """A refused link, or a history no call matched for a named reason (not the
     source_history refusal of a note parent, which asks for a new chain)."""
@@ -319,6 +358,9 @@ def _child_digest(
 ) -> str | None:
     if record.response_message is None:
         return None
+    if trailing_images(linking_messages):
+        # The images after the last turn are in the child digest, not in the parent digest.
+        return child_digest(linking_messages, record.response_message)
     if resolution.parent_digest is not None or not linking_items(linking_messages):
         # The request's own digest (history_digest of these messages): one more step.
         return child_digest_after(resolution.parent_digest, record.response_message)

@@ -11,10 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from capture_proxy.core.chains import build_chains
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.view import tokens
 from capture_proxy.core.view.call_tree import RefusedLink, refused_link
+from capture_proxy.core.weight_versions import path_versions, spans_of
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class CallPlan:
     page: tokens.Page
     refused: RefusedLink | None
     refused_parent: CallRecord | None
+    #: the path's weight versions, ``core.weight_versions.path_versions``
+    versions: tuple[list[str], np.ndarray]
 
     def token_ids(self) -> set[int]:
         """Ids whose text the page shows."""
@@ -46,6 +51,10 @@ class CallView:
     role_counts: dict[str, int]
     bucket_counts: list[int]
     diff: tokens.LinkDiff | None
+    #: ``(version, num_tokens, slot)`` generated on the path, oldest first
+    version_counts: list[tuple[str, int, int]]
+    #: the call's own spans, ``(version, start, end, slot)`` over its generation
+    own_spans: list[tuple[str, int, int, int]]
 
 
 def ancestors_of(call_id: str, parent_of: Mapping[str, str | None]) -> list[str]:
@@ -87,6 +96,7 @@ def plan_call(
         page=all_pages[number - 1],
         refused=refused,
         refused_parent=refused_parent,
+        versions=path_versions([*ancestors, record]),
     )
 
 
@@ -100,10 +110,18 @@ def call_view(plan: CallPlan, texts: Mapping[int, str] | None) -> CallView:
             plan.refused.mismatch_class,
             texts,
         )
+    table = plan.versions[0]
     return CallView(
         plan=plan,
-        spans=tokens.spans(plan.record, plan.layout, plan.page.start, plan.page.end, texts),
+        spans=tokens.spans(
+            plan.record, plan.layout, plan.page.start, plan.page.end, texts, plan.versions
+        ),
         role_counts=tokens.role_counts(plan.layout),
         bucket_counts=tokens.bucket_counts(plan.record),
         diff=diff,
+        version_counts=tokens.version_counts(plan.versions),
+        own_spans=[
+            (v, start, end, table.index(v) % tokens.VERSION_SLOTS)
+            for v, start, end in spans_of(plan.record)
+        ],
     )

@@ -10,6 +10,7 @@ SGLang's ``managers/io_struct.py`` (``GenerateReqInput``), ``detokenizer_manager
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -25,9 +26,11 @@ from capture_proxy.scripted_engine.tokens_in import wire
 from capture_proxy.scripted_engine.tokens_in.tokens_out import (
     TokensOut,
     alternates,
+    record_abort,
     record_call,
     run_generation,
 )
+from capture_proxy.scripted_engine.weights import Sampler, sampler
 
 
 class SglangError(ValueError):
@@ -44,24 +47,35 @@ def _sglang_logprobs(
     return [[lp, tid, tok.decode([tid]) if with_text else None] for tid, lp in pairs]
 
 
+def _finish(out: TokensOut) -> dict[str, Any]:
+    """SGLang's ``meta_info.finish_reason`` (``FINISH_LENGTH`` / ``FINISH_MATCHED_*`` /
+    ``FINISH_ABORT`` ``to_json()``)."""
+    if out.finish == "length":
+        return {"type": "length", "length": len(out.ids)}
+    if out.finish == "abort":
+        return {"type": "abort", "message": "Abort before weight update.", "status_code": None}
+    return {"type": "stop", "matched": out.matched}
+
+
 def _sglang_meta(
-    app: web.Application, out: TokensOut, k: int, rid: str, opts: dict[str, Any], t0: float
+    app: web.Application,
+    out: TokensOut,
+    k: int,
+    rid: str,
+    opts: dict[str, Any],
+    t0: float,
+    walk: Sampler,
 ) -> dict[str, Any]:
-    """``meta_info`` after token ``k`` (cumulative, as SGLang sends by default)."""
+    """``meta_info`` after token ``k`` (cumulative, as SGLang sends by default);
+    ``weight_version``: the engine's version when it is sent."""
     tok = app[FAMILY]
     done = k == len(out.ids) - 1
-    finish: dict[str, Any] | None = None
-    if done:
-        finish = (
-            {"type": "length", "length": len(out.ids)}
-            if out.finish == "length"
-            else {"type": "stop", "matched": out.matched}
-        )
+    spans = walk.spans
     meta: dict[str, Any] = {
         "id": rid,
-        "finish_reason": finish,
+        "finish_reason": _finish(out) if done else None,
         "prompt_tokens": len(out.prompt),
-        "weight_version": "default",
+        "weight_version": spans[-1]["version"] if spans else walk.version,
     }
     if opts["return_logprob"]:
         start, top, with_text = opts["logprob_start_len"], opts["top_logprobs_num"], opts["text"]
@@ -109,7 +123,7 @@ def _sglang_opts(app: web.Application, body: dict[str, Any]) -> tuple[list[int],
             raise SglangError(
                 f"The input_ids {ids} contains values greater than the vocab size ({vocab})."
             )
-        prompt = list(ids)
+        prompt = wire.expand_images(app, list(ids), body.get("image_data"), "image_data", f)
     elif isinstance(text, str) and text:
         prompt = list(tok.encode(text, add_special_tokens=False))
     else:
@@ -165,7 +179,9 @@ async def sglang_generate(request: web.Request) -> web.StreamResponse:
     (``max_new_tokens`` default 128, ``temperature``, ``top_p``, ``stop``,
     ``stop_token_ids``, ``skip_special_tokens``, ``no_stop_trim``), ``return_logprob``,
     ``logprob_start_len`` (-1: output only), ``top_logprobs_num``,
-    ``return_text_in_logprobs``, ``stream``, ``rid``, ``return_routed_experts`` (MoE mode).
+    ``return_text_in_logprobs``, ``stream``, ``rid``, ``return_routed_experts`` (MoE mode),
+    ``image_data`` (base64 ``data:`` URLs, in prompt order: one ``<|image_pad|>`` per image in
+    ``input_ids``, expanded as a Qwen-VL processor does).
     Answers ``{text, output_ids, meta_info}``; streams ``data:`` chunks whose ``text``,
     ``output_ids`` and log probs are cumulative (SGLang's default), or deltas with
     ``sglang_incremental_streaming``; then ``data: [DONE]``."""
@@ -182,6 +198,22 @@ async def sglang_generate(request: web.Request) -> web.StreamResponse:
             raise SglangError("return_routed_experts needs --enable-return-routed-experts")
     except SglangError as e:
         return wire.json_response({"error": {"message": str(e)}}, status=400)
+    walk = sampler(app)
+    await walk.admit()
+    try:
+        return await _generate(request, body, prompt, opts, walk)
+    finally:
+        await walk.finish()
+
+
+async def _generate(
+    request: web.Request,
+    body: dict[str, Any],
+    prompt: list[int],
+    opts: dict[str, Any],
+    walk: Sampler,
+) -> web.StreamResponse:
+    app = request.app
     t0 = time.monotonic()
     out = run_generation(
         app,
@@ -197,25 +229,54 @@ async def sglang_generate(request: web.Request) -> web.StreamResponse:
         opts["routed_experts"] = wire.moe_rows(
             app, out, opts["routed_experts_start_len"], "routed_experts_start_len", SglangError
         )
-    record_call(app, body, out, opts["stream"])
-    rid, last = opts["rid"], len(out.ids) - 1
+    index = record_call(app, body, out, opts["stream"])
+    rid = opts["rid"]
     if not opts["stream"]:
-        meta = _sglang_meta(app, out, last, rid, opts, t0)
+        done = await walk.walk(len(out.ids))
+        if done < len(out.ids):
+            out = record_abort(app, index, out.aborted(done))
+        meta = _sglang_meta(app, out, len(out.ids) - 1, rid, opts, t0, walk)
         return wire.json_response({"text": out.text, "output_ids": out.ids, "meta_info": meta})
+
+    def on_abort(k: int) -> list[wire.Event]:
+        cut = record_abort(app, index, out.aborted(k))
+        meta = _sglang_meta(app, cut, k - 1, rid, opts, t0, walk)
+        meta["finish_reason"] = _finish(cut)
+        if app[CONFIG].sglang_incremental_streaming:
+            for key in ("output_token_logprobs", "output_top_logprobs"):
+                if key in meta:
+                    meta[key] = []
+            return [{"text": "", "output_ids": [], "meta_info": meta}]
+        return [{"text": cut.text, "output_ids": cut.ids, "meta_info": meta}]
+
+    events = _stream_events(app, out, rid, opts, t0, walk)
+    return await wire.sse(request, events, wire.Gate(walk, len(out.ids), on_abort))
+
+
+def _stream_events(
+    app: web.Application,
+    out: TokensOut,
+    rid: str,
+    opts: dict[str, Any],
+    t0: float,
+    walk: Sampler,
+) -> list[wire.Event]:
+    """One chunk per token, made when it is sent (its ``meta_info`` names the version then):
+    cumulative (SGLang's default) or deltas (``sglang_incremental_streaming``)."""
     incremental = app[CONFIG].sglang_incremental_streaming
-    events: list[dict[str, Any]] = []
-    sent_text, sent_lp = "", 0
-    for k in range(len(out.ids)):
+    last = len(out.ids) - 1
+    sent = [""]  # the text sent so far (incremental)
+
+    def event(k: int) -> dict[str, Any]:
         text = out.text if k == last else out.texts[k]
-        meta = _sglang_meta(app, out, k, rid, opts, t0)
+        meta = _sglang_meta(app, out, k, rid, opts, t0, walk)
         if not incremental:
-            events.append({"text": text, "output_ids": out.ids[: k + 1], "meta_info": meta})
-            continue
-        delta = text[len(sent_text) :] if len(text) > len(sent_text) else ""
-        sent_text = text if len(text) > len(sent_text) else sent_text
+            return {"text": text, "output_ids": out.ids[: k + 1], "meta_info": meta}
         for key in ("output_token_logprobs", "output_top_logprobs"):
             if key in meta:
-                meta[key] = meta[key][sent_lp:]
-        sent_lp = k + 1
-        events.append({"text": delta, "output_ids": [out.ids[k]], "meta_info": meta})
-    return await wire.sse(request, events)
+                meta[key] = meta[key][k:]
+        delta = text[len(sent[0]) :] if len(text) > len(sent[0]) else ""
+        sent[0] = text if len(text) > len(sent[0]) else sent[0]
+        return {"text": delta, "output_ids": [out.ids[k]], "meta_info": meta}
+
+    return [functools.partial(event, k) for k in range(len(out.ids))]

@@ -9,6 +9,7 @@ call in ``SENT_CALLS``. Must not: know any dialect's wire shape.
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy.families.qwen_vocab import SPECIAL_START_ID
+from capture_proxy.scripted_engine.continuations import continued_generation, remember_generation
 from capture_proxy.scripted_engine.generation import Generation
 from capture_proxy.scripted_engine.state import CONFIG, FAMILY, SENT_CALLS, SentCall
 
@@ -32,12 +34,36 @@ class TokensOut:
     log_probs: list[float]
     texts: list[str]
     text: str
-    finish: str  # "stop" | "length"
+    finish: str  # "stop" | "length" | "abort"
     matched: int | str | None
+
+    def aborted(self, num_tokens: int) -> TokensOut:
+        """The first ``num_tokens`` tokens only, finish ``"abort"`` (a pause in abort mode:
+        vLLM ends the request with what it has)."""
+        texts = self.texts[:num_tokens]
+        return TokensOut(
+            self.prompt,
+            self.ids[:num_tokens],
+            self.log_probs[:num_tokens],
+            texts,
+            texts[-1] if texts else "",
+            "abort",
+            None,
+        )
 
 
 def scripted_generation(app: web.Application, prompt: list[int]) -> Generation:
-    """The full (untruncated) generation the chat endpoint would give for this prompt."""
+    """The full (untruncated) generation the chat endpoint would give for this prompt (the
+    rest of an earlier one when ``prompt`` continues it)."""
+    continued = continued_generation(app, prompt)
+    if continued is not None:
+        return continued
+    gen = _fresh_generation(app, prompt)
+    remember_generation(app, prompt, gen)
+    return gen
+
+
+def _fresh_generation(app: web.Application, prompt: list[int]) -> Generation:
     cfg, family = app[CONFIG], app[FAMILY]
     messages, tools = family.read_prompt(prompt)
     seed = hashlib.sha256(json.dumps(prompt).encode()).hexdigest()
@@ -115,9 +141,22 @@ def _find_stop(text: str, new_from: int, stop: list[str]) -> tuple[int, str] | N
     return best
 
 
-def record_call(app: web.Application, body: dict[str, Any], out: TokensOut, stream: bool) -> None:
-    """Append the call to the app's ``SENT_CALLS`` (what tests compare against)."""
+def record_call(app: web.Application, body: dict[str, Any], out: TokensOut, stream: bool) -> int:
+    """Append the call to the app's ``SENT_CALLS`` (what tests compare against); its index."""
     app[SENT_CALLS].append(SentCall(body, out.prompt, out.ids, out.log_probs, stream, out.finish))
+    return len(app[SENT_CALLS]) - 1
+
+
+def record_abort(app: web.Application, index: int, cut: TokensOut) -> TokensOut:
+    """The call at ``index`` of ``SENT_CALLS`` was aborted: it holds what was sent (``cut``)."""
+    sent = app[SENT_CALLS][index]
+    app[SENT_CALLS][index] = dataclasses.replace(
+        sent,
+        generation_token_ids=cut.ids,
+        generation_log_probs=cut.log_probs,
+        finish_reason=cut.finish,
+    )
+    return cut
 
 
 def alternates(token_id: int, logprob: float, n: int) -> list[tuple[int, float]]:

@@ -21,14 +21,16 @@ from aiohttp import web
 
 from capture_proxy.scripted_engine.families import EngineFamily
 from capture_proxy.scripted_engine.moe import vllm_routed_experts
-from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError
+from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError, check_model
 from capture_proxy.scripted_engine.tokens_in import wire
 from capture_proxy.scripted_engine.tokens_in.tokens_out import (
     TokensOut,
     alternates,
+    record_abort,
     record_call,
     run_generation,
 )
+from capture_proxy.scripted_engine.weights import Sampler, sampler
 
 
 def vllm_fail(message: str, param: str | None = None) -> RequestError:
@@ -244,11 +246,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
     (default 16), ``temperature``/``top_p``/``seed`` (accepted; the script decides),
     ``stop``, ``stop_token_ids``, ``include_stop_str_in_output``, ``logprobs`` (int),
     ``return_token_ids``, ``return_tokens_as_token_ids``, ``skip_special_tokens`` (default
-    true), ``echo`` false only, ``n`` 1 only, ``stream`` + ``stream_options.include_usage``."""
+    true), ``echo`` false only, ``n`` 1 only, ``stream`` + ``stream_options.include_usage``.
+    Under a pause (``weights``) it waits to be scheduled, holds or ends ``"abort"``."""
     app = request.app
     body = await wire.read_json(request, vllm_fail)
     wire.check_fault(app)
     opts = _completion_options(app, body)
+    check_model(app, body)
+    walk = sampler(app)
+    await walk.admit()
+    try:
+        return await _complete(request, body, opts, walk)
+    finally:
+        await walk.finish()
+
+
+async def _complete(
+    request: web.Request, body: dict[str, Any], opts: _CompletionOptions, walk: Sampler
+) -> web.StreamResponse:
+    app = request.app
     limit = app[CONFIG].max_model_len - len(opts.prompt)
     out = run_generation(
         app,
@@ -259,7 +275,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         skip_special_tokens=opts.skip_special_tokens,
         keep_stop=opts.keep_stop,
     )
-    record_call(app, body, out, opts.stream)
+    index = record_call(app, body, out, opts.stream)
     stop_reason = None if out.matched in app[FAMILY].stop_ids else out.matched
     head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
@@ -268,8 +284,29 @@ async def completions(request: web.Request) -> web.StreamResponse:
         "model": app[CONFIG].model_name,
     }
     if not opts.stream:
+        done = await walk.walk(len(out.ids))
+        if done < len(out.ids):
+            out = record_abort(app, index, out.aborted(done))
         return wire.json_response(_completion_json(app, body, opts, out, head, stop_reason))
-    return await wire.sse(request, _completion_events(app, opts, out, head, stop_reason))
+
+    def on_abort(k: int) -> list[wire.Event]:
+        cut = record_abort(app, index, out.aborted(k))
+        last = {
+            "index": 0,
+            "text": "",
+            "logprobs": None,
+            "finish_reason": "abort",
+            "stop_reason": None,
+            "prompt_token_ids": opts.prompt if opts.return_token_ids and k == 0 else None,
+            "token_ids": [] if opts.return_token_ids else None,
+        }
+        events: list[wire.Event] = [{**head, "choices": [last]}]
+        if opts.include_usage:
+            events.append({**head, "choices": [], "usage": wire.usage(cut)})
+        return events
+
+    events = _completion_events(app, opts, out, head, stop_reason)
+    return await wire.sse(request, events, wire.Gate(walk, len(out.ids), on_abort))
 
 
 # ------------------------------------------------------------------- /inference/v1/generate
@@ -296,14 +333,17 @@ def _generate_json(
     out: TokensOut,
     n_lp: int | None,
     request_id: str,
+    spans: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The non-streamed answer of ``/inference/v1/generate``."""
+    """The non-streamed answer of ``/inference/v1/generate`` (``weight_versions``: the spans
+    of the versions that sampled the tokens, ``vllm/outputs.py`` ``WeightVersionSpan``)."""
     choice: dict[str, Any] = {
         "index": 0,
         "logprobs": None if n_lp is None else _chat_logprobs(out, 0, len(out.ids), n_lp),
         "finish_reason": out.finish,
         "token_ids": out.ids,
         "routed_experts": None,
+        "weight_versions": spans,
     }
     if app[CONFIG].moe is not None:
         start = body.get("routed_experts_prompt_start", 0)
@@ -321,10 +361,11 @@ def _generate_json(
 
 
 def _generate_events(
-    out: TokensOut, n_lp: int | None, request_id: str, include_usage: bool
-) -> list[dict[str, Any]]:
-    """The stream's chunks of ``/inference/v1/generate``: one per token, then usage."""
-    events: list[dict[str, Any]] = []
+    out: TokensOut, n_lp: int | None, request_id: str, include_usage: bool, walk: Sampler
+) -> list[wire.Event]:
+    """The stream's chunks of ``/inference/v1/generate``: one per token (the last one with
+    ``weight_versions``, made when it is sent), then usage."""
+    events: list[wire.Event] = []
     for k, tid in enumerate(out.ids):
         last = k == len(out.ids) - 1
         choice = {
@@ -333,30 +374,40 @@ def _generate_events(
             "finish_reason": out.finish if last else None,
             "token_ids": [tid],
             "routed_experts": None,
+            "weight_versions": None,
         }
-        events.append({"request_id": request_id, "choices": [choice], "usage": None})
+        event = {"request_id": request_id, "choices": [choice], "usage": None}
+        if last:
+
+            def with_spans(event: dict[str, Any] = event) -> dict[str, Any]:
+                event["choices"][0]["weight_versions"] = walk.spans
+                return event
+
+            events.append(with_spans)
+        else:
+            events.append(event)
     if include_usage:
         events.append({"request_id": request_id, "choices": [], "usage": wire.usage(out)})
     return events
 
 
-async def inference_generate(request: web.Request) -> web.StreamResponse:
-    """``POST /inference/v1/generate`` (vLLM tokens in, tokens out): ``token_ids``,
-    ``sampling_params`` (vLLM ``SamplingParams``: ``max_tokens`` (default: what fits),
-    ``temperature``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
-    ``include_stop_str_in_output``, ``logprobs`` (int), ``n`` 1 only; others ignored),
-    ``model``, ``request_id``, ``stream``, ``stream_options.include_usage``."""
-    app = request.app
-    body = await wire.read_json(request, vllm_fail)
-    wire.check_fault(app)
+def _generate_options(app: web.Application, body: dict[str, Any]) -> dict[str, Any]:
+    """The validated options of a ``/inference/v1/generate`` body. Raises RequestError."""
     f = vllm_fail
     vocab = len(app[FAMILY])
     ids = body.get("token_ids")
     if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < vocab for t in ids)):
         raise RequestError("token_ids must be a non-empty list of token ids", "token_ids")
+    parts = body.get("content_parts") or []
+    if not isinstance(parts, list) or any(
+        not isinstance(p, dict) or p.get("type") != "image_url" for p in parts
+    ):
+        raise RequestError("content_parts must be a list of image_url parts", "content_parts")
+    ids = wire.expand_images(app, ids, [p.get("url") for p in parts], "content_parts", f)
     sp = body.get("sampling_params")
     if not isinstance(sp, dict):
         raise RequestError("sampling_params is required and must be an object", "sampling_params")
+    check_model(app, body)
     if sp.get("n", 1) != 1:
         raise RequestError("only n=1 is supported", "sampling_params.n")
     max_tokens = sp.get("max_tokens")
@@ -371,20 +422,87 @@ async def inference_generate(request: web.Request) -> web.StreamResponse:
     limit = app[CONFIG].max_model_len - len(ids)
     if limit <= 0:
         _vllm_prompt_len_check(app, ids, None)
-    out = run_generation(
-        app,
-        list(ids),
-        max_tokens=min(max_tokens or limit, limit),
-        stop=wire.stop_list(sp.get("stop"), "sampling_params.stop", f),
-        stop_token_ids=wire.id_list(
+    return {
+        "prompt": list(ids),
+        "max_tokens": min(max_tokens or limit, limit),
+        "stop": wire.stop_list(sp.get("stop"), "sampling_params.stop", f),
+        "stop_token_ids": wire.id_list(
             sp.get("stop_token_ids"), "sampling_params.stop_token_ids", vocab, f
         ),
-        skip_special_tokens=wire.field(sp, "skip_special_tokens", "bool", True, f),
-        keep_stop=wire.field(sp, "include_stop_str_in_output", "bool", False, f),
+        "skip_special_tokens": wire.field(sp, "skip_special_tokens", "bool", True, f),
+        "keep_stop": wire.field(sp, "include_stop_str_in_output", "bool", False, f),
+        "logprobs": n_lp,
+        "stream": stream,
+        "include_usage": so.get("include_usage") is True,
+    }
+
+
+async def inference_generate(request: web.Request) -> web.StreamResponse:
+    """``POST /inference/v1/generate`` (vLLM tokens in, tokens out): ``token_ids``,
+    ``sampling_params`` (vLLM ``SamplingParams``: ``max_tokens`` (default: what fits),
+    ``temperature``, ``top_p``, ``seed``, ``stop``, ``stop_token_ids``,
+    ``include_stop_str_in_output``, ``logprobs`` (int), ``n`` 1 only; others ignored),
+    ``model``, ``request_id``, ``stream``, ``stream_options.include_usage``, and
+    ``content_parts`` (``[{"type": "image_url", "url": <data: URL>}]``: one ``<|image_pad|>``
+    per image in ``token_ids``, expanded as vLLM's processor does) with ``return_token_ids``
+    (the expanded prompt ids and ``mm_placeholders`` in the answer). The last choice carries
+    ``weight_versions``; under a pause it waits to be scheduled, holds or ends ``"abort"``."""
+    app = request.app
+    body = await wire.read_json(request, vllm_fail)
+    wire.check_fault(app)
+    opts = _generate_options(app, body)
+    walk = sampler(app)
+    await walk.admit()
+    try:
+        return await _generate(request, body, opts, walk)
+    finally:
+        await walk.finish()
+
+
+async def _generate(
+    request: web.Request, body: dict[str, Any], opts: dict[str, Any], walk: Sampler
+) -> web.StreamResponse:
+    app = request.app
+    out = run_generation(
+        app,
+        opts["prompt"],
+        max_tokens=opts["max_tokens"],
+        stop=opts["stop"],
+        stop_token_ids=opts["stop_token_ids"],
+        skip_special_tokens=opts["skip_special_tokens"],
+        keep_stop=opts["keep_stop"],
     )
-    record_call(app, body, out, stream)
-    request_id = uuid.uuid4().hex
-    if not stream:
-        return wire.json_response(_generate_json(app, body, out, n_lp, request_id))
-    events = _generate_events(out, n_lp, request_id, so.get("include_usage") is True)
-    return await wire.sse(request, events)
+    index = record_call(app, body, out, opts["stream"])
+    request_id, n_lp = uuid.uuid4().hex, opts["logprobs"]
+    echo = None
+    if wire.field(body, "return_token_ids", "bool", False, vllm_fail):
+        prompt = opts["prompt"]
+        echo = {"prompt_token_ids": prompt, "mm_placeholders": wire.placeholders(prompt)}
+    if not opts["stream"]:
+        done = await walk.walk(len(out.ids))
+        if done < len(out.ids):
+            out = record_abort(app, index, out.aborted(done))
+        whole = _generate_json(app, body, out, n_lp, request_id, walk.spans)
+        return wire.json_response({**whole, **(echo or {})})
+
+    def on_abort(k: int) -> list[wire.Event]:
+        cut = record_abort(app, index, out.aborted(k))
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None if n_lp is None else {"content": []},
+            "finish_reason": "abort",
+            "token_ids": [],
+            "routed_experts": None,
+            "weight_versions": walk.spans,
+        }
+        events: list[wire.Event] = [{"request_id": request_id, "choices": [choice], "usage": None}]
+        if opts["include_usage"]:
+            events.append({"request_id": request_id, "choices": [], "usage": wire.usage(cut)})
+        return events
+
+    events = _generate_events(out, n_lp, request_id, opts["include_usage"], walk)
+    if echo is not None and events:
+        first = events[0]
+        assert isinstance(first, dict)  # (the last chunk alone is made when sent)
+        events[0] = {**first, **echo}  # vLLM: in the first chunk only
+    return await wire.sse(request, events, wire.Gate(walk, len(out.ids), on_abort))

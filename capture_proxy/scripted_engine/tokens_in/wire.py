@@ -8,14 +8,21 @@ every tokens-in endpoint in one place. Must not: know one dialect's request or a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.families.vision import IMAGE_PAD_ID, expand_image_pads, image_sizes
 from capture_proxy.scripted_engine.moe import expert_rows
 from capture_proxy.scripted_engine.state import CONFIG, RequestError
 from capture_proxy.scripted_engine.tokens_in.tokens_out import TokensOut
+from capture_proxy.scripted_engine.weights import Sampler
+
+#: one SSE event: its JSON object, or a function that makes it when it is sent (a last chunk
+#: that names what is known only then: the weight versions of every token)
+Event = dict[str, Any] | Callable[[], dict[str, Any]]
 
 
 def field(
@@ -82,19 +89,45 @@ def usage(out: TokensOut) -> dict[str, int]:
     return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c}
 
 
-async def sse(request: web.Request, events: list[dict[str, Any]]) -> web.StreamResponse:
+@dataclass(frozen=True)
+class Gate:
+    """A stream's tokens under the engine's pause rules: events ``0 .. num_tokens - 1`` are
+    the tokens'; before each, ``sampler.next_token(k)``; on an abort ``on_abort(k)`` is sent
+    in place of the rest (the usage after the tokens included)."""
+
+    sampler: Sampler
+    num_tokens: int
+    on_abort: Callable[[int], list[Event]]
+
+
+async def sse(
+    request: web.Request, events: Sequence[Event], gate: Gate | None = None
+) -> web.StreamResponse:
     """Stream ``events`` as ``data:`` lines, then ``data: [DONE]`` (in ``sse_fragment_bytes``
-    pieces when set)."""
+    pieces when set), the tokens' events through ``gate`` when given."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
     step = request.app[CONFIG].sse_fragment_bytes
-    for obj in [*events, None]:
-        data = "[DONE]" if obj is None else json.dumps(obj, ensure_ascii=False)
+
+    async def send(event: Event | str) -> None:
+        data = (
+            event
+            if isinstance(event, str)
+            else json.dumps(event() if callable(event) else event, ensure_ascii=False)
+        )
         raw = f"data: {data}\n\n".encode()
         for i in range(0, len(raw), step or len(raw)):
             await resp.write(raw[i : i + (step or len(raw))])
+
+    for k, obj in enumerate(events):
+        if gate is not None and k < gate.num_tokens and not await gate.sampler.next_token(k):
+            for extra in gate.on_abort(k):
+                await send(extra)
+            break
+        await send(obj)
+    await send("[DONE]")
     await resp.write_eof()
     return resp
 
@@ -118,3 +151,49 @@ def moe_rows(
     moe = app[CONFIG].moe
     assert moe is not None
     return expert_rows(out.prompt + out.ids, moe, start)
+
+
+def expand_images(
+    app: web.Application,
+    ids: list[int],
+    urls: Any,
+    key: str,
+    fail: Callable[[str, str], Exception],
+) -> list[int]:
+    """A tokens-in prompt (one ``<|image_pad|>`` per image) with each image's placeholder
+    expanded as vLLM's Qwen-VL processor does, for the images of ``urls`` (base64 ``data:``
+    URLs, in prompt order; none: ``ids`` as they are). Raises ``fail(message, key)``: a model
+    without an image processor, an image that cannot be read, another number of placeholders
+    than images."""
+    if not urls:
+        return ids
+    vision = app[CONFIG].vision
+    if vision is None:
+        raise fail("this model takes no image input", key)
+    if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+        raise fail(f"{key} must be a list of image URLs", key)
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    try:
+        sizes = image_sizes([{"role": "user", "content": parts}])
+        return expand_image_pads(ids, sizes, vision)
+    except (ValueError, OSError) as exc:
+        raise fail(f"{key}: {exc}", key) from exc
+
+
+def placeholders(ids: list[int]) -> dict[str, list[dict[str, int]]] | None:
+    """vLLM's ``mm_placeholders`` of an expanded prompt: each image's ``offset`` (its first
+    ``<|image_pad|>``) and ``length``; None without images."""
+    runs = [{"offset": start, "length": end - start} for start, end in _pad_runs(ids)]
+    return {"image": runs} if runs else None
+
+
+def _pad_runs(ids: list[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    start = None
+    for i, tid in enumerate([*ids, -1]):
+        if tid == IMAGE_PAD_ID and start is None:
+            start = i
+        elif tid != IMAGE_PAD_ID and start is not None:
+            out.append((start, i))
+            start = None
+    return out

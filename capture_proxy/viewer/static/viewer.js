@@ -1,4 +1,5 @@
-// The chain viewer's only script: a tooltip for token spans (position, id, log prob).
+// The chain viewer's only script: a tooltip for token spans (position, id, log prob, weight
+// version).
 // Server-rendered pages work without it; no external resources.
 "use strict";
 (function () {
@@ -18,6 +19,7 @@
       lines.push("log prob non-finite");
     }
     for (const cls in roles) if (el.classList.contains(cls)) lines.push(roles[cls]);
+    if (el.dataset.wv !== undefined) lines.push("weight version " + el.dataset.wv);
     if (el.classList.contains("xr")) lines.push("routed experts: row");
     if (el.classList.contains("xm")) lines.push("routed experts: no row");
     return lines.join("\n");

@@ -488,7 +488,11 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
         (_with(messages=_user("text")), "messages.0.content.0"),
         (_with(messages=_user({"text": "x"})), "messages.0.content.0.type"),
         (_with(messages=_user({"type": "text"})), "messages.0.content.0.text"),
-        (_with(messages=_user({"type": "text", "text": "x"}, IMAGE)), "messages.0.content.1.type"),
+        # (parsed without image limits: images are refused, naming the image's data)
+        (
+            _with(messages=_user({"type": "text", "text": "x"}, IMAGE)),
+            "messages.0.content.1.source.data",
+        ),
         (
             _with(messages=_user({"type": "document", "source": {"type": "text", "data": "d"}})),
             "messages.0.content.0.type",
@@ -508,7 +512,7 @@ IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png"
                     }
                 )
             ),
-            "messages.0.content.0.content.1.type",
+            "messages.0.content.0.content.1.source.data",
         ),
         (
             _with(messages=_user({"type": "tool_result", "tool_use_id": "t", "is_error": "yes"})),
@@ -1105,7 +1109,7 @@ def test_count_tokens() -> None:
 def test_count_tokens_refusals() -> None:
     with pytest.raises(InvalidFrontRequest) as info:
         parse_count_tokens({"model": "m", "messages": _user(IMAGE)})
-    assert info.value.param == "messages.0.content.0.type"
+    assert info.value.param == "messages.0.content.0.source.data"  # no image limits given
     with pytest.raises(InvalidFrontRequest) as info:
         parse_count_tokens({"messages": BASE["messages"]})
     assert info.value.param == "model"
@@ -1129,7 +1133,8 @@ def test_count_tokens_refusals() -> None:
         ),
         (
             _with(messages=_user({"type": "tool_result", "tool_use_id": "t", "content": 3})),
-            "messages.0.content.0.content: must be a string or an array of text blocks, not int",
+            "messages.0.content.0.content: must be a string or an array of text and image "
+            "blocks, not int",
         ),
         (_with(tools={}), "tools: must be an array, not dict"),
     ],

@@ -375,8 +375,9 @@ REFUSALS = [
     ({"input": [_user(None)]}, "input.0.content"),
     ({"input": [_user(7)]}, "input.0.content"),
     (
+        # (parsed without image limits: images are refused, naming the image)
         {"input": [_user("a"), _user([{"type": "input_image", "image_url": "data:x"}])]},
-        "input.1.content.0.type",
+        "input.1.content.0.image_url",
     ),
     ({"input": [_user([{"type": "input_file", "file_id": "f"}])]}, "input.0.content.0.type"),
     ({"input": [_user([{"type": "input_text", "text": 1}])]}, "input.0.content.0.text"),
@@ -410,7 +411,7 @@ REFUSALS = [
                 }
             ]
         },
-        "input.0.output.0.type",
+        "input.0.output.0.image_url",
     ),
     ({"input": [{"type": "reasoning", "summary": "x"}]}, "input.0.summary"),
     (
@@ -468,9 +469,9 @@ def test_sampling_at_the_edges_of_its_ranges_is_mapped(sampling: dict[str, Any])
     assert {k: chat[k] for k in sampling} == sampling
 
 
-def test_refused_image_says_only_text_is_captured():
+def test_image_without_limits_is_refused():
     body = codex_body(input=[_user([{"type": "input_image", "image_url": "data:x"}])])
-    with pytest.raises(InvalidFrontRequest, match="only text content can be captured"):
+    with pytest.raises(InvalidFrontRequest, match="images are not accepted here"):
         CODEC.parse(body)
 
 

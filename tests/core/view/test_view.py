@@ -208,3 +208,32 @@ def test_named_rewards_are_shown_by_name():
     assert format_reward(reward_of({"reward": 0.25})) == "0.25"
     assert format_reward(reward_of({"reward": None})) == "–"
     assert reward_of({"reward": {"x": float("nan")}}) is None
+
+
+def test_tokens_carry_the_weight_version_that_sampled_them():
+    records = _rollout()
+    records[0].weight_versions = [{"version": "3", "start": 0, "end": 2}]  # a
+    records[0].weight_version_source = "engine_reported"
+    records[2].weight_versions = [  # c: the update came after its first token
+        {"version": "3", "start": 0, "end": 1},
+        {"version": "4", "start": 1, "end": 2},
+    ]
+    records[2].weight_version_source = "engine_spans"
+    d = records[3]  # d's own versions are unknown
+    view = call_view(plan_call(d, records, None, page_size=100), None)
+    assert [(s.position, s.role.value, s.weight_version, s.version_slot) for s in view.spans] == [
+        (0, "context", None, None),
+        (1, "context", None, None),
+        (2, "ancestor", "3", 0),
+        (3, "ancestor", "3", 0),
+        (4, "context", None, None),
+        (5, "ancestor", "3", 0),
+        (6, "ancestor", "4", 1),
+        (7, "interstitial", None, None),
+        (8, "generation", None, None),
+    ]
+    assert view.version_counts == [("3", 3, 0), ("4", 1, 1)]
+    assert view.own_spans == []
+    c_view = call_view(plan_call(records[2], records, None), None)
+    assert c_view.own_spans == [("3", 0, 1, 0), ("4", 1, 2, 1)]
+    assert [s.weight_version for s in c_view.spans] == [None, None, "3", "3", None, "3", "4"]

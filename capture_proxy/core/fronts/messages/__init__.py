@@ -21,6 +21,7 @@ from capture_proxy.core.fronts.messages.encode import (
 )
 from capture_proxy.core.fronts.messages.parse import parse_count_tokens, parse_request
 from capture_proxy.core.fronts.messages.stream import MessagesStreamEncoder
+from capture_proxy.core.images import ImageLimits
 from capture_proxy.core.known_messages import KnownMessages
 
 
@@ -36,11 +37,14 @@ class MessagesCodec:
         *,
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
+        images: ImageLimits | None = None,
     ) -> FrontRequest:
-        return parse_request(body)
+        return parse_request(body, images=images)
 
-    def parse_count_tokens(self, body: dict[str, Any]) -> FrontRequest:
-        return parse_count_tokens(body)
+    def parse_count_tokens(
+        self, body: dict[str, Any], images: ImageLimits | None = None
+    ) -> FrontRequest:
+        return parse_count_tokens(body, images)
 
     def encode_count_tokens(self, num_tokens: int) -> dict[str, Any]:
         return encode_count_tokens(num_tokens)

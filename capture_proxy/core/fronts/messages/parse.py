@@ -10,9 +10,12 @@ Owns the validation of a Messages body (errors name the field as a dotted path, 
   message. ``cache_control`` anywhere is ignored.
 - a ``system`` message inside ``messages`` (Claude Code's ``# Environment`` block) -> a
   ``system`` message in its place (a string, or ``text`` blocks joined with ``"\\n"``).
-- a ``user`` message -> its blocks in order: a run of ``text`` blocks -> one ``user`` message
-  (joined with ``"\\n"``); each ``tool_result`` -> a ``tool`` message. Only text is captured:
-  ``image``, ``document`` and any other block is refused.
+- a ``user`` message -> its blocks in order: a run of ``text`` and ``image`` blocks -> one
+  ``user`` message (text only: the texts joined with ``"\\n"``; with images: a list of parts,
+  each run of texts joined with ``"\\n"`` into one text part, each image a canonical image part,
+  ``core.images``); each ``tool_result`` -> a ``tool`` message (its ``text`` and ``image``
+  content blocks, the same way). An ``image`` block's ``source`` is ``base64`` (``media_type``,
+  ``data``) or ``url``; a ``file`` source, ``document`` and any other block is refused.
 - ``tool_result.is_error``: chat templates have no place for it, so the tool message's text
   says it: ``"Error: "`` (``TOOL_ERROR_PREFIX``) is put before the result text, and the ids are
   listed in ``MessagesOptions.tool_errors``. The model sees what the harness meant; the
@@ -68,6 +71,7 @@ from capture_proxy.core.fronts.base import (
     tools_not_rendered,
 )
 from capture_proxy.core.fronts.messages.options import MessagesOptions
+from capture_proxy.core.images import ImageCollector, ImageLimits, ImageRefused, joined_content
 
 #: Put before a tool result's text when the harness marked it ``is_error``.
 TOOL_ERROR_PREFIX = "Error: "
@@ -151,9 +155,31 @@ def _texts(blocks: list[Any], path: str) -> str:
 class _Collected:
     """What parsing the messages found besides the canonical messages."""
 
-    def __init__(self) -> None:
+    def __init__(self, images: ImageLimits | None = None) -> None:
         self.tool_errors: list[str] = []
         self.reasoning_hints: list[str] = []
+        self.images = ImageCollector(images)
+
+
+def _image_part(block: dict[str, Any], path: str, role: str, seen: _Collected) -> dict[str, Any]:
+    """An ``image`` block's canonical part (``source``: ``base64`` or ``url``); an image
+    ``core.images`` refuses is named in this front's error style (``path: what``)."""
+    source = _obj(block.get("source"), f"{path}.source")
+    kind = _str(source.get("type"), f"{path}.source.type")
+    try:
+        if kind == "base64":
+            media_type = _str(source.get("media_type"), f"{path}.source.media_type")
+            return seen.images.base64(source.get("data"), media_type, f"{path}.source.data", role)
+        if kind == "url":
+            return seen.images.url(source.get("url"), f"{path}.source.url", role)
+    except ImageRefused as exc:
+        param = exc.param or path
+        text = str(exc).removeprefix(f"'{param}'").removeprefix(":").strip()
+        raise _fail(param, text) from exc
+    raise _fail(
+        f"{path}.source.type",
+        f"must be base64 or url, not {kind!r} (the proxy keeps no uploaded files)",
+    )
 
 
 def _user_messages(content: Any, path: str, seen: _Collected) -> list[ChatMessage]:
@@ -163,38 +189,58 @@ def _user_messages(content: Any, path: str, seen: _Collected) -> list[ChatMessag
     if not blocks:
         raise _fail(f"{path}.content", "must not be empty")
     out: list[ChatMessage] = []
-    texts: list[str] = []
+    parts: list[str | dict[str, Any]] = []
     for j, block in enumerate(blocks):
         p = f"{path}.content.{j}"
         kind = _block_type(block, p)
         if kind == "text":
-            texts.append(_str(block.get("text"), f"{p}.text"))
+            parts.append(_str(block.get("text"), f"{p}.text"))
+        elif kind == "image":
+            parts.append(_image_part(block, p, "user", seen))
         elif kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
-                texts = []
+            if parts:
+                out.append({"role": "user", "content": joined_content(parts)})
+                parts = []
             out.append(_tool_message(block, p, seen))
         else:
-            raise _fail(f"{p}.type", f"only text and tool_result can be captured, not {kind!r}")
-    if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+            raise _fail(
+                f"{p}.type", f"only text, image and tool_result can be captured, not {kind!r}"
+            )
+    if parts:
+        out.append({"role": "user", "content": joined_content(parts)})
     return out
+
+
+def _tool_content(raw: Any, path: str, seen: _Collected) -> Any:
+    """A ``tool_result``'s content: a string, or ``text`` and ``image`` blocks."""
+    if raw is None:
+        return ""
+    if isinstance(raw, str):
+        return raw
+    parts: list[str | dict[str, Any]] = []
+    for j, block in enumerate(_blocks(raw, path, "text and image blocks")):
+        p = f"{path}.{j}"
+        kind = _block_type(block, p)
+        if kind == "text":
+            parts.append(_str(block.get("text"), f"{p}.text"))
+        elif kind == "image":
+            parts.append(_image_part(block, p, "tool", seen))
+        else:
+            raise _fail(f"{p}.type", f"only text and image can be captured, not {kind!r}")
+    return joined_content(parts)
 
 
 def _tool_message(block: dict[str, Any], path: str, seen: _Collected) -> ChatMessage:
     tool_use_id = _str(block.get("tool_use_id"), f"{path}.tool_use_id")
-    raw = block.get("content")
-    if raw is None:
-        text = ""
-    elif isinstance(raw, str):
-        text = raw
-    else:
-        text = _texts(_blocks(raw, f"{path}.content", "text blocks"), f"{path}.content")
+    content = _tool_content(block.get("content"), f"{path}.content", seen)
     is_error = block.get("is_error")
     if is_error is not None and _bool(is_error, f"{path}.is_error"):
         seen.tool_errors.append(tool_use_id)
-        text = TOOL_ERROR_PREFIX + text
-    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+        if isinstance(content, str):
+            content = TOOL_ERROR_PREFIX + content
+        else:
+            content = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *content]
+    return {"role": "tool", "tool_call_id": tool_use_id, "content": content}
 
 
 def _unwrap_arguments(value: dict[str, Any]) -> str:
@@ -408,10 +454,13 @@ def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
     return stream
 
 
-def parse_request(body: Any, *, count_tokens: bool = False) -> FrontRequest:
+def parse_request(
+    body: Any, *, count_tokens: bool = False, images: ImageLimits | None = None
+) -> FrontRequest:
     """A Messages body as a ``FrontRequest`` (``options``: ``MessagesOptions``). With
     ``count_tokens`` a ``count_tokens`` body: no ``max_tokens``, sampling fields and
-    ``stream`` are not read. Raises InvalidFrontRequest naming the first bad field."""
+    ``stream`` are not read. ``images``: what images it may carry (None: refused). Raises
+    InvalidFrontRequest naming the first bad field, ImageRefused (``core.images``)."""
     _obj(body, "body")
     model = _str(body.get("model"), "model")
     if not model:
@@ -423,7 +472,7 @@ def parse_request(body: Any, *, count_tokens: bool = False) -> FrontRequest:
     raw_messages = _list(body.get("messages"), "messages")
     if not raw_messages:
         raise _fail("messages", "must not be empty")
-    seen = _Collected()
+    seen = _Collected(images)
     chat: ChatRequest = {"model": model, "messages": _messages(body, raw_messages, seen)}
     if not count_tokens:
         chat["max_tokens"] = max_tokens
@@ -449,11 +498,17 @@ def parse_request(body: Any, *, count_tokens: bool = False) -> FrontRequest:
         chat["add_generation_prompt"] = False
     received = {k: v for k, v in body.items() if k != "messages"}
     return FrontRequest(
-        Api.MESSAGES, chat, stream, received, options, diagnostics=tools_not_rendered(server_tools)
+        Api.MESSAGES,
+        chat,
+        stream,
+        received,
+        options,
+        diagnostics=tools_not_rendered(server_tools),
+        images=seen.images.result(),
     )
 
 
-def parse_count_tokens(body: dict[str, Any]) -> FrontRequest:
+def parse_count_tokens(body: dict[str, Any], images: ImageLimits | None = None) -> FrontRequest:
     """``POST /v1/messages/count_tokens``: the same shapes as a Messages body, without
     ``max_tokens`` (ignored when present); sampling fields and ``stream`` are not read."""
-    return parse_request(body, count_tokens=True)
+    return parse_request(body, count_tokens=True, images=images)

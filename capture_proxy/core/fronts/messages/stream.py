@@ -222,5 +222,8 @@ class MessagesStreamEncoder(PartsStreamEncoder):
         out.append(_event({"type": "message_stop"}))
         return out
 
-    def error(self, message: str) -> bytes:
-        return _event(anthropic_error_body(message, "api_error"))
+    def error(self, message: str, *, code: str | None = None) -> bytes:
+        """Anthropic's ``error`` event: ``api_error`` for the engine's failure; a proxy error
+        a retry may cure (``code`` given) is ``overloaded_error``, the type of its 503."""
+        error_type = "api_error" if code is None else "overloaded_error"
+        return _event(anthropic_error_body(message, error_type))

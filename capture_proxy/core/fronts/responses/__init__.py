@@ -27,6 +27,7 @@ from capture_proxy.core.fronts.chat import openai_error_body
 from capture_proxy.core.fronts.responses.encode import encode_response
 from capture_proxy.core.fronts.responses.parse import parse_request
 from capture_proxy.core.fronts.responses.stream import ResponsesStream
+from capture_proxy.core.images import ImageLimits
 from capture_proxy.core.known_messages import KnownMessages
 
 
@@ -42,8 +43,9 @@ class ResponsesCodec:
         *,
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
+        images: ImageLimits | None = None,
     ) -> FrontRequest:
-        return parse_request(body, previous)
+        return parse_request(body, previous, images)
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         return encode_response(request, answer)

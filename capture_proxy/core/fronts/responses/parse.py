@@ -11,9 +11,11 @@ and to ``ResponsesOptions``. Pure; must not encode answers (``encode``, ``stream
   messages), ``reasoning`` (-> ``reasoning_content``: the sealed text, then ``content``, then
   ``summary``). Consecutive model-side items (reasoning, assistant message, calls) form ONE
   assistant message, exactly the message the proxy's answer was, so that linking finds the
-  call it continues. Only text is captured: images and files are refused, naming the field;
-  so are items that stand for state the proxy does not keep (``item_reference``) or calls of
-  tools it never offers (hosted tools).
+  call it continues. ``input_image`` parts of user messages and of tool-call outputs are
+  images (``image_url``: a ``data:`` URL or a remote one, ``core.images``; a ``file_id`` is
+  refused: the proxy keeps no uploaded files); files are refused, naming the field; so are
+  items that stand for state the proxy does not keep (``item_reference``) or calls of tools it
+  never offers (hosted tools).
 - ``tools``: ``function`` tools pass; ``custom`` (freeform) tools become a function with one
   string parameter ``input``; ``namespace`` and hosted tools (``web_search``, ...) cannot be
   rendered by a local engine and are left out (``ResponsesOptions.unrendered_tools``, named by
@@ -49,6 +51,7 @@ from capture_proxy.core.fronts.base import (
     tools_not_rendered,
 )
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
+from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of, joined_content
 from capture_proxy.core.requests import arguments_problem
 
 #: The chat parameters a freeform (``custom``) tool is offered under.
@@ -107,10 +110,11 @@ def referenced_response_id(body: Mapping[str, Any]) -> str | None:
     return value
 
 
-def _part_texts(parts: Any, path: str, allowed: frozenset[str]) -> list[str]:
-    """The texts of a list of content parts; anything but text is refused, naming it."""
+def _part_texts(parts: Any, path: str, allowed: frozenset[str], first: int = 0) -> list[str]:
+    """The texts of a list of content parts (numbered from ``first`` in errors); anything but
+    text is refused, naming it."""
     texts = []
-    for i, raw in enumerate(_list(parts, path)):
+    for i, raw in enumerate(_list(parts, path), start=first):
         part = _object(raw, f"{path}.{i}")
         kind = part.get("type")
         if not isinstance(kind, str):
@@ -126,6 +130,35 @@ def _part_texts(parts: Any, path: str, allowed: frozenset[str]) -> list[str]:
                 f"({', '.join(sorted(allowed))} or refusal parts)",
             )
     return texts
+
+
+def _image_part(part: Mapping[str, Any], path: str, role: str, images: ImageCollector) -> Any:
+    """An ``input_image`` part's canonical image part."""
+    detail = detail_of(part.get("detail"), f"{path}.detail")
+    if part.get("image_url") is None and part.get("file_id") is not None:
+        _fail(
+            f"{path}.file_id", "cannot be read: the proxy keeps no uploaded files (send image_url)"
+        )
+    return images.url(part.get("image_url"), f"{path}.image_url", role, detail=detail)
+
+
+def _content_parts(value: Any, path: str, role: str, images: ImageCollector) -> Any:
+    """A user message's or a tool output's content: a string, or text and ``input_image``
+    parts (``core.images.joined_content``)."""
+    if isinstance(value, str):
+        return value
+    if value is None:
+        _fail(path, "is required")
+    if not isinstance(value, list):
+        _fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
+    parts: list[Any] = []
+    for i, raw in enumerate(value):
+        part = _object(raw, f"{path}.{i}")
+        if part.get("type") == "input_image":
+            parts.append(_image_part(part, f"{path}.{i}", role, images))
+        else:
+            parts.extend(_part_texts([raw], path, _TEXT_PARTS, first=i))
+    return joined_content(parts)
 
 
 def _content_text(value: Any, path: str, allowed: frozenset[str]) -> str:
@@ -186,7 +219,7 @@ def _custom_arguments(text: str) -> str:
     return json.dumps({"input": text}, ensure_ascii=False)
 
 
-def _input_messages(items: list[Any]) -> list[ChatMessage]:
+def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessage]:
     messages: list[ChatMessage] = []
     turn = _Turn()
 
@@ -210,13 +243,14 @@ def _input_messages(items: list[Any]) -> list[ChatMessage]:
             # An object or array role is unhashable: test the type before the lookup.
             if not isinstance(role, str) or role not in _ROLES:
                 _fail(f"{path}.role", "must be one of 'system', 'developer', 'user', 'assistant'")
-            text = _content_text(item.get("content"), f"{path}.content", _TEXT_PARTS)
             if role == "assistant":
+                text = _content_text(item.get("content"), f"{path}.content", _TEXT_PARTS)
                 turn.has_message = True
                 turn.texts.append(text)
                 continue
             close_turn()
-            messages.append({"role": _ROLES[role], "content": text})
+            content = _content_parts(item.get("content"), f"{path}.content", role, images)
+            messages.append({"role": _ROLES[role], "content": content})
         elif kind == "reasoning":
             text = _reasoning_text(item, path)
             if text:
@@ -244,7 +278,7 @@ def _input_messages(items: list[Any]) -> list[ChatMessage]:
         elif kind in _TOOL_OUTPUTS:
             close_turn()
             call_id = _string(item, "call_id", path) or ""
-            output = _content_text(item.get("output"), f"{path}.output", _TEXT_PARTS)
+            output = _content_parts(item.get("output"), f"{path}.output", "tool", images)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "item_reference":
             _fail(
@@ -351,7 +385,9 @@ def _with_instructions(
     return [system, *messages]
 
 
-def _input(body: Mapping[str, Any], previous: list[dict[str, Any]] | None) -> list[ChatMessage]:
+def _input(
+    body: Mapping[str, Any], previous: list[dict[str, Any]] | None, images: ImageCollector
+) -> list[ChatMessage]:
     """The canonical messages: the referenced history, ``instructions``, then ``input``."""
     reference = referenced_response_id(body)
     instructions = _string(body, "instructions", "", required=False)
@@ -363,7 +399,7 @@ def _input(body: Mapping[str, Any], previous: list[dict[str, Any]] | None) -> li
     elif isinstance(raw_input, str):
         new = [{"role": "user", "content": raw_input}]
     elif isinstance(raw_input, list):
-        new = _input_messages(raw_input)
+        new = _input_messages(raw_input, images)
     else:
         _fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
     messages = _with_instructions(previous or [], instructions) + new
@@ -450,17 +486,21 @@ def _stream(body: Mapping[str, Any]) -> bool:
 
 
 def parse_request(
-    body: dict[str, Any], previous: list[dict[str, Any]] | None = None
+    body: dict[str, Any],
+    previous: list[dict[str, Any]] | None = None,
+    images: ImageLimits | None = None,
 ) -> FrontRequest:
     """A Responses body as a ``FrontRequest`` (``options``: ``ResponsesOptions``).
-    ``previous``: the canonical messages ``previous_response_id`` stands for. Raises
-    InvalidFrontRequest naming the first bad field, in the order the fields are read below."""
+    ``previous``: the canonical messages ``previous_response_id`` stands for; ``images``: what
+    images it may carry (None: refused). Raises InvalidFrontRequest naming the first bad field,
+    in the order the fields are read below, ImageRefused (``core.images``)."""
     model = body.get("model")
     if model is None:
         _fail("model", "is required")
     if not isinstance(model, str):
         _fail("model", f"must be a string, got {type(model).__name__}")
-    chat: ChatRequest = {"model": model, "messages": _input(body, previous)}
+    collector = ImageCollector(images)
+    chat: ChatRequest = {"model": model, "messages": _input(body, previous, collector)}
     custom, unrendered = _tool_fields(body, chat)
     _sampling_fields(body, chat)
     reasoning, include = _reasoning_fields(body)
@@ -478,4 +518,5 @@ def parse_request(
         received={k: v for k, v in body.items() if k != "input"},
         options=options,
         diagnostics=tools_not_rendered(unrendered),
+        images=collector.result(),
     )

@@ -144,10 +144,11 @@ class ResponsesStream(PartsStreamEncoder):
         out.append(self._event("response.completed", response=completed))
         return out
 
-    def error(self, message: str) -> bytes:
+    def error(self, message: str, *, code: str | None = None) -> bytes:
         """An ``error`` event (the API's) and ``response.failed`` (what Codex acts on: it
-        retries a failed response whose code it does not know)."""
-        error = {"code": "server_error", "message": message}
+        retries a failed response whose code it does not know); ``code``: the proxy's, else
+        ``server_error``."""
+        error = {"code": code or "server_error", "message": message}
         failed = self._shell("failed")
         failed["error"] = error
         return self._event("error", param=None, **error) + self._event(
