@@ -28,6 +28,11 @@ the proxy, every acknowledged call is read back (``GET /captures/rollouts/<id>/c
 previous call, ``missed links`` those left without one; each stored call's generation ids
 must be the ones the engine sent.
 
+``--pin`` gives the target CPUs of its own (one per worker; the others run the engine and the
+clients), as a proxy has in production: on a machine of few cores the engine, the clients and
+the proxy otherwise burst on the same cores at every engine step (every stream's token at
+once), and the target's lag is the scheduler's. With as many workers as CPUs they share all.
+
 ``--rates`` runs the phases at several tokens per second per stream (offered load = open
 streams x rate); targets take turns within each rate. The proxy is saturated when its cores
 reach what it is given (1 per worker) and the tokens/s fall behind the direct phase's.
@@ -42,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -61,10 +67,17 @@ from benchmarks.saturation_procs import (  # noqa: E402
     gaps_quantile,
     histogram_buckets,
     tree_cpu_s,
+    tree_pids,
     tree_pss_kib,
 )
 from benchmarks.saturation_report import report  # noqa: E402
-from benchmarks.services import Service, cli_command, free_port, raise_fd_limit  # noqa: E402
+from benchmarks.services import (  # noqa: E402
+    Service,
+    cli_command,
+    free_port,
+    proc_cpu_s,
+    raise_fd_limit,
+)
 
 HERE = Path(__file__).resolve().parent
 LAG = "capture_proxy_event_loop_lag_seconds"
@@ -102,6 +115,30 @@ def client_argv(args: argparse.Namespace, url: str, name: str, proc: int, out: P
     return argv + ([] if args.stream else ["--no-stream"])
 
 
+def pin(root: int, cpus: set[int]) -> None:
+    """Run ``root``'s process tree (every thread) on ``cpus`` only."""
+    for pid in tree_pids(root):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task.name), cpus)
+
+
+def pin_target(args: argparse.Namespace, name: str, pid: int | None) -> set[int] | None:
+    """``--pin``: the target on its own CPUs (one per worker; the relay and one worker: one),
+    the engine and the clients on the others (when any are left, else with it); the CPUs
+    the engine and the clients get, or None without ``--pin``."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not args.pin or len(cpus) < 2:
+        return None
+    workers = int(name.partition(":")[2] or 1) if name.startswith("proxy") else 1
+    mine = set(cpus[: min(workers, len(cpus))])
+    rest = set(cpus) - mine or set(cpus)
+    if pid is not None:
+        pin(pid, mine)
+    pin(args.engine_pid, rest)
+    return rest
+
+
 async def run_clients(argvs: list[list[str]], work: Path) -> list[Any]:
     procs = [
         await asyncio.create_subprocess_exec(
@@ -127,6 +164,7 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, engine: S
     if svc is not None:
         svc.start()
         await svc.wait_healthy(http, 120)
+    rest = pin_target(args, name, svc.pid if svc is not None else None)
     url = engine.url if svc is None else svc.url
     metrics_url = (
         None
@@ -148,6 +186,8 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, engine: S
         [client_argv(args, url, name, i, outs[i], per[i], rate) for i in range(args.client_procs)],
         work,
     )
+    for p in procs if rest else ():
+        pin(p.pid, rest)
     t0 = time.monotonic()
     w0, w1 = t0 + args.ramp_s + 5, t0 + args.duration_s
     samples: list[tuple[float, int]] = []
@@ -157,6 +197,8 @@ async def phase(args: argparse.Namespace, http: aiohttp.ClientSession, engine: S
         out = {"engine": tree_cpu_s(engine.pid), "clients": sum(tree_cpu_s(p.pid) for p in procs)}
         if svc is not None:
             out["target"] = tree_cpu_s(svc.pid)
+        if name.startswith("proxy:"):  # the supervisor alone: the store's one writer
+            out["writer"] = proc_cpu_s(svc.pid) or 0.0
         return out
 
     timeline: list[tuple[float, float]] = []  # (monotonic s, the target's CPU s so far)
@@ -291,6 +333,7 @@ async def main_async(args: argparse.Namespace) -> int:
     try:
         engine.start()
         await engine.wait_healthy(http, 60)
+        args.engine_pid = engine.pid
         for rate in [float(r) for r in args.rates.split(",")]:
             for rnd in range(args.rounds):
                 for name in args.targets.split(","):
@@ -327,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-procs", type=int, default=1)
     ap.add_argument("--proxy-log-level", default="INFO")
     ap.add_argument("--timeline", action="store_true", help="print per-second figures")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the target on its own CPUs (one per worker), the engine and clients on the rest",
+    )
     ap.add_argument("--json-out", help="write every phase's figures here (JSON)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     return asyncio.run(main_async(ap.parse_args(argv)))

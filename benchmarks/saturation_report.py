@@ -48,6 +48,7 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> int:
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     failed = False
+    notes: list[str] = []
     for (rate, name), r in sorted(by.items(), key=lambda kv: (kv[0][0], kv[1]["target"])):
         cores = r["cores"].get("target")
         tps, cps = r["tokens_per_s"], r["calls_per_s"]
@@ -55,6 +56,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> int:
         errors = sum(r["errors"].values())
         lost = r.get("lost")
         links = f"{r['false_links']}, {r['missed_links']}" if "false_links" in r else "-"
+        writer = r["cores"].get("writer")
+        if writer is not None and cps:
+            notes.append(
+                f"  {name} at {rate:g}: the supervisor (the store's one writer) "
+                f"{writer:.2f} cores, {writer * 1000 / cps:.2f} ms CPU per call"
+            )
         failed |= bool(errors or lost or r.get("false_links") or r.get("missed_links"))
         failed |= bool(r.get("problems"))
         print(
@@ -68,6 +75,8 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> int:
             f"{errors or 0}{' ' + str(r['errors']) if errors else ''} | {_f(lost, '{}')} | "
             f"{links} |"
         )
+    for line in notes:
+        print(line)
     _ratios(by)
     if args.timeline:
         for (rate, name), r in sorted(by.items()):
