@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -214,14 +215,18 @@ def tombstone_sweeper(
     return sweeper
 
 
-def _pool_metrics(
-    app: web.Application, worker: WorkerRole | None
-) -> contextlib.AbstractAsyncContextManager[object]:
-    """A worker of several publishes its engine pool's gauges to the shared metric files; a
-    single process reads them at scrape time (``register_metrics``)."""
-    if worker is None:
-        return contextlib.nullcontext()
-    return app[ROUTES_KEY].publish_metrics(app[METRICS_KEY].registry)
+def _middlewares(settings: Settings, traffic: TrafficRecorder | None) -> list[Any]:
+    """The proxy app's middlewares, outermost first: the count of requests in flight, the
+    traffic recording when on (what the harness sent and got, errors included), errors, auth,
+    the request policy."""
+    recording = [recording_middleware(traffic)] if traffic is not None else []
+    return [
+        in_flight_middleware,
+        *recording,
+        error_middleware,
+        auth_middleware(settings),
+        policy_middleware(settings),
+    ]
 
 
 def build_proxy_app(
@@ -237,19 +242,9 @@ def build_proxy_app(
     (default: from settings); ``worker``: this app is one worker of several (``serve
     --workers``): its metrics are summed with theirs, and only worker 0 sweeps tombstones;
     ``index_feed``: keeps its link indexes current with the other workers' writes."""
-    middlewares = [
-        in_flight_middleware,
-        error_middleware,
-        auth_middleware(settings),
-        policy_middleware(settings),
-    ]
     traffic = TrafficRecorder(settings.record_dir) if settings.record_dir is not None else None
-    if traffic is not None:
-        # Outermost but the count of requests in flight: what the harness sent and got, errors
-        # included (see ``recording``).
-        middlewares.insert(1, recording_middleware(traffic))
     app = web.Application(
-        middlewares=middlewares,
+        middlewares=_middlewares(settings, traffic),
         client_max_size=settings.max_request_body_bytes,
     )
     if traffic is not None:
@@ -287,7 +282,7 @@ def build_proxy_app(
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
-    app[ROUTES_KEY] = _engine_routes(settings, app[METRICS_KEY], worker)
+    app[ROUTES_KEY] = _engine_routes(settings)
     app.cleanup_ctx.append(_resources(settings, store, renderer, worker))
     if worker is None or worker.index == 0:
         app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
@@ -313,11 +308,9 @@ def build_proxy_app(
     return app
 
 
-def _engine_routes(
-    settings: Settings, app_metrics: Metrics, worker: WorkerRole | None
-) -> EngineRoutes:
-    """The engines a rollout's calls go to (``--backend`` repeated), their metrics registered
-    (a worker of several publishes them to the shared files instead: ``_pool_metrics``)."""
+def _engine_routes(settings: Settings) -> EngineRoutes:
+    """The engines a rollout's calls go to (``--backend`` repeated); their metrics come with
+    the app's resources (``EngineRoutes.metrics``)."""
     routes = EngineRoutes(
         settings.backend_bases,
         key_kind=settings.routing_key,
@@ -330,8 +323,6 @@ def _engine_routes(
             else None
         ),
     )
-    if worker is None:
-        routes.register_metrics(app_metrics.registry)
     return routes
 
 
@@ -366,7 +357,7 @@ def _resources(
                 async with (
                     app[ROUTES_KEY].health_task(app[SESSION_KEY]),
                     recorder.losses.marker(),
-                    _pool_metrics(app, worker),
+                    app[ROUTES_KEY].metrics(app[METRICS_KEY].registry, shared=worker is not None),
                 ):
                     try:
                         yield

@@ -103,6 +103,14 @@ async def test_two_workers_link_a_rollouts_calls_exactly_whichever_serves_them(t
         assert _value(text, "capture_proxy_link_verdicts_total", verdict="resolved") == 36
         assert _value(text, "capture_proxy_event_loop_lag_seconds_count") > 0
         assert _value(text, "capture_proxy_requests_in_flight") == 1  # this scrape
+        # The engine pool's gauges, published by each worker every second, summed.
+        async with asyncio.timeout(10):
+            while _value(text, "capture_proxy_backend_chosen", backend=engine) < 48:
+                await asyncio.sleep(0.2)
+                async with client.get("/metrics") as resp:
+                    text = await resp.text()
+        assert _value(text, "capture_proxy_backend_chosen", backend=engine) == 48
+        assert _value(text, "capture_proxy_backend_healthy", backend=engine) == 1
         async with client.get("/captures/rollouts?limit=100") as resp:
             listed = await resp.json()
         assert len(listed["rollouts"]) == 12

@@ -187,6 +187,16 @@ class EngineRoutes:
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_PoolCollector(self.pool))
 
+    def metrics(
+        self, registry: CollectorRegistry, *, shared: bool
+    ) -> contextlib.AbstractAsyncContextManager[object]:
+        """The pool's gauges while the app runs: read at scrape time (one process), or
+        ``shared`` (a worker of several) published to the workers' files every second."""
+        if shared:
+            return self.publish_metrics(registry)
+        self.register_metrics(registry)
+        return contextlib.nullcontext()
+
     def publish_metrics(
         self, registry: CollectorRegistry, every_s: float = 1.0
     ) -> contextlib.AbstractAsyncContextManager[object]:
