@@ -56,6 +56,7 @@ from benchmarks.services import (  # noqa: E402
     baseline_env,
     cli_command,
     free_port,
+    one_process,
     proc_cpu_s,
     raise_fd_limit,
     thread_cpu_s,
@@ -263,7 +264,7 @@ def proxy_argv(
     argv += ["--store-synchronous", args.store_synchronous]
     if mode.startswith("exact_tokens"):
         argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(tokenizer)]
-    return argv
+    return one_process(argv, baseline=mode.endswith("@base"))
 
 
 def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, Service]]:

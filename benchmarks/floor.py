@@ -1,29 +1,33 @@
-"""The floor under one client's CPU per call (issue 22): the proxy vs a bare aiohttp relay and a
-bare SQLite commit, in the same run.
+"""The proxy beside the bare relay, side by side (issues 22 and 35): CPU per call and per
+streamed token, in the shapes of issue 35's table, both prompt modes, in one run.
 
-What a captured call costs the proxy is the sum of what any aiohttp reverse proxy costs (its
-server parsing the request and writing the answer, its client sending upstream and reading the
-engine's answer, the event loop between them), what a durable store costs per call (one
-commit, fsynced), and the capture itself. This benchmark measures the first two alone, so the
-capture's own share is the difference:
+Targets, each its own process(es), all in front of scripted engines answering every call with
+exactly 32 or 512 generation tokens (``cpu_sweep.write_policy``; one engine per length):
 
-- ``proxy``: ``capture-proxy serve`` with the default settings (SQLite, ``store_synchronous``
-  full: an fsync per call; ``backend_template``), the process's CPU per call (all threads);
-- ``relay``: ``bare_relay.py``, one aiohttp handler that relays the request to the engine and
-  the answer back (whole, or chunk by chunk when streamed), on the same event loop kind, with
-  no middleware, access log, parsing or store; sent the body the proxy sends upstream
-  (``Target(augment=True)``), so the engine does the same work;
-- ``direct``: the same calls to the engine, its CPU per call (for scale);
-- ``commit``: one SQLite transaction per call in WAL mode with ``synchronous=FULL`` inserting
-  one row of ``--commit-kb`` KB (a short call's stored bytes), this process's thread CPU per
-  commit (user + system), on a new database in the work directory.
+- ``relay``: ``bare_relay.py``: one aiohttp handler relaying request and answer (a stream one
+  write per read, whatever the read holds); ``relay-event``: the same writing one SSE event
+  at a time (a relay that looks at each event);
+- ``backend_template`` and ``exact_tokens``: ``capture-proxy serve`` with its defaults (SQLite,
+  ``store_synchronous`` full: each group commit fsynced before its calls' answers end;
+  ``--workers``: the default, one per CPU, unless ``--proxy-workers`` says), the second with
+  ``--prompt-mode exact_tokens`` and the scripted engine's tokenizer. Their CPU is the
+  process tree's (the supervisor, its writer thread included, and the workers).
 
-Calls are agent sessions of 3 chat calls, one at a time (one client), each session its own
-rollout, every answer exactly 32 generation tokens (``cpu_sweep.write_policy``), non-streaming
-and streaming; ``--rounds`` rounds, the targets in turn, medians printed. The lines at the end
-set the floors against issue 22's one-client targets (1.0 ms non-stream, 1.5 ms stream).
+Shapes: non-streamed at 1 client and at 16 clients in ONE rollout (16 agent sessions at once,
+each its own task), 32-token streams at 1 client, 512-token streams at 1 and at 16 clients in
+one rollout. Sessions of 3 chat calls (the relays get the body the proxy sends upstream, so
+the engine does the same work). Each cell ``--calls`` calls; ``--rounds`` rounds, targets in
+turn within each shape (the machine's noise spreads over all), medians printed with ranges.
+Every call must succeed, and every proxy session is checked to be one chain (by call ids).
 
-Run: ``.venv/bin/python benchmarks/floor.py [--sessions 200] [--rounds 3]``.
+Per streamed token: a 512-token call's CPU less a 32-token call's, over 480 (the marginal
+cost: what a longer answer adds; 1 client), and a 512-token call's over 512 (at 16 clients).
+Issue 35's lines: proxy per token <= ``relay-event``'s; non-streamed per call <= 2x the
+relay's at 1 client and <= 3x at 16, each with PASS or FAIL. Also, as before: one SQLite WAL
+commit of a ``--commit-kb`` row with ``synchronous=FULL`` (this process's thread CPU).
+
+Run: ``.venv/bin/python benchmarks/floor.py [--calls 600] [--rounds 3]
+[--proxy-workers N] [--modes backend_template,exact_tokens]``.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ import asyncio
 import os
 import resource
 import sqlite3
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -44,36 +49,89 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_sweep import sweep_session, write_policy  # noqa: E402
-from benchmarks.services import (  # noqa: E402
-    Service,
-    engine_service,
-    free_port,
-    proc_cpu_s,
-    proxy_service,
-)
-from benchmarks.sessions import Target, Workload, client_session  # noqa: E402
+from benchmarks.saturation_procs import tree_cpu_s  # noqa: E402
+from benchmarks.services import ROOT, Service, cli_command, free_port  # noqa: E402
+from benchmarks.sessions import CallResult, Target, Workload, client_session  # noqa: E402
+from benchmarks.verification import Verification, verify_shared_chains  # noqa: E402
 
-TARGETS = {False: 1.0, True: 1.5}  # issue 22: ms per call at one client
 RELAY = Path(__file__).resolve().with_name("bare_relay.py")
+RELAYS = ("relay", "relay-event")
 
 
-async def cpu_per_call_ms(
-    http: aiohttp.ClientSession, target: Target, pid: int, stream: bool, sessions: int, tag: str
-) -> float:
-    """``sessions`` sessions of 3 calls through ``target``: ``pid``'s CPU ms per call."""
-    workload = Workload(0.0, 0.0)
-    cpu0 = proc_cpu_s(pid)
-    calls = 0
-    for i in range(sessions):
-        rid = f"{tag}-{i:05d}"
-        results = await sweep_session(http, target, rid, rid, 3, stream, workload)
-        bad = [r for r in results if not r.ok]
-        if bad:
-            raise RuntimeError(f"{target.name}: a call failed: {bad[0].error}")
-        calls += len(results)
-    cpu1 = proc_cpu_s(pid)
-    assert cpu0 is not None and cpu1 is not None
-    return (cpu1 - cpu0) * 1000 / calls
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    stream: bool
+    tokens: int
+    clients: int
+
+
+SHAPES = (
+    Shape("non-stream, 1 client", False, 32, 1),
+    Shape("non-stream, 16 clients, one rollout", False, 32, 16),
+    Shape("32-token stream, 1 client", True, 32, 1),
+    Shape("512-token stream, 1 client", True, 512, 1),
+    Shape("512-token stream, 16 clients", True, 512, 16),
+)
+
+
+Targets = dict[tuple[str, int], Service]
+
+
+def _services(args: argparse.Namespace, work: Path) -> tuple[list[Service], Targets]:
+    """Two engines (32 and 512 tokens) and, per engine, every target; not started."""
+    tokenizer = work / "tokenizer"
+    subprocess.run([*cli_command(), "export-tokenizer", str(tokenizer)], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    engines, targets = [], {}
+    for tokens in (32, 512):
+        (work / str(tokens)).mkdir()
+        port = free_port()
+        argv = [*cli_command(), "scripted-engine", "--port", str(port)]
+        argv += ["--policy", str(write_policy(work / str(tokens), tokens))]
+        engine = Service(f"engine{tokens}", argv, port, work / f"engine{tokens}.log")
+        engines.append(engine)
+        for name in args.targets:
+            port = free_port()
+            log = work / f"{name}-{tokens}.log"
+            if name in RELAYS:
+                argv = [sys.executable, str(RELAY), "--backend", engine.url, "--port", str(port)]
+                argv += ["--per-event"] if name == "relay-event" else []
+            else:
+                argv = [*cli_command(), "serve", "--backend", engine.url, "--port", str(port)]
+                argv += ["--store", str(work / f"store-{name}-{tokens}"), "--log-level", "WARNING"]
+                if args.proxy_workers:
+                    argv += ["--workers", str(args.proxy_workers)]
+                if name == "exact_tokens":
+                    argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(tokenizer)]
+            targets[(name, tokens)] = Service(name, argv, port, log)
+    return engines, targets
+
+
+async def _cell(http: aiohttp.ClientSession, svc: Service, shape: Shape, calls: int,
+                tag: str) -> tuple[float, list[CallResult]]:  # fmt: skip
+    """``calls`` calls of ``shape`` through ``svc``: its CPU ms per call, and the calls."""
+    capture = svc.name not in RELAYS
+    target = Target(svc.name, svc.url, capture=capture, augment=not capture)
+    sessions = max(shape.clients, calls // 3)
+    rollout = f"{tag}-one"  # the 16-client shapes: one rollout; 1 client: one per session
+    todo = [(rollout if shape.clients > 1 else f"{tag}-{i}", f"{tag}-{i}") for i in range(sessions)]
+    todo.reverse()
+    results: list[CallResult] = []
+
+    async def client() -> None:
+        while todo:
+            rid, sid = todo.pop()
+            done = await sweep_session(http, target, rid, sid, 3, shape.stream, Workload())
+            results.extend(done)
+
+    cpu0 = tree_cpu_s(svc.pid)
+    await asyncio.gather(*(client() for _ in range(shape.clients)))
+    cpu1 = tree_cpu_s(svc.pid)
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise RuntimeError(f"{svc.name} {shape.name}: {len(bad)} calls failed: {bad[0].error}")
+    return (cpu1 - cpu0) * 1000 / len(results), results
 
 
 def commit_cpu_ms(path: Path, commits: int, kb: int) -> float:
@@ -92,80 +150,57 @@ def commit_cpu_ms(path: Path, commits: int, kb: int) -> float:
         u1 = resource.getrusage(resource.RUSAGE_THREAD)
     finally:
         db.close()
-    cpu = (u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)
-    return cpu * 1000 / commits
+    return ((u1.ru_utime - u0.ru_utime) + (u1.ru_stime - u0.ru_stime)) * 1000 / commits
 
 
 async def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="floor-"))
-    engine = engine_service(work, policy=write_policy(work, 32))
-    proxy = proxy_service(work, engine.url, work / "store", log_level="WARNING")
-    rport = free_port()
-    relay_argv = [sys.executable, str(RELAY), "--backend", engine.url, "--port", str(rport)]
-    relay = Service("relay", relay_argv, rport, work / "relay.log")
-    figures: dict[tuple[str, bool], list[float]] = {}
-    http = client_session(8, read_timeout_s=120)
+    engines, targets = _services(args, work)
+    figures: dict[tuple[str, str], list[float]] = {}
+    checks = Verification()
+    http = client_session(64, read_timeout_s=300)
     try:
-        for service in (engine, proxy, relay):
-            service.start()
-        for service in (engine, proxy, relay):
-            await service.wait_healthy(http, 120)
-        targets = [
-            (Target("proxy", proxy.url, capture=True), proxy.pid),
-            (Target("relay", relay.url, capture=False, augment=True), relay.pid),
-            (Target("direct", engine.url, capture=False, augment=True), engine.pid),
-        ]
-        for target, pid in targets:  # warm-up, unmeasured
-            for stream in (False, True):
-                await cpu_per_call_ms(http, target, pid, stream, 10, f"warm-{target.name}")
+        for s in (*engines, *targets.values()):
+            s.start()
+        for s in (*engines, *targets.values()):
+            await s.wait_healthy(http, 180)
+        for (name, tokens), svc in targets.items():  # warm-up, unmeasured
+            for shape in SHAPES:
+                if shape.tokens == tokens:
+                    await _cell(http, svc, shape, 3 * shape.clients, f"warm-{name}-{tokens}")
         for r in range(args.rounds):
-            for stream in (False, True):
-                for target, pid in targets:
-                    tag = f"r{r}-{int(stream)}-{target.name}"
-                    ms = await cpu_per_call_ms(http, target, pid, stream, args.sessions, tag)
-                    figures.setdefault((target.name, stream), []).append(ms)
-            commit = commit_cpu_ms(work / "commit.sqlite3", args.sessions * 3, args.commit_kb)
-            figures.setdefault(("commit", False), []).append(commit)
+            for shape in SHAPES:
+                for name in args.targets:
+                    svc = targets[(name, shape.tokens)]
+                    tag = f"r{r}-{SHAPES.index(shape)}-{name}"
+                    calls = args.calls * (2 if shape.clients > 1 else 1)
+                    ms, results = await _cell(http, svc, shape, calls, tag)
+                    figures.setdefault((shape.name, name), []).append(ms)
+                    if shape.clients > 1 and name not in RELAYS:
+                        await verify_shared_chains(http, svc.url, results, 3, checks)
+            commit = commit_cpu_ms(work / "commit.sqlite3", args.calls, args.commit_kb)
+            figures.setdefault(("commit", "commit"), []).append(commit)
             print(f"  round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     finally:
         await http.close()
-        for service in (relay, proxy, engine):
-            service.stop()
-    report(figures, args)
-    return 0
+        for s in (*targets.values(), *engines):
+            s.stop()
+    from benchmarks.floor_report import report
 
-
-def report(figures: dict[tuple[str, bool], list[float]], args: argparse.Namespace) -> None:
-    def med(name: str, stream: bool) -> float:
-        return statistics.median(figures[(name, stream)])
-
-    def spread(name: str, stream: bool) -> str:
-        values = figures[(name, stream)]
-        return f"{min(values):.2f}-{max(values):.2f}"
-
-    n = args.sessions * 3
-    print(f"\nCPU ms per call at one client ({n} calls per cell, medians of {args.rounds})")
-    commit = med("commit", False)
-    print(f"  commit  one {args.commit_kb} KB row, WAL, synchronous=FULL: {commit:.2f} ms")
-    for stream in (False, True):
-        mode = "32-token stream" if stream else "non-stream"
-        proxy, relay, direct = med("proxy", stream), med("relay", stream), med("direct", stream)
-        floor = relay + commit
-        print(
-            f"  {mode:<16} proxy {proxy:.2f} ({spread('proxy', stream)})"
-            f" | relay {relay:.2f} ({spread('relay', stream)})"
-            f" | direct engine {direct:.2f}"
-            f" | proxy - relay {proxy - relay:.2f} | relay + commit {floor:.2f}"
-            f" vs target {TARGETS[stream]:.1f}: {floor / TARGETS[stream]:.2f}x"
-        )
+    return report(figures, checks, args)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sessions", type=int, default=200, help="sessions of 3 calls per cell")
+    ap.add_argument("--calls", type=int, default=600, help="calls per cell (x2 at 16 clients)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--commit-kb", type=int, default=4, help="bytes of the commit's row (KB)")
+    ap.add_argument("--proxy-workers", type=int, help="the proxies' --workers (default: theirs)")
+    ap.add_argument("--modes", default="backend_template,exact_tokens", help="proxy prompt modes")
+    ap.add_argument("--no-relay-event", dest="relay_event", action="store_false")
     args = ap.parse_args(argv)
+    args.targets = ["relay", *(["relay-event"] if args.relay_event else [])]
+    args.targets += [m for m in args.modes.split(",") if m]
     t0 = time.perf_counter()
     code = asyncio.run(run(args))
     print(f"({time.perf_counter() - t0:.0f} s)")

@@ -49,6 +49,7 @@ from benchmarks.services import (  # noqa: E402
     baseline_env,
     cli_command,
     free_port,
+    one_process,
     proc_cpu_s,
     raise_fd_limit,
     start_py_spy,
@@ -205,6 +206,7 @@ def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, 
         if kind == "exact_full_render":
             argv += ["--exact-full-render"]
         env = baseline_env(args.baseline_src) if mode.endswith("@base") else None
+        argv = one_process(argv, baseline=env is not None)
         proxies[mode] = Service(mode, argv, p, work / f"{mode}.log", env=env)
     return engine, proxies
 

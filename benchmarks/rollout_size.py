@@ -67,6 +67,7 @@ from services import (  # noqa: E402
     baseline_env,
     cli_command,
     free_port,
+    one_process,
     proc_cpu_s,
     proc_user_sys_s,
     raise_fd_limit,
@@ -199,12 +200,14 @@ async def health_cpu_ms(session: aiohttp.ClientSession, t: Target) -> float:
     return (cpu1 - cpu0) * 1000 / HEALTH_READS
 
 
-def proxy_argv(store: str, engine_url: str, port: int, args: argparse.Namespace) -> list[str]:
+def proxy_argv(
+    store: str, engine_url: str, port: int, args: argparse.Namespace, baseline: bool = False
+) -> list[str]:
     argv = [*cli_command(), "serve", "--backend", engine_url, "--port", str(port)]
     argv += ["--store", store, "--log-level", "WARNING"]
     if not store.startswith("postgresql://"):
         argv += ["--store-synchronous", args.store_synchronous]
-    return argv
+    return one_process(argv, baseline)
 
 
 async def _measure_blocks(
@@ -270,7 +273,8 @@ async def run_shape(
             port = free_port()
             env = baseline_env(args.baseline_src) if code == "@base" else None
             log = work / f"{shape}-{name}.log"
-            service = Service(name, proxy_argv(path, engine.url, port, args), port, log, env=env)
+            argv = proxy_argv(path, engine.url, port, args, baseline=env is not None)
+            service = Service(name, argv, port, log, env=env)
             rollout = f"{shape}-{name.replace('@', '.').replace(CONTROL, '.split')}"
             split = code == CONTROL
             targets.append(Target(name, shape, service, args.steps, rollout, split=split))

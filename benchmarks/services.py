@@ -126,6 +126,13 @@ def baseline_env(src: str | None) -> dict[str, str] | None:
     return {"PYTHONPATH": str(Path(src).resolve())} if src else None
 
 
+def one_process(argv: list[str], baseline: bool = False) -> list[str]:
+    """``serve`` argv in one process (``--workers 1``): the benchmarks read one pid's CPU. A
+    baseline tree (``--baseline-src``) from before ``serve --workers`` has no such flag and
+    is one process anyway."""
+    return argv if baseline else [*argv, "--workers", "1"]
+
+
 def engine_service(work: Path, port: int | None = None, policy: Path | None = None) -> Service:
     """The scripted engine (``policy``: its policy file, else the default policy)."""
     port = port or free_port()
@@ -145,10 +152,15 @@ def proxy_service(
     profile_to: Path | None = None,
     store_synchronous: str = "full",
     name: str = "proxy",
+    workers: int | None = 1,
 ) -> Service:
+    """``capture-proxy serve`` on ``store``; ``workers``: its ``--workers`` (None: the
+    default, one per CPU: then its CPU is its process tree's)."""
     port = port or free_port()
     args = ["serve", "--backend", backend, "--port", str(port), "--store", str(store)]
     args += ["--log-level", log_level, "--store-synchronous", store_synchronous]
+    if workers is not None:
+        args += ["--workers", str(workers)]
     if profile_to is not None:
         argv = [sys.executable, "-m", "cProfile", "-o", str(profile_to)]
         argv += ["-m", "capture_proxy.cli", *args]

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -53,8 +54,11 @@ from capture_proxy.proxy.keys import (
     SESSION_KEY,
     SETTINGS_KEY,
     STORE_KEY,
+    WORKER_KEY,
+    WorkerRole,
 )
-from capture_proxy.proxy.linker import Linker
+from capture_proxy.proxy.linker import IndexFeed, Linker
+from capture_proxy.proxy.loop_lag import in_flight_middleware, lag_monitor
 from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
 from capture_proxy.proxy.periodic import every
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
@@ -211,29 +215,45 @@ def tombstone_sweeper(
     return sweeper
 
 
+def _middlewares(settings: Settings, traffic: TrafficRecorder | None) -> list[Any]:
+    """The proxy app's middlewares, outermost first: the count of requests in flight, the
+    traffic recording when on (what the harness sent and got, errors included), errors, auth,
+    the request policy."""
+    recording = [recording_middleware(traffic)] if traffic is not None else []
+    return [
+        in_flight_middleware,
+        *recording,
+        error_middleware,
+        auth_middleware(settings),
+        policy_middleware(settings),
+    ]
+
+
 def build_proxy_app(
     settings: Settings,
     store: CaptureStore,
     notes: NoteRegistry | None = None,
     renderer: ChatRenderer | None = None,
+    worker: WorkerRole | None = None,
+    index_feed: IndexFeed | None = None,
 ) -> web.Application:
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
-    (default: from settings)."""
-    middlewares = [error_middleware, auth_middleware(settings), policy_middleware(settings)]
+    (default: from settings); ``worker``: this app is one worker of several (``serve
+    --workers``): its metrics are summed with theirs, and only worker 0 sweeps tombstones;
+    ``index_feed``: keeps its link indexes current with the other workers' writes."""
     traffic = TrafficRecorder(settings.record_dir) if settings.record_dir is not None else None
-    if traffic is not None:
-        # Outermost: what the harness sent and got, errors included (see ``recording``).
-        middlewares.insert(0, recording_middleware(traffic))
     app = web.Application(
-        middlewares=middlewares,
+        middlewares=_middlewares(settings, traffic),
         client_max_size=settings.max_request_body_bytes,
     )
     if traffic is not None:
         app[RECORDING_KEY] = traffic
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
-    app[METRICS_KEY] = Metrics()
+    app[METRICS_KEY] = Metrics(worker.metrics_dir if worker is not None else None)
+    if worker is not None:
+        app[WORKER_KEY] = worker
     app[UNCAPTURED_KEY] = UncapturedGeneration(
         app[METRICS_KEY], refuse=settings.uncaptured_generation == "refuse"
     )
@@ -258,12 +278,15 @@ def build_proxy_app(
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
         refresh_on_miss=store.shared,
+        feed=index_feed,
     )
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
-    app[ROUTES_KEY] = _engine_routes(settings, app[METRICS_KEY])
-    app.cleanup_ctx.append(_resources(settings, store, renderer))
-    app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
+    app[ROUTES_KEY] = _engine_routes(settings)
+    app.cleanup_ctx.append(_resources(settings, store, renderer, worker))
+    if worker is None or worker.index == 0:
+        app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
+    app.cleanup_ctx.append(lag_monitor())
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     reads.add_routes(app)
@@ -285,8 +308,9 @@ def build_proxy_app(
     return app
 
 
-def _engine_routes(settings: Settings, app_metrics: Metrics) -> EngineRoutes:
-    """The engines a rollout's calls go to (``--backend`` repeated), their metrics registered."""
+def _engine_routes(settings: Settings) -> EngineRoutes:
+    """The engines a rollout's calls go to (``--backend`` repeated); their metrics come with
+    the app's resources (``EngineRoutes.metrics``)."""
     routes = EngineRoutes(
         settings.backend_bases,
         key_kind=settings.routing_key,
@@ -299,12 +323,14 @@ def _engine_routes(settings: Settings, app_metrics: Metrics) -> EngineRoutes:
             else None
         ),
     )
-    routes.register_metrics(app_metrics.registry)
     return routes
 
 
 def _resources(
-    settings: Settings, store: CaptureStore, renderer: ChatRenderer | None
+    settings: Settings,
+    store: CaptureStore,
+    renderer: ChatRenderer | None,
+    worker: WorkerRole | None = None,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     """The proxy app's resources, opened in order and closed in reverse: the store, the
     upstream session, the engines' weight-version readers (``proxy.weight_watch``), the
@@ -331,6 +357,7 @@ def _resources(
                 async with (
                     app[ROUTES_KEY].health_task(app[SESSION_KEY]),
                     recorder.losses.marker(),
+                    app[ROUTES_KEY].metrics(app[METRICS_KEY].registry, shared=worker is not None),
                 ):
                     try:
                         yield

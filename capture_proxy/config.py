@@ -78,11 +78,21 @@ class Settings(BaseSettings):
     )
     store_synchronous: Literal["full", "normal"] = Field(
         "full",
-        description="SQLite synchronous mode of the store (WAL). full: each call is fsynced "
-        "before its response ends, so an acknowledged call survives a proxy crash, a kernel "
-        "crash and a power loss. normal: no fsync per call (about 0.3-0.5 ms less per call "
-        "here); an acknowledged call survives a proxy crash (SIGKILL, OOM kill) but a power "
-        "loss or kernel crash can drop the calls committed since the last checkpoint",
+        description="SQLite synchronous mode of the store (WAL). full: each call's commit is "
+        "fsynced before its response ends (one commit covers the calls that arrived while the "
+        "previous one ran: group commit), so an acknowledged call survives a proxy crash, a "
+        "kernel crash and a power loss. normal: no fsync per commit (about 0.3-0.5 ms less per "
+        "call here); an acknowledged call survives a proxy crash (SIGKILL, OOM kill) but a "
+        "power loss or kernel crash can drop the calls committed since the last checkpoint",
+    )
+    workers: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Worker processes serving the port (each its own event loop and core); "
+        "None: one per CPU this process may run on. With an embedded store the supervisor "
+        "process is its one writer (workers read it themselves and send their writes there); "
+        "with PostgreSQL each worker is a replica. 1: one process, no supervisor",
     )
     store_failure: Literal["refuse", "answer"] = Field(
         "refuse",
@@ -409,6 +419,11 @@ class Settings(BaseSettings):
                 return value
             return Path(value)
         return value
+
+    @property
+    def worker_count(self) -> int:
+        """``workers``, or the CPUs this process may run on (its affinity mask)."""
+        return self.workers if self.workers is not None else max(1, len(os.sched_getaffinity(0)))
 
     @property
     def store_label(self) -> str:

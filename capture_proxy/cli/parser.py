@@ -101,6 +101,12 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
         dest="store_pool_size",
         help="PostgreSQL store: pooled connections per process (default 8)",
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        dest="workers",
+        help="worker processes serving the port (default: one per CPU; 1: one process)",
+    )
     serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
     serve.add_argument("--log-level", dest="log_level")
 

@@ -33,6 +33,7 @@ SETTING_FLAGS = {
     "store_synchronous": "store_synchronous",
     "store_failure": "store_failure",
     "store_pool_size": "store_pool_size",
+    "workers": "workers",
     "max_request_body_bytes": "max_request_body_bytes",
     "log_level": "log_level",
     "parent_resolution": "parent_resolution",
@@ -182,7 +183,7 @@ def _open_store(settings: Settings, *, read_only: bool) -> Any:
 
 
 def _listening_banner(
-    settings: Settings, port: int, target: str, port_file: Path | None
+    settings: Settings, port: int, target: str, port_file: Path | None, workers: int = 1
 ) -> Callable[[], None]:
     def listening() -> None:
         # Called once the store is open and the socket listens. What start-up built (modules,
@@ -194,7 +195,8 @@ def _listening_banner(
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         print(
             f"capture-proxy: serving on http://{host}:{port} -> "
-            f"{target}, store {settings.store_label}; viewer at "
+            f"{target}, store {settings.store_label}"
+            f"{f', {workers} workers' if workers > 1 else ''}; viewer at "
             f"http://{host}:{port}/captures/ui/",
             flush=True,
         )
@@ -231,6 +233,24 @@ def _run_app(args: argparse.Namespace, settings: Settings, sock: socket.socket) 
         raise ServeExit(str(exc)) from exc
 
 
+def _run_workers(args: argparse.Namespace, settings: Settings, sock: socket.socket) -> int:
+    """Serve with ``settings.worker_count`` worker processes (``cli.workers``): the exit
+    status. Raises ServeExit (the store cannot open, a worker fails to start)."""
+    from capture_proxy.cli.workers import WorkerPlan, run_workers
+
+    plan = WorkerPlan(
+        settings=settings,
+        count=settings.worker_count,
+        read_only=args.read_only,
+        viewer_backend=(args.backend or [None])[0] if args.read_only else None,
+        supervisor_pid=os.getpid(),
+    )
+    target = "read-only" if args.read_only else settings.backend_label
+    port = sock.getsockname()[1]
+    banner = _listening_banner(settings, port, target, args.port_file, plan.count)
+    return run_workers(plan, sock, new_event_loop(settings.event_loop), banner)
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped: 0, or 2 with a message on stderr when start-up fails."""
     try:
@@ -239,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
         _clear_port_file(args.port_file)
         sock = _bind(settings)
         try:
+            if settings.worker_count > 1:
+                return _run_workers(args, settings, sock)
             _run_app(args, settings, sock)
         finally:
             sock.close()

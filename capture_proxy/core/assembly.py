@@ -177,6 +177,8 @@ class ChatCaptureAssembler:
 
     def __init__(self, ctx: CallContext) -> None:
         self.ctx = ctx
+        #: the engine's prompt ids as it sent them (None: not yet); [] once ``settle_prompt``
+        #: holds them as an array
         self.prompt_token_ids: list[int] | None = None
         self.generation_token_ids: list[int] = []
         self.generation_log_probs: list[float | None] = []
@@ -273,6 +275,10 @@ class ChatCaptureAssembler:
                 self._prompt = as_token_array(self.prompt_token_ids, field_name="prompt_token_ids")
             except ValueError as exc:
                 self._prompt_problem = str(exc)
+            else:
+                # The list (a Python int per id: ~36 bytes each, and a container the cyclic
+                # collector walks) is not needed past here: a stream in flight keeps the array.
+                self.prompt_token_ids = []
 
     # -- non-streaming -----------------------------------------------------------------------
 

@@ -5,7 +5,8 @@ Owns, around the pure choice (``core.engine_pool``):
   ``GET <backend>/health`` every ``backend_health_interval_s``, each within
   ``backend_health_timeout_s``), the requests in flight per backend, and the Prometheus
   gauges ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy
-  {backend}`` (read at scrape time, nothing on the hot path);
+  {backend}`` (read at scrape time, nothing on the hot path; in a worker of several, copied
+  into the workers' shared metric files every second: ``publish_metrics``);
 - ``ROUTE``: the engine route of the request being served (routing key, chosen backend), a
   context variable set once per request by ``dispatch``, so every engine request made on its
   behalf (the call, tokens-in, ``/tokenize``, ``/detokenize``, ``/v1/models``, whatever module
@@ -27,6 +28,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import ClientHandlerType, ClientRequest, ClientResponse, web
+from prometheus_client import Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -185,6 +187,56 @@ class EngineRoutes:
     def register_metrics(self, registry: CollectorRegistry) -> None:
         registry.register(_PoolCollector(self.pool))
 
+    def metrics(
+        self, registry: CollectorRegistry, *, shared: bool
+    ) -> contextlib.AbstractAsyncContextManager[object]:
+        """The pool's gauges while the app runs: read at scrape time (one process), or
+        ``shared`` (a worker of several) published to the workers' files every second."""
+        if shared:
+            return self.publish_metrics(registry)
+        self.register_metrics(registry)
+        return contextlib.nullcontext()
+
+    def publish_metrics(
+        self, registry: CollectorRegistry, every_s: float = 1.0
+    ) -> contextlib.AbstractAsyncContextManager[object]:
+        """In a worker of several (``serve --workers``): the pool's gauges as
+        prometheus_client metrics, which its multiprocess files sum over the workers
+        (``in_flight``, ``chosen``, ``key_moves``; ``healthy``: the least any worker sees),
+        set from the pool every ``every_s`` while the context runs."""
+        p = "capture_proxy_backend_"
+        label = ["backend"]
+        gauges = {
+            "in_flight": Gauge(p + "in_flight", _HELP["in_flight"], label, registry=registry,
+                               multiprocess_mode="livesum"),
+            "healthy": Gauge(p + "healthy", _HELP["healthy"], label, registry=registry,
+                             multiprocess_mode="livemin"),
+            "chosen": Gauge(p + "chosen", _HELP["chosen"], label, registry=registry,
+                            multiprocess_mode="sum"),
+        }  # fmt: skip
+        moves = Gauge(p + "key_moves", _HELP["key_moves"], registry=registry,
+                      multiprocess_mode="sum")  # fmt: skip
+
+        def publish() -> None:
+            for b in self.pool.backends:
+                gauges["in_flight"].labels(b.url).set(b.in_flight)
+                gauges["healthy"].labels(b.url).set(0 if b.healthy is False else 1)
+                gauges["chosen"].labels(b.url).set(b.chosen)
+            moves.set(self.pool.moves)
+
+        async def step() -> None:
+            publish()
+
+        return every(every_s, step, name="capture-engine-metrics")
+
+
+_HELP = {
+    "in_flight": "Proxied requests in flight per engine backend",
+    "healthy": "1: the backend's last health probe answered 2xx (or none yet); 0: it did not",
+    "chosen": "Requests routed to each engine backend since start",
+    "key_moves": "Times a rollout's request went to another engine than its previous one",
+}
+
 
 class _PoolCollector(Collector):
     """Per-backend gauges read from the pool at scrape time."""
@@ -194,28 +246,19 @@ class _PoolCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         in_flight = GaugeMetricFamily(
-            "capture_proxy_backend_in_flight",
-            "Proxied requests in flight per engine backend",
-            labels=["backend"],
+            "capture_proxy_backend_in_flight", _HELP["in_flight"], labels=["backend"]
         )
         healthy = GaugeMetricFamily(
-            "capture_proxy_backend_healthy",
-            "1: the backend's last health probe answered 2xx (or none yet); 0: it did not",
-            labels=["backend"],
+            "capture_proxy_backend_healthy", _HELP["healthy"], labels=["backend"]
         )
         chosen = GaugeMetricFamily(
-            "capture_proxy_backend_chosen",
-            "Requests routed to each engine backend since start",
-            labels=["backend"],
+            "capture_proxy_backend_chosen", _HELP["chosen"], labels=["backend"]
         )
         for b in self.pool.backends:
             in_flight.add_metric([b.url], b.in_flight)
             healthy.add_metric([b.url], 0 if b.healthy is False else 1)
             chosen.add_metric([b.url], b.chosen)
-        moved = GaugeMetricFamily(
-            "capture_proxy_backend_key_moves",
-            "Times a rollout's request went to another engine than its previous one",
-        )
+        moved = GaugeMetricFamily("capture_proxy_backend_key_moves", _HELP["key_moves"])
         moved.add_metric([], self.pool.moves)
         yield from (in_flight, healthy, chosen, moved)
 

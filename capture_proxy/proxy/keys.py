@@ -8,6 +8,8 @@ all of those, lets each read the state without importing the others. Must not: h
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import aiohttp
 from aiohttp import web
 
@@ -29,3 +31,18 @@ NOTES_KEY = web.AppKey("harness_notes", NoteRegistry)
 #: set only when some model is served in exact-token mode
 EXACT_KEY = web.AppKey("exact_tokens", ExactTokens)
 ENGINE_PROBE_KEY = web.AppKey("engine_probe", EngineProbe)
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """This app is worker ``index`` (from 0) of ``count`` serving one port (``serve
+    --workers``); their metrics live together in ``metrics_dir`` (prometheus_client's
+    multiprocess files)."""
+
+    index: int
+    count: int
+    metrics_dir: str
+
+
+#: set only in a worker of several
+WORKER_KEY = web.AppKey("worker_role", WorkerRole)

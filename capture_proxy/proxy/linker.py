@@ -9,6 +9,12 @@ commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve
 ``capture_proxy.core.linking.verification.verify_step``): a parent record, the stored calls a
 history continues (by child digest), a prefix ancestor from the cached index, texts from the
 engine's ``/detokenize``. Every linking decision is the core's; this module must not take one.
+
+With an ``IndexFeed`` (a worker of ``serve --workers`` on the embedded store: ``store.remote``)
+a cached index is brought up to date before it is used whenever the rollout's count of
+committed writes moved past what it reflects: the calls stored since are read (their index
+facts only) and added, so a worker links as one process would, whichever worker stored the
+rollout's earlier calls.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.linking.commands import (
@@ -28,9 +34,10 @@ from capture_proxy.core.linking.commands import (
     ReadParentCandidates,
     Step,
 )
-from capture_proxy.core.linking.index import LinkIndex, add_record
+from capture_proxy.core.linking.index import LinkIndex, add_record, refresh_index
 from capture_proxy.core.linking.parent_lookup import resolve_step
 from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.linking.verification import verify_step
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.recent import DEFAULT_MAX_BYTES, RecentCalls
@@ -44,6 +51,22 @@ Decoder = Callable[[list[int]], Awaitable[str | None]]
 T = TypeVar("T")
 
 
+class IndexFeed(Protocol):
+    """What keeps a rollout's cached index current when other processes store its calls
+    (``store.remote.WorkerStore``): a count of the rollout's committed writes read without
+    I/O, and its rows stored after a rowid."""
+
+    def stamp(self, rollout_id: str) -> int: ...
+
+    async def last_rowid(self, rollout_id: str) -> int: ...
+
+    async def stored_since(
+        self, rollout_id: str, after_rowid: int
+    ) -> tuple[list[StoredCall] | None, int]: ...
+
+    def own_put_stamp(self, call_id: str) -> int | None: ...
+
+
 class Linker:
     """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``."""
 
@@ -55,8 +78,13 @@ class Linker:
         max_rollouts: int = 10_000,
         refresh_on_miss: bool = False,
         recent_max_bytes: int = DEFAULT_MAX_BYTES,
+        feed: IndexFeed | None = None,
     ) -> None:
         self.store = store
+        self.feed = feed
+        #: per cached rollout (with ``feed``): [its count of writes, the last rowid] its index
+        #: reflects
+        self._sync: dict[str, list[int]] = {}
         self.refuse_note_parents = refuse_note_parents
         #: another process may have written calls of a cached rollout (replicas on a shared
         #: store, a rollout moved between them): a digest miss reloads the index first
@@ -86,16 +114,43 @@ class Linker:
         async with lock:
             index = self._indexes.get(rollout_id)
             if index is None:
+                feed = self.feed
+                # Counted and bounded BEFORE the read: a write after it is read again later.
+                sync = [feed.stamp(rollout_id), await feed.last_rowid(rollout_id)] if feed else None
                 index = LinkIndex()
                 for record in await self.store.get_rollout_calls(rollout_id):
                     add_record(index, record)
                 self._indexes[rollout_id] = index
+                if sync is not None:
+                    self._sync[rollout_id] = sync
                 self._evict()
+        return index
+
+    async def _current_index(self, rollout_id: str) -> LinkIndex:
+        """The rollout's index holding every call stored before now (``IndexFeed``)."""
+        index = self._cached_index(rollout_id)
+        feed = self.feed
+        if index is None:
+            return await self._index(rollout_id)
+        if feed is None:
+            return index
+        stamp = feed.stamp(rollout_id)
+        sync = self._sync.get(rollout_id)
+        if sync is not None and sync[0] == stamp:
+            return index
+        calls, last = await feed.stored_since(rollout_id, sync[1] if sync else 0)
+        if calls is None:  # rows that cannot tell their facts: read the rollout whole
+            self._indexes.pop(rollout_id, None)
+            self._sync.pop(rollout_id, None)
+            return await self._index(rollout_id)
+        refresh_index(index, calls)
+        self._sync[rollout_id] = [stamp, last]
         return index
 
     def _evict(self) -> None:
         while len(self._indexes) > self.max_rollouts:
             old, _ = self._indexes.popitem(last=False)
+            self._sync.pop(old, None)
             lock = self._locks.get(old)
             if lock is not None and not lock.locked():
                 del self._locks[old]
@@ -109,6 +164,7 @@ class Linker:
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout's index and recent calls (it was deleted)."""
         self._indexes.pop(rollout_id, None)
+        self._sync.pop(rollout_id, None)
         self._locks.pop(rollout_id, None)
         self.recent.forget(rollout_id)
 
@@ -134,8 +190,13 @@ class Linker:
         call's retry only on an explicit signal (``retry_requested``: the harness's retry
         header; or this call failed or was left incomplete), else a sibling sample.
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``."""
+        index = (
+            await self._current_index(rollout_id)
+            if self.feed is not None
+            else self._cached_index(rollout_id) or await self._index(rollout_id)
+        )
         step = resolve_step(
-            self._cached_index(rollout_id) or await self._index(rollout_id),
+            index,
             rollout_id,
             linking_messages,
             body,
@@ -156,6 +217,11 @@ class Linker:
         rollout_id = record.rollout_id
         add_record(self._cached_index(rollout_id) or await self._index(rollout_id), record)
         self.recent.put(record, message_facts)
+        if self.feed is not None:  # its put counted; nothing else came between: current
+            stamp = self.feed.own_put_stamp(record.call_id)
+            sync = self._sync.get(rollout_id)
+            if stamp is not None and sync is not None and sync[0] == stamp - 1:
+                sync[0] = stamp
 
     def message_facts(self, call_id: str) -> tuple[MessageFacts, ...] | None:
         """The facts of a recent call's request messages (None when not in memory)."""
@@ -202,7 +268,7 @@ class Linker:
                 command.rollout_id, command.parent_digest
             )
         if isinstance(command, FindPrefixAncestor):
-            index = await self._index(command.rollout_id)
+            index = await self._current_index(command.rollout_id)
             return index.prefix_ancestor(
                 command.prompt_token_ids, model=command.model, exclude=command.exclude
             )

@@ -21,6 +21,14 @@ Metrics (all prefixed ``capture_proxy_``)::
     upstream_first_byte_seconds                histogram: request sent -> engine's headers
     upstream_seconds                           histogram: request sent -> answer complete
     calls_in_flight                            captured calls started, not yet finished
+    requests_in_flight                         HTTP requests whose handler runs (any path)
+    event_loop_lag_seconds                     histogram: how late the event loop ran a timer
+
+With several workers (``serve --workers N``) every worker's metrics live in
+prometheus_client's multiprocess files (``multiprocess_dir``, one directory the supervisor
+makes and names in ``PROMETHEUS_MULTIPROC_DIR`` before a worker imports prometheus_client) and
+``render`` answers the sum over the workers (gauges: over the live ones), so any worker's
+``/metrics`` is the whole proxy's.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from capture_proxy.core.records import CallRecord, DiagnosticKind
@@ -45,12 +54,17 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _STORE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _FIRST_BYTE_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOTAL_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_LAG_BUCKETS_S = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
+)  # fmt: skip
 
 
 class Metrics:
-    """The metrics of one proxy app, in their own registry (``registry``)."""
+    """The metrics of one proxy app, in their own registry (``registry``); with
+    ``multiprocess_dir`` (a worker of several) ``render`` reads every worker's files there."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         p = "capture_proxy_"
@@ -109,8 +123,19 @@ class Metrics:
             buckets=_TOTAL_BUCKETS_S, registry=r,
         )  # fmt: skip
         self.calls_in_flight = Gauge(
-            p + "calls_in_flight", "Captured calls started and not yet finished", registry=r
-        )
+            p + "calls_in_flight", "Captured calls started and not yet finished", registry=r,
+            multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.requests_in_flight = Gauge(
+            p + "requests_in_flight", "HTTP requests whose handler runs (any path)",
+            registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.event_loop_lag_seconds = Histogram(
+            p + "event_loop_lag_seconds",
+            "How late the event loop ran a timer due every 10 ms (seconds): the wait every "
+            "request on the loop had",
+            buckets=_LAG_BUCKETS_S, registry=r,
+        )  # fmt: skip
         #: labelled children by (metric, label values): see ``_child``
         self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
 
@@ -178,8 +203,14 @@ class Metrics:
         self.late_calls_refused.inc()
 
     def render(self) -> bytes:
-        """The registry in the Prometheus text format (``CONTENT_TYPE``)."""
-        return generate_latest(self.registry)
+        """The registry in the Prometheus text format (``CONTENT_TYPE``); with
+        ``multiprocess_dir``, every worker's metrics summed (then this registry's collectors
+        that read live state at scrape time are not in it: see ``serve --workers``)."""
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, self.multiprocess_dir)
+        return generate_latest(registry)
 
 
 def _has_refusal(record: CallRecord) -> bool:
@@ -205,4 +236,3 @@ def _refusal_class(record: CallRecord) -> str:
 
 #: The app's ``Metrics`` (also ``Recorder.metrics``).
 METRICS_KEY = web.AppKey("metrics", Metrics)
-

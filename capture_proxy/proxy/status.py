@@ -7,6 +7,7 @@ serves ``/health`` alone.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from aiohttp import web
@@ -18,6 +19,7 @@ from capture_proxy.proxy.keys import (
     SESSION_KEY,
     SETTINGS_KEY,
     STORE_KEY,
+    WORKER_KEY,
 )
 from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
 
@@ -41,7 +43,9 @@ async def health(request: web.Request) -> web.Response:
     writes fail: ``store.write_error`` is the first failed write's error, cleared by the next
     write that succeeds; and while calls answered but not stored are not yet marked on their
     rollouts: ``store.unmarked_losses``). With a token set the store's filesystem path is left
-    out (``/health`` is open to anyone)."""
+    out (``/health`` is open to anyone). In a worker of several (``serve --workers``),
+    ``worker`` names it (``index``, ``count``, ``pid``) and ``capture`` counts its own calls;
+    the store's figures, and ``/metrics``, are the whole proxy's."""
     settings = request.app[SETTINGS_KEY]
     recorder = request.app[RECORDER_KEY]
     try:
@@ -63,23 +67,24 @@ async def health(request: web.Request) -> web.Response:
     probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
     engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
     status, http_status = health_status(store_ok=ok, engine=engine)
-    return web.json_response(
-        {
-            "status": status,
-            "version": __version__,
-            "store": store,
-            "engine": engine,
-            "capture": {
-                "persisted": recorder.stats.persisted,
-                "store_failures": recorder.stats.store_failures,
-                "answered_unstored": recorder.stats.answered_unstored,
-                "late_calls_refused": recorder.stats.late_calls_refused,
-                "incomplete_calls": recorder.stats.incomplete,
-                "failed_calls": recorder.stats.failed,
-            },
+    body: dict[str, Any] = {
+        "status": status,
+        "version": __version__,
+        "store": store,
+        "engine": engine,
+        "capture": {
+            "persisted": recorder.stats.persisted,
+            "store_failures": recorder.stats.store_failures,
+            "answered_unstored": recorder.stats.answered_unstored,
+            "late_calls_refused": recorder.stats.late_calls_refused,
+            "incomplete_calls": recorder.stats.incomplete,
+            "failed_calls": recorder.stats.failed,
         },
-        status=http_status,
-    )
+    }
+    worker = request.app.get(WORKER_KEY)
+    if worker is not None:  # ``capture`` counts this worker's calls; the rest is whole
+        body["worker"] = {"index": worker.index, "count": worker.count, "pid": os.getpid()}
+    return web.json_response(body, status=http_status)
 
 
 async def metrics(request: web.Request) -> web.Response:

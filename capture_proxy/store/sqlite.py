@@ -11,7 +11,8 @@ Threads: the event loop never touches the database. Each store operation is ONE 
 function run on a ``WorkerThread`` (one thread, one queue), so it costs one hop off the loop
 and back however many statements it runs:
 - the writer thread (``capture-store-writer``) owns the read-write connection and runs every
-  write transaction (``put_call`` encodes, chooses the prompt parent and commits there). One
+  write transaction (``put_call`` encodes, chooses the prompt parent and commits there; the
+  puts queued while a commit ran share the next one: group commit, ``sqlite_puts``). One
   thread: writes serialise on it, no lock is needed.
 - the reader thread (``capture-store-reader``) owns a separate read-only connection and runs
   every read, decoding included. WAL readers neither block the writer nor wait for it, and
@@ -60,8 +61,9 @@ transaction, so they see one snapshot.
 
 The statements and the transaction bodies of every operation but ``put_call`` are
 ``sql.py``'s (``SQLStore``, dialect ``SQLITE``); the DDL and the migration of an older store's
-layout ``sqlite_layout.py``'s (``LAYOUT_VERSION``). This module holds the threads, the
-connections, the writer lock and ``put_call``.
+layout ``sqlite_layout.py``'s (``LAYOUT_VERSION``); ``put_call``'s statements and its group
+commit ``sqlite_puts.py``'s. This module holds the threads, the connections and the writer
+lock.
 """
 
 from __future__ import annotations
@@ -75,46 +77,30 @@ from typing import IO, Any, Literal, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
-from capture_proxy.core.prefixes import StoredPrefix, block_states, token_digests
-from capture_proxy.core.records import CallRecord, CallStatus
-from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, column_values
-from capture_proxy.store import image_rows, lifecycle, sql
+from capture_proxy.core.linking.stored import StoredCall, of_row
+from capture_proxy.core.records import CallRecord
+from capture_proxy.store import lifecycle
 from capture_proxy.store.base import StoreError
-from capture_proxy.store.prompt_parents import PromptParents
 from capture_proxy.store.sql import SQLITE
 from capture_proxy.store.sqlite_layout import migrate_layout, write_transaction
+from capture_proxy.store.sqlite_puts import SQLitePuts
 from capture_proxy.store.transactions import SQLStore
 from capture_proxy.store.worker import WorkerThread
+
+T = TypeVar("T")
+
+#: A rollout's rows after a rowid, with the columns ``linking.stored.of_row`` reads.
+_STORED_SINCE = (
+    "SELECT rowid, call_id, created_at, status, schema_version, meta, tokens_sha256, "
+    "tokens_block_sha256, retry_of FROM calls WHERE rollout_id = ? AND rowid > ? ORDER BY rowid"
+)
+_LAST_ROWID = "SELECT max(rowid) FROM calls WHERE rollout_id = ?"
 
 DB_FILE_NAME = "captures.sqlite3"
 #: Held (flock, exclusive) by the one process that writes the store; names its pid.
 WRITER_LOCK_NAME = "writer.lock"
 #: How long a connection waits for a lock held by another process before failing (ms).
 BUSY_TIMEOUT_MS = 10_000
-#: Content addresses a writer remembers as stored (``SQLiteStore._stored_blobs``) at most.
-_STORED_BLOBS_MAX = 4096
-
-T = TypeVar("T")
-
-# The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``,
-# ``tokens_block_sha256``.
-_INSERT_CALL = (
-    f"INSERT OR IGNORE INTO calls ({sql.CALL_COLUMNS}, late, {sql.STORE_COLUMNS}, "
-    "tokens_block_sha256) "
-    f"VALUES ({','.join('?' * (len(COLUMNS) + 4))})"
-)
-
-# What a put needs of its rollout's state (``lifecycle``): tombstoned, frozen (two key reads,
-# none of the rollout's texts).
-_PUT_STATE = (
-    "SELECT EXISTS (SELECT 1 FROM tombstones WHERE rollout_id = ?), "
-    "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL)"
-)
-
-
-def _is_prompt_parent(record: CallRecord) -> bool:
-    """A call later prompts may extend (``prefixes``): complete, with output."""
-    return record.status is CallStatus.COMPLETE and record.num_generation_tokens > 0
 
 
 class SQLiteStore(SQLStore):
@@ -151,14 +137,8 @@ class SQLiteStore(SQLStore):
         self._rdb: sqlite3.Connection | None = None  # reader thread only
         self.exclusive = exclusive
         self._lock_file: IO[str] | None = None
-        #: Content addresses of JSON texts committed by this writer and not deleted since
-        #: (writer thread only): a put skips their insert (a session's tools list is on every
-        #: call). Cleared by every other write transaction, the only ones that delete texts;
-        #: kept only while the writer lock is held (``exclusive``: no other process writes).
-        self._stored_blobs: set[bytes] = set()
-        #: each rollout's stored calls by their token prefixes (writer thread only): a put's
-        #: prompt parent without reading the rollout's other rows
-        self._prompt_parents = PromptParents()
+        #: the puts and what the writer remembers of them (writer thread only)
+        self._puts = SQLitePuts(keep=exclusive)
 
     # --- threads -------------------------------------------------------------------------
 
@@ -297,8 +277,7 @@ class SQLiteStore(SQLStore):
     ) -> T:
         """One ``BEGIN IMMEDIATE`` transaction (writes serialise on the one writer thread, so
         ``rollout_id`` needs no lock of its own)."""
-        self._stored_blobs.clear()  # it may delete texts
-        self._prompt_parents.forget(rollout_id)  # and calls
+        self._puts.forget(rollout_id)  # it may delete texts and calls
         return write_transaction(db, body)
 
     def _read_transaction(self, db: sqlite3.Connection, body: Callable[[], T]) -> T:
@@ -312,77 +291,49 @@ class SQLiteStore(SQLStore):
 
     # --- writes (writer thread) ----------------------------------------------------------
 
+    async def _put_hop(self, record: CallRecord, request: RequestEncoding | None) -> int | None:
+        """One put, committed with the puts queued behind it (``SQLitePuts.group``)."""
+        if self._writer is None:
+            raise StoreError("store is not open")
+        return await self._writer.run_grouped(self._put_group, record, request)  # type: ignore[no-any-return]
+
+    def _put_group(
+        self, items: list[tuple[Any, ...]]
+    ) -> list[tuple[int | None, BaseException | None]]:
+        if self._wdb is None:
+            raise StoreError("store is not open")
+        return self._puts.group(self._wdb, items)
+
     def _put(
         self, db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None
     ) -> int:
-        """Store one record (writer thread); the bytes new to the store."""
-        stored_blobs = self._stored_blobs
-        prompt_parents = self._prompt_parents
-        prompt = record.prompt_token_ids
-        states = block_states(prompt)  # the prompt hashed once: parent, digests
-        tokens_sha256, block_sha256 = token_digests(prompt, record.generation_token_ids, states)
-
-        def body() -> tuple[int, EncodedRecord | None]:
-            tombstoned, frozen = db.execute(_PUT_STATE, (record.rollout_id,) * 2).fetchone()
-            lifecycle.refuse_deleted(record, bool(tombstoned))
-            frozen = bool(frozen)
-            may_recount = lifecycle.may_recount(record)
-            links = sql.retry_family(SQLITE, db, record) if may_recount else []
-            prompt_parent = prompt_parents.choose(
-                db, record.rollout_id, prompt, record.call_id, states
-            )
-            enc = lifecycle.encode_with_parent(
-                record,
-                request,
-                prompt_parent,
-                lambda c: sql.stored_messages(SQLITE, db, c),
-                tokens_sha256,
-            )
-            written = 0
-            own = sql.store_columns(record)
-            block = block_sha256 if _is_prompt_parent(record) else None
-            cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
-            inserted = bool(cur.rowcount)
-            if inserted:
-                written = sql.encoded_bytes(enc) + sql.store_json(
-                    SQLITE, db, enc, known=stored_blobs
-                )
-                written += image_rows.store_images(SQLITE, db, record)
-                db.execute(sql.COUNT_CALLS, (1,))
-            else:
-                row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
-                lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
-            effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
-            counted = effect.version_delta and record.linkable and record.linking is not None
-            parent = sql.parent_status(SQLITE, db, record) if counted else None
-            incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
-            tally = lifecycle.call_tally(record) if inserted else (0, 0, 0)
-            db.execute(
-                SQLITE.sql(sql.UPSERT_ROLLOUT),
-                (
-                    enc.rollout_id,
-                    enc.created_at,
-                    incomplete,
-                    effect.version_delta,
-                    int(inserted),
-                    chains,
-                    *tally,
-                ),
-            )
-            if inserted:
-                sql.keep_kinds(SQLITE, db, enc.rollout_id, (d.kind for d in record.diagnostics))
-            return written, enc if inserted else None  # a re-put's texts may be others
-
-        written, stored = write_transaction(db, body)
-        if stored is not None and self.exclusive:  # committed, and no other writer
-            if len(stored_blobs) > _STORED_BLOBS_MAX:
-                stored_blobs.clear()
-            stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
-            if _is_prompt_parent(record):
-                n = record.num_prompt_tokens + record.num_generation_tokens
-                call = StoredPrefix(record.call_id, record.created_at, n, tokens_sha256)
-                prompt_parents.stored(record.rollout_id, call, block_sha256)
+        """Store one record in its own transaction (writer thread); the bytes new to the
+        store."""
+        ((written, error),) = self._puts.group(db, [(record, request)])
+        if error is not None:
+            raise error
+        assert written is not None
         return written
+
+    # --- the link index's catch-up (reader thread; ``store.remote``) ---------------------
+
+    @staticmethod
+    def _stored_since(
+        db: sqlite3.Connection, rollout_id: str, after_rowid: int
+    ) -> tuple[list[StoredCall] | None, int]:
+        """The index facts of the rollout's calls stored after row ``after_rowid`` (in the
+        order they were stored: a rollout's new rows get larger rowids, whatever was deleted),
+        and the largest rowid read (``after_rowid`` when none); None for the facts when a row
+        cannot tell them (read the rollout whole)."""
+        rows = db.execute(_STORED_SINCE, (rollout_id, after_rowid)).fetchall()
+        calls = [of_row(*row[1:]) for row in rows]
+        last = rows[-1][0] if rows else after_rowid
+        return (None if None in calls else calls), last  # type: ignore[return-value]
+
+    @staticmethod
+    def _last_rowid(db: sqlite3.Connection, rollout_id: str) -> int:
+        row = db.execute(_LAST_ROWID, (rollout_id,)).fetchone()
+        return int(row[0]) if row and row[0] is not None else 0
 
     @staticmethod
     def _list_episodes(db: sqlite3.Connection, base: str) -> list[str]:

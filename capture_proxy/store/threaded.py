@@ -62,6 +62,11 @@ class ThreadedStore:
         """Run ``fn(connection, *args)`` where the store reads (one hop)."""
         raise NotImplementedError
 
+    async def _put_hop(self, record: CallRecord, request: RequestEncoding | None) -> int | None:
+        """Store one record where the store writes (one hop); a store may commit several
+        records' puts together (SQLite: group commit), answering each after its commit."""
+        return await self._write_hop(self._put, record, request)
+
     async def _write(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         try:
             return await self._write_hop(fn, *args)
@@ -87,7 +92,10 @@ class ThreadedStore:
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on failure."""
-        return await self._write(f"storing call {record.call_id}", self._put, record, request)
+        try:
+            return await self._put_hop(record, request)
+        except self._driver_error as exc:
+            raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         """See ``CaptureStore.mark_rollout_incomplete``; nothing for a deleted rollout."""

@@ -13,6 +13,12 @@ jobs from the same queue: jobs start in submission order and may finish in any o
 
 A job whose caller was cancelled still runs (jobs are never dropped half-way; the store's
 writes are idempotent) and its outcome is discarded.
+
+Grouped jobs (``run_grouped``): the thread takes a grouped job together with every job of the
+same group function queued behind it (up to ``MAX_GROUP``, stopping at any other job, which
+runs next) and runs the group function once for all of them; each caller gets its own
+outcome. The SQLite store's puts are such a group: one transaction and one commit (one fsync)
+for the calls that arrived while the previous commit ran (group commit).
 """
 
 from __future__ import annotations
@@ -26,7 +32,19 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+#: A group function: the argument tuples of its jobs in submission order -> one
+#: (result, error) per job, in the same order.
+GroupFn = Callable[[list[tuple[Any, ...]]], list[tuple[Any, BaseException | None]]]
+_Job = tuple[
+    asyncio.AbstractEventLoop,
+    "asyncio.Future[Any]",
+    Callable[..., Any] | None,
+    tuple[Any, ...],
+    GroupFn | None,
+]
+#: Most jobs one group function call takes.
+MAX_GROUP = 256
+_NOTHING: Any = object()
 
 
 class WorkerClosed(RuntimeError):
@@ -64,7 +82,18 @@ class WorkerThread:
             raise WorkerClosed(f"{self.name} is stopped")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
+        self._jobs.put((loop, future, fn, args, None))
+        return await future
+
+    async def run_grouped(self, group: GroupFn, *args: Any) -> Any:
+        """Run ``args`` as one job of ``group`` (see the module docstring): taken with the
+        jobs of the same group queued behind it, after every job queued before it; its own
+        result or exception. Raises WorkerClosed after ``stop``."""
+        if self._stopped:
+            raise WorkerClosed(f"{self.name} is stopped")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._jobs.put((loop, future, None, args, group))
         return await future
 
     async def stop(self) -> None:
@@ -78,13 +107,45 @@ class WorkerThread:
             await loop.run_in_executor(None, thread.join)
 
     def _serve(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            loop, future, fn, args = job
-            result, error = None, None
-            try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the caller, whatever it is
-                error = exc
-            # A closed loop (RuntimeError): nobody is left to tell.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, result, error)
+        job: _Job | None = self._jobs.get()
+        while job is not None:
+            later: Any = _NOTHING
+            loop, future, fn, args, group = job
+            if group is None:
+                assert fn is not None
+                result, error = None, None
+                try:
+                    result = fn(*args)
+                except BaseException as exc:  # handed to the caller, whatever it is
+                    error = exc
+                _post(loop, future, result, error)
+            else:
+                jobs = [job]
+                while len(jobs) < MAX_GROUP:
+                    try:
+                        queued = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if queued is None or queued[4] != group:
+                        later = queued  # runs next, in its turn
+                        break
+                    jobs.append(queued)
+                self._run_group(group, jobs)
+            job = self._jobs.get() if later is _NOTHING else later
+
+    @staticmethod
+    def _run_group(group: GroupFn, jobs: list[_Job]) -> None:
+        try:
+            outcomes = group([j[3] for j in jobs])
+        except BaseException as exc:  # every job of the group fails with it
+            outcomes = [(None, exc)] * len(jobs)
+        for (loop, future, *_), (result, error) in zip(jobs, outcomes, strict=True):
+            _post(loop, future, result, error)
+
+
+def _post(
+    loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any, error: Any
+) -> None:
+    # A closed loop (RuntimeError): nobody is left to tell.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(_settle, future, result, error)

@@ -74,6 +74,8 @@ def _assembler(prompt: list) -> ChatCaptureAssembler:
 def test_prompt_settled_early_gives_the_same_record():
     early, late = _assembler([1, 2, 3]), _assembler([1, 2, 3])
     early.settle_prompt()
+    assert early.prompt_token_ids == []  # the list is let go: the stream keeps the array
+    early.add_chunk({"prompt_token_ids": [9, 9], "choices": []})  # a later one is not taken
     a = early.finish(latency_ms=1.0, http_status=200)
     b = late.finish(latency_ms=1.0, http_status=200)
     assert a.status is b.status is CallStatus.COMPLETE

@@ -17,6 +17,8 @@ from capture_proxy.core.records import Diagnostic, DiagnosticKind
 from capture_proxy.proxy.keys import ENGINE_PROBE_KEY
 from capture_proxy.proxy.metrics import Metrics
 from capture_proxy.proxy.recorder import Recorder, StoreWrite
+from capture_proxy.scripted_engine.faults import Faults
+from capture_proxy.scripted_engine.state import ScriptedEngineConfig
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.factories import record
 from tests.proxy.conftest import MakeStack, Stack
@@ -224,3 +226,25 @@ async def test_health_hides_the_store_path_when_a_token_is_set(
     store = (await stack.get_json("/health"))["store"]
     assert ("path" in store) is shows_path
     assert store["calls"] == 0
+
+
+async def test_event_loop_lag_and_requests_in_flight_are_metrics(make_stack: MakeStack):
+    """The lag sampler observes about 100 times a second; the in-flight gauge counts the
+    scrape itself (its handler runs while it renders), a stream while it runs, nothing after."""
+    faults = Faults(first_byte_delay_s=1.0)
+    stack = await make_stack(engine_config=ScriptedEngineConfig(faults=faults))
+    first = await _metrics(stack)
+    await asyncio.sleep(0.3)
+    text = await _metrics(stack)
+    count = value(text, "capture_proxy_event_loop_lag_seconds_count")
+    assert count - value(first, "capture_proxy_event_loop_lag_seconds_count") >= 10
+    assert value(text, "capture_proxy_requests_in_flight") == 1
+    call = asyncio.create_task(stack.chat("m1", _body(USER, stream=True)))
+    seen = []
+    async with asyncio.timeout(0.9):  # the call waits 1 s for the engine's first byte
+        while not seen or seen[-1] != 2:
+            seen.append(value(await _metrics(stack), "capture_proxy_requests_in_flight"))
+    assert not call.done() and set(seen) <= {1, 2}
+    resp = await call
+    await _read_stream(resp)
+    assert value(await _metrics(stack), "capture_proxy_requests_in_flight") == 1

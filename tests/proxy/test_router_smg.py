@@ -26,7 +26,7 @@ import pytest
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.scripted_engine.state import SENT_CALLS
+from capture_proxy.scripted_engine.state import SEEN_REQUESTS, SENT_CALLS
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.proxy.conftest import ProxyTestServer
 from tests.proxy.test_many_engines import (
@@ -168,3 +168,49 @@ async def test_smg_pins_each_rollout_to_one_engine_and_moves_it_when_the_engine_
         assert served_by(engines, s.call_ids[-1]) == [live if s in moved else homes[s.rollout]]
         await assert_exact_chain(client, s.rollout, s.call_ids)
     print(f"after the kill: {len(moved)} rollouts moved, {3 * len(moved)} calls' chains exact")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from capture_proxy.cli import main
+
+    path = tmp_path_factory.mktemp("tok") / "qwen"
+    assert main(["export-tokenizer", str(path)]) == 0
+    return path
+
+
+async def test_smg_pins_exact_token_calls_too(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, smg, tokenizer_dir
+):
+    """Exact-token mode behind SMG (a local tokenizer, and ``max_model_len``: SMG answers
+    ``/tokenize`` itself and its ``/v1/models`` names no context length) with SGLang's
+    ``/generate`` (SMG 1.13 refuses a ``/v1/completions`` prompt of token ids: its schema takes
+    text): the tokens-in requests carry the routing key, every one of a rollout reaches one
+    engine, rollouts spread over both, chains exact."""
+    engines = await two_engines(aiohttp_server, qwen_tokenizer)
+    router = await smg([url(e) for e in engines])
+    settings = Settings(
+        backend=router,
+        store=tmp_path / "store",
+        prompt_mode="exact_tokens",
+        tokens_in_dialect="sglang_generate",
+        tokenizer=tokenizer_dir,
+        max_model_len=32768,
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    sessions = [Session(f"exact-{i}") for i in range(12)]
+    for _ in range(3):
+        for s in sessions:
+            await s.step(client)
+    engine_of: dict[str, set[int]] = {s.rollout: set() for s in sessions}
+    for i, engine in enumerate(engines):
+        for method, path, headers in engine.app[SEEN_REQUESTS]:
+            if method == "GET":
+                continue  # SMG's own probes and discovery (/health, /version, ...): no rollout
+            assert path == "/generate", (method, path)
+            engine_of[header(headers, "x-smg-routing-key")].add(i)
+    assert all(len(e) == 1 for e in engine_of.values()), engine_of
+    assert len({next(iter(e)) for e in engine_of.values()}) == 2, engine_of
+    for s in sessions:
+        await assert_exact_chain(client, s.rollout, s.call_ids)

@@ -1,7 +1,10 @@
 """A writer for the crash test: puts a deterministic chain into a store, printing each call id
 after ``put_call`` returned (that is the acknowledgement), until it is killed.
 
-Usage: ``python -m tests.store.crash_writer STORE_DIR ROLLOUT_ID [full|normal]``
+With WRITERS > 1, that many chains are written at once (rollouts ``ROLLOUT_ID.<k>``), so the
+store's group commit takes several puts per commit.
+
+Usage: ``python -m tests.store.crash_writer STORE_DIR ROLLOUT_ID [full|normal] [WRITERS]``
 """
 
 from __future__ import annotations
@@ -45,9 +48,7 @@ def chain(rollout_id: str, turns: int) -> list[CallRecord]:
     return out
 
 
-async def main(store_dir: Path, rollout_id: str, synchronous: str) -> None:
-    store = SQLiteStore(store_dir, synchronous=synchronous)  # type: ignore[arg-type]
-    await store.open()
+async def write_chain(store: SQLiteStore, rollout_id: str) -> None:
     turn = 0
     prompt = np.arange(NEW_PROMPT, dtype=np.uint32)
     while True:
@@ -59,5 +60,15 @@ async def main(store_dir: Path, rollout_id: str, synchronous: str) -> None:
         turn += 1
 
 
+async def main(store_dir: Path, rollout_id: str, synchronous: str, writers: int) -> None:
+    store = SQLiteStore(store_dir, synchronous=synchronous)  # type: ignore[arg-type]
+    await store.open()
+    if writers == 1:
+        await write_chain(store, rollout_id)
+    await asyncio.gather(*(write_chain(store, f"{rollout_id}.{k}") for k in range(writers)))
+
+
 if __name__ == "__main__":
-    asyncio.run(main(Path(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "full"))
+    args = sys.argv[1:]
+    synchronous = args[2] if len(args) > 2 else "full"
+    asyncio.run(main(Path(args[0]), args[1], synchronous, int(args[3]) if len(args) > 3 else 1))

@@ -23,12 +23,24 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_and_kill(
-    store_dir: Path, rollout_id: str, acks_before_kill: int, synchronous: str = "full"
+    store_dir: Path,
+    rollout_id: str,
+    acks_before_kill: int,
+    synchronous: str = "full",
+    writers: int = 1,
 ) -> list[str]:
     """Start a writer, read acknowledgements until ``acks_before_kill`` (bounded: 60 s), then
     SIGKILL it; return every call id it acknowledged, including any still in the pipe."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.store.crash_writer", str(store_dir), rollout_id, synchronous],
+        [
+            sys.executable,
+            "-m",
+            "tests.store.crash_writer",
+            str(store_dir),
+            rollout_id,
+            synchronous,
+            str(writers),
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -83,5 +95,30 @@ async def test_sigkill_in_a_write_loop_loses_no_acknowledged_call(tmp_path, sync
             one = await store.get_call(ids[-1])
             assert one is not None
             assert_same(one, expected[ids[-1]])
+    finally:
+        await store.close()
+
+
+async def test_sigkill_during_group_commits_loses_no_acknowledged_call(tmp_path):
+    """Eight chains written at once: the writer commits the puts that queued during the
+    previous commit together; every put acknowledged before the kill is stored, whole."""
+    store_dir = tmp_path / "store"
+    acked: list[str] = []
+    for i, n in enumerate((40, 9, 70)):
+        acked += run_and_kill(store_dir, f"group{i}", n, "full", writers=8)
+    with sqlite3.connect(store_dir / DB_FILE_NAME) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    store = SQLiteStore(store_dir)
+    await store.open()
+    try:
+        rollouts = sorted({call_id.rsplit("-", 1)[0] for call_id in acked})
+        assert len(rollouts) >= 8  # each writer acknowledged at least once
+        for rollout_id in rollouts:
+            stored = {r.call_id: r for r in await store.get_rollout_calls(rollout_id)}
+            expected = {r.call_id: r for r in chain(rollout_id, len(stored) + 1)}
+            mine = [c for c in acked if c.rsplit("-", 1)[0] == rollout_id]
+            assert set(mine) <= set(stored)
+            for call_id, rec in stored.items():
+                assert_same(rec, expected[call_id])
     finally:
         await store.close()

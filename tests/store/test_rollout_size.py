@@ -181,7 +181,7 @@ async def test_prompt_parents_of_a_sweep_are_the_scan_of_every_stored_call(store
         await store.put_call(r)
     if isinstance(store, SQLiteStore):
         # The rollout's rows were read once (on its first put); the others came from memory.
-        assert list(store._prompt_parents._rollouts) == ["r1"]
+        assert list(store._puts.prompt_parents._rollouts) == ["r1"]
     got = dict(rows(store, "SELECT call_id, prompt_parent_call_id FROM calls"))
     assert got == _expected_parents(records)
     assert sum(v is not None for v in got.values()) > 40  # the sweep links many

@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 
 from capture_proxy.core.linking.digests import (
-    child_digest,
     tool_call_ids,
     turn_digest,
     turn_digests,
 )
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.resolution import Candidate, Resolution
+from capture_proxy.core.linking.stored import StoredCall, of_record
 from capture_proxy.core.linking.verdicts import (
     HISTORY_EDITED,
     NO_MATCH,
@@ -32,9 +32,8 @@ from capture_proxy.core.linking.verdicts import (
     Verdict,
     model_scope,
 )
-from capture_proxy.core.prefixes import PrefixIndex, StoredPrefix, token_digests
+from capture_proxy.core.prefixes import PrefixIndex, StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus
-from capture_proxy.core.routed_experts import rows_end
 
 #: Record statuses the index keeps (``CallStatus`` values).
 CALL_FAILED = CallStatus.FAILED.value
@@ -323,50 +322,36 @@ class LinkIndex:
         return parent.call_id if parent is not None else None
 
 
-def _token_key(record: CallRecord) -> dict[str, Any]:
-    """Length and digest of a complete call's prompt + generation (for digest verification)."""
-    if record.status is not CallStatus.COMPLETE or record.num_generation_tokens == 0:
-        return {}
-    tokens_sha256, block_sha256 = token_digests(
-        record.prompt_token_ids, record.generation_token_ids
+def add_stored(index: LinkIndex, call: StoredCall) -> None:
+    """Index a stored call (again, if it was in flight) from its facts (``stored``)."""
+    index.add(
+        call.call_id,
+        call.created_at,
+        child_digest=call.child_digest,
+        request_digest=call.request_digest,
+        harness_note=call.harness_note,
+        rows_end=call.rows_end,
+        model=call.model,
+        status=call.status,
+        response=call.response,
+        parent_call_id=call.parent_call_id,
+        retry_of=call.retry_of,
+        num_tokens=call.num_tokens,
+        tokens_sha256=call.tokens_sha256,
+        block_sha256=call.block_sha256,
     )
-    return {
-        "num_tokens": record.num_prompt_tokens + record.num_generation_tokens,
-        "tokens_sha256": tokens_sha256,
-        "block_sha256": block_sha256,
-    }
 
 
 def add_record(index: LinkIndex, record: CallRecord) -> None:
     """Index a stored call (again, if it was in flight): by the child digest its record keeps
     (else derived from its request and answer), its request digest, answer and token key."""
-    linking = record.linking or {}
-    child = linking.get("child_digest")
-    response = record.response_message if record.status is not CallStatus.FAILED else None
-    if child is None and response is not None:
-        child = child_digest(record.request_messages, response)
-    index.add(
-        record.call_id,
-        record.created_at,
-        # A failed call has no answer to continue from; it is indexed for its request
-        # only (a later identical request retries it).
-        child_digest=child if response is not None else None,
-        request_digest=linking.get("request_digest"),
-        harness_note=bool(linking.get("harness_note")),
-        rows_end=rows_end(record),
-        model=record.model,
-        status=record.status.value,
-        response=response,
-        parent_call_id=record.parent_call_id,
-        retry_of=record.retry_of,
-        **_token_key(record),
-    )
+    add_stored(index, of_record(record))
 
 
-def refresh_index(index: LinkIndex, records: Iterable[CallRecord]) -> None:
+def refresh_index(index: LinkIndex, records: Iterable[CallRecord | StoredCall]) -> None:
     """Add the stored ``records`` of the rollout (in stored order) this index does not hold as
-    stored: written by another replica since it was loaded."""
+    stored: written by another replica or worker since it was loaded."""
     for record in records:
         entry = index.entries.get(record.call_id)
         if entry is None or entry.status == IN_FLIGHT:
-            add_record(index, record)
+            add_stored(index, record if isinstance(record, StoredCall) else of_record(record))

@@ -1,0 +1,219 @@
+"""``serve --workers N`` (N > 1): the supervisor of N worker processes on one listening socket.
+
+Owns the processes. The supervisor binds the socket (``serve``), opens the embedded store as
+its one writer (``store.remote``: the workers send it their writes, it commits them in
+groups), and starts the workers (``cli.worker``), each a whole proxy app with its own event
+loop, handed the listening socket (the kernel gives each new connection to one of the
+workers waiting on it), the settings (pickled into a private runtime directory: only this
+user may read it; it holds the tokens) and the directory of the shared metric files
+(``PROMETHEUS_MULTIPROC_DIR``). It prints the serving line (and writes ``--port-file``) once
+every worker listens; a worker that exits during start-up stops it with status 2 (the
+worker's own error is in the log above). A worker that dies later is started again (at most
+``MAX_RESTARTS`` a minute, then the supervisor stops with status 1) and its gauges leave the
+metrics. SIGINT or SIGTERM stops the workers (each ends its calls in flight first, as one
+proxy does), then the store.
+
+With PostgreSQL the workers are replicas that open the store themselves; with ``--read-only``
+each opens the store read-only. The supervisor then only supervises.
+
+Must not: serve a request, or decide anything about a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from capture_proxy.config import Settings
+
+log = logging.getLogger("capture_proxy")
+
+PLAN_FILE = "plan.pickle"
+CONTROL_SOCKET = "control.sock"
+STAMPS_FILE = "stamps"
+METRICS_DIR = "metrics"
+#: Restarts of dead workers allowed in a minute before the supervisor gives up.
+MAX_RESTARTS = 5
+#: How long a stopping worker may take to finish its calls in flight (aiohttp's shutdown
+#: timeout is 60 s), before it is killed.
+STOP_DEADLINE_S = 75.0
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What every worker is started with."""
+
+    settings: Settings
+    count: int
+    read_only: bool
+    #: ``serve --read-only``'s engine for the viewer's ``/detokenize``
+    viewer_backend: str | None
+    #: the supervisor's pid: a worker whose parent is another process exits
+    supervisor_pid: int
+
+
+class Supervisor:
+    def __init__(self, plan: WorkerPlan, sock: socket.socket, runtime: Path) -> None:
+        self.plan = plan
+        self.sock = sock
+        self.runtime = runtime
+        self.procs: dict[int, asyncio.subprocess.Process] = {}
+        self.ready: dict[int, int] = {}
+        self.all_ready = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.exit_code = 0
+        self.restarts: list[float] = []
+
+    def on_ready(self, index: int, pid: int) -> None:
+        self.ready[index] = pid
+        if len(self.ready) == self.plan.count:
+            self.all_ready.set()
+
+    async def start(self, index: int) -> asyncio.subprocess.Process:
+        fd = self.sock.fileno()
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self.runtime / METRICS_DIR)}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "capture_proxy.cli.worker",
+            str(self.runtime), str(index), str(fd),
+            pass_fds=(fd,), env=env, stdin=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        self.procs[index] = proc
+        return proc
+
+    async def wait_ready(self) -> None:
+        """Until every worker listens. Raises ServeExit when one exits first."""
+        from capture_proxy.cli.serve import ServeExit
+
+        ready = asyncio.ensure_future(self.all_ready.wait())
+        exits = {asyncio.ensure_future(p.wait()): i for i, p in self.procs.items()}
+        stop = asyncio.ensure_future(self.stopping.wait())
+        try:
+            done, _ = await asyncio.wait([ready, stop, *exits], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (ready, stop, *exits):
+                task.cancel()
+        for task in done:
+            if task in exits and ready not in done:
+                index, code = exits[task], task.result()
+                raise ServeExit(f"worker {index} exited during start-up with status {code}")
+
+    async def keep(self, index: int) -> None:
+        """Start worker ``index`` again whenever it dies, until stopping."""
+        while not self.stopping.is_set():
+            proc = self.procs[index]
+            code = await proc.wait()
+            if self.stopping.is_set():
+                return
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(proc.pid, str(self.runtime / METRICS_DIR))
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < 60] + [now]
+            if len(self.restarts) > MAX_RESTARTS:
+                log.error(
+                    "worker %d (pid %d) exited with status %s: %d restarts in a minute, "
+                    "stopping",
+                    index, proc.pid, code, len(self.restarts) - 1,
+                )  # fmt: skip
+                self.exit_code = 1
+                self.stopping.set()
+                return
+            log.error("worker %d (pid %d) exited with status %s; starting it again",
+                      index, proc.pid, code)  # fmt: skip
+            await self.start(index)
+
+    async def stop_workers(self) -> None:
+        for proc in self.procs.values():
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_DEADLINE_S)
+            except TimeoutError:
+                log.error("worker pid %d did not stop in %.0f s: killed", proc.pid,
+                          STOP_DEADLINE_S)  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
+def _write_plan(runtime: Path, plan: WorkerPlan) -> None:
+    fd = os.open(runtime / PLAN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        pickle.dump(plan, out, protocol=5)
+
+
+async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
+                     on_listening: Callable[[], None]) -> int:  # fmt: skip
+    from capture_proxy.cli.serve import ServeExit
+    from capture_proxy.store.base import StoreError
+    from capture_proxy.store.postgres import is_postgres_url
+    from capture_proxy.store.remote import RolloutStamps, serve_writes
+    from capture_proxy.store.sqlite import SQLiteStore
+
+    settings = plan.settings
+    store = stamps = None
+    if not plan.read_only and not is_postgres_url(str(settings.store)):
+        store = SQLiteStore(Path(settings.store), synchronous=settings.store_synchronous)
+        try:
+            await store.open()
+        except StoreError as exc:
+            raise ServeExit(str(exc)) from exc
+        stamps = RolloutStamps(runtime / STAMPS_FILE, writable=True)
+    sup = Supervisor(plan, sock, runtime)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, sup.stopping.set)
+    server = await serve_writes(store, runtime / CONTROL_SOCKET, sup.on_ready, stamps)
+    try:
+        for index in range(plan.count):
+            await sup.start(index)
+        await sup.wait_ready()
+        if not sup.stopping.is_set():
+            on_listening()
+        keepers = [asyncio.ensure_future(sup.keep(i)) for i in range(plan.count)]
+        await sup.stopping.wait()
+        for task in keepers:
+            task.cancel()
+        return sup.exit_code
+    finally:
+        sup.stopping.set()
+        await sup.stop_workers()
+        server.close()
+        if store is not None:
+            await store.close()
+        if stamps is not None:
+            stamps.close()
+
+
+def run_workers(
+    plan: WorkerPlan,
+    sock: socket.socket,
+    loop: asyncio.AbstractEventLoop,
+    on_listening: Callable[[], None],
+) -> int:
+    """Serve with ``plan.count`` workers until SIGINT or SIGTERM; the exit status. Raises
+    ServeExit when start-up fails (the store, a worker)."""
+    runtime = Path(tempfile.mkdtemp(prefix="capture-proxy-workers-"))  # mode 0700
+    try:
+        (runtime / METRICS_DIR).mkdir()
+        _write_plan(runtime, plan)
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(_supervise(plan, sock, runtime, on_listening))
+    finally:
+        loop.close()
+        asyncio.set_event_loop(None)
+        shutil.rmtree(runtime, ignore_errors=True)

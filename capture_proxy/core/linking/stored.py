@@ -1,0 +1,129 @@
+"""What the link index keeps of a stored call, read from its record or from its stored row.
+
+Owns ``StoredCall``: the facts ``LinkIndex.add`` files a stored call under (child and request
+digests, its answer, status, model, verified parent, retry target, routed-expert rows, token
+key), ``of_record`` (from a ``CallRecord``: the index's own calls, and rollouts read whole) and
+``of_row`` (from a v4 row's columns and metadata, without decoding its arrays or messages: a
+worker of ``serve --workers`` catching up with the calls the others stored costs a few
+columns per call, however deep its chain). Both give the same facts for the same call; a row
+that cannot tell one of them (an older record, a row without its block digest) gives None and
+the caller reads the record whole. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from capture_proxy.core.linking.digests import child_digest
+from capture_proxy.core.prefixes import token_digests
+from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.routed_experts import rows_end as record_rows_end
+
+#: The record schema whose metadata ``of_row`` reads.
+ROW_SCHEMA_VERSION = 4
+
+
+@dataclass(frozen=True, slots=True)
+class StoredCall:
+    """A stored call as the link index files it (``LinkIndex.add``'s arguments)."""
+
+    call_id: str
+    created_at: float
+    status: str
+    model: str | None
+    child_digest: str | None
+    request_digest: str | None
+    harness_note: bool
+    rows_end: int | None
+    #: the token key of a complete call with output (``prefixes.token_digests``), else None
+    num_tokens: int | None
+    tokens_sha256: bytes | None
+    block_sha256: bytes | None
+    response: Mapping[str, Any] | None
+    parent_call_id: str | None
+    retry_of: str | None
+
+
+def _has_token_key(status: str, num_generation_tokens: int) -> bool:
+    return status == CallStatus.COMPLETE.value and num_generation_tokens > 0
+
+
+def of_record(record: CallRecord) -> StoredCall:
+    """The facts of a stored record: the child digest its record keeps (else derived from its
+    request and answer; a failed call has none: it is indexed for its request only)."""
+    linking = record.linking or {}
+    response = record.response_message if record.status is not CallStatus.FAILED else None
+    child = linking.get("child_digest")
+    if child is None and response is not None:
+        child = child_digest(record.request_messages, response)
+    num_tokens = tokens_sha256 = block_sha256 = None
+    if _has_token_key(record.status.value, record.num_generation_tokens):
+        tokens_sha256, block_sha256 = token_digests(
+            record.prompt_token_ids, record.generation_token_ids
+        )
+        num_tokens = record.num_prompt_tokens + record.num_generation_tokens
+    return StoredCall(
+        record.call_id,
+        record.created_at,
+        record.status.value,
+        record.model,
+        child if response is not None else None,
+        linking.get("request_digest"),
+        bool(linking.get("harness_note")),
+        record_rows_end(record),
+        num_tokens,
+        tokens_sha256,
+        block_sha256,
+        response,
+        record.parent_call_id,
+        record.retry_of,
+    )
+
+
+def of_row(
+    call_id: str,
+    created_at: float,
+    status: str,
+    schema_version: int,
+    meta_text: str,
+    tokens_sha256: bytes | None,
+    block_sha256: bytes | None,
+    retry_of: str | None,
+) -> StoredCall | None:
+    """The facts of a stored row (``calls``' columns of those names and ``meta``), or None
+    when the row cannot tell them all (not schema v4; an answered call whose record keeps no
+    child digest; a complete call with output stored without its block digest)."""
+    if schema_version != ROW_SCHEMA_VERSION:
+        return None
+    meta = json.loads(meta_text)
+    linking = meta.get("linking") or {}
+    response = meta.get("response_message") if status != CallStatus.FAILED.value else None
+    child = linking.get("child_digest")
+    if response is not None and child is None:
+        return None
+    num_tokens = None
+    key = _has_token_key(status, int(meta["num_generation_tokens"]))
+    if key:
+        if not tokens_sha256 or block_sha256 is None:
+            return None
+        num_tokens = int(meta["num_prompt_tokens"]) + int(meta["num_generation_tokens"])
+    experts = meta.get("routed_experts")
+    return StoredCall(
+        call_id,
+        float(created_at),
+        status,
+        meta.get("model"),
+        child if response is not None else None,
+        linking.get("request_digest"),
+        bool(linking.get("harness_note")),
+        None if experts is None else int(experts["start"]) + int(experts["shape"][0]),
+        num_tokens,
+        bytes(tokens_sha256) if key and tokens_sha256 else None,
+        bytes(block_sha256) if key and block_sha256 is not None else None,
+        response,
+        meta.get("parent_call_id"),
+        retry_of,
+    )

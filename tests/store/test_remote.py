@@ -1,0 +1,186 @@
+"""The embedded store shared by workers (``store.remote``): a worker's writes travel to the one
+writer and come back with their results and their errors; its reads are its own; a lost
+writer fails writes, never silently."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from typing import Any
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.linking.stored import of_record
+from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.proxy.linker import Linker
+from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
+from capture_proxy.store.remote import (
+    READY,
+    RolloutStamps,
+    WorkerStore,
+    WriterLink,
+    frame,
+    serve_writes,
+)
+from capture_proxy.store.sqlite import SQLiteStore
+from tests.core.test_codec_v2 import assert_same, chain
+from tests.factories import record
+
+
+@pytest.fixture
+async def writer_and_worker(tmp_path):
+    """The supervisor's store serving writes, and one worker's store over a link to it."""
+    writer = SQLiteStore(tmp_path / "store")
+    await writer.open()
+    ready: list[tuple[int, int]] = []
+    server = await serve_writes(writer, tmp_path / "control.sock", lambda *a: ready.append(a))
+    link = await WriterLink.connect(tmp_path / "control.sock")
+    worker = WorkerStore(tmp_path / "store", lambda: link)
+    await worker.open()
+    yield writer, worker, link, ready
+    link.close()
+    await worker.close()
+    server.close()
+    await writer.close()
+
+
+async def test_a_workers_puts_are_committed_by_the_writer_and_read_back_here(writer_and_worker):
+    writer, worker, link, ready = writer_and_worker
+    assert worker.shared and not writer.shared  # a worker's link index refreshes on a miss
+    records = chain(5)
+    written = await asyncio.gather(*(worker.put_call(r) for r in records))
+    assert all(w > 0 for w in written)
+    for r in records:
+        assert_same(await worker.get_call(r.call_id), r)
+    assert (await worker.health())["calls"] == 5
+    await link.request(READY, (3, 1234))
+    assert ready == [(3, 1234)]
+
+
+async def test_store_errors_come_back_as_themselves(writer_and_worker):
+    _, worker, _, _ = writer_and_worker
+    await worker.put_call(record("a", [1, 2], [3], rollout_id="gone"))
+    assert await worker.delete_rollout("gone") == 1
+    with pytest.raises(RolloutDeleted):
+        await worker.put_call(record("b", [1], [2], rollout_id="gone"))
+    await worker.put_call(record("c", [1], [2]))
+    with pytest.raises(ConflictingRecord):
+        await worker.put_call(record("c", [1], [9]))
+    snapshot = await worker.freeze_rollout("r1")
+    assert snapshot.num_calls == 1
+    with pytest.raises(StoreError, match="no store write"):
+        await worker._writer_link().request("_get_call", ("c",))  # reads are not sent
+
+
+async def test_a_records_request_encoding_still_belongs_to_it_after_the_trip():
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    rec = record("c", [1], [2])
+    rec.request_messages, rec.request_tools = messages, tools
+    encoding = RequestEncoding.of(messages, tools)
+    (_, _, (rec2, enc2)) = pickle.loads(frame((1, "_put", (rec, encoding)))[4:])
+    assert enc2.belongs_to(rec2)
+
+
+async def test_a_lost_writer_fails_the_writes_in_flight_and_later(writer_and_worker):
+    """The put in flight may have been committed (the request left before the link was
+    lost), but it is not acknowledged: the worker answers its harness with an error."""
+    _, worker, link, _ = writer_and_worker
+    put = asyncio.ensure_future(worker.put_call(record("x", [1], [2])))
+    await asyncio.sleep(0)  # the request is written
+    link.close()  # as when the supervisor dies
+    with pytest.raises(StoreError, match="supervisor"):
+        await put
+    with pytest.raises(StoreError, match="supervisor"):
+        await worker.put_call(record("y", [1], [2]))
+    assert await worker.get_call("y") is None
+
+
+def _linked(call_id: str, prompt: list[int], gen: list[int], **fields: Any) -> CallRecord:
+    """A record as the proxy stores it: its linking digests and its answer."""
+    rec = record(call_id, prompt, gen)
+    rec.response_message = {"role": "assistant", "content": f"answer of {call_id}"}
+    rec.linking = {"verdict": "root", "child_digest": f"child-{call_id}",
+                   "request_digest": f"req-{call_id}"}  # fmt: skip
+    rec.model = "m"
+    for key, value in fields.items():
+        setattr(rec, key, value)
+    return rec
+
+
+async def test_a_rows_index_facts_are_its_records(writer_and_worker):
+    """``of_row`` from the stored columns gives what ``of_record`` gives from the decoded
+    record, for complete (long and short), failed, incomplete, retried, routed-expert and
+    harness-note calls."""
+    _, worker, _, _ = writer_and_worker
+    long_prompt = list(range(1, 700))
+    experts = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
+    records = [
+        _linked("a", [1, 2, 3], [4, 5]),
+        _linked("b", long_prompt, [9, 9], parent_call_id=None, routed_experts=experts,
+                routed_experts_start=698),  # fmt: skip
+        _linked("c", [1, 2, 3], [4], status=CallStatus.FAILED),
+        _linked("d", [1, 2, 3, 4, 5, 6], [7], status=CallStatus.INCOMPLETE, retry_of="a"),
+        _linked("e", [1, 2, 3, 4, 5, 8], [7]),
+    ]
+    records[4].linking = {**records[4].linking, "harness_note": "opencode.step_limit"}
+    records[4].parent_call_id = "a"
+    for r in records:
+        await worker.put_call(r)
+    calls, last = await worker.stored_since("r1", 0)
+    assert calls is not None and last > 0
+    stored = {r.call_id: r for r in await worker.get_rollout_calls("r1")}
+    assert [c.call_id for c in calls] == ["a", "b", "c", "d", "e"]  # in the order stored
+    for call in calls:
+        assert call == of_record(stored[call.call_id]), call.call_id
+    assert (await worker.stored_since("r1", last)) == ([], last)
+    assert await worker.last_rowid("r1") == last
+
+
+async def test_the_supervisor_counts_a_put_before_the_worker_hears_of_it(tmp_path):
+    """Two workers' linkers on one store: B's cached index of the rollout holds A's call once
+    A's put returned (the count moved), without a digest miss; A's own put needs no read."""
+    writer = SQLiteStore(tmp_path / "store")
+    await writer.open()
+    stamps = RolloutStamps(tmp_path / "stamps", writable=True)
+    server = await serve_writes(writer, tmp_path / "c.sock", lambda *a: None, stamps)
+    links = [await WriterLink.connect(tmp_path / "c.sock") for _ in range(2)]
+    stores = [
+        WorkerStore(tmp_path / "store", (lambda lk=lk: lk),
+                    stamps=RolloutStamps(tmp_path / "stamps", writable=False))
+        for lk in links
+    ]  # fmt: skip
+    try:
+        for s in stores:
+            await s.open()
+        a, b = (Linker(s, refresh_on_miss=True, feed=s) for s in stores)
+        first = _linked("first", [1, 2], [3])
+        await stores[0].put_call(first)
+        await a.remember(first)
+        assert stores[0].stamp("r1") == 1 and a._sync["r1"][0] == 1  # no read needed
+        await b._current_index("r1")  # loads the rollout: "first"
+        second = _linked("second", [1, 2, 3, 4], [5])
+        reads = []
+        original = stores[1].stored_since
+
+        async def counted(*args: Any) -> Any:
+            reads.append(args)
+            return await original(*args)
+
+        stores[1].stored_since = counted  # type: ignore[method-assign]
+        await stores[0].put_call(second)
+        await a.remember(second)
+        index = await b._current_index("r1")
+        assert index.entries["second"].status == "complete" and len(reads) == 1
+        await b._current_index("r1")  # current now: no second read
+        assert len(reads) == 1
+    finally:
+        for s in stores:
+            await s.close()
+        for lk in links:
+            lk.close()
+        server.close()
+        await writer.close()
+        stamps.close()

@@ -1,0 +1,184 @@
+"""``capture-proxy serve --workers 2`` as a child process in front of a scripted engine: both
+workers serve calls, a rollout's calls answered by either worker still link exactly (every
+call on a new connection, so the kernel deals them to both), the read API and ``/metrics``
+are whole, a killed worker is replaced, and SIGTERM ends every process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from capture_proxy.scripted_engine.app import build_scripted_engine_app
+from capture_proxy.scripted_engine.state import ScriptedEngineConfig
+from tests.proxy.test_many_engines import Session, assert_exact_chain, url
+
+START_DEADLINE_S = 60.0
+
+
+async def _serve(tmp_path: Path, backend: str, *args: str) -> tuple[Any, int]:
+    """``serve --workers 2 --port 0``: the process and its port, once it says it serves."""
+    with (tmp_path / "serve.log").open("ab") as log:  # the child keeps its own descriptor
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "capture_proxy.cli", "serve", "--backend", backend,
+            "--port", "0", "--store", str(tmp_path / "store"), "--workers", "2",
+            "--log-level", "WARNING", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=log,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), START_DEADLINE_S)).decode()
+    assert "serving on" in line and ", 2 workers;" in line, (
+        line,
+        (tmp_path / "serve.log").read_text(),
+    )
+    return proc, int(line.split("127.0.0.1:", 1)[1].split(" ", 1)[0])
+
+
+def _workers(pid: int) -> list[int]:
+    """The supervisor's worker processes."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return sorted(out)
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
+
+
+async def _healths(client: aiohttp.ClientSession, tries: int = 64) -> dict[int, dict[str, Any]]:
+    """``/health`` of each worker, asked on new connections until both answered."""
+    seen: dict[int, dict[str, Any]] = {}
+    for _ in range(tries):
+        async with client.get("/health") as resp:
+            body = await resp.json()
+        seen[body["worker"]["index"]] = body
+        if len(seen) == 2:
+            break
+    return seen
+
+
+@pytest.fixture
+async def engine(aiohttp_server, qwen_tokenizer) -> str:
+    server = await aiohttp_server(build_scripted_engine_app(ScriptedEngineConfig(), qwen_tokenizer))
+    return url(server)
+
+
+async def test_two_workers_link_a_rollouts_calls_exactly_whichever_serves_them(tmp_path, engine):
+    proc, port = await _serve(tmp_path, engine)
+    connector = aiohttp.TCPConnector(force_close=True)  # every request a new connection
+    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
+    try:
+        sessions = [Session(f"task-{i}") for i in range(12)]
+        for _ in range(4):
+            await asyncio.gather(*(s.step(client) for s in sessions))
+        for s in sessions:
+            await assert_exact_chain(client, s.rollout, s.call_ids)  # type: ignore[arg-type]
+        healths = await _healths(client)
+        assert sorted(healths) == [0, 1]
+        persisted = [h["capture"]["persisted"] for h in healths.values()]
+        assert all(p > 0 for p in persisted), persisted  # each worker served calls
+        assert all(h["store"]["calls"] == 48 for h in healths.values())
+        async with client.get("/metrics") as resp:
+            text = await resp.text()
+        labels = {"status": "complete", "prompt_mode": "backend_template"}
+        assert _value(text, "capture_proxy_calls_total", **labels) == 48  # both workers'
+        assert _value(text, "capture_proxy_link_verdicts_total", verdict="resolved") == 36
+        assert _value(text, "capture_proxy_event_loop_lag_seconds_count") > 0
+        assert _value(text, "capture_proxy_requests_in_flight") == 1  # this scrape
+        # The engine pool's gauges, published by each worker every second, summed.
+        async with asyncio.timeout(10):
+            while _value(text, "capture_proxy_backend_chosen", backend=engine) < 48:
+                await asyncio.sleep(0.2)
+                async with client.get("/metrics") as resp:
+                    text = await resp.text()
+        assert _value(text, "capture_proxy_backend_chosen", backend=engine) == 48
+        assert _value(text, "capture_proxy_backend_healthy", backend=engine) == 1
+        async with client.get("/captures/rollouts?limit=100") as resp:
+            listed = await resp.json()
+        assert len(listed["rollouts"]) == 12
+    finally:
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
+    assert _workers(proc.pid) == []
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+async def test_a_killed_worker_is_replaced_and_no_acknowledged_call_is_lost(tmp_path, engine):
+    proc, port = await _serve(tmp_path, engine)
+    connector = aiohttp.TCPConnector(force_close=True)
+    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
+    try:
+        sessions = [Session(f"kill-{i}") for i in range(8)]
+        await asyncio.gather(*(s.step(client) for s in sessions))
+        first = _workers(proc.pid)
+        assert len(first) == 2
+        os.kill(first[0], signal.SIGKILL)
+        async with asyncio.timeout(START_DEADLINE_S):
+            while len(now := _workers(proc.pid)) < 2 or first[0] in now:
+                await asyncio.sleep(0.1)
+        healths = {}
+        async with asyncio.timeout(START_DEADLINE_S):  # until the new worker listens
+            while len(healths) < 2:
+                healths = await _healths(client, tries=8)
+        for _ in range(2):
+            await asyncio.gather(*(s.step(client) for s in sessions))
+        for s in sessions:
+            await assert_exact_chain(client, s.rollout, s.call_ids)  # type: ignore[arg-type]
+        async with client.get("/metrics") as resp:
+            text = await resp.text()
+        assert _value(text, "capture_proxy_requests_in_flight") == 1  # the dead one's left
+    finally:
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
+    log = (tmp_path / "serve.log").read_text()
+    assert f"worker 0 (pid {first[0]}) exited with status -9; starting it again" in log or (
+        f"worker 1 (pid {first[0]}) exited with status -9; starting it again" in log
+    ), log
+
+
+async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, engine):
+    """A tokenizer directory without a tokenizer: the workers load it, not the supervisor."""
+    log, empty = tmp_path / "serve.log", tmp_path / "no-tokenizer"
+    empty.mkdir()
+    with log.open("ab") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "capture_proxy.cli", "serve", "--backend", engine,
+            "--port", "0", "--workers", "2", "--store", str(tmp_path / "store"),
+            "--prompt-mode", "exact_tokens", "--tokenizer", str(empty),
+            stdout=asyncio.subprocess.PIPE, stderr=err,
+        )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    assert proc.returncode == 2
+    assert b"serving on" not in out
+    text = log.read_text()
+    assert "exited during start-up with status 2" in text and "cannot load tokenizer" in text
+    assert _workers(proc.pid) == []
+
+
+def test_worker_count_defaults_to_the_cpus_this_process_may_use(tmp_path):
+    from capture_proxy.config import Settings
+
+    settings = Settings(backend="http://e:1", store=tmp_path)
+    assert settings.worker_count == len(os.sched_getaffinity(0))
+    assert Settings(backend="http://e:1", store=tmp_path, workers=3).worker_count == 3
+    json.dumps(settings.model_dump(mode="json"))  # the setting is plain data
