@@ -20,7 +20,7 @@ from capture_proxy.core.linking.digests import (
     turn_digests,
 )
 from capture_proxy.core.linking.mismatch import MismatchClass
-from capture_proxy.core.linking.resolution import Candidate, Resolution
+from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
 from capture_proxy.core.linking.stored import StoredCall, of_record
 from capture_proxy.core.linking.verdicts import (
     HISTORY_EDITED,
@@ -81,6 +81,11 @@ class LinkIndex:
     _by_turn: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     _by_turn_without_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     _by_tool_call_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: per child digest, its calls without a child yet (where a resolution's first candidates
+    #: are: ``_preference``), so resolving does not look at every call that shares the digest
+    _childless: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: per request digest, its latest call by (``created_at``, call id): the retry target
+    _latest_request: dict[str, _Entry] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
 
@@ -113,7 +118,10 @@ class LinkIndex:
         ``PREFIX_BLOCK`` tokens)."""
         old = self.entries.get(call_id)
         if old is not None:
-            self._unindex(old)
+            # the same call filed again under the same request digest, no earlier: still the
+            # latest of that digest if it was (no look at the digest's other calls)
+            still_latest = old.request_digest == request_digest and old.created_at <= created_at
+            self._unindex(old, find_latest=not still_latest)
         turn, turn_without_ids = turn_digests(response) if response is not None else (None, None)
         entry = _Entry(
             call_id,
@@ -141,11 +149,12 @@ class LinkIndex:
         for index, digest in self._keys(entry):
             if digest is not None:
                 index.setdefault(digest, {})[call_id] = entry
+        self._file_order(entry)
         if old is None or old.status == IN_FLIGHT:
             if old is not None and old.counted_parent in self.entries:
-                self.entries[old.counted_parent].children -= 1
+                self._count_child(self.entries[old.counted_parent], -1)
             if parent_call_id is not None and parent_call_id in self.entries:
-                self.entries[parent_call_id].children += 1
+                self._count_child(self.entries[parent_call_id], +1)
                 entry.counted_parent = parent_call_id
             if retry_of is not None and retry_of in self.entries:
                 self.entries[retry_of].superseded_by = call_id
@@ -161,12 +170,40 @@ class LinkIndex:
             (self._by_tool_call_ids, "\x1f".join(entry.tool_call_ids) or None),
         )
 
-    def _unindex(self, entry: _Entry) -> None:
+    def _unindex(self, entry: _Entry, *, find_latest: bool = True) -> None:
         for index, digest in self._keys(entry):
             if digest is not None and digest in index:
                 index[digest].pop(entry.call_id, None)
                 if not index[digest]:
                     del index[digest]
+        _drop(self._childless, entry.child_digest, entry.call_id)
+        digest = entry.request_digest
+        if digest is not None and self._latest_request.get(digest) is entry:
+            del self._latest_request[digest]
+            rest = self._by_request.get(digest)
+            if rest and find_latest:  # O(calls of the digest), only when the latest leaves
+                self._latest_request[digest] = max(rest.values(), key=_age)
+
+    def _file_order(self, entry: _Entry) -> None:
+        """File ``entry`` (just indexed) among the childless and as its request's latest."""
+        if entry.children == 0 and entry.child_digest is not None:
+            self._childless.setdefault(entry.child_digest, {})[entry.call_id] = entry
+        digest = entry.request_digest
+        if digest is not None:
+            latest = self._latest_request.get(digest)
+            if latest is None or _age(entry) >= _age(latest):
+                self._latest_request[digest] = entry
+
+    def _count_child(self, parent: _Entry, delta: int) -> None:
+        """``parent`` gained (+1) or lost (-1) a child: (un)filed among the childless."""
+        parent.children += delta
+        digest = parent.child_digest
+        if digest is None or self.entries.get(parent.call_id) is not parent:
+            return
+        if parent.children == 0:
+            self._childless.setdefault(digest, {})[parent.call_id] = parent
+        else:
+            _drop(self._childless, digest, parent.call_id)
 
     @staticmethod
     def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
@@ -176,10 +213,9 @@ class LinkIndex:
         """The call an identical request retries: only on an explicit signal (the harness says
         it retries, or the latest identical call failed or was left incomplete). Identical
         requests otherwise are sibling samples, each its own call."""
-        earlier = self._ordered(self._by_request.get(req_digest))
-        if not earlier:
+        latest = self._latest_request.get(req_digest)
+        if latest is None:
             return None
-        latest = earlier[-1]
         if retry_requested or latest.status in (CALL_FAILED, CALL_INCOMPLETE):
             return latest.call_id
         return None
@@ -221,8 +257,8 @@ class LinkIndex:
         retry_of = self._retry_of(req_digest, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
-        found = list((self._by_child.get(parent_digest) or {}).values())
-        matches = sorted((e for e in found if e.model == model), key=self._preference)
+        found = self._by_child.get(parent_digest) or {}
+        matches = self._matches(parent_digest, found, model)
         rewritten = None
         if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
             # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
@@ -230,10 +266,10 @@ class LinkIndex:
             # Tokens decide whether the link is taken.
             ids = "\x1f".join(tool_call_ids(last_turn))
             by_ids = (self._by_tool_call_ids.get(ids) or {}).values() if ids else ()
-            matches = sorted((e for e in by_ids if e.model == model), key=self._preference)
+            matches = Candidates(_candidates(e for e in by_ids if e.model == model), None)
             rewritten = TURN_REWRITTEN if matches else None
         if not matches:
-            reason, mismatch = self._why_unmatched(found, model, last_turn)
+            reason, mismatch = self._why_unmatched(list(found.values()), model, last_turn)
             return Resolution(
                 Verdict.UNRESOLVED,
                 parent_digest,
@@ -242,7 +278,8 @@ class LinkIndex:
                 reason=reason,
                 mismatch=mismatch,
             )
-        if refuse_note_parents and matches[0].harness_note:
+        first = matches[0]
+        if refuse_note_parents and self.entries[first.call_id].harness_note:
             return Resolution(
                 Verdict.UNRESOLVED,
                 parent_digest,
@@ -250,10 +287,6 @@ class LinkIndex:
                 retry_of=retry_of,
                 reason=NOTE_PARENT,
             )
-        candidates = tuple(
-            Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in matches
-        )
-        first = candidates[0]
         return Resolution(
             Verdict.RESOLVED,
             parent_digest,
@@ -264,7 +297,29 @@ class LinkIndex:
             parent_rows_end=first.rows_end,
             parent_num_tokens=first.num_tokens,
             parent_tokens_sha256=first.tokens_sha256,
-            candidates=candidates,
+            candidates=matches,
+        )
+
+    def _matches(
+        self, parent_digest: str, found: dict[str, _Entry], model: str | None
+    ) -> Candidates:
+        """The candidates of ``model`` among ``found`` (the calls whose child digest is
+        ``parent_digest``) in ``_preference`` order. The best of that order (verifiable, not
+        superseded, childless) are among the digest's childless calls, few however many
+        calls share the digest: when one is there, the others are ordered only if asked
+        (``Candidates``)."""
+        head = [
+            e
+            for e in (self._childless.get(parent_digest) or {}).values()
+            if e.model == model and e.num_tokens is not None and e.superseded_by is None
+        ]
+        if not head or len(head) == len(found):
+            return Candidates(_candidates(e for e in found.values() if e.model == model), None)
+        taken = {e.call_id for e in head}
+        others = list(found.values())  # the candidates as they are now; ordered when asked
+        return Candidates(
+            _candidates(head),
+            lambda: _candidates(e for e in others if e.model == model and e.call_id not in taken),
         )
 
     def _is_captured_turn(self, turn: Mapping[str, Any], model: str | None) -> bool:
@@ -320,6 +375,23 @@ class LinkIndex:
         not looked at."""
         parent = self._prefixes.deepest(prompt, model=model, exclude=exclude)
         return parent.call_id if parent is not None else None
+
+
+def _age(entry: _Entry) -> tuple[float, str]:
+    return entry.created_at, entry.call_id
+
+
+def _drop(index: dict[str, dict[str, _Entry]], digest: str | None, call_id: str) -> None:
+    if digest is not None and digest in index:
+        index[digest].pop(call_id, None)
+        if not index[digest]:
+            del index[digest]
+
+
+def _candidates(entries: Iterable[_Entry]) -> tuple[Candidate, ...]:
+    """``entries`` in ``LinkIndex._preference`` order, as candidates."""
+    ordered = sorted(entries, key=LinkIndex._preference)
+    return tuple(Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in ordered)
 
 
 def add_stored(index: LinkIndex, call: StoredCall) -> None:

@@ -8,8 +8,9 @@ data: built by ``index.LinkIndex.resolve``, read by the prompt path and by verif
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from capture_proxy.core.linking.verdicts import Reason, Verdict
 
@@ -24,6 +25,66 @@ class Candidate:
     rows_end: int | None = None
     num_tokens: int | None = None
     tokens_sha256: bytes | None = None
+
+
+class Candidates(Sequence[Candidate]):
+    """Parent candidates in preference order: the first ones (``head``) made at once, the rest
+    (``rest``: a function that makes them) only when a reader goes past the head. A digest
+    shared by many calls (the same first answer in every session of a rollout) would make
+    every resolution cost O(those calls); verification almost always takes the first
+    candidate, so the rest is built only for the call whose first candidates all fail.
+    Equal to any sequence of the same candidates (a tuple included)."""
+
+    __slots__ = ("_head", "_rest", "_all")
+
+    def __init__(
+        self, head: tuple[Candidate, ...], rest: Callable[[], tuple[Candidate, ...]] | None
+    ) -> None:
+        self._head = head
+        self._rest = rest
+        self._all: tuple[Candidate, ...] | None = head if rest is None else None
+
+    def whole(self) -> tuple[Candidate, ...]:
+        """Every candidate (the rest made now, once)."""
+        if self._all is None:
+            assert self._rest is not None
+            self._all, self._rest = (*self._head, *self._rest()), None
+        return self._all
+
+    def __iter__(self) -> Iterator[Candidate]:
+        if self._all is not None:
+            return iter(self._all)
+        return self._iterate()
+
+    def _iterate(self) -> Iterator[Candidate]:
+        yield from self._head
+        yield from self.whole()[len(self._head) :]
+
+    def __len__(self) -> int:
+        return len(self.whole())
+
+    def __bool__(self) -> bool:
+        return bool(self._head) or bool(self.whole())
+
+    @overload
+    def __getitem__(self, i: int) -> Candidate: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Candidate, ...]: ...
+    def __getitem__(self, i: int | slice) -> Candidate | tuple[Candidate, ...]:
+        if isinstance(i, int) and 0 <= i < len(self._head):
+            return self._head[i]
+        return self.whole()[i]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str | bytes):
+            return self.whole() == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.whole())
+
+    def __repr__(self) -> str:
+        return f"Candidates({self.whole()!r})"
 
 
 @dataclass(frozen=True)
@@ -52,12 +113,14 @@ class Resolution:
     #: verified without reading the parent's arrays (None: unknown, read them)
     parent_num_tokens: int | None = None
     parent_tokens_sha256: bytes | None = None
-    candidates: tuple[Candidate, ...] = ()
+    candidates: Sequence[Candidate] = ()
     mismatch: dict[str, Any] | None = None
 
     def preferring(self, call_id: str) -> Resolution:
         """The same resolution with ``call_id`` (one of the candidates) preferred: the parent
         an exact-token prompt was spliced from."""
+        if self.parent_call_id == call_id:
+            return self  # already the first (the rest is left unmade)
         chosen = [c for c in self.candidates if c.call_id == call_id]
         if not chosen:
             return self

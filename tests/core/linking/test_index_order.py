@@ -1,0 +1,104 @@
+"""The link index's maintained order (``LinkIndex._childless``, ``_latest_request``) answers as
+sorting every call of the digest would, and resolving looks only at the childless calls of a
+digest that many calls share (``core.linking.index``)."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from capture_proxy.core.linking.index import IN_FLIGHT, LinkIndex
+from capture_proxy.core.linking.resolution import Candidates
+
+CALLS = [f"c{i}" for i in range(8)]
+DIGESTS = ["d0", "d1"]
+REQUESTS = ["q0", "q1"]
+KEY = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
+
+# One step: (call, created_at, child digest, request digest, status, verifiable, model,
+# parent, retry_of); a call is filed in flight or stored, again and again, as the proxy does.
+steps = st.lists(
+    st.tuples(
+        st.sampled_from(CALLS),
+        st.sampled_from([1.0, 2.0, 3.0]),
+        st.sampled_from([None, *DIGESTS]),
+        st.sampled_from([None, *REQUESTS]),
+        st.sampled_from([IN_FLIGHT, "complete", "failed", "incomplete"]),
+        st.booleans(),
+        st.sampled_from(["m", "n"]),
+        st.sampled_from([None, *CALLS]),
+        st.sampled_from([None, *CALLS]),
+    ),
+    max_size=40,
+)
+
+
+def _expected_candidates(index: LinkIndex, digest: str, model: str) -> list[str]:
+    """The candidates as a full sort of the digest's calls orders them (the rule)."""
+    found = [e for e in index.entries.values() if e.child_digest == digest and e.model == model]
+    return [e.call_id for e in sorted(found, key=LinkIndex._preference)]
+
+
+def _expected_latest(index: LinkIndex, request: str) -> str | None:
+    same = [e for e in index.entries.values() if e.request_digest == request]
+    return max(same, key=lambda e: (e.created_at, e.call_id)).call_id if same else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(steps)
+def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops):
+    index = LinkIndex()
+    for call, at, child, request, status, verifiable, model, parent, retry in ops:
+        index.add(
+            call,
+            at,
+            child_digest=child,
+            request_digest=request,
+            status=status,
+            model=model,
+            parent_call_id=parent,
+            retry_of=retry,
+            **(KEY if verifiable else {}),
+        )
+        for digest in DIGESTS:
+            for model_asked in ("m", "n"):
+                got = index.resolve(digest, "q-new", model=model_asked)
+                want = _expected_candidates(index, digest, model_asked)
+                assert [c.call_id for c in got.candidates] == want
+                assert got.parent_call_id == (want[0] if want else None)
+        for request in REQUESTS:
+            latest = _expected_latest(index, request)
+            retry_of = index.resolve(None, request, retry_requested=True).retry_of
+            assert retry_of == latest
+        children = {c: 0 for c in index.entries}
+        for e in index.entries.values():
+            if e.counted_parent in children:
+                children[e.counted_parent] += 1
+        # the children counts the order uses are the calls counted as children
+        assert {c: e.children for c, e in index.entries.items()} == children
+
+
+def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():
+    # 1,000 sessions of one rollout whose first answers were alike (one child digest): each
+    # continued by its own second call. A new session's second call resolves to its own first
+    # call, the one without a child, without ordering the 1,000 others.
+    index = LinkIndex()
+    for i in range(1000):
+        index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
+        index.add(f"b{i}", i + 0.5, child_digest=f"e{i}", request_digest=f"r{i}",
+                  status="complete", parent_call_id=f"a{i}", **KEY)  # fmt: skip
+    index.add("a1000", 1000.0, child_digest="d", request_digest="q", status="complete", **KEY)
+    looked: list[str] = []
+    preference = LinkIndex._preference
+    LinkIndex._preference = staticmethod(lambda e: looked.append(e.call_id) or preference(e))
+    try:
+        got = index.resolve("d", "r-new", model=None)
+        first = got.candidates[0]
+        assert looked == ["a1000"]
+        assert (got.parent_call_id, first.call_id, first.num_tokens) == ("a1000", "a1000", 5)
+        # the rest, asked for, in the rule's order: earliest first (all have a child)
+        assert isinstance(got.candidates, Candidates)
+        assert [c.call_id for c in got.candidates][:3] == ["a1000", "a0", "a1"]
+        assert len(got.candidates) == 1001
+    finally:
+        LinkIndex._preference = staticmethod(preference)
+    # the retry target of the shared first request: the latest, without a sort
+    assert index.resolve(None, "q", retry_requested=True).retry_of == "a1000"
