@@ -31,7 +31,7 @@ from capture_proxy.families import get_parser, load_family
 from capture_proxy.families.base import ChatRenderer, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.families.vision import VisionProcessorConfig
-from capture_proxy.proxy.app import dispatch
+from capture_proxy.proxy.app import CALL_DEPS_KEY, dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
 from capture_proxy.proxy.engine_render import EngineRenderer
@@ -283,6 +283,7 @@ def build_proxy_app(
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings)
+    app[CALL_DEPS_KEY] = {}
     app.cleanup_ctx.append(_resources(settings, store, renderer, worker))
     if worker is None or worker.index == 0:
         app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))

@@ -69,6 +69,19 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
         ) from exc
 
 
+#: per engine URL, what its captured calls need (``_call_deps``): made on the first call, once
+#: the app's resources are open; none of it changes while the app runs
+CALL_DEPS_KEY = web.AppKey("call_deps", dict[str, tuple[CaptureDeps, BackEnds]])
+
+
+def _call_deps(request: web.Request, backend: str) -> tuple[CaptureDeps, BackEnds]:
+    made = request.app[CALL_DEPS_KEY]
+    deps = made.get(backend)
+    if deps is None:
+        deps = made[backend] = (_capture_deps(request, backend), _back_ends(request, backend))
+    return deps
+
+
 def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
     settings = request.app[SETTINGS_KEY]
     routes = request.app[ROUTES_KEY]
@@ -137,10 +150,8 @@ async def _serve_capture_path(
     if kind is EndpointKind.CAPTURED and front is not None:
         if request.app[SETTINGS_KEY].late_calls == "refuse":
             await _refuse_if_frozen(request, target)
-        deps = _capture_deps(request, backend)
-        response = await handle_captured_call(
-            request, target, raw_body, front, deps, _back_ends(request, backend)
-        )
+        deps, back_ends = _call_deps(request, backend)
+        response = await handle_captured_call(request, target, raw_body, front, deps, back_ends)
         return response, "captured"
     if kind is EndpointKind.COUNT_TOKENS:
         limits = request.app[IMAGES_KEY].limits

@@ -107,6 +107,8 @@ def _check(request: web.Request, expected: SecretStr, what: str) -> None:
 
 
 def auth_middleware(settings: Settings) -> Middleware:
+    engine_auth = settings.backend_auth_header  # the settings are frozen: once
+
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path == "/health":
@@ -125,7 +127,6 @@ def auth_middleware(settings: Settings) -> Middleware:
             if settings.captures_token is not None:
                 _check(request, settings.captures_token, "the read API")
             return await handler(request)
-        engine_auth = settings.backend_auth_header
         if settings.proxy_token is None and engine_auth is None:
             return await handler(request)
         if settings.proxy_token is not None:
