@@ -16,9 +16,10 @@ transaction back. The store's count of calls (``counters``) is updated once per 
 
 What the writer remembers (``keep``: no other process writes the store) spares it statements
 whose answer it knows: the JSON texts it stored, each rollout's prompt-parent index, and of
-each rollout it stored a call of, that it is not deleted, whether it is frozen and the status
-of its calls stored lately (a child's linked parent). Every other write transaction (delete,
-freeze, retire, ...) forgets its rollout first (``SQLiteStore._transaction``).
+each rollout it stored a call of, that it is not deleted, whether it is frozen, and the status
+and ``StoredMessages`` of its calls stored lately (a child's linked parent and prompt parent).
+Every other write transaction (delete, freeze, retire, ...) forgets its rollout first
+(``SQLiteStore._transaction``).
 
 Writer thread only. Must not: open connections or threads (``sqlite``'s).
 """
@@ -33,7 +34,12 @@ from typing import Any
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.prefixes import StoredPrefix, block_states, token_digests
 from capture_proxy.core.records import CallRecord, CallStatus
-from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, column_values
+from capture_proxy.core.stored_form import (
+    COLUMNS,
+    EncodedRecord,
+    StoredMessages,
+    column_values,
+)
 from capture_proxy.store import image_rows, lifecycle, sql
 from capture_proxy.store.prompt_parents import PromptParents
 from capture_proxy.store.sql import SQLITE
@@ -41,7 +47,7 @@ from capture_proxy.store.sql import SQLITE
 #: Content addresses a writer remembers as stored (``SQLiteStore._stored_blobs``) at most.
 _STORED_BLOBS_MAX = 4096
 #: Rollouts whose state a writer remembers at most (least recently put dropped first), and
-#: call statuses per rollout (the oldest dropped first: a child's parent is a recent call).
+#: calls per rollout (the oldest dropped first: a child's parent is a recent call).
 _KNOWN_ROLLOUTS_MAX = 4096
 _KNOWN_CALLS_MAX = 64
 
@@ -66,12 +72,17 @@ _PUT_STATE = (
 @dataclass
 class _Known:
     """A rollout the writer stored a call of in this process (``keep`` only), as of that put:
-    not deleted (a delete forgets it), ``frozen`` or not (a freeze forgets it), and the status
-    of its calls stored since, the latest ``_KNOWN_CALLS_MAX`` (call id -> ``CallStatus``
-    value)."""
+    not deleted (a delete forgets it), ``frozen`` or not (a freeze forgets it), and of its calls
+    stored since, the latest ``_KNOWN_CALLS_MAX``: call id -> (``CallStatus`` value,
+    ``StoredMessages``), what a child's put reads of its parents (neither changes once
+    stored: a re-put keeps the original)."""
 
     frozen: bool
-    statuses: dict[str, str] = field(default_factory=dict)
+    calls: dict[str, tuple[str, StoredMessages]] = field(default_factory=dict)
+
+    def messages(self, call_id: str) -> StoredMessages | None:
+        call = self.calls.get(call_id)
+        return None if call is None else call[1]
 
 
 def _is_prompt_parent(record: CallRecord) -> bool:
@@ -175,7 +186,7 @@ class SQLitePuts:
                 record,
                 request,
                 prompt_parent,
-                lambda c: sql.stored_messages(SQLITE, db, c),
+                lambda c: (known and known.messages(c)) or sql.stored_messages(SQLITE, db, c),
                 tokens_sha256,
             )
             written = 0
@@ -223,9 +234,9 @@ class SQLitePuts:
         """``sql.parent_status``, from memory when this writer stored the parent lately."""
         parent = record.parent_call_id
         if known is not None and parent is not None:
-            status = known.statuses.get(parent)
-            if status is not None:
-                return status
+            call = known.calls.get(parent)
+            if call is not None:
+                return call[0]
         return sql.parent_status(SQLITE, db, record)
 
     def _remember(
@@ -248,10 +259,19 @@ class SQLitePuts:
             self.rollouts.move_to_end(rollout_id)
         if stored is None:
             return
-        statuses = known.statuses
-        statuses[record.call_id] = stored.status
-        if len(statuses) > _KNOWN_CALLS_MAX:
-            del statuses[next(iter(statuses))]
+        calls = known.calls
+        calls[record.call_id] = (
+            stored.status,
+            StoredMessages(
+                stored.call_id,
+                stored.prompt_parent_call_id,
+                stored.messages_prefix_len,
+                stored.num_messages,
+                stored.messages_chain,
+            ),
+        )
+        if len(calls) > _KNOWN_CALLS_MAX:
+            del calls[next(iter(calls))]
         stored_blobs = self.stored_blobs
         if len(stored_blobs) > _STORED_BLOBS_MAX:
             stored_blobs.clear()

@@ -111,6 +111,10 @@ async def test_a_refused_put_alone_rolls_back_and_keeps_the_writers_memory(tmp_p
     store = await _open(tmp_path / "s")
     try:
         first, second = chain(2)
+        first = first.replace(linking={"verdict": "root", "child_digest": "d1"})
+        second = second.replace(
+            parent_call_id=first.call_id, linking={"verdict": "resolved", "child_digest": "d2"}
+        )
         await store.put_call(first)
         await store.put_call(record("x", [1], [2], rollout_id="gone"))
         await store.delete_rollout("gone")
@@ -120,13 +124,16 @@ async def test_a_refused_put_alone_rolls_back_and_keeps_the_writers_memory(tmp_p
         assert rows(store, "SELECT value FROM counters WHERE name = 'calls'") == [(1,)]
         seen = await _statements(store)
         await store.put_call(second)
-        # the rollout's state, its parent's status and prompt parents came from memory
-        assert not [s for s in seen if "tombstones" in s or s.startswith("SELECT status")]
+        # the rollout's state, its parent's status and messages, its prompt parents came
+        # from memory
+        assert [s for s in seen if s.startswith("SELECT")] == []
         assert "SAVEPOINT put" not in seen  # one put: no savepoint
         row = rows(
             store, f"SELECT prompt_parent_call_id FROM calls WHERE call_id = '{second.call_id}'"
         )
         assert row == [(first.call_id,)]
+        info = await store.get_rollout(first.rollout_id)
+        assert info is not None and info.num_chains == 1 and info.num_calls == 2
     finally:
         await store.close()
 
