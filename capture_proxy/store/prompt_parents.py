@@ -75,11 +75,13 @@ class PromptParents:
         prompt: np.ndarray,
         call_id: str,
         states: list[Any],
+        *,
+        empty: bool = False,
     ) -> PromptParent | None:
         """The prompt parent of call ``call_id`` with ``prompt`` (``states``: its
         ``prefixes.block_states``) among the rollout's stored calls (read from ``db`` on the
-        rollout's first put in this process)."""
-        return self._rollout(db, rollout_id).deepest(prompt, call_id, states)
+        rollout's first put in this process; ``empty``: the caller knows it holds none)."""
+        return self._rollout(db, rollout_id, empty).deepest(prompt, call_id, states)
 
     def stored(
         self,
@@ -99,15 +101,14 @@ class PromptParents:
         else:
             self._rollouts.pop(rollout_id, None)
 
-    def _rollout(self, db: sqlite3.Connection, rollout_id: str) -> _Rollout:
+    def _rollout(self, db: sqlite3.Connection, rollout_id: str, empty: bool) -> _Rollout:
         rollout = self._rollouts.get(rollout_id)
         if rollout is not None:
             self._rollouts.move_to_end(rollout_id)
             return rollout
         rollout = _Rollout()
-        for call_id, created_at, num_tokens, tokens_sha256, block in db.execute(
-            _LOAD, (rollout_id,)
-        ):
+        rows = () if empty else db.execute(_LOAD, (rollout_id,))
+        for call_id, created_at, num_tokens, tokens_sha256, block in rows:
             call = StoredPrefix(call_id, created_at, num_tokens, bytes(tokens_sha256))
             if block is None and num_tokens >= PREFIX_BLOCK:
                 rollout.older.append(call)

@@ -11,7 +11,15 @@ one fsync under ``synchronous=FULL``. No put is answered before the commit that 
 returned, so a put that returned is as durable as before; the fsync's cost is shared by the
 calls that waited for it (at 16 clients in one rollout, about one commit per several calls).
 A failed commit fails every put of the group and drops what the writer remembered (it may
-hold puts rolled back).
+hold puts rolled back). A group of one put takes no savepoint: its refusal rolls the
+transaction back. The store's count of calls (``counters``) is updated once per group.
+
+What the writer remembers (``keep``: no other process writes the store) spares it statements
+whose answer it knows: the JSON texts it stored, each rollout's prompt-parent index, and of
+each rollout it stored a call of, that it is not deleted, whether it is frozen, and the status
+and ``StoredMessages`` of its calls stored lately (a child's linked parent and prompt parent).
+Every other write transaction (delete, freeze, retire, ...) forgets its rollout first
+(``SQLiteStore._transaction``).
 
 Writer thread only. Must not: open connections or threads (``sqlite``'s).
 """
@@ -19,18 +27,29 @@ Writer thread only. Must not: open connections or threads (``sqlite``'s).
 from __future__ import annotations
 
 import sqlite3
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.prefixes import StoredPrefix, block_states, token_digests
 from capture_proxy.core.records import CallRecord, CallStatus
-from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, column_values
+from capture_proxy.core.stored_form import (
+    COLUMNS,
+    EncodedRecord,
+    StoredMessages,
+    column_values,
+)
 from capture_proxy.store import image_rows, lifecycle, sql
 from capture_proxy.store.prompt_parents import PromptParents
 from capture_proxy.store.sql import SQLITE
 
 #: Content addresses a writer remembers as stored (``SQLiteStore._stored_blobs``) at most.
 _STORED_BLOBS_MAX = 4096
+#: Rollouts whose state a writer remembers at most (least recently put dropped first), and
+#: calls per rollout (the oldest dropped first: a child's parent is a recent call).
+_KNOWN_ROLLOUTS_MAX = 4096
+_KNOWN_CALLS_MAX = 64
 
 # The codec's columns, then the store's own: ``late``, ``retry_of``, ``child_digest``,
 # ``tokens_block_sha256``.
@@ -40,12 +59,30 @@ _INSERT_CALL = (
     f"VALUES ({','.join('?' * (len(COLUMNS) + 4))})"
 )
 
-# What a put needs of its rollout's state (``lifecycle``): tombstoned, frozen (two key reads,
-# none of the rollout's texts).
+# What a put needs of its rollout's state (``lifecycle``): tombstoned, frozen, and whether it
+# holds calls (``rollouts.num_calls``, kept by every put and delete: when none, its prompt-parent
+# index starts empty without a read). Key reads, none of the rollout's texts.
 _PUT_STATE = (
     "SELECT EXISTS (SELECT 1 FROM tombstones WHERE rollout_id = ?), "
-    "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL)"
+    "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND snapshot_id IS NOT NULL), "
+    "EXISTS (SELECT 1 FROM rollouts WHERE rollout_id = ? AND num_calls > 0)"
 )
+
+
+@dataclass
+class _Known:
+    """A rollout the writer stored a call of in this process (``keep`` only), as of that put:
+    not deleted (a delete forgets it), ``frozen`` or not (a freeze forgets it), and of its calls
+    stored since, the latest ``_KNOWN_CALLS_MAX``: call id -> (``CallStatus`` value,
+    ``StoredMessages``), what a child's put reads of its parents (neither changes once
+    stored: a re-put keeps the original)."""
+
+    frozen: bool
+    calls: dict[str, tuple[str, StoredMessages]] = field(default_factory=dict)
+
+    def messages(self, call_id: str) -> StoredMessages | None:
+        call = self.calls.get(call_id)
+        return None if call is None else call[1]
 
 
 def _is_prompt_parent(record: CallRecord) -> bool:
@@ -66,12 +103,18 @@ class SQLitePuts:
         #: each rollout's stored calls by their token prefixes: a put's prompt parent without
         #: reading the rollout's other rows
         self.prompt_parents = PromptParents()
+        #: the rollouts a put stored a call of, least recently put first (``_Known``)
+        self.rollouts: OrderedDict[str, _Known] = OrderedDict()
 
     def forget(self, rollout_id: str | None) -> None:
-        """Another write transaction (it may delete texts and the rollout's calls); None:
-        forget every rollout."""
+        """Another write transaction (it may delete texts and the rollout's calls, freeze or
+        delete the rollout); None: forget every rollout."""
         self.stored_blobs.clear()
         self.prompt_parents.forget(rollout_id)
+        if rollout_id is None:
+            self.rollouts.clear()
+        else:
+            self.rollouts.pop(rollout_id, None)
 
     def group(
         self, db: sqlite3.Connection, items: list[tuple[Any, ...]]
@@ -80,21 +123,31 @@ class SQLitePuts:
         written or the error that refused it. Raises what fails the transaction itself (the
         commit, or an error after which SQLite rolled it back): no item is stored then."""
         outcomes: list[tuple[int | None, BaseException | None]] = []
+        alone = len(items) == 1  # its refusal rolls the transaction back: no savepoint
+        inserted = 0
         db.execute("BEGIN IMMEDIATE")
         try:
             for record, request in items:
-                db.execute("SAVEPOINT put")
+                if not alone:
+                    db.execute("SAVEPOINT put")
                 try:
-                    written = self.one(db, record, request)
+                    written, new = self.one(db, record, request)
                 except Exception as exc:
                     if not db.in_transaction:
                         raise  # SQLite rolled the whole transaction back
+                    if alone:  # nothing written, nothing remembered
+                        db.execute("ROLLBACK")
+                        return [(None, exc)]
                     db.execute("ROLLBACK TO put")
                     db.execute("RELEASE put")
                     outcomes.append((None, exc))
                     continue
-                db.execute("RELEASE put")
+                if not alone:
+                    db.execute("RELEASE put")
+                inserted += new
                 outcomes.append((written, None))
+            if inserted:
+                db.execute(sql.COUNT_CALLS, (inserted,))
             db.execute("COMMIT")
         except BaseException:
             if db.in_transaction:
@@ -105,28 +158,35 @@ class SQLitePuts:
 
     def one(
         self, db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None
-    ) -> int:
-        """Store one record inside the open transaction; the bytes new to the store."""
+    ) -> tuple[int, int]:
+        """Store one record inside the open transaction: the bytes new to the store, and 1
+        when the call is new (0: a re-put), which the caller adds to the store's count."""
         stored_blobs = self.stored_blobs
         prompt_parents = self.prompt_parents
+        rollout_id = record.rollout_id
         prompt = record.prompt_token_ids
         states = block_states(prompt)  # the prompt hashed once: parent, digests
         tokens_sha256, block_sha256 = token_digests(prompt, record.generation_token_ids, states)
+        known = self.rollouts.get(rollout_id) if self.keep else None
 
-        def body() -> tuple[int, EncodedRecord | None]:
-            tombstoned, frozen = db.execute(_PUT_STATE, (record.rollout_id,) * 2).fetchone()
-            lifecycle.refuse_deleted(record, bool(tombstoned))
-            frozen = bool(frozen)
+        def body() -> tuple[int, bool, EncodedRecord | None]:
+            has_calls = True
+            if known is None:
+                tombstoned, frozen, has_calls = db.execute(_PUT_STATE, (rollout_id,) * 3).fetchone()
+                lifecycle.refuse_deleted(record, bool(tombstoned))
+                frozen = bool(frozen)
+            else:  # stored by this writer since its last other write: not deleted
+                frozen = known.frozen
             may_recount = lifecycle.may_recount(record)
             links = sql.retry_family(SQLITE, db, record) if may_recount else []
             prompt_parent = prompt_parents.choose(
-                db, record.rollout_id, prompt, record.call_id, states
+                db, rollout_id, prompt, record.call_id, states, empty=not has_calls
             )
             enc = lifecycle.encode_with_parent(
                 record,
                 request,
                 prompt_parent,
-                lambda c: sql.stored_messages(SQLITE, db, c),
+                lambda c: (known and known.messages(c)) or sql.stored_messages(SQLITE, db, c),
                 tokens_sha256,
             )
             written = 0
@@ -139,13 +199,12 @@ class SQLitePuts:
                     SQLITE, db, enc, known=stored_blobs
                 )
                 written += image_rows.store_images(SQLITE, db, record)
-                db.execute(sql.COUNT_CALLS, (1,))
             else:
                 row = db.execute(sql.STORED_CALL, (enc.call_id,)).fetchone()
                 lifecycle.check_re_put(None if row is None else sql.encoded_row(row), enc)
             effect = lifecycle.call_effect(record, frozen=frozen, inserted=inserted)
             counted = effect.version_delta and record.linkable and record.linking is not None
-            parent = sql.parent_status(SQLITE, db, record) if counted else None
+            parent = self._parent_status(db, record, known) if counted else None
             incomplete, chains = lifecycle.count_deltas(record, effect, links, parent)
             tally = lifecycle.call_tally(record) if inserted else (0, 0, 0)
             db.execute(
@@ -162,15 +221,62 @@ class SQLitePuts:
             )
             if inserted:
                 sql.keep_kinds(SQLITE, db, enc.rollout_id, (d.kind for d in record.diagnostics))
-            return written, enc if inserted else None  # a re-put's texts may be others
+            return written, frozen, enc if inserted else None  # a re-put's texts may be others
 
-        written, stored = body()
-        if stored is not None and self.keep:  # no other writer (rolled back: ``forget``)
-            if len(stored_blobs) > _STORED_BLOBS_MAX:
-                stored_blobs.clear()
-            stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
-            if _is_prompt_parent(record):
-                n = record.num_prompt_tokens + record.num_generation_tokens
-                call = StoredPrefix(record.call_id, record.created_at, n, tokens_sha256)
-                prompt_parents.stored(record.rollout_id, call, block_sha256)
-        return written
+        written, frozen, stored = body()
+        if self.keep:  # no other writer (rolled back: ``forget``)
+            self._remember(record, frozen, stored, tokens_sha256, block_sha256)
+        return written, int(stored is not None)
+
+    def _parent_status(
+        self, db: sqlite3.Connection, record: CallRecord, known: _Known | None
+    ) -> str | None:
+        """``sql.parent_status``, from memory when this writer stored the parent lately."""
+        parent = record.parent_call_id
+        if known is not None and parent is not None:
+            call = known.calls.get(parent)
+            if call is not None:
+                return call[0]
+        return sql.parent_status(SQLITE, db, record)
+
+    def _remember(
+        self,
+        record: CallRecord,
+        frozen: bool,
+        stored: EncodedRecord | None,
+        tokens_sha256: bytes,
+        block_sha256: bytes,
+    ) -> None:
+        """What a put that succeeded tells the writer (``keep`` only): the rollout's state,
+        and for a call inserted (``stored``) its status, texts and prefix."""
+        rollout_id = record.rollout_id
+        known = self.rollouts.get(rollout_id)
+        if known is None:
+            known = self.rollouts[rollout_id] = _Known(frozen)
+            if len(self.rollouts) > _KNOWN_ROLLOUTS_MAX:
+                self.rollouts.popitem(last=False)
+        else:
+            self.rollouts.move_to_end(rollout_id)
+        if stored is None:
+            return
+        calls = known.calls
+        calls[record.call_id] = (
+            stored.status,
+            StoredMessages(
+                stored.call_id,
+                stored.prompt_parent_call_id,
+                stored.messages_prefix_len,
+                stored.num_messages,
+                stored.messages_chain,
+            ),
+        )
+        if len(calls) > _KNOWN_CALLS_MAX:
+            del calls[next(iter(calls))]
+        stored_blobs = self.stored_blobs
+        if len(stored_blobs) > _STORED_BLOBS_MAX:
+            stored_blobs.clear()
+        stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
+        if _is_prompt_parent(record):
+            n = record.num_prompt_tokens + record.num_generation_tokens
+            call = StoredPrefix(record.call_id, record.created_at, n, tokens_sha256)
+            self.prompt_parents.stored(rollout_id, call, block_sha256)

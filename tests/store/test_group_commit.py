@@ -130,6 +130,7 @@ async def test_a_failed_commit_fails_every_put_of_the_group_and_stores_none(sqli
     assert await sqlite_store.get_call(second.call_id) is None
     assert await sqlite_store.get_call("x") is None
     assert sqlite_store._puts.prompt_parents._rollouts == {}  # nothing kept of the rollback
+    assert sqlite_store._puts.rollouts == {}
     # the writer goes on: the same puts succeed now, the child again a delta on its parent
     await sqlite_store.put_call(second)
     assert_same(await sqlite_store.get_call(second.call_id), second)

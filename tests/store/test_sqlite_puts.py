@@ -1,0 +1,187 @@
+"""What the SQLite writer remembers between puts (``sqlite_puts.SQLitePuts``: a rollout's state
+and its calls' statuses, the texts it stored, the prompt-parent index) spares statements and
+changes nothing stored: the same puts give the same rows as a writer that remembers nothing;
+every other write transaction forgets its rollout, and a failed transaction forgets all."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.store.base import RolloutDeleted
+from capture_proxy.store.prompt_parents import _LOAD
+from capture_proxy.store.sqlite import SQLiteStore
+from tests.core.test_codec_v2 import chain
+from tests.factories import record
+from tests.store.conftest import rows
+from tests.store.test_chain_counts import _session
+from tests.store.test_group_commit import _hold_writer, _queued
+
+# Every table a put writes, whole, in a fixed order.
+_TABLES = (
+    "SELECT * FROM calls ORDER BY call_id",
+    "SELECT * FROM rollouts ORDER BY rollout_id",
+    "SELECT * FROM call_json ORDER BY call_id, sha256",
+    "SELECT * FROM json_blobs ORDER BY sha256",
+    "SELECT * FROM rollout_kinds ORDER BY rollout_id, kind",
+    "SELECT * FROM counters ORDER BY name",
+)
+
+
+async def _open(path: Any) -> SQLiteStore:
+    store = SQLiteStore(path)
+    await store.open()
+    return store
+
+
+def _forgetful(store: SQLiteStore) -> None:
+    """Make the store's writer forget everything before each group (every statement runs)."""
+    group = store._puts.group
+
+    def forgetting(db: Any, items: list[tuple[Any, ...]]) -> Any:
+        store._puts.forget(None)
+        return group(db, items)
+
+    store._puts.group = forgetting  # type: ignore[method-assign]
+
+
+async def _statements(store: SQLiteStore) -> list[str]:
+    """The statements the writer's connection runs from now on."""
+    seen: list[str] = []
+    await store._write_hop(lambda db: db.set_trace_callback(seen.append))
+    return seen
+
+
+async def test_a_remembering_writer_stores_what_a_forgetful_one_does(tmp_path):
+    rng = random.Random(35)
+    sessions = [_session(rng, f"v{i:02d}", rng.randint(1, 25)) for i in range(12)]
+    sessions.append(chain(6))  # prompt parents and message prefixes
+    got = []
+    for name, forgetful in (("remembers", False), ("forgets", True)):
+        store = await _open(tmp_path / name)
+        try:
+            if forgetful:
+                _forgetful(store)
+            for calls in sessions:
+                for c in calls:
+                    await store.put_call(c)
+                await store.put_call(calls[0])  # a re-put: nothing changes
+            # a deleted rollout's re-put is refused; a frozen one's is late
+            await store.freeze_rollout(sessions[1][0].rollout_id)
+            await store.put_call(sessions[1][-1].replace(call_id="late"))
+            await store.delete_rollout(sessions[2][0].rollout_id)
+            with pytest.raises(RolloutDeleted):
+                await store.put_call(sessions[2][0])
+            got.append([rows(store, sql) for sql in _TABLES])
+        finally:
+            await store.close()
+    # the freeze's random snapshot id and time differ; nothing else
+    for table in (0, 2, 3, 4, 5):
+        assert got[0][table] == got[1][table]
+    assert [r[:12] for r in got[0][1]] == [r[:12] for r in got[1][1]]
+
+
+async def test_a_known_rollout_deleted_or_frozen_since_is_read_again(tmp_path):
+    store = await _open(tmp_path / "s")
+    try:
+        await store.put_call(record("a", [1, 2], [3], rollout_id="gone"))
+        await store.put_call(record("b", [1, 2], [3], rollout_id="sealed"))
+        assert set(store._puts.rollouts) == {"gone", "sealed"}
+        await store.delete_rollout("gone")
+        await store.freeze_rollout("sealed")
+        assert set(store._puts.rollouts) == set()  # each write forgot its rollout
+        with pytest.raises(RolloutDeleted):
+            await store.put_call(record("c", [1, 2, 3, 4], [5], rollout_id="gone"))
+        await store.put_call(record("d", [1, 2, 3, 4], [5], rollout_id="sealed"))
+        await store.put_call(record("e", [1, 2, 3, 4, 5], [6], rollout_id="sealed"))
+        info = await store.get_rollout("sealed")
+        assert info is not None
+        assert info.late_call_ids == ("d", "e") and info.version == 1
+        assert store._puts.rollouts["sealed"].frozen
+        assert await store.get_call("c") is None
+    finally:
+        await store.close()
+
+
+async def test_a_refused_put_alone_rolls_back_and_keeps_the_writers_memory(tmp_path):
+    store = await _open(tmp_path / "s")
+    try:
+        first, second = chain(2)
+        first = first.replace(linking={"verdict": "root", "child_digest": "d1"})
+        second = second.replace(
+            parent_call_id=first.call_id, linking={"verdict": "resolved", "child_digest": "d2"}
+        )
+        await store.put_call(first)
+        await store.put_call(record("x", [1], [2], rollout_id="gone"))
+        await store.delete_rollout("gone")
+        with pytest.raises(RolloutDeleted):
+            await store.put_call(record("y", [1], [2], rollout_id="gone"))
+        assert list(store._puts.rollouts) == [first.rollout_id]  # kept
+        assert rows(store, "SELECT value FROM counters WHERE name = 'calls'") == [(1,)]
+        seen = await _statements(store)
+        await store.put_call(second)
+        # the rollout's state, its parent's status and messages, its prompt parents came
+        # from memory
+        assert [s for s in seen if s.startswith("SELECT")] == []
+        assert "SAVEPOINT put" not in seen  # one put: no savepoint
+        row = rows(
+            store, f"SELECT prompt_parent_call_id FROM calls WHERE call_id = '{second.call_id}'"
+        )
+        assert row == [(first.call_id,)]
+        info = await store.get_rollout(first.rollout_id)
+        assert info is not None and info.num_chains == 1 and info.num_calls == 2
+    finally:
+        await store.close()
+
+
+async def test_a_group_counts_its_stored_calls_once(tmp_path):
+    store = await _open(tmp_path / "s")
+    try:
+        await store.put_call(record("dup", [1, 2], [3], rollout_id="r0"))
+        seen = await _statements(store)
+        gate = _hold_writer(store)
+        puts = [record(f"c{i}", [1, 2, i], [3], rollout_id=f"r{i}") for i in range(4)]
+        puts.append(record("dup", [1, 2], [9], rollout_id="r0"))  # refused: other content
+        tasks = [asyncio.ensure_future(store.put_call(r)) for r in puts]
+        await _queued(store._writer, len(puts))
+        gate.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert [s for s in seen if s.startswith("UPDATE counters")] == [
+            "UPDATE counters SET value = value + 4 WHERE name = 'calls'"
+        ]
+        assert rows(store, "SELECT value FROM counters WHERE name = 'calls'") == [(5,)]
+        assert (await store.health())["calls"] == 5
+    finally:
+        await store.close()
+
+
+async def test_a_new_rollouts_put_reads_no_prompt_parents(tmp_path):
+    store = await _open(tmp_path / "s")
+    try:
+        diagnostic = Diagnostic(DiagnosticKind.STORE_FAILED, {"call_ids": ["z"]})
+        await store.mark_rollout_incomplete("marked", diagnostic)  # a row, no call
+        seen = await _statements(store)
+        await store.put_call(record("a", [1, 2], [3], rollout_id="new"))
+        await store.put_call(record("b", [1, 2], [3], rollout_id="marked"))
+        await store.put_call(record("c", [1, 2, 3, 4], [5], rollout_id="marked"))
+        assert not [s for s in seen if s.startswith(_LOAD[:40])]
+        assert rows(store, "SELECT prompt_parent_call_id FROM calls WHERE call_id = 'c'") == [
+            ("b",)
+        ]
+    finally:
+        await store.close()
+    store = await _open(tmp_path / "s")  # a new process: the rollout's rows are read once
+    try:
+        seen = await _statements(store)
+        await store.put_call(record("d", [1, 2, 3, 4, 5, 6], [7], rollout_id="marked"))
+        assert len([s for s in seen if s.startswith(_LOAD[:40])]) == 1
+        assert rows(store, "SELECT prompt_parent_call_id FROM calls WHERE call_id = 'd'") == [
+            ("c",)
+        ]
+        assert (await store.get_call("d")).status is CallStatus.COMPLETE
+    finally:
+        await store.close()
