@@ -28,7 +28,7 @@ Every record is read back after the pages pass and compared with what was put (t
 probs, experts, messages, tools, metadata): a tree that stores something else fails.
 
 Run: ``.venv/bin/python benchmarks/put_cost.py [--baseline-src DIR] [--experts off,on]
-[--postgres]`` (``DIR``: e.g. ``git archive main | tar -x -C DIR``).
+[--interleave] [--postgres]`` (``DIR``: e.g. ``git archive main | tar -x -C DIR``).
 """
 
 from __future__ import annotations
@@ -317,6 +317,9 @@ def child(args: argparse.Namespace) -> int:
                 asyncio.run(prefill(others, template))
                 del others
             calls = workload(args.rollouts, args.turns, experts)
+            if args.interleave:  # every session's call k, then every session's call k + 1
+                calls = [calls[r * args.turns + t] for t in range(args.turns)
+                         for r in range(args.rollouts)]  # fmt: skip
             if args.pg_urls:
                 urls = args.pg_urls.split(",")
                 runs = [
@@ -347,6 +350,7 @@ def run_tree(
     argv = [sys.executable, __file__, "--child", "--experts", args.experts]
     argv += ["--rollouts", str(args.rollouts), "--turns", str(args.turns)]
     argv += ["--repeats", str(args.repeats), "--prefill", str(args.prefill)]
+    argv += ["--interleave"] if args.interleave else []
     if pg is not None:
         assert pg.proc is not None
         count = args.repeats * len(args.experts.split(","))
@@ -401,6 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="rounds, the trees in turn")
     p.add_argument(
         "--prefill", type=int, default=0, help="SQLite: calls of other rollouts in the store first"
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="the sessions' puts in turn (call k of every session, then call k + 1), as "
+        "sessions running at once put them",
     )
     p.add_argument("--baseline-src", metavar="DIR", help="also run this source tree as @base")
     p.add_argument(

@@ -35,9 +35,13 @@ from capture_proxy.core.prefixes import (
     choose_prompt_parent,
 )
 
-#: Rollouts whose index is kept at once (least recently put dropped first; it is read again
-#: on its next put).
-MAX_ROLLOUTS = 64
+#: Rollouts, and calls filed over all of them, kept at once (least recently put rollout dropped
+#: first; it is read again on its next put). A filed call costs about 1.4 KB: 65,536 about
+#: 90 MB. Bounded by calls, not only by rollouts: 1,024 agent sessions put at once, each its
+#: rollout, stay filed (64 rollouts, as before, made most of their puts read their rollout's
+#: rows again: O(calls in the rollout) per put).
+MAX_ROLLOUTS = 4096
+MAX_CALLS = 65_536
 
 _LOAD = (
     "SELECT call_id, created_at, num_prompt_tokens + num_generation_tokens, tokens_sha256, "
@@ -52,6 +56,11 @@ class _Rollout:
     #: calls of a block or more stored without a block digest (before layout 9)
     older: list[StoredPrefix] = field(default_factory=list)
 
+    @property
+    def size(self) -> int:
+        """Calls filed."""
+        return len(self.index) + len(self.older)
+
     def deepest(self, prompt: np.ndarray, exclude: str, states: list[Any]) -> PromptParent | None:
         found = self.index.deepest_call(prompt, model=None, exclude=exclude, states=states)
         if self.older:  # the index's answer competes with them under the same rule
@@ -64,9 +73,16 @@ class _Rollout:
 class PromptParents:
     """Per rollout, its stored calls' prefix index (see the module docstring)."""
 
-    def __init__(self, max_rollouts: int = MAX_ROLLOUTS) -> None:
+    def __init__(self, max_rollouts: int = MAX_ROLLOUTS, max_calls: int = MAX_CALLS) -> None:
         self.max_rollouts = max_rollouts
+        self.max_calls = max_calls
         self._rollouts: OrderedDict[str, _Rollout] = OrderedDict()
+        #: calls filed over all kept rollouts
+        self.filed = 0
+
+    def __len__(self) -> int:
+        """Rollouts kept."""
+        return len(self._rollouts)
 
     def choose(
         self,
@@ -92,14 +108,20 @@ class PromptParents:
         """A complete call with output was committed (``prefixes.token_digests``)."""
         rollout = self._rollouts.get(rollout_id)
         if rollout is not None:
+            before = len(rollout.index)
             rollout.index.add(None, call, block_sha256)
+            self.filed += len(rollout.index) - before
+            self._evict()
 
     def forget(self, rollout_id: str | None = None) -> None:
         """Drop a rollout's index (its calls were deleted or retired); None: every rollout."""
         if rollout_id is None:
             self._rollouts.clear()
+            self.filed = 0
         else:
-            self._rollouts.pop(rollout_id, None)
+            gone = self._rollouts.pop(rollout_id, None)
+            if gone is not None:
+                self.filed -= gone.size
 
     def _rollout(self, db: sqlite3.Connection, rollout_id: str, empty: bool) -> _Rollout:
         rollout = self._rollouts.get(rollout_id)
@@ -115,6 +137,15 @@ class PromptParents:
             else:
                 rollout.index.add(None, call, None if block is None else bytes(block))
         self._rollouts[rollout_id] = rollout
-        while len(self._rollouts) > self.max_rollouts:
-            self._rollouts.popitem(last=False)
+        self.filed += rollout.size
+        self._evict()
         return rollout
+
+    def _evict(self) -> None:
+        """Drop the least recently put rollouts past either bound (never the latest)."""
+        rollouts = self._rollouts
+        while len(rollouts) > 1 and (
+            len(rollouts) > self.max_rollouts or self.filed > self.max_calls
+        ):
+            _, gone = rollouts.popitem(last=False)
+            self.filed -= gone.size

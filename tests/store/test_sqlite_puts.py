@@ -185,3 +185,59 @@ async def test_a_new_rollouts_put_reads_no_prompt_parents(tmp_path):
         assert (await store.get_call("d")).status is CallStatus.COMPLETE
     finally:
         await store.close()
+
+
+def _prompt(session: int, step: int) -> list[int]:
+    """Session ``session``'s prompt at ``step``: the one before, its answer [9, 9], then a new
+    turn [step] (each session's calls extend its previous one's tokens)."""
+    prompt = [session + 100]
+    for k in range(1, step + 1):
+        prompt += [9, 9, k]
+    return prompt
+
+
+async def test_sessions_put_at_once_keep_their_prompt_parents(tmp_path):
+    # 300 agent sessions, each its rollout, put in turn (as 300 running at once): each
+    # rollout's rows are read once at most, never again on its later puts; every prompt parent
+    # is the session's previous call.
+    store = await _open(tmp_path / "s")
+    try:
+        seen = await _statements(store)
+        for step in range(3):
+            for s in range(300):
+                prompt = _prompt(s, step)
+                await store.put_call(record(f"s{s}-{step}", prompt, [9, 9], rollout_id=f"r{s}"))
+        assert not [q for q in seen if q.startswith(_LOAD[:40])]  # new rollouts: nothing read
+        assert len(store._puts.prompt_parents) == 300
+        assert store._puts.prompt_parents.filed == 900
+        parents = dict(rows(store, "SELECT call_id, prompt_parent_call_id FROM calls"))
+        assert parents == {
+            f"s{s}-{step}": (f"s{s}-{step - 1}" if step else None)
+            for s in range(300)
+            for step in range(3)
+        }
+    finally:
+        await store.close()
+
+
+async def test_the_prompt_parent_index_is_bounded_by_its_calls(tmp_path):
+    # Past ``max_calls`` filed calls the least recently put rollouts go (read again on their
+    # next put, with the same parents).
+    store = await _open(tmp_path / "s")
+    try:
+        kept = store._puts.prompt_parents
+        kept.max_calls = 5
+        for s in range(4):
+            for step in range(2):
+                prompt = _prompt(s, step)
+                await store.put_call(record(f"s{s}-{step}", prompt, [9, 9], rollout_id=f"r{s}"))
+        assert (len(kept), kept.filed) == (2, 4)  # r2 and r3, two calls each
+        seen = await _statements(store)
+        await store.put_call(record("s0-2", _prompt(0, 2), [9], rollout_id="r0"))
+        assert len([q for q in seen if q.startswith(_LOAD[:40])]) == 1  # r0 read again
+        assert rows(store, "SELECT prompt_parent_call_id FROM calls WHERE call_id = 's0-2'") == [
+            ("s0-1",)
+        ]
+        assert kept.filed <= 5 and list(kept._rollouts)[-1] == "r0"
+    finally:
+        await store.close()
