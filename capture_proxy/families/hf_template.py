@@ -27,6 +27,7 @@ from typing import Any
 
 from capture_proxy.families.base import RenderError
 from capture_proxy.families.template_ast import template_variables
+from capture_proxy.families.template_render import PlainTemplate
 from capture_proxy.families.vision import VisionProcessorConfig, expand_image_pads, image_sizes
 from capture_proxy.families.vllm_messages import (
     MessageError,
@@ -118,11 +119,26 @@ class LocalRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.vision = vision
+        #: the shortcut past transformers' input walks (``families.template_render``) and the
+        #: template it was made for (None: it does not hold)
+        self._plain: tuple[str, PlainTemplate | None] | None = None
+
+    @property
+    def plain(self) -> PlainTemplate | None:
+        """The template's shortcut render and encode, None where they do not hold."""
+        template = self.template_text
+        if self._plain is None or self._plain[0] != template:
+            self._plain = (template, PlainTemplate.of(self.tokenizer, template))
+        return self._plain[1]
 
     def _encode(self, text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """``text`` encoded without added special tokens; its image placeholders expanded for
         the images of ``messages`` (the messages ``text`` renders). Raises RenderError."""
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        plain = self.plain
+        if plain is not None:
+            ids = plain.encode(text)
+        else:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         try:
             sizes = image_sizes(messages)
             if not sizes:
@@ -219,7 +235,10 @@ class LocalRenderer:
         except MessageError as exc:
             raise RenderError(str(exc)) from exc
         kwargs = self.template_kwargs(chat_template_kwargs)
+        plain = self.plain
         try:
+            if plain is not None and normalised and not continue_final and plain.accepts(kwargs):
+                return plain.text(normalised, normalise_tools(tools), add_generation_prompt, kwargs)
             return str(
                 self.tokenizer.apply_chat_template(
                     normalised,

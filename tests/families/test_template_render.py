@@ -1,0 +1,85 @@
+"""The shortcut render (``families.template_render``) gives what ``apply_chat_template`` and
+``encode`` give: every published jinja template of the fixtures, every golden case (whole
+conversations and the heads of their tails), with and without a generation prompt and the
+cases' template keyword arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.template_render import PlainTemplate
+from tests.support.golden_cases import cases
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
+NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja") if p.stem != "gpt_oss")
+
+
+def _slow(renderer: LocalRenderer) -> LocalRenderer:
+    """The same renderer with the shortcut off (through ``apply_chat_template``)."""
+    slow = LocalRenderer(renderer.tokenizer, renderer.chat_template, renderer.vision)
+    slow._plain = (slow.template_text, None)
+    return slow
+
+
+def _conversations():
+    """(case, messages, generation prompt): each case whole as a call renders it, and the
+    head before its continued turn as a tail renders it."""
+    for case in cases():
+        messages = case["messages"]
+        yield case, messages, True
+        j = case["turn_index"]
+        if j:
+            yield case, messages[:j], False
+    reasoning_only = {"role": "assistant", "content": "Done.", "reasoning": "Checked."}
+    thinking_only = {"role": "assistant", "content": "Done.", "thinking": "Checked."}
+    user = {"role": "user", "content": "Go.", "name": None}
+    for extra in (reasoning_only, thinking_only):
+        for generation in (True, False):
+            yield {"tools": None}, [user, extra, {"role": "user", "content": "More."}], generation
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shortcut_renders_as_apply_chat_template(qwen_tokenizer, name):
+    renderer = LocalRenderer(qwen_tokenizer, (TEMPLATES / f"{name}.jinja").read_text())
+    assert renderer.plain is not None
+    slow = _slow(renderer)
+    checked = 0
+    for case, messages, generation in _conversations():
+        tools, kwargs = case["tools"], case.get("chat_template_kwargs")
+        try:
+            want = slow.render_text_sync(
+                messages, tools, add_generation_prompt=generation, chat_template_kwargs=kwargs
+            )
+        except ValueError:
+            # the template refuses the conversation: so must the shortcut
+            with pytest.raises(ValueError):
+                renderer.render_text_sync(
+                    messages, tools, add_generation_prompt=generation, chat_template_kwargs=kwargs
+                )
+            continue
+        got = renderer.render_text_sync(
+            messages, tools, add_generation_prompt=generation, chat_template_kwargs=kwargs
+        )
+        assert got == want, (name, case.get("name"), generation)
+        assert renderer._encode(got, messages) == slow._encode(want, messages)
+        checked += 1
+    assert checked > 20
+
+
+def test_shortcut_declines_reserved_keywords(qwen_tokenizer):
+    plain = PlainTemplate.of(qwen_tokenizer, qwen_tokenizer.chat_template)
+    assert plain is not None
+    assert plain.accepts({"enable_thinking": False})
+    assert not plain.accepts({"documents": []})
+
+
+def test_shortcut_declines_a_truncating_tokenizer(qwen_tokenizer):
+    backend = qwen_tokenizer.backend_tokenizer
+    backend.enable_truncation(max_length=8)
+    try:
+        assert PlainTemplate.of(qwen_tokenizer, qwen_tokenizer.chat_template) is None
+    finally:
+        backend.no_truncation()
