@@ -3,7 +3,8 @@
 Owns ``PlainTemplate``: the text ``tokenizer.apply_chat_template(messages, tools=...,
 chat_template=..., add_generation_prompt=..., tokenize=False, **kwargs)`` gives, for inputs
 that are already plain JSON data (what ``families.vllm_messages`` builds from a request body),
-and token ids as ``tokenizer.encode(text, add_special_tokens=False)`` gives them.
+and token ids as ``tokenizer.encode(text, add_special_tokens=False)`` gives them (by the
+pieces between added tokens, remembered: ``families.segment_encode``).
 
 Why: for a short conversation transformers spends more time walking the inputs than jinja
 spends rendering them (it converts message objects to dicts, then rebuilds every value from
@@ -31,6 +32,8 @@ import inspect
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from capture_proxy.families.segment_encode import SegmentEncoder
+
 #: the names a message's reasoning goes by, the first the standard one (transformers 5's
 #: ``_REASONING_FIELDS``)
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -55,6 +58,8 @@ class PlainTemplate:
         self._compiled = compiled
         self._special = special_tokens
         self._backend = backend
+        #: the encoding from remembered pieces between added tokens, where it holds
+        self._segments = SegmentEncoder.of(backend)
         #: keyword names ``apply_chat_template`` or ``render_jinja_template`` read themselves
         self._reserved = reserved
 
@@ -116,4 +121,6 @@ class PlainTemplate:
 
     def encode(self, text: str) -> list[int]:
         """``text``'s ids, no special tokens added."""
+        if self._segments is not None:
+            return self._segments.encode(text)
         return list(self._backend.encode(text, add_special_tokens=False).ids)

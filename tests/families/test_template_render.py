@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.segment_encode import SegmentEncoder
 from capture_proxy.families.template_render import PlainTemplate
 from tests.support.golden_cases import cases
 
@@ -83,3 +84,46 @@ def test_shortcut_declines_a_truncating_tokenizer(qwen_tokenizer):
         assert PlainTemplate.of(qwen_tokenizer, qwen_tokenizer.chat_template) is None
     finally:
         backend.no_truncation()
+
+
+HOSTILE = [
+    "",
+    "<|im_start|>",
+    "<|im_start|><|im_end|>\n\n<|im_start|>",
+    " <|im_end|> ",
+    "<<|im_start|>>",
+    "<|im_end",
+    "<|im_end|>\u0338 and \u0338<|im_start|>",
+    "e\u0301<think>\u0301",
+    '  \n\t<tool_call>\n{"a": 1}\n</tool_call>  ',
+    "</think>\n\n</think>",
+    "<|fim_prefix|><|fim_middle|><|fim_suffix|>x",
+    "日本語<|im_end|>한국어\r\n",
+]
+
+
+def test_pieces_encode_as_the_whole_text(qwen_tokenizer):
+    backend = qwen_tokenizer.backend_tokenizer
+    encoder = SegmentEncoder.of(backend)
+    assert encoder is not None
+    for _ in range(2):  # the second time from remembered pieces
+        for text in HOSTILE:
+            want = backend.encode(text, add_special_tokens=False).ids
+            assert encoder.encode(text) == want, text
+
+
+def test_pieces_are_forgotten_past_the_bound(qwen_tokenizer):
+    encoder = SegmentEncoder(
+        qwen_tokenizer.backend_tokenizer, {"<|im_end|>": 151645}, cache_chars=40
+    )
+    for i in range(20):
+        assert encoder.encode(f"piece {i}<|im_end|>")[-1] == 151645
+    assert encoder._chars <= 40
+
+
+def test_pieces_are_not_used_when_a_token_eats_whitespace(qwen_tokenizer):
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_str(qwen_tokenizer.backend_tokenizer.to_str())
+    backend.add_tokens([AddedToken("<x>", lstrip=True)])
+    assert SegmentEncoder.of(backend) is None
