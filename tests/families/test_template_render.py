@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.families.hf_template import LocalRenderer
+from capture_proxy.families.head_memo import HeadMemo
+from capture_proxy.families.hf_template import LocalRenderer, tail_context
 from capture_proxy.families.segment_encode import SegmentEncoder
 from capture_proxy.families.template_render import PlainTemplate
 from tests.support.golden_cases import cases
@@ -21,7 +22,7 @@ NAMES = sorted(p.stem for p in TEMPLATES.glob("*.jinja") if p.stem != "gpt_oss")
 def _slow(renderer: LocalRenderer) -> LocalRenderer:
     """The same renderer with the shortcut off (through ``apply_chat_template``)."""
     slow = LocalRenderer(renderer.tokenizer, renderer.chat_template, renderer.vision)
-    slow._plain = (slow.template_text, None)
+    slow._state = (slow.template_text, None, HeadMemo())
     return slow
 
 
@@ -127,3 +128,38 @@ def test_pieces_are_not_used_when_a_token_eats_whitespace(qwen_tokenizer):
     backend = Tokenizer.from_str(qwen_tokenizer.backend_tokenizer.to_str())
     backend.add_tokens([AddedToken("<x>", lstrip=True)])
     assert SegmentEncoder.of(backend) is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_hybrid", "qwen3_coder", "qwen2_5_instruct"])
+def test_remembered_heads_give_the_same_tails(qwen_tokenizer, name):
+    renderer = LocalRenderer(qwen_tokenizer, (TEMPLATES / f"{name}.jinja").read_text())
+    slow = _slow(renderer)
+    found = 0
+    for case in cases():
+        j = case["turn_index"]
+        if not j:
+            continue
+        messages, tools = case["messages"], case["tools"]
+        context, new = tail_context(messages, j), messages[j + 1 :]
+        kwargs = case.get("chat_template_kwargs")
+        want = slow.render_tail_sync(
+            context, new, tools, end_of_turn_text="<|im_end|>", chat_template_kwargs=kwargs
+        )
+        for _ in range(2):  # the head rendered, then remembered
+            got = renderer.render_tail_sync(
+                context, new, tools, end_of_turn_text="<|im_end|>", chat_template_kwargs=kwargs
+            )
+            assert got == want, case["name"]
+        found += want is not None
+    assert found > 5
+
+
+def test_a_remembered_head_that_no_longer_starts_the_render_is_not_taken():
+    memo = HeadMemo()
+    key = HeadMemo.key([{"role": "user", "content": "hi"}], None, None)
+    assert key is not None
+    memo.remember(key, "<head 1 Jan>")
+    assert memo.head_length(key, "<head 1 Jan><turn>") == len("<head 1 Jan>")
+    assert memo.head_length(key, "<head 2 Jan><turn>") is None
+    assert memo.head_length(key, "<head") is None
+    assert HeadMemo.key([{"n": 2**70}], None, None) is None  # not plain JSON: no memo
