@@ -16,6 +16,7 @@ check and renders its head again. Pure.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ class HeadMemo:
     def __init__(self, max_heads: int = MAX_HEADS) -> None:
         self._heads: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
         self._max = max_heads
+        self._lock = threading.Lock()  # a render may run in a worker thread
 
     @staticmethod
     def key(
@@ -58,11 +60,15 @@ class HeadMemo:
         length, digest = found
         if len(small) < length or _digest(small[:length]) != digest:
             return None
-        self._heads.move_to_end(key)
+        with self._lock:
+            if key in self._heads:
+                self._heads.move_to_end(key)
         return length
 
     def remember(self, key: bytes, head_text: str) -> None:
-        self._heads[key] = (len(head_text), _digest(head_text))
-        self._heads.move_to_end(key)
-        while len(self._heads) > self._max:
-            self._heads.popitem(last=False)
+        entry = (len(head_text), _digest(head_text))
+        with self._lock:
+            self._heads[key] = entry
+            self._heads.move_to_end(key)
+            while len(self._heads) > self._max:
+                self._heads.popitem(last=False)

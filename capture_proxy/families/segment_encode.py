@@ -22,6 +22,7 @@ the tokenizer on every fixture template's renders and on hostile texts.
 from __future__ import annotations
 
 import re
+import threading
 from array import array
 from collections import OrderedDict
 from typing import Any
@@ -44,6 +45,9 @@ class SegmentEncoder:
         self._cache: OrderedDict[str, array[int]] = OrderedDict()
         self._chars = 0
         self._limit = cache_chars
+        # Renders run on the event loop and, when large, in worker threads: the cache's
+        # read-then-reorder and its character count change under one lock.
+        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, backend: Any) -> SegmentEncoder | None:
@@ -63,17 +67,20 @@ class SegmentEncoder:
 
     def _piece(self, piece: str) -> array[int]:
         cache = self._cache
-        ids = cache.get(piece)
-        if ids is not None:
-            cache.move_to_end(piece)
-            return ids
+        with self._lock:
+            ids = cache.get(piece)
+            if ids is not None:
+                cache.move_to_end(piece)
+                return ids
         ids = array("I", self._backend.encode(piece, add_special_tokens=False).ids)
         if len(piece) <= self._limit // 4:
-            cache[piece] = ids
-            self._chars += len(piece)
-            while self._chars > self._limit:
-                old, _ = cache.popitem(last=False)
-                self._chars -= len(old)
+            with self._lock:
+                if piece not in cache:
+                    cache[piece] = ids
+                    self._chars += len(piece)
+                while self._chars > self._limit:
+                    old, _ = cache.popitem(last=False)
+                    self._chars -= len(old)
         return ids
 
     def encode(self, text: str) -> list[int]:

@@ -163,3 +163,18 @@ def test_a_remembered_head_that_no_longer_starts_the_render_is_not_taken():
     assert memo.head_length(key, "<head 2 Jan><turn>") is None
     assert memo.head_length(key, "<head") is None
     assert HeadMemo.key([{"n": 2**70}], None, None) is None  # not plain JSON: no memo
+
+
+def test_pieces_encode_alike_from_several_threads(qwen_tokenizer):
+    from concurrent.futures import ThreadPoolExecutor
+
+    backend = qwen_tokenizer.backend_tokenizer
+    encoder = SegmentEncoder(backend, {"<|im_end|>": 151645}, cache_chars=200)
+    texts = [f"line {i % 37} of {i % 5}<|im_end|>\n" for i in range(400)]
+
+    def check(text: str) -> bool:
+        return encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(check, texts))
+    assert encoder._chars == sum(len(p) for p in encoder._cache) <= 200
