@@ -9,9 +9,10 @@ engine use the same objects. Pure: no aiohttp, no I/O after construction.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 from capture_proxy.families.parsing import OutputParser
 
@@ -54,6 +55,18 @@ class TailRenderer(Protocol):
         """Token ids after the end of ``context``'s last turn when ``new_messages`` follow it
         and the generation prompt closes it; None when the template does not allow it.
         Raises RenderError."""
+
+
+def renders_tails(renderer: object) -> TypeGuard[TailRenderer]:
+    """``isinstance(renderer, TailRenderer)``, decided once per class (a protocol check
+    costs some microseconds, and every continued call asks)."""
+    kind: type = type(renderer)
+    return _class_renders_tails(kind)
+
+
+@functools.cache
+def _class_renders_tails(kind: type) -> bool:
+    return callable(getattr(kind, "render_tail_sync", None))
 
 
 @runtime_checkable

@@ -15,7 +15,9 @@ text prefix of that render, and the turn ends at the first end-of-turn text afte
 follows is the tail. The turn itself may render differently as the last message than inside a
 longer conversation (Qwen3's empty think block): it is cut away, so that does not matter.
 Where the tail cannot be found that way (no user before the turn, an assistant message among
-the new ones, a context that is not a prefix) the caller renders the whole conversation.
+the new ones, a context that is not a prefix) the caller renders the whole conversation. The
+context's head repeats from call to call (an agent's system prompt and task): where the small
+render starts with a head seen before, it is not rendered again (``families.head_memo``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from capture_proxy.families.base import RenderError
+from capture_proxy.families.head_memo import HeadMemo
 from capture_proxy.families.template_ast import template_variables
+from capture_proxy.families.template_render import PlainTemplate
 from capture_proxy.families.vision import VisionProcessorConfig, expand_image_pads, image_sizes
 from capture_proxy.families.vllm_messages import (
     MessageError,
@@ -50,6 +54,29 @@ _OWN_KWARGS = frozenset(
         "return_dict",
     }
 )
+
+
+#: a conversation up to about this many characters (message and tool texts) renders on the
+#: event loop: its render (some 100 us) costs less than a hop to a worker thread and back
+INLINE_RENDER_CHARS = 8192
+
+
+def smaller_than(value: Any, limit: int) -> bool:
+    """Whether the strings in ``value`` (nested dicts and lists) hold fewer than ``limit``
+    characters; stops counting at the limit."""
+    stack = [value]
+    left = limit
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            left -= len(item)
+            if left <= 0:
+                return False
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return True
 
 
 def tail_context(messages: Sequence[Mapping[str, Any]], turn_index: int) -> list[Mapping[str, Any]]:
@@ -96,7 +123,13 @@ def find_tail_text(head_text: str, small_text: str, end_of_turn_text: str) -> st
     ``small_text`` or no end of turn follows it."""
     if not small_text.startswith(head_text):
         return None
-    at = small_text.find(end_of_turn_text, len(head_text))
+    return tail_after(small_text, len(head_text), end_of_turn_text)
+
+
+def tail_after(small_text: str, head_length: int, end_of_turn_text: str) -> str | None:
+    """The text after the first ``end_of_turn_text`` at or after ``head_length``; None when
+    there is none."""
+    at = small_text.find(end_of_turn_text, head_length)
     if at < 0:
         return None
     return small_text[at + len(end_of_turn_text) :]
@@ -118,11 +151,30 @@ class LocalRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.vision = vision
+        #: the template rendered with, its shortcut past transformers' input walks
+        #: (``families.template_render``; None: it does not hold) and the heads of its tail
+        #: renders (``families.head_memo``)
+        self._state: tuple[str, PlainTemplate | None, HeadMemo] | None = None
+
+    def _template_state(self) -> tuple[str, PlainTemplate | None, HeadMemo]:
+        template = self.template_text
+        if self._state is None or self._state[0] != template:
+            self._state = (template, PlainTemplate.of(self.tokenizer, template), HeadMemo())
+        return self._state
+
+    @property
+    def plain(self) -> PlainTemplate | None:
+        """The template's shortcut render and encode, None where they do not hold."""
+        return self._template_state()[1]
 
     def _encode(self, text: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """``text`` encoded without added special tokens; its image placeholders expanded for
         the images of ``messages`` (the messages ``text`` renders). Raises RenderError."""
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        plain = self.plain
+        if plain is not None:
+            ids = plain.encode(text)
+        else:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         try:
             sizes = image_sizes(messages)
             if not sizes:
@@ -194,6 +246,10 @@ class LocalRenderer:
         *,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        if smaller_than((messages, tools), INLINE_RENDER_CHARS):
+            return self.render_continuation_sync(
+                messages, tools, chat_template_kwargs=chat_template_kwargs
+            )
         return await asyncio.to_thread(
             self.render_continuation_sync,
             messages,
@@ -219,7 +275,10 @@ class LocalRenderer:
         except MessageError as exc:
             raise RenderError(str(exc)) from exc
         kwargs = self.template_kwargs(chat_template_kwargs)
+        plain = self.plain
         try:
+            if plain is not None and normalised and not continue_final and plain.accepts(kwargs):
+                return plain.text(normalised, normalise_tools(tools), add_generation_prompt, kwargs)
             return str(
                 self.tokenizer.apply_chat_template(
                     normalised,
@@ -269,9 +328,17 @@ class LocalRenderer:
         the tokenizer always splits, so its ids are those of the whole text's tokenization."""
         if not tail_renderable(context, new_messages):
             return None
-        head_text = self._text(context[:-1], tools, False, chat_template_kwargs)
         small = self._text([*context, *new_messages], tools, True, chat_template_kwargs)
-        tail = find_tail_text(head_text, small, end_of_turn_text)
+        heads, head = self._template_state()[2], context[:-1]
+        key = heads.key(head, tools, chat_template_kwargs)
+        length = None if key is None else heads.head_length(key, small)
+        if length is None:
+            head_text = self._text(head, tools, False, chat_template_kwargs)
+            if key is not None:
+                heads.remember(key, head_text)
+            tail = find_tail_text(head_text, small, end_of_turn_text)
+        else:
+            tail = tail_after(small, length, end_of_turn_text)
         if tail is None:
             return None
         return self._encode(tail, new_messages)
@@ -284,6 +351,13 @@ class LocalRenderer:
         add_generation_prompt: bool,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        if smaller_than((messages, tools), INLINE_RENDER_CHARS):
+            return self.render_sync(
+                messages,
+                tools,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
         return await asyncio.to_thread(
             self.render_sync,
             messages,

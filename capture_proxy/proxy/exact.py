@@ -27,8 +27,8 @@ from capture_proxy.families.base import (
     ContinuationRenderer,
     ModelFamily,
     RenderError,
-    TailRenderer,
     ends_in_open_block,
+    renders_tails,
 )
 from capture_proxy.families.parsing import OutputParser
 from capture_proxy.proxy.calls import CaptureDeps
@@ -266,7 +266,7 @@ class ExactExecutor(CallExecutor):
 
     async def _render_tail(self, c: cmd.RenderTail) -> ev.Rendered | ev.RenderFailed:
         renderer = self.exact.renderer
-        assert isinstance(renderer, TailRenderer)
+        assert renders_tails(renderer)
         try:
             # Small (the new messages and the system turn's text): cheaper on the loop than a
             # hop to a worker thread and back.

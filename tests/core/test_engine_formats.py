@@ -10,6 +10,7 @@ from capture_proxy.core.engine_formats import (
     WINDOW,
     EngineFormatError,
     IncrementalText,
+    _ids_of_token_strings,
     get_dialect,
 )
 from capture_proxy.core.sampling import sampling_from_chat
@@ -64,6 +65,30 @@ def test_token_ids_of_the_choice_win_and_the_echo_is_read():
 
 @pytest.mark.parametrize("tokens", [["hi", "token_id:6"], ["token_id:x"], ["token_id:-1"], "x"])
 def test_log_prob_tokens_without_ids_are_refused(tokens):
+    with pytest.raises(EngineFormatError):
+        get_dialect("vllm_completions").reader().whole(_answer(tokens))
+
+
+_NINE = [f"token_id:{i}" for i in range(9)]
+
+
+def test_many_log_prob_tokens_are_read_in_one_pass():
+    tokens = [f"token_id:{i * 7919}" for i in range(40)]
+    assert _ids_of_token_strings(tokens) == [i * 7919 for i in range(40)]
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [*_NINE, "token_id:1,token_id:2"],  # a comma inside one string
+        [*_NINE[:-1], "token_id:1,token_id:2", ""],
+        [*_NINE, 7],
+        [*_NINE, "token_id:\u0663"],
+        [*_NINE, "token_id:٣"],  # a digit, not an ASCII one
+        [*_NINE, "token_id:"],
+    ],
+)
+def test_many_log_prob_tokens_without_ids_are_refused(tokens):
     with pytest.raises(EngineFormatError):
         get_dialect("vllm_completions").reader().whole(_answer(tokens))
 

@@ -34,7 +34,7 @@ from capture_proxy.core.splice import (
     extend_prompt,
     splice_prompt,
 )
-from capture_proxy.families.base import ChatRenderer, ContinuationRenderer, TailRenderer
+from capture_proxy.families.base import ChatRenderer, ContinuationRenderer, renders_tails
 from capture_proxy.families.hf_template import find_tail_ids, tail_context, tail_renderable
 from capture_proxy.families.parsing import OutputParser
 
@@ -118,7 +118,7 @@ def _render_tail(
     """What follows the parent's end-of-turn token, rendered in a small context (see
     ``families.hf_template``); None when it cannot be found that way."""
     context, new = tail_context(messages, j), messages[j + 1 :]
-    if isinstance(exact.renderer, TailRenderer):
+    if renders_tails(exact.renderer):
         reply = yield RenderTail(context, new, tools, exact.end_of_turn_token, kwargs)
         if isinstance(reply, RenderFailed):
             raise reply.error
