@@ -141,8 +141,8 @@ async def _paused_call(
 ):
     """The 600-token call, paused ``PAUSE_AFTER`` tokens in with mode ``pause`` and resumed
     under a new version. Returns (what the harness got, the stored call, old, new version).
-    A stream is paused once the harness has read ``PAUSE_AFTER`` tokens; a whole call once
-    vLLM's counter of generated tokens has risen by as many."""
+    A call is paused once vLLM's counter of generated tokens has risen by ``PAUSE_AFTER``, a
+    stream also once the harness has read as many, whichever comes first."""
     old = (await asyncio.to_thread(stack.engine.get, "/weight_info")).json()["weight_version"]
     new = f"step-{os.getpid()}-{next(_versions)}"
     # The proxy reads the version every 0.2 s: make sure it has the current one before the
@@ -153,10 +153,17 @@ async def _paused_call(
     progress = asyncio.Event()
     call = asyncio.create_task(_call(stack, rollout, stream, progress, max_tokens))
     try:
+        # The engine's counter too for a stream: on a loaded machine the harness may read
+        # its tokens seconds after vLLM made them (the pause would come after the end).
+        waits = [asyncio.create_task(_when_generated(stack, since, PAUSE_AFTER))]
         if stream:
-            await asyncio.wait_for(progress.wait(), WAIT_S)
-        else:
-            await _when_generated(stack, since, PAUSE_AFTER)
+            waits.append(asyncio.create_task(progress.wait()))
+        done, pending = await asyncio.wait(waits, timeout=WAIT_S, return_when="FIRST_COMPLETED")
+        for task in pending:
+            task.cancel()
+        assert done, "neither the harness nor vLLM saw the call's first tokens in time"
+        for task in done:
+            task.result()
         await _engine_post(stack, f"/pause?mode={pause}")
         await _engine_post(stack, "/update_weight_version", new_version=new)
     finally:
