@@ -16,12 +16,16 @@ check and renders its head again. Pure.
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import orjson
+try:  # not in every interpreter that imports ``families`` (vLLM's own, for its image checks)
+    import orjson
+except ImportError:  # pragma: no cover - the proxy's venv has it
+    orjson = None  # type: ignore[assignment]
 
 #: heads remembered (each about 100 bytes)
 MAX_HEADS = 8192
@@ -47,8 +51,11 @@ class HeadMemo:
     ) -> bytes | None:
         """The memo key of a head's inputs; None when they are not plain JSON."""
         try:
-            data = orjson.dumps([head, tools, kwargs])
-        except TypeError:
+            if orjson is None:
+                data = json.dumps([head, tools, kwargs], allow_nan=False).encode()
+            else:
+                data = orjson.dumps([head, tools, kwargs])
+        except (TypeError, ValueError):
             return None
         return hashlib.blake2b(data, digest_size=16).digest()
 
