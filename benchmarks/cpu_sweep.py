@@ -264,7 +264,7 @@ def proxy_argv(
     argv += ["--store-synchronous", args.store_synchronous]
     if mode.startswith("exact_tokens"):
         argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(tokenizer)]
-    return one_process(argv, baseline=mode.endswith("@base"))
+    return one_process(argv, args.baseline_src if mode.endswith("@base") else None)
 
 
 def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, Service]]:

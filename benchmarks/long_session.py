@@ -206,7 +206,7 @@ def _services(args: argparse.Namespace, work: Path) -> tuple[Service, dict[str, 
         if kind == "exact_full_render":
             argv += ["--exact-full-render"]
         env = baseline_env(args.baseline_src) if mode.endswith("@base") else None
-        argv = one_process(argv, baseline=env is not None)
+        argv = one_process(argv, args.baseline_src if env is not None else None)
         proxies[mode] = Service(mode, argv, p, work / f"{mode}.log", env=env)
     return engine, proxies
 

@@ -207,7 +207,7 @@ def proxy_argv(
     argv += ["--store", store, "--log-level", "WARNING"]
     if not store.startswith("postgresql://"):
         argv += ["--store-synchronous", args.store_synchronous]
-    return one_process(argv, baseline)
+    return one_process(argv, args.baseline_src if baseline else None)
 
 
 async def _measure_blocks(

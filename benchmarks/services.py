@@ -126,11 +126,15 @@ def baseline_env(src: str | None) -> dict[str, str] | None:
     return {"PYTHONPATH": str(Path(src).resolve())} if src else None
 
 
-def one_process(argv: list[str], baseline: bool = False) -> list[str]:
+def one_process(argv: list[str], baseline_src: str | None = None) -> list[str]:
     """``serve`` argv in one process (``--workers 1``): the benchmarks read one pid's CPU. A
     baseline tree (``--baseline-src``) from before ``serve --workers`` has no such flag and
-    is one process anyway."""
-    return argv if baseline else [*argv, "--workers", "1"]
+    is one process anyway; one after it (its default: a worker per CPU) gets the flag too."""
+    if baseline_src is not None:
+        parser = Path(baseline_src) / "capture_proxy" / "cli" / "parser.py"
+        if not parser.exists() or "--workers" not in parser.read_text():
+            return argv
+    return [*argv, "--workers", "1"]
 
 
 def engine_service(work: Path, port: int | None = None, policy: Path | None = None) -> Service:
