@@ -12,6 +12,7 @@ exact-token call (prompt path, splice, sampling, parsing, the answer) is the flo
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ from capture_proxy.families.base import (
     ends_in_open_block,
     renders_tails,
 )
+from capture_proxy.families.hf_template import INLINE_RENDER_CHARS, smaller_than
 from capture_proxy.families.parsing import OutputParser
 from capture_proxy.proxy.calls import CaptureDeps
 from capture_proxy.proxy.errors import UpstreamTimeout, UpstreamUnavailable
@@ -267,16 +269,21 @@ class ExactExecutor(CallExecutor):
     async def _render_tail(self, c: cmd.RenderTail) -> ev.Rendered | ev.RenderFailed:
         renderer = self.exact.renderer
         assert renders_tails(renderer)
+        render = functools.partial(
+            renderer.render_tail_sync,
+            c.context,
+            c.new,
+            c.tools,
+            end_of_turn_text=c.end_of_turn_text,
+            chat_template_kwargs=c.chat_template_kwargs,
+        )
         try:
-            # Small (the new messages and the system turn's text): cheaper on the loop than a
-            # hop to a worker thread and back.
-            ids = renderer.render_tail_sync(
-                c.context,
-                c.new,
-                c.tools,
-                end_of_turn_text=c.end_of_turn_text,
-                chat_template_kwargs=c.chat_template_kwargs,
-            )
+            # Small new messages: cheaper on the loop than a hop to a worker thread and back.
+            # A large one (a file the agent read) takes milliseconds to tokenize: off the loop.
+            if smaller_than(c.new, INLINE_RENDER_CHARS):
+                ids = render()
+            else:
+                ids = await asyncio.to_thread(render)
         except RenderError as exc:
             return ev.RenderFailed(exc)
         return ev.Rendered(ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -39,7 +40,9 @@ SPLIT_POLICY = Policy.model_validate(
 )
 
 
-async def _session(stack: Stack, rollout: str, *, stream: bool = False) -> list[str]:
+async def _session(
+    stack: Stack, rollout: str, *, stream: bool = False, tool_output: str = "out {step}"
+) -> list[str]:
     messages = list(USER)
     ids = []
     for step in range(3):
@@ -52,7 +55,8 @@ async def _session(stack: Stack, rollout: str, *, stream: bool = False) -> list[
             message = (await resp.json())["choices"][0]["message"]
         messages.append(_echo(message))
         for tc in message.get("tool_calls") or []:
-            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": f"out {step}"})
+            content = tool_output.format(step=step)
+            messages.append({"role": "tool", "tool_call_id": tc["id"], "content": content})
     return ids
 
 
@@ -256,6 +260,8 @@ class _CountingRenderer(LocalRenderer):
         super().__init__(tokenizer, template or load_chat_template("keep_reasoning"))
         self.full: list[int] = []
         self.tails: list[int] = []
+        #: per tail render, whether it ran on the event loop's thread
+        self.on_loop: list[bool] = []
 
     def render_sync(self, messages, tools, **kwargs):
         self.full.append(len(messages))
@@ -263,6 +269,7 @@ class _CountingRenderer(LocalRenderer):
 
     def render_tail_sync(self, context, new_messages, tools, **kwargs):
         self.tails.append(len(context) + len(new_messages))
+        self.on_loop.append(threading.current_thread() is threading.main_thread())
         return super().render_tail_sync(context, new_messages, tools, **kwargs)
 
 
@@ -283,6 +290,29 @@ async def test_resolved_calls_render_only_their_new_messages(make_stack, qwen_to
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     calls = chains["chains"][0]["calls"]
     assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in stack.sent]
+    for c in calls:
+        assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
+
+
+async def test_a_large_new_message_renders_off_the_loop(make_stack, qwen_tokenizer):
+    # A tail whose new messages are small renders on the loop (no thread hop); one carrying a
+    # file the agent read (20 KB) renders in a worker thread: tokenizing it would hold the
+    # loop for milliseconds. The ids are the same either way (one chain, the engine's prompts).
+    renderer = _CountingRenderer(qwen_tokenizer)
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
+        prompt_mode="exact_tokens",
+        renderer=renderer,
+    )
+    small = await _session(stack, "small")
+    big_output = "line {step}: " + "def f(x):\n    return x + 1\n" * 800  # about 20 KB
+    large = await _session(stack, "large", tool_output=big_output)
+    assert renderer.on_loop == [True, True, False, False]
+    for rollout, ids in (("small", small), ("large", large)):
+        assert await _chains(stack, rollout) == [ids]
+    chains = await stack.get_json("/captures/rollouts/large/chains")
+    calls = chains["chains"][0]["calls"]
+    assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in stack.sent[3:]]
     for c in calls:
         assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
 
