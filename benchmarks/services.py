@@ -130,11 +130,10 @@ def one_process(argv: list[str], baseline_src: str | None = None) -> list[str]:
     """``serve`` argv in one process (``--workers 1``): the benchmarks read one pid's CPU. A
     baseline tree (``--baseline-src``) from before ``serve --workers`` has no such flag and
     is one process anyway; one after it (its default: a worker per CPU) gets the flag too."""
-    if baseline_src is not None:
-        parser = Path(baseline_src) / "capture_proxy" / "cli" / "parser.py"
-        if not parser.exists() or "--workers" not in parser.read_text():
-            return argv
-    return [*argv, "--workers", "1"]
+    one = [*argv, "--workers", "1"]
+    if baseline_src is None:
+        return one
+    return one if (Path(baseline_src) / "capture_proxy" / "cli" / "workers.py").exists() else argv
 
 
 def engine_service(work: Path, port: int | None = None, policy: Path | None = None) -> Service:

@@ -273,48 +273,52 @@ class _CountingRenderer(LocalRenderer):
         return super().render_tail_sync(context, new_messages, tools, **kwargs)
 
 
-async def test_resolved_calls_render_only_their_new_messages(make_stack, qwen_tokenizer):
-    """Issue 16: a resolved call's prompt is the parent's ids extended by the rendering of the
-    new messages only; the history is never rendered again."""
+async def _counting_stack(make_stack, qwen_tokenizer) -> tuple[_CountingRenderer, Stack]:
+    """An exact-token stack rendering through a ``_CountingRenderer``."""
     renderer = _CountingRenderer(qwen_tokenizer)
     stack = await make_stack(
         engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
         prompt_mode="exact_tokens",
         renderer=renderer,
     )
+    return renderer, stack
+
+
+async def _assert_one_spliced_chain(stack: Stack, rollout: str, ids: list[str], sent) -> None:
+    """The rollout is one chain of ``ids`` whose prompts are the ones the engine got
+    (``sent``), each spliced (no exact-prompt diagnostic)."""
+    assert await _chains(stack, rollout) == [ids]
+    chains = await stack.get_json(f"/captures/rollouts/{rollout}/chains")
+    calls = chains["chains"][0]["calls"]
+    assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in sent]
+    for c in calls:
+        assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
+
+
+async def test_resolved_calls_render_only_their_new_messages(make_stack, qwen_tokenizer):
+    """Issue 16: a resolved call's prompt is the parent's ids extended by the rendering of the
+    new messages only; the history is never rendered again."""
+    renderer, stack = await _counting_stack(make_stack, qwen_tokenizer)
     ids = await _session(stack, "r1")
-    assert await _chains(stack, "r1") == [ids]
     assert renderer.full == [len(USER)]  # the root only
     # Each tail: system + user + the continued turn + its tool result.
     assert renderer.tails == [len(USER) + 2, len(USER) + 2]
-    chains = await stack.get_json("/captures/rollouts/r1/chains")
-    calls = chains["chains"][0]["calls"]
-    assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in stack.sent]
-    for c in calls:
-        assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
+    await _assert_one_spliced_chain(stack, "r1", ids, stack.sent)
 
 
 async def test_a_large_new_message_renders_off_the_loop(make_stack, qwen_tokenizer):
     # A tail whose new messages are small renders on the loop (no thread hop); one carrying a
     # file the agent read (20 KB) renders in a worker thread: tokenizing it would hold the
     # loop for milliseconds. The ids are the same either way (one chain, the engine's prompts).
-    renderer = _CountingRenderer(qwen_tokenizer)
-    stack = await make_stack(
-        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY),
-        prompt_mode="exact_tokens",
-        renderer=renderer,
-    )
+    renderer, stack = await _counting_stack(make_stack, qwen_tokenizer)
     small = await _session(stack, "small")
     big_output = "line {step}: " + "def f(x):\n    return x + 1\n" * 800  # about 20 KB
     large = await _session(stack, "large", tool_output=big_output)
     assert renderer.on_loop == [True, True, False, False]
-    for rollout, ids in (("small", small), ("large", large)):
-        assert await _chains(stack, rollout) == [ids]
-    chains = await stack.get_json("/captures/rollouts/large/chains")
-    calls = chains["chains"][0]["calls"]
-    assert [c["prompt_token_ids"] for c in calls] == [s.prompt_token_ids for s in stack.sent[3:]]
-    for c in calls:
-        assert not [d for d in c["diagnostics"] if d["kind"].startswith("exact_prompt")]
+    assert renderer.full == [len(USER), len(USER)]
+    assert renderer.tails == [len(USER) + 2] * 4
+    await _assert_one_spliced_chain(stack, "small", small, stack.sent[:3])
+    await _assert_one_spliced_chain(stack, "large", large, stack.sent[3:])
 
 
 async def test_a_template_whose_context_is_not_a_prefix_falls_back_to_a_full_render(

@@ -172,10 +172,7 @@ class LinkIndex:
 
     def _unindex(self, entry: _Entry, *, find_latest: bool = True) -> None:
         for index, digest in self._keys(entry):
-            if digest is not None and digest in index:
-                index[digest].pop(entry.call_id, None)
-                if not index[digest]:
-                    del index[digest]
+            _drop(index, digest, entry.call_id)
         _drop(self._childless, entry.child_digest, entry.call_id)
         digest = entry.request_digest
         if digest is not None and self._latest_request.get(digest) is entry:
@@ -186,8 +183,7 @@ class LinkIndex:
 
     def _file_order(self, entry: _Entry) -> None:
         """File ``entry`` (just indexed) among the childless and as its request's latest."""
-        if entry.children == 0 and entry.child_digest is not None:
-            self._childless.setdefault(entry.child_digest, {})[entry.call_id] = entry
+        self._file_childless(entry)
         digest = entry.request_digest
         if digest is not None:
             latest = self._latest_request.get(digest)
@@ -197,17 +193,20 @@ class LinkIndex:
     def _count_child(self, parent: _Entry, delta: int) -> None:
         """``parent`` gained (+1) or lost (-1) a child: (un)filed among the childless."""
         parent.children += delta
-        digest = parent.child_digest
-        if digest is None or self.entries.get(parent.call_id) is not parent:
+        self._file_childless(parent)
+
+    def _file_childless(self, entry: _Entry) -> None:
+        """``entry`` among its child digest's childless calls when it has no child, else not."""
+        if entry.child_digest is None:
             return
-        if parent.children == 0:
-            self._childless.setdefault(digest, {})[parent.call_id] = parent
+        if entry.children == 0:
+            self._childless.setdefault(entry.child_digest, {})[entry.call_id] = entry
         else:
-            _drop(self._childless, digest, parent.call_id)
+            _drop(self._childless, entry.child_digest, entry.call_id)
 
     @staticmethod
     def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
-        return sorted((entries or {}).values(), key=lambda e: (e.created_at, e.call_id))
+        return sorted((entries or {}).values(), key=_age)
 
     def _retry_of(self, req_digest: str, retry_requested: bool) -> str | None:
         """The call an identical request retries: only on an explicit signal (the harness says
