@@ -373,7 +373,16 @@ class ChatCaptureAssembler:
         if problems:
             status = CallStatus.INCOMPLETE
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
-        record = CallRecord(
+        # Keep whatever arrived intact, even on an incomplete record: nothing received is lost
+        # (an array not received is the field's empty default, made only then).
+        arrays: dict[str, np.ndarray] = {}
+        if prompt is not None:
+            arrays["prompt_token_ids"] = prompt
+        if gen is not None:
+            arrays["generation_token_ids"] = gen
+        if log_probs is not None:
+            arrays["generation_log_probs"] = log_probs
+        return CallRecord(
             **call_fields(ctx),
             status=status,
             latency_ms=latency_ms,
@@ -384,15 +393,8 @@ class ChatCaptureAssembler:
             diagnostics=diagnostics,
             routed_experts=experts,
             routed_experts_start=ctx.routed_experts_start,
+            **arrays,
         )
-        # Keep whatever arrived intact, even on an incomplete record: nothing received is lost.
-        if prompt is not None:
-            record.prompt_token_ids = prompt
-        if gen is not None:
-            record.generation_token_ids = gen
-        if log_probs is not None:
-            record.generation_log_probs = log_probs
-        return record
 
 
 def failed_record(

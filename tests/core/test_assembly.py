@@ -116,6 +116,14 @@ def test_missing_token_ids_make_the_record_incomplete_with_reason():
         "engine sent no logprobs",
     ]
     assert rec.response_message["content"] == "x"
+    # the arrays not received are the empty defaults, with their dtypes, one per record
+    for name, dtype in (
+        ("prompt_token_ids", np.uint32),
+        ("generation_token_ids", np.uint32),
+        ("generation_log_probs", np.float32),
+    ):
+        assert getattr(rec, name).shape == (0,) and getattr(rec, name).dtype == dtype
+    assert rec.prompt_token_ids is not rec.generation_token_ids
 
 
 def test_length_mismatch_is_refused():
