@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-import uuid
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +24,7 @@ from capture_proxy.proxy.images import ImagePolicy
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.traffic_tap import TAP_KEY, ResponseTap
-from capture_proxy.proxy.upstream import forwardable_headers
+from capture_proxy.proxy.upstream import HOP_BY_HOP, forwardable_header_dict
 from capture_proxy.proxy.weight_watch import WeightWatcher
 
 log = logging.getLogger("capture_proxy")
@@ -36,7 +36,16 @@ DETOKENIZE_TIMEOUT_S = 10.0
 
 def new_call_id() -> str:
     """``call-`` + 32 hex chars (uuid4): unique across replicas without coordination."""
-    return f"call-{uuid.uuid4().hex}"
+    return call_id_of(os.urandom(16))
+
+
+def call_id_of(random16: bytes) -> str:
+    """The call id of 16 random bytes: ``call-`` + ``uuid.UUID(bytes=random16, version=4).hex``
+    (what ``uuid.uuid4`` makes of ``os.urandom(16)``), without building the UUID object."""
+    raw = bytearray(random16)
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4
+    raw[8] = raw[8] & 0x3F | 0x80  # variant RFC 4122
+    return "call-" + raw.hex()
 
 
 @dataclass(frozen=True)
@@ -98,12 +107,18 @@ def decoder(deps: CaptureDeps, model: str | None) -> Any:
     return decode
 
 
+#: Not forwarded to the engine: hop-by-hop headers, encodings (the proxy sends its own JSON
+#: body and asks for it plain) and the other APIs' auth and version headers.
+_UPSTREAM_DROP = HOP_BY_HOP | frozenset(
+    ("accept-encoding", "content-type", "x-api-key", "anthropic-version", "anthropic-beta")
+)
+
+
 def upstream_headers(request: web.Request, call_id: str, rollout_id: str) -> dict[str, str]:
     """Headers for the engine: the harness's (less hop-by-hop, encodings and, for the other
     APIs, their own auth and version headers), our JSON body, the call id as vLLM's request id
     (engine logs match our call ids) and the rollout id."""
-    drop = ("accept-encoding", "content-type", "x-api-key", "anthropic-version", "anthropic-beta")
-    headers = dict(forwardable_headers(request.headers, drop=drop))
+    headers = forwardable_header_dict(request.headers, _UPSTREAM_DROP)
     headers["Content-Type"] = "application/json"
     headers["Accept-Encoding"] = "identity"
     headers["X-Request-Id"] = call_id
@@ -159,5 +174,12 @@ class ClientWriter:
             self.gone = True
 
 
+#: ``json.dumps(obj, ensure_ascii=False)`` is this encoder's ``encode`` (a new one per call
+#: otherwise); it holds no state between calls.
+_TEXT_ENCODER = json.JSONEncoder(ensure_ascii=False)
+
+
 def dumps_text(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False)
+    """``json.dumps(obj, ensure_ascii=False)``: the stdlib's separators and float texts, which
+    a harness may have seen from the proxy before (orjson writes compact JSON)."""
+    return _TEXT_ENCODER.encode(obj)

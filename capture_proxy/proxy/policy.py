@@ -209,8 +209,14 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
     """Read the body into the request (aiohttp keeps it: handlers' ``read()`` returns it)."""
     limit = request.client_max_size
     try:
-        async with asyncio.timeout(timeout_s):
+        if request.content.is_eof():
+            # The whole body has arrived (a small one comes with the request head): ``read``
+            # takes it without waiting, so there is nothing to time out (a timer per request
+            # is not free).
             await request.read()
+        else:
+            async with asyncio.timeout(timeout_s):
+                await request.read()
     except TimeoutError as exc:
         raise RequestTimeout(
             f"the request body did not arrive within {timeout_s:g} s (setting "

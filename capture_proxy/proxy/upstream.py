@@ -111,6 +111,24 @@ def forwardable_headers(
     return out
 
 
+def forwardable_header_dict(headers: Mapping[str, str], drop: frozenset[str]) -> dict[str, str]:
+    """``dict(forwardable_headers(headers, drop=drop))`` in one pass over the headers (runs on
+    every captured call): ``drop`` holds lower-case names and includes ``HOP_BY_HOP``. As the
+    dict of the multidict (multidict 7): one header per case-insensitive name, in first-seen
+    order, its first spelling with its first value."""
+    lowered = [(name.lower(), name, value) for name, value in headers.items()]
+    for low, _, value in lowered:
+        if low == "connection":
+            drop = drop | {v.strip().lower() for v in value.split(",")}
+    seen: set[str] = set()
+    out: dict[str, str] = {}
+    for low, name, value in lowered:
+        if low not in drop and low not in seen:
+            seen.add(low)
+            out[name] = value
+    return out
+
+
 def translate_client_error(exc: BaseException, backend: str) -> ProxyError:
     """Map an aiohttp client failure to the error the harness receives. ``backend`` is the
     credential-free base (``Settings.backend_base``); the exception's text is masked too."""

@@ -1,6 +1,7 @@
 import math
 
 import numpy as np
+import pytest
 
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
 from capture_proxy.core.records import CallStatus
@@ -116,6 +117,14 @@ def test_missing_token_ids_make_the_record_incomplete_with_reason():
         "engine sent no logprobs",
     ]
     assert rec.response_message["content"] == "x"
+    # the arrays not received are the empty defaults, with their dtypes, one per record
+    for name, dtype in (
+        ("prompt_token_ids", np.uint32),
+        ("generation_token_ids", np.uint32),
+        ("generation_log_probs", np.float32),
+    ):
+        assert getattr(rec, name).shape == (0,) and getattr(rec, name).dtype == dtype
+    assert rec.prompt_token_ids is not rec.generation_token_ids
 
 
 def test_length_mismatch_is_refused():
@@ -208,3 +217,17 @@ def test_stream_end_reasons_and_incomplete_marking():
             },
         },
     ]
+
+
+def test_a_context_replaced_is_the_dataclasses_replace_and_the_original_stays():
+    import dataclasses
+
+    changes = {"sampling": {"sent": {"temperature": 0.5}}, "routed_experts_start": 7}
+    copy = CTX.replace(**changes)
+    assert copy == dataclasses.replace(CTX, **changes)
+    assert copy.__dict__ == dataclasses.replace(CTX, **changes).__dict__
+    assert CTX.sampling is None and CTX.routed_experts_start == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.sampling = None  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field 'sampled'"):
+        CTX.replace(sampled={})

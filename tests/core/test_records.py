@@ -2,9 +2,12 @@
 position, on the fast path and the per-element one."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
 from capture_proxy.core.records import CallStatus, as_log_prob_array, as_token_array
@@ -18,6 +21,40 @@ def test_log_probs_are_float32_exactly_as_assigned_one_by_one():
     got = as_log_prob_array(values, field_name="logprobs")
     assert got.dtype == np.float32
     assert got.tobytes() == expected.tobytes()
+
+
+def _one_by_one(values: list[float | int]) -> np.ndarray:
+    expected = np.empty(len(values), dtype=np.float32)
+    for i, v in enumerate(values):
+        expected[i] = v
+    return expected
+
+
+#: what a JSON number can be in Python (the stdlib reads NaN/Infinity literals; 1e39 is past
+#: float32; 5e-324 below it), and ints next to floats
+_LOG_PROB_FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+    [math.nan, math.inf, -math.inf, -1e39, 3.4028235677973366e38, -5e-324, -0.0]
+)
+
+
+@given(st.lists(_LOG_PROB_FLOATS, max_size=40))
+def test_float_log_probs_fast_path_is_the_one_by_one_assignment(values):
+    # (the float-only path: the same bits, and a value past float32 warns as one by one does)
+    with warnings.catch_warnings(record=True) as expected_warnings:
+        warnings.simplefilter("always")
+        expected = _one_by_one(values)
+    with warnings.catch_warnings(record=True) as got_warnings:
+        warnings.simplefilter("always")
+        got = as_log_prob_array(values, field_name="logprobs")
+    assert got.dtype == np.float32 and got.shape == (len(values),)
+    assert got.tobytes() == expected.tobytes()
+    assert {str(w.message) for w in got_warnings} <= {str(w.message) for w in expected_warnings}
+
+
+@given(st.lists(st.floats(allow_nan=False, width=32) | st.integers(-(2**60), 2**60), max_size=40))
+def test_log_probs_mixing_ints_and_floats_are_the_one_by_one_assignment(values):
+    got = as_log_prob_array(values, field_name="logprobs")
+    assert got.tobytes() == _one_by_one(values).tobytes()
 
 
 def test_null_log_probs_are_kept_as_nan_and_bad_ones_named():
