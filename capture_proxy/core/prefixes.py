@@ -36,7 +36,7 @@ class StoredPrefix(NamedTuple):
     tokens_sha256: bytes
 
 
-def _u4_view(tokens: np.ndarray) -> memoryview:
+def u4_view(tokens: np.ndarray) -> memoryview:
     """The ``<u4`` bytes of ``tokens`` as a flat view (no copy for a contiguous uint32 array):
     hashed in place, where ``tobytes`` would copy."""
     return np.ascontiguousarray(tokens.astype("<u4", copy=False)).data.cast("B")
@@ -49,7 +49,7 @@ def _token_hash(
     in one pass; then the hash state at the last of them, the prompt's bytes and how many of
     them are hashed (so a caller may go on to the whole prompt without hashing its head
     again)."""
-    data = _u4_view(prompt)
+    data = u4_view(prompt)
     h = hashlib.sha256()
     out: dict[int, bytes] = {}
     done = 0
@@ -107,7 +107,7 @@ def choose_with_digest(
     fitting = _fitting(prompt, candidates, exclude)
     digests, h, data, done = _token_hash(prompt, (c.num_tokens for c in fitting))
     h.update(data[done:])
-    h.update(_u4_view(generation))
+    h.update(u4_view(generation))
     return (_deepest(fitting, digests) if fitting else None), h.digest()
 
     digests = prefix_digests(prompt, (c.num_tokens for c in fitting))
