@@ -155,12 +155,21 @@ def token_digests(
     and the generation are hashed)."""
     states = states or block_states(prompt)
     start = (len(states) - 1) * PREFIX_BLOCK
-    tail = np.concatenate([prompt[start:], generation]).astype("<u4", copy=False)
-    cut = ((prompt.shape[0] + generation.shape[0]) // PREFIX_BLOCK) * PREFIX_BLOCK - start
+    num_prompt = prompt.shape[0]
+    cut = ((num_prompt + generation.shape[0]) // PREFIX_BLOCK) * PREFIX_BLOCK
+    # prompt[start:] + generation hashed in place, in pieces split at ``cut`` (no copy made)
+    head, gen = u4_view(prompt[start:]), u4_view(generation)
     h = states[-1].copy()
-    h.update(tail[:cut].tobytes())
-    block = h.digest()
-    h.update(tail[cut:].tobytes())
+    if cut <= num_prompt:
+        h.update(head[: 4 * (cut - start)])
+        block = h.digest()
+        h.update(head[4 * (cut - start) :])
+        h.update(gen)
+    else:
+        h.update(head)
+        h.update(gen[: 4 * (cut - num_prompt)])
+        block = h.digest()
+        h.update(gen[4 * (cut - num_prompt) :])
     return h.digest(), block
 
 

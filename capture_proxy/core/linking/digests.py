@@ -109,6 +109,15 @@ def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return [m for m in messages if m.get("role") == "assistant"]
 
 
+def last_linking_item(messages: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """``linking_items(messages)[-1]`` (None when there is none), looking only at the
+    messages after it."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return message
+    return None
+
+
 def image_payload(message: Mapping[str, Any]) -> str | None:
     """The digest item of a (non-assistant) message's images: ``{"images": [sha256, ...]}``
     in order; None when it has none (the canonical image parts of ``core.images``)."""

@@ -28,7 +28,7 @@ from capture_proxy.core.linking.commands import (
 from capture_proxy.core.linking.digests import (
     child_digest,
     child_digest_after,
-    linking_items,
+    last_linking_item,
     trailing_images,
 )
 from capture_proxy.core.linking.mismatch import DecodedTexts, Mismatch, classify_mismatch
@@ -371,7 +371,7 @@ def _child_digest(
     if trailing_images(linking_messages):
         # The images after the last turn are in the child digest, not in the parent digest.
         return child_digest(linking_messages, record.response_message)
-    if resolution.parent_digest is not None or not linking_items(linking_messages):
+    if resolution.parent_digest is not None or last_linking_item(linking_messages) is None:
         # The request's own digest (history_digest of these messages): one more step.
         return child_digest_after(
             resolution.parent_digest, record.response_message, digests.answer_payload()

@@ -1,6 +1,8 @@
 """The digests' exact values for fixed inputs: they are stored on records and served over REST,
 so a change in how they are computed must not change one byte of them."""
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,16 @@ TOKEN_KEYS = {
 def test_token_digests(n):
     tokens, block = token_digests(prompt_of(n), GENERATION)
     assert (tokens.hex(), block.hex()) == TOKEN_KEYS[n]
+
+
+@pytest.mark.parametrize("num_prompt", [0, 1, 200, 255, 256, 257, 511, 700])
+@pytest.mark.parametrize("num_generation", [0, 1, 56, 300])
+def test_token_digests_are_those_of_the_joined_ids(num_prompt, num_generation):
+    """Whatever block the prompt / generation boundary and the block cut fall in."""
+    prompt, generation = prompt_of(num_prompt), prompt_of(num_generation) + 3
+    full = np.concatenate([prompt, generation]).astype("<u4").tobytes()
+    cut = (num_prompt + num_generation) // 256 * 256
+    assert token_digests(prompt, generation) == (
+        hashlib.sha256(full).digest(),
+        hashlib.sha256(full[: 4 * cut]).digest(),
+    )
