@@ -36,7 +36,7 @@ class StoredPrefix(NamedTuple):
     tokens_sha256: bytes
 
 
-def _u4_view(tokens: np.ndarray) -> memoryview:
+def u4_view(tokens: np.ndarray) -> memoryview:
     """The ``<u4`` bytes of ``tokens`` as a flat view (no copy for a contiguous uint32 array):
     hashed in place, where ``tobytes`` would copy."""
     return np.ascontiguousarray(tokens.astype("<u4", copy=False)).data.cast("B")
@@ -49,7 +49,7 @@ def _token_hash(
     in one pass; then the hash state at the last of them, the prompt's bytes and how many of
     them are hashed (so a caller may go on to the whole prompt without hashing its head
     again)."""
-    data = _u4_view(prompt)
+    data = u4_view(prompt)
     h = hashlib.sha256()
     out: dict[int, bytes] = {}
     done = 0
@@ -107,7 +107,7 @@ def choose_with_digest(
     fitting = _fitting(prompt, candidates, exclude)
     digests, h, data, done = _token_hash(prompt, (c.num_tokens for c in fitting))
     h.update(data[done:])
-    h.update(_u4_view(generation))
+    h.update(u4_view(generation))
     return (_deepest(fitting, digests) if fitting else None), h.digest()
 
     digests = prefix_digests(prompt, (c.num_tokens for c in fitting))
@@ -155,12 +155,21 @@ def token_digests(
     and the generation are hashed)."""
     states = states or block_states(prompt)
     start = (len(states) - 1) * PREFIX_BLOCK
-    tail = np.concatenate([prompt[start:], generation]).astype("<u4", copy=False)
-    cut = ((prompt.shape[0] + generation.shape[0]) // PREFIX_BLOCK) * PREFIX_BLOCK - start
+    num_prompt = prompt.shape[0]
+    cut = ((num_prompt + generation.shape[0]) // PREFIX_BLOCK) * PREFIX_BLOCK
+    # prompt[start:] + generation hashed in place, in pieces split at ``cut`` (no copy made)
+    head, gen = u4_view(prompt[start:]), u4_view(generation)
     h = states[-1].copy()
-    h.update(tail[:cut].tobytes())
-    block = h.digest()
-    h.update(tail[cut:].tobytes())
+    if cut <= num_prompt:
+        h.update(head[: 4 * (cut - start)])
+        block = h.digest()
+        h.update(head[4 * (cut - start) :])
+        h.update(gen)
+    else:
+        h.update(head)
+        h.update(gen[: 4 * (cut - num_prompt)])
+        block = h.digest()
+        h.update(gen[4 * (cut - num_prompt) :])
     return h.digest(), block
 
 

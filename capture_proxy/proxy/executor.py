@@ -29,6 +29,7 @@ from aiohttp import web
 from capture_proxy.core.flow import commands as cmd
 from capture_proxy.core.flow import events as ev
 from capture_proxy.core.flow.call import Flow, Outcome
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     CaptureDeps,
@@ -78,6 +79,8 @@ class CallExecutor:
         self._next_piece: asyncio.Future[bytes] | None = None
         #: the engine's weight-version epoch as this call last saw it
         self._epoch = -1
+        #: the digests of the record verification saw, for indexing it (``Remember``)
+        self._digests: RecordDigests | None = None
 
     #: The method that performs each command (set below the class; a subclass extends it).
     HANDLERS: ClassVar[dict[type[cmd.Command], Callable[[Any, Any], Awaitable[Any]]]]
@@ -292,6 +295,7 @@ class CallExecutor:
         )
 
     async def _verify(self, c: cmd.Verify) -> ev.Verified | ev.StepFailed:
+        self._digests = RecordDigests(c.record)
         try:
             record = await self.deps.linker.verify(
                 c.record,
@@ -300,6 +304,7 @@ class CallExecutor:
                 harness_note=c.harness_note,
                 retry_count=c.retry_count,
                 decode=decoder(self.deps, c.record.model),
+                digests=self._digests,
             )
         except Exception as exc:
             log.error("call %s: link verification failed: %s", c.record.call_id, exc)
@@ -312,7 +317,7 @@ class CallExecutor:
 
     async def _remember(self, c: cmd.Remember) -> None:
         try:
-            await self.deps.linker.remember(c.record, c.message_facts)
+            await self.deps.linker.remember(c.record, c.message_facts, self._digests)
         except Exception as exc:
             log.error("call %s: indexing failed: %s", c.record.call_id, exc)
 

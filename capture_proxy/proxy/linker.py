@@ -36,6 +36,7 @@ from capture_proxy.core.linking.commands import (
 )
 from capture_proxy.core.linking.index import LinkIndex, add_record, refresh_index
 from capture_proxy.core.linking.parent_lookup import resolve_step
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.linking.verification import verify_step
@@ -210,12 +211,17 @@ class Linker:
         return await self._drive(step, None)
 
     async def remember(
-        self, record: CallRecord, message_facts: Sequence[MessageFacts] | None = None
+        self,
+        record: CallRecord,
+        message_facts: Sequence[MessageFacts] | None = None,
+        digests: RecordDigests | None = None,
     ) -> None:
         """Make a persisted call findable by its children (by digest, and its record in
-        memory, with the facts of its request messages)."""
+        memory, with the facts of its request messages). ``digests``: the ones ``verify``
+        filled for this record (its prompt is then not hashed again)."""
         rollout_id = record.rollout_id
-        add_record(self._cached_index(rollout_id) or await self._index(rollout_id), record)
+        index = self._cached_index(rollout_id) or await self._index(rollout_id)
+        add_record(index, record, digests)
         self.recent.put(record, message_facts)
         if self.feed is not None:  # its put counted; nothing else came between: current
             stamp = self.feed.own_put_stamp(record.call_id)
@@ -236,9 +242,11 @@ class Linker:
         harness_note: str | None,
         retry_count: str | None,
         decode: Decoder | None,
+        digests: RecordDigests | None = None,
     ) -> CallRecord:
         """``record`` with the verdict, the digests and the diagnostics attached, and its
-        parent set only when its tokens extend the parent's (``verify_step`` decides)."""
+        parent set only when its tokens extend the parent's (``verify_step`` decides).
+        ``digests``: ``RecordDigests(record)``, filled here, to hand to ``remember``."""
         step = verify_step(
             record,
             resolution,
@@ -246,6 +254,7 @@ class Linker:
             harness_note=harness_note,
             retry_count=retry_count,
             can_decode=decode is not None,
+            digests=digests,
         )
         return await self._drive(step, decode)
 

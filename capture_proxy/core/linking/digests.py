@@ -109,6 +109,15 @@ def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return [m for m in messages if m.get("role") == "assistant"]
 
 
+def last_linking_item(messages: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """``linking_items(messages)[-1]`` (None when there is none), looking only at the
+    messages after it."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return message
+    return None
+
+
 def image_payload(message: Mapping[str, Any]) -> str | None:
     """The digest item of a (non-assistant) message's images: ``{"images": [sha256, ...]}``
     in order; None when it has none (the canonical image parts of ``core.images``)."""
@@ -188,11 +197,14 @@ def trailing_images(messages: Sequence[Mapping[str, Any]]) -> bool:
     return False
 
 
-def child_digest_after(parent_digest: str | None, response: Mapping[str, Any]) -> str:
+def child_digest_after(
+    parent_digest: str | None, response: Mapping[str, Any], payload: str | None = None
+) -> str:
     """``child_digest(messages, response)`` from ``parent_digest = history_digest(messages)``:
-    one step of the chain instead of the whole history again."""
+    one step of the chain instead of the whole history again. ``payload``:
+    ``turn_payload(response)``, when known already."""
     start = parent_digest if parent_digest is not None else _DIGEST_SEED
-    return extend_digest(start, {"role": "assistant", **response})
+    return _extend(start, payload if payload is not None else turn_payload(response))
 
 
 def request_digest(body: Mapping[str, Any]) -> str:
@@ -204,7 +216,10 @@ def request_digest(body: Mapping[str, Any]) -> str:
 
 def tool_call_ids(turn: Mapping[str, Any] | None) -> tuple[str, ...]:
     """The ids of a turn's tool calls, in order (empty when it has none or one lacks an id)."""
-    ids = tuple(str(c.get("id") or "") for c in (turn or {}).get("tool_calls") or [])
+    calls = turn.get("tool_calls") if turn is not None else None
+    if not calls:  # (a call in flight has no answer yet: no generator made for nothing)
+        return ()
+    ids = tuple(str(c.get("id") or "") for c in calls)
     return ids if all(ids) else ()
 
 
@@ -218,7 +233,17 @@ def turn_digest(turn: Mapping[str, Any], *, with_ids: bool = True) -> str:
 def turn_digests(turn: Mapping[str, Any]) -> tuple[str, str]:
     """``(turn_digest(turn), turn_digest(turn, with_ids=False))``, canonicalising once."""
     canonical = canonical_turn(turn)
-    return _turn_digest(canonical), _turn_digest(_without_ids(canonical))
+    return canonical_digests(canonical, canonical_json(canonical))
+
+
+def canonical_digests(canonical: dict[str, Any], payload: str) -> tuple[str, str]:
+    """``turn_digests`` of the turn whose ``canonical_turn`` is ``canonical`` and whose
+    ``turn_payload`` is ``payload`` (its canonical JSON): a turn without tool calls is the
+    same without ids, so it is digested once."""
+    digest = hashlib.sha256(payload.encode("utf-8")).hexdigest()
+    if not canonical["tool_calls"]:
+        return digest, digest
+    return digest, _turn_digest(_without_ids(canonical))
 
 
 def _without_ids(canonical: dict[str, Any]) -> dict[str, Any]:

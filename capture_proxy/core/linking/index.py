@@ -20,6 +20,7 @@ from capture_proxy.core.linking.digests import (
     turn_digests,
 )
 from capture_proxy.core.linking.mismatch import MismatchClass
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
 from capture_proxy.core.linking.stored import StoredCall, of_record
 from capture_proxy.core.linking.verdicts import (
@@ -106,6 +107,7 @@ class LinkIndex:
         response: Mapping[str, Any] | None = None,
         parent_call_id: str | None = None,
         retry_of: str | None = None,
+        answer_digests: tuple[str, str] | None = None,
     ) -> None:
         """Add a call, or replace what is known of it (a call is added when its request
         arrives and again, with its child digest and status, once it is stored).
@@ -115,14 +117,18 @@ class LinkIndex:
         that call's child until it is stored with its verified parent (or none).
         ``num_tokens`` / ``tokens_sha256`` / ``block_sha256``: the token key of a complete
         call (``prefixes.token_digests``; ``block_sha256`` may be left out below
-        ``PREFIX_BLOCK`` tokens)."""
+        ``PREFIX_BLOCK`` tokens). ``answer_digests``: ``turn_digests(response)``, when known
+        already."""
         old = self.entries.get(call_id)
         if old is not None:
             # the same call filed again under the same request digest, no earlier: still the
             # latest of that digest if it was (no look at the digest's other calls)
             still_latest = old.request_digest == request_digest and old.created_at <= created_at
             self._unindex(old, find_latest=not still_latest)
-        turn, turn_without_ids = turn_digests(response) if response is not None else (None, None)
+        if response is None:
+            turn = turn_without_ids = None
+        else:
+            turn, turn_without_ids = answer_digests or turn_digests(response)
         entry = _Entry(
             call_id,
             created_at,
@@ -393,8 +399,11 @@ def _candidates(entries: Iterable[_Entry]) -> tuple[Candidate, ...]:
     return tuple(Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in ordered)
 
 
-def add_stored(index: LinkIndex, call: StoredCall) -> None:
-    """Index a stored call (again, if it was in flight) from its facts (``stored``)."""
+def add_stored(
+    index: LinkIndex, call: StoredCall, answer_digests: tuple[str, str] | None = None
+) -> None:
+    """Index a stored call (again, if it was in flight) from its facts (``stored``).
+    ``answer_digests``: ``turn_digests`` of its answer, when known already."""
     index.add(
         call.call_id,
         call.created_at,
@@ -410,13 +419,18 @@ def add_stored(index: LinkIndex, call: StoredCall) -> None:
         num_tokens=call.num_tokens,
         tokens_sha256=call.tokens_sha256,
         block_sha256=call.block_sha256,
+        answer_digests=answer_digests,
     )
 
 
-def add_record(index: LinkIndex, record: CallRecord) -> None:
+def add_record(index: LinkIndex, record: CallRecord, digests: RecordDigests | None = None) -> None:
     """Index a stored call (again, if it was in flight): by the child digest its record keeps
-    (else derived from its request and answer), its request digest, answer and token key."""
-    add_stored(index, of_record(record))
+    (else derived from its request and answer), its request digest, answer and token key.
+    ``digests``: the record's ``RecordDigests``, if verification made them."""
+    if digests is None or not digests.describes(record):
+        digests = RecordDigests(record)
+    call = of_record(record, digests)
+    add_stored(index, call, digests.answer_digests() if call.response is not None else None)
 
 
 def refresh_index(index: LinkIndex, records: Iterable[CallRecord | StoredCall]) -> None:

@@ -14,7 +14,11 @@ from typing import Any
 
 from capture_proxy.core.known_messages import MessageFacts, turn_payloads
 from capture_proxy.core.linking.commands import ReadParentCandidates, Step, ask
-from capture_proxy.core.linking.digests import history_digest, linking_items, request_digest
+from capture_proxy.core.linking.digests import (
+    history_digest,
+    last_linking_item,
+    request_digest,
+)
 from capture_proxy.core.linking.index import LinkIndex, refresh_index
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
@@ -42,7 +46,7 @@ def resolve_step(
     Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
     a child of the preferred candidate (``LinkIndex.add``)."""
     req_digest = request_digest(body)
-    items = linking_items(linking_messages)
+    last_turn = last_linking_item(linking_messages)
     model = body.get("model")
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None
     parent_digest = history_digest(linking_messages, payloads)
@@ -52,7 +56,7 @@ def resolve_step(
             parent_digest,
             req_digest,
             model=model,
-            last_turn=items[-1] if items else None,
+            last_turn=last_turn,
             retry_requested=retry_requested,
             refuse_note_parents=refuse_note_parents,
         )

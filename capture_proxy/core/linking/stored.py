@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture_proxy.core.linking.digests import child_digest
-from capture_proxy.core.prefixes import token_digests
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end as record_rows_end
 
@@ -51,9 +51,10 @@ def _has_token_key(status: str, num_generation_tokens: int) -> bool:
     return status == CallStatus.COMPLETE.value and num_generation_tokens > 0
 
 
-def of_record(record: CallRecord) -> StoredCall:
+def of_record(record: CallRecord, digests: RecordDigests | None = None) -> StoredCall:
     """The facts of a stored record: the child digest its record keeps (else derived from its
-    request and answer; a failed call has none: it is indexed for its request only)."""
+    request and answer; a failed call has none: it is indexed for its request only).
+    ``digests``: the record's ``RecordDigests``, if made already (verification's)."""
     linking = record.linking or {}
     response = record.response_message if record.status is not CallStatus.FAILED else None
     child = linking.get("child_digest")
@@ -61,9 +62,9 @@ def of_record(record: CallRecord) -> StoredCall:
         child = child_digest(record.request_messages, response)
     num_tokens = tokens_sha256 = block_sha256 = None
     if _has_token_key(record.status.value, record.num_generation_tokens):
-        tokens_sha256, block_sha256 = token_digests(
-            record.prompt_token_ids, record.generation_token_ids
-        )
+        if digests is None or not digests.describes(record):
+            digests = RecordDigests(record)
+        tokens_sha256, block_sha256 = digests.token_key()
         num_tokens = record.num_prompt_tokens + record.num_generation_tokens
     return StoredCall(
         record.call_id,

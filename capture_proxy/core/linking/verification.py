@@ -28,11 +28,11 @@ from capture_proxy.core.linking.commands import (
 from capture_proxy.core.linking.digests import (
     child_digest,
     child_digest_after,
-    extends_by_digest,
-    linking_items,
+    last_linking_item,
     trailing_images,
 )
 from capture_proxy.core.linking.mismatch import DecodedTexts, Mismatch, classify_mismatch
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import (
     CALL_INCOMPLETE,
@@ -81,19 +81,23 @@ def verify_step(
     harness_note: str | None,
     retry_count: str | None,
     can_decode: bool,
+    digests: RecordDigests | None = None,
 ) -> Step[CallRecord]:
     """``record`` with the verdict, the digests and the diagnostics attached; its parent set
     only when the parent's prompt + generation ids are a prefix of its prompt ids: the first
     digest candidate that verifies (by digest, else by reading the parent's tokens), else
     (refused or unmatched) the deepest token-exact ancestor of the same model (verdict
     ``prefix``), else none. ``can_decode``: whether a mismatch may be classified by text
-    (``Detokenize`` is asked only then)."""
+    (``Detokenize`` is asked only then). ``digests``: the record's ``RecordDigests``, to be
+    filled here for indexing it later (a new one when None or of another record)."""
+    if digests is None or not digests.describes(record):
+        digests = RecordDigests(record)
     diagnostics = [*record.diagnostics, *request_diagnostics(resolution, harness_note, retry_count)]
     verdict, reason = resolution.verdict, adapter_reason(resolution.reason)
     parent_call_id: str | None = None
     if verdict is Verdict.RESOLVED:
         assert resolution.parent_call_id is not None
-        verified = verified_by_digest(record, resolution.candidates)
+        verified = verified_by_digest(record, resolution.candidates, digests)
         if verified is not None:
             # The common case, without reading the parent: the digest of the child's
             # prompt head equals the digest of a candidate's prompt + generation.
@@ -124,7 +128,7 @@ def verify_step(
     linking = {
         "verdict": verdict.value,
         "parent_digest": resolution.parent_digest,
-        "child_digest": _child_digest(resolution, linking_messages, record),
+        "child_digest": _child_digest(resolution, linking_messages, record, digests),
         "request_digest": resolution.request_digest,
         "digest_parent_call_id": resolution.parent_call_id,
         "reason": None if reason is None else reason.text,
@@ -175,18 +179,21 @@ def request_diagnostics(
     return diagnostics
 
 
-def verified_by_digest(record: CallRecord, candidates: Sequence[Candidate]) -> str | None:
+def verified_by_digest(
+    record: CallRecord, candidates: Sequence[Candidate], digests: RecordDigests | None = None
+) -> str | None:
     """The first candidate whose prompt + generation the record's prompt begins with,
-    checked by digest (candidates without complete token data are skipped)."""
+    checked by digest (candidates without complete token data are skipped). ``digests``: the
+    record's ``RecordDigests``, if made already."""
     if record.status is not CallStatus.COMPLETE:
         return None
+    if digests is None or not digests.describes(record):
+        digests = RecordDigests(record)
     for candidate in candidates:
         if (
             candidate.num_tokens is not None
             and candidate.tokens_sha256 is not None
-            and extends_by_digest(
-                record.prompt_token_ids, candidate.num_tokens, candidate.tokens_sha256
-            )
+            and digests.extends(candidate.num_tokens, candidate.tokens_sha256)
         ):
             return candidate.call_id
     return None
@@ -354,15 +361,20 @@ def routed_experts_diagnostics(
 
 
 def _child_digest(
-    resolution: Resolution, linking_messages: Sequence[Mapping[str, Any]], record: CallRecord
+    resolution: Resolution,
+    linking_messages: Sequence[Mapping[str, Any]],
+    record: CallRecord,
+    digests: RecordDigests,
 ) -> str | None:
     if record.response_message is None:
         return None
     if trailing_images(linking_messages):
         # The images after the last turn are in the child digest, not in the parent digest.
         return child_digest(linking_messages, record.response_message)
-    if resolution.parent_digest is not None or not linking_items(linking_messages):
+    if resolution.parent_digest is not None or last_linking_item(linking_messages) is None:
         # The request's own digest (history_digest of these messages): one more step.
-        return child_digest_after(resolution.parent_digest, record.response_message)
+        return child_digest_after(
+            resolution.parent_digest, record.response_message, digests.answer_payload()
+        )
     # Resolution failed before digesting the history: digest it now.
     return child_digest(linking_messages, record.response_message)

@@ -160,3 +160,12 @@ def test_child_digest_after_the_requests_digest_equals_the_whole_history_digest(
     assert child_digest_after(None, answer) != child_digest_after(
         history_digest(histories[1]), answer
     )
+
+
+def test_last_linking_item_is_the_last_of_the_linking_items():
+    from capture_proxy.core.linking.digests import last_linking_item, linking_items
+
+    a1, a2 = {"role": "assistant", "content": "1"}, {"role": "assistant", "content": "2"}
+    for history in ([], SYSTEM_USER, [*SYSTEM_USER, a1], [*SYSTEM_USER, a1, a2, *SYSTEM_USER]):
+        items = linking_items(history)
+        assert last_linking_item(history) is (items[-1] if items else None)

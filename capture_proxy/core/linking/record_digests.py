@@ -1,0 +1,91 @@
+"""The digests of one captured record that verification and indexing both need, made once.
+
+Owns ``RecordDigests``: the SHA-256 block states of the record's prompt
+(``prefixes.block_states``) and the canonical form of its answer (``digests.canonical_turn``
+and its ``turn_payload``), each made the first time it is asked for. Verification asks for
+them (a candidate's token digest, the child digest) and indexing asks again (the token key,
+the answer's digests alone): handed from one to the other, the prompt is hashed once, not once
+to verify and once to index, and the answer is canonicalised once. The values are those of
+``digests.extends_by_digest``, ``prefixes.token_digests``, ``digests.turn_payload`` and
+``digests.turn_digests``: only where they are computed differs.
+
+It keeps the very arrays and answer it was made from, and answers for a record only when that
+record carries the same objects (``describes``: by identity, never by value, which would cost
+what it saves); the records of one call (``CallRecord.replace``) share them. Like a record's,
+its arrays are read-only. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from capture_proxy.core.linking.digests import (
+    canonical_digests,
+    canonical_json,
+    canonical_turn,
+    extends_by_digest,
+)
+from capture_proxy.core.prefixes import PREFIX_BLOCK, block_states, token_digests, u4_view
+from capture_proxy.core.records import CallRecord
+
+
+class RecordDigests:
+    """The prompt's block states and the answer's canonical form of one record, made lazily."""
+
+    __slots__ = ("prompt", "generation", "response", "_states", "_canonical", "_payload")
+
+    def __init__(self, record: CallRecord) -> None:
+        self.prompt = record.prompt_token_ids
+        self.generation = record.generation_token_ids
+        self.response = record.response_message
+        self._states: list[Any] | None = None
+        self._canonical: dict[str, Any] | None = None
+        self._payload: str | None = None
+
+    def describes(self, record: CallRecord) -> bool:
+        """True when ``record`` carries the arrays and the answer these digests are of."""
+        return (
+            record.prompt_token_ids is self.prompt
+            and record.generation_token_ids is self.generation
+            and record.response_message is self.response
+        )
+
+    def _block_states(self) -> list[Any]:
+        if self._states is None:
+            self._states = block_states(self.prompt)
+        return self._states
+
+    def extends(self, num_tokens: int, tokens_sha256: bytes) -> bool:
+        """``digests.extends_by_digest(prompt, num_tokens, tokens_sha256)``: the prompt begins
+        with the ``num_tokens`` ids whose ``<u4`` bytes hash to ``tokens_sha256``; from the
+        block states, so only the ids after the last whole block below ``num_tokens`` are
+        hashed here."""
+        prompt = self.prompt
+        if num_tokens < 0:  # (never a length; as extends_by_digest takes it)
+            return extends_by_digest(prompt, num_tokens, tokens_sha256)
+        if prompt.shape[0] < num_tokens:
+            return False
+        j = num_tokens // PREFIX_BLOCK
+        h = self._block_states()[j].copy()
+        h.update(u4_view(prompt[j * PREFIX_BLOCK : num_tokens]))
+        return h.digest() == tokens_sha256
+
+    def token_key(self) -> tuple[bytes, bytes]:
+        """``prefixes.token_digests(prompt, generation)``: ``(tokens_sha256, block_sha256)``."""
+        return token_digests(self.prompt, self.generation, self._block_states())
+
+    def _canonical_answer(self) -> tuple[dict[str, Any], str]:
+        if self._canonical is None or self._payload is None:
+            assert self.response is not None
+            canonical = canonical_turn(self.response)
+            self._payload = canonical_json(canonical)
+            self._canonical = canonical
+        return self._canonical, self._payload
+
+    def answer_payload(self) -> str:
+        """``digests.turn_payload`` of the answer (which must not be None)."""
+        return self._canonical_answer()[1]
+
+    def answer_digests(self) -> tuple[str, str]:
+        """``digests.turn_digests`` of the answer (which must not be None)."""
+        return canonical_digests(*self._canonical_answer())

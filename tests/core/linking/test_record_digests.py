@@ -1,0 +1,141 @@
+"""``RecordDigests``: a record's digests made once for verification and indexing, equal to
+those computed from scratch, and never used for another record's arrays or answer."""
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from capture_proxy.core.linking.digests import (
+    extends_by_digest,
+    history_digest,
+    request_digest,
+    turn_digests,
+    turn_payload,
+)
+from capture_proxy.core.linking.index import LinkIndex, add_record
+from capture_proxy.core.linking.record_digests import RecordDigests
+from capture_proxy.core.linking.resolution import Candidate, Resolution
+from capture_proxy.core.linking.stored import of_record
+from capture_proxy.core.linking.verdicts import Verdict
+from capture_proxy.core.linking.verification import verify_step
+from capture_proxy.core.prefixes import PREFIX_BLOCK, token_digests
+from capture_proxy.core.records import CallRecord
+from tests.core.linking.test_digest_values import TOKEN_KEYS, prompt_of
+
+TOOL_ANSWER = {
+    "role": "assistant",
+    "content": "",
+    "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": '{"a": 1}'}}
+    ],
+}
+HISTORY = [{"role": "user", "content": "u"}]
+
+
+def _record(prompt: np.ndarray, response=TOOL_ANSWER, **fields) -> CallRecord:
+    generation = np.array([5, 6, 7], np.uint32)
+    return CallRecord(
+        call_id="c",
+        rollout_id="r",
+        created_at=1.0,
+        model="m",
+        request_messages=HISTORY,
+        response_message=response,
+        prompt_token_ids=prompt,
+        generation_token_ids=generation,
+        generation_log_probs=np.zeros(3, np.float32),
+        **fields,
+    )
+
+
+@pytest.mark.parametrize("n", [0, 1, 255, 256, 257, 600, 1024])
+def test_extends_is_extends_by_digest_at_every_length(n):
+    prompt = prompt_of(n)
+    digests = RecordDigests(_record(prompt))
+    other = prompt_of(n + PREFIX_BLOCK + 3)
+    for k in sorted({0, 1, n // 2, max(n - 1, 0), n, n + 1, 255, 256, 257, 512, 513}):
+        for source in (prompt, other, other + 1):
+            key = hashlib_of(source[:k]) if k <= source.shape[0] else b"x" * 32
+            assert digests.extends(k, key) == extends_by_digest(prompt, k, key), (n, k)
+    assert digests.extends(-1, hashlib_of(prompt[:-1])) == extends_by_digest(
+        prompt, -1, hashlib_of(prompt[:-1])
+    )
+
+
+def hashlib_of(tokens: np.ndarray) -> bytes:
+    return hashlib.sha256(tokens.astype("<u4").tobytes()).digest()
+
+
+@pytest.mark.parametrize("n", sorted(TOKEN_KEYS))
+def test_token_key_is_token_digests(n):
+    record = _record(prompt_of(n)).replace(generation_token_ids=np.arange(5, dtype=np.uint32) + 7)
+    digests = RecordDigests(record)
+    digests.extends(min(n, 300), b"")  # the block states made first, as verification does
+    key = digests.token_key()
+    assert key == token_digests(record.prompt_token_ids, record.generation_token_ids)
+    assert (key[0].hex(), key[1].hex()) == TOKEN_KEYS[n]
+
+
+@pytest.mark.parametrize("response", [TOOL_ANSWER, {"content": "done"}, {"content": None}])
+def test_answer_forms_are_the_turns(response):
+    digests = RecordDigests(_record(prompt_of(3), response))
+    assert digests.answer_payload() == turn_payload(response)
+    assert digests.answer_digests() == turn_digests(response)
+
+
+def test_describes_the_records_of_one_call_only():
+    record = _record(prompt_of(300))
+    digests = RecordDigests(record)
+    assert digests.describes(record.replace(parent_call_id="p", linking={"verdict": "root"}))
+    # equal values are not enough: only the very arrays and answer
+    assert not digests.describes(record.replace(prompt_token_ids=record.prompt_token_ids.copy()))
+    assert not digests.describes(
+        record.replace(generation_token_ids=record.generation_token_ids.copy())
+    )
+    assert not digests.describes(record.replace(response_message=dict(TOOL_ANSWER)))
+
+
+def test_digests_of_another_record_are_not_used():
+    first = _record(prompt_of(300))
+    stale = RecordDigests(first)
+    assert stale.token_key() and stale.answer_digests()  # filled for ``first``
+    second = _record(prompt_of(301), {"content": "other"})
+    assert of_record(second, stale) == of_record(second)
+    assert of_record(second, stale).tokens_sha256 != of_record(first).tokens_sha256
+    a, b = LinkIndex(), LinkIndex()
+    add_record(a, second, stale)
+    add_record(b, second)
+    assert a.entries["c"] == b.entries["c"]
+    assert a.entries["c"].turn_digest == turn_digests({"content": "other"})[0]
+
+
+def test_verification_fills_what_indexing_takes():
+    parent = _record(prompt_of(290))
+    child_prompt = np.concatenate([parent.full_token_ids(), prompt_of(40)])
+    child = _record(child_prompt, {"content": "done"}).replace(call_id="d")
+    tokens, _ = token_digests(parent.prompt_token_ids, parent.generation_token_ids)
+    resolution = Resolution(
+        Verdict.RESOLVED,
+        history_digest([*HISTORY, TOOL_ANSWER]),
+        request_digest({"messages": HISTORY}),
+        "c",
+        candidates=(Candidate("c", None, parent.num_prompt_tokens + 3, tokens),),
+    )
+    results = []
+    for digests in (RecordDigests(child), None):
+        step = verify_step(
+            child,
+            resolution,
+            [*HISTORY, TOOL_ANSWER],
+            harness_note=None,
+            retry_count=None,
+            can_decode=False,
+            digests=digests,
+        )
+        with pytest.raises(StopIteration) as done:
+            next(step)
+        verified = done.value.value
+        results.append((verified.parent_call_id, verified.linking, of_record(verified, digests)))
+    assert results[0] == results[1]
+    assert results[0][0] == "c"
