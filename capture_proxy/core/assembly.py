@@ -391,7 +391,7 @@ class ChatCaptureAssembler:
             diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": problems}))
         # Keep whatever arrived intact, even on an incomplete record: nothing received is lost
         # (an array not received is the field's empty default, made only then).
-        arrays: dict[str, np.ndarray] = {}
+        arrays: dict[str, Any] = {}
         if prompt is not None:
             arrays["prompt_token_ids"] = prompt
         if gen is not None:
