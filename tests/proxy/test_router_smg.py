@@ -179,6 +179,18 @@ def tokenizer_dir(tmp_path_factory):
     return path
 
 
+def every_worker_healthy(router: str, count: int) -> Callable[[], Awaitable[bool]]:
+    """A ``wait_for`` condition: SMG at ``router`` lists ``count`` workers, all healthy."""
+
+    async def healthy() -> bool:
+        async with aiohttp.ClientSession() as s, s.get(router + "/workers") as r:
+            data = await r.json()
+        workers = data.get("workers", [])
+        return len(workers) == count and all(w.get("is_healthy") for w in workers)
+
+    return healthy
+
+
 async def test_smg_pins_exact_token_calls_too(
     aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, smg, tokenizer_dir
 ):
@@ -199,6 +211,10 @@ async def test_smg_pins_exact_token_calls_too(
     )
     app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
     client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    # The proxy's start-up loads its tokenizer on this test's loop, which also serves the two
+    # engines: on a loaded machine that outlasts SMG's 1 s health check, and SMG takes both
+    # engines out until its next probes pass. Calls start once it has them back.
+    await wait_for(HEALTH_DEADLINE_S, every_worker_healthy(router, 2), "SMG's engines healthy")
     sessions = [Session(f"exact-{i}") for i in range(12)]
     for _ in range(3):
         for s in sessions:
