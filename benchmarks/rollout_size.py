@@ -303,6 +303,40 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _report_controls(
+    results: dict[str, list[list[Target]]], last: int, lo: int, n: int
+) -> None:
+    """Each one-rollout target against its control (``CONTROL``): CPU per call, first and last
+    blocks, and their ratio."""
+    controls = [
+        (shape, i, j)
+        for shape, runs in results.items()
+        for i, t in enumerate(runs[0])
+        for j, c in enumerate(runs[0])
+        if c.name == t.name + CONTROL
+    ]
+    if controls:
+        print(
+            f"against the control ({CONTROL}: the same proxy code and calls in lockstep, a new "
+            f"rollout every {BLOCK} calls, its store as large): CPU per call of one rollout / "
+            f"the control's, calls 1-{last * BLOCK} and {lo}-{n}; their ratio is what the "
+            "rollout's size costs, the machine's noise taken out"
+        )
+    for shape, i, j in controls:
+        runs = results[shape]
+        r0 = statistics.median(
+            _mean(run[i].cpu_ms[:last]) / _mean(run[j].cpu_ms[:last]) for run in runs
+        )
+        r1 = statistics.median(
+            _mean(run[i].cpu_ms[-last:]) / _mean(run[j].cpu_ms[-last:]) for run in runs
+        )
+        verdict = "pass" if r1 <= RATIO_TARGET * r0 else "FAIL"
+        print(
+            f"  {shape:<10} {runs[0][i].name:<14} {r0:5.2f}x | {r1:5.2f}x | "
+            f"{r1 / r0:5.2f}x {verdict}"
+        )
+
+
 def report(results: dict[str, list[list[Target]]], args: argparse.Namespace) -> None:
     """``results``: per shape, per repeat, its targets (the same names in every repeat)."""
     n = args.calls
@@ -345,33 +379,7 @@ def report(results: dict[str, list[list[Target]]], args: argparse.Namespace) -> 
             if reps > 1:
                 each = " ".join(f"{_mean(t.cpu_ms[-last:]) / t.cpu_ms[0]:.2f}x" for t in ts)
                 print(f"  {'':<10} {'':<14} each repeat: {each}")
-    controls = [
-        (shape, i, j)
-        for shape, runs in results.items()
-        for i, t in enumerate(runs[0])
-        for j, c in enumerate(runs[0])
-        if c.name == t.name + CONTROL
-    ]
-    if controls:
-        print(
-            f"against the control ({CONTROL}: the same proxy code and calls in lockstep, a new "
-            f"rollout every {BLOCK} calls, its store as large): CPU per call of one rollout / "
-            f"the control's, calls 1-{last * BLOCK} and {lo}-{n}; their ratio is what the "
-            "rollout's size costs, the machine's noise taken out"
-        )
-    for shape, i, j in controls:
-        runs = results[shape]
-        r0 = statistics.median(
-            _mean(run[i].cpu_ms[:last]) / _mean(run[j].cpu_ms[:last]) for run in runs
-        )
-        r1 = statistics.median(
-            _mean(run[i].cpu_ms[-last:]) / _mean(run[j].cpu_ms[-last:]) for run in runs
-        )
-        verdict = "pass" if r1 <= RATIO_TARGET * r0 else "FAIL"
-        print(
-            f"  {shape:<10} {runs[0][i].name:<14} {r0:5.2f}x | {r1:5.2f}x | "
-            f"{r1 / r0:5.2f}x {verdict}"
-        )
+    _report_controls(results, last, lo, n)
     if "mix" in results and "mix-split" in results:
         print(f"all {n} calls: CPU ms/call, {n // BLOCK} rollouts x {BLOCK} vs one rollout")
         for i, one in enumerate(results["mix"][0]):

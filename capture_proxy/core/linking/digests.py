@@ -99,11 +99,6 @@ def _extend(digest: str, payload: str) -> str:
     return hashlib.sha256((digest + payload).encode("utf-8")).hexdigest()
 
 
-def extend_digest(digest: str, turn: Mapping[str, Any]) -> str:
-    """``sha256(digest || canonical(turn))`` as hex."""
-    return _extend(digest, turn_payload(turn))
-
-
 def linking_items(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The model-authored turns of a history: its assistant messages, in order."""
     return [m for m in messages if m.get("role") == "assistant"]
