@@ -12,6 +12,7 @@ raises on engine data, because a capture failure must never fail the model call.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,21 @@ class CallContext:
     #: the image processor settings of the call's model (``image_processors``), for its
     #: images' spans and processor params (None: the call has no image)
     vision: VisionProcessorConfig | None = None
+
+    def replace(self, **changes: Any) -> CallContext:
+        """A copy with ``changes`` (as ``dataclasses.replace``, without its walk over the
+        fields: a flow sets the call's sampling on every call). Raises TypeError naming an
+        unknown field."""
+        unknown = changes.keys() - _CONTEXT_FIELDS
+        if unknown:
+            raise TypeError(f"CallContext has no field {sorted(unknown)[0]!r}")
+        copy = object.__new__(CallContext)
+        copy.__dict__.update(self.__dict__)
+        copy.__dict__.update(changes)
+        return copy
+
+
+_CONTEXT_FIELDS = frozenset(f.name for f in dataclasses.fields(CallContext))
 
 
 def call_fields(ctx: CallContext) -> dict[str, Any]:

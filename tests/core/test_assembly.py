@@ -1,6 +1,7 @@
 import math
 
 import numpy as np
+import pytest
 
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
 from capture_proxy.core.records import CallStatus
@@ -216,3 +217,17 @@ def test_stream_end_reasons_and_incomplete_marking():
             },
         },
     ]
+
+
+def test_a_context_replaced_is_the_dataclasses_replace_and_the_original_stays():
+    import dataclasses
+
+    changes = {"sampling": {"sent": {"temperature": 0.5}}, "routed_experts_start": 7}
+    copy = CTX.replace(**changes)
+    assert copy == dataclasses.replace(CTX, **changes)
+    assert copy.__dict__ == dataclasses.replace(CTX, **changes).__dict__
+    assert CTX.sampling is None and CTX.routed_experts_start == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.sampling = None  # type: ignore[misc]
+    with pytest.raises(TypeError, match="no field 'sampled'"):
+        CTX.replace(sampled={})

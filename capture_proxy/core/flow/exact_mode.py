@@ -10,7 +10,6 @@ ends, exactly as in backend-template mode. Must not import aiohttp or asyncio or
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,8 +131,7 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
         # Verification prefers the parent the prompt was spliced from.
         call.resolution = call.resolution.preferring(prompt.spliced_from)
     # Rows are asked for from where the parent's end (0 when the prompt is not the parent's).
-    call.ctx = dataclasses.replace(
-        call.ctx,
+    call.ctx = call.ctx.replace(
         sampling=sampling_record_tokens_in(sampling),
         routed_experts_start=prompt.experts_start,
     )

@@ -13,7 +13,6 @@ on the call being readable over REST. Must not import aiohttp or asyncio or do a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -180,7 +179,7 @@ def template_call(call: Call, clock: Clock) -> Flow[Outcome]:
         routed_experts=call.ctx.routed_experts_expectation != "off",
         images=call.front_request.images.images if call.front_request.images else None,
     )
-    call.ctx = dataclasses.replace(call.ctx, sampling=sampling_record(upstream_body))
+    call.ctx = call.ctx.replace(sampling=sampling_record(upstream_body))
     t0 = clock()
     reply = yield SendToEngine(CHAT_COMPLETIONS_PATH, dumps_body(upstream_body), True)
     if isinstance(reply, ClientLeft):
