@@ -135,7 +135,7 @@ class Metrics:
         )  # fmt: skip
         self.event_loop_lag_seconds = Histogram(
             p + "event_loop_lag_seconds",
-            "How late the event loop ran a timer due every 10 ms (seconds): the wait every "
+            "How late the event loop ran a timer due every 50 ms (seconds): the wait every "
             "request on the loop had",
             buckets=_LAG_BUCKETS_S, registry=r,
         )  # fmt: skip

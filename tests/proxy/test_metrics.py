@@ -229,15 +229,15 @@ async def test_health_hides_the_store_path_when_a_token_is_set(
 
 
 async def test_event_loop_lag_and_requests_in_flight_are_metrics(make_stack: MakeStack):
-    """The lag sampler observes about 100 times a second; the in-flight gauge counts the
+    """The lag sampler observes about 20 times a second; the in-flight gauge counts the
     scrape itself (its handler runs while it renders), a stream while it runs, nothing after."""
     faults = Faults(first_byte_delay_s=1.0)
     stack = await make_stack(engine_config=ScriptedEngineConfig(faults=faults))
     first = await _metrics(stack)
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(0.5)
     text = await _metrics(stack)
     count = value(text, "capture_proxy_event_loop_lag_seconds_count")
-    assert count - value(first, "capture_proxy_event_loop_lag_seconds_count") >= 10
+    assert count - value(first, "capture_proxy_event_loop_lag_seconds_count") >= 5
     assert value(text, "capture_proxy_requests_in_flight") == 1
     call = asyncio.create_task(stack.chat("m1", _body(USER, stream=True)))
     seen = []
