@@ -89,7 +89,7 @@ class KnownTools:
         return len(self._facts)
 
     @property
-    def bytes(self) -> int:
+    def kept_bytes(self) -> int:
         """The bytes counted for the kept entries."""
         return self._bytes
 

@@ -103,10 +103,10 @@ def test_bounded_by_bytes_least_recently_used_out_first():
     one = KnownTools().facts(_tools(name="t0"))
     known = KnownTools(max_bytes=3 * one.size)
     a, b, c = (known.facts(_tools(name=f"t{i}")) for i in range(3))
-    assert len(known) == 3 and known.bytes == a.size + b.size + c.size <= known.max_bytes
+    assert len(known) == 3 and known.kept_bytes == a.size + b.size + c.size <= known.max_bytes
     assert known.facts(_tools(name="t0")) is a  # used: now the most recent
     d = known.facts(_tools(name="t3"))  # b, the least recently used, goes
-    assert len(known) == 3 and known.bytes <= known.max_bytes
+    assert len(known) == 3 and known.kept_bytes <= known.max_bytes
     assert known.facts(_tools(name="t0")) is a and known.facts(_tools(name="t3")) is d
     assert known.facts(_tools(name="t2")) is c
     assert known.facts(_tools(name="t1")) is not b  # derived again (and a went)
@@ -117,16 +117,16 @@ def test_bounded_by_bytes_least_recently_used_out_first():
 def test_forms_count_against_the_bound_and_go_with_their_facts():
     known = KnownTools(max_bytes=10_000)
     facts = known.facts(_tools())
-    before = known.bytes
+    before = known.kept_bytes
     known.keep_form(facts, "responses", ("form",), 1000)
-    assert facts.forms == {"responses": ("form",)} and known.bytes == before + 1000
+    assert facts.forms == {"responses": ("form",)} and known.kept_bytes == before + 1000
     known.keep_form(facts, "responses", ("other",), 1000)  # kept once
-    assert facts.forms == {"responses": ("form",)} and known.bytes == before + 1000
+    assert facts.forms == {"responses": ("form",)} and known.kept_bytes == before + 1000
     known.keep_form(facts, "messages", ("big",), 20_000)  # past the bound: the entry goes
-    assert len(known) == 0 and known.bytes == 0
+    assert len(known) == 0 and known.kept_bytes == 0
     unkept = KnownTools().facts(_tools(2**70))
     known.keep_form(unkept, "responses", ("form",), 10)
-    assert unkept.forms == {} and known.bytes == 0
+    assert unkept.forms == {} and known.kept_bytes == 0
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -130,12 +130,13 @@ def convert_tools(
         return ConvertedTools(kept.chat, kept.extra, kept.chat_facts, raw_facts)
     chat, extra = convert(raw)
     chat_facts = derive_tools_facts(chat, tools_key(chat)) if chat else None
-    out = ConvertedTools(chat, extra, chat_facts, raw_facts)
-    # About its bytes: the chat tools' texts, and the objects it keeps alive (the chat tools
-    # and what they share with the first request's body) at several times their JSON text.
+    # (kept without ``raw_facts``, which keep it: no cycle) About its bytes: the chat tools'
+    # texts, and the objects it keeps alive (the chat tools and what they share with the
+    # first request's body) at several times their JSON text.
     texts = 0 if chat_facts is None else len(chat_facts.text or "") * 3
-    known_tools.keep_form(raw_facts, api, out, texts + 8 * len(raw_facts.key or b""))
-    return out
+    size = texts + 8 * len(raw_facts.key or b"")
+    known_tools.keep_form(raw_facts, api, ConvertedTools(chat, extra, chat_facts), size)
+    return ConvertedTools(chat, extra, chat_facts, raw_facts)
 
 
 #: Token ids as a list or a uint32 array.
