@@ -23,7 +23,7 @@ from capture_proxy.core.linking.digests import canonical_json as sorted_json
 from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.stored_form import canonical_json, json_sha256, received_refs
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {

@@ -90,7 +90,7 @@ def _copy(value: Any) -> Any:
     return value
 
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
