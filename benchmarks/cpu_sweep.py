@@ -173,7 +173,7 @@ async def sweep_session(
     ]
     results = []
     for step in range(steps):
-        body = request_body(target, list(messages))
+        body = request_body(target, list(messages), workload.tools)
         if not stream:
             body.pop("stream_options", None)
         call = stream_call if stream else whole_call

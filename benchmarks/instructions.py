@@ -20,7 +20,9 @@ off; the figure is then the instructions per call at calls N+1 ... of one rollou
 0 and once with 9,000 for the ratio (``--modes whole``: the non-streaming calls only).
 ``--steps 1``: sessions of one call (every call a root). ``--postgres``: the proxy on a
 PostgreSQL store (a throwaway server, ``benchmarks/infra.py``; the server's own work is not
-counted, only the proxy process's).
+counted, only the proxy process's). ``--tools-from FILE``: every request offers the tools of a
+recorded harness session (e.g. OpenCode's 21 KB, ``tests/fixtures/opencode/logs/*.jsonl``)
+instead of two small ones.
 
 Needs valgrind (Debian's ``valgrind`` package; the benchmark says so and exits 2 without it).
 Under callgrind the proxy runs ~50x slower: 30 sessions take about a minute per tree and mode.
@@ -47,7 +49,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.cpu_sweep import sweep_session  # noqa: E402
 from benchmarks.infra import PostgresServer, postgres_bin_dir  # noqa: E402
 from benchmarks.services import ROOT, Service, engine_service, proxy_service  # noqa: E402
-from benchmarks.sessions import CallResult, Target, Workload, client_session  # noqa: E402
+from benchmarks.sessions import (  # noqa: E402
+    CallResult,
+    Target,
+    Workload,
+    client_session,
+    recorded_tools,
+)
 
 #: What callgrind prints at exit: the instructions counted while instrumentation was on.
 _COLLECTED = re.compile(r"Collected : (\d+)")
@@ -94,10 +102,12 @@ async def measure(
     *,
     steps: int = 3,
     store: str | None = None,
+    workload: Workload | None = None,
 ) -> Figure:
     """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions of
     ``steps`` calls (``rollout_size``: all in one rollout, after that many calls sent into it
-    unmeasured), on ``store`` (default: a new SQLite store in the work directory)."""
+    unmeasured), on ``store`` (default: a new SQLite store in the work directory), with
+    ``workload``'s requests."""
     work = Path(tempfile.mkdtemp(prefix=f"instructions-{tree}-"))
     engine = engine_service(work)
     proxy = proxy_service(work, engine.url, store or work / "store")
@@ -110,12 +120,13 @@ async def measure(
         await proxy.wait_healthy(http, 600)
         target = Target("backend_template", proxy.url, capture=True)
         one = f"one-{tree}-{int(stream)}" if rollout_size is not None else None
-        results = await _sessions(http, target, stream, 10, f"warm-{tree}", one, steps)
+        load = (http, target, stream, workload or Workload())
+        results = await _sessions(*load, 10, f"warm-{tree}", one, steps)
         if rollout_size:
             fill = -(-rollout_size // steps)
-            results += await _sessions(http, target, stream, fill, f"fill-{tree}", one, steps)
+            results += await _sessions(*load, fill, f"fill-{tree}", one, steps)
         _control(proxy, "-i", "on")
-        measured = await _sessions(http, target, stream, sessions, f"m-{tree}", one, steps)
+        measured = await _sessions(*load, sessions, f"m-{tree}", one, steps)
         _control(proxy, "-i", "off")
         results += measured
     finally:
@@ -136,6 +147,7 @@ async def _sessions(
     http: aiohttp.ClientSession,
     target: Target,
     stream: bool,
+    workload: Workload,
     n: int,
     tag: str,
     rollout_id: str | None = None,
@@ -143,7 +155,6 @@ async def _sessions(
 ) -> list[CallResult]:
     """``n`` agent sessions of ``steps`` calls, one at a time, each in its own rollout (or all
     in ``rollout_id``)."""
-    workload = Workload(0.0, 0.0)
     results: list[CallResult] = []
     for i in range(n):
         sid = f"{tag}-{int(stream)}-{i:05d}"
@@ -177,6 +188,8 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.baseline_src:
         trees.insert(0, ("base", Path(args.baseline_src).resolve()))
     figures = []
+    tools = recorded_tools(Path(args.tools_from)) if args.tools_from else None
+    workload = Workload(tools=tools)
     modes = {"whole": (False,), "stream": (True,), "both": (False, True)}[args.modes]
     pg = None
     if args.postgres:
@@ -198,6 +211,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     args.rollout_size,
                     steps=args.steps,
                     store=store,
+                    workload=workload,
                 )
                 figures.append(figure)
                 print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
@@ -221,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", choices=("whole", "stream", "both"), default="both")
     ap.add_argument("--steps", type=int, default=3, help="calls per session (3; 1: roots)")
     ap.add_argument("--postgres", action="store_true", help="a PostgreSQL store (throwaway)")
+    ap.add_argument(
+        "--tools-from", metavar="FILE", help="the tools of a recorded harness session (JSONL)"
+    )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: needs valgrind (apt-get install valgrind)", file=sys.stderr)

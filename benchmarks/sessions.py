@@ -74,12 +74,25 @@ class Workload:
 
     system_prompt_kb: float = 0.0
     tool_output_kb: float = 0.0
+    #: the requests' tools (None: ``TOOLS``, two small ones), e.g. a harness's
+    #: (``recorded_tools``: OpenCode sends about 21 KB)
+    tools: list[dict[str, Any]] | None = None
 
     def system(self) -> dict[str, Any]:
         return {"role": "system", "content": SYSTEM["content"] + _filler(self.system_prompt_kb)}
 
     def tool_output(self, text: str) -> str:
         return text + _filler(self.tool_output_kb)
+
+
+def recorded_tools(path: Path) -> list[dict[str, Any]]:
+    """The tools of the first request that has some in a recorded harness session (a
+    ``tests/fixtures/*`` JSONL file: one exchange per line, its request as ``body``)."""
+    for line in path.read_text().splitlines():
+        body = json.loads(line).get("body")
+        if isinstance(body, dict) and body.get("tools"):
+            return list(body["tools"])
+    raise ValueError(f"{path}: no request with tools")
 
 
 def _filler(kb: float) -> str:
@@ -239,11 +252,13 @@ class Target:
         return self.base_url + prefix + CHAT_PATH
 
 
-def request_body(target: Target, messages: list[dict[str, Any]]) -> dict[str, Any]:
+def request_body(
+    target: Target, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL,
         "messages": messages,
-        "tools": TOOLS,
+        "tools": TOOLS if tools is None else tools,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -273,7 +288,7 @@ async def run_session(
     ]
     results: list[CallResult] = []
     for step in range(steps):
-        body = request_body(target, list(messages))
+        body = request_body(target, list(messages), workload.tools)
         result = await stream_call(
             session, target.url(rollout_id), body, CallResult(rollout_id, step)
         )

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from capture_proxy.core.conversation import ChatRequest, open_dict
 from capture_proxy.core.images import PromptImage, engine_messages
 from capture_proxy.core.known_messages import MessageFacts, derive_facts, message_key
+from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.routed_experts import routed_experts_request_fields
 
 
@@ -39,29 +40,36 @@ class PreparedRequest:
     #: the ``known_messages`` facts of ``body["messages"]`` and of ``linking_messages``
     message_facts: tuple[MessageFacts, ...] | None = None
     linking_facts: tuple[MessageFacts, ...] | None = None
+    #: the ``known_tools`` facts of ``body["tools"]``
+    tools_facts: ToolsFacts | None = None
 
 
 def prepare_request(
     request: ChatRequest | dict[str, Any],
     notes: NoteMatcher | None,
     facts: Sequence[MessageFacts] | None = None,
+    tools_facts: ToolsFacts | None = None,
 ) -> PreparedRequest:
     """Rewrite a trailing harness note into a user message (the request is copied, not
-    changed). ``facts``: the ``known_messages`` facts of ``request["messages"]``, carried
-    along."""
+    changed). ``facts``: the ``known_messages`` facts of ``request["messages"]``,
+    ``tools_facts`` the ``known_tools`` facts of ``request["tools"]``, carried along."""
     body = open_dict(request)  # the engine's body: the canonical request, extras and all
     messages = list(body.get("messages") or [])
     known = tuple(facts) if facts is not None and len(facts) == len(messages) else None
+    if body.get("tools") is None:
+        tools_facts = None
     note = notes.match_trailing_note(messages) if notes is not None else None
     if note is None:
-        return PreparedRequest(body, messages, None, known, known)
+        return PreparedRequest(body, messages, None, known, known, tools_facts)
     out = dict(body)
     rewritten = {"role": "user", "content": note.text}
     out["messages"] = [*messages[:-1], rewritten]
     if known is None:
-        return PreparedRequest(out, messages[:-1], note.key)
+        return PreparedRequest(out, messages[:-1], note.key, tools_facts=tools_facts)
     new = derive_facts(rewritten, message_key(rewritten))
-    return PreparedRequest(out, messages[:-1], note.key, (*known[:-1], new), known[:-1])
+    return PreparedRequest(
+        out, messages[:-1], note.key, (*known[:-1], new), known[:-1], tools_facts
+    )
 
 
 @dataclass(frozen=True)

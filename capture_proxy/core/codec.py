@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.record_migrations import migrate
 from capture_proxy.core.records import (
     LOG_PROB_DTYPE,
@@ -75,6 +76,9 @@ class RequestEncoding:
     ``messages`` and ``tools`` are the very objects it was computed from: ``belongs_to``
     compares them with a record's by identity (never by value, which would cost what this
     saves), so an encoding is only used for the record built from the same request.
+    ``received_tools``: the received body's own tools (the Responses and Messages fronts';
+    None: none, or the chat tools themselves) with their text and address, known already;
+    the received body's value is taken for them only when it is that very object.
     """
 
     messages: tuple[Any, ...]
@@ -82,20 +86,43 @@ class RequestEncoding:
     message_digests: MessageDigests
     tools_text: str | None
     tools_sha256: str | None
+    received_tools: Any = None
+    received_tools_text: str | None = None
+    received_tools_sha256: str | None = None
 
     @classmethod
     def of(
-        cls, messages: Sequence[Any], tools: Any, digests: MessageDigests | None = None
+        cls,
+        messages: Sequence[Any],
+        tools: Any,
+        digests: MessageDigests | None = None,
+        tools_facts: ToolsFacts | None = None,
+        received_tools: Any = None,
+        received_tools_facts: ToolsFacts | None = None,
     ) -> RequestEncoding:
-        """``digests``: the messages' ``MessageDigests`` when known already. Raises ValueError
+        """``digests``: the messages' ``MessageDigests`` when known already; ``tools_facts``:
+        the ``known_tools`` facts of ``tools``, ``received_tools_facts`` those of
+        ``received_tools``, when known (their texts are not written again). Raises ValueError
         on values without a canonical text (NaN, infinities)."""
-        text = canonical_json(tools) if tools is not None else None
+        if tools is None:
+            text, sha = None, None
+        elif tools_facts is not None and tools_facts.text is not None:
+            text, sha = tools_facts.text, tools_facts.sha256
+        else:
+            text = canonical_json(tools)
+            sha = json_sha256(text)
+        received = received_tools_facts
+        if received_tools is None or received is None or received.text is None:
+            received_tools, received = None, None
         return cls(
             tuple(messages),
             tools,
             digests if digests is not None else MessageDigests.of(messages),
             text,
-            json_sha256(text) if text is not None else None,
+            sha,
+            received_tools,
+            received.text if received is not None else None,
+            received.sha256 if received is not None else None,
         )
 
     def belongs_to(self, record: CallRecord) -> bool:
@@ -192,12 +219,12 @@ def _meta_of(
         "weight_version_source": record.weight_version_source,
         "images": record.images,
     }
+    known = [
+        (request.tools, request.tools_text, request.tools_sha256),
+        (request.received_tools, request.received_tools_text, request.received_tools_sha256),
+    ]
     meta["request_received"], meta["request_received_blobs"] = received_refs(
-        record.request_received,
-        blobs,
-        tools=request.tools,
-        tools_text=request.tools_text,
-        tools_sha256=request.tools_sha256,
+        record.request_received, blobs, known=[k for k in known if k[0] is not None]
     )
     return meta
 

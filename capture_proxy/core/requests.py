@@ -30,6 +30,7 @@ from capture_proxy.core.json_bodies import MAX_NESTING, InvalidRequest, check_te
 
 if TYPE_CHECKING:
     from capture_proxy.core.known_messages import MessageFacts
+    from capture_proxy.core.known_tools import ToolsFacts
 
 
 class _Lenient(BaseModel):
@@ -280,22 +281,32 @@ _MESSAGES: TypeAdapter[list[Message]] = TypeAdapter(list[Message])
 
 
 def validate_chat_request(
-    body: dict[str, Any], facts: Sequence[MessageFacts] | None = None
+    body: dict[str, Any],
+    facts: Sequence[MessageFacts] | None = None,
+    tools_facts: ToolsFacts | None = None,
 ) -> ChatCompletionRequest:
     """Check a captured chat request. Raises InvalidRequest naming the first bad field.
 
     ``facts``: the ``known_messages`` facts of ``body["messages"]``; a message validated in an
     earlier request (``valid``) is not validated again, and the ones that pass here are marked.
+    ``tools_facts``: the ``known_tools`` facts of ``body["tools"]``, likewise: tools validated
+    in an earlier request are not validated again (the returned model's ``tools`` is then
+    None: what the engine gets is the body's), and tools that pass here are marked.
 
     Refused under capture: ``n`` > 1 (one record per call; send n requests instead) and
     content parts other than text and ``image_url`` (an image's bytes are checked by
     ``core.images`` afterwards).
     """
+    skip_tools = tools_facts is not None and tools_facts.valid
+    head = {k: v for k, v in body.items() if k != "tools"} if skip_tools else body
     head_error: ValidationError | None = None
     try:
-        req = ChatCompletionRequest.model_validate(body)
+        req = ChatCompletionRequest.model_validate(head)
     except ValidationError as exc:
         head_error = exc
+    else:
+        if tools_facts is not None:
+            tools_facts.valid = True  # (its checks are the tools' own: no other field's)
     messages = body.get("messages")
     if head_error is not None and not _messages_first(head_error, messages):
         raise _invalid(head_error.errors()[0]) from head_error
@@ -321,7 +332,7 @@ def validate_chat_request(
             "request per rollout id (identical requests in one rollout are recorded as retries)",
             "n",
         )
-    if not _is_valid_unicode(body, facts):
+    if not _is_valid_unicode(body, facts, tools_facts):
         check_text(body)  # orjson refused the body: name what is too deep or not Unicode
     return req
 
@@ -347,11 +358,19 @@ def _invalid(err: Any) -> InvalidRequest:
     return InvalidRequest(message, param=loc or None)
 
 
-def _is_valid_unicode(body: dict[str, Any], facts: Sequence[MessageFacts] | None) -> bool:
+def _is_valid_unicode(
+    body: dict[str, Any], facts: Sequence[MessageFacts] | None, tools_facts: ToolsFacts | None
+) -> bool:
     """Fast check (orjson refuses lone surrogates); the slow walk only names the field. A
-    message with a ``known_messages`` key was written by orjson already."""
+    message with a ``known_messages`` key, and tools with a ``known_tools`` key, were written
+    by orjson already."""
+    skip = set()
     if facts is not None and all(f.key is not None for f in facts):
-        body = {k: v for k, v in body.items() if k != "messages"}
+        skip.add("messages")
+    if tools_facts is not None and tools_facts.key is not None:
+        skip.add("tools")
+    if skip:
+        body = {k: v for k, v in body.items() if k not in skip}
     try:
         orjson.dumps(body)
     except TypeError:

@@ -334,15 +334,14 @@ def received_refs(
     received: Mapping[str, Any] | None,
     blobs: dict[str, str],
     *,
-    tools: Any = None,
-    tools_text: str | None = None,
-    tools_sha256: str | None = None,
+    known: Sequence[tuple[Any, str | None, str | None]] = (),
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None]:
     """The received body's small values inline, and its large ones (a system prompt, a tools
     list: they repeat on every call of a session) content-addressed: ``{key: sha256}``, their
-    texts added to ``blobs``. A value that is ``tools`` itself (the request's tools list: the
-    chat front keeps the body's object) takes ``tools_text`` and ``tools_sha256``, its text
-    and address computed already."""
+    texts added to ``blobs``. ``known``: values whose canonical text and hex address were
+    computed already, as ``(value, text, sha256)`` (the request's tools: the chat front keeps
+    the body's object, the other fronts their own tools' facts); a received value takes them
+    when it is that very object (identity, never equality: ``1 == True``)."""
     if received is None:
         return None, None
     inline: dict[str, Any] = {}
@@ -351,10 +350,13 @@ def received_refs(
         if _short_scalar(value):  # its text is shorter than REF_MIN_BYTES: not written here
             inline[key] = value
             continue
-        if value is tools and tools_text is not None:
-            text, sha = tools_text, tools_sha256
-        else:
-            text, sha = canonical_json(value), None
+        text, sha = None, None
+        for obj, known_text, known_sha in known:
+            if value is obj and known_text is not None:
+                text, sha = known_text, known_sha
+                break
+        if text is None:
+            text = canonical_json(value)
         if len(text) >= REF_MIN_BYTES:
             sha = sha or json_sha256(text)
             blobs[sha] = text

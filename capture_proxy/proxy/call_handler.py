@@ -103,7 +103,13 @@ async def handle_captured_call(
     with map_core_errors():
         body = parse_json_object(raw_body)
         previous = await _previous_messages(deps, front, body, rollout_id)
-        parsed = front.parse(body, previous=previous, known=known, images=deps.images.limits)
+        parsed = front.parse(
+            body,
+            previous=previous,
+            known=known,
+            images=deps.images.limits,
+            known_tools=deps.known_tools,
+        )
         if parsed.images is not None or previous is not None:
             store = deps.recorder.store
             parsed = await complete_images(parsed, deps.images, deps.image_session, store)

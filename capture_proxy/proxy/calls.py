@@ -20,6 +20,7 @@ from aiohttp import web
 
 from capture_proxy.core.capture import NoteMatcher
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.proxy.images import ImagePolicy
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.proxy.recorder import Recorder
@@ -85,6 +86,12 @@ class CaptureDeps:
         """Facts of the messages of earlier requests (validation, digests, canonical texts):
         the process's, kept by the linker with its other memory of recent calls."""
         return self.linker.known_messages
+
+    @property
+    def known_tools(self) -> KnownTools:
+        """Facts of the tools of earlier requests (validation, canonical texts, request
+        digests, the fronts' conversions): the process's, beside ``known_messages``."""
+        return self.linker.known_tools
 
 
 def decoder(deps: CaptureDeps, model: str | None) -> Any:

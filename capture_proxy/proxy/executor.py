@@ -128,6 +128,7 @@ class CallExecutor:
                 created_at=c.created_at,
                 retry_requested=c.retry_requested,
                 linking_facts=c.linking_facts,
+                tools_facts=c.tools_facts,
             )
         except Exception as exc:
             log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+from capture_proxy.core.known_tools import KnownTools, ToolsFacts
 from capture_proxy.core.linking.commands import (
     Command,
     Detokenize,
@@ -99,6 +100,8 @@ class Linker:
         self.recent = RecentCalls(recent_max_bytes)
         #: facts of the messages of the requests this process saw lately
         self.known_messages = KnownMessages()
+        #: facts of the tools of the requests this process saw lately
+        self.known_tools = KnownTools()
 
     def _cached_index(self, rollout_id: str) -> LinkIndex | None:
         """The rollout's index when it is in memory (marked most recently used)."""
@@ -185,12 +188,14 @@ class Linker:
         created_at: float,
         retry_requested: bool = False,
         linking_facts: Sequence[MessageFacts] | None = None,
+        tools_facts: ToolsFacts | None = None,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
         call's retry only on an explicit signal (``retry_requested``: the harness's retry
         header; or this call failed or was left incomplete), else a sibling sample.
-        ``linking_facts``: the ``known_messages`` facts of ``linking_messages``."""
+        ``linking_facts``: the ``known_messages`` facts of ``linking_messages``,
+        ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``."""
         index = (
             await self._current_index(rollout_id)
             if self.feed is not None
@@ -205,6 +210,7 @@ class Linker:
             created_at=created_at,
             retry_requested=retry_requested,
             linking_facts=linking_facts,
+            tools_facts=tools_facts,
             refuse_note_parents=self.refuse_note_parents,
             refresh_on_miss=self.refresh_on_miss,
         )

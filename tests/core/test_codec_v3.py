@@ -366,7 +366,7 @@ def test_received_values_are_inline_or_addressed_by_their_text_length_alone():
         "small": {"a": [1, 2]},
     }
     text = canonical_json(tools)
-    fast = received_refs(received, b1 := {}, tools=tools, tools_text=text, tools_sha256="f" * 64)
+    fast = received_refs(received, b1 := {}, known=[(tools, text, "f" * 64)])
     by_text = {k for k, v in received.items() if len(canonical_json(v)) >= REF_MIN_BYTES}
     assert set(fast[1] or {}) == by_text == {"big", "escaped_long", "plain_long", "tools"}
     assert set(fast[0] or {}) == set(received) - by_text

@@ -32,9 +32,9 @@ async def test_streamed_calls_hand_over_their_request_encoding(
     computed: list[tuple[int, bool]] = []
     original = RequestEncoding.of.__func__  # type: ignore[attr-defined]
 
-    def counting(cls, messages, tools, digests=None):
+    def counting(cls, messages, tools, digests=None, *known_tools):
         computed.append((len(messages), digests is not None))
-        return original(cls, messages, tools, digests)
+        return original(cls, messages, tools, digests, *known_tools)
 
     monkeypatch.setattr(RequestEncoding, "of", classmethod(counting))
     ids = await _session(stack, "r1", stream=True)

@@ -112,12 +112,22 @@ def encode_request(call: Call) -> RequestEncoding | None:
     names the problem)."""
     body = call.ctx.request_body
     messages = body.get("messages") or []
-    facts = call.prepared.message_facts
+    prepared = call.prepared
+    facts = prepared.message_facts
+    own = body is prepared.body  # (the facts are of the prepared body's values)
+    received = call.front_request.received.get("tools")
     try:
         digests = None
-        if facts is not None and body is call.prepared.body and len(facts) == len(messages):
+        if facts is not None and own and len(facts) == len(messages):
             digests = message_digests(facts)
-        return RequestEncoding.of(messages, body.get("tools"), digests)
+        return RequestEncoding.of(
+            messages,
+            body.get("tools"),
+            digests,
+            prepared.tools_facts if own else None,
+            received,
+            call.front_request.received_tools_facts,
+        )
     except ValueError:
         return None
 

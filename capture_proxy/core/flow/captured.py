@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from capture_proxy.core.assembly import CallContext
-from capture_proxy.core.capture import NoteMatcher, prepare_request
+from capture_proxy.core.capture import NoteMatcher, PreparedRequest, prepare_request
 from capture_proxy.core.flow.call import CHAT_COMPLETIONS_PATH, Call, Clock, Flow, Outcome
 from capture_proxy.core.flow.commands import Resolve
 from capture_proxy.core.flow.events import Resolved, StepFailed
@@ -62,13 +62,20 @@ def retry_requested(retry_count: str | None) -> bool:
     return retry_count is not None and retry_count.strip().isdigit() and int(retry_count) > 0
 
 
+def _sorted_tools_text(prepared: PreparedRequest) -> bytes | None:
+    facts = prepared.tools_facts
+    return facts.sorted_text if facts is not None else None
+
+
 def captured_call(start: CallStart) -> Flow[Outcome]:
     """The flow of one captured call. Raises the core's errors (``proxy.errors.CORE_ERRORS``
     maps each to the client's error)."""
     chat = start.front_request.chat
     if start.exact is not None:
         refuse_if_cannot_continue(start.exact, chat)
-    prepared = prepare_request(chat, start.notes, start.message_facts)
+    prepared = prepare_request(
+        chat, start.notes, start.message_facts, start.front_request.tools_facts
+    )
     reply = yield Resolve(
         start.rollout_id,
         prepared.linking_messages,
@@ -77,6 +84,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         start.created_at,
         retry_requested(start.retry_count),
         prepared.linking_facts,
+        prepared.tools_facts,
     )
     if isinstance(reply, Resolved):
         resolution = reply.resolution
@@ -85,7 +93,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         resolution = Resolution(
             Verdict.UNRESOLVED,
             None,
-            request_digest(prepared.body),
+            request_digest(prepared.body, _sorted_tools_text(prepared)),
             reason=f"parent resolution failed: {reply.error_type}: {reply.message}",
         )
     exact = start.exact

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.known_messages import MessageFacts
+from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.records import CallRecord
 
@@ -43,6 +44,8 @@ class Resolve(Command):
     created_at: float
     retry_requested: bool
     linking_facts: tuple[MessageFacts, ...] | None
+    #: the ``known_tools`` facts of ``body["tools"]`` (None: derive what is needed)
+    tools_facts: ToolsFacts | None = None
 
 
 @dataclass(slots=True)

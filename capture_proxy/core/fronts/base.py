@@ -34,17 +34,18 @@ import base64
 import enum
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from capture_proxy.core.conversation import ChatRequest
+from capture_proxy.core.conversation import ChatRequest, ChatTool
 from capture_proxy.core.front_errors import InvalidFrontRequest as InvalidFrontRequest
 from capture_proxy.core.images import ImageLimits, RequestImages
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+from capture_proxy.core.known_tools import KnownTools, ToolsFacts, derive_tools_facts, tools_key
 from capture_proxy.core.records import Diagnostic, DiagnosticKind
 
 
@@ -71,6 +72,11 @@ class FrontRequest:
     options: Any = None
     #: the ``known_messages`` facts of ``chat["messages"]``, when the front derived them
     message_facts: tuple[MessageFacts, ...] | None = None
+    #: the ``known_tools`` facts of ``chat["tools"]``, when the front derived them
+    tools_facts: ToolsFacts | None = None
+    #: the ``known_tools`` facts of ``received["tools"]`` when that is not ``chat["tools"]``
+    #: (the Responses and Messages fronts' own tools), when the front derived them
+    received_tools_facts: ToolsFacts | None = None
     #: what the front knows of the call that the record must say (``tools_not_rendered``)
     diagnostics: tuple[Diagnostic, ...] = ()
     #: the request's images (``core.images``; None: it has none): the canonical messages
@@ -88,6 +94,49 @@ def tools_not_rendered(tools: Sequence[Mapping[str, Any]]) -> tuple[Diagnostic, 
         {k: tool[k] for k in ("type", "name") if isinstance(tool.get(k), str)} for tool in tools
     ]
     return (Diagnostic(DiagnosticKind.TOOLS_NOT_RENDERED, {"tools": named}),)
+
+
+_Extra = TypeVar("_Extra")
+
+
+@dataclass(frozen=True)
+class ConvertedTools(Generic[_Extra]):
+    """What a front made of its API's ``tools``: the chat tools (``chat``; empty: none
+    rendered) and the front's own ``extra`` (e.g. the tools left out), with the ``known_tools``
+    facts of the chat tools (None: none, or not derived) and of the received value (``raw``)."""
+
+    chat: list[ChatTool]
+    extra: _Extra
+    chat_facts: ToolsFacts | None = None
+    raw_facts: ToolsFacts | None = None
+
+
+def convert_tools(
+    raw: Any,
+    api: Api,
+    convert: Callable[[Any], tuple[list[ChatTool], _Extra]],
+    known_tools: KnownTools | None,
+) -> ConvertedTools[_Extra]:
+    """``convert(raw)`` (the chat tools and the front's extras, or InvalidFrontRequest), done
+    once per tools value: what the first call that sent it got is kept on its ``known_tools``
+    facts (by ``api``) and shared by the later ones (read-only), with the facts of the chat
+    tools. A value that fails conversion is converted (and fails) every time."""
+    if known_tools is None or not isinstance(raw, list):
+        chat, extra = convert(raw)
+        return ConvertedTools(chat, extra)
+    raw_facts = known_tools.facts(raw)
+    kept = raw_facts.forms.get(api)
+    if isinstance(kept, ConvertedTools):
+        return ConvertedTools(kept.chat, kept.extra, kept.chat_facts, raw_facts)
+    chat, extra = convert(raw)
+    chat_facts = derive_tools_facts(chat, tools_key(chat)) if chat else None
+    # (kept without ``raw_facts``, which keep it: no cycle) About its bytes: the chat tools'
+    # texts, and the objects it keeps alive (the chat tools and what they share with the
+    # first request's body) at several times their JSON text.
+    texts = 0 if chat_facts is None else len(chat_facts.text or "") * 3
+    size = texts + 8 * len(raw_facts.key or b"")
+    known_tools.keep_form(raw_facts, api, ConvertedTools(chat, extra, chat_facts), size)
+    return ConvertedTools(chat, extra, chat_facts, raw_facts)
 
 
 #: Token ids as a list or a uint32 array.
@@ -210,14 +259,16 @@ class FrontCodec(Protocol):
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
+        known_tools: KnownTools | None = None,
     ) -> FrontRequest:
         """Validate ``body`` and map it to the canonical conversation. ``previous``: canonical
         messages a reference in the body stands for (Responses ``previous_response_id``; the
         adapter resolves it). ``known``: facts of the messages of earlier requests; a front
         may skip what it checked of them before, and give the facts of the canonical messages
         (``FrontRequest.message_facts``). ``images``: what images a call may carry (None: an
-        image is refused). Raises InvalidFrontRequest naming the field, ImageRefused
-        (``core.images``) for an image it may not carry."""
+        image is refused). ``known_tools``: facts of the tools of earlier requests, likewise
+        (``FrontRequest.tools_facts``, ``received_tools_facts``). Raises InvalidFrontRequest
+        naming the field, ImageRefused (``core.images``) for an image it may not carry."""
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         """The whole (non-streaming) response body in the API's shape."""

@@ -23,6 +23,7 @@ from capture_proxy.core.fronts.base import (
 from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of
 from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.sse import encode_json_event
 
@@ -117,14 +118,19 @@ class ChatCodec:
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
+        known_tools: KnownTools | None = None,
     ) -> FrontRequest:
         messages = body.get("messages")
         with_images = _has_image_part(messages)
         facts = None
         if known is not None and isinstance(messages, list) and not with_images:
             facts = known.facts(messages)
+        tools = body.get("tools")
+        tools_facts = None
+        if known_tools is not None and isinstance(tools, list):
+            tools_facts = known_tools.facts(tools)
         try:
-            validate_chat_request(body, facts)
+            validate_chat_request(body, facts, tools_facts)
         except InvalidRequest as exc:
             raise InvalidFrontRequest(str(exc), exc.param) from exc
         received = {k: v for k, v in body.items() if k != "messages"}
@@ -132,7 +138,9 @@ class ChatCodec:
         if not with_images:
             # Validated: the chat body is the canonical request itself (extras and all).
             chat = cast(ChatRequest, body)
-            return FrontRequest(self.api, chat, stream, received, message_facts=facts)
+            return FrontRequest(
+                self.api, chat, stream, received, message_facts=facts, tools_facts=tools_facts
+            )
         # Images: the canonical messages hold image parts by content address, not the data
         # (their facts are derived from those, by the adapter, once remote ones are fetched).
         collector = ImageCollector(images)
@@ -140,7 +148,14 @@ class ChatCodec:
         chat = cast(
             ChatRequest, {**body, "messages": canonical_image_messages(messages, collector)}
         )
-        return FrontRequest(self.api, chat, stream, received, images=collector.result())
+        return FrontRequest(
+            self.api,
+            chat,
+            stream,
+            received,
+            tools_facts=tools_facts,
+            images=collector.result(),
+        )
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         body = request.chat

@@ -202,9 +202,25 @@ def child_digest_after(
     return _extend(start, payload if payload is not None else turn_payload(response))
 
 
-def request_digest(body: Mapping[str, Any]) -> str:
-    """Digest of everything in a request that affects the engine's answer (for retries)."""
+def request_digest(body: Mapping[str, Any], tools_text: bytes | None = None) -> str:
+    """Digest of everything in a request that affects the engine's answer (for retries):
+    SHA-256 of ``canonical_json`` of the body less its non-semantic fields.
+
+    ``tools_text``: ``body["tools"]`` as orjson writes it with sorted keys, when known already
+    (``known_tools.ToolsFacts.sorted_text``); it is spliced into the body's text instead of
+    written again. The digest is the same: where orjson writes the rest of the body, it writes
+    the whole body as the rest with that text in place; where it does not (an integer past 64
+    bits), the whole body is written by the stdlib, as without ``tools_text``."""
     semantic = {k: v for k, v in body.items() if k not in _NON_SEMANTIC_REQUEST_FIELDS}
+    if tools_text is not None and semantic.get("tools") is not None:
+        try:
+            data = orjson.dumps(
+                {**semantic, "tools": orjson.Fragment(tools_text)}, option=orjson.OPT_SORT_KEYS
+            )
+        except TypeError:
+            pass
+        else:
+            return hashlib.sha256(data).hexdigest()
     text = canonical_json(semantic)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from capture_proxy.core.known_messages import MessageFacts, turn_payloads
+from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.linking.commands import ReadParentCandidates, Step, ask
 from capture_proxy.core.linking.digests import (
     history_digest,
@@ -34,6 +35,7 @@ def resolve_step(
     created_at: float,
     retry_requested: bool = False,
     linking_facts: Sequence[MessageFacts] | None = None,
+    tools_facts: ToolsFacts | None = None,
     refuse_note_parents: bool = False,
     refresh_on_miss: bool = False,
 ) -> Step[Resolution]:
@@ -44,8 +46,9 @@ def resolve_step(
     continue, another replica's included: not the whole rollout), adds those the index lacks
     and resolves again.
     Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
-    a child of the preferred candidate (``LinkIndex.add``)."""
-    req_digest = request_digest(body)
+    a child of the preferred candidate (``LinkIndex.add``). ``tools_facts``: the
+    ``known_tools`` facts of ``body["tools"]`` (their text is not written again)."""
+    req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None

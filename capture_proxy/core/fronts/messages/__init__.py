@@ -23,6 +23,7 @@ from capture_proxy.core.fronts.messages.parse import parse_count_tokens, parse_r
 from capture_proxy.core.fronts.messages.stream import MessagesStreamEncoder
 from capture_proxy.core.images import ImageLimits
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_tools import KnownTools
 
 
 class MessagesCodec:
@@ -38,8 +39,9 @@ class MessagesCodec:
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
+        known_tools: KnownTools | None = None,
     ) -> FrontRequest:
-        return parse_request(body, images=images)
+        return parse_request(body, images=images, known_tools=known_tools)
 
     def parse_count_tokens(
         self, body: dict[str, Any], images: ImageLimits | None = None

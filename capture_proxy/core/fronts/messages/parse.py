@@ -62,8 +62,10 @@ from capture_proxy.core.conversation import (
 )
 from capture_proxy.core.fronts.base import (
     Api,
+    ConvertedTools,
     FrontRequest,
     InvalidFrontRequest,
+    convert_tools,
     is_int,
     is_number,
     loads_or_none,
@@ -72,6 +74,7 @@ from capture_proxy.core.fronts.base import (
 )
 from capture_proxy.core.fronts.messages.options import MessagesOptions
 from capture_proxy.core.images import ImageCollector, ImageLimits, ImageRefused, joined_content
+from capture_proxy.core.known_tools import KnownTools
 
 #: Put before a tool result's text when the harness marked it ``is_error``.
 TOOL_ERROR_PREFIX = "Error: "
@@ -324,7 +327,7 @@ def _inline_system_message(content: Any, path: str) -> ChatMessage:
     return {"role": "system", "content": _texts(blocks, f"{path}.content")}
 
 
-def _tools(raw: Any) -> tuple[list[ChatTool], list[dict[str, Any]]]:
+def _tools(raw: Any) -> tuple[list[ChatTool], tuple[dict[str, Any], ...]]:
     """(chat function tools, server tools)."""
     chat: list[ChatTool] = []
     server: list[dict[str, Any]] = []
@@ -340,7 +343,7 @@ def _tools(raw: Any) -> tuple[list[ChatTool], list[dict[str, Any]]]:
             fn["description"] = _str(tool["description"], f"{p}.description")
         fn["parameters"] = _obj(tool.get("input_schema"), f"{p}.input_schema")
         chat.append({"type": "function", "function": fn})
-    return chat, server
+    return chat, tuple(server)
 
 
 def _tool_choice(raw: Any, tool_names: Sequence[str], out: ChatRequest) -> None:
@@ -408,19 +411,20 @@ def _messages(body: dict[str, Any], raw_messages: list[Any], seen: _Collected) -
     return messages
 
 
-def _tool_fields(body: dict[str, Any], chat: ChatRequest) -> list[dict[str, Any]]:
+def _tool_fields(
+    body: dict[str, Any], chat: ChatRequest, known_tools: KnownTools | None
+) -> ConvertedTools[tuple[dict[str, Any], ...]]:
     """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat``; returns the
-    server tools (left out)."""
-    server_tools: list[dict[str, Any]] = []
-    names: list[str] = []
+    tools as converted (``extra``: the server tools, left out)."""
+    converted: ConvertedTools[tuple[dict[str, Any], ...]] = ConvertedTools([], ())
     if body.get("tools") is not None:
-        tools, server_tools = _tools(body["tools"])
-        if tools:
-            chat["tools"] = tools
-        names = [t["function"]["name"] for t in tools]
+        converted = convert_tools(body["tools"], Api.MESSAGES, _tools, known_tools)
+        if converted.chat:
+            chat["tools"] = converted.chat
     if body.get("tool_choice") is not None:
+        names = [t["function"]["name"] for t in converted.chat]
         _tool_choice(body["tool_choice"], names, chat)
-    return server_tools
+    return converted
 
 
 def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
@@ -455,12 +459,18 @@ def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
 
 
 def parse_request(
-    body: Any, *, count_tokens: bool = False, images: ImageLimits | None = None
+    body: Any,
+    *,
+    count_tokens: bool = False,
+    images: ImageLimits | None = None,
+    known_tools: KnownTools | None = None,
 ) -> FrontRequest:
     """A Messages body as a ``FrontRequest`` (``options``: ``MessagesOptions``). With
     ``count_tokens`` a ``count_tokens`` body: no ``max_tokens``, sampling fields and
-    ``stream`` are not read. ``images``: what images it may carry (None: refused). Raises
-    InvalidFrontRequest naming the first bad field, ImageRefused (``core.images``)."""
+    ``stream`` are not read. ``images``: what images it may carry (None: refused);
+    ``known_tools``: facts of earlier requests' tools (a tools value is converted once,
+    ``convert_tools``). Raises InvalidFrontRequest naming the first bad field, ImageRefused
+    (``core.images``)."""
     _obj(body, "body")
     model = _str(body.get("model"), "model")
     if not model:
@@ -476,7 +486,8 @@ def parse_request(
     chat: ChatRequest = {"model": model, "messages": _messages(body, raw_messages, seen)}
     if not count_tokens:
         chat["max_tokens"] = max_tokens
-    server_tools = _tool_fields(body, chat)
+    converted = _tool_fields(body, chat, known_tools)
+    server_tools = converted.extra
     stream = False if count_tokens else _sampling_fields(body, chat)
     thinking: dict[str, Any] | None = None
     omit = False
@@ -485,7 +496,7 @@ def parse_request(
     options = MessagesOptions(
         thinking=thinking,
         omit_thinking=omit,
-        server_tools=tuple(server_tools),
+        server_tools=server_tools,
         tool_errors=tuple(seen.tool_errors),
         reasoning_hints=tuple(seen.reasoning_hints),
         prefill=raw_messages[-1].get("role") == "assistant",
@@ -503,6 +514,8 @@ def parse_request(
         stream,
         received,
         options,
+        tools_facts=converted.chat_facts,
+        received_tools_facts=converted.raw_facts,
         diagnostics=tools_not_rendered(server_tools),
         images=seen.images.result(),
     )

@@ -29,6 +29,7 @@ from capture_proxy.core.fronts.responses.parse import parse_request
 from capture_proxy.core.fronts.responses.stream import ResponsesStream
 from capture_proxy.core.images import ImageLimits
 from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_tools import KnownTools
 
 
 class ResponsesCodec:
@@ -44,8 +45,9 @@ class ResponsesCodec:
         previous: list[dict[str, Any]] | None = None,
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
+        known_tools: KnownTools | None = None,
     ) -> FrontRequest:
-        return parse_request(body, previous, images)
+        return parse_request(body, previous, images, known_tools)
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         return encode_response(request, answer)

@@ -43,8 +43,10 @@ from capture_proxy.core.conversation import (
 )
 from capture_proxy.core.fronts.base import (
     Api,
+    ConvertedTools,
     FrontRequest,
     InvalidFrontRequest,
+    convert_tools,
     is_int,
     is_number,
     open_reasoning,
@@ -52,6 +54,7 @@ from capture_proxy.core.fronts.base import (
 )
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
 from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of, joined_content
+from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.core.requests import arguments_problem
 
 #: The chat parameters a freeform (``custom``) tool is offered under.
@@ -296,10 +299,13 @@ def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessag
     return messages
 
 
-def _tools(
-    raw: Any,
-) -> tuple[list[ChatTool], frozenset[str], tuple[Mapping[str, Any], ...]]:
-    """Chat function tools, the names of freeform tools, the tools left out."""
+#: What the Responses front keeps of its tools beside the chat tools: the names of freeform
+#: tools, the tools left out.
+_ToolsExtra = tuple[frozenset[str], tuple[Mapping[str, Any], ...]]
+
+
+def _tools(raw: Any) -> tuple[list[ChatTool], _ToolsExtra]:
+    """Chat function tools, and (the names of freeform tools, the tools left out)."""
     tools: list[ChatTool] = []
     custom: set[str] = set()
     unrendered: list[Mapping[str, Any]] = []
@@ -331,7 +337,7 @@ def _tools(
             tools.append({"type": "function", "function": function})
         else:
             unrendered.append(tool)
-    return tools, frozenset(custom), tuple(unrendered)
+    return tools, (frozenset(custom), tuple(unrendered))
 
 
 def _tool_choice(value: Any) -> str | ChatNamedToolChoice:
@@ -409,16 +415,16 @@ def _input(
 
 
 def _tool_fields(
-    body: Mapping[str, Any], chat: ChatRequest
-) -> tuple[frozenset[str], tuple[Mapping[str, Any], ...]]:
+    body: Mapping[str, Any], chat: ChatRequest, known_tools: KnownTools | None
+) -> ConvertedTools[_ToolsExtra]:
     """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat`` (the last two
-    only when a tool is rendered); returns the freeform tools' names and the tools left out."""
-    custom: frozenset[str] = frozenset()
-    unrendered: tuple[Mapping[str, Any], ...] = ()
+    only when a tool is rendered); returns the tools as converted (``extra``: the freeform
+    tools' names and the tools left out)."""
+    converted: ConvertedTools[_ToolsExtra] = ConvertedTools([], (frozenset(), ()))
     if body.get("tools") is not None:
-        tools, custom, unrendered = _tools(body["tools"])
-        if tools:
-            chat["tools"] = tools
+        converted = convert_tools(body["tools"], Api.RESPONSES, _tools, known_tools)
+        if converted.chat:
+            chat["tools"] = converted.chat
     if body.get("tool_choice") is not None:
         choice = _tool_choice(body["tool_choice"])
         if "tools" in chat:
@@ -429,7 +435,7 @@ def _tool_fields(
             _fail("parallel_tool_calls", "must be a boolean")
         if "tools" in chat:
             chat["parallel_tool_calls"] = parallel
-    return custom, unrendered
+    return converted
 
 
 def _sampling_fields(body: Mapping[str, Any], chat: ChatRequest) -> None:
@@ -489,11 +495,13 @@ def parse_request(
     body: dict[str, Any],
     previous: list[dict[str, Any]] | None = None,
     images: ImageLimits | None = None,
+    known_tools: KnownTools | None = None,
 ) -> FrontRequest:
     """A Responses body as a ``FrontRequest`` (``options``: ``ResponsesOptions``).
     ``previous``: the canonical messages ``previous_response_id`` stands for; ``images``: what
-    images it may carry (None: refused). Raises InvalidFrontRequest naming the first bad field,
-    in the order the fields are read below, ImageRefused (``core.images``)."""
+    images it may carry (None: refused); ``known_tools``: facts of earlier requests' tools (a
+    tools value is converted once, ``convert_tools``). Raises InvalidFrontRequest naming the
+    first bad field, in the order the fields are read below, ImageRefused (``core.images``)."""
     model = body.get("model")
     if model is None:
         _fail("model", "is required")
@@ -501,7 +509,8 @@ def parse_request(
         _fail("model", f"must be a string, got {type(model).__name__}")
     collector = ImageCollector(images)
     chat: ChatRequest = {"model": model, "messages": _input(body, previous, collector)}
-    custom, unrendered = _tool_fields(body, chat)
+    converted = _tool_fields(body, chat, known_tools)
+    custom, unrendered = converted.extra
     _sampling_fields(body, chat)
     reasoning, include = _reasoning_fields(body)
     stream = _stream(body)
@@ -517,6 +526,8 @@ def parse_request(
         stream=stream,
         received={k: v for k, v in body.items() if k != "input"},
         options=options,
+        tools_facts=converted.chat_facts,
+        received_tools_facts=converted.raw_facts,
         diagnostics=tools_not_rendered(unrendered),
         images=collector.result(),
     )
