@@ -1,11 +1,33 @@
-"""Shared fixtures: one Qwen tokenizer per test session (built once into the user cache)."""
+"""Shared fixtures: one Qwen tokenizer per test session (built once into the user cache);
+the apps a test served are let go when it ends (``release_served_apps``)."""
 
 from pathlib import Path
 
 import pytest
+from aiohttp import web_app
 from transformers import PreTrainedTokenizerFast
 
 from capture_proxy.families.qwen_vocab import load_qwen_tokenizer
+
+
+def release_served_apps() -> None:
+    """Forget the apps aiohttp remembers having served. aiohttp caches each (handler, apps)
+    pair's middleware chain in a process-wide LRU of 1024 entries
+    (``web_app._cached_build_middleware``): made for one app per process, it keeps every app a
+    test suite serves alive with all it holds (a proxy's tokenizers, store, caches: some
+    100 MB for an exact-token stack) until evicted. Over the suite that was some 4 GB, and
+    tokenizer loads slowed on the grown heap. ``tests/test_app.py`` checks that this lets a
+    served app go (it fails if aiohttp moves the cache)."""
+    cache = getattr(web_app, "_cached_build_middleware", None)
+    if cache is not None:
+        cache.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _release_served_apps():
+    """After each test (its app fixtures torn down first): ``release_served_apps``."""
+    yield
+    release_served_apps()
 
 
 @pytest.fixture(scope="session")
