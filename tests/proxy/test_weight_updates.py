@@ -63,10 +63,14 @@ async def _paused_call(
     stack: Stack, api: str, stream: bool, mode: str, *, until_asked_paused: bool = False
 ):
     """The first call of a session, paused at token ``HOLD`` in ``mode`` (the engine's version
-    then set to "2" and resumed); the harness's reply. ``until_asked_paused``: resume only once
-    the proxy asked the engine whether it is paused (its read timeout fired)."""
+    then set to "2" and resumed); the harness's reply. ``until_asked_paused``: the engine
+    enters the pause itself as it holds (``hold_pause``: no unpaused stall for the proxy's
+    read timeout to cut), and resumes only once the proxy asked it whether it is paused (its
+    read timeout fired)."""
     weights = stack.engine_app[WEIGHTS]
     weights.hold_at = HOLD
+    if until_asked_paused:
+        weights.hold_pause = mode
     h = harness(api, stack, "r1", stream=stream)
     h.start()
     call = asyncio.create_task(h.send())
@@ -74,7 +78,7 @@ async def _paused_call(
     if mode == "wait":
         await asyncio.wait_for(_engine(stack, "/pause?mode=wait"), WAIT_S)
         assert call.done() or await asyncio.wait_for(asyncio.shield(call), WAIT_S)
-    else:
+    elif not until_asked_paused:
         await _engine(stack, f"/pause?mode={mode}")
     await _update(stack, "2")
     if until_asked_paused:
