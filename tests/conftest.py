@@ -1,5 +1,6 @@
-"""Shared fixtures: one Qwen tokenizer per test session (built once into the user cache);
-the apps a test served are let go when it ends (``release_served_apps``)."""
+"""Shared fixtures: one Qwen tokenizer per test session (built once into the user cache), and
+one HF directory of it; the apps a test served are let go when it ends
+(``release_served_apps``)."""
 
 from pathlib import Path
 
@@ -35,6 +36,17 @@ def qwen_tokenizer() -> PreTrainedTokenizerFast:
     """The Qwen tokenizer with the keep_reasoning template (cached under
     ``$CAPTURE_PROXY_CACHE`` or ``~/.cache/capture-proxy``)."""
     return load_qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory) -> Path:
+    """That tokenizer as an HF directory (``capture-proxy export-tokenizer``), written once per
+    session: the ``tokenizer`` setting of exact-token stacks. Read only."""
+    from capture_proxy.cli import main
+
+    path = tmp_path_factory.mktemp("tok") / "qwen"
+    assert main(["export-tokenizer", str(path)]) == 0
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -110,14 +110,10 @@ async def test_read_only_app_browses_a_store_without_an_engine(make_stack, aioht
 
 
 async def test_a_local_tokenizer_gives_the_tokens_text_loaded_on_the_first_page(
-    make_stack, aiohttp_client, tmp_path, caplog
+    make_stack, aiohttp_client, qwen_tokenizer_dir, tmp_path, caplog
 ):
     """The ``tokenizer`` setting: the viewer loads it when a page first asks for token text
     (not at start-up), and shows each token's text; one that cannot be loaded leaves ids."""
-    from capture_proxy.cli import main
-
-    tokenizer = tmp_path / "qwen"
-    assert main(["export-tokenizer", str(tokenizer)]) == 0
     session = await capture_session(make_stack)
     await session.stack.client.close()
     store_dir = session.stack.store_dir
@@ -135,7 +131,7 @@ async def test_a_local_tokenizer_gives_the_tokens_text_loaded_on_the_first_page(
         await client.close()
         return text
 
-    body = await call_page(tokenizer)
+    body = await call_page(qwen_tokenizer_dir)
     assert "text: local tokenizer" in body
     assert re.search(r'data-p="0" data-i="151644"[^>]*>&lt;\|im_start\|&gt;</span>', body)
     empty = tmp_path / "empty"
