@@ -45,13 +45,17 @@ class WeightState:
     A test holds a generation at a known token (``hold_at``): the first request to reach token
     ``hold_at`` sets ``held`` (and ``hold_at`` back to None) and waits there until the next
     pause or ``release()``, so the test can pause the engine at a known point without
-    timing."""
+    timing. With ``hold_pause`` set, the engine enters that pause itself as it holds (as if
+    ``POST /pause?mode=`` arrived at that token): no moment passes in which the generation
+    stalls unpaused (a proxy's read timeout firing then would rightly cut the call)."""
 
     version: str = DEFAULT_VERSION
     pause_mode: str | None = None
     aborted: int = 0
     in_flight: int = 0
     hold_at: int | None = None
+    #: the pause mode (``PAUSE_MODES``) the engine enters at ``hold_at``; None: none, it holds
+    hold_pause: str | None = None
     held: asyncio.Event = field(default_factory=asyncio.Event)
     #: set by every ``GET /is_paused`` (a test waits for the proxy to have asked)
     asked_paused: asyncio.Event = field(default_factory=asyncio.Event)
@@ -61,6 +65,12 @@ class WeightState:
     async def notify(self) -> None:
         async with self.changed:
             self.changed.notify_all()
+
+    def pause(self, mode: str) -> None:
+        """Enter a pause in ``mode`` (the caller notifies ``changed``)."""
+        self.pause_mode = mode
+        if mode == "abort":
+            self.aborted += 1
 
     async def release(self) -> None:
         """Let held generations go on (without a pause)."""
@@ -114,6 +124,9 @@ class Sampler:
             if state.hold_at == k:
                 state.hold_at = None  # one request holds, once
                 released = state._released
+                if state.hold_pause is not None:
+                    state.pause(state.hold_pause)
+                    await state.notify()
                 state.held.set()
                 async with state.changed:
                     await state.changed.wait_for(
@@ -186,9 +199,7 @@ async def pause(request: web.Request) -> web.Response:
     mode = request.query.get("mode", "abort")
     if mode not in PAUSE_MODES:
         raise RequestError(f"mode must be one of {', '.join(PAUSE_MODES)}", "mode", 422)
-    state.pause_mode = mode
-    if mode == "abort":
-        state.aborted += 1
+    state.pause(mode)
     await state.notify()
     if mode == "wait":
         # vLLM: the call returns once the requests in flight have finished.

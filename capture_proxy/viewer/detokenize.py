@@ -40,28 +40,49 @@ class NoDetokenizer:
 
 
 class LocalDetokenizer:
-    """A local HF tokenizer directory; decoding runs on the caller's thread pool."""
+    """A local HF tokenizer directory, loaded on the first page that asks for token text (in a
+    worker thread, once however many pages ask at once): loading takes a second or more and
+    some 100 MB, a second copy beside the exact-token renderer's, which a proxy whose viewer
+    is never opened need not pay at start-up. A directory that cannot be loaded is logged
+    once and its pages show ids. Decoding runs on the caller's thread pool."""
 
     source = "local tokenizer"
 
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tokenizer: Any = None
+        self._failed = False
+        self._loading = asyncio.Lock()
         self._cache: dict[int, str] = {}
 
-    @classmethod
-    def from_directory(cls, path: Path) -> LocalDetokenizer:
+    @staticmethod
+    def _load(path: Path) -> Any:
         from transformers import AutoTokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(path)))
+        return AutoTokenizer.from_pretrained(str(path))
 
-    def _decode(self, ids: list[int]) -> dict[int, str]:
+    async def tokenizer(self) -> Any | None:
+        """The tokenizer, loaded on the first call; None when it cannot be loaded."""
+        async with self._loading:
+            if self._tokenizer is None and not self._failed:
+                try:
+                    self._tokenizer = await asyncio.to_thread(self._load, self.path)
+                except Exception as exc:  # any loader error: the pages show ids instead
+                    self._failed = True
+                    log.warning("viewer: cannot load the tokenizer at %s: %s", self.path, exc)
+        return self._tokenizer
+
+    def _decode(self, tokenizer: Any, ids: list[int]) -> dict[int, str]:
         for i in ids:
             if i not in self._cache:
-                self._cache[i] = self._tokenizer.decode([i])
+                self._cache[i] = tokenizer.decode([i])
         return {i: self._cache[i] for i in ids}
 
     async def texts(self, ids: Iterable[int]) -> dict[int, str] | None:
-        return await asyncio.to_thread(self._decode, sorted(set(ids)))
+        tokenizer = await self.tokenizer()
+        if tokenizer is None:
+            return None
+        return await asyncio.to_thread(self._decode, tokenizer, sorted(set(ids)))
 
 
 class EngineDetokenizer:

@@ -333,9 +333,7 @@ def _detokenizer_ctx(viewer: Viewer) -> Callable[[web.Application], Any]:
         config = viewer.config
         session = None
         if config.tokenizer is not None:
-            viewer.detokenizer = await asyncio.to_thread(
-                LocalDetokenizer.from_directory, config.tokenizer
-            )
+            viewer.detokenizer = LocalDetokenizer(config.tokenizer)  # loaded on first use
         elif config.backend is not None:
             session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=10.0),

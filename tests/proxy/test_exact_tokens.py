@@ -102,24 +102,17 @@ async def test_backend_template_mode_must_refuse_retokenized_links(make_stack):
 DIALECTS = ["vllm_completions", "vllm_generate", "sglang_generate"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from capture_proxy.cli import main
-
-    path = tmp_path_factory.mktemp("tok") / "qwen"
-    assert main(["export-tokenizer", str(path)]) == 0
-    return path
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dialect", DIALECTS)
-async def test_exact_tokens_mode_keeps_one_exact_chain(make_stack, tokenizer_dir, stream, dialect):
+async def test_exact_tokens_mode_keeps_one_exact_chain(
+    make_stack, qwen_tokenizer_dir, stream, dialect
+):
     # vllm_generate answers carry no text: it needs a local tokenizer to decode them.
     stack = await make_stack(
         engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, enable_scale_out=True),
         prompt_mode="exact_tokens",
         tokens_in_dialect=dialect,
-        tokenizer=tokenizer_dir if dialect == "vllm_generate" else None,
+        tokenizer=qwen_tokenizer_dir if dialect == "vllm_generate" else None,
     )
     ids = await _session(stack, "r1", stream=stream)
     assert await _chains(stack, "r1") == [ids]
@@ -362,7 +355,7 @@ MOE = (2, 2, 8)  # layers, top_k, experts
 
 @pytest.mark.parametrize("dialect", ["vllm_completions", "vllm_generate", "sglang_generate"])
 async def test_exact_tokens_mode_stores_routed_experts_of_new_rows_only(
-    make_stack, tokenizer_dir, dialect
+    make_stack, qwen_tokenizer_dir, dialect
 ):
     """Issue 17 item 1: every tokens-in dialect asks for routed experts (only the rows after
     the parent's), stores them and checks their count."""
@@ -372,7 +365,7 @@ async def test_exact_tokens_mode_stores_routed_experts_of_new_rows_only(
         engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, moe=MOE, enable_scale_out=True),
         prompt_mode="exact_tokens",
         tokens_in_dialect=dialect,
-        tokenizer=tokenizer_dir if dialect == "vllm_generate" else None,
+        tokenizer=qwen_tokenizer_dir if dialect == "vllm_generate" else None,
         routed_experts_shape=MOE[:2],
     )
     ids = await _session(stack, "r1")
@@ -460,7 +453,7 @@ async def test_the_served_model_name_is_asked_again_after_a_failure(aiohttp_serv
     assert len(asked) == 2
 
 
-def test_loading_a_tokenizer_is_logged_with_its_time(tokenizer_dir, caplog):
+def test_loading_a_tokenizer_is_logged_with_its_time(qwen_tokenizer_dir, tmp_path, caplog):
     """``serve --tokenizer DIR`` takes seconds before "serving on": it says what it loads."""
     import logging
     import re
@@ -473,18 +466,18 @@ def test_loading_a_tokenizer_is_logged_with_its_time(tokenizer_dir, caplog):
     caplog.set_level(logging.INFO, logger="capture_proxy")
     settings = Settings(
         backend="http://127.0.0.1:9",
-        store=tokenizer_dir.parent / "s",
+        store=tmp_path / "s",
         prompt_mode="exact_tokens",
         tokens_in_dialect="vllm_generate",
-        tokenizer=tokenizer_dir,
+        tokenizer=qwen_tokenizer_dir,
     )
     make_exact_tokens(settings, aiohttp.ClientSession.__new__(aiohttp.ClientSession))
     lines = [r.getMessage() for r in caplog.records if "tokenizer" in r.getMessage()]
     assert lines[0] == (
-        f"loading the tokenizer and chat template from {tokenizer_dir} (setting tokenizer)"
+        f"loading the tokenizer and chat template from {qwen_tokenizer_dir} (setting tokenizer)"
     )
     assert re.fullmatch(
-        rf"loaded the tokenizer from {re.escape(str(tokenizer_dir))} in \d+\.\d s", lines[1]
+        rf"loaded the tokenizer from {re.escape(str(qwen_tokenizer_dir))} in \d+\.\d s", lines[1]
     )
 
 

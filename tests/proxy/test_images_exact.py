@@ -24,15 +24,6 @@ EXACT: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from capture_proxy.cli import main
-
-    path = tmp_path_factory.mktemp("tok") / "qwen"
-    assert main(["export-tokenizer", str(path)]) == 0
-    return path
-
-
 def _engine() -> ScriptedEngineConfig:
     return ScriptedEngineConfig(family="qwen3_vl", enable_scale_out=True)
 
@@ -40,12 +31,12 @@ def _engine() -> ScriptedEngineConfig:
 @pytest.mark.parametrize("dialect", ["vllm_generate", "sglang_generate"])
 @pytest.mark.parametrize("api", APIS)
 async def test_an_exact_session_with_images_is_one_chain(
-    make_stack: MakeStack, tokenizer_dir, api: str, dialect: str
+    make_stack: MakeStack, qwen_tokenizer_dir, api: str, dialect: str
 ) -> None:
     stack = await make_stack(
         engine_config=_engine(),
         tokens_in_dialect=dialect,
-        tokenizer=tokenizer_dir,
+        tokenizer=qwen_tokenizer_dir,
         **EXACT,
     )
     rollout = f"exact-{api}-{dialect}"
@@ -77,12 +68,17 @@ async def test_an_exact_session_with_images_is_one_chain(
         assert child["prompt_token_ids"][: len(head)] == head
 
 
-async def test_the_exact_prompt_is_the_engines_chat_render(make_stack: MakeStack, tokenizer_dir):
+async def test_the_exact_prompt_is_the_engines_chat_render(
+    make_stack: MakeStack, qwen_tokenizer_dir
+):
     """A root call's exact prompt is what the engine's own chat endpoint renders and expands
     for the same conversation (the scripted engine renders with the family's objects; the real
     vLLM check is tests/realengine)."""
     stack = await make_stack(
-        engine_config=_engine(), tokens_in_dialect="vllm_generate", tokenizer=tokenizer_dir, **EXACT
+        engine_config=_engine(),
+        tokens_in_dialect="vllm_generate",
+        tokenizer=qwen_tokenizer_dir,
+        **EXACT,
     )
     body = {"model": MODEL, "messages": [user_with_image("chat_completions", "What is it?", B)]}
     resp = await stack.chat("render", body)
@@ -108,7 +104,9 @@ async def test_vllm_completions_cannot_carry_images(make_stack: MakeStack) -> No
 MOE = (2, 2, 8)  # layers, top_k, experts
 
 
-async def test_routed_expert_rows_cover_the_expanded_prompt(make_stack: MakeStack, tokenizer_dir):
+async def test_routed_expert_rows_cover_the_expanded_prompt(
+    make_stack: MakeStack, qwen_tokenizer_dir
+):
     """A VL MoE model (the scripted engine's MoE mode): each call's rows are the engine's over
     the prompt with every image expanded, from the parent's end on (vLLM on the CPU returns no
     routed experts: this is checked on the scripted engine only)."""
@@ -117,7 +115,7 @@ async def test_routed_expert_rows_cover_the_expanded_prompt(make_stack: MakeStac
     stack = await make_stack(
         engine_config=ScriptedEngineConfig(family="qwen3_vl", enable_scale_out=True, moe=MOE),
         tokens_in_dialect="vllm_generate",
-        tokenizer=tokenizer_dir,
+        tokenizer=qwen_tokenizer_dir,
         **EXACT,
     )
     call_ids = await run_session(stack, "chat_completions", "moe", stream=False)

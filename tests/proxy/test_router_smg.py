@@ -170,15 +170,6 @@ async def test_smg_pins_each_rollout_to_one_engine_and_moves_it_when_the_engine_
     print(f"after the kill: {len(moved)} rollouts moved, {3 * len(moved)} calls' chains exact")
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from capture_proxy.cli import main
-
-    path = tmp_path_factory.mktemp("tok") / "qwen"
-    assert main(["export-tokenizer", str(path)]) == 0
-    return path
-
-
 def every_worker_healthy(router: str, count: int) -> Callable[[], Awaitable[bool]]:
     """A ``wait_for`` condition: SMG at ``router`` lists ``count`` workers, all healthy."""
 
@@ -192,7 +183,7 @@ def every_worker_healthy(router: str, count: int) -> Callable[[], Awaitable[bool
 
 
 async def test_smg_pins_exact_token_calls_too(
-    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, smg, tokenizer_dir
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path, smg, qwen_tokenizer_dir
 ):
     """Exact-token mode behind SMG (a local tokenizer, and ``max_model_len``: SMG answers
     ``/tokenize`` itself and its ``/v1/models`` names no context length) with SGLang's
@@ -206,7 +197,7 @@ async def test_smg_pins_exact_token_calls_too(
         store=tmp_path / "store",
         prompt_mode="exact_tokens",
         tokens_in_dialect="sglang_generate",
-        tokenizer=tokenizer_dir,
+        tokenizer=qwen_tokenizer_dir,
         max_model_len=32768,
     )
     app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))

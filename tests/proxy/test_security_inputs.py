@@ -183,15 +183,6 @@ async def test_deleting_or_retiring_a_rollout_removes_its_recording(
 # --- 7. non-finite log probs in exact-token mode ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from capture_proxy.cli import main
-
-    path = tmp_path_factory.mktemp("tok") / "qwen"
-    assert main(["export-tokenizer", str(path)]) == 0
-    return path
-
-
 async def _stored_only_call(stack: Stack, rollout: str) -> dict:
     async with asyncio.timeout(WAIT_S):
         while await _num_calls(stack, rollout) < 1:
@@ -306,9 +297,7 @@ async def test_a_client_gone_is_one_log_line_without_a_traceback(
     make_stack: MakeStack, caplog, when
 ):
     caplog.set_level(logging.DEBUG)
-    faults = (
-        Faults(chunk_delay_s=0.05) if when == "mid-stream" else Faults(first_byte_delay_s=0.3)
-    )
+    faults = Faults(chunk_delay_s=0.05) if when == "mid-stream" else Faults(first_byte_delay_s=0.3)
     stack = await make_stack(engine_config=ScriptedEngineConfig(faults=faults))
     stream = when != "whole-answer"
     if when == "mid-stream":

@@ -25,22 +25,13 @@ WAIT_S = 20.0
 HOLD = 6
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from capture_proxy.cli import main
-
-    path = tmp_path_factory.mktemp("tok") / "qwen"
-    assert main(["export-tokenizer", str(path)]) == 0
-    return path
-
-
-async def _stack(make_stack, mode: str, tokenizer_dir, dialect: str = "vllm_generate", **kw):
+async def _stack(make_stack, mode: str, qwen_tokenizer_dir, dialect: str = "vllm_generate", **kw):
     engine = ScriptedEngineConfig(policy=POLICY, dev_mode=True, enable_scale_out=True)
     settings: dict[str, Any] = {"prompt_mode": mode, **kw}
     if mode == "exact_tokens":
         settings["tokens_in_dialect"] = dialect
         if dialect == "vllm_generate":
-            settings["tokenizer"] = tokenizer_dir
+            settings["tokenizer"] = qwen_tokenizer_dir
     return await make_stack(engine_config=engine, **settings)
 
 
@@ -63,10 +54,14 @@ async def _paused_call(
     stack: Stack, api: str, stream: bool, mode: str, *, until_asked_paused: bool = False
 ):
     """The first call of a session, paused at token ``HOLD`` in ``mode`` (the engine's version
-    then set to "2" and resumed); the harness's reply. ``until_asked_paused``: resume only once
-    the proxy asked the engine whether it is paused (its read timeout fired)."""
+    then set to "2" and resumed); the harness's reply. ``until_asked_paused``: the engine
+    enters the pause itself as it holds (``hold_pause``: no unpaused stall for the proxy's
+    read timeout to cut), and resumes only once the proxy asked it whether it is paused (its
+    read timeout fired)."""
     weights = stack.engine_app[WEIGHTS]
     weights.hold_at = HOLD
+    if until_asked_paused:
+        weights.hold_pause = mode
     h = harness(api, stack, "r1", stream=stream)
     h.start()
     call = asyncio.create_task(h.send())
@@ -74,7 +69,7 @@ async def _paused_call(
     if mode == "wait":
         await asyncio.wait_for(_engine(stack, "/pause?mode=wait"), WAIT_S)
         assert call.done() or await asyncio.wait_for(asyncio.shield(call), WAIT_S)
-    else:
+    elif not until_asked_paused:
         await _engine(stack, f"/pause?mode={mode}")
     await _update(stack, "2")
     if until_asked_paused:
@@ -107,9 +102,9 @@ SOURCES = {
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("api", APIS)
 async def test_an_abort_is_continued_and_the_harness_sees_one_answer(
-    make_stack, tokenizer_dir, api, stream, dialect
+    make_stack, qwen_tokenizer_dir, api, stream, dialect
 ):
-    stack = await _stack(make_stack, "exact_tokens", tokenizer_dir, dialect)
+    stack = await _stack(make_stack, "exact_tokens", qwen_tokenizer_dir, dialect)
     reply = await _paused_call(stack, api, stream, "abort")
     assert reply.status == 200, reply.body
     content, reasoning, tools = EXPECTED[0]
@@ -148,9 +143,9 @@ async def test_an_abort_is_continued_and_the_harness_sees_one_answer(
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("api", APIS)
 async def test_an_abort_in_backend_template_mode_is_an_honest_retryable_error(
-    make_stack, tokenizer_dir, api, stream
+    make_stack, qwen_tokenizer_dir, api, stream
 ):
-    stack = await _stack(make_stack, "backend_template", tokenizer_dir)
+    stack = await _stack(make_stack, "backend_template", qwen_tokenizer_dir)
     reply = await _paused_call(stack, api, stream, "abort")
     if not stream:
         assert reply.status == 503
@@ -188,9 +183,9 @@ async def test_an_abort_in_backend_template_mode_is_an_honest_retryable_error(
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("mode", ["backend_template", "exact_tokens"])
 async def test_keep_holds_the_call_and_its_tokens_span_two_versions(
-    make_stack, tokenizer_dir, mode, stream
+    make_stack, qwen_tokenizer_dir, mode, stream
 ):
-    stack = await _stack(make_stack, mode, tokenizer_dir, upstream_read_timeout_s=0.05)
+    stack = await _stack(make_stack, mode, qwen_tokenizer_dir, upstream_read_timeout_s=0.05)
     # resumed only after the proxy's read timeout (0.05 s) fired: it asked whether the engine
     # was paused and went on waiting, so the held call was not cut
     reply = await _paused_call(stack, "chat_completions", stream, "keep", until_asked_paused=True)
@@ -219,8 +214,8 @@ async def test_keep_holds_the_call_and_its_tokens_span_two_versions(
 
 
 @pytest.mark.parametrize("mode", ["backend_template", "exact_tokens"])
-async def test_wait_lets_the_call_finish_under_its_version(make_stack, tokenizer_dir, mode):
-    stack = await _stack(make_stack, mode, tokenizer_dir)
+async def test_wait_lets_the_call_finish_under_its_version(make_stack, qwen_tokenizer_dir, mode):
+    stack = await _stack(make_stack, mode, qwen_tokenizer_dir)
     reply = await _paused_call(stack, "messages", True, "wait")
     assert reply.status == 200
     call = await stack.get_json(f"/captures/calls/{reply.call_id}")
@@ -232,8 +227,8 @@ async def test_wait_lets_the_call_finish_under_its_version(make_stack, tokenizer
     assert after["weight_versions"] == [{"version": "2", "start": 0, "end": n}]
 
 
-async def test_an_abort_without_a_pause_or_update_is_not_continued(make_stack, tokenizer_dir):
-    stack = await _stack(make_stack, "exact_tokens", tokenizer_dir)
+async def test_an_abort_without_a_pause_or_update_is_not_continued(make_stack, qwen_tokenizer_dir):
+    stack = await _stack(make_stack, "exact_tokens", qwen_tokenizer_dir)
     weights = stack.engine_app[WEIGHTS]
     weights.hold_at = HOLD
     h = harness("chat_completions", stack, "r1", stream=False)
@@ -251,9 +246,9 @@ async def test_an_abort_without_a_pause_or_update_is_not_continued(make_stack, t
 
 
 async def test_a_paused_engine_that_does_not_resume_in_time_ends_the_call(
-    make_stack, tokenizer_dir
+    make_stack, qwen_tokenizer_dir
 ):
-    stack = await _stack(make_stack, "exact_tokens", tokenizer_dir, engine_pause_wait_s=0.3)
+    stack = await _stack(make_stack, "exact_tokens", qwen_tokenizer_dir, engine_pause_wait_s=0.3)
     weights = stack.engine_app[WEIGHTS]
     weights.hold_at = HOLD
     h = harness("responses", stack, "r1", stream=True)

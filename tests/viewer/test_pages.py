@@ -14,6 +14,8 @@ from capture_proxy.config import Settings
 from capture_proxy.proxy.auth import VIEWER_COOKIE
 from capture_proxy.proxy.keys import STORE_KEY
 from capture_proxy.store.sqlite import SQLiteStore
+from capture_proxy.viewer.detokenize import LocalDetokenizer
+from capture_proxy.viewer.pages import VIEWER_KEY
 from tests.core.test_weight_versions import weighted_calls
 from tests.viewer.session import capture_session
 
@@ -105,6 +107,38 @@ async def test_read_only_app_browses_a_store_without_an_engine(make_stack, aioht
     refused = await client.post("/ng-rollout/r/v1/chat/completions", json={})
     assert refused.status == 403  # a rollout path on a read-only server says it is read-only
     assert (await refused.json())["error"]["code"] == "read_only"
+
+
+async def test_a_local_tokenizer_gives_the_tokens_text_loaded_on_the_first_page(
+    make_stack, aiohttp_client, qwen_tokenizer_dir, tmp_path, caplog
+):
+    """The ``tokenizer`` setting: the viewer loads it when a page first asks for token text
+    (not at start-up), and shows each token's text; one that cannot be loaded leaves ids."""
+    session = await capture_session(make_stack)
+    await session.stack.client.close()
+    store_dir = session.stack.store_dir
+
+    async def call_page(tokenizer_dir):
+        settings = Settings(backend="http://no.invalid", store=store_dir, tokenizer=tokenizer_dir)
+        app = build_read_only_app(settings, SQLiteStore(store_dir))
+        client = await aiohttp_client(app)
+        detokenizer = app[VIEWER_KEY].detokenizer
+        assert isinstance(detokenizer, LocalDetokenizer)
+        assert detokenizer._tokenizer is None  # not at start-up
+        resp = await client.get(f"/captures/ui/calls/{session.linked[0]}")
+        assert resp.status == 200
+        text = await resp.text()
+        await client.close()
+        return text
+
+    body = await call_page(qwen_tokenizer_dir)
+    assert "text: local tokenizer" in body
+    assert re.search(r'data-p="0" data-i="151644"[^>]*>&lt;\|im_start\|&gt;</span>', body)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    body = await call_page(empty)
+    assert "text: token ids (no tokenizer, no engine)" in body
+    assert "viewer: cannot load the tokenizer at" in caplog.text
 
 
 async def test_show_prints_the_listing_and_a_tree(make_stack):
