@@ -122,6 +122,42 @@ async def test_two_workers_link_a_rollouts_calls_exactly_whichever_serves_them(t
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
+async def test_identical_agents_of_one_rollout_continued_at_once_on_two_workers_keep_own_chains(
+    tmp_path, engine
+):
+    """Eight identical agents in one rollout (the scripted engine answers alike, tool-call ids
+    too, so their calls share every digest), each turn sent at once on new connections: a
+    continuation in flight on one worker counts as a child of the parent it took for the
+    other worker too (``ChildClaimBoard``), so the eight stay eight chains of three calls.
+    Without the claims, two workers took the same parent (a branch, and a one-call chain
+    left behind: a duplicate prefix in the samples), 5 of 5 runs."""
+    proc, port = await _serve(tmp_path, engine)
+    connector = aiohttp.TCPConnector(force_close=True)
+    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
+    try:
+        sessions = [Session("lockstep") for _ in range(8)]
+        for _ in range(3):
+            await asyncio.gather(*(s.step(client) for s in sessions))
+        healths = await _healths(client)
+        persisted = [h["capture"]["persisted"] for h in healths.values()]
+        assert len(persisted) == 2 and all(p > 0 for p in persisted), persisted
+        async with client.get("/captures/rollouts/lockstep/chains") as resp:
+            chains = (await resp.json())["chains"]
+        assert [len(chain["calls"]) for chain in chains] == [3] * 8
+        for chain in chains:
+            ids = [call["call_id"] for call in chain["calls"]]
+            assert [call["parent_call_id"] for call in chain["calls"]] == [None, *ids[:-1]]
+            await assert_exact_chain(client, "lockstep", ids)  # type: ignore[arg-type]
+        assert sorted(c["call_id"] for ch in chains for c in ch["calls"]) == sorted(
+            i for s in sessions for i in s.call_ids
+        )
+    finally:
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
 async def test_a_killed_worker_is_replaced_and_no_acknowledged_call_is_lost(tmp_path, engine):
     proc, port = await _serve(tmp_path, engine)
     connector = aiohttp.TCPConnector(force_close=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from capture_proxy.cli.workers import (
+    CLAIMS_FILE,
     CONTROL_SOCKET,
     METRICS_DIR,
     PLAN_FILE,
@@ -54,7 +55,7 @@ def _app(plan: WorkerPlan, index: int, runtime: Path, link: WriterLink) -> web.A
     from capture_proxy.proxy.keys import WorkerRole
     from capture_proxy.store import open_store
     from capture_proxy.store.postgres import is_postgres_url
-    from capture_proxy.store.remote import RolloutStamps, WorkerStore
+    from capture_proxy.store.remote import ChildClaimBoard, RolloutStamps, WorkerStore
 
     settings = plan.settings
     if plan.read_only:
@@ -70,7 +71,10 @@ def _app(plan: WorkerPlan, index: int, runtime: Path, link: WriterLink) -> web.A
         stamps=RolloutStamps(runtime / STAMPS_FILE, writable=False),
         synchronous=settings.store_synchronous,
     )
-    return build_proxy_app(settings, worker_store, worker=role, index_feed=worker_store)
+    claims = ChildClaimBoard(runtime / CLAIMS_FILE, index=index, workers=plan.count)
+    return build_proxy_app(
+        settings, worker_store, worker=role, index_feed=worker_store, child_claims=claims
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -43,6 +43,7 @@ log = logging.getLogger("capture_proxy")
 PLAN_FILE = "plan.pickle"
 CONTROL_SOCKET = "control.sock"
 STAMPS_FILE = "stamps"
+CLAIMS_FILE = "claims"
 METRICS_DIR = "metrics"
 #: Restarts of dead workers allowed in a minute before the supervisor gives up.
 MAX_RESTARTS = 5
@@ -161,7 +162,7 @@ async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
     from capture_proxy.cli.serve import ServeExit
     from capture_proxy.store.base import StoreError
     from capture_proxy.store.postgres import is_postgres_url
-    from capture_proxy.store.remote import RolloutStamps, serve_writes
+    from capture_proxy.store.remote import RolloutStamps, create_claim_board, serve_writes
     from capture_proxy.store.sqlite import SQLiteStore
 
     settings = plan.settings
@@ -173,6 +174,7 @@ async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
         except StoreError as exc:
             raise ServeExit(str(exc)) from exc
         stamps = RolloutStamps(runtime / STAMPS_FILE, writable=True)
+        create_claim_board(runtime / CLAIMS_FILE, plan.count)
     sup = Supervisor(plan, sock, runtime)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

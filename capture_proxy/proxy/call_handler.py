@@ -146,6 +146,7 @@ async def handle_captured_call(
             await drive(captured_call(start), executor)
     finally:
         metrics.dec_in_flight()
+        deps.linker.release(start.call_id)
     assert executor.response is not None
     return executor.response
 

@@ -27,7 +27,9 @@ from typing import Any, Protocol, TypeVar
 
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools, ToolsFacts
+from capture_proxy.core.linking.claims import ChildClaims
 from capture_proxy.core.linking.commands import (
+    CatchUp,
     Command,
     Detokenize,
     FindPrefixAncestor,
@@ -81,9 +83,13 @@ class Linker:
         refresh_on_miss: bool = False,
         recent_max_bytes: int = DEFAULT_MAX_BYTES,
         feed: IndexFeed | None = None,
+        claims: ChildClaims | None = None,
     ) -> None:
         self.store = store
         self.feed = feed
+        #: the workers' calls in flight by the candidate each was resolved to (``serve
+        #: --workers``): identical siblings continued at once on two workers take two parents
+        self.claims = claims
         #: per cached rollout (with ``feed``): [its count of writes, the last rowid] its index
         #: reflects
         self._sync: dict[str, list[int]] = {}
@@ -151,6 +157,13 @@ class Linker:
         self._sync[rollout_id] = [stamp, last]
         return index
 
+    def _is_current(self, rollout_id: str) -> bool:
+        """True when the cached index holds every call of the rollout stored (``feed``: its
+        count of writes is the one the index reflects)."""
+        assert self.feed is not None
+        sync = self._sync.get(rollout_id)
+        return sync is not None and sync[0] == self.feed.stamp(rollout_id)
+
     def _evict(self) -> None:
         while len(self._indexes) > self.max_rollouts:
             old, _ = self._indexes.popitem(last=False)
@@ -213,8 +226,16 @@ class Linker:
             tools_facts=tools_facts,
             refuse_note_parents=self.refuse_note_parents,
             refresh_on_miss=self.refresh_on_miss,
+            claims=self.claims,
+            index_current=(lambda: self._is_current(rollout_id)) if self.feed else None,
         )
         return await self._drive(step, None)
+
+    def release(self, call_id: str) -> None:
+        """``call_id`` ended (its record stored, or not to be): the candidate it claimed
+        (``resolve`` with claims) is free for the other workers' calls."""
+        if self.claims is not None:
+            self.claims.release(call_id)
 
     async def remember(
         self,
@@ -282,6 +303,8 @@ class Linker:
             return await self.store.get_calls_by_child_digest(
                 command.rollout_id, command.parent_digest
             )
+        if isinstance(command, CatchUp):
+            return await self._current_index(command.rollout_id)
         if isinstance(command, FindPrefixAncestor):
             index = await self._current_index(command.rollout_id)
             return index.prefix_ancestor(

@@ -36,6 +36,8 @@ digest miss reads the store, as on PostgreSQL). Must not: decide what a write do
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -43,7 +45,7 @@ import pickle
 import struct
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -103,6 +105,75 @@ class RolloutStamps:
     def close(self) -> None:
         self._slots.release()
         self._map.close()
+
+
+#: Hash slots of ``ChildClaimBoard`` per worker (4 bytes each: 256 KiB a worker).
+CLAIM_SLOTS = 1 << 16
+
+
+def create_claim_board(path: Path, workers: int) -> None:
+    """The supervisor's part: the claims file of ``workers`` workers, every count 0."""
+    with open(path, "wb") as f:
+        f.truncate(workers * CLAIM_SLOTS * 4)
+
+
+class ChildClaimBoard:
+    """The workers' shared ``ChildClaims`` (``core.linking.claims``): per worker a column of
+    ``CLAIM_SLOTS`` counts in one mapped file, a parent's slot (a hash of its call id) counted
+    up by each call in flight of that worker resolved to it. A worker writes its own column
+    only; ``locked`` (``flock`` on the file) makes one worker's choose-and-claim whole
+    against the others'. A replaced worker zeroes its column as it starts (claims of a worker
+    that died are dropped with it). A hash collision makes a childless candidate look
+    claimed: another identical one is preferred, the link still verified by tokens."""
+
+    def __init__(self, path: Path, *, index: int, workers: int) -> None:
+        self._fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(self._fd, workers * CLAIM_SLOTS * 4)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._counts = memoryview(self._map).cast("I")
+        self._workers = workers
+        self._base = index * CLAIM_SLOTS
+        with self.locked():
+            self._counts[self._base : self._base + CLAIM_SLOTS] = memoryview(
+                bytes(CLAIM_SLOTS * 4)
+            ).cast("I")
+        #: call id -> the slot it claimed (this worker's calls in flight that claimed)
+        self._held: dict[str, int] = {}
+
+    @staticmethod
+    def _slot(call_id: str) -> int:
+        return zlib.crc32(call_id.encode()) & (CLAIM_SLOTS - 1)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def claimed(self, parent_call_id: str) -> bool:
+        slot, counts = self._slot(parent_call_id), self._counts
+        return any(counts[w * CLAIM_SLOTS + slot] for w in range(self._workers))
+
+    def claim(self, call_id: str, parent_call_id: str) -> None:
+        self.release(call_id)
+        i = self._base + self._slot(parent_call_id)
+        self._counts[i] += 1
+        self._held[call_id] = i
+
+    def release(self, call_id: str) -> None:
+        i = self._held.pop(call_id, None)
+        if i is not None and self._counts[i] > 0:
+            self._counts[i] -= 1
+
+    def close(self) -> None:
+        self._counts.release()
+        self._map.close()
+        os.close(self._fd)
 
 
 def frame(message: Any) -> bytes:

@@ -5,6 +5,8 @@ writer fails writes, never silently."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import pickle
 from typing import Any
 
@@ -18,9 +20,11 @@ from capture_proxy.proxy.linker import Linker
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
 from capture_proxy.store.remote import (
     READY,
+    ChildClaimBoard,
     RolloutStamps,
     WorkerStore,
     WriterLink,
+    create_claim_board,
     frame,
     serve_writes,
 )
@@ -184,3 +188,62 @@ async def test_the_supervisor_counts_a_put_before_the_worker_hears_of_it(tmp_pat
         server.close()
         await writer.close()
         stamps.close()
+
+
+def test_a_workers_claim_is_seen_by_the_other_until_released(tmp_path):
+    """``ChildClaimBoard``: one file, a column per worker; a claim counts per call in flight
+    and is dropped by its release; a second claim by the same call moves it."""
+    path = tmp_path / "claims"
+    create_claim_board(path, 2)
+    first, second = (ChildClaimBoard(path, index=i, workers=2) for i in (0, 1))
+    try:
+        assert not second.claimed("parent-a")
+        first.claim("child-1", "parent-a")
+        first.claim("child-2", "parent-a")
+        assert second.claimed("parent-a") and first.claimed("parent-a")
+        assert not second.claimed("parent-b")
+        first.release("child-1")
+        assert second.claimed("parent-a")  # child-2 still holds it
+        first.claim("child-2", "parent-b")  # chosen again: the old claim is dropped
+        assert not second.claimed("parent-a") and second.claimed("parent-b")
+        first.release("child-2")
+        first.release("child-2")  # once only
+        first.release("never-claimed")
+        assert not second.claimed("parent-b")
+        assert os.path.getsize(path) == 2 * 4 * (1 << 16)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_replaced_worker_drops_its_dead_predecessors_claims_only(tmp_path):
+    path = tmp_path / "claims"
+    create_claim_board(path, 2)
+    dead, other = (ChildClaimBoard(path, index=i, workers=2) for i in (0, 1))
+    dead.claim("child-1", "parent-a")
+    other.claim("child-2", "parent-b")
+    dead.close()
+    replacement = ChildClaimBoard(path, index=0, workers=2)
+    try:
+        assert not other.claimed("parent-a")
+        assert replacement.claimed("parent-b")
+    finally:
+        replacement.close()
+        other.close()
+
+
+def test_a_workers_choice_and_claim_is_whole_against_the_others(tmp_path):
+    """``locked`` holds an exclusive ``flock`` on the file: another worker's (another open
+    file) cannot take it meanwhile."""
+    path = tmp_path / "claims"
+    create_claim_board(path, 2)
+    board = ChildClaimBoard(path, index=0, workers=2)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with board.locked(), pytest.raises(BlockingIOError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+        board.close()

@@ -14,6 +14,8 @@ Commands and their replies:
 - ``FindPrefixAncestor(rollout_id, prompt_token_ids, model, exclude)`` -> ``str | None``: the
   call id of the deepest complete call of ``model`` in the rollout's index whose prompt +
   generation begin ``prompt_token_ids`` (``index.LinkIndex.prefix_ancestor``).
+- ``CatchUp(rollout_id)`` -> ``LinkIndex``: the rollout's index holding every call stored
+  before now (with ``serve --workers``: the other workers' puts read in).
 - ``Detokenize(parent_prompt, parent_full, child_prompt)`` -> ``tuple[str | None, str | None,
   str | None] | None``: the three id lists as text, in that order (an element None: that list
   could not be decoded; None: decoding failed).
@@ -27,6 +29,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 
+from capture_proxy.core.linking.index import LinkIndex
 from capture_proxy.core.records import CallRecord
 
 T = TypeVar("T")
@@ -60,6 +63,14 @@ class ReadParentCandidates(Command[Sequence[CallRecord]]):
 
     rollout_id: str
     parent_digest: str
+
+
+@dataclass(frozen=True)
+class CatchUp(Command[LinkIndex]):
+    """Bring the rollout's index up to every call stored before now (another worker's puts
+    committed since it was last brought up)."""
+
+    rollout_id: str
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ aiohttp, no I/O; the adapter that owns the cache reads the records and hands the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,6 +247,7 @@ class LinkIndex:
         last_turn: Mapping[str, Any] | None = None,
         retry_requested: bool = False,
         refuse_note_parents: bool = False,
+        claimed: Callable[[str], bool] | None = None,
     ) -> Resolution:
         """Find the parent candidates by digest, and the call an identical request retries.
 
@@ -257,13 +258,15 @@ class LinkIndex:
         ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose
         prompt carried a rewritten harness note is not taken: the call starts a new chain.
         ``last_turn``: the history's last assistant message, to tell a dropped or edited turn
-        from a foreign one when no call matches.
+        from a foreign one when no call matches. ``claimed(call_id)``: True when a call in
+        flight in another process was resolved to that candidate (``claims.ChildClaims``):
+        such a candidate counts as having a child, as this process's own calls in flight do.
         """
         retry_of = self._retry_of(req_digest, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
-        matches = self._matches(parent_digest, found, model)
+        matches = self._matches(parent_digest, found, model, claimed)
         rewritten = None
         if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
             # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
@@ -305,19 +308,38 @@ class LinkIndex:
             candidates=matches,
         )
 
+    def shares_digest(self, parent_digest: str | None) -> bool:
+        """True when more than one call has ``parent_digest`` as its child digest (parallel
+        sub-agents that answered alike): which of them a continuation takes is a choice."""
+        return parent_digest is not None and len(self._by_child.get(parent_digest) or ()) > 1
+
     def _matches(
-        self, parent_digest: str, found: dict[str, _Entry], model: str | None
+        self,
+        parent_digest: str,
+        found: dict[str, _Entry],
+        model: str | None,
+        claimed: Callable[[str], bool] | None = None,
     ) -> Candidates:
         """The candidates of ``model`` among ``found`` (the calls whose child digest is
         ``parent_digest``) in ``_preference`` order. The best of that order (verifiable, not
         superseded, childless) are among the digest's childless calls, few however many
         calls share the digest: when one is there, the others are ordered only if asked
-        (``Candidates``)."""
+        (``Candidates``). A childless call ``claimed`` elsewhere counts as having a child:
+        then all are ordered at once (rare: identical siblings continued at once)."""
         head = [
             e
             for e in (self._childless.get(parent_digest) or {}).values()
             if e.model == model and e.num_tokens is not None and e.superseded_by is None
         ]
+        if claimed is not None and any(claimed(e.call_id) for e in head):
+            taken = {e.call_id for e in head if claimed(e.call_id)}
+
+            def claims_preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
+                verifiable, superseded, has_child, created_at, call_id = self._preference(entry)
+                return (verifiable, superseded, has_child or call_id in taken, created_at, call_id)
+
+            mine = (e for e in found.values() if e.model == model)
+            return Candidates(_candidates(mine, claims_preference), None)
         if not head or len(head) == len(found):
             return Candidates(_candidates(e for e in found.values() if e.model == model), None)
         taken = {e.call_id for e in head}
@@ -393,9 +415,12 @@ def _drop(index: dict[str, dict[str, _Entry]], digest: str | None, call_id: str)
             del index[digest]
 
 
-def _candidates(entries: Iterable[_Entry]) -> tuple[Candidate, ...]:
-    """``entries`` in ``LinkIndex._preference`` order, as candidates."""
-    ordered = sorted(entries, key=LinkIndex._preference)
+def _candidates(
+    entries: Iterable[_Entry],
+    preference: Callable[[_Entry], tuple[bool, bool, bool, float, str]] | None = None,
+) -> tuple[Candidate, ...]:
+    """``entries`` in ``preference`` order (default ``LinkIndex._preference``), as candidates."""
+    ordered = sorted(entries, key=preference or LinkIndex._preference)
     return tuple(Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in ordered)
 
 

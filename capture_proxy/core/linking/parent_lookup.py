@@ -9,12 +9,13 @@ so a later identical request is known. Pure: a generator of ``commands`` (it ask
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from capture_proxy.core.known_messages import MessageFacts, turn_payloads
 from capture_proxy.core.known_tools import ToolsFacts
-from capture_proxy.core.linking.commands import ReadParentCandidates, Step, ask
+from capture_proxy.core.linking.claims import ChildClaims
+from capture_proxy.core.linking.commands import CatchUp, ReadParentCandidates, Step, ask
 from capture_proxy.core.linking.digests import (
     history_digest,
     last_linking_item,
@@ -23,6 +24,11 @@ from capture_proxy.core.linking.digests import (
 from capture_proxy.core.linking.index import LinkIndex, refresh_index
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
+
+#: Choices of a contested parent (``claims``) before the last one stands, unclaimed: each one
+#: past the first follows a catch-up, so another is needed only when other workers stored
+#: the rollout's calls again in the microseconds between two reads.
+CLAIM_TRIES = 8
 
 
 def resolve_step(
@@ -38,6 +44,8 @@ def resolve_step(
     tools_facts: ToolsFacts | None = None,
     refuse_note_parents: bool = False,
     refresh_on_miss: bool = False,
+    claims: ChildClaims | None = None,
+    index_current: Callable[[], bool] | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
@@ -47,14 +55,20 @@ def resolve_step(
     and resolves again.
     Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
     a child of the preferred candidate (``LinkIndex.add``). ``tools_facts``: the
-    ``known_tools`` facts of ``body["tools"]`` (their text is not written again)."""
+    ``known_tools`` facts of ``body["tools"]`` (their text is not written again).
+    ``claims``: the other processes' calls in flight (``serve --workers``); when more than one
+    call has the history's parent digest, the candidate is chosen with theirs counted as
+    children and claimed for ``call_id``, under the claims' lock. A claim is released when
+    its call is stored, so the choice also needs the stored children: ``index_current()``
+    says whether ``index`` still holds every call stored (asked after the claims are read);
+    when not, the step asks ``CatchUp(rollout_id)`` and chooses again."""
     req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None
     parent_digest = history_digest(linking_messages, payloads)
 
-    def resolve() -> Resolution:
+    def resolve(held: ChildClaims | None = None) -> Resolution:
         return index.resolve(
             parent_digest,
             req_digest,
@@ -62,6 +76,7 @@ def resolve_step(
             last_turn=last_turn,
             retry_requested=retry_requested,
             refuse_note_parents=refuse_note_parents,
+            claimed=held.claimed if held is not None else None,
         )
 
     resolution = resolve()
@@ -69,6 +84,23 @@ def resolve_step(
         found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
         refresh_index(index, found)
         resolution = resolve()
+    if (
+        claims is not None
+        and resolution.parent_call_id is not None
+        and index.shares_digest(parent_digest)
+    ):
+        # Identical siblings: another worker's call in flight may have taken the preferred
+        # one. Chosen again with the claims held still, and claimed; a claim read as gone may
+        # be a call stored since the index was brought up: then caught up and chosen again.
+        for _ in range(CLAIM_TRIES):
+            with claims.locked():
+                resolution = resolve(claims)
+                current = index_current is None or index_current()
+                if current and resolution.parent_call_id is not None:
+                    claims.claim(call_id, resolution.parent_call_id)
+                if current:
+                    break
+            index = yield from ask(CatchUp(rollout_id))
     # In flight, the call counts as a child of the candidate it was resolved to, so an
     # identical sibling resolved before it is stored prefers another candidate.
     index.add(

@@ -3,9 +3,12 @@ counts children in flight, not only stored ones)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from capture_proxy.core.chains import build_chains
+from capture_proxy.core.linking.commands import CatchUp
 from capture_proxy.core.linking.index import LinkIndex, add_record
 from capture_proxy.core.linking.parent_lookup import resolve_step
 from capture_proxy.core.linking.verification import verify_step
@@ -93,3 +96,117 @@ def test_a_continuation_in_flight_that_is_not_linked_releases_its_count():
     add_record(index, failed)
     assert (index.entries["a1"].children, index.entries["b1"].children) == (0, 0)
     assert [c.call_id for c in _resolve(index, "b2", 4.0).candidates] == ["a1", "b1"]
+
+
+class _SharedClaims:
+    """``ChildClaims`` as one dict every "worker" sees (the shape of ``ChildClaimBoard``
+    without its file): parent call id -> how many calls in flight took it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.held: dict[str, str] = {}
+        self.locks = 0
+
+    @contextlib.contextmanager
+    def locked(self):
+        self.locks += 1
+        yield
+
+    def claimed(self, parent_call_id: str) -> bool:
+        return self.counts.get(parent_call_id, 0) > 0
+
+    def claim(self, call_id: str, parent_call_id: str) -> None:
+        self.counts[parent_call_id] = self.counts.get(parent_call_id, 0) + 1
+        self.held[call_id] = parent_call_id
+
+    def release(self, call_id: str) -> None:
+        parent = self.held.pop(call_id, None)
+        if parent is not None:
+            self.counts[parent] -= 1
+
+
+def _resolve_on(index: LinkIndex, call_id: str, created_at: float, claims=None):
+    body = {"model": "m", "messages": HISTORY}
+    step = resolve_step(
+        index, "r1", HISTORY, body, call_id=call_id, created_at=created_at, claims=claims
+    )
+    return play(step, [])
+
+
+def test_identical_sub_agents_continued_at_once_on_two_workers_take_two_parents():
+    """Two workers, each with both first calls stored: a continuation in flight on worker 1
+    is invisible to worker 2's index; the shared claims make it count there."""
+    first_a = _call("a1", 1.0, [1, 2], TASK)
+    first_b = _call("b1", 2.0, [1, 2], TASK)
+    worker_1, worker_2, alone = LinkIndex(), LinkIndex(), LinkIndex()
+    for index in (worker_1, worker_2, alone):
+        add_record(index, first_a)
+        add_record(index, first_b)
+    claims = _SharedClaims()
+    on_1 = _resolve_on(worker_1, "a2", 3.0, claims)
+    on_2 = _resolve_on(worker_2, "b2", 4.0, claims)
+    assert [c.call_id for c in on_1.candidates] == ["a1", "b1"]
+    assert [c.call_id for c in on_2.candidates] == ["b1", "a1"]
+    assert claims.counts == {"a1": 1, "b1": 1} and claims.locks == 2
+    # What worker 2 chose without them: worker 1's parent.
+    assert _resolve_on(alone, "b2", 4.0).parent_call_id == "a1"
+    second_a = _verified(_call("a2", 3.0, [1, 2, 3, 4, 5]), on_1)
+    second_b = _verified(_call("b2", 4.0, [1, 2, 3, 4, 5]), on_2)
+    assert (second_a.parent_call_id, second_b.parent_call_id) == ("a1", "b1")
+    for call_id in ("a2", "b2"):
+        claims.release(call_id)
+    assert claims.counts == {"a1": 0, "b1": 0}
+    # Stored (and read by the other worker's index), each first call has its one child.
+    for index in (worker_1, worker_2):
+        add_record(index, second_a)
+        add_record(index, second_b)
+        assert (index.entries["a1"].children, index.entries["b1"].children) == (1, 1)
+
+
+def test_claims_are_taken_only_where_calls_share_the_parent_digest():
+    index = LinkIndex()
+    add_record(index, _call("a1", 1.0, [1, 2], TASK))
+    claims = _SharedClaims()
+    assert _resolve_on(index, "a2", 3.0, claims).parent_call_id == "a1"
+    assert claims.locks == 0 and claims.counts == {}
+
+
+def test_a_claimed_parent_is_taken_when_every_other_candidate_has_a_child():
+    """Claims order the candidates; they never remove one: when all are taken, the
+    earliest (as for one process's calls in flight)."""
+    index = LinkIndex()
+    add_record(index, _call("a1", 1.0, [1, 2], TASK))
+    add_record(index, _call("b1", 2.0, [1, 2], TASK))
+    claims = _SharedClaims()
+    claims.claim("x2", "a1")
+    claims.claim("y2", "b1")
+    resolution = _resolve_on(index, "z2", 5.0, claims)
+    assert [c.call_id for c in resolution.candidates] == ["a1", "b1"]
+    assert claims.counts == {"a1": 2, "b1": 1}
+
+
+def test_a_claim_released_after_the_index_was_brought_up_makes_the_step_catch_up():
+    """Worker 1's continuation of a1 is stored and its claim released between worker 2's
+    catch-up and its look at the claims: no claim and no stored child in worker 2's index.
+    The index is not current (the rollout's count moved), so the step asks ``CatchUp`` and
+    chooses again from the index that holds the stored child."""
+    first_a = _call("a1", 1.0, [1, 2], TASK)
+    first_b = _call("b1", 2.0, [1, 2], TASK)
+    second_a = _call("a2", 3.0, [1, 2, 3, 4, 5]).replace(parent_call_id="a1")
+    stale, caught_up = LinkIndex(), LinkIndex()
+    for index in (stale, caught_up):
+        add_record(index, first_a)
+        add_record(index, first_b)
+    add_record(caught_up, second_a)
+    claims = _SharedClaims()  # a2's claim: already released
+    currents = iter([False, True])
+    body = {"model": "m", "messages": HISTORY}
+    step = resolve_step(
+        stale, "r1", HISTORY, body, call_id="b2", created_at=4.0, claims=claims,
+        index_current=lambda: next(currents),
+    )  # fmt: skip
+    resolution = play(step, [(CatchUp("r1"), caught_up)])
+    assert resolution.parent_call_id == "b1"
+    assert [c.call_id for c in resolution.candidates] == ["b1", "a1"]
+    assert claims.counts == {"b1": 1} and claims.locks == 2
+    assert caught_up.entries["b2"].counted_parent == "b1"  # in flight in the current index
