@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
-from capture_proxy.core.linking.digests import canonical_turn
+from capture_proxy.core.linking.digests import canonical_json, canonical_turn
 
 TOKEN_DTYPE = np.uint32
 
@@ -41,6 +42,36 @@ class SpliceRefused(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.message_index = message_index
+
+
+def adds_defaults_only(model_turn: Mapping[str, Any], harness_turn: Mapping[str, Any]) -> bool:
+    """True when ``harness_turn`` is the model's ``model_turn`` with arguments added to its
+    tool calls and nothing else changed (a harness filling in defaults: Claude Code adds
+    ``"replace_all": false``): the same text, the same tool calls (ids, names) in order, and
+    every argument the model wrote, with its value. Both are chat-format assistant messages
+    (``function.arguments`` JSON text), compared canonically (``canonical_turn``). A turn
+    matched by its tool-call ids only (``turn_rewritten``) may be spliced from the model's
+    tokens only then: any other rewrite is what the harness wants the model to see."""
+    model, harness = canonical_turn(model_turn), canonical_turn(harness_turn)
+    if model["content"] != harness["content"]:
+        return False
+    if len(model["tool_calls"]) != len(harness["tool_calls"]):
+        return False
+    for wrote, sent in zip(model["tool_calls"], harness["tool_calls"], strict=True):
+        if (wrote["id"], wrote["name"]) != (sent["id"], sent["name"]):
+            return False
+        if wrote["arguments"] == sent["arguments"]:
+            continue
+        try:
+            written, given = orjson.loads(wrote["arguments"]), orjson.loads(sent["arguments"])
+        except orjson.JSONDecodeError:
+            return False
+        if not isinstance(written, dict) or not isinstance(given, dict):
+            return False
+        for key, value in written.items():
+            if key not in given or canonical_json(given[key]) != canonical_json(value):
+                return False
+    return True
 
 
 def _comparable(message: Mapping[str, Any]) -> Any:

@@ -9,6 +9,7 @@ import pytest
 from capture_proxy.core.splice import (
     Splice,
     SpliceRefused,
+    adds_defaults_only,
     check_extension,
     check_prefix,
     extend_prompt,
@@ -324,3 +325,31 @@ def test_find_tail_ids_cuts_after_the_first_end_of_turn_after_the_head():
     assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6, 9], eot) == []
     assert find_tail_ids(head, [1, 2, 9, 4, 9, 5, 9, 7], eot) is None  # head not a prefix
     assert find_tail_ids(head, [1, 2, 9, 3, 9, 5, 6], eot) is None  # the turn never ends
+
+
+def _turn(arguments: str, content: str | None = "Editing.", call_id: str = "toolu_1") -> dict:
+    function = {"name": "Edit", "arguments": arguments}
+    return {"role": "assistant", "content": content,
+            "tool_calls": [{"id": call_id, "type": "function", "function": function}]}  # fmt: skip
+
+
+def test_a_harness_that_only_added_arguments_kept_the_models_turn():
+    model = _turn('{"file_path": "a.py", "old_string": "x"}')
+    added = _turn('{"replace_all":false,"old_string":"x","file_path":"a.py"}')
+    assert adds_defaults_only(model, added)
+    assert adds_defaults_only(model, model)
+    assert adds_defaults_only({**model, "content": None}, {**model, "content": ""})
+
+
+def test_any_other_rewrite_is_the_harnesss_own_turn():
+    model = _turn('{"file_path": "a.py", "old_string": "x"}')
+    for harness in (
+        _turn('{"file_path": "b.py", "old_string": "x"}'),  # a value changed
+        _turn('{"file_path": "a.py"}'),  # an argument dropped
+        _turn('{"file_path": "a.py", "old_string": "x"}', content="Other."),  # text
+        _turn('{"file_path": "a.py", "old_string": "x"}', call_id="toolu_2"),  # another id
+        _turn("not json"),
+        {"role": "assistant", "content": "Editing."},  # the tool call dropped
+    ):
+        assert not adds_defaults_only(model, harness), harness
+    assert not adds_defaults_only(_turn("[1]"), _turn("[1, 2]"))  # not objects

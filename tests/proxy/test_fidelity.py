@@ -198,6 +198,47 @@ async def test_a_turn_the_harness_rewrote_is_found_by_its_tool_call_ids(
     assert call["prompt_token_ids"][: len(prefix)] == prefix
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda args: {**args, "command": "rm -rf /"}, id="an-argument-changed"),
+        pytest.param(lambda args: {"replace_all": False}, id="an-argument-dropped"),
+        pytest.param(None, id="the-text-changed"),
+    ],
+)
+async def test_a_turn_the_harness_changed_is_what_the_engine_sees_in_exact_token_mode(
+    make_stack: MakeStack, qwen_tokenizer, change
+):
+    """A rewrite found by its tool-call ids is spliced from the model's tokens only when the
+    harness added arguments (defaults) and changed nothing else. A changed or dropped argument,
+    or other text, is what the harness wants the model to see: the splice is refused, the
+    conversation rendered whole, and the link left to the tokens (here: not taken)."""
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=TOOL_POLICY), prompt_mode="exact_tokens"
+    )
+    messages, (first, second), _ = await _tool_session(stack)
+    turn = messages[-2]
+    fn = turn["tool_calls"][0]["function"]
+    if change is None:
+        rewritten = {**turn, "content": "Something else."}
+        shown = "Something else."
+    else:
+        args = change(json.loads(fn["arguments"]))
+        call_ = {**turn["tool_calls"][0], "function": {**fn, "arguments": json.dumps(args)}}
+        rewritten = {**turn, "tool_calls": [call_]}
+        shown = "rm -rf /" if "command" in args else '"replace_all": false'
+    third, _ = await _ask(stack, [*messages[:-2], rewritten, messages[-1]], tools=TOOLS)
+    call = await _call(stack, third)
+    assert call["linking"]["digest_parent_call_id"] == second
+    refused = [d for d in call["diagnostics"] if d["kind"] == "exact_prompt_refused"]
+    assert len(refused) == 1 and refused[0]["details"]["parent_call_id"] == second
+    assert "beyond adding arguments" in refused[0]["details"]["reason"]
+    assert call["parent_call_id"] != second
+    prompt_text = qwen_tokenizer.decode(call["prompt_token_ids"])
+    assert shown in prompt_text
+    assert '"command": "b"' not in prompt_text.split("Second.")[-1].split("<|im_end|>")[0]
+
+
 # -- token counts, sampling, routed experts ----------------------------------------------------
 
 USER = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Look."}]

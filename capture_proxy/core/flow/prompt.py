@@ -24,11 +24,12 @@ from capture_proxy.core.flow.commands import LookUpCall, Render, RenderTail
 from capture_proxy.core.flow.errors import PrefillNotSupported
 from capture_proxy.core.flow.events import CallFound, Rendered, RenderFailed
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts, same_messages
-from capture_proxy.core.linking.verdicts import Verdict
+from capture_proxy.core.linking.verdicts import TURN_REWRITTEN, Verdict
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.splice import (
     SpliceRefused,
+    adds_defaults_only,
     check_extension,
     check_prefix,
     extend_prompt,
@@ -170,6 +171,14 @@ def _extended_parent(
             same = same_messages(facts, child_facts)
         try:
             j = check_extension(parent_messages, call.prepared.linking_messages, same)
+            if call.resolution.reason == TURN_REWRITTEN and not adds_defaults_only(
+                parent.response_message or {}, call.prepared.linking_messages[j]
+            ):
+                raise SpliceRefused(
+                    "the harness rewrote the model's turn (found by its tool-call ids) beyond "
+                    "adding arguments: the engine is shown the harness's turn",
+                    j,
+                )
         except SpliceRefused as exc:
             if refusal is None:
                 refusal = _refused(parent.call_id, exc)
