@@ -230,6 +230,22 @@ def _middlewares(settings: Settings, traffic: TrafficRecorder | None) -> list[An
     ]
 
 
+def _linker(
+    settings: Settings,
+    store: CaptureStore,
+    index_feed: IndexFeed | None,
+    child_claims: ChildClaims | None,
+) -> Linker:
+    return Linker(
+        store,
+        refuse_note_parents=settings.parent_resolution == "source_history",
+        max_rollouts=settings.link_index_max_rollouts,
+        refresh_on_miss=store.shared,
+        feed=index_feed,
+        claims=child_claims,
+    )
+
+
 def build_proxy_app(
     settings: Settings,
     store: CaptureStore,
@@ -276,14 +292,7 @@ def build_proxy_app(
             else None
         ),
     )
-    app[LINKER_KEY] = Linker(
-        store,
-        refuse_note_parents=settings.parent_resolution == "source_history",
-        max_rollouts=settings.link_index_max_rollouts,
-        refresh_on_miss=store.shared,
-        feed=index_feed,
-        claims=child_claims,
-    )
+    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims)
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings)

@@ -68,7 +68,7 @@ def resolve_step(
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None
     parent_digest = history_digest(linking_messages, payloads)
 
-    def resolve(held: ChildClaims | None = None) -> Resolution:
+    def resolve(index: LinkIndex, held: ChildClaims | None = None) -> Resolution:
         return index.resolve(
             parent_digest,
             req_digest,
@@ -79,28 +79,20 @@ def resolve_step(
             claimed=held.claimed if held is not None else None,
         )
 
-    resolution = resolve()
+    resolution = resolve(index)
     if refresh_on_miss and resolution.verdict is Verdict.UNRESOLVED and parent_digest is not None:
         found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
         refresh_index(index, found)
-        resolution = resolve()
+        resolution = resolve(index)
     if (
         claims is not None
         and resolution.parent_call_id is not None
         and index.shares_digest(parent_digest)
     ):
-        # Identical siblings: another worker's call in flight may have taken the preferred
-        # one. Chosen again with the claims held still, and claimed; a claim read as gone may
-        # be a call stored since the index was brought up: then caught up and chosen again.
-        for _ in range(CLAIM_TRIES):
-            with claims.locked():
-                resolution = resolve(claims)
-                current = index_current is None or index_current()
-                if current and resolution.parent_call_id is not None:
-                    claims.claim(call_id, resolution.parent_call_id)
-                if current:
-                    break
-            index = yield from ask(CatchUp(rollout_id))
+        # Identical siblings: another worker's call in flight may have taken the preferred one.
+        index, resolution = yield from _claim(
+            index, rollout_id, call_id, claims, index_current, resolve
+        )
     # In flight, the call counts as a child of the candidate it was resolved to, so an
     # identical sibling resolved before it is stored prefers another candidate.
     index.add(
@@ -112,3 +104,27 @@ def resolve_step(
         parent_call_id=resolution.parent_call_id,
     )
     return resolution
+
+
+def _claim(
+    index: LinkIndex,
+    rollout_id: str,
+    call_id: str,
+    claims: ChildClaims,
+    index_current: Callable[[], bool] | None,
+    resolve: Callable[[LinkIndex, ChildClaims | None], Resolution],
+) -> Step[tuple[LinkIndex, Resolution]]:
+    """The candidate chosen again with the claims held still, and claimed for ``call_id``; a
+    claim read as gone may be a call stored since the index was brought up: then the index is
+    caught up (``CatchUp``) and the choice made again. Returns the index (caught up or not)
+    and the resolution."""
+    for _ in range(CLAIM_TRIES):
+        with claims.locked():
+            resolution = resolve(index, claims)
+            current = index_current is None or index_current()
+            if current and resolution.parent_call_id is not None:
+                claims.claim(call_id, resolution.parent_call_id)
+            if current:
+                return index, resolution
+        index = yield from ask(CatchUp(rollout_id))
+    return index, resolution
