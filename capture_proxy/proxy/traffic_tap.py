@@ -6,10 +6,12 @@ long for a file name is cut and hashed), one JSON object per request, the format
 ``capture-proxy replay`` reads (and ``tests/fixtures/*/`` keep):
 
     seq (per file, from 1), rollout_id, ts / ts_done (Unix s), method, path (as received,
-    with the capture prefix and query), headers ([name, value] in wire order; credentials
-    redacted), body_raw (exact text; decoded when it came compressed), body (parsed, or null
-    when the proxy refused its text), classification (captured | counted | refused |
-    forwarded | error), status, call_id, response_raw (the exact bytes answered)
+    with the capture prefix and query; credential parameters' values ``%3Credacted%3E``),
+    headers ([name, value] in wire order; credentials' values ``<redacted>``; both by
+    ``core.redact.secret_name``), body_raw (exact text; decoded when it came compressed),
+    body (parsed, or null when the proxy refused its text), classification (captured |
+    counted | refused | forwarded | error), status, call_id, response_raw (the exact bytes
+    answered)
 
 A rollout's recording is removed when the rollout is deleted or retired
 (``remove_recording``), as its stored calls are.
@@ -35,24 +37,13 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy.core.json_bodies import text_problem
+from capture_proxy.core.redact import redact_headers, redact_query
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 
 log = logging.getLogger("capture_proxy")
 
-#: Header values never written to a recording.
-REDACTED_HEADERS = frozenset(
-    {
-        "authorization",
-        "proxy-authorization",
-        "x-api-key",  # Anthropic
-        "api-key",  # Azure OpenAI
-        "x-goog-api-key",  # Gemini
-        "cookie",
-    }
-)
 #: Longest file-name stem: room for ``.jsonl`` under NAME_MAX (255 bytes).
 MAX_NAME_STEM = 200
-REDACTED = "<redacted>"
 
 
 class ResponseTap:
@@ -131,10 +122,7 @@ class TrafficRecorder:
         tap: ResponseTap,
     ) -> None:
         raw_body, classification = tap.raw_body, tap.classification
-        headers = [
-            [name, REDACTED if name.lower() in REDACTED_HEADERS else value]
-            for name, value in raw_headers_text(request)
-        ]
+        headers = redact_headers(raw_headers_text(request))
         path = self.path_of(rollout_id)
         with self._lock:
             seq = self._seq.get(rollout_id)
@@ -146,7 +134,7 @@ class TrafficRecorder:
                 "ts": started_at,
                 "ts_done": time.time(),
                 "method": request.method,
-                "path": request.raw_path,
+                "path": redact_query(request.raw_path),
                 "headers": headers,
                 "body_raw": raw_body.decode("utf-8", "replace"),
                 "body": _parsed_body(raw_body),
