@@ -25,6 +25,7 @@ from capture_proxy.core.records import (
     DiagnosticKind,
     as_log_prob_array,
     as_token_array,
+    log_prob_diagnostics,
 )
 from capture_proxy.core.routed_experts import (
     check_row_count,
@@ -149,7 +150,8 @@ def check_generation(
 ) -> CheckedGeneration:
     """Validate what an engine sent for a generation (None: it sent nothing). Problems make a
     record incomplete: missing ids or log probs, values that are not token ids or numbers,
-    ids and log probs of different lengths. Non-finite log probs are kept and flagged."""
+    ids and log probs of different lengths. Impossible log probs (non-finite, beyond float32,
+    positive) are kept and flagged (``records.log_prob_diagnostics``)."""
     problems: list[str] = []
     diagnostics: list[Diagnostic] = []
     gen = lps = None
@@ -169,9 +171,8 @@ def check_generation(
             f"generation_token_ids has {gen.shape[0]} ids but generation_log_probs has "
             f"{lps.shape[0]} values"
         )
-    if lps is not None and not bool(np.isfinite(lps).all()):
-        bad = [int(i) for i in np.flatnonzero(~np.isfinite(lps))[:16]]
-        diagnostics.append(Diagnostic(DiagnosticKind.NON_FINITE_LOGPROB, {"positions": bad}))
+    if lps is not None and log_probs is not None:
+        diagnostics += log_prob_diagnostics(lps, log_probs)
     return CheckedGeneration(gen, lps, problems, diagnostics)
 
 

@@ -76,7 +76,16 @@ def prepare_request(
 class HarnessAsked:
     """What the harness itself requested, so we strip only what we added. The keys to drop
     follow from it once (``top_level_drop``, ``choice_drop``): stripping runs per streamed
-    token."""
+    token.
+
+    What the proxy adds (``augment_chat_request``) and what each addition brings back:
+    ``logprobs`` -> ``choices[i].logprobs`` (nulled, as vLLM sends it unasked);
+    ``return_token_ids`` -> top-level ``prompt_token_ids`` and ``choices[i].token_ids`` (a
+    stream's first chunk may carry ``prompt_token_ids`` in its choice);
+    ``stream_options.include_usage`` -> ``usage`` (``strip_chat_chunk``); the routed-expert
+    rows -> ``routed_experts`` / ``prompt_routed_experts`` / ``routed_experts_prompt_start``.
+    Nothing else is stripped: a field the harness asked for itself that the proxy never adds
+    (``prompt_logprobs``, ``kv_transfer_params``, ...) reaches it as the engine sent it."""
 
     logprobs: bool
     return_token_ids: bool
@@ -89,7 +98,7 @@ class HarnessAsked:
         top: list[str] = []
         choice: list[str] = []
         if not self.return_token_ids:
-            top += ["prompt_token_ids", "prompt_logprobs"]
+            top.append("prompt_token_ids")
             choice += ["token_ids", "prompt_token_ids"]
         if not self.routed_experts:
             top += ["routed_experts", "prompt_routed_experts"]

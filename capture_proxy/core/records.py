@@ -78,6 +78,12 @@ class DiagnosticKind(enum.StrEnum):
     #: an image's placeholder run has another length than its processor's arithmetic gives
     #: (the engine's processor settings differ from ``image_processors``): span kept as found
     IMAGE_TOKENS_MISMATCH = "image_tokens_mismatch"
+    #: a generated token's log prob above 0 (a probability above 1) by more than float
+    #: rounding (``LOG_PROB_TOLERANCE``): kept as sent, ``{"positions", "values"}``
+    POSITIVE_LOGPROB = "positive_logprob"
+    #: a finite log prob beyond float32's range (magnitude above 3.4e38), which the float32
+    #: array can only hold as +-inf: stored so, ``{"positions", "values"}`` (as sent)
+    LOGPROB_OUT_OF_FLOAT32_RANGE = "logprob_out_of_float32_range"
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,9 @@ class CallRecord:
       the last one is the stop token (e.g. ``<|im_end|>``) unless the call stopped on length.
     - ``generation_log_probs``: float32 ``[num_generation_tokens]``, the log prob of each
       sampled id under the sampling distribution, as reported; non-finite values are kept
-      and flagged with ``non_finite_logprob``, never clamped.
+      and flagged with ``non_finite_logprob`` (``logprob_out_of_float32_range`` when the engine
+      sent a finite value float32 cannot hold), positive ones with ``positive_logprob``, never
+      clamped.
     - ``routed_experts``: uint8/uint16/int32 ``[num_rows, num_layers, top_k]`` or None; rows
       cover token positions ``[routed_experts_start, routed_experts_start + num_rows)`` of
       prompt + generation (vLLM omits the last sampled token's row).
@@ -262,24 +270,104 @@ def as_token_array(values: Any, *, field_name: str) -> npt.NDArray[np.uint32]:
 
 def as_log_prob_array(values: list[float | None], *, field_name: str) -> npt.NDArray[np.float32]:
     """Convert log probs to float32 ``[n]``; ``None`` (JSON null, how some engines send NaN)
-    becomes NaN so it is kept and flagged rather than dropped. Raises ValueError on non-numbers.
+    becomes NaN so it is kept and flagged rather than dropped. A finite value beyond float32's
+    range becomes +-inf (``log_prob_diagnostics`` names it). Raises ValueError on non-numbers.
     """
     # Fast paths (this runs on every generation): plain floats (and ints) convert in one call,
     # rounded to float32 as the per-element assignment below would; None and bad values take
-    # the loop, which keeps None as NaN and names a bad position.
-    # What engines send, floats only (``countOf`` as in ``as_token_array``): each rounded from
-    # its double straight to float32, the same bits as through a float64 array.
-    if operator.countOf(map(type, values), float) == len(values):
-        return np.fromiter(values, dtype=LOG_PROB_DTYPE, count=len(values))
-    # With ints: through float64, as an int converts to float32 by way of a double.
-    if set(map(type, values)) <= {float, int}:
-        return np.array(values, dtype=np.float64).astype(LOG_PROB_DTYPE)
-    out = np.empty(len(values), dtype=LOG_PROB_DTYPE)
-    for i, v in enumerate(values):
-        if v is None:
-            out[i] = math.nan
-        elif isinstance(v, bool) or not isinstance(v, int | float):
-            raise ValueError(f"{field_name}[{i}]: expected a number, got {v!r}")
-        else:
-            out[i] = v
+    # the loop, which keeps None as NaN and names a bad position. (errstate: an overflow to
+    # inf is named by a diagnostic, not a RuntimeWarning.)
+    with np.errstate(over="ignore"):
+        # What engines send, floats only (``countOf`` as in ``as_token_array``): each rounded
+        # from its double straight to float32, the same bits as through a float64 array.
+        if operator.countOf(map(type, values), float) == len(values):
+            return np.fromiter(values, dtype=LOG_PROB_DTYPE, count=len(values))
+        # With ints: through float64, as an int converts to float32 by way of a double (an
+        # int beyond float64 takes the loop).
+        if set(map(type, values)) <= {float, int}:
+            try:
+                return np.array(values, dtype=np.float64).astype(LOG_PROB_DTYPE)
+            except OverflowError:
+                pass
+        out = np.empty(len(values), dtype=LOG_PROB_DTYPE)
+        for i, v in enumerate(values):
+            if v is None:
+                out[i] = math.nan
+            elif isinstance(v, bool) or not isinstance(v, int | float):
+                raise ValueError(f"{field_name}[{i}]: expected a number, got {v!r}")
+            else:
+                try:
+                    out[i] = v
+                except OverflowError:  # an int beyond float64
+                    out[i] = math.inf if v > 0 else -math.inf
     return out
+
+
+#: How far above 0 a log prob may be and still be taken for float rounding of a log prob of 0
+#: (a token of probability 1). An engine's log-softmax in float32 (``logit - logsumexp``) errs
+#: by a few ulps at the logits' magnitude, and an ulp of a float32 of 30 to 60 is 1.9e-6 to
+#: 3.8e-6; 1e-5 covers that, and the largest excess it lets through is a probability of
+#: 1.00001, below anything a trainer's ratios resolve. Past it the value is impossible.
+LOG_PROB_TOLERANCE = 1e-5
+#: Most positions (and values) one log-prob diagnostic lists.
+_MAX_LISTED = 16
+
+
+def log_prob_diagnostics(
+    array: npt.NDArray[np.float32], sent: list[float | None]
+) -> list[Diagnostic]:
+    """What is impossible in a generation's log probs: ``array`` (``as_log_prob_array`` of
+    ``sent``, the values as the engine sent them). ``non_finite_logprob``: NaN, +-inf or null
+    as sent; ``logprob_out_of_float32_range``: a finite value the float32 array holds as +-inf;
+    ``positive_logprob``: above ``LOG_PROB_TOLERANCE``. Each lists its first 16 positions (and
+    the values as sent). Whole-array numpy checks; Python touches only the flagged positions."""
+    if array.size == 0:
+        return []
+    # The common case in two reductions: a NaN makes the max NaN (the test fails), +inf makes
+    # it inf, -inf shows in the min.
+    if float(array.max()) <= LOG_PROB_TOLERANCE and float(array.min()) != -math.inf:
+        return []
+    out: list[Diagnostic] = []
+    finite = np.isfinite(array)
+    if not finite.all():
+        non_finite: list[int] = []
+        overflowed: list[int] = []
+        for i in np.flatnonzero(~finite).tolist():
+            v = sent[i]
+            is_finite = v is not None and (isinstance(v, int) or math.isfinite(v))
+            (overflowed if is_finite else non_finite).append(i)
+        if non_finite:
+            out.append(
+                Diagnostic(
+                    DiagnosticKind.NON_FINITE_LOGPROB, {"positions": non_finite[:_MAX_LISTED]}
+                )
+            )
+        if overflowed:
+            listed = overflowed[:_MAX_LISTED]
+            out.append(
+                Diagnostic(
+                    DiagnosticKind.LOGPROB_OUT_OF_FLOAT32_RANGE,
+                    {"positions": listed, "values": [_reported(sent[i]) for i in listed]},
+                )
+            )
+    positive = np.flatnonzero(array > LOG_PROB_TOLERANCE)
+    if positive.size:
+        listed = positive[:_MAX_LISTED].tolist()
+        out.append(
+            Diagnostic(
+                DiagnosticKind.POSITIVE_LOGPROB,
+                {"positions": listed, "values": [_reported(sent[i]) for i in listed]},
+            )
+        )
+    return out
+
+
+def _reported(value: float | None) -> float | str | None:
+    """A log prob as sent, for a diagnostic's JSON: a float; an int beyond float64 (which JSON
+    writers refuse) as its sign and digit count."""
+    if value is None or isinstance(value, float):
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return f"{'-' if value < 0 else ''}{len(str(abs(value)))}-digit integer"

@@ -5,7 +5,10 @@ shown: ``user:***@host``. ``redact_url`` masks one URL; ``redact_text`` masks ev
 password inside a message (an exception's text, a log line, an error body, a stored failure
 reason). ``split_credentials`` takes the user info out of a URL so that the rest of the proxy
 never holds it (the engine's credentials become one header, ``basic_auth_header``).
-``RedactingFilter`` applies ``redact_text`` to every log line. Pure: no I/O; must not log.
+``RedactingFilter`` applies ``redact_text`` to every log line. ``redact_headers`` and
+``redact_query`` mask what a recorded request (``serve --record-dir``) may carry: the value of
+every header and query parameter whose name says it holds a credential (``secret_name``).
+Pure: no I/O; must not log.
 """
 
 from __future__ import annotations
@@ -75,3 +78,61 @@ class RedactingFilter(logging.Filter):
         if masked != message:
             record.msg, record.args = masked, None
         return True
+
+
+#: What replaces a credential's value in a recording (headers as is; in a query percent-encoded,
+#: so the recorded path stays a valid request target).
+REDACTED = "<redacted>"
+REDACTED_IN_QUERY = "%3Credacted%3E"
+#: A header or query parameter whose name (lower-cased, ``-``/``_`` kept) contains one of these
+#: holds a credential: ``Authorization``, ``Proxy-Authorization``, ``x-api-key``, ``api-key``,
+#: ``X-Goog-Api-Key``, ``Cookie``, ``X-Custom-Token``, ``?key=``, ``?api_key=``,
+#: ``?access_token=``, ``?client_secret=``, ``?password=``, ``X-Amz-Security-Token``,
+#: ``X-Amz-Signature``... Broad on purpose: a harmless value masked costs a recording little,
+#: a credential kept leaks it (``Idempotency-Key`` or ``?author=`` are masked too).
+SECRET_NAME_PARTS = (
+    "token",
+    "secret",
+    "key",
+    "auth",
+    "passw",
+    "pwd",
+    "cookie",
+    "credential",
+    "signature",
+)
+#: Whole names that hold a credential without saying so: Azure SAS and similar ``?sig=``.
+SECRET_NAMES = frozenset({"sig"})
+
+
+def secret_name(name: str) -> bool:
+    """True when a header or query parameter named ``name`` holds a credential (case-blind)."""
+    lowered = name.lower()
+    return lowered in SECRET_NAMES or any(part in lowered for part in SECRET_NAME_PARTS)
+
+
+def redact_headers(headers: list[tuple[str, str]]) -> list[list[str]]:
+    """``[name, value]`` pairs in the order given, the value of each ``secret_name`` header
+    replaced by ``<redacted>`` (names kept: a replay still sees which headers were sent)."""
+    return [[name, REDACTED if secret_name(name) else value] for name, value in headers]
+
+
+def redact_query(target: str) -> str:
+    """A request target (``/path?query``, as received) with the value of each query parameter
+    whose name is a ``secret_name`` replaced by ``%3Credacted%3E``; everything else byte for
+    byte (order, encoding, empty and bare parameters). A name is read percent-decoded
+    (``api%5Fkey`` is ``api_key``); a parameter with no ``=`` has no value to mask."""
+    path, sep, query = target.partition("?")
+    if not sep or not query:
+        return target
+    query, hash_sep, fragment = query.partition("#")
+    pieces = query.split("&")
+    changed = False
+    for i, piece in enumerate(pieces):
+        name, eq, value = piece.partition("=")
+        if eq and value and secret_name(urllib.parse.unquote_plus(name)):
+            pieces[i] = f"{name}={REDACTED_IN_QUERY}"
+            changed = True
+    if not changed:
+        return target
+    return f"{path}?{'&'.join(pieces)}{hash_sep}{fragment}"

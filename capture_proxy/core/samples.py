@@ -10,7 +10,7 @@ arrays over the leaf's full sequence (its prompt + generation):
 - ``log_probs``: float32 ``[seq]``, the sampled tokens' log probs where ``loss_mask`` is 1 and
   0.0 elsewhere (0, not NaN, so sums over the sequence stay finite; a non-finite engine value
   on a generated token is kept as is and named by the call's ``non_finite_logprob``
-  diagnostic);
+  diagnostic, or ``logprob_out_of_float32_range`` for a finite one float32 holds as inf);
 - ``generation_spans``: int64 ``[num_calls, 2]``, each path call's ``[start, end)`` of
   generated positions, in path order; ``call_ids``: unicode ``[num_calls]``;
 - ``routed_experts``: ``[seq, num_layers, top_k]`` (uint8/uint16/int32, the widest of the

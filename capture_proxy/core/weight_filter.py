@@ -5,7 +5,8 @@ Owns the query parameters ``min_weight_version``, ``weight_version`` and
 and the rule they apply to samples (root-to-leaf paths of a chain, ``core.samples``). A sample
 is kept when every token its calls generated passes:
 
-- ``min_weight_version=N`` (a decimal integer): the token's version is an integer >= N. A
+- ``min_weight_version=N`` (an integer version, ``integer_version``: any integer the rollout
+  summary reports): the token's version is an integer >= N. A
   version that is not an integer (vLLM's ``"default"``, ``"v7"``) is older than every integer
   (``core.weight_versions``), so it never passes;
 - ``weight_version=V`` (repeatable, exact strings, at most ``MAX_VERSIONS``): the token's
@@ -24,7 +25,6 @@ paths (a branch whose path fails is left out; a call stays while one kept path h
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from capture_proxy.core.chains import RolloutChains
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.samples import ChainSample, path_sample, sample_paths
 from capture_proxy.core.weight_versions import (
+    MAX_INTEGER_DIGITS,
     integer_version,
     num_unknown_tokens,
     spans_of,
@@ -46,8 +47,6 @@ UNKNOWN_CHOICES = ("drop", "keep")
 OLDER = "older_than_min_weight_version"
 NOT_LISTED = "not_in_weight_versions"
 UNKNOWN = "unknown_weight_version"
-
-_MIN_VERSION = re.compile(r"-?[0-9]{1,18}", re.ASCII)
 
 
 class WeightFilterError(ValueError):
@@ -77,11 +76,13 @@ class WeightFilter:
             raise WeightFilterError(
                 "unknown_weight_version", f"must be drop or keep, got {unknown[:64]!r}"
             )
-        if min_version is not None and not _MIN_VERSION.fullmatch(min_version):
+        min_number = None if min_version is None else integer_version(min_version)
+        if min_version is not None and min_number is None:
             raise WeightFilterError(
                 "min_weight_version",
-                f"must be an integer version (e.g. 12), got {min_version[:64]!r}; name other "
-                "versions exactly with weight_version",
+                f"must be an integer version: an optional '-' and 1 to {MAX_INTEGER_DIGITS} "
+                f"digits (e.g. 12), got {min_version[:64]!r}; name other versions exactly "
+                "with weight_version",
             )
         if len(versions) > MAX_VERSIONS:
             raise WeightFilterError("weight_version", f"at most {MAX_VERSIONS} values")
@@ -93,7 +94,7 @@ class WeightFilter:
         if min_version is None and not versions:
             return None
         return cls(
-            min_version=None if min_version is None else int(min_version),
+            min_version=min_number,
             versions=frozenset(versions) if versions else None,
             keep_unknown=unknown == "keep",
         )

@@ -8,9 +8,10 @@ index of a training sample, and a rollout's counts. It must not decide a call's 
 (the call flow does, when the call is captured).
 
 Order: a version that is a decimal integer (``"3"``, ``"-1"``; how RL frameworks number their
-steps) compares as that integer; any other version (vLLM's initial ``"default"``, ``"v7"``)
-is older than every integer version, and such versions are not ordered among themselves
-(``version_key`` sorts them by name only to give tables a fixed order).
+steps; at most ``MAX_INTEGER_DIGITS`` digits) compares as that integer; any other version
+(vLLM's initial ``"default"``, ``"v7"``) is older than every integer version, and such versions
+are not ordered among themselves (``version_key`` sorts them by name only to give tables a
+fixed order).
 
 A record is read defensively: a span that is not a ``{"version": str, "start": int, "end":
 int}`` object is skipped, spans are clipped to the generation, and a generated token no span
@@ -38,11 +39,17 @@ NO_VERSION = -1
 #: then its index is int32 (``index_dtype``). Half the bytes of int32 on every position.
 _INT16_MAX = int(np.iinfo(np.int16).max)
 
-_INTEGER = re.compile(r"-?[0-9]+", re.ASCII)
+#: Most digits of an integer version. A longer run of digits is a named version (older than
+#: every integer): the one bound the summary, the order and ``min_weight_version`` share, far
+#: inside Python's 4,300-digit limit on ``int(str)`` (an engine's longer version would
+#: otherwise make every read of its rollout fail).
+MAX_INTEGER_DIGITS = 256
+_INTEGER = re.compile(rf"-?[0-9]{{1,{MAX_INTEGER_DIGITS}}}", re.ASCII)
 
 
 def integer_version(version: str) -> int | None:
-    """The version as an integer when it is written as one (``"12"`` -> 12), else None."""
+    """The version as an integer when it is written as one (``"12"`` -> 12, ``"-1"``, ``"007"``:
+    an optional ``-`` and 1 to ``MAX_INTEGER_DIGITS`` ASCII digits), else None."""
     return int(version) if _INTEGER.fullmatch(version) else None
 
 

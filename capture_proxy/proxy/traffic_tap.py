@@ -5,11 +5,13 @@ answer the proxy sent, to ``DIR/<rollout_id>.jsonl`` (``recording_name``: a roll
 long for a file name is cut and hashed), one JSON object per request, the format
 ``capture-proxy replay`` reads (and ``tests/fixtures/*/`` keep):
 
-    seq (per file, from 1), rollout_id, ts / ts_done (Unix s), method, path (as received,
-    with the capture prefix and query), headers ([name, value] in wire order; credentials
-    redacted), body_raw (exact text; decoded when it came compressed), body (parsed, or null
-    when the proxy refused its text), classification (captured | counted | refused |
-    forwarded | error), status, call_id, response_raw (the exact bytes answered)
+    seq (per file, from 1, in the order of the lines, across workers: ``append_numbered``),
+    rollout_id, ts / ts_done (Unix s), method, path (as received, with the capture prefix
+    and query; credential parameters' values ``%3Credacted%3E``), headers ([name, value] in
+    wire order; credentials' values ``<redacted>``; both by ``core.redact.secret_name``),
+    body_raw (exact text; decoded when it came compressed), body (parsed, or null when the
+    proxy refused its text), classification (captured | counted | refused | forwarded |
+    error), status, call_id, response_raw (the exact bytes answered)
 
 A rollout's recording is removed when the rollout is deleted or retired
 (``remove_recording``), as its stored calls are.
@@ -23,10 +25,12 @@ failure to record (a full disk, a value JSON cannot write) is logged, one line, 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
-import threading
+import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -35,24 +39,13 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy.core.json_bodies import text_problem
+from capture_proxy.core.redact import redact_headers, redact_query
 from capture_proxy.core.routing import InvalidRolloutId, RouteKind, route
 
 log = logging.getLogger("capture_proxy")
 
-#: Header values never written to a recording.
-REDACTED_HEADERS = frozenset(
-    {
-        "authorization",
-        "proxy-authorization",
-        "x-api-key",  # Anthropic
-        "api-key",  # Azure OpenAI
-        "x-goog-api-key",  # Gemini
-        "cookie",
-    }
-)
 #: Longest file-name stem: room for ``.jsonl`` under NAME_MAX (255 bytes).
 MAX_NAME_STEM = 200
-REDACTED = "<redacted>"
 
 
 class ResponseTap:
@@ -97,8 +90,6 @@ class TrafficRecorder:
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._seq: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     def start(self, request: web.Request) -> tuple[float, ResponseTap]:
         tap = ResponseTap()
@@ -131,43 +122,87 @@ class TrafficRecorder:
         tap: ResponseTap,
     ) -> None:
         raw_body, classification = tap.raw_body, tap.classification
-        headers = [
-            [name, REDACTED if name.lower() in REDACTED_HEADERS else value]
-            for name, value in raw_headers_text(request)
-        ]
-        path = self.path_of(rollout_id)
-        with self._lock:
-            seq = self._seq.get(rollout_id)
-            if seq is None:
-                seq = _lines_in(path)
-            line = {
-                "seq": seq + 1,
-                "rollout_id": rollout_id,
-                "ts": started_at,
-                "ts_done": time.time(),
-                "method": request.method,
-                "path": request.raw_path,
-                "headers": headers,
-                "body_raw": raw_body.decode("utf-8", "replace"),
-                "body": _parsed_body(raw_body),
-                "classification": classification,
-                "status": response.status,
-                "call_id": response.headers.get("X-Capture-Call-Id"),
-                "response_raw": tap.text(response),
-            }
-            text = json.dumps(line, ensure_ascii=False) + "\n"
-            with open(path, "a", encoding="utf-8") as fh:
-                fh.write(text)
-            self._seq[rollout_id] = seq + 1
+        line = {
+            "rollout_id": rollout_id,
+            "ts": started_at,
+            "ts_done": time.time(),
+            "method": request.method,
+            "path": redact_query(request.raw_path),
+            "headers": redact_headers(raw_headers_text(request)),
+            "body_raw": raw_body.decode("utf-8", "replace"),
+            "body": _parsed_body(raw_body),
+            "classification": classification,
+            "status": response.status,
+            "call_id": response.headers.get("X-Capture-Call-Id"),
+            "response_raw": tap.text(response),
+        }
+        append_numbered(self.path_of(rollout_id), json.dumps(line, ensure_ascii=False))
 
     def remove(self, rollout_id: str) -> None:
         """Remove a rollout's recording (deleted or retired). Never raises (logged)."""
-        with self._lock:
-            self._seq.pop(rollout_id, None)
-            try:
-                self.path_of(rollout_id).unlink(missing_ok=True)
-            except OSError as exc:
-                log.error("removing the recording of rollout %s failed: %s", rollout_id, exc)
+        try:
+            self.path_of(rollout_id).unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("removing the recording of rollout %s failed: %s", rollout_id, exc)
+
+
+#: How a recorded line opens (``json.dumps`` with its default separators, ``seq`` first).
+_SEQ_HEAD = re.compile(rb'\{"seq": (\d+)[,}]')
+
+
+def append_numbered(path: Path, encoded: str) -> int:
+    """Append ``encoded`` (``json.dumps`` of a dict without ``seq``) to ``path`` as one line
+    that opens with ``"seq": N``; returns N.
+
+    N is one more than the ``seq`` of the file's last line, read and appended under an
+    exclusive ``flock`` of the file: every process and thread appending to it (each of
+    ``serve --workers N``'s workers has its own recorder) takes its turn, so ``seq`` follows
+    the order of the lines in the file, from 1, with no number twice. A last line that does
+    not open with a ``seq`` (a file not written here) makes N one more than the count of
+    non-blank lines (what ``seq`` was before). A last line cut short (a crash mid-write) is
+    ended first, so the new line stays whole. Raises OSError."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when fd is closed
+        size = os.fstat(fd).st_size
+        seq = _last_seq(fd, size) + 1
+        rest = encoded[1:]
+        head = f'{{"seq": {seq}' + (", " if rest != "}" else "")
+        data = (head + rest + "\n").encode("utf-8")
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        return seq
+    finally:
+        os.close(fd)
+
+
+def _last_seq(fd: int, size: int) -> int:
+    """The ``seq`` of the last line of the file open as ``fd`` (``size`` bytes), 0 when empty.
+    Reads back from the end only as far as the last line's start."""
+    if size == 0:
+        return 0
+    end = size - 1 if os.pread(fd, 1, size - 1) == b"\n" else size
+    line_start, pos = 0, end
+    while pos > 0:
+        start = max(0, pos - 65536)
+        newline = os.pread(fd, pos - start, start).rfind(b"\n")
+        if newline >= 0:
+            line_start = start + newline + 1
+            break
+        pos = start
+    found = _SEQ_HEAD.match(os.pread(fd, 32, line_start))
+    if found is not None:
+        return int(found[1])
+    return _non_blank_lines(fd)
+
+
+def _non_blank_lines(fd: int) -> int:
+    with open(os.dup(fd), "rb") as fh:
+        fh.seek(0)
+        return sum(1 for line in fh if line.strip())
 
 
 RECORDING_KEY = web.AppKey("traffic_recorder", TrafficRecorder)
@@ -225,14 +260,6 @@ def recording_middleware(recorder: TrafficRecorder) -> Any:
         return response
 
     return record
-
-
-def _lines_in(path: Path) -> int:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return sum(1 for line in fh if line.strip())
-    except FileNotFoundError:
-        return 0
 
 
 def raw_headers_text(request: web.Request) -> list[tuple[str, str]]:

@@ -3,7 +3,8 @@
 Owns the JSON shapes the training side reads. Chains are built on read by the core
 (``build_chains``) from the stored records, so the same captured calls give the same chains in
 any arrival order. Arrays become JSON lists here; non-finite log probs become ``null`` and are
-named by the call's ``non_finite_logprob`` diagnostic (JSON has no NaN).
+named by the call's ``non_finite_logprob`` diagnostic, or ``logprob_out_of_float32_range`` (JSON
+has no NaN).
 
 The proxy's event loop relays every stream, so nothing here runs long on it: records are
 decoded on the store's reader thread, and chains are built and serialised (orjson, numpy

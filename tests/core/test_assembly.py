@@ -168,6 +168,69 @@ def test_non_finite_log_probs_are_kept_and_flagged():
     ]
 
 
+def _whole_answer(*log_probs):
+    asm = ChatCaptureAssembler(CTX)
+    asm.add_response(
+        {
+            "prompt_token_ids": [1],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "a"},
+                    "token_ids": list(range(5, 5 + len(log_probs))),
+                    "logprobs": _lp(*log_probs),
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
+    return asm.finish(latency_ms=1.0, http_status=200)
+
+
+def test_impossible_log_probs_are_kept_and_named_truthfully():
+    # The trial's engine (#12): 1e308 is finite but beyond float32 (stored as inf), and it and
+    # 0.5 are positive; before, 1e308 was called non_finite_logprob and 0.5 went unflagged.
+    rec = _whole_answer(-0.5, 1e308, -2.0, 0.5)
+    assert rec.status is CallStatus.COMPLETE
+    assert rec.generation_log_probs.tolist() == [-0.5, math.inf, -2.0, 0.5]
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {
+            "kind": "logprob_out_of_float32_range",
+            "details": {"positions": [1], "values": [1e308]},
+        },
+        {"kind": "positive_logprob", "details": {"positions": [1, 3], "values": [1e308, 0.5]}},
+    ]
+
+
+def test_log_probs_within_float_rounding_of_zero_are_not_flagged():
+    rec = _whole_answer(0.0, 1e-5, 3e-6, -0.0, -3.4e38)
+    assert rec.diagnostics == []
+    rec = _whole_answer(0.0, 1.2e-5)
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {"kind": "positive_logprob", "details": {"positions": [1], "values": [1.2e-5]}}
+    ]
+
+
+def test_engine_non_finite_and_overflowing_log_probs_are_told_apart():
+    # -1e39 overflows to -inf: out of float32 range, not the engine's -inf; an int beyond
+    # float64 (JSON allows it) too, reported by its digit count (JSON writers refuse it)
+    rec = _whole_answer(float("nan"), -1e39, float("-inf"), None, -(10**400), 10**39)
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": [0, 2, 3]}},
+        {
+            "kind": "logprob_out_of_float32_range",
+            "details": {
+                "positions": [1, 4, 5],
+                "values": [-1e39, "-401-digit integer", 1e39],
+            },
+        },
+        {"kind": "positive_logprob", "details": {"positions": [5], "values": [1e39]}},
+    ]
+    stored = rec.generation_log_probs
+    assert np.isnan(stored[[0, 3]]).all()
+    assert stored[[1, 2, 4, 5]].tolist() == [-math.inf, -math.inf, -math.inf, math.inf]
+
+
 def test_bad_token_values_are_refused():
     asm = ChatCaptureAssembler(CTX)
     asm.add_response(

@@ -227,7 +227,9 @@ def test_no_filter_keeps_every_sample_and_reports_nothing():
         ("abc", [], None, "min_weight_version"),
         ("3.0", [], None, "min_weight_version"),
         ("", [], None, "min_weight_version"),
-        ("1" * 19, [], None, "min_weight_version"),
+        ("1" * 257, [], None, "min_weight_version"),
+        ("-" + "1" * 257, [], None, "min_weight_version"),
+        ("+3", [], None, "min_weight_version"),
         ("٣", [], None, "min_weight_version"),
         (None, [""], None, "weight_version"),
         (None, ["x" * 257], None, "weight_version"),
@@ -239,6 +241,40 @@ def test_bad_filter_values_name_their_parameter(min_version, versions, unknown, 
     with pytest.raises(WeightFilterError) as info:
         WeightFilter.from_query(min_version, versions, unknown)
     assert info.value.param == param
+
+
+def test_min_weight_version_takes_every_integer_the_summary_reports():
+    # The trial's case (#7): the summary reported 99999999999999999999999 as an integer, the
+    # filter refused anything of 19 digits or more as "not an integer version".
+    big = 99999999999999999999999
+    calls = [
+        record("x", [1], [2, 3], weight_versions=[("10", 0, 2)]),
+        record("y", [9], [8], created_at=1, weight_versions=[(str(big), 0, 1)]),
+    ]
+    summary = rollout_summary(calls)
+    assert (summary["weight_version_min"], summary["weight_version_max"]) == (10, big)
+    for n in (10**18, big, summary["weight_version_max"]):
+        wf = WeightFilter.from_query(str(n), [], None)
+        assert wf == WeightFilter(n, None, keep_unknown=False)
+        selection = select(build_chains("r1", calls), wf)
+        assert [path[-1].call_id for _, path in selection.paths] == ["y"]
+    # One bound for both: 256 digits is an integer version everywhere, 257 nowhere.
+    longest = "-" + "9" * 256
+    assert integer_version(longest) == -(10**256 - 1)
+    assert WeightFilter.from_query(longest, [], None) == WeightFilter(-(10**256 - 1))
+    too_long = "9" * 257
+    assert integer_version(too_long) is None
+    summary = rollout_summary([record("z", [1], [2], weight_versions=[(too_long, 0, 1)])])
+    assert (summary["weight_version_min"], summary["weight_version_max"]) == (None, None)
+    # (before, a version past Python's 4,300-digit int(str) limit failed the summary)
+    huge = rollout_summary([record("w", [1], [2], weight_versions=[("9" * 5000, 0, 1)])])
+    assert huge["weight_version_max"] is None
+    with pytest.raises(WeightFilterError) as info:
+        WeightFilter.from_query(too_long, [], None)
+    assert str(info.value) == (
+        "min_weight_version: must be an integer version: an optional '-' and 1 to 256 digits "
+        f"(e.g. 12), got {too_long[:64]!r}; name other versions exactly with weight_version"
+    )
 
 
 def test_the_query_parameters_make_the_filter():

@@ -4,11 +4,16 @@ through a fresh proxy."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
+
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from capture_proxy.core.fronts.answers import answer_message
 from capture_proxy.core.fronts.base import Api
 from capture_proxy.harnesses.recorded import load_recording, replay, replay_engine_config
+from capture_proxy.proxy.traffic_tap import TrafficRecorder, append_numbered
 from tests.proxy.conftest import MakeStack
 
 BASE = "/ng-rollout/{rollout}/training-token-capture"
@@ -114,3 +119,62 @@ async def test_a_refused_request_is_recorded_as_an_error(make_stack: MakeStack, 
     assert line["classification"] == "error"
     assert line["status"] == 400
     assert json.loads(line["response_raw"])["error"]["param"] == "input"
+
+
+def _recorded(recorder: TrafficRecorder, rollout: str, n: int) -> None:
+    """Record ``n`` requests of ``rollout`` with ``recorder``, as one worker would."""
+    for i in range(n):
+        request = make_mocked_request(
+            "POST", BASE.format(rollout=rollout) + f"/v1/chat/completions?i={i}"
+        )
+        tap = recorder.start(request)[1]
+        tap.raw_body = b'{"model": "m"}'
+        tap.add(b'{"choices": [{"message": {"role": "assistant", "content": "ok"}}]}')
+        recorder.write(request, rollout, web.Response(status=200), 0.0, tap)
+
+
+def test_two_workers_recorders_number_one_file_in_line_order(tmp_path: Path):
+    # Each worker of serve --workers N has its own TrafficRecorder on the same directory;
+    # before, each counted its own requests: [1, 2, 3, 3, 4, 4, ...] (#8).
+    first, second = TrafficRecorder(tmp_path), TrafficRecorder(tmp_path)
+    start = threading.Barrier(4)
+
+    def worker(recorder: TrafficRecorder) -> None:
+        start.wait(timeout=10)
+        _recorded(recorder, "shared", 50)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in (first, second) * 2]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not any(thread.is_alive() for thread in threads)
+    lines = [json.loads(x) for x in (tmp_path / "shared.jsonl").read_text().splitlines()]
+    assert [x["seq"] for x in lines] == list(range(1, 201))
+    # every request's line is whole
+    assert sorted(x["path"].rsplit("=", 1)[1] for x in lines) == sorted(
+        str(i) for i in range(50) for _ in range(4)
+    )
+    assert [r.seq for r in load_recording(tmp_path / "shared.jsonl")] == list(range(1, 201))
+
+
+def test_a_recording_continues_where_the_file_ends(tmp_path: Path):
+    # a restarted proxy (or another worker) goes on from the file's last seq
+    _recorded(TrafficRecorder(tmp_path), "again", 2)
+    _recorded(TrafficRecorder(tmp_path), "again", 1)
+    path = tmp_path / "again.jsonl"
+    assert [json.loads(x)["seq"] for x in path.read_text().splitlines()] == [1, 2, 3]
+    # a last line cut short by a crash is ended first; the new line stays whole
+    with open(path, "a") as fh:
+        fh.write('{"seq": 4, "rollout_id": "ag')
+    assert append_numbered(path, '{"x": 1}') == 5
+    assert path.read_text().splitlines()[-2:] == [
+        '{"seq": 4, "rollout_id": "ag',
+        '{"seq": 5, "x": 1}',
+    ]
+    # a file whose last line has no seq: numbered after its non-blank lines
+    other = tmp_path / "hand.jsonl"
+    other.write_text('{"a": 1}\n\n{"b": 2}\n')
+    assert append_numbered(other, '{"c": 3}') == 3
+    assert append_numbered(other, "{}") == 4
+    assert other.read_text() == '{"a": 1}\n\n{"b": 2}\n{"seq": 3, "c": 3}\n{"seq": 4}\n'

@@ -160,6 +160,31 @@ async def test_engine_keys_are_redacted_in_recordings(make_stack: MakeStack, tmp
     assert headers["api-key"] == headers["x-goog-api-key"] == "<redacted>"
 
 
+async def test_query_keys_and_custom_token_headers_are_redacted_in_recordings(
+    make_stack: MakeStack, tmp_path
+):
+    # The trial's case (#9): ?key= and X-Custom-Token were kept in clear.
+    stack = await make_stack(record_dir=tmp_path / "rec")
+    path = "/ng-rollout/q1/training-token-capture/v1/messages"
+    resp = await stack.client.post(
+        path + "?beta=true&key=SECRETR7",
+        json={
+            "model": "scripted-qwen",
+            "max_tokens": 20,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        headers={"X-Custom-Token": "SECRETR3", "x-api-key": "sk-ant-SECRETR8"},
+    )
+    assert resp.status == 200, await resp.text()
+    text = (tmp_path / "rec" / "q1.jsonl").read_text()
+    assert "SECRETR" not in text
+    line = json.loads(text)
+    assert line["path"] == path + "?beta=true&key=%3Credacted%3E"
+    headers = {k.lower(): v for k, v in line["headers"]}
+    assert headers["x-custom-token"] == headers["x-api-key"] == "<redacted>"
+    assert headers["content-type"] == "application/json"
+
+
 @pytest.mark.parametrize("how", ["delete", "retire"])
 async def test_deleting_or_retiring_a_rollout_removes_its_recording(
     make_stack: MakeStack, tmp_path, how

@@ -13,6 +13,7 @@ import numpy as np
 from capture_proxy import readers
 from capture_proxy.proxy.keys import STORE_KEY
 from tests.core.test_weight_versions import weighted_calls
+from tests.factories import record
 from tests.proxy.conftest import ON_BOTH_STORES, Stack
 from tests.proxy.test_export_rest import _export, _freeze
 from tests.proxy.test_npz_and_retention import _session
@@ -94,6 +95,23 @@ async def test_the_chains_read_keeps_the_paths_that_pass(stack: Stack):
     assert kept == [["a", "c"]]
     kept, _ = await calls("unknown_weight_version=keep")  # no filter named: everything
     assert kept == [["a", "b", "c"], ["t"], ["u"]]
+
+
+async def test_a_version_past_64_bits_reads_and_filters_as_the_summary_reports_it(stack: Stack):
+    # The trial's case (#7): 10**18 and up were refused as "not an integer version".
+    big = 99999999999999999999999
+    store = stack.client.app[STORE_KEY]
+    await store.put_call(record("x", [1], [2, 3], weight_versions=[("10", 0, 2)]))
+    await store.put_call(record("y", [9], [8], created_at=1, weight_versions=[(str(big), 0, 1)]))
+    summary = await stack.get_json("/captures/rollouts/r1")
+    assert (summary["weight_version_min"], summary["weight_version_max"]) == (10, big)
+    for n in (10**18, big):
+        body = await stack.get_json(f"/captures/rollouts/r1/chains?min_weight_version={n}")
+        assert [[c["call_id"] for c in ch["calls"]] for ch in body["chains"]] == [["y"]]
+        assert body["weight_filter"]["min_weight_version"] == n
+    resp = await stack.client.get("/captures/rollouts/r1/chains?min_weight_version=" + "9" * 257)
+    assert resp.status == 400
+    assert "1 to 256 digits" in (await resp.json())["error"]["message"]
 
 
 async def test_bad_filter_values_are_400s_naming_the_parameter(stack: Stack):

@@ -1143,3 +1143,14 @@ def test_a_field_that_may_be_a_string_says_so(body: dict[str, Any], message: str
     with pytest.raises(InvalidFrontRequest) as info:
         CODEC.parse(body)
     assert str(info.value) == message
+
+
+def test_prompt_logprobs_is_not_sent_to_the_engine() -> None:
+    # Only the chat front forwards extras; the Messages chat request is built field by field,
+    # so the engine never computes prompt log probs the answer could not carry.
+    chat = CODEC.parse(_with(prompt_logprobs=1, return_token_ids=True)).chat
+    assert chat == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 5,
+    }

@@ -819,3 +819,15 @@ def test_stream_error():
     failed = events[-1][1]["response"]
     assert failed["status"] == "failed"
     assert failed["error"] == {"code": "server_error", "message": "engine went away"}
+
+
+def test_prompt_logprobs_is_not_sent_to_the_engine() -> None:
+    # The Responses chat request is built field by field: no prompt_logprobs reaches the engine.
+    chat = CODEC.parse(
+        {"model": "m", "input": "hi", "prompt_logprobs": 1, "return_token_ids": True}
+    ).chat
+    assert chat == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+    }
