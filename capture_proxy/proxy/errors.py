@@ -97,6 +97,13 @@ class PayloadTooLarge(BadRequest):
     status = 413
 
 
+class UnreadableBody(BadRequest):
+    """The body broke while it was read (a ``Content-Encoding`` it does not decode as, a
+    malformed chunk): nothing after it on the connection can be read as a request."""
+
+    close_connection = True
+
+
 class UnsupportedMediaType(BadRequest):
     status = 415
 

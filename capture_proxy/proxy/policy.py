@@ -19,7 +19,8 @@ and nothing forwarded or stored:
   send cross-site without asking;
 - a ``Content-Encoding`` body is one aiohttp decodes (``gzip``, ``deflate``, raw deflate): it is
   decoded, and the header dropped before anyone forwards it; an undecodable body is a 400
-  (``body_not_decodable``); another encoding a 415 (``unsupported_content_encoding``);
+  (``body_not_decodable``, one INFO line, and the connection closed: the rest of it cannot be
+  parsed); another encoding a 415 (``unsupported_content_encoding``);
 - the body arrives within ``client_body_timeout_s``: else 408 (``request_timeout``) and the
   connection is closed; a client that leaves mid-body is one log line (499,
   ``client_gone``). (A request head that never ends is aiohttp's ``keepalive_timeout``,
@@ -51,6 +52,7 @@ from capture_proxy.proxy.errors import (
     MisdirectedRequest,
     PayloadTooLarge,
     RequestTimeout,
+    UnreadableBody,
     UnsupportedMediaType,
     log_rejected,
 )
@@ -242,15 +244,20 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
             code="request_too_large",
         ) from exc
     except (ContentEncodingError, RequestPayloadError) as exc:
-        # aiohttp's parser decodes as it reads; a failure reaches the reader wrapped.
+        # aiohttp's parser decodes as it reads; a failure reaches the reader wrapped, and
+        # stays on the body's stream. After the answer, aiohttp's server reads what is left
+        # of an unfinished body (its lingering close) and met that error again: an "Unhandled
+        # exception" traceback at ERROR for a client's bad body. The body is over (nothing
+        # more is parsed from this connection): end its stream, and the connection closes.
+        request.content.feed_eof()
         cause = exc if isinstance(exc, ContentEncodingError) else exc.__cause__
         if isinstance(cause, ContentEncodingError):
-            raise BadRequest(
+            raise UnreadableBody(
                 "the request body cannot be decoded as its Content-Encoding says",
                 param="Content-Encoding",
                 code="body_not_decodable",
             ) from exc
-        raise BadRequest(
+        raise UnreadableBody(
             f"the request body could not be read: {exc}", param="body", code="invalid_body"
         ) from exc
 
