@@ -51,6 +51,7 @@ from capture_proxy.proxy.errors import (
     Handler,
     MisdirectedRequest,
     PayloadTooLarge,
+    ProxyError,
     RequestTimeout,
     UnreadableBody,
     UnsupportedMediaType,
@@ -207,6 +208,13 @@ def _decoded_request(request: web.Request) -> web.Request:
     return request.clone(headers=headers)
 
 
+def _cut_short(err: ProxyError, request: web.Request) -> ProxyError:
+    """``err``, knowing the body's bytes that arrived before its reading stopped (its log
+    line says them, not the declared length)."""
+    err.received = request.content.total_bytes
+    return err
+
+
 async def _read_body(request: web.Request, timeout_s: float) -> None:
     """Read the body into the request (aiohttp keeps it: handlers' ``read()`` returns it)."""
     limit = request.client_max_size
@@ -220,28 +228,37 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
             async with asyncio.timeout(timeout_s):
                 await request.read()
     except TimeoutError as exc:
-        raise RequestTimeout(
-            f"the request body did not arrive within {timeout_s:g} s (setting "
-            "client_body_timeout_s)",
-            param="body",
-            code="request_timeout",
+        raise _cut_short(
+            RequestTimeout(
+                f"the request body did not arrive within {timeout_s:g} s (setting "
+                "client_body_timeout_s)",
+                param="body",
+                code="request_timeout",
+            ),
+            request,
         ) from exc
     except asyncio.CancelledError:
         # The client left and the server cancels its handler (handler_cancellation): the same
         # one line as a reset, then the cancellation goes on.
-        log_rejected(request, ClientGone.status, "client_gone")
+        log_rejected(request, ClientGone.status, "client_gone", request.content.total_bytes)
         raise
     except ConnectionResetError as exc:
         # The client left mid-body: one log line (the error middleware's), no traceback.
-        raise ClientGone(
-            "the client closed the connection while sending its body",
-            param="body",
-            code="client_gone",
+        raise _cut_short(
+            ClientGone(
+                "the client closed the connection while sending its body",
+                param="body",
+                code="client_gone",
+            ),
+            request,
         ) from exc
     except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(
-            f"request body exceeds the limit of {limit} bytes (setting max_request_body_bytes)",
-            code="request_too_large",
+        raise _cut_short(
+            PayloadTooLarge(
+                f"request body exceeds the limit of {limit} bytes (setting max_request_body_bytes)",
+                code="request_too_large",
+            ),
+            request,
         ) from exc
     except (ContentEncodingError, RequestPayloadError) as exc:
         # aiohttp's parser decodes as it reads; a failure reaches the reader wrapped, and

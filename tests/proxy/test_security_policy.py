@@ -250,7 +250,8 @@ async def _served(tmp_path, engine_url: str, **settings) -> tuple[ProxyRunner, i
     return runner, sock.getsockname()[1]
 
 
-async def test_a_body_that_stops_coming_gets_a_408(make_stack: MakeStack, tmp_path):
+async def test_a_body_that_stops_coming_gets_a_408(make_stack: MakeStack, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="capture_proxy")
     stack = await make_stack()
     runner, port = await _served(
         tmp_path, str(stack.engine.make_url("")).rstrip("/"), client_body_timeout_s=0.3
@@ -264,6 +265,10 @@ async def test_a_body_that_stops_coming_gets_a_408(make_stack: MakeStack, tmp_pa
         assert status == 408
         assert (err["error"]["code"], err["error"]["param"]) == ("request_timeout", "body")
         assert stack.sent == []
+        # The line says the 10 bytes that came of the 500 declared (it said 500).
+        assert [r.getMessage() for r in caplog.records if " -> 408 " in r.getMessage()] == [
+            f"POST {CAPTURE.format(rollout='r1')} -> 408 (request_timeout, <10 of 500 bytes in>)"
+        ]
     finally:
         await runner.cleanup()
 
