@@ -82,6 +82,10 @@ from harness_notes import NoteRegistry, default_registry
 log = logging.getLogger("capture_proxy")
 
 SWEEPER_KEY = web.AppKey("tombstone_sweeper", asyncio.Task)
+#: A catch-all route's tail: any characters. aiohttp matches routes on the decoded path, and
+#: ``.*`` stops at a newline (``%0A``): such a path matched no route and was a bare 404, not
+#: the handler's own answer (a 400 ``invalid_rollout_id`` for a rollout id holding one).
+ANY_TAIL = r"{tail:[\s\S]*}"
 
 
 async def _warn_if_engine_down(app: web.Application, settings: Settings) -> None:
@@ -316,8 +320,8 @@ def build_proxy_app(
         ),
     )
     app.router.add_route("*", "/captures", unknown_captures_path)
-    app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
-    app.router.add_route("*", "/{tail:.*}", dispatch)
+    app.router.add_route("*", "/captures/" + ANY_TAIL, unknown_captures_path)
+    app.router.add_route("*", "/" + ANY_TAIL, dispatch)
     use_expect_continue(app)
     return app
 
@@ -424,7 +428,7 @@ def build_read_only_app(
         ),
     )
     app.router.add_route("*", "/captures", unknown_captures_path)
-    app.router.add_route("*", "/captures/{tail:.*}", unknown_captures_path)
-    app.router.add_route("*", "/ng-rollout/{tail:.*}", read_only_rollout_path)
+    app.router.add_route("*", "/captures/" + ANY_TAIL, unknown_captures_path)
+    app.router.add_route("*", "/ng-rollout/" + ANY_TAIL, read_only_rollout_path)
     use_expect_continue(app)
     return app

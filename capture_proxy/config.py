@@ -37,6 +37,8 @@ from capture_proxy.core.redact import basic_auth_header, redact_url, split_crede
 
 ImageUrlScheme = Literal["data", "http", "https"]
 _DEFAULT_IMAGE_SCHEMES: tuple[ImageUrlScheme, ...] = ("data", "https")
+#: How many engines the start-up line names (``Settings.backends_label``); more are counted.
+NAMED_BACKENDS = 3
 
 
 class ConfigError(ValueError):
@@ -552,6 +554,15 @@ class Settings(BaseSettings):
     def backend_label(self) -> str:
         """The backend URL for people (start-up line): its password masked."""
         return redact_url(str(self.backend)).rstrip("/")
+
+    @property
+    def backends_label(self) -> str:
+        """Every engine for people (start-up line): ``backend_label`` and the others, joined
+        by `` + ``; past ``NAMED_BACKENDS`` engines, the first and how many more."""
+        labels = [self.backend_label, *(str(u).rstrip("/") for u in self.extra_backends)]
+        if len(labels) <= NAMED_BACKENDS:
+            return " + ".join(labels)
+        return f"{labels[0]} + {len(labels) - 1} more engines"
 
     @property
     def backend_auth_header(self) -> str | None:

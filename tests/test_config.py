@@ -72,3 +72,17 @@ def test_errors_name_the_setting(tmp_path, values, text, fragment):
 def test_missing_config_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="config file .*nope.toml"):
         load_settings({}, tmp_path / "nope.toml")
+
+
+def test_the_backends_label_names_every_engine_or_counts_the_many():
+    def label(*extra: str) -> str:
+        return Settings(
+            backend="http://user:pw@127.0.0.1:8001/", extra_backends=list(extra), store="s"
+        ).backends_label
+
+    assert label() == "http://user:***@127.0.0.1:8001"
+    assert label("http://127.0.0.1:8002/", "http://127.0.0.1:8003") == (
+        "http://user:***@127.0.0.1:8001 + http://127.0.0.1:8002 + http://127.0.0.1:8003"
+    )
+    many = [f"http://127.0.0.1:{8002 + i}" for i in range(4)]
+    assert label(*many) == "http://user:***@127.0.0.1:8001 + 4 more engines"

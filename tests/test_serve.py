@@ -60,6 +60,25 @@ def test_port_0_binds_a_free_port_and_the_port_file_names_it(tmp_path: Path):
     assert "WARNING capture_proxy: the engine at http://127.0.0.1:9 does not answer" in err, err
 
 
+def test_the_serving_line_names_every_backend(tmp_path: Path):
+    """A new-user trial: with several ``--backend``s the line named the first only."""
+    store = tmp_path / "s"
+    proc = _serve("--backend", "http://127.0.0.1:10", "--port", "0", "--store", str(store),
+                  "--workers", "1")  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the child prints (or exits)
+        port = int(line.split("127.0.0.1:", 1)[1].split(" ", 1)[0])
+        assert line == (
+            f"capture-proxy: serving on http://127.0.0.1:{port} -> http://127.0.0.1:9 + "
+            f"http://127.0.0.1:10, store {store}; viewer at http://127.0.0.1:{port}/captures/ui/\n"
+        )
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 0
+
+
 def test_a_busy_port_is_reported_without_a_serving_line(tmp_path: Path):
     import socket
 

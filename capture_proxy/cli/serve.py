@@ -218,7 +218,7 @@ def _run_app(args: argparse.Namespace, settings: Settings, sock: socket.socket) 
         target = "read-only"
     else:
         app = build_proxy_app(settings, store)
-        target = settings.backend_label
+        target = settings.backends_label
     port = sock.getsockname()[1]
     try:
         server.run(
@@ -245,7 +245,7 @@ def _run_workers(args: argparse.Namespace, settings: Settings, sock: socket.sock
         viewer_backend=(args.backend or [None])[0] if args.read_only else None,
         supervisor_pid=os.getpid(),
     )
-    target = "read-only" if args.read_only else settings.backend_label
+    target = "read-only" if args.read_only else settings.backends_label
     port = sock.getsockname()[1]
     banner = _listening_banner(settings, port, target, args.port_file, plan.count)
     return run_workers(plan, sock, new_event_loop(settings.event_loop), banner)

@@ -24,7 +24,7 @@ from capture_proxy.core.fronts import (
 )
 from capture_proxy.core.routing import InvalidRolloutId, Route, RouteKind, route
 from capture_proxy.proxy.call_handler import BackEnds, handle_captured_call, handle_count_tokens
-from capture_proxy.proxy.calls import CaptureDeps
+from capture_proxy.proxy.calls import STORED_AS_KEY, CaptureDeps
 from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.engines import ROUTES_KEY
 from capture_proxy.proxy.errors import (
@@ -45,6 +45,7 @@ from capture_proxy.proxy.keys import (
     STORE_KEY,
 )
 from capture_proxy.proxy.passthrough import forward_uncaptured
+from capture_proxy.proxy.recorder import NOT_STORED
 from capture_proxy.proxy.traffic_tap import note_request
 from capture_proxy.proxy.uncaptured import UNCAPTURED_KEY, refuse_misspelt_capture_path
 from capture_proxy.proxy.upstream import captured_call_timeout
@@ -68,6 +69,10 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
             code="request_too_large",
         ) from exc
 
+
+#: A request under a capture path that reached the captured-call handler (the recorder's
+#: classification).
+CAPTURED = "captured"
 
 #: per engine URL, what its captured calls need (``_call_deps``): made on the first call, once
 #: the app's resources are open; none of it changes while the app runs
@@ -132,7 +137,8 @@ async def _serve_capture_path(
     request: web.Request, target: Route, raw_body: bytes, backend: str
 ) -> tuple[web.StreamResponse, str]:
     """A request under a capture path; returns the response and what was done with it
-    (``captured`` | ``counted`` | ``refused`` | ``forwarded``) for the access log."""
+    (``CAPTURED`` | ``counted`` | ``forwarded``) for the recorder (the access line says what
+    became of a captured call: ``_done``)."""
     path = target.upstream_path
     kind = endpoint_kind(request.method, path)
     front = front_for(path)
@@ -152,7 +158,7 @@ async def _serve_capture_path(
             await _refuse_if_frozen(request, target)
         deps, back_ends = _call_deps(request, backend)
         response = await handle_captured_call(request, target, raw_body, front, deps, back_ends)
-        return response, "captured"
+        return response, CAPTURED
     if kind is EndpointKind.COUNT_TOKENS:
         limits = request.app[IMAGES_KEY].limits
         return await handle_count_tokens(
@@ -196,7 +202,7 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
         raise BadRequest(str(exc), param="rollout_id", code="invalid_rollout_id") from exc
     raw_body = await _read_body(request, settings.max_request_body_bytes)
     note_request(request, raw_body, None)
-    done = "captured" if target.kind is RouteKind.CAPTURE else "forwarded"
+    done = CAPTURED if target.kind is RouteKind.CAPTURE else "forwarded"
     # The engine of this request (the rollout's, with several backends) and its routing key
     # on every engine request made for it (``proxy.engines``).
     engine = request.app[ROUTES_KEY].enter(target.rollout_id)
@@ -223,14 +229,23 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
     except asyncio.CancelledError:
         # The client left and aiohttp cancelled the handler (the call was stored by then):
         # one line, no traceback; a client leaving is no error of the proxy's.
-        _log_request(request, "client gone", done, target, raw_body, started)
+        _log_request(request, "client gone", _done(request, done), target, raw_body, started)
         raise
     finally:
         engine.close()
+    done = _done(request, done)
     if _client_left(request):
         done += ", client gone"
     _log_request(request, response.status, done, target, raw_body, started)
     return response
+
+
+def _done(request: web.Request, done: str) -> str:
+    """What the access line says was done: for a captured call, what became of it (its
+    stored status, or ``not stored``: ``recorder.stored_as``), not that it was captured."""
+    if done == CAPTURED:
+        return request.get(STORED_AS_KEY, NOT_STORED)
+    return done
 
 
 def _log_request(
@@ -241,7 +256,9 @@ def _log_request(
     raw_body: bytes,
     started: float,
 ) -> None:
-    """The one access line of a request (sizes, never bodies or credentials)."""
+    """The one access line of a request (sizes, never bodies or credentials): status, what
+    was done (a captured call's ``complete`` | ``incomplete`` | ``failed`` | ``not stored``;
+    ``counted``, ``forwarded``, ``correlated``), the rollout, the body's bytes as read."""
     log.info(
         "%s %s -> %s (%s, rollout %s, <%d bytes in>, %.1f ms)",
         request.method,

@@ -2,8 +2,8 @@
 
 Owns who may read captures (``captures_token``) and who may call through the proxy
 (``proxy_token``), and which credential goes to the engine: with ``proxy_token`` set the
-harness's ``Authorization`` (or Anthropic's ``x-api-key``) is for the proxy and is stripped
-before forwarding;
+harness's ``Authorization: Bearer`` or Anthropic's ``x-api-key`` (either may carry the token)
+is for the proxy, and both are stripped before forwarding;
 ``backend_api_key`` (or the backend URL's user info, as Basic auth), when set, is the
 engine's and replaces the harness's. Tokens are compared in constant time and never
 logged. ``/health`` stays open (container health checks); ``/metrics`` is guarded by
@@ -71,7 +71,7 @@ def see_other(location: str) -> web.Response:
 
 def _viewer_page(request: web.Request, expected: SecretStr) -> web.StreamResponse | None:
     """None when the page may be served; else the redirect to serve instead."""
-    if token_matches(_bearer(request), expected):
+    if carries_token(request, expected):
         return None
     cookie = request.cookies.get(VIEWER_COOKIE)
     if cookie is not None and hmac.compare_digest(
@@ -92,18 +92,42 @@ def _viewer_page(request: web.Request, expected: SecretStr) -> web.StreamRespons
 
 
 def _bearer(request: web.Request) -> str | None:
-    """The token of ``Authorization: Bearer <token>``, or of ``x-api-key: <token>`` (how
-    Anthropic clients such as Claude Code send their key)."""
-    value = request.headers.get("Authorization", "")
-    scheme, _, token = value.partition(" ")
+    """The token of ``Authorization: Bearer <token>``, or None."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
+    return None
+
+
+def _api_key(request: web.Request) -> str | None:
+    """The token of ``x-api-key: <token>`` (how Anthropic clients send their key), or None."""
     return request.headers.get("x-api-key", "").strip() or None
 
 
+def carries_token(request: web.Request, expected: SecretStr) -> bool:
+    """Whether ``Authorization: Bearer`` or ``x-api-key`` carries ``expected``. Either may:
+    Claude Code sends both when ``ANTHROPIC_AUTH_TOKEN`` and ``ANTHROPIC_API_KEY`` are set,
+    one of them for the proxy (both are stripped before the engine)."""
+    return token_matches(_bearer(request), expected) or token_matches(_api_key(request), expected)
+
+
 def _check(request: web.Request, expected: SecretStr, what: str) -> None:
-    if not token_matches(_bearer(request), expected):
-        raise Unauthorized(f"missing or invalid bearer token for {what}", code="invalid_api_key")
+    if carries_token(request, expected):
+        return
+    # Which headers were looked at and which were sent (their names, never their values).
+    sent = [name for name in ("Authorization", "x-api-key") if name in request.headers]
+    if not sent:
+        message = (
+            f"no token for {what}: send it as Authorization: Bearer <token> or x-api-key: "
+            "<token>"
+        )
+    else:
+        message = (
+            f"invalid token for {what}: checked Authorization: Bearer and x-api-key, and "
+            f"the {' and '.join(sent)} header{'s' if len(sent) > 1 else ''} sent "
+            f"{'do' if len(sent) > 1 else 'does'} not carry it"
+        )
+    raise Unauthorized(message, code="invalid_api_key")
 
 
 def auth_middleware(settings: Settings) -> Middleware:

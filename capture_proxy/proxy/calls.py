@@ -32,6 +32,9 @@ log = logging.getLogger("capture_proxy")
 
 #: Response header naming the captured call, so a harness or test can read it back over REST.
 CALL_ID_HEADER = "X-Capture-Call-Id"
+#: What became of the request's captured call (``recorder.stored_as``), set when its record
+#: was written or refused: the access line says it (``proxy.app``), also for a client that left.
+STORED_AS_KEY = web.RequestKey("stored_as", str)
 DETOKENIZE_TIMEOUT_S = 10.0
 
 

@@ -86,6 +86,9 @@ class ProxyError(Exception):
         self.code = code
         #: The stored call this error ended (a failed engine call): its id goes on the answer.
         self.call_id: str | None = None
+        #: The body's bytes read (decoded) before this error cut its reading short (a body
+        #: timeout, a client gone mid-body); None: the body was read whole, or not at all.
+        self.received: int | None = None
 
 
 class BadRequest(ProxyError, ValueError):
@@ -95,6 +98,13 @@ class BadRequest(ProxyError, ValueError):
 
 class PayloadTooLarge(BadRequest):
     status = 413
+
+
+class UnreadableBody(BadRequest):
+    """The body broke while it was read (a ``Content-Encoding`` it does not decode as, a
+    malformed chunk): nothing after it on the connection can be read as a request."""
+
+    close_connection = True
 
 
 class UnsupportedMediaType(BadRequest):
@@ -221,19 +231,21 @@ def error_response(exc: ProxyError, request: web.Request | None = None) -> web.R
     return response
 
 
-def log_rejected(request: web.Request, status: int, what: str | None) -> None:
-    """One line per error response: method, path, status, what, the body's declared size
-    (never the body, the query or a credential)."""
+def log_rejected(
+    request: web.Request, status: int, what: str | None, received: int | None = None
+) -> None:
+    """One line per error response: method, path, status, what, the body's size (never the
+    body, the query or a credential): ``<N bytes in>``, its declared size, or for a body
+    whose reading was cut short, ``<K of N bytes in>``: ``received`` (K) of the declared N."""
     size = request.content_length
-    log.log(
-        logging.WARNING if status >= 500 else logging.INFO,
-        "%s %s -> %d (%s, <%s bytes in>)",
-        request.method,
-        request.path,
-        status,
-        what,
-        size if size is not None else "?",
-    )
+    level = logging.WARNING if status >= 500 else logging.INFO
+    declared = size if size is not None else "?"
+    if received is None:
+        log.log(level, "%s %s -> %d (%s, <%s bytes in>)", request.method, request.path,
+                status, what, declared)  # fmt: skip
+    else:
+        log.log(level, "%s %s -> %d (%s, <%d of %s bytes in>)", request.method, request.path,
+                status, what, received, declared)  # fmt: skip
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -247,7 +259,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except ProxyError as exc:
         # A 4xx message may quote the body; its code says what without it.
         what = exc.message if exc.status >= 500 else exc.code or exc.error_type
-        log_rejected(request, exc.status, what)
+        log_rejected(request, exc.status, what, exc.received)
         return error_response(exc, request)
     except StoreError as exc:
         if type(exc) is not StoreError:  # its subclasses are answers the handlers give

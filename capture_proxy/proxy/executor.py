@@ -32,6 +32,7 @@ from capture_proxy.core.flow.call import Flow, Outcome
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
+    STORED_AS_KEY,
     CaptureDeps,
     ClientWriter,
     decoder,
@@ -40,7 +41,7 @@ from capture_proxy.proxy.calls import (
     upstream_headers,
 )
 from capture_proxy.proxy.errors import UpstreamTimeout
-from capture_proxy.proxy.recorder import StoreWrite
+from capture_proxy.proxy.recorder import StoreWrite, stored_as
 from capture_proxy.proxy.upstream import (
     CLIENT_ERRORS,
     CONNECT_ERRORS,
@@ -314,6 +315,7 @@ class CallExecutor:
 
     async def _persist(self, c: cmd.Persist) -> ev.Persisted:
         written = await self.deps.recorder.persist(c.record, c.request)
+        self.request[STORED_AS_KEY] = stored_as(c.record.status, written)
         return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED)
 
     async def _remember(self, c: cmd.Remember) -> None:

@@ -19,7 +19,8 @@ and nothing forwarded or stored:
   send cross-site without asking;
 - a ``Content-Encoding`` body is one aiohttp decodes (``gzip``, ``deflate``, raw deflate): it is
   decoded, and the header dropped before anyone forwards it; an undecodable body is a 400
-  (``body_not_decodable``); another encoding a 415 (``unsupported_content_encoding``);
+  (``body_not_decodable``, one INFO line, and the connection closed: the rest of it cannot be
+  parsed); another encoding a 415 (``unsupported_content_encoding``);
 - the body arrives within ``client_body_timeout_s``: else 408 (``request_timeout``) and the
   connection is closed; a client that leaves mid-body is one log line (499,
   ``client_gone``). (A request head that never ends is aiohttp's ``keepalive_timeout``,
@@ -50,7 +51,9 @@ from capture_proxy.proxy.errors import (
     Handler,
     MisdirectedRequest,
     PayloadTooLarge,
+    ProxyError,
     RequestTimeout,
+    UnreadableBody,
     UnsupportedMediaType,
     log_rejected,
 )
@@ -205,6 +208,13 @@ def _decoded_request(request: web.Request) -> web.Request:
     return request.clone(headers=headers)
 
 
+def _cut_short(err: ProxyError, request: web.Request) -> ProxyError:
+    """``err``, knowing the body's bytes that arrived before its reading stopped (its log
+    line says them, not the declared length)."""
+    err.received = request.content.total_bytes
+    return err
+
+
 async def _read_body(request: web.Request, timeout_s: float) -> None:
     """Read the body into the request (aiohttp keeps it: handlers' ``read()`` returns it)."""
     limit = request.client_max_size
@@ -218,39 +228,53 @@ async def _read_body(request: web.Request, timeout_s: float) -> None:
             async with asyncio.timeout(timeout_s):
                 await request.read()
     except TimeoutError as exc:
-        raise RequestTimeout(
-            f"the request body did not arrive within {timeout_s:g} s (setting "
-            "client_body_timeout_s)",
-            param="body",
-            code="request_timeout",
+        raise _cut_short(
+            RequestTimeout(
+                f"the request body did not arrive within {timeout_s:g} s (setting "
+                "client_body_timeout_s)",
+                param="body",
+                code="request_timeout",
+            ),
+            request,
         ) from exc
     except asyncio.CancelledError:
         # The client left and the server cancels its handler (handler_cancellation): the same
         # one line as a reset, then the cancellation goes on.
-        log_rejected(request, ClientGone.status, "client_gone")
+        log_rejected(request, ClientGone.status, "client_gone", request.content.total_bytes)
         raise
     except ConnectionResetError as exc:
         # The client left mid-body: one log line (the error middleware's), no traceback.
-        raise ClientGone(
-            "the client closed the connection while sending its body",
-            param="body",
-            code="client_gone",
+        raise _cut_short(
+            ClientGone(
+                "the client closed the connection while sending its body",
+                param="body",
+                code="client_gone",
+            ),
+            request,
         ) from exc
     except web.HTTPRequestEntityTooLarge as exc:
-        raise PayloadTooLarge(
-            f"request body exceeds the limit of {limit} bytes (setting max_request_body_bytes)",
-            code="request_too_large",
+        raise _cut_short(
+            PayloadTooLarge(
+                f"request body exceeds the limit of {limit} bytes (setting max_request_body_bytes)",
+                code="request_too_large",
+            ),
+            request,
         ) from exc
     except (ContentEncodingError, RequestPayloadError) as exc:
-        # aiohttp's parser decodes as it reads; a failure reaches the reader wrapped.
+        # aiohttp's parser decodes as it reads; a failure reaches the reader wrapped, and
+        # stays on the body's stream. After the answer, aiohttp's server reads what is left
+        # of an unfinished body (its lingering close) and met that error again: an "Unhandled
+        # exception" traceback at ERROR for a client's bad body. The body is over (nothing
+        # more is parsed from this connection): end its stream, and the connection closes.
+        request.content.feed_eof()
         cause = exc if isinstance(exc, ContentEncodingError) else exc.__cause__
         if isinstance(cause, ContentEncodingError):
-            raise BadRequest(
+            raise UnreadableBody(
                 "the request body cannot be decoded as its Content-Encoding says",
                 param="Content-Encoding",
                 code="body_not_decodable",
             ) from exc
-        raise BadRequest(
+        raise UnreadableBody(
             f"the request body could not be read: {exc}", param="body", code="invalid_body"
         ) from exc
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from capture_proxy.core.codec import RequestEncoding
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.proxy.losses import LossLedger
 from capture_proxy.proxy.metrics import Metrics
 from capture_proxy.store.base import CaptureStore, RolloutDeleted
@@ -45,6 +45,22 @@ class StoreWrite(enum.Enum):
     LOST = "lost"
     #: not stored: the rollout was deleted (a late call; no failure)
     LATE = "late"
+
+
+#: What a captured call's access line says when its record was not stored (a store failure,
+#: ``REFUSED`` or ``LOST``), or when the call made none (refused before a record).
+NOT_STORED = "not stored"
+#: ... and when its rollout was deleted (``LATE``).
+NOT_STORED_DELETED = "not stored (rollout deleted)"
+
+
+def stored_as(status: CallStatus, written: StoreWrite) -> str:
+    """What became of a call, for its access line: the stored record's status (``complete``,
+    ``incomplete``, ``failed``), else ``NOT_STORED`` or ``NOT_STORED_DELETED``. (Constant
+    strings: the access line is on every call's path.)"""
+    if written is StoreWrite.STORED:
+        return status.value
+    return NOT_STORED_DELETED if written is StoreWrite.LATE else NOT_STORED
 
 
 @dataclass

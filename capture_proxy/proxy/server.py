@@ -30,6 +30,7 @@ from aiohttp.web_runner import GracefulExit
 from aiohttp.web_server import Server
 
 from capture_proxy.proxy.errors import error_body
+from capture_proxy.proxy.policy import DECODED_ENCODINGS
 
 log = logging.getLogger("capture_proxy")
 
@@ -37,22 +38,30 @@ log = logging.getLogger("capture_proxy")
 def protocol_error_response(status: int, exc: BaseException | None) -> web.Response:
     """The JSON answer to a request aiohttp could not parse (``status`` from its parser), in
     OpenAI's shape whatever the path (aiohttp gives no path for a request it cannot read).
-    ``param``: ``headers`` (or ``Content-Encoding``)."""
+    ``param``: ``headers`` (or ``Content-Encoding``). The connection closes after it."""
     if status >= 500:
         body = error_body("internal proxy error", "internal_error")
+    elif isinstance(exc, ContentEncodingError) and _names_decoded_encoding(exc):
+        # A gzip or deflate body that does not decode where the parser checks it (a deflate
+        # stream cut short is found at the body's end): the policy's 400, as when the failure
+        # comes while the body is read.
+        body = error_body(
+            "the request body cannot be decoded as its Content-Encoding says",
+            "invalid_request_error",
+            param="Content-Encoding",
+            code="body_not_decodable",
+        )
+    elif isinstance(exc, ContentEncodingError):
+        # The parser refuses an encoding it has no decoder for (br, zstd) on the headers.
+        body = error_body(
+            "this Content-Encoding is not supported: send the body plain, or gzip or "
+            "deflate encoded",
+            "invalid_request_error",
+            param="Content-Encoding",
+            code="unsupported_content_encoding",
+        )
+        status = 415
     else:
-        if isinstance(exc, ContentEncodingError):
-            # The parser refuses an encoding it has no decoder for (br, zstd) on the headers.
-            body = error_body(
-                "this Content-Encoding is not supported: send the body plain, or gzip or "
-                "deflate encoded",
-                "invalid_request_error",
-                param="Content-Encoding",
-                code="unsupported_content_encoding",
-            )
-            resp = web.json_response(body, status=415)
-            resp.force_close()
-            return resp
         if isinstance(exc, LineTooLong):
             # aiohttp's message quotes the line (perhaps a credential): say only how long.
             limit = exc.message.split(" when reading", 1)[0].removeprefix("Got ")
@@ -69,6 +78,14 @@ def protocol_error_response(status: int, exc: BaseException | None) -> web.Respo
     return resp
 
 
+def _names_decoded_encoding(exc: ContentEncodingError) -> bool:
+    """Whether aiohttp's message names an encoding it decodes (``Can not decode
+    content-encoding: gzip``, or ``deflate`` alone for a deflate stream cut short), not one
+    it has no decoder for (``... brotli (br). Please install ...``)."""
+    named = exc.message.rpartition(":")[2].strip().lower()
+    return named in DECODED_ENCODINGS
+
+
 class JsonErrorRequestHandler(RequestHandler):
     """aiohttp's per-connection protocol handler, answering its own errors as JSON."""
 
@@ -81,20 +98,21 @@ class JsonErrorRequestHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        response = protocol_error_response(status, exc)
         if status >= 500:
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         else:
             log.info(
                 "rejected a malformed request from %s -> %d (%s)",
                 request.remote,
-                status,
+                response.status,
                 type(exc).__name__ if exc is not None else "bad request",
             )
         if request.writer.output_size > 0:  # as aiohttp: a started response cannot change
             raise ConnectionError(
                 "Response is sent already, cannot send another response with the error message"
             )
-        return protocol_error_response(status, exc)
+        return response
 
 
 class JsonErrorServer(Server):

@@ -162,3 +162,26 @@ async def test_invalid_rollout_id_is_a_400_and_nothing_is_forwarded(stack: Stack
     assert stack.sent == []
     body = await stack.get_json("/captures/rollouts/-bad", status=400)
     assert body["error"]["code"] == "invalid_rollout_id"
+
+
+async def test_a_control_character_in_a_rollout_id_is_the_same_400(stack: Stack):
+    """A newline (``%0A``) in the id matched no route (aiohttp's ``.*`` stops at it): a bare
+    404 "Not Found", where every other bad id gets ``invalid_rollout_id``."""
+    for rid in ("a%0Ab", "a%0A", "%0Aa", "a%09b", "a%0Db", "a%0D%0Ab", "a%7Fb"):
+        for path in (
+            f"/ng-rollout/{rid}/training-token-capture/v1/chat/completions",
+            f"/ng-rollout/{rid}/v1/chat/completions",
+        ):
+            resp = await stack.client.post(path, json=_body(USER))
+            body = await resp.json()
+            assert (resp.status, body["error"]["code"], body["error"]["param"]) == (
+                400,
+                "invalid_rollout_id",
+                "rollout_id",
+            ), path
+        body = await stack.get_json(f"/captures/rollouts/{rid}/chains", status=400)
+        assert body["error"]["code"] == "invalid_rollout_id"
+    # Under /captures, a path no route takes is the read API's JSON 404, newline or not.
+    body = await stack.get_json("/captures/what%0Aever", status=404)
+    assert body["error"]["type"] == "not_found_error"
+    assert stack.sent == []

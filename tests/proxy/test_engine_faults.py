@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 
 import aiohttp
@@ -175,6 +176,49 @@ async def test_proxy_and_read_api_tokens(make_stack):
     )
     assert listing.status == 200
     assert (await stack.client.get("/health")).status == 200
+
+
+async def test_the_proxy_token_may_come_in_either_header(make_stack, caplog):
+    """Claude Code sends ``Authorization`` and ``x-api-key`` when ``ANTHROPIC_AUTH_TOKEN`` and
+    ``ANTHROPIC_API_KEY`` are both set: the token in either passes, both are stripped before
+    the engine, and a 401 names the headers checked and sent, never their values."""
+    caplog.set_level(logging.DEBUG)
+    stack = await make_stack(captures_token="read-secret", proxy_token="proxy-secret")
+    for headers in (
+        {"x-api-key": "proxy-secret", "Authorization": "Bearer other-secret"},
+        {"x-api-key": "other-secret", "Authorization": "Bearer proxy-secret"},
+    ):
+        resp = await stack.chat("r1", _body(USER), headers=headers)
+        assert resp.status == 200, await resp.text()
+        sent = {k.lower() for k in stack.sent[-1].request_headers}
+        assert "authorization" not in sent and "x-api-key" not in sent
+    checked = "invalid token for the proxy: checked Authorization: Bearer and x-api-key, and the"
+    refused = [
+        ({}, "no token for the proxy: send it as Authorization: Bearer <token> or x-api-key: "
+             "<token>"),
+        ({"Authorization": "Bearer other-secret"},
+         f"{checked} Authorization header sent does not carry it"),
+        ({"Authorization": "Basic proxy-secret"},
+         f"{checked} Authorization header sent does not carry it"),
+        ({"x-api-key": "other-secret"}, f"{checked} x-api-key header sent does not carry it"),
+        ({"x-api-key": "other-secret", "Authorization": "Bearer other-secret"},
+         f"{checked} Authorization and x-api-key headers sent do not carry it"),
+    ]  # fmt: skip
+    for headers, message in refused:
+        resp = await stack.chat("r1", _body(USER), headers=headers)
+        err = (await resp.json())["error"]
+        assert (resp.status, err["code"], err["message"]) == (401, "invalid_api_key", message)
+    assert len(stack.sent) == 2
+    # The read API takes its token the same ways.
+    for headers in ({"x-api-key": "read-secret"}, {"Authorization": "Bearer read-secret"}):
+        assert (await stack.client.get("/captures/rollouts", headers=headers)).status == 200
+    resp = await stack.client.get("/captures/rollouts", headers={"x-api-key": "proxy-secret"})
+    assert (resp.status, (await resp.json())["error"]["message"]) == (
+        401,
+        "invalid token for the read API: checked Authorization: Bearer and x-api-key, and the "
+        "x-api-key header sent does not carry it",
+    )
+    assert "secret" not in caplog.text
 
 
 async def test_backend_api_key_replaces_the_harness_credential(make_stack):

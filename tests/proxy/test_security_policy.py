@@ -250,7 +250,8 @@ async def _served(tmp_path, engine_url: str, **settings) -> tuple[ProxyRunner, i
     return runner, sock.getsockname()[1]
 
 
-async def test_a_body_that_stops_coming_gets_a_408(make_stack: MakeStack, tmp_path):
+async def test_a_body_that_stops_coming_gets_a_408(make_stack: MakeStack, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="capture_proxy")
     stack = await make_stack()
     runner, port = await _served(
         tmp_path, str(stack.engine.make_url("")).rstrip("/"), client_body_timeout_s=0.3
@@ -264,6 +265,10 @@ async def test_a_body_that_stops_coming_gets_a_408(make_stack: MakeStack, tmp_pa
         assert status == 408
         assert (err["error"]["code"], err["error"]["param"]) == ("request_timeout", "body")
         assert stack.sent == []
+        # The line says the 10 bytes that came of the 500 declared (it said 500).
+        assert [r.getMessage() for r in caplog.records if " -> 408 " in r.getMessage()] == [
+            f"POST {CAPTURE.format(rollout='r1')} -> 408 (request_timeout, <10 of 500 bytes in>)"
+        ]
     finally:
         await runner.cleanup()
 
@@ -319,6 +324,72 @@ async def test_an_undecodable_body_is_a_400(make_stack: MakeStack, name):
     assert resp.status == 400, await resp.text()
     err = (await resp.json())["error"]
     assert (err["code"], err["param"]) == ("body_not_decodable", "Content-Encoding")
+    assert stack.sent == []
+    # The answer closed its connection, so the client's next request takes a new one (it
+    # was sent on the old one as it closed: "Server disconnected").
+    assert resp.headers["Connection"] == "close"
+    assert (await stack.chat("r1", _body(USER))).status == 200
+
+
+async def _send_and_read_to_close(port: int, data: bytes) -> bytes:
+    """Send ``data`` on a new connection and read until the server closes it (bounded): the
+    server has finished with the request, its log lines included, once it has closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(WAIT_S):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+NOT_COMPRESSED = b"this is not compressed at all"
+#: A deflate stream cut short: aiohttp's parser finds it at the body's end, before any handler.
+CUT_DEFLATE = zlib.compress(json.dumps(_body(USER)).encode())[:-8]
+#: The log line of each: the policy's (the body failed while read), the parser's.
+POLICY_LINE = "{method} {path} -> 400 (body_not_decodable, <{size} bytes in>)"
+PARSER_LINE = "rejected a malformed request from 127.0.0.1 -> 400 (ContentEncodingError)"
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "logged"),
+    [
+        ("gzip", NOT_COMPRESSED, POLICY_LINE),
+        ("deflate", NOT_COMPRESSED, POLICY_LINE),
+        ("deflate", CUT_DEFLATE, PARSER_LINE),
+    ],
+    ids=["gzip", "deflate", "deflate-cut-short"],
+)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("POST", CAPTURE.format(rollout="enc")), ("PUT", "/captures/rollouts/enc/metadata")],
+    ids=["capture", "metadata"],
+)
+async def test_an_undecodable_body_leaves_one_info_line_and_no_traceback(
+    make_stack: MakeStack, caplog, name, body, logged, method, path
+):
+    """A new-user trial: the client got its 400, and the log an ERROR "Unhandled exception"
+    with tracebacks (aiohttp's lingering close read the broken body again). A deflate body
+    cut short was a 415 saying deflate is not supported."""
+    caplog.set_level(logging.DEBUG)
+    stack = await make_stack()
+    raw = await _send_and_read_to_close(
+        stack.client.port,
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: {name}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
+    # (The server closed the connection: the rest of such a body cannot be parsed.)
+    head, _, answer = raw.partition(b"\r\n\r\n")
+    assert head.split(b" ", 2)[1] == b"400", raw
+    err = json.loads(answer)["error"]
+    assert (err["code"], err["param"]) == ("body_not_decodable", "Content-Encoding")
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "capture_proxy"] == [
+        ("INFO", logged.format(method=method, path=path, size=len(body)))
+    ]
     assert stack.sent == []
 
 
