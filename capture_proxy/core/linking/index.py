@@ -331,15 +331,9 @@ class LinkIndex:
             for e in (self._childless.get(parent_digest) or {}).values()
             if e.model == model and e.num_tokens is not None and e.superseded_by is None
         ]
-        if claimed is not None and any(claimed(e.call_id) for e in head):
-            taken = {e.call_id for e in head if claimed(e.call_id)}
-
-            def claims_preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
-                verifiable, superseded, has_child, created_at, call_id = self._preference(entry)
-                return (verifiable, superseded, has_child or call_id in taken, created_at, call_id)
-
-            mine = (e for e in found.values() if e.model == model)
-            return Candidates(_candidates(mine, claims_preference), None)
+        claimed_ids = {e.call_id for e in head if claimed(e.call_id)} if claimed else None
+        if claimed_ids:
+            return self._claimed_matches(head, claimed_ids, found, model)
         if not head or len(head) == len(found):
             return Candidates(_candidates(e for e in found.values() if e.model == model), None)
         taken = {e.call_id for e in head}
@@ -347,6 +341,37 @@ class LinkIndex:
         return Candidates(
             _candidates(head),
             lambda: _candidates(e for e in others if e.model == model and e.call_id not in taken),
+        )
+
+    def _claimed_matches(
+        self,
+        head: list[_Entry],
+        claimed_ids: set[str],
+        found: dict[str, _Entry],
+        model: str | None,
+    ) -> Candidates:
+        """``_matches`` when some of the childless calls (``head``) are claimed by calls in
+        flight elsewhere (``claimed_ids``): those count as having a child. The unclaimed ones
+        come first, made at once; the rest (the claimed ones among the calls with a child,
+        by age) only when asked, so a resolution still costs what is few."""
+
+        def claims_preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
+            verifiable, superseded, has_child, created_at, call_id = self._preference(entry)
+            taken = has_child or call_id in claimed_ids
+            return (verifiable, superseded, taken, created_at, call_id)
+
+        free = [e for e in head if e.call_id not in claimed_ids]
+        if not free:
+            mine = (e for e in found.values() if e.model == model)
+            return Candidates(_candidates(mine, claims_preference), None)
+        made = {e.call_id for e in free}
+        others = list(found.values())
+        return Candidates(
+            _candidates(free),
+            lambda: _candidates(
+                (e for e in others if e.model == model and e.call_id not in made),
+                claims_preference,
+            ),
         )
 
     def _is_captured_turn(self, turn: Mapping[str, Any], model: str | None) -> bool:

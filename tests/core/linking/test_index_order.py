@@ -102,3 +102,33 @@ def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():
         LinkIndex._preference = staticmethod(preference)
     # the retry target of the shared first request: the latest, without a sort
     assert index.resolve(None, "q", retry_requested=True).retry_of == "a1000"
+
+
+def test_claims_elsewhere_keep_the_resolution_to_the_childless_calls():
+    # The same 1,000 sessions with children, and two childless first calls, the earlier one
+    # claimed by a call in flight on another worker: the later one is first, and still only
+    # the childless calls are ordered until a reader goes past them.
+    index = LinkIndex()
+    for i in range(1000):
+        index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
+        index.add(f"b{i}", i + 0.5, child_digest=f"e{i}", request_digest=f"r{i}",
+                  status="complete", parent_call_id=f"a{i}", **KEY)  # fmt: skip
+    for i in (1000, 1001):
+        index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
+    looked: list[str] = []
+    preference = LinkIndex._preference
+    LinkIndex._preference = staticmethod(lambda e: looked.append(e.call_id) or preference(e))
+    try:
+        got = index.resolve("d", "r-new", model=None, claimed={"a1000"}.__contains__)
+        assert (got.parent_call_id, got.candidates[0].call_id) == ("a1001", "a1001")
+        assert looked == ["a1001"]
+        # the rest, asked for: the claimed one among those with a child, by age
+        assert [c.call_id for c in got.candidates][:3] == ["a1001", "a0", "a1"]
+        assert [c.call_id for c in got.candidates][-2:] == ["a999", "a1000"]
+        assert len(got.candidates) == 1002
+    finally:
+        LinkIndex._preference = staticmethod(preference)
+    # every childless call claimed: all are ordered, the claimed ones by age among the rest
+    every = index.resolve("d", "r-new", model=None, claimed={"a1000", "a1001"}.__contains__)
+    assert [c.call_id for c in every.candidates][:2] == ["a0", "a1"]
+    assert [c.call_id for c in every.candidates][-2:] == ["a1000", "a1001"]
