@@ -79,20 +79,17 @@ def resolve_step(
             claimed=held.claimed if held is not None else None,
         )
 
-    resolution = resolve(index)
-    if refresh_on_miss and resolution.verdict is Verdict.UNRESOLVED and parent_digest is not None:
-        found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
-        refresh_index(index, found)
-        resolution = resolve(index)
-    if (
-        claims is not None
-        and resolution.parent_call_id is not None
-        and index.shares_digest(parent_digest)
-    ):
+    if claims is not None and index.shares_digest(parent_digest):
         # Identical siblings: another worker's call in flight may have taken the preferred one.
         index, resolution = yield from _claim(
             index, rollout_id, call_id, claims, index_current, resolve
         )
+    else:
+        resolution = resolve(index)
+    if refresh_on_miss and resolution.verdict is Verdict.UNRESOLVED and parent_digest is not None:
+        found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
+        refresh_index(index, found)
+        resolution = resolve(index)
     # In flight, the call counts as a child of the candidate it was resolved to, so an
     # identical sibling resolved before it is stored prefers another candidate.
     index.add(
