@@ -26,6 +26,7 @@ from typing import Any
 
 import orjson
 
+from capture_proxy.core.known_messages import message_key
 from capture_proxy.core.stored_form import canonical_json, json_sha256
 
 #: Default bound (bytes of keys, texts and forms): a few hundred distinct tool sets.
@@ -69,12 +70,8 @@ def derive_tools_facts(tools: Any, key: bytes | None) -> ToolsFacts:
     return ToolsFacts(key, text, sha, sorted_text)
 
 
-def tools_key(tools: Any) -> bytes | None:
-    """A tools value's key: its orjson text; None when orjson cannot write it."""
-    try:
-        return orjson.dumps(tools)
-    except TypeError:
-        return None
+#: A tools value's key: its orjson text, as a message's (None when orjson cannot write it).
+tools_key = message_key
 
 
 class KnownTools:

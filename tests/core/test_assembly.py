@@ -144,30 +144,6 @@ def test_length_mismatch_is_refused():
     assert rec.generation_token_ids.tolist() == [5, 6]
 
 
-def test_non_finite_log_probs_are_kept_and_flagged():
-    asm = ChatCaptureAssembler(CTX)
-    asm.add_response(
-        {
-            "prompt_token_ids": [1],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "a"},
-                    "token_ids": [5, 6, 7],
-                    "logprobs": _lp(-1.0, None, float("-inf")),
-                    "finish_reason": "stop",
-                }
-            ],
-        }
-    )
-    rec = asm.finish(latency_ms=1.0, http_status=200)
-    assert rec.status is CallStatus.COMPLETE
-    assert math.isnan(rec.generation_log_probs[1]) and rec.generation_log_probs[2] == -np.inf
-    assert [d.to_json() for d in rec.diagnostics] == [
-        {"kind": "non_finite_logprob", "details": {"positions": [1, 2]}}
-    ]
-
-
 def _whole_answer(*log_probs):
     asm = ChatCaptureAssembler(CTX)
     asm.add_response(
@@ -185,6 +161,15 @@ def _whole_answer(*log_probs):
         }
     )
     return asm.finish(latency_ms=1.0, http_status=200)
+
+
+def test_non_finite_log_probs_are_kept_and_flagged():
+    rec = _whole_answer(-1.0, None, float("-inf"))
+    assert rec.status is CallStatus.COMPLETE
+    assert math.isnan(rec.generation_log_probs[1]) and rec.generation_log_probs[2] == -np.inf
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": [1, 2]}}
+    ]
 
 
 def test_impossible_log_probs_are_kept_and_named_truthfully():

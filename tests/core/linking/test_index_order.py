@@ -2,6 +2,9 @@
 sorting every call of the digest would, and resolving looks only at the childless calls of a
 digest that many calls share (``core.linking.index``)."""
 
+import contextlib
+from collections.abc import Iterator
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,20 +79,37 @@ def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops):
         assert {c: e.children for c, e in index.entries.items()} == children
 
 
-def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():
-    # 1,000 sessions of one rollout whose first answers were alike (one child digest): each
-    # continued by its own second call. A new session's second call resolves to its own first
-    # call, the one without a child, without ordering the 1,000 others.
+def _alike_sessions(childless: int) -> LinkIndex:
+    """1,000 sessions of one rollout whose first answers were alike (one child digest "d"),
+    each continued by its own second call, and ``childless`` first calls after them
+    (a1000, ...) without a child yet."""
     index = LinkIndex()
     for i in range(1000):
         index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
         index.add(f"b{i}", i + 0.5, child_digest=f"e{i}", request_digest=f"r{i}",
                   status="complete", parent_call_id=f"a{i}", **KEY)  # fmt: skip
-    index.add("a1000", 1000.0, child_digest="d", request_digest="q", status="complete", **KEY)
+    for i in range(1000, 1000 + childless):
+        index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
+    return index
+
+
+@contextlib.contextmanager
+def _preferences_looked() -> Iterator[list[str]]:
+    """The call ids ``LinkIndex._preference`` is asked about meanwhile, in order."""
     looked: list[str] = []
     preference = LinkIndex._preference
     LinkIndex._preference = staticmethod(lambda e: looked.append(e.call_id) or preference(e))
     try:
+        yield looked
+    finally:
+        LinkIndex._preference = staticmethod(preference)
+
+
+def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():
+    # A new session's second call resolves to its own first call, the one without a child,
+    # without ordering the 1,000 others.
+    index = _alike_sessions(1)
+    with _preferences_looked() as looked:
         got = index.resolve("d", "r-new", model=None)
         first = got.candidates[0]
         assert looked == ["a1000"]
@@ -98,8 +118,6 @@ def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():
         assert isinstance(got.candidates, Candidates)
         assert [c.call_id for c in got.candidates][:3] == ["a1000", "a0", "a1"]
         assert len(got.candidates) == 1001
-    finally:
-        LinkIndex._preference = staticmethod(preference)
     # the retry target of the shared first request: the latest, without a sort
     assert index.resolve(None, "q", retry_requested=True).retry_of == "a1000"
 
@@ -108,17 +126,8 @@ def test_claims_elsewhere_keep_the_resolution_to_the_childless_calls():
     # The same 1,000 sessions with children, and two childless first calls, the earlier one
     # claimed by a call in flight on another worker: the later one is first, and still only
     # the childless calls are ordered until a reader goes past them.
-    index = LinkIndex()
-    for i in range(1000):
-        index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
-        index.add(f"b{i}", i + 0.5, child_digest=f"e{i}", request_digest=f"r{i}",
-                  status="complete", parent_call_id=f"a{i}", **KEY)  # fmt: skip
-    for i in (1000, 1001):
-        index.add(f"a{i}", float(i), child_digest="d", request_digest="q", status="complete", **KEY)
-    looked: list[str] = []
-    preference = LinkIndex._preference
-    LinkIndex._preference = staticmethod(lambda e: looked.append(e.call_id) or preference(e))
-    try:
+    index = _alike_sessions(2)
+    with _preferences_looked() as looked:
         got = index.resolve("d", "r-new", model=None, claimed={"a1000"}.__contains__)
         assert (got.parent_call_id, got.candidates[0].call_id) == ("a1001", "a1001")
         assert looked == ["a1001"]
@@ -126,8 +135,6 @@ def test_claims_elsewhere_keep_the_resolution_to_the_childless_calls():
         assert [c.call_id for c in got.candidates][:3] == ["a1001", "a0", "a1"]
         assert [c.call_id for c in got.candidates][-2:] == ["a999", "a1000"]
         assert len(got.candidates) == 1002
-    finally:
-        LinkIndex._preference = staticmethod(preference)
     # every childless call claimed: all are ordered, the claimed ones by age among the rest
     every = index.resolve("d", "r-new", model=None, claimed={"a1000", "a1001"}.__contains__)
     assert [c.call_id for c in every.candidates][:2] == ["a0", "a1"]
