@@ -22,7 +22,12 @@ off; the figure is then the instructions per call at calls N+1 ... of one rollou
 PostgreSQL store (a throwaway server, ``benchmarks/infra.py``; the server's own work is not
 counted, only the proxy process's). ``--tools-from FILE``: every request offers the tools of a
 recorded harness session (e.g. OpenCode's 21 KB, ``tests/fixtures/opencode/logs/*.jsonl``)
-instead of two small ones.
+instead of two small ones. ``--answer-tokens N``: the engine answers every call with exactly N
+generation tokens (``cpu_sweep.write_policy``; a streamed call is then N + 3 events), so two
+runs, e.g. 32 and 512, give the instructions per streamed token: (I(512) - I(32)) / 480.
+``--relay-event``: also the floor, ``bare_relay.py --per-event`` (one write per SSE event) in
+front of the same engine, measured the same way (as ``relay``; its client sends the body the
+proxy would send upstream), so the proxy's instructions are read against the relay's.
 
 Needs valgrind (Debian's ``valgrind`` package; the benchmark says so and exits 2 without it).
 Under callgrind the proxy runs ~50x slower: 30 sessions take about a minute per tree and mode.
@@ -46,9 +51,15 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.cpu_sweep import sweep_session  # noqa: E402
+from benchmarks.cpu_sweep import sweep_session, write_policy  # noqa: E402
 from benchmarks.infra import PostgresServer, postgres_bin_dir  # noqa: E402
-from benchmarks.services import ROOT, Service, engine_service, proxy_service  # noqa: E402
+from benchmarks.services import (  # noqa: E402
+    ROOT,
+    Service,
+    engine_service,
+    free_port,
+    proxy_service,
+)
 from benchmarks.sessions import (  # noqa: E402
     CallResult,
     Target,
@@ -56,6 +67,10 @@ from benchmarks.sessions import (  # noqa: E402
     client_session,
     recorded_tools,
 )
+
+#: The bare relay (``floor.py``'s ``relay-event``) and its name among the trees.
+RELAY = Path(__file__).resolve().with_name("bare_relay.py")
+RELAY_TREE = "relay"
 
 #: What callgrind prints at exit: the instructions counted while instrumentation was on.
 _COLLECTED = re.compile(r"Collected : (\d+)")
@@ -75,21 +90,22 @@ class Figure:
 
 def _under_callgrind(proxy: Service, src: Path) -> None:
     """Run ``proxy`` under callgrind, importing ``capture_proxy`` from ``src`` (``-c`` puts
-    no directory of its own first on sys.path, so ``src`` wins over the installed tree)."""
-    code = (
-        f"import sys; sys.path.insert(0, {str(src)!r}); "
-        "from capture_proxy.cli import main; sys.exit(main())"
-    )
-    serve_args = proxy.argv[1:]  # after the capture-proxy script
+    no directory of its own first on sys.path, so ``src`` wins over the installed tree). The
+    relay (a script, its argv ``python bare_relay.py ...``) runs as it is."""
+    if proxy.name == RELAY_TREE:
+        program = proxy.argv
+    else:
+        code = (
+            f"import sys; sys.path.insert(0, {str(src)!r}); "
+            "from capture_proxy.cli import main; sys.exit(main())"
+        )
+        program = [sys.executable, "-c", code, *proxy.argv[1:]]  # after the capture-proxy script
     proxy.argv = [
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
         f"--callgrind-out-file={proxy.log_path.with_suffix('.callgrind')}",
-        sys.executable,
-        "-c",
-        code,
-        *serve_args,
+        *program,
     ]
 
 
@@ -103,14 +119,24 @@ async def measure(
     steps: int = 3,
     store: str | None = None,
     workload: Workload | None = None,
+    answer_tokens: int | None = None,
 ) -> Figure:
     """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions of
     ``steps`` calls (``rollout_size``: all in one rollout, after that many calls sent into it
     unmeasured), on ``store`` (default: a new SQLite store in the work directory), with
-    ``workload``'s requests."""
+    ``workload``'s requests; ``answer_tokens``: every answer that long (None: the scripted
+    engine's default policy)."""
     work = Path(tempfile.mkdtemp(prefix=f"instructions-{tree}-"))
-    engine = engine_service(work)
-    proxy = proxy_service(work, engine.url, store or work / "store")
+    policy = write_policy(work, answer_tokens) if answer_tokens else None
+    engine = engine_service(work, policy=policy)
+    if tree == RELAY_TREE:
+        port = free_port()
+        argv = [sys.executable, str(RELAY), "--backend", engine.url, "--port", str(port)]
+        proxy = Service(RELAY_TREE, [*argv, "--per-event"], port, work / "relay.log")
+        target = Target(RELAY_TREE, proxy.url, capture=False, augment=True)
+    else:
+        proxy = proxy_service(work, engine.url, store or work / "store")
+        target = Target("backend_template", proxy.url, capture=True)
     _under_callgrind(proxy, src)
     http = client_session(8, read_timeout_s=600)
     try:
@@ -118,7 +144,6 @@ async def measure(
         await engine.wait_healthy(http, 60)
         proxy.start()
         await proxy.wait_healthy(http, 600)
-        target = Target("backend_template", proxy.url, capture=True)
         one = f"one-{tree}-{int(stream)}" if rollout_size is not None else None
         load = (http, target, stream, workload or Workload())
         results = await _sessions(*load, 10, f"warm-{tree}", one, steps)
@@ -175,10 +200,13 @@ def _control(proxy: Service, *args: str) -> None:
 def report(figures: list[Figure]) -> None:
     print("\ninstructions per captured call (callgrind; all the proxy's threads, no kernel)")
     base = {f.stream: f for f in figures if f.tree == "base"}
+    relay = {f.stream: f for f in figures if f.tree == RELAY_TREE}
     for f in figures:
         ratio = ""
-        if f.tree != "base" and f.stream in base:
+        if f.tree not in ("base", RELAY_TREE) and f.stream in base:
             ratio = f"  {f.per_call_m / base[f.stream].per_call_m:.3f}x base"
+        if f.tree != RELAY_TREE and f.stream in relay:
+            ratio += f"  {f.per_call_m / relay[f.stream].per_call_m:.3f}x relay"
         mode = "stream" if f.stream else "whole"
         print(f"  {f.tree:<6}{mode:<8}{f.calls:>5} calls {f.per_call_m:>9.4f} M{ratio}")
 
@@ -187,6 +215,8 @@ async def main_async(args: argparse.Namespace) -> int:
     trees = [("this", ROOT)]
     if args.baseline_src:
         trees.insert(0, ("base", Path(args.baseline_src).resolve()))
+    if args.relay_event:
+        trees.insert(0, (RELAY_TREE, ROOT))
     figures = []
     tools = recorded_tools(Path(args.tools_from)) if args.tools_from else None
     workload = Workload(tools=tools)
@@ -212,6 +242,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     steps=args.steps,
                     store=store,
                     workload=workload,
+                    answer_tokens=args.answer_tokens,
                 )
                 figures.append(figure)
                 print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
@@ -237,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--postgres", action="store_true", help="a PostgreSQL store (throwaway)")
     ap.add_argument(
         "--tools-from", metavar="FILE", help="the tools of a recorded harness session (JSONL)"
+    )
+    ap.add_argument(
+        "--relay-event", action="store_true", help="also the bare relay, one write per event"
+    )
+    ap.add_argument(
+        "--answer-tokens", type=int, metavar="N", help="every answer exactly N generation tokens"
     )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:

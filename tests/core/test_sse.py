@@ -118,3 +118,31 @@ def test_bytes_that_are_not_utf8_are_refused():
     assert cut.feed("data: \u2603".encode()[:-1]) == []
     with pytest.raises(UnicodeDecodeError):
         cut.close()
+
+
+def _data_in_pieces(data: bytes, size: int) -> list[bytes]:
+    decoder = SSEStreamDecoder()
+    out: list[bytes] = []
+    for i in range(0, len(data), size):
+        out += decoder.feed_data(data[i : i + size])
+    return out + decoder.close_data()
+
+
+def test_the_data_only_reading_gives_each_events_data_for_any_stream_and_split():
+    # feed_data is feed with the names, ids and comments dropped and the data as UTF-8 bytes,
+    # whichever way (short cut or httpx-sse) each block goes.
+    rng = random.Random(20261206)
+    for _ in range(400):
+        text = "".join(rng.choice(BLOCKS) for _ in range(rng.randint(1, 8)))
+        data = text.encode()
+        for size in (1, 2, 3, 7, 64, len(data)):
+            want = [event.data.encode() for event in _reference(data, size)]
+            assert _data_in_pieces(data, size) == want, (text, size)
+
+
+def test_the_data_only_short_cut_hands_the_bytes_on_unchecked_and_the_long_way_checks_them():
+    # The short cut's data is the block's bytes: the caller's JSON parse refuses bad UTF-8.
+    assert SSEStreamDecoder().feed_data(b"data: \xff\xfe\n\n") == [b"\xff\xfe"]
+    with pytest.raises(UnicodeDecodeError):
+        SSEStreamDecoder().feed_data(b"event: x\ndata: \xff\xfe\n\n")
+    assert _data_in_pieces(STREAM, 5) == [event.data.encode() for event in EXPECTED]

@@ -376,11 +376,11 @@ class _Pump:
         """The front's events for one engine read. Raises ValueError, EngineFormatError."""
         out: list[bytes] = []
         encoder, asm = self.encoder, self.gen.asm
-        for event in decoder.feed(data):
-            if event.data == "[DONE]":
+        for event_data in decoder.feed_data(data):
+            if event_data == b"[DONE]":
                 self.done = True
                 continue
-            piece = self.gen.reader.chunk(parse_json_event(event.data))
+            piece = self.gen.reader.chunk(parse_json_event(event_data))
             asm.add(piece)
             new = self.parser_stream.feed(piece.text, piece.token_ids)
             self.deltas += new

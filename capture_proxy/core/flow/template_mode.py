@@ -79,6 +79,8 @@ from capture_proxy.core.sse import (
 )
 from capture_proxy.core.version_spans import Observation, WeightVersions
 
+_DONE = DONE_SENTINEL.encode()
+
 #: Why an aborted engine-rendered generation is not continued (backend-template mode: the
 #: proxy has no tokens-in request and parser of its own for the model to continue it with).
 ABORTED = (
@@ -112,6 +114,7 @@ def aborted_record(record: CallRecord) -> CallRecord:
     return record.replace(
         diagnostics=[*record.diagnostics, Diagnostic(DiagnosticKind.GENERATION_ABORTED, details)]
     )
+
 
 #: Keys of an engine delta that carry the answer (``reasoning``: vLLM's newer name).
 _DELTA_KEYS = ("content", "reasoning_content", "reasoning", "tool_calls")
@@ -268,22 +271,27 @@ class _Relay:
         self.problem: str | None = None
         self.seen = seen
         self.aborted = False
+        self.broken = False  # the engine's stream is not UTF-8: it ends here
 
-    def handle(self, events: list[Any]) -> list[bytes]:
+    def handle(self, datas: list[bytes]) -> list[bytes]:
+        """The client's events for the engine events' data (``SSEStreamDecoder.feed_data``),
+        in order. Data that is not UTF-8 stops the stream: ``broken`` is set and what came
+        before it is returned."""
         out: list[bytes] = []
-        for event in events:
-            if event.data == DONE_SENTINEL:
+        for data in datas:
+            if data == _DONE:
                 self.done_seen = True
                 continue
             try:
-                chunk = parse_json_event(event.data)
-                if not isinstance(chunk, dict):
+                chunk = parse_json_event(data)
+                if type(chunk) is not dict:
                     raise ValueError("not a JSON object")
+            except UnicodeDecodeError as exc:
+                self.problem, self.broken = f"engine stream is not UTF-8: {exc.reason}", True
+                return out
             except ValueError as exc:
                 # Not forwarded: a harness would choke on it. The stream ends with an error.
-                self.problem = (
-                    f"engine sent a malformed stream event ({len(event.data)} bytes): {exc}"
-                )
+                self.problem = f"engine sent a malformed stream event ({len(data)} bytes): {exc}"
                 continue
             self.assembler.add_chunk(chunk)
             if self.assembler.finish_reason == "abort" and not self.aborted:
@@ -317,12 +325,13 @@ def _pump(call: Call, relay: _Relay) -> Flow[tuple[bool, RequestEncoding | None]
         if piece.weight_version is not None:
             relay.seen.seen(piece.weight_version, len(relay.assembler.generation_token_ids))
         try:
-            events = decoder.close() if isinstance(piece, EngineEnd) else decoder.feed(piece.data)
+            end = isinstance(piece, EngineEnd)
+            datas = decoder.close_data() if end else decoder.feed_data(piece.data)
         except UnicodeDecodeError as exc:
             relay.problem = f"engine stream is not UTF-8: {exc.reason}"
             return False, request_encoding
-        state: ClientState = yield WriteClient(b"".join(relay.handle(events)))
-        if isinstance(piece, EngineEnd):
+        state: ClientState = yield WriteClient(b"".join(relay.handle(datas)))
+        if end or relay.broken:
             return state.gone, request_encoding
         if not encoded:
             # The first events are on their way: while the engine generates, encode the

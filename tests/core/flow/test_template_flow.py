@@ -219,6 +219,28 @@ def test_an_engine_stream_that_breaks_ends_the_client_stream_with_an_error():
     assert pb.outcome.record.status is CallStatus.INCOMPLETE
 
 
+def test_an_engine_event_that_is_not_utf8_ends_the_stream_after_the_events_before_it():
+    # The events of the read before the bad one go to the client and into the record; the
+    # bad one and what follows it in the read do neither, and the call is incomplete.
+    pb = playbook(ChatCodec(), STREAM_BODY)
+    _to_engine(pb, STREAM_BODY)
+    pb.send(e.EngineResponded(200, True))
+    pb.send(e.ClientState(False))
+    bad = b'data: {"choices": [{"delta": {"content": "\xff"}}]}\n\n'
+    read = encode_json_event(CHUNKS[0]) + bad + encode_json_event(CHUNKS[1])
+    assert pb.send(e.EnginePiece(read)) == c.WriteClient(encode_json_event(_stripped(CHUNKS[0])))
+    verify = pb.send(e.ClientState(False))
+    record = verify.record
+    assert record.status is CallStatus.INCOMPLETE
+    assert record.generation_token_ids.tolist() == [7]
+    assert record.generation_log_probs.tolist() == [-0.5]
+    reasons = ["engine stream is not UTF-8: invalid start byte"]
+    assert [(d.kind, d.details) for d in record.diagnostics] == [
+        ("finish_reason_missing", {}),
+        ("capture_incomplete", {"reasons": reasons}),
+    ]
+
+
 def test_a_client_that_leaves_before_the_answer_is_recorded_abandoned():
     pb = playbook(ChatCodec(), BODY)
     _to_engine(pb, BODY)
