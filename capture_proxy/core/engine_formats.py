@@ -118,6 +118,16 @@ def _finish_reason(value: Any) -> str | None:
     return str(value)
 
 
+def _held_at_abort(piece: Piece) -> Piece:
+    """An engine's text of an aborted piece without its trailing U+FFFD: an abort is no end,
+    and a continuation may complete the character it split (SGLang flushes a finished
+    request's text whole, a split character as U+FFFD; vLLM holds it back). A continuation's
+    reader gives it with the character (``IncrementalText.resume_after``)."""
+    if piece.finish_reason == "abort" and piece.text.endswith("\ufffd"):
+        piece.text = piece.text.rstrip("\ufffd")
+    return piece
+
+
 #: vLLM's ``return_tokens_as_token_ids`` form of a log-prob token (``format_token_id_placeholder``)
 TOKEN_ID_PREFIX = "token_id:"
 
@@ -191,7 +201,7 @@ class VllmCompletionsReader:
             piece.routed_experts = choice.get("routed_experts")
         if top.get("prompt_token_ids") is not None and piece.prompt_token_ids is None:
             piece.prompt_token_ids = top["prompt_token_ids"]
-        return piece
+        return _held_at_abort(piece)
 
 
 class VllmCompletions:
@@ -260,12 +270,18 @@ class IncrementalText:
         #: the window's start and the end of the ids whose text was emitted
         self.prefix = 0
         self.read = 0
+        #: characters at the end of the emitted ids' text not emitted (``resume_after``)
+        self.held = 0
 
-    def resume_after(self, ids: list[int]) -> None:
-        """Go on after ``ids``, whose text was all emitted (a continuation's first ids follow)."""
+    def resume_after(self, ids: list[int], given: str) -> None:
+        """Go on after ``ids``, of whose text ``given`` was emitted (a continuation's first ids
+        follow). What ``given`` lacks of the ids' text (the first bytes of a character an abort
+        split, held back) comes out with the character once the next ids complete it."""
         self.ids = list(ids)
         self.read = len(self.ids)
         self.prefix = max(0, self.read - WINDOW)
+        whole = self.decode(self.ids)
+        self.held = len(whole) - len(given) if whole.startswith(given) else 0
 
     def add(self, ids: list[int], *, final: bool = False) -> str:
         self.ids.extend(ids)
@@ -273,11 +289,13 @@ class IncrementalText:
             return ""
         emitted = self.decode(self.ids[self.prefix : self.read])
         text = self.decode(self.ids[self.prefix :])
-        if len(text) <= len(emitted) or (text.endswith("\ufffd") and not final):
+        start = len(emitted) - self.held
+        if len(text) <= start or (text.endswith("\ufffd") and not final):
             return ""
         self.prefix = max(self.prefix, self.read - WINDOW)
         self.read = len(self.ids)
-        return text[len(emitted) :]
+        self.held = 0
+        return text[start:]
 
 
 #: ids before the newly emitted ones a window keeps
@@ -316,7 +334,8 @@ class VllmGenerateReader:
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
             piece.routed_experts = choice.get("routed_experts")
             piece.weight_versions = choice.get("weight_versions")
-        done = final or piece.finish_reason is not None
+        # An abort is no end: a continuation may follow and complete a character it split.
+        done = piece.finish_reason != "abort" and (final or piece.finish_reason is not None)
         piece.text = self.text.add(piece.token_ids, final=done)
         return piece
 
@@ -397,6 +416,7 @@ class SglangGenerateReader:
             piece.text = text[self.text_len :]
             self.text_len = len(text)
         piece.finish_reason = _finish_reason(meta.get("finish_reason"))
+        _held_at_abort(piece)
         piece.routed_experts = meta.get("routed_experts")
         version = meta.get("weight_version")
         piece.weight_version = version if isinstance(version, str) else None

@@ -144,5 +144,76 @@ def test_incremental_text_goes_on_after_a_continuation(qwen_tokenizer):
     ids = qwen_tokenizer.encode("before the cut, 你好 and after it", add_special_tokens=False)
     cut = len(ids) // 2
     inc = IncrementalText(decode)
-    inc.resume_after(ids[:cut])
+    inc.resume_after(ids[:cut], decode(ids[:cut]))
     assert decode(ids[:cut]) + inc.add(ids[cut:], final=True) == decode(ids)
+
+
+# --- an abort that splits a character (weight updates: the generation is continued) ---------
+
+SPLIT_TEXT = "日本語 🎉🎉 naïve 𝔘𝔫𝔦 done"
+
+
+def _generate_piece(ids: list[int], finish: str | None) -> dict:
+    content = [{"logprob": -0.5} for _ in ids]
+    choice = {"index": 0, "token_ids": ids, "logprobs": {"content": content}}
+    return {"choices": [{**choice, "finish_reason": finish}]}
+
+
+def _split_cuts(qwen_tokenizer) -> tuple[list[int], list[int]]:
+    """The text's ids, and the cuts (ids before an abort) that end inside a character."""
+    ids = qwen_tokenizer.encode(SPLIT_TEXT, add_special_tokens=False)
+    cuts = [k for k in range(1, len(ids)) if qwen_tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    return ids, cuts
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_generate_text_is_exact_across_an_abort_that_splits_a_character(
+    qwen_tokenizer, stream
+):
+    # The reader goes on after the abort (needs_decode): the split character's first bytes
+    # are held back, not flushed as U+FFFD, and the continuation completes them.
+    ids, cuts = _split_cuts(qwen_tokenizer)
+    assert cuts == [3, 4, 9, 10, 12]  # inside the emoji and the math letters (byte-level ids)
+    for cut in range(1, len(ids)):
+        reader = get_dialect("vllm_generate").reader(lambda t: str(qwen_tokenizer.decode(t)))
+        if stream:
+            text = "".join(reader.chunk(_generate_piece([i], None)).text for i in ids[: cut - 1])
+            text += reader.chunk(_generate_piece([ids[cut - 1]], "abort")).text
+            text += "".join(reader.chunk(_generate_piece([i], None)).text for i in ids[cut:-1])
+            text += reader.chunk(_generate_piece([ids[-1]], "stop")).text
+        else:
+            text = reader.whole(_generate_piece(ids[:cut], "abort")).text
+            text += reader.whole(_generate_piece(ids[cut:], "stop")).text
+        assert text == SPLIT_TEXT, cut
+
+
+def test_a_continuation_decoded_locally_completes_the_character_the_abort_split(qwen_tokenizer):
+    # The text of the ids before the cut was given without the split character's first bytes
+    # (held back, as vLLM's detokenizer holds them); the continuation's text starts with it.
+    def decode(t: list[int]) -> str:
+        return str(qwen_tokenizer.decode(t))
+
+    ids, cuts = _split_cuts(qwen_tokenizer)
+    assert cuts
+    for cut in range(1, len(ids)):
+        before = IncrementalText(decode)
+        given = "".join(before.add([i]) for i in ids[:cut])
+        after = IncrementalText(decode)
+        after.resume_after(ids[:cut], given)
+        assert given + after.add(ids[cut:], final=True) == SPLIT_TEXT, cut
+
+
+def test_an_engines_text_of_an_aborted_piece_holds_back_a_split_character():
+    # SGLang flushes a finished request's text whole (a split character as U+FFFD); at an
+    # abort the proxy holds it back for the continuation to complete. Other ends keep it.
+    meta = {"finish_reason": {"type": "abort"}, "output_token_logprobs": [[-0.5, 7, None]]}
+    reader = get_dialect("sglang_generate").reader()
+    piece = reader.chunk({"text": "日本 \ufffd", "output_ids": [7], "meta_info": meta})
+    assert (piece.text, piece.finish_reason) == ("日本 ", "abort")
+    stop = {**meta, "finish_reason": {"type": "stop"}}
+    piece = get_dialect("sglang_generate").reader().chunk(
+        {"text": "日本 \ufffd", "output_ids": [7], "meta_info": stop}
+    )
+    assert piece.text == "日本 \ufffd"
+    choice = {"index": 0, "text": "a\ufffd", "token_ids": [7], "finish_reason": "abort"}
+    assert get_dialect("vllm_completions").reader().chunk({"choices": [choice]}).text == "a"

@@ -14,6 +14,7 @@ import pytest
 
 from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY
 from capture_proxy.scripted_engine import ScriptedEngineConfig
+from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.scripted_engine.weights import WEIGHTS
 from tests.proxy.api_clients import harness
 from tests.proxy.conftest import Stack
@@ -262,3 +263,46 @@ async def test_a_paused_engine_that_does_not_resume_in_time_ends_the_call(
     assert stored["status"] == "incomplete"
     assert "did not serve again" in _diagnostic(stored, "generation_aborted")["reason"]
     await _engine(stack, "/resume")
+
+
+#: an answer whose characters take several byte-level ids (an abort can cut one in two)
+WIDE_STEP = {
+    "reasoning": "Print them.",
+    "content": "日本語 🎉🎉 naïve 𝔘𝔫𝔦 done",
+    "tool_calls": [{"name": "bash", "arguments": {"command": "echo 🎉 日本"}}],
+}
+
+
+@pytest.mark.parametrize("dialect", list(SOURCES))
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_abort_inside_a_character_is_continued_to_the_same_text(
+    make_stack, qwen_tokenizer, qwen_tokenizer_dir, stream, dialect
+):
+    # Held at every token where the ids so far end inside a character: the harness reads the
+    # text and arguments of the call made without a pause (no U+FFFD where the cut fell).
+    policy = Policy.model_validate({"steps": [WIDE_STEP]})
+    engine = ScriptedEngineConfig(policy=policy, dev_mode=True, enable_scale_out=True)
+    settings = {"tokens_in_dialect": dialect, "tokenizer": qwen_tokenizer_dir}
+    stack = await make_stack(engine_config=engine, prompt_mode="exact_tokens", **settings)
+    h = harness("chat_completions", stack, "ref", stream=stream)
+    ref = await h.send()
+    assert ref.status == 200 and ref.content == WIDE_STEP["content"]
+    ids = (await stack.get_json(f"/captures/calls/{ref.call_id}"))["generation_token_ids"]
+    cuts = [k for k in range(1, len(ids)) if qwen_tokenizer.decode(ids[:k]).endswith("\ufffd")]
+    assert len(cuts) == 7  # 5 in the content, 2 in the arguments
+    weights = stack.engine_app[WEIGHTS]
+    for k in cuts:
+        weights.hold_at = k
+        h = harness("chat_completions", stack, f"cut-{k}", stream=stream)
+        call = asyncio.create_task(h.send())
+        await asyncio.wait_for(weights.held.wait(), WAIT_S)
+        weights.held.clear()
+        await _engine(stack, "/pause?mode=abort")
+        await _update(stack, f"v{k}")
+        await _engine(stack, "/resume")
+        reply = await asyncio.wait_for(call, WAIT_S)
+        assert reply.status == 200, (k, reply.body)
+        assert (reply.content, reply.tool_calls[0][1:]) == (ref.content, ref.tool_calls[0][1:]), k
+        stored = await stack.get_json(f"/captures/calls/{reply.call_id}")
+        assert stored["response_message"]["content"] == WIDE_STEP["content"], k
+        assert stored["generation_token_ids"] == ids, k

@@ -142,24 +142,27 @@ def _continued_reader(gen: Resumable) -> Reader:
     fresh = gen.exact.dialect.reader(gen.exact.decode)
     if gen.exact.decode is None:
         return fresh
-    return _LocallyDecoded(fresh, gen.exact.decode, gen.asm.token_ids)
+    return _LocallyDecoded(fresh, gen.exact.decode, gen.asm.token_ids, gen.asm.generated_text)
 
 
 class _LocallyDecoded:
     """A continuation's reader whose pieces' text is decoded locally from every id of the
-    call so far (``decode``), picking up after the text already given."""
+    call so far (``decode``), picking up after the text already given (``given``: a
+    character the abort split was held back and comes with the ids that complete it)."""
 
-    def __init__(self, inner: Reader, decode: Any, ids: list[int]) -> None:
+    def __init__(self, inner: Reader, decode: Any, ids: list[int], given: str) -> None:
         self.inner = inner
         self.text = IncrementalText(decode)
-        self.text.resume_after(ids)
+        self.text.resume_after(ids, given)
 
     def whole(self, body: dict[str, Any]) -> Piece:
         piece = self.inner.whole(body)
-        piece.text = self.text.add(piece.token_ids, final=True)
+        # an abort is no end: another continuation may complete a character it split
+        piece.text = self.text.add(piece.token_ids, final=piece.finish_reason != "abort")
         return piece
 
     def chunk(self, body: dict[str, Any]) -> Piece:
         piece = self.inner.chunk(body)
-        piece.text = self.text.add(piece.token_ids, final=piece.finish_reason is not None)
+        done = piece.finish_reason not in (None, "abort")
+        piece.text = self.text.add(piece.token_ids, final=done)
         return piece
