@@ -4,15 +4,16 @@ Owns ``WeightWatcher`` (one per engine base URL) and ``WeightWatchers`` (the app
 started and stopped with the app):
 
 - the version: a background task reads ``GET /weight_info`` (vLLM 0.32, ``VLLM_SERVER_DEV_MODE=1``:
-  ``{"weight_version": str}``) every ``weight_version_poll_s``; a call reads the cached
+  ``{"weight_version": str}``), or where that is 404 SGLang's ``GET /get_model_info`` (its
+  ``weight_version``), every ``weight_version_poll_s``; a call reads the cached
   ``version`` and ``epoch`` (bumped on each change), never the engine, so observing costs no
   engine round trip per call. An engine without the endpoint (404) is asked again every
   ``NO_ENDPOINT_RETRY_S``.
 - the pause: after an engine aborted a call (``finish_reason: "abort"``), ``wait_serving``
   waits until ``GET /is_paused`` says ``false``, with one poll loop per engine however many
   calls wait (``PAUSE_POLL_S``), bounded by the caller. An engine without ``/is_paused``
-  (404: vLLM without dev mode, SGLang) cannot say: the caller goes on (the engine queues new
-  requests while paused).
+  (404: vLLM without dev mode, SGLang) cannot say: the caller then goes on only if the
+  version changed (``core.flow.resume``).
 - ``still_paused``: whether a read that timed out may go on waiting (``keep`` and ``wait``
   pauses hold requests in the engine's queue; no proxy timeout may cut them for it).
 
@@ -33,6 +34,9 @@ from capture_proxy.proxy.upstream import CLIENT_ERRORS
 
 log = logging.getLogger("capture_proxy")
 
+#: where an engine says its weight version (``weight_version`` in the answer), in the order
+#: asked: vLLM 0.32 (dev mode), SGLang
+VERSION_PATHS = ("/weight_info", "/get_model_info")
 #: seconds between ``/is_paused`` readings while calls wait for an engine to serve again
 PAUSE_POLL_S = 0.25
 #: seconds before an engine that answered 404 to ``/weight_info`` is asked again
@@ -54,6 +58,7 @@ class WeightWatcher:
         self.version: str | None = None
         self.epoch = 0
         self.has_endpoint: bool | None = None
+        self._version_path: str | None = None  # the VERSION_PATHS entry the engine answers
         self._serving: asyncio.Task[bool | None] | None = None
 
     async def _get(self, path: str) -> dict[str, Any] | None:
@@ -71,18 +76,22 @@ class WeightWatcher:
         return data
 
     async def read_version(self) -> str | None:
-        """Read ``/weight_info`` now; the version (the last known one when it cannot be read)."""
+        """Read the version now (``VERSION_PATHS``: the first the engine answers, remembered);
+        the version (the last known one when it cannot be read)."""
         try:
-            data = await self._get("/weight_info")
+            data = None
+            for path in VERSION_PATHS if self._version_path is None else (self._version_path,):
+                data = await self._get(path)
+                if data is not None:
+                    self._version_path = path
+                    break
         except (*CLIENT_ERRORS, ValueError):
             return self.version
         self.has_endpoint = data is not None
         version = data.get("weight_version") if data is not None else None
         if isinstance(version, str) and version != self.version:
             if self.version is not None:
-                log.info(
-                    "engine %s: weight version %s -> %s", self.backend, self.version, version
-                )
+                log.info("engine %s: weight version %s -> %s", self.backend, self.version, version)
             self.version = version
             self.epoch += 1
         return self.version

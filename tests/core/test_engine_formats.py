@@ -211,8 +211,10 @@ def test_an_engines_text_of_an_aborted_piece_holds_back_a_split_character():
     piece = reader.chunk({"text": "日本 \ufffd", "output_ids": [7], "meta_info": meta})
     assert (piece.text, piece.finish_reason) == ("日本 ", "abort")
     stop = {**meta, "finish_reason": {"type": "stop"}}
-    piece = get_dialect("sglang_generate").reader().chunk(
-        {"text": "日本 \ufffd", "output_ids": [7], "meta_info": stop}
+    piece = (
+        get_dialect("sglang_generate")
+        .reader()
+        .chunk({"text": "日本 \ufffd", "output_ids": [7], "meta_info": stop})
     )
     assert piece.text == "日本 \ufffd"
     choice = {"index": 0, "text": "a\ufffd", "token_ids": [7], "finish_reason": "abort"}

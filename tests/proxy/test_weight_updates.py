@@ -165,6 +165,8 @@ async def test_an_abort_in_backend_template_mode_is_an_honest_retryable_error(
             assert names[-1] == "response.failed" and "response.completed" not in names
         else:
             assert names[-1] == "error" and "message_stop" not in names
+            # the type Claude Code retries, as the 503 of a whole answer
+            assert datas[-1]["error"]["type"] == "overloaded_error"
     call = await stack.get_json(f"/captures/calls/{reply.call_id}")
     assert call["status"] == "incomplete"
     assert call["finish_reason"] == "abort"
@@ -246,6 +248,27 @@ async def test_an_abort_without_a_pause_or_update_is_not_continued(make_stack, q
     assert "neither paused nor updated" in _diagnostic(stored, "generation_aborted")["reason"]
 
 
+async def test_a_streamed_messages_call_whose_abort_is_not_continued_ends_in_overloaded_error(
+    make_stack, qwen_tokenizer_dir
+):
+    # The stream's in-band error has the type Claude Code retries (the 503's type).
+    stack = await _stack(make_stack, "exact_tokens", qwen_tokenizer_dir)
+    weights = stack.engine_app[WEIGHTS]
+    weights.hold_at = HOLD
+    h = harness("messages", stack, "r1", stream=True)
+    call = asyncio.create_task(h.send())
+    await asyncio.wait_for(weights.held.wait(), WAIT_S)
+    await _engine(stack, "/abort_requests")
+    await weights.release()
+    reply = await asyncio.wait_for(call, WAIT_S)
+    assert reply.status == 200 and len(stack.sent) == 1
+    names = [e.name for e in reply.events]
+    assert names[-1] == "error" and "message_stop" not in names
+    error = reply.events[-1].data["error"]
+    assert error["type"] == "overloaded_error"
+    assert "neither paused nor updated" in error["message"]
+
+
 async def test_a_paused_engine_that_does_not_resume_in_time_ends_the_call(
     make_stack, qwen_tokenizer_dir
 ):
@@ -306,3 +329,33 @@ async def test_an_abort_inside_a_character_is_continued_to_the_same_text(
         stored = await stack.get_json(f"/captures/calls/{reply.call_id}")
         assert stored["response_message"]["content"] == WIDE_STEP["content"], k
         assert stored["generation_token_ids"] == ids, k
+
+
+async def test_the_version_is_read_from_sglangs_model_info_where_vllms_endpoint_is_missing():
+    import aiohttp
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from capture_proxy.proxy.weight_watch import WeightWatcher
+
+    asked: list[str] = []
+    model_info = {"model_path": "m", "weight_version": "7"}
+
+    async def get_model_info(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response(model_info)
+
+    async def weight_info(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        raise web.HTTPNotFound()  # vLLM without dev mode, SGLang
+
+    app = web.Application()
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/weight_info", weight_info)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        watcher = WeightWatcher(session, str(server.make_url("")).rstrip("/"), 1.0)
+        assert await watcher.read_version() == "7"
+        model_info["weight_version"] = "8"
+        assert (await watcher.read_version(), watcher.epoch) == ("8", 2)
+        # the endpoint that answered is remembered: /weight_info is asked once only
+        assert asked == ["/weight_info", "/get_model_info", "/get_model_info"]

@@ -186,6 +186,8 @@ def refused_stream_end(encoder: StreamEncoder | None, refusal: StoreUnavailable)
     if encoder is None:
         return chat_error_event(refusal.message, code=refusal.code)
     return encoder.error(refusal.message, code=refusal.code)
+
+
 def with_images(call: Call, record: CallRecord) -> CallRecord:
     """``record`` with its images (``core.image_spans``): their entries in prompt order, their
     bytes for the store; incomplete when its prompt's placeholder runs do not pair with them.

@@ -70,6 +70,10 @@ class EngineAnswerUnusable(CallError):
         super().__init__(message, code="engine_bad_response")
 
 
+#: the code of an abort the proxy did not continue (a 503, or a stream's in-band error)
+GENERATION_ABORTED = "generation_aborted"
+
+
 class GenerationAborted(CallError):
     """The engine aborted the generation (a pause for a weight update) and the proxy could not
     continue it: the call is stored incomplete, and the harness gets an error it retries
@@ -79,7 +83,7 @@ class GenerationAborted(CallError):
         super().__init__(
             f"the engine aborted the generation and it could not be continued ({reason}); "
             "retry the request",
-            code="generation_aborted",
+            code=GENERATION_ABORTED,
         )
         self.call_id = call_id
 

@@ -77,8 +77,7 @@ def engine_prompt(
     runs = image_runs(prompt_ids)
     if len(runs) != len(ordered):
         raise RenderError(
-            f"the exact-token prompt holds {len(runs)} image placeholders for "
-            f"{len(ordered)} images"
+            f"the exact-token prompt holds {len(runs)} image placeholders for {len(ordered)} images"
         )
     collapsed = collapse_image_runs(prompt_ids, runs)
     urls = [image.data_url() for image in ordered]

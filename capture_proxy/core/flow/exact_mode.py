@@ -42,6 +42,7 @@ from capture_proxy.core.flow.commands import (
     WriteClient,
 )
 from capture_proxy.core.flow.errors import (
+    GENERATION_ABORTED,
     EngineAnswerUnusable,
     GenerationAborted,
     engine_unreachable,
@@ -344,7 +345,10 @@ class _Generation:
         if refusal is not None:
             events.append(refused_stream_end(encoder, refusal))
         elif pump.problem:
-            events.append(encoder.error(pump.problem))
+            # an abort not continued is the error a retry may cure (Anthropic's
+            # overloaded_error), as the 503 of a whole answer is
+            code = GENERATION_ABORTED if self.aborted is not None else None
+            events.append(encoder.error(pump.problem, code=code))
         else:
             events += encoder.finish(self.answer(message, finish_reason))
         yield EndClient(b"".join(events))

@@ -1,8 +1,9 @@
 """Continuing a generation the engine aborted (a pause for a weight update), tokens in (sans-io).
 
 Owns the decision and the request of a continuation in exact-token mode: wait until the engine
-serves again (``AwaitEngineServing``), continue only when it was paused or its weight version
-changed (an abort without either, a trainer's ``/abort_requests``, is not undone), never a
+serves again (``AwaitEngineServing``), continue only when it was seen paused or its weight
+version changed (an abort without either, a trainer's ``/abort_requests``, is not undone, nor
+one on an engine that cannot say: no ``/is_paused``, no version change seen), never a
 constrained generation (its grammar would start again) nor past ``MAX_RESUMES``; then send the
 call's prompt and every token so far with the rest of ``max_tokens`` (``continued_sampling``),
 rows asked from the last token before it, and read on with a reader that keeps the text exact
@@ -84,10 +85,15 @@ def resume(gen: Resumable) -> Flow[str]:
         return "stopped"
     assert isinstance(waited, EngineServing)
     changed = None not in (started, waited.weight_version) and started != waited.weight_version
-    if waited.paused is False and not changed:
+    if waited.paused is not True and not changed:
+        # (an engine that cannot say whether it paused, and whose version did not change or
+        # cannot be read, may have had the request aborted on purpose)
         gen.aborted = (
             "the engine aborted the generation while neither paused nor updated (a request "
             "aborted on the engine, e.g. /abort_requests): not continued"
+            if waited.paused is False
+            else "the engine aborted the generation and neither said it was paused (no GET "
+            "/is_paused) nor changed its weight version: not continued"
         )
         return "stopped"
     prompt_ids = np.concatenate(

@@ -53,6 +53,7 @@ from capture_proxy.core.flow.commands import (
     WriteClient,
 )
 from capture_proxy.core.flow.errors import (
+    GENERATION_ABORTED,
     EngineAnswerUnusable,
     GenerationAborted,
     engine_unreachable,
@@ -380,7 +381,9 @@ def _relay_stream(
         if encoder is None:
             final = encode_json_event(openai_error_body(relay.problem, "upstream_error"))
         else:
-            final = encoder.error(relay.problem)
+            # an abort is the error a retry may cure (Anthropic's overloaded_error), as the
+            # 503 of a whole answer is
+            final = encoder.error(relay.problem, code=GENERATION_ABORTED if relay.aborted else None)
     elif relay.done_seen:
         final = DONE_EVENT if encoder is None else b"".join(encoder.finish(answer_of(call, record)))
     yield EndClient(final)  # the last events and the end of the body: one write

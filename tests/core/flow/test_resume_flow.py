@@ -92,6 +92,30 @@ def test_an_abort_neither_paused_nor_updated_is_recorded_incomplete_and_raised()
     assert raised.value.code == "generation_aborted"
 
 
+@pytest.mark.parametrize("version", [None, "3"])
+def test_an_abort_on_an_engine_that_cannot_say_it_paused_is_continued_only_on_a_new_version(
+    version,
+):
+    # No GET /is_paused (SGLang, vLLM without dev mode): the version must have changed, or
+    # the abort may have been a trainer's own (/abort_requests) and is not undone.
+    pb = playbook(ChatCodec(), BODY, FakeExact())
+    _to_the_engine(pb)
+    verify = pb.send(e.EngineServing(paused=None, waited_ms=0.0, weight_version=version))
+    assert isinstance(verify, c.Verify)
+    record = verify.record
+    assert (record.status, record.generation_token_ids.tolist()) == (CallStatus.INCOMPLETE, [7, 8])
+    [aborted] = [d for d in record.diagnostics if d.kind == "generation_aborted"]
+    assert aborted.details["reason"] == (
+        "the engine aborted the generation and neither said it was paused (no GET "
+        "/is_paused) nor changed its weight version: not continued"
+    )
+    pb = playbook(ChatCodec(), BODY, FakeExact())
+    _to_the_engine(pb)
+    send = pb.send(e.EngineServing(paused=None, waited_ms=0.0, weight_version="4"))
+    assert isinstance(send, c.SendToEngine)
+    assert orjson.loads(send.body)["prompt"] == [1, 2, 3, 7, 8]
+
+
 def test_an_engine_that_does_not_serve_again_in_time_ends_the_call_incomplete():
     pb = playbook(ChatCodec(), BODY, FakeExact())
     _to_the_engine(pb)
