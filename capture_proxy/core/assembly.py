@@ -311,7 +311,12 @@ class ChatCaptureAssembler:
         self._add_choice_tokens(first)
         self.finish_reason = first.get("finish_reason")
         message = first.get("message")
-        self.response_message = dict(message) if isinstance(message, dict) else None
+        if isinstance(message, dict):
+            self.response_message = dict(message)
+        else:
+            # the tokens are the engine's, but no harness saw them as an answer: not trainable
+            # as a complete call
+            self.problems.append("engine sent no message in choice 0")
 
     # -- result ------------------------------------------------------------------------------
 

@@ -279,3 +279,18 @@ def test_a_context_replaced_is_the_dataclasses_replace_and_the_original_stays():
         copy.sampling = None  # type: ignore[misc]
     with pytest.raises(TypeError, match="no field 'sampled'"):
         CTX.replace(sampled={})
+
+
+@pytest.mark.parametrize("message", [None, "text", []])
+def test_a_whole_answer_without_its_message_is_incomplete_with_its_tokens_kept(message):
+    # The harness read no answer from it (a Messages harness: no content blocks at all).
+    asm = ChatCaptureAssembler(CTX)
+    choice = {"index": 0, "message": message, "finish_reason": "tool_calls"}
+    choice |= {"token_ids": [10, 11], "logprobs": _lp(-0.5, -0.25)}
+    asm.add_response({"prompt_token_ids": [1, 2, 3], "choices": [choice]})
+    rec = asm.finish(latency_ms=1.0, http_status=200)
+    assert rec.status is CallStatus.INCOMPLETE
+    assert rec.diagnostics[0].details["reasons"] == ["engine sent no message in choice 0"]
+    assert rec.generation_token_ids.tolist() == [10, 11]
+    assert rec.generation_log_probs.tolist() == [-0.5, -0.25]
+    assert rec.response_message == {"role": "assistant", "content": None}

@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.proxy.engines import ROUTES_KEY
+from capture_proxy.proxy.weight_watch import VERSION_PATHS
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.state import SEEN_REQUESTS, SENT_CALLS, ScriptedEngineConfig
 from capture_proxy.store.sqlite import SQLiteStore
@@ -216,7 +217,7 @@ async def test_exact_tokens_tokenize_and_tokens_in_go_to_the_rollouts_engine_wit
     engine_of: dict[str, set[int]] = {s.rollout: set() for s in sessions}
     for i, engine in enumerate(engines):
         for method, path, headers in engine.app[SEEN_REQUESTS]:
-            if path in ("/health", "/weight_info"):
+            if path == "/health" or path in VERSION_PATHS:
                 # the health probe's and the weight-version reader's: no rollout
                 assert header(headers, "x-smg-routing-key") is None
                 continue
