@@ -153,16 +153,20 @@ def augment_chat_request(
 
 
 def strip_chat_response(body: dict[str, Any], asked: HarnessAsked) -> dict[str, Any]:
-    """Strip the added token data from a non-streaming chat completion (in place; returned)."""
+    """Strip the added token data from a non-streaming chat completion (in place; returned).
+    Runs per streamed token too (``strip_chat_chunk``): a key is looked for before it is
+    deleted (most are absent), not popped."""
     for key in asked.top_level_drop:
-        body.pop(key, None)
+        if key in body:
+            del body[key]
     choices = body.get("choices")
     if choices:
-        null_logprobs = not asked.logprobs
+        drop, null_logprobs = asked.choice_drop, not asked.logprobs
         for choice in choices:
             if isinstance(choice, dict):
-                for key in asked.choice_drop:
-                    choice.pop(key, None)
+                for key in drop:
+                    if key in choice:
+                        del choice[key]
                 if null_logprobs and "logprobs" in choice:
                     choice["logprobs"] = None  # what vLLM sends when log probs were not asked for
     return body
@@ -171,9 +175,8 @@ def strip_chat_response(body: dict[str, Any], asked: HarnessAsked) -> dict[str, 
 def strip_chat_chunk(chunk: dict[str, Any], asked: HarnessAsked) -> dict[str, Any] | None:
     """Strip one streamed chunk (in place). Returns None when the whole chunk must be dropped:
     the usage-only chunk that exists only because the proxy asked for ``include_usage``."""
-    choices = chunk.get("choices")
-    if not asked.include_usage and chunk.get("usage") is not None and not choices:
-        return None
-    if not asked.include_usage:
-        chunk.pop("usage", None)
+    if not asked.include_usage and "usage" in chunk:
+        if chunk["usage"] is not None and not chunk.get("choices"):
+            return None
+        del chunk["usage"]
     return strip_chat_response(chunk, asked)
