@@ -106,3 +106,60 @@ def test_extra_backends_may_not_carry_their_own_credential(tmp_path):
         Settings(backend="http://e0:8000", extra_backends=["http://u:p@e1:8000"])
     with pytest.raises(ValueError, match="routing_key_header"):
         Settings(backend="http://e0:8000", routing_key_header="bad header")
+
+
+def _serve_parser():
+    import argparse
+
+    from capture_proxy.cli.parser import build_parser
+
+    (subcommands,) = (
+        a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
+    return subcommands.choices["serve"]
+
+
+def test_every_serve_flag_is_a_setting_or_known_not_to_be_one():
+    from capture_proxy.cli.serve import SERVE_FLAGS_NOT_SETTINGS, SETTING_FLAGS
+    from capture_proxy.config import Settings
+
+    dests = {a.dest for a in _serve_parser()._actions if a.dest != "help"}
+    assert set(SETTING_FLAGS.values()) | SERVE_FLAGS_NOT_SETTINGS == dests
+    assert not set(SETTING_FLAGS.values()) & SERVE_FLAGS_NOT_SETTINGS
+    assert set(SETTING_FLAGS) <= set(Settings.model_fields)
+
+
+def test_serve_timing_flags_reach_the_settings(monkeypatch, tmp_path):
+    from capture_proxy.cli.parser import build_parser
+    from capture_proxy.cli.serve import settings_from_args
+
+    monkeypatch.delenv("CAPTURE_PROXY_ENGINE_PAUSE_WAIT_S", raising=False)
+    monkeypatch.delenv("CAPTURE_PROXY_WEIGHT_VERSION_POLL_S", raising=False)
+    args = build_parser().parse_args(
+        ["serve", "--backend", "http://e0:8000", "--store", str(tmp_path / "s"),
+         "--engine-pause-wait", "3", "--weight-version-poll", "0.5"]
+    )  # fmt: skip
+    settings = settings_from_args(args)
+    assert (settings.engine_pause_wait_s, settings.weight_version_poll_s) == (3.0, 0.5)
+
+
+def test_serve_refuses_bad_timing_flags_as_it_refuses_the_environment(monkeypatch, tmp_path):
+    import pytest
+
+    from capture_proxy.cli.parser import build_parser
+    from capture_proxy.cli.serve import ServeExit, settings_from_args
+
+    base = ["serve", "--backend", "http://127.0.0.1:9", "--store", str(tmp_path / "s")]
+    refusal = (
+        "invalid settings: weight_version_poll_s: Input should be greater than 0; "
+        "engine_pause_wait_s: Input should be greater than 0"
+    )
+    flags = [*base, "--engine-pause-wait", "-5", "--weight-version-poll", "-1"]
+    with pytest.raises(ServeExit) as from_flags:
+        settings_from_args(build_parser().parse_args(flags))
+    assert str(from_flags.value) == refusal
+    monkeypatch.setenv("CAPTURE_PROXY_ENGINE_PAUSE_WAIT_S", "-5")
+    monkeypatch.setenv("CAPTURE_PROXY_WEIGHT_VERSION_POLL_S", "-1")
+    with pytest.raises(ServeExit) as from_environment:
+        settings_from_args(build_parser().parse_args(base))
+    assert str(from_environment.value) == refusal

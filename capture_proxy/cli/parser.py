@@ -278,6 +278,20 @@ def _add_scripted_engine(sub: Any) -> None:
         help="the family's tokenizer directory (tokenizer.json and chat template; required "
         "for llama3; a Qwen family's replaces the built-in tokenizer and template)",
     )
+    engine.add_argument(
+        "--enable-scale-out",
+        dest="enable_scale_out",
+        action="store_true",
+        help="serve vLLM's tokens-in /inference/v1/generate (vLLM's --enable-scale-out; "
+        "else 404, like vLLM)",
+    )
+    engine.add_argument(
+        "--dev-mode",
+        dest="dev_mode",
+        action="store_true",
+        help="serve vLLM's weight-update endpoints (/pause, /resume, /is_paused, /weight_info, "
+        "/update_weight_version, /finish_weight_update: vLLM's VLLM_SERVER_DEV_MODE=1)",
+    )
     engine.set_defaults(func=_run_scripted_engine)
 
 

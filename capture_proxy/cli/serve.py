@@ -24,9 +24,13 @@ from capture_proxy.config import ConfigError, Settings, load_settings
 #: The backend of ``serve --read-only`` without ``--backend``: never contacted.
 READ_ONLY_BACKEND = "http://no-backend.invalid"
 
-#: Settings fields set by a flag of the same meaning: field name -> ``args`` attribute.
+#: Settings fields set by a flag of the same meaning: field name -> ``args`` attribute. Every
+#: ``serve`` flag is here or in SERVE_FLAGS_NOT_SETTINGS (tests/test_cli.py checks both ways), so
+#: a flag cannot be parsed and then dropped.
 SETTING_FLAGS = {
     "backend": "backend",
+    "routing_key": "routing_key",
+    "routing_key_header": "routing_key_header",
     "host": "host",
     "port": "port",
     "store": "store",
@@ -51,7 +55,12 @@ SETTING_FLAGS = {
     "allowed_hosts": "allowed_hosts",
     "client_header_timeout_s": "client_header_timeout_s",
     "client_body_timeout_s": "client_body_timeout_s",
+    "weight_version_poll_s": "weight_version_poll_s",
+    "engine_pause_wait_s": "engine_pause_wait_s",
 }
+
+#: ``serve``'s ``args`` attributes that are no setting: how to start, not how to proxy.
+SERVE_FLAGS_NOT_SETTINGS = frozenset({"port_file", "read_only", "config"})
 
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -116,8 +125,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     cli_values["backend"] = backends[0] if backends else None
     if len(backends) > 1:
         cli_values["extra_backends"] = backends[1:]
-    cli_values["routing_key"] = getattr(args, "routing_key", None)
-    cli_values["routing_key_header"] = getattr(args, "routing_key_header", None)
     if args.read_only:
         if not _is_store_to_read(args.store):
             raise ServeExit(

@@ -13,6 +13,7 @@ raises on engine data, because a capture failure must never fail the model call.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,9 +150,10 @@ def check_generation(
     token_ids: list[int] | None, log_probs: list[float | None] | None
 ) -> CheckedGeneration:
     """Validate what an engine sent for a generation (None: it sent nothing). Problems make a
-    record incomplete: missing ids or log probs, values that are not token ids or numbers,
-    ids and log probs of different lengths. Impossible log probs (non-finite, beyond float32,
-    positive) are kept and flagged (``records.log_prob_diagnostics``)."""
+    record incomplete: missing ids or log probs (also a log prob list whose every value is null
+    or absent: the engine sent none), values that are not token ids or numbers, ids and log
+    probs of different lengths. Impossible log probs (non-finite, beyond float32, positive) are
+    kept and flagged (``records.log_prob_diagnostics``)."""
     problems: list[str] = []
     diagnostics: list[Diagnostic] = []
     gen = lps = None
@@ -173,7 +175,19 @@ def check_generation(
         )
     if lps is not None and log_probs is not None:
         diagnostics += log_prob_diagnostics(lps, log_probs)
+        if _all_null(lps, log_probs):
+            problems.append(
+                f"engine sent no log prob values: all {len(log_probs)} are null or missing"
+            )
     return CheckedGeneration(gen, lps, problems, diagnostics)
+
+
+def _all_null(array: np.ndarray, sent: list[float | None]) -> bool:
+    """Every log prob of a non-empty generation is None as sent (``null``, or an entry without
+    ``logprob``). O(1) unless the first one is NaN (``array``: ``sent`` as float32)."""
+    if array.size == 0 or not math.isnan(float(array[0])):
+        return False
+    return all(v is None for v in sent)
 
 
 @dataclass

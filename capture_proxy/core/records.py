@@ -319,8 +319,9 @@ def log_prob_diagnostics(
     """What is impossible in a generation's log probs: ``array`` (``as_log_prob_array`` of
     ``sent``, the values as the engine sent them). ``non_finite_logprob``: NaN, +-inf or null
     as sent; ``logprob_out_of_float32_range``: a finite value the float32 array holds as +-inf;
-    ``positive_logprob``: above ``LOG_PROB_TOLERANCE``. Each lists its first 16 positions (and
-    the values as sent). Whole-array numpy checks; Python touches only the flagged positions."""
+    ``positive_logprob``: above ``LOG_PROB_TOLERANCE``. Each gives ``count``, how many
+    positions it has, and lists the first 16 (and the values as sent). Whole-array numpy
+    checks; Python touches only the flagged positions."""
     if array.size == 0:
         return []
     # The common case in two reductions: a NaN makes the max NaN (the test fails), +inf makes
@@ -339,7 +340,8 @@ def log_prob_diagnostics(
         if non_finite:
             out.append(
                 Diagnostic(
-                    DiagnosticKind.NON_FINITE_LOGPROB, {"positions": non_finite[:_MAX_LISTED]}
+                    DiagnosticKind.NON_FINITE_LOGPROB,
+                    {"positions": non_finite[:_MAX_LISTED], "count": len(non_finite)},
                 )
             )
         if overflowed:
@@ -347,7 +349,11 @@ def log_prob_diagnostics(
             out.append(
                 Diagnostic(
                     DiagnosticKind.LOGPROB_OUT_OF_FLOAT32_RANGE,
-                    {"positions": listed, "values": [_reported(sent[i]) for i in listed]},
+                    {
+                        "positions": listed,
+                        "values": [_reported(sent[i]) for i in listed],
+                        "count": len(overflowed),
+                    },
                 )
             )
     positive = np.flatnonzero(array > LOG_PROB_TOLERANCE)
@@ -356,7 +362,11 @@ def log_prob_diagnostics(
         out.append(
             Diagnostic(
                 DiagnosticKind.POSITIVE_LOGPROB,
-                {"positions": listed, "values": [_reported(sent[i]) for i in listed]},
+                {
+                    "positions": listed,
+                    "values": [_reported(sent[i]) for i in listed],
+                    "count": int(positive.size),
+                },
             )
         )
     return out

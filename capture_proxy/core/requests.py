@@ -57,6 +57,33 @@ class ImagePart(_Lenient):
     type: Literal["image_url"]
     image_url: ImageURL
 
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _image_url_is_an_object(cls, value: Any) -> Any:
+        # pydantic would say "a valid dictionary or instance of ImageURL": name the shape.
+        if not isinstance(value, dict) and not isinstance(value, ImageURL):
+            raise PydanticCustomError(
+                "image_url_object",
+                'must be an object with a "url" ({"url": "data:image/png;base64,..."}), got {kind}',
+                {"kind": _json_kind(value)},
+            )
+        return value
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, for a message: "a string", "an array", ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
 
 def _part_kind(value: Any) -> str | None:
     if isinstance(value, dict):
@@ -72,6 +99,24 @@ ContentPart = Annotated[
         _part_kind,
         custom_error_type="content_part",
         custom_error_message="a content part must be an object",
+    ),
+]
+
+
+def _content_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "str"
+    return "list[ContentPart]" if isinstance(value, list) else None
+
+
+#: A message's content: a string or a list of parts (tagged by the value's JSON type, so that
+#: an error in a part names the part, not the string the content is not).
+Content = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[ContentPart], Tag("list[ContentPart]")],
+    Discriminator(
+        _content_kind,
+        custom_error_type="content",
+        custom_error_message="content must be a string, an array of content parts or null",
     ),
 ]
 
@@ -114,7 +159,7 @@ class ToolCall(_Lenient):
 
 class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -349,7 +394,8 @@ def _invalid(err: Any) -> InvalidRequest:
     loc = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p))
     if err["type"] == "missing":
         message = f"'{loc}' is required"
-    elif loc.startswith("messages.") and (loc.endswith(".type") or ".content." in f"{loc}."):
+    elif ".content." in loc and (loc.endswith(".type") or err["type"] == "content_part"):
+        # a part of another type (or not an object): the error is its kind, not its fields
         message = f"'{loc}': {err['msg']} (only text and image_url content parts can be captured)"
     elif loc.startswith("tools.") and loc.endswith(".type"):
         message = f"'{loc}': {err['msg']} (the engine renders function tools only)"

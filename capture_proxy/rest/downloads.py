@@ -3,13 +3,15 @@ token tree and ATIF.
 
     GET /captures/export?status=frozen&after=<cursor>&limit=N&episodes=final|all
         Arrow IPC stream (``core.export``), one record batch per frozen rollout with a cursor
-        greater than ``after`` (default 0), in cursor order, at most ``limit`` (1-1000,
-        default 100). ``X-Capture-Next-After``: the cursor to pass as ``after`` for the next
-        page (the last one sent; ``after`` itself on an empty page). ``episodes=final``
-        (default): a superseded episode is a batch of 0 rows with ``superseded_by`` set.
-        ``min_weight_version``, ``weight_version``, ``unknown_weight_version``: keep only the
-        samples whose generated tokens pass (``core.weight_filter``); each rollout's manifest
-        names the dropped ones under ``weight_filter``.
+        greater than ``after`` (default 0, at most ``store.base.MAX_CURSOR``), in cursor
+        order, at most ``limit`` (1-1000, default 100). ``X-Capture-Next-After``: the cursor
+        to pass as ``after`` for the next page (the last one sent; ``after`` itself on an
+        empty page). ``episodes=final`` (default): a superseded episode is a batch of 0 rows
+        with ``superseded_by`` set. ``min_weight_version``, ``weight_version``,
+        ``unknown_weight_version``: keep only the samples whose generated tokens pass
+        (``core.weight_filter``); each rollout's manifest names the dropped ones under
+        ``weight_filter``. A parameter but ``weight_version`` given twice is a 400
+        (``rest.query``).
 
     GET /captures/rollouts/<id>/tree
         ``application/zip``: the snapshot's chains as one token trie (``core.token_tree``):
@@ -48,6 +50,7 @@ from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest.images import images_of
+from capture_proxy.rest.query import one_value
 from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
     _json,
@@ -59,14 +62,13 @@ from capture_proxy.rest.reads import (
 )
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
-from capture_proxy.store.base import RolloutInfo
+from capture_proxy.store.base import MAX_CURSOR, RolloutInfo
 
 DEFAULT_EXPORT_PAGE = 100
 
 
 def _export_params(request: web.Request) -> tuple[int, int, bool]:
-    q = request.query
-    status = q.get("status", "frozen")
+    status = one_value(request, "status", "frozen")
     if status != "frozen":
         raise BadRequest(
             f"status: only frozen rollouts are exported (a snapshot is what a cursor can "
@@ -74,28 +76,42 @@ def _export_params(request: web.Request) -> tuple[int, int, bool]:
             param="status",
             code="invalid_status",
         )
-    raw_after = q.get("after", "0")
-    if not (raw_after.isascii() and raw_after.isdigit()) or len(raw_after) > 18:
+    raw_after = one_value(request, "after", "0")
+    if not (raw_after.isascii() and raw_after.isdigit()):
         raise BadRequest(
             f"after: must be a cursor (a non-negative integer) from an earlier export, got "
             f"{raw_after!r}",
             param="after",
             code="invalid_cursor",
         )
-    raw_limit = q.get("limit", str(DEFAULT_EXPORT_PAGE))
-    limit = int(raw_limit) if raw_limit.isascii() and raw_limit.isdigit() else 0
+    # Leading zeros off before int(): it refuses strings of more than 4,300 digits.
+    digits = raw_after.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_CURSOR)) or int(digits) > MAX_CURSOR:
+        shown = (
+            raw_after if len(raw_after) <= 40 else f"{raw_after[:40]}... ({len(raw_after)} digits)"
+        )
+        raise BadRequest(
+            f"after: a cursor is at most {MAX_CURSOR} (a 64-bit signed integer), got {shown}",
+            param="after",
+            code="invalid_cursor",
+        )
+    raw_limit = one_value(request, "limit", str(DEFAULT_EXPORT_PAGE))
+    # (at most 9 characters: int() refuses a string of more than 4,300 digits)
+    limit = (
+        int(raw_limit) if raw_limit.isascii() and raw_limit.isdigit() and len(raw_limit) < 10 else 0
+    )
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise BadRequest(
             f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {raw_limit!r}",
             param="limit",
             code="invalid_limit",
         )
-    episodes = q.get("episodes", "final")
+    episodes = one_value(request, "episodes", "final")
     if episodes not in ("final", "all"):
         raise BadRequest(
             f"episodes must be final or all, got {episodes!r}", param="episodes", code="invalid"
         )
-    return int(raw_after), limit, episodes == "all"
+    return int(digits), limit, episodes == "all"
 
 
 def export_manifest(
@@ -202,14 +218,14 @@ async def get_tree(request: web.Request) -> web.Response:
 
 
 def _flag(request: web.Request, name: str) -> bool:
-    raw = request.query.get(name, "false")
+    raw = one_value(request, name, "false")
     if raw not in ("true", "false"):
         raise BadRequest(f"{name} must be true or false, got {raw!r}", param=name)
     return raw == "true"
 
 
 def _name(request: web.Request, name: str) -> str:
-    raw = request.query.get(name, "unknown")
+    raw = one_value(request, name, "unknown")
     if not 1 <= len(raw) <= 256:
         raise BadRequest(f"{name} must have 1-256 characters", param=name)
     return raw

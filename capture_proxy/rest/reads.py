@@ -47,6 +47,7 @@ from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
 from capture_proxy.rest.images import images_of
+from capture_proxy.rest.query import one_value
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
@@ -173,15 +174,16 @@ def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
 
 
 def _page_params(request: web.Request) -> tuple[int, str | None]:
-    raw = request.query.get("limit", str(DEFAULT_PAGE_SIZE))
-    limit = int(raw) if raw.isascii() and raw.isdigit() else 0
+    raw = one_value(request, "limit", str(DEFAULT_PAGE_SIZE))
+    # (at most 9 characters: int() refuses a string of more than 4,300 digits)
+    limit = int(raw) if raw.isascii() and raw.isdigit() and len(raw) < 10 else 0
     if not 1 <= limit <= MAX_PAGE_SIZE:
         raise BadRequest(
             f"limit must be an integer from 1 to {MAX_PAGE_SIZE}, got {raw!r}",
             param="limit",
             code="invalid_limit",
         )
-    after = request.query.get("after")
+    after = one_value(request, "after")
     if after is not None:
         try:
             validate_rollout_id(after)
@@ -392,7 +394,7 @@ async def get_rollout_chains(request: web.Request) -> web.Response:
     """JSON by default; ``?format=npz``: a zip of one ``.npz`` per chain path plus
     ``manifest.json`` for training loaders (see ``core.samples``, ``readers.load_chains``).
     Both take the weight-version filter (``rest.weight_query``)."""
-    fmt = request.query.get("format", "json")
+    fmt = one_value(request, "format", "json")
     if fmt not in ("json", "npz"):
         raise BadRequest("format must be json or npz", param="format", code="invalid_format")
     wf = weight_filter(request)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -23,7 +22,6 @@ from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.families.qwen_vocab import load_chat_template, load_qwen_tokenizer
 from capture_proxy.scripted_engine.chat import chat_completions
 from capture_proxy.scripted_engine.families import EngineFamily
-from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.scripted_engine.service import detokenize, health, models, tokenize
 from capture_proxy.scripted_engine.state import (
     CLIENT_GONE,
@@ -124,31 +122,3 @@ def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> N
         ),
         backlog=4096,
     )
-
-
-def run_scripted_engine_cli(
-    host: str,
-    port: int,
-    policy_path: Path | None,
-    template: str = "keep_reasoning",
-    max_model_len: int = 32768,
-    family: str = "qwen3",
-    chat_template_path: Path | None = None,
-    tokenizer_dir: Path | None = None,
-) -> int:
-    """``capture-proxy scripted-engine``: serve with the policy file (or the built-in one);
-    ``chat_template_path``: a jinja chat template file to render with instead of ours."""
-    policy = Policy.load(policy_path) if policy_path is not None else Policy.default()
-    chat_template = None
-    if chat_template_path is not None:
-        chat_template = chat_template_path.read_text(encoding="utf-8")
-    config = ScriptedEngineConfig(
-        policy=policy,
-        tokenizer_template=template,
-        max_model_len=max_model_len,
-        family=family,
-        chat_template=chat_template,
-        tokenizer_dir=tokenizer_dir,
-    )
-    run_scripted_engine(host, port, config)
-    return 0

@@ -92,6 +92,11 @@ class SnapshotMismatch(LifecycleConflict):
     code = "snapshot_mismatch"
 
 
+#: The largest export cursor: both stores keep it as a 64-bit signed integer (SQLite INTEGER,
+#: PostgreSQL bigint).
+MAX_CURSOR = 2**63 - 1
+
+
 class RolloutStatus(enum.StrEnum):
     OPEN = "open"
     FROZEN = "frozen"

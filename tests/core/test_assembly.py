@@ -168,7 +168,7 @@ def test_non_finite_log_probs_are_kept_and_flagged():
     assert rec.status is CallStatus.COMPLETE
     assert math.isnan(rec.generation_log_probs[1]) and rec.generation_log_probs[2] == -np.inf
     assert [d.to_json() for d in rec.diagnostics] == [
-        {"kind": "non_finite_logprob", "details": {"positions": [1, 2]}}
+        {"kind": "non_finite_logprob", "details": {"positions": [1, 2], "count": 2}}
     ]
 
 
@@ -181,9 +181,12 @@ def test_impossible_log_probs_are_kept_and_named_truthfully():
     assert [d.to_json() for d in rec.diagnostics] == [
         {
             "kind": "logprob_out_of_float32_range",
-            "details": {"positions": [1], "values": [1e308]},
+            "details": {"positions": [1], "values": [1e308], "count": 1},
         },
-        {"kind": "positive_logprob", "details": {"positions": [1, 3], "values": [1e308, 0.5]}},
+        {
+            "kind": "positive_logprob",
+            "details": {"positions": [1, 3], "values": [1e308, 0.5], "count": 2},
+        },
     ]
 
 
@@ -192,7 +195,7 @@ def test_log_probs_within_float_rounding_of_zero_are_not_flagged():
     assert rec.diagnostics == []
     rec = _whole_answer(0.0, 1.2e-5)
     assert [d.to_json() for d in rec.diagnostics] == [
-        {"kind": "positive_logprob", "details": {"positions": [1], "values": [1.2e-5]}}
+        {"kind": "positive_logprob", "details": {"positions": [1], "values": [1.2e-5], "count": 1}}
     ]
 
 
@@ -201,19 +204,74 @@ def test_engine_non_finite_and_overflowing_log_probs_are_told_apart():
     # float64 (JSON allows it) too, reported by its digit count (JSON writers refuse it)
     rec = _whole_answer(float("nan"), -1e39, float("-inf"), None, -(10**400), 10**39)
     assert [d.to_json() for d in rec.diagnostics] == [
-        {"kind": "non_finite_logprob", "details": {"positions": [0, 2, 3]}},
+        {"kind": "non_finite_logprob", "details": {"positions": [0, 2, 3], "count": 3}},
         {
             "kind": "logprob_out_of_float32_range",
             "details": {
                 "positions": [1, 4, 5],
                 "values": [-1e39, "-401-digit integer", 1e39],
+                "count": 3,
             },
         },
-        {"kind": "positive_logprob", "details": {"positions": [5], "values": [1e39]}},
+        {"kind": "positive_logprob", "details": {"positions": [5], "values": [1e39], "count": 1}},
     ]
     stored = rec.generation_log_probs
     assert np.isnan(stored[[0, 3]]).all()
     assert stored[[1, 2, 4, 5]].tolist() == [-math.inf, -math.inf, -math.inf, math.inf]
+
+
+def test_each_log_prob_diagnostic_counts_its_positions_past_the_16_it_lists():
+    rec = _whole_answer(*([-1.0] * 4 + [None] * 20 + [1e39] * 17 + [0.5] * 2))
+    assert rec.status is CallStatus.COMPLETE
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": list(range(4, 20)), "count": 20}},
+        {
+            "kind": "logprob_out_of_float32_range",
+            "details": {"positions": list(range(24, 40)), "values": [1e39] * 16, "count": 17},
+        },
+        {
+            "kind": "positive_logprob",
+            "details": {"positions": list(range(24, 40)), "values": [1e39] * 16, "count": 19},
+        },
+    ]
+
+
+def test_log_probs_the_engine_sent_none_of_make_the_call_incomplete():
+    # every value null: the engine sent no log probs, though it sent the list
+    rec = _whole_answer(*([None] * 20))
+    assert rec.status is CallStatus.INCOMPLETE
+    assert np.isnan(rec.generation_log_probs).all() and rec.generation_log_probs.shape == (20,)
+    assert [d.to_json() for d in rec.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": list(range(16)), "count": 20}},
+        {
+            "kind": "capture_incomplete",
+            "details": {"reasons": ["engine sent no log prob values: all 20 are null or missing"]},
+        },
+    ]
+    # a stream whose every logprobs entry lacks its logprob key: the same
+    asm = ChatCaptureAssembler(CTX)
+    asm.add_chunk({"prompt_token_ids": [1], "choices": [{"index": 0, "delta": {}}]})
+    for token_id in (5, 6):
+        entry = {"token": "t", "bytes": [], "top_logprobs": []}
+        chunk = {
+            "delta": {"content": "a"},
+            "token_ids": [token_id],
+            "logprobs": {"content": [entry]},
+        }
+        asm.add_chunk({"choices": [{"index": 0, **chunk}]})
+    asm.add_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    streamed = asm.finish(latency_ms=1.0, http_status=200)
+    assert streamed.status is CallStatus.INCOMPLETE
+    assert streamed.generation_token_ids.tolist() == [5, 6]
+    assert [d.to_json() for d in streamed.diagnostics] == [
+        {"kind": "non_finite_logprob", "details": {"positions": [0, 1], "count": 2}},
+        {
+            "kind": "capture_incomplete",
+            "details": {"reasons": ["engine sent no log prob values: all 2 are null or missing"]},
+        },
+    ]
+    # one number among them: values the engine sent, kept and flagged (the call complete)
+    assert _whole_answer(None, -1.0, None).status is CallStatus.COMPLETE
 
 
 def test_bad_token_values_are_refused():

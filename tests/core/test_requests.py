@@ -267,3 +267,47 @@ def test_bad_sampling_fields_are_refused_naming_the_field(fields, param, fragmen
     assert info.value.param == param
     assert str(info.value).startswith(f"'{param}': ")
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "param", "message"),
+    [
+        (
+            [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": "data:image/png"}],
+            "messages.0.content.1.image_url",
+            "'messages.0.content.1.image_url': must be an object with a \"url\" "
+            '({"url": "data:image/png;base64,..."}), got a string',
+        ),
+        (
+            [{"type": "image_url", "image_url": {"detail": "low"}}],
+            "messages.0.content.0.image_url.url",
+            "'messages.0.content.0.image_url.url' is required",
+        ),
+        (
+            [{"type": "text", "text": 5}],
+            "messages.0.content.0.text",
+            "'messages.0.content.0.text': Input should be a valid string",
+        ),
+        (
+            [{"type": "input_audio", "input_audio": {}}],
+            "messages.0.content.0.type",
+            "'messages.0.content.0.type': Input should be 'text' (only text and image_url "
+            "content parts can be captured)",
+        ),
+        (
+            [5],
+            "messages.0.content.0",
+            "'messages.0.content.0': a content part must be an object (only text and "
+            "image_url content parts can be captured)",
+        ),
+        (
+            5,
+            "messages.0.content",
+            "'messages.0.content': content must be a string, an array of content parts or null",
+        ),
+    ],
+)
+def test_a_bad_content_part_is_named_not_the_string_content_is_not(content, param, message):
+    with pytest.raises(InvalidRequest) as info:
+        validate_chat_request({"model": "m", "messages": [{"role": "user", "content": content}]})
+    assert (info.value.param, str(info.value)) == (param, message)

@@ -124,7 +124,9 @@ async def test_nan_log_prob_is_kept_and_flagged(make_stack, stream):
     call = await _only_call(stack)
     assert call["status"] == "complete"
     assert call["generation_log_probs"][2] is None  # JSON has no NaN: null, and flagged
-    assert call["diagnostics"] == [{"kind": "non_finite_logprob", "details": {"positions": [2]}}]
+    assert call["diagnostics"] == [
+        {"kind": "non_finite_logprob", "details": {"positions": [2], "count": 1}}
+    ]
     expected = stack.sent[0].generation_log_probs
     got = call["generation_log_probs"]
     assert all(

@@ -141,6 +141,36 @@ async def test_bad_export_parameters_are_400s_naming_them(stack: Stack, query, p
     assert (await resp.json())["error"]["param"] == param
 
 
+@pytest.mark.parametrize(
+    ("after", "shown"),
+    [
+        ("9223372036854775808", "9223372036854775808"),
+        ("99999999999999999999999", "99999999999999999999999"),
+        ("1" * 5000, f"{'1' * 40}... (5000 digits)"),
+    ],
+)
+async def test_a_cursor_past_64_bits_is_a_400_saying_the_bound(stack: Stack, after, shown):
+    resp = await stack.client.get(f"/captures/export?after={after}")
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {
+        "message": "after: a cursor is at most 9223372036854775807 (a 64-bit signed integer), "
+        f"got {shown}",
+        "type": "invalid_request_error",
+        "param": "after",
+        "code": "invalid_cursor",
+    }
+
+
+@ON_BOTH_STORES
+async def test_the_largest_cursor_is_an_empty_page(stack: Stack):
+    await _session(stack, "r1")
+    await _freeze(stack, "r1")
+    for after in ("9223372036854775807", "0" * 30 + "9223372036854775807"):
+        page, headers = await _export(stack, f"after={after}")
+        assert page == []
+        assert headers["X-Capture-Next-After"] == "9223372036854775807"
+
+
 @ON_BOTH_STORES
 async def test_tree_holds_every_path_once_and_each_path_exactly(stack: Stack):
     await _session(stack, "r1", steps=3)

@@ -240,6 +240,23 @@ async def test_refused_images_are_a_400_naming_the_field(
     assert stack.sent == []
 
 
+async def test_an_image_url_that_is_a_string_is_a_400_naming_it(make_stack: MakeStack) -> None:
+    stack = await make_stack(**SETTINGS)
+    url = image_part("chat_completions", A)["image_url"]["url"]
+    content = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": url}]
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}]}
+    resp = await stack.chat("string-url", body)
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {
+        "message": "'messages.0.content.1.image_url': must be an object with a \"url\" "
+        '({"url": "data:image/png;base64,..."}), got a string',
+        "type": "invalid_request_error",
+        "param": "messages.0.content.1.image_url",
+        "code": "invalid_request",
+    }
+    assert stack.sent == []
+
+
 async def test_a_model_without_image_processor_refuses_images(make_stack: MakeStack) -> None:
     stack = await make_stack()
     body = {"model": MODEL, "messages": [user_with_image("chat_completions", "x", A)]}

@@ -94,6 +94,57 @@ async def test_bad_page_parameters_are_400s_naming_them(stack: Stack, query, par
     assert error["message"].startswith(param)
 
 
+CHAINS, EXPORT, ATIF = (
+    "/captures/rollouts/r1/chains",
+    "/captures/export",
+    "/captures/rollouts/r1/atif",
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "param", "values"),
+    [
+        ("/captures/rollouts", "limit", ("1", "2")),
+        ("/captures/rollouts", "after", ("r1", "r2")),
+        (CHAINS, "format", ("json", "npz")),
+        (CHAINS, "min_weight_version", ("1", "7")),
+        (CHAINS, "unknown_weight_version", ("keep", "drop")),
+        (EXPORT, "status", ("frozen", "frozen")),
+        (EXPORT, "after", ("1", "2")),
+        (EXPORT, "limit", ("5", "5")),
+        (EXPORT, "episodes", ("all", "final")),
+        (EXPORT, "min_weight_version", ("1", "7")),
+        (ATIF, "strict", ("true", "false")),
+        (ATIF, "experts", ("true", "true")),
+        (ATIF, "agent_name", ("a", "b")),
+        (ATIF, "agent_version", ("1", "2")),
+    ],
+)
+async def test_a_single_valued_parameter_given_twice_is_a_400_naming_it(
+    stack: Stack, path, param, values
+):
+    resp = await stack.client.get(f"{path}?{'&'.join(f'{param}={v}' for v in values)}")
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {
+        "message": f"{param}: given 2 times; it takes one value",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "repeated_parameter",
+    }
+
+
+async def test_a_repeatable_weight_version_is_not_refused(stack: Stack):
+    resp = await stack.client.get("/captures/export?weight_version=1&weight_version=7")
+    assert resp.status == 200
+
+
+async def test_a_limit_of_thousands_of_digits_is_a_400(stack: Stack):
+    for path in ("/captures/rollouts", "/captures/export"):
+        resp = await stack.client.get(f"{path}?limit={'9' * 5000}")
+        assert resp.status == 400, path
+        assert (await resp.json())["error"]["code"] == "invalid_limit"
+
+
 async def test_odd_values_come_back_exact_as_valid_json(stack: Stack):
     """NaN log probs as null, routed experts as nested lists, an integer past 64 bits (which
     orjson refuses: the stdlib path takes it) exactly."""

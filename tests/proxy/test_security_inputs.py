@@ -235,7 +235,8 @@ async def test_bare_non_finite_log_probs_are_kept_and_flagged_in_exact_mode(
     call = await _stored_only_call(stack, "n1")
     assert call["status"] == "complete"
     assert call["generation_log_probs"][2] is None  # JSON has no NaN: null, and flagged
-    assert {"kind": "non_finite_logprob", "details": {"positions": [2]}} in call["diagnostics"]
+    flagged = {"kind": "non_finite_logprob", "details": {"positions": [2], "count": 1}}
+    assert flagged in call["diagnostics"]
     chains = await stack.get_json("/captures/rollouts/n1/chains")
     assert [c["call_id"] for c in chains["chains"][0]["calls"]] == [call["call_id"]]
 

@@ -359,3 +359,38 @@ async def test_the_version_is_read_from_sglangs_model_info_where_vllms_endpoint_
         assert (await watcher.read_version(), watcher.epoch) == ("8", 2)
         # the endpoint that answered is remembered: /weight_info is asked once only
         assert asked == ["/weight_info", "/get_model_info", "/get_model_info"]
+
+
+async def test_an_abort_of_a_generation_over_images_is_not_continued(
+    make_stack, qwen_tokenizer_dir
+):
+    from tests.proxy.test_images import A, user_with_image
+    from tests.proxy.test_images_exact import EXACT
+
+    engine = ScriptedEngineConfig(
+        policy=POLICY, family="qwen3_vl", dev_mode=True, enable_scale_out=True
+    )
+    stack = await make_stack(
+        engine_config=engine,
+        tokens_in_dialect="vllm_generate",
+        tokenizer=qwen_tokenizer_dir,
+        **EXACT,
+    )
+    weights = stack.engine_app[WEIGHTS]
+    weights.hold_at = HOLD
+    h = harness("chat_completions", stack, "r1", stream=False)
+    h.history = [user_with_image("chat_completions", "What is in the picture?", A)]
+    call = asyncio.create_task(h.send())
+    await asyncio.wait_for(weights.held.wait(), WAIT_S)
+    await _engine(stack, "/pause?mode=abort")
+    reply = await asyncio.wait_for(call, WAIT_S)  # not held until the resume: not waited for
+    assert reply.status == 503 and reply.body["error"]["code"] == "generation_aborted"
+    assert len(stack.sent) == 1  # no continuation was sent
+    stored = await stack.get_json(f"/captures/calls/{reply.call_id}")
+    reason = "a generation over images is not continued after the engine aborted it"
+    assert (stored["status"], stored["finish_reason"]) == ("incomplete", "abort")
+    assert stored["generation_token_ids"] == stack.sent[0].generation_token_ids
+    assert len(stored["generation_token_ids"]) == HOLD
+    assert _diagnostic(stored, "generation_aborted") == {"reason": reason, "at_token": HOLD}
+    assert _diagnostic(stored, "capture_incomplete") == {"reasons": [reason]}
+    await _engine(stack, "/resume")

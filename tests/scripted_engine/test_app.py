@@ -306,3 +306,26 @@ async def test_tokenize_detokenize_models_health(make_client, qwen_tokenizer):
     assert models["data"][0]["id"] == "scripted-qwen"
     assert (await client.get("/health")).status == 200
     assert (await client.post("/detokenize", json={"tokens": [-1]})).status == 400
+
+
+@pytest.mark.parametrize("flags", [[], ["--enable-scale-out", "--dev-mode"]])
+async def test_the_cli_flags_serve_generate_and_the_weight_endpoints(
+    aiohttp_client, qwen_tokenizer, flags
+):
+    from capture_proxy.cli.engine import engine_config
+    from capture_proxy.cli.parser import build_parser
+
+    config = engine_config(build_parser().parse_args(["scripted-engine", *flags]))
+    assert (config.enable_scale_out, config.dev_mode) == (bool(flags), bool(flags))
+    client = await aiohttp_client(build_scripted_engine_app(config, tokenizer=qwen_tokenizer))
+    generate = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    resp = await client.post("/inference/v1/generate", json=generate)
+    weights = await client.get("/weight_info")
+    if not flags:
+        assert (resp.status, weights.status) == (404, 404)
+        return
+    assert (resp.status, weights.status) == (200, 200)
+    choice = (await resp.json())["choices"][0]
+    assert (choice["finish_reason"], len(choice["token_ids"])) == ("length", 2)
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 2}]
+    assert await weights.json() == {"weight_version": "default"}
