@@ -158,6 +158,40 @@ async def test_identical_agents_of_one_rollout_continued_at_once_on_two_workers_
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
+async def test_identical_sessions_started_at_once_on_two_workers_never_branch(tmp_path, engine):
+    """Two identical sessions in each of 12 rollouts, each session's turns sent as soon as
+    its last answer came (not in lockstep): a first continuation may see one candidate (its
+    twin's first call still in flight) where the twin's, a moment later on the other worker,
+    sees two. Each continuation claims its parent, so no parent has two children; the twins
+    may swap token-identical calls. With claims taken only where a worker saw several
+    candidates this failed in 1 of 2 runs (timing decides; the pure test,
+    ``test_a_continuation_claims_its_parent_while_its_twins_first_call_is_in_flight``, fails
+    every time)."""
+    proc, port = await _serve(tmp_path, engine)
+    connector = aiohttp.TCPConnector(force_close=True)
+    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
+
+    async def session(s: Session) -> None:
+        for _ in range(3):
+            await s.step(client)
+
+    try:
+        for k in range(12):
+            twins = [Session(f"twins-{k}") for _ in range(2)]
+            await asyncio.gather(*(session(s) for s in twins))
+            async with client.get(f"/captures/rollouts/twins-{k}/chains") as resp:
+                chains = (await resp.json())["chains"]
+            assert [len(chain["calls"]) for chain in chains] == [3, 3], k
+            for chain in chains:
+                ids = [call["call_id"] for call in chain["calls"]]
+                assert [call["parent_call_id"] for call in chain["calls"]] == [None, *ids[:-1]]
+    finally:
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
 async def test_a_killed_worker_is_replaced_and_no_acknowledged_call_is_lost(tmp_path, engine):
     proc, port = await _serve(tmp_path, engine)
     connector = aiohttp.TCPConnector(force_close=True)

@@ -56,9 +56,11 @@ def resolve_step(
     Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
     a child of the preferred candidate (``LinkIndex.add``). ``tools_facts``: the
     ``known_tools`` facts of ``body["tools"]`` (their text is not written again).
-    ``claims``: the other processes' calls in flight (``serve --workers``); when more than one
-    call has the history's parent digest, the candidate is chosen with theirs counted as
-    children and claimed for ``call_id``, under the claims' lock. A claim is released when
+    ``claims``: the other processes' calls in flight (``serve --workers``); a continuation's
+    candidate is chosen with theirs counted as children and claimed for ``call_id``, under
+    the claims' lock (also when this index knows one candidate only: an identical sibling's
+    first call may still be in flight here and stored by the time another worker looks,
+    which then sees two and must see this one taken). A claim is released when
     its call is stored, so the choice also needs the stored children: ``index_current()``
     says whether ``index`` still holds every call stored (asked after the claims are read);
     when not, the step asks ``CatchUp(rollout_id)`` and chooses again."""
@@ -79,8 +81,11 @@ def resolve_step(
             claimed=held.claimed if held is not None else None,
         )
 
-    if claims is not None and index.shares_digest(parent_digest):
-        # Identical siblings: another worker's call in flight may have taken the preferred one.
+    if claims is not None and parent_digest is not None:
+        # Another worker's call in flight may have taken the preferred candidate, and the one
+        # taken here must be seen as taken there: also where this index knows one candidate
+        # only (an identical sibling's first call, still in flight when this index looked,
+        # is a second one to a worker that looks later).
         index, resolution = yield from _claim(
             index, rollout_id, call_id, claims, index_current, resolve
         )

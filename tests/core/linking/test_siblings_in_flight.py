@@ -163,11 +163,34 @@ def test_identical_sub_agents_continued_at_once_on_two_workers_take_two_parents(
         assert (index.entries["a1"].children, index.entries["b1"].children) == (1, 1)
 
 
-def test_claims_are_taken_only_where_calls_share_the_parent_digest():
-    index = LinkIndex()
-    add_record(index, _call("a1", 1.0, [1, 2], TASK))
+def test_a_continuation_claims_its_parent_while_its_twins_first_call_is_in_flight():
+    """Two identical sessions started at once on two workers: worker 1 continues a1 while b1
+    is still in flight there (one candidate in its index), worker 2 continues b1 once both
+    are stored (two candidates). Worker 1's claim makes worker 2 take b1, not a1 again (a
+    branch under a1 and b1 left alone: two identical samples for the trainer)."""
+    first_a = _call("a1", 1.0, [1, 2], TASK)
+    first_b = _call("b1", 2.0, [1, 2], TASK)
+    worker_1, worker_2, alone = LinkIndex(), LinkIndex(), LinkIndex()
+    add_record(worker_1, first_a)
+    worker_1.add("b1", 2.0, child_digest=None, request_digest="rq-b1", model="m")
+    for index in (worker_2, alone):
+        add_record(index, first_a)
+        add_record(index, first_b)
     claims = _SharedClaims()
-    assert _resolve_on(index, "a2", 3.0, claims).parent_call_id == "a1"
+    on_1 = _resolve_on(worker_1, "a2", 3.0, claims)
+    assert on_1.parent_call_id == "a1" and claims.counts == {"a1": 1}
+    on_2 = _resolve_on(worker_2, "b2", 4.0, claims)
+    assert [c.call_id for c in on_2.candidates] == ["b1", "a1"]
+    assert claims.counts == {"a1": 1, "b1": 1} and claims.locks == 2
+    # What worker 2 chose without worker 1's claim: a1, taken already.
+    assert _resolve_on(alone, "b2", 4.0).parent_call_id == "a1"
+
+
+def test_a_root_claims_nothing():
+    claims = _SharedClaims()
+    body = {"model": "m", "messages": TASK}
+    step = resolve_step(LinkIndex(), "r1", TASK, body, call_id="a1", created_at=1.0, claims=claims)
+    assert play(step, []).parent_call_id is None
     assert claims.locks == 0 and claims.counts == {}
 
 
