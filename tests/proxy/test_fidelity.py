@@ -241,6 +241,43 @@ async def test_a_turn_the_harness_changed_is_what_the_engine_sees_in_exact_token
     assert replaced not in prompt_text
 
 
+async def test_tools_the_harness_withdrew_are_not_shown_in_exact_token_mode(
+    make_stack: MakeStack, qwen_tokenizer
+):
+    """The template renders the tools in the prompt's head: a continuation whose request
+    offers other tools than its parent's is not spliced from the parent's tokens (they show
+    the old tools); it is rendered whole, and the link left to the tokens (not taken)."""
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=TOOL_POLICY), prompt_mode="exact_tokens"
+    )
+    extra = {**TOOLS[0], "function": {**TOOLS[0]["function"], "name": "delete_everything"}}
+    messages = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Look."}]
+    first, msg = await _ask(stack, messages, tools=[*TOOLS, extra])
+    tool_turn = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "out"}
+    messages = [*messages, _echo(msg), tool_turn]
+    second, msg = await _ask(stack, messages, tools=TOOLS)
+    call = await _call(stack, second)
+    assert call["linking"]["digest_parent_call_id"] == first
+    refused = [d for d in call["diagnostics"] if d["kind"] == "exact_prompt_refused"]
+    assert [d["details"] for d in refused] == [
+        {
+            "parent_call_id": first,
+            "reason": "the harness changed the tools since the parent's request: the prompt "
+            "is rendered whole",
+        }
+    ]
+    assert call["parent_call_id"] is None
+    assert "delete_everything" not in qwen_tokenizer.decode(call["prompt_token_ids"])
+    parent = await _call(stack, first)
+    assert "delete_everything" in qwen_tokenizer.decode(parent["prompt_token_ids"])
+    # the same tools sent again: spliced from the parent's tokens and linked
+    tool_turn = {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"], "content": "out"}
+    third, _ = await _ask(stack, [*messages, _echo(msg), tool_turn], tools=TOOLS)
+    call = await _call(stack, third)
+    assert call["parent_call_id"] == second
+    assert [d for d in call["diagnostics"] if d["kind"] == "exact_prompt_refused"] == []
+
+
 # -- token counts, sampling, routed experts ----------------------------------------------------
 
 USER = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Look."}]
@@ -276,17 +313,35 @@ async def test_the_sampling_sent_to_the_engine_is_recorded(make_stack: MakeStack
     stack = await make_stack(
         engine_config=ScriptedEngineConfig(policy=TOOL_POLICY), prompt_mode=mode
     )
-    body = {**_body(USER, tools=TOOLS), "temperature": 0.7, "top_p": 0.9, "seed": 11,
-            "max_tokens": 200, "stop": ["</done>"]}
+    body = {
+        **_body(USER, tools=TOOLS),
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "seed": 11,
+        "max_tokens": 200,
+        "stop": ["</done>"],
+    }
     resp = await stack.chat("r1", body)
     assert resp.status == 200, await resp.text()
     call = await _call(stack, resp.headers["X-Capture-Call-Id"])
     assert call["sampling"] == {
-        "sent": {"temperature": 0.7, "top_p": 0.9, "seed": 11, "max_tokens": 200,
-                 "stop": ["</done>"]},
+        "sent": {
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "seed": 11,
+            "max_tokens": 200,
+            "stop": ["</done>"],
+        },
         "engine_defaults": [
-            "top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos",
+            "top_k",
+            "min_p",
+            "stop_token_ids",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "logit_bias",
+            "min_tokens",
+            "ignore_eos",
         ],
     }
 
