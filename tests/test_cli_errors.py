@@ -2,7 +2,12 @@
 (2: the command cannot run on this input; 1: it ran and failed), never a traceback, and a
 refused ``export-tokenizer`` writes nothing."""
 
+import asyncio
+import json
+import socket
+
 import pytest
+from aiohttp import web
 
 from capture_proxy.cli import main
 
@@ -77,3 +82,100 @@ def test_export_tokenizer_help_says_what_it_refuses(capsys):
     with pytest.raises(SystemExit):
         main(["export-tokenizer", "--help"])
     assert "must not exist or be an empty directory" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("line", "kind"), [("[1, 2]", "a list"), ('"x"', "a string"), ("3", "a number")]
+)
+def test_replay_of_a_line_that_is_not_an_object_names_the_line(tmp_path, capsys, line, kind):
+    recording = tmp_path / "bad.jsonl"
+    # a blank line, then a request the replay skips (not a model call): the count still counts
+    skipped = {"seq": 1, "path": "/v1/messages/count_tokens", "body": {}}
+    recording.write_text("\n" + json.dumps(skipped) + "\n" + line + "\n")
+    assert main(["replay", str(recording)]) == 2
+    assert _one_error_line(capsys) == (
+        f"capture-proxy replay: {recording}:3: not a recorded request: {kind}, not a JSON object"
+    )
+
+
+def test_replay_of_a_line_whose_body_is_not_an_object_names_the_line(tmp_path, capsys):
+    recording = tmp_path / "bad.jsonl"
+    recording.write_text(json.dumps({"seq": 1, "body": [1], "response_raw": "{}"}) + "\n")
+    assert main(["replay", str(recording)]) == 2
+    assert _one_error_line(capsys) == (
+        f"capture-proxy replay: {recording}:1: not a recorded request: "
+        "body is a list, not a JSON object"
+    )
+
+
+@pytest.mark.parametrize("rollout", ["../x", "a/b", ".hidden", ""])
+def test_replay_refuses_a_rollout_id_the_proxy_would_refuse(fixtures_dir, capsys, rollout):
+    log = fixtures_dir / "opencode" / "logs" / "02_step_limit_obeyed.jsonl"
+    for proxy in ([], ["--proxy", "http://127.0.0.1:9"]):
+        assert main(["replay", str(log), "--rollout", rollout, *proxy]) == 2
+        reason = (
+            "rollout id is empty"
+            if not rollout
+            else "rollout id must use only ASCII letters, digits, '.', '_', '-' and start "
+            "with a letter or digit"
+        )
+        assert _one_error_line(capsys) == (
+            f"capture-proxy replay: --rollout {rollout!r} is not a rollout id the proxy "
+            f"accepts: {reason}"
+        )
+
+
+def test_replay_to_nothing_listening_says_it_cannot_reach_the_proxy(fixtures_dir, capsys):
+    log = fixtures_dir / "opencode" / "logs" / "02_step_limit_obeyed.jsonl"
+    with socket.socket() as bound:  # bound, not listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{bound.getsockname()[1]}"
+        assert main(["replay", str(log), "--proxy", url]) == 2
+    error = _one_error_line(capsys)
+    assert error.startswith(f"capture-proxy replay: cannot reach the proxy at {url}: ")
+    assert "Connect call failed" in error
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8080", "ftp://h/", "http://"])
+def test_replay_refuses_a_proxy_that_is_not_an_http_url(fixtures_dir, capsys, url):
+    log = fixtures_dir / "opencode" / "logs" / "02_step_limit_obeyed.jsonl"
+    assert main(["replay", str(log), "--proxy", url]) == 2
+    assert _one_error_line(capsys) == (
+        f"capture-proxy replay: --proxy {url!r} is not an http:// or https:// URL"
+    )
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "invalid_request_error", "code": code}}
+    return web.json_response(body, status=status)
+
+
+async def test_replay_reports_the_proxys_error_answers_without_crashing(
+    aiohttp_server, fixtures_dir, capsys
+):
+    # A proxy that refuses the rollout id (400 invalid_rollout_id) and then has no rollout to
+    # read (404): the refusal is named, and the read's error answer is not read as a summary.
+    async def refuse(request: web.Request) -> web.Response:
+        return _error(400, "rollout id is odd", "invalid_rollout_id")
+
+    async def missing(request: web.Request) -> web.Response:
+        return _error(404, f"rollout {request.match_info['rid']} not found", "not_found")
+
+    app = web.Application()
+    app.router.add_post("/ng-rollout/{tail:.*}", refuse)
+    app.router.add_get("/captures/rollouts/{rid}", missing)
+    server = await aiohttp_server(app)
+    log = fixtures_dir / "opencode" / "logs" / "02_step_limit_obeyed.jsonl"
+    url = str(server.make_url("")).rstrip("/")
+    # main runs its own event loop: in a thread, while this one serves the fake proxy
+    argv = ["replay", str(log), "--proxy", url, "--rollout", "r1"]
+    assert await asyncio.to_thread(main, argv) == 1
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert captured.out == "replayed 7 requests: [400, 400, 400, 400, 400, 400, 400]\n"
+    assert captured.err.splitlines() == [
+        "capture-proxy replay: 7 of 7 requests were not answered 200; the first (seq 1): 400 "
+        "invalid_rollout_id: rollout id is odd",
+        "capture-proxy replay: GET /captures/rollouts/r1 answered 404 not_found: "
+        "rollout r1 not found",
+    ]
