@@ -179,3 +179,67 @@ async def test_replay_reports_the_proxys_error_answers_without_crashing(
         "capture-proxy replay: GET /captures/rollouts/r1 answered 404 not_found: "
         "rollout r1 not found",
     ]
+
+
+@pytest.mark.parametrize("flag", ["--policy", "--chat-template"])
+def test_scripted_engine_with_a_missing_file_names_the_flag_and_file(tmp_path, capsys, flag):
+    missing = tmp_path / "nope.json"
+    assert main(["scripted-engine", flag, str(missing)]) == 2
+    assert _one_error_line(capsys) == (
+        f"capture-proxy scripted-engine: cannot read {flag} {missing}: No such file or directory"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (
+            "root:x:0:0:root:/root:/bin/bash\n",
+            "not JSON: Invalid JSON: expected value at line 1 column 1",
+        ),
+        ("[1, 2]", "not a policy: Input should be an object"),
+        ('{"steps": 3}', "not a policy: steps: Input should be a valid array"),
+        ('{"bogus": 1}', "not a policy: bogus: Extra inputs are not permitted"),
+        (
+            '{"a": 1, "b": 2, "c": 3, "d": 4}',
+            "not a policy: a: Extra inputs are not permitted; b: Extra inputs are not "
+            "permitted; c: Extra inputs are not permitted (and 1 more)",
+        ),
+    ],
+)
+def test_scripted_engine_with_a_bad_policy_names_the_file_and_the_problem(
+    tmp_path, capsys, text, problem
+):
+    policy = tmp_path / "policy.json"
+    policy.write_text(text)
+    assert main(["scripted-engine", "--policy", str(policy)]) == 2
+    assert _one_error_line(capsys) == f"capture-proxy scripted-engine: --policy {policy}: {problem}"
+
+
+def test_demo_with_a_bad_policy_names_the_file(tmp_path, capsys):
+    policy = tmp_path / "policy.json"
+    policy.write_text("[1, 2]")
+    argv = ["demo", "--opencode", "no", "--store", str(tmp_path / "s"), "--policy", str(policy)]
+    assert main(argv) == 2
+    assert _one_error_line(capsys) == (
+        f"capture-proxy demo: --policy {policy}: not a policy: Input should be an object"
+    )
+    assert not (tmp_path / "s").exists()
+
+
+def test_scripted_engine_with_a_family_it_cannot_load_says_why(capsys):
+    assert main(["scripted-engine", "--family", "llama3", "--port", "0"]) == 2
+    assert _one_error_line(capsys).startswith(
+        "capture-proxy scripted-engine: the llama3 family needs the model's tokenizer directory"
+    )
+
+
+def test_scripted_engine_on_a_busy_port_says_so(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["scripted-engine", "--port", str(port)]) == 2
+    error = _one_error_line(capsys)
+    assert error.startswith(f"capture-proxy scripted-engine: cannot listen on 127.0.0.1:{port}: ")
+    assert error.endswith("address already in use")
