@@ -84,7 +84,9 @@ def _json_kind(value: Any) -> str:
         return "a boolean"
     if isinstance(value, int | float):
         return "a number"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), "a value")
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
 
 
 def load_recording(path: Path) -> list[RecordedRequest]:
