@@ -37,7 +37,9 @@ def test_serve_refuses_bad_settings(capsys):
 
 def test_replay_of_a_missing_file_is_a_clear_error(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "nope.jsonl")]) == 2
-    assert "nope.jsonl" in capsys.readouterr().out
+    assert capsys.readouterr().err == (
+        f"capture-proxy replay: [Errno 2] No such file or directory: '{tmp_path}/nope.jsonl'\n"
+    )
 
 
 def test_serve_refuses_settings_that_cannot_run(tmp_path, capsys):
@@ -76,7 +78,7 @@ def test_replay_of_an_empty_recording_is_a_clear_error(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert main(["replay", str(empty)]) == 2
-    assert "holds no recorded requests" in capsys.readouterr().out
+    assert capsys.readouterr().err == f"capture-proxy replay: {empty} holds no recorded requests\n"
 
 
 def test_serve_takes_backend_repeated_and_the_routing_key_flags(monkeypatch, tmp_path):

@@ -3,7 +3,8 @@ export-tokenizer | audit``.
 
 Owns process start-up only: ``main`` parses the arguments (``parser``) and runs the command's
 function; every command builds its settings once, validates them, and hands them down. Errors
-in settings exit with status 2 and a message naming the field.
+in settings exit with status 2 and a message naming the field; a command's ``CommandError``
+(``errors``) is one line on stderr and its exit code, never a traceback.
 
 - ``parser``: every subcommand's flags; ``serve``: settings, socket and store, then the proxy;
   ``show``: the terminal view of a store; ``demo`` and ``replay``: an in-process scripted engine
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
+from capture_proxy.cli.errors import CommandError
 from capture_proxy.cli.parser import build_parser
 
 #: Commands that need the tokenizer stack (the ``scripted`` extra); ``serve`` does not.
@@ -32,6 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except CommandError as exc:
+        # one line, whatever a quoted file or library message holds
+        message = " ".join(str(exc).splitlines())
+        print(f"capture-proxy {args.command}: {message}", file=sys.stderr)
+        return exc.exit_code
     except ModuleNotFoundError as exc:
         if args.command not in SCRIPTED_COMMANDS or exc.name not in _SCRIPTED_MODULES:
             raise

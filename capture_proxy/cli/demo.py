@@ -21,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.app import build_proxy_app
+from capture_proxy.cli.engine import load_policy
 from capture_proxy.config import Settings
 from capture_proxy.harnesses.opencode import MODEL_ID as OPENCODE_MODEL_ID
 from capture_proxy.harnesses.opencode import find_opencode, run_opencode
@@ -176,7 +177,7 @@ async def run_demo(
         print("demo: OpenCode is not installed (run scripts/install-opencode)")
         return 1
     if policy_path is not None:
-        policy = Policy.load(policy_path)
+        policy = load_policy(policy_path)  # a CommandError naming the file and problem
     elif binary is not None and OPENCODE_POLICY.exists():
         policy = Policy.load(OPENCODE_POLICY)
     else:

@@ -353,7 +353,12 @@ def _add_export_tokenizer(sub: Any) -> None:
         help="write the scripted engine's tokenizer + chat template as an HF directory "
         "(for serve --tokenizer in exact_tokens mode)",
     )
-    exp.add_argument("directory", type=Path)
+    exp.add_argument(
+        "directory",
+        type=Path,
+        help="where to write; it must not exist or be an empty directory (a file or a "
+        "directory holding files is refused: nothing is overwritten)",
+    )
     exp.add_argument(
         "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
     )

@@ -338,9 +338,9 @@ def validate_chat_request(
     in an earlier request are not validated again (the returned model's ``tools`` is then
     None: what the engine gets is the body's), and tools that pass here are marked.
 
-    Refused under capture: ``n`` > 1 (one record per call; send n requests instead) and
-    content parts other than text and ``image_url`` (an image's bytes are checked by
-    ``core.images`` afterwards).
+    Refused under capture: ``n`` > 1 (one record per call; send n requests instead: identical
+    ones are siblings, ``docs/linking.md``) and content parts other than text and
+    ``image_url`` (an image's bytes are checked by ``core.images`` afterwards).
     """
     skip_tools = tools_facts is not None and tools_facts.valid
     head = {k: v for k, v in body.items() if k != "tools"} if skip_tools else body
@@ -373,8 +373,10 @@ def validate_chat_request(
         raise _invalid(head_error.errors()[0]) from head_error
     if req.n != 1:
         raise InvalidRequest(
-            "'n' > 1 is not supported under capture: each sample is its own rollout; send one "
-            "request per rollout id (identical requests in one rollout are recorded as retries)",
+            "'n' > 1 is not supported under capture (one record per call): send n separate "
+            "requests; identical requests in one rollout are siblings, each its own sample (a "
+            "retry only with an x-stainless-retry-count header > 0, or after the earlier one "
+            "failed)",
             "n",
         )
     if not _is_valid_unicode(body, facts, tools_facts):

@@ -76,20 +76,38 @@ def message_from_sse(raw: str) -> dict[str, Any]:
     return message_from_answer(Api.CHAT_COMPLETIONS, raw)
 
 
+def _json_kind(value: Any) -> str:
+    """A JSON value's kind with its article, for messages (``a list``, ``null``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
 def load_recording(path: Path) -> list[RecordedRequest]:
     """Read a recording's model calls, sorted by ``seq`` (requests to other paths, e.g.
     count_tokens or model listings, and requests the server refused are left out). Raises
-    OSError, ValueError (bad JSON lines)."""
+    OSError, ValueError (a line that is not JSON, not an object, or lacks a field, named by
+    its number)."""
     out = []
     for line_no, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError(f"{_json_kind(obj)}, not a JSON object")
             recorded_path = str(obj.get("path") or "/v1/chat/completions")
             api = api_of_path(recorded_path)
             if api is None or int(obj.get("status") or 200) >= 400:
                 continue
+            if not isinstance(obj["body"], dict):
+                raise ValueError(f"body is {_json_kind(obj['body'])}, not a JSON object")
             out.append(
                 RecordedRequest(
                     seq=int(obj["seq"]),
@@ -101,7 +119,9 @@ def load_recording(path: Path) -> list[RecordedRequest]:
                     query=recorded_path.partition("?")[2],
                 )
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        # Any shape the fields do not have (a response_raw that is not a string, an answer
+        # without choices) is this line's fault, not the replay's.
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             raise ValueError(f"{path}:{line_no}: not a recorded request: {exc}") from exc
     return sorted(out, key=lambda r: r.seq)
 
@@ -146,10 +166,31 @@ class RecordedResponder:
 
 @dataclass(frozen=True)
 class ReplayedCall:
+    """One replayed request's answer: its status, the proxy's call id, and for an error
+    answer what it said (``error_summary``)."""
+
     seq: int
     classification: str
     status: int
     call_id: str | None
+    error: str | None = None
+
+
+def error_summary(raw: bytes) -> str:
+    """What an error answer says, in one line: ``<code>: <message>`` of an ``{"error": {...}}``
+    body (OpenAI's shape, or Anthropic's, whose ``error`` has a ``type``), else the body's
+    first 200 characters."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        code = error.get("code") or error.get("type")
+        message = " ".join(error["message"].split())
+        return f"{code}: {message}" if isinstance(code, str) else message
+    text = raw.decode("utf-8", errors="replace").strip()
+    return " ".join(text.split())[:200] or "(empty body)"
 
 
 #: Keys whose string values are tool-call ids in the three APIs' bodies.
@@ -211,6 +252,7 @@ async def replay(
                         req.classification,
                         resp.status,
                         resp.headers.get("X-Capture-Call-Id"),
+                        None if resp.status < 400 else error_summary(raw),
                     )
                 )
             recorded_calls = req.response_message.get("tool_calls") or []

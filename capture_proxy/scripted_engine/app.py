@@ -107,12 +107,19 @@ def engine_family(config: ScriptedEngineConfig, tokenizer: PreTrainedTokenizerFa
     return EngineFamily(family, family.renderer.tokenizer)
 
 
-def run_scripted_engine(host: str, port: int, config: ScriptedEngineConfig) -> None:
-    """Serve the engine until interrupted (blocking; for the CLI)."""
+def run_scripted_engine(
+    host: str, port: int, config: ScriptedEngineConfig, app: web.Application | None = None
+) -> None:
+    """Serve the engine until interrupted (blocking; for the CLI). ``app``: the engine
+    already built from ``config`` (the CLI builds it first, to report a config that cannot
+    load); else it is built here. Raises ValueError (building: see
+    ``build_scripted_engine_app``) and OSError (the address cannot be bound)."""
+    if app is None:
+        app = build_scripted_engine_app(config)
     # A deep listen queue, like uvicorn's 2048: thousands of rollouts connect at once.
     shown = f"[{host}]" if ":" in host else host
     web.run_app(
-        build_scripted_engine_app(config),
+        app,
         host=host,
         port=port,
         # aiohttp prints this once the socket listens

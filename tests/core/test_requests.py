@@ -80,6 +80,19 @@ def test_bad_requests_name_the_field(body, param, fragment):
         assert info.value.param == param
 
 
+def test_the_n_refusal_says_identical_requests_are_siblings_not_retries():
+    # docs/linking.md §5: identical requests in one rollout are siblings; a retry needs
+    # x-stainless-retry-count > 0 (or an earlier identical call that failed).
+    with pytest.raises(InvalidRequest) as info:
+        validate_chat_request({"messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert str(info.value) == (
+        "'n' > 1 is not supported under capture (one record per call): send n separate "
+        "requests; identical requests in one rollout are siblings, each its own sample (a "
+        "retry only with an x-stainless-retry-count header > 0, or after the earlier one failed)"
+    )
+    assert info.value.param == "n"
+
+
 def _nested(levels: int) -> object:
     """A value that makes a request body ``levels`` deep (the body object is one level)."""
     value: object = 1
