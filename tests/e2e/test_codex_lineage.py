@@ -86,24 +86,30 @@ async def test_compaction_is_an_edge_and_a_resume_a_token_link(
     (summary_call,) = [
         c for c in calls.values() if COMPACT_INSTRUCTION in _text(c["request_messages"][-1])
     ]
+    # The summary call's link is refused, so it starts a chain of its own, which replays the
+    # first call's history. Backend-template mode: the engine re-renders the first answer (its
+    # reasoning). Exact-token mode: Codex sends the summary request without the tools, which
+    # the parent's tokens show in the prompt's head, so it is rendered whole, not spliced.
+    first, summarised, after = body["chains"]
+    assert summary_call["linking"]["verdict"] == "refused"
     if prompt_mode == "exact_tokens":
-        # the summary request extends the first call's tokens: one chain before the compaction
-        first, after = body["chains"]
-        summarised = first
-    else:
-        # the engine re-renders the first answer (its reasoning): the summary call's link is
-        # refused, so it starts a chain of its own, which replays the first call's history
-        first, summarised, after = body["chains"]
-        assert summary_call["linking"]["verdict"] == "refused"
-        assert summarised["chain_id"] == summary_call["call_id"]
-        (replay,) = summarised["lineage"]
-        assert (replay["kind"], replay["chain_id"], replay["from_call_id"]) == (
-            "forked_from",
-            first["chain_id"],
-            first["chain_id"],
+        assert (len(calls[first["chain_id"]]["request_tools"]), summary_call["request_tools"]) == (
+            8,
+            None,
         )
-        assert replay["evidence"]["rule"] == "generic.history_replayed"
-        assert replay["evidence"]["next_role"] == "tool"
+        refused = [d for d in summary_call["diagnostics"] if d["kind"] == "exact_prompt_refused"]
+        assert [d["details"]["reason"] for d in refused] == [
+            "the harness changed the tools since the parent's request: the prompt is rendered whole"
+        ]
+    assert summarised["chain_id"] == summary_call["call_id"]
+    (replay,) = summarised["lineage"]
+    assert (replay["kind"], replay["chain_id"], replay["from_call_id"]) == (
+        "forked_from",
+        first["chain_id"],
+        first["chain_id"],
+    )
+    assert replay["evidence"]["rule"] == "generic.history_replayed"
+    assert replay["evidence"]["next_role"] == "tool"
     assert summary_call["call_id"] in [c["call_id"] for c in summarised["calls"]]
     assert first["lineage"] == []
     (edge,) = after["lineage"]
@@ -127,4 +133,4 @@ async def test_compaction_is_an_edge_and_a_resume_a_token_link(
     by_id = {c["call_id"]: c for c in after["calls"]}
     assert hello["parent_call_id"] in by_id and extends(hello, by_id[hello["parent_call_id"]])
     assert summary["lineage"]["compacted_from"] == 1
-    assert sum(summary["lineage"].values()) == (1 if prompt_mode == "exact_tokens" else 2)
+    assert sum(summary["lineage"].values()) == 2

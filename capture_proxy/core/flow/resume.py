@@ -84,17 +84,9 @@ def resume(gen: Resumable) -> Flow[str]:
         gen.aborted = f"the engine aborted the generation and did not serve again: {waited.message}"
         return "stopped"
     assert isinstance(waited, EngineServing)
-    changed = None not in (started, waited.weight_version) and started != waited.weight_version
-    if waited.paused is not True and not changed:
-        # (an engine that cannot say whether it paused, and whose version did not change or
-        # cannot be read, may have had the request aborted on purpose)
-        gen.aborted = (
-            "the engine aborted the generation while neither paused nor updated (a request "
-            "aborted on the engine, e.g. /abort_requests): not continued"
-            if waited.paused is False
-            else "the engine aborted the generation and neither said it was paused (no GET "
-            "/is_paused) nor changed its weight version: not continued"
-        )
+    refused = _not_undone(waited, started)
+    if refused is not None:
+        gen.aborted = refused
         return "stopped"
     prompt_ids = np.concatenate(
         [asm.prompt_token_ids, np.asarray(asm.token_ids, dtype=asm.prompt_token_ids.dtype)]
@@ -136,6 +128,25 @@ def resume(gen: Resumable) -> Flow[str]:
     asm.observe(reply.weight_version)
     gen.reader = _continued_reader(gen)
     return "continued"
+
+
+def _not_undone(waited: EngineServing, started: str | None) -> str | None:
+    """Why an abort is not continued (None: it is): the engine was not seen paused and its
+    version (``started``: as the generation began) did not change. An engine that cannot say
+    whether it paused, and whose version did not change or cannot be read, may have had the
+    request aborted on purpose (a trainer's ``/abort_requests``)."""
+    changed = None not in (started, waited.weight_version) and started != waited.weight_version
+    if waited.paused is True or changed:
+        return None
+    if waited.paused is False:
+        return (
+            "the engine aborted the generation while neither paused nor updated (a request "
+            "aborted on the engine, e.g. /abort_requests): not continued"
+        )
+    return (
+        "the engine aborted the generation and neither said it was paused (no GET "
+        "/is_paused) nor changed its weight version: not continued"
+    )
 
 
 def _continued_reader(gen: Resumable) -> Reader:
