@@ -85,7 +85,7 @@ def test_export_tokenizer_help_says_what_it_refuses(capsys):
 
 
 @pytest.mark.parametrize(
-    ("line", "kind"), [("[1, 2]", "a list"), ('"x"', "a string"), ("3", "a number")]
+    ("line", "kind"), [("[1, 2]", "an array"), ('"x"', "a string"), ("3", "a number")]
 )
 def test_replay_of_a_line_that_is_not_an_object_names_the_line(tmp_path, capsys, line, kind):
     recording = tmp_path / "bad.jsonl"
@@ -104,7 +104,7 @@ def test_replay_of_a_line_whose_body_is_not_an_object_names_the_line(tmp_path, c
     assert main(["replay", str(recording)]) == 2
     assert _one_error_line(capsys) == (
         f"capture-proxy replay: {recording}:1: not a recorded request: "
-        "body is a list, not a JSON object"
+        "body is an array, not a JSON object"
     )
 
 

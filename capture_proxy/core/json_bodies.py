@@ -177,3 +177,19 @@ def _encodes(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, with its article, for messages: ``null``, ``a boolean``,
+    ``a string``, ``a number``, ``an array``, ``an object``."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from capture_proxy.core.json_bodies import MAX_NESTING, InvalidRequest, check_text
+from capture_proxy.core.json_bodies import MAX_NESTING, InvalidRequest, check_text, json_kind
 
 if TYPE_CHECKING:
     from capture_proxy.core.known_messages import MessageFacts
@@ -65,24 +65,9 @@ class ImagePart(_Lenient):
             raise PydanticCustomError(
                 "image_url_object",
                 'must be an object with a "url" ({"url": "data:image/png;base64,..."}), got {kind}',
-                {"kind": _json_kind(value)},
+                {"kind": json_kind(value)},
             )
         return value
-
-
-def _json_kind(value: Any) -> str:
-    """What a JSON value is, for a message: "a string", "an array", ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
 
 
 def _part_kind(value: Any) -> str | None:

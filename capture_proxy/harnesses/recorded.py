@@ -23,6 +23,7 @@ import aiohttp
 
 from capture_proxy.core.fronts.answers import API_PATHS, answer_message, api_of_path
 from capture_proxy.core.fronts.base import Api
+from capture_proxy.core.json_bodies import json_kind
 from capture_proxy.scripted_engine.state import ScriptedEngineConfig
 
 #: Recorded headers worth replaying (identity of the harness and its session); transport
@@ -76,19 +77,6 @@ def message_from_sse(raw: str) -> dict[str, Any]:
     return message_from_answer(Api.CHAT_COMPLETIONS, raw)
 
 
-def _json_kind(value: Any) -> str:
-    """A JSON value's kind with its article, for messages (``a list``, ``null``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else "an object"
-
-
 def load_recording(path: Path) -> list[RecordedRequest]:
     """Read a recording's model calls, sorted by ``seq`` (requests to other paths, e.g.
     count_tokens or model listings, and requests the server refused are left out). Raises
@@ -101,13 +89,13 @@ def load_recording(path: Path) -> list[RecordedRequest]:
         try:
             obj = json.loads(line)
             if not isinstance(obj, dict):
-                raise ValueError(f"{_json_kind(obj)}, not a JSON object")
+                raise ValueError(f"{json_kind(obj)}, not a JSON object")
             recorded_path = str(obj.get("path") or "/v1/chat/completions")
             api = api_of_path(recorded_path)
             if api is None or int(obj.get("status") or 200) >= 400:
                 continue
             if not isinstance(obj["body"], dict):
-                raise ValueError(f"body is {_json_kind(obj['body'])}, not a JSON object")
+                raise ValueError(f"body is {json_kind(obj['body'])}, not a JSON object")
             out.append(
                 RecordedRequest(
                     seq=int(obj["seq"]),
