@@ -118,6 +118,13 @@ def _finish_reason(value: Any) -> str | None:
     return str(value)
 
 
+def ends_text(finish_reason: str | None, whole: bool) -> bool:
+    """Whether a piece with ``finish_reason`` ends the generation's text (``whole``: a whole
+    answer). An abort never does: a continuation may follow and complete a character it
+    split, so a split character's first bytes are held back, not flushed as U+FFFD."""
+    return finish_reason != "abort" and (whole or finish_reason is not None)
+
+
 def _held_at_abort(piece: Piece) -> Piece:
     """An engine's text of an aborted piece without its trailing U+FFFD: an abort is no end,
     and a continuation may complete the character it split (SGLang flushes a finished
@@ -334,9 +341,7 @@ class VllmGenerateReader:
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
             piece.routed_experts = choice.get("routed_experts")
             piece.weight_versions = choice.get("weight_versions")
-        # An abort is no end: a continuation may follow and complete a character it split.
-        done = piece.finish_reason != "abort" and (final or piece.finish_reason is not None)
-        piece.text = self.text.add(piece.token_ids, final=done)
+        piece.text = self.text.add(piece.token_ids, final=ends_text(piece.finish_reason, final))
         return piece
 
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
-from capture_proxy.core.engine_formats import IncrementalText, Piece, Reader
+from capture_proxy.core.engine_formats import IncrementalText, Piece, Reader, ends_text
 from capture_proxy.core.flow.call import Call, Clock, Flow
 from capture_proxy.core.flow.commands import AwaitEngineServing, ReadEngineBody, SendToEngine
 from capture_proxy.core.flow.events import (
@@ -173,13 +173,11 @@ class _LocallyDecoded:
         self.text.resume_after(ids, given)
 
     def whole(self, body: dict[str, Any]) -> Piece:
-        piece = self.inner.whole(body)
-        # an abort is no end: another continuation may complete a character it split
-        piece.text = self.text.add(piece.token_ids, final=piece.finish_reason != "abort")
-        return piece
+        return self._decoded(self.inner.whole(body), whole=True)
 
     def chunk(self, body: dict[str, Any]) -> Piece:
-        piece = self.inner.chunk(body)
-        done = piece.finish_reason not in (None, "abort")
-        piece.text = self.text.add(piece.token_ids, final=done)
+        return self._decoded(self.inner.chunk(body), whole=False)
+
+    def _decoded(self, piece: Piece, *, whole: bool) -> Piece:
+        piece.text = self.text.add(piece.token_ids, final=ends_text(piece.finish_reason, whole))
         return piece
