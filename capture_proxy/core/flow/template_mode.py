@@ -82,6 +82,12 @@ from capture_proxy.core.version_spans import Observation, WeightVersions
 
 _DONE = DONE_SENTINEL.encode()
 
+
+def _not_utf8(exc: UnicodeDecodeError) -> str:
+    """Why a stream whose bytes are not UTF-8 ended (the record's reason)."""
+    return f"engine stream is not UTF-8: {exc.reason}"
+
+
 #: Why an aborted engine-rendered generation is not continued (backend-template mode: the
 #: proxy has no tokens-in request and parser of its own for the model to continue it with).
 ABORTED = (
@@ -288,7 +294,7 @@ class _Relay:
                 if type(chunk) is not dict:
                     raise ValueError("not a JSON object")
             except UnicodeDecodeError as exc:
-                self.problem, self.broken = f"engine stream is not UTF-8: {exc.reason}", True
+                self.problem, self.broken = _not_utf8(exc), True
                 return out
             except ValueError as exc:
                 # Not forwarded: a harness would choke on it. The stream ends with an error.
@@ -329,7 +335,7 @@ def _pump(call: Call, relay: _Relay) -> Flow[tuple[bool, RequestEncoding | None]
             end = isinstance(piece, EngineEnd)
             datas = decoder.close_data() if end else decoder.feed_data(piece.data)
         except UnicodeDecodeError as exc:
-            relay.problem = f"engine stream is not UTF-8: {exc.reason}"
+            relay.problem = _not_utf8(exc)
             return False, request_encoding
         state: ClientState = yield WriteClient(b"".join(relay.handle(datas)))
         if end or relay.broken:
