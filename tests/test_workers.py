@@ -6,10 +6,12 @@ are whole, a killed worker is replaced, and SIGTERM ends every process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,24 @@ async def _serve(tmp_path: Path, backend: str, *args: str) -> tuple[Any, int]:
         (tmp_path / "serve.log").read_text(),
     )
     return proc, int(line.split("127.0.0.1:", 1)[1].split(" ", 1)[0])
+
+
+@contextlib.asynccontextmanager
+async def _serving(
+    tmp_path: Path, backend: str
+) -> AsyncIterator[tuple[Any, aiohttp.ClientSession]]:
+    """``_serve`` and a client that opens a new connection per request (so the kernel deals
+    them to both workers); on the way out the client is closed and SIGTERM must end the
+    proxy with status 0."""
+    proc, port = await _serve(tmp_path, backend)
+    connector = aiohttp.TCPConnector(force_close=True)
+    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
+    try:
+        yield proc, client
+    finally:
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
 
 
 def _workers(pid: int) -> list[int]:
@@ -82,10 +102,7 @@ async def engine(aiohttp_server, qwen_tokenizer) -> str:
 
 
 async def test_two_workers_link_a_rollouts_calls_exactly_whichever_serves_them(tmp_path, engine):
-    proc, port = await _serve(tmp_path, engine)
-    connector = aiohttp.TCPConnector(force_close=True)  # every request a new connection
-    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
-    try:
+    async with _serving(tmp_path, engine) as (proc, client):
         sessions = [Session(f"task-{i}") for i in range(12)]
         for _ in range(4):
             await asyncio.gather(*(s.step(client) for s in sessions))
@@ -114,10 +131,6 @@ async def test_two_workers_link_a_rollouts_calls_exactly_whichever_serves_them(t
         async with client.get("/captures/rollouts?limit=100") as resp:
             listed = await resp.json()
         assert len(listed["rollouts"]) == 12
-    finally:
-        await client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
     assert _workers(proc.pid) == []
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
@@ -131,10 +144,7 @@ async def test_identical_agents_of_one_rollout_continued_at_once_on_two_workers_
     other worker too (``ChildClaimBoard``), so the eight stay eight chains of three calls.
     Without the claims, two workers took the same parent (a branch, and a one-call chain
     left behind: a duplicate prefix in the samples), 5 of 5 runs."""
-    proc, port = await _serve(tmp_path, engine)
-    connector = aiohttp.TCPConnector(force_close=True)
-    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
-    try:
+    async with _serving(tmp_path, engine) as (proc, client):
         sessions = [Session("lockstep") for _ in range(8)]
         for _ in range(3):
             await asyncio.gather(*(s.step(client) for s in sessions))
@@ -151,10 +161,6 @@ async def test_identical_agents_of_one_rollout_continued_at_once_on_two_workers_
         assert sorted(c["call_id"] for ch in chains for c in ch["calls"]) == sorted(
             i for s in sessions for i in s.call_ids
         )
-    finally:
-        await client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
@@ -167,15 +173,12 @@ async def test_identical_sessions_started_at_once_on_two_workers_never_branch(tm
     candidates this failed in 1 of 2 runs (timing decides; the pure test,
     ``test_a_continuation_claims_its_parent_while_its_twins_first_call_is_in_flight``, fails
     every time)."""
-    proc, port = await _serve(tmp_path, engine)
-    connector = aiohttp.TCPConnector(force_close=True)
-    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
 
     async def session(s: Session) -> None:
         for _ in range(3):
             await s.step(client)
 
-    try:
+    async with _serving(tmp_path, engine) as (proc, client):
         for k in range(12):
             twins = [Session(f"twins-{k}") for _ in range(2)]
             await asyncio.gather(*(session(s) for s in twins))
@@ -185,18 +188,11 @@ async def test_identical_sessions_started_at_once_on_two_workers_never_branch(tm
             for chain in chains:
                 ids = [call["call_id"] for call in chain["calls"]]
                 assert [call["parent_call_id"] for call in chain["calls"]] == [None, *ids[:-1]]
-    finally:
-        await client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
 
 async def test_a_killed_worker_is_replaced_and_no_acknowledged_call_is_lost(tmp_path, engine):
-    proc, port = await _serve(tmp_path, engine)
-    connector = aiohttp.TCPConnector(force_close=True)
-    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
-    try:
+    async with _serving(tmp_path, engine) as (proc, client):
         sessions = [Session(f"kill-{i}") for i in range(8)]
         await asyncio.gather(*(s.step(client) for s in sessions))
         first = _workers(proc.pid)
@@ -216,10 +212,6 @@ async def test_a_killed_worker_is_replaced_and_no_acknowledged_call_is_lost(tmp_
         async with client.get("/metrics") as resp:
             text = await resp.text()
         assert _value(text, "capture_proxy_requests_in_flight") == 1  # the dead one's left
-    finally:
-        await client.close()
-        proc.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
     log = (tmp_path / "serve.log").read_text()
     assert f"worker 0 (pid {first[0]}) exited with status -9; starting it again" in log or (
         f"worker 1 (pid {first[0]}) exited with status -9; starting it again" in log

@@ -31,6 +31,14 @@ def _decode_in_pieces(data: bytes, size: int) -> list[SSEEvent]:
     return events + decoder.close()
 
 
+def _data_in_pieces(data: bytes, size: int) -> list[bytes]:
+    decoder = SSEStreamDecoder()
+    out: list[bytes] = []
+    for i in range(0, len(data), size):
+        out += decoder.feed_data(data[i : i + size])
+    return out + decoder.close_data()
+
+
 def test_whole_stream():
     assert _decode_in_pieces(STREAM, len(STREAM)) == EXPECTED
 
@@ -89,12 +97,16 @@ BLOCKS = [
 
 
 def test_the_short_cut_gives_what_httpx_sse_gives_for_any_stream_and_split():
+    # feed_data is feed with the names, ids and comments dropped and the data as UTF-8 bytes,
+    # whichever way (short cut or httpx-sse) each block goes.
     rng = random.Random(20261130)
     for _ in range(400):
         text = "".join(rng.choice(BLOCKS) for _ in range(rng.randint(1, 8)))
         data = text.encode()
         for size in (1, 2, 3, 7, 64, len(data)):
-            assert _decode_in_pieces(data, size) == _reference(data, size), (text, size)
+            want = _reference(data, size)
+            assert _decode_in_pieces(data, size) == want, (text, size)
+            assert _data_in_pieces(data, size) == [e.data.encode() for e in want], (text, size)
 
 
 def test_engine_shaped_stream_takes_the_short_cut_and_stays_exact():
@@ -118,26 +130,6 @@ def test_bytes_that_are_not_utf8_are_refused():
     assert cut.feed("data: \u2603".encode()[:-1]) == []
     with pytest.raises(UnicodeDecodeError):
         cut.close()
-
-
-def _data_in_pieces(data: bytes, size: int) -> list[bytes]:
-    decoder = SSEStreamDecoder()
-    out: list[bytes] = []
-    for i in range(0, len(data), size):
-        out += decoder.feed_data(data[i : i + size])
-    return out + decoder.close_data()
-
-
-def test_the_data_only_reading_gives_each_events_data_for_any_stream_and_split():
-    # feed_data is feed with the names, ids and comments dropped and the data as UTF-8 bytes,
-    # whichever way (short cut or httpx-sse) each block goes.
-    rng = random.Random(20261206)
-    for _ in range(400):
-        text = "".join(rng.choice(BLOCKS) for _ in range(rng.randint(1, 8)))
-        data = text.encode()
-        for size in (1, 2, 3, 7, 64, len(data)):
-            want = [event.data.encode() for event in _reference(data, size)]
-            assert _data_in_pieces(data, size) == want, (text, size)
 
 
 def test_the_data_only_short_cut_hands_the_bytes_on_unchecked_and_the_long_way_checks_them():
