@@ -50,7 +50,7 @@ from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest.images import images_of
-from capture_proxy.rest.query import one_value
+from capture_proxy.rest.query import WEIGHT_FILTER_PARAMS, one_value, takes
 from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
     _json,
@@ -275,6 +275,12 @@ async def get_atif(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/captures/export", export_rollouts)
-    app.router.add_get("/captures/rollouts/{rollout_id}/tree", get_tree)
-    app.router.add_get("/captures/rollouts/{rollout_id}/atif", get_atif)
+    app.router.add_get(
+        "/captures/export",
+        takes("status", "after", "limit", "episodes", *WEIGHT_FILTER_PARAMS)(export_rollouts),
+    )
+    app.router.add_get("/captures/rollouts/{rollout_id}/tree", takes()(get_tree))
+    app.router.add_get(
+        "/captures/rollouts/{rollout_id}/atif",
+        takes("strict", "experts", "agent_name", "agent_version")(get_atif),
+    )

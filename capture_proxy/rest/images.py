@@ -17,6 +17,7 @@ from capture_proxy.core.images import PromptImage
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.errors import BadRequest, NotFound
 from capture_proxy.proxy.keys import STORE_KEY
+from capture_proxy.rest.query import takes
 from capture_proxy.store.base import CaptureStore
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -52,4 +53,4 @@ async def images_of(store: CaptureStore, records: Iterable[CallRecord]) -> dict[
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_get("/captures/images/{sha256}", get_image)
+    app.router.add_get("/captures/images/{sha256}", takes()(get_image))

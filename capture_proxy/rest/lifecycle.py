@@ -37,6 +37,7 @@ from capture_proxy.proxy.errors import (
 )
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.query import takes
 from capture_proxy.rest.reads import _rollout_id
 from capture_proxy.store.base import LifecycleConflict, RolloutDeleted, RolloutNotFound
 
@@ -154,6 +155,6 @@ async def retire_rollout(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application) -> None:
-    app.router.add_post("/captures/rollouts/{rollout_id}/freeze", freeze_rollout)
-    app.router.add_put("/captures/rollouts/{rollout_id}/metadata", put_metadata)
-    app.router.add_post("/captures/rollouts/{rollout_id}/retire", retire_rollout)
+    app.router.add_post("/captures/rollouts/{rollout_id}/freeze", takes()(freeze_rollout))
+    app.router.add_put("/captures/rollouts/{rollout_id}/metadata", takes()(put_metadata))
+    app.router.add_post("/captures/rollouts/{rollout_id}/retire", takes()(retire_rollout))

@@ -47,7 +47,7 @@ from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
 from capture_proxy.rest.images import images_of
-from capture_proxy.rest.query import one_value
+from capture_proxy.rest.query import WEIGHT_FILTER_PARAMS, one_value, takes
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import RolloutInfo
@@ -488,12 +488,15 @@ def add_routes(app: web.Application, *, read_only: bool = False) -> None:
     """The read API's routes, and the REST thread (started and stopped with the app);
     ``read_only``: without ``DELETE``."""
     app.cleanup_ctx.append(_rest_thread)
-    app.router.add_get("/captures/rollouts", list_rollouts)
-    app.router.add_get("/captures/rollouts/{rollout_id}", get_rollout)
-    app.router.add_get("/captures/rollouts/{rollout_id}/chains", get_rollout_chains)
-    app.router.add_get("/captures/calls/{call_id}", get_call)
+    app.router.add_get("/captures/rollouts", takes("limit", "after")(list_rollouts))
+    app.router.add_get("/captures/rollouts/{rollout_id}", takes()(get_rollout))
+    app.router.add_get(
+        "/captures/rollouts/{rollout_id}/chains",
+        takes("format", *WEIGHT_FILTER_PARAMS)(get_rollout_chains),
+    )
+    app.router.add_get("/captures/calls/{call_id}", takes()(get_call))
     if not read_only:
-        app.router.add_delete("/captures/rollouts/{rollout_id}", delete_rollout)
+        app.router.add_delete("/captures/rollouts/{rollout_id}", takes()(delete_rollout))
         return
     # The proxy's writes, answered as refused here rather than as unknown paths.
     app.router.add_delete("/captures/rollouts/{rollout_id}", refuse_read_only)

@@ -133,6 +133,53 @@ async def test_a_single_valued_parameter_given_twice_is_a_400_naming_it(
     }
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "param", "taken"),
+    [
+        ("GET", "/captures/rollouts", "limt", "limit, after"),
+        ("GET", "/captures/rollouts/r1", "format", "none"),
+        (
+            "GET",
+            CHAINS,
+            "min_weight_versoin",
+            "format, min_weight_version, weight_version, unknown_weight_version",
+        ),
+        (
+            "GET",
+            EXPORT,
+            "min-weight-version",
+            "status, after, limit, episodes, min_weight_version, weight_version, "
+            "unknown_weight_version",
+        ),
+        ("GET", ATIF, "experts_included", "strict, experts, agent_name, agent_version"),
+        ("GET", "/captures/rollouts/r1/tree", "format", "none"),
+        ("GET", "/captures/calls/c1", "detail", "none"),
+        ("GET", "/captures/images/" + "0" * 64, "size", "none"),
+        ("DELETE", "/captures/rollouts/r1", "force", "none"),
+        ("POST", "/captures/rollouts/r1/freeze", "force", "none"),
+        ("POST", "/captures/rollouts/r1/retire", "reason", "none"),
+        ("PUT", "/captures/rollouts/r1/metadata", "merge", "none"),
+    ],
+)
+async def test_a_parameter_the_endpoint_does_not_take_is_a_400_naming_it(
+    stack: Stack, method, path, param, taken
+):
+    """A misspelt filter must not be dropped silently (it would turn the staleness filter off
+    and answer 200 with every sample); nothing is read, deleted or frozen."""
+    await _put(stack, record("c1", [1, 2], [3], rollout_id="r1"))
+    resp = await stack.client.request(method, f"{path}?{param}=5", json={})
+    assert resp.status == 400
+    assert (await resp.json())["error"] == {
+        "message": f"{param}: not a parameter of this endpoint (it takes: {taken})",
+        "type": "invalid_request_error",
+        "param": param,
+        "code": "unknown_parameter",
+    }
+    assert (await stack.client.get("/captures/rollouts/r1")).status == 200
+    summary = await (await stack.client.get("/captures/rollouts/r1")).json()
+    assert summary["status"] == "open"
+
+
 async def test_a_repeatable_weight_version_is_not_refused(stack: Stack):
     resp = await stack.client.get("/captures/export?weight_version=1&weight_version=7")
     assert resp.status == 200
