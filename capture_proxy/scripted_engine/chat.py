@@ -45,6 +45,13 @@ from capture_proxy.scripted_engine.state import (
 from capture_proxy.scripted_engine.weights import Sampler, sampler
 
 
+def _engine_json(obj: Any) -> str:
+    """JSON as vLLM 0.32 writes its chat answers and chunks: compact (pydantic's
+    ``model_dump_json`` for a chunk, starlette's ``JSONResponse`` for a whole answer), UTF-8
+    kept; NaN written bare (a fault the scripted engine can inject)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def _logprob_entry(family: EngineFamily, e: TokenEvent, top: int, as_ids: bool) -> dict:
     def one(tid: int, lp: float) -> dict[str, Any]:
         text = f"token_id:{tid}" if as_ids else family.decode([tid])
@@ -225,7 +232,7 @@ async def _answer(
     if done < len(gen.token_ids):
         gen = _aborted(app, index, gen, done)
     out = _chat_json(app, body, head, prompt, gen, opts)
-    return web.json_response(out, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    return web.json_response(out, dumps=_engine_json)
 
 
 def _aborted(app: web.Application, index: int, gen: Generation, num_tokens: int) -> Generation:
@@ -257,7 +264,7 @@ async def _stream(
     faults = cfg.faults
 
     async def send(obj: dict[str, Any] | str) -> None:
-        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+        data = obj if isinstance(obj, str) else _engine_json(obj)
         raw = f"data: {data}\n\n".encode()
         step = cfg.sse_fragment_bytes or len(raw)
         try:
