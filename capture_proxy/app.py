@@ -91,7 +91,10 @@ ANY_TAIL = r"{tail:[\s\S]*}"
 async def _warn_if_engine_down(app: web.Application, settings: Settings) -> None:
     """One probe of the engine at start-up (the cached probe ``/health`` reads): a WARNING
     naming the engine (``backend_label``: no password) when it does not answer, so that the
-    "serving on" line is not the only word on an engine that is down or still loading."""
+    "serving on" line is not the only word on an engine that is down or still loading. With
+    several backends the pool's first probe round (at once) logs each one that is down."""
+    if app[ROUTES_KEY].many:
+        return
     engine = await app[ENGINE_PROBE_KEY].status(app[SESSION_KEY])
     if not engine.get("ok"):
         log.warning(
