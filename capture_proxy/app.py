@@ -65,6 +65,7 @@ from capture_proxy.proxy.periodic import every
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
 from capture_proxy.proxy.status import health, metrics
+from capture_proxy.proxy.stopping import CALLS_IN_FLIGHT_KEY, CallsInFlight, graceful_stop
 from capture_proxy.proxy.traffic_tap import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.uncaptured import (
     UNCAPTURED_KEY,
@@ -91,7 +92,10 @@ ANY_TAIL = r"{tail:[\s\S]*}"
 async def _warn_if_engine_down(app: web.Application, settings: Settings) -> None:
     """One probe of the engine at start-up (the cached probe ``/health`` reads): a WARNING
     naming the engine (``backend_label``: no password) when it does not answer, so that the
-    "serving on" line is not the only word on an engine that is down or still loading."""
+    "serving on" line is not the only word on an engine that is down or still loading. With
+    several backends the pool's first probe round (at once) logs each one that is down."""
+    if app[ROUTES_KEY].many:
+        return
     engine = await app[ENGINE_PROBE_KEY].status(app[SESSION_KEY])
     if not engine.get("ok"):
         log.warning(
@@ -301,6 +305,8 @@ def build_proxy_app(
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings)
     app[CALL_DEPS_KEY] = {}
+    app[CALLS_IN_FLIGHT_KEY] = CallsInFlight()
+    graceful_stop(app, settings.shutdown_timeout_s)
     app.cleanup_ctx.append(_resources(settings, store, renderer, worker))
     if worker is None or worker.index == 0:
         app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))

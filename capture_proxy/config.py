@@ -403,6 +403,14 @@ class Settings(BaseSettings):
         description="longest wait for a request body after its headers (seconds); a body "
         "that stops coming is answered 408 (request_timeout) and never reaches the engine",
     )
+    shutdown_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="on SIGTERM or SIGINT: longest wait for the calls in flight to finish "
+        "(seconds; aiohttp's shutdown_timeout); the calls still running then are cut, stored "
+        "incomplete, and named in the log. Give the container runtime's grace period more "
+        "(docker stop -t, Kubernetes terminationGracePeriodSeconds)",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="log level (any case); logs carry sizes, never bodies or credentials"
     )
@@ -580,8 +588,12 @@ class Settings(BaseSettings):
     def server_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for aiohttp's server (``AppRunner``): ``keepalive_timeout`` is
         how long a connection may wait for a complete request head, the first one included
-        (aiohttp arms it when the connection opens)."""
-        return {"keepalive_timeout": self.client_header_timeout_s}
+        (aiohttp arms it when the connection opens); ``shutdown_timeout`` how long a stop
+        waits for the calls in flight (``proxy.stopping``)."""
+        return {
+            "keepalive_timeout": self.client_header_timeout_s,
+            "shutdown_timeout": self.shutdown_timeout_s,
+        }
 
     @classmethod
     def settings_customise_sources(

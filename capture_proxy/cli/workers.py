@@ -47,9 +47,9 @@ CLAIMS_FILE = "claims"
 METRICS_DIR = "metrics"
 #: Restarts of dead workers allowed in a minute before the supervisor gives up.
 MAX_RESTARTS = 5
-#: How long a stopping worker may take to finish its calls in flight (aiohttp's shutdown
-#: timeout is 60 s), before it is killed.
-STOP_DEADLINE_S = 75.0
+#: How long a stopping worker may take past ``shutdown_timeout_s`` (its calls in flight are
+#: cut then, and stored incomplete, which takes a moment) before it is killed.
+STOP_MARGIN_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -140,12 +140,13 @@ class Supervisor:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGTERM)
+        deadline_s = self.plan.settings.shutdown_timeout_s + STOP_MARGIN_S
         for proc in self.procs.values():
             try:
-                await asyncio.wait_for(proc.wait(), STOP_DEADLINE_S)
+                await asyncio.wait_for(proc.wait(), deadline_s)
             except TimeoutError:
                 log.error("worker pid %d did not stop in %.0f s: killed", proc.pid,
-                          STOP_DEADLINE_S)  # fmt: skip
+                          deadline_s)  # fmt: skip
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()

@@ -33,6 +33,7 @@ from capture_proxy.proxy.errors import map_core_errors
 from capture_proxy.proxy.exact import ExactExecutor, ExactTokens
 from capture_proxy.proxy.executor import CallExecutor, drive
 from capture_proxy.proxy.images import complete_images, refuse_images_without_dialect
+from capture_proxy.proxy.stopping import CALLS_IN_FLIGHT_KEY
 
 log = logging.getLogger("capture_proxy")
 
@@ -142,7 +143,7 @@ async def handle_captured_call(
     metrics = deps.recorder.metrics
     metrics.inc_in_flight()
     try:
-        with map_core_errors():
+        with map_core_errors(), request.app[CALLS_IN_FLIGHT_KEY].track(start.call_id, rollout_id):
             await drive(captured_call(start), executor)
     finally:
         metrics.dec_in_flight()

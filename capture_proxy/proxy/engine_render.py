@@ -17,6 +17,7 @@ import aiohttp
 
 from capture_proxy.families.base import RenderError, RendererUnavailable
 from capture_proxy.proxy.engines import current_backend
+from capture_proxy.proxy.upstream import timeout_text
 
 
 def _reasoning_as_vllm_reads_it(message: Mapping[str, Any]) -> dict[str, Any]:
@@ -71,6 +72,11 @@ class EngineRenderer:
                 if resp.status != 200:
                     raise RenderError(f"engine /tokenize answered {resp.status}: {data}")
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if isinstance(exc, TimeoutError):
+                why = timeout_text(exc, self.timeout.total)
+                raise RendererUnavailable(
+                    f"engine /tokenize at {backend} timed out: {why}"
+                ) from exc
             raise RendererUnavailable(
                 f"engine /tokenize at {backend} failed: {type(exc).__name__}: {exc}"
             ) from exc

@@ -109,6 +109,8 @@ class EngineRoutes:
         self.health_headers = health_headers or {}
         #: how many probe rounds completed (tests wait on a round by it)
         self.probe_rounds = 0
+        #: why each backend was last found unhealthy (None: it was not), for ``/health``
+        self.last_error: dict[str, str | None] = {url: None for url in urls}
         self._round_done = asyncio.Event()
 
     @property
@@ -133,7 +135,10 @@ class EngineRoutes:
     # --- health --------------------------------------------------------------------------
 
     async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
-        """One ``GET <backend>/health`` within ``health_timeout_s``: 2xx is healthy."""
+        """One ``GET <backend>/health`` within ``health_timeout_s``: 2xx is healthy; else why
+        not is kept in ``last_error`` (``no answer within 1 s``, ``HTTP 503``, the connection
+        error)."""
+        error: str | None = None
         try:
             async with session.get(
                 backend.url + "/health",
@@ -141,9 +146,14 @@ class EngineRoutes:
                 timeout=aiohttp.ClientTimeout(total=self.health_timeout_s),
             ) as resp:
                 await resp.read()
-                return 200 <= resp.status < 300
-        except (TimeoutError, aiohttp.ClientError):
-            return False
+                if not 200 <= resp.status < 300:
+                    error = f"HTTP {resp.status}"
+        except TimeoutError:
+            error = f"no answer within {self.health_timeout_s:g} s"
+        except aiohttp.ClientError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self.last_error[backend.url] = error
+        return error is None
 
     async def probe_all(self, session: aiohttp.ClientSession) -> None:
         """One round: every backend probed at once; a change of health is logged."""
@@ -168,8 +178,27 @@ class EngineRoutes:
     def mark_failed(self, url: str) -> None:
         """An engine request to ``url`` could not connect: take it as unhealthy until the
         next probe says otherwise (a dead engine's rollouts move at their next call)."""
-        if self.many and self.pool.mark(url, False):
-            log.warning("engine %s is UNHEALTHY (connection failed)", url)
+        if self.many:
+            self.last_error[url] = "connection failed"
+            if self.pool.mark(url, False):
+                log.warning("engine %s is UNHEALTHY (connection failed)", url)
+
+    def health(self) -> dict[str, Any]:
+        """``/health``'s ``engine`` with several backends: ``ok`` while at least one engine
+        can take calls (healthy, or not probed yet), how many can (``up``) of ``count``, and
+        each engine's state (``engines``: ``url`` without credential, ``healthy``: True,
+        False or None before its first probe, ``error``: why it is not, ``in_flight``)."""
+        engines = [
+            {
+                "url": b.url,
+                "healthy": b.healthy,
+                "error": None if b.up else self.last_error.get(b.url),
+                "in_flight": b.in_flight,
+            }
+            for b in self.pool.backends
+        ]
+        up = sum(1 for b in self.pool.backends if b.up)
+        return {"ok": up > 0, "up": up, "count": len(engines), "engines": engines}
 
     def health_task(
         self, session: aiohttp.ClientSession

@@ -179,7 +179,7 @@ class ExactTokens:
                         session, backend, self.reasoning_tokens, timeout
                     )
             except CLIENT_ERRORS as exc:
-                raise translate_client_error(exc, backend) from exc
+                raise translate_client_error(exc, backend, fixed_s=timeout.total) from exc
             except ValueError as exc:
                 raise UpstreamUnavailable(f"engine metadata unusable: {exc}") from exc
         return self.max_model_len, self.end_of_turn_ids

@@ -230,7 +230,9 @@ class CallExecutor:
                 if done:
                     return task.result()
                 if watcher is None or not await watcher.still_paused():
-                    raise TimeoutError
+                    raise TimeoutError(
+                        f"no bytes within {timeout_s:g} s (setting upstream_read_timeout_s)"
+                    )
         finally:
             if not task.done():
                 task.cancel()

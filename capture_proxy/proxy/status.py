@@ -13,6 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from capture_proxy import __version__
+from capture_proxy.proxy.engines import ROUTES_KEY
 from capture_proxy.proxy.keys import (
     ENGINE_PROBE_KEY,
     RECORDER_KEY,
@@ -26,9 +27,11 @@ from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
 
 def health_status(*, store_ok: bool, engine: dict[str, Any] | None) -> tuple[str, int]:
     """``/health``'s ``status`` and HTTP status, worst first: ``degraded`` (503) when the store
-    cannot answer; ``engine_unreachable`` (503) when the engine probe failed (down, still
-    loading its model, or answering non-2xx: no call can be served until it answers);
-    else ``ok`` (200). ``engine`` None (the read-only app has no engine) is no failure."""
+    cannot answer; ``engine_unreachable`` (503) when no engine can take calls (``engine.ok``
+    false: the engine's probe failed, down, still loading its model or answering non-2xx;
+    with several backends, every one of them is unhealthy); else ``ok`` (200). One dead
+    engine of several is no failure: the others serve its rollouts (``engine.engines`` names
+    it). ``engine`` None (the read-only app has no engine) is no failure."""
     if not store_ok:
         return "degraded", 503
     if engine is not None and not engine.get("ok"):
@@ -37,8 +40,9 @@ def health_status(*, store_ok: bool, engine: dict[str, Any] | None) -> tuple[str
 
 
 async def health(request: web.Request) -> web.Response:
-    """Proxy and store health, whether the engine answers (a cached probe; ``null`` in the
-    read-only app, which has no engine), and the capture counters; ``status`` and the HTTP
+    """Proxy and store health, whether the engine answers (a cached probe; with several
+    backends the pool's probes of each, ``EngineRoutes.health``; ``null`` in the read-only
+    app, which has no engine), and the capture counters; ``status`` and the HTTP
     status from ``health_status`` (503 ``degraded`` when the store cannot answer or while its
     writes fail: ``store.write_error`` is the first failed write's error, cleared by the next
     write that succeeds; and while calls answered but not stored are not yet marked on their
@@ -65,7 +69,12 @@ async def health(request: web.Request) -> web.Response:
             losses.pop("rollout_ids")  # the read API (behind its token) names them
         store, ok = {**store, "unmarked_losses": losses}, False
     probe = request.app.get(ENGINE_PROBE_KEY)  # none in the read-only app: no engine
-    engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
+    routes = request.app.get(ROUTES_KEY)
+    engine: dict[str, Any] | None
+    if routes is not None and routes.many:  # the pool's probes, every engine's state
+        engine = routes.health()
+    else:
+        engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
     status, http_status = health_status(store_ok=ok, engine=engine)
     body: dict[str, Any] = {
         "status": status,

@@ -129,11 +129,17 @@ def forwardable_header_dict(headers: Mapping[str, str], drop: frozenset[str]) ->
     return out
 
 
-def translate_client_error(exc: BaseException, backend: str) -> ProxyError:
+def translate_client_error(
+    exc: BaseException, backend: str, *, fixed_s: float | None = None
+) -> ProxyError:
     """Map an aiohttp client failure to the error the harness receives. ``backend`` is the
-    credential-free base (``Settings.backend_base``); the exception's text is masked too."""
+    credential-free base (``Settings.backend_base``); the exception's text is masked too. A
+    timeout names what timed out and its setting (``timeout_text``; ``fixed_s``: the request's
+    own bound, when it is no setting)."""
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return UpstreamTimeout(f"engine at {backend} timed out", code="engine_timeout")
+        return UpstreamTimeout(
+            f"engine at {backend} timed out: {timeout_text(exc, fixed_s)}", code="engine_timeout"
+        )
     if isinstance(exc, aiohttp.ClientConnectorError):
         return UpstreamUnavailable(
             redact_text(f"engine at {backend} is unreachable: {exc.os_error.strerror or exc}"),
@@ -146,6 +152,29 @@ def translate_client_error(exc: BaseException, backend: str) -> ProxyError:
 
 
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def timeout_text(exc: BaseException, fixed_s: float | None = None) -> str:
+    """What timed out, naming the setting that bounds it: the text of a ``TimeoutError`` the
+    proxy raised with it (``upstream_first_byte_timeout_s``, ``upstream_read_timeout_s``),
+    aiohttp's connect and socket-read timeouts by their settings, else ``fixed_s``, a bound
+    that is no setting, or the exception's own text."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return "no connection in time (setting upstream_connect_timeout_s)"
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return "no bytes in time (setting upstream_read_timeout_s)"
+    if str(exc):
+        return str(exc)
+    if fixed_s is not None:
+        return f"no answer within {fixed_s:g} s (a fixed bound, no setting)"
+    return type(exc).__name__
+
+
+def first_byte_timeout(timeout_s: float) -> TimeoutError:
+    """The error of an engine that sent no response head within ``timeout_s``."""
+    return TimeoutError(
+        f"no response head within {timeout_s:g} s (setting upstream_first_byte_timeout_s)"
+    )
 
 
 #: Failures before anything was sent: a retry cannot duplicate work on the engine.
@@ -199,8 +228,13 @@ async def send_upstream(
     if first_byte_timeout_s is None:
         return await attempt()
     if still_waiting is None:
-        async with asyncio.timeout(first_byte_timeout_s):
-            return await attempt()
+        try:
+            async with asyncio.timeout(first_byte_timeout_s):
+                return await attempt()
+        except aiohttp.ServerTimeoutError:
+            raise
+        except TimeoutError as exc:
+            raise first_byte_timeout(first_byte_timeout_s) from exc
     return await _patiently(attempt(), first_byte_timeout_s, still_waiting)
 
 
@@ -218,7 +252,7 @@ async def _patiently(
             if done:
                 return task.result()
             if not await still_waiting():
-                raise TimeoutError
+                raise first_byte_timeout(timeout_s)
     finally:
         if not task.done():
             task.cancel()

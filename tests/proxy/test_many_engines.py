@@ -7,15 +7,18 @@ calls go to the other with its chain still exact.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
 from capture_proxy.proxy.engines import ROUTES_KEY
+from capture_proxy.proxy.keys import SESSION_KEY
 from capture_proxy.proxy.weight_watch import VERSION_PATHS
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.state import SEEN_REQUESTS, SENT_CALLS, ScriptedEngineConfig
@@ -250,3 +253,67 @@ def test_backend_for_names_the_engine_a_rollouts_next_call_goes_to():
     finally:
         lease.close()
     assert [b.in_flight for b in routes.pool.backends] == [0, 0]
+
+
+async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_state(
+    aiohttp_server, aiohttp_client, tmp_path
+):
+    """With several backends ``/health`` is 200 ``ok`` while at least one engine can take
+    calls, whichever is down (the first too), and 503 ``engine_unreachable`` only when none
+    can; its body names each engine's state, without the engine credential."""
+    answers = [200, 200]
+
+    def engine_app(i: int) -> web.Application:
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=answers[i])
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        return app
+
+    engines = [await aiohttp_server(engine_app(i)) for i in range(2)]
+    urls = [url(e) for e in engines]
+    settings = Settings(
+        backend=urls[0].replace("http://", "http://user:s3cret@"),
+        extra_backends=[urls[1]],
+        store=tmp_path / "store",
+        backend_health_interval_s=3600.0,  # rounds driven by the test below
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    routes = app[ROUTES_KEY]
+    if routes.probe_rounds == 0:  # the start-up round
+        await routes.next_round(timeout_s=5.0)
+
+    async def health_after_probe(status: int) -> dict[str, Any]:
+        await routes.probe_all(app[SESSION_KEY])
+        resp = await client.get("/health")
+        text = await resp.text()
+        assert resp.status == status, text
+        assert "s3cret" not in text
+        body = json.loads(text)
+        return {"status": body["status"], "engine": body["engine"]}
+
+    def state(i: int, error: str | None) -> dict[str, Any]:
+        return {"url": urls[i], "healthy": error is None, "error": error, "in_flight": 0}
+
+    both = {"ok": True, "up": 2, "count": 2, "engines": [state(0, None), state(1, None)]}
+    assert await health_after_probe(200) == {"status": "ok", "engine": both}
+    answers[0] = 503  # the first engine down: the other serves, the proxy is in service
+    assert await health_after_probe(200) == {
+        "status": "ok",
+        "engine": {"ok": True, "up": 1, "count": 2,
+                   "engines": [state(0, "HTTP 503"), state(1, None)]},
+    }  # fmt: skip
+    answers[:] = [200, 503]  # another engine than the first down: named too
+    assert await health_after_probe(200) == {
+        "status": "ok",
+        "engine": {"ok": True, "up": 1, "count": 2,
+                   "engines": [state(0, None), state(1, "HTTP 503")]},
+    }  # fmt: skip
+    answers[:] = [503, 503]  # none can take calls
+    assert await health_after_probe(503) == {
+        "status": "engine_unreachable",
+        "engine": {"ok": False, "up": 0, "count": 2,
+                   "engines": [state(0, "HTTP 503"), state(1, "HTTP 503")]},
+    }  # fmt: skip

@@ -286,9 +286,12 @@ async def test_headers_that_never_end_are_cut_off(make_stack: MakeStack, tmp_pat
         await runner.cleanup()
 
 
-def test_server_kwargs_carry_the_header_timeout():
-    settings = Settings(backend="http://127.0.0.1:9", store="s", client_header_timeout_s=12.5)
-    assert settings.server_kwargs == {"keepalive_timeout": 12.5}
+def test_server_kwargs_carry_the_header_timeout_and_the_stop_bound():
+    settings = Settings(
+        backend="http://127.0.0.1:9", store="s", client_header_timeout_s=12.5,
+        shutdown_timeout_s=30.0,
+    )  # fmt: skip
+    assert settings.server_kwargs == {"keepalive_timeout": 12.5, "shutdown_timeout": 30.0}
 
 
 # --- 6. compressed bodies ------------------------------------------------------------------

@@ -86,7 +86,11 @@ class LinkIndex:
     #: are: ``_preference``), so resolving does not look at every call that shares the digest
     _childless: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     #: per request digest, its latest call by (``created_at``, call id): the retry target
+    #: unless it was continued (``_retry_of``)
     _latest_request: dict[str, _Entry] = field(default_factory=dict, repr=False)
+    #: per request digest, its calls without a child yet (in flight or stored): a retry's
+    #: target when the latest identical call was continued (``_retry_of``)
+    _childless_requests: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
 
@@ -180,6 +184,7 @@ class LinkIndex:
         for index, digest in self._keys(entry):
             _drop(index, digest, entry.call_id)
         _drop(self._childless, entry.child_digest, entry.call_id)
+        _drop(self._childless_requests, entry.request_digest, entry.call_id)
         digest = entry.request_digest
         if digest is not None and self._latest_request.get(digest) is entry:
             del self._latest_request[digest]
@@ -202,13 +207,18 @@ class LinkIndex:
         self._file_childless(parent)
 
     def _file_childless(self, entry: _Entry) -> None:
-        """``entry`` among its child digest's childless calls when it has no child, else not."""
-        if entry.child_digest is None:
-            return
-        if entry.children == 0:
-            self._childless.setdefault(entry.child_digest, {})[entry.call_id] = entry
-        else:
-            _drop(self._childless, entry.child_digest, entry.call_id)
+        """``entry`` among its child digest's and its request digest's childless calls when it
+        has no child, else not."""
+        for index, digest in (
+            (self._childless, entry.child_digest),
+            (self._childless_requests, entry.request_digest),
+        ):
+            if digest is None:
+                continue
+            if entry.children == 0:
+                index.setdefault(digest, {})[entry.call_id] = entry
+            else:
+                _drop(index, digest, entry.call_id)
 
     @staticmethod
     def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
@@ -216,13 +226,26 @@ class LinkIndex:
 
     def _retry_of(self, req_digest: str, retry_requested: bool) -> str | None:
         """The call an identical request retries: only on an explicit signal (the harness says
-        it retries, or the latest identical call failed or was left incomplete). Identical
-        requests otherwise are sibling samples, each its own call."""
+        it retries, or that call failed or was left incomplete). Identical requests otherwise
+        are sibling samples, each its own call.
+
+        That call is the latest identical one whose answer nobody continued (no child, stored
+        or in flight): a retry replaces an answer the harness never used, and a call that was
+        continued was used, by this session or by an identical twin session of the rollout
+        (whose call would otherwise be superseded under it). When every identical call has a
+        child, the latest. When several have none, the latest of them: which one the harness
+        lost the proxy cannot tell. Cost: O(1) while the latest has no child (the usual
+        retry); else the identical calls without a child, never the rollout."""
         latest = self._latest_request.get(req_digest)
         if latest is None:
             return None
-        if retry_requested or latest.status in (CALL_FAILED, CALL_INCOMPLETE):
-            return latest.call_id
+        target = latest
+        if latest.children > 0:
+            unused = self._childless_requests.get(req_digest)
+            if unused:
+                target = max(unused.values(), key=_age)
+        if retry_requested or target.status in (CALL_FAILED, CALL_INCOMPLETE):
+            return target.call_id
         return None
 
     @staticmethod

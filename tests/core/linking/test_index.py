@@ -2,8 +2,10 @@
 
 import numpy as np
 
+from capture_proxy.core.chains import build_chains
 from capture_proxy.core.linking.index import LinkIndex
 from capture_proxy.core.linking.verdicts import ReasonKind, Verdict
+from tests.factories import record
 
 
 class TestIndex:
@@ -67,6 +69,44 @@ class TestIndex:
             **key,
         )
         assert [c.call_id for c in index.resolve("d1", "q9").candidates] == ["a2", "a"]
+
+    def test_a_retry_replaces_the_identical_call_nobody_continued_not_a_twins(self):
+        """Twin sessions A and B of one rollout send the same first request (sampling engine:
+        different answers); A continues from its call a1; B re-sends its request with a retry
+        header and continues from the re-send. The retry replaces B's b1, whose answer nobody
+        used, not the later a1, which A continued: a1 stays in A's chain, b1 is superseded."""
+        index = LinkIndex()
+        key = {"num_tokens": 3, "tokens_sha256": b"x" * 32}
+        index.add("b1", 1.0, child_digest="dB1", request_digest="q1", status="complete", **key)
+        index.add("a1", 2.0, child_digest="dA1", request_digest="q1", status="complete", **key)
+        index.add("a2", 3.0, child_digest=None, request_digest="qA2", parent_call_id="a1")
+        retry = index.resolve(None, "q1", retry_requested=True)
+        assert retry.retry_of == "b1"
+        index.add("b1r", 4.0, child_digest=None, request_digest="q1", retry_of=retry.retry_of)
+        assert {c: e.superseded_by for c, e in index.entries.items()} == {
+            "b1": "b1r", "a1": None, "a2": None, "b1r": None,
+        }  # fmt: skip
+        # Without a continued twin the latest identical call is still the one retried.
+        assert index.resolve(None, "q1", retry_requested=True).retry_of == "b1r"
+
+        # The chains built from the records as the proxy stores them.
+        def rec(call_id, at, prompt, gen, parent=None, retry_of=None):
+            verdict = "resolved" if parent else "root"
+            return record(call_id, prompt, gen, created_at=at).replace(
+                parent_call_id=parent, retry_of=retry_of, linking={"verdict": verdict}
+            )
+
+        chains = build_chains("r1", [
+            rec("b1", 1.0, [1, 2], [3]),
+            rec("a1", 2.0, [1, 2], [4]),
+            rec("a2", 3.0, [1, 2, 4, 7], [8], parent="a1"),
+            rec("b1r", 4.0, [1, 2], [5], retry_of=retry.retry_of),
+            rec("b2", 5.0, [1, 2, 5, 7], [9], parent="b1r"),
+        ])  # fmt: skip
+        in_chains = [[r.call_id for r in c.calls] for c in chains.chains]
+        assert in_chains == [["a1", "a2"], ["b1r", "b2"]]
+        assert chains.superseded == {"b1": "b1r"}
+        assert [r.call_id for r in chains.unlinked] == ["b1"]
 
     def test_candidates_are_scoped_by_model(self):
         index = LinkIndex()
