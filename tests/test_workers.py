@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,11 +27,13 @@ from tests.proxy.test_many_engines import Session, assert_exact_chain, url
 START_DEADLINE_S = 60.0
 
 
-async def _serve(tmp_path: Path, backend: str, *args: str) -> tuple[Any, int]:
+async def _serve(
+    tmp_path: Path, backend: str, *args: str, module: str = "capture_proxy.cli"
+) -> tuple[Any, int]:
     """``serve --workers 2 --port 0``: the process and its port, once it says it serves."""
     with (tmp_path / "serve.log").open("ab") as log:  # the child keeps its own descriptor
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "capture_proxy.cli", "serve", "--backend", backend,
+            sys.executable, "-m", module, "serve", "--backend", backend,
             "--port", "0", "--store", str(tmp_path / "store"), "--workers", "2",
             "--log-level", "WARNING", *args,
             stdout=asyncio.subprocess.PIPE, stderr=log,
@@ -244,3 +247,45 @@ def test_worker_count_defaults_to_the_cpus_this_process_may_use(tmp_path):
     assert settings.worker_count == len(os.sched_getaffinity(0))
     assert Settings(backend="http://e:1", store=tmp_path, workers=3).worker_count == 3
     json.dumps(settings.model_dump(mode="json"))  # the setting is plain data
+
+
+@pytest.mark.parametrize("dies", ["after", "before"])
+async def test_a_call_whose_supervisor_dies_with_its_put_in_flight_is_answered_truly(
+    tmp_path, engine, dies
+):
+    """The supervisor (the store's writer) is SIGKILLed with a call's put in flight
+    (``tests.support.dying_supervisor``): after the commit, the worker answers 200 and the
+    call is stored once; before it, 503 saying the supervisor died, and nothing is stored.
+    Before the fix both were 503 ("disk full or read-only"), and the committed call's retry a
+    second copy (TRIAL9 findings 1 and 6)."""
+    rollout = f"die-{dies}-commit"
+    proc, port = await _serve(tmp_path, engine, module="tests.support.dying_supervisor")
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+            session = Session(rollout)
+            body = await asyncio.wait_for(
+                session.step(client, 200 if dies == "after" else 503), START_DEADLINE_S
+            )
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == -signal.SIGKILL
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    async with asyncio.timeout(START_DEADLINE_S):  # the kernel stops the workers too
+        while any(Path(f"/proc/{pid}").exists() for pid in workers):
+            await asyncio.sleep(0.05)
+    db = sqlite3.connect(f"file:{tmp_path / 'store' / 'captures.sqlite3'}?mode=ro", uri=True)
+    try:
+        stored = [r[0] for r in db.execute("SELECT call_id FROM calls WHERE rollout_id = ?",
+                                           (rollout,))]  # fmt: skip
+    finally:
+        db.close()
+    if dies == "after":
+        assert stored == session.call_ids and len(stored) == 1
+    else:
+        assert stored == []
+        message = body["error"]["message"]
+        assert body["error"]["code"] == "store_unavailable", body
+        assert "supervisor process (the store's one writer) died before call" in message, body
+        assert "disk" not in message, body
