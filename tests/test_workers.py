@@ -267,7 +267,18 @@ async def test_a_call_whose_supervisor_dies_with_its_put_in_flight_is_answered_t
     Before the fix both were 503 ("disk full or read-only"), and the committed call's retry a
     second copy (TRIAL9 findings 1 and 6)."""
     rollout = f"die-{dies}-commit"
-    proc, port = await _serve(tmp_path, engine, module="tests.support.dying_supervisor")
+    tmp = Path(tempfile.mkdtemp(prefix="cpw-"))  # the dead supervisor's runtime: removed here
+    try:
+        await _die_with_a_put_in_flight(tmp_path, engine, tmp, dies, rollout)
+    finally:
+        shutil.rmtree(tmp)
+
+
+async def _die_with_a_put_in_flight(
+    tmp_path: Path, engine: str, tmp: Path, dies: str, rollout: str
+) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc, port = await _serve(tmp_path, engine, module="tests.support.dying_supervisor", env=env)
     workers = _workers(proc.pid)
     assert len(workers) == 2
     try:
