@@ -9,8 +9,12 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
+import socket
+import sqlite3
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +23,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from capture_proxy.cli.workers import _hold_lock, sweep_dead_runtimes
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.state import ScriptedEngineConfig
 from tests.proxy.test_many_engines import Session, assert_exact_chain, url
@@ -26,14 +31,20 @@ from tests.proxy.test_many_engines import Session, assert_exact_chain, url
 START_DEADLINE_S = 60.0
 
 
-async def _serve(tmp_path: Path, backend: str, *args: str) -> tuple[Any, int]:
+async def _serve(
+    tmp_path: Path,
+    backend: str,
+    *args: str,
+    module: str = "capture_proxy.cli",
+    env: dict[str, str] | None = None,
+) -> tuple[Any, int]:
     """``serve --workers 2 --port 0``: the process and its port, once it says it serves."""
     with (tmp_path / "serve.log").open("ab") as log:  # the child keeps its own descriptor
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "capture_proxy.cli", "serve", "--backend", backend,
+            sys.executable, "-m", module, "serve", "--backend", backend,
             "--port", "0", "--store", str(tmp_path / "store"), "--workers", "2",
             "--log-level", "WARNING", *args,
-            stdout=asyncio.subprocess.PIPE, stderr=log,
+            stdout=asyncio.subprocess.PIPE, stderr=log, env=env,
         )  # fmt: skip
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), START_DEADLINE_S)).decode()
@@ -244,3 +255,107 @@ def test_worker_count_defaults_to_the_cpus_this_process_may_use(tmp_path):
     assert settings.worker_count == len(os.sched_getaffinity(0))
     assert Settings(backend="http://e:1", store=tmp_path, workers=3).worker_count == 3
     json.dumps(settings.model_dump(mode="json"))  # the setting is plain data
+
+
+@pytest.mark.parametrize("dies", ["after", "before"])
+async def test_a_call_whose_supervisor_dies_with_its_put_in_flight_is_answered_truly(
+    tmp_path, engine, dies
+):
+    """The supervisor (the store's writer) is SIGKILLed with a call's put in flight
+    (``tests.support.dying_supervisor``): after the commit, the worker answers 200 and the
+    call is stored once; before it, 503 saying the supervisor died, and nothing is stored.
+    Before the fix both were 503 ("disk full or read-only"), and the committed call's retry a
+    second copy (TRIAL9 findings 1 and 6)."""
+    rollout = f"die-{dies}-commit"
+    tmp = Path(tempfile.mkdtemp(prefix="cpw-"))  # the dead supervisor's runtime: removed here
+    try:
+        await _die_with_a_put_in_flight(tmp_path, engine, tmp, dies, rollout)
+    finally:
+        shutil.rmtree(tmp)
+
+
+async def _die_with_a_put_in_flight(
+    tmp_path: Path, engine: str, tmp: Path, dies: str, rollout: str
+) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    proc, port = await _serve(tmp_path, engine, module="tests.support.dying_supervisor", env=env)
+    workers = _workers(proc.pid)
+    assert len(workers) == 2
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as client:
+            session = Session(rollout)
+            body = await asyncio.wait_for(
+                session.step(client, 200 if dies == "after" else 503), START_DEADLINE_S
+            )
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == -signal.SIGKILL
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+    async with asyncio.timeout(START_DEADLINE_S):  # the kernel stops the workers too
+        while any(Path(f"/proc/{pid}").exists() for pid in workers):
+            await asyncio.sleep(0.05)
+    db = sqlite3.connect(f"file:{tmp_path / 'store' / 'captures.sqlite3'}?mode=ro", uri=True)
+    try:
+        stored = [r[0] for r in db.execute("SELECT call_id FROM calls WHERE rollout_id = ?",
+                                           (rollout,))]  # fmt: skip
+    finally:
+        db.close()
+    if dies == "after":
+        assert stored == session.call_ids and len(stored) == 1
+    else:
+        assert stored == []
+        message = body["error"]["message"]
+        assert body["error"]["code"] == "store_unavailable", body
+        assert "supervisor process (the store's one writer) died before call" in message, body
+        assert "disk" not in message, body
+
+
+async def _gone(pids: list[int]) -> None:
+    async with asyncio.timeout(START_DEADLINE_S):
+        while any(Path(f"/proc/{pid}").exists() for pid in pids):
+            await asyncio.sleep(0.05)
+
+
+async def test_no_token_touches_the_disk_and_a_dead_supervisors_runtime_is_swept(
+    tmp_path, engine
+):
+    """The settings reach the workers through a pipe: no file of the runtime directory holds
+    a token. A SIGKILLed supervisor leaves its directory; the next start removes it, and an
+    older version's (its pickled settings, a control socket nobody listens on), but not one
+    whose supervisor lives or is starting (TRIAL9 finding 3: four SIGKILLs left four copies of
+    the engine key in /tmp)."""
+    tmp = Path(tempfile.mkdtemp(prefix="cpw-"))  # short: a Unix socket's path is <= 107 bytes
+    try:
+        await _tokens_and_sweep(tmp_path, engine, tmp)
+    finally:
+        shutil.rmtree(tmp)
+
+
+async def _tokens_and_sweep(tmp_path: Path, engine: str, tmp: Path) -> None:
+    secret = "sk-ENGINE-SECRET-4242"
+    env = {**os.environ, "TMPDIR": str(tmp), "CAPTURE_PROXY_BACKEND_API_KEY": secret}
+    proc, _ = await _serve(tmp_path, engine, env=env)
+    workers = _workers(proc.pid)
+    [runtime] = tmp.glob("capture-proxy-workers-*")
+    files = [p for p in runtime.rglob("*") if p.is_file()]
+    assert files and not [p for p in files if secret.encode() in p.read_bytes()]
+    proc.kill()
+    await asyncio.wait_for(proc.wait(), START_DEADLINE_S)
+    await _gone(workers)
+    assert runtime.is_dir()  # a SIGKILL leaves it
+    legacy = tmp / "capture-proxy-workers-legacy"
+    legacy.mkdir(mode=0o700)
+    (legacy / "plan.pickle").write_bytes(secret.encode())
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(legacy / "control.sock"))  # bound, never listening: refused
+    starting = tmp / "capture-proxy-workers-starting"  # no lock yet, no plan
+    starting.mkdir(mode=0o700)
+    live = tmp / "capture-proxy-workers-live"
+    live.mkdir(mode=0o700)
+    lock = _hold_lock(live)
+    try:
+        assert sweep_dead_runtimes(tmp) == [legacy, runtime]
+        assert sorted(tmp.iterdir()) == [live, starting]
+    finally:
+        os.close(lock)
+    assert sweep_dead_runtimes(tmp) == [live]  # its lock is free now

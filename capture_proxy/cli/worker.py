@@ -1,7 +1,8 @@
 """One worker of ``serve --workers N``: a whole proxy app on the supervisor's listening socket.
 
 Started by the supervisor (``cli.workers``) as ``python -m capture_proxy.cli.worker RUNTIME
-INDEX FD``: reads the plan from the supervisor's private ``RUNTIME`` directory, serves on the
+INDEX FD``: reads the plan from its stdin (a pipe from the supervisor: the tokens never touch
+the disk), finds the shared files in the supervisor's private ``RUNTIME`` directory, serves on the
 inherited socket ``FD``, connects to the supervisor (``store.remote.WriterLink``: its store
 writes, and the word that it listens) and ends with it: the kernel sends it SIGTERM when the
 supervisor dies (``PR_SET_PDEATHSIG``), and a lost link stops it too. Must not: be run by
@@ -26,7 +27,6 @@ from capture_proxy.cli.workers import (
     CLAIMS_FILE,
     CONTROL_SOCKET,
     METRICS_DIR,
-    PLAN_FILE,
     STAMPS_FILE,
     WorkerPlan,
 )
@@ -79,7 +79,7 @@ def _app(plan: WorkerPlan, index: int, runtime: Path, link: WriterLink) -> web.A
 
 def main(argv: list[str]) -> int:
     runtime, index, fd = Path(argv[0]), int(argv[1]), int(argv[2])
-    plan: WorkerPlan = pickle.loads((runtime / PLAN_FILE).read_bytes())
+    plan: WorkerPlan = pickle.loads(sys.stdin.buffer.read())
     _end_with_supervisor(plan.supervisor_pid)
     from capture_proxy.cli.serve import _configure_logging, new_event_loop
     from capture_proxy.proxy import server

@@ -4,14 +4,16 @@ Owns the processes. The supervisor binds the socket (``serve``), opens the embed
 its one writer (``store.remote``: the workers send it their writes, it commits them in
 groups), and starts the workers (``cli.worker``), each a whole proxy app with its own event
 loop, handed the listening socket (the kernel gives each new connection to one of the
-workers waiting on it), the settings (pickled into a private runtime directory: only this
-user may read it; it holds the tokens) and the directory of the shared metric files
-(``PROMETHEUS_MULTIPROC_DIR``). It prints the serving line (and writes ``--port-file``) once
-every worker listens; a worker that exits during start-up stops it with status 2 (the
-worker's own error is in the log above). A worker that dies later is started again (at most
-``MAX_RESTARTS`` a minute, then the supervisor stops with status 1) and its gauges leave the
-metrics. SIGINT or SIGTERM stops the workers (each ends its calls in flight first, as one
-proxy does), then the store.
+workers waiting on it), the settings (pickled through the worker's stdin, never written to
+disk: they hold the tokens) and the directory of the shared metric files
+(``PROMETHEUS_MULTIPROC_DIR``) in a private runtime directory (only this user may enter it),
+which it holds a lock on (``SUPERVISOR_LOCK``) while it lives; a supervisor starting sweeps the
+runtime directories of supervisors that died (``sweep_dead_runtimes``). It prints the serving
+line (and writes ``--port-file``) once every worker listens; a worker that exits during
+start-up stops it with status 2 (the worker's own error is in the log above). A worker that
+dies later is started again (at most ``MAX_RESTARTS`` a minute, then the supervisor stops with
+status 1) and its gauges leave the metrics. SIGINT or SIGTERM stops the workers (each ends its
+calls in flight first, as one proxy does), then the store.
 
 With PostgreSQL the workers are replicas that open the store themselves; with ``--read-only``
 each opens the store read-only. The supervisor then only supervises.
@@ -23,12 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import pickle
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -40,7 +44,13 @@ from capture_proxy.config import Settings
 
 log = logging.getLogger("capture_proxy")
 
-PLAN_FILE = "plan.pickle"
+#: What a runtime directory's name starts with (``tempfile.mkdtemp``'s prefix).
+RUNTIME_PREFIX = "capture-proxy-workers-"
+#: Held (flock) by the supervisor while it lives: a runtime directory whose lock is free is
+#: a dead supervisor's.
+SUPERVISOR_LOCK = "supervisor.lock"
+#: What older versions left: the pickled settings, tokens included.
+LEGACY_PLAN_FILE = "plan.pickle"
 CONTROL_SOCKET = "control.sock"
 STAMPS_FILE = "stamps"
 CLAIMS_FILE = "claims"
@@ -88,9 +98,15 @@ class Supervisor:
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "capture_proxy.cli.worker",
             str(self.runtime), str(index), str(fd),
-            pass_fds=(fd,), env=env, stdin=asyncio.subprocess.DEVNULL,
+            pass_fds=(fd,), env=env, stdin=asyncio.subprocess.PIPE,
         )  # fmt: skip
         self.procs[index] = proc
+        assert proc.stdin is not None
+        # The plan through a pipe: its tokens never touch the disk.
+        proc.stdin.write(pickle.dumps(self.plan, protocol=5))
+        with contextlib.suppress(ConnectionError):  # it died first: ``keep`` sees it exit
+            await proc.stdin.drain()
+        proc.stdin.close()
         return proc
 
     async def wait_ready(self) -> None:
@@ -152,10 +168,60 @@ class Supervisor:
                 await proc.wait()
 
 
-def _write_plan(runtime: Path, plan: WorkerPlan) -> None:
-    fd = os.open(runtime / PLAN_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        pickle.dump(plan, out, protocol=5)
+def _hold_lock(runtime: Path) -> int:
+    """Lock ``runtime`` as a live supervisor's; the descriptor that holds it. The lock file
+    appears already locked (renamed into place), so a sweeper never sees it free."""
+    fd = os.open(runtime / f".{SUPERVISOR_LOCK}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(runtime / f".{SUPERVISOR_LOCK}", runtime / SUPERVISOR_LOCK)
+    return fd
+
+
+def _is_dead_runtime(path: Path) -> bool:
+    """``path`` is a runtime directory of this user's whose supervisor is dead: its lock is
+    free, or (an older version's, without the lock) its control socket refuses connections
+    (the supervisor listens on it from start-up until it has stopped its workers)."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    try:
+        fd = os.open(path / SUPERVISOR_LOCK, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        if not (path / LEGACY_PLAN_FILE).exists():
+            return False  # a supervisor starting: its lock is not there yet
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(str(path / CONTROL_SOCKET))
+            except ConnectionRefusedError:
+                return True
+            except OSError:
+                return False
+        return False
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def sweep_dead_runtimes(tmp: Path) -> list[Path]:
+    """Remove the runtime directories in ``tmp`` of this user's supervisors that died (a
+    SIGKILL leaves its directory: its metric files, and in older versions the pickled settings
+    with their tokens); the ones removed."""
+    removed = []
+    for path in sorted(tmp.glob(f"{RUNTIME_PREFIX}*")):
+        if _is_dead_runtime(path):
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, the runtime directory of a supervisor that died", path)
+            removed.append(path)
+    return removed
 
 
 async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
@@ -210,13 +276,15 @@ def run_workers(
 ) -> int:
     """Serve with ``plan.count`` workers until SIGINT or SIGTERM; the exit status. Raises
     ServeExit when start-up fails (the store, a worker)."""
-    runtime = Path(tempfile.mkdtemp(prefix="capture-proxy-workers-"))  # mode 0700
+    sweep_dead_runtimes(Path(tempfile.gettempdir()))
+    runtime = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))  # mode 0700
+    lock = _hold_lock(runtime)
     try:
         (runtime / METRICS_DIR).mkdir()
-        _write_plan(runtime, plan)
         asyncio.set_event_loop(loop)
         return loop.run_until_complete(_supervise(plan, sock, runtime, on_listening))
     finally:
         loop.close()
         asyncio.set_event_loop(None)
         shutil.rmtree(runtime, ignore_errors=True)
+        os.close(lock)

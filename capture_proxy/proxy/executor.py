@@ -316,9 +316,9 @@ class CallExecutor:
         return ev.Verified(record)
 
     async def _persist(self, c: cmd.Persist) -> ev.Persisted:
-        written = await self.deps.recorder.persist(c.record, c.request)
+        written, error = await self.deps.recorder.persist_call(c.record, c.request)
         self.request[STORED_AS_KEY] = stored_as(c.record.status, written)
-        return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED)
+        return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED, error)
 
     async def _remember(self, c: cmd.Remember) -> None:
         try:

@@ -118,6 +118,12 @@ class Recorder:
         """Store ``record`` durably (``request``: its ``RequestEncoding``, if computed ahead).
         Never raises: a write that fails is ``REFUSED`` or ``LOST`` (``store_failure``), a
         deleted rollout's call ``LATE``."""
+        return (await self.persist_call(record, request))[0]
+
+    async def persist_call(
+        self, record: CallRecord, request: RequestEncoding | None = None
+    ) -> tuple[StoreWrite, str | None]:
+        """``persist``, and the store's error (its text) when the write failed."""
         self.metrics.observe_call(record, record.prompt_mode or self.prompt_mode_for(record.model))
         started = time.perf_counter()
         try:
@@ -131,7 +137,7 @@ class Recorder:
                 record.rollout_id,
                 record.call_id,
             )
-            return StoreWrite.LATE
+            return StoreWrite.LATE, None
         except Exception as exc:  # any store failure: the setting says what the call becomes
             self.metrics.observe_store_write(time.perf_counter() - started, None)
             written_as = self._failed(record, exc)
@@ -139,7 +145,7 @@ class Recorder:
                 # Marked now when the store takes that write (a refused record, a read-only
                 # table), else kept in memory and marked once writes succeed.
                 await self.losses.mark(record.rollout_id)
-            return written_as
+            return written_as, str(exc) or type(exc).__name__
         self.metrics.observe_store_write(
             time.perf_counter() - started,
             written if isinstance(written, int) else _record_bytes(record),
@@ -153,7 +159,7 @@ class Recorder:
         if self.losses.pending and (self._marking is None or self._marking.done()):
             # Writes succeed again: mark the losses kept meanwhile, off this call's path.
             self._marking = asyncio.create_task(self.losses.mark_all(), name="capture-mark-losses")
-        return StoreWrite.STORED
+        return StoreWrite.STORED, None
 
     def _failed(self, record: CallRecord, exc: Exception) -> StoreWrite:
         self.stats.store_failures += 1

@@ -188,8 +188,12 @@ def run(
         try:
             if not main.done():
                 main.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    loop.run_until_complete(main)
+                while not main.done():
+                    # A repeated SIGTERM does not cut the calls in flight short (a worker
+                    # gets two when its supervisor dies: the kernel's, and its own on the
+                    # lost link); SIGINT does.
+                    with contextlib.suppress(asyncio.CancelledError, GracefulExit):
+                        loop.run_until_complete(main)
         finally:
             _cancel_all(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())

@@ -12,6 +12,13 @@ supervisor runs each as its own store would (``_put_hop``: grouped with the puts
 worker that arrived during the previous commit) and answers its result or its exception; a
 worker answers its harness only after that reply, so an acknowledged call is committed.
 
+A lost link (the supervisor died) fails the writes in flight with ``WriterLost``: the link
+cannot say whether they were committed. A put then asks the store: once the dead writer's
+WAL is settled (``sqlite_wal``: a commit no reader sees is cut off, so it cannot come back at
+the next start), a call the store holds is a success like any other, one it does not hold a
+StoreError saying the supervisor died before the commit (the harness's 503). Other writes
+(freeze, retire, ...) are idempotent under the retry their 503 asks for.
+
 Frames: a 4-byte big-endian length, then a pickle (protocol 5) of ``(id, name, args)`` or
 ``(id, ok, value)``. A call's record and its ``RequestEncoding`` travel in one pickle, so the
 encoding still belongs to the record on the other side (``RequestEncoding.belongs_to`` is by
@@ -42,6 +49,7 @@ import logging
 import mmap
 import os
 import pickle
+import sqlite3
 import struct
 import zlib
 from collections import OrderedDict
@@ -53,7 +61,8 @@ from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.records import CallRecord
 from capture_proxy.store.base import StoreError
-from capture_proxy.store.sqlite import SQLiteStore
+from capture_proxy.store.sqlite import WRITER_LOCK_NAME, SQLiteStore
+from capture_proxy.store.sqlite_wal import settle_wal
 from capture_proxy.store.worker import WorkerThread
 
 log = logging.getLogger("capture_proxy")
@@ -62,6 +71,8 @@ T = TypeVar("T")
 _LENGTH = struct.Struct("!I")
 #: The store functions a worker may ask the writer to run (``ThreadedStore``'s writes).
 WRITES = frozenset({"_put", "_mark", "_delete", "_freeze", "_set_metadata", "_retire", "_sweep"})
+#: Whether a call is stored (``WorkerStore._stored_after_writer_died``).
+_STORED = "SELECT 1 FROM calls WHERE call_id = ?"
 #: A worker tells the supervisor it listens: ``(index, pid)``.
 READY = "ready"
 
@@ -206,9 +217,19 @@ class _Frames(asyncio.Protocol):
         raise NotImplementedError
 
 
+class WriterLost(StoreError):
+    """The link to the store's writer was lost (the supervisor process died, or ended) with
+    this write in flight, or before it was sent: whether a write in flight was committed is
+    not known from the link (``WorkerStore`` finds out for a put)."""
+
+
+#: What a write sent after the link was lost says.
+_GONE = "the proxy's supervisor process (the store's one writer) is gone"
+
+
 class WriterLink(_Frames):
     """A worker's connection to the supervisor: ``request`` sends one write and awaits its
-    reply. A lost connection fails every write in flight and every later one (StoreError)."""
+    reply. A lost connection fails every write in flight and every later one (WriterLost)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -225,7 +246,7 @@ class WriterLink(_Frames):
     async def request(self, name: str, args: tuple[Any, ...]) -> Any:
         transport = self.transport
         if transport is None or transport.is_closing():
-            raise StoreError("the store's writer (the proxy's supervisor process) is gone")
+            raise WriterLost(_GONE)
         self._next += 1
         future = asyncio.get_running_loop().create_future()
         self._pending[self._next] = future
@@ -244,7 +265,9 @@ class WriterLink(_Frames):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        gone = StoreError("the store's writer (the proxy's supervisor process) is gone")
+        gone = WriterLost(
+            "the proxy's supervisor process (the store's one writer) died with this write in flight"
+        )
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(gone)
@@ -278,6 +301,10 @@ class WorkerStore(SQLiteStore):
         self._stamps = stamps
         #: call id -> its rollout's count once its put was committed (``own_put_stamp``)
         self._own_puts: OrderedDict[str, int] = OrderedDict()
+        #: what ``settle_wal`` did once the writer died (reader thread only)
+        self._settled: str | None = None
+        #: a descriptor of the store's ``-shm``, open while the reader is (``sqlite_wal``)
+        self._shm_fd: int | None = None
 
     # --- the linker's index feed (``proxy.linker.IndexFeed``) -----------------------------
 
@@ -297,6 +324,28 @@ class WorkerStore(SQLiteStore):
         """The rollout's count right after this worker's put of ``call_id`` (once)."""
         return self._own_puts.pop(call_id, None)
 
+    def _stored_after_writer_died(self, db: sqlite3.Connection, call_id: str) -> bool:
+        """Whether ``call_id`` is stored, once the writer died (reader thread): the WAL
+        settled first (``sqlite_wal``: once; a dead writer writes nothing more), so the
+        answer stays true after any restart."""
+        if self._settled is None:
+            try:
+                if self._shm_fd is None:
+                    self._shm_fd = os.open(f"{self.db_path}-shm", os.O_RDONLY)
+            except FileNotFoundError:  # the last connection closed cleanly: WAL checkpointed
+                self._settled = "no wal-index"
+            else:
+                lock = self.path / WRITER_LOCK_NAME
+                self._settled = settle_wal(self.db_path, self._shm_fd, lock)
+            log.warning("the store's writer died; its WAL: %s", self._settled)
+        return db.execute(_STORED, (call_id,)).fetchone() is not None
+
+    def _close_reader(self) -> None:
+        super()._close_reader()
+        if self._shm_fd is not None:  # after the connection: its locks are gone with it
+            fd, self._shm_fd = self._shm_fd, None
+            os.close(fd)
+
     async def open(self) -> None:
         if self._reader is not None:
             raise StoreError("store is already open")
@@ -310,15 +359,34 @@ class WorkerStore(SQLiteStore):
     def _writer_link(self) -> WriterLink:
         link = self._link()
         if link is None:
-            raise StoreError("the store's writer (the proxy's supervisor process) is gone")
+            raise WriterLost(_GONE)
         return link
 
     async def _write_hop(self, fn: Callable[..., T], *args: Any) -> T:
-        result: T = await self._writer_link().request(fn.__name__, args)
+        try:
+            result: T = await self._writer_link().request(fn.__name__, args)
+        except WriterLost as exc:  # a store failure as any other (``proxy.errors``)
+            raise StoreError(str(exc)) from None
         return result
 
     async def _put_hop(self, record: CallRecord, request: RequestEncoding | None) -> int | None:
-        written, stamp = await self._writer_link().request("_put", (record, request))
+        try:
+            written, stamp = await self._writer_link().request("_put", (record, request))
+        except WriterLost:
+            # Committed or not, the writer cannot say any more: the store can (module
+            # docstring of ``sqlite_wal``). Stored: a success like any other (its bytes not
+            # known here); not stored: refused, and it never will be.
+            if await self._read(self._stored_after_writer_died, record.call_id):
+                log.warning(
+                    "call %s: the supervisor (the store's writer) died with its put in flight, "
+                    "after committing it: answered as stored",
+                    record.call_id,
+                )
+                return None
+            raise StoreError(
+                f"the proxy's supervisor process (the store's one writer) died before call "
+                f"{record.call_id} was committed: it is not stored"
+            ) from None
         if stamp is not None:
             self._own_puts[record.call_id] = stamp
             if len(self._own_puts) > _OWN_PUTS_MAX:

@@ -71,6 +71,7 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
@@ -84,6 +85,7 @@ from capture_proxy.store.base import StoreError
 from capture_proxy.store.sql import SQLITE
 from capture_proxy.store.sqlite_layout import migrate_layout, write_transaction
 from capture_proxy.store.sqlite_puts import SQLitePuts
+from capture_proxy.store.sqlite_wal import WRITER_LOCK_WAIT_S
 from capture_proxy.store.transactions import SQLStore
 from capture_proxy.store.worker import WorkerThread
 
@@ -169,11 +171,20 @@ class SQLiteStore(SQLStore):
     def _take_writer_lock(self) -> None:
         """An exclusive advisory lock on ``<store>/writer.lock`` (released by the kernel when
         the process ends, also on SIGKILL). Raises StoreError when another process (or store
-        object) holds it."""
+        object) holds it for ``WRITER_LOCK_WAIT_S``."""
         self.path.mkdir(parents=True, exist_ok=True)
         lock = open(self.path / WRITER_LOCK_NAME, "a+")  # noqa: SIM115 (held while open)
         try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # A worker of a supervisor that died holds it a moment (``sqlite_wal``): wait.
+            deadline = time.monotonic() + WRITER_LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.02)
         except BlockingIOError:
             lock.seek(0)
             holder = lock.read().strip() or "another process"

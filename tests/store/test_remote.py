@@ -8,6 +8,9 @@ import asyncio
 import fcntl
 import os
 import pickle
+import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +27,7 @@ from capture_proxy.store.remote import (
     RolloutStamps,
     WorkerStore,
     WriterLink,
+    _WriterServer,
     create_claim_board,
     frame,
     serve_writes,
@@ -31,6 +35,8 @@ from capture_proxy.store.remote import (
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.core.test_codec_v2 import assert_same, chain
 from tests.factories import record
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -88,18 +94,20 @@ async def test_a_records_request_encoding_still_belongs_to_it_after_the_trip():
     assert enc2.belongs_to(rec2)
 
 
-async def test_a_lost_writer_fails_the_writes_in_flight_and_later(writer_and_worker):
-    """The put in flight may have been committed (the request left before the link was
-    lost), but it is not acknowledged: the worker answers its harness with an error."""
+async def test_a_lost_writer_fails_later_writes(writer_and_worker):
+    """After the link is lost a put is looked up in the store (here: the writer, still up,
+    committed the put in flight), a later one fails and is not stored; so do other writes."""
     _, worker, link, _ = writer_and_worker
     put = asyncio.ensure_future(worker.put_call(record("x", [1], [2])))
     await asyncio.sleep(0)  # the request is written
     link.close()  # as when the supervisor dies
-    with pytest.raises(StoreError, match="supervisor"):
-        await put
+    assert await asyncio.wait_for(put, 30) is None
     with pytest.raises(StoreError, match="supervisor"):
         await worker.put_call(record("y", [1], [2]))
     assert await worker.get_call("y") is None
+    with pytest.raises(StoreError, match="supervisor") as raised:
+        await worker.freeze_rollout("r1")
+    assert type(raised.value) is StoreError  # a store failure (503), not an answer
 
 
 def _linked(call_id: str, prompt: list[int], gen: list[int], **fields: Any) -> CallRecord:
@@ -247,3 +255,70 @@ def test_a_workers_choice_and_claim_is_whole_against_the_others(tmp_path):
     finally:
         os.close(fd)
         board.close()
+
+
+@pytest.mark.parametrize("dies", ["after_commit", "before_commit"])
+async def test_a_put_whose_writer_dies_is_answered_by_what_the_store_holds(
+    tmp_path, monkeypatch, dies
+):
+    """The supervisor dies with a put in flight, before its reply: committed, the put returns
+    (the call is answered as stored, once); not, it fails saying so, and is not stored.
+    Before the fix both failed ("the writer is gone"), and the committed one's retry was a
+    second copy (TRIAL9 finding 1)."""
+    writer = SQLiteStore(tmp_path / "store")
+    await writer.open()
+
+    async def perform(self: Any, name: str, args: tuple[Any, ...]) -> None:
+        if dies == "after_commit":
+            await writer._put_hop(*args)
+        await writer.close()  # the process ends: its writer lock with it
+        assert self.transport is not None
+        self.transport.abort()  # no reply
+
+    monkeypatch.setattr(_WriterServer, "_perform", perform)
+    server = await serve_writes(writer, tmp_path / "control.sock", lambda *a: None)
+    link = await WriterLink.connect(tmp_path / "control.sock")
+    worker = WorkerStore(tmp_path / "store", lambda: link)
+    await worker.open()
+    try:
+        put = worker.put_call(record("x", [1], [2]))
+        if dies == "after_commit":
+            assert await asyncio.wait_for(put, 30) is None
+            assert [r.call_id for r in await worker.get_rollout_calls("r1")] == ["x"]
+        else:
+            with pytest.raises(StoreError, match=r"died before call x was committed: it is not"):
+                await asyncio.wait_for(put, 30)
+            assert await worker.get_rollout_calls("r1") == []
+    finally:
+        await worker.close()
+        server.close()
+
+
+async def test_a_commit_the_dead_writer_left_unseen_in_the_wal_stays_unstored(tmp_path):
+    """A writer killed between writing a commit to the WAL and updating the wal-index: no
+    reader sees the call, so its worker answers "not stored"; the WAL is settled first, so the
+    next start's recovery does not bring the call back (it did before the fix: the refused
+    call stored after all, and its retry a second copy)."""
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    await store.close()
+    worker = WorkerStore(tmp_path / "store", lambda: None)  # the link is lost
+    await worker.open()
+    try:
+        assert await worker.get_call("first") is None  # the wal-index is mapped here
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.store.dying_writer", str(tmp_path / "store"), cwd=ROOT
+        )
+        assert await asyncio.wait_for(proc.wait(), 60) == -signal.SIGKILL
+        assert await worker.get_call("first") is not None
+        with pytest.raises(StoreError, match="died before call orphan was committed"):
+            await worker.put_call(record("orphan", [1, 2, 3, 4], [5]))
+    finally:
+        await worker.close()
+    reopened = SQLiteStore(tmp_path / "store")  # the first connection: SQLite recovers the WAL
+    await reopened.open()
+    try:
+        assert await reopened.get_call("first") is not None
+        assert await reopened.get_call("orphan") is None
+    finally:
+        await reopened.close()

@@ -163,7 +163,7 @@ def finish(
         yield Remember(record, prepared.message_facts)
     elif persisted.refused and record.status is not CallStatus.FAILED:
         # DESIGN.md, flow step 8: no success for a call nobody can train on.
-        raise StoreUnavailable(call.ctx.call_id)
+        raise StoreUnavailable(call.ctx.call_id, persisted.reason)
     return record
 
 

@@ -94,9 +94,12 @@ class StoreUnavailable(CallError):
     ``core.flow.call.finish`` before any answer is sent; a stream whose headers are out ends
     with its API's in-band error instead (``call.refused_stream_end``)."""
 
-    def __init__(self, call_id: str) -> None:
+    def __init__(self, call_id: str, reason: str | None = None) -> None:
+        """``reason``: what the store said (``Persisted.reason``), quoted for the harness
+        and the operator reading its error."""
         super().__init__(
-            f"the proxy could not store call {call_id}'s record (the capture store refuses "
-            "writes: disk full or read-only), so it is not answered; retry the call",
+            f"the proxy could not store call {call_id}'s record "
+            f"({reason or 'the capture store refuses writes'}), so it is not answered; "
+            "retry the call",
             code="store_unavailable",
         )

@@ -161,3 +161,5 @@ class Persisted:
 
     ok: bool
     refused: bool = False
+    #: why the store did not take it (its error's text), for the refusal's message
+    reason: str | None = None

@@ -44,6 +44,20 @@ def test_a_whole_answer_whose_record_is_refused_is_not_sent():
     assert f"could not store call {CALL_ID}" in raised.value.message
 
 
+def test_a_refusal_says_what_the_store_said():
+    """Not "disk full or read-only" whatever happened (TRIAL9 finding 6): the store's own
+    error, e.g. the supervisor that died before the commit."""
+    pb = playbook(ChatCodec(), BODY)
+    _to_engine(pb, BODY)
+    pb.send(e.EngineResponded(200, False))
+    pb.send(_verified(pb.send(e.EngineBody(orjson.dumps(WHOLE)))))
+    reason = "the proxy's supervisor process (the store's one writer) died before the commit"
+    with pytest.raises(StoreUnavailable) as raised:
+        pb.send(e.Persisted(False, refused=True, reason=reason))
+    assert f"could not store call {CALL_ID}'s record ({reason})" in raised.value.message
+    assert "disk" not in raised.value.message
+
+
 def test_a_whole_answer_asked_as_a_stream_is_refused_before_its_stream_starts():
     body = {**BODY, "stream": True, "max_tokens": 16}
     pb = playbook(MessagesCodec(), body)
