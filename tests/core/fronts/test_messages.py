@@ -1042,6 +1042,72 @@ def test_stream_blocks_known_only_at_the_end_are_sent_whole() -> None:
     assert indexes == [0, 1, 2, 3]
 
 
+def _shape(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Any, Any]]:
+    return [(n, d.get("index"), d.get("delta", {}).get("type")) for n, d in events]
+
+
+def _tool(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_stream_text_inside_a_tool_calls_arguments_loses_nothing() -> None:
+    """The engine sends text between two fragments of one call's arguments: the harness gets
+    the stored answer's blocks (text first, then whole tool uses), no fragment dropped."""
+    request = _request(stream=True)
+    deltas: list[dict[str, Any]] = [
+        {"reasoning_content": "think"},
+        {"tool_calls": [{"index": 0, "id": "call_A", "function": {"name": "bash"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]},
+        {"content": "hello"},
+        {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]},
+        {"tool_calls": [{"index": 1, "id": "call_B", "function": {"name": "read"}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ""}}]},  # a late empty one
+    ]
+    message = {
+        "role": "assistant",
+        "content": "hello",
+        "reasoning_content": "think",
+        "tool_calls": [_tool("call_A", "bash", '{"a": 1}'), _tool("call_B", "read", "{}")],
+    }
+    answer = _answer(message)
+    events = sse_events(_stream(request, deltas, answer))
+    assert _shape(events) == [
+        ("message_start", None, None),
+        ("ping", None, None),
+        ("content_block_start", 0, None),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, None),
+        ("content_block_delta", 1, "text_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, None),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("content_block_start", 3, None),
+        ("content_block_delta", 3, "input_json_delta"),
+        ("content_block_stop", 3, None),
+        ("message_delta", None, None),
+        ("message_stop", None, None),
+    ]
+    assert [
+        d["delta"]["partial_json"] for n, d in events if "partial_json" in d.get("delta", {})
+    ] == [
+        '{"a": 1}',
+        "{}",
+    ]
+    blocks = assemble(events)
+    assert blocks == [
+        {"type": "thinking", "thinking": "think", "signature": seal_reasoning(CALL_ID, "think")},
+        {"type": "text", "text": "hello"},
+        {"type": "tool_use", "id": "call_A", "name": "bash", "input": {"a": 1}},
+        {"type": "tool_use", "id": "call_B", "name": "read", "input": {}},
+    ]
+    assert blocks == CODEC.encode(request, answer)["content"]
+    assert _parse_back(blocks) == message
+
+
 def test_stream_error_event() -> None:
     encoder = CODEC.stream_encoder(_request(stream=True), _answer())
     assert sse_events([encoder.error("engine went away")]) == [

@@ -120,7 +120,8 @@ def _thinking_block(call_id: str, text: str, omit: bool) -> dict[str, Any]:
     }
 
 
-def _tool_use_block(call_id: str, position: int, call: Mapping[str, Any]) -> dict[str, Any]:
+def tool_use_block(call_id: str, position: int, call: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tool_use`` block of the ``position``-th tool call of an answer."""
     fn = call.get("function") or {}
     return {
         "type": "tool_use",
@@ -140,7 +141,7 @@ def content_blocks(call_id: str, message: Mapping[str, Any], omit: bool) -> list
     if text:
         blocks.append({"type": "text", "text": text})
     for k, call in enumerate(message.get("tool_calls") or []):
-        blocks.append(_tool_use_block(call_id, k, call))
+        blocks.append(tool_use_block(call_id, k, call))
     return blocks
 
 
