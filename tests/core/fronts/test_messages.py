@@ -355,8 +355,9 @@ def test_parse_assistant_thinking_variants() -> None:
     )
     assert request.chat["messages"][1] == {
         "role": "assistant",
-        "content": "a\nb",
-        "reasoning_content": "visible\nhidden",
+        # several blocks of a kind are one text (Anthropic's meaning; the stream splits so)
+        "content": "ab",
+        "reasoning_content": "visiblehidden",
     }
     assert request.chat["messages"][3] == {
         "role": "assistant",
@@ -1105,6 +1106,38 @@ def test_stream_text_inside_a_tool_calls_arguments_loses_nothing() -> None:
         {"type": "tool_use", "id": "call_B", "name": "read", "input": {}},
     ]
     assert blocks == CODEC.encode(request, answer)["content"]
+    assert _parse_back(blocks) == message
+
+
+def test_stream_interleaved_reasoning_and_text_round_trip() -> None:
+    """Reasoning, text, reasoning, text: each change of kind is a new block, and the blocks
+    sent back parse to the stored answer (each kind's texts joined with nothing), so the
+    next call finds its parent."""
+    request = _request(stream=True)
+    deltas = [
+        {"reasoning_content": "r1"},
+        {"content": "c1"},
+        {"reasoning_content": "r2"},
+        {"content": "c2"},
+    ]
+    message = {"role": "assistant", "content": "c1c2", "reasoning_content": "r1r2"}
+    answer = _answer(message, finish_reason="stop")
+    blocks = assemble(sse_events(_stream(request, deltas, answer)))
+    assert blocks == [
+        {"type": "thinking", "thinking": "r1", "signature": seal_reasoning(CALL_ID, "r1")},
+        {"type": "text", "text": "c1"},
+        {"type": "thinking", "thinking": "r2", "signature": seal_reasoning(CALL_ID, "r2")},
+        {"type": "text", "text": "c2"},
+    ]
+    whole = CODEC.encode(request, answer)["content"]
+    assert _parse_back(blocks) == _parse_back(whole) == message
+    assert history_digest([_parse_back(blocks)]) == history_digest([message])
+    # with display omitted the sealed texts carry the reasoning
+    omitted = _request(
+        stream=True, thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    )
+    blocks = assemble(sse_events(_stream(omitted, deltas, answer)))
+    assert [b.get("thinking") for b in blocks] == ["", None, "", None]
     assert _parse_back(blocks) == message
 
 
