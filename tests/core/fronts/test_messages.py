@@ -708,6 +708,40 @@ def test_stop_reasons(finish_reason: str | None, message: dict[str, Any], expect
     assert body["stop_reason"] == expected
 
 
+@pytest.mark.parametrize(
+    ("finish_reason", "stop_reason", "message", "expected"),
+    [
+        ("stop", " files", {"role": "assistant", "content": "Here"}, ("stop_sequence", " files")),
+        ("stop", "other", {"role": "assistant", "content": "Here"}, ("end_turn", None)),
+        ("stop", 151645, {"role": "assistant", "content": "Here"}, ("end_turn", None)),
+        ("stop", None, {"role": "assistant", "content": "Here"}, ("end_turn", None)),
+        ("length", " files", {"role": "assistant", "content": "Here"}, ("max_tokens", None)),
+        ("stop", " files", ANSWER_MESSAGE, ("tool_use", None)),
+    ],
+)
+def test_a_stop_sequence_the_engine_matched_is_named(
+    finish_reason: str, stop_reason: Any, message: dict[str, Any], expected: tuple[Any, Any]
+) -> None:
+    request = _request(stop_sequences=["END", " files"], stream=True)
+    answer = _answer(message, finish_reason=finish_reason, stop_reason=stop_reason)
+    body = CODEC.encode(request, answer)
+    assert (body["stop_reason"], body["stop_sequence"]) == expected
+    delta = [d for n, d in sse_events(_stream(request, [], answer)) if n == "message_delta"]
+    assert delta[0]["delta"] == {"stop_reason": expected[0], "stop_sequence": expected[1]}
+
+
+def test_stream_start_counts_the_prompt_when_it_is_known() -> None:
+    head = _answer({"role": "assistant", "content": None}, usage=None, prompt_token_ids=[1, 2, 3])
+    encoder = CODEC.stream_encoder(_request(stream=True), head)
+    start = sse_events(encoder.start())[0][1]
+    assert start["message"]["usage"] == {
+        "input_tokens": 3,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
 def test_encode_plain_answer_without_usage() -> None:
     answer = _answer({"role": "assistant", "content": "hi"}, finish_reason="stop", usage=None)
     body = CODEC.encode(_request(), answer)

@@ -33,6 +33,7 @@ from capture_proxy.core.fronts.messages.encode import (
     message_usage,
     options_of,
     stop_reason,
+    stop_sequence,
     tool_input_json,
     tool_use_block,
 )
@@ -65,11 +66,16 @@ class MessagesStreamEncoder(PartsStreamEncoder):
     its SDKs' ``get_final_text`` joins them), so the turn still digests as the answer."""
 
     def __init__(self, request: FrontRequest, head: Answer) -> None:
+        self.request = request
         self.call_id = head.call_id
         self.model = answer_model(request, head)
         self.omit = options_of(request).omit_thinking
-        #: ``message_start``'s usage: the prompt's tokens, none generated yet
+        #: ``message_start``'s usage: the prompt's tokens (known when the proxy built the prompt,
+        #: exact-token mode; in backend-template mode this is written before the engine's first
+        #: chunk, so 0 and ``message_delta`` says it), none generated yet
         self.start_usage = {**message_usage(head), "output_tokens": 0}
+        if not head.usage and head.prompt_token_ids is not None:
+            self.start_usage["input_tokens"] = len(head.prompt_token_ids)
         self.block: _Block | None = None
         self.next_index = 0
 
@@ -193,7 +199,10 @@ class MessagesStreamEncoder(PartsStreamEncoder):
             _event(
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason(answer), "stop_sequence": None},
+                    "delta": {
+                        "stop_reason": stop_reason(self.request, answer),
+                        "stop_sequence": stop_sequence(self.request, answer),
+                    },
                     "usage": usage,
                 }
             )
