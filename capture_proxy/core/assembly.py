@@ -219,6 +219,9 @@ class ChatCaptureAssembler:
         self.reasoning: list[str] = []
         self.tool_calls: dict[int, _ToolCallParts] = {}
         self.finish_reason: str | None = None
+        #: vLLM's ``stop_reason`` of choice 0 (the matched stop string or stop token id), for
+        #: the fronts' answers; not stored
+        self.stop_reason: str | int | None = None
         self.usage: dict[str, Any] | None = None
         self.routed_experts_raw: Any = None
         self.response_message: dict[str, Any] | None = None
@@ -262,6 +265,7 @@ class ChatCaptureAssembler:
             finish_reason = choice.get("finish_reason")
             if finish_reason is not None:
                 self.finish_reason = finish_reason
+                self.stop_reason = _stop_reason(choice.get("stop_reason"))
 
     def _add_tool_call_delta(self, tc: dict[str, Any]) -> None:
         parts = self.tool_calls.setdefault(int(tc.get("index", 0)), _ToolCallParts())
@@ -324,6 +328,7 @@ class ChatCaptureAssembler:
             return
         self._add_choice_tokens(first)
         self.finish_reason = first.get("finish_reason")
+        self.stop_reason = _stop_reason(first.get("stop_reason"))
         message = first.get("message")
         if isinstance(message, dict):
             self.response_message = dict(message)
@@ -485,3 +490,10 @@ def mark_incomplete(record: CallRecord, reasons: list[str]) -> CallRecord:
         reasons = [*existing.details.get("reasons", []), *reasons]
     diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": reasons}))
     return record.replace(status=CallStatus.INCOMPLETE, diagnostics=diagnostics)
+
+
+def _stop_reason(value: Any) -> str | int | None:
+    """vLLM's ``stop_reason`` when it is a string or an integer (``True`` is not one)."""
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return None

@@ -54,6 +54,9 @@ class Piece:
     log_probs: list[float | None] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    #: what matched when the engine stopped (vLLM ``stop_reason``, SGLang
+    #: ``finish_reason.matched``): a stop string or a stop token id; None: not said
+    stop_reason: str | int | None = None
     prompt_token_ids: list[int] | None = None
     usage: dict[str, Any] | None = None
     saw_token_ids: bool = False
@@ -116,6 +119,16 @@ def _finish_reason(value: Any) -> str | None:
         kind = value.get("type")
         return kind if isinstance(kind, str) else None
     return str(value)
+
+
+def _stop_reason(value: Any) -> str | int | None:
+    """A stop string or token id (vLLM ``stop_reason``; SGLang's ``finish_reason`` object's
+    ``matched``); None for anything else."""
+    if isinstance(value, dict):
+        value = value.get("matched")
+    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return None
 
 
 def ends_text(finish_reason: str | None, whole: bool) -> bool:
@@ -205,6 +218,7 @@ class VllmCompletionsReader:
                     piece.token_ids = _ids_of_token_strings(tokens)
             piece.text = choice.get("text") or ""
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
+            piece.stop_reason = _stop_reason(choice.get("stop_reason"))
             piece.routed_experts = choice.get("routed_experts")
         if top.get("prompt_token_ids") is not None and piece.prompt_token_ids is None:
             piece.prompt_token_ids = top["prompt_token_ids"]
@@ -339,6 +353,7 @@ class VllmGenerateReader:
                 piece.saw_log_probs = True
                 piece.log_probs = [e.get("logprob") for e in logprobs["content"]]
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
+            piece.stop_reason = _stop_reason(choice.get("stop_reason"))
             piece.routed_experts = choice.get("routed_experts")
             piece.weight_versions = choice.get("weight_versions")
         piece.text = self.text.add(piece.token_ids, final=ends_text(piece.finish_reason, final))
@@ -421,6 +436,7 @@ class SglangGenerateReader:
             piece.text = text[self.text_len :]
             self.text_len = len(text)
         piece.finish_reason = _finish_reason(meta.get("finish_reason"))
+        piece.stop_reason = _stop_reason(meta.get("finish_reason"))
         _held_at_abort(piece)
         piece.routed_experts = meta.get("routed_experts")
         version = meta.get("weight_version")

@@ -85,6 +85,8 @@ class TokensInAssembler:
         self.log_probs: list[float | None] = []
         self.text: list[str] = []
         self.finish_reason: str | None = None
+        #: what the engine says matched when it stopped (``Piece.stop_reason``); not stored
+        self.stop_reason: str | int | None = None
         self.saw_token_ids = False
         self.saw_log_probs = False
         self.versions = WeightVersions()
@@ -105,6 +107,7 @@ class TokensInAssembler:
         self.saw_log_probs |= piece.saw_log_probs
         if piece.finish_reason is not None:
             self.finish_reason = piece.finish_reason
+            self.stop_reason = piece.stop_reason
         if piece.usage:
             seg.usage = piece.usage
         if piece.routed_experts is not None:
@@ -124,6 +127,7 @@ class TokensInAssembler:
         """The next pieces are a continuation's: its prompt (``prompt_json``) is the call's
         prompt and every token so far; its rows start at ``experts_start``."""
         self.finish_reason = None
+        self.stop_reason = None
         num_prompt = int(self.prompt_token_ids.shape[0]) + len(self.token_ids)
         self.segments.append(_Segment(len(self.token_ids), num_prompt, prompt_json, experts_start))
 

@@ -352,3 +352,18 @@ def test_a_whole_answer_without_its_message_is_incomplete_with_its_tokens_kept(m
     assert rec.generation_token_ids.tolist() == [10, 11]
     assert rec.generation_log_probs.tolist() == [-0.5, -0.25]
     assert rec.response_message == {"role": "assistant", "content": None}
+
+
+@pytest.mark.parametrize(("stop_reason", "kept"), [("END", "END"), (151645, 151645), (True, None)])
+def test_the_engines_stop_reason_is_kept_for_the_answer(stop_reason, kept):
+    """vLLM's ``stop_reason`` (the matched stop string or stop token id) of a stream's last
+    chunk and of a whole answer."""
+    streamed = ChatCaptureAssembler(CTX)
+    streamed.add_chunk({"choices": [{"index": 0, "delta": {"content": "a"}, "stop_reason": None}]})
+    assert streamed.stop_reason is None
+    last = {"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": stop_reason}
+    streamed.add_chunk({"choices": [last]})
+    whole = ChatCaptureAssembler(CTX)
+    message = {"role": "assistant", "content": "a"}
+    whole.add_response({"choices": [{"index": 0, "message": message, "stop_reason": stop_reason}]})
+    assert streamed.stop_reason == whole.stop_reason == kept

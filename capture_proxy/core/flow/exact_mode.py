@@ -229,6 +229,7 @@ class _Generation:
             message=message,
             finish_reason=finish_reason,
             usage=chat_usage(int(asm.prompt_token_ids.shape[0]), len(asm.token_ids)),
+            stop_reason=asm.stop_reason,
             token_ids=asm.token_ids,
             log_probs=asm.log_probs,
             prompt_token_ids=asm.prompt_token_ids,

@@ -135,8 +135,9 @@ def dumps_body(body: dict[str, Any]) -> bytes:
         return json.dumps(body, ensure_ascii=False).encode()
 
 
-def answer_of(call: Call, record: CallRecord) -> Answer:
-    """The canonical answer from an assembled record."""
+def answer_of(call: Call, record: CallRecord, stop_reason: str | int | None = None) -> Answer:
+    """The canonical answer from an assembled record (``stop_reason``: the engine's, which
+    the record does not keep)."""
     message = record.response_message or {"role": "assistant", "content": None}
     if "reasoning" in message and "reasoning_content" not in message:
         message = {**message, "reasoning_content": message["reasoning"]}
@@ -147,6 +148,7 @@ def answer_of(call: Call, record: CallRecord) -> Answer:
         message=message,
         finish_reason=record.finish_reason,
         usage=_chat_usage(record),
+        stop_reason=stop_reason,
     )
 
 
@@ -255,7 +257,7 @@ def _relay_json(
         # sent it.)
         body = strip_chat_response(payload, asked)
     else:
-        answer = answer_of(call, record)
+        answer = answer_of(call, record, assembler.stop_reason)
         if call.ctx.stream:
             yield from whole_as_stream(call, answer)
             return Outcome(record)
@@ -391,7 +393,11 @@ def _relay_stream(
             # 503 of a whole answer is
             final = encoder.error(relay.problem, code=GENERATION_ABORTED if relay.aborted else None)
     elif relay.done_seen:
-        final = DONE_EVENT if encoder is None else b"".join(encoder.finish(answer_of(call, record)))
+        final = (
+            DONE_EVENT
+            if encoder is None
+            else b"".join(encoder.finish(answer_of(call, record, relay.assembler.stop_reason)))
+        )
     yield EndClient(final)  # the last events and the end of the body: one write
     if relay.done_seen:
         yield DrainEngine()

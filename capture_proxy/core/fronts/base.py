@@ -158,6 +158,10 @@ class Answer:
     message: dict[str, Any]
     finish_reason: str | None
     usage: dict[str, Any] | None = None
+    #: what ended the answer, as the engine said (vLLM's ``stop_reason``: the stop string that
+    #: matched, or the ``stop_token_ids`` id; SGLang's ``finish_reason.matched``); None: the
+    #: model's own end token, the length limit, or not said. Not stored on the record.
+    stop_reason: str | int | None = None
     #: token data, for a front that shows it when asked (chat completions'
     #: ``return_token_ids`` / ``logprobs``): generated ids, their log probs, the prompt ids
     #: (a list, or the uint32 array the proxy built: a long prompt becomes a list only for a

@@ -355,8 +355,9 @@ def test_parse_assistant_thinking_variants() -> None:
     )
     assert request.chat["messages"][1] == {
         "role": "assistant",
-        "content": "a\nb",
-        "reasoning_content": "visible\nhidden",
+        # several blocks of a kind are one text (Anthropic's meaning; the stream splits so)
+        "content": "ab",
+        "reasoning_content": "visiblehidden",
     }
     assert request.chat["messages"][3] == {
         "role": "assistant",
@@ -707,6 +708,40 @@ def test_stop_reasons(finish_reason: str | None, message: dict[str, Any], expect
     assert body["stop_reason"] == expected
 
 
+@pytest.mark.parametrize(
+    ("finish_reason", "stop_reason", "message", "expected"),
+    [
+        ("stop", " files", {"role": "assistant", "content": "Here"}, ("stop_sequence", " files")),
+        ("stop", "other", {"role": "assistant", "content": "Here"}, ("end_turn", None)),
+        ("stop", 151645, {"role": "assistant", "content": "Here"}, ("end_turn", None)),
+        ("stop", None, {"role": "assistant", "content": "Here"}, ("end_turn", None)),
+        ("length", " files", {"role": "assistant", "content": "Here"}, ("max_tokens", None)),
+        ("stop", " files", ANSWER_MESSAGE, ("tool_use", None)),
+    ],
+)
+def test_a_stop_sequence_the_engine_matched_is_named(
+    finish_reason: str, stop_reason: Any, message: dict[str, Any], expected: tuple[Any, Any]
+) -> None:
+    request = _request(stop_sequences=["END", " files"], stream=True)
+    answer = _answer(message, finish_reason=finish_reason, stop_reason=stop_reason)
+    body = CODEC.encode(request, answer)
+    assert (body["stop_reason"], body["stop_sequence"]) == expected
+    delta = [d for n, d in sse_events(_stream(request, [], answer)) if n == "message_delta"]
+    assert delta[0]["delta"] == {"stop_reason": expected[0], "stop_sequence": expected[1]}
+
+
+def test_stream_start_counts_the_prompt_when_it_is_known() -> None:
+    head = _answer({"role": "assistant", "content": None}, usage=None, prompt_token_ids=[1, 2, 3])
+    encoder = CODEC.stream_encoder(_request(stream=True), head)
+    start = sse_events(encoder.start())[0][1]
+    assert start["message"]["usage"] == {
+        "input_tokens": 3,
+        "output_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
 def test_encode_plain_answer_without_usage() -> None:
     answer = _answer({"role": "assistant", "content": "hi"}, finish_reason="stop", usage=None)
     body = CODEC.encode(_request(), answer)
@@ -1040,6 +1075,104 @@ def test_stream_blocks_known_only_at_the_end_are_sent_whole() -> None:
     assert assemble(events) == CODEC.encode(request, answer)["content"]
     indexes = [d["index"] for n, d in events if n == "content_block_start"]
     assert indexes == [0, 1, 2, 3]
+
+
+def _shape(events: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, Any, Any]]:
+    return [(n, d.get("index"), d.get("delta", {}).get("type")) for n, d in events]
+
+
+def _tool(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def test_stream_text_inside_a_tool_calls_arguments_loses_nothing() -> None:
+    """The engine sends text between two fragments of one call's arguments: the harness gets
+    the stored answer's blocks (text first, then whole tool uses), no fragment dropped."""
+    request = _request(stream=True)
+    deltas: list[dict[str, Any]] = [
+        {"reasoning_content": "think"},
+        {"tool_calls": [{"index": 0, "id": "call_A", "function": {"name": "bash"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a":'}}]},
+        {"content": "hello"},
+        {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]},
+        {"tool_calls": [{"index": 1, "id": "call_B", "function": {"name": "read"}}]},
+        {"tool_calls": [{"index": 1, "function": {"arguments": "{}"}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ""}}]},  # a late empty one
+    ]
+    message = {
+        "role": "assistant",
+        "content": "hello",
+        "reasoning_content": "think",
+        "tool_calls": [_tool("call_A", "bash", '{"a": 1}'), _tool("call_B", "read", "{}")],
+    }
+    answer = _answer(message)
+    events = sse_events(_stream(request, deltas, answer))
+    assert _shape(events) == [
+        ("message_start", None, None),
+        ("ping", None, None),
+        ("content_block_start", 0, None),
+        ("content_block_delta", 0, "thinking_delta"),
+        ("content_block_delta", 0, "signature_delta"),
+        ("content_block_stop", 0, None),
+        ("content_block_start", 1, None),
+        ("content_block_delta", 1, "text_delta"),
+        ("content_block_stop", 1, None),
+        ("content_block_start", 2, None),
+        ("content_block_delta", 2, "input_json_delta"),
+        ("content_block_stop", 2, None),
+        ("content_block_start", 3, None),
+        ("content_block_delta", 3, "input_json_delta"),
+        ("content_block_stop", 3, None),
+        ("message_delta", None, None),
+        ("message_stop", None, None),
+    ]
+    assert [
+        d["delta"]["partial_json"] for n, d in events if "partial_json" in d.get("delta", {})
+    ] == [
+        '{"a": 1}',
+        "{}",
+    ]
+    blocks = assemble(events)
+    assert blocks == [
+        {"type": "thinking", "thinking": "think", "signature": seal_reasoning(CALL_ID, "think")},
+        {"type": "text", "text": "hello"},
+        {"type": "tool_use", "id": "call_A", "name": "bash", "input": {"a": 1}},
+        {"type": "tool_use", "id": "call_B", "name": "read", "input": {}},
+    ]
+    assert blocks == CODEC.encode(request, answer)["content"]
+    assert _parse_back(blocks) == message
+
+
+def test_stream_interleaved_reasoning_and_text_round_trip() -> None:
+    """Reasoning, text, reasoning, text: each change of kind is a new block, and the blocks
+    sent back parse to the stored answer (each kind's texts joined with nothing), so the
+    next call finds its parent."""
+    request = _request(stream=True)
+    deltas = [
+        {"reasoning_content": "r1"},
+        {"content": "c1"},
+        {"reasoning_content": "r2"},
+        {"content": "c2"},
+    ]
+    message = {"role": "assistant", "content": "c1c2", "reasoning_content": "r1r2"}
+    answer = _answer(message, finish_reason="stop")
+    blocks = assemble(sse_events(_stream(request, deltas, answer)))
+    assert blocks == [
+        {"type": "thinking", "thinking": "r1", "signature": seal_reasoning(CALL_ID, "r1")},
+        {"type": "text", "text": "c1"},
+        {"type": "thinking", "thinking": "r2", "signature": seal_reasoning(CALL_ID, "r2")},
+        {"type": "text", "text": "c2"},
+    ]
+    whole = CODEC.encode(request, answer)["content"]
+    assert _parse_back(blocks) == _parse_back(whole) == message
+    assert history_digest([_parse_back(blocks)]) == history_digest([message])
+    # with display omitted the sealed texts carry the reasoning
+    omitted = _request(
+        stream=True, thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
+    )
+    blocks = assemble(sse_events(_stream(omitted, deltas, answer)))
+    assert [b.get("thinking") for b in blocks] == ["", None, "", None]
+    assert _parse_back(blocks) == message
 
 
 def test_stream_error_event() -> None:

@@ -82,13 +82,28 @@ def tool_input_json(arguments: Any) -> str:
     return json.dumps(tool_input(arguments), ensure_ascii=False)
 
 
-def stop_reason(answer: Answer) -> str:
-    """The Anthropic stop reason of a chat finish reason (``stop_sequence`` cannot be told
-    apart: the canonical answer does not say which stop ended it)."""
+def stop_sequence(request: FrontRequest, answer: Answer) -> str | None:
+    """The request's ``stop_sequences`` entry that ended the answer: the engine's stop reason
+    when it is one of them and the answer stopped (not at the length limit, not for a tool
+    call); None otherwise."""
+    matched = answer.stop_reason
+    if answer.finish_reason != "stop" or answer.message.get("tool_calls"):
+        return None
+    stops = request.chat.get("stop")
+    if isinstance(matched, str) and isinstance(stops, list) and matched in stops:
+        return matched
+    return None
+
+
+def stop_reason(request: FrontRequest, answer: Answer) -> str:
+    """The Anthropic stop reason of a chat finish reason; ``stop_sequence`` when one of the
+    request's stop sequences ended it (``stop_sequence``)."""
     if answer.finish_reason == "length":
         return "max_tokens"
     if answer.message.get("tool_calls"):
         return "tool_use"
+    if stop_sequence(request, answer) is not None:
+        return "stop_sequence"
     return _STOP_REASONS.get(answer.finish_reason or "", "end_turn")
 
 
@@ -120,7 +135,8 @@ def _thinking_block(call_id: str, text: str, omit: bool) -> dict[str, Any]:
     }
 
 
-def _tool_use_block(call_id: str, position: int, call: Mapping[str, Any]) -> dict[str, Any]:
+def tool_use_block(call_id: str, position: int, call: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tool_use`` block of the ``position``-th tool call of an answer."""
     fn = call.get("function") or {}
     return {
         "type": "tool_use",
@@ -140,7 +156,7 @@ def content_blocks(call_id: str, message: Mapping[str, Any], omit: bool) -> list
     if text:
         blocks.append({"type": "text", "text": text})
     for k, call in enumerate(message.get("tool_calls") or []):
-        blocks.append(_tool_use_block(call_id, k, call))
+        blocks.append(tool_use_block(call_id, k, call))
     return blocks
 
 
@@ -171,8 +187,8 @@ def encode_message(request: FrontRequest, answer: Answer) -> dict[str, Any]:
         "content": content_blocks(
             answer.call_id, answer.message, options_of(request).omit_thinking
         ),
-        "stop_reason": stop_reason(answer),
-        "stop_sequence": None,
+        "stop_reason": stop_reason(request, answer),
+        "stop_sequence": stop_sequence(request, answer),
         "usage": message_usage(answer),
     }
 

@@ -20,10 +20,13 @@ Owns the validation of a Messages body (errors name the field as a dotted path, 
   says it: ``"Error: "`` (``TOOL_ERROR_PREFIX``) is put before the result text, and the ids are
   listed in ``MessagesOptions.tool_errors``. The model sees what the harness meant; the
   stored conversation shows exactly what the model saw.
-- an ``assistant`` message -> one assistant message: ``text`` blocks -> ``content`` (joined;
-  None when there is none but tool calls, else ``""``), ``thinking`` -> ``reasoning_content``
-  (the text sealed in its ``signature`` when it is a value this proxy issued, since Claude
-  Code's ``display: omitted`` leaves the visible text empty; else the visible text),
+- an ``assistant`` message -> one assistant message: ``text`` blocks -> ``content`` (joined
+  with ``""``: an answer's text blocks are one text, as Anthropic's SDKs' ``get_final_text``
+  joins them, and a stream whose engine interleaved reasoning and text splits the answer's
+  text where its kind changed; None when there is none but tool calls, else ``""``),
+  ``thinking`` -> ``reasoning_content`` (joined with ``""`` likewise; each block's text is the
+  one sealed in its ``signature`` when it is a value this proxy issued, since Claude Code's
+  ``display: omitted`` leaves the visible text empty; else the visible text),
   ``redacted_thinking`` -> the sealed text when its ``data`` opens, else nothing;
   ``tool_use`` -> a tool call whose arguments are ``json.dumps(input, ensure_ascii=False)``
   (an ``{"INVALID_JSON": <text>}`` input, ``encode``'s wrapping, is unwrapped). What ``encode``
@@ -296,10 +299,10 @@ def _assistant_message(content: Any, path: str, seen: _Collected) -> ChatMessage
             )
     message: ChatMessage = {
         "role": "assistant",
-        "content": "\n".join(texts) if texts else (None if calls else ""),
+        "content": "".join(texts) if texts else (None if calls else ""),
     }
     if reasoning:
-        message["reasoning_content"] = "\n".join(reasoning)
+        message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
     return message

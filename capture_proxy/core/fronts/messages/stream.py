@@ -1,16 +1,19 @@
 """Streaming a Messages answer: chat deltas in, Anthropic's SSE events out.
 
-Owns the blocks of one streamed answer and their events. Each tool call's arguments are held
-until its block closes and sent as one ``input_json_delta`` (Anthropic's default tool streaming
-also buffers to validate the JSON), so that the streamed blocks always equal ``encode``'s and a
-harness never receives JSON it cannot parse. Text and thinking are forwarded as they arrive;
-the thinking block's ``signature_delta`` is sent when the block closes (it seals the whole
-text). Pure; the blocks themselves are ``encode``'s.
+Owns the blocks of one streamed answer and their events. Text and thinking are forwarded as
+they arrive; the thinking block's ``signature_delta`` is sent when the block closes (it seals
+the block's text). The ``tool_use`` blocks are sent whole by ``finish``, from the answer
+(``encode``'s blocks): the engine's tool-call fragments are not forwarded. A tool call's input
+is held until its block closes in any case (Anthropic's default tool streaming also buffers to
+validate the JSON), and Anthropic's blocks come one after another, so a block opened while
+the engine still sends text, reasoning or another call's fragments would either cut that
+text off from the answer's one text block or miss the fragments that come after it. So the
+tool uses the harness receives are the stored answer's, whatever order the engine's deltas
+came in, and the text never waits for them. Pure; the blocks themselves are ``encode``'s.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,12 +29,13 @@ from capture_proxy.core.fronts.base import (
 from capture_proxy.core.fronts.messages.encode import (
     anthropic_error_body,
     content_blocks,
-    fallback_tool_use_id,
     message_id,
     message_usage,
     options_of,
     stop_reason,
+    stop_sequence,
     tool_input_json,
+    tool_use_block,
 )
 
 
@@ -43,32 +47,37 @@ class _Block:
     """The open content block of a stream."""
 
     def __init__(self, kind: str, index: int) -> None:
-        self.kind = kind  # "thinking" | "text" | "tool"
+        self.kind = kind  # "thinking" | "text" | "tool_use"
         self.index = index
-        self.started = False
-        self.text: list[str] = []  # thinking text, or a tool call's arguments
-        self.chat_index: int | None = None
-        self.tool_id: str | None = None
-        self.name: str | None = None
+        self.text: list[str] = []  # a thinking block's text (its signature seals it)
 
 
 class MessagesStreamEncoder(PartsStreamEncoder):
     """Chat deltas in, Messages SSE events out: ``message_start`` and ``ping``; per block
-    ``content_block_start`` / ``content_block_delta`` / ``content_block_stop`` (a block closes
-    when a delta of another kind, or of another tool call, starts); ``message_delta`` and
-    ``message_stop`` in ``finish``. Tool-call fragments that arrive for a tool call whose block
-    is closed are dropped (engines send each call's fragments together)."""
+    ``content_block_start`` / ``content_block_delta`` / ``content_block_stop`` (a thinking or
+    text block closes when a delta of the other kind starts); the ``tool_use`` blocks (from
+    the answer), ``message_delta`` and ``message_stop`` in ``finish``.
+
+    When the engine's deltas come in the answer's order (reasoning, text, tool calls) the
+    blocks equal ``encode``'s. When they interleave reasoning and text (harmony: analysis, a
+    commentary preamble, analysis again), each change of kind opens a new block: the answer's
+    reasoning (text) is its thinking (text) blocks' texts joined in order, which is how
+    ``parse`` reads several blocks of a kind back (Anthropic's text blocks are one text, as
+    its SDKs' ``get_final_text`` joins them), so the turn still digests as the answer."""
 
     def __init__(self, request: FrontRequest, head: Answer) -> None:
+        self.request = request
         self.call_id = head.call_id
         self.model = answer_model(request, head)
         self.omit = options_of(request).omit_thinking
-        #: ``message_start``'s usage: the prompt's tokens, none generated yet
+        #: ``message_start``'s usage: the prompt's tokens (known when the proxy built the prompt,
+        #: exact-token mode; in backend-template mode this is written before the engine's first
+        #: chunk, so 0 and ``message_delta`` says it), none generated yet
         self.start_usage = {**message_usage(head), "output_tokens": 0}
+        if not head.usage and head.prompt_token_ids is not None:
+            self.start_usage["input_tokens"] = len(head.prompt_token_ids)
         self.block: _Block | None = None
         self.next_index = 0
-        self.tool_positions = 0  # tool blocks opened so far
-        self.closed_tools: set[int] = set()
 
     # -- events
 
@@ -92,21 +101,12 @@ class MessagesStreamEncoder(PartsStreamEncoder):
         return block
 
     def _start(self, block: _Block, content_block: dict[str, Any]) -> bytes:
-        block.started = True
         return _event(
             {"type": "content_block_start", "index": block.index, "content_block": content_block}
         )
 
     def _delta(self, block: _Block, delta: dict[str, Any]) -> bytes:
         return _event({"type": "content_block_delta", "index": block.index, "delta": delta})
-
-    def _start_tool(self, block: _Block) -> bytes:
-        position = self.tool_positions
-        self.tool_positions += 1
-        tool_id = block.tool_id or fallback_tool_use_id(self.call_id, position)
-        return self._start(
-            block, {"type": "tool_use", "id": tool_id, "name": block.name or "", "input": {}}
-        )
 
     def _close(self) -> list[bytes]:
         block = self.block
@@ -117,13 +117,6 @@ class MessagesStreamEncoder(PartsStreamEncoder):
         if block.kind == "thinking":
             signature = seal_reasoning(self.call_id, "".join(block.text))
             out.append(self._delta(block, {"type": "signature_delta", "signature": signature}))
-        elif block.kind == "tool":
-            if block.chat_index is not None:
-                self.closed_tools.add(block.chat_index)
-            if not block.started:
-                out.append(self._start_tool(block))
-            partial = tool_input_json("".join(block.text))
-            out.append(self._delta(block, {"type": "input_json_delta", "partial_json": partial}))
         out.append(_event({"type": "content_block_stop", "index": block.index}))
         return out
 
@@ -150,31 +143,13 @@ class MessagesStreamEncoder(PartsStreamEncoder):
         return out
 
     def tool_call_part(self, fragment: Mapping[str, Any], position: int) -> list[bytes]:
-        out: list[bytes] = []
-        raw_index = fragment.get("index")
-        chat_index = raw_index if isinstance(raw_index, int) else position
-        block = self.block
-        if block is None or block.kind != "tool" or block.chat_index != chat_index:
-            if chat_index in self.closed_tools:
-                return out
-            out += self._close()
-            block = self._open("tool")
-            block.chat_index = chat_index
-        fn = fragment.get("function") or {}
-        if isinstance(fragment.get("id"), str) and fragment["id"] and block.tool_id is None:
-            block.tool_id = fragment["id"]
-        if isinstance(fn.get("name"), str) and fn["name"] and block.name is None:
-            block.name = fn["name"]
-        if isinstance(fn.get("arguments"), str):
-            block.text.append(fn["arguments"])
-        if not block.started and block.name is not None:
-            out.append(self._start_tool(block))
-        return out
+        """Nothing: the tool uses are sent whole by ``finish`` (the module docstring)."""
+        return []
 
     def _whole_block(self, content_block: dict[str, Any]) -> list[bytes]:
-        """A block the deltas never carried, from the whole answer."""
+        """A thinking or text block the deltas never carried, from the whole answer."""
         kind = content_block["type"]
-        block = self._open("tool" if kind == "tool_use" else kind)
+        block = self._open(kind)
         out = []
         if kind == "thinking":
             text = open_reasoning(content_block["signature"])
@@ -186,27 +161,37 @@ class MessagesStreamEncoder(PartsStreamEncoder):
                         block, {"type": "thinking_delta", "thinking": content_block["thinking"]}
                     )
                 )
-        elif kind == "text":
+        else:
             out.append(self._start(block, {"type": "text", "text": ""}))
             out.append(self._delta(block, {"type": "text_delta", "text": content_block["text"]}))
-        else:
-            block.tool_id = content_block["id"]
-            block.name = content_block["name"]
-            block.text.append(json.dumps(content_block["input"], ensure_ascii=False))
         return out + self._close()
 
+    def _tool_use(self, position: int, call: Mapping[str, Any]) -> list[bytes]:
+        """The ``position``-th tool call of the answer as a whole ``tool_use`` block: its
+        input in one ``input_json_delta``, the arguments as the engine gave them when they
+        are a JSON object (``tool_input_json``)."""
+        whole = tool_use_block(self.call_id, position, call)
+        block = _Block("tool_use", self.next_index)  # never the open block: sent whole
+        self.next_index += 1
+        arguments = (call.get("function") or {}).get("arguments")
+        partial = tool_input_json(arguments)
+        return [
+            self._start(block, {**whole, "input": {}}),
+            self._delta(block, {"type": "input_json_delta", "partial_json": partial}),
+            _event({"type": "content_block_stop", "index": block.index}),
+        ]
+
     def finish(self, answer: Answer) -> list[bytes]:
-        """Closes the open block; blocks of the answer the deltas never carried (nothing was
-        streamed at all, or tool calls known only at the end) are sent whole first."""
+        """Closes the open block; sends the answer's thinking and text whole when no delta
+        carried anything (an answer made whole at the end), then its tool uses."""
         out = self._close()
-        blocks = content_blocks(self.call_id, answer.message, self.omit)
+        message = answer.message
         if self.next_index == 0:
-            missing = blocks
-        else:
-            tools = [b for b in blocks if b["type"] == "tool_use"]
-            missing = tools[self.tool_positions :]
-        for content_block in missing:
-            out += self._whole_block(content_block)
+            for content_block in content_blocks(self.call_id, message, self.omit):
+                if content_block["type"] != "tool_use":
+                    out += self._whole_block(content_block)
+        for position, call in enumerate(message.get("tool_calls") or []):
+            out += self._tool_use(position, call)
         usage: dict[str, int] = {"output_tokens": message_usage(answer)["output_tokens"]}
         if answer.usage:
             usage = {"input_tokens": message_usage(answer)["input_tokens"], **usage}
@@ -214,7 +199,10 @@ class MessagesStreamEncoder(PartsStreamEncoder):
             _event(
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": stop_reason(answer), "stop_sequence": None},
+                    "delta": {
+                        "stop_reason": stop_reason(self.request, answer),
+                        "stop_sequence": stop_sequence(self.request, answer),
+                    },
                     "usage": usage,
                 }
             )
