@@ -17,6 +17,7 @@ from capture_proxy.core.fronts.responses import ResponsesCodec
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
 from capture_proxy.core.fronts.responses.parse import (
     CUSTOM_TOOL_PARAMETERS,
+    referenced_history,
     referenced_response_id,
 )
 
@@ -336,7 +337,7 @@ def test_tool_choice_forms():
 
 def test_previous_response_history():
     previous = [
-        {"role": "system", "content": "old"},
+        {"role": "system", "content": "dev"},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
     ]
@@ -346,17 +347,71 @@ def test_previous_response_history():
         *previous,
         {"role": "user", "content": "more"},
     ]
+    # The new instructions come first; the history's own system message (an input item) stays.
     body["instructions"] = "new"
     assert CODEC.parse(body, previous=previous).chat["messages"] == [
         {"role": "system", "content": "new"},
-        *previous[1:],
+        *previous,
         {"role": "user", "content": "more"},
     ]
-    assert previous[0] == {"role": "system", "content": "old"}  # not changed in place
+    assert previous[0] == {"role": "system", "content": "dev"}  # not changed in place
     # no input at all is fine when a previous response is referenced
     del body["input"]
     assert CODEC.parse(body, previous=previous[1:]).chat["messages"][-1] == previous[-1]
     assert referenced_response_id({"model": "m"}) is None
+
+
+ANSWER_MESSAGE = {"role": "assistant", "content": "Hello."}
+
+
+def test_referenced_history_leaves_out_the_instructions_of_the_response():
+    # Case A: call 1 had instructions; they are not carried over to the next response.
+    received = {"model": "m", "instructions": "INSTR-ONE"}
+    messages = [{"role": "system", "content": "INSTR-ONE"}, {"role": "user", "content": "hi"}]
+    history = referenced_history(messages, ANSWER_MESSAGE, received)
+    assert history == [{"role": "user", "content": "hi"}, ANSWER_MESSAGE]
+    body = {"model": "m", "previous_response_id": "resp_1", "input": "again"}
+    assert CODEC.parse(body, previous=history).chat["messages"] == [
+        {"role": "user", "content": "hi"},
+        ANSWER_MESSAGE,
+        {"role": "user", "content": "again"},
+    ]
+
+
+def test_referenced_history_keeps_developer_items_under_new_instructions():
+    # Case B: call 1's developer input item stays; call 2's instructions come before it.
+    messages = [{"role": "system", "content": "DEV-MSG"}, {"role": "user", "content": "hi"}]
+    history = referenced_history(messages, ANSWER_MESSAGE, {"model": "m"})
+    assert history == [*messages, ANSWER_MESSAGE]
+    body = {
+        "model": "m",
+        "previous_response_id": "resp_1",
+        "instructions": "INSTR-TWO",
+        "input": "again",
+    }
+    assert CODEC.parse(body, previous=history).chat["messages"] == [
+        {"role": "system", "content": "INSTR-TWO"},
+        {"role": "system", "content": "DEV-MSG"},
+        {"role": "user", "content": "hi"},
+        ANSWER_MESSAGE,
+        {"role": "user", "content": "again"},
+    ]
+
+
+def test_referenced_history_of_instructions_and_a_developer_item():
+    # Only the first system message came from instructions; the developer item after it stays.
+    messages = [
+        {"role": "system", "content": "INSTR-ONE"},
+        {"role": "system", "content": "DEV-MSG"},
+        {"role": "user", "content": "hi"},
+    ]
+    received = {"model": "m", "instructions": "INSTR-ONE"}
+    assert referenced_history(messages, ANSWER_MESSAGE, received) == [
+        *messages[1:],
+        ANSWER_MESSAGE,
+    ]
+    # A record from before request bodies were kept: the messages as stored.
+    assert referenced_history(messages, ANSWER_MESSAGE, None) == [*messages, ANSWER_MESSAGE]
 
 
 def _user(content: Any) -> dict[str, Any]:
