@@ -39,6 +39,45 @@ async def _two_calls(
     return stack, await stack.get_json(f"/captures/calls/{call_id}")
 
 
+#: the ``parent_digest_mismatch`` explanation of a prompt whose system messages changed
+SYSTEM_CHANGED = (
+    "differs inside the parent's prompt, where the request's system messages are not the "
+    "parent's; the rest of the history is the parent's (a changed system prompt, e.g. a "
+    "Responses request's instructions, which previous_response_id does not carry over)"
+)
+#: the ``exact_prompt_refused`` reason of the same (exact-token mode)
+NOT_SPLICED = (
+    "the system messages differ from the parent's request (a changed system prompt, e.g. a "
+    "Responses request's instructions, which previous_response_id does not carry over): the "
+    "prompt is rendered whole"
+)
+
+
+def _check_system_changed(call: dict, mode: str, position: int) -> None:
+    """Refused, and the reason names the changed system messages, not an edited history."""
+    parent = call["linking"]["digest_parent_call_id"]
+    assert parent is not None  # the digest found call 1: the turns are its
+    assert call["parent_call_id"] is None
+    assert call["linking"]["verdict"] == "refused"
+    assert call["linking"]["reason"] == "tokens do not chain (system_changed)"
+    mismatch = {
+        "kind": "parent_digest_mismatch",
+        "details": {
+            "parent_call_id": parent,
+            "position": position,
+            "class": "system_changed",
+            "explanation": SYSTEM_CHANGED,
+            "classified_with_text": True,
+        },
+    }
+    refused = {
+        "kind": "exact_prompt_refused",
+        "details": {"parent_call_id": parent, "reason": NOT_SPLICED, "message_index": 0},
+    }
+    expected = [mismatch] if mode == "backend_template" else [refused, mismatch]
+    assert call["diagnostics"] == expected
+
+
 def _prompt(qwen_tokenizer, stack: Stack, i: int) -> str:
     """What the engine was sent as call ``i``'s prompt, as text."""
     return qwen_tokenizer.decode(stack.sent[i].prompt_token_ids)
@@ -62,9 +101,9 @@ async def test_instructions_of_the_referenced_response_are_not_carried_over(
         "<|im_start|>user\nagain<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    # The prompt no longer begins with call 1's (its system turn is gone): the link is refused.
-    assert call["parent_call_id"] is None
-    assert call["linking"]["verdict"] == "refused"
+    # The prompt no longer begins with call 1's (its system turn is gone): the link is
+    # refused, first differing at the token after <|im_start|>.
+    _check_system_changed(call, mode, 1)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -95,8 +134,7 @@ async def test_new_instructions_come_before_the_developer_item_of_the_history(
         "<|im_start|>user\nagain<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
-    assert call["parent_call_id"] is None
-    assert call["linking"]["verdict"] == "refused"
+    _check_system_changed(call, mode, 3)  # system\n, then INSTR-TWO where DEV-MSG was
 
 
 @pytest.mark.parametrize("mode", MODES)
