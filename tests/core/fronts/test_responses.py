@@ -841,6 +841,114 @@ def test_stream_holds_text_that_comes_while_calls_stream():
     assert CODEC.parse({"model": "m", "input": items}).chat["messages"][1] == message
 
 
+#: Deltas that interleave kinds (as a harmony model's may), each with the answer they add up
+#: to (the engine's whole message), the done items the stream sends and the whole answer's
+#: output items: (name, deltas, message, streamed [(id, type, text)], whole [(id, type, text)])
+FUNCTION_TOOLS = [
+    {"type": "function", "name": "bash", "parameters": {"type": "object"}},
+    {"type": "function", "name": "read", "parameters": {"type": "object"}},
+]
+CALL_A = {"id": "call_A", "type": "function", "function": {"name": "bash", "arguments": '{"a": 1}'}}
+CALL_B = {"id": "call_B", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+CALL_C = {"id": "call_C", "type": "function", "function": {"name": "bash", "arguments": '{"a": 2}'}}
+INTERLEAVED = [
+    (
+        "text-inside-a-call",
+        [
+            {"reasoning_content": "think"},
+            tool_delta(0, "", "call_A", "bash"),
+            tool_delta(0, '{"a":'),
+            {"content": "hello"},
+            tool_delta(0, " 1}"),
+            tool_delta(1, "{}", "call_B", "read"),
+        ],
+        {
+            "role": "assistant",
+            "content": "hello",
+            "reasoning_content": "think",
+            "tool_calls": [CALL_A, CALL_B],
+        },
+        [
+            (f"rs_{BASE}", "reasoning", "think"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 1}'),
+            (f"fc_{BASE}_1", "function_call", "{}"),
+            (f"msg_{BASE}", "message", "hello"),
+        ],
+        [
+            (f"rs_{BASE}", "reasoning", "think"),
+            (f"msg_{BASE}", "message", "hello"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 1}'),
+            (f"fc_{BASE}_1", "function_call", "{}"),
+        ],
+    ),
+    (
+        "text-after-a-call",
+        [{"content": "before"}, tool_delta(0, '{"a": 2}', "call_C", "bash"), {"content": " after"}],
+        {"role": "assistant", "content": "before after", "tool_calls": [CALL_C]},
+        [
+            (f"msg_{BASE}", "message", "before"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 2}'),
+            (f"msg_{BASE}_2", "message", " after"),
+        ],
+        [
+            (f"msg_{BASE}", "message", "before after"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 2}'),
+        ],
+    ),
+    (
+        "reasoning-and-text-alternate",
+        [
+            {"reasoning_content": "r1"},
+            {"content": "c1"},
+            {"reasoning_content": "r2"},
+            {"content": "c2"},
+        ],
+        {"role": "assistant", "content": "c1c2", "reasoning_content": "r1r2"},
+        [
+            (f"rs_{BASE}", "reasoning", "r1"),
+            (f"msg_{BASE}", "message", "c1"),
+            (f"rs_{BASE}_2", "reasoning", "r2"),
+            (f"msg_{BASE}_3", "message", "c2"),
+        ],
+        [(f"rs_{BASE}", "reasoning", "r1r2"), (f"msg_{BASE}", "message", "c1c2")],
+    ),
+]
+
+
+def _item_text(item: dict[str, Any]) -> str:
+    if item["type"] == "function_call":
+        return item["arguments"]
+    return item["content"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("deltas", "message", "streamed", "whole"),
+    [case[1:] for case in INTERLEAVED],
+    ids=[case[0] for case in INTERLEAVED],
+)
+def test_stream_completed_output_is_the_done_items(deltas, message, streamed, whole):
+    req = CODEC.parse({"model": "m", "input": "x", "tools": FUNCTION_TOOLS})
+    final = answer(message, "tool_calls" if "tool_calls" in message else "stop")
+    events = run_stream(req, deltas, final)
+    done = [d for e, d in events if e == "response.output_item.done"]
+    items = [d["item"] for d in done]
+    assert [(i["id"], i["type"], _item_text(i)) for i in items] == streamed
+    assert [d["output_index"] for d in done] == list(range(len(streamed)))
+    completed = events[-1][1]["response"]
+    assert events[-1][0] == "response.completed"
+    assert completed["output"] == items
+    # The rest of the completed response is the whole answer's.
+    whole_response = CODEC.encode(req, final)
+    assert {**completed, "output": None} == {**whole_response, "output": None}
+    # The whole answer keeps one item per kind (the canonical answer holds no order) ...
+    assert [(i["id"], i["type"], _item_text(i)) for i in whole_response["output"]] == whole
+    # ... and both, sent back as the next request's input, are the answer's message: the
+    # turn digests as the stored answer does, so the next call links.
+    for output in (items, whole_response["output"]):
+        parsed = CODEC.parse({"model": "m", "input": [{"role": "user", "content": "x"}, *output]})
+        assert parsed.chat["messages"][1] == message
+
+
 def test_stream_finish_sends_what_no_delta_carried():
     req = request()
     final = answer({"role": "assistant", "content": "Whole.", "reasoning_content": "r"})
