@@ -91,6 +91,36 @@ def parent_turn_index(messages: Sequence[Mapping[str, Any]]) -> int:
     raise SpliceRefused("the request has no assistant turn to continue")
 
 
+def _is_system(message: Mapping[str, Any]) -> bool:
+    return message.get("role") == "system"
+
+
+def only_system_messages_differ(
+    parent_messages: Sequence[Mapping[str, Any]], child_messages: Sequence[Mapping[str, Any]]
+) -> bool:
+    """True when ``child_messages`` is an extension of the parent's request
+    (``check_extension``) once the system messages are left out of both, and the system
+    messages before the continued turn are not the parent's: the request changed its system
+    prompt (e.g. a Responses request whose ``instructions`` differ from those of the response
+    it names by ``previous_response_id``: they are not carried over), it did not edit the
+    conversation."""
+    try:
+        j = parent_turn_index(child_messages)
+    except SpliceRefused:
+        return False
+    systems = [_comparable(m) for m in child_messages[:j] if _is_system(m)]
+    if systems == [_comparable(m) for m in parent_messages if _is_system(m)]:
+        return False
+    try:
+        check_extension(
+            [m for m in parent_messages if not _is_system(m)],
+            [m for m in child_messages if not _is_system(m)],
+        )
+    except SpliceRefused:
+        return False
+    return True
+
+
 def check_extension(
     parent_messages: Sequence[Mapping[str, Any]],
     child_messages: Sequence[Mapping[str, Any]],

@@ -22,7 +22,7 @@ from aiohttp import web
 from capture_proxy.core.flow.captured import CallStart, captured_call
 from capture_proxy.core.flow.errors import UnknownPreviousResponse
 from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest
-from capture_proxy.core.fronts.responses.parse import referenced_response_id
+from capture_proxy.core.fronts.responses.parse import referenced_history, referenced_response_id
 from capture_proxy.core.images import ImageRefused, engine_messages
 from capture_proxy.core.json_bodies import parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
@@ -57,7 +57,8 @@ async def _previous_messages(
     deps: CaptureDeps, front: FrontCodec, body: dict[str, Any], rollout_id: str
 ) -> list[dict[str, Any]] | None:
     """The canonical messages a Responses ``previous_response_id`` stands for: that call's
-    messages and its answer (the proxy stored it). Raises UnknownPreviousResponse when the
+    messages (less its ``instructions``, which the API does not carry over) and its answer
+    (the proxy stored it, ``referenced_history``). Raises UnknownPreviousResponse when the
     id is unknown to this rollout or its call has no answer; InvalidFrontRequest."""
     if front.api is not Api.RESPONSES:
         return None
@@ -73,7 +74,9 @@ async def _previous_messages(
         or not response_id.startswith("resp_")
     ):
         raise UnknownPreviousResponse(response_id)
-    return [*record.request_messages, record.response_message]
+    return referenced_history(
+        record.request_messages, record.response_message, record.request_received
+    )
 
 
 def _message_facts(known: KnownMessages, parsed: FrontRequest) -> Any:

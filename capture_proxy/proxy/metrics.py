@@ -226,7 +226,7 @@ def _has_refusal(record: CallRecord) -> bool:
 
 def _refusal_class(record: CallRecord) -> str:
     """The mismatch class of a refused link (``retokenized``, ``template_rerendered``,
-    ``history_edited``), or the refusal's reason (``parent incomplete``)."""
+    ``system_changed``, ``history_edited``), or the refusal's reason (``parent incomplete``)."""
     candidate = (record.linking or {}).get("digest_parent_call_id")
     for d in record.diagnostics:
         if (

@@ -13,6 +13,7 @@ from capture_proxy.core.splice import (
     check_extension,
     check_prefix,
     extend_prompt,
+    only_system_messages_differ,
     splice_prompt,
 )
 from capture_proxy.families.hf_template import LocalRenderer, tail_context
@@ -224,6 +225,27 @@ def test_history_that_is_not_an_extension_is_refused():
     assert info.value.message_index == 1
     with pytest.raises(SpliceRefused):
         check_extension(parent_messages, [*HISTORY, {"role": "user", "content": "no assistant"}])
+
+
+def test_only_system_messages_differ_tells_a_changed_system_prompt_from_an_edit():
+    turn = {"role": "assistant", "content": "Hi."}
+    parent = [{"role": "system", "content": "INSTR-ONE"}, {"role": "user", "content": "hi"}]
+    user = {"role": "user", "content": "again"}
+    # No instructions any more (a Responses previous_response_id without them).
+    assert only_system_messages_differ(parent, [parent[1], turn, user])
+    # Other instructions first, the history's developer item after them.
+    dev = [{"role": "system", "content": "DEV-MSG"}, parent[1]]
+    instr = {"role": "system", "content": "INSTR-TWO"}
+    assert only_system_messages_differ(dev, [instr, *dev, turn, user])
+    # The same system messages: not a changed system prompt (the history is the parent's).
+    assert not only_system_messages_differ(parent, [*parent, turn, user])
+    # A system message added after the continued turn does not change the parent's prompt.
+    assert not only_system_messages_differ(parent, [*parent, turn, instr, user])
+    # The system messages changed AND the conversation was edited: not only the system.
+    edited = [instr, {"role": "user", "content": "hi, edited"}, turn, user]
+    assert not only_system_messages_differ(parent, edited)
+    # No assistant turn to continue.
+    assert not only_system_messages_differ(parent, [instr, parent[1]])
 
 
 def test_check_prefix_names_the_first_differing_token():

@@ -34,6 +34,7 @@ from capture_proxy.core.splice import (
     check_extension,
     check_prefix,
     extend_prompt,
+    only_system_messages_differ,
     splice_prompt,
 )
 from capture_proxy.families.base import ChatRenderer, ContinuationRenderer, renders_tails
@@ -43,6 +44,13 @@ from capture_proxy.families.parsing import OutputParser
 EXACT_PROMPT_REFUSED = "exact_prompt_refused"
 #: a resolved call whose prompt was spliced from a full render, not extended (see exact_prompt)
 EXACT_PROMPT_FULL_RENDER = "exact_prompt_full_render"
+#: the ``exact_prompt_refused`` reason of a history that is the parent's but for its system
+#: messages (``splice.only_system_messages_differ``)
+SYSTEM_CHANGED = (
+    "the system messages differ from the parent's request (a changed system prompt, e.g. a "
+    "Responses request's instructions, which previous_response_id does not carry over): the "
+    "prompt is rendered whole"
+)
 
 
 class ExactFamily(Protocol):
@@ -196,6 +204,8 @@ def _extended_parent(
                 )
         except SpliceRefused as exc:
             if refusal is None:
+                if only_system_messages_differ(parent_messages, call.prepared.linking_messages):
+                    exc = SpliceRefused(SYSTEM_CHANGED, exc.message_index)
                 refusal = _refused(parent.call_id, exc)
             continue
         return parent, j, None

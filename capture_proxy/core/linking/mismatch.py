@@ -17,6 +17,7 @@ class MismatchClass(enum.StrEnum):
     RETOKENIZED = "retokenized"
     TEMPLATE_RERENDERED = "template_rerendered"
     HISTORY_EDITED = "history_edited"
+    SYSTEM_CHANGED = "system_changed"
 
 
 def first_difference(expected: np.ndarray, actual: np.ndarray) -> int | None:
@@ -54,6 +55,7 @@ def classify_mismatch(
     texts: DecodedTexts | None = None,
     parent_reasoning: str | None = None,
     history_unchanged: bool = False,
+    system_changed: bool = False,
 ) -> Mismatch | None:
     """Why ``child_prompt`` does not begin with parent prompt + generation (None if it does).
 
@@ -62,6 +64,11 @@ def classify_mismatch(
       ``history_unchanged`` (the child's messages begin with the parent's request messages
       as sent, compared canonically) it is ``template_rerendered`` instead: the template
       renders the same history differently (e.g. drops the reasoning of earlier turns).
+      With ``system_changed`` (the child's messages are the parent's request, answer and new
+      messages but for the system messages before the continued turn,
+      ``splice.only_system_messages_differ``) it is ``system_changed``: the request changed
+      its system prompt (a Responses request's ``instructions``, which
+      ``previous_response_id`` does not carry over), not the conversation.
     - ``retokenized``: inside the parent's output, and the text is the same (parent prompt +
       generation text is a prefix of the child's text): the model's own token split does not
       survive detokenise-then-retokenise.
@@ -82,6 +89,15 @@ def classify_mismatch(
                 "differs inside the parent's prompt, though the harness sent the parent's "
                 "history unchanged: the template renders it differently (e.g. it drops the "
                 "reasoning of earlier turns)",
+            )
+        if system_changed:
+            return Mismatch(
+                pos,
+                MismatchClass.SYSTEM_CHANGED,
+                "differs inside the parent's prompt, where the request's system messages are "
+                "not the parent's; the rest of the history is the parent's (a changed system "
+                "prompt, e.g. a Responses request's instructions, which previous_response_id "
+                "does not carry over)",
             )
         return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")
     if pos == int(expected.shape[0]) - 1 and pos < int(child_prompt.shape[0]):

@@ -46,7 +46,11 @@ from capture_proxy.core.linking.verdicts import (
     tokens_do_not_chain,
 )
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
-from capture_proxy.core.splice import SpliceRefused, check_extension
+from capture_proxy.core.splice import (
+    SpliceRefused,
+    check_extension,
+    only_system_messages_differ,
+)
 from capture_proxy.families.vision import IMAGE_PAD_ID
 
 #: Reasons of an unresolved verdict after which a token-exact ancestor may still be linked (a
@@ -219,11 +223,15 @@ def check_tokens(
             {"parent_call_id": parent_id, "reason": "parent incomplete"},
         )
     unchanged = history_unchanged(parent, linking_messages)
+    system_changed = not unchanged and only_system_messages_differ(
+        parent.request_messages, linking_messages
+    )
     mismatch = classify_mismatch(
         parent.prompt_token_ids,
         parent.generation_token_ids,
         record.prompt_token_ids,
         history_unchanged=unchanged,
+        system_changed=system_changed,
     )
     if mismatch is None and not images_agree(parent, record):
         return TokenCheck(
@@ -248,7 +256,9 @@ def check_tokens(
             )
         )
     if texts is not None:
-        mismatch = _classify_with_text(parent, record, texts, history_unchanged=unchanged)
+        mismatch = _classify_with_text(
+            parent, record, texts, history_unchanged=unchanged, system_changed=system_changed
+        )
     return TokenCheck(
         Verdict.REFUSED,
         tokens_do_not_chain(mismatch.mismatch_class.value),
@@ -264,7 +274,12 @@ def check_tokens(
 
 
 def _classify_with_text(
-    parent: CallRecord, child: CallRecord, texts: DecodedTexts, *, history_unchanged: bool
+    parent: CallRecord,
+    child: CallRecord,
+    texts: DecodedTexts,
+    *,
+    history_unchanged: bool,
+    system_changed: bool,
 ) -> Mismatch:
     response = parent.response_message or {}
     mismatch = classify_mismatch(
@@ -274,6 +289,7 @@ def _classify_with_text(
         texts=texts,
         parent_reasoning=response.get("reasoning_content") or response.get("reasoning"),
         history_unchanged=history_unchanged,
+        system_changed=system_changed,
     )
     assert mismatch is not None  # the ids differ, whatever the texts say
     return mismatch

@@ -17,6 +17,7 @@ from capture_proxy.core.fronts.responses import ResponsesCodec
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
 from capture_proxy.core.fronts.responses.parse import (
     CUSTOM_TOOL_PARAMETERS,
+    referenced_history,
     referenced_response_id,
 )
 
@@ -336,7 +337,7 @@ def test_tool_choice_forms():
 
 def test_previous_response_history():
     previous = [
-        {"role": "system", "content": "old"},
+        {"role": "system", "content": "dev"},
         {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "hello"},
     ]
@@ -346,17 +347,71 @@ def test_previous_response_history():
         *previous,
         {"role": "user", "content": "more"},
     ]
+    # The new instructions come first; the history's own system message (an input item) stays.
     body["instructions"] = "new"
     assert CODEC.parse(body, previous=previous).chat["messages"] == [
         {"role": "system", "content": "new"},
-        *previous[1:],
+        *previous,
         {"role": "user", "content": "more"},
     ]
-    assert previous[0] == {"role": "system", "content": "old"}  # not changed in place
+    assert previous[0] == {"role": "system", "content": "dev"}  # not changed in place
     # no input at all is fine when a previous response is referenced
     del body["input"]
     assert CODEC.parse(body, previous=previous[1:]).chat["messages"][-1] == previous[-1]
     assert referenced_response_id({"model": "m"}) is None
+
+
+ANSWER_MESSAGE = {"role": "assistant", "content": "Hello."}
+
+
+def test_referenced_history_leaves_out_the_instructions_of_the_response():
+    # Case A: call 1 had instructions; they are not carried over to the next response.
+    received = {"model": "m", "instructions": "INSTR-ONE"}
+    messages = [{"role": "system", "content": "INSTR-ONE"}, {"role": "user", "content": "hi"}]
+    history = referenced_history(messages, ANSWER_MESSAGE, received)
+    assert history == [{"role": "user", "content": "hi"}, ANSWER_MESSAGE]
+    body = {"model": "m", "previous_response_id": "resp_1", "input": "again"}
+    assert CODEC.parse(body, previous=history).chat["messages"] == [
+        {"role": "user", "content": "hi"},
+        ANSWER_MESSAGE,
+        {"role": "user", "content": "again"},
+    ]
+
+
+def test_referenced_history_keeps_developer_items_under_new_instructions():
+    # Case B: call 1's developer input item stays; call 2's instructions come before it.
+    messages = [{"role": "system", "content": "DEV-MSG"}, {"role": "user", "content": "hi"}]
+    history = referenced_history(messages, ANSWER_MESSAGE, {"model": "m"})
+    assert history == [*messages, ANSWER_MESSAGE]
+    body = {
+        "model": "m",
+        "previous_response_id": "resp_1",
+        "instructions": "INSTR-TWO",
+        "input": "again",
+    }
+    assert CODEC.parse(body, previous=history).chat["messages"] == [
+        {"role": "system", "content": "INSTR-TWO"},
+        {"role": "system", "content": "DEV-MSG"},
+        {"role": "user", "content": "hi"},
+        ANSWER_MESSAGE,
+        {"role": "user", "content": "again"},
+    ]
+
+
+def test_referenced_history_of_instructions_and_a_developer_item():
+    # Only the first system message came from instructions; the developer item after it stays.
+    messages = [
+        {"role": "system", "content": "INSTR-ONE"},
+        {"role": "system", "content": "DEV-MSG"},
+        {"role": "user", "content": "hi"},
+    ]
+    received = {"model": "m", "instructions": "INSTR-ONE"}
+    assert referenced_history(messages, ANSWER_MESSAGE, received) == [
+        *messages[1:],
+        ANSWER_MESSAGE,
+    ]
+    # A record from before request bodies were kept: the messages as stored.
+    assert referenced_history(messages, ANSWER_MESSAGE, None) == [*messages, ANSWER_MESSAGE]
 
 
 def _user(content: Any) -> dict[str, Any]:
@@ -784,6 +839,114 @@ def test_stream_holds_text_that_comes_while_calls_stream():
     # Codex keeps these items as the turn: parsed back, it is the answer's message
     items = [{"role": "user", "content": "go"}, *done]
     assert CODEC.parse({"model": "m", "input": items}).chat["messages"][1] == message
+
+
+#: Deltas that interleave kinds (as a harmony model's may), each with the answer they add up
+#: to (the engine's whole message), the done items the stream sends and the whole answer's
+#: output items: (name, deltas, message, streamed [(id, type, text)], whole [(id, type, text)])
+FUNCTION_TOOLS = [
+    {"type": "function", "name": "bash", "parameters": {"type": "object"}},
+    {"type": "function", "name": "read", "parameters": {"type": "object"}},
+]
+CALL_A = {"id": "call_A", "type": "function", "function": {"name": "bash", "arguments": '{"a": 1}'}}
+CALL_B = {"id": "call_B", "type": "function", "function": {"name": "read", "arguments": "{}"}}
+CALL_C = {"id": "call_C", "type": "function", "function": {"name": "bash", "arguments": '{"a": 2}'}}
+INTERLEAVED = [
+    (
+        "text-inside-a-call",
+        [
+            {"reasoning_content": "think"},
+            tool_delta(0, "", "call_A", "bash"),
+            tool_delta(0, '{"a":'),
+            {"content": "hello"},
+            tool_delta(0, " 1}"),
+            tool_delta(1, "{}", "call_B", "read"),
+        ],
+        {
+            "role": "assistant",
+            "content": "hello",
+            "reasoning_content": "think",
+            "tool_calls": [CALL_A, CALL_B],
+        },
+        [
+            (f"rs_{BASE}", "reasoning", "think"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 1}'),
+            (f"fc_{BASE}_1", "function_call", "{}"),
+            (f"msg_{BASE}", "message", "hello"),
+        ],
+        [
+            (f"rs_{BASE}", "reasoning", "think"),
+            (f"msg_{BASE}", "message", "hello"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 1}'),
+            (f"fc_{BASE}_1", "function_call", "{}"),
+        ],
+    ),
+    (
+        "text-after-a-call",
+        [{"content": "before"}, tool_delta(0, '{"a": 2}', "call_C", "bash"), {"content": " after"}],
+        {"role": "assistant", "content": "before after", "tool_calls": [CALL_C]},
+        [
+            (f"msg_{BASE}", "message", "before"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 2}'),
+            (f"msg_{BASE}_2", "message", " after"),
+        ],
+        [
+            (f"msg_{BASE}", "message", "before after"),
+            (f"fc_{BASE}_0", "function_call", '{"a": 2}'),
+        ],
+    ),
+    (
+        "reasoning-and-text-alternate",
+        [
+            {"reasoning_content": "r1"},
+            {"content": "c1"},
+            {"reasoning_content": "r2"},
+            {"content": "c2"},
+        ],
+        {"role": "assistant", "content": "c1c2", "reasoning_content": "r1r2"},
+        [
+            (f"rs_{BASE}", "reasoning", "r1"),
+            (f"msg_{BASE}", "message", "c1"),
+            (f"rs_{BASE}_2", "reasoning", "r2"),
+            (f"msg_{BASE}_3", "message", "c2"),
+        ],
+        [(f"rs_{BASE}", "reasoning", "r1r2"), (f"msg_{BASE}", "message", "c1c2")],
+    ),
+]
+
+
+def _item_text(item: dict[str, Any]) -> str:
+    if item["type"] == "function_call":
+        return item["arguments"]
+    return item["content"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("deltas", "message", "streamed", "whole"),
+    [case[1:] for case in INTERLEAVED],
+    ids=[case[0] for case in INTERLEAVED],
+)
+def test_stream_completed_output_is_the_done_items(deltas, message, streamed, whole):
+    req = CODEC.parse({"model": "m", "input": "x", "tools": FUNCTION_TOOLS})
+    final = answer(message, "tool_calls" if "tool_calls" in message else "stop")
+    events = run_stream(req, deltas, final)
+    done = [d for e, d in events if e == "response.output_item.done"]
+    items = [d["item"] for d in done]
+    assert [(i["id"], i["type"], _item_text(i)) for i in items] == streamed
+    assert [d["output_index"] for d in done] == list(range(len(streamed)))
+    completed = events[-1][1]["response"]
+    assert events[-1][0] == "response.completed"
+    assert completed["output"] == items
+    # The rest of the completed response is the whole answer's.
+    whole_response = CODEC.encode(req, final)
+    assert {**completed, "output": None} == {**whole_response, "output": None}
+    # The whole answer keeps one item per kind (the canonical answer holds no order) ...
+    assert [(i["id"], i["type"], _item_text(i)) for i in whole_response["output"]] == whole
+    # ... and both, sent back as the next request's input, are the answer's message: the
+    # turn digests as the stored answer does, so the next call links.
+    for output in (items, whole_response["output"]):
+        parsed = CODEC.parse({"model": "m", "input": [{"role": "user", "content": "x"}, *output]})
+        assert parsed.chat["messages"][1] == message
 
 
 def test_stream_finish_sends_what_no_delta_carried():

@@ -81,3 +81,20 @@ def test_other_stop_token_at_the_end_is_named():
     assert got.explanation == (
         "the parent stopped on token 151643; the template closes the turn with 151645"
     )
+
+
+def test_a_changed_system_prompt_is_named():
+    child = np.array([10, 13, 12, 20, 21, 99, 5], dtype=np.uint32)
+    got = classify_mismatch(P, G, child, system_changed=True)
+    assert (got.position, got.mismatch_class) == (1, MismatchClass.SYSTEM_CHANGED)
+    assert got.explanation == (
+        "differs inside the parent's prompt, where the request's system messages are not the "
+        "parent's; the rest of the history is the parent's (a changed system prompt, e.g. a "
+        "Responses request's instructions, which previous_response_id does not carry over)"
+    )
+    # A history sent unchanged (the template's doing) is named so first.
+    got = classify_mismatch(P, G, child, history_unchanged=True, system_changed=True)
+    assert got.mismatch_class is MismatchClass.TEMPLATE_RERENDERED
+    # Inside the parent's output it is no system message's doing.
+    got = classify_mismatch(P, G, np.array([10, 11, 12, 20, 23, 5]), system_changed=True)
+    assert got.mismatch_class is MismatchClass.TEMPLATE_RERENDERED

@@ -1,11 +1,14 @@
 """Encoding the canonical answer as a Responses ``response`` object, and its output items.
 
-Owns the ``response`` object ``encode`` returns (and ``response.completed`` carries), the ids
-of its items (from the call id, so that streamed items and the whole answer agree) and the
-items themselves: ``reasoning`` (the text as ``reasoning_text`` content, as a ``summary_text``
-when ``reasoning.summary`` is set, sealed in ``encrypted_content`` when included), the
-assistant ``message``, and ``function_call`` / ``custom_tool_call`` items. Pure; must not
-parse requests (``parse``) or keep stream state (``stream``).
+Owns the ``response`` object ``encode`` returns (and ``response.completed`` carries, with the
+items the stream sent), the ids of its items (from the call id, so that streamed items and the
+whole answer agree) and the items themselves: ``reasoning`` (the text as ``reasoning_text``
+content, as a ``summary_text`` when ``reasoning.summary`` is set, sealed in
+``encrypted_content`` when included), the assistant ``message``, and ``function_call`` /
+``custom_tool_call`` items. A whole answer has one item of each kind (``output_items``); a
+streamed one may have more, when the engine's deltas interleave kinds (``stream``): both parse
+back into the same assistant message. Pure; must not parse requests (``parse``) or keep
+stream state (``stream``).
 """
 
 from __future__ import annotations
@@ -181,9 +184,10 @@ def response_object(
     }
 
 
-def encode_response(request: FrontRequest, answer: Answer) -> dict[str, Any]:
-    """The whole ``response`` object of ``answer``: reasoning, message and call items in that
-    order; ``status: "incomplete"`` (``max_output_tokens``) when it was cut at the limit."""
+def output_items(request: FrontRequest, answer: Answer) -> list[dict[str, Any]]:
+    """The output items of a whole answer: reasoning, message and call items in that order
+    (the canonical answer keeps each kind's text whole, not the order the engine's deltas
+    came in; a stream's items keep that order, ``stream``)."""
     ids = ItemIds(answer.call_id)
     opts = options_of(request)
     message = answer.message
@@ -205,6 +209,14 @@ def encode_response(request: FrontRequest, answer: Answer) -> dict[str, Any]:
                 opts,
             )
         )
+    return output
+
+
+def answered_response(
+    request: FrontRequest, answer: Answer, output: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The ``response`` object of a finished ``answer`` with these output items;
+    ``status: "incomplete"`` (``max_output_tokens``) when it was cut at the limit."""
     incomplete = answer.finish_reason == "length"
     return response_object(
         request,
@@ -214,3 +226,8 @@ def encode_response(request: FrontRequest, answer: Answer) -> dict[str, Any]:
         usage=response_usage(answer.usage),
         incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
     )
+
+
+def encode_response(request: FrontRequest, answer: Answer) -> dict[str, Any]:
+    """The whole ``response`` object of ``answer`` (``output_items``, ``answered_response``)."""
+    return answered_response(request, answer, output_items(request, answer))

@@ -4,8 +4,11 @@ Owns the validation of a Responses body (errors name the field as a dotted path,
 ``input.3.content.0.type``) and its mapping to the canonical chat request (see ``fronts.base``)
 and to ``ResponsesOptions``. Pure; must not encode answers (``encode``, ``stream``).
 
-- ``instructions`` becomes a leading system message (replacing the leading system message of
-  the history ``previous_response_id`` stands for, when the adapter resolved one).
+- ``instructions`` becomes a leading system message, before the history
+  ``previous_response_id`` stands for (``referenced_history``). As the API does, the
+  instructions of the referenced response are not carried over: that history is its input
+  items (``developer``/``system`` messages among them) and its output, without the system
+  message its own ``instructions`` became.
 - ``input`` items: ``message`` items (``developer``/``system`` -> system), ``function_call``
   and ``custom_tool_call`` (freeform: arguments ``{"input": <text>}``), their outputs (tool
   messages), ``reasoning`` (-> ``reasoning_content``: the sealed text, then ``content``, then
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -379,16 +382,37 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     _fail("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
+def referenced_history(
+    request_messages: Sequence[Mapping[str, Any]],
+    response_message: Mapping[str, Any],
+    request_received: Mapping[str, Any] | None,
+) -> list[dict[str, Any]]:
+    """The canonical messages a response stands for when a later request names it by
+    ``previous_response_id``: its request's messages less the system message its
+    ``instructions`` became (``_input`` put it first; the API does not carry instructions
+    over to the next response), then its answer. ``request_received``: that request's body
+    as received (``CallRecord.request_received``), which says whether it had
+    ``instructions``; None (a record from before bodies were kept): the messages as stored."""
+    messages = [dict(message) for message in request_messages]
+    if (
+        request_received is not None
+        and isinstance(request_received.get("instructions"), str)
+        and messages
+        and messages[0].get("role") == "system"
+    ):
+        messages = messages[1:]
+    return [*messages, dict(response_message)]
+
+
 def _with_instructions(
     previous: list[dict[str, Any]], instructions: str | None
 ) -> list[ChatMessage]:
+    """``instructions`` (a system message) first, then the referenced history as it is: its
+    own system messages are input items the API keeps (``referenced_history``)."""
     messages = kept_messages(previous)
     if instructions is None:
         return messages
-    system: ChatMessage = {"role": "system", "content": instructions}
-    if messages and messages[0].get("role") == "system":
-        return [system, *messages[1:]]
-    return [system, *messages]
+    return [{"role": "system", "content": instructions}, *messages]
 
 
 def _input(
@@ -498,7 +522,8 @@ def parse_request(
     known_tools: KnownTools | None = None,
 ) -> FrontRequest:
     """A Responses body as a ``FrontRequest`` (``options``: ``ResponsesOptions``).
-    ``previous``: the canonical messages ``previous_response_id`` stands for; ``images``: what
+    ``previous``: the canonical messages ``previous_response_id`` stands for
+    (``referenced_history``: without that response's instructions); ``images``: what
     images it may carry (None: refused); ``known_tools``: facts of earlier requests' tools (a
     tools value is converted once, ``convert_tools``). Raises InvalidFrontRequest naming the
     first bad field, in the order the fields are read below, ImageRefused (``core.images``)."""

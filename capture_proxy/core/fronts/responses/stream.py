@@ -27,8 +27,8 @@ from capture_proxy.core.fronts.base import (
 from capture_proxy.core.fronts.responses.encode import (
     ItemIds,
     answer_reasoning,
+    answered_response,
     call_item,
-    encode_response,
     message_item,
     options_of,
     reasoning_item,
@@ -68,7 +68,11 @@ class ResponsesStream(PartsStreamEncoder):
     arguments start (its name is whole by then); a freeform tool's input is sent whole when
     its call closes, unwrapped from ``{"input": ...}``. Codex keeps the done items as the
     turn, so the deltas must add up to the answer; parts of the answer no delta carried are
-    streamed by ``finish``."""
+    streamed by ``finish``. ``response.completed``'s output is the done items, so interleaved
+    deltas (text, a call, text again) give the same items there as in the done events (a
+    second item of a kind has the id ``<kind's id>_<output index>``); a whole answer has
+    one item per kind instead (``encode.output_items``): both parse back into the answer's
+    message."""
 
     reads_reasoning_alias = True
 
@@ -85,6 +89,9 @@ class ResponsesStream(PartsStreamEncoder):
         #: text and reasoning that came while a call's arguments streamed: sent after the
         #: calls close (parse gathers a turn's items by kind, so the order does not matter)
         self.held: list[tuple[str, str]] = []
+        #: the items sent in ``response.output_item.done``, by output index: the output of
+        #: ``response.completed``
+        self.done_items: dict[int, dict[str, Any]] = {}
 
     # -- events ----------------------------------------------------------------------------
 
@@ -116,7 +123,10 @@ class ResponsesStream(PartsStreamEncoder):
 
     def finish(self, answer: Answer) -> list[bytes]:
         """Streams what the answer holds and no delta carried (an answer made whole at the
-        end), closes what is open, and ends with ``response.completed`` = ``encode``."""
+        end), closes what is open, and ends with ``response.completed``: ``encode``'s
+        response whose ``output`` is the items sent as done, in output-index order (the same
+        ids and content: a client that keeps ``response.completed`` and one that keeps the
+        done items, as Codex does, hold the same transcript)."""
         out = self._close_calls()
         held, self.held = self.held, []
         for kind, text in held:
@@ -140,7 +150,8 @@ class ResponsesStream(PartsStreamEncoder):
                 )
         out += self._close_text()
         out += self._close_calls()
-        completed = encode_response(self.request, answer)
+        output = [self.done_items[index] for index in sorted(self.done_items)]
+        completed = answered_response(self.request, answer, output)
         out.append(self._event("response.completed", response=completed))
         return out
 
@@ -233,6 +244,7 @@ class ResponsesStream(PartsStreamEncoder):
         if opened.kind == "text":
             part = text_part(text)
             item = message_item(opened.item_id, text, "completed")
+            self.done_items[opened.output_index] = item
             return [
                 self._event(
                     "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
@@ -260,6 +272,7 @@ class ResponsesStream(PartsStreamEncoder):
                 self._event("response.reasoning_text.done", **where, content_index=0, text=text)
             )
         item = reasoning_item(opened.item_id, self.head.call_id, text, self.opts)
+        self.done_items[opened.output_index] = item
         out.append(
             self._event("response.output_item.done", output_index=opened.output_index, item=item)
         )
@@ -321,6 +334,7 @@ class ResponsesStream(PartsStreamEncoder):
             call.done = True
             arguments = "".join(call.arguments)
             item = call_item(call.item_id, call.call_id, call.name, arguments, self.opts)
+            self.done_items[call.output_index] = item
             where = {"item_id": call.item_id, "output_index": call.output_index}
             if item["type"] == "custom_tool_call":
                 if item["input"]:
