@@ -25,6 +25,7 @@ from capture_proxy.core.flow.errors import PrefillNotSupported
 from capture_proxy.core.flow.events import CallFound, Rendered, RenderFailed
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts, same_messages
 from capture_proxy.core.known_tools import tools_key
+from capture_proxy.core.linking.prefill import continues_final_message
 from capture_proxy.core.linking.verdicts import TURN_REWRITTEN, Verdict
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.routed_experts import rows_end
@@ -73,12 +74,6 @@ class Prompt:
     spliced_from: str | None
     diagnostics: list[Diagnostic]
     experts_start: int = 0
-
-
-def continues_final_message(body: Mapping[str, Any]) -> bool:
-    """The request asks to continue its last message rather than answer it (an Anthropic
-    prefill, vLLM's ``continue_final_message`` / ``add_generation_prompt: false``)."""
-    return bool(body.get("continue_final_message")) or body.get("add_generation_prompt") is False
 
 
 def refuse_if_cannot_continue(exact: ExactFamily, body: Mapping[str, Any]) -> None:
@@ -216,7 +211,7 @@ def exact_prompt(
     res = call.resolution
     if continues_final_message(body):
         # The last message is left open (a prefill): the whole conversation rendered so; the
-        # link is taken at verification by tokens (the deepest token-exact ancestor).
+        # link to the turns before the prefill is taken at verification, by tokens.
         refuse_if_cannot_continue(exact, body)
         ids = yield from _render(messages, tools, kwargs, continuation=True)
         why = {"reason": "continue_final_message"}
