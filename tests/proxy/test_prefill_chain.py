@@ -80,7 +80,8 @@ async def _check_chain(stack: Stack, first_id: str, child_id: str) -> None:
     assert child["linking"]["verdict"] == "resolved"
     assert child["linking"]["digest_parent_call_id"] == first_id
     assert child["linking"]["parent_digest"] == first["linking"]["child_digest"]
-    assert not {"foreign_turn_projected_portable", "parent_digest_mismatch"} & set(_kinds(child))
+    unwanted = {"foreign_turn_projected_portable", "parent_digest_mismatch", "exact_prompt_refused"}
+    assert not unwanted & set(_kinds(child))
     head = first["prompt_token_ids"] + first["generation_token_ids"]
     assert child["prompt_token_ids"][: len(head)] == head
     chains = (await stack.get_json("/captures/rollouts/r1/chains"))["chains"]
@@ -140,3 +141,40 @@ async def test_a_prefill_after_a_model_turn_links_to_that_turns_call(
     assert [[c["call_id"] for c in chain["calls"]] for chain in chains] == [
         [root_id, prefill_id, child_id]
     ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_merged_turn_that_retokenizes_is_spliced_or_refused_never_linked_wrong(
+    make_stack, qwen_tokenizer, qwen_tokenizer_dir, mode
+):
+    # The prefill ends with a space and the model writes "world": the model saw and wrote
+    # " " + "world", the merged text "Hello, world" tokenizes " world".
+    def answer(_body: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "assistant", "content": "world"}
+
+    settings: dict[str, Any] = {"prompt_mode": mode.removesuffix("_local")}
+    if mode == "exact_tokens_local":
+        settings["tokenizer"] = qwen_tokenizer_dir
+    stack = await make_stack(engine_config=ScriptedEngineConfig(responder=answer), **settings)
+    first_id, text = await _messages(stack, [USER, {"role": "assistant", "content": "Hello, "}])
+    merged = {"role": "assistant", "content": "Hello, " + text}
+    child_id, _ = await _messages(stack, [USER, merged, {"role": "user", "content": "again"}])
+    first = await stack.get_json(f"/captures/calls/{first_id}")
+    child = await stack.get_json(f"/captures/calls/{child_id}")
+    head = first["prompt_token_ids"] + first["generation_token_ids"]
+    assert child["linking"]["digest_parent_call_id"] == first_id
+    if mode == "backend_template":
+        # the engine re-tokenises the merged text: the link is refused, and says why
+        assert child["parent_call_id"] is None
+        assert child["linking"]["verdict"] == "refused"
+        assert "parent_digest_mismatch" in _kinds(child)
+        assert child["prompt_token_ids"][: len(head)] != head
+    else:
+        # the model is shown the tokens it saw and wrote: " " then "world"
+        assert child["parent_call_id"] == first_id
+        assert child["linking"]["verdict"] == "resolved"
+        assert child["prompt_token_ids"][: len(head)] == head
+        kinds = _kinds(child)
+        assert "exact_prompt_refused" not in kinds and "exact_prompt_full_render" not in kinds
+        tail = [qwen_tokenizer.decode([t]) for t in first["prompt_token_ids"][-2:]]
+        assert tail == [",", " "]
