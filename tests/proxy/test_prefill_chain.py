@@ -167,7 +167,8 @@ async def test_a_merged_turn_that_retokenizes_is_spliced_or_refused_never_linked
         # the engine re-tokenises the merged text: the link is refused, and says why
         assert child["parent_call_id"] is None
         assert child["linking"]["verdict"] == "refused"
-        assert "parent_digest_mismatch" in _kinds(child)
+        (mismatch,) = [d for d in child["diagnostics"] if d["kind"] == "parent_digest_mismatch"]
+        assert mismatch["details"]["class"] == "retokenized"
         assert child["prompt_token_ids"][: len(head)] != head
     else:
         # the model is shown the tokens it saw and wrote: " " then "world"

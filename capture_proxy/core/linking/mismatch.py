@@ -54,6 +54,7 @@ def classify_mismatch(
     texts: DecodedTexts | None = None,
     parent_reasoning: str | None = None,
     history_unchanged: bool = False,
+    parent_prefilled: bool = False,
 ) -> Mismatch | None:
     """Why ``child_prompt`` does not begin with parent prompt + generation (None if it does).
 
@@ -69,11 +70,26 @@ def classify_mismatch(
       template or the harness renders the turn differently (dropped reasoning, re-serialised
       tool-call arguments, ...).
     Without ``texts`` an output-side difference is reported as ``template_rerendered``.
+    ``parent_prefilled``: the parent continued a prefill, so its turn starts inside its prompt
+    (the prefill's tokens): a difference there under the same text is ``retokenized`` too
+    (the prefill and the continuation re-encode differently as one text).
     """
     expected = np.concatenate([parent_prompt, parent_generation])
     pos = first_difference(expected, child_prompt)
     if pos is None:
         return None
+    if (
+        parent_prefilled
+        and texts is not None
+        and pos < int(parent_prompt.shape[0])
+        and texts.child_prompt.startswith(texts.parent_full)
+    ):
+        return Mismatch(
+            pos,
+            MismatchClass.RETOKENIZED,
+            "same text, different tokens: the parent's prefill and its continuation re-encode "
+            "differently as one turn",
+        )
     if pos < int(parent_prompt.shape[0]):
         if history_unchanged:
             return Mismatch(

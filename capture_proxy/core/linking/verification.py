@@ -32,7 +32,7 @@ from capture_proxy.core.linking.digests import (
     trailing_images,
 )
 from capture_proxy.core.linking.mismatch import DecodedTexts, Mismatch, classify_mismatch
-from capture_proxy.core.linking.prefill import history_before_turn
+from capture_proxy.core.linking.prefill import history_before_turn, record_prefill
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import (
@@ -277,6 +277,7 @@ def _classify_with_text(
         texts=texts,
         parent_reasoning=response.get("reasoning_content") or response.get("reasoning"),
         history_unchanged=history_unchanged,
+        parent_prefilled=record_prefill(parent) is not None,
     )
     assert mismatch is not None  # the ids differ, whatever the texts say
     return mismatch
