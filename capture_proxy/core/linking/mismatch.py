@@ -78,28 +78,8 @@ def classify_mismatch(
     pos = first_difference(expected, child_prompt)
     if pos is None:
         return None
-    if (
-        parent_prefilled
-        and texts is not None
-        and pos < int(parent_prompt.shape[0])
-        and texts.child_prompt.startswith(texts.parent_full)
-    ):
-        return Mismatch(
-            pos,
-            MismatchClass.RETOKENIZED,
-            "same text, different tokens: the parent's prefill and its continuation re-encode "
-            "differently as one turn",
-        )
     if pos < int(parent_prompt.shape[0]):
-        if history_unchanged:
-            return Mismatch(
-                pos,
-                MismatchClass.TEMPLATE_RERENDERED,
-                "differs inside the parent's prompt, though the harness sent the parent's "
-                "history unchanged: the template renders it differently (e.g. it drops the "
-                "reasoning of earlier turns)",
-            )
-        return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")
+        return _inside_prompt(pos, texts, history_unchanged, parent_prefilled)
     if pos == int(expected.shape[0]) - 1 and pos < int(child_prompt.shape[0]):
         # Everything but the last sampled token chains: the parent stopped on a stop token
         # the template does not close turns with (e.g. <|endoftext|> where it renders <|im_end|>).
@@ -128,3 +108,29 @@ def classify_mismatch(
         MismatchClass.TEMPLATE_RERENDERED,
         "the parent's turn renders differently from what the model generated",
     )
+
+
+def _inside_prompt(
+    pos: int, texts: DecodedTexts | None, history_unchanged: bool, parent_prefilled: bool
+) -> Mismatch:
+    """``classify_mismatch`` of a first difference inside the parent's prompt."""
+    if (
+        parent_prefilled
+        and texts is not None
+        and texts.child_prompt.startswith(texts.parent_full)
+    ):
+        return Mismatch(
+            pos,
+            MismatchClass.RETOKENIZED,
+            "same text, different tokens: the parent's prefill and its continuation re-encode "
+            "differently as one turn",
+        )
+    if history_unchanged:
+        return Mismatch(
+            pos,
+            MismatchClass.TEMPLATE_RERENDERED,
+            "differs inside the parent's prompt, though the harness sent the parent's "
+            "history unchanged: the template renders it differently (e.g. it drops the "
+            "reasoning of earlier turns)",
+        )
+    return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")
