@@ -16,6 +16,7 @@ from capture_proxy.core.conversation import ChatRequest, open_dict
 from capture_proxy.core.images import PromptImage, engine_messages
 from capture_proxy.core.known_messages import MessageFacts, derive_facts, message_key
 from capture_proxy.core.known_tools import ToolsFacts
+from capture_proxy.core.linking.prefill import split_prefill
 from capture_proxy.core.routed_experts import routed_experts_request_fields
 
 
@@ -31,7 +32,8 @@ class PreparedRequest:
 
     ``body``: what goes to the engine (a trailing note becomes a user message, so the engine
     generates a fresh assistant turn); ``linking_messages``: the history used for parent
-    resolution (the note left out: the model never wrote it); ``harness_note``: the note's key.
+    resolution (the note left out: the model never wrote it; a prefill left out: it is the
+    start of this call's own turn, see ``linking.prefill``); ``harness_note``: the note's key.
     """
 
     body: dict[str, Any]
@@ -42,6 +44,8 @@ class PreparedRequest:
     linking_facts: tuple[MessageFacts, ...] | None = None
     #: the ``known_tools`` facts of ``body["tools"]``
     tools_facts: ToolsFacts | None = None
+    #: the trailing assistant message the engine continues (``linking.prefill``), else None
+    prefill: dict[str, Any] | None = None
 
 
 def prepare_request(
@@ -51,8 +55,9 @@ def prepare_request(
     tools_facts: ToolsFacts | None = None,
 ) -> PreparedRequest:
     """Rewrite a trailing harness note into a user message (the request is copied, not
-    changed). ``facts``: the ``known_messages`` facts of ``request["messages"]``,
-    ``tools_facts`` the ``known_tools`` facts of ``request["tools"]``, carried along."""
+    changed); else split off a prefill the engine continues (``linking.prefill``). ``facts``:
+    the ``known_messages`` facts of ``request["messages"]``, ``tools_facts`` the
+    ``known_tools`` facts of ``request["tools"]``, carried along."""
     body = open_dict(request)  # the engine's body: the canonical request, extras and all
     messages = list(body.get("messages") or [])
     known = tuple(facts) if facts is not None and len(facts) == len(messages) else None
@@ -60,6 +65,12 @@ def prepare_request(
         tools_facts = None
     note = notes.match_trailing_note(messages) if notes is not None else None
     if note is None:
+        prefill = split_prefill(body, messages)
+        if prefill is not None:
+            linking_facts = known[:-1] if known is not None else None
+            return PreparedRequest(
+                body, messages[:-1], None, known, linking_facts, tools_facts, dict(prefill)
+            )
         return PreparedRequest(body, messages, None, known, known, tools_facts)
     out = dict(body)
     rewritten = {"role": "user", "content": note.text}

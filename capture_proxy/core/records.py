@@ -146,7 +146,9 @@ class CallRecord:
     was captured and verified by tokens (None for a root or a refused link). ``linking`` holds
     the resolution: ``verdict`` (root | resolved | refused | unresolved), ``parent_digest``,
     ``child_digest`` (under which a child finds this call), ``request_digest``, ``reason``,
-    ``harness_note`` (key of a rewritten note). ``retry_of``: the earlier call this one repeats.
+    ``harness_note`` (key of a rewritten note), ``prefill`` (True: the call continued its
+    request's last, assistant, message; it offers its children the merged turn,
+    ``linking.prefill``). ``retry_of``: the earlier call this one repeats.
 
     ``api``: the wire API the call came in on (``chat_completions`` | ``responses`` |
     ``messages``); ``request_messages`` / ``request_tools`` are always the canonical

@@ -299,7 +299,7 @@ class CallExecutor:
         )
 
     async def _verify(self, c: cmd.Verify) -> ev.Verified | ev.StepFailed:
-        self._digests = RecordDigests(c.record)
+        self._digests = RecordDigests(c.record, c.prefill)
         try:
             record = await self.deps.linker.verify(
                 c.record,
@@ -309,6 +309,7 @@ class CallExecutor:
                 retry_count=c.retry_count,
                 decode=decoder(self.deps, c.record.model),
                 digests=self._digests,
+                prefill=c.prefill,
             )
         except Exception as exc:
             log.error("call %s: link verification failed: %s", c.record.call_id, exc)

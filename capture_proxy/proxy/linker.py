@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
@@ -270,10 +270,12 @@ class Linker:
         retry_count: str | None,
         decode: Decoder | None,
         digests: RecordDigests | None = None,
+        prefill: Mapping[str, Any] | None = None,
     ) -> CallRecord:
         """``record`` with the verdict, the digests and the diagnostics attached, and its
         parent set only when its tokens extend the parent's (``verify_step`` decides).
-        ``digests``: ``RecordDigests(record)``, filled here, to hand to ``remember``."""
+        ``digests``: ``RecordDigests(record, prefill)``, filled here, to hand to ``remember``;
+        ``prefill``: the trailing assistant message the call continued."""
         step = verify_step(
             record,
             resolution,
@@ -282,6 +284,7 @@ class Linker:
             retry_count=retry_count,
             can_decode=decode is not None,
             digests=digests,
+            prefill=prefill,
         )
         return await self._drive(step, decode)
 

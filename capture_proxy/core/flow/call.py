@@ -143,7 +143,12 @@ def finish(
     prepared = call.prepared
     record = with_images(call, record)
     reply = yield Verify(
-        record, call.resolution, prepared.linking_messages, prepared.harness_note, call.retry_count
+        record,
+        call.resolution,
+        prepared.linking_messages,
+        prepared.harness_note,
+        call.retry_count,
+        prepared.prefill,
     )
     if isinstance(reply, Verified):
         record = reply.record

@@ -180,6 +180,8 @@ class Verify(Command):
     linking_messages: list[dict[str, Any]]
     harness_note: str | None
     retry_count: str | None
+    #: the prefill the call continued (``PreparedRequest.prefill``), else None
+    prefill: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)

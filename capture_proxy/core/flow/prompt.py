@@ -25,6 +25,11 @@ from capture_proxy.core.flow.errors import PrefillNotSupported
 from capture_proxy.core.flow.events import CallFound, Rendered, RenderFailed
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts, same_messages
 from capture_proxy.core.known_tools import tools_key
+from capture_proxy.core.linking.prefill import (
+    continues_final_message,
+    history_before_turn,
+    offered_turn,
+)
 from capture_proxy.core.linking.verdicts import TURN_REWRITTEN, Verdict
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
 from capture_proxy.core.routed_experts import rows_end
@@ -83,12 +88,6 @@ class Prompt:
     experts_start: int = 0
 
 
-def continues_final_message(body: Mapping[str, Any]) -> bool:
-    """The request asks to continue its last message rather than answer it (an Anthropic
-    prefill, vLLM's ``continue_final_message`` / ``add_generation_prompt: false``)."""
-    return bool(body.get("continue_final_message")) or body.get("add_generation_prompt") is False
-
-
 def refuse_if_cannot_continue(exact: ExactFamily, body: Mapping[str, Any]) -> None:
     """Raise ``PrefillNotSupported`` for a prefill the family's renderer cannot leave open
     (the HF-template families can; harmony cannot): refused before anything is forwarded."""
@@ -141,8 +140,9 @@ def _render_tail(
 
 
 def _parent_request_messages(parent: CallRecord) -> list[dict[str, Any]]:
-    """The parent's request as the harness sent it, less a rewritten trailing note."""
-    messages = list(parent.request_messages)
+    """The parent's request as the harness sent it before the turn the parent offers: less a
+    rewritten trailing note, less a prefill (the start of that turn, ``linking.prefill``)."""
+    messages = history_before_turn(parent)
     if (parent.linking or {}).get("harness_note") and messages:
         messages = messages[:-1]
     return messages
@@ -195,7 +195,7 @@ def _extended_parent(
                 )
             j = check_extension(parent_messages, call.prepared.linking_messages, same)
             if call.resolution.reason == TURN_REWRITTEN and not adds_defaults_only(
-                parent.response_message or {}, call.prepared.linking_messages[j]
+                offered_turn(parent) or {}, call.prepared.linking_messages[j]
             ):
                 raise SpliceRefused(
                     "the harness rewrote the model's turn (found by its tool-call ids) beyond "
@@ -226,7 +226,7 @@ def exact_prompt(
     res = call.resolution
     if continues_final_message(body):
         # The last message is left open (a prefill): the whole conversation rendered so; the
-        # link is taken at verification by tokens (the deepest token-exact ancestor).
+        # link to the turns before the prefill is taken at verification, by tokens.
         refuse_if_cannot_continue(exact, body)
         ids = yield from _render(messages, tools, kwargs, continuation=True)
         why = {"reason": "continue_final_message"}

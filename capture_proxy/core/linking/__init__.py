@@ -5,6 +5,8 @@ nothing, so a module can be imported alone):
 
 - ``digests``: the canonical form of a model-authored turn and the chained digests (a
   request's parent digest, a call's child digest, the request digest of a retry).
+- ``prefill``: a call that continues the harness's partial assistant message, and the merged
+  turn it offers its children.
 - ``verdicts``: ``Verdict`` and the typed ``Reason`` (a kind to decide by, the stored text).
 - ``mismatch``: why a child's prompt does not extend its parent's tokens (``MismatchClass``).
 - ``resolution``: the request-time answer (``Resolution``, its ``Candidate`` parents).

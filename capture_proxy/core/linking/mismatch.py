@@ -56,6 +56,7 @@ def classify_mismatch(
     parent_reasoning: str | None = None,
     history_unchanged: bool = False,
     system_changed: bool = False,
+    parent_prefilled: bool = False,
 ) -> Mismatch | None:
     """Why ``child_prompt`` does not begin with parent prompt + generation (None if it does).
 
@@ -76,30 +77,16 @@ def classify_mismatch(
       template or the harness renders the turn differently (dropped reasoning, re-serialised
       tool-call arguments, ...).
     Without ``texts`` an output-side difference is reported as ``template_rerendered``.
+    ``parent_prefilled``: the parent continued a prefill, so its turn starts inside its prompt
+    (the prefill's tokens): a difference there under the same text is ``retokenized`` too
+    (the prefill and the continuation re-encode differently as one text).
     """
     expected = np.concatenate([parent_prompt, parent_generation])
     pos = first_difference(expected, child_prompt)
     if pos is None:
         return None
     if pos < int(parent_prompt.shape[0]):
-        if history_unchanged:
-            return Mismatch(
-                pos,
-                MismatchClass.TEMPLATE_RERENDERED,
-                "differs inside the parent's prompt, though the harness sent the parent's "
-                "history unchanged: the template renders it differently (e.g. it drops the "
-                "reasoning of earlier turns)",
-            )
-        if system_changed:
-            return Mismatch(
-                pos,
-                MismatchClass.SYSTEM_CHANGED,
-                "differs inside the parent's prompt, where the request's system messages are "
-                "not the parent's; the rest of the history is the parent's (a changed system "
-                "prompt, e.g. a Responses request's instructions, which previous_response_id "
-                "does not carry over)",
-            )
-        return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")
+        return _inside_prompt(pos, texts, history_unchanged, system_changed, parent_prefilled)
     if pos == int(expected.shape[0]) - 1 and pos < int(child_prompt.shape[0]):
         # Everything but the last sampled token chains: the parent stopped on a stop token
         # the template does not close turns with (e.g. <|endoftext|> where it renders <|im_end|>).
@@ -128,3 +115,38 @@ def classify_mismatch(
         MismatchClass.TEMPLATE_RERENDERED,
         "the parent's turn renders differently from what the model generated",
     )
+
+
+def _inside_prompt(
+    pos: int,
+    texts: DecodedTexts | None,
+    history_unchanged: bool,
+    system_changed: bool,
+    parent_prefilled: bool,
+) -> Mismatch:
+    """``classify_mismatch`` of a first difference inside the parent's prompt."""
+    if parent_prefilled and texts is not None and texts.child_prompt.startswith(texts.parent_full):
+        return Mismatch(
+            pos,
+            MismatchClass.RETOKENIZED,
+            "same text, different tokens: the parent's prefill and its continuation re-encode "
+            "differently as one turn",
+        )
+    if history_unchanged:
+        return Mismatch(
+            pos,
+            MismatchClass.TEMPLATE_RERENDERED,
+            "differs inside the parent's prompt, though the harness sent the parent's "
+            "history unchanged: the template renders it differently (e.g. it drops the "
+            "reasoning of earlier turns)",
+        )
+    if system_changed:
+        return Mismatch(
+            pos,
+            MismatchClass.SYSTEM_CHANGED,
+            "differs inside the parent's prompt, where the request's system messages are "
+            "not the parent's; the rest of the history is the parent's (a changed system "
+            "prompt, e.g. a Responses request's instructions, which previous_response_id "
+            "does not carry over)",
+        )
+    return Mismatch(pos, MismatchClass.HISTORY_EDITED, "differs inside the parent's prompt")

@@ -1,11 +1,13 @@
 """The digests of one captured record that verification and indexing both need, made once.
 
 Owns ``RecordDigests``: the SHA-256 block states of the record's prompt
-(``prefixes.block_states``) and the canonical form of its answer (``digests.canonical_turn``
-and its ``turn_payload``), each made the first time it is asked for. Verification asks for
-them (a candidate's token digest, the child digest) and indexing asks again (the token key,
-the answer's digests alone): handed from one to the other, the prompt is hashed once, not once
-to verify and once to index, and the answer is canonicalised once. The values are those of
+(``prefixes.block_states``) and the canonical form of the turn it offers its children (its
+answer, merged after its prefill when it continued one: ``prefill.offered_turn``;
+``digests.canonical_turn`` and its ``turn_payload``), each made the first time it is asked
+for. Verification asks for them (a candidate's token digest, the child digest) and indexing
+asks again (the token key, the answer's digests alone): handed from one to the other, the
+prompt is hashed once, not once to verify and once to index, and the answer is canonicalised
+once. The values are those of
 ``digests.extends_by_digest``, ``prefixes.token_digests``, ``digests.turn_payload`` and
 ``digests.turn_digests``: only where they are computed differs.
 
@@ -17,6 +19,7 @@ its arrays are read-only. Pure: no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from capture_proxy.core.linking.digests import (
@@ -25,19 +28,30 @@ from capture_proxy.core.linking.digests import (
     canonical_turn,
     extends_by_digest,
 )
+from capture_proxy.core.linking.prefill import continued_turn, record_prefill
 from capture_proxy.core.prefixes import PREFIX_BLOCK, block_states, token_digests, u4_view
 from capture_proxy.core.records import CallRecord
 
 
 class RecordDigests:
-    """The prompt's block states and the answer's canonical form of one record, made lazily."""
+    """The prompt's block states and the offered turn's canonical form of one record, made
+    lazily. ``prefill``: the prefill the call continued, when the record does not say so yet
+    (verification's, before ``linking`` is set); else the record's own (``record_prefill``).
+    ``turn``: the turn it offers (its answer, merged after its prefill:
+    ``prefill.continued_turn``; None: no answer)."""
 
-    __slots__ = ("prompt", "generation", "response", "_states", "_canonical", "_payload")
+    __slots__ = ("prompt", "generation", "response", "turn", "_states", "_canonical", "_payload")
 
-    def __init__(self, record: CallRecord) -> None:
+    def __init__(self, record: CallRecord, prefill: Mapping[str, Any] | None = None) -> None:
         self.prompt = record.prompt_token_ids
         self.generation = record.generation_token_ids
         self.response = record.response_message
+        if prefill is None:
+            prefill = record_prefill(record)
+        turn: Mapping[str, Any] | None = self.response
+        if turn is not None and prefill is not None:
+            turn = continued_turn(prefill, turn)
+        self.turn = turn
         self._states: list[Any] | None = None
         self._canonical: dict[str, Any] | None = None
         self._payload: str | None = None
@@ -76,16 +90,16 @@ class RecordDigests:
 
     def _canonical_answer(self) -> tuple[dict[str, Any], str]:
         if self._canonical is None or self._payload is None:
-            assert self.response is not None
-            canonical = canonical_turn(self.response)
+            assert self.turn is not None
+            canonical = canonical_turn(self.turn)
             self._payload = canonical_json(canonical)
             self._canonical = canonical
         return self._canonical, self._payload
 
     def answer_payload(self) -> str:
-        """``digests.turn_payload`` of the answer (which must not be None)."""
+        """``digests.turn_payload`` of the offered turn (the answer must not be None)."""
         return self._canonical_answer()[1]
 
     def answer_digests(self) -> tuple[str, str]:
-        """``digests.turn_digests`` of the answer (which must not be None)."""
+        """``digests.turn_digests`` of the offered turn (the answer must not be None)."""
         return canonical_digests(*self._canonical_answer())

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture_proxy.core.linking.digests import child_digest
+from capture_proxy.core.linking.prefill import history_before_turn, offered_turn
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end as record_rows_end
@@ -42,6 +43,8 @@ class StoredCall:
     num_tokens: int | None
     tokens_sha256: bytes | None
     block_sha256: bytes | None
+    #: the turn it offers its children: its answer, merged after its prefill when it
+    #: continued one (``prefill.offered_turn``); None for a failed call
     response: Mapping[str, Any] | None
     parent_call_id: str | None
     retry_of: str | None
@@ -53,13 +56,13 @@ def _has_token_key(status: str, num_generation_tokens: int) -> bool:
 
 def of_record(record: CallRecord, digests: RecordDigests | None = None) -> StoredCall:
     """The facts of a stored record: the child digest its record keeps (else derived from its
-    request and answer; a failed call has none: it is indexed for its request only).
-    ``digests``: the record's ``RecordDigests``, if made already (verification's)."""
+    request and the turn it offers; a failed call has none: it is indexed for its request
+    only). ``digests``: the record's ``RecordDigests``, if made already (verification's)."""
     linking = record.linking or {}
-    response = record.response_message if record.status is not CallStatus.FAILED else None
+    response = offered_turn(record)
     child = linking.get("child_digest")
     if child is None and response is not None:
-        child = child_digest(record.request_messages, response)
+        child = child_digest(history_before_turn(record), response)
     num_tokens = tokens_sha256 = block_sha256 = None
     if _has_token_key(record.status.value, record.num_generation_tokens):
         if digests is None or not digests.describes(record):
@@ -96,11 +99,15 @@ def of_row(
 ) -> StoredCall | None:
     """The facts of a stored row (``calls``' columns of those names and ``meta``), or None
     when the row cannot tell them all (not schema v4; an answered call whose record keeps no
-    child digest; a complete call with output stored without its block digest)."""
+    child digest; a complete call with output stored without its block digest; a call that
+    continued a prefill: the turn it offers merges its answer with a request message, which
+    the row's metadata does not hold)."""
     if schema_version != ROW_SCHEMA_VERSION:
         return None
     meta = json.loads(meta_text)
     linking = meta.get("linking") or {}
+    if linking.get("prefill"):
+        return None
     response = meta.get("response_message") if status != CallStatus.FAILED.value else None
     child = linking.get("child_digest")
     if response is not None and child is None:

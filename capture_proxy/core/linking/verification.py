@@ -32,6 +32,7 @@ from capture_proxy.core.linking.digests import (
     trailing_images,
 )
 from capture_proxy.core.linking.mismatch import DecodedTexts, Mismatch, classify_mismatch
+from capture_proxy.core.linking.prefill import history_before_turn, record_prefill
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import (
@@ -86,6 +87,7 @@ def verify_step(
     retry_count: str | None,
     can_decode: bool,
     digests: RecordDigests | None = None,
+    prefill: Mapping[str, Any] | None = None,
 ) -> Step[CallRecord]:
     """``record`` with the verdict, the digests and the diagnostics attached; its parent set
     only when the parent's prompt + generation ids are a prefix of its prompt ids: the first
@@ -137,6 +139,7 @@ def verify_step(
         "digest_parent_call_id": resolution.parent_call_id,
         "reason": None if reason is None else reason.text,
         "harness_note": harness_note,
+        "prefill": prefill is not None,
     }
     return record.replace(
         parent_call_id=parent_call_id,
@@ -290,6 +293,7 @@ def _classify_with_text(
         parent_reasoning=response.get("reasoning_content") or response.get("reasoning"),
         history_unchanged=history_unchanged,
         system_changed=system_changed,
+        parent_prefilled=record_prefill(parent) is not None,
     )
     assert mismatch is not None  # the ids differ, whatever the texts say
     return mismatch
@@ -311,9 +315,9 @@ def history_unchanged(parent: CallRecord, linking_messages: Sequence[Mapping[str
     answer, then new messages: compared canonically, so a token difference inside the parent's
     prompt is the template's doing, not the harness's. (A parent whose rewritten harness note
     is gone from the child's history does not count as unchanged: the note was in its
-    prompt.)"""
+    prompt. A parent's prefill is the start of its answer's turn, not history.)"""
     try:
-        check_extension(parent.request_messages, linking_messages)
+        check_extension(history_before_turn(parent), linking_messages)
     except SpliceRefused:
         return False
     return True
@@ -382,15 +386,16 @@ def _child_digest(
     record: CallRecord,
     digests: RecordDigests,
 ) -> str | None:
-    if record.response_message is None:
+    """The history's digest extended by the turn the call offers (``digests.turn``: its
+    answer, merged after its prefill)."""
+    turn = digests.turn
+    if turn is None:
         return None
     if trailing_images(linking_messages):
         # The images after the last turn are in the child digest, not in the parent digest.
-        return child_digest(linking_messages, record.response_message)
+        return child_digest(linking_messages, turn)
     if resolution.parent_digest is not None or last_linking_item(linking_messages) is None:
         # The request's own digest (history_digest of these messages): one more step.
-        return child_digest_after(
-            resolution.parent_digest, record.response_message, digests.answer_payload()
-        )
+        return child_digest_after(resolution.parent_digest, turn, digests.answer_payload())
     # Resolution failed before digesting the history: digest it now.
-    return child_digest(linking_messages, record.response_message)
+    return child_digest(linking_messages, turn)

@@ -253,3 +253,37 @@ def test_the_flow_imports_no_http_library():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_child_of_a_prefilled_call_is_spliced_from_its_prompt_and_generation():
+    # the parent continued the prefill "Hel" (its prompt's last id, 3) with "lo" (7, 8): the
+    # harness sends the merged turn "Hello", which the parent's ids end with
+    prefill = {"role": "assistant", "content": "Hel"}
+    parent = make_record("call-p", [1, 2, 3], [7, 8, END_OF_TURN]).replace(
+        request_messages=[*FIRST, prefill],
+        response_message={"role": "assistant", "content": "lo", "tool_calls": []},
+        linking={"verdict": "root", "prefill": True},
+    )
+    second = [*FIRST, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "?"}]
+    body = {"model": "m", "messages": second}
+    resolution = Resolution(
+        Verdict.RESOLVED,
+        "digest",
+        request_digest(body),
+        parent_call_id="call-p",
+        candidates=(Candidate("call-p"),),
+    )
+    pb = playbook(ChatCodec(), body, FakeExact())
+    pb.start()
+    pb.send(e.Resolved(resolution))
+    assert pb.send(FACTS) == c.LookUpCall("call-p")
+    # the tail after the merged turn, in a small context (no full render, nothing refused)
+    assert pb.send(e.CallFound(parent)) == c.Render(FIRST, None, False, None)
+    assert pb.send(e.Rendered([1, 2])) == c.Render(second, None, True, None)
+    send = pb.send(e.Rendered([1, 2, 50, 51, END_OF_TURN, 60, 61]))
+    assert orjson.loads(send.body)["prompt"] == [1, 2, 3, 7, 8, END_OF_TURN, 60, 61]
+    pb.send(e.EngineResponded(200, False))
+    verify = pb.send(e.EngineBody(_completion("Hi", [9], [-1.0])))
+    assert verify.record.prompt_token_ids.tolist() == [1, 2, 3, 7, 8, END_OF_TURN, 60, 61]
+    assert verify.record.diagnostics == []
+    assert verify.prefill is None

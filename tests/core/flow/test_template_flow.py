@@ -290,3 +290,21 @@ def test_a_failed_verification_leaves_the_call_unresolved():
         "verdict": "unresolved",
         "reason": "verification failed: store down",
     }
+
+
+def test_a_prefill_is_resolved_by_the_turns_before_it_and_verified_as_continued():
+    prefill = {"role": "assistant", "content": "Hello,"}
+    body = {"model": "m", "max_tokens": 8, "messages": [*MESSAGES, prefill]}
+    pb = playbook(MessagesCodec(), body)
+    resolve = pb.start()
+    # the prefill starts this call's own turn: not a turn of its history
+    assert isinstance(resolve, c.Resolve) and resolve.linking_messages == MESSAGES
+    send = pb.send(_root(body))
+    sent = orjson.loads(send.body)
+    assert sent["messages"] == [*MESSAGES, prefill]
+    assert (sent["continue_final_message"], sent["add_generation_prompt"]) == (True, False)
+    pb.send(e.EngineResponded(200, False))
+    verify = pb.send(e.EngineBody(orjson.dumps(WHOLE)))
+    assert isinstance(verify, c.Verify)
+    assert verify.linking_messages == MESSAGES and verify.prefill == prefill
+    assert verify.record.request_messages == [*MESSAGES, prefill]

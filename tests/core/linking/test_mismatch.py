@@ -98,3 +98,19 @@ def test_a_changed_system_prompt_is_named():
     # Inside the parent's output it is no system message's doing.
     got = classify_mismatch(P, G, np.array([10, 11, 12, 20, 23, 5]), system_changed=True)
     assert got.mismatch_class is MismatchClass.TEMPLATE_RERENDERED
+
+
+def test_a_prefill_and_its_continuation_that_re_encode_as_one_text_are_retokenized():
+    # the parent's prompt ends with its prefill " " (12), the model wrote "b" (20): the child
+    # renders the merged text " b" as one token (23), inside the parent's prompt
+    child = np.array([10, 11, 23, 99, 5], dtype=np.uint32)
+    texts = DecodedTexts("p ", "p b<e>", "p b<e>\nx")
+    got = classify_mismatch(P, G, child, texts=texts, history_unchanged=True, parent_prefilled=True)
+    assert got is not None and (got.position, got.mismatch_class) == (2, MismatchClass.RETOKENIZED)
+    # not prefilled: a difference inside the prompt is the template's (or the harness's)
+    got = classify_mismatch(P, G, child, texts=texts, history_unchanged=True)
+    assert got is not None and got.mismatch_class is MismatchClass.TEMPLATE_RERENDERED
+    # other text: not a re-encoding
+    other = DecodedTexts("p ", "p b<e>", "p c<e>\nx")
+    got = classify_mismatch(P, G, child, texts=other, history_unchanged=True, parent_prefilled=True)
+    assert got is not None and got.mismatch_class is MismatchClass.TEMPLATE_RERENDERED

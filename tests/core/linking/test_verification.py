@@ -74,6 +74,7 @@ def _linking(verdict: str, reason: str | None, digest_parent: str | None = "p") 
         "digest_parent_call_id": digest_parent,
         "reason": reason,
         "harness_note": None,
+        "prefill": False,
     }
 
 
@@ -342,6 +343,7 @@ def test_harness_note_and_retry_diagnostics_follow_the_records_own():
         "digest_parent_call_id": None,
         "reason": None,
         "harness_note": "opencode/step-limit",
+        "prefill": False,
     }
     assert got.linking["child_digest"] == child_digest([USER], CHILD_ANSWER)
     assert got.diagnostics == [
