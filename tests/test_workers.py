@@ -354,7 +354,7 @@ async def _tokens_and_sweep(tmp_path: Path, engine: str, tmp: Path) -> None:
     live.mkdir(mode=0o700)
     lock = _hold_lock(live)
     try:
-        assert sweep_dead_runtimes(tmp) == [legacy, runtime]
+        assert sweep_dead_runtimes(tmp) == sorted([legacy, runtime])  # in name order
         assert sorted(tmp.iterdir()) == [live, starting]
     finally:
         os.close(lock)

@@ -100,7 +100,17 @@ def test_tokens_in_short_rows_are_kept_and_flagged(dialect):
             else sglang_routed_experts(rows)
         )
         asm = TokensInAssembler(ctx, np.arange(1, 6, dtype=np.uint32), d.decode_routed_experts)
-        asm.add(Piece([7, 8, 9], [-0.1] * 3, "x", "stop", None, None, True, True, raw))
+        asm.add(
+            Piece(
+                [7, 8, 9],
+                [-0.1] * 3,
+                "x",
+                "stop",
+                saw_token_ids=True,
+                saw_log_probs=True,
+                routed_experts=raw,
+            )
+        )
         rec = asm.finish(response_message={}, finish_reason="stop", latency_ms=1.0, http_status=200)
         assert rec.routed_experts.tolist() == rows.tolist()
         assert rec.routed_experts_start == 2

@@ -44,7 +44,9 @@ _DIGEST_SEED = hashlib.sha256(b"capture-proxy/linking/v2").hexdigest()
 _NON_SEMANTIC_REQUEST_FIELDS = frozenset({"stream", "stream_options", "user", "metadata"})
 
 
-def _content_text(content: Any) -> str:
+def content_text(content: Any) -> str:
+    """A message's content as the digests read it: text parts joined with ``"\\n"`` (as vLLM
+    joins them), None as ``""``."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -87,7 +89,7 @@ def canonical_turn(message: Mapping[str, Any]) -> dict[str, Any]:
                 "arguments": canonical_arguments(fn.get("arguments")),
             }
         )
-    return {"content": _content_text(message.get("content")), "tool_calls": calls}
+    return {"content": content_text(message.get("content")), "tool_calls": calls}
 
 
 def turn_payload(turn: Mapping[str, Any]) -> str:

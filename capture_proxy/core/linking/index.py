@@ -234,16 +234,23 @@ class LinkIndex:
         continued was used, by this session or by an identical twin session of the rollout
         (whose call would otherwise be superseded under it). When every identical call has a
         child, the latest. When several have none, the latest of them: which one the harness
-        lost the proxy cannot tell. Cost: O(1) while the latest has no child (the usual
-        retry); else the identical calls without a child, never the rollout."""
+        lost the proxy cannot tell. A call an earlier retry superseded is never the target
+        again: it was replaced (taking it would make a sibling sample that sends no retry
+        signal a retry of that failed call). Cost: O(1) while the latest has no child (the
+        usual retry); else the identical calls without a child, never the rollout."""
         latest = self._latest_request.get(req_digest)
         if latest is None:
             return None
         target = latest
         if latest.children > 0:
-            unused = self._childless_requests.get(req_digest)
+            # a call an earlier retry superseded was replaced already: not the target again
+            unused = [
+                entry
+                for entry in (self._childless_requests.get(req_digest) or {}).values()
+                if entry.superseded_by is None
+            ]
             if unused:
-                target = max(unused.values(), key=_age)
+                target = max(unused, key=_age)
         if retry_requested or target.status in (CALL_FAILED, CALL_INCOMPLETE):
             return target.call_id
         return None

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from capture_proxy.core.linking.digests import content_text
 from capture_proxy.core.records import CallRecord, CallStatus
 
 #: the response fields of the continuation that the merged turn keeps as they are
@@ -52,22 +53,11 @@ def split_prefill(
     return last if last.get("role") == "assistant" else None
 
 
-def _text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        # vLLM joins text parts with "\n" (digests.canonical_turn reads them so)
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-    return str(content)
-
-
 def continued_turn(prefill: Mapping[str, Any], response: Mapping[str, Any]) -> dict[str, Any]:
     """The assistant turn a harness sends after a prefilled call: the prefill's text followed
     by the continuation's, the prefill's tool calls then the continuation's, the
     continuation's reasoning. ``content`` is None when both have no text."""
-    text = _text(prefill.get("content")) + _text(response.get("content"))
+    text = content_text(prefill.get("content")) + content_text(response.get("content"))
     calls = [*(prefill.get("tool_calls") or []), *(response.get("tool_calls") or [])]
     turn: dict[str, Any] = {"role": "assistant", "content": text or None, "tool_calls": calls}
     for key in _REASONING_KEYS:

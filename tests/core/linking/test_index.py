@@ -108,6 +108,21 @@ class TestIndex:
         assert chains.superseded == {"b1": "b1r"}
         assert [r.call_id for r in chains.unlinked] == ["b1"]
 
+    def test_a_call_a_retry_superseded_is_not_the_target_again(self):
+        """Sample A's first call f failed; the SDK's retry r replaced it and A continued from r.
+        Sample B then sends the identical request with no retry signal: a sibling sample, not
+        a retry of the failed f (whose retry r already is)."""
+        index = LinkIndex()
+        key = {"num_tokens": 3, "tokens_sha256": b"x" * 32}
+        index.add("f", 1.0, child_digest=None, request_digest="q1", status="failed")
+        assert index.resolve(None, "q1", retry_requested=True).retry_of == "f"
+        index.add("r", 2.0, child_digest="dR", request_digest="q1", retry_of="f", **key)
+        index.add("r2", 3.0, child_digest=None, request_digest="qR2", parent_call_id="r")
+        assert index.entries["f"].superseded_by == "r"
+        assert index.resolve(None, "q1").retry_of is None
+        # an explicit retry now takes the latest identical call (every one was used)
+        assert index.resolve(None, "q1", retry_requested=True).retry_of == "r"
+
     def test_candidates_are_scoped_by_model(self):
         index = LinkIndex()
         index.add("t", 1.0, child_digest="d", request_digest="q", model="small", status="complete")

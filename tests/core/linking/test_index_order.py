@@ -41,10 +41,17 @@ def _expected_candidates(index: LinkIndex, digest: str, model: str) -> list[str]
 
 
 def _expected_retry_target(index: LinkIndex, request: str) -> str | None:
-    """The latest identical call without a child, else the latest (the rule)."""
+    """The latest identical call when it has no child; else the latest identical call without
+    a child that no retry superseded; else the latest (the rule)."""
     same = [e for e in index.entries.values() if e.request_digest == request]
-    key = lambda e: (e.children == 0, e.created_at, e.call_id)  # noqa: E731
-    return max(same, key=key).call_id if same else None
+    if not same:
+        return None
+    age = lambda e: (e.created_at, e.call_id)  # noqa: E731
+    latest = max(same, key=age)
+    unused = [e for e in same if e.children == 0 and e.superseded_by is None]
+    if latest.children == 0 or not unused:
+        return latest.call_id
+    return max(unused, key=age).call_id
 
 
 @settings(max_examples=400, deadline=None)
