@@ -227,7 +227,7 @@ def check_tokens(
         )
     unchanged = history_unchanged(parent, linking_messages)
     system_changed = not unchanged and only_system_messages_differ(
-        parent.request_messages, linking_messages
+        history_before_turn(parent), linking_messages
     )
     mismatch = classify_mismatch(
         parent.prompt_token_ids,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from capture_proxy.core.capture import prepare_request
-from capture_proxy.core.linking.commands import FindPrefixAncestor
+from capture_proxy.core.linking.commands import FindPrefixAncestor, ReadParent
 from capture_proxy.core.linking.digests import child_digest, history_digest
 from capture_proxy.core.linking.index import LinkIndex, add_record
 from capture_proxy.core.linking.parent_lookup import resolve_step
@@ -130,9 +130,7 @@ def test_a_prefilled_call_is_the_parent_of_the_request_with_the_merged_turn():
 
 def test_a_prefilled_call_with_earlier_turns_finds_its_parent_by_them():
     index = LinkIndex()
-    first = _record(
-        "a", [1, 2], [3], request_messages=[USER], response_message={"content": "Hi"}
-    )
+    first = _record("a", [1, 2], [3], request_messages=[USER], response_message={"content": "Hi"})
     add_record(index, first)
     history = [USER, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "more"}]
     body = {**PREFILLED, "messages": [*history, PREFILL]}
@@ -211,3 +209,25 @@ def test_a_prefilled_calls_diagnostics_name_no_foreign_turn():
         [(FindPrefixAncestor("r1", answered.prompt_token_ids, "m", "x"), None)],
     )
     assert [d.kind for d in record.diagnostics] == [DiagnosticKind.FOREIGN_TURN]
+
+
+def test_a_changed_system_prompt_under_a_prefilled_parent_is_named_system_changed():
+    """The parent's request ends with its prefill: the system messages are compared with the
+    history before the turn it offers, as in exact-token mode (review)."""
+    index = LinkIndex()
+    first = {**PREFILLED, "messages": [{"role": "system", "content": "one"}, USER, PREFILL]}
+    parent = _prefilled_call(index, first)
+    changed = [{"role": "system", "content": "two"}, *NEXT]
+    body = {"model": "m", "messages": changed}
+    got = play(resolve_step(index, "r1", changed, body, call_id="c", created_at=2.0), [])
+    assert got.verdict is Verdict.RESOLVED and got.parent_call_id == "p"
+    child = _record("c", [1, 9, 3, 4, 5, 6, 7], [8], request_messages=changed)
+    verified = play(
+        verify_step(child, got, changed, harness_note=None, retry_count=None, can_decode=False),
+        [
+            (ReadParent("p"), parent),
+            (FindPrefixAncestor("r1", child.prompt_token_ids, "m", "c"), None),
+        ],
+    )
+    assert verified.linking["verdict"] == "refused"
+    assert verified.linking["reason"] == "tokens do not chain (system_changed)"
