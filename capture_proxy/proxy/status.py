@@ -46,8 +46,9 @@ async def health(request: web.Request) -> web.Response:
     status from ``health_status`` (503 ``degraded`` when the store cannot answer or while its
     writes fail: ``store.write_error`` is the first failed write's error, cleared by the next
     write that succeeds; and while calls answered but not stored are not yet marked on their
-    rollouts: ``store.unmarked_losses``). With a token set the store's filesystem path is left
-    out (``/health`` is open to anyone). In a worker of several (``serve --workers``),
+    rollouts: ``store.unmarked_losses``). With a token set the store's filesystem path, and
+    with several backends each engine's URL and error, are left out (``/health`` is open to
+    anyone). In a worker of several (``serve --workers``),
     ``worker`` names it (``index``, ``count``, ``pid``) and ``capture`` counts its own calls;
     the store's figures, and ``/metrics``, are the whole proxy's."""
     settings = request.app[SETTINGS_KEY]
@@ -73,6 +74,12 @@ async def health(request: web.Request) -> web.Response:
     engine: dict[str, Any] | None
     if routes is not None and routes.many:  # the pool's probes, every engine's state
         engine = routes.health()
+        if settings.captures_token is not None or settings.proxy_token is not None:
+            # where the engines are and how they fail: behind the token (/metrics, the log)
+            hidden = ("url", "error")
+            engine["engines"] = [
+                {k: v for k, v in e.items() if k not in hidden} for e in engine["engines"]
+            ]
     else:
         engine = None if probe is None else await probe.status(request.app[SESSION_KEY])
     status, http_status = health_status(store_ok=ok, engine=engine)

@@ -255,12 +255,15 @@ def test_backend_for_names_the_engine_a_rollouts_next_call_goes_to():
     assert [b.in_flight for b in routes.pool.backends] == [0, 0]
 
 
+@pytest.mark.parametrize("token", [None, "t" * 32])
 async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_state(
-    aiohttp_server, aiohttp_client, tmp_path
+    aiohttp_server, aiohttp_client, tmp_path, token
 ):
     """With several backends ``/health`` is 200 ``ok`` while at least one engine can take
     calls, whichever is down (the first too), and 503 ``engine_unreachable`` only when none
-    can; its body names each engine's state, without the engine credential."""
+    can; its body names each engine's state, without the engine credential. With a token set
+    (``/health`` is open to anyone) without where the engines are and how they fail: the
+    token's ``/metrics`` and the log say."""
     answers = [200, 200]
 
     def engine_app(i: int) -> web.Application:
@@ -278,6 +281,7 @@ async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_stat
         extra_backends=[urls[1]],
         store=tmp_path / "store",
         backend_health_interval_s=3600.0,  # rounds driven by the test below
+        captures_token=token,
     )
     app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
     client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
@@ -295,6 +299,8 @@ async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_stat
         return {"status": body["status"], "engine": body["engine"]}
 
     def state(i: int, error: str | None) -> dict[str, Any]:
+        if token is not None:
+            return {"healthy": error is None, "in_flight": 0}
         return {"url": urls[i], "healthy": error is None, "error": error, "in_flight": 0}
 
     both = {"ok": True, "up": 2, "count": 2, "engines": [state(0, None), state(1, None)]}
