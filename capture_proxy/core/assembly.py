@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from capture_proxy.core.engine_formats import choice_stop
 from capture_proxy.core.records import (
     CallRecord,
     CallStatus,
@@ -265,7 +266,7 @@ class ChatCaptureAssembler:
             finish_reason = choice.get("finish_reason")
             if finish_reason is not None:
                 self.finish_reason = finish_reason
-                self.stop_reason = _stop_reason(choice.get("stop_reason"))
+                self.stop_reason = choice_stop(choice)
 
     def _add_tool_call_delta(self, tc: dict[str, Any]) -> None:
         parts = self.tool_calls.setdefault(int(tc.get("index", 0)), _ToolCallParts())
@@ -328,7 +329,7 @@ class ChatCaptureAssembler:
             return
         self._add_choice_tokens(first)
         self.finish_reason = first.get("finish_reason")
-        self.stop_reason = _stop_reason(first.get("stop_reason"))
+        self.stop_reason = choice_stop(first)
         message = first.get("message")
         if isinstance(message, dict):
             self.response_message = dict(message)
@@ -490,10 +491,3 @@ def mark_incomplete(record: CallRecord, reasons: list[str]) -> CallRecord:
         reasons = [*existing.details.get("reasons", []), *reasons]
     diagnostics.append(Diagnostic(DiagnosticKind.CAPTURE_INCOMPLETE, {"reasons": reasons}))
     return record.replace(status=CallStatus.INCOMPLETE, diagnostics=diagnostics)
-
-
-def _stop_reason(value: Any) -> str | int | None:
-    """vLLM's ``stop_reason`` when it is a string or an integer (``True`` is not one)."""
-    if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
-        return value
-    return None

@@ -26,7 +26,7 @@ A dialect's ``reader()`` is stateful per call, for engines whose stream chunks a
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -121,14 +121,22 @@ def _finish_reason(value: Any) -> str | None:
     return str(value)
 
 
-def _stop_reason(value: Any) -> str | int | None:
-    """A stop string or token id (vLLM ``stop_reason``; SGLang's ``finish_reason`` object's
-    ``matched``); None for anything else."""
+def matched_stop(value: Any) -> str | int | None:
+    """A stop string or token id (vLLM ``stop_reason``; SGLang's ``matched_stop`` of an
+    OpenAI-style choice, or its ``finish_reason`` object's ``matched``); None for anything
+    else."""
     if isinstance(value, dict):
         value = value.get("matched")
     if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     return None
+
+
+def choice_stop(choice: Mapping[str, Any]) -> str | int | None:
+    """What an OpenAI-style choice says matched when the engine stopped: vLLM's
+    ``stop_reason``, else SGLang's ``matched_stop``."""
+    value = choice.get("stop_reason")
+    return matched_stop(choice.get("matched_stop") if value is None else value)
 
 
 def ends_text(finish_reason: str | None, whole: bool) -> bool:
@@ -218,7 +226,7 @@ class VllmCompletionsReader:
                     piece.token_ids = _ids_of_token_strings(tokens)
             piece.text = choice.get("text") or ""
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
-            piece.stop_reason = _stop_reason(choice.get("stop_reason"))
+            piece.stop_reason = choice_stop(choice)
             piece.routed_experts = choice.get("routed_experts")
         if top.get("prompt_token_ids") is not None and piece.prompt_token_ids is None:
             piece.prompt_token_ids = top["prompt_token_ids"]
@@ -353,7 +361,7 @@ class VllmGenerateReader:
                 piece.saw_log_probs = True
                 piece.log_probs = [e.get("logprob") for e in logprobs["content"]]
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
-            piece.stop_reason = _stop_reason(choice.get("stop_reason"))
+            piece.stop_reason = choice_stop(choice)
             piece.routed_experts = choice.get("routed_experts")
             piece.weight_versions = choice.get("weight_versions")
         piece.text = self.text.add(piece.token_ids, final=ends_text(piece.finish_reason, final))
@@ -436,7 +444,7 @@ class SglangGenerateReader:
             piece.text = text[self.text_len :]
             self.text_len = len(text)
         piece.finish_reason = _finish_reason(meta.get("finish_reason"))
-        piece.stop_reason = _stop_reason(meta.get("finish_reason"))
+        piece.stop_reason = matched_stop(meta.get("finish_reason"))
         _held_at_abort(piece)
         piece.routed_experts = meta.get("routed_experts")
         version = meta.get("weight_version")

@@ -367,3 +367,17 @@ def test_the_engines_stop_reason_is_kept_for_the_answer(stop_reason, kept):
     message = {"role": "assistant", "content": "a"}
     whole.add_response({"choices": [{"index": 0, "message": message, "stop_reason": stop_reason}]})
     assert streamed.stop_reason == whole.stop_reason == kept
+
+
+def test_sglangs_matched_stop_is_the_stop_reason():
+    """SGLang's OpenAI-style chat choice names the matched stop ``matched_stop`` (vLLM:
+    ``stop_reason``), streamed and whole (review)."""
+    streamed = ChatCaptureAssembler(CTX)
+    last = {"index": 0, "delta": {"content": "a"}, "finish_reason": "stop", "matched_stop": "END"}
+    streamed.add_chunk({"choices": [last]})
+    whole = ChatCaptureAssembler(CTX)
+    message = {"role": "assistant", "content": "a"}
+    whole.add_response(
+        {"choices": [{"index": 0, "message": message, "finish_reason": "stop", "matched_stop": 7}]}
+    )
+    assert (streamed.stop_reason, whole.stop_reason) == ("END", 7)
