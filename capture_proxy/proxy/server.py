@@ -189,9 +189,11 @@ def run(
             if not main.done():
                 main.cancel()
                 while not main.done():
-                    # A repeated SIGTERM does not cut the calls in flight short (a worker
-                    # gets two when its supervisor dies: the kernel's, and its own on the
-                    # lost link); SIGINT does.
+                    # A repeated SIGTERM or SIGINT does not cut the calls in flight short
+                    # (a worker gets two SIGTERMs when its supervisor dies: the kernel's,
+                    # and its own on the lost link; aiohttp's runner turns both signals
+                    # into GracefulExit): the stop is bounded by shutdown_timeout_s, and
+                    # SIGKILL ends it at once.
                     with contextlib.suppress(asyncio.CancelledError, GracefulExit):
                         loop.run_until_complete(main)
         finally:

@@ -4,9 +4,11 @@ On SIGINT or SIGTERM the server stops accepting and lets the captured calls in f
 for at most ``shutdown_timeout_s``; then it cancels the handlers of the calls still running,
 as when their clients leave: a call cut while it waits on or streams from the engine is
 stored incomplete (``proxy.executor``: the record is written shielded, then the cancellation
-goes on). aiohttp's own ``shutdown_timeout`` (the same setting, on the runner) never cancels
-a handler: it stops waiting and leaves it running past the store's close, so a call on a hung
-engine was neither bounded nor stored; the cut here happens first, while the store is open.
+goes on). aiohttp's own ``shutdown_timeout`` (the same setting, on the runner; aiohttp 3.14
+waits for a handler up to twice it before cancelling) runs after the app's shutdown, once the
+store is closing, so a call on a hung engine was cut with no store to record it; the cut here
+happens first, while the store is open. Requests that are not captured calls (the read API's
+downloads, forwarded paths) are left to aiohttp's bound.
 
 Owns ``CallsInFlight`` (the captured calls whose handler runs: call id, rollout, task) and
 the stop's two log lines: when it begins, the calls it waits for; at the bound, the calls it
