@@ -226,7 +226,8 @@ class VllmCompletionsReader:
                     piece.token_ids = _ids_of_token_strings(tokens)
             piece.text = choice.get("text") or ""
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
-            piece.stop_reason = choice_stop(choice)
+            if piece.finish_reason is not None:  # the last piece only (nothing per token)
+                piece.stop_reason = choice_stop(choice)
             piece.routed_experts = choice.get("routed_experts")
         if top.get("prompt_token_ids") is not None and piece.prompt_token_ids is None:
             piece.prompt_token_ids = top["prompt_token_ids"]
@@ -361,7 +362,8 @@ class VllmGenerateReader:
                 piece.saw_log_probs = True
                 piece.log_probs = [e.get("logprob") for e in logprobs["content"]]
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
-            piece.stop_reason = choice_stop(choice)
+            if piece.finish_reason is not None:  # the last piece only (nothing per token)
+                piece.stop_reason = choice_stop(choice)
             piece.routed_experts = choice.get("routed_experts")
             piece.weight_versions = choice.get("weight_versions")
         piece.text = self.text.add(piece.token_ids, final=ends_text(piece.finish_reason, final))
@@ -444,7 +446,8 @@ class SglangGenerateReader:
             piece.text = text[self.text_len :]
             self.text_len = len(text)
         piece.finish_reason = _finish_reason(meta.get("finish_reason"))
-        piece.stop_reason = matched_stop(meta.get("finish_reason"))
+        if piece.finish_reason is not None:  # the last piece only (nothing per token)
+            piece.stop_reason = matched_stop(meta.get("finish_reason"))
         _held_at_abort(piece)
         piece.routed_experts = meta.get("routed_experts")
         version = meta.get("weight_version")
