@@ -4,6 +4,8 @@ open, an engine that cannot tell its facts, a streamed Anthropic Messages call."
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
@@ -88,11 +90,13 @@ def test_a_first_call_is_rendered_whole_and_answered_from_the_generated_ids():
     assert pb.outcome.record.linking == {"verdict": "root"}
 
 
-def test_a_tail_call_extends_its_parents_tokens_by_the_new_messages_only():
-    parent = make_record("call-p", [1, 2, 3], [7, 8, END_OF_TURN]).replace(
-        request_messages=FIRST, response_message=ANSWER
-    )
-    body = {"model": "m", "messages": SECOND}
+def _spliced_tail(parent, messages: list) -> tuple[Any, Any]:
+    """Play a call continuing ``parent`` (prompt [1, 2, 3], generation [7, 8, END_OF_TURN],
+    its request FIRST and what follows) with ``messages``, resolved to it by digest: the tail
+    is rendered in a small context (FIRST, then ``messages``, as [1, 2] and [1, 2, 50, 51,
+    END_OF_TURN, 60, 61]) and spliced after the parent's tokens, which the engine is sent and
+    the record keeps. Returns the playbook and the Verify command."""
+    body = {"model": "m", "messages": messages}
     resolution = Resolution(
         Verdict.RESOLVED,
         "digest",
@@ -104,14 +108,22 @@ def test_a_tail_call_extends_its_parents_tokens_by_the_new_messages_only():
     pb.start()
     pb.send(e.Resolved(resolution))
     assert pb.send(FACTS) == c.LookUpCall("call-p")
-    # the tail, in a small context: the user turn before the continued one, then the new turn
     assert pb.send(e.CallFound(parent)) == c.Render(FIRST, None, False, None)
-    assert pb.send(e.Rendered([1, 2])) == c.Render(SECOND, None, True, None)
+    assert pb.send(e.Rendered([1, 2])) == c.Render(messages, None, True, None)
     send = pb.send(e.Rendered([1, 2, 50, 51, END_OF_TURN, 60, 61]))
     assert orjson.loads(send.body)["prompt"] == [1, 2, 3, 7, 8, END_OF_TURN, 60, 61]
     pb.send(e.EngineResponded(200, False))
     verify = pb.send(e.EngineBody(_completion("Hi", [9], [-1.0])))
     assert verify.record.prompt_token_ids.tolist() == [1, 2, 3, 7, 8, END_OF_TURN, 60, 61]
+    return pb, verify
+
+
+def test_a_tail_call_extends_its_parents_tokens_by_the_new_messages_only():
+    parent = make_record("call-p", [1, 2, 3], [7, 8, END_OF_TURN]).replace(
+        request_messages=FIRST, response_message=ANSWER
+    )
+    # the tail, in a small context: the user turn before the continued one, then the new turn
+    pb, verify = _spliced_tail(parent, SECOND)
     assert verify.record.generation_token_ids.tolist() == [9]
     assert verify.record.diagnostics == []
     assert verify.resolution.parent_call_id == "call-p"
@@ -265,25 +277,7 @@ def test_a_child_of_a_prefilled_call_is_spliced_from_its_prompt_and_generation()
         linking={"verdict": "root", "prefill": True},
     )
     second = [*FIRST, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "?"}]
-    body = {"model": "m", "messages": second}
-    resolution = Resolution(
-        Verdict.RESOLVED,
-        "digest",
-        request_digest(body),
-        parent_call_id="call-p",
-        candidates=(Candidate("call-p"),),
-    )
-    pb = playbook(ChatCodec(), body, FakeExact())
-    pb.start()
-    pb.send(e.Resolved(resolution))
-    assert pb.send(FACTS) == c.LookUpCall("call-p")
     # the tail after the merged turn, in a small context (no full render, nothing refused)
-    assert pb.send(e.CallFound(parent)) == c.Render(FIRST, None, False, None)
-    assert pb.send(e.Rendered([1, 2])) == c.Render(second, None, True, None)
-    send = pb.send(e.Rendered([1, 2, 50, 51, END_OF_TURN, 60, 61]))
-    assert orjson.loads(send.body)["prompt"] == [1, 2, 3, 7, 8, END_OF_TURN, 60, 61]
-    pb.send(e.EngineResponded(200, False))
-    verify = pb.send(e.EngineBody(_completion("Hi", [9], [-1.0])))
-    assert verify.record.prompt_token_ids.tolist() == [1, 2, 3, 7, 8, END_OF_TURN, 60, 61]
+    _, verify = _spliced_tail(parent, second)
     assert verify.record.diagnostics == []
     assert verify.prefill is None

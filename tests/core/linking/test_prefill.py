@@ -4,8 +4,6 @@ continuation) the harness sends next."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from capture_proxy.core.capture import prepare_request
 from capture_proxy.core.linking.commands import FindPrefixAncestor, ReadParent
 from capture_proxy.core.linking.digests import child_digest, history_digest
@@ -18,6 +16,7 @@ from capture_proxy.core.linking.verdicts import ReasonKind, Verdict
 from capture_proxy.core.linking.verification import verify_step
 from capture_proxy.core.records import CallRecord, DiagnosticKind
 from tests.core.linking.steps import play
+from tests.core.linking.test_verification import _record
 
 USER = {"role": "user", "content": "Say hi"}
 PREFILL = {"role": "assistant", "content": "Hello,"}
@@ -30,19 +29,6 @@ PREFILLED = {
     "add_generation_prompt": False,
 }
 NEXT = [USER, MERGED, {"role": "user", "content": "again"}]
-
-
-def _record(call_id: str, prompt: list[int], generation: list[int], **fields) -> CallRecord:
-    return CallRecord(
-        call_id=call_id,
-        rollout_id="r1",
-        created_at=float(len(prompt)),
-        model="m",
-        prompt_token_ids=np.asarray(prompt, np.uint32),
-        generation_token_ids=np.asarray(generation, np.uint32),
-        generation_log_probs=np.full(len(generation), -0.5, np.float32),
-        **fields,
-    )
 
 
 def _prefilled_call(index: LinkIndex, body: dict = PREFILLED) -> CallRecord:
