@@ -125,7 +125,7 @@ def _linked(call_id: str, prompt: list[int], gen: list[int], **fields: Any) -> C
 async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     """``of_row`` from the stored columns gives what ``of_record`` gives from the decoded
     record, for complete (long and short), failed, incomplete, retried, routed-expert and
-    harness-note calls."""
+    harness-note calls, and one that continued a prefill."""
     _, worker, _, _ = writer_and_worker
     long_prompt = list(range(1, 700))
     experts = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
@@ -139,14 +139,23 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     ]
     records[4].linking = {**records[4].linking, "harness_note": "opencode.step_limit"}
     records[4].parent_call_id = "a"
+    prefill = {"role": "assistant", "content": "Sure,"}
+    prefilled = _linked("f", [1, 2, 3, 4, 5, 8, 7, 9], [6])
+    prefilled.request_messages = [*prefilled.request_messages, prefill]
+    prefilled.linking = {**prefilled.linking, "prefill": True, "prefill_message": prefill}
+    records.append(prefilled)
     for r in records:
         await worker.put_call(r)
     calls, last = await worker.stored_since("r1", 0)
     assert calls is not None and last > 0
     stored = {r.call_id: r for r in await worker.get_rollout_calls("r1")}
-    assert [c.call_id for c in calls] == ["a", "b", "c", "d", "e"]  # in the order stored
+    assert [c.call_id for c in calls] == ["a", "b", "c", "d", "e", "f"]  # in the order stored
     for call in calls:
         assert call == of_record(stored[call.call_id]), call.call_id
+    # the prefilled call offers its merged turn, read from the row's metadata alone
+    assert calls[-1].response == {
+        "role": "assistant", "content": "Sure,answer of f", "tool_calls": []
+    }  # fmt: skip
     assert (await worker.stored_since("r1", last)) == ([], last)
     assert await worker.last_rowid("r1") == last
 

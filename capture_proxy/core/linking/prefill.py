@@ -14,9 +14,11 @@ own turn. So:
   sends next, prefill + the model's continuation (``continued_turn``): its text the
   prefill's then the continuation's, its tool calls the prefill's then the continuation's,
   the continuation's reasoning;
-- a stored call says it continued a prefill (``linking.prefill``: true); its prefill is then
-  the last of its ``request_messages`` (``record_prefill``), and its history for a child's
-  extension check leaves it out (``history_before_turn``).
+- a stored call says it continued a prefill (``linking.prefill``: true) and keeps it
+  (``linking.prefill_message``, so a stored row's metadata tells the turn it offers without
+  its messages: ``stored.of_row``); the prefill is the last of its ``request_messages``
+  (``record_prefill``), and its history for a child's extension check leaves it out
+  (``history_before_turn``).
 
 The merged turn's tokens are the call's prompt tokens from the prefill on, then its
 generation: a child that extends the call's prompt + generation shows the model its own
@@ -67,10 +69,16 @@ def continued_turn(prefill: Mapping[str, Any], response: Mapping[str, Any]) -> d
 
 
 def record_prefill(record: CallRecord) -> Mapping[str, Any] | None:
-    """The prefill a stored call continued (``linking.prefill``), else None."""
-    if not (record.linking or {}).get("prefill") or not record.request_messages:
+    """The prefill a stored call continued (``linking.prefill``), else None: the record's
+    ``linking.prefill_message``, else (a record stored before it was kept there) its last
+    request message."""
+    linking = record.linking or {}
+    if not linking.get("prefill"):
         return None
-    return record.request_messages[-1]
+    message = linking.get("prefill_message")
+    if message is not None:
+        return message  # type: ignore[no-any-return]
+    return record.request_messages[-1] if record.request_messages else None
 
 
 def offered_turn(

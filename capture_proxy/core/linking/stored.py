@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture_proxy.core.linking.digests import child_digest
-from capture_proxy.core.linking.prefill import history_before_turn, offered_turn
+from capture_proxy.core.linking.prefill import continued_turn, history_before_turn, offered_turn
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end as record_rows_end
@@ -100,15 +100,19 @@ def of_row(
     """The facts of a stored row (``calls``' columns of those names and ``meta``), or None
     when the row cannot tell them all (not schema v4; an answered call whose record keeps no
     child digest; a complete call with output stored without its block digest; a call that
-    continued a prefill: the turn it offers merges its answer with a request message, which
-    the row's metadata does not hold)."""
+    continued a prefill stored without ``linking.prefill_message``: the turn it offers merges
+    its answer with that message)."""
     if schema_version != ROW_SCHEMA_VERSION:
         return None
     meta = json.loads(meta_text)
     linking = meta.get("linking") or {}
-    if linking.get("prefill"):
-        return None
     response = meta.get("response_message") if status != CallStatus.FAILED.value else None
+    if linking.get("prefill"):
+        prefill = linking.get("prefill_message")
+        if prefill is None:
+            return None
+        if response is not None:
+            response = continued_turn(prefill, response)
     child = linking.get("child_digest")
     if response is not None and child is None:
         return None

@@ -131,7 +131,7 @@ def verify_step(
             reason = prefix_linked(verdict, reason)
             verdict, parent_call_id = Verdict.PREFIX, ancestor
     diagnostics.extend(routed_experts_diagnostics(record, resolution, parent_call_id))
-    linking = {
+    linking: dict[str, Any] = {
         "verdict": verdict.value,
         "parent_digest": resolution.parent_digest,
         "child_digest": _child_digest(resolution, linking_messages, record, digests),
@@ -141,6 +141,10 @@ def verify_step(
         "harness_note": harness_note,
         "prefill": prefill is not None,
     }
+    if prefill is not None:
+        # What a row's metadata must hold for the turn the call offers (``stored.of_row``):
+        # a worker catching up reads the row's metadata, not its messages.
+        linking["prefill_message"] = dict(prefill)
     return record.replace(
         parent_call_id=parent_call_id,
         linking=linking,

@@ -4,6 +4,8 @@ continuation) the harness sends next."""
 
 from __future__ import annotations
 
+import json
+
 from capture_proxy.core.capture import prepare_request
 from capture_proxy.core.linking.commands import FindPrefixAncestor, ReadParent
 from capture_proxy.core.linking.digests import child_digest, history_digest
@@ -159,7 +161,26 @@ def test_the_index_files_a_stored_prefilled_call_by_the_merged_turn():
     assert got.parent_call_id == "p"
 
 
-def test_a_stored_row_of_a_prefilled_call_is_read_whole():
+def test_a_prefilled_calls_row_offers_the_merged_turn_from_its_metadata():
+    record = _prefilled_call(LinkIndex())
+    assert record.linking["prefill_message"] == PREFILL
+    meta = json.dumps(
+        {
+            "linking": record.linking,
+            "response_message": record.response_message,
+            "num_prompt_tokens": 4,
+            "num_generation_tokens": 2,
+            "model": record.model,
+        }
+    )
+    digests = RecordDigests(record)
+    tokens_sha256, block_sha256 = digests.token_key()
+    row = of_row("p", record.created_at, "complete", 4, meta, tokens_sha256, block_sha256, None)
+    assert row is not None and row == of_record(record)
+    assert row.response == {**MERGED, "tool_calls": []}
+
+
+def test_a_prefilled_row_stored_without_its_prefill_message_is_read_whole():
     meta = (
         '{"linking": {"child_digest": "d", "prefill": true}, "response_message": '
         '{"content": " world"}, "num_prompt_tokens": 4, "num_generation_tokens": 2}'
