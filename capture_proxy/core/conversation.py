@@ -87,8 +87,8 @@ class ChatNamedToolChoice(TypedDict):
 class ChatRequest(TypedDict, total=False):
     """The canonical request (``FrontRequest.chat``): a chat-completions body, vLLM 0.32
     names. ``max_tokens`` counts generated tokens; ``temperature``, ``top_p``, ``top_k`` as
-    the engine takes them; ``continue_final_message`` / ``add_generation_prompt: false``: the
-    last (assistant) message is continued, not answered (an Anthropic prefill)."""
+    the engine takes them; ``continue_final_message`` with ``add_generation_prompt: false``:
+    the last (assistant) message is continued, not answered (an Anthropic prefill)."""
 
     model: str | None
     messages: Required[list[ChatMessage]]

@@ -21,10 +21,9 @@ import aiohttp
 from aiohttp import web
 
 from capture_proxy.scripted_engine.chat_request import (
+    chat_prompt_ids,
     check,
     json_body,
-    render_continuation,
-    render_prompt,
     validate_chat,
 )
 from capture_proxy.scripted_engine.continuations import remember_generation
@@ -98,11 +97,7 @@ def _chat_prompt(app: web.Application, body: dict[str, Any]) -> list[int]:
     """The prompt ids of a validated chat body. Raises RequestError (render failure, longer
     than ``max_model_len``)."""
     cfg = app[CONFIG]
-    if body.get("continue_final_message") is True:
-        # vLLM: transformers' continue_final_message leaves the last message open
-        prompt = render_continuation(app, body)
-    else:
-        prompt = render_prompt(app, body, True)
+    prompt = chat_prompt_ids(app, body)
     if len(prompt) >= cfg.max_model_len:
         raise RequestError(
             f"prompt has {len(prompt)} tokens; max_model_len is {cfg.max_model_len}", "messages"

@@ -12,6 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
+from capture_proxy.core.linking.prefill import generation_prompt_conflict
 from capture_proxy.families.base import RenderError
 from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.scripted_engine.state import FAMILY, RequestError
@@ -132,3 +133,17 @@ def render_continuation(app: web.Application, body: dict[str, Any]) -> list[int]
         raise
     except Exception as e:  # template errors are the client's fault
         raise RequestError(f"cannot render messages: {e}", "messages") from e
+
+
+def chat_prompt_ids(app: web.Application, body: dict[str, Any]) -> list[int]:
+    """The chat form's prompt ids as vLLM 0.32 renders them: ``continue_final_message`` with
+    ``add_generation_prompt: false`` leaves the last message open (transformers'
+    ``continue_final_message``; with the generation prompt on, its default, transformers
+    refuses the pair and vLLM answers 400); ``add_generation_prompt: false`` alone closes
+    every message and adds no generation prompt. Raises RequestError."""
+    conflict = generation_prompt_conflict(body)
+    if conflict is not None:
+        raise RequestError(conflict, "add_generation_prompt")
+    if body.get("continue_final_message"):
+        return render_continuation(app, body)
+    return render_prompt(app, body, body.get("add_generation_prompt", True) is not False)

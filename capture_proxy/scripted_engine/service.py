@@ -11,10 +11,9 @@ from typing import cast
 from aiohttp import web
 
 from capture_proxy.scripted_engine.chat_request import (
+    chat_prompt_ids,
     check,
     json_body,
-    render_continuation,
-    render_prompt,
     validate_chat,
 )
 from capture_proxy.scripted_engine.state import CONFIG, FAMILY, RequestError, check_model
@@ -35,11 +34,7 @@ async def tokenize(request: web.Request) -> web.Response:
         messages = [
             {k: v for k, v in m.items() if k != "reasoning_content"} for m in body["messages"]
         ]
-        generation_prompt = body.get("add_generation_prompt", True) is not False
-        if body.get("continue_final_message") is True:
-            ids = render_continuation(app, {**body, "messages": messages})
-        else:
-            ids = render_prompt(app, {**body, "messages": messages}, generation_prompt)
+        ids = chat_prompt_ids(app, {**body, "messages": messages})
     elif isinstance(body.get("prompt"), str):
         ids = app[FAMILY].encode(body["prompt"])
     else:

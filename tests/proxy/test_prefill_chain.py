@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import aiohttp
 import pytest
 
 from capture_proxy.scripted_engine.state import ScriptedEngineConfig
@@ -179,3 +180,49 @@ async def test_a_merged_turn_that_retokenizes_is_spliced_or_refused_never_linked
         assert "exact_prompt_refused" not in kinds and "exact_prompt_full_render" not in kinds
         tail = [qwen_tokenizer.decode([t]) for t in first["prompt_token_ids"][-2:]]
         assert tail == [",", " "]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_add_generation_prompt_false_alone_renders_the_conversation_closed(
+    make_stack, qwen_tokenizer, qwen_tokenizer_dir, mode
+):
+    """vLLM 0.32 continues a message only with ``continue_final_message``: with
+    ``add_generation_prompt: false`` alone every message is closed and no generation prompt
+    follows. The trailing assistant message is then history (not a prefill), in either mode."""
+    stack = await _stack(make_stack, qwen_tokenizer_dir, mode)
+    messages = [USER, {"role": "assistant", "content": "Hello,"}]
+    body = {"model": "scripted-qwen", "max_tokens": 32, "messages": messages}
+    resp = await stack.chat("r1", {**body, "add_generation_prompt": False})
+    assert resp.status == 200, await resp.text()
+    call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    assert call["linking"]["prefill"] is False
+    prompt = qwen_tokenizer.decode(call["prompt_token_ids"])
+    assert prompt.endswith("<|im_start|>assistant\nHello,<|im_end|>\n")
+    async with aiohttp.ClientSession() as session:
+        tokenize = {"messages": messages, "add_generation_prompt": False}
+        async with session.post(stack.engine.make_url("/tokenize"), json=tokenize) as got:
+            assert call["prompt_token_ids"] == (await got.json())["tokens"]
+
+
+@pytest.mark.parametrize("generation", [True, None], ids=["true", "left_out"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_continue_final_message_with_the_generation_prompt_on_is_a_400(
+    make_stack, qwen_tokenizer_dir, mode, generation
+):
+    """vLLM 0.32 refuses ``continue_final_message`` unless ``add_generation_prompt`` is
+    false (its default is true; transformers refuses the pair): the engine says so in
+    backend-template mode, the proxy in exact-token mode, naming the field."""
+    stack = await _stack(make_stack, qwen_tokenizer_dir, mode)
+    body: dict[str, Any] = {
+        "model": "scripted-qwen",
+        "max_tokens": 32,
+        "messages": [USER, {"role": "assistant", "content": "Hello,"}],
+        "continue_final_message": True,
+    }
+    if generation is not None:
+        body["add_generation_prompt"] = generation
+    resp = await stack.chat("r1", body)
+    assert resp.status == 400, await resp.text()
+    error = (await resp.json())["error"]
+    assert error["param"] == "add_generation_prompt", error
+    assert "add_generation_prompt: false" in error["message"]

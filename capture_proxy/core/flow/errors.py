@@ -27,7 +27,7 @@ class PrefillNotSupported(CallError, ValueError):
     def __init__(self) -> None:
         super().__init__(
             "continuing a final assistant message (an Anthropic prefill, or "
-            "continue_final_message / add_generation_prompt=false) is not supported by this "
+            "continue_final_message with add_generation_prompt=false) is not supported by this "
             "model family's renderer in exact-token mode; end the conversation with a user or "
             "tool message, or use prompt_mode backend_template",
             code="prefill_not_supported",

@@ -23,10 +23,13 @@ from capture_proxy.core.flow.call import Call, Flow
 from capture_proxy.core.flow.commands import LookUpCall, Render, RenderTail
 from capture_proxy.core.flow.errors import PrefillNotSupported
 from capture_proxy.core.flow.events import CallFound, Rendered, RenderFailed
+from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts, same_messages
 from capture_proxy.core.known_tools import tools_key
 from capture_proxy.core.linking.prefill import (
+    closes_without_generation_prompt,
     continues_final_message,
+    generation_prompt_conflict,
     history_before_turn,
     offered_turn,
 )
@@ -89,8 +92,13 @@ class Prompt:
 
 
 def refuse_if_cannot_continue(exact: ExactFamily, body: Mapping[str, Any]) -> None:
-    """Raise ``PrefillNotSupported`` for a prefill the family's renderer cannot leave open
-    (the HF-template families can; harmony cannot): refused before anything is forwarded."""
+    """Raise ``InvalidRequest`` (param ``add_generation_prompt``) for the pair of flags vLLM
+    refuses (``continue_final_message`` without ``add_generation_prompt: false``), and
+    ``PrefillNotSupported`` for a prefill the family's renderer cannot leave open (the
+    HF-template families can; harmony cannot): refused before anything is forwarded."""
+    conflict = generation_prompt_conflict(body)
+    if conflict is not None:
+        raise InvalidRequest(conflict, "add_generation_prompt")
     if continues_final_message(body) and not isinstance(exact.renderer, ContinuationRenderer):
         raise PrefillNotSupported()
 
@@ -107,11 +115,21 @@ def _render_ids(
 
 
 def _render(
-    messages: Any, tools: Any, kwargs: Any, *, continuation: bool = False
+    messages: Any,
+    tools: Any,
+    kwargs: Any,
+    *,
+    continuation: bool = False,
+    generation: bool = True,
 ) -> Flow[np.ndarray]:
-    """A whole prompt, as uint32 ids. Raises RenderError."""
+    """A whole prompt, as uint32 ids: the last message left open (``continuation``), else
+    the generation prompt after it unless ``generation`` is false. Raises RenderError."""
     ids = yield from _render_ids(
-        messages, tools, kwargs, generation=not continuation, continuation=continuation
+        messages,
+        tools,
+        kwargs,
+        generation=generation and not continuation,
+        continuation=continuation,
     )
     return np.asarray(ids, dtype=np.uint32)
 
@@ -230,6 +248,12 @@ def exact_prompt(
         refuse_if_cannot_continue(exact, body)
         ids = yield from _render(messages, tools, kwargs, continuation=True)
         why = {"reason": "continue_final_message"}
+        return Prompt(ids, None, [Diagnostic(EXACT_PROMPT_FULL_RENDER, why)])
+    if closes_without_generation_prompt(body):
+        # vLLM renders every message closed and no generation prompt (a rare request: the
+        # model writes its own turn header); the link is taken at verification, by tokens.
+        ids = yield from _render(messages, tools, kwargs, generation=False)
+        why = {"reason": "add_generation_prompt"}
         return Prompt(ids, None, [Diagnostic(EXACT_PROMPT_FULL_RENDER, why)])
     if res.verdict is not Verdict.RESOLVED or res.parent_call_id is None:
         return Prompt((yield from _render(messages, tools, kwargs)), None, [])

@@ -40,8 +40,30 @@ _REASONING_KEYS = ("reasoning_content", "reasoning")
 
 def continues_final_message(body: Mapping[str, Any]) -> bool:
     """The request asks to continue its last message rather than answer it (an Anthropic
-    prefill, vLLM's ``continue_final_message`` / ``add_generation_prompt: false``)."""
-    return bool(body.get("continue_final_message")) or body.get("add_generation_prompt") is False
+    prefill; on chat completions ``continue_final_message: true`` with
+    ``add_generation_prompt: false``, the one pair vLLM 0.32 continues with).
+    ``add_generation_prompt: false`` alone renders the conversation closed, without a
+    generation prompt (``closes_without_generation_prompt``)."""
+    return bool(body.get("continue_final_message")) and body.get("add_generation_prompt") is False
+
+
+def closes_without_generation_prompt(body: Mapping[str, Any]) -> bool:
+    """``add_generation_prompt: false`` without ``continue_final_message``: vLLM renders
+    every message closed and no generation prompt after them."""
+    return body.get("add_generation_prompt") is False and not body.get("continue_final_message")
+
+
+def generation_prompt_conflict(body: Mapping[str, Any]) -> str | None:
+    """Why vLLM 0.32 refuses the request's pair of flags, else None:
+    ``continue_final_message: true`` with ``add_generation_prompt`` true or left out (its
+    default is true; transformers' ``apply_chat_template`` refuses the two together, and
+    vLLM answers 400)."""
+    if body.get("continue_final_message") and body.get("add_generation_prompt") is not False:
+        return (
+            "continue_final_message: true needs add_generation_prompt: false (its default is "
+            "true; vLLM refuses the two together)"
+        )
+    return None
 
 
 def split_prefill(

@@ -14,6 +14,7 @@ from capture_proxy.core.flow import events as e
 from capture_proxy.core.flow.errors import EngineUnreachable, PrefillNotSupported
 from capture_proxy.core.fronts.chat import ChatCodec
 from capture_proxy.core.fronts.messages import MessagesCodec
+from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.linking.digests import request_digest
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.verdicts import Verdict
@@ -142,10 +143,28 @@ def test_a_render_error_fails_the_request_and_records_nothing():
 
 
 def test_a_prefill_the_renderer_cannot_leave_open_is_refused_before_anything():
-    body = {"model": "m", "messages": [*FIRST, ANSWER], "continue_final_message": True}
+    body = {
+        "model": "m",
+        "messages": [*FIRST, ANSWER],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
     pb = playbook(ChatCodec(), body, FakeExact())
     with pytest.raises(PrefillNotSupported):
         pb.start()
+
+
+@pytest.mark.parametrize("generation", [True, None], ids=["true", "left_out"])
+def test_continue_final_message_with_the_generation_prompt_on_is_refused_as_vllm_does(generation):
+    # vLLM 0.32: add_generation_prompt defaults to true, and transformers refuses it beside
+    # continue_final_message (a 400); the proxy renders in exact-token mode, so it refuses too
+    body = {"model": "m", "messages": [*FIRST, ANSWER], "continue_final_message": True}
+    if generation is not None:
+        body["add_generation_prompt"] = generation
+    pb = playbook(ChatCodec(), body, FakeExact())
+    with pytest.raises(InvalidRequest) as raised:
+        pb.start()
+    assert raised.value.param == "add_generation_prompt"
 
 
 def test_an_engine_that_cannot_tell_its_facts_fails_the_call_recorded():

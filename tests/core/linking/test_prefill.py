@@ -69,9 +69,12 @@ def _prefilled_call(index: LinkIndex, body: dict = PREFILLED) -> CallRecord:
 
 def test_a_prefill_is_the_last_assistant_message_of_a_request_that_continues_it():
     assert split_prefill(PREFILLED, PREFILLED["messages"]) == PREFILL
-    assert split_prefill({"add_generation_prompt": False}, [USER, PREFILL]) == PREFILL
+    assert split_prefill(PREFILLED, [USER]) is None
     assert split_prefill({}, [USER, PREFILL]) is None  # answered as a new turn: history
-    assert split_prefill({"continue_final_message": True}, [USER]) is None
+    # vLLM 0.32 continues only with both flags: add_generation_prompt false alone renders the
+    # message closed (history), continue_final_message alone is refused (a 400)
+    assert split_prefill({"add_generation_prompt": False}, [USER, PREFILL]) is None
+    assert split_prefill({"continue_final_message": True}, [USER, PREFILL]) is None
 
 
 def test_the_merged_turn_is_the_prefill_then_the_continuation():
