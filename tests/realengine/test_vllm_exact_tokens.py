@@ -71,3 +71,34 @@ async def test_tool_call_chain_in_exact_token_mode(real_exact: RealStack):
     chains = await real.get_json(f"/captures/rollouts/{rollout}/chains")
     shapes = [[(c["call_id"], c["parent_call_id"]) for c in ch["calls"]] for ch in chains["chains"]]
     assert shapes == [[(call_ids[0], None), (call_ids[1], call_ids[0])]]
+
+
+async def test_the_generation_prompt_flags_render_as_vllm_renders_them(real_exact: RealStack):
+    """vLLM is the oracle for the two flags in exact-token mode: ``continue_final_message``
+    with ``add_generation_prompt: false`` leaves the last message open, ``add_generation_prompt:
+    false`` alone closes it with no generation prompt (the proxy's prompt equals vLLM's
+    ``/tokenize`` of the same flags), and ``continue_final_message`` alone is a 400 from vLLM's
+    chat endpoint and from the proxy, which names ``add_generation_prompt``."""
+    real = real_exact
+    messages = [SYSTEM, USER, {"role": "assistant", "content": "Let me look"}]
+    base = {"model": real.model, "messages": messages, "max_tokens": 4, "temperature": 0}
+    for flags in (
+        {"continue_final_message": True, "add_generation_prompt": False},
+        {"add_generation_prompt": False},
+    ):
+        resp = await real.chat("real-exact-flags", {**base, **flags})
+        assert resp.status == 200, await resp.text()
+        call = await real.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+        oracle = real.engine.post(
+            "/tokenize", json={"model": real.model, "messages": messages, **flags}
+        )
+        assert oracle.status_code == 200, oracle.text
+        assert call["prompt_token_ids"] == oracle.json()["tokens"], flags
+        assert call["linking"]["prefill"] is ("continue_final_message" in flags)
+    refused = real.engine.post(
+        "/v1/chat/completions", json={**base, "continue_final_message": True}
+    )
+    assert refused.status_code == 400, refused.text
+    resp = await real.chat("real-exact-flags", {**base, "continue_final_message": True})
+    assert resp.status == 400, await resp.text()
+    assert (await resp.json())["error"]["param"] == "add_generation_prompt"
