@@ -734,10 +734,10 @@ def test_stream_events():
         "response.output_item.done",
         "response.output_item.added",  # function call
         "response.function_call_arguments.delta",
-        "response.output_item.added",  # custom tool call (input held until it closes)
-        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",  # (the custom call's start is held)
         "response.function_call_arguments.done",
         "response.output_item.done",
+        "response.output_item.added",  # custom tool call: one item after another
         "response.custom_tool_call_input.delta",
         "response.custom_tool_call_input.done",
         "response.output_item.done",
@@ -773,6 +773,50 @@ def test_stream_events():
     assert completed == CODEC.encode(req, final)
     done = [d["item"] for e, d in events if e == "response.output_item.done"]
     assert done == completed["output"]
+
+
+def test_parallel_calls_stream_one_item_after_another():
+    """An engine that interleaves two calls' argument deltas: the API (and Codex, which keeps
+    the done items) sees each call's item added, its arguments and done before the next item
+    is added, and each call's arguments whole."""
+
+    def frag(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+        if name is not None:
+            call |= {"id": f"call_{index}", "function": {"name": name, "arguments": arguments}}
+        return {"tool_calls": [call]}
+
+    deltas = [
+        frag(0, '{"cmd": ', "exec_command"),
+        frag(1, '{"cmd": ', "exec_command"),
+        frag(0, '"ls"}'),
+        frag(1, '"pwd"}'),
+    ]
+    calls = [
+        {"id": f"call_{i}", "type": "function",
+         "function": {"name": "exec_command", "arguments": args}}
+        for i, args in enumerate(['{"cmd": "ls"}', '{"cmd": "pwd"}'])
+    ]  # fmt: skip
+    final = answer({"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls")
+    events = run_stream(request(), deltas, final)
+    item_events = [(e, d["output_index"]) for e, d in events if "output_index" in d]
+    assert item_events == [
+        ("response.output_item.added", 0),
+        ("response.function_call_arguments.delta", 0),
+        ("response.function_call_arguments.delta", 0),
+        ("response.function_call_arguments.done", 0),
+        ("response.output_item.done", 0),
+        ("response.output_item.added", 1),
+        ("response.function_call_arguments.delta", 1),
+        ("response.function_call_arguments.done", 1),
+        ("response.output_item.done", 1),
+    ]
+    done = [d["item"] for e, d in events if e == "response.output_item.done"]
+    assert [(i["call_id"], i["arguments"]) for i in done] == [
+        ("call_0", '{"cmd": "ls"}'),
+        ("call_1", '{"cmd": "pwd"}'),
+    ]
+    assert done == events[-1][1]["response"]["output"]
 
 
 def test_stream_without_summary_streams_reasoning_text():

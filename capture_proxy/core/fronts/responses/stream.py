@@ -62,9 +62,11 @@ class _Call:
 
 class ResponsesStream(PartsStreamEncoder):
     """Chat deltas in, Responses SSE events out (see the module docstring for what Codex
-    reads). A text or reasoning item is closed when a delta of another kind arrives; tool
-    call items (several may interleave) when the answer finishes: text or reasoning that
-    comes while calls stream is held and sent after them. A call's item is added when its
+    reads). Items are streamed one after another, as the API does. A text or reasoning item
+    is closed when a delta of another kind arrives; a tool call item when the answer
+    finishes: text or reasoning that comes while a call streams is held and sent after the
+    calls, and so is a second call that starts while one is open (its item added, its
+    arguments in one delta and done after the open one's). A call's item is added when its
     arguments start (its name is whole by then); a freeform tool's input is sent whole when
     its call closes, unwrapped from ``{"input": ...}``. Codex keeps the done items as the
     turn, so the deltas must add up to the answer; parts of the answer no delta carried are
@@ -299,6 +301,11 @@ class ResponsesStream(PartsStreamEncoder):
             return []
         out: list[bytes] = []
         if call.output_index < 0:
+            if any(c.output_index >= 0 and not c.done for c in self.calls.values()):
+                # another call's item is open: this one is sent whole when that one closes
+                # (the API streams one item after another, never two at once)
+                call.arguments.append(arguments)
+                return []
             out += self._add_call(call)
         call.arguments.append(arguments)
         if call.name not in self.opts.custom_tools:
@@ -324,15 +331,24 @@ class ResponsesStream(PartsStreamEncoder):
         return out
 
     def _close_calls(self) -> list[bytes]:
+        """Closes the calls not done, one item after another: the open one first, then each
+        held one (added, its arguments in one delta, done), in the answer's order."""
         out: list[bytes] = []
-        for index in sorted(self.calls):
-            call = self.calls[index]
-            if call.done:
-                continue
+        waiting = [c for c in self.calls.values() if not c.done]
+        waiting.sort(key=lambda c: (c.output_index < 0, c.output_index, c.index))
+        for call in waiting:
+            arguments = "".join(call.arguments)
+            where: dict[str, Any]
             if call.output_index < 0:
                 out += self._add_call(call)
+                if arguments and call.name not in self.opts.custom_tools:
+                    where = {"item_id": call.item_id, "output_index": call.output_index}
+                    out.append(
+                        self._event(
+                            "response.function_call_arguments.delta", **where, delta=arguments
+                        )
+                    )
             call.done = True
-            arguments = "".join(call.arguments)
             item = call_item(call.item_id, call.call_id, call.name, arguments, self.opts)
             self.done_items[call.output_index] = item
             where = {"item_id": call.item_id, "output_index": call.output_index}
