@@ -59,7 +59,8 @@ async def _previous_messages(
     """The canonical messages a Responses ``previous_response_id`` stands for: that call's
     messages (less its ``instructions``, which the API does not carry over) and its answer
     (the proxy stored it, ``referenced_history``). Raises UnknownPreviousResponse when the
-    id is unknown to this rollout or its call has no answer; InvalidFrontRequest."""
+    id is unknown to this rollout, its call has no answer or was made with ``store: false``
+    (the API keeps no such response to continue); InvalidFrontRequest."""
     if front.api is not Api.RESPONSES:
         return None
     response_id = referenced_response_id(body)
@@ -72,6 +73,7 @@ async def _previous_messages(
         or record.rollout_id != rollout_id
         or record.response_message is None
         or not response_id.startswith("resp_")
+        or (record.request_received or {}).get("store") is False
     ):
         raise UnknownPreviousResponse(response_id)
     return referenced_history(

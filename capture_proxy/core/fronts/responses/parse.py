@@ -532,6 +532,12 @@ def parse_request(
         _fail("model", "is required")
     if not isinstance(model, str):
         _fail("model", f"must be a string, got {type(model).__name__}")
+    if body.get("background") is True:
+        _fail(
+            "background",
+            "true is not supported: the proxy answers in the request, and keeps no response "
+            "to poll or cancel",
+        )
     collector = ImageCollector(images)
     chat: ChatRequest = {"model": model, "messages": _input(body, previous, collector)}
     converted = _tool_fields(body, chat, known_tools)
