@@ -59,8 +59,9 @@ async def _previous_messages(
     """The canonical messages a Responses ``previous_response_id`` stands for: that call's
     messages (less its ``instructions``, which the API does not carry over) and its answer
     (the proxy stored it, ``referenced_history``). Raises UnknownPreviousResponse when the
-    id is unknown to this rollout, its call has no answer or was made with ``store: false``
-    (the API keeps no such response to continue); InvalidFrontRequest."""
+    id is unknown to this rollout or its call has no answer; InvalidFrontRequest. A response
+    made with ``store: false`` is served too (the API would not find it): the proxy keeps
+    every call, and a harness that sends both gets the history it names."""
     if front.api is not Api.RESPONSES:
         return None
     response_id = referenced_response_id(body)
@@ -73,7 +74,6 @@ async def _previous_messages(
         or record.rollout_id != rollout_id
         or record.response_message is None
         or not response_id.startswith("resp_")
-        or (record.request_received or {}).get("store") is False
     ):
         raise UnknownPreviousResponse(response_id)
     return referenced_history(

@@ -528,27 +528,6 @@ async def test_previous_response_id_gives_the_prompt_of_the_whole_input(make_sta
     assert replies[2].body["previous_response_id"] == replies[1].body["id"]
 
 
-async def test_a_response_made_with_store_false_cannot_be_continued(make_stack):
-    """The API keeps no response made with ``store: false`` (Codex's setting), so a later
-    ``previous_response_id`` naming it is not found; nothing is forwarded or stored."""
-    stack = await _stack(make_stack, "backend_template")
-    first = await stack.client.post(
-        capture_url("r1", "responses"), json={"model": MODEL, "input": "hi", "store": False}
-    )
-    assert first.status == 200, await first.text()
-    response_id = (await first.json())["id"]
-    sent = len(stack.sent)
-    body = {"model": MODEL, "input": "again", "previous_response_id": response_id}
-    resp = await stack.client.post(capture_url("r1", "responses"), json=body)
-    assert resp.status == 400, await resp.text()
-    error = (await resp.json())["error"]
-    assert (error["code"], error["param"]) == (
-        "previous_response_not_found",
-        "previous_response_id",
-    )
-    assert len(stack.sent) == sent
-
-
 # -- 6. opaque reasoning values round trip ---------------------------------------------------
 
 
