@@ -120,17 +120,20 @@ class FunctionCall(_Lenient):
 
 
 def arguments_problem(value: str) -> str | None:
-    """Why tool-call ``arguments`` text is not what vLLM accepts (it parses them with
-    ``json.loads``, chat_utils._postprocess_messages, and answers 400 otherwise); None when
-    it is. orjson first (what it accepts the stdlib accepts too); the stdlib decides what
-    orjson refuses (NaN, Infinity)."""
+    """Why tool-call ``arguments`` text cannot be taken, else None. vLLM 0.32 takes any text
+    (``renderers/chat_utils._postprocess_messages``: "" and text that is not a JSON object
+    become ``{}`` for the template; invalid JSON too, with a warning, so that a conversation
+    holding a malformed call can go on). The proxy keeps the text as sent (records, digests)
+    and renders ``{}`` as vLLM does (``families.vllm_messages.template_arguments``); only JSON
+    nested past ``MAX_NESTING`` levels is refused (the stdlib parser vLLM uses raises
+    ``RecursionError`` there, which vLLM does not catch)."""
     try:
         orjson.loads(value)
     except orjson.JSONDecodeError:
         try:
             json.loads(value)
-        except ValueError as exc:
-            return f"tool call arguments must be JSON text: {exc}"
+        except ValueError:
+            return None
         except RecursionError:
             return f"tool call arguments nest too deeply (at most {MAX_NESTING} levels)"
     return None

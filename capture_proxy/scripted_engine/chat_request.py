@@ -7,7 +7,6 @@ a request or load the tokenizer.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from aiohttp import web
@@ -75,37 +74,16 @@ def validate_chat(body: dict[str, Any]) -> None:
     check(isinstance(body.get("stream", False), bool), "stream must be a boolean", "stream")
 
 
-def _parse_tool_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for m in messages:
-        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
-        if isinstance(calls, list) and calls:
-            m = {**m, "tool_calls": [_parsed_call(c) for c in calls]}
-        out.append(m)
-    return out
-
-
-def _parsed_call(call: dict[str, Any]) -> dict[str, Any]:
-    fn = call.get("function") or {}
-    args = fn.get("arguments")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError as e:
-            raise RequestError(f"tool call arguments are not JSON: {e}", "messages") from e
-    return {**call, "function": {**fn, "arguments": args}}
-
-
 def render_prompt(app: web.Application, body: dict[str, Any], generation_prompt: bool) -> list[int]:
     """Prompt token ids, rendered by the family's renderer (the proxy's): for the Qwen
     families the template rendered to text, then encoded without extra specials.
 
-    Like vLLM (``chat_utils._postprocess_messages``), assistant tool-call arguments arrive as
-    JSON strings and are parsed into objects before rendering, so the template re-serialises
-    them with ``tojson`` (``json.dumps`` defaults: ``", "`` and ``": "``, UTF-8 kept)."""
+    Like vLLM 0.32 (``chat_utils._postprocess_messages``), assistant tool-call arguments
+    arrive as JSON strings and are parsed into objects before rendering (the family's
+    renderer: ``families.vllm_messages``), so the template re-serialises them with ``tojson``
+    (``json.dumps`` defaults: ``", "`` and ``": "``, UTF-8 kept); "" and text that is not a
+    JSON object render as ``{}``, as vLLM coerces them."""
     try:
-        if app[FAMILY].tokenizer is not None:
-            _parse_tool_arguments(body["messages"])  # the 400 vLLM gives for bad arguments
         return app[FAMILY].render(body["messages"], body.get("tools"), generation_prompt)
     except RequestError:
         raise
@@ -120,8 +98,6 @@ def render_continuation(app: web.Application, body: dict[str, Any]) -> list[int]
     if not isinstance(renderer, LocalRenderer):
         raise RequestError("continue_final_message is not supported for this family", "messages")
     try:
-        if app[FAMILY].tokenizer is not None:
-            _parse_tool_arguments(body["messages"])
         return list(
             renderer.render_continuation_sync(
                 body["messages"],
