@@ -445,11 +445,12 @@ REFUSALS = [
         "input.0.arguments",
     ),
     (
-        # vLLM parses a history's tool-call arguments: not JSON is refused here, not there
+        # vLLM parses a history's tool-call arguments (text that is not JSON becomes {}):
+        # only nesting its parser cannot take is refused
         {
             "input": [
                 _user("hi"),
-                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{x"},
+                {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 100_000},
             ]
         },
         "input.1.arguments",
