@@ -7,10 +7,26 @@ Observed through the proxy with Claude Code 2.1.328 (Anthropic Messages):
   ``Agent`` turn), then the tool result "Fork started — that fork is you." and a
   ``<fork-boilerplate>`` block;
 - ``/compact``: the summary call's answer wraps the summary in ``<summary>...</summary>``; its
-  body is carried into the first user message of the next conversation.
+  body is carried into the first user message of the next conversation;
+- every request carries ``metadata.user_id``, a JSON string with ``device_id``,
+  ``account_uuid`` and ``session_id``. The session id is the ``claude`` process's session
+  (also sent as the ``X-Claude-Code-Session-Id`` header, which the proxy does not store): the
+  main agent's calls, its sub-agents' and its fork's, the summary call of ``/compact``, and
+  the calls of a later ``claude --continue`` all send the same one; two ``claude`` sessions
+  send two (tests/fixtures/claude_code/*.jsonl, tests/e2e/test_claude_code_lineage.py). A
+  sub-agent is always its spawner's session, and so is the conversation after ``/compact``;
+  a history can be replayed into a new session (``--continue --fork-session``, ``--resume``
+  of another session's transcript), so a fork or resume edge may join two sessions.
 """
 
-from harness_notes.lineage import ForkMarker, SpawnTool, SummaryTags
+from harness_notes.lineage import ForkMarker, SessionField, SpawnTool, SummaryTags
+
+SESSION = SessionField(
+    "claude_code",
+    ("metadata", "user_id"),
+    json_key="session_id",
+    edge_kinds=frozenset({"spawned_by", "compacted_from"}),
+)
 
 LINEAGE = (
     SpawnTool("claude_code", "Agent", "prompt"),
@@ -18,4 +34,5 @@ LINEAGE = (
     ForkMarker("claude_code", "Fork started \u2014 that fork is you."),
     ForkMarker("claude_code", "<fork-boilerplate>"),
     SummaryTags("claude_code", "<summary>", "</summary>"),
+    SESSION,
 )

@@ -33,7 +33,9 @@ class LineageEdge:
     ``message_index`` (an index into the root's ``request_messages``), ``text_sha256`` and
     ``num_chars`` of the matched text, ``num_messages`` (how many non-system messages of the
     history were replayed), ``common_prefix_tokens`` (of the root's prompt and the source's
-    prompt + generation), ``tool_call_id``, ``marker``, ``replaces_chain_id``, ...)."""
+    prompt + generation), ``tool_call_id``, ``marker``, ``replaces_chain_id``, ``session``
+    (the harness session both calls name, when the harness declares that this kind of edge
+    stays inside one: ``harness_notes.lineage.SessionField``), ...)."""
 
     kind: LineageKind
     chain_id: str

@@ -1,0 +1,113 @@
+"""Tier 2: lineage across harness sessions of one rollout, through the proxy against the
+scripted engine, over Anthropic Messages as Claude Code 2.1.328 sends it (its session in
+``metadata.user_id``; trial 11, finding 1), in both prompt modes.
+
+Two sessions, each in its own project directory, whose main agents hand out the same two
+``Agent`` prompts; session B's sub-agents start before session A's. Each sub-agent is
+``spawned_by`` its own session's main call, one ``Agent`` tool call each."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from capture_proxy.core.lineage.messages import text_sha256
+from capture_proxy.scripted_engine import ScriptedEngineConfig
+from capture_proxy.scripted_engine.policy import Policy
+from tests.proxy.conftest import MakeStack, Stack
+
+BASE = "/ng-rollout/{rollout}/training-token-capture/v1/messages?beta=true"
+ANTHROPIC = {"anthropic-version": "2023-06-01"}
+TASK = "Inspect notes.txt with helpers."
+SUB_PROMPT = (
+    "Use Bash to count the lines of notes.txt with wc -l and report the number. Do not edit."
+)
+AGENT_TOOL = {
+    "name": "Agent",
+    "description": "Launch a sub-agent.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"description": {"type": "string"}, "prompt": {"type": "string"}},
+    },
+}
+AGENT_CALL = {"name": "Agent", "arguments": {"description": "count", "prompt": SUB_PROMPT}}
+POLICY = Policy.model_validate(
+    {
+        "steps": [{"content": "Delegating.", "tool_calls": [AGENT_CALL, AGENT_CALL]}],
+        "final": "All done.",
+        "rules": [
+            {"when_first_user_message_contains": SUB_PROMPT, "step": {"content": "3 lines."}},
+        ],
+    }
+)
+
+
+def _body(session: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    user_id = {"device_id": "75cb57be", "account_uuid": "", "session_id": session}
+    return {
+        "model": "scripted-qwen",
+        "max_tokens": 256,
+        # as each session's own project dir does, the sessions' prompts differ
+        "system": f"You are a coding agent. Primary working directory: /work/{session}",
+        "messages": messages,
+        "tools": [AGENT_TOOL],
+        "metadata": {"user_id": json.dumps(user_id)},
+    }
+
+
+async def _call(stack: Stack, rollout: str, session: str, messages: list[dict]) -> tuple[str, Any]:
+    resp = await stack.client.post(
+        BASE.format(rollout=rollout), json=_body(session, messages), headers=ANTHROPIC
+    )
+    assert resp.status == 200, await resp.text()
+    return resp.headers["X-Capture-Call-Id"], await resp.json()
+
+
+async def _lineage(stack: Stack, rollout: str) -> dict[str, list[dict[str, Any]]]:
+    chains = await stack.get_json(f"/captures/rollouts/{rollout}/chains")
+    return {c["chain_id"]: c["lineage"] for c in chains["chains"]}
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_sub_agents_of_two_sessions_are_spawned_by_their_own_sessions_call(
+    make_stack: MakeStack, prompt_mode: str
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=POLICY), prompt_mode=prompt_mode
+    )
+    task = [{"role": "user", "content": TASK}]
+    main: dict[str, str] = {}
+    tool_ids: dict[str, list[str]] = {}
+    for session in ("sess-a", "sess-b"):
+        main[session], answer = await _call(stack, "many", session, task)
+        tool_ids[session] = [b["id"] for b in answer["content"] if b["type"] == "tool_use"]
+        assert len(tool_ids[session]) == 2
+    sub = [{"role": "user", "content": [{"type": "text", "text": SUB_PROMPT}]}]
+    subs = [(s, (await _call(stack, "many", s, sub))[0]) for s in ("sess-b",) * 2 + ("sess-a",) * 2]
+
+    # each session's sub-agents, in arrival order: its main call, one Agent tool call each
+    lineage = await _lineage(stack, "many")
+    got: dict[str, list[tuple[str, str, str]]] = {"sess-a": [], "sess-b": []}
+    for session, call_id in subs:
+        (edge,) = lineage[call_id]
+        got[session].append((edge["kind"], edge["from_call_id"], edge["evidence"]["tool_call_id"]))
+    assert got == {
+        s: [("spawned_by", main[s], tool_ids[s][0]), ("spawned_by", main[s], tool_ids[s][1])]
+        for s in ("sess-a", "sess-b")
+    }
+    for session, call_id in subs:
+        (edge,) = lineage[call_id]
+        assert edge["chain_id"] == main[session]
+        assert edge["evidence"] == {
+            "rule": "claude_code.spawn_tool",
+            "tool_name": "Agent",
+            "tool_call_id": edge["evidence"]["tool_call_id"],
+            "field": "prompt",
+            "message_index": 1,  # after the system message
+            "text_sha256": text_sha256(SUB_PROMPT),
+            "num_chars": len(SUB_PROMPT),
+            "session": session,
+        }
+    assert lineage[main["sess-a"]] == lineage[main["sess-b"]] == []
