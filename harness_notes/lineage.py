@@ -5,9 +5,10 @@ the tools whose input hands a sub-agent its task (``SpawnTool``), the texts that
 first new messages (``ForkMarker``), and how a compaction summary is carried into the next
 conversation (``SummaryTags``: the summary call's answer wraps it in tags; ``SummaryPrefix``:
 the next conversation's message starts with a fixed text and then the summary;
-``SummaryRequest``: the summary call's last user message holds a fixed instruction), and
-where a request names the harness's session and which edges never leave one
-(``SessionField``). The rules that use them live in ``capture_proxy.core.lineage``,
+``SummaryRequest``: the summary call's last user message holds a fixed instruction), the
+assistant message a harness puts in place of a turn it lost when it resumes a session
+(``InterruptedTurn``), and where a request names the harness's session and which edges never
+leave one (``SessionField``). The rules that use them live in ``capture_proxy.core.lineage``,
 which also has generic rules for harnesses that declare nothing.
 """
 
@@ -63,6 +64,16 @@ class SummaryRequest:
 
 
 @dataclass(frozen=True)
+class InterruptedTurn:
+    """When the harness resumes a session whose last turn was lost (the harness was killed or
+    interrupted before the answer arrived), it sends the lost call's request again with an
+    assistant message of exactly ``text`` in place of the answer, then the new messages."""
+
+    harness: str
+    text: str
+
+
+@dataclass(frozen=True)
 class SessionField:
     """Where a request body (as received: ``CallRecord.request_received``) names the harness's
     session: the string at ``path`` (keys from the top); with ``json_key`` that string is a
@@ -87,5 +98,6 @@ LineageDeclaration = (
     | SummaryTags
     | SummaryPrefix
     | SummaryRequest
+    | InterruptedTurn
     | SessionField
 )

@@ -206,6 +206,7 @@ async def test_sub_agents_fork_and_compaction_are_lineage_edges(
         "forked_from": 1,
         "compacted_from": 1,
         "resumed_from": 0,
+        "resumed_after_interrupt": 0,
         "retried_from": 0,
     }
     # token links are the proxy's: every kept link extends its parent token for token

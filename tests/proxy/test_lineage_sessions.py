@@ -1,10 +1,13 @@
 """Tier 2: lineage across harness sessions of one rollout, through the proxy against the
 scripted engine, over Anthropic Messages as Claude Code 2.1.328 sends it (its session in
-``metadata.user_id``; trial 11, finding 1), in both prompt modes.
+``metadata.user_id``; trial 11, findings 1 and 4), in both prompt modes.
 
 Two sessions, each in its own project directory, whose main agents hand out the same two
 ``Agent`` prompts; session B's sub-agents start before session A's. Each sub-agent is
-``spawned_by`` its own session's main call, one ``Agent`` tool call each."""
+``spawned_by`` its own session's main call, one ``Agent`` tool call each. Then a session
+killed while the model wrote its first answer is resumed (``claude --continue``): its
+request replays the lost call's request, then "No response requested.", then the new
+prompt; it is ``resumed_after_interrupt`` of the lost call."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 from capture_proxy.core.lineage.messages import text_sha256
 from capture_proxy.scripted_engine import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
+from harness_notes.claude_code import INTERRUPTED_TURN_TEXT
 from tests.proxy.conftest import MakeStack, Stack
 
 BASE = "/ng-rollout/{rollout}/training-token-capture/v1/messages?beta=true"
@@ -39,6 +43,7 @@ POLICY = Policy.model_validate(
         "final": "All done.",
         "rules": [
             {"when_first_user_message_contains": SUB_PROMPT, "step": {"content": "3 lines."}},
+            {"when_last_user_message_contains": "Now say hello.", "step": {"content": "Hello."}},
         ],
     }
 )
@@ -111,3 +116,56 @@ async def test_sub_agents_of_two_sessions_are_spawned_by_their_own_sessions_call
             "session": session,
         }
     assert lineage[main["sess-a"]] == lineage[main["sess-b"]] == []
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_a_session_resumed_after_a_lost_turn_is_joined_to_the_lost_call(
+    make_stack: MakeStack, prompt_mode: str
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=POLICY), prompt_mode=prompt_mode
+    )
+    task = [{"role": "user", "content": "Read the notes."}]
+    # the harness was killed before it got this answer (stored: the proxy saw it end)
+    lost, _ = await _call(stack, "resume", "sess-k", task)
+    placeholder = {
+        "role": "assistant",
+        "content": [{"type": "text", "text": INTERRUPTED_TURN_TEXT}],
+    }
+    resumed_messages = [*task, placeholder, {"role": "user", "content": "Now say hello."}]
+    resumed, answer = await _call(stack, "resume", "sess-k", resumed_messages)
+    assert answer["content"][0]["text"] == "Hello."
+
+    record = await stack.get_json(f"/captures/calls/{resumed}")
+    # the placeholder is no captured output: no token link, the history flagged
+    assert record["linking"]["verdict"] == "unresolved"
+    assert "foreign_turn_projected_portable" in [d["kind"] for d in record["diagnostics"]]
+    lost_record = await stack.get_json(f"/captures/calls/{lost}")
+    lost_tokens = lost_record["prompt_token_ids"] + lost_record["generation_token_ids"]
+    common = 0
+    for a, b in zip(record["prompt_token_ids"], lost_tokens, strict=False):
+        if a != b:
+            break
+        common += 1
+    assert common >= len(lost_record["prompt_token_ids"])  # the lost call's prompt, replayed
+    lineage = await _lineage(stack, "resume")
+    assert lineage == {
+        lost: [],
+        resumed: [
+            {
+                "kind": "resumed_after_interrupt",
+                "chain_id": lost,
+                "from_call_id": lost,
+                "evidence": {
+                    "rule": "claude_code.interrupted_turn",
+                    "num_messages": 1,
+                    "common_prefix_tokens": common,
+                    "marker": INTERRUPTED_TURN_TEXT,
+                    "message_index": 2,  # request_messages: system, user, placeholder
+                    "session": "sess-k",
+                },
+            }
+        ],
+    }
+    summary = await stack.get_json("/captures/rollouts/resume")
+    assert summary["lineage"]["resumed_after_interrupt"] == 1

@@ -4,17 +4,22 @@ Only chain roots get edges (a call that is not a root already has a token parent
 root, in arrival order:
 
 1. ``retried_from``: the root is recorded as a retry (``retry_of``) of a call of another chain.
-2. History replayed: the root's compared messages (``lineage.messages``) begin with the whole
-   conversation of an earlier call of another chain: its request, then its answer (or, as a
-   fork replays it, some of the answer's tool calls unchanged); the longest such prefix wins.
-   After it: a harness's fork marker, or a branch the first chain did not take, is
-   ``forked_from``; a new user message after the conversation of a chain's last call
-   is ``resumed_from``; anything else (a tool result the link was refused for) ``forked_from``.
-3. ``spawned_by`` (only when 2 found nothing): a text part of the root's first user message is
-   the input of an earlier tool call of another chain: a declared sub-agent tool's prompt
-   field, else any string argument of at least ``min_tool_input_chars``. Two roots with the
-   same text (identical sub-agents) take the tool calls in order, one each.
-4. ``compacted_from`` (only when 2 and 3 found nothing): the root carries the answer of a
+2. ``resumed_after_interrupt``: the root's compared messages begin with the whole request of an
+   earlier call of another chain, then, where that call's answer was, a harness's declared
+   placeholder for a lost turn (``InterruptedTurn``: Claude Code's "No response requested."
+   after ``--continue``), then more messages; the longest such request wins.
+3. History replayed (only when 2 found nothing): the root's compared messages
+   (``lineage.messages``) begin with the whole conversation of an earlier call of another
+   chain: its request, then its answer (or, as a fork replays it, some of the answer's tool
+   calls unchanged); the longest such prefix wins. After it: a harness's fork marker, or a
+   branch the first chain did not take, is ``forked_from``; a new user message after the
+   conversation of a chain's last call is ``resumed_from``; anything else (a tool result the
+   link was refused for) ``forked_from``.
+4. ``spawned_by`` (only when 2 and 3 found nothing): a text part of the root's first user
+   message is the input of an earlier tool call of another chain: a declared sub-agent tool's
+   prompt field, else any string argument of at least ``min_tool_input_chars``. Two roots with
+   the same text (identical sub-agents) take the tool calls in order, one each.
+5. ``compacted_from`` (only when 2 to 4 found nothing): the root carries the answer of a
    summary call of another chain: the body of a declared summary tag, the text after a
    declared summary prefix, the answer to a declared summary instruction, else (generic) a
    message whose whole text is an earlier answer of at least ``min_carried_chars``, else
@@ -66,6 +71,7 @@ from capture_proxy.core.records import CallRecord
 from harness_notes import ALL_LINEAGE
 from harness_notes.lineage import (
     ForkMarker,
+    InterruptedTurn,
     LineageDeclaration,
     SessionField,
     SpawnTool,
@@ -365,6 +371,49 @@ def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     return None
 
 
+def _interrupted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
+    """``resumed_after_interrupt``: the root replays the whole request of an earlier call of
+    another chain, then a declared placeholder (``InterruptedTurn``) where its answer was, then
+    more messages; the longest such request, of the calls with it the root's session's, the
+    latest."""
+    placeholders = {squash(d.text): d.harness for d in rollout.rules.of(InterruptedTurn)}
+    if not placeholders:
+        return None
+    messages = compared(root.request_messages)
+    digests: list[bytes] | None = None
+    # k: the placeholder's index; messages[:k] the lost call's request, something after it
+    for k in range(len(messages) - 2, 0, -1):
+        message = messages[k]
+        if message.get("role") != "assistant" or message.get("tool_calls"):
+            continue
+        text = squash(message_text(message))
+        harness = placeholders.get(text)
+        if harness is None:
+            continue
+        if digests is None:
+            digests = prefix_digests([message_key(m) for m in messages])
+        candidates = rollout.requests.get(
+            (k, hashlib.sha256(message_key(messages[k - 1])).digest())
+        )
+        earlier = rollout.earlier_other(candidates or (), root)
+        exact = [c for c in earlier if rollout.request_digest(c) == digests[k - 1]]
+        found = rollout.best(LineageKind.RESUMED_AFTER_INTERRUPT, root, exact, _same)
+        if not found:
+            continue
+        source = found[-1]
+        evidence = {
+            "rule": f"{harness}.interrupted_turn",
+            "num_messages": k,
+            "common_prefix_tokens": _common_prefix(root.prompt_token_ids, source.full_token_ids()),
+            "marker": text,
+            "message_index": _positions(root)[k],
+            **rollout.session_evidence(root, source),
+        }
+        chain_id = rollout.chain_of[source.call_id]
+        return LineageEdge(LineageKind.RESUMED_AFTER_INTERRUPT, chain_id, source.call_id, evidence)
+    return None
+
+
 def _first_user(messages: list[Mapping[str, Any]]) -> tuple[int, Mapping[str, Any]] | None:
     for i, message in enumerate(messages):
         if message.get("role") == "user":
@@ -520,7 +569,12 @@ def find_lineage(
     out: dict[str, list[LineageEdge]] = {}
     for root in sorted((chain.calls[0] for chain in chains.chains), key=_order):
         edges = [e for e in (_retried(rollout, root),) if e is not None]
-        found = _replayed(rollout, root) or _spawned(rollout, root) or _compacted(rollout, root)
+        found = (
+            _interrupted(rollout, root)
+            or _replayed(rollout, root)
+            or _spawned(rollout, root)
+            or _compacted(rollout, root)
+        )
         if found is not None:
             edges.append(found)
         if edges:

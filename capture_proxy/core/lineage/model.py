@@ -21,6 +21,10 @@ class LineageKind(enum.StrEnum):
     #: a root whose history replays the whole conversation of a chain's last call, then a new
     #: user message (a stored session resumed)
     RESUMED_FROM = "resumed_from"
+    #: a root whose history replays the whole request of a call whose answer the harness never
+    #: got (killed or interrupted), that answer replaced by the harness's declared placeholder
+    #: (``InterruptedTurn``), then new messages (a session resumed after a lost turn)
+    RESUMED_AFTER_INTERRUPT = "resumed_after_interrupt"
     #: a root recorded as a retry (``retry_of``) of a call of another chain
     RETRIED_FROM = "retried_from"
 
