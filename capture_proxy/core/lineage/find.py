@@ -511,7 +511,7 @@ def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
                 )
                 if found is not None:
                     rule = f"{harness}.summary_prefix"
-                    return _compaction_edge(rollout, root, found, rule, i, carried)
+                    return _compaction_edge(rollout, root, found, rule, at[i], carried)
     for i, text in enumerate(texts):
         if len(text) < rollout.rules.min_carried_chars:
             continue

@@ -242,6 +242,13 @@ def test_a_codex_compaction_carries_the_summary_after_its_prefix() -> None:
         ("compacted_from", "m1", "codex.summary_prefix")
     ]
     assert edges["c1"][0]["evidence"]["message_index"] == 1
+    # as Codex sends it: developer messages first, left out of the comparison; the index
+    # still names the message in request_messages
+    developer = {"role": "developer", "content": "You are Codex."}
+    after.request_messages = [developer, *after.request_messages]
+    edges = lineage_of([summary, after])
+    assert edges["c1"][0]["evidence"]["rule"] == "codex.summary_prefix"
+    assert edges["c1"][0]["evidence"]["message_index"] == 2
 
 
 def test_a_resumed_session_replays_the_whole_conversation_of_a_chains_last_call() -> None:
