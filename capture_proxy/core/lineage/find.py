@@ -66,8 +66,9 @@ from capture_proxy.core.lineage.messages import (
     tool_calls,
 )
 from capture_proxy.core.lineage.model import LineageEdge, LineageKind
-from capture_proxy.core.lineage.sessions import Rank, Session, rank, session_of
+from capture_proxy.core.lineage.sessions import Rank, rank
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.sessions import Session, session_of
 from harness_notes import ALL_LINEAGE
 from harness_notes.lineage import (
     ForkMarker,

@@ -14,8 +14,9 @@ import pytest
 
 from capture_proxy.core.lineage import LineageRules
 from capture_proxy.core.lineage.messages import text_sha256
-from capture_proxy.core.lineage.sessions import Rank, Session, rank, session_of
+from capture_proxy.core.lineage.sessions import Rank, rank
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.sessions import Session, session_of
 from harness_notes.claude_code import SESSION as CLAUDE_CODE
 from harness_notes.codex import SESSION as CODEX
 from harness_notes.codex import SUMMARY_PREFIX
