@@ -169,3 +169,47 @@ async def test_a_session_resumed_after_a_lost_turn_is_joined_to_the_lost_call(
     }
     summary = await stack.get_json("/captures/rollouts/resume")
     assert summary["lineage"]["resumed_after_interrupt"] == 1
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_twin_sessions_token_identical_calls_each_continue_their_own_chain(
+    make_stack: MakeStack, prompt_mode: str
+):
+    # Two sessions of one task in one project dir, from a deterministic engine: their calls
+    # are token-identical. Session B's second call arrives before A's; by age alone it took
+    # A's first call as its parent (trial 11: chains holding calls of two sessions). The link
+    # is token-exact either way; the session each request names breaks the tie.
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(policy=POLICY), prompt_mode=prompt_mode
+    )
+    task = [{"role": "user", "content": TASK}]
+    first: dict[str, str] = {}
+    answer: dict[str, Any] = {}
+    for session in ("sess-a", "sess-b"):
+        body = {**_body(session, task), "system": "You are a coding agent."}
+        resp = await stack.client.post(BASE.format(rollout="twins"), json=body, headers=ANTHROPIC)
+        assert resp.status == 200, await resp.text()
+        first[session], answer[session] = resp.headers["X-Capture-Call-Id"], await resp.json()
+    second: dict[str, str] = {}
+    for session in ("sess-b", "sess-a"):
+        results = [
+            {"type": "tool_result", "tool_use_id": b["id"], "content": "notes.txt has 3 lines."}
+            for b in answer[session]["content"]
+            if b["type"] == "tool_use"
+        ]
+        history = [
+            *task,
+            {"role": "assistant", "content": answer[session]["content"]},
+            {"role": "user", "content": results},
+        ]
+        body = {**_body(session, history), "system": "You are a coding agent."}
+        resp = await stack.client.post(BASE.format(rollout="twins"), json=body, headers=ANTHROPIC)
+        assert resp.status == 200, await resp.text()
+        second[session] = resp.headers["X-Capture-Call-Id"]
+    chains = await stack.get_json("/captures/rollouts/twins/chains")
+    assert sorted([c["call_id"] for c in chain["calls"]] for chain in chains["chains"]) == sorted(
+        [[first[s], second[s]] for s in ("sess-a", "sess-b")]
+    )
+    for s in ("sess-a", "sess-b"):
+        record = await stack.get_json(f"/captures/calls/{second[s]}")
+        assert (record["parent_call_id"], record["linking"]["verdict"]) == (first[s], "resolved")
