@@ -5,9 +5,11 @@ the tools whose input hands a sub-agent its task (``SpawnTool``), the texts that
 first new messages (``ForkMarker``), and how a compaction summary is carried into the next
 conversation (``SummaryTags``: the summary call's answer wraps it in tags; ``SummaryPrefix``:
 the next conversation's message starts with a fixed text and then the summary;
-``SummaryRequest``: the summary call's last user message holds a fixed instruction). The rules
-that use them live in ``capture_proxy.core.lineage``, which also has generic rules for
-harnesses that declare nothing.
+``SummaryRequest``: the summary call's last user message holds a fixed instruction), the
+assistant message a harness puts in place of a turn it lost when it resumes a session
+(``InterruptedTurn``), and where a request names the harness's session and which edges never
+leave one (``SessionField``). The rules that use them live in ``capture_proxy.core.lineage``,
+which also has generic rules for harnesses that declare nothing.
 """
 
 from __future__ import annotations
@@ -61,4 +63,41 @@ class SummaryRequest:
     instruction: str
 
 
-LineageDeclaration = SpawnTool | ForkMarker | SummaryTags | SummaryPrefix | SummaryRequest
+@dataclass(frozen=True)
+class InterruptedTurn:
+    """When the harness resumes a session whose last turn was lost (the harness was killed or
+    interrupted before the answer arrived), it sends the lost call's request again with an
+    assistant message of exactly ``text`` in place of the answer, then the new messages."""
+
+    harness: str
+    text: str
+
+
+@dataclass(frozen=True)
+class SessionField:
+    """Where a request body (as received: ``CallRecord.request_received``) names the harness's
+    session: the string at ``path`` (keys from the top); with ``json_key`` that string is a
+    JSON object and the session is its string under ``json_key``.
+
+    Lineage prefers, among the calls an edge could come from, those of the root's session.
+    ``edge_kinds``: the edge kinds (``LineageKind`` values) whose two calls this harness always
+    sends under one session, as observed: an edge of such a kind never joins two calls that
+    name two sessions. Other kinds may join two sessions (a session forked into a new one), so
+    for them another session's call is taken only when no call of the root's session (or of
+    none) matches."""
+
+    harness: str
+    path: tuple[str, ...]
+    json_key: str | None = None
+    edge_kinds: frozenset[str] = frozenset()
+
+
+LineageDeclaration = (
+    SpawnTool
+    | ForkMarker
+    | SummaryTags
+    | SummaryPrefix
+    | SummaryRequest
+    | InterruptedTurn
+    | SessionField
+)

@@ -130,6 +130,7 @@ class CallExecutor:
                 retry_requested=c.retry_requested,
                 linking_facts=c.linking_facts,
                 tools_facts=c.tools_facts,
+                session=c.session,
             )
         except Exception as exc:
             log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)

@@ -202,13 +202,15 @@ class Linker:
         retry_requested: bool = False,
         linking_facts: Sequence[MessageFacts] | None = None,
         tools_facts: ToolsFacts | None = None,
+        session: tuple[str, str] | None = None,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
         call's retry only on an explicit signal (``retry_requested``: the harness's retry
         header; or this call failed or was left incomplete), else a sibling sample.
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``,
-        ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``."""
+        ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``; ``session`` the harness
+        session the request names (a tie-breaker among token-identical candidates)."""
         index = (
             await self._current_index(rollout_id)
             if self.feed is not None
@@ -228,6 +230,7 @@ class Linker:
             refresh_on_miss=self.refresh_on_miss,
             claims=self.claims,
             index_current=(lambda: self._is_current(rollout_id)) if self.feed else None,
+            session=session,
         )
         return await self._drive(step, None)
 

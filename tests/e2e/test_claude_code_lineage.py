@@ -87,6 +87,11 @@ def _text_of(message: dict[str, Any]) -> str:
     return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [])
 
 
+def _session(call: dict[str, Any]) -> str:
+    """The session id a Claude Code request names (``metadata.user_id``, a JSON string)."""
+    return str(json.loads(call["request_received"]["metadata"]["user_id"])["session_id"])
+
+
 def _last_text(call: dict[str, Any]) -> str:
     c = call["request_messages"][-1]["content"]
     return c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [])
@@ -119,6 +124,10 @@ async def test_sub_agents_fork_and_compaction_are_lineage_edges(
         calls = await _details(stack, body)
     chains = {c["chain_id"]: c for c in body["chains"]}
     root = {cid: calls[cid] for cid in chains}
+    # the session evidence lineage checks (harness_notes.claude_code.SESSION): every call of
+    # the three `claude` runs names one session, the sub-agents', the fork's, the summary's
+    # and those after `--continue` included
+    assert len({_session(c) for c in calls.values()}) == 1
 
     # the main session: the root whose first user message is the task, with the Agent turn
     forks = [cid for cid, r in root.items() if "<fork-boilerplate>" in _last_text(r)]
@@ -146,6 +155,7 @@ async def test_sub_agents_fork_and_compaction_are_lineage_edges(
         assert edge["evidence"]["rule"] == "claude_code.spawn_tool"
         assert edge["evidence"]["tool_name"] == "Agent" and edge["evidence"]["field"] == "prompt"
         assert edge["evidence"]["num_chars"] == len(counter_prompt)
+        assert edge["evidence"]["session"] == _session(main)
     # two identical sub-agents: one Agent tool call each
     assert sorted(e["evidence"]["tool_call_id"] for (e,) in spawned) == sorted(agent_ids[:2])
 
@@ -172,6 +182,7 @@ async def test_sub_agents_fork_and_compaction_are_lineage_edges(
         "common_prefix_tokens": common,
         "marker": marker,
         "message_index": marker_at,
+        "session": _session(main),
     }
 
     # the summary call: the last one asked for TEXT ONLY; the conversation after it
@@ -195,6 +206,7 @@ async def test_sub_agents_fork_and_compaction_are_lineage_edges(
         "forked_from": 1,
         "compacted_from": 1,
         "resumed_from": 0,
+        "resumed_after_interrupt": 0,
         "retried_from": 0,
     }
     # token links are the proxy's: every kept link extends its parent token for token

@@ -83,6 +83,9 @@ async def test_compaction_is_an_edge_and_a_resume_a_token_link(
             for c in chain["calls"]
         }
     assert body["unlinked_calls"] == []
+    # the session evidence lineage checks (harness_notes.codex.SESSION): the compaction's
+    # calls and the resumed turn name one thread in ``prompt_cache_key``
+    assert len({c["request_received"]["prompt_cache_key"] for c in calls.values()}) == 1
     (summary_call,) = [
         c for c in calls.values() if COMPACT_INSTRUCTION in _text(c["request_messages"][-1])
     ]

@@ -113,6 +113,7 @@ async def test_a_sub_agent_chain_is_spawned_by_the_main_chains_call(
         "forked_from": 0,
         "compacted_from": 0,
         "resumed_from": 0,
+        "resumed_after_interrupt": 0,
         "retried_from": 0,
     }
 

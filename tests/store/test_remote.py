@@ -5,7 +5,9 @@ writer fails writes, never silently."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
+import json
 import os
 import pickle
 import signal
@@ -144,6 +146,10 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     prefilled.request_messages = [*prefilled.request_messages, prefill]
     prefilled.linking = {**prefilled.linking, "prefill": True, "prefill_message": prefill}
     records.append(prefilled)
+    # the harness session each request named (core.sessions): Claude Code's, Codex's, none
+    user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "sess-a"})
+    records[0].request_received = {"model": "m", "metadata": {"user_id": user_id}}
+    records[1].request_received = {"model": "m", "prompt_cache_key": "thread-1"}
     for r in records:
         await worker.put_call(r)
     calls, last = await worker.stored_since("r1", 0)
@@ -152,12 +158,34 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     assert [c.call_id for c in calls] == ["a", "b", "c", "d", "e", "f"]  # in the order stored
     for call in calls:
         assert call == of_record(stored[call.call_id]), call.call_id
+    assert [c.session for c in calls] == [
+        ("claude_code", "sess-a"),
+        ("codex", "thread-1"),
+        *[None] * 4,
+    ]
     # the prefilled call offers its merged turn, read from the row's metadata alone
     assert calls[-1].response == {
         "role": "assistant", "content": "Sure,answer of f", "tool_calls": []
     }  # fmt: skip
     assert (await worker.stored_since("r1", last)) == ([], last)
     assert await worker.last_rowid("r1") == last
+
+
+async def test_a_row_whose_session_field_was_stored_apart_tells_no_session(writer_and_worker):
+    """A request whose ``metadata`` is at least 512 bytes keeps it as a blob: the row tells
+    every fact but the session (a tie-breaker only), rather than make the catch-up read the
+    rollout whole."""
+    _, worker, _, _ = writer_and_worker
+    rec = _linked("a", [1, 2, 3], [4, 5])
+    user_id = json.dumps({"session_id": "sess-a", "pad": "x" * 600})
+    rec.request_received = {"model": "m", "metadata": {"user_id": user_id}}
+    await worker.put_call(rec)
+    calls, _ = await worker.stored_since("r1", 0)
+    assert calls is not None
+    (call,) = calls
+    whole = of_record((await worker.get_rollout_calls("r1"))[0])
+    assert (call.session, whole.session) == (None, ("claude_code", "sess-a"))
+    assert call == dataclasses.replace(whole, session=None)
 
 
 async def test_the_supervisor_counts_a_put_before_the_worker_hears_of_it(tmp_path):

@@ -26,6 +26,7 @@ from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.linking.digests import request_digest
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
+from capture_proxy.core.sessions import session_key
 from capture_proxy.families.vision import VisionProcessorConfig
 
 
@@ -85,6 +86,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         retry_requested(start.retry_count),
         prepared.linking_facts,
         prepared.tools_facts,
+        session_key(start.front_request.received),
     )
     if isinstance(reply, Resolved):
         resolution = reply.resolution

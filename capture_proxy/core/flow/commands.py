@@ -46,6 +46,8 @@ class Resolve(Command):
     linking_facts: tuple[MessageFacts, ...] | None
     #: the ``known_tools`` facts of ``body["tools"]`` (None: derive what is needed)
     tools_facts: ToolsFacts | None = None
+    #: the harness session the request names (``core.sessions``; None: none)
+    session: tuple[str, str] | None = None
 
 
 @dataclass(slots=True)

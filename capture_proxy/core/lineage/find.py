@@ -4,17 +4,22 @@ Only chain roots get edges (a call that is not a root already has a token parent
 root, in arrival order:
 
 1. ``retried_from``: the root is recorded as a retry (``retry_of``) of a call of another chain.
-2. History replayed: the root's compared messages (``lineage.messages``) begin with the whole
-   conversation of an earlier call of another chain: its request, then its answer (or, as a
-   fork replays it, some of the answer's tool calls unchanged); the longest such prefix wins.
-   After it: a harness's fork marker, or a branch the first chain did not take, is
-   ``forked_from``; a new user message after the conversation of a chain's last call
-   is ``resumed_from``; anything else (a tool result the link was refused for) ``forked_from``.
-3. ``spawned_by`` (only when 2 found nothing): a text part of the root's first user message is
-   the input of an earlier tool call of another chain: a declared sub-agent tool's prompt
-   field, else any string argument of at least ``min_tool_input_chars``. Two roots with the
-   same text (identical sub-agents) take the tool calls in order, one each.
-4. ``compacted_from`` (only when 2 and 3 found nothing): the root carries the answer of a
+2. ``resumed_after_interrupt``: the root's compared messages begin with the whole request of an
+   earlier call of another chain, then, where that call's answer was, a harness's declared
+   placeholder for a lost turn (``InterruptedTurn``: Claude Code's "No response requested."
+   after ``--continue``), then more messages; the longest such request wins.
+3. History replayed (only when 2 found nothing): the root's compared messages
+   (``lineage.messages``) begin with the whole conversation of an earlier call of another
+   chain: its request, then its answer (or, as a fork replays it, some of the answer's tool
+   calls unchanged); the longest such prefix wins. After it: a harness's fork marker, or a
+   branch the first chain did not take, is ``forked_from``; a new user message after the
+   conversation of a chain's last call is ``resumed_from``; anything else (a tool result the
+   link was refused for) ``forked_from``.
+4. ``spawned_by`` (only when 2 and 3 found nothing): a text part of the root's first user
+   message is the input of an earlier tool call of another chain: a declared sub-agent tool's
+   prompt field, else any string argument of at least ``min_tool_input_chars``. Two roots with
+   the same text (identical sub-agents) take the tool calls in order, one each.
+5. ``compacted_from`` (only when 2 to 4 found nothing): the root carries the answer of a
    summary call of another chain: the body of a declared summary tag, the text after a
    declared summary prefix, the answer to a declared summary instruction, else (generic) a
    message whose whole text is an earlier answer of at least ``min_carried_chars``, else
@@ -24,19 +29,27 @@ root, in arrival order:
    (about 12 to 16 tokens of English) is longer than the short answers every session gives
    ("Done.", "All tests pass now."), so two unrelated sessions are not joined by one.
 
+Sessions: when the root's request names a harness session (``sessions``), the calls of that
+session are taken before those of another, by each rule among the calls it matches (the rule's
+own order applies among them: longest history, tool calls in order, latest summary). The
+kinds its harness always keeps in one session (``SessionField.edge_kinds``; Claude Code:
+``spawned_by``, ``compacted_from``) never join two sessions; the others may, where no call of
+the root's session matches (a session forked into a new one). Calls that name no session are
+ranked between the two, so harnesses that send none keep the rules without sessions.
+
 Cost: one hash per call for the answer index and one per call for the request index (by the
 number of compared request messages and the last one's key), the compared messages of each
 root hashed once, and a full request digest only for the calls whose length and last message
-match a root's prefix: linear in the rollout's messages. Deterministic: the same records give
-the same edges in any order. Pure: no I/O.
+match a root's prefix; each call's session read once: linear in the rollout's messages.
+Deterministic: the same records give the same edges in any order. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -53,16 +66,22 @@ from capture_proxy.core.lineage.messages import (
     tool_calls,
 )
 from capture_proxy.core.lineage.model import LineageEdge, LineageKind
+from capture_proxy.core.lineage.sessions import Rank, rank
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.sessions import Session, session_of
 from harness_notes import ALL_LINEAGE
 from harness_notes.lineage import (
     ForkMarker,
+    InterruptedTurn,
     LineageDeclaration,
+    SessionField,
     SpawnTool,
     SummaryPrefix,
     SummaryRequest,
     SummaryTags,
 )
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -78,7 +97,12 @@ class LineageRules:
     )
 
     def __post_init__(self) -> None:
+        """Raises ValueError for a ``SessionField`` naming an edge kind there is none of."""
+        kinds = {k.value for k in LineageKind}
         for d in self.declarations:
+            if isinstance(d, SessionField) and not d.edge_kinds <= kinds:
+                unknown = sorted(d.edge_kinds - kinds)
+                raise ValueError(f"{d.harness} session: no lineage edge kind {unknown[0]!r}")
             self._by_kind[type(d)] = (*self._by_kind.get(type(d), ()), d)
 
     def of(self, kind: type[Any]) -> tuple[Any, ...]:
@@ -129,6 +153,7 @@ class _Rollout:
     summaries: list[tuple[CallRecord, str, str]] = field(default_factory=list)
     used_spawns: set[tuple[str, str]] = field(default_factory=set)
     _request: dict[str, bytes] = field(default_factory=dict)
+    _sessions: dict[str, Session | None] = field(default_factory=dict)
 
     def index(self) -> None:
         for chain in self.chains.chains:
@@ -202,6 +227,38 @@ class _Rollout:
             self._request[call.call_id] = digest
         return digest
 
+    def session(self, call: CallRecord) -> Session | None:
+        """The harness session ``call``'s request names (read once)."""
+        if call.call_id not in self._sessions:
+            fields = self.rules.of(SessionField)
+            self._sessions[call.call_id] = session_of(call.request_received, fields)
+        return self._sessions[call.call_id]
+
+    def rank(self, kind: LineageKind, root: CallRecord, source: CallRecord) -> Rank | None:
+        """``sessions.rank`` of ``source`` as the origin of an edge of ``kind`` into ``root``."""
+        return rank(kind.value, self.session(root), self.session(source))
+
+    def best(
+        self,
+        kind: LineageKind,
+        root: CallRecord,
+        options: Iterable[T],
+        source: Callable[[T], CallRecord],
+    ) -> list[T]:
+        """The ``options`` (in the rule's order) whose source call (``source(option)``) ranks
+        best by session as the origin of an edge of ``kind`` into ``root``: the root's
+        session's, else those naming none, else another session's where ``kind`` may join
+        two; empty when none may be the origin."""
+        ranked = [(self.rank(kind, root, source(o)), o) for o in options]
+        return _best(ranked)
+
+    def session_evidence(self, root: CallRecord, source: CallRecord) -> dict[str, str]:
+        """``{"session": id}`` when both calls name that session, else nothing."""
+        mine, theirs = self.session(root), self.session(source)
+        if mine is not None and theirs is not None and mine.key == theirs.key:
+            return {"session": mine.session_id}
+        return {}
+
     def earlier_other(self, calls: Iterable[CallRecord], root: CallRecord) -> list[CallRecord]:
         """The calls, of another chain than ``root``'s, received no later than it."""
         own = self.chain_of[root.call_id]
@@ -210,6 +267,19 @@ class _Rollout:
             for c in calls
             if self.chain_of.get(c.call_id) not in (None, own) and _order(c) <= _order(root)
         ]
+
+
+def _best(ranked: list[tuple[Rank | None, T]]) -> list[T]:
+    """The items of the lowest rank (None: left out), in order."""
+    ranks = [r for r, _ in ranked if r is not None]
+    if not ranks:
+        return []
+    top = min(ranks)
+    return [item for r, item in ranked if r == top]
+
+
+def _same(call: CallRecord) -> CallRecord:
+    return call
 
 
 def _positions(root: CallRecord) -> list[int]:
@@ -274,6 +344,7 @@ def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             continue
         if digests is None:
             digests = prefix_digests(keys)
+        found = []
         for source in rollout.earlier_other(candidates, root):
             answer = source.response_message
             if answer is None or rollout.request_digest(source) != digests[k - 2]:
@@ -281,16 +352,66 @@ def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             if not _replays_answer(messages[k - 1], answer):
                 continue
             kind, rule, details = _replay_kind(rollout, root, messages, k, source)
-            evidence = {
-                "rule": rule,
-                "num_messages": k,
-                "common_prefix_tokens": _common_prefix(
-                    root.prompt_token_ids, source.full_token_ids()
-                ),
-                **details,
-            }
-            chain_id = rollout.chain_of[source.call_id]
-            return LineageEdge(kind, chain_id, source.call_id, evidence)
+            ranked = rollout.rank(kind, root, source)
+            found.append((ranked, (source, kind, rule, details)))
+            if ranked is Rank.SAME:
+                break  # the first of the root's session: none after it ranks better
+        chosen = _best(found)
+        if not chosen:
+            continue
+        source, kind, rule, details = chosen[0]
+        evidence = {
+            "rule": rule,
+            "num_messages": k,
+            "common_prefix_tokens": _common_prefix(root.prompt_token_ids, source.full_token_ids()),
+            **details,
+            **rollout.session_evidence(root, source),
+        }
+        chain_id = rollout.chain_of[source.call_id]
+        return LineageEdge(kind, chain_id, source.call_id, evidence)
+    return None
+
+
+def _interrupted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
+    """``resumed_after_interrupt``: the root replays the whole request of an earlier call of
+    another chain, then a declared placeholder (``InterruptedTurn``) where its answer was, then
+    more messages; the longest such request, of the calls with it the root's session's, the
+    latest."""
+    placeholders = {squash(d.text): d.harness for d in rollout.rules.of(InterruptedTurn)}
+    if not placeholders:
+        return None
+    messages = compared(root.request_messages)
+    digests: list[bytes] | None = None
+    # k: the placeholder's index; messages[:k] the lost call's request, something after it
+    for k in range(len(messages) - 2, 0, -1):
+        message = messages[k]
+        if message.get("role") != "assistant" or message.get("tool_calls"):
+            continue
+        text = squash(message_text(message))
+        harness = placeholders.get(text)
+        if harness is None:
+            continue
+        if digests is None:
+            digests = prefix_digests([message_key(m) for m in messages])
+        candidates = rollout.requests.get(
+            (k, hashlib.sha256(message_key(messages[k - 1])).digest())
+        )
+        earlier = rollout.earlier_other(candidates or (), root)
+        exact = [c for c in earlier if rollout.request_digest(c) == digests[k - 1]]
+        found = rollout.best(LineageKind.RESUMED_AFTER_INTERRUPT, root, exact, _same)
+        if not found:
+            continue
+        source = found[-1]
+        evidence = {
+            "rule": f"{harness}.interrupted_turn",
+            "num_messages": k,
+            "common_prefix_tokens": _common_prefix(root.prompt_token_ids, source.full_token_ids()),
+            "marker": text,
+            "message_index": _positions(root)[k],
+            **rollout.session_evidence(root, source),
+        }
+        chain_id = rollout.chain_of[source.call_id]
+        return LineageEdge(LineageKind.RESUMED_AFTER_INTERRUPT, chain_id, source.call_id, evidence)
     return None
 
 
@@ -312,6 +433,8 @@ def _spawned(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             continue
         allowed = {c.call_id for c in rollout.earlier_other((e[0] for e in entries), root)}
         entries = [e for e in entries if e[0].call_id in allowed]
+        # the root's session's first (Claude Code's only: a sub-agent is its spawner's session)
+        entries = rollout.best(LineageKind.SPAWNED_BY, root, entries, lambda e: e[0])
         if not entries:
             continue
         unused = [e for e in entries if (e[0].call_id, e[1]) not in rollout.used_spawns]
@@ -325,6 +448,7 @@ def _spawned(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             "message_index": index,
             "text_sha256": text_sha256(text),
             "num_chars": len(text),
+            **rollout.session_evidence(root, call),
         }
         chain_id = rollout.chain_of[call.call_id]
         return LineageEdge(LineageKind.SPAWNED_BY, chain_id, call.call_id, evidence)
@@ -332,7 +456,7 @@ def _spawned(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
 
 
 def _compaction_edge(
-    rollout: _Rollout, source: CallRecord, rule: str, index: int, carried: str
+    rollout: _Rollout, root: CallRecord, source: CallRecord, rule: str, index: int, carried: str
 ) -> LineageEdge:
     chain_id = rollout.chain_of[source.call_id]
     evidence = {
@@ -341,44 +465,69 @@ def _compaction_edge(
         "text_sha256": text_sha256(carried),
         "num_chars": len(carried),
         "replaces_chain_id": chain_id,
+        **rollout.session_evidence(root, source),
     }
     return LineageEdge(LineageKind.COMPACTED_FROM, chain_id, source.call_id, evidence)
+
+
+def _latest_of_session(
+    rollout: _Rollout, root: CallRecord, found: list[CallRecord]
+) -> CallRecord | None:
+    """Of ``found`` (in arrival order), the latest earlier call of another chain that ranks
+    best by session as the origin of a compaction into ``root``."""
+    best = rollout.best(LineageKind.COMPACTED_FROM, root, rollout.earlier_other(found, root), _same)
+    return best[-1] if best else None
 
 
 def _compacted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     messages = compared(root.request_messages)
     texts = [squash(message_text(m)) for m in messages]
     at = _positions(root)
-    # the latest summary before the root first: a compaction follows its summary call
-    summaries = [s for s in reversed(rollout.summaries) if rollout.earlier_other([s[0]], root)]
-    for source, carried, rule in summaries:
-        for i, text in enumerate(texts):
-            if messages[i].get("role") == "user" and carried in text:
-                return _compaction_edge(rollout, source, rule, at[i], carried)
+    kind = LineageKind.COMPACTED_FROM
+    # the latest summary before the root first (a compaction follows its summary call), of the
+    # root's session first: the first one it carries of the best session rank
+    matched: list[tuple[Rank | None, tuple[CallRecord, str, str, int]]] = []
+    for source, carried, rule in reversed(rollout.summaries):
+        ranked = rollout.rank(kind, root, source)
+        if ranked is None or not rollout.earlier_other([source], root):
+            continue
+        users = (i for i, m in enumerate(messages) if m.get("role") == "user")
+        hit = next((i for i in users if carried in texts[i]), None)
+        if hit is None:
+            continue
+        matched.append((ranked, (source, carried, rule, hit)))
+        if ranked is Rank.SAME:
+            break  # the latest of the root's session: none after it ranks better
+    chosen = _best(matched)
+    if chosen:
+        source, carried, rule, i = chosen[0]
+        return _compaction_edge(rollout, root, source, rule, at[i], carried)
     prefixes = [(squash(d.prefix), d.harness) for d in rollout.rules.of(SummaryPrefix)]
     for i, text in enumerate(texts):
         for prefix, harness in prefixes:
             if text.startswith(prefix):
                 carried = text[len(prefix) :].strip()
-                found = rollout.answers.get(text_sha256(carried), [])
-                for source in reversed(rollout.earlier_other(found, root)):
-                    return _compaction_edge(
-                        rollout, source, f"{harness}.summary_prefix", i, carried
-                    )
+                found = _latest_of_session(
+                    rollout, root, rollout.answers.get(text_sha256(carried), [])
+                )
+                if found is not None:
+                    rule = f"{harness}.summary_prefix"
+                    return _compaction_edge(rollout, root, found, rule, at[i], carried)
     for i, text in enumerate(texts):
         if len(text) < rollout.rules.min_carried_chars:
             continue
-        found = rollout.answers.get(text_sha256(text), [])
-        for source in reversed(rollout.earlier_other(found, root)):
+        found = _latest_of_session(rollout, root, rollout.answers.get(text_sha256(text), []))
+        if found is not None:
             rule = "generic.answer_text_carried"
-            return _compaction_edge(rollout, source, rule, at[i], text)
+            return _compaction_edge(rollout, root, found, rule, at[i], text)
     for i, text in enumerate(texts):
         if messages[i].get("role") == "assistant":
             continue  # a summary is handed to the model, not written by it
         inside = _carried_inside(rollout, root, text)
         if inside is not None:
             source, carried = inside
-            return _compaction_edge(rollout, source, "generic.answer_text_inside", at[i], carried)
+            rule = "generic.answer_text_inside"
+            return _compaction_edge(rollout, root, source, rule, at[i], carried)
     return None
 
 
@@ -387,7 +536,8 @@ def _carried_inside(
 ) -> tuple[CallRecord, str] | None:
     """The latest earlier call of another chain whose whole answer (at least
     ``min_carried_chars``, squashed) appears inside ``text`` ("Summary of the earlier
-    conversation: <answer>"), with that answer; the longest answer at the first offset wins.
+    conversation: <answer>"), with that answer; at the first offset where one is, the best
+    session rank, then the longest answer, then the latest.
 
     Cost: one dict lookup of a ``min_carried_chars`` slice per offset of ``text`` (the anchor
     index holds each answer's first characters), so O(len(text) * min_carried_chars) per
@@ -402,6 +552,7 @@ def _carried_inside(
         found = [(t, c) for t, c in candidates if text.startswith(t, start)]
         allowed = {c.call_id for c in rollout.earlier_other((c for _, c in found), root)}
         found = [(t, c) for t, c in found if c.call_id in allowed]
+        found = rollout.best(LineageKind.COMPACTED_FROM, root, found, lambda o: o[1])
         if found:
             best = max(len(t) for t, _ in found)
             carried, source = [(t, c) for t, c in found if len(t) == best][-1]
@@ -419,7 +570,12 @@ def find_lineage(
     out: dict[str, list[LineageEdge]] = {}
     for root in sorted((chain.calls[0] for chain in chains.chains), key=_order):
         edges = [e for e in (_retried(rollout, root),) if e is not None]
-        found = _replayed(rollout, root) or _spawned(rollout, root) or _compacted(rollout, root)
+        found = (
+            _interrupted(rollout, root)
+            or _replayed(rollout, root)
+            or _spawned(rollout, root)
+            or _compacted(rollout, root)
+        )
         if found is not None:
             edges.append(found)
         if edges:

@@ -21,6 +21,10 @@ class LineageKind(enum.StrEnum):
     #: a root whose history replays the whole conversation of a chain's last call, then a new
     #: user message (a stored session resumed)
     RESUMED_FROM = "resumed_from"
+    #: a root whose history replays the whole request of a call whose answer the harness never
+    #: got (killed or interrupted), that answer replaced by the harness's declared placeholder
+    #: (``InterruptedTurn``), then new messages (a session resumed after a lost turn)
+    RESUMED_AFTER_INTERRUPT = "resumed_after_interrupt"
     #: a root recorded as a retry (``retry_of``) of a call of another chain
     RETRIED_FROM = "retried_from"
 
@@ -33,7 +37,9 @@ class LineageEdge:
     ``message_index`` (an index into the root's ``request_messages``), ``text_sha256`` and
     ``num_chars`` of the matched text, ``num_messages`` (how many non-system messages of the
     history were replayed), ``common_prefix_tokens`` (of the root's prompt and the source's
-    prompt + generation), ``tool_call_id``, ``marker``, ``replaces_chain_id``, ...)."""
+    prompt + generation), ``tool_call_id``, ``marker``, ``replaces_chain_id``, ``session``
+    (the harness session both calls name, when the harness declares that this kind of edge
+    stays inside one: ``harness_notes.lineage.SessionField``), ...)."""
 
     kind: LineageKind
     chain_id: str

@@ -43,6 +43,9 @@ CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
 #: Status of an index entry whose call is still in flight.
 IN_FLIGHT = "in_flight"
 
+#: A harness session, as ``core.sessions.Session.key`` gives it: (harness, session id).
+SessionKey = tuple[str, str]
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -68,6 +71,8 @@ class _Entry:
     superseded_by: str | None = None
     #: the parent this call is counted as a child of (in flight: the one it was resolved to)
     counted_parent: str | None = None
+    #: the harness session its request named (``core.sessions``), if any
+    session: SessionKey | None = None
 
 
 @dataclass
@@ -112,6 +117,7 @@ class LinkIndex:
         parent_call_id: str | None = None,
         retry_of: str | None = None,
         answer_digests: tuple[str, str] | None = None,
+        session: SessionKey | None = None,
     ) -> None:
         """Add a call, or replace what is known of it (a call is added when its request
         arrives and again, with its child digest and status, once it is stored).
@@ -122,7 +128,8 @@ class LinkIndex:
         ``num_tokens`` / ``tokens_sha256`` / ``block_sha256``: the token key of a complete
         call (``prefixes.token_digests``; ``block_sha256`` may be left out below
         ``PREFIX_BLOCK`` tokens). ``answer_digests``: ``turn_digests(response)``, when known
-        already."""
+        already. ``session``: the harness session its request named (a tie-breaker among
+        candidates, ``_preferring``)."""
         old = self.entries.get(call_id)
         if old is not None:
             # the same call filed again under the same request digest, no earlier: still the
@@ -147,6 +154,7 @@ class LinkIndex:
             turn,
             turn_without_ids,
             tool_call_ids(response),
+            session=session,
         )
         if old is not None:
             entry.children, entry.superseded_by = old.children, old.superseded_by
@@ -268,6 +276,23 @@ class LinkIndex:
             entry.call_id,
         )
 
+    @staticmethod
+    def _preferring(session: SessionKey | None) -> Callable[[_Entry], tuple[Any, ...]]:
+        """``_preference`` with, for a request that names a harness session, the calls of that
+        session before the others where ``_preference`` would go on to the earliest: twin
+        sessions (one task, a deterministic engine) whose calls are token-identical each
+        continue their own. Only a tie-breaker: it never takes a call with a child over one
+        without (that would branch one chain and leave the twin's behind)."""
+        if session is None:
+            return LinkIndex._preference
+
+        def preference(entry: _Entry) -> tuple[Any, ...]:
+            unverifiable, superseded, has_child, created_at, call_id = LinkIndex._preference(entry)
+            other = entry.session != session
+            return (unverifiable, superseded, has_child, other, created_at, call_id)
+
+        return preference
+
     def resolve(
         self,
         parent_digest: str | None,
@@ -278,13 +303,15 @@ class LinkIndex:
         retry_requested: bool = False,
         refuse_note_parents: bool = False,
         claimed: Callable[[str], bool] | None = None,
+        session: SessionKey | None = None,
     ) -> Resolution:
         """Find the parent candidates by digest, and the call an identical request retries.
 
         Candidates are the calls of the same ``model`` (a parent from another model would put
         its tokens and log probs in this model's chain) whose child digest is
         ``parent_digest``, preferred in this order: verifiable, not superseded by a retry,
-        without a child yet (stored or in flight), earliest (see ``_preference``). With
+        without a child yet (stored or in flight), of the request's harness ``session`` (when
+        it names one: ``_preferring``), earliest (see ``_preference``). With
         ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose
         prompt carried a rewritten harness note is not taken: the call starts a new chain.
         ``last_turn``: the history's last assistant message, to tell a dropped or edited turn
@@ -296,7 +323,7 @@ class LinkIndex:
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
-        matches = self._matches(parent_digest, found, model, claimed)
+        matches = self._matches(parent_digest, found, model, claimed, session)
         rewritten = None
         if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
             # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
@@ -304,7 +331,8 @@ class LinkIndex:
             # Tokens decide whether the link is taken.
             ids = "\x1f".join(tool_call_ids(last_turn))
             by_ids = (self._by_tool_call_ids.get(ids) or {}).values() if ids else ()
-            matches = Candidates(_candidates(e for e in by_ids if e.model == model), None)
+            mine = (e for e in by_ids if e.model == model)
+            matches = Candidates(_candidates(mine, self._preferring(session)), None)
             rewritten = TURN_REWRITTEN if matches else None
         if not matches:
             reason, mismatch = self._why_unmatched(list(found.values()), model, last_turn)
@@ -349,12 +377,13 @@ class LinkIndex:
         found: dict[str, _Entry],
         model: str | None,
         claimed: Callable[[str], bool] | None = None,
+        session: SessionKey | None = None,
     ) -> Candidates:
         """The candidates of ``model`` among ``found`` (the calls whose child digest is
-        ``parent_digest``) in ``_preference`` order. The best of that order (verifiable, not
-        superseded, childless) are among the digest's childless calls, few however many
-        calls share the digest: when one is there, the others are ordered only if asked
-        (``Candidates``). A childless call ``claimed`` elsewhere counts as having a child:
+        ``parent_digest``) in ``_preferring(session)`` order. The best of that order
+        (verifiable, not superseded, childless) are among the digest's childless calls, few
+        however many calls share the digest: when one is there, the others are ordered only
+        if asked (``Candidates``). A childless call ``claimed`` elsewhere counts as having a child:
         then all are ordered at once (rare: identical siblings continued at once)."""
         head = [
             e
@@ -363,14 +392,18 @@ class LinkIndex:
         ]
         claimed_ids = {e.call_id for e in head if claimed(e.call_id)} if claimed else None
         if claimed_ids:
-            return self._claimed_matches(head, claimed_ids, found, model)
+            return self._claimed_matches(head, claimed_ids, found, model, session)
+        preference = self._preferring(session)
         if not head or len(head) == len(found):
-            return Candidates(_candidates(e for e in found.values() if e.model == model), None)
+            mine = (e for e in found.values() if e.model == model)
+            return Candidates(_candidates(mine, preference), None)
         taken = {e.call_id for e in head}
         others = list(found.values())  # the candidates as they are now; ordered when asked
         return Candidates(
-            _candidates(head),
-            lambda: _candidates(e for e in others if e.model == model and e.call_id not in taken),
+            _candidates(head, preference),
+            lambda: _candidates(
+                (e for e in others if e.model == model and e.call_id not in taken), preference
+            ),
         )
 
     def _claimed_matches(
@@ -379,16 +412,18 @@ class LinkIndex:
         claimed_ids: set[str],
         found: dict[str, _Entry],
         model: str | None,
+        session: SessionKey | None = None,
     ) -> Candidates:
         """``_matches`` when some of the childless calls (``head``) are claimed by calls in
         flight elsewhere (``claimed_ids``): those count as having a child. The unclaimed ones
         come first, made at once; the rest (the claimed ones among the calls with a child,
         by age) only when asked, so a resolution still costs what is few."""
+        preference = self._preferring(session)
 
-        def claims_preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
-            verifiable, superseded, has_child, created_at, call_id = self._preference(entry)
-            taken = has_child or call_id in claimed_ids
-            return (verifiable, superseded, taken, created_at, call_id)
+        def claims_preference(entry: _Entry) -> tuple[Any, ...]:
+            verifiable, superseded, has_child, *rest = preference(entry)
+            taken = has_child or entry.call_id in claimed_ids
+            return (verifiable, superseded, taken, *rest)
 
         free = [e for e in head if e.call_id not in claimed_ids]
         if not free:
@@ -397,7 +432,7 @@ class LinkIndex:
         made = {e.call_id for e in free}
         others = list(found.values())
         return Candidates(
-            _candidates(free),
+            _candidates(free, preference),
             lambda: _candidates(
                 (e for e in others if e.model == model and e.call_id not in made),
                 claims_preference,
@@ -472,7 +507,7 @@ def _drop(index: dict[str, dict[str, _Entry]], digest: str | None, call_id: str)
 
 def _candidates(
     entries: Iterable[_Entry],
-    preference: Callable[[_Entry], tuple[bool, bool, bool, float, str]] | None = None,
+    preference: Callable[[_Entry], tuple[Any, ...]] | None = None,
 ) -> tuple[Candidate, ...]:
     """``entries`` in ``preference`` order (default ``LinkIndex._preference``), as candidates."""
     ordered = sorted(entries, key=preference or LinkIndex._preference)
@@ -500,6 +535,7 @@ def add_stored(
         tokens_sha256=call.tokens_sha256,
         block_sha256=call.block_sha256,
         answer_digests=answer_digests,
+        session=call.session,
     )
 
 

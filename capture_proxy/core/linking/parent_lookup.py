@@ -46,6 +46,7 @@ def resolve_step(
     refresh_on_miss: bool = False,
     claims: ChildClaims | None = None,
     index_current: Callable[[], bool] | None = None,
+    session: tuple[str, str] | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
@@ -63,7 +64,9 @@ def resolve_step(
     which then sees two and must see this one taken). A claim is released when
     its call is stored, so the choice also needs the stored children: ``index_current()``
     says whether ``index`` still holds every call stored (asked after the claims are read);
-    when not, the step asks ``CatchUp(rollout_id)`` and chooses again."""
+    when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``: the
+    harness session the request names (``core.sessions``), which breaks ties between
+    token-identical candidates (``LinkIndex._preferring``)."""
     req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
@@ -79,6 +82,7 @@ def resolve_step(
             retry_requested=retry_requested,
             refuse_note_parents=refuse_note_parents,
             claimed=held.claimed if held is not None else None,
+            session=session,
         )
 
     if claims is not None and parent_digest is not None:

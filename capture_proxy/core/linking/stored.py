@@ -2,12 +2,15 @@
 
 Owns ``StoredCall``: the facts ``LinkIndex.add`` files a stored call under (child and request
 digests, its answer, status, model, verified parent, retry target, routed-expert rows, token
-key), ``of_record`` (from a ``CallRecord``: the index's own calls, and rollouts read whole) and
-``of_row`` (from a v4 row's columns and metadata, without decoding its arrays or messages: a
-worker of ``serve --workers`` catching up with the calls the others stored costs a few
-columns per call, however deep its chain). Both give the same facts for the same call; a row
-that cannot tell one of them (an older record, a row without its block digest) gives None and
-the caller reads the record whole. Pure: no I/O.
+key, the harness session its request named), ``of_record`` (from a ``CallRecord``: the
+index's own calls, and rollouts read whole) and ``of_row`` (from a v4 row's columns and
+metadata, without decoding its arrays or messages: a worker of ``serve --workers`` catching up
+with the calls the others stored costs a few columns per call, however deep its chain). Both
+give the same facts for the same call; a row that cannot tell one of them (an older record, a
+row without its block digest) gives None and the caller reads the record whole. One exception:
+a row whose request kept the field naming the session apart (a blob: at least 512 bytes, which
+no harness sends) tells no session, rather than make every catch-up read the rollout whole;
+the session only breaks ties between token-identical candidates. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from capture_proxy.core.linking.prefill import continued_turn, history_before_tu
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end as record_rows_end
+from capture_proxy.core.sessions import SESSION_FIELDS, session_key
+
+#: The top-level request fields a harness names its session in (a row that stored one of
+#: them apart, as a blob, does not tell the session from its metadata).
+_SESSION_TOP_FIELDS = frozenset(f.path[0] for f in SESSION_FIELDS if f.path)
 
 #: The record schema whose metadata ``of_row`` reads.
 ROW_SCHEMA_VERSION = 4
@@ -48,6 +56,8 @@ class StoredCall:
     response: Mapping[str, Any] | None
     parent_call_id: str | None
     retry_of: str | None
+    #: the harness session its request named (``core.sessions``), if any
+    session: tuple[str, str] | None = None
 
 
 def _has_token_key(status: str, num_generation_tokens: int) -> bool:
@@ -84,6 +94,7 @@ def of_record(record: CallRecord, digests: RecordDigests | None = None) -> Store
         response,
         record.parent_call_id,
         record.retry_of,
+        session_key(record.request_received),
     )
 
 
@@ -101,7 +112,8 @@ def of_row(
     when the row cannot tell them all (not schema v4; an answered call whose record keeps no
     child digest; a complete call with output stored without its block digest; a call that
     continued a prefill stored without ``linking.prefill_message``: the turn it offers merges
-    its answer with that message)."""
+    its answer with that message). Its session is None where the field naming it was stored
+    apart (see the module docstring)."""
     if schema_version != ROW_SCHEMA_VERSION:
         return None
     meta = json.loads(meta_text)
@@ -122,6 +134,9 @@ def of_row(
         if not tokens_sha256 or block_sha256 is None:
             return None
         num_tokens = int(meta["num_prompt_tokens"]) + int(meta["num_generation_tokens"])
+    received = meta.get("request_received")
+    if _SESSION_TOP_FIELDS & (meta.get("request_received_blobs") or {}).keys():
+        received = None
     experts = meta.get("routed_experts")
     return StoredCall(
         call_id,
@@ -138,4 +153,5 @@ def of_row(
         response,
         meta.get("parent_call_id"),
         retry_of,
+        session_key(received),
     )

@@ -12,7 +12,8 @@ from capture_proxy.core.chains import build_chains
 from capture_proxy.core.lineage import LineageKind, LineageRules, find_lineage
 from capture_proxy.core.lineage.find import count_by_kind
 from capture_proxy.core.lineage.messages import text_sha256
-from capture_proxy.core.records import CallRecord
+from capture_proxy.core.records import CallRecord, CallStatus
+from harness_notes.claude_code import INTERRUPTED_TURN_TEXT
 from harness_notes.codex import SUMMARY_PREFIX
 from tests.factories import record
 
@@ -241,6 +242,13 @@ def test_a_codex_compaction_carries_the_summary_after_its_prefix() -> None:
         ("compacted_from", "m1", "codex.summary_prefix")
     ]
     assert edges["c1"][0]["evidence"]["message_index"] == 1
+    # as Codex sends it: developer messages first, left out of the comparison; the index
+    # still names the message in request_messages
+    developer = {"role": "developer", "content": "You are Codex."}
+    after.request_messages = [developer, *after.request_messages]
+    edges = lineage_of([summary, after])
+    assert edges["c1"][0]["evidence"]["rule"] == "codex.summary_prefix"
+    assert edges["c1"][0]["evidence"]["message_index"] == 2
 
 
 def test_a_resumed_session_replays_the_whole_conversation_of_a_chains_last_call() -> None:
@@ -386,6 +394,7 @@ def test_generic_rules_for_undeclared_harnesses() -> None:
         "forked_from": 0,
         "compacted_from": 1,
         "resumed_from": 0,
+        "resumed_after_interrupt": 0,
         "retried_from": 0,
     }
 
@@ -474,3 +483,108 @@ def test_two_unrelated_sessions_are_not_joined() -> None:
     )
     two = call("b1", 2.0, [80], [81], [user(other_text)], assistant("ok"))
     assert lineage_of([one, two]) == {}
+
+
+ENVIRONMENT = {"role": "system", "content": "# Environment\nPrimary working directory: /w/p"}
+
+
+def test_a_session_resumed_after_a_lost_turn_is_resumed_after_the_lost_call() -> None:
+    # trial 11, finding 4: Claude Code was killed while the model wrote a tool call; `claude
+    # --continue "Now say hello."` sends the lost call's request, "No response requested." in
+    # its answer's place (the model never wrote it), then the new prompt
+    lost = call(
+        "k1",
+        1.0,
+        [1, 2, 3, 4],
+        [5, 6],
+        [SYSTEM, user("Read the notes."), ENVIRONMENT],
+        assistant(None, [("toolu_1", "Bash", {"command": "cat notes.txt"})]),
+    )
+    resumed = call(
+        "k2",
+        2.0,
+        [1, 2, 3, 4, 7, 8],
+        [9],
+        [
+            SYSTEM,
+            user("Read the notes."),
+            ENVIRONMENT,
+            assistant(INTERRUPTED_TURN_TEXT),
+            user("Now say hello."),
+        ],
+        assistant("Hello."),
+    )
+    assert lineage_of([lost, resumed]) == {
+        "k2": [
+            {
+                "kind": "resumed_after_interrupt",
+                "chain_id": "k1",
+                "from_call_id": "k1",
+                "evidence": {
+                    "rule": "claude_code.interrupted_turn",
+                    "num_messages": 1,
+                    "common_prefix_tokens": 4,
+                    "marker": INTERRUPTED_TURN_TEXT,
+                    "message_index": 3,  # in request_messages
+                },
+            }
+        ]
+    }
+    assert (
+        count_by_kind(find_lineage(build_chains("r1", [lost, resumed])))["resumed_after_interrupt"]
+        == 1
+    )
+
+
+def test_a_lost_turn_deeper_in_a_session_is_the_longest_replayed_request() -> None:
+    # the session answered once (a1), then lost its second turn (a2); the resumed request
+    # replays a2's whole request with the placeholder where a2's answer was
+    a1 = call("a1", 1.0, [1, 2], [3], [user(TASK)], assistant("step 1"))
+    a2 = continued(a1, "a2", 2.0)
+    placeholder = assistant(INTERRUPTED_TURN_TEXT)
+    resumed = call(
+        "r1", 3.0, [1, 7], [8], [*a2.request_messages, placeholder, user("go on")], assistant("k")
+    )
+    edges = lineage_of([a1, a2, resumed])
+    assert [(e["kind"], e["from_call_id"], e["evidence"]["num_messages"]) for e in edges["r1"]] == [
+        ("resumed_after_interrupt", "a2", 3)
+    ]
+    assert edges["r1"][0]["chain_id"] == "a1"  # a2 is a1's token child: one chain
+
+
+def test_a_placeholder_after_no_captured_request_joins_nothing() -> None:
+    other = call("a1", 1.0, [1, 2], [3], [user("Read the notes.")], assistant("done"))
+    placeholder = assistant(INTERRUPTED_TURN_TEXT)
+    # another request before it than any captured one
+    root = call("r1", 2.0, [4], [5], [user("Read it."), placeholder, user("hi")], assistant("x"))
+    assert lineage_of([other, root]) == {}
+    # the placeholder as the last message (a prefill, not a resumed turn)
+    root.request_messages = [user("Read the notes."), placeholder]
+    assert lineage_of([other, root]) == {}
+    # the same text written by the model is its answer: the history replays it (resumed_from)
+    root.request_messages = [user("Read the notes."), assistant("done"), user("hi")]
+    assert [e["kind"] for e in lineage_of([other, root])["r1"]] == ["resumed_from"]
+
+
+def test_a_lost_turn_stored_incomplete_is_in_no_chain_so_the_history_rule_joins_its_parent() -> (
+    None
+):
+    # the proxy saw the harness leave: the lost call a2 is incomplete (unlinked). The resumed
+    # root replays a1's conversation, the tool result, then the placeholder: no chain holds
+    # a2's request, so the lost-turn rule finds nothing and the history rule joins a1
+    call_1 = ("toolu_1", "Bash", {"command": "ls"})
+    a1 = call("a1", 1.0, [1, 2], [3], [user(TASK)], assistant(None, [call_1]))
+    history = [user(TASK), assistant(None, [call_1]), tool("toolu_1", "notes.txt")]
+    a2 = call("a2", 2.0, [1, 2, 3, 4], [5], history, assistant("partial"))
+    a2.status = CallStatus.INCOMPLETE
+    placeholder = assistant(INTERRUPTED_TURN_TEXT)
+    resumed = call("r1", 3.0, [1, 9], [8], [*history, placeholder, user("go on")], assistant("k"))
+    edges = lineage_of([a1, a2, resumed])
+    assert [(e["kind"], e["from_call_id"], e["evidence"]["rule"]) for e in edges["r1"]] == [
+        ("forked_from", "a1", "generic.history_replayed")
+    ]
+    a2.status = CallStatus.COMPLETE  # stored complete: the lost call itself
+    edges = lineage_of([a1, a2, resumed])
+    assert [(e["kind"], e["from_call_id"]) for e in edges["r1"]] == [
+        ("resumed_after_interrupt", "a2")
+    ]

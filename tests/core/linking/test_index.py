@@ -55,6 +55,27 @@ class TestIndex:
         got = index.resolve("d", "qb2")
         assert [c.call_id for c in got.candidates] == ["B1", "A1"]
 
+    def test_twin_sessions_token_identical_calls_each_continue_their_own_session(self):
+        # Two harness sessions of one task (a deterministic engine, one project dir) whose
+        # first calls are token-identical; session B's continuation arrives first. By age it
+        # took A's call (trial 11: chains holding calls of two sessions); the session each
+        # request names (core.sessions) breaks the tie.
+        index = LinkIndex()
+        key = {"num_tokens": 5, "tokens_sha256": b"x" * 32, "status": "complete"}
+        a, b = ("claude_code", "sess-a"), ("claude_code", "sess-b")
+        index.add("A1", 1.0, child_digest="d", request_digest="q", session=a, **key)
+        index.add("B1", 2.0, child_digest="d", request_digest="q", session=b, **key)
+        assert [c.call_id for c in index.resolve("d", "q2", session=b).candidates] == ["B1", "A1"]
+        assert [c.call_id for c in index.resolve("d", "q2", session=a).candidates] == ["A1", "B1"]
+        # a request that names no session, or one no candidate names: by age
+        assert index.resolve("d", "q2").parent_call_id == "A1"
+        assert index.resolve("d", "q2", session=("codex", "sess-b")).parent_call_id == "A1"
+        # only a tie-breaker: a call without a child comes before the own session's that has
+        # one (else one chain would branch and the twin's be left behind)
+        index.add("B2", 3.0, child_digest="dB2", request_digest="q2", parent_call_id="B1",
+                  session=b, **key)  # fmt: skip
+        assert [c.call_id for c in index.resolve("d", "q3", session=b).candidates] == ["A1", "B1"]
+
     def test_a_retry_supersedes_the_call_it_retried_as_a_candidate(self):
         index = LinkIndex()
         key = {"num_tokens": 5, "tokens_sha256": b"x" * 32}

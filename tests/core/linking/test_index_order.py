@@ -14,10 +14,12 @@ from capture_proxy.core.linking.resolution import Candidates
 CALLS = [f"c{i}" for i in range(8)]
 DIGESTS = ["d0", "d1"]
 REQUESTS = ["q0", "q1"]
+SESSIONS = [None, ("claude_code", "s0"), ("claude_code", "s1")]
 KEY = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
 
 # One step: (call, created_at, child digest, request digest, status, verifiable, model,
-# parent, retry_of); a call is filed in flight or stored, again and again, as the proxy does.
+# parent, retry_of, session); a call is filed in flight or stored, again and again, as the
+# proxy does.
 steps = st.lists(
     st.tuples(
         st.sampled_from(CALLS),
@@ -29,15 +31,18 @@ steps = st.lists(
         st.sampled_from(["m", "n"]),
         st.sampled_from([None, *CALLS]),
         st.sampled_from([None, *CALLS]),
+        st.sampled_from(SESSIONS),
     ),
     max_size=40,
 )
 
 
-def _expected_candidates(index: LinkIndex, digest: str, model: str) -> list[str]:
+def _expected_candidates(
+    index: LinkIndex, digest: str, model: str, session: tuple[str, str] | None = None
+) -> list[str]:
     """The candidates as a full sort of the digest's calls orders them (the rule)."""
     found = [e for e in index.entries.values() if e.child_digest == digest and e.model == model]
-    return [e.call_id for e in sorted(found, key=LinkIndex._preference)]
+    return [e.call_id for e in sorted(found, key=LinkIndex._preferring(session))]
 
 
 def _expected_retry_target(index: LinkIndex, request: str) -> str | None:
@@ -58,7 +63,7 @@ def _expected_retry_target(index: LinkIndex, request: str) -> str | None:
 @given(steps)
 def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops):
     index = LinkIndex()
-    for call, at, child, request, status, verifiable, model, parent, retry in ops:
+    for call, at, child, request, status, verifiable, model, parent, retry, session in ops:
         index.add(
             call,
             at,
@@ -68,14 +73,16 @@ def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops):
             model=model,
             parent_call_id=parent,
             retry_of=retry,
+            session=session,
             **(KEY if verifiable else {}),
         )
         for digest in DIGESTS:
             for model_asked in ("m", "n"):
-                got = index.resolve(digest, "q-new", model=model_asked)
-                want = _expected_candidates(index, digest, model_asked)
-                assert [c.call_id for c in got.candidates] == want
-                assert got.parent_call_id == (want[0] if want else None)
+                for session_asked in SESSIONS:
+                    got = index.resolve(digest, "q-new", model=model_asked, session=session_asked)
+                    want = _expected_candidates(index, digest, model_asked, session_asked)
+                    assert [c.call_id for c in got.candidates] == want
+                    assert got.parent_call_id == (want[0] if want else None)
         for request in REQUESTS:
             target = _expected_retry_target(index, request)
             retry_of = index.resolve(None, request, retry_requested=True).retry_of
