@@ -38,7 +38,7 @@ def _golden(serving: str) -> dict[str, Any]:
 
 
 #: the servings whose families' parsers follow vLLM so far
-CHECKED = ("qwen3_coder",)
+CHECKED = ("qwen3_coder", "hermes", "hermes_qwen3")
 GOLDEN = {serving: _golden(serving) for serving in SERVINGS if serving in CHECKED}
 CASES = [
     (serving, family, name)
