@@ -33,3 +33,10 @@ def record(
         else [{"version": v, "start": s, "end": e} for v, s, e in weight_versions],
         weight_version_source=weight_version_source,
     )
+
+
+def answered_content(content: str, tool_calls: object) -> str:
+    """The content vLLM's hermes tool parser answers for a turn written in the Qwen layout
+    (content, a newline, the ``<tool_call>`` blocks): the text before the first
+    ``<tool_call>``, so the separating newline is part of it when there are calls."""
+    return content + "\n" if content and tool_calls else content

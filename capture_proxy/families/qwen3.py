@@ -7,10 +7,30 @@ template in ``capture_proxy/templates``)::
     [ ("\\n" if CONTENT) TOOL_CALL ("\\n" TOOL_CALL)* ]
     TOOL_CALL = "<tool_call>\\n" {"name": NAME, "arguments": {...}} "\\n</tool_call>"
 
-Tolerant of missing newlines around the markers. Tool-call arguments are re-dumped with
-``json.dumps(..., ensure_ascii=False)`` as vLLM's hermes parser does; a block whose JSON does
-not parse stays in the content as text (nothing generated is dropped). The end-of-turn token is
-not part of the text this parser sees.
+Tool calls are read as vLLM 0.32's ``hermes`` tool parser reads them
+(``vllm/tool_parsers/hermes_tool_parser.py``, non-streaming ``extract_tool_calls``, and the
+serving layer around it), so the harness gets the answer the engine itself would give:
+
+- the content is the text before the first ``<tool_call>``, as written (a newline before the
+  call included); text after or between calls is not content; content that is only
+  whitespace beside calls is no content;
+- every ``<tool_call>`` opens a call that ends at the next ``</tool_call>``, or at the end of
+  the generation when none follows (a model that stops on its end token without closing the
+  call still calls the tool);
+- each call's body is JSON holding ``name`` (a string) and ``arguments`` (any JSON value),
+  and its arguments are ``json.dumps(arguments, ensure_ascii=False)`` (a string value is
+  dumped as a JSON string again, as vLLM does);
+- when any call's body is not that, there is no call at all and the whole text is content.
+
+Reasoning (Qwen3): a generation that starts with ``<think>`` (or whose prompt opened the block)
+is reasoning up to ``</think>``, or up to a ``<tool_call>`` written inside the block (vLLM's
+``qwen3`` reasoning parser ends reasoning there too). The layout's newlines around the block are
+markup here; vLLM's ``qwen3`` reasoning parser keeps them (docs/families.md, "Parsing").
+
+A stream emits the content as it is decided (holding back only a partial ``<tool_call>`` and
+content that is whitespace so far) and the tool calls at the end of the generation, when it is
+known whether every call parses; each piece of text is looked at a bounded number of times. The
+end-of-turn token is not part of the text this parser sees.
 """
 
 from __future__ import annotations
@@ -38,22 +58,81 @@ def _held_suffix(buf: str, marker: str) -> int:
     return 0
 
 
-class QwenHermesStream:
-    """Incremental parser for one generation (see the module docstring). Subclasses change
-    the tool-call body (``parse_call``) and the separator between content and the first call
-    (``CONTENT_SEPARATOR``)."""
+def hermes_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of one ``<tool_call>`` body as vLLM's hermes parser reads
+    it, None when it is not a call (then vLLM makes no call of the whole generation)."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or "arguments" not in obj:
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str):
+        return None
+    return name, json.dumps(obj["arguments"], ensure_ascii=False)
 
-    CONTENT_SEPARATOR = "\n"
+
+class HermesCalls:
+    """The generation from its first ``<tool_call>`` on, fed piece by piece: each call's body
+    is parsed once, when it closes (or at the end); the text between calls is kept only for
+    the case that a call does not parse (then all of it is content)."""
+
+    def __init__(self) -> None:
+        self.raw: list[str] = []
+        self.in_body = False
+        self.tail = ""  # the last few characters searched, which may begin a marker
+        self.body: list[str] = []
+        self.calls: list[tuple[str, str] | None] = []
+
+    def feed(self, text: str) -> None:
+        self.raw.append(text)
+        while text:
+            marker = TC_CLOSE if self.in_body else TC_OPEN
+            searched = self.tail + text
+            idx = searched.find(marker)
+            if idx < 0:
+                if self.in_body:
+                    self.body.append(text)
+                self.tail = searched[len(searched) - _held_suffix(searched, marker) :]
+                return
+            rest = searched[idx + len(marker) :]
+            if self.in_body:
+                body = "".join(self.body) + text
+                self.calls.append(hermes_call(body[: len(body) - len(searched) + idx]))
+                self.body = []
+            self.in_body = not self.in_body
+            self.tail, text = "", rest
+
+    def finish(self) -> list[tuple[str, str]] | None:
+        """The calls, or None when one is not a call (the text is then ``text()``)."""
+        if self.in_body:
+            self.calls.append(hermes_call("".join(self.body)))
+            self.in_body, self.body = False, []
+        parsed = [c for c in self.calls if c is not None]
+        return parsed if len(parsed) == len(self.calls) else None
+
+    def text(self) -> str:
+        return "".join(self.raw)
+
+
+class QwenHermesStream:
+    """Incremental parser for one generation (see the module docstring)."""
 
     def __init__(self, id_seed: str, *, in_reasoning: bool = False) -> None:
         self.id_seed = id_seed
         # a prompt that opened <think> (Qwen3-2507 Thinking): the text starts as reasoning
         self.state = "reasoning" if in_reasoning else "start"
-        self.buf = ""
-        self.num_calls = 0
+        self.buf = ""  # undecided text before the calls (a partial marker)
         self.pending_newlines = 0  # newlines still to skip after "</think>"
+        self.space = ""  # the content so far while it is only whitespace
+        self.spoke = False  # content other than whitespace was emitted
+        self.calls = HermesCalls()
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
+        if self.state == "calls":
+            self.calls.feed(text)
+            return []
         self.buf += text
         out: list[MessageDelta] = []
         while self._step(out, final=False):
@@ -64,20 +143,29 @@ class QwenHermesStream:
         out: list[MessageDelta] = []
         while self._step(out, final=True):
             pass
-        if self.buf:
-            if self.state == "reasoning":
-                out.append(MessageDelta(reasoning=self.buf))
-            elif self.state == "tool":
-                out.append(MessageDelta(content=TC_OPEN + self.buf))
-            elif self.state != "between" or self.buf.strip():
-                out.append(MessageDelta(content=self.buf))
-            self.buf = ""
+        if self.state != "calls":
+            if self.buf:
+                if self.state == "reasoning":
+                    out.append(MessageDelta(reasoning=self.buf))
+                else:
+                    self._content(out, self.buf)
+                self.buf = ""
+            if self.space:
+                out.append(MessageDelta(content=self.space))
+            return out
+        calls = self.calls.finish()
+        if calls is None:
+            # vLLM: a block that is not a call leaves the whole text as content
+            out.append(MessageDelta(content=self.space + self.calls.text()))
+            return out
+        for index, (name, arguments) in enumerate(calls):
+            out += tool_call_deltas(self.id_seed, index, name, arguments)
         return out
 
     # One transition; returns True when it consumed something and may continue.
     def _step(self, out: list[MessageDelta], *, final: bool) -> bool:
         buf = self.buf
-        if not buf:
+        if not buf or self.state == "calls":
             return False
         if self.state == "start":
             if buf.startswith(THINK_OPEN):
@@ -93,7 +181,7 @@ class QwenHermesStream:
             self.state = "content"
             return True
         if self.state == "reasoning":
-            return self._until(out, THINK_CLOSE, "reasoning", final)
+            return self._reasoning(out, final)
         if self.state == "after_think":
             while self.pending_newlines and self.buf.startswith("\n"):
                 self.buf = self.buf[1:]
@@ -103,88 +191,62 @@ class QwenHermesStream:
             self.pending_newlines = 0
             self.state = "content"
             return bool(self.buf)
-        if self.state == "content":
-            return self._until(out, TC_OPEN, "content", final)
-        if self.state == "tool":
-            end = buf.find(TC_CLOSE)
-            if end < 0:
-                return False
-            self._emit_tool_call(out, buf[:end])
-            self.buf = buf[end + len(TC_CLOSE) :]
-            self.state = "between"
-            return True
-        if self.state == "between":
-            stripped = buf.lstrip()
-            if stripped.startswith(TC_OPEN):
-                self.buf = stripped[len(TC_OPEN) :]
-                self.state = "tool"
-                return True
-            if (not stripped or TC_OPEN.startswith(stripped)) and not final:
-                return False
-            # Text after the tool calls: keep it as content rather than lose it.
-            self.state = "content"
-            return True
+        # content: up to the first <tool_call>
+        idx = buf.find(TC_OPEN)
+        if idx >= 0:
+            self._content(out, buf[:idx])
+            self._to_calls(buf[idx:])
+            return False
+        held = 0 if final else _held_suffix(buf, TC_OPEN)
+        self._content(out, buf[: len(buf) - held])
+        self.buf = buf[len(buf) - held :]
         return False
 
-    def _until(self, out: list[MessageDelta], marker: str, kind: str, final: bool) -> bool:
-        """Emit text of ``kind`` up to ``marker`` (the separator before it is markup: one
-        newline, or ``CONTENT_SEPARATOR`` before the first tool call)."""
+    def _reasoning(self, out: list[MessageDelta], final: bool) -> bool:
+        """Reasoning up to ``</think>`` (the newline before it is markup) or a ``<tool_call>``."""
         buf = self.buf
-        sep = self.CONTENT_SEPARATOR if kind == "content" else "\n"
-        idx = buf.find(marker)
-        if idx >= 0:
-            text = buf[:idx]
-            if text.endswith(sep):
-                text = text[: -len(sep)]
-            elif text.endswith("\n"):
+        close, call = buf.find(THINK_CLOSE), buf.find(TC_OPEN)
+        if call >= 0 and (close < 0 or call < close):
+            if call:
+                out.append(MessageDelta(reasoning=buf[:call]))
+            self._to_calls(buf[call:])
+            return False
+        if close >= 0:
+            text = buf[:close]
+            if text.endswith("\n"):
                 text = text[:-1]
-            self._emit(out, kind, text)
-            self.buf = buf[idx + len(marker) :]
-            if kind == "reasoning":
-                self.state, self.pending_newlines = "after_think", 2
-            else:
-                self.state = "tool"
+            if text:
+                out.append(MessageDelta(reasoning=text))
+            self.buf = buf[close + len(THINK_CLOSE) :]
+            self.state, self.pending_newlines = "after_think", 2
             return True
         if final:
             return False
-        held = max(_held_suffix(buf, sep + marker), _held_suffix(buf, marker))
-        safe = len(buf) - held
-        if safe > 0:
-            self._emit(out, kind, buf[:safe])
-            self.buf = buf[safe:]
+        held = max(
+            _held_suffix(buf, "\n" + THINK_CLOSE),
+            _held_suffix(buf, THINK_CLOSE),
+            _held_suffix(buf, TC_OPEN),
+        )
+        if len(buf) > held:
+            out.append(MessageDelta(reasoning=buf[: len(buf) - held]))
+            self.buf = buf[len(buf) - held :]
         return False
 
-    @staticmethod
-    def _emit(out: list[MessageDelta], kind: str, text: str) -> None:
-        if text:
-            out.append(
-                MessageDelta(content=text) if kind == "content" else MessageDelta(reasoning=text)
-            )
+    def _to_calls(self, text: str) -> None:
+        self.buf, self.state = "", "calls"
+        self.calls.feed(text)
 
-    def _emit_tool_call(self, out: list[MessageDelta], body: str) -> None:
-        parsed = self.parse_call(body.strip("\n"))
-        if parsed is None:
-            out.append(MessageDelta(content=TC_OPEN + body + TC_CLOSE))
+    def _content(self, out: list[MessageDelta], text: str) -> None:
+        """Emit content, holding it while it is only whitespace: beside tool calls such
+        content is no content (vLLM), and whether calls follow is not known yet."""
+        if not text:
             return
-        name, arguments = parsed
-        out += tool_call_deltas(self.id_seed, self.num_calls, name, arguments)
-        self.num_calls += 1
-
-    def parse_call(self, body: str) -> tuple[str, str] | None:
-        """(name, arguments JSON text) of one tool-call body, None when it is not one."""
-        return _parse_call(body)
-
-
-def _parse_call(body: str) -> tuple[str, str] | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args: Any = obj.get("arguments", {})
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return obj["name"], arguments
+        if not self.spoke:
+            if not text.strip():
+                self.space += text
+                return
+            text, self.space, self.spoke = self.space + text, "", True
+        out.append(MessageDelta(content=text))
 
 
 class QwenHermesParser(ParsesByStream):
@@ -194,7 +256,6 @@ class QwenHermesParser(ParsesByStream):
         self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
     ) -> QwenHermesStream:
         return QwenHermesStream(id_seed, in_reasoning=in_reasoning)
-
 
 
 def render_tool_call(call: Mapping[str, Any]) -> str:

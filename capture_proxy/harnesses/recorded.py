@@ -203,6 +203,28 @@ def _substitute_ids(value: Any, id_map: dict[str, str]) -> Any:
     return value
 
 
+#: Keys whose string values are a message's text in the three APIs' bodies.
+_TEXT_KEYS = frozenset({"content", "text"})
+
+
+def _substitute_text(value: Any, text_map: dict[str, str]) -> Any:
+    """The recorded body with the recorded text of earlier answers (a chat message's
+    ``content``, a Responses ``output_text`` or Messages ``text`` block's ``text``) replaced by
+    the text the proxy answered."""
+    if not text_map:
+        return value
+    if isinstance(value, dict):
+        return {
+            k: text_map.get(v, v)
+            if k in _TEXT_KEYS and isinstance(v, str)
+            else _substitute_text(v, text_map)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_substitute_text(v, text_map) for v in value]
+    return value
+
+
 def _answer_message(api: Api, raw: bytes, content_type: str) -> dict[str, Any] | None:
     try:
         return answer_message(api, raw, content_type)
@@ -217,17 +239,19 @@ async def replay(
     each answer to its end before the next. ``base_url`` is a harness base URL, e.g.
     ``http://127.0.0.1:8080/ng-rollout/<id>/training-token-capture/v1``.
 
-    Like a harness, later requests echo the tool-call ids the proxy actually returned (the
-    recorded ids are replaced), so a proxy that generates its own ids (exact-token mode) sees
-    the history it would see from the real harness.
+    Like a harness, later requests echo the tool-call ids and the text the proxy actually
+    returned (the recorded ids, and a turn's recorded text where the answer's differs, are
+    replaced), so a proxy that generates its own ids or parses the model's text itself
+    (exact-token mode) sees the history it would see from the real harness.
     """
     out = []
     id_map: dict[str, str] = {}
+    text_map: dict[str, str] = {}
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for req in recording:
             headers = {k: v for k, v in req.headers if k.lower() in REPLAYED_HEADERS}
-            body = _substitute_ids(req.body, id_map)
+            body = _substitute_text(_substitute_ids(req.body, id_map), text_map)
             url = base_url + API_PATHS[req.api].removeprefix("/v1")
             if req.query:
                 url += "?" + req.query
@@ -243,6 +267,10 @@ async def replay(
                         None if resp.status < 400 else error_summary(raw),
                     )
                 )
+            recorded_text = req.response_message.get("content")
+            answered_text = (answer or {}).get("content")
+            if recorded_text and isinstance(recorded_text, str) and isinstance(answered_text, str):
+                text_map[recorded_text] = answered_text
             recorded_calls = req.response_message.get("tool_calls") or []
             answered_calls = (answer or {}).get("tool_calls") or []
             for rec_call, got in zip(recorded_calls, answered_calls, strict=False):

@@ -344,8 +344,8 @@ async def _send_tokens(
             delta["reasoning_content"] = e.reasoning
         if e.content:
             delta["content"] = e.content
-        if e.tool_call:
-            delta["tool_calls"] = [e.tool_call]
+        if e.tool_calls:
+            delta["tool_calls"] = list(e.tool_calls)
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,

@@ -177,22 +177,24 @@ class EngineFamily:
 def _event(tid: int, logprob: float, deltas: list[Any]) -> TokenEvent:
     reasoning = "".join(d.reasoning for d in deltas if d.reasoning is not None)
     content = "".join(d.content for d in deltas if d.content is not None)
-    call: dict[str, Any] | None = None
+    calls: dict[int, dict[str, Any]] = {}
     for d in deltas:
         if d.tool_call is None:
             continue
         tc = d.tool_call
-        if call is None:
-            call = {
+        call = calls.setdefault(
+            tc["index"],
+            {
                 "index": tc["index"],
                 "id": tc.get("id"),
                 "type": "function",
                 "function": {"name": "", "arguments": ""},
-            }
+            },
+        )
         fn = tc.get("function") or {}
         call["function"]["name"] += fn.get("name") or ""
         call["function"]["arguments"] += fn.get("arguments") or ""
-    return TokenEvent(tid, logprob, reasoning, content, call)
+    return TokenEvent(tid, logprob, reasoning, content, tuple(calls[i] for i in sorted(calls)))
 
 
 def _harmony_bytes(ef: EngineFamily, token_id: int) -> bytes:

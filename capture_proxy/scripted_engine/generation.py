@@ -28,14 +28,16 @@ from capture_proxy.families.qwen_vocab import (
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """What one generated token reveals. ``tool_call`` is set on the last token of a
-    ``<tool_call>...</tool_call>`` block: ``{index, id, type, function: {name, arguments}}``."""
+    """What one generated token reveals. ``tool_calls``: the calls it completes, each
+    ``{index, id, type, function: {name, arguments}}`` (the last token of a
+    ``<tool_call>...</tool_call>`` block; a parser that decides its calls at the end of the
+    generation completes all of them on the last token)."""
 
     token_id: int
     logprob: float
     reasoning: str = ""
     content: str = ""
-    tool_call: dict[str, Any] | None = None
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ def generate(
             elif start < r1 <= pos:
                 done_call = {"index": kind, **_parsed_arguments_call(calls[kind])}
         lp = synthetic_logprob(tid, k)
-        events.append(TokenEvent(tid, lp, parts["reasoning"], parts["content"], done_call))
+        done = (done_call,) if done_call is not None else ()
+        events.append(TokenEvent(tid, lp, parts["reasoning"], parts["content"], done))
     if pos != len(text):
         raise ValueError("generation text does not round-trip")
     finish = "tool_calls" if calls else "stop"
@@ -195,7 +198,7 @@ def assemble_message(events: list[TokenEvent]) -> dict[str, Any]:
     tool calls; ``reasoning_content`` only when there is reasoning."""
     content = "".join(e.content for e in events)
     reasoning = "".join(e.reasoning for e in events)
-    calls = [{k: v for k, v in e.tool_call.items() if k != "index"} for e in events if e.tool_call]
+    calls = [{k: v for k, v in c.items() if k != "index"} for e in events for c in e.tool_calls]
     msg: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
     if reasoning:
         msg["reasoning_content"] = reasoning

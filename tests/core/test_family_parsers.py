@@ -1,5 +1,10 @@
 """Qwen3-Coder XML and harmony parsers: what the family writes parses back to the message,
-streamed in any split equal to whole, and the per-call tail equals the full render."""
+streamed in any split equal to whole, and the per-call tail equals the full render.
+
+Qwen3-Coder's parser reads as vLLM's ``qwen3_coder`` tool parser without a reasoning parser
+(the cases vLLM answers are in ``tests/fixtures/parser_goldens/qwen3_coder.json``): a think
+block is content, and a value ends at a ``</parameter>`` written inside it, so its round trip
+holds for messages without reasoning and without that tag in a value."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import pytest
 from capture_proxy.families import load_family
 from capture_proxy.families.hf_template import tail_context
 from capture_proxy.families.parsing import apply_deltas, tool_call_id
-from capture_proxy.families.qwen3_coder import convert_value, parse_xml_call
+from capture_proxy.families.qwen3_coder import convert_value, xml_call
 
 TOOLS = [
     {
@@ -52,6 +57,12 @@ MESSAGES = {
         "tool_calls": [_call(0, "edit", {"path": "x\ny"})],
     },
 }
+#: what Qwen3-Coder's parser reads back (no reasoning: vLLM serves it without a reasoning parser)
+CODER_MESSAGES = {
+    "text": MESSAGES["text"],
+    "call": {"content": "", "tool_calls": [_call(0, "edit", {**ARGS, "path": "a <b>.py"})]},
+    "text+call": {"content": "Editing.", "tool_calls": [_call(0, "edit", {"path": "x\ny"})]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +70,14 @@ def fams(qwen_tokenizer):
     return {f: load_family(f, tokenizer=qwen_tokenizer) for f in ("qwen3_coder", "gpt_oss")}
 
 
-@pytest.mark.parametrize("name", sorted(MESSAGES))
-@pytest.mark.parametrize("family", ["qwen3_coder", "gpt_oss"])
+@pytest.mark.parametrize(
+    ("family", "name"),
+    [("qwen3_coder", n) for n in sorted(CODER_MESSAGES)]
+    + [("gpt_oss", n) for n in sorted(MESSAGES)],
+)
 def test_written_message_parses_back_whole_and_streamed(fams, family, name):
-    fam, message = fams[family], MESSAGES[name]
+    fam = fams[family]
+    message = (CODER_MESSAGES if family == "qwen3_coder" else MESSAGES)[name]
     ids = fam.write(message)
     assert ids[-1] in fam.close_ids
     text = fam.renderer.decode_text(ids)
@@ -81,18 +96,23 @@ def test_written_message_parses_back_whole_and_streamed(fams, family, name):
 
 
 def test_xml_values_follow_the_schema():
-    body = (
-        "<function=edit>\n<parameter=path>\na </parameter> b.py\n</parameter>\n"
+    raw = (
+        "\n<parameter=path>\na </parameter> b.py\n</parameter>\n"
         "<parameter=count>\n3\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
         "<parameter=force>\nTrue\n</parameter>\n<parameter=lines>\n[1, 2]\n</parameter>\n"
-        "<parameter=note>\nnull\n</parameter>\n<parameter=extra>\n7\n</parameter>\n</function>"
+        "<parameter=note>\nnull\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
     )
-    name, args = parse_xml_call(body, TOOLS)  # type: ignore[misc]
+    name, args = xml_call(" edit ", raw, TOOLS)  # type: ignore[misc]
     assert name == "edit"
-    assert json.loads(args) == {**ARGS, "note": None, "extra": "7"}
-    assert parse_xml_call("<function=edit>\nno parameter</function>", TOOLS) is None
+    # the value ends at the first </parameter>, as vLLM cuts it
+    assert json.loads(args) == {**ARGS, "path": "a ", "note": None, "extra": "7"}
+    assert xml_call("", "", TOOLS) is None
+    assert xml_call("edit", "no parameter", TOOLS) == ("edit", "{}")
     assert convert_value("12", {"type": "number"}) == 12
     assert convert_value("x", {"type": "integer"}) == "x"
+    assert convert_value("5.0", {"type": "integer"}) == 5.0
+    assert convert_value("yes", {"type": "boolean"}) == "yes"
+    assert convert_value("{'a': 1}", {"type": "object"}) == "{'a': 1}"
 
 
 def test_truncated_harmony_tool_call_stays_content(fams):
@@ -141,3 +161,20 @@ def test_tail_render_is_the_full_render_after_the_turn(qwen_tokenizer, family):
         "<|start|>assistant<|channel|>commentary<|message|>Editing.<|end|>"
         + call.format("<|constrain|>", args)
     )
+
+
+def test_a_coder_stream_holds_only_a_partial_tag():
+    from capture_proxy.families.qwen3_coder import Qwen3CoderStream, xml_tool_call
+
+    long = "x" * 20_000
+    text = long + "\n\n" + xml_tool_call({"name": "edit", "arguments": {"path": long}})
+    stream = Qwen3CoderStream("seed", TOOLS)
+    held, deltas = 0, []
+    for ch in text:
+        deltas += stream.feed(ch)
+        held = max(held, len(stream.buf))
+    deltas += stream.finish()
+    assert held < len("</parameter>")
+    whole = apply_deltas(deltas)
+    assert whole.content == long
+    assert json.loads(whole.tool_calls[0]["function"]["arguments"]) == {"path": long}

@@ -1,4 +1,8 @@
-"""Qwen/Hermes output parser: round trips with the template's rendering, streaming == whole."""
+"""Qwen/Hermes output parser: round trips with the template's rendering, streaming == whole.
+
+Tool calls are read as vLLM's hermes parser reads them (``tests/families/test_parser_goldens``
+compares with vLLM itself): the content is the text before the first ``<tool_call>``, so a
+turn with content beside calls comes back with the newline that separates them."""
 
 import json
 
@@ -7,6 +11,7 @@ import pytest
 from capture_proxy.families import get_parser
 from capture_proxy.families.parsing import apply_deltas, tool_call_id
 from capture_proxy.families.qwen3 import render_assistant_generation
+from tests.factories import answered_content
 
 PARSER = get_parser("qwen")
 
@@ -47,7 +52,7 @@ MESSAGES = {
 
 def _expected(msg):
     return {
-        "content": msg.get("content") or "",
+        "content": answered_content(msg.get("content") or "", msg.get("tool_calls")),
         "reasoning": msg.get("reasoning_content"),
         "tool_calls": msg.get("tool_calls") or [],
     }
@@ -67,8 +72,13 @@ def test_parse_inverts_the_template(name):
     text = render_assistant_generation(msg)
     parsed = PARSER.parse(text, "seed")
     assert _as_dict(parsed) == _expected(msg)
-    # And the parsed message re-rendered is the generated text again.
-    assert render_assistant_generation(parsed.to_openai()) == text
+    # And the parsed message re-rendered is the generated text again, but where the content's
+    # newline before a call is written a second time by the template.
+    again = render_assistant_generation(parsed.to_openai())
+    if msg.get("content") and msg.get("tool_calls"):
+        assert again == text.replace("\n<tool_call>", "\n\n<tool_call>", 1)
+    else:
+        assert again == text
 
 
 @pytest.mark.parametrize("name", list(MESSAGES))
@@ -110,13 +120,28 @@ def test_tool_call_deltas_carry_index_id_name_then_arguments():
 
 def test_partial_tool_call_is_held_back_until_decided():
     stream = PARSER.stream("s")
-    assert [d.to_openai() for d in stream.feed("Hi.\n<tool_")] == [{"content": "Hi."}]
+    assert [d.to_openai() for d in stream.feed("Hi.\n<tool_")] == [{"content": "Hi.\n"}]
     assert stream.feed('call>\n{"name": "x", ') == []
-    out = stream.feed('"arguments": {}}\n</tool_call>')
+    # a later block could still fail to parse (then all of it is content): calls at the end
+    assert stream.feed('"arguments": {}}\n</tool_call>') == []
+    out = stream.finish()
     assert [d.tool_call["function"] for d in out] == [
         {"name": "x", "arguments": ""},
         {"arguments": "{}"},
     ]
+
+
+def test_whitespace_before_calls_is_held_and_is_no_content():
+    stream = PARSER.stream("s")
+    assert stream.feed("\n \n") == []
+    assert stream.feed('<tool_call>\n{"name": "x", "arguments": {}}') == []
+    assert [d.tool_call["function"] for d in stream.finish()] == [
+        {"name": "x", "arguments": ""},
+        {"arguments": "{}"},
+    ]
+    stream = PARSER.stream("s")
+    assert stream.feed("\n") == []
+    assert [d.to_openai() for d in stream.feed("\nHi")] == [{"content": "\n\nHi"}]
 
 
 def test_odd_spacing_in_arguments_is_normalised_like_vllm():
@@ -125,14 +150,15 @@ def test_odd_spacing_in_arguments_is_normalised_like_vllm():
     assert parsed.tool_calls[0]["function"]["arguments"] == '{"command": "ls"}'
 
 
-def test_broken_json_stays_as_content():
+def test_broken_json_leaves_the_whole_text_as_content():
     text = 'Try this.\n<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
     parsed = PARSER.parse(text, "s")
     assert parsed.tool_calls == []
-    assert (
-        parsed.content
-        == 'Try this.<tool_call>\n{"name": "bash", "arguments": {"command": }\n</tool_call>'
-    )
+    assert parsed.content == text
+    # one block that is not a call: no call at all (vLLM)
+    ok = '<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>'
+    parsed = PARSER.parse(ok + "\n<tool_call>\n[1]\n</tool_call>", "s")
+    assert (parsed.content, parsed.tool_calls) == (ok + "\n<tool_call>\n[1]\n</tool_call>", [])
 
 
 def test_stop_on_length_inside_reasoning_or_a_tool_call_keeps_the_text():
@@ -142,9 +168,37 @@ def test_stop_on_length_inside_reasoning_or_a_tool_call_keeps_the_text():
         "tool_calls": [],
     }
     cut = PARSER.parse('Do.\n<tool_call>\n{"name": "x", "argu', "s")
-    assert cut.tool_calls == [] and cut.content == 'Do.<tool_call>\n{"name": "x", "argu'
+    assert cut.tool_calls == [] and cut.content == 'Do.\n<tool_call>\n{"name": "x", "argu'
 
 
 def test_unknown_family_is_a_clear_error():
     with pytest.raises(KeyError, match="unknown parser family 'gpt-oss'; known: qwen"):
         get_parser("gpt-oss")
+
+
+def test_a_stream_looks_at_each_piece_a_bounded_number_of_times(monkeypatch):
+    from capture_proxy.families import qwen3
+
+    bodies: list[int] = []
+    parse = qwen3.hermes_call
+    monkeypatch.setattr(qwen3, "hermes_call", lambda b: bodies.append(len(b)) or parse(b))
+    long = "x" * 20_000
+    text = (
+        "<think>\n"
+        + long
+        + "\n</think>\n\n"
+        + long
+        + "\n"
+        + render_assistant_generation(
+            {"content": "", "tool_calls": [_call(0, "write", {"text": long})] * 2}
+        )
+    )
+    stream = PARSER.stream("seed")
+    held = 0
+    for ch in text:
+        stream.feed(ch)
+        held = max(held, len(stream.buf), len(stream.calls.tail))
+    deltas = stream.finish()
+    assert held < len("</tool_call>")  # only a partial tag is ever held
+    assert len(bodies) == 2  # each call's body parsed once
+    assert [d.tool_call["index"] for d in deltas] == [0, 0, 1, 1]

@@ -47,10 +47,20 @@ CASES = {
         calls(("f", "{}"), ("g", '{"x": null}')),
     ),
     "trailing_whitespace_dropped": ('{"name": "f", "parameters": {}}\n ;', "", calls(("f", "{}"))),
-    "text_after_the_call_kept": (
+    "text_after_the_calls_dropped": (  # vLLM: only the objects count after a call
         '{"name": "f", "parameters": {}} and more',
-        " and more",
+        "",
         calls(("f", "{}")),
+    ),
+    "later_object_not_a_call": (  # vLLM: then nothing is a call
+        '{"name": "f", "parameters": {}}; {"x": 1}',
+        '{"name": "f", "parameters": {}}; {"x": 1}',
+        [],
+    ),
+    "brackets_and_escapes_in_strings": (
+        '{"name": "f", "parameters": {"a": "}\\"{[", "b": ["]"]}}',
+        "",
+        calls(("f", '{"a": "}\\"{[", "b": ["]"]}')),
     ),
     "text_before_a_call_is_content": (
         'Sure: {"name": "f", "parameters": {}}',
@@ -92,8 +102,12 @@ def test_stream_holds_back_only_what_may_become_a_call() -> None:
     assert stream.feed("<|python") == []  # a partial <|python_tag|>
     assert stream.feed('_tag|>{"name": "f", "param') == []
     assert stream.feed('eters": {"a": "}"}') == []  # the object is not complete yet
-    first = stream.feed("}")
-    assert first == [
+    # complete, but a later object that is not a call would make all of it content (vLLM):
+    # the calls come at the end
+    assert stream.feed("}") == []
+    assert stream.feed("; ") == []
+    assert stream.feed("done") == []  # text after the calls is no content (vLLM)
+    assert stream.finish() == [
         MessageDelta(
             tool_call={
                 "index": 0,
@@ -104,10 +118,22 @@ def test_stream_holds_back_only_what_may_become_a_call() -> None:
         ),
         MessageDelta(tool_call={"index": 0, "function": {"arguments": '{"a": "}"}'}}),
     ]
-    assert stream.feed("; ") == []
-    assert stream.feed("done") == [MessageDelta(content="; done")]
-    assert stream.feed("!") == [MessageDelta(content="!")]
-    assert stream.finish() == []
+
+
+def test_a_long_object_is_decoded_a_bounded_number_of_times(monkeypatch) -> None:
+    from capture_proxy.families import llama3
+
+    tries: list[int] = []
+    decode = llama3._decode_object
+    monkeypatch.setattr(llama3, "_decode_object", lambda t: tries.append(len(t)) or decode(t))
+    text = '{"name": "f", "parameters": {"text": "' + "x" * 20_000 + '"}}'
+    stream = PARSER.stream("s")
+    for ch in text:
+        assert stream.feed(ch) == []
+    assert len(tries) <= 12  # at 16, 32, 64, ... characters, and once when it closes
+    assert [d.tool_call["function"]["arguments"] for d in stream.finish()][1] == (
+        '{"text": "' + "x" * 20_000 + '"}'
+    )
 
 
 def test_content_streams_at_once() -> None:

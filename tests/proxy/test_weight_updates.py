@@ -312,7 +312,7 @@ async def test_an_abort_inside_a_character_is_continued_to_the_same_text(
     stack = await make_stack(engine_config=engine, prompt_mode="exact_tokens", **settings)
     h = harness("chat_completions", stack, "ref", stream=stream)
     ref = await h.send()
-    assert ref.status == 200 and ref.content == WIDE_STEP["content"]
+    assert ref.status == 200 and ref.content == WIDE_STEP["content"] + "\n"  # vLLM's hermes
     ids = (await stack.get_json(f"/captures/calls/{ref.call_id}"))["generation_token_ids"]
     cuts = [k for k in range(1, len(ids)) if qwen_tokenizer.decode(ids[:k]).endswith("\ufffd")]
     assert cuts == [10, 11, 16, 17, 19, 40, 41]  # 5 in the content, 2 in the arguments
@@ -330,7 +330,7 @@ async def test_an_abort_inside_a_character_is_continued_to_the_same_text(
         assert reply.status == 200, (k, reply.body)
         assert (reply.content, reply.tool_calls[0][1:]) == (ref.content, ref.tool_calls[0][1:]), k
         stored = await stack.get_json(f"/captures/calls/{reply.call_id}")
-        assert stored["response_message"]["content"] == WIDE_STEP["content"], k
+        assert stored["response_message"]["content"] == ref.content, k
         assert stored["generation_token_ids"] == ids, k
 
 
