@@ -19,7 +19,7 @@ class Faults:
 
     #: seconds before the response headers
     first_byte_delay_s: float = 0.0
-    #: seconds before each stream chunk after the first
+    #: seconds before each stream chunk after the first (the tokens-in endpoints' too)
     chunk_delay_s: float = 0.0
     #: end the stream without ``data: [DONE]``
     drop_done: bool = False
