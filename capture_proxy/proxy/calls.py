@@ -145,6 +145,17 @@ def sse_response(status: int, call_id: str) -> web.StreamResponse:
     return response
 
 
+#: The status of a call whose harness left before its answer began (nginx's "client closed
+#: request"): the response goes to nobody, the access line shows it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def left_response(call_id: str) -> web.Response:
+    """The response of a call whose harness left before its answer began (the flow recorded
+    the call): nobody receives it."""
+    return web.Response(status=CLIENT_CLOSED_REQUEST, headers={CALL_ID_HEADER: call_id})
+
+
 #: Errors of a write to a client that has left.
 CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 

@@ -1,9 +1,9 @@
 """Tier 2: a harness that leaves while the proxy writes nothing to it, on the server as
 ``serve`` runs it (a handler is not cancelled when its client leaves): a Messages stream
-holding a ``tool_use`` block, a Responses stream holding a freeform tool's input. The proxy
-finds the harness gone while the engine generates, closes the engine's request (the engine
-aborts it) and stores the call ``incomplete`` with what arrived, as for a chat-completions
-stream whose next write fails (docs/reliability.md)."""
+holding a ``tool_use`` block, a Responses stream holding a freeform tool's input, a whole
+answer. The proxy finds the harness gone while the engine generates, closes the engine's
+request (the engine aborts it) and stores the call ``incomplete`` with what arrived, as for
+a chat-completions stream whose next write fails (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -142,3 +142,52 @@ async def test_a_responses_stream_holding_a_freeform_call_ends_when_the_harness_
     assert "client disconnected before the stream ended" in _reasons(call)
     _cut_short(stack, call)
     await _engine_request_closed(stack)
+
+
+async def test_a_whole_answer_is_not_waited_for_when_its_harness_left(make_stack):
+    """Nothing is written to a harness that asked for a whole answer until the engine is done
+    (the engine's response head comes with its body): the proxy looks at the connection while
+    it waits, and a harness found gone cuts the engine's request."""
+    stack = await _paced_stack(make_stack, Faults(first_byte_delay_s=2 * WAIT_S))
+    body = {
+        "model": "scripted-qwen",
+        "max_tokens": 2000,
+        "messages": [{"role": "user", "content": "Write the notes."}],
+        "tools": [{"name": "apply_patch", "input_schema": {"type": "object"}}],
+    }
+    asking = asyncio.ensure_future(
+        stack.client.post(_url("r1", "messages"), json=body, headers=ANTHROPIC)
+    )
+    async with asyncio.timeout(WAIT_S):
+        while not stack.sent:  # the engine has the request, and holds it
+            await asyncio.sleep(0.01)
+    asking.cancel()  # the harness leaves (its connection closes)
+    await _engine_request_closed(stack)
+
+    call = await _call_ended(stack)
+    assert call["status"] == "incomplete"
+    assert _reasons(call) == ["client disconnected before the engine answered"]
+    assert call["generation_token_ids"] == []
+
+
+async def test_a_stream_whose_engine_is_silent_is_cut_when_its_harness_leaves(make_stack):
+    """Between two engine events nothing is written either (a long prefill, a busy engine):
+    the proxy looks at the connection meanwhile, not only at the engine's next event."""
+    stack = await _paced_stack(make_stack, Faults(chunk_delay_s=2 * WAIT_S))
+    body = {
+        "model": "scripted-qwen",
+        "stream": True,
+        "messages": [{"role": "user", "content": "Write the notes."}],
+        "tools": [{"type": "function", "function": {"name": "apply_patch", "parameters": {}}}],
+    }
+    resp = await stack.client.post(_url("r1", "chat/completions"), json=body)
+    assert resp.status == 200
+    async with asyncio.timeout(WAIT_S):
+        assert (await resp.content.readline()).startswith(b"data: ")  # the role chunk
+    resp.close()  # the engine's first token is a minute away
+    await _engine_request_closed(stack)
+
+    call = await _call_ended(stack)
+    assert call["status"] == "incomplete"
+    assert "client disconnected before the stream ended" in _reasons(call)
+    assert call["generation_token_ids"] == []
