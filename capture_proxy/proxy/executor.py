@@ -38,6 +38,7 @@ from capture_proxy.core.flow import commands as cmd
 from capture_proxy.core.flow import events as ev
 from capture_proxy.core.flow.call import Flow, Outcome
 from capture_proxy.core.linking.record_digests import RecordDigests
+from capture_proxy.core.records import CallStatus
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     STORED_AS_KEY,
@@ -99,6 +100,8 @@ class CallExecutor:
         self._check: asyncio.TimerHandle | None = None
         #: the engine request while its head is awaited (the timer cancels it)
         self._sending: asyncio.Future[aiohttp.ClientResponse] | None = None
+        #: the status of the call's record, once the flow made it (``Verify``)
+        self._made: CallStatus | None = None
 
     #: The method that performs each command (set below the class; a subclass extends it).
     HANDLERS: ClassVar[dict[type[cmd.Command], Callable[[Any, Any], Awaitable[Any]]]]
@@ -133,14 +136,21 @@ class CallExecutor:
             )
 
     def _check_client(self) -> None:
-        """The timer: a harness whose connection is lost (or closing) has left: remembered,
-        and the engine's request is cut (its head awaited) or its response closed, so the
-        engine aborts the generation and the wait on it ends (answered ``ClientLeft``)."""
+        """The timer: a look at the connection, and the next one unless the harness left."""
         self._check = None
+        if not self._look():
+            self._watch_client()
+
+    def _look(self) -> bool:
+        """Whether the harness left. A harness whose connection is lost (or closing) has
+        left: remembered, and the engine's request is cut (its head awaited) or its response
+        closed, so the engine aborts the generation and the wait on it ends (answered
+        ``ClientLeft``)."""
+        if self.left:
+            return True
         transport = self.request.transport
         if transport is not None and not transport.is_closing():
-            self._watch_client()
-            return
+            return False
         self.left = True
         if self._writer is not None:
             self._writer.gone = True
@@ -148,6 +158,18 @@ class CallExecutor:
             self._sending.cancel()
         if self.upstream is not None:
             self.upstream.close()
+        return True
+
+    def ends_incomplete(self) -> bool:
+        """Whether this call is known to end failed or incomplete (``Linker.resolve``: an
+        identical request is then its retry): its record was made so, or its harness left
+        before the record was made (looked at now). Exact: a harness found gone before the
+        record is made reaches the flow as ``ClientLeft`` or a gone ``ClientState`` before
+        the flow can make one, and the flow records such a call incomplete."""
+        if self._made is not None:
+            return self._made is not CallStatus.COMPLETE
+        gone = self._writer is not None and self._writer.gone
+        return self._look() or gone
 
     def _version(self) -> str | None:
         """The engine's weight version as last read (its epoch remembered)."""
@@ -176,6 +198,7 @@ class CallExecutor:
                 linking_facts=c.linking_facts,
                 tools_facts=c.tools_facts,
                 session=c.session,
+                ends_incomplete=self.ends_incomplete,
             )
         except Exception as exc:
             log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)
@@ -267,6 +290,8 @@ class CallExecutor:
                 return ev.ClientLeft()
             log.warning("call %s: reading the engine's body failed: %s", self.call_id, exc)
             return _failed(exc, self.deps.backend)
+        if self.left:  # (the body came as the harness was found gone: nobody gets it)
+            return ev.ClientLeft()
         return ev.EngineBody(data, self._version())
 
     async def _read_piece(self, c: cmd.ReadEngine) -> Any:
@@ -279,6 +304,8 @@ class CallExecutor:
             else:
                 data = await self._patient_read(anext(self._pieces))
         except StopAsyncIteration:
+            if self.left:  # (the end came as the harness was found gone: nobody gets it)
+                return ev.ClientLeft()
             return ev.EngineEnd(self._version())
         except CLIENT_ERRORS as exc:
             if self.left:  # the timer closed the response: the harness left
@@ -372,6 +399,7 @@ class CallExecutor:
         )
 
     async def _verify(self, c: cmd.Verify) -> ev.Verified | ev.StepFailed:
+        self._made = c.record.status  # (verification does not change it)
         self._digests = RecordDigests(c.record, c.prefill)
         try:
             record = await self.deps.linker.verify(

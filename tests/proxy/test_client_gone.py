@@ -191,3 +191,39 @@ async def test_a_stream_whose_engine_is_silent_is_cut_when_its_harness_leaves(ma
     assert call["status"] == "incomplete"
     assert "client disconnected before the stream ended" in _reasons(call)
     assert call["generation_token_ids"] == []
+
+
+async def test_codex_re_sending_a_call_it_dropped_is_its_retry_while_that_call_is_in_flight(
+    make_stack,
+):
+    """Codex drops a stream that stays silent past its idle timeout and sends the same
+    request again, with no retry header. The call it dropped is still in flight when the
+    re-send arrives (here its engine is silent for a minute), but its harness is gone, so it
+    is stored incomplete: the re-send is its retry (docs/linking.md, item 5), the dropped
+    call is superseded and the rollout is complete."""
+    faults = Faults(chunk_delay_s=2 * WAIT_S, slow_first_n=1)  # the re-send is answered at once
+    stack = await _paced_stack(make_stack, faults)
+    body = {
+        "model": "scripted-qwen",
+        "stream": True,
+        "input": [{"type": "message", "role": "user", "content": "Write the notes."}],
+        "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files"}],
+    }
+    dropped = await stack.client.post(_url("r1", "responses"), json=body)
+    await _read_until(dropped, b"response.in_progress")
+    dropped.close()  # Codex's idle timeout
+    again = await stack.client.post(_url("r1", "responses"), json=body)
+    async with asyncio.timeout(WAIT_S):
+        assert "event: response.completed" in await again.text()
+    assert await stack.client.server.app[CALLS_IN_FLIGHT_KEY].wait_idle(WAIT_S)
+
+    dropped_id, again_id = (r.headers["X-Capture-Call-Id"] for r in (dropped, again))
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert [[c["call_id"] for c in chain["calls"]] for chain in chains["chains"]] == [[again_id]]
+    [left] = chains["unlinked_calls"]
+    assert (left["call_id"], left["status"]) == (dropped_id, "incomplete")
+    assert (left["reason"], left["superseded_by"]) == ("superseded_retry", again_id)
+    retry = await stack.get_json(f"/captures/calls/{again_id}")
+    assert retry["retry_of"] == dropped_id
+    assert (await stack.get_json("/captures/rollouts/r1"))["incomplete"] is False
+    await _engine_request_closed(stack)

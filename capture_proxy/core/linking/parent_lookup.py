@@ -47,6 +47,7 @@ def resolve_step(
     claims: ChildClaims | None = None,
     index_current: Callable[[], bool] | None = None,
     session: tuple[str, str] | None = None,
+    ends_incomplete: Callable[[str], bool] | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
@@ -66,7 +67,8 @@ def resolve_step(
     says whether ``index`` still holds every call stored (asked after the claims are read);
     when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``: the
     harness session the request names (``core.sessions``), which breaks ties between
-    token-identical candidates (``LinkIndex._preferring``)."""
+    token-identical candidates (``LinkIndex._preferring``). ``ends_incomplete``: which calls
+    in flight are known to end failed or incomplete (``LinkIndex.resolve``)."""
     req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
@@ -83,6 +85,7 @@ def resolve_step(
             refuse_note_parents=refuse_note_parents,
             claimed=held.claimed if held is not None else None,
             session=session,
+            ends_incomplete=ends_incomplete,
         )
 
     if claims is not None and parent_digest is not None:
