@@ -16,6 +16,8 @@ and while the call waits on the engine a timer looks every ``CLIENT_CHECK_S``: a
 gone closes the engine's response (the engine aborts the generation; a read waiting on it ends
 and is answered ``ClientLeft``), so a whole answer, a stream the front holds (a tool call sent
 whole at its end) or an engine silent between tokens is not generated to its end for nobody.
+The linker asks a call in flight the same (``ends_incomplete``) when an identical request
+comes: a re-send of a call whose harness left is its retry.
 
 Cancellation (the harness left, the server cancelled the handler): a command the flow can act
 on is answered ``ClientLeft`` (or a gone ``ClientState``), the commands after it run shielded
@@ -95,7 +97,7 @@ class CallExecutor:
         self._epoch = -1
         #: the digests of the record verification saw, for indexing it (``Remember``)
         self._digests: RecordDigests | None = None
-        #: the harness left, as the timer found (``_check_client``); its next look
+        #: the harness left, as a look at its connection found (``_look``); the timer's next
         self.left = False
         self._check: asyncio.TimerHandle | None = None
         #: the engine request while its head is awaited (the timer cancels it)
@@ -235,7 +237,7 @@ class CallExecutor:
         version = self._version()  # as the request goes out (a whole answer's head comes late)
         if self.upstream is not None:  # a continuation after an abort: the last one is done
             await self.close()
-            self._pieces = None
+            self.upstream, self._pieces = None, None
         if self.left:  # (a continuation for a harness that left: not sent)
             return ev.ClientLeft()
         self._watch_client()
