@@ -28,7 +28,7 @@ from capture_proxy.core.json_bodies import parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.routing import Route
 from capture_proxy.families.base import ChatRenderer
-from capture_proxy.proxy.calls import CaptureDeps, new_call_id
+from capture_proxy.proxy.calls import CaptureDeps, left_response, new_call_id
 from capture_proxy.proxy.errors import map_core_errors
 from capture_proxy.proxy.exact import ExactExecutor, ExactTokens
 from capture_proxy.proxy.executor import CallExecutor, drive
@@ -153,7 +153,10 @@ async def handle_captured_call(
     finally:
         metrics.dec_in_flight()
         deps.linker.release(start.call_id)
-    assert executor.response is not None
+    if executor.response is None:
+        # The harness left before the answer began (the executor found its connection gone
+        # while the engine generated): the call is recorded, the answer has no one to go to.
+        return left_response(start.call_id)
     return executor.response
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from capture_proxy.core.capture import NoteMatcher
 from capture_proxy.core.known_messages import KnownMessages
@@ -144,27 +145,51 @@ def sse_response(status: int, call_id: str) -> web.StreamResponse:
     return response
 
 
+#: The status of a call whose harness left before its answer began (nginx's "client closed
+#: request"): the response goes to nobody, the access line shows it.
+CLIENT_CLOSED_REQUEST = 499
+
+
+def left_response(call_id: str) -> web.Response:
+    """The response of a call whose harness left before its answer began (the flow recorded
+    the call): nobody receives it."""
+    return web.Response(status=CLIENT_CLOSED_REQUEST, headers={CALL_ID_HEADER: call_id})
+
+
 #: Errors of a write to a client that has left.
 CLIENT_GONE = (ConnectionResetError, aiohttp.ClientConnectionResetError)
 
 
 class ClientWriter:
-    """Writes to a streamed response; remembers (never raises) that the client left."""
+    """Writes to a streamed response; remembers (never raises) that the client left, also
+    when there is nothing to write (``write(b"")``: its connection is looked at)."""
 
     def __init__(self, response: web.StreamResponse) -> None:
         self.response = response
         self.gone = False
         self.tap: ResponseTap | None = None
+        #: the connection's protocol (its ``transport`` is None once the connection is lost)
+        self._protocol: RequestHandler | None = None
 
     async def prepare(self, request: web.Request) -> None:
         self.tap = request.get(TAP_KEY)  # set when the traffic is being recorded
+        self._protocol = request.protocol
         try:
             await self.response.prepare(request)
         except CLIENT_GONE:
             self.gone = True
 
     async def write(self, data: bytes) -> None:
-        if self.gone or not data:
+        if self.gone:
+            return
+        if not data:
+            # An engine event the front holds (a Messages tool_use block, a Responses call's
+            # arguments) writes nothing, and only a write finds a client that left: look at
+            # the connection instead (aiohttp drops its transport when it is lost). One
+            # attribute read per engine event, the hot path's whole cost.
+            protocol = self._protocol
+            if protocol is not None and protocol.transport is None:
+                self.gone = True
             return
         if self.tap is not None:
             self.tap.add(data)

@@ -9,6 +9,16 @@ is the flow's (``core.flow``). ``CallExecutor`` is backend-template mode's execu
 mode's (``proxy.exact.ExactExecutor``) adds rendering and the engine's facts. ``drive`` is the
 one loop that runs a flow on an executor.
 
+A harness that leaves: aiohttp tells a handler nothing when its client's connection is lost
+(short of cancelling it, which ``serve`` does not: the record must be written), and only a
+write finds out. So a write with nothing to write looks at the connection (``ClientWriter``),
+and while the call waits on the engine a timer looks every ``CLIENT_CHECK_S``: a client found
+gone closes the engine's response (the engine aborts the generation; a read waiting on it ends
+and is answered ``ClientLeft``), so a whole answer, a stream the front holds (a tool call sent
+whole at its end) or an engine silent between tokens is not generated to its end for nobody.
+The linker asks a call in flight the same (``ends_incomplete``) when an identical request
+comes: a re-send of a call whose harness left is its retry.
+
 Cancellation (the harness left, the server cancelled the handler): a command the flow can act
 on is answered ``ClientLeft`` (or a gone ``ClientState``), the commands after it run shielded
 so the record is written, then the cancellation goes on; during any other command it goes
@@ -30,6 +40,7 @@ from capture_proxy.core.flow import commands as cmd
 from capture_proxy.core.flow import events as ev
 from capture_proxy.core.flow.call import Flow, Outcome
 from capture_proxy.core.linking.record_digests import RecordDigests
+from capture_proxy.core.records import CallStatus
 from capture_proxy.proxy.calls import (
     CALL_ID_HEADER,
     STORED_AS_KEY,
@@ -57,6 +68,10 @@ BODY_END_TIMEOUT_S = 5.0
 #: stream alive (harnesses and their SDKs ignore comments).
 KEEPALIVE_S = 15.0
 PAUSE_COMMENT = b": the engine is paused for a weight update; the answer continues after it\n\n"
+#: While a call waits on the engine, how often it looks whether its harness is still
+#: connected (seconds): the longest an engine generates for a harness that left when
+#: nothing is written to it meanwhile (a whole answer; a stream between engine events).
+CLIENT_CHECK_S = 0.5
 
 _CLIENT_WRITES = (cmd.StartClientStream, cmd.WriteClient, cmd.EndClient)
 
@@ -82,6 +97,13 @@ class CallExecutor:
         self._epoch = -1
         #: the digests of the record verification saw, for indexing it (``Remember``)
         self._digests: RecordDigests | None = None
+        #: the harness left, as a look at its connection found (``_look``); the timer's next
+        self.left = False
+        self._check: asyncio.TimerHandle | None = None
+        #: the engine request while its head is awaited (the timer cancels it)
+        self._sending: asyncio.Future[aiohttp.ClientResponse] | None = None
+        #: the status of the call's record, once the flow made it (``Verify``)
+        self._made: CallStatus | None = None
 
     #: The method that performs each command (set below the class; a subclass extends it).
     HANDLERS: ClassVar[dict[type[cmd.Command], Callable[[Any, Any], Awaitable[Any]]]]
@@ -98,11 +120,58 @@ class CallExecutor:
 
     async def close(self) -> None:
         """Give the engine's response back (closes its request when not read to the end)."""
+        if self._check is not None:
+            self._check.cancel()
+            self._check = None
         if self._next_piece is not None:
             self._next_piece.cancel()
             self._next_piece = None
         if self.upstream is not None:
             await self.upstream.__aexit__(None, None, None)
+
+    def _watch_client(self) -> None:
+        """Look at the harness's connection every ``CLIENT_CHECK_S`` from now until ``close``
+        (once per call: the engine request is about to go out)."""
+        if self._check is None and not self.left:
+            self._check = asyncio.get_running_loop().call_later(
+                CLIENT_CHECK_S, self._check_client
+            )
+
+    def _check_client(self) -> None:
+        """The timer: a look at the connection, and the next one unless the harness left."""
+        self._check = None
+        if not self._look():
+            self._watch_client()
+
+    def _look(self) -> bool:
+        """Whether the harness left. A harness whose connection is lost (or closing) has
+        left: remembered, and the engine's request is cut (its head awaited) or its response
+        closed, so the engine aborts the generation and the wait on it ends (answered
+        ``ClientLeft``)."""
+        if self.left:
+            return True
+        transport = self.request.transport
+        if transport is not None and not transport.is_closing():
+            return False
+        self.left = True
+        if self._writer is not None:
+            self._writer.gone = True
+        if self._sending is not None:
+            self._sending.cancel()
+        if self.upstream is not None:
+            self.upstream.close()
+        return True
+
+    def ends_incomplete(self) -> bool:
+        """Whether this call is known to end failed or incomplete (``Linker.resolve``: an
+        identical request is then its retry): its record was made so, or its harness left
+        before the record was made (looked at now). Exact: a harness found gone before the
+        record is made reaches the flow as ``ClientLeft`` or a gone ``ClientState`` before
+        the flow can make one, and the flow records such a call incomplete."""
+        if self._made is not None:
+            return self._made is not CallStatus.COMPLETE
+        gone = self._writer is not None and self._writer.gone
+        return self._look() or gone
 
     def _version(self) -> str | None:
         """The engine's weight version as last read (its epoch remembered)."""
@@ -131,6 +200,7 @@ class CallExecutor:
                 linking_facts=c.linking_facts,
                 tools_facts=c.tools_facts,
                 session=c.session,
+                ends_incomplete=self.ends_incomplete,
             )
         except Exception as exc:
             log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)
@@ -158,16 +228,23 @@ class CallExecutor:
             headers["Authorization"] = request.headers["Authorization"]
         return headers
 
-    async def _send(self, c: cmd.SendToEngine) -> ev.EngineResponded | ev.EngineFailed:
+    async def _send(
+        self, c: cmd.SendToEngine
+    ) -> ev.EngineResponded | ev.EngineFailed | ev.ClientLeft:
         deps = self.deps
         t0 = time.perf_counter()
         watcher = deps.weights
         version = self._version()  # as the request goes out (a whole answer's head comes late)
         if self.upstream is not None:  # a continuation after an abort: the last one is done
             await self.close()
-            self._pieces = None
-        try:
-            upstream = await send_upstream(
+            self.upstream, self._pieces = None, None
+        if self.left:  # (a continuation for a harness that left: not sent)
+            return ev.ClientLeft()
+        self._watch_client()
+        # A task of its own, so the timer can cut the wait for the engine's head (a whole
+        # answer's comes with its body) without cancelling the handler.
+        sending = self._sending = asyncio.ensure_future(
+            send_upstream(
                 deps.session,
                 "POST",
                 deps.backend + c.path,
@@ -179,12 +256,23 @@ class CallExecutor:
                 auto_decompress=True,
                 **({"timeout": deps.request_timeout} if deps.request_timeout else {}),
             )
+        )
+        try:
+            upstream = await sending
         except CLIENT_ERRORS as exc:
             if deps.on_unreachable is not None and isinstance(exc, CONNECT_ERRORS):
                 deps.on_unreachable(deps.backend)
             return _failed(exc, deps.backend)
+        except asyncio.CancelledError:
+            if not self.left or _cancelling():
+                raise  # the handler itself is cancelled
+            return ev.ClientLeft()  # the timer cut the request: the harness left
+        finally:
+            self._sending = None
         self.upstream = upstream
         deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
+        if self.left:  # it left while the engine's head was awaited (``close`` closes it)
+            return ev.ClientLeft()
         content_type = upstream.headers.get("Content-Type", "")
         return ev.EngineResponded(
             upstream.status,
@@ -193,13 +281,19 @@ class CallExecutor:
             version,
         )
 
-    async def _read_body(self, c: cmd.ReadEngineBody) -> ev.EngineBody | ev.EngineFailed:
+    async def _read_body(
+        self, c: cmd.ReadEngineBody
+    ) -> ev.EngineBody | ev.EngineFailed | ev.ClientLeft:
         assert self.upstream is not None
         try:
             data = await self._patient_read(self.upstream.read())
         except CLIENT_ERRORS as exc:
+            if self.left:  # the timer closed the response: the harness left
+                return ev.ClientLeft()
             log.warning("call %s: reading the engine's body failed: %s", self.call_id, exc)
             return _failed(exc, self.deps.backend)
+        if self.left:  # (the body came as the harness was found gone: nobody gets it)
+            return ev.ClientLeft()
         return ev.EngineBody(data, self._version())
 
     async def _read_piece(self, c: cmd.ReadEngine) -> Any:
@@ -212,8 +306,12 @@ class CallExecutor:
             else:
                 data = await self._patient_read(anext(self._pieces))
         except StopAsyncIteration:
+            if self.left:  # (the end came as the harness was found gone: nobody gets it)
+                return ev.ClientLeft()
             return ev.EngineEnd(self._version())
         except CLIENT_ERRORS as exc:
+            if self.left:  # the timer closed the response: the harness left
+                return ev.ClientLeft()
             return ev.EngineBroke(type(exc).__name__, str(exc))
         return ev.EnginePiece(data, self._changed_version())
 
@@ -241,7 +339,8 @@ class CallExecutor:
 
     async def _await_serving(self, c: cmd.AwaitEngineServing) -> Any:
         """Wait (``engine_pause_wait_s``) for the engine to serve again after an abort; an
-        open stream gets an SSE comment every ``KEEPALIVE_S`` meanwhile."""
+        open stream gets an SSE comment every ``KEEPALIVE_S`` meanwhile, and the wait ends
+        (``ClientLeft``) at the first of them that finds the harness gone."""
         watcher, t0 = self.deps.weights, time.perf_counter()
         if watcher is None:
             return ev.EngineServing(None, 0.0, None)
@@ -254,6 +353,8 @@ class CallExecutor:
                         break
                     if self._writer is not None:
                         await self._writer.write(PAUSE_COMMENT)
+                    if self.left or (self._writer is not None and self._writer.gone):
+                        return ev.ClientLeft()  # nobody waits for the answer any more
         except TimeoutError:
             return ev.EngineFailed(
                 f"the engine at {self.deps.backend} did not serve again within "
@@ -300,6 +401,7 @@ class CallExecutor:
         )
 
     async def _verify(self, c: cmd.Verify) -> ev.Verified | ev.StepFailed:
+        self._made = c.record.status  # (verification does not change it)
         self._digests = RecordDigests(c.record, c.prefill)
         try:
             record = await self.deps.linker.verify(
@@ -345,6 +447,12 @@ CallExecutor.HANDLERS = {
     cmd.Persist: CallExecutor._persist,
     cmd.Remember: CallExecutor._remember,
 }
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (not only a task it awaits)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _failed(exc: BaseException, backend: str) -> ev.EngineFailed:

@@ -108,6 +108,9 @@ class Linker:
         self.known_messages = KnownMessages()
         #: facts of the tools of the requests this process saw lately
         self.known_tools = KnownTools()
+        #: per call in flight here, whether it is known to end failed or incomplete (its
+        #: executor's ``ends_incomplete``), until ``release``
+        self._ends_incomplete: dict[str, Callable[[], bool]] = {}
 
     def _cached_index(self, rollout_id: str) -> LinkIndex | None:
         """The rollout's index when it is in memory (marked most recently used)."""
@@ -203,11 +206,13 @@ class Linker:
         linking_facts: Sequence[MessageFacts] | None = None,
         tools_facts: ToolsFacts | None = None,
         session: tuple[str, str] | None = None,
+        ends_incomplete: Callable[[], bool] | None = None,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
         call's retry only on an explicit signal (``retry_requested``: the harness's retry
-        header; or this call failed or was left incomplete), else a sibling sample.
+        header; or this call failed or was left incomplete, also while it is in flight and
+        its ``ends_incomplete()`` says so), else a sibling sample.
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``,
         ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``; ``session`` the harness
         session the request names (a tie-breaker among token-identical candidates)."""
@@ -231,12 +236,22 @@ class Linker:
             claims=self.claims,
             index_current=(lambda: self._is_current(rollout_id)) if self.feed else None,
             session=session,
+            ends_incomplete=self._known_to_end_incomplete,
         )
-        return await self._drive(step, None)
+        resolution = await self._drive(step, None)
+        if ends_incomplete is not None:
+            self._ends_incomplete[call_id] = ends_incomplete
+        return resolution
+
+    def _known_to_end_incomplete(self, call_id: str) -> bool:
+        """Whether ``call_id``, in flight here, is known to end failed or incomplete."""
+        ends_incomplete = self._ends_incomplete.get(call_id)
+        return ends_incomplete is not None and ends_incomplete()
 
     def release(self, call_id: str) -> None:
         """``call_id`` ended (its record stored, or not to be): the candidate it claimed
         (``resolve`` with claims) is free for the other workers' calls."""
+        self._ends_incomplete.pop(call_id, None)
         if self.claims is not None:
             self.claims.release(call_id)
 

@@ -53,6 +53,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     request.app[SEEN_REQUESTS].append((request.method, request.path, dict(request.headers)))
     try:
         return await handler(request)
+    except asyncio.CancelledError:
+        request.app[CLIENT_GONE].set()  # the server cancelled the handler: its client left
+        raise
     except RequestError as e:
         return web.json_response(
             error_body(str(e), e.status, e.param, e.error_type), status=e.status

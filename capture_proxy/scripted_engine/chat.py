@@ -219,8 +219,9 @@ async def _answer(
         "created": int(time.time()),
         "model": cfg.model_name,
     }
-    if cfg.faults.first_byte_delay_s:
-        await asyncio.sleep(cfg.faults.first_byte_delay_s)
+    delay_s = cfg.faults.delays_of(index)[0]
+    if delay_s:
+        await asyncio.sleep(delay_s)
     if stream:
         return await _stream(request, head, prompt, gen, opts, (walk, index))
     done = await walk.walk(len(gen.token_ids))
@@ -257,6 +258,7 @@ async def _stream(
     await resp.prepare(request)
 
     faults = cfg.faults
+    chunk_delay_s = faults.delays_of(walked[1])[1]
 
     async def send(obj: dict[str, Any] | str) -> None:
         data = obj if isinstance(obj, str) else _engine_json(obj)
@@ -285,7 +287,9 @@ async def _stream(
         first["prompt_token_ids"] = prompt
     try:
         await send(first)
-        sent = await _send_tokens(send, app, chunk, gen, opts, faults, request, walked[0])
+        sent = await _send_tokens(
+            send, app, chunk, gen, opts, faults, request, walked[0], chunk_delay_s
+        )
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         return resp  # the client left: like vLLM, abort the request
     except asyncio.CancelledError:
@@ -322,13 +326,14 @@ async def _send_tokens(
     faults: Faults,
     request: web.Request,
     walk: Sampler,
+    chunk_delay_s: float,
 ) -> int:
     """Send the tokens' chunks; how many tokens the engine sampled (fewer: aborted)."""
     for k, e in enumerate(gen.events):
         if not await walk.next_token(k):
             return k
-        if faults.chunk_delay_s:
-            await asyncio.sleep(faults.chunk_delay_s)
+        if chunk_delay_s:
+            await asyncio.sleep(chunk_delay_s)
         if faults.disconnect_after_chunks is not None and k >= faults.disconnect_after_chunks:
             if request.transport is not None:
                 request.transport.close()

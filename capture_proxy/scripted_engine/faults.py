@@ -19,7 +19,7 @@ class Faults:
 
     #: seconds before the response headers
     first_byte_delay_s: float = 0.0
-    #: seconds before each stream chunk after the first
+    #: seconds before each stream chunk after the first (the tokens-in endpoints' too)
     chunk_delay_s: float = 0.0
     #: end the stream without ``data: [DONE]``
     drop_done: bool = False
@@ -41,6 +41,16 @@ class Faults:
     bare_logprob_at: tuple[int, float] | None = None
     #: chat completions: the answer's ``finish_reason`` is null (the last chunk's too)
     null_finish_reason: bool = False
+    #: chat completions: only the first this many requests get ``first_byte_delay_s`` and
+    #: ``chunk_delay_s`` (None: every one), e.g. a slow attempt and its quick retry
+    slow_first_n: int | None = None
+
+    def delays_of(self, index: int) -> tuple[float, float]:
+        """(``first_byte_delay_s``, ``chunk_delay_s``) of the chat request ``index`` (0: the
+        engine's first)."""
+        if self.slow_first_n is not None and index >= self.slow_first_n:
+            return 0.0, 0.0
+        return self.first_byte_delay_s, self.chunk_delay_s
 
     @property
     def any(self) -> bool:

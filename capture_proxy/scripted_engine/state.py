@@ -101,7 +101,8 @@ class SentCall:
 
 
 CONFIG = web.AppKey("scripted_engine_config", ScriptedEngineConfig)
-#: set when a stream could not be written to the end because the client went away
+#: set when a client went away mid-request: a stream could not be written to the end, or the
+#: server cancelled a handler (its client's connection was lost)
 CLIENT_GONE = web.AppKey("scripted_engine_client_gone", asyncio.Event)
 TOKENIZER = web.AppKey("scripted_engine_tokenizer", PreTrainedTokenizerFast)
 TEMPLATE = web.AppKey("scripted_engine_template", str)

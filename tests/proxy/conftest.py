@@ -25,9 +25,16 @@ CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
 
 class ProxyTestServer(TestServer):
     """``TestServer`` on the proxy's own runner (``proxy.server.ProxyRunner``), as ``serve``
-    runs it: what aiohttp's parser refuses is answered in the proxy's JSON shape."""
+    runs it: what aiohttp's parser refuses is answered in the proxy's JSON shape.
+    ``cancel_handlers``: the test server's way, a handler is cancelled when its client leaves;
+    False: ``serve``'s (aiohttp's default), it runs on and must find out by itself."""
+
+    def __init__(self, app: web.Application, *, cancel_handlers: bool = True, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self.cancel_handlers = cancel_handlers
 
     async def _make_runner(self, **kwargs: Any) -> ProxyRunner:
+        kwargs["handler_cancellation"] = self.cancel_handlers
         return ProxyRunner(self.app, **kwargs)
 
 
@@ -76,7 +83,8 @@ async def make_stack(
     new proxy on the same store (a restart): the store directory, or for ``postgres`` one
     database of the session's server per test. With the embedded store the proxy made before
     is stopped first (one proxy per store directory: the store's writer lock); pass
-    ``store_dir`` for a proxy of its own beside it."""
+    ``store_dir`` for a proxy of its own beside it. ``cancel_handlers=False``: the proxy's
+    handlers are not cancelled when a client leaves, as under ``serve``."""
     pg_url = None
     if stack_store_kind == "postgres":
         pg_url = request.getfixturevalue("postgres_server").create_database()
@@ -89,6 +97,7 @@ async def make_stack(
         store: CaptureStore | None = None,
         renderer: Any = None,
         store_dir: Path | None = None,
+        cancel_handlers: bool = True,
         **settings: Any,
     ) -> Stack:
         engine_app = build_scripted_engine_app(
@@ -103,7 +112,8 @@ async def make_stack(
             store = SQLiteStore(store_dir) if pg_url is None else PostgresStore(pg_url, pool_size=4)
         proxy_app = build_proxy_app(cfg, store, renderer=renderer)
         # The production runner (protocol errors as JSON) with the settings' server knobs.
-        client = await aiohttp_client(ProxyTestServer(proxy_app, **cfg.server_kwargs))
+        server = ProxyTestServer(proxy_app, cancel_handlers=cancel_handlers, **cfg.server_kwargs)
+        client = await aiohttp_client(server)
         if pg_url is None:
             running[store_dir] = client
         return Stack(engine, engine_app, client, store_dir)

@@ -232,10 +232,16 @@ class LinkIndex:
     def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
         return sorted((entries or {}).values(), key=_age)
 
-    def _retry_of(self, req_digest: str, retry_requested: bool) -> str | None:
+    def _retry_of(
+        self,
+        req_digest: str,
+        retry_requested: bool,
+        ends_incomplete: Callable[[str], bool] | None = None,
+    ) -> str | None:
         """The call an identical request retries: only on an explicit signal (the harness says
-        it retries, or that call failed or was left incomplete). Identical requests otherwise
-        are sibling samples, each its own call.
+        it retries, or that call failed or was left incomplete: stored so, or still in flight
+        and ``ends_incomplete(call_id)``). Identical requests otherwise are sibling samples,
+        each its own call.
 
         That call is the latest identical one whose answer nobody continued (no child, stored
         or in flight): a retry replaces an answer the harness never used, and a call that was
@@ -261,6 +267,10 @@ class LinkIndex:
                 target = max(unused, key=_age)
         if retry_requested or target.status in (CALL_FAILED, CALL_INCOMPLETE):
             return target.call_id
+        if target.status == IN_FLIGHT and ends_incomplete is not None:
+            # its harness left before it was answered, so it is stored incomplete (or its
+            # record is made failed or incomplete already): the signal, before it is stored
+            return target.call_id if ends_incomplete(target.call_id) else None
         return None
 
     @staticmethod
@@ -304,6 +314,7 @@ class LinkIndex:
         refuse_note_parents: bool = False,
         claimed: Callable[[str], bool] | None = None,
         session: SessionKey | None = None,
+        ends_incomplete: Callable[[str], bool] | None = None,
     ) -> Resolution:
         """Find the parent candidates by digest, and the call an identical request retries.
 
@@ -318,8 +329,11 @@ class LinkIndex:
         from a foreign one when no call matches. ``claimed(call_id)``: True when a call in
         flight in another process was resolved to that candidate (``claims.ChildClaims``):
         such a candidate counts as having a child, as this process's own calls in flight do.
+        ``ends_incomplete(call_id)``: True when a call in flight is known to end failed or
+        incomplete (its record is made so, or its harness left before it was made): as a
+        retry target it counts as a stored failed or incomplete call does.
         """
-        retry_of = self._retry_of(req_digest, retry_requested)
+        retry_of = self._retry_of(req_digest, retry_requested, ends_incomplete)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}

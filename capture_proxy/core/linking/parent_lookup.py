@@ -47,16 +47,16 @@ def resolve_step(
     claims: ChildClaims | None = None,
     index_current: Callable[[], bool] | None = None,
     session: tuple[str, str] | None = None,
+    ends_incomplete: Callable[[str], bool] | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
     With ``refresh_on_miss``, an unresolved history with model-authored turns asks
     ``ReadParentCandidates(rollout_id, parent_digest)`` once (the stored calls it could
     continue, another replica's included: not the whole rollout), adds those the index lacks
-    and resolves again.
-    Afterwards ``call_id`` is in ``index`` in flight, under the request's digest, counted as
-    a child of the preferred candidate (``LinkIndex.add``). ``tools_facts``: the
-    ``known_tools`` facts of ``body["tools"]`` (their text is not written again).
+    and resolves again. Afterwards ``call_id`` is in ``index`` in flight, under the request's
+    digest, counted as a child of the preferred candidate (``LinkIndex.add``). ``tools_facts``:
+    the ``known_tools`` facts of ``body["tools"]`` (their text is not written again).
     ``claims``: the other processes' calls in flight (``serve --workers``); a continuation's
     candidate is chosen with theirs counted as children and claimed for ``call_id``, under
     the claims' lock (also when this index knows one candidate only: an identical sibling's
@@ -64,9 +64,9 @@ def resolve_step(
     which then sees two and must see this one taken). A claim is released when
     its call is stored, so the choice also needs the stored children: ``index_current()``
     says whether ``index`` still holds every call stored (asked after the claims are read);
-    when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``: the
-    harness session the request names (``core.sessions``), which breaks ties between
-    token-identical candidates (``LinkIndex._preferring``)."""
+    when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``, the
+    request's harness session (``core.sessions``), and ``ends_incomplete``, the calls in
+    flight known to end incomplete, are ``LinkIndex.resolve``'s."""
     req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
@@ -83,6 +83,7 @@ def resolve_step(
             refuse_note_parents=refuse_note_parents,
             claimed=held.claimed if held is not None else None,
             session=session,
+            ends_incomplete=ends_incomplete,
         )
 
     if claims is not None and parent_digest is not None:

@@ -7,6 +7,7 @@ every tokens-in endpoint in one place. Must not: know one dialect's request or a
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -104,12 +105,14 @@ async def sse(
     request: web.Request, events: Sequence[Event], gate: Gate | None = None
 ) -> web.StreamResponse:
     """Stream ``events`` as ``data:`` lines, then ``data: [DONE]`` (in ``sse_fragment_bytes``
-    pieces when set), the tokens' events through ``gate`` when given."""
+    pieces when set), the tokens' events through ``gate`` when given, each after the first
+    ``chunk_delay_s`` after the one before (``Faults``)."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
     step = request.app[CONFIG].sse_fragment_bytes
+    delay_s = request.app[CONFIG].faults.chunk_delay_s
 
     async def send(event: Event | str) -> None:
         data = (
@@ -126,6 +129,8 @@ async def sse(
             for extra in gate.on_abort(k):
                 await send(extra)
             break
+        if delay_s and gate is not None and 0 < k < gate.num_tokens:
+            await asyncio.sleep(delay_s)
         await send(obj)
     await send("[DONE]")
     await resp.write_eof()

@@ -33,6 +33,20 @@ class TestIndex:
         index.add("a3", 3.0, child_digest=None, request_digest="q1", status="incomplete")
         assert index.resolve(None, "q1").retry_of == "a3"
 
+    def test_an_identical_call_in_flight_is_retried_once_known_to_end_incomplete(self):
+        """Codex re-sends a request whose stream it dropped (no retry header) while the call
+        is still in flight: its retry when that call is known to end incomplete (its harness
+        left); a twin session's identical call in flight, whose harness is there, is not."""
+        index = LinkIndex()
+        index.add("a", 1.0, child_digest=None, request_digest="q1")  # in flight
+        gone: set[str] = set()
+        assert index.resolve(None, "q1", ends_incomplete=gone.__contains__).retry_of is None
+        gone.add("a")
+        assert index.resolve(None, "q1", ends_incomplete=gone.__contains__).retry_of == "a"
+        # stored: its status decides, the fact is not asked
+        index.add("a", 1.0, child_digest="d1", request_digest="q1", status="complete")
+        assert index.resolve(None, "q1", ends_incomplete=gone.__contains__).retry_of is None
+
     def test_candidates_prefer_no_child_yet_then_the_earliest(self):
         # Parallel sub-agents A and B answered alike (one child digest): A1, B1, then A2.
         index = LinkIndex()

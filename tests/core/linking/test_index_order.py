@@ -59,9 +59,23 @@ def _expected_retry_target(index: LinkIndex, request: str) -> str | None:
     return max(unused, key=age).call_id
 
 
+def _expected_retry_without_header(
+    index: LinkIndex, request: str, ending: frozenset[str]
+) -> str | None:
+    """The retry target when it failed or was left incomplete, stored so or in flight and
+    known to end so (``ending``), else None: no retry signal (the rule)."""
+    target = _expected_retry_target(index, request)
+    if target is None:
+        return None
+    status = index.entries[target].status
+    if status in ("failed", "incomplete") or (status == IN_FLIGHT and target in ending):
+        return target
+    return None
+
+
 @settings(max_examples=400, deadline=None)
-@given(steps)
-def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops):
+@given(steps, st.frozensets(st.sampled_from(CALLS)))
+def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops, ending):
     index = LinkIndex()
     for call, at, child, request, status, verifiable, model, parent, retry, session in ops:
         index.add(
@@ -87,6 +101,13 @@ def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops):
             target = _expected_retry_target(index, request)
             retry_of = index.resolve(None, request, retry_requested=True).retry_of
             assert retry_of == target
+            # without a retry header: only a target that failed or was left incomplete, or
+            # one in flight known to end so (its harness left), and only those are asked
+            asked: list[str] = []
+            ends_incomplete = lambda c, asked=asked: asked.append(c) or c in ending  # noqa: E731
+            got = index.resolve(None, request, ends_incomplete=ends_incomplete).retry_of
+            assert got == _expected_retry_without_header(index, request, ending)
+            assert all(index.entries[c].status == IN_FLIGHT for c in asked)
         children = {c: 0 for c in index.entries}
         for e in index.entries.values():
             if e.counted_parent in children:
