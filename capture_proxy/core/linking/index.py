@@ -338,6 +338,8 @@ class LinkIndex:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
         matches = self._matches(parent_digest, found, model, claimed, session)
+        if retry_of is not None and matches:
+            matches = self._retried_parent_first(matches, retry_of, found, model)
         rewritten = None
         if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
             # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
@@ -418,6 +420,29 @@ class LinkIndex:
             lambda: _candidates(
                 (e for e in others if e.model == model and e.call_id not in taken), preference
             ),
+        )
+
+    def _retried_parent_first(
+        self, matches: Candidates, retry_of: str, found: dict[str, _Entry], model: str | None
+    ) -> Candidates:
+        """A retry continues what the call it replaces continued: that call's parent first,
+        when it is a candidate (verifiable, not superseded). The retried call still counts as
+        its child (in flight, or stored incomplete), so by ``_preference`` a twin session's
+        token-identical call without a child would come first, and the retry would swap the
+        twins' chains. O(1); the rest of the order is made when asked, as before."""
+        retried = self.entries.get(retry_of)
+        parent = found.get(retried.counted_parent or "") if retried is not None else None
+        if (
+            parent is None
+            or parent.model != model
+            or parent.num_tokens is None
+            or parent.superseded_by is not None
+            or matches[0].call_id == parent.call_id
+        ):
+            return matches
+        first = Candidate(parent.call_id, parent.rows_end, parent.num_tokens, parent.tokens_sha256)
+        return Candidates(
+            (first,), lambda: tuple(c for c in matches.whole() if c.call_id != parent.call_id)
         )
 
     def _claimed_matches(

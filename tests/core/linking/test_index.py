@@ -90,6 +90,32 @@ class TestIndex:
                   session=b, **key)  # fmt: skip
         assert [c.call_id for c in index.resolve("d", "q3", session=b).candidates] == ["A1", "B1"]
 
+    def test_a_retry_continues_the_parent_of_the_call_it_replaces(self):
+        # Twin sessions a and b, token-identical first calls A1 and B1. A2 continues A1; its
+        # harness leaves while A2 is in flight, and Codex re-sends A2's request. The re-send
+        # retries A2, so it continues A1 (which A2 still counts as a child of), not B1, the
+        # twin's call without a child (that would swap the twins' chains: review).
+        index = LinkIndex()
+        key = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
+        a, b = ("codex", "sess-a"), ("codex", "sess-b")
+        index.add("A1", 1.0, child_digest="d", request_digest="q1", status="complete",
+                  session=a, **key)  # fmt: skip
+        index.add("B1", 2.0, child_digest="d", request_digest="q1", status="complete",
+                  session=b, **key)  # fmt: skip
+        index.add("A2", 3.0, child_digest=None, request_digest="q2", parent_call_id="A1",
+                  session=a)  # fmt: skip
+        gone = {"A2"}.__contains__
+        got = index.resolve("d", "q2", session=a, ends_incomplete=gone)
+        assert (got.retry_of, got.parent_call_id) == ("A2", "A1")
+        assert [c.call_id for c in got.candidates] == ["A1", "B1"]
+        # the same once A2 is stored incomplete (a harness retry header, or its status)
+        index.add("A2", 3.0, child_digest=None, request_digest="q2", parent_call_id="A1",
+                  status="incomplete", session=a)  # fmt: skip
+        got = index.resolve("d", "q2", session=a)
+        assert (got.retry_of, got.parent_call_id) == ("A2", "A1")
+        # the twin's own next request still takes its own call
+        assert index.resolve("d", "q2b", session=b).parent_call_id == "B1"
+
     def test_a_retry_supersedes_the_call_it_retried_as_a_candidate(self):
         index = LinkIndex()
         key = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
