@@ -372,6 +372,23 @@ def _replayed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     return None
 
 
+def _resumed(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
+    """The replay rules: a lost turn (``_interrupted``) or a replayed history (``_replayed``),
+    whichever covers the longer head of the root's request (a lost call's request and its
+    placeholder, against a conversation and its answer; the replayed one when they tie). A
+    lost turn early in a session that went on is in the history of every later resume: the
+    call the resume replays whole is the one it continues."""
+    interrupted = _interrupted(rollout, root)
+    replayed = _replayed(rollout, root)
+    if interrupted is None:
+        return replayed
+    if replayed is not None and replayed.evidence["num_messages"] >= (
+        interrupted.evidence["num_messages"] + 1
+    ):
+        return replayed
+    return interrupted
+
+
 def _interrupted(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
     """``resumed_after_interrupt``: the root replays the whole request of an earlier call of
     another chain, then a declared placeholder (``InterruptedTurn``) where its answer was, then
@@ -570,12 +587,7 @@ def find_lineage(
     out: dict[str, list[LineageEdge]] = {}
     for root in sorted((chain.calls[0] for chain in chains.chains), key=_order):
         edges = [e for e in (_retried(rollout, root),) if e is not None]
-        found = (
-            _interrupted(rollout, root)
-            or _replayed(rollout, root)
-            or _spawned(rollout, root)
-            or _compacted(rollout, root)
-        )
+        found = _resumed(rollout, root) or _spawned(rollout, root) or _compacted(rollout, root)
         if found is not None:
             edges.append(found)
         if edges:

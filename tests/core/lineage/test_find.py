@@ -552,6 +552,28 @@ def test_a_lost_turn_deeper_in_a_session_is_the_longest_replayed_request() -> No
     assert edges["r1"][0]["chain_id"] == "a1"  # a2 is a1's token child: one chain
 
 
+def test_a_later_resume_continues_the_call_it_replays_not_an_early_lost_turn() -> None:
+    # k1 lost its turn; k2 resumed it (the placeholder in its history) and went on to k3.
+    # k4 replays k3's whole conversation and asks more: it resumes k3's chain, although its
+    # history holds k1's placeholder too (review: it was joined to k1)
+    placeholder = assistant(INTERRUPTED_TURN_TEXT)
+    k1 = call("k1", 1.0, [1, 2], [3], [user(TASK)], assistant("partial"))
+    k2 = call("k2", 2.0, [1, 2, 4, 5], [6], [user(TASK), placeholder, user("go on")],
+              assistant("step 2"))  # fmt: skip
+    k3 = continued(k2, "k3", 3.0)
+    assert k3.response_message is not None
+    k4 = call("k4", 4.0, [9, 9], [8],
+              [*k3.request_messages, k3.response_message, user("and then?")],
+              assistant("end"))  # fmt: skip
+    edges = lineage_of([k1, k2, k3, k4])
+    assert [(e["kind"], e["from_call_id"]) for e in edges["k2"]] == [
+        ("resumed_after_interrupt", "k1")
+    ]
+    assert [(e["kind"], e["from_call_id"], e["chain_id"]) for e in edges["k4"]] == [
+        ("resumed_from", "k3", "k2")
+    ]
+
+
 def test_a_placeholder_after_no_captured_request_joins_nothing() -> None:
     other = call("a1", 1.0, [1, 2], [3], [user("Read the notes.")], assistant("done"))
     placeholder = assistant(INTERRUPTED_TURN_TEXT)
