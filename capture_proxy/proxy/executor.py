@@ -165,9 +165,11 @@ class CallExecutor:
     def ends_incomplete(self) -> bool:
         """Whether this call is known to end failed or incomplete (``Linker.resolve``: an
         identical request is then its retry): its record was made so, or its harness left
-        before the record was made (looked at now). Exact: a harness found gone before the
-        record is made reaches the flow as ``ClientLeft`` or a gone ``ClientState`` before
-        the flow can make one, and the flow records such a call incomplete."""
+        before the record was made (looked at now). A harness found gone before the record is
+        made reaches the flow as ``ClientLeft`` or a gone ``ClientState`` before the flow can
+        make one, and the flow records such a call incomplete; for a whole answer read but
+        not yet verified, the harness never got it either, so the identical request is its
+        retry though that call may still be stored complete."""
         if self._made is not None:
             return self._made is not CallStatus.COMPLETE
         gone = self._writer is not None and self._writer.gone
