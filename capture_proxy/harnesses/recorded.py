@@ -185,44 +185,25 @@ def error_summary(raw: bytes) -> str:
 _ID_KEYS = frozenset({"id", "tool_call_id", "call_id", "tool_use_id"})
 
 
-def _substitute_ids(value: Any, id_map: dict[str, str]) -> Any:
-    """The recorded body with recorded tool-call ids (chat ``tool_calls[].id`` /
-    ``tool_call_id``, Responses ``call_id``, Messages ``tool_use.id`` / ``tool_use_id``)
-    replaced by the ids the proxy returned."""
-    if not id_map:
+def _substitute(value: Any, keys: frozenset[str], mapping: dict[str, str]) -> Any:
+    """``value`` with every string under one of ``keys`` (at any depth) replaced by what
+    ``mapping`` maps it to, when it maps it."""
+    if not mapping:
         return value
     if isinstance(value, dict):
         return {
-            k: id_map.get(v, v)
-            if k in _ID_KEYS and isinstance(v, str)
-            else _substitute_ids(v, id_map)
+            k: mapping.get(v, v)
+            if k in keys and isinstance(v, str)
+            else _substitute(v, keys, mapping)
             for k, v in value.items()
         }
     if isinstance(value, list):
-        return [_substitute_ids(v, id_map) for v in value]
+        return [_substitute(v, keys, mapping) for v in value]
     return value
 
 
 #: Keys whose string values are a message's text in the three APIs' bodies.
 _TEXT_KEYS = frozenset({"content", "text"})
-
-
-def _substitute_text(value: Any, text_map: dict[str, str]) -> Any:
-    """The recorded body with the recorded text of earlier answers (a chat message's
-    ``content``, a Responses ``output_text`` or Messages ``text`` block's ``text``) replaced by
-    the text the proxy answered."""
-    if not text_map:
-        return value
-    if isinstance(value, dict):
-        return {
-            k: text_map.get(v, v)
-            if k in _TEXT_KEYS and isinstance(v, str)
-            else _substitute_text(v, text_map)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [_substitute_text(v, text_map) for v in value]
-    return value
 
 
 def _answer_message(api: Api, raw: bytes, content_type: str) -> dict[str, Any] | None:
@@ -251,7 +232,11 @@ async def replay(
     async with aiohttp.ClientSession(timeout=timeout) as http:
         for req in recording:
             headers = {k: v for k, v in req.headers if k.lower() in REPLAYED_HEADERS}
-            body = _substitute_text(_substitute_ids(req.body, id_map), text_map)
+            # the recorded tool-call ids (chat ``tool_calls[].id`` / ``tool_call_id``, Responses
+            # ``call_id``, Messages ``tool_use.id`` / ``tool_use_id``) and the recorded text of
+            # earlier answers (a chat message's ``content``, a Responses ``output_text`` or
+            # Messages ``text`` block's ``text``) replaced by what the proxy returned
+            body = _substitute(_substitute(req.body, _ID_KEYS, id_map), _TEXT_KEYS, text_map)
             url = base_url + API_PATHS[req.api].removeprefix("/v1")
             if req.query:
                 url += "?" + req.query
