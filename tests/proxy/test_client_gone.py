@@ -36,6 +36,14 @@ LONG_CALL = Policy(
     ]
 )
 ANTHROPIC = {"anthropic-version": "2023-06-01"}
+#: A streamed Responses request offering Codex's freeform ``apply_patch`` tool (its input is
+#: sent whole when the call closes, so the stream is silent while the engine writes it)
+FREEFORM_REQUEST = {
+    "model": "scripted-qwen",
+    "stream": True,
+    "input": [{"type": "message", "role": "user", "content": "Write the notes."}],
+    "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files"}],
+}
 
 
 def _url(rollout: str, path: str) -> str:
@@ -126,12 +134,7 @@ async def test_a_responses_stream_holding_a_freeform_call_ends_when_the_harness_
     closes, so its stream is silent while the engine generates it (Codex's idle timeout then
     drops the stream and retries)."""
     stack = await _paced_stack(make_stack, prompt_mode=prompt_mode)
-    body = {
-        "model": "scripted-qwen",
-        "stream": True,
-        "input": [{"type": "message", "role": "user", "content": "Write the notes."}],
-        "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files"}],
-    }
+    body = FREEFORM_REQUEST
     resp = await stack.client.post(_url("r1", "responses"), json=body)
     assert resp.status == 200
     await _read_until(resp, b"response.in_progress")  # then nothing until the call closes
@@ -203,12 +206,7 @@ async def test_codex_re_sending_a_call_it_dropped_is_its_retry_while_that_call_i
     call is superseded and the rollout is complete."""
     faults = Faults(chunk_delay_s=2 * WAIT_S, slow_first_n=1)  # the re-send is answered at once
     stack = await _paced_stack(make_stack, faults)
-    body = {
-        "model": "scripted-qwen",
-        "stream": True,
-        "input": [{"type": "message", "role": "user", "content": "Write the notes."}],
-        "tools": [{"type": "custom", "name": "apply_patch", "description": "Edit files"}],
-    }
+    body = FREEFORM_REQUEST
     dropped = await stack.client.post(_url("r1", "responses"), json=body)
     await _read_until(dropped, b"response.in_progress")
     dropped.close()  # Codex's idle timeout

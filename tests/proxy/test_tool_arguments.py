@@ -48,10 +48,18 @@ async def test_a_responses_function_call_without_arguments_is_taken(make_stack, 
     body = {
         "model": "scripted-qwen",
         "input": [
-            {"type": "message", "role": "user", "content": "List the files."},
+            {"type": "message", "role": "user", "content": USER["content"]},
             {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": ""},
             {"type": "function_call_output", "call_id": "c1", "output": "a.txt"},
         ],
     }
     resp = await stack.client.post(capture_url("r1", "responses"), json=body)
     assert resp.status == 200, await resp.text()
+    call = await stack.get_json(f"/captures/calls/{resp.headers['X-Capture-Call-Id']}")
+    (tool_call,) = call["request_messages"][1]["tool_calls"]
+    assert tool_call["function"] == {"name": "ls", "arguments": ""}  # kept as sent
+    # rendered as vLLM renders the same chat messages, the arguments as {}
+    async with aiohttp.ClientSession() as session:
+        url = stack.engine.make_url("/tokenize")
+        async with session.post(url, json={"messages": _history("{}")}) as got:
+            assert call["prompt_token_ids"] == (await got.json())["tokens"]
