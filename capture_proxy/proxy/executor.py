@@ -133,9 +133,7 @@ class CallExecutor:
         """Look at the harness's connection every ``CLIENT_CHECK_S`` from now until ``close``
         (once per call: the engine request is about to go out)."""
         if self._check is None and not self.left:
-            self._check = asyncio.get_running_loop().call_later(
-                CLIENT_CHECK_S, self._check_client
-            )
+            self._check = asyncio.get_running_loop().call_later(CLIENT_CHECK_S, self._check_client)
 
     def _check_client(self) -> None:
         """The timer: a look at the connection, and the next one unless the harness left."""
@@ -198,7 +196,6 @@ class CallExecutor:
                 c.body,
                 call_id=c.call_id,
                 created_at=c.created_at,
-                retry_requested=c.retry_requested,
                 linking_facts=c.linking_facts,
                 tools_facts=c.tools_facts,
                 session=c.session,

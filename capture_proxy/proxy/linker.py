@@ -202,7 +202,6 @@ class Linker:
         *,
         call_id: str,
         created_at: float,
-        retry_requested: bool = False,
         linking_facts: Sequence[MessageFacts] | None = None,
         tools_facts: ToolsFacts | None = None,
         session: tuple[str, str] | None = None,
@@ -210,9 +209,9 @@ class Linker:
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
-        call's retry only on an explicit signal (``retry_requested``: the harness's retry
-        header; or this call failed or was left incomplete, also while it is in flight and
-        its ``ends_incomplete()`` says so), else a sibling sample.
+        call's retry only when this call's harness is known not to have got its answer (it
+        failed or was left incomplete, also while it is in flight and its
+        ``ends_incomplete()`` says so), else a sibling sample (``LinkIndex.resolve``).
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``,
         ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``; ``session`` the harness
         session the request names (a tie-breaker among token-identical candidates)."""
@@ -228,7 +227,6 @@ class Linker:
             body,
             call_id=call_id,
             created_at=created_at,
-            retry_requested=retry_requested,
             linking_facts=linking_facts,
             tools_facts=tools_facts,
             refuse_note_parents=self.refuse_note_parents,
@@ -248,10 +246,15 @@ class Linker:
         ends_incomplete = self._ends_incomplete.get(call_id)
         return ends_incomplete is not None and ends_incomplete()
 
-    def release(self, call_id: str) -> None:
+    def release(self, rollout_id: str, call_id: str) -> None:
         """``call_id`` ended (its record stored, or not to be): the candidate it claimed
-        (``resolve`` with claims) is free for the other workers' calls."""
+        (``resolve`` with claims) is free for the other workers' calls, and a call that ended
+        without its record (the store refused it) is filed as failed in the rollout's index
+        (``LinkIndex.end_unstored``: its retry names it)."""
         self._ends_incomplete.pop(call_id, None)
+        index = self._indexes.get(rollout_id)
+        if index is not None:
+            index.end_unstored(call_id)
         if self.claims is not None:
             self.claims.release(call_id)
 

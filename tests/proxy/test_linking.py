@@ -73,15 +73,17 @@ async def test_retokenized_parent_output_is_refused_and_classified(make_stack):
     assert summary["linking"]["links_refused"] == {"retokenized": 1}
 
 
-async def test_identical_retry_is_recorded_as_a_retry_not_a_branch(stack: Stack):
-    first_id, message = await _step(stack, "r1", list(USER))
-    retry_id, retry_message = await _step(
+async def test_identical_retry_is_recorded_as_a_retry_not_a_branch(make_stack):
+    stack = await make_stack(engine_config=ScriptedEngineConfig(fail_status=500, fail_first_n=1))
+    failed = await stack.chat("r1", _body(list(USER)))
+    assert failed.status >= 500
+    first_id = failed.headers["X-Capture-Call-Id"]
+    retry_id, message = await _step(
         stack, "r1", list(USER), headers={"x-stainless-retry-count": "1"}
     )
-    assert retry_message == message  # the scripted engine is deterministic
     messages = [
         *USER,
-        _echo(retry_message),
+        _echo(message),
         {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "a.txt"},
     ]
     child_id, _ = await _step(stack, "r1", messages)
@@ -92,19 +94,13 @@ async def test_identical_retry_is_recorded_as_a_retry_not_a_branch(stack: Stack)
         {"kind": "retry", "details": {"retry_of": first_id, "retry_count_header": "1"}}
     ]
     child = await stack.get_json(f"/captures/calls/{child_id}")
-    assert child["parent_call_id"] == retry_id  # the latest identical output is the parent
+    assert child["parent_call_id"] == retry_id
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     assert [[c["call_id"] for c in ch["calls"]] for ch in chains["chains"]] == [
         [retry_id, child_id]
     ]
-    assert chains["unlinked_calls"] == [
-        {
-            "call_id": first_id,
-            "status": "complete",
-            "reason": "superseded_retry",
-            "superseded_by": retry_id,
-            "diagnostics": [],
-        }
+    assert [(u["call_id"], u["status"], u["reason"]) for u in chains["unlinked_calls"]] == [
+        (first_id, "failed", "superseded_retry")
     ]
     summary = await stack.get_json("/captures/rollouts/r1")
     assert summary["linking"]["retries"] == 1
@@ -235,22 +231,25 @@ async def test_identical_concurrent_requests_are_sibling_samples_not_retries(mak
     assert chains["unlinked_calls"] == []
 
 
-async def test_a_request_the_harness_marks_as_a_retry_supersedes_the_earlier_one(make_stack):
+async def test_a_retry_header_never_supersedes_an_answered_call(make_stack):
+    """A GRPO group in one rollout: two samples of one prompt, both answered; a third sample's
+    SDK retry (``x-stainless-retry-count: 1``) whose first attempt never reached the proxy.
+    No call of the group failed, so the retry replaces none: three samples, each its own
+    chain, none superseded (trial 12: the retry took an answered sample's place and the
+    export lost it)."""
     stack = await make_stack()
     body = _body(list(USER))
-    first = await stack.chat("r1", body, headers={"x-stainless-retry-count": "0"})
-    second = await stack.chat("r1", body, headers={"x-stainless-retry-count": "1"})
-    first_id, second_id = (r.headers["X-Capture-Call-Id"] for r in (first, second))
-    retry = await stack.get_json(f"/captures/calls/{second_id}")
-    assert retry["retry_of"] == first_id
-    assert [d for d in retry["diagnostics"] if d["kind"] == "retry"] == [
-        {"kind": "retry", "details": {"retry_of": first_id, "retry_count_header": "1"}}
-    ]
+    answered = [await stack.chat("r1", body, headers={"x-stainless-retry-count": "0"})]
+    answered.append(await stack.chat("r1", body))
+    retried = await stack.chat("r1", body, headers={"x-stainless-retry-count": "1"})
+    assert [r.status for r in (*answered, retried)] == [200, 200, 200]
+    ids = [r.headers["X-Capture-Call-Id"] for r in (*answered, retried)]
+    retry = await stack.get_json(f"/captures/calls/{ids[2]}")
+    assert retry["retry_of"] is None
+    assert [d for d in retry["diagnostics"] if d["kind"] == "retry"] == []
     chains = await stack.get_json("/captures/rollouts/r1/chains")
-    assert [ch["chain_id"] for ch in chains["chains"]] == [second_id]
-    assert [(u["call_id"], u["reason"]) for u in chains["unlinked_calls"]] == [
-        (first_id, "superseded_retry")
-    ]
+    assert sorted(ch["chain_id"] for ch in chains["chains"]) == sorted(ids)
+    assert chains["unlinked_calls"] == []
 
 
 async def test_a_request_after_a_failed_identical_one_is_its_retry(make_stack):

@@ -10,6 +10,8 @@ rollout's REST view and ``/health`` show it meanwhile. The store's failure is in
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from capture_proxy.proxy.errors import STORE_RETRY_AFTER_S
@@ -118,8 +120,11 @@ async def test_a_call_the_store_refuses_is_not_answered_as_a_success(
         else:
             assert reply.body["error"]["type"] == "server_error"
             assert reply.body["error"]["code"] == "store_unavailable"
-        assert "could not store call" in reply.body["error"]["message"]
+        error = reply.body["error"]
+        assert "could not store call" in error["message"]
         assert reply.call_id is None  # names no stored call
+    refused = re.search(r"could not store call (call-[0-9a-f]+)", error["message"])
+    assert refused is not None, error["message"]
     # Nothing of the refused call is stored, and the rollout is not marked: nothing answered
     # was lost. The harness's retry, once writes succeed, is stored and links on.
     summary = await stack.get_json("/captures/rollouts/r1")
@@ -134,6 +139,10 @@ async def test_a_call_the_store_refuses_is_not_answered_as_a_success(
     chains = await stack.get_json("/captures/rollouts/r1/chains")
     assert [len(c["calls"]) for c in chains["chains"]] == [2]
     assert chains["chains"][0]["calls"][1]["call_id"] == retried.call_id
+    # the retry names the refused call (the 503 named it; the store does not hold it)
+    retry = await stack.get_json(f"/captures/calls/{retried.call_id}")
+    assert retry["retry_of"] == refused.group(1)
+    assert chains["unlinked_calls"] == []
     assert (await stack.get_json("/health"))["status"] == "ok"
 
 

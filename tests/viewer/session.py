@@ -2,8 +2,9 @@
 
 ``refused`` (scripted engine with a character token split and routed experts): call 1 answers
 with a tool call whose content tokens do not survive re-tokenisation; call 2 sends it back and
-its link is refused (``retokenized``) so it starts a second chain; call 3 continues from call 2
-and is retried once (the first attempt is superseded). ``linked`` (default policy): three calls
+its link is refused (``retokenized``) so it starts a second chain; call 3 continues from call 2,
+the engine fails it (500, stored failed) and the harness's retry replaces it (the first attempt
+is superseded). ``linked`` (default policy): three calls
 in one chain.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from capture_proxy.scripted_engine.app import ScriptedEngineConfig
+from capture_proxy.scripted_engine.state import FAILED_SO_FAR
 from tests.proxy.conftest import MakeStack, Stack
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_chains_rest import _echo
@@ -38,14 +40,19 @@ def _tool_result(message: dict, content: str) -> dict:
 
 
 async def capture_session(make_stack: MakeStack, **settings) -> Session:
-    stack = await make_stack(
-        engine_config=ScriptedEngineConfig(policy=SPLIT_POLICY, moe=MOE), **settings
-    )
+    # the engine fails one chat request, the one after the count is set back to 0 below
+    config = ScriptedEngineConfig(policy=SPLIT_POLICY, moe=MOE, fail_status=500, fail_first_n=1)
+    stack = await make_stack(engine_config=config, **settings)
+    failed_so_far = stack.engine_app[FAILED_SO_FAR]
+    failed_so_far[0] = 1
     first, m1 = await _step(stack, "refused", list(USER))
     history = [*USER, _echo(m1), _tool_result(m1, "a.txt\nb.txt")]
     second, m2 = await _step(stack, "refused", history)
     history = [*history, _echo(m2), {"role": "user", "content": "Thanks. Once more?"}]
-    third, _ = await _step(stack, "refused", history)
+    failed_so_far[0] = 0
+    failed = await stack.chat("refused", _body(history))
+    assert failed.status == 500, await failed.text()
+    third = failed.headers["X-Capture-Call-Id"]
     retry, _ = await _step(stack, "refused", history, headers={"x-stainless-retry-count": "1"})
 
     linked = []

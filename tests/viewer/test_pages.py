@@ -150,12 +150,12 @@ async def test_show_prints_the_listing_and_a_tree(make_stack):
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in listing.splitlines()]
     assert [c[:7] for c in cells if c and c[0] in ("linked", "refused")] == [
         ["linked", "complete", "3", "1", "", "no", "–"],
-        ["refused", "complete", "4", "2", "1", "no", "–"],
+        ["refused", "failed", "4", "2", "1", "no", "–"],
     ]
     console = Console(record=True, width=200, color_system=None)
     assert await show(session.stack.store_dir, "refused", console) == 0
     text = console.export_text()
-    assert "calls 4 · chains 2 · branches 0 · resolved 2 · refused 1 (retokenized 1)" in text
+    assert "calls 4 · chains 2 · branches 0 · resolved 1 · refused 1 (retokenized 1)" in text
     assert "refused: retokenized from #1 at 147" in text
     assert "superseded by #4" in text and "retry of #3" in text
     assert await show(session.stack.store_dir, "nope", Console(record=True)) == 1

@@ -42,7 +42,6 @@ class Resolve(Command):
     body: dict[str, Any]
     call_id: str
     created_at: float
-    retry_requested: bool
     linking_facts: tuple[MessageFacts, ...] | None
     #: the ``known_tools`` facts of ``body["tools"]`` (None: derive what is needed)
     tools_facts: ToolsFacts | None = None

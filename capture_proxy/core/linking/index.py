@@ -179,6 +179,20 @@ class LinkIndex:
         else:
             entry.counted_parent = old.counted_parent
 
+    def end_unstored(self, call_id: str) -> None:
+        """``call_id`` ended in flight with no record stored (the store refused it, or its
+        handler failed): its harness got no answer, so it is filed as a failed call (an
+        identical request is its retry, ``_retry_of``) and no longer counts as a child of the
+        candidate it was resolved to."""
+        entry = self.entries.get(call_id)
+        if entry is None or entry.status != IN_FLIGHT:
+            return
+        entry.status = CALL_FAILED
+        parent = self.entries.get(entry.counted_parent) if entry.counted_parent else None
+        if parent is not None:
+            self._count_child(parent, -1)
+        entry.counted_parent = None
+
     def _keys(self, entry: _Entry) -> tuple[tuple[dict[str, dict[str, _Entry]], str | None], ...]:
         return (
             (self._by_child, entry.child_digest),
@@ -233,45 +247,31 @@ class LinkIndex:
         return sorted((entries or {}).values(), key=_age)
 
     def _retry_of(
-        self,
-        req_digest: str,
-        retry_requested: bool,
-        ends_incomplete: Callable[[str], bool] | None = None,
+        self, req_digest: str, ends_incomplete: Callable[[str], bool] | None = None
     ) -> str | None:
-        """The call an identical request retries: only on an explicit signal (the harness says
-        it retries, or that call failed or was left incomplete: stored so, or still in flight
-        and ``ends_incomplete(call_id)``). Identical requests otherwise are sibling samples,
-        each its own call.
+        """The call an identical request retries: the latest identical call whose answer the
+        harness is known not to have got, that no earlier retry replaced and no call
+        continued: stored failed or
+        incomplete, or still in flight and ``ends_incomplete(call_id)`` (its harness left). An
+        identical call answered in full is never the target, whatever the request says
+        (``x-stainless-retry-count`` included): in a group of samples of one prompt (GRPO),
+        one sample's retry whose first attempt never reached the proxy would otherwise
+        replace another sample's answered call and drop it from the chains. Identical
+        requests otherwise are sibling samples, each its own call.
 
-        That call is the latest identical one whose answer nobody continued (no child, stored
-        or in flight): a retry replaces an answer the harness never used, and a call that was
-        continued was used, by this session or by an identical twin session of the rollout
-        (whose call would otherwise be superseded under it). When every identical call has a
-        child, the latest. When several have none, the latest of them: which one the harness
-        lost the proxy cannot tell. A call an earlier retry superseded is never the target
-        again: it was replaced (taking it would make a sibling sample that sends no retry
-        signal a retry of that failed call). Cost: O(1) while the latest has no child (the
-        usual retry); else the identical calls without a child, never the rollout."""
+        Cost: O(1) when the latest identical call is the target (the usual retry); else the
+        identical calls without a child (a group of samples), never the rollout."""
         latest = self._latest_request.get(req_digest)
         if latest is None:
             return None
-        target = latest
-        if latest.children > 0:
-            # a call an earlier retry superseded was replaced already: not the target again
-            unused = [
-                entry
-                for entry in (self._childless_requests.get(req_digest) or {}).values()
-                if entry.superseded_by is None
-            ]
-            if unused:
-                target = max(unused, key=_age)
-        if retry_requested or target.status in (CALL_FAILED, CALL_INCOMPLETE):
-            return target.call_id
-        if target.status == IN_FLIGHT and ends_incomplete is not None:
-            # its harness left before it was answered, so it is stored incomplete (or its
-            # record is made failed or incomplete already): the signal, before it is stored
-            return target.call_id if ends_incomplete(target.call_id) else None
-        return None
+        if _lost(latest, ends_incomplete):
+            return latest.call_id
+        lost = [
+            entry
+            for entry in (self._childless_requests.get(req_digest) or {}).values()
+            if entry is not latest and _lost(entry, ends_incomplete)
+        ]
+        return max(lost, key=_age).call_id if lost else None
 
     @staticmethod
     def _preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
@@ -310,7 +310,6 @@ class LinkIndex:
         *,
         model: str | None = None,
         last_turn: Mapping[str, Any] | None = None,
-        retry_requested: bool = False,
         refuse_note_parents: bool = False,
         claimed: Callable[[str], bool] | None = None,
         session: SessionKey | None = None,
@@ -333,7 +332,7 @@ class LinkIndex:
         incomplete (its record is made so, or its harness left before it was made): as a
         retry target it counts as a stored failed or incomplete call does.
         """
-        retry_of = self._retry_of(req_digest, retry_requested, ends_incomplete)
+        retry_of = self._retry_of(req_digest, ends_incomplete)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
@@ -535,6 +534,18 @@ class LinkIndex:
 
 def _age(entry: _Entry) -> tuple[float, str]:
     return entry.created_at, entry.call_id
+
+
+def _lost(entry: _Entry, ends_incomplete: Callable[[str], bool] | None) -> bool:
+    """Whether ``entry``'s harness is known not to have got its answer, and neither a retry
+    replaced it nor a call continued it (a retry target: ``LinkIndex._retry_of``)."""
+    if entry.superseded_by is not None or entry.children > 0:
+        return False
+    if entry.status in (CALL_FAILED, CALL_INCOMPLETE):
+        return True
+    if entry.status != IN_FLIGHT or ends_incomplete is None:
+        return False
+    return ends_incomplete(entry.call_id)
 
 
 def _drop(index: dict[str, dict[str, _Entry]], digest: str | None, call_id: str) -> None:

@@ -30,9 +30,7 @@ def _root(body: dict) -> e.Resolved:
 
 def _to_engine(pb, body: dict) -> c.Command:
     first = pb.start()
-    assert first == c.Resolve(
-        ROLLOUT_ID, MESSAGES, body, CALL_ID, CREATED_AT, False, first.linking_facts
-    )
+    assert first == c.Resolve(ROLLOUT_ID, MESSAGES, body, CALL_ID, CREATED_AT, first.linking_facts)
     send = pb.send(_root(body))
     assert isinstance(send, c.SendToEngine)
     assert (send.path, send.harness_headers) == ("/v1/chat/completions", True)

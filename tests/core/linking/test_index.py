@@ -19,19 +19,38 @@ class TestIndex:
         assert res.verdict is Verdict.UNRESOLVED and res.reason.kind is ReasonKind.NO_MATCH
         assert res.reason.text == "no captured call produced the last model-authored turn"
 
-    def test_an_identical_request_is_a_retry_only_on_an_explicit_signal(self):
+    def test_an_identical_request_retries_only_a_call_whose_answer_was_not_given(self):
         index = LinkIndex()
         index.add("a", 1.0, child_digest="d1", request_digest="q1", status="complete")
         # Identical and the earlier one answered: a sibling sample, not a retry.
         assert index.resolve(None, "q1").retry_of is None
-        # The harness says it retries (x-stainless-retry-count > 0): the latest identical.
-        index.add("a2", 2.0, child_digest="d1", request_digest="q1", status="complete")
-        assert index.resolve(None, "q1", retry_requested=True).retry_of == "a2"
         # The latest identical call failed or was left incomplete: its retry.
         index.add("a3", 3.0, child_digest=None, request_digest="q1", status="failed")
         assert index.resolve(None, "q1").retry_of == "a3"
         index.add("a3", 3.0, child_digest=None, request_digest="q1", status="incomplete")
         assert index.resolve(None, "q1").retry_of == "a3"
+
+    def test_a_samples_retry_never_replaces_another_samples_answered_call(self):
+        """A GRPO group: four samples of one prompt in one rollout, none continued yet (single
+        turn). Sample 3's first attempt failed (stored failed), samples 1, 2 and 4 were
+        answered, 4 after the failure; sample 3's SDK retries. The retry replaces the failed
+        attempt, not the latest identical call (sample 4's answer, which its harness got). A
+        retry whose first attempt never reached the proxy (an SDK's retry header, nothing
+        failed here) replaces nothing: it is a sample of its own (trial 12: the group's
+        export lost a sample that way)."""
+        index = LinkIndex()
+        index.add("s1", 1.0, child_digest="d1", request_digest="q", status="complete")
+        index.add("s2", 2.0, child_digest="d2", request_digest="q", status="complete")
+        index.add("s3", 3.0, child_digest=None, request_digest="q", status="failed")
+        index.add("s4", 4.0, child_digest="d4", request_digest="q", status="complete")
+        assert index.resolve(None, "q").retry_of == "s3"
+        index.add("s3r", 5.0, child_digest="d3", request_digest="q", retry_of="s3",
+                  status="complete")  # fmt: skip
+        assert {c: e.superseded_by for c, e in index.entries.items()} == {
+            "s1": None, "s2": None, "s3": "s3r", "s4": None, "s3r": None,
+        }  # fmt: skip
+        # a fifth sample's retry whose first attempt never arrived: no call to replace
+        assert index.resolve(None, "q").retry_of is None
 
     def test_an_identical_call_in_flight_is_retried_once_known_to_end_incomplete(self):
         """Codex re-sends a request whose stream it dropped (no retry header) while the call
@@ -131,24 +150,25 @@ class TestIndex:
         )
         assert [c.call_id for c in index.resolve("d1", "q9").candidates] == ["a2", "a"]
 
-    def test_a_retry_replaces_the_identical_call_nobody_continued_not_a_twins(self):
+    def test_a_retry_replaces_the_identical_call_that_was_not_answered_not_a_twins(self):
         """Twin sessions A and B of one rollout send the same first request (sampling engine:
-        different answers); A continues from its call a1; B re-sends its request with a retry
-        header and continues from the re-send. The retry replaces B's b1, whose answer nobody
-        used, not the later a1, which A continued: a1 stays in A's chain, b1 is superseded."""
+        different answers); B's stream was cut (stored incomplete), A's call a1 answered
+        after it; A continues from a1; B re-sends its request and continues from the re-send.
+        The retry replaces B's b1, whose answer B never got, not the later a1: a1 stays in
+        A's chain, b1 is superseded."""
         index = LinkIndex()
         key = {"num_tokens": 3, "tokens_sha256": b"x" * 32}
-        index.add("b1", 1.0, child_digest="dB1", request_digest="q1", status="complete", **key)
+        index.add("b1", 1.0, child_digest="dB1", request_digest="q1", status="incomplete")
         index.add("a1", 2.0, child_digest="dA1", request_digest="q1", status="complete", **key)
         index.add("a2", 3.0, child_digest=None, request_digest="qA2", parent_call_id="a1")
-        retry = index.resolve(None, "q1", retry_requested=True)
+        retry = index.resolve(None, "q1")
         assert retry.retry_of == "b1"
         index.add("b1r", 4.0, child_digest=None, request_digest="q1", retry_of=retry.retry_of)
         assert {c: e.superseded_by for c, e in index.entries.items()} == {
             "b1": "b1r", "a1": None, "a2": None, "b1r": None,
         }  # fmt: skip
-        # Without a continued twin the latest identical call is still the one retried.
-        assert index.resolve(None, "q1", retry_requested=True).retry_of == "b1r"
+        # b1 was replaced, b1r is in flight with its harness there: nothing left to retry
+        assert index.resolve(None, "q1").retry_of is None
 
         # The chains built from the records as the proxy stores them.
         def rec(call_id, at, prompt, gen, parent=None, retry_of=None):
@@ -176,13 +196,11 @@ class TestIndex:
         index = LinkIndex()
         key = {"num_tokens": 3, "tokens_sha256": b"x" * 32}
         index.add("f", 1.0, child_digest=None, request_digest="q1", status="failed")
-        assert index.resolve(None, "q1", retry_requested=True).retry_of == "f"
+        assert index.resolve(None, "q1").retry_of == "f"
         index.add("r", 2.0, child_digest="dR", request_digest="q1", retry_of="f", **key)
         index.add("r2", 3.0, child_digest=None, request_digest="qR2", parent_call_id="r")
         assert index.entries["f"].superseded_by == "r"
         assert index.resolve(None, "q1").retry_of is None
-        # an explicit retry now takes the latest identical call (every one was used)
-        assert index.resolve(None, "q1", retry_requested=True).retry_of == "r"
 
     def test_candidates_are_scoped_by_model(self):
         index = LinkIndex()
@@ -283,14 +301,32 @@ class TestIndex:
 def test_link_index_replaces_what_it_knows_of_a_call_and_orders_matches():
     index = LinkIndex()
     index.add("c1", 1.0, child_digest=None, request_digest="req")  # the request arrived
-    assert index.resolve(None, "req", retry_requested=True).retry_of == "c1"
-    index.add("c1", 1.0, child_digest="d1", request_digest="req", status="complete")  # stored
-    index.add("c2", 2.0, child_digest="d1", request_digest="req", status="complete", retry_of="c1")
-    got = index.resolve("d1", "req", retry_requested=True)
+    gone = {"c1"}.__contains__  # its harness left
+    assert index.resolve(None, "req", ends_incomplete=gone).retry_of == "c1"
+    index.add("c1", 1.0, child_digest="d1", request_digest="req", status="incomplete")  # stored
+    index.add("c2", 2.0, child_digest="d1", request_digest="req", status="failed", retry_of="c1")
+    got = index.resolve("d1", "req")
     assert (got.verdict, got.parent_call_id, got.retry_of) == (Verdict.RESOLVED, "c2", "c2")
-    index.add("c2", 2.0, child_digest="d2", request_digest="other", status="complete")
-    got = index.resolve("d1", "other", retry_requested=True)
+    index.add("c2", 2.0, child_digest="d2", request_digest="other", status="failed")
+    got = index.resolve("d1", "other")
     assert (got.parent_call_id, got.retry_of) == ("c1", "c2")
     assert index.resolve("d2", "req").parent_call_id == "c2"
     assert index.resolve("d3", "new").verdict is Verdict.UNRESOLVED
     assert len(index.entries) == 2
+
+
+def test_a_call_that_ended_unstored_is_a_failed_call_and_no_longer_a_child():
+    """The store refused a call in flight (``Linker.release``): its harness got no answer, so
+    an identical request is its retry, and the parent it was resolved to has no child again."""
+    index = LinkIndex()
+    key = {"num_tokens": 3, "tokens_sha256": b"x" * 32}
+    index.add("p", 1.0, child_digest="d", request_digest="q0", status="complete", **key)
+    index.add("c", 2.0, child_digest=None, request_digest="q1", parent_call_id="p")
+    assert index.entries["p"].children == 1
+    assert index.resolve(None, "q1").retry_of is None  # in flight, its harness there
+    index.end_unstored("c")
+    assert (index.entries["p"].children, index.entries["c"].status) == (0, "failed")
+    assert index.resolve(None, "q1").retry_of == "c"
+    index.end_unstored("c")  # once only
+    index.end_unstored("p")  # a stored call: unchanged
+    assert (index.entries["p"].children, index.entries["p"].status) == (0, "complete")

@@ -45,32 +45,21 @@ def _expected_candidates(
     return [e.call_id for e in sorted(found, key=LinkIndex._preferring(session))]
 
 
-def _expected_retry_target(index: LinkIndex, request: str) -> str | None:
-    """The latest identical call when it has no child; else the latest identical call without
-    a child that no retry superseded; else the latest (the rule)."""
-    same = [e for e in index.entries.values() if e.request_digest == request]
-    if not same:
-        return None
-    age = lambda e: (e.created_at, e.call_id)  # noqa: E731
-    latest = max(same, key=age)
-    unused = [e for e in same if e.children == 0 and e.superseded_by is None]
-    if latest.children == 0 or not unused:
-        return latest.call_id
-    return max(unused, key=age).call_id
-
-
-def _expected_retry_without_header(
-    index: LinkIndex, request: str, ending: frozenset[str]
+def _expected_retry_target(
+    index: LinkIndex, request: str, ending: frozenset[str] = frozenset()
 ) -> str | None:
-    """The retry target when it failed or was left incomplete, stored so or in flight and
-    known to end so (``ending``), else None: no retry signal (the rule)."""
-    target = _expected_retry_target(index, request)
-    if target is None:
-        return None
-    status = index.entries[target].status
-    if status in ("failed", "incomplete") or (status == IN_FLIGHT and target in ending):
-        return target
-    return None
+    """The latest identical call whose harness is known not to have got its answer (stored
+    failed or incomplete, or in flight and known to end so: ``ending``) that no retry
+    superseded and no call continued, else None (the rule)."""
+    lost = [
+        e
+        for e in index.entries.values()
+        if e.request_digest == request
+        and e.superseded_by is None
+        and e.children == 0
+        and (e.status in ("failed", "incomplete") or e.status == IN_FLIGHT and e.call_id in ending)
+    ]
+    return max(lost, key=lambda e: (e.created_at, e.call_id)).call_id if lost else None
 
 
 @settings(max_examples=400, deadline=None)
@@ -98,15 +87,11 @@ def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops, ending):
                     assert [c.call_id for c in got.candidates] == want
                     assert got.parent_call_id == (want[0] if want else None)
         for request in REQUESTS:
-            target = _expected_retry_target(index, request)
-            retry_of = index.resolve(None, request, retry_requested=True).retry_of
-            assert retry_of == target
-            # without a retry header: only a target that failed or was left incomplete, or
-            # one in flight known to end so (its harness left), and only those are asked
+            # only calls in flight are asked whether they end incomplete
             asked: list[str] = []
             ends_incomplete = lambda c, asked=asked: asked.append(c) or c in ending  # noqa: E731
             got = index.resolve(None, request, ends_incomplete=ends_incomplete).retry_of
-            assert got == _expected_retry_without_header(index, request, ending)
+            assert got == _expected_retry_target(index, request, ending)
             assert all(index.entries[c].status == IN_FLIGHT for c in asked)
         children = {c: 0 for c in index.entries}
         for e in index.entries.values():
@@ -155,8 +140,11 @@ def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():
         assert isinstance(got.candidates, Candidates)
         assert [c.call_id for c in got.candidates][:3] == ["a1000", "a0", "a1"]
         assert len(got.candidates) == 1001
-    # the retry target of the shared first request: the latest, without a sort
-    assert index.resolve(None, "q", retry_requested=True).retry_of == "a1000"
+    # the shared first request's retry target: none while every identical call was answered;
+    # the latest once it failed
+    assert index.resolve(None, "q").retry_of is None
+    index.add("a1001", 1001.0, child_digest=None, request_digest="q", status="failed")
+    assert index.resolve(None, "q").retry_of == "a1001"
 
 
 def test_claims_elsewhere_keep_the_resolution_to_the_childless_calls():
