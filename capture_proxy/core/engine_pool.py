@@ -12,8 +12,9 @@ backend in that order whose requests in flight are under the cap
 ``ceil(balance_factor * (in_flight_total + 1) / healthy)``. So a rollout's calls all go to
 one engine (its prefix cache) unless that engine is down or over ``balance_factor`` times the
 mean load; then to the key's next engine, the same one each time. When every backend is
-unhealthy the key's first backend is chosen anyway: its error reaches the harness as it
-would with one engine.
+unhealthy the key's first one that still takes connections is chosen anyway (a busy engine
+whose probes time out, not one whose port refuses: under load every probe may be late), else
+the key's first: its error reaches the harness as it would with one engine.
 
 Cost per choice: the ranking is computed once per key and kept (a bounded LRU of
 ``max_keys``), then a walk that stops at the first backend under the cap: O(1) amortised.
@@ -47,12 +48,15 @@ def routing_key(rollout_id: str, kind: str) -> str | None:
 @dataclass
 class Backend:
     """One engine: its base URL (no trailing slash, no credential), requests in flight,
-    health (None: not probed yet, taken as healthy) and how many requests it was chosen for."""
+    health (None: not probed yet, taken as healthy), whether it takes connections (False while
+    its last failure was a connection that could not be made: nothing listens) and how many
+    requests it was chosen for."""
 
     url: str
     in_flight: int = 0
     healthy: bool | None = None
     chosen: int = 0
+    reachable: bool = True
 
     @property
     def up(self) -> bool:
@@ -122,8 +126,12 @@ class BackendPool:
             if backend.up and backend.in_flight < cap:
                 chosen = backend
                 break
-        if chosen is None:  # all down (or all at the cap): the key's first live one, else first
-            chosen = next((b for b in ranked if b.up), ranked[0])
+        if chosen is None:
+            # all down or at the cap: the key's first live one, else its first that takes
+            # connections (slow, not dead), else its first
+            chosen = next((b for b in ranked if b.up), None) or next(
+                (b for b in ranked if b.reachable), ranked[0]
+            )
         last = self._last.get(key)
         if last != chosen.url:
             if last is not None:
@@ -143,12 +151,14 @@ class BackendPool:
         backend.in_flight -= 1
         self._in_flight -= 1
 
-    def mark(self, url: str, healthy: bool) -> bool:
-        """Record a probe's verdict on ``url``; True when its health changed."""
+    def mark(self, url: str, healthy: bool, *, reachable: bool = True) -> bool:
+        """Record a verdict on ``url``: ``healthy``, and ``reachable`` False when a connection
+        to it could not be made. True when its health changed."""
         backend = self.by_url[url]
         changed = backend.healthy is not healthy
         self._up += int(healthy) - int(backend.up)
         backend.healthy = healthy
+        backend.reachable = reachable
         return changed
 
 

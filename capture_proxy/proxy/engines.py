@@ -3,7 +3,9 @@
 Owns, around the pure choice (``core.engine_pool``):
 - ``EngineRoutes``: the pool of ``--backend`` URLs, its health probes (a background task
   ``GET <backend>/health`` every ``backend_health_interval_s``, each within
-  ``backend_health_timeout_s``), the requests in flight per backend, and the Prometheus
+  ``backend_health_timeout_s``: a non-2xx answer or a refused connection marks the engine
+  unhealthy at once, no answer only the ``SLOW_PROBES``-th in a row, as a loaded engine, or
+  a proxy whose own loop lags, answers late), the requests in flight per backend, and the Prometheus
   gauges ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy
   {backend}`` (read at scrape time, nothing on the hot path; in a worker of several, copied
   into the workers' shared metric files every second: ``publish_metrics``);
@@ -36,6 +38,24 @@ from capture_proxy.core.engine_pool import Backend, BackendPool, routing_key
 from capture_proxy.proxy.periodic import every
 
 log = logging.getLogger("capture_proxy")
+
+#: Probes in a row that get no answer within ``backend_health_timeout_s`` before an engine is
+#: taken as unhealthy (a hung engine: about ``SLOW_PROBES`` x (interval + timeout)). One late
+#: answer is no verdict: under load (hundreds of streams on the engine, or the proxy's own
+#: loop behind) probes of live engines time out now and then, and each flap would move the
+#: rollouts of that engine off their prefix cache.
+SLOW_PROBES = 3
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One probe's verdict: ``healthy``; ``reachable`` False when no connection could be made;
+    ``slow`` when no answer came in time; ``error`` why not healthy (None when healthy)."""
+
+    healthy: bool
+    reachable: bool = True
+    slow: bool = False
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,8 @@ class EngineRoutes:
         self.probe_rounds = 0
         #: why each backend was last found unhealthy (None: it was not), for ``/health``
         self.last_error: dict[str, str | None] = {url: None for url in urls}
+        #: per backend, its probes in a row that got no answer in time (``SLOW_PROBES``)
+        self.slow_probes: dict[str, int] = {url: 0 for url in urls}
         self._round_done = asyncio.Event()
 
     @property
@@ -134,11 +156,9 @@ class EngineRoutes:
 
     # --- health --------------------------------------------------------------------------
 
-    async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> bool:
+    async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> Probe:
         """One ``GET <backend>/health`` within ``health_timeout_s``: 2xx is healthy; else why
-        not is kept in ``last_error`` (``no answer within 1 s``, ``HTTP 503``, the connection
-        error)."""
-        error: str | None = None
+        not (``no answer within 1 s``, ``HTTP 503``, the connection error)."""
         try:
             async with session.get(
                 backend.url + "/health",
@@ -147,25 +167,31 @@ class EngineRoutes:
             ) as resp:
                 await resp.read()
                 if not 200 <= resp.status < 300:
-                    error = f"HTTP {resp.status}"
+                    return Probe(False, error=f"HTTP {resp.status}")
         except TimeoutError:
-            error = f"no answer within {self.health_timeout_s:g} s"
+            return Probe(False, slow=True, error=f"no answer within {self.health_timeout_s:g} s")
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, disconnected
+            return Probe(False, reachable=False, error=f"{type(exc).__name__}: {exc}")
         except aiohttp.ClientError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        self.last_error[backend.url] = error
-        return error is None
+            return Probe(False, error=f"{type(exc).__name__}: {exc}")
+        return Probe(True)
 
     async def probe_all(self, session: aiohttp.ClientSession) -> None:
-        """One round: every backend probed at once; a change of health is logged."""
+        """One round: every backend probed at once; a change of health is logged. A probe
+        without an answer in time counts only as the ``SLOW_PROBES``-th in a row."""
         backends = self.pool.backends
         verdicts = await asyncio.gather(*(self.probe(session, b) for b in backends))
-        for backend, healthy in zip(backends, verdicts, strict=True):
+        for backend, probe in zip(backends, verdicts, strict=True):
+            url = backend.url
+            self.slow_probes[url] = self.slow_probes[url] + 1 if probe.slow else 0
+            if probe.slow and self.slow_probes[url] < SLOW_PROBES and backend.up:
+                continue  # late, not yet a verdict: it keeps its state
+            self.last_error[url] = probe.error
             first = backend.healthy is None
-            if self.pool.mark(backend.url, healthy):
-                level = logging.INFO if first and healthy else logging.WARNING
-                log.log(
-                    level, "engine %s is %s", backend.url, "healthy" if healthy else "UNHEALTHY"
-                )
+            if self.pool.mark(url, probe.healthy, reachable=probe.reachable):
+                level = logging.INFO if first and probe.healthy else logging.WARNING
+                state = "healthy" if probe.healthy else f"UNHEALTHY ({probe.error})"
+                log.log(level, "engine %s is %s", url, state)
         self.probe_rounds += 1
         self._round_done.set()
         self._round_done = asyncio.Event()
@@ -180,7 +206,7 @@ class EngineRoutes:
         next probe says otherwise (a dead engine's rollouts move at their next call)."""
         if self.many:
             self.last_error[url] = "connection failed"
-            if self.pool.mark(url, False):
+            if self.pool.mark(url, False, reachable=False):
                 log.warning("engine %s is UNHEALTHY (connection failed)", url)
 
     def health(self) -> dict[str, Any]:

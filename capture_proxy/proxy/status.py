@@ -7,6 +7,7 @@ serves ``/health`` alone.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -23,6 +24,11 @@ from capture_proxy.proxy.keys import (
     WORKER_KEY,
 )
 from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
+
+#: Longest wait of ``/health`` for the store's answer (seconds). The store's reads share a
+#: queue with the read API's (exports of large rollouts among them), and a liveness probe must
+#: not wait behind them: past this wait ``/health`` answers without the store's figures.
+HEALTH_STORE_WAIT_S = 1.0
 
 
 def health_status(*, store_ok: bool, engine: dict[str, Any] | None) -> tuple[str, int]:
@@ -50,12 +56,18 @@ async def health(request: web.Request) -> web.Response:
     with several backends each engine's URL and error, are left out (``/health`` is open to
     anyone). In a worker of several (``serve --workers``),
     ``worker`` names it (``index``, ``count``, ``pid``) and ``capture`` counts its own calls;
-    the store's figures, and ``/metrics``, are the whole proxy's."""
+    the store's figures, and ``/metrics``, are the whole proxy's. The store's answer is
+    waited for at most ``HEALTH_STORE_WAIT_S``: a store whose reads are queued (``read_wait``)
+    is no failure; its writes tell (``write_error``)."""
     settings = request.app[SETTINGS_KEY]
     recorder = request.app[RECORDER_KEY]
+    ok = True
     try:
-        store = await request.app[STORE_KEY].health()
-        ok = True
+        async with asyncio.timeout(HEALTH_STORE_WAIT_S):
+            store = await request.app[STORE_KEY].health()
+    except TimeoutError:
+        wait = f"no answer within {HEALTH_STORE_WAIT_S:g} s (its reads are queued)"
+        store = {"read_wait": wait}
     except Exception as exc:
         store, ok = {"error": str(exc)}, False
     if settings.captures_token is not None or settings.proxy_token is not None:

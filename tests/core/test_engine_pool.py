@@ -54,6 +54,21 @@ def test_all_unhealthy_still_chooses_the_keys_first_backend():
     assert pool.choose("r").url == pool.ranking("r")[0].url
 
 
+def test_all_unhealthy_chooses_the_keys_first_backend_that_takes_connections():
+    pool = BackendPool(URLS)
+    first, second, third = (b.url for b in pool.ranking("r"))
+    pool.mark(first, False, reachable=False)  # its port refuses
+    pool.mark(second, False)  # answers late or non-2xx: alive
+    pool.mark(third, False)
+    assert pool.choose("r").url == second
+    pool.mark(second, False, reachable=False)
+    assert pool.choose("r").url == third
+    pool.mark(third, False, reachable=False)  # none takes connections: the key's first
+    assert pool.choose("r").url == first
+    pool.mark(third, True)  # one is up again: it, whatever its rank
+    assert (pool.choose("r").url, pool.by_url[third].reachable) == (third, True)
+
+
 def test_one_backend_is_always_chosen():
     pool = BackendPool(["http://only"])
     pool.mark("http://only", False)

@@ -7,6 +7,7 @@ calls go to the other with its chain still exact.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -323,3 +324,69 @@ async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_stat
         "engine": {"ok": False, "up": 0, "count": 2,
                    "engines": [state(0, "HTTP 503"), state(1, "HTTP 503")]},
     }  # fmt: skip
+
+
+async def test_a_late_probe_is_no_verdict_until_several_in_a_row_and_a_dead_port_ranks_last(
+    aiohttp_server, aiohttp_client, tmp_path
+):
+    """Under load a live engine's ``/health`` answers late now and then (trial 12: 1 s probes
+    of busy engines flapped, every engine was marked down at once, and the calls went to the
+    key's first engine, the dead one, for 75 s). A probe without an answer in time is a
+    verdict only as the ``SLOW_PROBES``-th in a row; a refused connection is one at once; and
+    with every engine down a call goes to the key's first engine that still takes
+    connections, not to one whose port refuses."""
+    from capture_proxy.proxy.engines import SLOW_PROBES
+
+    late = [False, False]
+    never = asyncio.Event()  # never set: a late engine's /health does not answer
+
+    def engine_app(i: int) -> web.Application:
+        async def health(request: web.Request) -> web.Response:
+            if late[i]:
+                await never.wait()
+            return web.Response(status=200)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        return app
+
+    engines = [await aiohttp_server(engine_app(i)) for i in range(2)]
+    urls = [url(e) for e in engines]
+    settings = Settings(
+        backend=urls[0],
+        extra_backends=[urls[1]],
+        store=tmp_path / "store",
+        backend_health_interval_s=3600.0,  # rounds driven by the test below
+        backend_health_timeout_s=0.05,
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    routes = app[ROUTES_KEY]
+    if routes.probe_rounds == 0:  # the start-up round
+        await routes.next_round(timeout_s=5.0)
+    session = app[SESSION_KEY]
+    pool = routes.pool
+
+    late[:] = [True, True]
+    for _ in range(SLOW_PROBES - 1):
+        await routes.probe_all(session)
+        assert [b.healthy for b in pool.backends] == [True, True]  # late: no verdict yet
+    await routes.probe_all(session)
+    assert [b.healthy for b in pool.backends] == [False, False]
+    assert routes.health()["engines"][0]["error"] == "no answer within 0.05 s"
+    late[:] = [False, False]
+    await routes.probe_all(session)
+    assert [b.healthy for b in pool.backends] == [True, True]
+
+    # engine 0 dies (its port refuses): down at the first probe; engine 1 answers late
+    await engines[0].close()
+    late[1] = True
+    await routes.probe_all(session)
+    assert [(b.healthy, b.reachable) for b in pool.backends] == [(False, False), (True, True)]
+    for _ in range(SLOW_PROBES - 1):
+        await routes.probe_all(session)
+    assert [(b.healthy, b.reachable) for b in pool.backends] == [(False, False), (False, True)]
+    # every engine down: each rollout goes to the one that takes connections, whatever its rank
+    keys = [f"r{i}" for i in range(20)]
+    assert {pool.ranking(k)[0].url for k in keys} == set(urls)
+    assert {pool.choose(k).url for k in keys} == {urls[1]}

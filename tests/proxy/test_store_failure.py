@@ -279,3 +279,32 @@ async def test_a_lifecycle_step_the_store_fails_is_a_retryable_503(make_stack: M
     )
     stack.client.app[RECORDER_KEY].store.full = False
     assert (await stack.client.post("/captures/rollouts/r1/freeze")).status == 200
+
+
+async def test_health_does_not_wait_behind_the_stores_queued_reads(
+    make_stack: MakeStack, tmp_path, monkeypatch
+):
+    """The store's reads are queued (an export of a large rollout ahead, hundreds of calls in
+    flight: trial 12 saw ``/health`` take 29 s): ``/health`` answers within
+    ``HEALTH_STORE_WAIT_S``, in service, saying the store's reads wait; a liveness probe
+    never takes the proxy out of service for a slow read."""
+    import asyncio
+
+    from capture_proxy.proxy import status
+
+    class QueuedReads(SQLiteStore):
+        released = asyncio.Event()
+
+        async def health(self):
+            await self.released.wait()  # behind the queue until released
+            return await super().health()
+
+    monkeypatch.setattr(status, "HEALTH_STORE_WAIT_S", 0.05)
+    store = QueuedReads(tmp_path / "queued")
+    stack = await make_stack(store=store)
+    body = await stack.get_json("/health")
+    assert body["status"] == "ok"
+    assert body["store"] == {"read_wait": "no answer within 0.05 s (its reads are queued)"}
+    store.released.set()
+    body = await stack.get_json("/health")
+    assert (body["status"], body["store"]["kind"]) == ("ok", "sqlite")
