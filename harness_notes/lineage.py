@@ -7,9 +7,10 @@ conversation (``SummaryTags``: the summary call's answer wraps it in tags; ``Sum
 the next conversation's message starts with a fixed text and then the summary;
 ``SummaryRequest``: the summary call's last user message holds a fixed instruction), the
 assistant message a harness puts in place of a turn it lost when it resumes a session
-(``InterruptedTurn``), and where a request names the harness's session and which edges never
-leave one (``SessionField``). The rules that use them live in ``capture_proxy.core.lineage``,
-which also has generic rules for harnesses that declare nothing.
+(``InterruptedTurn``), and where a request (its body or its headers) names the harness's
+session and the session that spawned it, and which edges never leave one (``SessionField``).
+The rules that use them live in ``capture_proxy.core.lineage``, which also has generic rules
+for harnesses that declare nothing.
 """
 
 from __future__ import annotations
@@ -75,21 +76,43 @@ class InterruptedTurn:
 
 @dataclass(frozen=True)
 class SessionField:
-    """Where a request body (as received: ``CallRecord.request_received``) names the harness's
-    session: the string at ``path`` (keys from the top); with ``json_key`` that string is a
-    JSON object and the session is its string under ``json_key``.
+    """Where a request names the harness's session: in its body (as received:
+    ``CallRecord.request_received``), the string at ``path`` (keys from the top; with
+    ``json_key`` that string is a JSON object and the session is its string under
+    ``json_key``); or in a request header, ``header`` (lowercase; a harness that names its
+    session only in headers, as OpenCode does). ``parent_header``: the header a sub-agent's
+    requests name the session that spawned it by (that session's ``header`` value). A
+    declared header is kept on the call's record (``CallRecord.session_headers``): the only
+    headers the proxy keeps, so a declared name may never be one that holds a credential.
 
     Lineage prefers, among the calls an edge could come from, those of the root's session.
     ``edge_kinds``: the edge kinds (``LineageKind`` values) whose two calls this harness always
     sends under one session, as observed: an edge of such a kind never joins two calls that
     name two sessions. Other kinds may join two sessions (a session forked into a new one), so
     for them another session's call is taken only when no call of the root's session (or of
-    none) matches."""
+    none) matches. ``parent_edge_kinds``: the edge kinds that come from the session that
+    spawned the root, as observed (a sub-agent that runs in a session of its own): for a root
+    whose request names its parent session, an edge of such a kind comes only from a call of
+    that session (or of none)."""
 
     harness: str
-    path: tuple[str, ...]
+    path: tuple[str, ...] = ()
     json_key: str | None = None
     edge_kinds: frozenset[str] = frozenset()
+    header: str | None = None
+    parent_header: str | None = None
+    parent_edge_kinds: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        """Raises ValueError unless exactly one of ``path`` and ``header`` is given, for a
+        header name that is not lowercase, and for a ``parent_header`` without ``header``."""
+        if bool(self.path) == (self.header is not None):
+            raise ValueError(f"{self.harness} session: exactly one of a body path and a header")
+        for name in (self.header, self.parent_header):
+            if name is not None and (not name or name != name.lower()):
+                raise ValueError(f"{self.harness} session: header {name!r} is not lowercase")
+        if self.parent_header is not None and self.header is None:
+            raise ValueError(f"{self.harness} session: a parent header needs a session header")
 
 
 LineageDeclaration = (

@@ -10,7 +10,7 @@ tests/fixtures/opencode/logs/02_step_limit_obeyed.jsonl and 03_step_limit_ignore
 the text below is byte-identical to step_limit_note.txt, 750 bytes, no trailing newline).
 """
 
-from harness_notes.lineage import SpawnTool
+from harness_notes.lineage import SessionField, SpawnTool
 from harness_notes.registry import HarnessNote
 
 STEP_LIMIT_NOTE_TEXT = (
@@ -41,7 +41,20 @@ STEP_LIMIT_NOTE = HarnessNote(
 
 NOTES = (STEP_LIMIT_NOTE,)
 
+#: OpenCode names its session only in headers: ``x-session-id`` on every request (also
+#: ``x-session-affinity``, the same id), and on the requests of a ``task`` sub-agent, which
+#: runs in a session of its own, ``x-parent-session-id``: the ``x-session-id`` of the session
+#: whose call handed it its task (tests/fixtures/opencode/README.md;
+#: tests/e2e/test_opencode_sessions.py). So a sub-agent is ``spawned_by`` a call of its parent
+#: session. Its body names no session (no ``metadata``, no ``prompt_cache_key``).
+SESSION = SessionField(
+    "opencode",
+    header="x-session-id",
+    parent_header="x-parent-session-id",
+    parent_edge_kinds=frozenset({"spawned_by"}),
+)
+
 #: OpenCode's ``task`` tool starts a sub-agent session whose first user message is the
 #: tool input's ``prompt`` (its compaction summary is carried as an assistant message with
 #: the summary call's answer text, which the generic carried-answer rule finds).
-LINEAGE = (SpawnTool("opencode", "task", "prompt"),)
+LINEAGE = (SpawnTool("opencode", "task", "prompt"), SESSION)

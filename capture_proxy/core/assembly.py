@@ -55,6 +55,8 @@ class CallContext:
     #: the wire API of the call and its body as received, less the history field
     api: str = "chat_completions"
     request_received: dict[str, Any] | None = None
+    #: the request headers naming the harness's session (``CallRecord.session_headers``)
+    session_headers: dict[str, str] | None = None
     #: the sampling settings sent to the engine (``sampling.sampling_record``)
     sampling: dict[str, Any] | None = None
     #: ``routed_experts`` setting for the call's model; whether its digest parent held rows
@@ -98,6 +100,7 @@ def call_fields(ctx: CallContext) -> dict[str, Any]:
         "upstream_path": ctx.upstream_path,
         "api": ctx.api,
         "request_received": ctx.request_received,
+        "session_headers": ctx.session_headers,
         "sampling": ctx.sampling,
         "model": body.get("model"),
         "request_messages": list(body.get("messages") or []),

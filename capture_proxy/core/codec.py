@@ -219,6 +219,8 @@ def _meta_of(
         "weight_version_source": record.weight_version_source,
         "images": record.images,
     }
+    if record.session_headers is not None:
+        meta["session_headers"] = record.session_headers
     known = [
         (request.tools, request.tools_text, request.tools_sha256),
         (request.received_tools, request.received_tools_text, request.received_tools_sha256),
@@ -434,6 +436,7 @@ def decode_record(
         upstream_path=meta.get("upstream_path") or "/v1/chat/completions",
         api=meta.get("api") or "chat_completions",
         request_received=_decode_received(encoded, meta, parsed_json),
+        session_headers=meta.get("session_headers"),
         sampling=meta.get("sampling"),
         prompt_mode=meta.get("prompt_mode"),
         weight_versions=meta.get("weight_versions"),

@@ -17,7 +17,7 @@ Schema versions:
   (``decode_records``), each prompt from its parent's once, and checks every length.
   v1 -> v2 (``migrate_1_to_2``): the prompt stays whole (no prompt parent), the digest and the
   token counts are computed from the stored bytes.
-- 3 (current): the request's JSON grows linearly with a chain too. ``request_messages`` are
+- 3: the request's JSON grows linearly with a chain too. ``request_messages`` are
   stored as a delta after the same base as the prompt (the prompt parent): the record keeps
   ``messages_prefix_len`` = k, the length of the common prefix of its messages with the base's
   full messages (compared as canonical JSON texts, see ``canonical_json``), and only
@@ -38,8 +38,12 @@ Schema versions:
   v2 -> v3 (``migrate_2_to_3``): the messages stay whole (k = 0) and the tools (and large
   system messages) move to ``json_blobs``; a store may rebase the messages afterwards
   (``rebase_messages``).
-
-Decoded records may share message dicts (a child's prefix is its parent's list items) and
+- 4 (current): the metadata adds ``prompt_mode``, ``weight_versions``,
+  ``weight_version_source`` and ``images``. v3 -> v4 (``migrate_3_to_4``): None, unknown.
+  A v4 record may also carry ``session_headers`` (the request headers naming the harness's
+  session), written only when the request sent one (``META_OPTIONAL_KEYS``): additive, so a
+  record without it keeps its stored text, older v4 readers ignore it, and the version is
+  unchanged.
 """
 
 from __future__ import annotations

@@ -154,7 +154,12 @@ class CallRecord:
     ``messages``); ``request_messages`` / ``request_tools`` are always the canonical
     (chat-completions) form. ``request_received``: the body as the harness sent it, less its
     history field (``messages`` / ``input``, whose canonical form is ``request_messages``);
-    None for records written before it existed. ``sampling``: ``{"sent": {name: value},
+    None for records written before it existed. ``session_headers``: the request headers that
+    name the harness's session, by lowercase name (OpenCode's ``x-session-id`` and, on a
+    sub-agent's requests, ``x-parent-session-id``): only the names ``core.sessions``
+    declares, each value a plain id of at most 128 characters; None when the request sent
+    none, and on records written before they were kept (an additive v4 field). No other
+    header is ever kept. ``sampling``: ``{"sent": {name: value},
     "engine_defaults": [name]}``, the sampling settings sent to the engine and those left to
     its defaults (``core.sampling.sampling_record``), for importance ratios.
 
@@ -188,6 +193,7 @@ class CallRecord:
     upstream_path: str = "/v1/chat/completions"
     api: str = "chat_completions"
     request_received: dict[str, Any] | None = None
+    session_headers: dict[str, str] | None = None
     sampling: dict[str, Any] | None = None
     request_messages: list[dict[str, Any]] = field(default_factory=list)
     request_tools: list[dict[str, Any]] | None = None

@@ -59,6 +59,11 @@ META_KEYS = (
     "images",
 )
 
+#: Metadata keys written after ``META_KEYS`` only when they hold a value: additive fields of
+#: the current version, so that a record without one (every record stored before it) keeps
+#: the very text it had, and older v4 readers ignore it.
+META_OPTIONAL_KEYS = ("session_headers",)
+
 
 class RoutedExpertsMeta(TypedDict):
     """``meta["routed_experts"]``: the stored array's dtype name (``uint8``, ``uint16``,
@@ -71,7 +76,8 @@ class RoutedExpertsMeta(TypedDict):
 
 
 class StoredMeta(TypedDict, total=False):
-    """A v4 record's metadata (``EncodedRecord.meta``, in ``META_KEYS`` order). JSON values the
+    """A v4 record's metadata (``EncodedRecord.meta``, in ``META_KEYS`` order, then the
+    ``META_OPTIONAL_KEYS`` that hold a value: ``session_headers``). JSON values the
     engine or the harness sent (the response message, usage, linking, sampling, the received
     body) are kept as given; ``diagnostics`` in ``Diagnostic.to_json`` form. Older records
     also hold ``request_messages`` and ``request_tools`` whole (v1, v2)."""
@@ -100,6 +106,7 @@ class StoredMeta(TypedDict, total=False):
     weight_versions: list[dict[str, Any]] | None
     weight_version_source: str | None
     images: list[dict[str, Any]] | None
+    session_headers: dict[str, str]
     request_messages: list[Any]
     request_tools: Any
 
@@ -304,8 +311,13 @@ META_DEFAULTS: dict[str, Any] = {"api": "chat_completions"}
 
 def meta_text(meta: Mapping[str, Any]) -> str:
     """The metadata's canonical text: ``META_KEYS`` in order, a key absent from older
-    metadata as ``META_DEFAULTS`` says (so a migrated record's text equals a new one's)."""
-    return canonical_json({key: meta.get(key, META_DEFAULTS.get(key)) for key in META_KEYS})
+    metadata as ``META_DEFAULTS`` says (so a migrated record's text equals a new one's), then
+    the ``META_OPTIONAL_KEYS`` that hold a value."""
+    out = {key: meta.get(key, META_DEFAULTS.get(key)) for key in META_KEYS}
+    for key in META_OPTIONAL_KEYS:
+        if meta.get(key) is not None:
+            out[key] = meta[key]
+    return canonical_json(out)
 
 
 def tools_ref(tools: Any, blobs: dict[str, str]) -> str | None:

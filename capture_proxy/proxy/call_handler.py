@@ -27,6 +27,7 @@ from capture_proxy.core.images import ImageRefused, engine_messages
 from capture_proxy.core.json_bodies import parse_json_object
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.routing import Route
+from capture_proxy.core.sessions import session_headers
 from capture_proxy.families.base import ChatRenderer
 from capture_proxy.proxy.calls import CaptureDeps, left_response, new_call_id
 from capture_proxy.proxy.errors import map_core_errors
@@ -139,6 +140,7 @@ async def handle_captured_call(
         routed_experts_expectation=back_ends.routed_experts_for(model),
         clock=time.perf_counter,
         vision=deps.images.processor_for(model) if parsed.images is not None else None,
+        session_headers=session_headers(request.headers.items()),
     )
     executor = (
         CallExecutor(request, deps, start.call_id, rollout_id)

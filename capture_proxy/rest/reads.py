@@ -100,6 +100,7 @@ def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -
         "rollout_id": record.rollout_id,
         "api": record.api,
         "sampling": record.sampling,
+        "session_headers": record.session_headers,
         "parent_call_id": parent_call_id,
         "status": record.status.value,
         "created_at": record.created_at,

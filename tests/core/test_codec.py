@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import math
 
 import numpy as np
@@ -9,6 +10,7 @@ from capture_proxy.core.codec import (
     compact_routed_experts,
     decode_record,
     encode_record,
+    same_content,
 )
 from capture_proxy.core.records import CallStatus, Diagnostic
 from capture_proxy.core.stored_form import UnsupportedSchemaVersion
@@ -80,3 +82,20 @@ def test_newer_schema_is_refused():
 def test_status_survives():
     rec = dataclasses.replace(_full_record(), status=CallStatus.INCOMPLETE)
     assert decode_record(encode_record(rec)).status is CallStatus.INCOMPLETE
+
+
+def test_session_headers_round_trip_and_a_record_without_them_keeps_its_stored_text():
+    rec = _full_record()
+    before = encode_record(rec)
+    # an additive v4 field, written only when the request sent one: a record without it
+    # (every record stored before it) keeps its text, so a re-put of it is the same content
+    assert "session_headers" not in json.loads(before.meta)
+    assert decode_record(before).session_headers is None
+    headers = {"x-parent-session-id": "ses_p", "x-session-id": "ses_s"}
+    enc = encode_record(dataclasses.replace(rec, session_headers=headers))
+    meta = json.loads(enc.meta)
+    assert meta["session_headers"] == headers
+    assert list(meta)[-1] == "session_headers"  # after META_KEYS
+    assert decode_record(enc).session_headers == headers
+    assert not same_content(before, enc)
+    assert same_content(enc, encode_record(decode_record(enc)))

@@ -1,4 +1,5 @@
-"""The stack the Codex and Claude Code e2e tests (and the fixture recorder) run a harness against.
+"""The stack the Codex, Claude Code and OpenCode sessions e2e tests (and the fixture recorder)
+run a harness against.
 
 The scripted engine (vLLM dialect, real Qwen tokenizer, a policy from
 ``capture_proxy/policies/``) and a real proxy server in front of it, both on loopback ports
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.harnesses import claude_code, codex
+from capture_proxy.harnesses import claude_code, codex, opencode
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.policy import Policy
 from capture_proxy.scripted_engine.state import SENT_CALLS, ScriptedEngineConfig, SentCall
@@ -88,7 +89,7 @@ async def harness_stack(
         policy=policy,
         max_model_len=MAX_MODEL_LEN,
         model_name=codex.MODEL_ID,
-        model_aliases=tuple({claude_code.MODEL_ID} - {codex.MODEL_ID}),
+        model_aliases=tuple(sorted({claude_code.MODEL_ID, opencode.MODEL_ID} - {codex.MODEL_ID})),
     )
     engine_app = build_scripted_engine_app(served, tokenizer)
     engine, engine_port = await _serve(engine_app)

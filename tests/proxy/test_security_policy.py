@@ -95,6 +95,42 @@ async def test_engine_credentials_are_in_no_answer_record_or_log(aiohttp_client,
     assert PASSWORD not in logged
 
 
+async def test_a_harness_credential_and_headers_reach_no_record_only_its_session_headers(
+    make_stack: MakeStack, caplog
+):
+    """A record keeps the headers that name the harness's session (``core.sessions``) and no
+    other: not the harness's key, cookie or any header outside the allow-list, in the read
+    API, the stored rows or the log; a session header that is no plain id is left out."""
+    caplog.set_level(logging.DEBUG)
+    stack = await make_stack()
+    secrets = ["sk-HARNESS-s3cr3t", "COOKIE-s3cr3t", "AFFINITY-s3cr3t", "CLAUDE-s3cr3t"]
+    headers = [
+        ("Authorization", f"Bearer {secrets[0]}"),
+        ("x-api-key", secrets[0]),
+        ("Cookie", f"session={secrets[1]}"),
+        ("x-session-affinity", secrets[2]),
+        ("X-Claude-Code-Session-Id", secrets[3]),
+        ("X-Session-Id", "ses_dd45e419dffe640t0DYpOs71VK"),
+        ("x-parent-session-id", f"Bearer {secrets[0]}"),  # no plain id: left out
+    ]
+    resp = await stack.client.post(
+        CAPTURE.format(rollout="r1"), json=_body(USER, stream=True), headers=headers
+    )
+    answer = await resp.text()
+    assert resp.status == 200, answer
+    call_id = resp.headers["X-Capture-Call-Id"]
+    call = await (await stack.client.get(f"/captures/calls/{call_id}")).text()
+    assert json.loads(call)["session_headers"] == {"x-session-id": "ses_dd45e419dffe640t0DYpOs71VK"}
+    chains = await (await stack.client.get("/captures/rollouts/r1/chains")).text()
+    stored = b"".join(p.read_bytes() for p in stack.store_dir.rglob("*") if p.is_file())
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    for secret in secrets:
+        for where, text in (("answer", answer), ("call", call), ("chains", chains)):
+            assert secret not in text, where
+        assert secret.encode() not in stored
+        assert secret not in logged
+
+
 async def test_backend_url_credentials_reach_the_engine_as_basic_auth(
     aiohttp_server, aiohttp_client, tmp_path
 ):

@@ -133,8 +133,14 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     experts = np.arange(3 * 2 * 2, dtype=np.uint8).reshape(3, 2, 2)
     records = [
         _linked("a", [1, 2, 3], [4, 5]),
-        _linked("b", long_prompt, [9, 9], parent_call_id=None, routed_experts=experts,
-                routed_experts_start=698),  # fmt: skip
+        _linked(
+            "b",
+            long_prompt,
+            [9, 9],
+            parent_call_id=None,
+            routed_experts=experts,
+            routed_experts_start=698,
+        ),
         _linked("c", [1, 2, 3], [4], status=CallStatus.FAILED),
         _linked("d", [1, 2, 3, 4, 5, 6], [7], status=CallStatus.INCOMPLETE, retry_of="a"),
         _linked("e", [1, 2, 3, 4, 5, 8], [7]),
@@ -146,10 +152,12 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     prefilled.request_messages = [*prefilled.request_messages, prefill]
     prefilled.linking = {**prefilled.linking, "prefill": True, "prefill_message": prefill}
     records.append(prefilled)
-    # the harness session each request named (core.sessions): Claude Code's, Codex's, none
+    # the harness session each request named (core.sessions): Claude Code's, Codex's, none,
+    # OpenCode's (its headers; a sub-agent's also names its parent session)
     user_id = json.dumps({"device_id": "d", "account_uuid": "", "session_id": "sess-a"})
     records[0].request_received = {"model": "m", "metadata": {"user_id": user_id}}
     records[1].request_received = {"model": "m", "prompt_cache_key": "thread-1"}
+    records[4].session_headers = {"x-parent-session-id": "ses_p", "x-session-id": "ses_e"}
     for r in records:
         await worker.put_call(r)
     calls, last = await worker.stored_since("r1", 0)
@@ -161,8 +169,12 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     assert [c.session for c in calls] == [
         ("claude_code", "sess-a"),
         ("codex", "thread-1"),
-        *[None] * 4,
+        None,
+        None,
+        ("opencode", "ses_e"),
+        None,
     ]
+    assert stored["e"].session_headers == records[4].session_headers
     # the prefilled call offers its merged turn, read from the row's metadata alone
     assert calls[-1].response == {
         "role": "assistant", "content": "Sure,answer of f", "tool_calls": []

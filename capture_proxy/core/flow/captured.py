@@ -36,7 +36,8 @@ class CallStart:
 
     ``exact``: the exact-token machinery of the call's model (None: backend-template mode);
     ``message_facts``: the facts of the canonical messages (None: derive what is needed);
-    ``retry_count``: the harness's retry header; ``routed_experts_expectation``: the model's
+    ``retry_count``: the harness's retry header; ``session_headers``: the headers naming its
+    session, the only other ones a record keeps; ``routed_experts_expectation``: the model's
     ``routed_experts`` setting (``required`` | ``optional`` | ``off``); ``clock``: monotonic
     seconds, for latencies."""
 
@@ -54,6 +55,8 @@ class CallStart:
     clock: Clock
     #: the image processor settings of the model (``image_processors``; None: none)
     vision: VisionProcessorConfig | None = None
+    #: the request's session headers (``core.sessions.session_headers``; None: none)
+    session_headers: dict[str, str] | None = None
 
 
 def _sorted_tools_text(prepared: PreparedRequest) -> bytes | None:
@@ -78,7 +81,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         start.created_at,
         prepared.linking_facts,
         prepared.tools_facts,
-        session_key(start.front_request.received),
+        session_key(start.front_request.received, start.session_headers),
     )
     if isinstance(reply, Resolved):
         resolution = reply.resolution
@@ -101,6 +104,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         routed_experts_start=resolution.parent_rows_end or 0,
         api=start.front.api.value,
         request_received=start.front_request.received,
+        session_headers=start.session_headers,
         routed_experts_expectation=start.routed_experts_expectation,
         parent_had_rows=resolution.parent_rows_end is not None,
         front_diagnostics=start.front_request.diagnostics,

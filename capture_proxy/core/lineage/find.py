@@ -34,8 +34,11 @@ session are taken before those of another, by each rule among the calls it match
 own order applies among them: longest history, tool calls in order, latest summary). The
 kinds its harness always keeps in one session (``SessionField.edge_kinds``; Claude Code:
 ``spawned_by``, ``compacted_from``) never join two sessions; the others may, where no call of
-the root's session matches (a session forked into a new one). Calls that name no session are
-ranked between the two, so harnesses that send none keep the rules without sessions.
+the root's session matches (a session forked into a new one). A root that names the session
+that spawned it (OpenCode's ``x-parent-session-id``) takes the kinds that come from there
+(``SessionField.parent_edge_kinds``: ``spawned_by``) only from a call of that session. Calls
+that name no session are ranked between the two, so harnesses that send none keep the rules
+without sessions.
 
 Cost: one hash per call for the answer index and one per call for the request index (by the
 number of compared request messages and the last one's key), the compared messages of each
@@ -100,8 +103,9 @@ class LineageRules:
         """Raises ValueError for a ``SessionField`` naming an edge kind there is none of."""
         kinds = {k.value for k in LineageKind}
         for d in self.declarations:
-            if isinstance(d, SessionField) and not d.edge_kinds <= kinds:
-                unknown = sorted(d.edge_kinds - kinds)
+            declared = d.edge_kinds | d.parent_edge_kinds if isinstance(d, SessionField) else set()
+            if not declared <= kinds:
+                unknown = sorted(declared - kinds)
                 raise ValueError(f"{d.harness} session: no lineage edge kind {unknown[0]!r}")
             self._by_kind[type(d)] = (*self._by_kind.get(type(d), ()), d)
 
@@ -231,7 +235,9 @@ class _Rollout:
         """The harness session ``call``'s request names (read once)."""
         if call.call_id not in self._sessions:
             fields = self.rules.of(SessionField)
-            self._sessions[call.call_id] = session_of(call.request_received, fields)
+            self._sessions[call.call_id] = session_of(
+                call.request_received, fields, headers=call.session_headers
+            )
         return self._sessions[call.call_id]
 
     def rank(self, kind: LineageKind, root: CallRecord, source: CallRecord) -> Rank | None:
@@ -253,10 +259,16 @@ class _Rollout:
         return _best(ranked)
 
     def session_evidence(self, root: CallRecord, source: CallRecord) -> dict[str, str]:
-        """``{"session": id}`` when both calls name that session, else nothing."""
+        """``{"session": id}`` when both calls name that session, ``{"parent_session": id}``
+        when ``source`` names the session ``root`` names as the one that spawned it, else
+        nothing."""
         mine, theirs = self.session(root), self.session(source)
-        if mine is not None and theirs is not None and mine.key == theirs.key:
+        if mine is None or theirs is None:
+            return {}
+        if mine.key == theirs.key:
             return {"session": mine.session_id}
+        if mine.parent_key == theirs.key:
+            return {"parent_session": theirs.session_id}
         return {}
 
     def earlier_other(self, calls: Iterable[CallRecord], root: CallRecord) -> list[CallRecord]:
@@ -450,7 +462,8 @@ def _spawned(rollout: _Rollout, root: CallRecord) -> LineageEdge | None:
             continue
         allowed = {c.call_id for c in rollout.earlier_other((e[0] for e in entries), root)}
         entries = [e for e in entries if e[0].call_id in allowed]
-        # the root's session's first (Claude Code's only: a sub-agent is its spawner's session)
+        # the root's session's first (Claude Code's only: a sub-agent is its spawner's
+        # session); OpenCode's: its parent session's only (a sub-agent has a session of its own)
         entries = rollout.best(LineageKind.SPAWNED_BY, root, entries, lambda e: e[0])
         if not entries:
             continue

@@ -17,7 +17,8 @@ from capture_proxy.core.sessions import Session
 class Rank(enum.IntEnum):
     """How the sessions of a root and a candidate source compare; lower is preferred."""
 
-    #: both name the same session
+    #: both name the same session (or the source is of the session that spawned the root,
+    #: for an edge kind that comes from there)
     SAME = 0
     #: one of them names none: no evidence either way
     UNKNOWN = 1
@@ -27,10 +28,15 @@ class Rank(enum.IntEnum):
 
 def rank(kind: str, root: Session | None, source: Session | None) -> Rank | None:
     """How ``source``'s session ranks as the origin of an edge of ``kind`` into a root of
-    session ``root``; None when it may not be one (two sessions, and the root's harness
-    sends every edge of ``kind`` inside one session: ``SessionField.edge_kinds``)."""
+    session ``root``; None when it may not be one: two sessions, and the root's harness sends
+    every edge of ``kind`` inside one session (``SessionField.edge_kinds``); or the root names
+    the session that spawned it and ``kind`` comes from that session
+    (``SessionField.parent_edge_kinds``: an OpenCode sub-agent is ``spawned_by`` a call of its
+    parent session), and ``source`` is of another."""
     if root is None or source is None:
         return Rank.UNKNOWN
+    if root.parent_key is not None and kind in root.field.parent_edge_kinds:
+        return Rank.SAME if source.key == root.parent_key else None
     if root.key == source.key:
         return Rank.SAME
     if kind in root.field.edge_kinds:

@@ -2,10 +2,11 @@
 
 Owns ``StoredCall``: the facts ``LinkIndex.add`` files a stored call under (child and request
 digests, its answer, status, model, verified parent, retry target, routed-expert rows, token
-key, the harness session its request named), ``of_record`` (from a ``CallRecord``: the
-index's own calls, and rollouts read whole) and ``of_row`` (from a v4 row's columns and
-metadata, without decoding its arrays or messages: a worker of ``serve --workers`` catching up
-with the calls the others stored costs a few columns per call, however deep its chain). Both
+key, the harness session its request named: in its body or its kept session headers),
+``of_record`` (from a ``CallRecord``: the index's own calls, and rollouts read whole) and
+``of_row`` (from a v4 row's columns and metadata, without decoding its arrays or messages: a
+worker of ``serve --workers`` catching up with the calls the others stored costs a few
+columns per call, however deep its chain). Both
 give the same facts for the same call; a row that cannot tell one of them (an older record, a
 row without its block digest) gives None and the caller reads the record whole. One exception:
 a row whose request kept the field naming the session apart (a blob: at least 512 bytes, which
@@ -94,7 +95,7 @@ def of_record(record: CallRecord, digests: RecordDigests | None = None) -> Store
         response,
         record.parent_call_id,
         record.retry_of,
-        session_key(record.request_received),
+        session_key(record.request_received, record.session_headers),
     )
 
 
@@ -153,5 +154,5 @@ def of_row(
         response,
         meta.get("parent_call_id"),
         retry_of,
-        session_key(received),
+        session_key(received, meta.get("session_headers")),
     )

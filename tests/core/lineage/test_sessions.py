@@ -1,9 +1,10 @@
 """Session evidence in lineage: the harness session a request names (Claude Code's
-``metadata.user_id`` ``session_id``, Codex's ``prompt_cache_key``) keeps edges inside one
-session where the harness does (a Claude Code sub-agent is its spawner's session) and prefers
-the root's session elsewhere; harnesses that name none keep the text rules. Each test is a
-rollout of several sessions that hand out or replay the same texts, as parallel samples of
-one task do (trial 11, finding 1)."""
+``metadata.user_id`` ``session_id``, Codex's ``prompt_cache_key``, OpenCode's ``x-session-id``
+header) keeps edges inside one session where the harness does (a Claude Code sub-agent is its
+spawner's session), joins an OpenCode sub-agent to the session its ``x-parent-session-id``
+names, and prefers the root's session elsewhere; harnesses that name none keep the text rules.
+Each test is a rollout of several sessions that hand out or replay the same texts, as
+parallel samples of one task do (trial 11, finding 1)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,18 @@ from capture_proxy.core.lineage import LineageRules
 from capture_proxy.core.lineage.messages import text_sha256
 from capture_proxy.core.lineage.sessions import Rank, rank
 from capture_proxy.core.records import CallRecord
-from capture_proxy.core.sessions import Session, session_of
+from capture_proxy.core.sessions import (
+    SESSION_HEADERS,
+    Session,
+    declared_headers,
+    session_headers,
+    session_of,
+)
 from harness_notes.claude_code import SESSION as CLAUDE_CODE
 from harness_notes.codex import SESSION as CODEX
 from harness_notes.codex import SUMMARY_PREFIX
 from harness_notes.lineage import SessionField
+from harness_notes.opencode import SESSION as OPENCODE
 from tests.core.lineage.test_find import (
     FORK_SYSTEM,
     SUB_PROMPT,
@@ -34,7 +42,7 @@ from tests.core.lineage.test_find import (
     user,
 )
 
-FIELDS = (CLAUDE_CODE, CODEX)
+FIELDS = (CLAUDE_CODE, CODEX, OPENCODE)
 
 
 def claude(session: str) -> dict[str, Any]:
@@ -76,6 +84,98 @@ def test_the_session_is_read_from_the_body_as_received() -> None:
     assert session_of(None, FIELDS) is None  # a record from before request_received
 
 
+def opencode(session: str, parent: str | None = None) -> dict[str, str]:
+    """The session headers a record keeps of an OpenCode 1.18.33 request: ``x-session-id``,
+    and on a ``task`` sub-agent's requests ``x-parent-session-id`` (the spawner's)."""
+    headers = {"x-session-id": session}
+    if parent is not None:
+        headers["x-parent-session-id"] = parent
+    return headers
+
+
+def test_opencode_names_its_session_and_its_parent_session_in_headers() -> None:
+    body = {"model": "m", "stream": True}  # OpenCode's body names no session
+    assert session_of(body, FIELDS, headers=opencode("ses_a")) == Session(OPENCODE, "ses_a")
+    sub = session_of(body, FIELDS, headers=opencode("ses_s", parent="ses_a"))
+    assert sub == Session(OPENCODE, "ses_s", "ses_a")
+    assert (sub.key, sub.parent_key) == (("opencode", "ses_s"), ("opencode", "ses_a"))
+    assert session_of(body, FIELDS, headers={"x-parent-session-id": "ses_a"}) is None
+    assert session_of(None, FIELDS, headers=opencode("ses_a")) == Session(OPENCODE, "ses_a")
+    # a body that names a session is read first (Claude Code sends no x-session-id)
+    assert session_of(claude("s-1"), FIELDS, headers=opencode("ses_a")).key == (
+        "claude_code",
+        "s-1",
+    )
+
+
+def test_a_record_keeps_only_the_declared_session_headers() -> None:
+    assert {"x-session-id", "x-parent-session-id"} == SESSION_HEADERS
+    sent = [
+        ("Authorization", "Bearer sk-SECRET"),
+        ("Content-Type", "application/json"),
+        ("User-Agent", "opencode/1.18.33 ai-sdk/provider-utils/4.0.23 runtime/bun/1.3.14"),
+        ("x-session-affinity", "ses_dd45e419dffe640t0DYpOs71VK"),
+        ("X-Session-Id", "ses_dd45e419dffe640t0DYpOs71VK"),
+        ("x-parent-session-id", " ses_dd45de78dffeTTfFBWKS8FIJch "),
+        ("X-Claude-Code-Session-Id", "6b9c1d2e-0000-4000-8000-000000000000"),
+        ("session-id", "019a-thread"),
+    ]
+    assert session_headers(sent) == {
+        "x-parent-session-id": "ses_dd45de78dffeTTfFBWKS8FIJch",
+        "x-session-id": "ses_dd45e419dffe640t0DYpOs71VK",
+    }
+    assert session_headers([("Authorization", "Bearer k")]) is None
+    assert session_headers([]) is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "",
+        "   ",
+        "a" * 129,  # longer than MAX_SESSION_ID_CHARS
+        "ses a",
+        "ses_a\r\nx-evil: 1",
+        "-leading-dash",
+        "ses/../a",
+        "s\u00e9ssion",
+        '{"session_id": "a"}',
+    ],
+)
+def test_a_session_header_that_is_no_plain_id_is_left_out(value: str) -> None:
+    assert session_headers([("x-session-id", value), ("x-parent-session-id", "ses_p")]) == {
+        "x-parent-session-id": "ses_p"
+    }
+
+
+def test_a_session_header_sent_twice_with_two_values_is_left_out() -> None:
+    twice = [("x-session-id", "ses_a"), ("X-Session-Id", "ses_b"), ("x-session-id", "ses_a")]
+    assert session_headers(twice) is None
+    assert session_headers([("x-session-id", "ses_a"), ("X-SESSION-ID", "ses_a")]) == {
+        "x-session-id": "ses_a"
+    }
+    assert session_headers([("x-session-id", "a" * 128)]) == {"x-session-id": "a" * 128}
+
+
+def test_a_session_header_that_names_a_credential_is_refused() -> None:
+    with pytest.raises(ValueError, match="'x-session-token' names a credential"):
+        declared_headers((SessionField("h", header="x-session-token"),))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of a body path and a header"),
+        ({"path": ("sid",), "header": "x-sid"}, "exactly one of a body path and a header"),
+        ({"header": "X-Sid"}, "header 'X-Sid' is not lowercase"),
+        ({"path": ("sid",), "parent_header": "x-parent"}, "a parent header needs a session"),
+    ],
+)
+def test_a_session_field_reads_a_body_path_or_a_header(kwargs: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SessionField("h", **kwargs)
+
+
 def test_rank_keeps_declared_kinds_inside_one_session() -> None:
     a, b = Session(CLAUDE_CODE, "a"), Session(CLAUDE_CODE, "b")
     assert rank("spawned_by", a, a) is Rank.SAME
@@ -88,9 +188,27 @@ def test_rank_keeps_declared_kinds_inside_one_session() -> None:
     assert rank("compacted_from", Session(CODEX, "t1"), Session(CODEX, "t2")) is Rank.OTHER
 
 
+def test_rank_takes_a_parent_sessions_kinds_from_the_parent_session_only() -> None:
+    parent, twin = Session(OPENCODE, "ses_a"), Session(OPENCODE, "ses_b")
+    sub = Session(OPENCODE, "ses_s", "ses_a")
+    assert rank("spawned_by", sub, parent) is Rank.SAME
+    assert rank("spawned_by", sub, twin) is None  # another session's task call: never
+    assert rank("spawned_by", sub, sub) is None  # its own session did not spawn it
+    assert rank("spawned_by", sub, None) is Rank.UNKNOWN  # a call stored before headers
+    # other kinds compare the root's own session, and may cross (none declared to stay)
+    assert rank("compacted_from", sub, Session(OPENCODE, "ses_s")) is Rank.SAME
+    assert rank("compacted_from", sub, parent) is Rank.OTHER
+    # a root that names no parent session: OpenCode's sub-agents run in sessions of their
+    # own, so spawned_by may come from another session
+    assert rank("spawned_by", Session(OPENCODE, "ses_s"), parent) is Rank.OTHER
+
+
 def test_a_declared_kind_that_is_no_edge_kind_is_refused() -> None:
     field = SessionField("h", ("sid",), edge_kinds=frozenset({"spawned_from"}))
     with pytest.raises(ValueError, match="h session: no lineage edge kind 'spawned_from'"):
+        LineageRules(declarations=(field,))
+    field = SessionField("h", header="x-sid", parent_edge_kinds=frozenset({"spawned"}))
+    with pytest.raises(ValueError, match="h session: no lineage edge kind 'spawned'"):
         LineageRules(declarations=(field,))
 
 
@@ -154,6 +272,79 @@ def test_a_sub_agent_whose_session_has_no_spawning_call_is_joined_to_no_other_se
     # a sub-agent whose request names no session keeps the text rule
     records[1].request_received = {"model": "fake-model"}
     assert edges(records) == {"sB1": [("spawned_by", "mA", "toolu_a1")]}
+
+
+OC_SYSTEM = {"role": "system", "content": "You are opencode, an interactive CLI tool."}
+OC_SUB_SYSTEM = {"role": "system", "content": "You are a general-purpose sub-agent of opencode."}
+
+
+def _oc_main(call_id: str, created_at: float, session: str, ids: tuple[str, str]) -> CallRecord:
+    task = {"description": "find", "prompt": SUB_PROMPT, "subagent_type": "general"}
+    answer = assistant("", [(ids[0], "task", task), (ids[1], "task", task)])
+    record = call(call_id, created_at, [1, 2, 3], [4, 5], [OC_SYSTEM, user(TASK)], answer)
+    record.session_headers = opencode(session)
+    return record
+
+
+def _oc_sub(call_id: str, created_at: float, session: str, parent: str | None) -> CallRecord:
+    messages = [OC_SUB_SYSTEM, user(SUB_PROMPT)]
+    record = call(call_id, created_at, [100], [101], messages, assistant("3 callers"))
+    record.session_headers = opencode(session, parent)
+    return record
+
+
+def test_opencode_sub_agents_are_spawned_by_a_call_of_their_parent_session() -> None:
+    # two OpenCode sessions of one task hand out the same two task prompts; each sub-agent
+    # runs in a session of its own that names its spawner's in x-parent-session-id. Session
+    # B's sub-agents start first: by text and arrival order alone they took A's tool calls.
+    records = [
+        _oc_main("mA", 1.0, "ses_a", ("call_a1", "call_a2")),
+        _oc_main("mB", 2.0, "ses_b", ("call_b1", "call_b2")),
+        _oc_sub("sB1", 3.0, "ses_b1", "ses_b"),
+        _oc_sub("sB2", 4.0, "ses_b2", "ses_b"),
+        _oc_sub("sA1", 5.0, "ses_a1", "ses_a"),
+        _oc_sub("sA2", 6.0, "ses_a2", "ses_a"),
+    ]
+    assert edges(records) == {
+        "sB1": [("spawned_by", "mB", "call_b1")],
+        "sB2": [("spawned_by", "mB", "call_b2")],
+        "sA1": [("spawned_by", "mA", "call_a1")],
+        "sA2": [("spawned_by", "mA", "call_a2")],
+    }
+    assert lineage_of(records)["sB1"] == [
+        {
+            "kind": "spawned_by",
+            "chain_id": "mB",
+            "from_call_id": "mB",
+            "evidence": {
+                "rule": "opencode.spawn_tool",
+                "tool_name": "task",
+                "tool_call_id": "call_b1",
+                "field": "prompt",
+                "message_index": 1,
+                "text_sha256": text_sha256(SUB_PROMPT),
+                "num_chars": len(SUB_PROMPT),
+                "parent_session": "ses_b",
+            },
+        }
+    ]
+
+
+def test_an_opencode_sub_agent_whose_parent_session_has_no_spawning_call_joins_no_other() -> None:
+    # session B's main call is in no chain (failed, say): its sub-agent is no one's
+    records = [
+        _oc_main("mA", 1.0, "ses_a", ("call_a1", "call_a2")),
+        _oc_sub("sB1", 3.0, "ses_b1", "ses_b"),
+    ]
+    assert edges(records) == {}
+    # a sub-agent that names no parent session (a record kept before the headers were)
+    # keeps the text rule, as does one whose spawner's call names no session
+    records[1].session_headers = opencode("ses_b1")
+    assert edges(records) == {"sB1": [("spawned_by", "mA", "call_a1")]}
+    records[1].session_headers = opencode("ses_b1", "ses_a")
+    records[0].session_headers = None
+    assert edges(records) == {"sB1": [("spawned_by", "mA", "call_a1")]}
+    assert "parent_session" not in lineage_of(records)["sB1"][0]["evidence"]
 
 
 # --- forks, resumes, compactions ------------------------------------------------------------
