@@ -93,8 +93,9 @@ def finish_reason(choice: ToolChoice, engine_reason: str | None, has_tool_calls:
 
 class _ChoiceStream:
     """The family stream's deltas as the tool choice answers them: calls after the first
-    dropped when parallel calls are off, and for ``required`` / a named function content held
-    while it is only whitespace (no content when no call follows)."""
+    dropped when parallel calls are off (all of them for ``none``, for a parser without
+    ``stream_without_calls``), and for ``required`` / a named function content held while it
+    is only whitespace (no content when no call follows)."""
 
     def __init__(self, inner: StreamParser, choice: ToolChoice) -> None:
         self.inner = inner
@@ -113,6 +114,9 @@ class _ChoiceStream:
         out: list[MessageDelta] = []
         for d in deltas:
             if d.tool_call is not None:
+                # none: a family without a call-free stream (harmony) still answers no call
+                if self.choice.mode == "none":
+                    continue
                 if not self.choice.parallel and d.tool_call["index"] > 0:
                     continue
                 self.called = True

@@ -135,3 +135,16 @@ def test_stream_per_tool_choice_is_the_whole_answer(
     whole = _proxy(_parse(family, case, body), body)
     for size in PIECES:
         assert _proxy(_stream(family, case, body, size), body) == whole, size
+
+
+def test_none_drops_the_calls_of_a_parser_without_a_call_free_stream():
+    class _Calls:
+        family = "x"
+
+        def stream(self, id_seed: str, tools: Any = None, *, in_reasoning: bool = False) -> Any:
+            return get_parser("qwen2_5").stream(id_seed, tools)
+
+    body = {"tools": GOLDEN["hermes"]["tools"], "tool_choice": "none"}
+    text = 'Hi.\n<tool_call>\n{"name": "bash", "arguments": {}}\n</tool_call>'
+    msg = choice_parser(_Calls(), tool_choice_of(body)).parse(text, "seed")  # type: ignore[arg-type]
+    assert (msg.content, msg.tool_calls) == ("Hi.\n", [])

@@ -2,10 +2,12 @@
 
 Owns the decisions of an exact-token call after its prompt (``core.flow.prompt``): the
 sampling settings (``core.sampling``, clamped to the context), the tokens-in request of the
-engine's dialect (``core.engine_formats``), the generated text parsed back into an assistant
-message (the family's parser), and the answer, streamed as the front's events as they can be
-decided when the harness asked for a stream. The record is persisted before the response
-ends, exactly as in backend-template mode. Must not import aiohttp or asyncio or do any I/O.
+engine's dialect (``core.engine_formats``) with the constraint vLLM puts on the request's tool
+choice (``families.structural_tags``), the generated text parsed back into an assistant message
+(the family's parser, as the tool choice answers: ``families.tool_choice``), and the answer,
+streamed as the front's events as they can be decided when the harness asked for a stream.
+The record is persisted before the response ends, exactly as in backend-template mode. Must
+not import aiohttp or asyncio or do any I/O.
 """
 
 from __future__ import annotations
