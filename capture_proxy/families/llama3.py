@@ -248,12 +248,26 @@ class Llama3JsonParser(ParsesByStream):
     reasoning: ``in_reasoning`` is ignored."""
 
     family = "llama3"
+    #: vLLM's ``structural_tag_model`` of the tool parser (``families.structural_tags``)
+    tool_call_format = "llama"
 
     def stream(
         self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
     ) -> Llama3JsonStream:
         return Llama3JsonStream(id_seed)
 
+    def stream_without_calls(
+        self,
+        id_seed: str,
+        tools: Sequence[Any] | None = None,
+        *,
+        in_reasoning: bool = False,
+        offered: bool = False,
+    ) -> Llama3JsonStream:
+        """No tools or ``tool_choice`` none (``families.tool_choice``): the text as content."""
+        stream = Llama3JsonStream(id_seed)
+        stream.state = "content"
+        return stream
 
 
 # ---------------------------------------------------------------------- vocabulary

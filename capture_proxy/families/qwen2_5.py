@@ -68,8 +68,8 @@ def write_qwen2_5(message: Mapping[str, Any]) -> str:
 class Qwen25HermesStream(QwenHermesStream):
     """Qwen2.5's generation: content and ``<tool_call>`` blocks, no reasoning state."""
 
-    def __init__(self, id_seed: str) -> None:
-        super().__init__(id_seed)
+    def __init__(self, id_seed: str, *, calls: bool = True) -> None:
+        super().__init__(id_seed, calls=calls)
         self.state = "content"
 
 
@@ -79,12 +79,24 @@ class Qwen25HermesParser(ParsesByStream):
     prompt opens a reasoning block)."""
 
     family = "qwen2_5"
+    #: vLLM's ``structural_tag_model`` of the tool parser (``families.structural_tags``)
+    tool_call_format = "hermes"
 
     def stream(
         self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
     ) -> Qwen25HermesStream:
         return Qwen25HermesStream(id_seed)
 
+    def stream_without_calls(
+        self,
+        id_seed: str,
+        tools: Sequence[Any] | None = None,
+        *,
+        in_reasoning: bool = False,
+        offered: bool = False,
+    ) -> Qwen25HermesStream:
+        """No tools or ``tool_choice`` none (``families.tool_choice``): the text as content."""
+        return Qwen25HermesStream(id_seed, calls=False)
 
 
 def load_qwen2_5_family(tokenizer_dir: Path | None) -> ModelFamily:

@@ -119,8 +119,10 @@ class HermesCalls:
 class QwenHermesStream:
     """Incremental parser for one generation (see the module docstring)."""
 
-    def __init__(self, id_seed: str, *, in_reasoning: bool = False) -> None:
+    def __init__(self, id_seed: str, *, in_reasoning: bool = False, calls: bool = True) -> None:
         self.id_seed = id_seed
+        #: False: ``<tool_call>`` is text (a request without tools, or ``tool_choice`` none)
+        self.reads_calls = calls
         # a prompt that opened <think> (Qwen3-2507 Thinking): the text starts as reasoning
         self.state = "reasoning" if in_reasoning else "start"
         self.buf = ""  # undecided text before the calls (a partial marker)
@@ -191,6 +193,10 @@ class QwenHermesStream:
             self.pending_newlines = 0
             self.state = "content"
             return bool(self.buf)
+        if not self.reads_calls:
+            self._content(out, buf)
+            self.buf = ""
+            return False
         # content: up to the first <tool_call>
         idx = buf.find(TC_OPEN)
         if idx >= 0:
@@ -209,6 +215,10 @@ class QwenHermesStream:
         if call >= 0 and (close < 0 or call < close):
             if call:
                 out.append(MessageDelta(reasoning=buf[:call]))
+            if not self.reads_calls:
+                # vLLM's qwen3 reasoning parser ends the reasoning at a call all the same
+                self.buf, self.state = buf[call:], "content"
+                return True
             self._to_calls(buf[call:])
             return False
         if close >= 0:
@@ -251,11 +261,25 @@ class QwenHermesStream:
 
 class QwenHermesParser(ParsesByStream):
     family = "qwen"
+    #: vLLM's ``structural_tag_model`` of the tool parser (``families.structural_tags``)
+    tool_call_format = "hermes"
 
     def stream(
         self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
     ) -> QwenHermesStream:
         return QwenHermesStream(id_seed, in_reasoning=in_reasoning)
+
+    def stream_without_calls(
+        self,
+        id_seed: str,
+        tools: Sequence[Any] | None = None,
+        *,
+        in_reasoning: bool = False,
+        offered: bool = False,
+    ) -> QwenHermesStream:
+        """No tools or ``tool_choice`` none (``families.tool_choice``): the reasoning as
+        always, the rest content as written."""
+        return QwenHermesStream(id_seed, in_reasoning=in_reasoning, calls=False)
 
 
 def render_tool_call(call: Mapping[str, Any]) -> str:

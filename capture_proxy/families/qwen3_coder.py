@@ -384,16 +384,83 @@ class Qwen3CoderStream:
         self.num_calls += 1
 
 
+#: a call's markup as vLLM's parser engine removes it from the text when the request's
+#: ``tool_choice`` is none: an XML call through ``</function>`` and its ``</tool_call>``, a
+#: ``<tool_call>`` wrapping a JSON body, a bare ``<function=`` call, or an open one to the end
+_CALL_MARKUP = re.compile(
+    r"<tool_call>(?:(?!<tool_call>).)*?</function>\s*</tool_call>"
+    r"|<tool_call>\s*\{.*?</tool_call>|<tool_call>.*\Z|<function=.*?</function>|<function=.*\Z",
+    re.DOTALL,
+)
+
+
+class _CallsRemoved:
+    """``tool_choice`` none with tools: the text as content without the calls' markup
+    (``_CALL_MARKUP``). The text before the first call's opening tag is sent as it comes;
+    from that tag on it is held and its markup removed at the end (once)."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.held = False
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
+        self.buf += text
+        if self.held:
+            return []
+        idx, _ = _find_first(self.buf, (TC_OPEN, FUNCTION_OPEN))
+        if idx >= 0:
+            self.held = True
+            out, self.buf = self.buf[:idx], self.buf[idx:]
+        else:
+            keep = _held_suffix(self.buf, (TC_OPEN, FUNCTION_OPEN))
+            out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+        return [MessageDelta(content=out)] if out else []
+
+    def finish(self) -> list[MessageDelta]:
+        rest, self.buf = _CALL_MARKUP.sub("", self.buf), ""
+        return [MessageDelta(content=rest)] if rest else []
+
+
+class _CallsDropped:
+    """No tools: the answer of ``auto`` without its calls (vLLM parses them, then drops
+    them)."""
+
+    def __init__(self, inner: Qwen3CoderStream) -> None:
+        self.inner = inner
+
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[MessageDelta]:
+        return [d for d in self.inner.feed(text, token_ids) if d.tool_call is None]
+
+    def finish(self) -> list[MessageDelta]:
+        return [d for d in self.inner.finish() if d.tool_call is None]
+
+
 class Qwen3CoderParser(ParsesByStream):
     """vLLM's ``qwen3_coder`` tool parser without a reasoning parser (the module docstring):
     ``in_reasoning`` is ignored (Qwen3-Coder has no thinking mode, its prompts open none)."""
 
     family = "qwen3_coder"
+    #: vLLM's ``structural_tag_model`` of the tool parser (``families.structural_tags``)
+    tool_call_format = "qwen_3_coder"
 
     def stream(
         self, id_seed: str, tools: Sequence[Any] | None = None, *, in_reasoning: bool = False
     ) -> Qwen3CoderStream:
         return Qwen3CoderStream(id_seed, tools)
+
+    def stream_without_calls(
+        self,
+        id_seed: str,
+        tools: Sequence[Any] | None = None,
+        *,
+        in_reasoning: bool = False,
+        offered: bool = False,
+    ) -> _CallsRemoved | _CallsDropped:
+        """No tools (``offered`` false): ``auto``'s content, no calls; ``tool_choice`` none
+        with tools: the text without the calls' markup (``families.tool_choice``)."""
+        if offered:
+            return _CallsRemoved()
+        return _CallsDropped(Qwen3CoderStream(id_seed, tools))
 
 
 # ---------------------------------------------------------------------- writer

@@ -119,7 +119,7 @@ def _chat_generation(app: web.Application, body: dict[str, Any], prompt: list[in
             cfg.responder(body), max_tokens, tools=tools, id_seed=seed, prompt=prompt
         )
     message = step.assistant_message(seed)
-    return family.generate(
+    gen = family.generate(
         message,
         max_tokens,
         token_split=step.token_split,
@@ -127,6 +127,10 @@ def _chat_generation(app: web.Application, body: dict[str, Any], prompt: list[in
         id_seed=seed,
         prompt=prompt,
     )
+    if isinstance(body.get("tool_choice"), dict) and gen.finish_reason == "tool_calls":
+        # vLLM 0.32: a named tool choice's call ends with "stop" (as OpenAI's does)
+        gen = dataclasses.replace(gen, finish_reason="stop")
+    return gen
 
 
 def _chat_json(

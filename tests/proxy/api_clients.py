@@ -247,7 +247,7 @@ class ResponsesHarness(Harness):
             "input": self.history,
             "tools": self.tools(),
             "tool_choice": "auto",
-            "parallel_tool_calls": False,
+            "parallel_tool_calls": True,
             "store": False,
             "include": ["reasoning.encrypted_content"],
             "stream": self.stream,

@@ -2,14 +2,17 @@
 
 Owns the decisions of an exact-token call after its prompt (``core.flow.prompt``): the
 sampling settings (``core.sampling``, clamped to the context), the tokens-in request of the
-engine's dialect (``core.engine_formats``), the generated text parsed back into an assistant
-message (the family's parser), and the answer, streamed as the front's events as they can be
-decided when the harness asked for a stream. The record is persisted before the response
-ends, exactly as in backend-template mode. Must not import aiohttp or asyncio or do any I/O.
+engine's dialect (``core.engine_formats``) with the constraint vLLM puts on the request's tool
+choice (``families.structural_tags``), the generated text parsed back into an assistant message
+(the family's parser, as the tool choice answers: ``families.tool_choice``), and the answer,
+streamed as the front's events as they can be decided when the harness asked for a stream.
+The record is persisted before the response ends, exactly as in backend-template mode. Must
+not import aiohttp or asyncio or do any I/O.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,22 +69,52 @@ from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
 from capture_proxy.core.sampling import (
     Sampling,
+    SamplingError,
     sampling_from_chat,
     sampling_record_tokens_in,
 )
 from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 from capture_proxy.core.tokens_in_assembly import TokensInAssembler, prompt_ids_json
-from capture_proxy.families.parsing import MessageDelta, apply_deltas
+from capture_proxy.families.parsing import MessageDelta, OutputParser, apply_deltas
+from capture_proxy.families.structural_tags import ToolConstraintError, tool_constraint
+from capture_proxy.families.tool_choice import (
+    ToolChoice,
+    choice_parser,
+    finish_reason,
+    tool_choice_of,
+)
+
+#: the request's own constraints, which the tool choice's constraint replaces
+_OWN_CONSTRAINTS = ("structured_outputs", "response_format")
 
 
 def _ms(clock: Clock, t0: float) -> float:
     return (clock() - t0) * 1000.0
 
 
-def _finish_reason(engine_reason: str | None, has_tool_calls: bool) -> str:
-    if engine_reason in ("length", "abort"):
-        return engine_reason
-    return "tool_calls" if has_tool_calls else "stop"
+def constrained(
+    sampling: Sampling, exact: ExactFamily, body: dict[str, Any], choice: ToolChoice
+) -> Sampling:
+    """The sampling with the constraint vLLM's chat completions put on the generation for the
+    request's tools and ``tool_choice`` (``families.structural_tags``: a structural tag in
+    ``structured_outputs``, replacing the request's own). SGLang's ``/generate`` is not sent
+    one: a call that needs it is refused. Raises SamplingError."""
+    fmt = getattr(exact.parser, "tool_call_format", None)
+    try:
+        constraint = tool_constraint(fmt, body.get("tools"), choice, body)
+    except ToolConstraintError as exc:
+        raise SamplingError(str(exc), exc.param) from None
+    if constraint is None:
+        return sampling
+    if exact.dialect.name == "sglang_generate":
+        raise SamplingError(
+            f"tool_choice {choice.describe()} constrains the generation as vLLM does (a "
+            "structural tag), which is not sent to SGLang's /generate in exact_tokens mode",
+            "tool_choice",
+        )
+    extra = {k: v for k, v in sampling.extra.items() if k not in _OWN_CONSTRAINTS}
+    extra["structured_outputs"] = constraint
+    return dataclasses.replace(sampling, extra=extra)
 
 
 def _engine_body(
@@ -128,6 +161,8 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
     sampling = sampling_from_chat(
         body, num_prompt_tokens=int(prompt.token_ids.shape[0]), max_model_len=facts.max_model_len
     )
+    choice = tool_choice_of(body)
+    sampling = constrained(sampling, exact, body, choice)
     if prompt.spliced_from is not None:
         # Verification prefers the parent the prompt was spliced from.
         call.resolution = call.resolution.preferring(prompt.spliced_from)
@@ -173,6 +208,7 @@ def exact_call(call: Call, exact: ExactFamily, known: KnownMessages, clock: Cloc
         clock,
         t0,
         sampling,
+        choice,
     )
     if call.ctx.stream and reply.event_stream:
         return (yield from run.stream(reply.status))
@@ -193,6 +229,8 @@ class _Generation:
     clock: Clock
     t0: float
     sampling: Sampling
+    #: the request's tool choice: how the generation is parsed and finishes
+    choice: ToolChoice
     resumes: list[dict[str, Any]] = field(default_factory=list)
     #: why an aborted generation was not continued (the call is then incomplete)
     aborted: str | None = None
@@ -219,6 +257,10 @@ class _Generation:
             record = mark_incomplete(record, [self.aborted])
             record.diagnostics.append(Diagnostic(DiagnosticKind.GENERATION_ABORTED, details))
         return record
+
+    @property
+    def parser(self) -> OutputParser:
+        return choice_parser(self.exact.parser, self.choice)
 
     def answer(self, message: dict[str, Any], finish_reason: str) -> Answer:
         call, asm = self.call, self.asm
@@ -278,20 +320,20 @@ class _Generation:
                 left = yield from self._read_whole(status)
         if left is not None:
             return left
-        parsed = self.exact.parser.parse(
+        parsed = self.parser.parse(
             asm.generated_text,
             call.ctx.call_id,
             token_ids=asm.token_ids,
             tools=call.prepared.body.get("tools"),
             in_reasoning=self.exact.opens_reasoning(asm.prompt_token_ids),
         )
-        finish_reason = _finish_reason(asm.finish_reason, bool(parsed.tool_calls))
+        reason = finish_reason(self.choice, asm.finish_reason, bool(parsed.tool_calls))
         message = parsed.to_openai()
-        record = yield from finish(call, self.record(message, finish_reason, status, whole=True))
+        record = yield from finish(call, self.record(message, reason, status, whole=True))
         if self.aborted is not None:
             # Never a truncated answer that looks finished: an error the harness retries.
             raise GenerationAborted(self.aborted, call.ctx.call_id)
-        answer = self.answer(message, finish_reason)
+        answer = self.answer(message, reason)
         if call.ctx.stream:
             # Asked for a stream; the engine answered whole: the whole answer as events.
             yield from whole_as_stream(call, answer)
@@ -334,8 +376,8 @@ class _Generation:
             pump.deltas.append(d)
             events += encoder.delta(d.to_openai())
         message = apply_deltas(pump.deltas).to_openai()
-        finish_reason = _finish_reason(asm.finish_reason, bool(message.get("tool_calls")))
-        record = self.record(message, finish_reason, status)
+        reason = finish_reason(self.choice, asm.finish_reason, bool(message.get("tool_calls")))
+        record = self.record(message, reason, status)
         problem = None if self.aborted is not None else pump.problem
         reasons = stream_end_reasons(client_gone=gone, problem=problem, done_seen=pump.done)
         if reasons:
@@ -351,7 +393,7 @@ class _Generation:
             code = GENERATION_ABORTED if self.aborted is not None else None
             events.append(encoder.error(pump.problem, code=code))
         else:
-            events += encoder.finish(self.answer(message, finish_reason))
+            events += encoder.finish(self.answer(message, reason))
         yield EndClient(b"".join(events))
         return Outcome(record)
 
@@ -371,7 +413,7 @@ class _Pump:
         self.problem: str | None = None
         self.done = False
         call = gen.call
-        self.parser_stream = gen.exact.parser.stream(
+        self.parser_stream = gen.parser.stream(
             call.ctx.call_id,
             call.prepared.body.get("tools"),
             in_reasoning=gen.exact.opens_reasoning(gen.asm.prompt_token_ids),
