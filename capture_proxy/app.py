@@ -64,7 +64,7 @@ from capture_proxy.proxy.metrics import METRICS_KEY, Metrics
 from capture_proxy.proxy.periodic import every
 from capture_proxy.proxy.policy import policy_middleware, use_expect_continue
 from capture_proxy.proxy.recorder import Recorder
-from capture_proxy.proxy.status import health, metrics
+from capture_proxy.proxy.status import STORE_HEALTH_KEY, StoreHealthReads, health, metrics
 from capture_proxy.proxy.stopping import CALLS_IN_FLIGHT_KEY, CallsInFlight, graceful_stop
 from capture_proxy.proxy.traffic_tap import RECORDING_KEY, TrafficRecorder, recording_middleware
 from capture_proxy.proxy.uncaptured import (
@@ -311,6 +311,7 @@ def build_proxy_app(
     if worker is None or worker.index == 0:
         app.cleanup_ctx.append(tombstone_sweeper(settings.tombstone_retention_s))
     app.cleanup_ctx.append(lag_monitor())
+    app[STORE_HEALTH_KEY] = StoreHealthReads()
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     reads.add_routes(app)
@@ -421,6 +422,7 @@ def build_read_only_app(
             await store.close()
 
     app.cleanup_ctx.append(resources)
+    app[STORE_HEALTH_KEY] = StoreHealthReads()
     app.router.add_get("/health", health)
     reads.add_routes(app, read_only=True)
     images.add_routes(app)

@@ -109,40 +109,39 @@ def find_parents(records: Iterable[CallRecord]) -> dict[str, str | None]:
 def superseded_retries(
     records: Iterable[CallRecord], parent_of: dict[str, str | None]
 ) -> dict[str, str]:
-    """Map each superseded member of a retry group to the member that stays in the chain. A
-    group is all attempts of one request: a retry names the attempt before it (C retries B,
-    which retries A), so members are grouped by the first attempt."""
-    records = list(records)
-    retry_of = {r.call_id: r.retry_of for r in records}
-    groups: dict[str, list[CallRecord]] = {}
+    """Map each superseded call to the call that stays in the chain in its place. A retry
+    replaces the attempt it names (``retry_of``: C retries B, which retries A): the attempt is
+    superseded, unless the harness continued from it (it has a child): then its retries that
+    nobody continued are superseded by it. Two calls that name the same attempt are both
+    kept: each is its own sample (with ``serve --workers`` two identical requests can each be
+    taken for the retry of one failed call; only one of them was). Among linkable calls
+    (``parent_of``'s keys) only."""
+    retries: dict[str, list[CallRecord]] = {}
     for r in records:
-        if r.call_id in parent_of:
-            groups.setdefault(_first_attempt(r.call_id, retry_of), []).append(r)
+        if r.call_id in parent_of and r.retry_of in parent_of and r.retry_of != r.call_id:
+            retries.setdefault(r.retry_of, []).append(r)
     has_children = {p for p in parent_of.values() if p is not None}
     out: dict[str, str] = {}
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        members.sort(key=_order_key)
-        kept = [m for m in members if m.call_id in has_children] or [members[-1]]
-        for m in members:
-            if m not in kept:
-                out[m.call_id] = kept[-1].call_id
-    return out
+    for attempt, named_by in retries.items():
+        named_by.sort(key=_order_key)
+        if attempt in has_children:  # the harness continued from it: its unused retries go
+            for r in named_by:
+                if r.call_id not in has_children:
+                    out[r.call_id] = attempt
+        else:
+            used = [r for r in named_by if r.call_id in has_children] or named_by
+            out[attempt] = used[-1].call_id
+    return {call_id: _kept(call_id, out) for call_id in out}
 
 
-def _first_attempt(call_id: str, retry_of: dict[str, str | None]) -> str:
-    """The attempt a chain of retries starts from (among the known calls; a cycle, which no
+def _kept(call_id: str, replaced_by: dict[str, str]) -> str:
+    """The call that stays in place of ``call_id`` (following replacements; a cycle, which no
     store writes, stops the walk)."""
     seen = {call_id}
-    while True:
-        earlier = retry_of.get(call_id)
-        if earlier is None or earlier in seen:
-            return call_id
-        seen.add(earlier)
-        call_id = earlier
-        if call_id not in retry_of:
-            return call_id
+    while call_id in replaced_by and replaced_by[call_id] not in seen:
+        call_id = replaced_by[call_id]
+        seen.add(call_id)
+    return call_id
 
 
 def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChains:
@@ -177,11 +176,14 @@ def build_chains(rollout_id: str, records: Iterable[CallRecord]) -> RolloutChain
         chains.append(Chain(chain_id=root.call_id, calls=ordered, parent_of=edges))
     unlinked = sorted((r for r in records if r.call_id not in parent_of), key=_order_key)
     # A call that never got into a chain (cut off, failed) and that the harness retried is
-    # superseded by its latest retry, as a linkable member of a retry group is.
+    # superseded by its retry: the latest of those the harness continued from, else the latest.
+    has_children = {p for p in parent_of.values() if p is not None}
     retried_by: dict[str, str] = {}
     for r in sorted(records, key=_order_key):
         if r.retry_of is not None:
-            retried_by[r.retry_of] = r.call_id
+            held = retried_by.get(r.retry_of)
+            if held is None or held not in has_children or r.call_id in has_children:
+                retried_by[r.retry_of] = r.call_id
     unlinked_ids = {r.call_id for r in unlinked}
     for r in unlinked:
         if r.call_id not in superseded and r.call_id in retried_by:

@@ -154,7 +154,7 @@ async def handle_captured_call(
             await drive(captured_call(start), executor)
     finally:
         metrics.dec_in_flight()
-        deps.linker.release(rollout_id, start.call_id)
+        deps.linker.release(rollout_id, start.call_id, unstored=executor.unanswered_unstored)
     if executor.response is None:
         # The harness left before the answer began (the executor found its connection gone
         # while the engine generated): the call is recorded, the answer has no one to go to.

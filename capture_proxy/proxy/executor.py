@@ -104,6 +104,8 @@ class CallExecutor:
         self._sending: asyncio.Future[aiohttp.ClientResponse] | None = None
         #: the status of the call's record, once the flow made it (``Verify``)
         self._made: CallStatus | None = None
+        #: what the recorder did with the call's record (None: no record was persisted)
+        self._written: StoreWrite | None = None
 
     #: The method that performs each command (set below the class; a subclass extends it).
     HANDLERS: ClassVar[dict[type[cmd.Command], Callable[[Any, Any], Awaitable[Any]]]]
@@ -159,6 +161,14 @@ class CallExecutor:
         if self.upstream is not None:
             self.upstream.close()
         return True
+
+    @property
+    def unanswered_unstored(self) -> bool:
+        """Whether the call ended with no record stored and no answer given as a success: the
+        store refused its record (``store_failure = refuse``), or it ended before a record was
+        persisted (an error on its way). Not a call whose record was stored (whatever
+        happened after) or answered without its record (``store_failure = answer``)."""
+        return self._written is None or self._written is StoreWrite.REFUSED
 
     def ends_incomplete(self) -> bool:
         """Whether this call is known to end failed or incomplete (``Linker.resolve``: an
@@ -420,6 +430,7 @@ class CallExecutor:
 
     async def _persist(self, c: cmd.Persist) -> ev.Persisted:
         written, error = await self.deps.recorder.persist_call(c.record, c.request)
+        self._written = written
         self.request[STORED_AS_KEY] = stored_as(c.record.status, written)
         return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED, error)
 

@@ -246,13 +246,14 @@ class Linker:
         ends_incomplete = self._ends_incomplete.get(call_id)
         return ends_incomplete is not None and ends_incomplete()
 
-    def release(self, rollout_id: str, call_id: str) -> None:
+    def release(self, rollout_id: str, call_id: str, *, unstored: bool = False) -> None:
         """``call_id`` ended (its record stored, or not to be): the candidate it claimed
-        (``resolve`` with claims) is free for the other workers' calls, and a call that ended
-        without its record (the store refused it) is filed as failed in the rollout's index
-        (``LinkIndex.end_unstored``: its retry names it)."""
+        (``resolve`` with claims) is free for the other workers' calls. ``unstored``: it ended
+        with no record stored and no answer given as a success (the store refused it): it is
+        filed as failed in the rollout's index (``LinkIndex.end_unstored``: its retry names
+        it)."""
         self._ends_incomplete.pop(call_id, None)
-        index = self._indexes.get(rollout_id)
+        index = self._indexes.get(rollout_id) if unstored else None
         if index is not None:
             index.end_unstored(call_id)
         if self.claims is not None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -29,6 +31,42 @@ from capture_proxy.proxy.metrics import CONTENT_TYPE, METRICS_KEY
 #: queue with the read API's (exports of large rollouts among them), and a liveness probe must
 #: not wait behind them: past this wait ``/health`` answers without the store's figures.
 HEALTH_STORE_WAIT_S = 1.0
+#: A store that has not answered ``/health``'s read for this long (seconds) is taken as not
+#: answering (``degraded``): queued reads end within it, a hung store does not.
+STORE_SILENT_S = 30.0
+
+
+@dataclass
+class StoreHealthReads:
+    """``/health``'s reads of the store: one at a time (concurrent probes share the pending
+    one) and when the store last answered one (``time.monotonic``; the start counts)."""
+
+    answered_at: float = field(default_factory=time.monotonic)
+    pending: asyncio.Future[dict[str, Any]] | None = None
+
+    async def read(self, app: web.Application) -> dict[str, Any] | None:
+        """The store's ``health()`` within ``HEALTH_STORE_WAIT_S``, else None (it goes on and
+        a later probe takes its answer). Raises what the store raises, or StoreSilent once it
+        has not answered for ``STORE_SILENT_S``."""
+        if self.pending is None or self.pending.done():
+            self.pending = asyncio.ensure_future(app[STORE_KEY].health())
+        try:
+            async with asyncio.timeout(HEALTH_STORE_WAIT_S):
+                answer = await asyncio.shield(self.pending)
+        except TimeoutError:
+            silent_s = time.monotonic() - self.answered_at
+            if silent_s > STORE_SILENT_S:
+                raise StoreSilent(f"the store has not answered for {silent_s:.0f} s") from None
+            return None
+        self.answered_at = time.monotonic()
+        return answer
+
+
+class StoreSilent(Exception):
+    """The store has not answered ``/health``'s read for ``STORE_SILENT_S``."""
+
+
+STORE_HEALTH_KEY = web.AppKey("store_health_reads", StoreHealthReads)
 
 
 def health_status(*, store_ok: bool, engine: dict[str, Any] | None) -> tuple[str, int]:
@@ -58,18 +96,19 @@ async def health(request: web.Request) -> web.Response:
     ``worker`` names it (``index``, ``count``, ``pid``) and ``capture`` counts its own calls;
     the store's figures, and ``/metrics``, are the whole proxy's. The store's answer is
     waited for at most ``HEALTH_STORE_WAIT_S``: a store whose reads are queued (``read_wait``)
-    is no failure; its writes tell (``write_error``)."""
+    is no failure until it has not answered for ``STORE_SILENT_S`` (``degraded``); its writes
+    tell meanwhile (``write_error``)."""
     settings = request.app[SETTINGS_KEY]
     recorder = request.app[RECORDER_KEY]
     ok = True
+    store: dict[str, Any]
     try:
-        async with asyncio.timeout(HEALTH_STORE_WAIT_S):
-            store = await request.app[STORE_KEY].health()
-    except TimeoutError:
-        wait = f"no answer within {HEALTH_STORE_WAIT_S:g} s (its reads are queued)"
-        store = {"read_wait": wait}
+        answer = await request.app[STORE_HEALTH_KEY].read(request.app)
     except Exception as exc:
         store, ok = {"error": str(exc)}, False
+    else:
+        wait = f"no answer within {HEALTH_STORE_WAIT_S:g} s (its reads are queued)"
+        store = answer if answer is not None else {"read_wait": wait}
     if settings.captures_token is not None or settings.proxy_token is not None:
         store = {k: v for k, v in store.items() if k != "path"}
         if not ok:

@@ -136,3 +136,24 @@ def test_three_complete_attempts_keep_the_one_the_session_continued_from():
         chains = build_chains("r", order)
         assert [[r.call_id for r in ch.calls] for ch in chains.chains] == [["c", "d"]]
         assert chains.superseded == {"a": "c", "b": "c"}
+
+
+def test_two_calls_that_name_the_same_failed_attempt_are_both_kept():
+    """With ``serve --workers`` a failed call's retry and an identical sibling sample can each
+    be taken for its retry (the workers do not see each other's calls in flight): both are
+    answered samples, both stay; the failed attempt is superseded (review: the chains kept
+    one of the two)."""
+    failed = CallRecord(call_id="f", rollout_id="r", created_at=1.0, status=CallStatus.FAILED)
+    retry = record("r1", [1, 2], [3], created_at=2.0).replace(
+        retry_of="f", linking={"verdict": "root"}
+    )
+    sibling = record("s2", [1, 2], [4], created_at=2.5).replace(
+        retry_of="f", linking={"verdict": "root"}
+    )
+    child = record("c", [1, 2, 3, 5], [6], created_at=3.0).replace(
+        parent_call_id="r1", linking={"verdict": "resolved"}
+    )
+    for order in itertools.permutations([failed, retry, sibling, child]):
+        chains = build_chains("r", order)
+        assert [[r.call_id for r in ch.calls] for ch in chains.chains] == [["r1", "c"], ["s2"]]
+        assert chains.superseded == {"f": "r1"}  # the one the harness continued from

@@ -419,3 +419,29 @@ async def test_two_identical_sub_agents_continuing_at_once_are_two_chains(tmp_pa
         ]
     finally:
         await store.close()
+
+
+async def test_a_stored_call_whose_indexing_failed_is_no_retry_target(make_stack, monkeypatch):
+    """Indexing a stored call failed (logged): the call is stored and answered, so an
+    identical request after it is a sample of its own, not its retry (review: the call was
+    filed as failed when it ended, and the sibling superseded it in the chains)."""
+    from capture_proxy.proxy import linker as linker_module
+
+    real, failures = linker_module.add_record, [1]
+
+    def add_record_failing_once(index, record, digests=None):
+        if failures:
+            failures.pop()
+            raise RuntimeError("indexing failed (injected)")
+        return real(index, record, digests)
+
+    monkeypatch.setattr(linker_module, "add_record", add_record_failing_once)
+    stack = await make_stack()
+    body = _body(list(USER))
+    replies = [await stack.chat("r1", body) for _ in range(2)]
+    assert [r.status for r in replies] == [200, 200]
+    ids = [r.headers["X-Capture-Call-Id"] for r in replies]
+    second = await stack.get_json(f"/captures/calls/{ids[1]}")
+    assert second["retry_of"] is None
+    chains = await stack.get_json("/captures/rollouts/r1/chains")
+    assert sorted(ch["chain_id"] for ch in chains["chains"]) == sorted(ids)

@@ -286,8 +286,9 @@ async def test_health_does_not_wait_behind_the_stores_queued_reads(
 ):
     """The store's reads are queued (an export of a large rollout ahead, hundreds of calls in
     flight: trial 12 saw ``/health`` take 29 s): ``/health`` answers within
-    ``HEALTH_STORE_WAIT_S``, in service, saying the store's reads wait; a liveness probe
-    never takes the proxy out of service for a slow read."""
+    ``HEALTH_STORE_WAIT_S``, in service, saying the store's reads wait: a liveness probe
+    does not take the proxy out of service for a slow read; a store silent for
+    ``STORE_SILENT_S`` is ``degraded`` (review: a hung store looked healthy for ever)."""
     import asyncio
 
     from capture_proxy.proxy import status
@@ -305,6 +306,33 @@ async def test_health_does_not_wait_behind_the_stores_queued_reads(
     body = await stack.get_json("/health")
     assert body["status"] == "ok"
     assert body["store"] == {"read_wait": "no answer within 0.05 s (its reads are queued)"}
-    store.released.set()
+    # a store that has not answered for STORE_SILENT_S is taken as not answering
+    reads = stack.client.app[status.STORE_HEALTH_KEY]
+    reads.answered_at -= status.STORE_SILENT_S + 1.0
+    body = await stack.get_json("/health", status=503)
+    assert body["status"] == "degraded"
+    assert body["store"]["error"].startswith("the store has not answered for ")
+    store.released.set()  # the pending read (one, shared by the probes) answers
     body = await stack.get_json("/health")
     assert (body["status"], body["store"]["kind"]) == ("ok", "sqlite")
+
+
+async def test_a_call_answered_without_its_record_is_no_retry_target(
+    make_stack: MakeStack, tmp_path
+):
+    """``store_failure = answer``: the harness got the answer of a call the store did not
+    take; an identical request after it (a sibling sample) is no retry of it (review: it
+    was filed as failed when it ended)."""
+    stack = await _stack(make_stack, tmp_path, "backend_template", store_failure="answer")
+    store = stack.client.app[RECORDER_KEY].store
+    body = harness("chat_completions", stack, "r1", stream=False)
+    body.start()
+    store.full = True
+    lost = await body.send()
+    assert lost.status == 200  # answered
+    store.full = False
+    sibling = await body.send()
+    assert sibling.status == 200
+    call = await stack.get_json(f"/captures/calls/{sibling.call_id}")
+    assert call["retry_of"] is None
+    assert [d["kind"] for d in call["diagnostics"] if d["kind"] == "retry"] == []

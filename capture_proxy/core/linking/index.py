@@ -37,6 +37,7 @@ from capture_proxy.core.prefixes import PrefixIndex, StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus
 
 #: Record statuses the index keeps (``CallStatus`` values).
+CALL_COMPLETE = CallStatus.COMPLETE.value
 CALL_FAILED = CallStatus.FAILED.value
 CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
 
@@ -93,9 +94,10 @@ class LinkIndex:
     #: per request digest, its latest call by (``created_at``, call id): the retry target
     #: unless it was continued (``_retry_of``)
     _latest_request: dict[str, _Entry] = field(default_factory=dict, repr=False)
-    #: per request digest, its calls without a child yet (in flight or stored): a retry's
-    #: target when the latest identical call was continued (``_retry_of``)
-    _childless_requests: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: per request digest, its calls that may still be a retry's target: in flight, failed or
+    #: incomplete, without a child, not replaced (``_retry_of``; a complete call never is, so
+    #: a request repeated by thousands of answered samples costs nothing here)
+    _retry_candidates: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
 
@@ -174,10 +176,17 @@ class LinkIndex:
             if parent_call_id is not None and parent_call_id in self.entries:
                 self._count_child(self.entries[parent_call_id], +1)
                 entry.counted_parent = parent_call_id
-            if retry_of is not None and retry_of in self.entries:
-                self.entries[retry_of].superseded_by = call_id
+            if retry_of is not None:
+                self._supersede(retry_of, call_id)
         else:
             entry.counted_parent = old.counted_parent
+
+    def _supersede(self, call_id: str, retry: str) -> None:
+        """``retry`` replaces ``call_id``: no retry's target again."""
+        replaced = self.entries.get(call_id)
+        if replaced is not None:
+            replaced.superseded_by = retry
+            self._file_childless(replaced)
 
     def end_unstored(self, call_id: str) -> None:
         """``call_id`` ended in flight with no record stored (the store refused it, or its
@@ -206,7 +215,7 @@ class LinkIndex:
         for index, digest in self._keys(entry):
             _drop(index, digest, entry.call_id)
         _drop(self._childless, entry.child_digest, entry.call_id)
-        _drop(self._childless_requests, entry.request_digest, entry.call_id)
+        _drop(self._retry_candidates, entry.request_digest, entry.call_id)
         digest = entry.request_digest
         if digest is not None and self._latest_request.get(digest) is entry:
             del self._latest_request[digest]
@@ -229,18 +238,21 @@ class LinkIndex:
         self._file_childless(parent)
 
     def _file_childless(self, entry: _Entry) -> None:
-        """``entry`` among its child digest's and its request digest's childless calls when it
-        has no child, else not."""
-        for index, digest in (
-            (self._childless, entry.child_digest),
-            (self._childless_requests, entry.request_digest),
-        ):
-            if digest is None:
-                continue
+        """``entry`` among its child digest's childless calls when it has no child, else not;
+        and among its request digest's retry candidates when it may be one."""
+        digest = entry.child_digest
+        if digest is not None:
             if entry.children == 0:
-                index.setdefault(digest, {})[entry.call_id] = entry
+                self._childless.setdefault(digest, {})[entry.call_id] = entry
             else:
-                _drop(index, digest, entry.call_id)
+                _drop(self._childless, digest, entry.call_id)
+        digest = entry.request_digest
+        if digest is not None:
+            candidate = entry.children == 0 and entry.superseded_by is None
+            if candidate and entry.status != CALL_COMPLETE:
+                self._retry_candidates.setdefault(digest, {})[entry.call_id] = entry
+            else:
+                _drop(self._retry_candidates, digest, entry.call_id)
 
     @staticmethod
     def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
@@ -260,7 +272,8 @@ class LinkIndex:
         requests otherwise are sibling samples, each its own call.
 
         Cost: O(1) when the latest identical call is the target (the usual retry); else the
-        identical calls without a child (a group of samples), never the rollout."""
+        identical calls that may be one (in flight, failed or incomplete: a group of samples
+        sent at once), never the answered ones nor the rollout."""
         latest = self._latest_request.get(req_digest)
         if latest is None:
             return None
@@ -268,7 +281,7 @@ class LinkIndex:
             return latest.call_id
         lost = [
             entry
-            for entry in (self._childless_requests.get(req_digest) or {}).values()
+            for entry in (self._retry_candidates.get(req_digest) or {}).values()
             if entry is not latest and _lost(entry, ends_incomplete)
         ]
         return max(lost, key=_age).call_id if lost else None

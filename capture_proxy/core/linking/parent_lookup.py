@@ -99,7 +99,8 @@ def resolve_step(
         refresh_index(index, found)
         resolution = resolve(index)
     # In flight, the call counts as a child of the candidate it was resolved to, so an
-    # identical sibling resolved before it is stored prefers another candidate.
+    # identical sibling resolved before it is stored prefers another candidate; and the call
+    # it retries is replaced at once, so an identical sibling sent meanwhile is no retry of it.
     index.add(
         call_id,
         created_at,
@@ -107,6 +108,7 @@ def resolve_step(
         request_digest=req_digest,
         model=model,
         parent_call_id=resolution.parent_call_id,
+        retry_of=resolution.retry_of,
     )
     return resolution
 

@@ -233,3 +233,26 @@ def test_a_claim_released_after_the_index_was_brought_up_makes_the_step_catch_up
     assert [c.call_id for c in resolution.candidates] == ["b1", "a1"]
     assert claims.counts == {"b1": 1} and claims.locks == 2
     assert caught_up.entries["b2"].counted_parent == "b1"  # in flight in the current index
+
+
+def test_a_sibling_sent_while_a_failed_calls_retry_is_in_flight_is_no_retry():
+    """A GRPO group: sample 1's first call failed; its retry is in flight when sample 2's
+    first call arrives, identical. The retry replaced the failed call at once (in flight), so
+    sample 2 is a sample of its own, not a second retry of that call (review: both were
+    retries, and the chains kept one of the two answered samples)."""
+    body = {"model": "m", "messages": TASK}
+    index = LinkIndex()
+
+    def resolve(call_id: str, created_at: float):
+        step = resolve_step(index, "r1", TASK, body, call_id=call_id, created_at=created_at)
+        return play(step, [])
+
+    failed = resolve("s1", 1.0)
+    assert failed.retry_of is None
+    # stored failed (the engine's 500)
+    index.add("s1", 1.0, child_digest=None, request_digest=failed.request_digest, status="failed")
+    retry = resolve("s1r", 2.0)  # in flight
+    assert retry.retry_of == "s1"
+    sibling = resolve("s2", 3.0)
+    assert sibling.retry_of is None
+    assert index.entries["s1"].superseded_by == "s1r"
