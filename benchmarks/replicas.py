@@ -103,7 +103,9 @@ async def retrying_session(
 ) -> list[CallResult]:
     """``benchmarks.sessions.run_session``'s agent session, but a call that fails is sent again
     (up to ``attempts`` times, with the SDKs' retry header); stops when a step never completes.
-    Returns every attempt."""
+    Every request names its session as OpenCode does (``x-session-id``): the retry of a call a
+    killed replica stored but never finished answering is then known as its retry. Returns
+    every attempt."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a coding agent. Use the tools to answer."},
         {"role": "user", "content": f"Task {rollout_id}."},
@@ -112,7 +114,9 @@ async def retrying_session(
     for step in range(steps):
         body = request_body(target, list(messages))
         for attempt in range(attempts):
-            headers = {RETRY_HEADER: str(attempt)} if attempt else None
+            headers = {"x-session-id": f"ses_{rollout_id}"}
+            if attempt:
+                headers[RETRY_HEADER] = str(attempt)
             result = await stream_call(
                 session, target.url(rollout_id), body, CallResult(rollout_id, step), headers
             )

@@ -209,6 +209,7 @@ class CallExecutor:
                 linking_facts=c.linking_facts,
                 tools_facts=c.tools_facts,
                 session=c.session,
+                retry_requested=c.retry_requested,
                 ends_incomplete=self.ends_incomplete,
             )
         except Exception as exc:

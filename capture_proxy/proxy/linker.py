@@ -205,6 +205,7 @@ class Linker:
         linking_facts: Sequence[MessageFacts] | None = None,
         tools_facts: ToolsFacts | None = None,
         session: tuple[str, str] | None = None,
+        retry_requested: bool = False,
         ends_incomplete: Callable[[], bool] | None = None,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
@@ -234,6 +235,7 @@ class Linker:
             claims=self.claims,
             index_current=(lambda: self._is_current(rollout_id)) if self.feed else None,
             session=session,
+            retry_requested=retry_requested,
             ends_incomplete=self._known_to_end_incomplete,
         )
         resolution = await self._drive(step, None)

@@ -59,6 +59,13 @@ class CallStart:
     session_headers: dict[str, str] | None = None
 
 
+def retry_requested(retry_count: str | None) -> bool:
+    """The harness says this request is a retry: an OpenAI or Anthropic SDK (Stainless
+    clients: OpenCode's, Claude Code's) sends ``x-stainless-retry-count`` = 0 on the first
+    attempt and the attempt number on retries."""
+    return retry_count is not None and retry_count.strip().isdigit() and int(retry_count) > 0
+
+
 def _sorted_tools_text(prepared: PreparedRequest) -> bytes | None:
     facts = prepared.tools_facts
     return facts.sorted_text if facts is not None else None
@@ -82,6 +89,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         prepared.linking_facts,
         prepared.tools_facts,
         session_key(start.front_request.received, start.session_headers),
+        retry_requested(start.retry_count),
     )
     if isinstance(reply, Resolved):
         resolution = reply.resolution

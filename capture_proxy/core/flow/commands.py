@@ -47,6 +47,8 @@ class Resolve(Command):
     tools_facts: ToolsFacts | None = None
     #: the harness session the request names (``core.sessions``; None: none)
     session: tuple[str, str] | None = None
+    #: the harness says the request is a retry (``x-stainless-retry-count`` > 0)
+    retry_requested: bool = False
 
 
 @dataclass(slots=True)

@@ -259,7 +259,11 @@ class LinkIndex:
         return sorted((entries or {}).values(), key=_age)
 
     def _retry_of(
-        self, req_digest: str, ends_incomplete: Callable[[str], bool] | None = None
+        self,
+        req_digest: str,
+        ends_incomplete: Callable[[str], bool] | None = None,
+        session: SessionKey | None = None,
+        retry_requested: bool = False,
     ) -> str | None:
         """The call an identical request retries: the latest identical call whose answer the
         harness is known not to have got, that no earlier retry replaced and no call
@@ -279,12 +283,29 @@ class LinkIndex:
             return None
         if _lost(latest, ends_incomplete):
             return latest.call_id
+        if retry_requested and session is not None and latest.session == session:
+            own = self._session_retry_of(latest)
+            if own is not None:
+                return own
         lost = [
             entry
             for entry in (self._retry_candidates.get(req_digest) or {}).values()
             if entry is not latest and _lost(entry, ends_incomplete)
         ]
         return max(lost, key=_age).call_id if lost else None
+
+    @staticmethod
+    def _session_retry_of(latest: _Entry) -> str | None:
+        """The call a request of ``latest``'s session that the harness marks as a retry
+        (``x-stainless-retry-count``) retries: ``latest``, the latest identical call, when it
+        was answered in full, not continued and not replaced. The session makes the header
+        exact: an SDK retries its own session's request, and a process that stored a call and
+        died before its answer's end reached the harness (a replica killed after the commit)
+        left it complete. Without a session the header names no call: in a group of samples
+        of one prompt it cannot tell whose call was lost."""
+        if latest.status != CALL_COMPLETE or latest.children > 0:
+            return None
+        return latest.call_id if latest.superseded_by is None else None
 
     @staticmethod
     def _preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
@@ -326,6 +347,7 @@ class LinkIndex:
         refuse_note_parents: bool = False,
         claimed: Callable[[str], bool] | None = None,
         session: SessionKey | None = None,
+        retry_requested: bool = False,
         ends_incomplete: Callable[[str], bool] | None = None,
     ) -> Resolution:
         """Find the parent candidates by digest, and the call an identical request retries.
@@ -343,9 +365,10 @@ class LinkIndex:
         such a candidate counts as having a child, as this process's own calls in flight do.
         ``ends_incomplete(call_id)``: True when a call in flight is known to end failed or
         incomplete (its record is made so, or its harness left before it was made): as a
-        retry target it counts as a stored failed or incomplete call does.
+        retry target it counts as a stored failed or incomplete call does. With
+        ``retry_requested`` (the retry header), see ``_session_retry_of``.
         """
-        retry_of = self._retry_of(req_digest, ends_incomplete)
+        retry_of = self._retry_of(req_digest, ends_incomplete, session, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}

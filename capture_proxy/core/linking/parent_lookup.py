@@ -46,6 +46,7 @@ def resolve_step(
     claims: ChildClaims | None = None,
     index_current: Callable[[], bool] | None = None,
     session: tuple[str, str] | None = None,
+    retry_requested: bool = False,
     ends_incomplete: Callable[[str], bool] | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
@@ -63,9 +64,8 @@ def resolve_step(
     which then sees two and must see this one taken). A claim is released when
     its call is stored, so the choice also needs the stored children: ``index_current()``
     says whether ``index`` still holds every call stored (asked after the claims are read);
-    when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``, the
-    request's harness session (``core.sessions``), and ``ends_incomplete``, the calls in
-    flight known to end incomplete, are ``LinkIndex.resolve``'s."""
+    when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``,
+    ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s."""
     req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
@@ -81,6 +81,7 @@ def resolve_step(
             refuse_note_parents=refuse_note_parents,
             claimed=held.claimed if held is not None else None,
             session=session,
+            retry_requested=retry_requested,
             ends_incomplete=ends_incomplete,
         )
 
@@ -98,9 +99,8 @@ def resolve_step(
         found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
         refresh_index(index, found)
         resolution = resolve(index)
-    # In flight, the call counts as a child of the candidate it was resolved to, so an
-    # identical sibling resolved before it is stored prefers another candidate; and the call
-    # it retries is replaced at once, so an identical sibling sent meanwhile is no retry of it.
+    # In flight: a child of its candidate (a sibling prefers another), and the call it
+    # retries replaced (an identical sibling sent meanwhile is no second retry of it).
     index.add(
         call_id,
         created_at,

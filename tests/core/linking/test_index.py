@@ -330,3 +330,22 @@ def test_a_call_that_ended_unstored_is_a_failed_call_and_no_longer_a_child():
     index.end_unstored("c")  # once only
     index.end_unstored("p")  # a stored call: unchanged
     assert (index.entries["p"].children, index.entries["p"].status) == (0, "complete")
+
+
+def test_a_retry_header_names_an_answered_call_of_its_own_session_only():
+    """A replica that stored a call and was killed before its answer's end reached the
+    harness left it complete; the harness's SDK sends it again with its retry header. With
+    the session the request names, that call is known as the one retried; another session's
+    answered call (a GRPO sample beside it) never is, nor any call without the header or
+    without a session."""
+    index = LinkIndex()
+    mine, other = ("opencode", "ses_a"), ("opencode", "ses_b")
+    index.add("b1", 1.0, child_digest="d1", request_digest="q", status="complete", session=other)
+    index.add("a1", 2.0, child_digest="d2", request_digest="q", status="complete", session=mine)
+    assert index.resolve(None, "q", session=mine, retry_requested=True).retry_of == "a1"
+    assert index.resolve(None, "q", session=mine).retry_of is None  # no header
+    assert index.resolve(None, "q", retry_requested=True).retry_of is None  # no session
+    assert index.resolve(None, "q", session=other, retry_requested=True).retry_of is None
+    # continued, it is no retry's target
+    index.add("a2", 3.0, child_digest=None, request_digest="q2", parent_call_id="a1")
+    assert index.resolve(None, "q", session=mine, retry_requested=True).retry_of is None
