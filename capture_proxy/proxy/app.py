@@ -100,6 +100,7 @@ def _capture_deps(request: web.Request, backend: str) -> CaptureDeps:
         first_byte_timeout_s=settings.upstream_first_byte_timeout_s,
         connect_retries=settings.upstream_connect_retries,
         on_unreachable=routes.mark_failed if routes.many else None,
+        on_answered=routes.mark_answered if routes.many else None,
         weights=watchers.for_backend(backend) if watchers is not None else None,
         pause_wait_s=settings.engine_pause_wait_s,
         read_timeout_s=settings.upstream_read_timeout_s,

@@ -65,6 +65,9 @@ class CaptureDeps:
     #: told the backend's URL when a connection to it could not be made (several backends:
     #: it is taken as unhealthy, so the rollout's next call goes to another engine)
     on_unreachable: Callable[[str], None] | None = None
+    #: told the backend's URL when it answered a request's head (several backends: a live
+    #: engine, whatever its late health probes say)
+    on_answered: Callable[[str], None] | None = None
     #: the engine's weight version and pause (``proxy.weight_watch``), None: not watched
     weights: WeightWatcher | None = None
     #: longest wait for a paused engine to serve again after an abort (seconds)

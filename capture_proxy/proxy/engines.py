@@ -4,8 +4,9 @@ Owns, around the pure choice (``core.engine_pool``):
 - ``EngineRoutes``: the pool of ``--backend`` URLs, its health probes (a background task
   ``GET <backend>/health`` every ``backend_health_interval_s``, each within
   ``backend_health_timeout_s``: a non-2xx answer or a refused connection marks the engine
-  unhealthy at once, no answer only the ``SLOW_PROBES``-th in a row, as a loaded engine, or
-  a proxy whose own loop lags, answers late), the requests in flight per backend, and the Prometheus
+  unhealthy at once, no answer only the ``SLOW_PROBES``-th in a row without a call answered
+  in between, as a loaded engine, or a proxy whose own loop lags, answers late), the requests
+  in flight per backend, and the Prometheus
   gauges ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy
   {backend}`` (read at scrape time, nothing on the hot path; in a worker of several, copied
   into the workers' shared metric files every second: ``publish_metrics``);
@@ -133,6 +134,8 @@ class EngineRoutes:
         self.last_error: dict[str, str | None] = {url: None for url in urls}
         #: per backend, its probes in a row that got no answer in time (``SLOW_PROBES``)
         self.slow_probes: dict[str, int] = {url: 0 for url in urls}
+        #: the backends that answered a call's request since the last probe round
+        self.answered: set[str] = set()
         self._round_done = asyncio.Event()
 
     @property
@@ -178,14 +181,22 @@ class EngineRoutes:
 
     async def probe_all(self, session: aiohttp.ClientSession) -> None:
         """One round: every backend probed at once; a change of health is logged. A probe
-        without an answer in time counts only as the ``SLOW_PROBES``-th in a row."""
+        without an answer in time counts only as the ``SLOW_PROBES``-th in a row, and not at
+        all for an engine that answered a call's request meanwhile (``mark_answered``): busy,
+        not hung."""
         backends = self.pool.backends
         verdicts = await asyncio.gather(*(self.probe(session, b) for b in backends))
+        answered, self.answered = self.answered, set()
         for backend, probe in zip(backends, verdicts, strict=True):
             url = backend.url
-            self.slow_probes[url] = self.slow_probes[url] + 1 if probe.slow else 0
-            if probe.slow and self.slow_probes[url] < SLOW_PROBES and backend.up:
-                continue  # late, not yet a verdict: it keeps its state
+            late = probe.slow and url not in answered
+            self.slow_probes[url] = self.slow_probes[url] + 1 if late else 0
+            if (
+                probe.slow
+                and backend.up
+                and (url in answered or self.slow_probes[url] < SLOW_PROBES)
+            ):
+                continue  # late, not (yet) a verdict: it keeps its state
             self.last_error[url] = probe.error
             first = backend.healthy is None
             if self.pool.mark(url, probe.healthy, reachable=probe.reachable):
@@ -200,6 +211,11 @@ class EngineRoutes:
         """Wait for the next probe round to complete (at most ``timeout_s``; TimeoutError)."""
         async with asyncio.timeout(timeout_s):
             await self._round_done.wait()
+
+    def mark_answered(self, url: str) -> None:
+        """An engine request to ``url`` got its answer's head: the engine is alive, and a late
+        probe of it (``probe_all``) is no evidence against it. One set insertion per call."""
+        self.answered.add(url)
 
     def mark_failed(self, url: str) -> None:
         """An engine request to ``url`` could not connect: take it as unhealthy until the

@@ -281,6 +281,8 @@ class CallExecutor:
             self._sending = None
         self.upstream = upstream
         deps.recorder.metrics.observe_upstream(first_byte_s=time.perf_counter() - t0)
+        if deps.on_answered is not None and upstream.status < 500:
+            deps.on_answered(deps.backend)
         if self.left:  # it left while the engine's head was awaited (``close`` closes it)
             return ev.ClientLeft()
         content_type = upstream.headers.get("Content-Type", "")

@@ -378,6 +378,17 @@ async def test_a_late_probe_is_no_verdict_until_several_in_a_row_and_a_dead_port
     await routes.probe_all(session)
     assert [b.healthy for b in pool.backends] == [True, True]
 
+    # an engine that answers calls between the rounds is busy, not hung: its late probes are
+    # no verdict (engine 1 answers none: down at the SLOW_PROBES-th)
+    late[:] = [True, True]
+    for _ in range(SLOW_PROBES + 1):
+        routes.mark_answered(urls[0])
+        await routes.probe_all(session)
+    assert [b.healthy for b in pool.backends] == [True, False]
+    late[:] = [False, False]
+    await routes.probe_all(session)
+    assert [b.healthy for b in pool.backends] == [True, True]
+
     # engine 0 dies (its port refuses): down at the first probe; engine 1 answers late
     await engines[0].close()
     late[1] = True
@@ -390,3 +401,27 @@ async def test_a_late_probe_is_no_verdict_until_several_in_a_row_and_a_dead_port
     keys = [f"r{i}" for i in range(20)]
     assert {pool.ranking(k)[0].url for k in keys} == set(urls)
     assert {pool.choose(k).url for k in keys} == {urls[1]}
+
+
+async def test_a_call_an_engine_answers_counts_as_a_sign_of_life(
+    aiohttp_server, aiohttp_client, qwen_tokenizer, tmp_path
+):
+    """The executor tells the pool which engine answered a call's head (``mark_answered``):
+    a late health probe of that engine is then no evidence against it."""
+    engines = await two_engines(aiohttp_server, qwen_tokenizer)
+    settings = Settings(
+        backend=url(engines[0]),
+        extra_backends=[url(engines[1])],
+        store=tmp_path / "store",
+        backend_health_interval_s=3600.0,  # no round clears the set during the test
+    )
+    app = build_proxy_app(settings, SQLiteStore(tmp_path / "store"))
+    client = await aiohttp_client(ProxyTestServer(app, **settings.server_kwargs))
+    routes = app[ROUTES_KEY]
+    if routes.probe_rounds == 0:  # the start-up round
+        await routes.next_round(timeout_s=5.0)
+    assert routes.answered == set()
+    session = Session("r0")
+    await session.step(client)
+    (home,) = served_by(engines, session.call_ids[0])
+    assert routes.answered == {url(engines[home])}
