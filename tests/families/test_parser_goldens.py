@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from capture_proxy.families import get_parser
-from capture_proxy.families.parsing import ParsedMessage, apply_deltas
+from capture_proxy.families.parsing import ParsedMessage, StreamParser, apply_deltas
 from tests.support.parser_cases import SERVINGS, cases
 
 GOLDENS = Path(__file__).resolve().parents[1] / "fixtures" / "parser_goldens"
@@ -70,7 +70,13 @@ def _parse(family: str, case: dict[str, Any], tools: Any) -> ParsedMessage:
 
 def _stream(family: str, case: dict[str, Any], tools: Any, size: int) -> ParsedMessage:
     stream = get_parser(family).stream("seed", tools, in_reasoning=case["in_reasoning"])
-    text, deltas = case["text"], []
+    return fed_in_pieces(stream, case["text"], size)
+
+
+def fed_in_pieces(stream: StreamParser, text: str, size: int) -> ParsedMessage:
+    """``text`` fed to ``stream`` in pieces of ``size`` characters (0: whole), then finished;
+    the message its deltas make. No delta may be empty."""
+    deltas = []
     step = size or max(len(text), 1)
     for i in range(0, len(text), step):
         deltas += stream.feed(text[i : i + step])

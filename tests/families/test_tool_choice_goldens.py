@@ -28,8 +28,9 @@ from typing import Any
 import pytest
 
 from capture_proxy.families import get_parser
-from capture_proxy.families.parsing import ParsedMessage, apply_deltas
+from capture_proxy.families.parsing import ParsedMessage
 from capture_proxy.families.tool_choice import choice_parser, finish_reason, tool_choice_of
+from tests.families.test_parser_goldens import fed_in_pieces
 from tests.support.parser_cases import SERVINGS, cases
 from tests.support.tool_choice_cases import CHOICES
 
@@ -95,14 +96,7 @@ def _parse(family: str, case: dict[str, Any], body: dict[str, Any]) -> ParsedMes
 def _stream(family: str, case: dict[str, Any], body: dict[str, Any], size: int) -> ParsedMessage:
     parser = choice_parser(get_parser(family), tool_choice_of(body))
     stream = parser.stream("seed", body.get("tools"), in_reasoning=case["in_reasoning"])
-    text, deltas = case["text"], []
-    step = size or max(len(text), 1)
-    for i in range(0, len(text), step):
-        deltas += stream.feed(text[i : i + step])
-    deltas += stream.finish()
-    for d in deltas:
-        assert d.content != "" and d.reasoning != ""  # never an empty delta
-    return apply_deltas(deltas)
+    return fed_in_pieces(stream, case["text"], size)
 
 
 @pytest.mark.parametrize(("serving", "family", "name", "choice"), CASES)

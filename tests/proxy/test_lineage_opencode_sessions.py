@@ -20,6 +20,7 @@ from capture_proxy.core.lineage.messages import text_sha256
 from capture_proxy.scripted_engine import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import MakeStack, Stack
+from tests.proxy.test_lineage_sessions import _lineage
 
 TASK = "Inspect notes.txt with helpers."
 HELLO = "Say hello first."
@@ -98,11 +99,6 @@ async def _call(
     assert "data: [DONE]" in await resp.text()
     call_id = resp.headers["X-Capture-Call-Id"]
     return call_id, await stack.get_json(f"/captures/calls/{call_id}")
-
-
-async def _lineage(stack: Stack, rollout: str) -> dict[str, list[dict[str, Any]]]:
-    chains = await stack.get_json(f"/captures/rollouts/{rollout}/chains")
-    return {c["chain_id"]: c["lineage"] for c in chains["chains"]}
 
 
 @pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])

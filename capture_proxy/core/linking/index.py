@@ -248,8 +248,7 @@ class LinkIndex:
                 _drop(self._childless, digest, entry.call_id)
         digest = entry.request_digest
         if digest is not None:
-            candidate = entry.children == 0 and entry.superseded_by is None
-            if candidate and entry.status != CALL_COMPLETE:
+            if _may_be_retried(entry):
                 self._retry_candidates.setdefault(digest, {})[entry.call_id] = entry
             else:
                 _drop(self._retry_candidates, digest, entry.call_id)
@@ -267,13 +266,13 @@ class LinkIndex:
     ) -> str | None:
         """The call an identical request retries: the latest identical call whose answer the
         harness is known not to have got, that no earlier retry replaced and no call
-        continued: stored failed or
-        incomplete, or still in flight and ``ends_incomplete(call_id)`` (its harness left). An
-        identical call answered in full is never the target, whatever the request says
-        (``x-stainless-retry-count`` included): in a group of samples of one prompt (GRPO),
-        one sample's retry whose first attempt never reached the proxy would otherwise
-        replace another sample's answered call and drop it from the chains. Identical
-        requests otherwise are sibling samples, each its own call.
+        continued: stored failed or incomplete, or still in flight and
+        ``ends_incomplete(call_id)`` (its harness left). An identical call answered in full
+        is the target only of a request with the retry header of the same harness
+        ``session`` (``_session_retry_of``): in a group of samples of one prompt (GRPO), one
+        sample's retry whose first attempt never reached the proxy would otherwise replace
+        another sample's answered call and drop it from the chains. Identical requests
+        otherwise are sibling samples, each its own call.
 
         Cost: O(1) when the latest identical call is the target (the usual retry); else the
         identical calls that may be one (in flight, failed or incomplete: a group of samples
@@ -572,10 +571,16 @@ def _age(entry: _Entry) -> tuple[float, str]:
     return entry.created_at, entry.call_id
 
 
+def _may_be_retried(entry: _Entry) -> bool:
+    """Whether ``entry`` can still be a retry's target: not answered in full, and neither a
+    retry replaced it nor a call continued it (``LinkIndex._retry_candidates``)."""
+    return entry.children == 0 and entry.superseded_by is None and entry.status != CALL_COMPLETE
+
+
 def _lost(entry: _Entry, ends_incomplete: Callable[[str], bool] | None) -> bool:
-    """Whether ``entry``'s harness is known not to have got its answer, and neither a retry
-    replaced it nor a call continued it (a retry target: ``LinkIndex._retry_of``)."""
-    if entry.superseded_by is not None or entry.children > 0:
+    """Whether ``entry`` is a retry target (``LinkIndex._retry_of``): it may be retried, and
+    its harness is known not to have got its answer."""
+    if not _may_be_retried(entry):
         return False
     if entry.status in (CALL_FAILED, CALL_INCOMPLETE):
         return True
