@@ -18,7 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.engines import ROUTES_KEY
+from capture_proxy.core.engine_pool import BackendPool
+from capture_proxy.proxy.engines import ROUTES_KEY, create_pin_board, map_pin_board
 from capture_proxy.proxy.keys import SESSION_KEY
 from capture_proxy.proxy.weight_watch import VERSION_PATHS
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
@@ -148,6 +149,9 @@ async def test_rollouts_stick_to_one_engine_spread_and_move_when_it_dies(
     assert f'capture_proxy_backend_healthy{{backend="{urls[live]}"}} 1.0' in metrics
     assert f'capture_proxy_backend_in_flight{{backend="{urls[live]}"}} 0.0' in metrics
     assert f"capture_proxy_backend_key_moves {float(len(moved))}" in metrics
+    # every rollout is active on the live engine now, none on the dead one
+    assert f'capture_proxy_backend_active_rollouts{{backend="{urls[live]}"}} 32.0' in metrics
+    assert f'capture_proxy_backend_active_rollouts{{backend="{urls[dead]}"}} 0.0' in metrics
 
 
 async def test_the_health_probe_moves_rollouts_before_any_call_fails(
@@ -300,9 +304,10 @@ async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_stat
         return {"status": body["status"], "engine": body["engine"]}
 
     def state(i: int, error: str | None) -> dict[str, Any]:
+        counts = {"in_flight": 0, "active_rollouts": 0}
         if token is not None:
-            return {"healthy": error is None, "in_flight": 0}
-        return {"url": urls[i], "healthy": error is None, "error": error, "in_flight": 0}
+            return {"healthy": error is None, **counts}
+        return {"url": urls[i], "healthy": error is None, "error": error, **counts}
 
     both = {"ok": True, "up": 2, "count": 2, "engines": [state(0, None), state(1, None)]}
     assert await health_after_probe(200) == {"status": "ok", "engine": both}
@@ -400,7 +405,7 @@ async def test_a_late_probe_is_no_verdict_until_several_in_a_row_and_a_dead_port
     # every engine down: each rollout goes to the one that takes connections, whatever its rank
     keys = [f"r{i}" for i in range(20)]
     assert {pool.ranking(k)[0].url for k in keys} == set(urls)
-    assert {pool.choose(k).url for k in keys} == {urls[1]}
+    assert {pool.choose(k, 0).url for k in keys} == {urls[1]}
 
 
 async def test_a_call_an_engine_answers_counts_as_a_sign_of_life(
@@ -425,3 +430,19 @@ async def test_a_call_an_engine_answers_counts_as_a_sign_of_life(
     await session.step(client)
     (home,) = served_by(engines, session.call_ids[0])
     assert routes.answered == {url(engines[home])}
+
+
+def test_the_pins_file_is_shared_by_the_workers_that_map_it(tmp_path):
+    path = tmp_path / "engine-pins"
+    create_pin_board(path, engines=3, workers=2)
+    urls = ["http://e0", "http://e1", "http://e2"]
+    boards = [map_pin_board(path, engines=3, workers=2, index=i) for i in range(2)]
+    pools = [BackendPool(urls, pins=board) for board in boards]
+    placed = {f"r{i}": pools[0].acquire(f"r{i}", 100).url for i in range(30)}
+    assert {k: pools[1].acquire(k, 101).url for k in placed} == placed
+    assert boards[0].loads() == boards[1].loads() == [2 * list(placed.values()).count(u)
+                                                      for u in urls]  # fmt: skip
+    with pytest.raises(ValueError, match="not a pin board of 2 engines, 2 workers"):
+        map_pin_board(path, engines=2, workers=2, index=0)
+    with pytest.raises(FileNotFoundError):
+        map_pin_board(tmp_path / "missing", engines=3, workers=2, index=0)
