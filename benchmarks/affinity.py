@@ -112,6 +112,8 @@ class Figures:
     rollouts_multi: int = 0
     engine_calls: list[int] = field(default_factory=list)
     engine_in_flight: list[float] = field(default_factory=list)
+    #: per engine, the continuations that moved away from it (their previous call's engine)
+    moved_from: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     key_moves: float | None = None
     unhealthy_lines: int = 0
@@ -186,8 +188,13 @@ def figures(
     f.wrong_key = sum(served[c.call_id].key != c.rollout for c in answered if c.call_id in served)
     by_session = engines_of_sessions(answered, served)
     by_rollout: dict[str, set[int]] = defaultdict(set)
+    f.moved_from = [0] * engines
     for (rollout, _), steps in by_session.items():
         cont, moved = count_moves(steps)
+        for step, engine in steps.items():
+            before = steps.get(step - 1)
+            if before is not None and before != engine:
+                f.moved_from[before] += 1
         f.continuations += cont
         f.moved += moved
         f.sessions += 1
@@ -336,7 +343,11 @@ def describe_tree(label: str, src: Path, cwd: Path) -> Tree:
     working directory ``cwd``), imports its ``capture_proxy``. Raises SystemExit if not."""
     probe = "import capture_proxy; print(capture_proxy.__file__)"
     out = subprocess.run(
-        [sys.executable, "-c", probe], cwd=cwd, env=_tree_env(src), capture_output=True, text=True
+        [sys.executable, "-c", probe],
+        cwd=cwd,
+        env={**os.environ, **tree_env(src, cwd / "pycache")},
+        capture_output=True,
+        text=True,
     )
     if not out.stdout.strip().startswith(str(src)):
         raise SystemExit(f"{label}: PYTHONPATH={src} imports {out.stdout.strip() or out.stderr}")
@@ -348,8 +359,10 @@ def describe_tree(label: str, src: Path, cwd: Path) -> Tree:
     return Tree(label, src, revision)
 
 
-def _tree_env(src: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(src)}
+def tree_env(src: Path, pycache: Path) -> dict[str, str]:
+    """What a process of the tree ``src`` runs with: its package first, its bytecode cache in
+    ``pycache`` (nothing is written into the tree: it may be another engineer's checkout)."""
+    return {"PYTHONPATH": str(src), "PYTHONPYCACHEPREFIX": str(pycache)}
 
 
 def port_is_free(port: int) -> bool:
@@ -386,7 +399,7 @@ def _services(args: argparse.Namespace, tree: Tree, work: Path) -> tuple[list[Se
     for e in engines:
         argv += ["--backend", e.url]
     argv += ["--store", str(work / "store"), "--workers", str(args.workers), *args.proxy_arg]
-    env = {"PYTHONPATH": str(tree.src)}
+    env = tree_env(tree.src, work.parent / "pycache")
     proxy = Service("proxy", argv, proxy_port, work / "proxy.log", env=env, cwd=work)
     return engines, proxy
 
@@ -443,7 +456,8 @@ def describe_run(f: Figures) -> list[str]:
         f"  calls {f.calls}, errors {f.errors}, not sent {f.not_sent}, answered calls no engine "
         f"logged {f.unmatched}, with another routing key {f.wrong_key}; wall {f.wall_s:.1f} s",
         f"  continuations on another engine than their previous call: "
-        f"{_share(f.moved, f.continuations)}",
+        f"{_share(f.moved, f.continuations)}; moved away from each engine: "
+        + " / ".join(str(n) for n in f.moved_from),
         f"  sessions on more than one engine: {_share(f.sessions_multi, f.sessions)}; "
         f"rollouts: {_share(f.rollouts_multi, f.rollouts)}",
         f"  calls per engine: {engines} (busiest {f.busiest_over_mean:.2f}x the mean); "

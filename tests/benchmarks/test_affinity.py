@@ -40,6 +40,7 @@ def test_figures_match_calls_to_engines_by_call_id():
     f = figures(calls, served, engines=3, expected=9)
     assert (f.calls, f.errors, f.not_sent, f.unmatched, f.wrong_key) == (7, 1, 2, 0, 1)
     assert (f.continuations, f.moved) == (2, 1)  # r2's step 2 follows an error
+    assert f.moved_from == [1, 0, 0]
     assert (f.sessions, f.sessions_multi, f.rollouts, f.rollouts_multi) == (3, 1, 2, 1)
     assert f.engine_calls == [3, 1, 2]
     assert f.busiest_over_mean == 1.5
