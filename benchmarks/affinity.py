@@ -494,8 +494,8 @@ def summary(results: dict[str, list[Figures]], labels: list[str]) -> list[str]:
             f"{f'{m:.2f}{unit}{s}':>14s}" for m, s in zip(means, spreads, strict=True)
         )
         if len(labels) == 2:
-            ratio = means[0] / means[1] if means[1] else float("nan")
-            line += f"{ratio:>21.2f}x"
+            ratio = f"{means[0] / means[1]:.2f}x" if means[1] else "-"
+            line += f"{ratio:>22s}"
         lines.append(line)
     return lines
 
