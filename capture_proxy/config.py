@@ -337,7 +337,7 @@ class Settings(BaseSettings):
         "no user info (the engines share backend's credential)",
     )
     backend_balance_factor: float = Field(
-        1.25,
+        1.1,
         ge=1.0,
         description="with several backends: a rollout being placed passes over an engine whose "
         "active rollouts reach this factor x the mean (consistent hashing with bounded "

@@ -210,7 +210,7 @@ class BackendPool:
         self,
         urls: list[str],
         *,
-        balance_factor: float = 1.25,
+        balance_factor: float = 1.1,
         pin_idle_s: int = 600,
         pins: PinBoard | None = None,
         max_keys: int = 65536,
