@@ -339,15 +339,16 @@ class Settings(BaseSettings):
     backend_balance_factor: float = Field(
         1.1,
         ge=1.0,
-        description="with several backends: a rollout being placed passes over an engine whose "
-        "active rollouts reach this factor x the mean (consistent hashing with bounded "
-        "loads); 1.0: strict balance, larger: more rollouts on their first-choice engine",
+        description="with several backends: a rollout being placed (its first call, or its "
+        "engine down) passes over an engine whose requests in flight reach this factor x the "
+        "mean (consistent hashing with bounded loads); 1.0: strict balance, larger: more "
+        "rollouts on their first-choice engine",
     )
     backend_pin_idle_s: int = Field(
         600,
         ge=1,
         description="with several backends: seconds after a rollout's last request that it "
-        "stays pinned to its engine and counted in that engine's active rollouts",
+        "stays pinned to its engine (after that its next call is placed again)",
     )
     backend_health_interval_s: float = Field(
         2.0, gt=0, description="with several backends: seconds between /health probes of each"

@@ -2,46 +2,48 @@
 load cap over healthy engines.
 
 Owns the choice of one backend among several (``--backend`` repeated) for one engine request,
-given the routing key (the rollout id by default), the keys' pins, each engine's active keys
-and its health. Pure: no I/O, no clock (the caller passes ``now``, whole seconds of a clock
-shared by every worker: the adapter's ``time.monotonic``), no aiohttp; the adapter
-(``proxy.engines``) maps the pins shared by the workers, counts the requests in flight,
-probes health and sends.
+given the routing key (the rollout id by default), the keys' pins, each engine's requests in
+flight and its health. Pure: no I/O, no clock (the caller passes ``now``, whole seconds of a
+clock shared by every worker: the adapter's ``time.monotonic``), no aiohttp; the adapter
+(``proxy.engines``) maps the board shared by the workers, probes health and sends.
 
 The rule: a key's requests go to the engine it is pinned to while that engine is up. A key
-with no live pin (its first request, or none for ``pin_idle_s``, or its engine down) is
-placed by consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam 2018)
-over rendezvous hashing, as HAProxy's ``hash-balance-factor`` does over its ring: the key
-ranks the backends by ``blake2b(key, backend)`` and goes to the first healthy one whose
-active keys are under the cap ``ceil(balance_factor * (active_total + 1) / healthy)``, and is
-pinned there. A key is active on an engine from a request until ``pin_idle_s`` after its last
-one (an agent's tool run between two calls keeps it).
+with no live pin (its first request, none for ``pin_idle_s``, or its engine down) is placed
+by consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam 2018) over
+rendezvous hashing, as HAProxy's ``hash-balance-factor`` does over its ring: the key ranks
+the backends by ``blake2b(key, backend)`` and goes to the first healthy one whose requests in
+flight (every worker's) are under the cap ``ceil(balance_factor * (in_flight_total + 1) /
+healthy)``, and is pinned there.
 
-Why keys and pins, not requests in flight: a rollout's prefix cache is on one engine, and a
-move costs its whole prefix again. Agent traffic is bursty (a rollout's sessions call
-together, then run tools), so a cap on requests in flight, checked per request, passed
-rollouts over in bursts and brought them back after (12-13% of continuations on another
-engine at 3 engines and 2 workers with no failure, 38% on a loaded box); active keys change
-only as rollouts start and end, and a pin moves a key only when its engine goes down (it
-stays on its new engine after: its prefix is there now).
+Why pins: a rollout's prefix cache is on one engine, and a move costs its whole prefix again.
+The cap used to be checked at every request; agent traffic is bursty (a rollout's sessions
+call together, then run tools), so bursts passed rollouts over and brought them back after
+(12% of continuations on another engine at 3 engines with no failure, 38% on a loaded box).
+Now the cap shapes only where a rollout starts, and a rollout moves only when its engine goes
+down (it stays on its new engine after: its prefix is there now). Requests in flight are the
+engines' load as their batches see it, every request counted once (by the worker that sent
+it) and gone when it ends: an engine that comes back empty takes new rollouts only until it
+carries its share, and a dead engine's load leaves with its failed requests.
 
 Workers (``serve --workers``) share one ``PinBoard`` (a mapped file): the pins, so a rollout
-whose sessions reach different workers goes to one engine, and each worker's count of active
-keys per engine, summed for the cap. A worker writes its own counts only; two workers placing
-one key at once may pin it twice, the later pin wins (one move). A pin is two hash slots
+whose sessions reach different workers goes to one engine, and each worker's requests in
+flight per engine, summed for the cap. A worker writes its own row only. A placement holds
+the board's lock (the adapter's ``flock``) and first looks again for a pin another worker
+made meanwhile, so two workers placing one key at once agree; a pin's renewal writes only its
+last use, and only while it still names the engine the worker used. A pin is two hash slots
 (two-choice hashing) holding a fingerprint of the key: a key whose slots both hold other live
-keys takes the older one's slot, and that key is placed again at its next request (usually to
-the same engine: its first choice under the cap).
+keys takes the one used least lately, and that key is placed again at its next request
+(usually to the same engine: its first choice under the cap).
 
-When every backend is unhealthy the key's first one that still takes connections is chosen
-anyway (a busy engine whose probes time out, not one whose port refuses: under load every
-probe may be late), else the key's first: its error reaches the harness as it would with one
-engine. That choice pins nothing.
+When every backend is unhealthy a key goes to its pinned engine if that one still takes
+connections (a busy engine whose probes time out, not one whose port refuses: under load
+every probe may be late), else to its first such engine in its order, else to its first: its
+error reaches the harness as it would with one engine. That choice pins nothing.
 
 Cost per request: the key's ranking and slots are computed once and kept (a bounded LRU of
-``max_keys`` keys, which also holds the worker's active keys), then a pin read and a
-last-use write: O(1). A placement sums the workers' counts: O(workers x engines), once per
-rollout.
+``max_keys`` keys, which also remembers the engine each went to last, for ``moves``), then a
+pin read, at most once a second a last-use write, and two counter writes (in flight):
+O(1). A placement sums the workers' rows (numpy over workers x engines), once per rollout.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 #: An attempt suffix of a rollout id (DESIGN.md, "Words": a retried episode is ``<id>-a<n>``).
 _ATTEMPT_SUFFIX = re.compile(r"-a\d+$")
@@ -82,13 +86,13 @@ def pin_board_words(engines: int, workers: int) -> int:
 
 
 class PinBoard:
-    """The pins of the routing keys and the active keys per (worker, engine), in one buffer of
-    ``pin_board_words`` unsigned 32-bit words (``memoryview.cast("I")`` of a ``bytearray`` for
-    one process, of a shared ``mmap`` for workers): ``PIN_SLOTS`` slots of (fingerprint,
-    engine index + 1 or 0 for none, last use in seconds), then per worker a row of ``engines``
-    counts. This worker (``index``) writes its own row only. Starting zeroes that row (a
-    replaced worker's active keys died with it); the pins stay. ``lock``: a context that
-    excludes the other workers while one places a key (the adapter's ``flock``)."""
+    """The pins of the routing keys and the requests in flight per (worker, engine), in one
+    buffer of ``pin_board_words`` unsigned 32-bit words (``memoryview.cast("I")`` of a
+    ``bytearray`` for one process, of a shared ``mmap`` for workers): ``PIN_SLOTS`` slots of
+    (fingerprint, engine index + 1 or 0 for none, last use in seconds), then per worker a row
+    of ``engines`` counts. This worker (``index``) writes its own row only. Starting zeroes
+    that row (a replaced worker's requests died with it); the pins stay. ``lock``: a context
+    that excludes the other workers while one places a key (the adapter's ``flock``)."""
 
     def __init__(
         self,
@@ -107,9 +111,13 @@ class PinBoard:
         self.lock = lock
         self.engines = engines
         self.workers = workers
-        self._counts = PIN_SLOTS * _WORDS
-        self._row = self._counts + index * engines
+        rows = PIN_SLOTS * _WORDS
+        self._row = rows + index * engines
         words[self._row : self._row + engines] = memoryview(bytes(4 * engines)).cast("I")
+        #: every worker's rows, [workers, engines] uint32, a view of ``words``
+        self._rows = np.frombuffer(words, dtype=np.uint32, offset=4 * rows).reshape(
+            workers, engines
+        )
 
     @classmethod
     def local(cls, engines: int) -> PinBoard:
@@ -128,8 +136,8 @@ class PinBoard:
         return None
 
     def pin(self, key: KeySlots, engine: int, now: int) -> None:
-        """Pin ``key`` to ``engine`` (or renew its pin's last use): in its slot if it has one,
-        else in the slot used least lately of its two."""
+        """Pin ``key`` to ``engine`` at ``now``: in its slot if it has one, else in the slot
+        used least lately of its two (under ``lock``)."""
         w = self.words
         a, b = (slot * _WORDS for slot in key.slots)
         if w[b] == key.fingerprint and w[a] != key.fingerprint:
@@ -140,15 +148,24 @@ class PinBoard:
             i = a if w[a + 2] <= w[b + 2] else b
         w[i], w[i + 1], w[i + 2] = key.fingerprint, engine + 1, now
 
+    def touch(self, key: KeySlots, engine: int, now: int) -> None:
+        """Renew the last use of ``key``'s pin to ``engine`` (no lock: only the time is
+        written, and only while the pin still names that engine)."""
+        w = self.words
+        for slot in key.slots:
+            i = slot * _WORDS
+            if w[i] == key.fingerprint and w[i + 1] == engine + 1:
+                w[i + 2] = max(int(w[i + 2]), now)
+                return
+
     def count(self, engine: int, delta: int) -> None:
-        """Add ``delta`` to this worker's active keys on ``engine``."""
+        """Add ``delta`` to this worker's requests in flight on ``engine``."""
         i = self._row + engine
         self.words[i] = max(0, self.words[i] + delta)
 
     def loads(self) -> list[int]:
-        """Active keys per engine, summed over the workers."""
-        w, n, base = self.words, self.engines, self._counts
-        return [sum(w[base + r * n + e] for r in range(self.workers)) for e in range(n)]
+        """Requests in flight per engine, summed over the workers."""
+        return [int(n) for n in self._rows.sum(axis=0, dtype=np.int64)]
 
 
 @dataclass(frozen=True)
@@ -169,12 +186,13 @@ class KeySlots:
 
 @dataclass
 class Backend:
-    """One engine: its base URL (no trailing slash, no credential), requests in flight,
-    health (None: not probed yet, taken as healthy), whether it takes connections (False while
-    its last failure was a connection that could not be made: nothing listens) and how many
-    requests it was chosen for."""
+    """One engine: its base URL (no trailing slash, no credential), its index in the pool,
+    this worker's requests in flight on it, health (None: not probed yet, taken as healthy),
+    whether it takes connections (False while its last failure was a connection that could
+    not be made: nothing listens) and how many requests it was chosen for."""
 
     url: str
+    index: int = 0
     in_flight: int = 0
     healthy: bool | None = None
     chosen: int = 0
@@ -185,7 +203,7 @@ class Backend:
         return self.healthy is not False
 
 
-#: What a choice is to the key's pin: none (one backend, no key, all down), its pin, a placement.
+#: What a choice is to the key's pin: none (all down), its pin, a placement.
 _UNPINNED, _PINNED, _PLACED = 0, 1, 2
 
 
@@ -197,14 +215,13 @@ class _Key:
     ranking: tuple[int, ...]
     slots: KeySlots
     engine: int = -1
-    used_at: int = 0
+    used_at: int = -1
 
 
 class BackendPool:
     """The backends and the choice among them (module docstring). Not thread-safe: one
     event loop owns it. ``pins``: the board shared with the other workers (default: this
-    process's own); ``pin_idle_s``: seconds after a key's last request that its pin and its
-    place in the load hold."""
+    process's own); ``pin_idle_s``: seconds after a key's last request that its pin holds."""
 
     def __init__(
         self,
@@ -223,18 +240,16 @@ class BackendPool:
             raise ValueError("balance_factor must be >= 1.0")
         if pins is not None and pins.engines != len(urls):
             raise ValueError(f"the pin board is for {pins.engines} engines, not {len(urls)}")
-        self.backends = [Backend(url) for url in urls]
+        self.backends = [Backend(url, i) for i, url in enumerate(urls)]
         self.by_url = {b.url: b for b in self.backends}
         self.balance_factor = balance_factor
         self.pin_idle_s = pin_idle_s
         self.pins = pins or PinBoard.local(len(urls))
         self.max_keys = max_keys
-        #: the keys this worker routed, least lately used first (active: ``pin_idle_s``)
+        #: the keys this worker routed, least lately used first (at most ``max_keys``)
         self._keys: OrderedDict[str, _Key] = OrderedDict()
         #: how many times a key's request went to another backend than its previous one
         self.moves = 0
-        #: running totals: requests in flight, backends up
-        self._in_flight = 0
         self._up = len(self.backends)
 
     @property
@@ -254,32 +269,36 @@ class BackendPool:
         return _Key(tuple(order), KeySlots.of(key))
 
     def cap(self, loads: list[int]) -> int:
-        """Most active keys an engine may hold before a key placed now goes past it."""
+        """Most requests in flight an engine may hold before a key placed now goes past it."""
         healthy = self._up or len(self.backends)
         return math.ceil(self.balance_factor * (sum(loads) + 1) / healthy)
 
     def choose(self, key: str | None, now: int) -> Backend:
-        """The backend for one request with routing key ``key`` (None: the least loaded
-        healthy one) at ``now`` (seconds). Pins nothing and counts nothing (``acquire``)."""
-        return self.backends[self._choose(key, now, place=False)[0]]
-
-    def _choose(self, key: str | None, now: int, *, place: bool) -> tuple[int, int]:
-        """The backend index for ``key``, and what it is to the key's pin (``_UNPINNED``,
-        ``_PINNED``, ``_PLACED``); ``place``: pin a placement (under the board's lock, so
-        two workers placing one key at once agree)."""
+        """The backend for one request with routing key ``key`` (None: the healthy one with
+        the fewest of this worker's requests in flight) at ``now`` (seconds). Pins nothing
+        and counts nothing (``acquire``)."""
         if len(self.backends) == 1:
-            return 0, _UNPINNED
+            return self.primary
         if key is None:
-            up = [i for i, b in enumerate(self.backends) if b.up] or range(len(self.backends))
-            return min(up, key=lambda i: self.backends[i].in_flight), _UNPINNED
-        state = self._key(key)
-        pinned = self._pinned(state, now)
-        if pinned is not None:
+            return self.backends[self._least_loaded()]
+        return self.backends[self._choose(self._key(key), now, place=False)[0]]
+
+    def _least_loaded(self) -> int:
+        up = [i for i, b in enumerate(self.backends) if b.up] or range(len(self.backends))
+        return min(up, key=lambda i: self.backends[i].in_flight)
+
+    def _choose(self, state: _Key, now: int, *, place: bool) -> tuple[int, int]:
+        """The backend index for the key of ``state``, and what it is to the key's pin
+        (``_UNPINNED``, ``_PINNED``, ``_PLACED``); ``place``: pin a placement (under the
+        board's lock, so two workers placing one key at once agree)."""
+        pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
+        if pinned is not None and self.backends[pinned].up:
             return pinned, _PINNED
         with self.pins.lock() if place else contextlib.nullcontext():
-            pinned = self._pinned(state, now) if place else None  # another worker's, meanwhile
-            if pinned is not None:
-                return pinned, _PINNED
+            if place:  # another worker's pin, made meanwhile
+                pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
+                if pinned is not None and self.backends[pinned].up:
+                    return pinned, _PINNED
             loads = self.pins.loads()
             cap = self.cap(loads)
             for i in state.ranking:
@@ -287,54 +306,45 @@ class BackendPool:
                     if place:
                         self.pins.pin(state.slots, i, now)
                     return i, _PLACED
-        # all down: the key's first that takes connections (slow, not dead), else its first
+        # all down: its pinned engine if that takes connections (slow, not dead), else the
+        # key's first that does, else its first
+        if pinned is not None and self.backends[pinned].reachable:
+            return pinned, _UNPINNED
         live = (i for i in state.ranking if self.backends[i].reachable)
         return next(live, state.ranking[0]), _UNPINNED
 
-    def _pinned(self, state: _Key, now: int) -> int | None:
-        pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
-        return pinned if pinned is not None and self.backends[pinned].up else None
-
     def acquire(self, key: str | None, now: int) -> Backend:
-        """``choose`` at ``now`` (seconds), pin the key where it was placed, count it active
-        there and the request in flight (``release`` it)."""
-        index, pin = self._choose(key, now, place=True)
-        if key is not None and len(self.backends) > 1:
-            self._use(key, index, now, pin)
+        """``choose`` at ``now`` (seconds), pin the key where it was placed, and count the
+        request in flight on its backend (``release`` it)."""
+        if len(self.backends) == 1:
+            index = 0
+        elif key is None:
+            index = self._least_loaded()
+        else:
+            state = self._keys.pop(key, None) or self._key(key)
+            self._keys[key] = state  # most lately used last
+            if len(self._keys) > self.max_keys:
+                self._keys.popitem(last=False)
+            index, pin = self._choose(state, now, place=True)
+            self._use(state, index, now, pin)
         backend = self.backends[index]
         backend.in_flight += 1
         backend.chosen += 1
-        self._in_flight += 1
+        self.pins.count(index, +1)
         return backend
 
-    def _use(self, key: str, index: int, now: int, pin: int) -> None:
-        state = self._keys.pop(key, None) or self._key(key)
-        self._keys[key] = state  # most lately used last
+    def _use(self, state: _Key, index: int, now: int, pin: int) -> None:
         if pin == _PINNED and state.used_at != now:
-            self.pins.pin(state.slots, index, now)  # its last use, at most once a second
+            self.pins.touch(state.slots, index, now)  # its last use, at most once a second
         if state.engine != index:
             if state.engine >= 0:
                 self.moves += 1
-                self.pins.count(state.engine, -1)
-            self.pins.count(index, +1)
             state.engine = index
         state.used_at = now
-        self.expire(now)
-
-    def expire(self, now: int) -> None:
-        """Drop the keys idle for ``pin_idle_s`` at ``now`` (or past ``max_keys``) from this
-        worker's load: at each request, and from time to time in a worker without any."""
-        keys, idle_since = self._keys, now - self.pin_idle_s
-        while keys:
-            oldest = next(iter(keys.values()))
-            if oldest.used_at >= idle_since and len(keys) <= self.max_keys:
-                return
-            keys.popitem(last=False)
-            self.pins.count(oldest.engine, -1)
 
     def release(self, backend: Backend) -> None:
         backend.in_flight -= 1
-        self._in_flight -= 1
+        self.pins.count(backend.index, -1)
 
     def mark(self, url: str, healthy: bool, *, reachable: bool = True) -> bool:
         """Record a verdict on ``url``: ``healthy``, and ``reachable`` False when a connection

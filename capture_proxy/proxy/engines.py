@@ -8,10 +8,9 @@ Owns, around the pure choice (``core.engine_pool``):
   unhealthy at once, no answer only the ``SLOW_PROBES``-th in a row without a call answered
   in between, as a loaded engine, or a proxy whose own loop lags, answers late), the requests
   in flight per backend, and the Prometheus gauges
-  ``capture_proxy_backend_in_flight{backend}``, ``capture_proxy_backend_healthy{backend}``
-  and ``capture_proxy_backend_active_rollouts{backend}`` (read at scrape time, nothing on the
-  hot path; in a worker of several, copied into the workers' shared metric files every
-  second: ``publish_metrics``);
+  ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy{backend}``
+  (read at scrape time, nothing on the hot path; in a worker of several, copied into the
+  workers' shared metric files every second: ``publish_metrics``);
 - ``ROUTE``: the engine route of the request being served (routing key, chosen backend), a
   context variable set once per request by ``dispatch``, so every engine request made on its
   behalf (the call, tokens-in, ``/tokenize``, ``/detokenize``, ``/v1/models``, whatever module
@@ -169,13 +168,6 @@ class EngineRoutes:
         route = Route(key, backend.url)
         return Lease(self.pool, backend, route, ROUTE.set(route))
 
-    def backend_for(self, rollout_id: str) -> str:
-        """The engine a call of ``rollout_id`` would go to now (not counted in flight): for
-        work on a rollout's behalf outside a request (e.g. asking that engine's weight
-        version)."""
-        key = routing_key(rollout_id, self.key_kind)
-        return self.pool.choose(key if key is not None else rollout_id, _now()).url
-
     # --- health --------------------------------------------------------------------------
 
     async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> Probe:
@@ -206,7 +198,6 @@ class EngineRoutes:
         backends = self.pool.backends
         verdicts = await asyncio.gather(*(self.probe(session, b) for b in backends))
         answered, self.answered = self.answered, set()
-        self.pool.expire(_now())  # an idle worker's rollouts leave the load too
         for backend, probe in zip(backends, verdicts, strict=True):
             url = backend.url
             late = probe.slow and url not in answered
@@ -249,17 +240,15 @@ class EngineRoutes:
         """``/health``'s ``engine`` with several backends: ``ok`` while at least one engine
         can take calls (healthy, or not probed yet), how many can (``up``) of ``count``, and
         each engine's state (``engines``: ``url`` without credential, ``healthy``: True,
-        False or None before its first probe, ``error``: why it is not, ``in_flight``: this
-        worker's requests, ``active_rollouts``: the routing keys active on it, every worker's,
-        as the load cap counts them)."""
+        False or None before its first probe, ``error``: why it is not, ``in_flight``: its
+        requests in flight, every worker's)."""
         loads = self.pool.pins.loads()
         engines = [
             {
                 "url": b.url,
                 "healthy": b.healthy,
                 "error": None if b.up else self.last_error.get(b.url),
-                "in_flight": b.in_flight,
-                "active_rollouts": load,
+                "in_flight": load,
             }
             for b, load in zip(self.pool.backends, loads, strict=True)
         ]
@@ -309,14 +298,11 @@ class EngineRoutes:
             "chosen": Gauge(p + "chosen", _HELP["chosen"], label, registry=registry,
                             multiprocess_mode="sum"),
         }  # fmt: skip
-        active = Gauge(p + "active_rollouts", _HELP["active_rollouts"], label,
-                       registry=registry, multiprocess_mode="livemax")  # fmt: skip
         moves = Gauge(p + "key_moves", _HELP["key_moves"], registry=registry,
                       multiprocess_mode="sum")  # fmt: skip
 
         def publish() -> None:
-            for b, load in zip(self.pool.backends, self.pool.pins.loads(), strict=True):
-                active.labels(b.url).set(load)  # every worker's: the same sum in each
+            for b in self.pool.backends:
                 gauges["in_flight"].labels(b.url).set(b.in_flight)
                 gauges["healthy"].labels(b.url).set(0 if b.healthy is False else 1)
                 gauges["chosen"].labels(b.url).set(b.chosen)
@@ -333,8 +319,6 @@ _HELP = {
     "healthy": "1: the backend's last health probe answered 2xx (or none yet); 0: it did not",
     "chosen": "Requests routed to each engine backend since start",
     "key_moves": "Times a rollout's request went to another engine than its previous one",
-    "active_rollouts": "Routing keys pinned to each engine and active (a request within "
-    "backend_pin_idle_s), every worker's: the load the placement cap counts",
 }
 
 
@@ -393,17 +377,13 @@ class _PoolCollector(Collector):
         chosen = GaugeMetricFamily(
             "capture_proxy_backend_chosen", _HELP["chosen"], labels=["backend"]
         )
-        active = GaugeMetricFamily(
-            "capture_proxy_backend_active_rollouts", _HELP["active_rollouts"], labels=["backend"]
-        )
-        for b, load in zip(self.pool.backends, self.pool.pins.loads(), strict=True):
+        for b in self.pool.backends:
             in_flight.add_metric([b.url], b.in_flight)
             healthy.add_metric([b.url], 0 if b.healthy is False else 1)
             chosen.add_metric([b.url], b.chosen)
-            active.add_metric([b.url], load)
         moved = GaugeMetricFamily("capture_proxy_backend_key_moves", _HELP["key_moves"])
         moved.add_metric([], self.pool.moves)
-        yield from (in_flight, healthy, chosen, active, moved)
+        yield from (in_flight, healthy, chosen, moved)
 
 
 ROUTES_KEY = web.AppKey("engine_routes", EngineRoutes)

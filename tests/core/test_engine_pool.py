@@ -1,4 +1,5 @@
-"""Tier 1: the choice of engine per rollout (rendezvous hashing with a load cap)."""
+"""Tier 1: the choice of engine per rollout (pins placed by rendezvous hashing with a load cap
+on requests in flight, shared by the workers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture_proxy.core.engine_pool import (
+    Backend,
     BackendPool,
     KeySlots,
     PinBoard,
@@ -17,9 +19,11 @@ from capture_proxy.core.engine_pool import (
 )
 
 URLS = ["http://e0", "http://e1", "http://e2"]
-
-
 T0 = 10_000  # a time (s) of the pins' clock
+
+
+def _board(engines: int, workers: int) -> memoryview:
+    return memoryview(bytearray(4 * pin_board_words(engines, workers))).cast("I")
 
 
 def test_a_key_goes_to_one_backend_and_keys_spread_over_all():
@@ -29,16 +33,16 @@ def test_a_key_goes_to_one_backend_and_keys_spread_over_all():
     counts = {u: list(first.values()).count(u) for u in URLS}
     assert sum(counts.values()) == 300
     assert min(counts.values()) >= 70, counts  # about 100 each
-    assert max(counts.values()) <= 110  # ceil(1.1 * 300 / 3): the cap on active keys
-    assert pool.pins.loads() == [counts[u] for u in URLS]
+    assert max(counts.values()) <= 110  # ceil(1.1 * 300 / 3): the cap in flight
+    assert pool.pins.loads() == [2 * counts[u] for u in URLS]  # two requests each, held
     assert pool.moves == 0
 
 
-def test_placement_passes_over_an_engine_at_the_cap_of_active_keys():
+def test_placement_passes_over_an_engine_at_the_cap_in_flight():
     pool = BackendPool(["http://a", "http://b"], balance_factor=1.0)
     keys = [f"r{i}" for i in range(40)]
     chosen = [pool.acquire(k, T0).url for k in keys]
-    # each key is placed while the engine's active keys are under ceil((placed + 1) / 2)
+    # each key is placed while the engine's requests in flight are under ceil((n + 1) / 2)
     assert pool.pins.loads() == [20, 20]
     assert sorted(chosen) == ["http://a"] * 20 + ["http://b"] * 20
     assert [pool.choose(k, T0 + 5).url for k in keys] == chosen
@@ -49,19 +53,26 @@ def test_a_pinned_key_stays_on_its_engine_whatever_its_requests_in_flight():
     home = pool.acquire("hot", T0)
     held = [pool.acquire("hot", T0) for _ in range(9)]  # a burst: 10 in flight, 0 elsewhere
     assert all(b is home for b in held)
-    assert pool.pins.loads() == [int(home.url == "http://a"), int(home.url == "http://b")]
+    assert pool.pins.loads() == [10 * (home.index == 0), 10 * (home.index == 1)]
     for b in [home, *held]:
         pool.release(b)
+    assert pool.pins.loads() == [0, 0]
     assert [b.in_flight for b in pool.backends] == [0, 0]
     assert pool.moves == 0
 
 
-def test_an_unhealthy_backend_moves_its_keys_to_their_next_backend_and_they_stay():
+def test_an_unhealthy_backend_moves_its_keys_once_and_they_stay_when_it_is_back():
     pool = BackendPool(URLS)
-    before = {f"r{i}": pool.acquire(f"r{i}", T0).url for i in range(200)}
+    keys = [f"r{i}" for i in range(200)]
+    before = {}
+    for k in keys:
+        backend = pool.acquire(k, T0)
+        before[k] = backend.url
+        pool.release(backend)  # each call ends before the next starts
     pool.mark("http://e1", False)
-    after = {k: pool.acquire(k, T0 + 1).url for k in before}
-    moved = {k for k in before if before[k] != after[k]}
+    held = [pool.acquire(k, T0 + 1) for k in keys]  # every rollout's next call, in flight
+    after = {k: b.url for k, b in zip(keys, held, strict=True)}
+    moved = {k for k in keys if before[k] != after[k]}
     assert moved == {k for k, u in before.items() if u == "http://e1"}
     assert all(after[k] == next(b.url for b in pool.ranking(k) if b.url != "http://e1")
                for k in moved)  # fmt: skip
@@ -69,34 +80,38 @@ def test_an_unhealthy_backend_moves_its_keys_to_their_next_backend_and_they_stay
     assert pool.pins.loads()[1] == 0
     pool.mark("http://e1", True)
     # the moved keys' prefixes are on their new engines now: they stay there
-    assert {k: pool.acquire(k, T0 + 2).url for k in before} == after
-    # new keys fill the engine that came back (the others are over the cap)
+    assert {k: pool.choose(k, T0 + 2).url for k in keys} == after
+    # new rollouts go to the engine that came back while the others carry more than their
+    # share in flight (cap ceil(1.1 * 201 / 3) = 74, e0 and e2 hold about 100 each)
     fresh = [pool.acquire(f"new{i}", T0 + 2).url for i in range(30)]
-    assert fresh.count("http://e1") >= 20, fresh
+    assert fresh == ["http://e1"] * 30
+    for b in held:
+        pool.release(b)
+    assert pool.pins.loads() == [0, 30, 0]
+    assert pool.moves == len(moved)
 
 
-def test_an_idle_key_leaves_the_load_and_is_placed_afresh():
+def test_a_key_idle_past_its_pin_is_placed_again_and_a_move_is_counted():
     pool = BackendPool(["http://a", "http://b"], pin_idle_s=60)
     key = next(f"r{i}" for i in range(100) if pool.ranking(f"r{i}")[0].url == "http://a")
-    other = next(f"r{i}" for i in range(100) if pool.ranking(f"r{i}")[0].url == "http://b")
-    assert pool.acquire(key, T0).url == "http://a"
-    assert pool.acquire(other, T0 + 30).url == "http://b"
-    assert pool.pins.loads() == [1, 1]
-    assert pool.acquire(other, T0 + 61).url == "http://b"  # key: 61 s idle, out of the load
-    assert pool.pins.loads() == [0, 1]
-    assert pool.pins.pinned(KeySlots.of(key), T0 + 61 - 60) is None
-    assert pool.acquire(key, T0 + 62).url == "http://a"  # placed again: its first choice
-    assert pool.pins.loads() == [1, 1]
-    assert pool.moves == 0
+    pool.release(pool.acquire(key, T0))
+    assert pool.pins.pinned(KeySlots.of(key), T0 + 60 - 60) == 0
+    assert pool.pins.pinned(KeySlots.of(key), T0 + 61 - 60) is None  # idle 61 s: no pin
+    burst = [pool.acquire(f"other{i}", T0 + 61) for i in range(40)]
+    on_a = sum(b.url == "http://a" for b in burst)
+    # placed again: a is its first choice, but it goes where the load allows
+    again = pool.acquire(key, T0 + 61)
+    assert again.url == ("http://a" if on_a < pool.cap(pool.pins.loads()) else "http://b")
+    assert pool.moves == (again.url == "http://b")
 
 
 def test_workers_sharing_a_board_send_a_key_to_one_engine():
-    words = memoryview(bytearray(4 * pin_board_words(2, 2))).cast("I")
+    words = _board(2, 2)
     w0 = BackendPool(["http://a", "http://b"], pins=PinBoard(words, engines=2, workers=2, index=0))
     w1 = BackendPool(["http://a", "http://b"], pins=PinBoard(words, engines=2, workers=2, index=1))
     keys = [f"r{i}" for i in range(40)]
     placed = {k: w0.acquire(k, T0).url for k in keys}
-    # worker 1 sees worker 0's pins, and worker 0's load in its cap
+    # worker 1 sees worker 0's pins, and worker 0's requests in flight in its cap
     assert {k: w1.acquire(k, T0 + 1).url for k in keys} == placed
     per_engine = [list(placed.values()).count(u) for u in ("http://a", "http://b")]
     assert w1.pins.loads() == w0.pins.loads() == [2 * n for n in per_engine]
@@ -106,7 +121,7 @@ def test_workers_sharing_a_board_send_a_key_to_one_engine():
 
 
 def test_a_placement_under_the_lock_takes_a_pin_another_worker_made_meanwhile():
-    words = memoryview(bytearray(4 * pin_board_words(2, 2))).cast("I")
+    words = _board(2, 2)
     other = PinBoard(words, engines=2, workers=2, index=1)
     key = "r"
     entered = []
@@ -119,7 +134,7 @@ def test_a_placement_under_the_lock_takes_a_pin_another_worker_made_meanwhile():
 
     pool = BackendPool(["http://a", "http://b"],
                        pins=PinBoard(words, engines=2, workers=2, index=0, lock=lock))  # fmt: skip
-    second = pool.backends.index(pool.ranking(key)[1])
+    second = pool.ranking(key)[1].index
     assert pool.choose(key, T0).url == pool.ranking(key)[0].url  # a look takes no lock
     assert entered == []
     assert pool.acquire(key, T0) is pool.ranking(key)[1]
@@ -127,8 +142,20 @@ def test_a_placement_under_the_lock_takes_a_pin_another_worker_made_meanwhile():
     assert entered == [key]  # one placement, then its pin
 
 
+def test_a_renewal_never_undoes_another_workers_placement():
+    board = PinBoard.local(3)
+    key = KeySlots.of("r")
+    board.pin(key, 0, T0)
+    board.pin(key, 2, T0 + 5)  # another worker moved it (its engine went down)
+    board.touch(key, 0, T0 + 6)  # a worker that still sent it to engine 0 renews
+    assert board.pinned(key, T0 + 5) == 2
+    assert board.pinned(key, T0 + 6) is None  # and its time is not renewed either
+    board.touch(key, 2, T0 + 7)
+    assert board.pinned(key, T0 + 7) == 2
+
+
 def test_a_replaced_worker_zeroes_its_counts_and_keeps_the_pins():
-    words = memoryview(bytearray(4 * pin_board_words(2, 2))).cast("I")
+    words = _board(2, 2)
     w0 = BackendPool(["http://a", "http://b"], pins=PinBoard(words, engines=2, workers=2, index=0))
     placed = {f"r{i}": w0.acquire(f"r{i}", T0).url for i in range(10)}
     again = BackendPool(["http://a", "http://b"],
@@ -149,12 +176,36 @@ def test_two_choice_slots_keep_two_colliding_keys_and_give_up_the_older():
     assert board.pinned(one, T0 + 3) is None  # stale: last used T0 + 2
 
 
+def test_a_pin_naming_no_engine_of_the_board_is_no_pin():
+    board = PinBoard.local(3)
+    key = KeySlots(7, (1, 2))
+    board.words[3:6] = memoryview(bytes(12)).cast("I")
+    board.words[3], board.words[4], board.words[5] = 7, 9, T0  # a torn or foreign write
+    assert board.pinned(key, T0) is None
+
+
 def test_all_unhealthy_pins_nothing():
     pool = BackendPool(URLS)
     for url in URLS:
         pool.mark(url, False)
     assert pool.acquire("r", T0).url == pool.ranking("r")[0].url
     assert pool.pins.pinned(KeySlots.of("r"), 0) is None
+
+
+def test_all_unhealthy_keeps_a_key_on_its_pinned_engine_while_it_takes_connections():
+    pool = BackendPool(URLS)
+    first, second, third = pool.ranking("r")
+    pool.mark(first.url, False)
+    assert pool.acquire("r", T0) is second  # placed on its second choice, pinned there
+    pool.mark(first.url, True)
+    assert pool.acquire("r", T0 + 1) is second
+    for b in URLS:
+        pool.mark(b, False)  # every probe late: busy engines, not dead ones
+    assert pool.acquire("r", T0 + 2) is second  # not its first choice: it stays
+    pool.mark(second.url, False, reachable=False)  # its port refuses: the key's first that takes
+    assert pool.acquire("r", T0 + 3) is first
+    assert pool.moves == 1
+    assert pool.pins.pinned(KeySlots.of("r"), T0) == second.index  # no pin made meanwhile
 
 
 def test_all_unhealthy_chooses_the_keys_first_backend_that_takes_connections():
@@ -178,12 +229,23 @@ def test_one_backend_is_always_chosen():
     assert pool.acquire("r", T0).url == "http://only"
 
 
-def test_the_keys_kept_are_bounded_and_leave_the_load():
+def test_the_keys_kept_are_bounded():
     pool = BackendPool(URLS, max_keys=10)
-    for i in range(50):
-        pool.acquire(f"r{i}", T0)
+    held = [pool.acquire(f"r{i}", T0) for i in range(50)]
     assert len(pool._keys) == 10
-    assert sum(pool.pins.loads()) == 10
+    assert sum(pool.pins.loads()) == 50
+    for b in held:
+        pool.release(b)
+    assert pool.pins.loads() == [0, 0, 0]
+
+
+def test_keyless_requests_go_to_the_least_loaded_healthy_backend():
+    pool = BackendPool(URLS)
+    held = [pool.acquire(None, T0) for _ in range(6)]
+    assert [b.in_flight for b in pool.backends] == [2, 2, 2]
+    pool.mark("http://e0", False)
+    assert pool.acquire(None, T0).url in {"http://e1", "http://e2"}
+    assert held
 
 
 def test_routing_keys():
@@ -217,12 +279,13 @@ def test_the_running_totals_match_the_backends():
     pool.mark("http://e0", False)
     pool.mark("http://e0", False)
     pool.mark("http://e2", True)
-    assert pool._in_flight == sum(b.in_flight for b in pool.backends) == 7
+    assert pool.pins.loads() == [b.in_flight for b in pool.backends]
+    assert sum(pool.pins.loads()) == 7
     assert pool._up == sum(b.up for b in pool.backends) == 2
     for b in held:
         pool.release(b)
     pool.mark("http://e0", True)
-    assert (pool._in_flight, pool._up) == (0, 3)
+    assert (pool.pins.loads(), pool._up) == ([0, 0, 0], 3)
 
 
 @settings(max_examples=300, deadline=None)
@@ -230,7 +293,8 @@ def test_the_running_totals_match_the_backends():
     st.lists(
         st.tuples(
             st.integers(0, 1),  # worker
-            st.integers(0, 11),  # key
+            st.integers(0, 11),  # key (or, with the release flag, which lease)
+            st.booleans(),  # release a lease held instead
             st.integers(0, 90),  # seconds since the last step
             st.sampled_from([None, (0, True), (0, False), (1, True), (2, False), (2, True)]),
         ),
@@ -239,29 +303,32 @@ def test_the_running_totals_match_the_backends():
 )
 def test_two_workers_keep_their_counts_true_and_agree_on_every_key(steps):
     urls = ["http://a", "http://b", "http://c"]
-    words = memoryview(bytearray(4 * pin_board_words(3, 2))).cast("I")
+    words = _board(3, 2)
     pools = [
         BackendPool(urls, pin_idle_s=120, pins=PinBoard(words, engines=3, workers=2, index=i))
         for i in range(2)
     ]
+    held: list[tuple[BackendPool, Backend]] = []
     now = T0
-    for worker, key, dt, health in steps:
+    for worker, key, release, dt, health in steps:
         now += dt
         if health is not None:
             for pool in pools:  # both workers' probes agree
                 pool.mark(urls[health[0]], health[1])
-        pool, other = pools[worker], pools[1 - worker]
-        backend = pool.acquire(f"r{key}", now)
-        if any(b.up for b in pool.backends):
-            assert backend.up
-            assert other.choose(f"r{key}", now) is other.by_url[backend.url]
-        pool.release(backend)
-        for p in pools:
-            p.expire(now)  # an idle worker's probe rounds do it
-            row = [0, 0, 0]
-            for state in p._keys.values():
-                assert now - state.used_at <= 120
-                row[state.engine] += 1
-            assert list(words[p.pins._row : p.pins._row + 3]) == row
-        assert pools[0].pins.loads() == pools[1].pins.loads()
-        assert all(b.in_flight == 0 for p in pools for b in p.backends)
+        if release and held:
+            pool, backend = held.pop(key % len(held))
+            pool.release(backend)
+        else:
+            pool, other = pools[worker], pools[1 - worker]
+            backend = pool.acquire(f"r{key}", now)
+            held.append((pool, backend))
+            if any(b.up for b in pool.backends):
+                assert backend.up
+                assert other.choose(f"r{key}", now) is other.by_url[backend.url]
+        for p in pools:  # each worker's row is its requests in flight
+            assert list(words[p.pins._row : p.pins._row + 3]) == [b.in_flight for b in p.backends]
+        assert (
+            pools[0].pins.loads()
+            == pools[1].pins.loads()
+            == [sum(b.url == u for _, b in held) for u in urls]
+        )

@@ -149,9 +149,6 @@ async def test_rollouts_stick_to_one_engine_spread_and_move_when_it_dies(
     assert f'capture_proxy_backend_healthy{{backend="{urls[live]}"}} 1.0' in metrics
     assert f'capture_proxy_backend_in_flight{{backend="{urls[live]}"}} 0.0' in metrics
     assert f"capture_proxy_backend_key_moves {float(len(moved))}" in metrics
-    # every rollout is active on the live engine now, none on the dead one
-    assert f'capture_proxy_backend_active_rollouts{{backend="{urls[live]}"}} 32.0' in metrics
-    assert f'capture_proxy_backend_active_rollouts{{backend="{urls[dead]}"}} 0.0' in metrics
 
 
 async def test_the_health_probe_moves_rollouts_before_any_call_fails(
@@ -241,23 +238,27 @@ async def test_exact_tokens_tokenize_and_tokens_in_go_to_the_rollouts_engine_wit
         await assert_exact_chain(client, s.rollout, s.call_ids)
 
 
-def test_backend_for_names_the_engine_a_rollouts_next_call_goes_to():
+def test_a_lease_names_its_rollouts_pinned_engine_and_ends_in_flight():
     from capture_proxy.proxy.engines import EngineRoutes
 
     routes = EngineRoutes(
         ["http://e0", "http://e1"],
-        key_kind="rollout",
-        balance_factor=1.25,
+        key_kind="episode",
+        balance_factor=1.1,
         health_interval_s=1.0,
         health_timeout_s=1.0,
     )
-    lease = routes.enter("r7")
+    lease = routes.enter("r7-a1")
     try:
-        assert routes.backend_for("r7") == lease.backend
         assert lease.route.key == "r7"
+        assert routes.pool.pins.loads()[lease.backend_state.index] == 1
+        again = routes.enter("r7-a2")  # a retried episode: same key, same engine
+        assert again.backend == lease.backend
+        again.close()
     finally:
         lease.close()
     assert [b.in_flight for b in routes.pool.backends] == [0, 0]
+    assert routes.pool.pins.loads() == [0, 0]
 
 
 @pytest.mark.parametrize("token", [None, "t" * 32])
@@ -304,10 +305,9 @@ async def test_health_is_ok_while_one_engine_serves_and_names_every_engines_stat
         return {"status": body["status"], "engine": body["engine"]}
 
     def state(i: int, error: str | None) -> dict[str, Any]:
-        counts = {"in_flight": 0, "active_rollouts": 0}
         if token is not None:
-            return {"healthy": error is None, **counts}
-        return {"url": urls[i], "healthy": error is None, "error": error, **counts}
+            return {"healthy": error is None, "in_flight": 0}
+        return {"url": urls[i], "healthy": error is None, "error": error, "in_flight": 0}
 
     both = {"ok": True, "up": 2, "count": 2, "engines": [state(0, None), state(1, None)]}
     assert await health_after_probe(200) == {"status": "ok", "engine": both}
