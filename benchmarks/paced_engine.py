@@ -20,7 +20,14 @@ What the answer carries (vLLM 0.11 with ``return_token_ids`` and ``logprobs``): 
 and ``logprobs.content`` per token, ``prompt_token_ids`` in the first chunk (streaming) or the
 body, ``usage``. Only what the request asks for.
 
-Run: ``python benchmarks/paced_engine.py --port N [--processes 1]``.
+``--served-log FILE``: one JSON line per chat request when its answer ends (``affinity.py``
+reads them): ``id`` its ``X-Request-Id`` (the proxy's call id), ``key`` its
+``x-smg-routing-key`` (the proxy's routing key), ``t0`` and ``t1`` when it arrived and when its
+last byte was written (``time.monotonic()``: one clock for every process of the machine),
+``status``, and ``cut`` when the client left first. Written line by line, so it is read while
+the engine runs.
+
+Run: ``python benchmarks/paced_engine.py --port N [--processes 1] [--served-log FILE]``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
+from typing import IO
 
 import orjson
 
@@ -43,6 +52,8 @@ from benchmarks import paced_wire as wire  # noqa: E402
 #: A stream whose transport holds more than this many unsent bytes skips steps.
 MAX_BUFFERED = 256 * 1024
 _HEAD = b'{"id":"chatcmpl-paced","object":"chat.completion.chunk","created":0,"model":"paced",'
+#: The request headers a served-request log keeps: the proxy's call id and routing key.
+_LOGGED_HEADERS = frozenset(("x-request-id", "x-smg-routing-key"))
 _SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
@@ -114,20 +125,37 @@ class Events:
 EVENTS = Events()
 
 
+class Served:
+    """One chat request for the served-request log (``--served-log``): its headers' call id
+    and routing key, when it arrived."""
+
+    __slots__ = ("log", "request_id", "key", "t0")
+
+    def __init__(self, log: IO[str], request_id: str | None, key: str | None) -> None:
+        self.log, self.request_id, self.key, self.t0 = log, request_id, key, time.monotonic()
+
+    def ended(self, status: int, cut: bool = False) -> None:
+        line = {"id": self.request_id, "key": self.key, "t0": self.t0, "t1": time.monotonic()}
+        line |= {"status": status, "cut": cut}
+        self.log.write(orjson.dumps(line).decode() + "\n")
+
+
 class Stream:
     """One streamed answer in progress."""
 
-    __slots__ = ("conn", "pieces", "next", "start_at", "first", "tail", "full")
+    __slots__ = ("conn", "pieces", "next", "start_at", "first", "tail", "full", "served")
 
     def __init__(self, conn: Conn, pieces: tuple[int, ...], start_at: float, first: bytes,
-                 tail: bytes, full: bool) -> None:  # fmt: skip
+                 tail: bytes, full: bool, served: Served | None = None) -> None:  # fmt: skip
         self.conn, self.pieces, self.next, self.start_at = conn, pieces, -1, start_at
-        self.first, self.tail, self.full = first, tail, full
+        self.first, self.tail, self.full, self.served = first, tail, full, served
 
     def step(self) -> bool:
         """Send the next token (the first step: the head chunk too); True when done."""
         transport = self.conn.transport
         if transport is None or transport.is_closing():
+            if self.served is not None:
+                self.served.ended(200, cut=True)
             return True
         if transport.get_write_buffer_size() > MAX_BUFFERED:
             return False
@@ -142,6 +170,8 @@ class Stream:
             self.next = i + 1
             return False
         transport.write(out + EVENTS.end[self.full] + self.tail)
+        if self.served is not None:
+            self.served.ended(200)
         self.conn.done()
         return True
 
@@ -176,10 +206,11 @@ TICKERS: dict[float, Ticker] = {}
 class Conn(asyncio.Protocol):
     """One client connection: requests one after the other (keep-alive)."""
 
-    def __init__(self) -> None:
+    def __init__(self, served_log: IO[str] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.busy = False
+        self.served_log = served_log
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's: no subclass
@@ -202,31 +233,41 @@ class Conn(asyncio.Protocol):
                 return
             lines = bytes(self.buf[:end]).decode("latin-1").split("\r\n")
             method, path = lines[0].split(" ", 2)[:2]
-            length = 0
+            length, named = 0, {}
             for line in lines[1:]:
                 name, _, value = line.partition(":")
-                if name.strip().lower() == "content-length":
+                name = name.strip().lower()
+                if name == "content-length":
                     length = int(value)
+                elif name in _LOGGED_HEADERS:
+                    named[name] = value.strip()
             if len(self.buf) < end + 4 + length:
                 return
             body = bytes(self.buf[end + 4 : end + 4 + length])
             del self.buf[: end + 4 + length]
             self.busy = True
-            self._handle(method, path, body)
+            served = None
+            if self.served_log is not None and method == "POST":
+                key = named.get("x-smg-routing-key")
+                served = Served(self.served_log, named.get("x-request-id"), key)
+            self._handle(method, path, body, served)
 
-    def _respond(self, status: str, body: bytes) -> None:
-        assert self.transport is not None
+    def _respond(self, status: str, body: bytes, served: Served | None = None) -> None:
+        if served is not None:
+            served.ended(int(status.split(" ", 1)[0]), cut=self.transport is None)
+        if self.transport is None:  # the client left while the answer was generated
+            return
         head = b"HTTP/1.1 %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
         self.transport.write(head % (status.encode(), len(body)) + body)
         self.done()
 
-    def _handle(self, method: str, path: str, body: bytes) -> None:
+    def _handle(self, method: str, path: str, body: bytes, served: Served | None) -> None:
         if method == "GET":
             models = {"object": "list", "data": [{"id": wire.MODEL, "object": "model"}]}
             self._respond("200 OK", orjson.dumps(models if path == "/v1/models" else {}))
             return
         if not path.startswith("/v1/chat/completions"):
-            self._respond("404 Not Found", b'{"error":{"message":"not found"}}')
+            self._respond("404 Not Found", b'{"error":{"message":"not found"}}', served)
             return
         try:
             request = orjson.loads(body)
@@ -234,7 +275,7 @@ class Conn(asyncio.Protocol):
             last = messages[-1].get("content") or ""
             directive = wire.parse_directive(last if isinstance(last, str) else "")
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
-            self._respond("400 Bad Request", b'{"error":{"message":"bad request"}}')
+            self._respond("400 Bad Request", b'{"error":{"message":"bad request"}}', served)
             return
         seed, tokens, rate, ttft_ms = directive or (0, 32, 1e6, 0.0)
         prompt = wire.prompt_ids(messages)
@@ -251,10 +292,10 @@ class Conn(asyncio.Protocol):
             first = EVENTS.first(prompt_json)
             tail = EVENTS.tail(len(prompt), tokens, usage)
             ticker = TICKERS.get(rate) or TICKERS.setdefault(rate, Ticker(rate))
-            ticker.add(Stream(self, pieces, start_at, first, tail, full))
+            ticker.add(Stream(self, pieces, start_at, first, tail, full, served))
             return
         whole = self._whole(pieces, seed, tokens, prompt_json, len(prompt), full)
-        loop.call_at(start_at + tokens / rate, self._respond, "200 OK", whole)
+        loop.call_at(start_at + tokens / rate, self._respond, "200 OK", whole, served)
 
     @staticmethod
     def _whole(pieces: tuple[int, ...], seed: int, tokens: int, prompt_json: bytes | None,
@@ -281,11 +322,12 @@ class Conn(asyncio.Protocol):
         return out + b"}"
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, served_log: IO[str] | None = None) -> None:
     import uvloop
 
     async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Conn, sock=sock, backlog=4096)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: Conn(served_log), sock=sock, backlog=4096)
         async with server:
             await server.serve_forever()
 
@@ -296,7 +338,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--processes", type=int, default=1)
+    ap.add_argument(
+        "--served-log",
+        type=Path,
+        help="append one JSON line per chat request answered (module docstring); one process only",
+    )
     args = ap.parse_args()
+    if args.served_log is not None and args.processes != 1:
+        ap.error("--served-log needs --processes 1")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", args.port))
@@ -309,8 +358,9 @@ def main() -> None:
             serve(sock)
             os._exit(0)
         children.append(pid)
+    served_log = args.served_log.open("a", buffering=1) if args.served_log else None
     try:
-        serve(sock)
+        serve(sock, served_log)
     except KeyboardInterrupt:
         pass
     finally:

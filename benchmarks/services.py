@@ -57,6 +57,10 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     #: extra environment (``PYTHONPATH`` of another source tree: a baseline in the same run)
     env: dict[str, str] | None = None
+    #: its working directory (None: the repository). A ``python -m`` child (``serve
+    #: --workers``' workers) finds the package in its working directory before
+    #: ``PYTHONPATH``: a process of another tree runs outside this repository.
+    cwd: Path | None = None
 
     @property
     def url(self) -> str:
@@ -67,7 +71,7 @@ class Service:
         try:
             self.proc = subprocess.Popen(
                 self.argv,
-                cwd=ROOT,
+                cwd=self.cwd or ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

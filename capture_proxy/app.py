@@ -36,7 +36,7 @@ from capture_proxy.proxy.app import CALL_DEPS_KEY, dispatch
 from capture_proxy.proxy.auth import auth_middleware
 from capture_proxy.proxy.engine_probe import EngineProbe
 from capture_proxy.proxy.engine_render import EngineRenderer
-from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes
+from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes, map_pin_board
 from capture_proxy.proxy.errors import error_middleware
 from capture_proxy.proxy.exact import ExactTokens
 from capture_proxy.proxy.images import (
@@ -303,7 +303,7 @@ def build_proxy_app(
     app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims)
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
-    app[ROUTES_KEY] = _engine_routes(settings)
+    app[ROUTES_KEY] = _engine_routes(settings, worker)
     app[CALL_DEPS_KEY] = {}
     app[CALLS_IN_FLIGHT_KEY] = CallsInFlight()
     graceful_stop(app, settings.shutdown_timeout_s)
@@ -333,13 +333,21 @@ def build_proxy_app(
     return app
 
 
-def _engine_routes(settings: Settings) -> EngineRoutes:
-    """The engines a rollout's calls go to (``--backend`` repeated); their metrics come with
-    the app's resources (``EngineRoutes.metrics``)."""
+def _engine_routes(settings: Settings, worker: WorkerRole | None = None) -> EngineRoutes:
+    """The engines a rollout's calls go to (``--backend`` repeated), with the pins the workers
+    share (``worker.pins_path``); their metrics come with the app's resources
+    (``EngineRoutes.metrics``)."""
+    urls = settings.backend_bases
+    pins = None
+    if worker is not None and worker.pins_path is not None and len(urls) > 1:
+        pins = map_pin_board(Path(worker.pins_path), engines=len(urls), workers=worker.count,
+                             index=worker.index)  # fmt: skip
     routes = EngineRoutes(
-        settings.backend_bases,
+        urls,
         key_kind=settings.routing_key,
         balance_factor=settings.backend_balance_factor,
+        pin_idle_s=settings.backend_pin_idle_s,
+        pins=pins,
         health_interval_s=settings.backend_health_interval_s,
         health_timeout_s=settings.backend_health_timeout_s,
         health_headers=(

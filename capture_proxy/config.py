@@ -332,16 +332,23 @@ class Settings(BaseSettings):
     extra_backends: list[AnyHttpUrl] = Field(
         default_factory=list,
         description="more engine base URLs besides backend (serve --backend repeated): each "
-        "rollout's calls go to one engine (rendezvous hashing on the routing key) unless it is "
-        "unhealthy or over backend_balance_factor x the mean requests in flight; no user info "
-        "(the engines share backend's credential)",
+        "rollout's calls go to the engine it is pinned to until that engine is unhealthy "
+        "(placed by rendezvous hashing on the routing key, bounded by backend_balance_factor); "
+        "no user info (the engines share backend's credential)",
     )
     backend_balance_factor: float = Field(
-        1.25,
+        1.1,
         ge=1.0,
-        description="with several backends: a rollout's engine is passed over while its "
-        "requests in flight reach this factor x the mean (consistent hashing with bounded "
-        "loads); 1.0: strict balance, larger: stickier",
+        description="with several backends: a rollout being placed (its first call, or its "
+        "engine down) passes over an engine whose requests in flight reach this factor x the "
+        "mean (consistent hashing with bounded loads); 1.0: strict balance, larger: more "
+        "rollouts on their first-choice engine",
+    )
+    backend_pin_idle_s: int = Field(
+        600,
+        ge=1,
+        description="with several backends: seconds after a rollout's last request that it "
+        "stays pinned to its engine (after that its next call is placed again)",
     )
     backend_health_interval_s: float = Field(
         2.0, gt=0, description="with several backends: seconds between /health probes of each"

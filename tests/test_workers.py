@@ -21,12 +21,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from capture_proxy.cli.workers import _hold_lock, sweep_dead_runtimes
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
 from capture_proxy.scripted_engine.state import ScriptedEngineConfig
-from tests.proxy.test_many_engines import Session, assert_exact_chain, url
+from tests.proxy.test_many_engines import Session, assert_exact_chain, served_by, url
 
 START_DEADLINE_S = 60.0
 
@@ -359,3 +360,62 @@ async def _tokens_and_sweep(tmp_path: Path, engine: str, tmp: Path) -> None:
     finally:
         os.close(lock)
     assert sweep_dead_runtimes(tmp) == [live]  # its lock is free now
+
+
+class _Gate:
+    """Holds every chat request of the engines until ``expected`` have arrived (a round of
+    calls all in flight at once, in both workers), each wait bounded."""
+
+    def __init__(self) -> None:
+        self.expected = 0
+        self.arrived = 0
+        self.all_in = asyncio.Event()
+
+    def round(self, expected: int) -> None:
+        self.expected, self.arrived, self.all_in = expected, 0, asyncio.Event()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.endswith("/chat/completions"):
+            self.arrived += 1
+            if self.arrived >= self.expected:
+                self.all_in.set()
+            await asyncio.wait_for(self.all_in.wait(), 20.0)
+        return await handler(request)
+
+
+async def test_two_workers_send_each_rollout_to_one_engine_through_bursts(
+    tmp_path, aiohttp_server, qwen_tokenizer
+):
+    gate = _Gate()
+    engines = []
+    for _ in range(2):
+        app = build_scripted_engine_app(ScriptedEngineConfig(), qwen_tokenizer)
+        app.middlewares.append(gate.middleware)
+        engines.append(await aiohttp_server(app))
+    env = {**os.environ, "CAPTURE_PROXY_BACKEND_BALANCE_FACTOR": "1.0"}
+    proc, port = await _serve(tmp_path, url(engines[0]), "--backend", url(engines[1]), env=env)
+    connector = aiohttp.TCPConnector(force_close=True)  # each call to either worker
+    client = aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector)
+    try:
+        sessions = [
+            Session(f"task-{i}", [{"role": "user", "content": f"List the files of part {j}."}])
+            for i in range(12)
+            for j in range(2)
+        ]
+        for _ in range(3):  # every round's 24 calls in flight at once on both workers
+            gate.round(len(sessions))
+            await asyncio.gather(*(s.step(client) for s in sessions))  # type: ignore[arg-type]
+        by_rollout: dict[str, set[int]] = {}
+        for s in sessions:
+            for call_id in s.call_ids:
+                by_rollout.setdefault(s.rollout, set()).update(served_by(engines, call_id))
+            await assert_exact_chain(client, s.rollout, s.call_ids)  # type: ignore[arg-type]
+        assert all(len(served) == 1 for served in by_rollout.values()), by_rollout
+        homes = [next(iter(served)) for served in by_rollout.values()]
+        assert sorted(set(homes)) == [0, 1]
+        assert max(homes.count(0), homes.count(1)) <= 7  # placed under ceil((placed + 1) / 2)
+    finally:
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0

@@ -27,6 +27,7 @@ from capture_proxy.cli.workers import (
     CLAIMS_FILE,
     CONTROL_SOCKET,
     METRICS_DIR,
+    PINS_FILE,
     STAMPS_FILE,
     WorkerPlan,
 )
@@ -61,7 +62,7 @@ def _app(plan: WorkerPlan, index: int, runtime: Path, link: WriterLink) -> web.A
     if plan.read_only:
         store = open_store(settings.store, read_only=True)
         return build_read_only_app(settings, store, backend=plan.viewer_backend)
-    role = WorkerRole(index, plan.count, str(runtime / METRICS_DIR))
+    role = WorkerRole(index, plan.count, str(runtime / METRICS_DIR), str(runtime / PINS_FILE))
     if is_postgres_url(str(settings.store)):
         store = open_store(settings.store, pool_size=settings.store_pool_size)
         return build_proxy_app(settings, store, worker=role)

@@ -5,8 +5,9 @@ its one writer (``store.remote``: the workers send it their writes, it commits t
 groups), and starts the workers (``cli.worker``), each a whole proxy app with its own event
 loop, handed the listening socket (the kernel gives each new connection to one of the
 workers waiting on it), the settings (pickled through the worker's stdin, never written to
-disk: they hold the tokens) and the directory of the shared metric files
-(``PROMETHEUS_MULTIPROC_DIR``) in a private runtime directory (only this user may enter it),
+disk: they hold the tokens), the directory of the shared metric files
+(``PROMETHEUS_MULTIPROC_DIR``) and the engines' pins file (``PINS_FILE``: which engine each
+rollout goes to, ``proxy.engines``) in a private runtime directory (only this user may enter it),
 which it holds a lock on (``SUPERVISOR_LOCK``) while it lives; a supervisor starting sweeps the
 runtime directories of supervisors that died (``sweep_dead_runtimes``). It prints the serving
 line (and writes ``--port-file``) once every worker listens; a worker that exits during
@@ -54,6 +55,7 @@ LEGACY_PLAN_FILE = "plan.pickle"
 CONTROL_SOCKET = "control.sock"
 STAMPS_FILE = "stamps"
 CLAIMS_FILE = "claims"
+PINS_FILE = "engine-pins"
 METRICS_DIR = "metrics"
 #: Restarts of dead workers allowed in a minute before the supervisor gives up.
 MAX_RESTARTS = 5
@@ -227,6 +229,7 @@ def sweep_dead_runtimes(tmp: Path) -> list[Path]:
 async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
                      on_listening: Callable[[], None]) -> int:  # fmt: skip
     from capture_proxy.cli.serve import ServeExit
+    from capture_proxy.proxy.engines import create_pin_board
     from capture_proxy.store.base import StoreError
     from capture_proxy.store.postgres import is_postgres_url
     from capture_proxy.store.remote import RolloutStamps, create_claim_board, serve_writes
@@ -242,6 +245,7 @@ async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
             raise ServeExit(str(exc)) from exc
         stamps = RolloutStamps(runtime / STAMPS_FILE, writable=True)
         create_claim_board(runtime / CLAIMS_FILE, plan.count)
+    create_pin_board(runtime / PINS_FILE, len(settings.backend_bases), plan.count)
     sup = Supervisor(plan, sock, runtime)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,21 +1,24 @@
 """Many engines: the routing key on every engine request, and the choice of engine per rollout.
 
 Owns, around the pure choice (``core.engine_pool``):
-- ``EngineRoutes``: the pool of ``--backend`` URLs, its health probes (a background task
-  ``GET <backend>/health`` every ``backend_health_interval_s``, each within
+- ``EngineRoutes``: the pool of ``--backend`` URLs, its clock (whole seconds of
+  ``time.monotonic``, one clock for every process of the machine), its health probes (a
+  background task ``GET <backend>/health`` every ``backend_health_interval_s``, each within
   ``backend_health_timeout_s``: a non-2xx answer or a refused connection marks the engine
   unhealthy at once, no answer only the ``SLOW_PROBES``-th in a row without a call answered
   in between, as a loaded engine, or a proxy whose own loop lags, answers late), the requests
-  in flight per backend, and the Prometheus
-  gauges ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy
-  {backend}`` (read at scrape time, nothing on the hot path; in a worker of several, copied
-  into the workers' shared metric files every second: ``publish_metrics``);
+  in flight per backend, and the Prometheus gauges
+  ``capture_proxy_backend_in_flight{backend}`` and ``capture_proxy_backend_healthy{backend}``
+  (read at scrape time, nothing on the hot path; in a worker of several, copied into the
+  workers' shared metric files every second: ``publish_metrics``);
 - ``ROUTE``: the engine route of the request being served (routing key, chosen backend), a
   context variable set once per request by ``dispatch``, so every engine request made on its
   behalf (the call, tokens-in, ``/tokenize``, ``/detokenize``, ``/v1/models``, whatever module
   makes it) carries the key and goes to the same engine;
 - ``routing_key_middleware``: the upstream session's client middleware that adds the routing
-  key header (one dict entry) to each request made under a route.
+  key header (one dict entry) to each request made under a route;
+- the pins shared by the workers of ``serve --workers``: one file in the supervisor's private
+  runtime directory (``create_pin_board``), mapped by each worker (``map_pin_board``).
 Must not: decide a call's capture (``core.flow``), or probe the engine on a call's path.
 """
 
@@ -23,10 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
+import mmap
+import os
+import time
 from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -35,7 +43,13 @@ from prometheus_client import Gauge
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from capture_proxy.core.engine_pool import Backend, BackendPool, routing_key
+from capture_proxy.core.engine_pool import (
+    Backend,
+    BackendPool,
+    PinBoard,
+    pin_board_words,
+    routing_key,
+)
 from capture_proxy.proxy.periodic import every
 
 log = logging.getLogger("capture_proxy")
@@ -122,8 +136,12 @@ class EngineRoutes:
         health_interval_s: float,
         health_timeout_s: float,
         health_headers: dict[str, str] | None = None,
+        pin_idle_s: int = 600,
+        pins: PinBoard | None = None,
     ) -> None:
-        self.pool = BackendPool(urls, balance_factor=balance_factor)
+        self.pool = BackendPool(
+            urls, balance_factor=balance_factor, pin_idle_s=pin_idle_s, pins=pins
+        )
         self.key_kind = key_kind
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
@@ -146,16 +164,9 @@ class EngineRoutes:
         """Choose the engine of one request (of ``rollout_id``; None: outside any rollout, no
         key) and set ``ROUTE`` until the lease's ``close``; its backend counts it in flight."""
         key = routing_key(rollout_id, self.key_kind) if rollout_id is not None else None
-        backend = self.pool.acquire(key if key is not None else rollout_id)
+        backend = self.pool.acquire(key if key is not None else rollout_id, _now())
         route = Route(key, backend.url)
         return Lease(self.pool, backend, route, ROUTE.set(route))
-
-    def backend_for(self, rollout_id: str) -> str:
-        """The engine a call of ``rollout_id`` would go to now (not counted in flight): for
-        work on a rollout's behalf outside a request (e.g. asking that engine's weight
-        version)."""
-        key = routing_key(rollout_id, self.key_kind)
-        return self.pool.choose(key if key is not None else rollout_id).url
 
     # --- health --------------------------------------------------------------------------
 
@@ -229,15 +240,17 @@ class EngineRoutes:
         """``/health``'s ``engine`` with several backends: ``ok`` while at least one engine
         can take calls (healthy, or not probed yet), how many can (``up``) of ``count``, and
         each engine's state (``engines``: ``url`` without credential, ``healthy``: True,
-        False or None before its first probe, ``error``: why it is not, ``in_flight``)."""
+        False or None before its first probe, ``error``: why it is not, ``in_flight``: its
+        requests in flight, every worker's)."""
+        loads = self.pool.pins.loads()
         engines = [
             {
                 "url": b.url,
                 "healthy": b.healthy,
                 "error": None if b.up else self.last_error.get(b.url),
-                "in_flight": b.in_flight,
+                "in_flight": load,
             }
-            for b in self.pool.backends
+            for b, load in zip(self.pool.backends, loads, strict=True)
         ]
         up = sum(1 for b in self.pool.backends if b.up)
         return {"ok": up > 0, "up": up, "count": len(engines), "engines": engines}
@@ -307,6 +320,45 @@ _HELP = {
     "chosen": "Requests routed to each engine backend since start",
     "key_moves": "Times a rollout's request went to another engine than its previous one",
 }
+
+
+def _now() -> int:
+    """The pins' clock: whole seconds of ``CLOCK_MONOTONIC``, which every process of the
+    machine shares (the workers compare each other's pins' last use)."""
+    return int(time.monotonic())
+
+
+def create_pin_board(path: Path, engines: int, workers: int) -> None:
+    """The supervisor's part: the pins file of ``engines`` backends and ``workers`` workers,
+    no pin and every count 0 (``core.engine_pool.PinBoard``)."""
+    with open(path, "wb") as f:
+        f.truncate(4 * pin_board_words(engines, workers))
+
+
+def map_pin_board(path: Path, *, engines: int, workers: int, index: int) -> PinBoard:
+    """Worker ``index``'s view of the pins file (``create_pin_board``), mapped shared for the
+    life of the process, its descriptor kept open for the placement lock (``flock``). Raises
+    OSError when the file is missing, ValueError when its size does not fit ``engines`` and
+    ``workers``."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size != 4 * pin_board_words(engines, workers):
+            raise ValueError(f"{path} is not a pin board of {engines} engines, {workers} workers")
+        mapped = mmap.mmap(fd, 4 * pin_board_words(engines, workers))
+    except BaseException:
+        os.close(fd)
+        raise
+
+    @contextlib.contextmanager
+    def locked() -> Iterator[None]:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held for one placement: microseconds
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    return PinBoard(memoryview(mapped).cast("I"), engines=engines, workers=workers, index=index,
+                    lock=locked)  # fmt: skip
 
 
 class _PoolCollector(Collector):

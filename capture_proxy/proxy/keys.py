@@ -37,11 +37,13 @@ ENGINE_PROBE_KEY = web.AppKey("engine_probe", EngineProbe)
 class WorkerRole:
     """This app is worker ``index`` (from 0) of ``count`` serving one port (``serve
     --workers``); their metrics live together in ``metrics_dir`` (prometheus_client's
-    multiprocess files)."""
+    multiprocess files), the engines' pins in ``pins_path`` (``proxy.engines.map_pin_board``;
+    None: this worker's own)."""
 
     index: int
     count: int
     metrics_dir: str
+    pins_path: str | None = None
 
 
 #: set only in a worker of several

@@ -18,7 +18,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
-from capture_proxy.proxy.engines import ROUTES_KEY
+from capture_proxy.core.engine_pool import BackendPool
+from capture_proxy.proxy.engines import ROUTES_KEY, create_pin_board, map_pin_board
 from capture_proxy.proxy.keys import SESSION_KEY
 from capture_proxy.proxy.weight_watch import VERSION_PATHS
 from capture_proxy.scripted_engine.app import build_scripted_engine_app
@@ -237,23 +238,27 @@ async def test_exact_tokens_tokenize_and_tokens_in_go_to_the_rollouts_engine_wit
         await assert_exact_chain(client, s.rollout, s.call_ids)
 
 
-def test_backend_for_names_the_engine_a_rollouts_next_call_goes_to():
+def test_a_lease_names_its_rollouts_pinned_engine_and_ends_in_flight():
     from capture_proxy.proxy.engines import EngineRoutes
 
     routes = EngineRoutes(
         ["http://e0", "http://e1"],
-        key_kind="rollout",
-        balance_factor=1.25,
+        key_kind="episode",
+        balance_factor=1.1,
         health_interval_s=1.0,
         health_timeout_s=1.0,
     )
-    lease = routes.enter("r7")
+    lease = routes.enter("r7-a1")
     try:
-        assert routes.backend_for("r7") == lease.backend
         assert lease.route.key == "r7"
+        assert routes.pool.pins.loads()[lease.backend_state.index] == 1
+        again = routes.enter("r7-a2")  # a retried episode: same key, same engine
+        assert again.backend == lease.backend
+        again.close()
     finally:
         lease.close()
     assert [b.in_flight for b in routes.pool.backends] == [0, 0]
+    assert routes.pool.pins.loads() == [0, 0]
 
 
 @pytest.mark.parametrize("token", [None, "t" * 32])
@@ -400,7 +405,7 @@ async def test_a_late_probe_is_no_verdict_until_several_in_a_row_and_a_dead_port
     # every engine down: each rollout goes to the one that takes connections, whatever its rank
     keys = [f"r{i}" for i in range(20)]
     assert {pool.ranking(k)[0].url for k in keys} == set(urls)
-    assert {pool.choose(k).url for k in keys} == {urls[1]}
+    assert {pool.choose(k, 0).url for k in keys} == {urls[1]}
 
 
 async def test_a_call_an_engine_answers_counts_as_a_sign_of_life(
@@ -425,3 +430,19 @@ async def test_a_call_an_engine_answers_counts_as_a_sign_of_life(
     await session.step(client)
     (home,) = served_by(engines, session.call_ids[0])
     assert routes.answered == {url(engines[home])}
+
+
+def test_the_pins_file_is_shared_by_the_workers_that_map_it(tmp_path):
+    path = tmp_path / "engine-pins"
+    create_pin_board(path, engines=3, workers=2)
+    urls = ["http://e0", "http://e1", "http://e2"]
+    boards = [map_pin_board(path, engines=3, workers=2, index=i) for i in range(2)]
+    pools = [BackendPool(urls, pins=board) for board in boards]
+    placed = {f"r{i}": pools[0].acquire(f"r{i}", 100).url for i in range(30)}
+    assert {k: pools[1].acquire(k, 101).url for k in placed} == placed
+    assert boards[0].loads() == boards[1].loads() == [2 * list(placed.values()).count(u)
+                                                      for u in urls]  # fmt: skip
+    with pytest.raises(ValueError, match="not a pin board of 2 engines, 2 workers"):
+        map_pin_board(path, engines=2, workers=2, index=0)
+    with pytest.raises(FileNotFoundError):
+        map_pin_board(tmp_path / "missing", engines=3, workers=2, index=0)
