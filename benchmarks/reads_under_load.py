@@ -23,6 +23,10 @@ the load phase's p50/p99 over the idle phase's (``x``); the proxy's event-loop l
 phase (``capture_proxy_event_loop_lag_seconds``, p99 as a bucket's upper bound; with workers,
 the one that answered the scrape).
 
+``--src DIR`` runs the proxy from another source tree (e.g. ``git worktree add DIR
+<commit>``: a before/after pair of runs); by default from this one (``PYTHONPATH`` and the
+working directory, which its workers' ``python -m`` imports from first).
+
 Ports: ``--port-base`` and the next one (the engine, the proxy), loopback only. Every wait is
 bounded: start-up deadlines, a client timeout on each read (``--read-client-timeout-s``), the
 clients' own duration and drain.
@@ -150,10 +154,13 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
-async def timed_phase(http: aiohttp.ClientSession, url: str, rollouts: list[str],
-                      seconds: float, args: argparse.Namespace) -> tuple[Reads, float | None]:  # fmt: skip
+async def timed_phase(
+    http: aiohttp.ClientSession, url: str, rollouts: list[str], seconds: float,
+    args: argparse.Namespace,
+) -> tuple[Reads, float | None]:  # fmt: skip
     """Reads for ``seconds`` from ``--readers`` loops; the loop lag's p99 (ms) meanwhile."""
     reads = Reads()
+    print(f"  reads from {time.strftime('%H:%M:%S')} for {seconds:g} s", flush=True)
     lag0 = await scrape_lag(http, url)
     until = time.monotonic() + seconds
     await asyncio.gather(
@@ -216,7 +223,11 @@ async def main_async(args: argparse.Namespace) -> int:
     argv = [*cli_command(), "serve", "--backend", engine.url, "--port", str(port_p)]
     argv += ["--store", str(work / "store"), "--workers", str(args.workers)]
     argv += ["--log-level", "WARNING", *args.proxy_arg]
-    proxy = Service("proxy", argv, port_p, work / "proxy.log")
+    # The proxy (its supervisor and workers) runs the code of ``--src``, else of this tree.
+    src = Path(args.src).resolve() if args.src else HERE.parent
+    proxy = Service(
+        "proxy", argv, port_p, work / "proxy.log", env={"PYTHONPATH": str(src)}, cwd=src
+    )
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.readers + 4))
     procs: list[asyncio.subprocess.Process] = []
     try:
@@ -285,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--read-client-timeout-s", type=float, default=120.0)
     ap.add_argument("--port-base", type=int, default=43100, help="engine; proxy the next one")
     ap.add_argument("--proxy-arg", action="append", default=[], help="one more serve argument")
+    ap.add_argument("--src", help="run the proxy from this source tree (a baseline)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     return asyncio.run(main_async(ap.parse_args(argv)))
 

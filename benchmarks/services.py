@@ -57,6 +57,8 @@ class Service:
     proc: subprocess.Popen[bytes] | None = None
     #: extra environment (``PYTHONPATH`` of another source tree: a baseline in the same run)
     env: dict[str, str] | None = None
+    #: its working directory (default: this tree); ``python -m`` imports from there first
+    cwd: Path | None = None
 
     @property
     def url(self) -> str:
@@ -67,7 +69,7 @@ class Service:
         try:
             self.proc = subprocess.Popen(
                 self.argv,
-                cwd=ROOT,
+                cwd=self.cwd or ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
