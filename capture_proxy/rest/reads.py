@@ -153,14 +153,14 @@ async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
     rollout the store does not know but whose answered calls it lost (their loss not yet
     marked: ``proxy.losses``) is an empty, incomplete one."""
     rollout_id = _rollout_id(request)
-    store = request.app[STORE_KEY]
-    info = await store.get_rollout(rollout_id)
-    if info is None:
+    found = await request.app[STORE_KEY].get_rollout_with_calls(rollout_id)  # one hop
+    if found is None:
         loss = request.app[RECORDER_KEY].losses.pending.get(rollout_id)
         if loss is not None:
             return RolloutInfo(rollout_id, loss.since, 0, True), []
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
-    return info, snapshot_records(info, await store.get_rollout_calls(rollout_id))
+    info, records = found
+    return info, snapshot_records(info, records)
 
 
 def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
