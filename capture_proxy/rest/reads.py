@@ -46,6 +46,7 @@ from capture_proxy.core.weight_versions import rollout_summary as rollout_weight
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.deadline import bound_reads
 from capture_proxy.rest.images import images_of
 from capture_proxy.rest.query import WEIGHT_FILTER_PARAMS, one_value, takes
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
@@ -486,9 +487,11 @@ async def unknown_captures_path(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application, *, read_only: bool = False) -> None:
-    """The read API's routes, and the REST thread (started and stopped with the app);
-    ``read_only``: without ``DELETE``."""
+    """The read API's routes, the REST thread (started and stopped with the app) and the
+    lifting of a read's deadline as its answer starts (``rest.deadline``); ``read_only``:
+    without ``DELETE``."""
     app.cleanup_ctx.append(_rest_thread)
+    bound_reads(app)
     app.router.add_get("/captures/rollouts", takes("limit", "after")(list_rollouts))
     app.router.add_get("/captures/rollouts/{rollout_id}", takes()(get_rollout))
     app.router.add_get(
