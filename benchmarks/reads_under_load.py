@@ -18,13 +18,13 @@ calls), so both phases read the same rows. Phases: ``idle`` (no load, ``--idle-s
 ``load`` (the clients ramp up over ``--ramp-s``; reads are timed from then on for
 ``--duration-s``). A read's time is from sending it to its body read whole; a read that does
 not answer 200 is counted by its status (a 503 ``read_timeout`` is the deadline,
-``Settings.read_timeout_s``). Printed per kind and phase: count, p50, p99 and max (ms), and
-the load phase's p50/p99 over the idle phase's (``x``); the proxy's event-loop lag over each
-phase (``capture_proxy_event_loop_lag_seconds``, p99 as a bucket's upper bound; with workers,
-the one that answered the scrape).
+``Settings.read_timeout_s``; the slowest of them is printed). Printed per kind and phase:
+count, p50, p99 and max (ms) of the 200s, and the load phase's p50/p99 over the idle phase's
+(``x``); the proxy's event-loop lag over each phase (``capture_proxy_event_loop_lag_seconds``,
+p99 as a bucket's upper bound; with workers, the one that answered the scrape).
 
-``--src DIR`` runs the proxy from another source tree (e.g. ``git worktree add DIR
-<commit>``: a before/after pair of runs); by default from this one (``PYTHONPATH`` and the
+``--src DIR`` runs the proxy from another source tree (e.g. ``git archive <commit> | tar -x -C
+DIR``: a before/after pair of runs); by default from this one (``PYTHONPATH`` and the
 working directory, which its workers' ``python -m`` imports from first).
 
 Ports: ``--port-base`` and the next one (the engine, the proxy), loopback only. Every wait is
@@ -117,6 +117,8 @@ class Reads:
     def __init__(self) -> None:
         self.times: dict[str, list[float]] = defaultdict(list)
         self.failed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        #: the longest time to an answer that was not a 200 (a 503 included), by kind
+        self.failed_max: dict[str, float] = defaultdict(float)
 
     async def one(self, http: aiohttp.ClientSession, url: str, kind: str, path: str,
                   timeout_s: float) -> None:  # fmt: skip
@@ -129,6 +131,7 @@ class Reads:
             self.failed[kind][type(exc).__name__] += 1
             return
         if status != 200:
+            self.failed_max[kind] = max(self.failed_max[kind], time.monotonic() - t0)
             code = ""
             with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
                 import json
@@ -204,6 +207,8 @@ def report(phases: dict[str, tuple[Reads, float | None]]) -> None:
             x50 = p50 / (_pct(b, 0.5) * 1e3) if b else float("nan")
             x99 = p99 / (_pct(b, 0.99) * 1e3) if b else float("nan")
             failed = dict(reads.failed.get(kind, {})) or ""
+            if kind in reads.failed_max:
+                failed = f"{failed} (slowest {reads.failed_max[kind] * 1e3:.0f} ms)"
             print(f"{name:<6} {kind:<8} {len(t):>5} {p50:>9.1f} {p99:>9.1f} {top:>9.1f} "
                   f"{x50:>7.1f} {x99:>7.1f}  {failed}")  # fmt: skip
     for name, (_, lag) in phases.items():
