@@ -75,6 +75,7 @@ from capture_proxy.proxy.uncaptured import (
 from capture_proxy.proxy.upstream import make_client_session
 from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY, WeightWatchers
 from capture_proxy.rest import downloads, images, lifecycle, reads
+from capture_proxy.rest.deadline import read_deadline_middleware
 from capture_proxy.rest.reads import unknown_captures_path
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
@@ -226,13 +227,14 @@ def tombstone_sweeper(
 
 def _middlewares(settings: Settings, traffic: TrafficRecorder | None) -> list[Any]:
     """The proxy app's middlewares, outermost first: the count of requests in flight, the
-    traffic recording when on (what the harness sent and got, errors included), errors, auth,
-    the request policy."""
+    traffic recording when on (what the harness sent and got, errors included), errors, the
+    read API's deadline, auth, the request policy."""
     recording = [recording_middleware(traffic)] if traffic is not None else []
     return [
         in_flight_middleware,
         *recording,
         error_middleware,
+        read_deadline_middleware(settings.read_timeout_s),
         auth_middleware(settings),
         policy_middleware(settings),
     ]
@@ -416,7 +418,12 @@ def build_read_only_app(
     proxied paths (``serve --read-only``): browse a store after the run. ``backend``: an
     engine for ``/detokenize``, if one is up; ``settings.backend`` is not used."""
     app = web.Application(
-        middlewares=[error_middleware, auth_middleware(settings), policy_middleware(settings)]
+        middlewares=[
+            error_middleware,
+            read_deadline_middleware(settings.read_timeout_s),
+            auth_middleware(settings),
+            policy_middleware(settings),
+        ]
     )
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store

@@ -410,6 +410,14 @@ class Settings(BaseSettings):
         description="longest wait for a request body after its headers (seconds); a body "
         "that stops coming is answered 408 (request_timeout) and never reaches the engine",
     )
+    read_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="longest a read of the read API (GET under /captures: rollouts, chains, "
+        "npz, exports, images, the viewer) may take before its answer starts (seconds); past "
+        "it the answer is a 503 (read_timeout, Retry-After) and the read's work not yet "
+        "started is dropped. A stream that has started (an export) is not cut",
+    )
     shutdown_timeout_s: float = Field(
         60.0,
         gt=0,

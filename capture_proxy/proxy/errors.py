@@ -21,6 +21,8 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     +-- ServiceUnavailable            (503, "server_error": the store refused the call's
     |                                 record, or failed a read or a lifecycle step;
     |                                 ``Retry-After``)
+    |   +-- ReadTimedOut(TimeoutError) (503, code ``read_timeout``: a read of the read API
+    |                                 did not start its answer within ``read_timeout_s``)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
@@ -183,6 +185,15 @@ class ServiceUnavailable(ProxyError):
     status = 503
     error_type = "server_error"
     retry_after_s = STORE_RETRY_AFTER_S
+
+
+class ReadTimedOut(ServiceUnavailable, TimeoutError):
+    """A read of the read API had not started its answer within its deadline
+    (``Settings.read_timeout_s``, ``rest.deadline``): the proxy is too busy to answer it now,
+    a retry may succeed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="read_timeout")
 
 
 def error_body(

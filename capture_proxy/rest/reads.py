@@ -46,6 +46,7 @@ from capture_proxy.core.weight_versions import rollout_summary as rollout_weight
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
 from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
+from capture_proxy.rest.deadline import bound_reads
 from capture_proxy.rest.images import images_of
 from capture_proxy.rest.query import WEIGHT_FILTER_PARAMS, one_value, takes
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
@@ -153,14 +154,14 @@ async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
     rollout the store does not know but whose answered calls it lost (their loss not yet
     marked: ``proxy.losses``) is an empty, incomplete one."""
     rollout_id = _rollout_id(request)
-    store = request.app[STORE_KEY]
-    info = await store.get_rollout(rollout_id)
-    if info is None:
+    found = await request.app[STORE_KEY].get_rollout_with_calls(rollout_id)  # one hop
+    if found is None:
         loss = request.app[RECORDER_KEY].losses.pending.get(rollout_id)
         if loss is not None:
             return RolloutInfo(rollout_id, loss.since, 0, True), []
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
-    return info, snapshot_records(info, await store.get_rollout_calls(rollout_id))
+    info, records = found
+    return info, snapshot_records(info, records)
 
 
 def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
@@ -486,9 +487,11 @@ async def unknown_captures_path(request: web.Request) -> web.Response:
 
 
 def add_routes(app: web.Application, *, read_only: bool = False) -> None:
-    """The read API's routes, and the REST thread (started and stopped with the app);
-    ``read_only``: without ``DELETE``."""
+    """The read API's routes, the REST thread (started and stopped with the app) and the
+    lifting of a read's deadline as its answer starts (``rest.deadline``); ``read_only``:
+    without ``DELETE``."""
     app.cleanup_ctx.append(_rest_thread)
+    bound_reads(app)
     app.router.add_get("/captures/rollouts", takes("limit", "after")(list_rollouts))
     app.router.add_get("/captures/rollouts/{rollout_id}", takes()(get_rollout))
     app.router.add_get(

@@ -256,6 +256,13 @@ class CaptureStore(Protocol):
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None: ...
 
+    async def get_rollout_with_calls(
+        self, rollout_id: str
+    ) -> tuple[RolloutInfo, list[CallRecord]] | None:
+        """``get_rollout`` and ``get_rollout_calls`` in one read of one snapshot (one hop off
+        the event loop: on a busy proxy each hop waits for a turn of the loop); None for a
+        rollout the store does not hold."""
+
     async def list_rollouts(
         self, *, limit: int | None = None, after: str | None = None
     ) -> list[RolloutInfo]:

@@ -249,7 +249,10 @@ class PostgresStore(SQLStore):
         return await self._run(fn, *args)
 
     async def _read_hop(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._run(fn, *args)
+        """A read: dropped unrun when its caller gave up before a thread took it."""
+        if self._worker is None:
+            raise StoreError("store is not open")
+        return await self._worker.run_unless_abandoned(self._with_connection, fn, *args)
 
     def _with_connection(self, fn: Callable[..., T], *args: Any) -> T:
         pool = self._pool

@@ -156,10 +156,11 @@ class SQLiteStore(SQLStore):
         return fn(self._wdb, *args)
 
     async def _read_hop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(reader connection, *args)`` on the reader thread (one hop)."""
+        """Run ``fn(reader connection, *args)`` on the reader thread (one hop); dropped unrun
+        when its caller gave up before the thread took it (``WorkerThread``)."""
         if self._reader is None:
             raise StoreError("store is not open")
-        return await self._reader.run(self._with_reader, fn, *args)
+        return await self._reader.run_unless_abandoned(self._with_reader, fn, *args)
 
     def _with_reader(self, fn: Callable[..., T], *args: Any) -> T:
         if self._rdb is None:

@@ -10,7 +10,7 @@ Owns no connection, no thread and no SQL. A store (``sqlite.py``, ``postgres.py`
 - the synchronous functions, connection first, each one transaction: ``_put``, ``_mark``,
   ``_delete``, ``_freeze``, ``_set_metadata``, ``_retire``, ``_sweep``; the reads
   ``_get_tombstone``, ``_get_call``, ``_get_rollout_calls``, ``_get_calls_by_child_digest``,
-  ``_get_rollout``,
+  ``_get_rollout``, ``_get_rollout_with_calls``,
   ``_list_rollouts``, ``_list_frozen``, ``_list_episodes``, ``_health``. What they decide
   is ``lifecycle``'s; they hold the SQL.
 """
@@ -49,6 +49,7 @@ class ThreadedStore:
     _get_rollout_calls: Callable[..., list[CallRecord]]
     _get_calls_by_child_digest: Callable[..., list[CallRecord]]
     _get_rollout: Callable[..., RolloutInfo | None]
+    _get_rollout_with_calls: Callable[..., tuple[RolloutInfo, list[CallRecord]] | None]
     _list_rollouts: Callable[..., list[RolloutInfo]]
     _list_frozen: Callable[..., list[RolloutInfo]]
     _list_episodes: Callable[..., list[str]]
@@ -152,6 +153,11 @@ class ThreadedStore:
 
     async def get_rollout(self, rollout_id: str) -> RolloutInfo | None:
         return await self._read(self._get_rollout, rollout_id)
+
+    async def get_rollout_with_calls(
+        self, rollout_id: str
+    ) -> tuple[RolloutInfo, list[CallRecord]] | None:
+        return await self._read(self._get_rollout_with_calls, rollout_id)
 
     async def list_rollouts(
         self, *, limit: int | None = None, after: str | None = None

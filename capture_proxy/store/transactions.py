@@ -218,23 +218,38 @@ class SQLStore(ThreadedStore):
             return None
         return next(r for r in decode_records(encoded) if r.call_id == call_id)
 
-    def _get_rollout_calls(self, db: Conn, rollout_id: str) -> list[CallRecord]:
+    def _rollout_call_rows(self, db: Conn, rollout_id: str) -> tuple[list[Any], dict[str, str]]:
+        """The rollout's call rows in stored order and their JSON texts (inside a read
+        transaction)."""
         d = self.dialect
+        rows = db.execute(
+            d.sql(
+                f"SELECT {CALL_COLUMNS} FROM calls WHERE rollout_id = ? "
+                "ORDER BY created_at, call_id"
+            ),
+            (rollout_id,),
+            **d.read_options,
+        ).fetchall()
+        return rows, (blobs_of(d, db, ROLLOUT_CALLS, (rollout_id,)) if rows else {})
 
-        def body() -> tuple[list[Any], dict[str, str]]:
-            rows = db.execute(
-                d.sql(
-                    f"SELECT {CALL_COLUMNS} FROM calls WHERE rollout_id = ? "
-                    "ORDER BY created_at, call_id"
-                ),
-                (rollout_id,),
-                **d.read_options,
-            ).fetchall()
-            blobs = blobs_of(d, db, ROLLOUT_CALLS, (rollout_id,)) if rows else {}
-            return rows, blobs
-
-        rows, blobs = self._read_transaction(db, body)
+    def _get_rollout_calls(self, db: Conn, rollout_id: str) -> list[CallRecord]:
+        rows, blobs = self._read_transaction(db, lambda: self._rollout_call_rows(db, rollout_id))
         return decode_records(encoded_row(r, blobs) for r in rows)
+
+    def _get_rollout_with_calls(
+        self, db: Conn, rollout_id: str
+    ) -> tuple[RolloutInfo, list[CallRecord]] | None:
+        """The rollout and all its calls from one snapshot (one read transaction)."""
+        sql = self.dialect.sql(ROLLOUT_SELECT + " WHERE r.rollout_id = ?")
+
+        def body() -> tuple[Any, list[Any], dict[str, str]]:
+            row = db.execute(sql, (rollout_id,)).fetchone()
+            return (row, *self._rollout_call_rows(db, rollout_id)) if row else (None, [], {})
+
+        row, rows, blobs = self._read_transaction(db, body)
+        if row is None:
+            return None
+        return self._info(tuple(row)), decode_records(encoded_row(r, blobs) for r in rows)
 
     def _get_calls_by_child_digest(
         self, db: Conn, rollout_id: str, child_digest: str

@@ -12,7 +12,12 @@ With ``threads > 1`` (the PostgreSQL store: one thread per pooled connection) th
 jobs from the same queue: jobs start in submission order and may finish in any order.
 
 A job whose caller was cancelled still runs (jobs are never dropped half-way; the store's
-writes are idempotent) and its outcome is discarded.
+writes are idempotent) and its outcome is discarded; except a job submitted with
+``run_unless_abandoned`` (a read: nothing depends on its running) whose caller was cancelled
+before the job started: it is dropped unrun, so reads that timed out (``rest.deadline``) do not
+keep the thread busy for no one. Whether the caller was cancelled is read from the thread
+(``Future.cancelled()``: one attribute read; a cancel racing the start lets the job run, as
+before).
 
 Grouped jobs (``run_grouped``): the thread takes a grouped job together with every job of the
 same group function queued behind it (up to ``MAX_GROUP``, stopping at any other job, which
@@ -41,6 +46,7 @@ _Job = tuple[
     Callable[..., Any] | None,
     tuple[Any, ...],
     GroupFn | None,
+    bool,  # dropped unrun when its caller was cancelled before it started
 ]
 #: Most jobs one group function call takes.
 MAX_GROUP = 256
@@ -70,6 +76,8 @@ class WorkerThread:
         self.name = name
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stopped = False
+        #: jobs dropped unrun, their callers cancelled (``run_unless_abandoned``)
+        self.dropped = 0
         names = [name] if threads == 1 else [f"{name}-{i}" for i in range(threads)]
         self._threads = [threading.Thread(target=self._serve, name=n, daemon=True) for n in names]
         for thread in self._threads:
@@ -78,11 +86,19 @@ class WorkerThread:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the thread after every job queued before it; its result or
         exception. Raises WorkerClosed after ``stop``."""
+        return await self._submit(fn, args, droppable=False)
+
+    async def run_unless_abandoned(self, fn: Callable[..., T], *args: Any) -> T:
+        """``run``, but the job is dropped unrun when the caller was cancelled before the
+        thread took it (module docstring): for jobs nothing depends on but their outcome."""
+        return await self._submit(fn, args, droppable=True)
+
+    async def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], *, droppable: bool) -> T:
         if self._stopped:
             raise WorkerClosed(f"{self.name} is stopped")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((loop, future, fn, args, None))
+        self._jobs.put((loop, future, fn, args, None, droppable))
         return await future
 
     async def run_grouped(self, group: GroupFn, *args: Any) -> Any:
@@ -93,7 +109,7 @@ class WorkerThread:
             raise WorkerClosed(f"{self.name} is stopped")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        self._jobs.put((loop, future, None, args, group))
+        self._jobs.put((loop, future, None, args, group, False))
         return await future
 
     async def stop(self) -> None:
@@ -110,8 +126,10 @@ class WorkerThread:
         job: _Job | None = self._jobs.get()
         while job is not None:
             later: Any = _NOTHING
-            loop, future, fn, args, group = job
-            if group is None:
+            loop, future, fn, args, group, droppable = job
+            if droppable and future.cancelled():
+                self.dropped += 1  # its caller gave up before it started: nobody waits
+            elif group is None:
                 assert fn is not None
                 result, error = None, None
                 try:

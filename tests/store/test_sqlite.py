@@ -53,6 +53,12 @@ async def test_chain_round_trip_and_constant_bytes_per_turn(store):
         assert got.routed_experts.dtype == np.uint8
     assert_same(await store.get_call(records[-1].call_id), records[-1])
     assert await store.get_call("nope") is None
+    # The rollout and its calls in one read (the read API's): the same as the two reads.
+    found = await store.get_rollout_with_calls("r1")
+    assert found is not None and found[0] == await store.get_rollout("r1")
+    for got, want in zip(found[1], records, strict=True):
+        assert_same(got, want)
+    assert await store.get_rollout_with_calls("nope") is None
 
 
 async def test_only_complete_calls_with_output_are_prompt_parents(store):

@@ -71,3 +71,37 @@ async def test_stop_lets_queued_jobs_finish_then_refuses_more():
     assert not any(t.is_alive() for t in worker._threads)
     with pytest.raises(WorkerClosed, match="test-worker is stopped"):
         await worker.run(lambda: None)
+
+
+async def test_an_abandoned_job_not_yet_started_is_dropped_unrun():
+    """``run_unless_abandoned``: a caller cancelled while its job waits in the queue leaves no
+    work behind; a job already running ends, its outcome discarded; later jobs run."""
+    worker = WorkerThread("test-worker")
+    gate, started = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def blocking() -> str:
+        started.set()
+        assert gate.wait(timeout=10)
+        ran.append("blocking")
+        return "blocking"
+
+    def queued() -> str:
+        ran.append("queued")
+        return "queued"
+
+    try:
+        first = asyncio.ensure_future(worker.run_unless_abandoned(blocking))
+        second = asyncio.ensure_future(worker.run_unless_abandoned(queued))
+        assert await asyncio.to_thread(started.wait, 10)
+        for task in (first, second):
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        gate.set()
+        assert await worker.run_unless_abandoned(lambda: "after") == "after"
+    finally:
+        gate.set()
+        await worker.stop()
+    assert ran == ["blocking"]  # started before its caller left: it ran
+    assert worker.dropped == 1
