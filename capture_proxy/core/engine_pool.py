@@ -210,12 +210,15 @@ _UNPINNED, _PINNED, _PLACED = 0, 1, 2
 @dataclass
 class _Key:
     """A routing key this worker routed: its ranking (backend indexes, highest hash weight
-    first), its pin slots, the engine it last went to and when (seconds)."""
+    first), its pin slots, the engine it last went to and when (seconds), its requests in
+    flight here."""
 
     ranking: tuple[int, ...]
     slots: KeySlots
     engine: int = -1
     used_at: int = -1
+    #: this worker's requests of the key in flight
+    in_flight: int = 0
 
 
 class BackendPool:
@@ -248,6 +251,8 @@ class BackendPool:
         self.max_keys = max_keys
         #: the keys this worker routed, least lately used first (at most ``max_keys``)
         self._keys: OrderedDict[str, _Key] = OrderedDict()
+        #: the keys with requests in flight here
+        self._busy: dict[str, _Key] = {}
         #: how many times a key's request went to another backend than its previous one
         self.moves = 0
         self._up = len(self.backends)
@@ -294,6 +299,11 @@ class BackendPool:
         pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
         if pinned is not None and self.backends[pinned].up:
             return pinned, _PINNED
+        if state.in_flight:  # a request of it still runs here: not idle, its pin holds
+            held = self.pins.pinned(state.slots, 0)
+            engine = held if held is not None else state.engine
+            if self.backends[engine].up:
+                return engine, _PINNED
         with self.pins.lock() if place else contextlib.nullcontext():
             if place:  # another worker's pin, made meanwhile
                 pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
@@ -324,9 +334,11 @@ class BackendPool:
             state = self._keys.pop(key, None) or self._key(key)
             self._keys[key] = state  # most lately used last
             if len(self._keys) > self.max_keys:
-                self._keys.popitem(last=False)
+                self._evict()
             index, pin = self._choose(state, now, place=True)
             self._use(state, index, now, pin)
+            state.in_flight += 1
+            self._busy[key] = state
         backend = self.backends[index]
         backend.in_flight += 1
         backend.chosen += 1
@@ -342,9 +354,34 @@ class BackendPool:
             state.engine = index
         state.used_at = now
 
-    def release(self, backend: Backend) -> None:
+    def _evict(self) -> None:
+        """Forget the least lately used key with no request in flight here (past
+        ``max_keys``)."""
+        for key, state in self._keys.items():
+            if not state.in_flight:
+                del self._keys[key]
+                return
+
+    def release(self, backend: Backend, key: str | None = None, now: int | None = None) -> None:
+        """A request ``acquire`` counted ended (``key``: its routing key, ``now``: seconds):
+        its key's pin is renewed, as its last use is the end of its last request."""
         backend.in_flight -= 1
         self.pins.count(backend.index, -1)
+        state = self._busy.get(key) if key is not None else None
+        if key is None or state is None:
+            return
+        state.in_flight -= 1
+        if not state.in_flight:
+            del self._busy[key]
+        if now is not None:
+            self.pins.touch(state.slots, state.engine, now)
+
+    def renew(self, now: int) -> None:
+        """Renew the pins of the keys with requests in flight here at ``now`` (a call that
+        runs longer than ``pin_idle_s`` keeps its rollout's pin for the other workers too):
+        every probe round, O(keys in flight)."""
+        for state in self._busy.values():
+            self.pins.touch(state.slots, state.engine, now)
 
     def mark(self, url: str, healthy: bool, *, reachable: bool = True) -> bool:
         """Record a verdict on ``url``: ``healthy``, and ``reachable`` False when a connection

@@ -113,6 +113,8 @@ class Lease:
     backend_state: Backend
     route: Route
     token: Token[Route | None]
+    #: the key the pool chose by (the routing key, or the rollout id when none is sent)
+    pool_key: str | None = None
 
     @property
     def backend(self) -> str:
@@ -120,7 +122,7 @@ class Lease:
 
     def close(self) -> None:
         ROUTE.reset(self.token)
-        self.pool.release(self.backend_state)
+        self.pool.release(self.backend_state, self.pool_key, _now())
 
 
 class EngineRoutes:
@@ -164,9 +166,10 @@ class EngineRoutes:
         """Choose the engine of one request (of ``rollout_id``; None: outside any rollout, no
         key) and set ``ROUTE`` until the lease's ``close``; its backend counts it in flight."""
         key = routing_key(rollout_id, self.key_kind) if rollout_id is not None else None
-        backend = self.pool.acquire(key if key is not None else rollout_id, _now())
+        pool_key = key if key is not None else rollout_id
+        backend = self.pool.acquire(pool_key, _now())
         route = Route(key, backend.url)
-        return Lease(self.pool, backend, route, ROUTE.set(route))
+        return Lease(self.pool, backend, route, ROUTE.set(route), pool_key)
 
     # --- health --------------------------------------------------------------------------
 
@@ -198,6 +201,7 @@ class EngineRoutes:
         backends = self.pool.backends
         verdicts = await asyncio.gather(*(self.probe(session, b) for b in backends))
         answered, self.answered = self.answered, set()
+        self.pool.renew(_now())  # the pins of long calls stay live
         for backend, probe in zip(backends, verdicts, strict=True):
             url = backend.url
             late = probe.slow and url not in answered

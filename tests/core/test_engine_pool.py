@@ -105,6 +105,36 @@ def test_a_key_idle_past_its_pin_is_placed_again_and_a_move_is_counted():
     assert pool.moves == (again.url == "http://b")
 
 
+def test_a_call_longer_than_the_pin_idle_time_keeps_its_rollouts_pin():
+    pool = BackendPool(["http://a", "http://b"], balance_factor=1.0, pin_idle_s=60)
+    long_call = pool.acquire("r", T0)  # runs 100 s
+    # another session's call 90 s in: its engine is over the cap (1 of 1), yet it stays
+    assert pool.acquire("r", T0 + 90) is long_call
+    pool.release(long_call, "r", T0 + 100)  # its last use: the end of its call
+    assert pool.pins.pinned(KeySlots.of("r"), T0 + 100 - 60) == long_call.index
+    assert pool.acquire("r", T0 + 155) is long_call  # 55 s after the end: still pinned
+    assert pool.moves == 0
+
+
+def test_the_probe_rounds_renew_the_pins_of_calls_in_flight_for_the_other_workers():
+    words = _board(2, 2)
+    pools = [
+        BackendPool(
+            ["http://a", "http://b"],
+            balance_factor=1.0,
+            pin_idle_s=60,
+            pins=PinBoard(words, engines=2, workers=2, index=i),
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    long_call = pools[0].acquire("r", T0)
+    pools[0].renew(T0 + 50)  # a probe round of worker 0
+    # worker 1, 100 s in: the pin is live (renewed at 50 s), though the engine is at the cap
+    assert pools[1].acquire("r", T0 + 100).url == long_call.url
+    pools[0].release(long_call, "r", T0 + 101)
+    assert pools[0]._busy == {}
+
+
 def test_workers_sharing_a_board_send_a_key_to_one_engine():
     words = _board(2, 2)
     w0 = BackendPool(["http://a", "http://b"], pins=PinBoard(words, engines=2, workers=2, index=0))
