@@ -2,7 +2,7 @@
 the engine that holds its prefix, and how even the engines' load is, with ``serve --workers N``
 and no failures; against any source tree, and a baseline tree in the same run.
 
-Processes, all on loopback ports 44000-44999 (``--port-base``): ``--engines`` paced engines
+Processes, all on loopback ports from ``--port-base`` (44100): ``--engines`` paced engines
 (``paced_engine.py``, one process each, every stream one token per ``--token-delay`` after a
 first-byte delay, each writing a served-request log: the ``X-Request-Id`` the proxy sends, its
 call id, and when the answer started and ended), ``capture-proxy serve --workers N --backend
@@ -63,7 +63,8 @@ from benchmarks.paced_client import CAPTURE, Conn, Stats  # noqa: E402
 from benchmarks.services import ROOT, Service, raise_fd_limit  # noqa: E402
 
 #: The loopback ports the bench may use (the machine is shared).
-PORT_RANGE = range(44000, 45000)
+#: The ports a run may take (all loopback TCP ports above the privileged ones).
+PORT_RANGE = range(1024, 65536)
 SYSTEM = "You are a coding agent working in a repository. Keep edits small. " * 30
 WORDS = ("alpha", "beta", "gamma", "delta", "file.py", "line", "ok", "FAILED", "def", "test")
 

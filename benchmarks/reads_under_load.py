@@ -18,7 +18,7 @@ calls), so both phases read the same rows. Phases: ``idle`` (no load, ``--idle-s
 ``load`` (the clients ramp up over ``--ramp-s``; reads are timed from then on for
 ``--duration-s``). A read's time is from sending it to its body read whole; a read that does
 not answer 200 is counted by its status (a 503 ``read_timeout`` is the deadline,
-``Settings.read_timeout_s``; the slowest of them is printed). Printed per kind and phase:
+``Settings.read_api_timeout_s``; the slowest of them is printed). Printed per kind and phase:
 count, p50, p99 and max (ms) of the 200s, and the load phase's p50/p99 over the idle phase's
 (``x``); the proxy's event-loop lag over each phase (``capture_proxy_event_loop_lag_seconds``,
 p99 as a bucket's upper bound; with workers, the one that answered the scrape).

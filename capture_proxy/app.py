@@ -234,7 +234,7 @@ def _middlewares(settings: Settings, traffic: TrafficRecorder | None) -> list[An
         in_flight_middleware,
         *recording,
         error_middleware,
-        read_deadline_middleware(settings.read_timeout_s),
+        read_deadline_middleware(settings.read_api_timeout_s),
         auth_middleware(settings),
         policy_middleware(settings),
     ]
@@ -420,7 +420,7 @@ def build_read_only_app(
     app = web.Application(
         middlewares=[
             error_middleware,
-            read_deadline_middleware(settings.read_timeout_s),
+            read_deadline_middleware(settings.read_api_timeout_s),
             auth_middleware(settings),
             policy_middleware(settings),
         ]

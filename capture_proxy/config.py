@@ -410,7 +410,7 @@ class Settings(BaseSettings):
         description="longest wait for a request body after its headers (seconds); a body "
         "that stops coming is answered 408 (request_timeout) and never reaches the engine",
     )
-    read_timeout_s: float = Field(
+    read_api_timeout_s: float = Field(
         30.0,
         gt=0,
         description="longest a read of the read API (GET under /captures: rollouts, chains, "

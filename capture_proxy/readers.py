@@ -18,6 +18,11 @@ proxy's ``captures_token``, sent as a bearer token.
         commit(rollout.cursor)             # durably: resume after it
         retire(rollout.rollout_id, rollout.snapshot_id, rollout.version)
 
+A busy proxy answers a read it could not start within its ``read_api_timeout_s`` with ``503``
+and ``Retry-After`` (code ``read_timeout``): every function here waits as long as it says (at
+most ``MAX_RETRY_AFTER_S``) and asks again, up to ``READ_RETRIES`` times (a module setting:
+``readers.READ_RETRIES = 0`` to see the first 503), then raises it.
+
 Errors: urllib's ``HTTPError`` for 4xx/5xx answers (its body is the proxy's error JSON);
 ``ValueError`` for a body that is not the form asked for (``load_chains`` of a non-archive,
 a stream of another format or a newer version); pyarrow's ``ArrowInvalid`` for a bulk stream
@@ -29,6 +34,8 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
+import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
@@ -125,13 +132,42 @@ def load_tree(source: bytes | str | os.PathLike[str] | IO[bytes]) -> TokenTree:
         raise ValueError(f"not a token tree archive: {exc}") from exc
 
 
+#: Times a read answered ``503`` with ``Retry-After`` is asked again (module docstring).
+READ_RETRIES = 4
+#: Longest wait taken from one ``Retry-After`` (seconds).
+MAX_RETRY_AFTER_S = 30.0
+
+
 def _get(url: str, token: str | None, timeout_s: float) -> Any:
     """``token``: the proxy's ``captures_token`` (default: the ``CAPTURE_PROXY_CAPTURES_TOKEN``
-    environment variable, if set)."""
+    environment variable, if set). A ``503`` with ``Retry-After`` in seconds is asked again
+    after that wait, up to ``READ_RETRIES`` times; any other error, or the last, raises."""
     token = token if token is not None else os.environ.get("CAPTURE_PROXY_CAPTURES_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(url, headers=headers)
-    return urllib.request.urlopen(request, timeout=timeout_s)  # noqa: S310 (http only)
+    for attempt in range(READ_RETRIES + 1):
+        try:
+            return urllib.request.urlopen(request, timeout=timeout_s)  # noqa: S310 (http only)
+        except urllib.error.HTTPError as exc:
+            wait_s = _retry_after_s(exc) if exc.code == 503 else None
+            if wait_s is None or attempt == READ_RETRIES:
+                raise
+            exc.close()
+            time.sleep(wait_s)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _retry_after_s(error: urllib.error.HTTPError) -> float | None:
+    """The wait an error's ``Retry-After`` names in seconds (at most ``MAX_RETRY_AFTER_S``);
+    None without one, or for the HTTP-date form."""
+    value = error.headers.get("Retry-After") if error.headers is not None else None
+    try:
+        wait_s = float(value) if value is not None else None
+    except ValueError:
+        return None
+    if wait_s is None or not wait_s >= 0:
+        return None
+    return min(wait_s, MAX_RETRY_AFTER_S)
 
 
 def _rollout_url(base_url: str, rollout_id: str, tail: str) -> str:

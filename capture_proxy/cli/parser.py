@@ -218,8 +218,8 @@ def _add_serve_access(serve: argparse.ArgumentParser) -> None:
         help="answer 408 to a request body not received within this long (default 60)",
     )
     serve.add_argument(
-        "--read-timeout",
-        dest="read_timeout_s",
+        "--read-api-timeout",
+        dest="read_api_timeout_s",
         type=float,
         metavar="SECONDS",
         help="answer 503 (read_timeout) to a read API read not answering within this long "

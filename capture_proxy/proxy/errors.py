@@ -22,7 +22,7 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     |                                 record, or failed a read or a lifecycle step;
     |                                 ``Retry-After``)
     |   +-- ReadTimedOut(TimeoutError) (503, code ``read_timeout``: a read of the read API
-    |                                 did not start its answer within ``read_timeout_s``)
+    |                                 did not start its answer within ``read_api_timeout_s``)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
@@ -189,7 +189,7 @@ class ServiceUnavailable(ProxyError):
 
 class ReadTimedOut(ServiceUnavailable, TimeoutError):
     """A read of the read API had not started its answer within its deadline
-    (``Settings.read_timeout_s``, ``rest.deadline``): the proxy is too busy to answer it now,
+    (``Settings.read_api_timeout_s``, ``rest.deadline``): the proxy is too busy to answer it now,
     a retry may succeed."""
 
     def __init__(self, message: str) -> None:

@@ -4,7 +4,7 @@
   them off the proxy's event loop; the read-only app's refusals.
 - ``lifecycle``: the trainer's hand-off steps (freeze, metadata, retire).
 - ``downloads``: a rollout in a training format (the bulk Arrow export, the token tree, ATIF).
-- ``deadline``: every read under ``/captures`` starts its answer within ``read_timeout_s``,
+- ``deadline``: every read under ``/captures`` starts its answer within ``read_api_timeout_s``,
   else a 503 (``read_timeout``).
 
 Must not: build chains, trees or samples itself (the core does), or touch the proxy's call flow.

@@ -1,4 +1,4 @@
-"""The read API's deadline: every read starts its answer within ``Settings.read_timeout_s``, or
+"""The read API's deadline: every read starts its answer within ``Settings.read_api_timeout_s``, or
 is answered ``503`` (``read_timeout``, ``Retry-After``) instead of hanging.
 
 Owns the middleware that bounds each ``GET``/``HEAD`` under ``/captures`` (the read API, the
@@ -69,7 +69,7 @@ def read_deadline_middleware(timeout_s: float) -> Callable[..., Awaitable[web.St
                 raise  # a timeout of the handler's own
             raise ReadTimedOut(
                 f"{request.method} {request.path} did not start its answer within "
-                f"{timeout_s:g} s (read_timeout_s): the proxy is busy; retry later"
+                f"{timeout_s:g} s (read_api_timeout_s): the proxy is busy; retry later"
             ) from None
 
     return read_deadline

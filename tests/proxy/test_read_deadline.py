@@ -1,4 +1,4 @@
-"""Tier 2: the read API's deadline end to end (``rest.deadline``, ``read_timeout_s``): a read
+"""Tier 2: the read API's deadline end to end (``rest.deadline``, ``read_api_timeout_s``): a read
 held up in the store is answered 503 ``read_timeout`` in time, never hangs, and leaves the
 store as it was: the reader thread goes on, a timed-out read it had not started is dropped."""
 
@@ -33,7 +33,7 @@ async def test_a_read_held_in_the_store_is_a_503_and_the_store_goes_on(
     make_stack: MakeStack, tmp_path: Path
 ):
     store = HeldStore(tmp_path / "store")
-    stack = await make_stack(store=store, read_timeout_s=0.2)
+    stack = await make_stack(store=store, read_api_timeout_s=0.2)
     await store.put_call(record("c1", [1, 2], [3]))
     await store.put_call(record("c2", [1, 2, 3, 4], [5]))
     try:

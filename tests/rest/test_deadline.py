@@ -85,7 +85,7 @@ async def test_a_read_that_has_not_answered_in_time_is_a_503_with_retry_after(ai
     error = (await resp.json())["error"]
     assert error["code"] == "read_timeout"
     assert error["type"] == "server_error"
-    assert "read_timeout_s" in error["message"]
+    assert "read_api_timeout_s" in error["message"]
     assert seen["cancelled"] is True  # the handler was cancelled where it waited
 
 
