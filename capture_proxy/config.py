@@ -347,8 +347,9 @@ class Settings(BaseSettings):
     backend_pin_idle_s: int = Field(
         600,
         ge=1,
-        description="with several backends: seconds after a rollout's last request that it "
-        "stays pinned to its engine (after that its next call is placed again)",
+        description="with several backends: seconds after a rollout's last request ended that "
+        "it stays pinned to its engine (a request in flight keeps it pinned; after that its "
+        "next call is placed again)",
     )
     backend_health_interval_s: float = Field(
         2.0, gt=0, description="with several backends: seconds between /health probes of each"

@@ -13,7 +13,10 @@ by consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam 201
 rendezvous hashing, as HAProxy's ``hash-balance-factor`` does over its ring: the key ranks
 the backends by ``blake2b(key, backend)`` and goes to the first healthy one whose requests in
 flight (every worker's) are under the cap ``ceil(balance_factor * (in_flight_total + 1) /
-healthy)``, and is pinned there.
+healthy)``, and is pinned there. A pin is live while a request of its key runs and for
+``pin_idle_s`` after the last one ended: it is renewed as each request ends, and every probe
+round renews the pins of the keys with requests in flight (``renew``), so a call longer than
+``pin_idle_s`` keeps its rollout where it is, for every worker.
 
 Why pins: a rollout's prefix cache is on one engine, and a move costs its whole prefix again.
 The cap used to be checked at every request; agent traffic is bursty (a rollout's sessions
