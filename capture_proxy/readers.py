@@ -145,16 +145,17 @@ def _get(url: str, token: str | None, timeout_s: float) -> Any:
     token = token if token is not None else os.environ.get("CAPTURE_PROXY_CAPTURES_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     request = urllib.request.Request(url, headers=headers)
-    for attempt in range(READ_RETRIES + 1):
+    retries = 0
+    while True:
         try:
             return urllib.request.urlopen(request, timeout=timeout_s)  # noqa: S310 (http only)
         except urllib.error.HTTPError as exc:
             wait_s = _retry_after_s(exc) if exc.code == 503 else None
-            if wait_s is None or attempt == READ_RETRIES:
+            if wait_s is None or retries >= READ_RETRIES:
                 raise
             exc.close()
             time.sleep(wait_s)
-    raise AssertionError("unreachable")  # the loop returns or raises
+            retries += 1
 
 
 def _retry_after_s(error: urllib.error.HTTPError) -> float | None:

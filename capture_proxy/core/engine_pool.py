@@ -206,10 +206,6 @@ class Backend:
         return self.healthy is not False
 
 
-#: What a choice is to the key's pin: none (all down), its pin, a placement.
-_UNPINNED, _PINNED, _PLACED = 0, 1, 2
-
-
 @dataclass
 class _Key:
     """A routing key this worker routed: its ranking (backend indexes, highest hash weight
@@ -295,61 +291,63 @@ class BackendPool:
         up = [i for i, b in enumerate(self.backends) if b.up] or range(len(self.backends))
         return min(up, key=lambda i: self.backends[i].in_flight)
 
-    def _choose(self, state: _Key, now: int, *, place: bool) -> tuple[int, int]:
-        """The backend index for the key of ``state``, and what it is to the key's pin
-        (``_UNPINNED``, ``_PINNED``, ``_PLACED``); ``place``: pin a placement (under the
-        board's lock, so two workers placing one key at once agree)."""
+    def _choose(self, state: _Key, now: int, *, place: bool) -> tuple[int, bool]:
+        """The backend index for the key of ``state``, and whether it is the key's pin (to
+        renew; not a placement, not the all-down choice); ``place``: pin a placement (under
+        the board's lock, so two workers placing one key at once agree)."""
         pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
         if pinned is not None and self.backends[pinned].up:
-            return pinned, _PINNED
+            return pinned, True
         if state.in_flight:  # a request of it still runs here: not idle, its pin holds
             held = self.pins.pinned(state.slots, 0)
             engine = held if held is not None else state.engine
             if self.backends[engine].up:
-                return engine, _PINNED
+                return engine, True
         with self.pins.lock() if place else contextlib.nullcontext():
             if place:  # another worker's pin, made meanwhile
                 pinned = self.pins.pinned(state.slots, now - self.pin_idle_s)
                 if pinned is not None and self.backends[pinned].up:
-                    return pinned, _PINNED
+                    return pinned, True
             loads = self.pins.loads()
             cap = self.cap(loads)
             for i in state.ranking:
                 if self.backends[i].up and loads[i] < cap:
                     if place:
                         self.pins.pin(state.slots, i, now)
-                    return i, _PLACED
+                    return i, False
         # all down: its pinned engine if that takes connections (slow, not dead), else the
         # key's first that does, else its first
         if pinned is not None and self.backends[pinned].reachable:
-            return pinned, _UNPINNED
+            return pinned, False
         live = (i for i in state.ranking if self.backends[i].reachable)
-        return next(live, state.ranking[0]), _UNPINNED
+        return next(live, state.ranking[0]), False
 
     def acquire(self, key: str | None, now: int) -> Backend:
         """``choose`` at ``now`` (seconds), pin the key where it was placed, and count the
         request in flight on its backend (``release`` it)."""
-        if len(self.backends) == 1:
-            index = 0
-        elif key is None:
+        if len(self.backends) == 1:  # nothing to choose, pin or share
+            self.primary.in_flight += 1
+            self.primary.chosen += 1
+            return self.primary
+        if key is None:
             index = self._least_loaded()
         else:
             state = self._keys.pop(key, None) or self._key(key)
             self._keys[key] = state  # most lately used last
-            if len(self._keys) > self.max_keys:
-                self._evict()
-            index, pin = self._choose(state, now, place=True)
-            self._use(state, index, now, pin)
+            index, pinned = self._choose(state, now, place=True)
+            self._use(state, index, now, renew=pinned)
             state.in_flight += 1
             self._busy[key] = state
+            if len(self._keys) > self.max_keys:
+                self._evict()
         backend = self.backends[index]
         backend.in_flight += 1
         backend.chosen += 1
         self.pins.count(index, +1)
         return backend
 
-    def _use(self, state: _Key, index: int, now: int, pin: int) -> None:
-        if pin == _PINNED and state.used_at != now:
+    def _use(self, state: _Key, index: int, now: int, *, renew: bool) -> None:
+        if renew and state.used_at != now:
             self.pins.touch(state.slots, index, now)  # its last use, at most once a second
         if state.engine != index:
             if state.engine >= 0:
@@ -358,17 +356,24 @@ class BackendPool:
         state.used_at = now
 
     def _evict(self) -> None:
-        """Forget the least lately used key with no request in flight here (past
-        ``max_keys``)."""
-        for key, state in self._keys.items():
+        """Forget the least lately used keys with no request in flight here, down to
+        ``max_keys`` (keys in flight stay: their pins are renewed from them)."""
+        excess, victims = len(self._keys) - self.max_keys, []
+        for key, state in self._keys.items():  # least lately used first; the busy are few
+            if len(victims) == excess:
+                break
             if not state.in_flight:
-                del self._keys[key]
-                return
+                victims.append(key)
+        for key in victims:
+            del self._keys[key]
 
-    def release(self, backend: Backend, key: str | None = None, now: int | None = None) -> None:
-        """A request ``acquire`` counted ended (``key``: its routing key, ``now``: seconds):
-        its key's pin is renewed, as its last use is the end of its last request."""
+    def release(self, backend: Backend, key: str | None, now: int | None = None) -> None:
+        """A request ``acquire(key, ...)`` counted ended (``key``: the same, ``now``: seconds,
+        None: no renewal): its key's pin is renewed, as its last use is the end of its last
+        request."""
         backend.in_flight -= 1
+        if len(self.backends) == 1:
+            return
         self.pins.count(backend.index, -1)
         state = self._busy.get(key) if key is not None else None
         if key is None or state is None:

@@ -39,8 +39,8 @@ from capture_proxy.families.parsing import (
     MessageDelta,
     OutputParser,
     ParsedMessage,
+    ParsesByStream,
     StreamParser,
-    apply_deltas,
 )
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -136,7 +136,7 @@ class _ChoiceStream:
         return held
 
 
-class ChoiceParser:
+class ChoiceParser(ParsesByStream):
     """The family parser answering for one request's tool choice (module docstring)."""
 
     def __init__(self, parser: OutputParser, choice: ToolChoice) -> None:
@@ -170,8 +170,8 @@ class ChoiceParser:
             return self.parser.parse(
                 text, id_seed, token_ids=token_ids, tools=tools, in_reasoning=in_reasoning
             )
-        stream = self.stream(id_seed, tools, in_reasoning=in_reasoning)
-        return apply_deltas([*stream.feed(text, token_ids), *stream.finish()])
+        return super().parse(text, id_seed, token_ids=token_ids, tools=tools,
+                             in_reasoning=in_reasoning)  # fmt: skip
 
 
 def choice_parser(parser: OutputParser, choice: ToolChoice) -> OutputParser:

@@ -55,7 +55,7 @@ def test_a_pinned_key_stays_on_its_engine_whatever_its_requests_in_flight():
     assert all(b is home for b in held)
     assert pool.pins.loads() == [10 * (home.index == 0), 10 * (home.index == 1)]
     for b in [home, *held]:
-        pool.release(b)
+        pool.release(b, "hot", T0 + 1)
     assert pool.pins.loads() == [0, 0]
     assert [b.in_flight for b in pool.backends] == [0, 0]
     assert pool.moves == 0
@@ -68,7 +68,7 @@ def test_an_unhealthy_backend_moves_its_keys_once_and_they_stay_when_it_is_back(
     for k in keys:
         backend = pool.acquire(k, T0)
         before[k] = backend.url
-        pool.release(backend)  # each call ends before the next starts
+        pool.release(backend, k, T0)  # each call ends before the next starts
     pool.mark("http://e1", False)
     held = [pool.acquire(k, T0 + 1) for k in keys]  # every rollout's next call, in flight
     after = {k: b.url for k, b in zip(keys, held, strict=True)}
@@ -85,8 +85,8 @@ def test_an_unhealthy_backend_moves_its_keys_once_and_they_stay_when_it_is_back(
     # share in flight (cap ceil(1.1 * 201 / 3) = 74, e0 and e2 hold about 100 each)
     fresh = [pool.acquire(f"new{i}", T0 + 2).url for i in range(30)]
     assert fresh == ["http://e1"] * 30
-    for b in held:
-        pool.release(b)
+    for k, b in zip(keys, held, strict=True):
+        pool.release(b, k, T0 + 3)
     assert pool.pins.loads() == [0, 30, 0]
     assert pool.moves == len(moved)
 
@@ -94,15 +94,16 @@ def test_an_unhealthy_backend_moves_its_keys_once_and_they_stay_when_it_is_back(
 def test_a_key_idle_past_its_pin_is_placed_again_and_a_move_is_counted():
     pool = BackendPool(["http://a", "http://b"], pin_idle_s=60)
     key = next(f"r{i}" for i in range(100) if pool.ranking(f"r{i}")[0].url == "http://a")
-    pool.release(pool.acquire(key, T0))
+    pool.release(pool.acquire(key, T0), key, T0)
     assert pool.pins.pinned(KeySlots.of(key), T0 + 60 - 60) == 0
     assert pool.pins.pinned(KeySlots.of(key), T0 + 61 - 60) is None  # idle 61 s: no pin
-    burst = [pool.acquire(f"other{i}", T0 + 61) for i in range(40)]
-    on_a = sum(b.url == "http://a" for b in burst)
-    # placed again: a is its first choice, but it goes where the load allows
-    again = pool.acquire(key, T0 + 61)
-    assert again.url == ("http://a" if on_a < pool.cap(pool.pins.loads()) else "http://b")
-    assert pool.moves == (again.url == "http://b")
+    hot = next(f"h{i}" for i in range(100) if pool.ranking(f"h{i}")[0].url == "http://a")
+    burst = [pool.acquire(hot, T0 + 61) for _ in range(3)]  # pinned to a: 3 in flight there
+    assert [b.url for b in burst] == ["http://a"] * 3
+    # placed again: a is its first choice, but it holds 3 of 3 in flight, over the cap
+    # ceil(1.1 * (3 + 1) / 2) = 3: it goes to b, and the move is counted
+    assert pool.acquire(key, T0 + 61).url == "http://b"
+    assert pool.moves == 1
 
 
 def test_a_call_longer_than_the_pin_idle_time_keeps_its_rollouts_pin():
@@ -262,11 +263,13 @@ def test_one_backend_is_always_chosen():
 def test_the_keys_kept_are_bounded():
     pool = BackendPool(URLS, max_keys=10)
     held = [pool.acquire(f"r{i}", T0) for i in range(50)]
-    assert len(pool._keys) == 10
+    assert len(pool._keys) == 50  # none forgotten while a request of it is in flight
     assert sum(pool.pins.loads()) == 50
-    for b in held:
-        pool.release(b)
+    for i, b in enumerate(held):
+        pool.release(b, f"r{i}", T0)
     assert pool.pins.loads() == [0, 0, 0]
+    pool.acquire("r50", T0)  # the least lately used idle keys go, down to 10
+    assert list(pool._keys) == [f"r{i}" for i in range(41, 51)]
 
 
 def test_keyless_requests_go_to_the_least_loaded_healthy_backend():
@@ -305,15 +308,15 @@ def test_bad_pools_are_refused():
 
 def test_the_running_totals_match_the_backends():
     pool = BackendPool(URLS)
-    held = [pool.acquire(f"r{i}", T0) for i in range(7)]
+    held = [(f"r{i}", pool.acquire(f"r{i}", T0)) for i in range(7)]
     pool.mark("http://e0", False)
     pool.mark("http://e0", False)
     pool.mark("http://e2", True)
     assert pool.pins.loads() == [b.in_flight for b in pool.backends]
     assert sum(pool.pins.loads()) == 7
     assert pool._up == sum(b.up for b in pool.backends) == 2
-    for b in held:
-        pool.release(b)
+    for k, b in held:
+        pool.release(b, k)
     pool.mark("http://e0", True)
     assert (pool.pins.loads(), pool._up) == ([0, 0, 0], 3)
 
@@ -338,7 +341,7 @@ def test_two_workers_keep_their_counts_true_and_agree_on_every_key(steps):
         BackendPool(urls, pin_idle_s=120, pins=PinBoard(words, engines=3, workers=2, index=i))
         for i in range(2)
     ]
-    held: list[tuple[BackendPool, Backend]] = []
+    held: list[tuple[BackendPool, str, Backend]] = []
     now = T0
     for worker, key, release, dt, health in steps:
         now += dt
@@ -346,19 +349,22 @@ def test_two_workers_keep_their_counts_true_and_agree_on_every_key(steps):
             for pool in pools:  # both workers' probes agree
                 pool.mark(urls[health[0]], health[1])
         if release and held:
-            pool, backend = held.pop(key % len(held))
-            pool.release(backend)
+            pool, held_key, backend = held.pop(key % len(held))
+            pool.release(backend, held_key, now)
         else:
             pool, other = pools[worker], pools[1 - worker]
             backend = pool.acquire(f"r{key}", now)
-            held.append((pool, backend))
+            held.append((pool, f"r{key}", backend))
             if any(b.up for b in pool.backends):
                 assert backend.up
                 assert other.choose(f"r{key}", now) is other.by_url[backend.url]
-        for p in pools:  # each worker's row is its requests in flight
+        for p in pools:  # each worker's row is its requests in flight, and its keys' counts
             assert list(words[p.pins._row : p.pins._row + 3]) == [b.in_flight for b in p.backends]
+            assert sum(state.in_flight for state in p._busy.values()) == sum(
+                b.in_flight for b in p.backends
+            )
         assert (
             pools[0].pins.loads()
             == pools[1].pins.loads()
-            == [sum(b.url == u for _, b in held) for u in urls]
+            == [sum(b.url == u for _, _, b in held) for u in urls]
         )

@@ -20,7 +20,7 @@ from capture_proxy.core.lineage.messages import text_sha256
 from capture_proxy.scripted_engine import ScriptedEngineConfig
 from capture_proxy.scripted_engine.policy import Policy
 from tests.proxy.conftest import MakeStack, Stack
-from tests.proxy.test_lineage_sessions import _lineage
+from tests.proxy.test_lineage_sessions import _lineage, assert_sub_agents_of_their_session
 
 TASK = "Inspect notes.txt with helpers."
 HELLO = "Say hello first."
@@ -133,29 +133,21 @@ async def test_opencode_sub_agents_of_two_sessions_are_spawned_by_their_parent_s
         subs.append((parent, call_id))
 
     # each parent session's sub-agents, in arrival order: its main call, one task call each
-    lineage = await _lineage(stack, "many")
-    got: dict[str, list[tuple[str, str, str]]] = {"ses_a": [], "ses_b": []}
-    for parent, call_id in subs:
-        (edge,) = lineage[call_id]
-        got[parent].append((edge["kind"], edge["from_call_id"], edge["evidence"]["tool_call_id"]))
-    assert got == {
-        s: [("spawned_by", main[s], tool_ids[s][0]), ("spawned_by", main[s], tool_ids[s][1])]
-        for s in ("ses_a", "ses_b")
-    }
-    for parent, call_id in subs:
-        (edge,) = lineage[call_id]
-        assert edge["chain_id"] == main[parent]
-        assert edge["evidence"] == {
+    assert_sub_agents_of_their_session(
+        await _lineage(stack, "many"),
+        subs,
+        main,
+        tool_ids,
+        lambda parent: {
             "rule": "opencode.spawn_tool",
             "tool_name": "task",
-            "tool_call_id": edge["evidence"]["tool_call_id"],
             "field": "prompt",
             "message_index": 1,  # after the system message
             "text_sha256": text_sha256(SUB_PROMPT),
             "num_chars": len(SUB_PROMPT),
             "parent_session": parent,
-        }
-    assert lineage[main["ses_a"]] == lineage[main["ses_b"]] == []
+        },
+    )
     summary = await stack.get_json("/captures/rollouts/many")
     assert {k: n for k, n in summary["lineage"].items() if n} == {"spawned_by": 4}
 

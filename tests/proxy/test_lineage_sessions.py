@@ -75,6 +75,31 @@ async def _lineage(stack: Stack, rollout: str) -> dict[str, list[dict[str, Any]]
     return {c["chain_id"]: c["lineage"] for c in chains["chains"]}
 
 
+def assert_sub_agents_of_their_session(
+    lineage: dict[str, list[dict[str, Any]]],
+    subs: list[tuple[str, str]],
+    main: dict[str, str],
+    tool_ids: dict[str, list[str]],
+    evidence: Any,
+) -> None:
+    """Each session's sub-agent calls (``subs``: (session, call id), in arrival order) are
+    ``spawned_by`` its main call (``main[session]``, a chain of its own with no edge), one per
+    tool call of it in order (``tool_ids[session]``), with ``evidence(session)`` and the tool
+    call's id as the edge's evidence."""
+    got: dict[str, list[tuple[str, str, str]]] = {session: [] for session in main}
+    for session, call_id in subs:
+        (edge,) = lineage[call_id]
+        tool_call_id = edge["evidence"]["tool_call_id"]
+        got[session].append((edge["kind"], edge["from_call_id"], tool_call_id))
+        assert edge["chain_id"] == main[session]
+        assert edge["evidence"] == {**evidence(session), "tool_call_id": tool_call_id}
+    assert got == {
+        s: [("spawned_by", main[s], tool_ids[s][0]), ("spawned_by", main[s], tool_ids[s][1])]
+        for s in main
+    }
+    assert all(lineage[call_id] == [] for call_id in main.values())
+
+
 @pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
 async def test_sub_agents_of_two_sessions_are_spawned_by_their_own_sessions_call(
     make_stack: MakeStack, prompt_mode: str
@@ -93,29 +118,21 @@ async def test_sub_agents_of_two_sessions_are_spawned_by_their_own_sessions_call
     subs = [(s, (await _call(stack, "many", s, sub))[0]) for s in ("sess-b",) * 2 + ("sess-a",) * 2]
 
     # each session's sub-agents, in arrival order: its main call, one Agent tool call each
-    lineage = await _lineage(stack, "many")
-    got: dict[str, list[tuple[str, str, str]]] = {"sess-a": [], "sess-b": []}
-    for session, call_id in subs:
-        (edge,) = lineage[call_id]
-        got[session].append((edge["kind"], edge["from_call_id"], edge["evidence"]["tool_call_id"]))
-    assert got == {
-        s: [("spawned_by", main[s], tool_ids[s][0]), ("spawned_by", main[s], tool_ids[s][1])]
-        for s in ("sess-a", "sess-b")
-    }
-    for session, call_id in subs:
-        (edge,) = lineage[call_id]
-        assert edge["chain_id"] == main[session]
-        assert edge["evidence"] == {
+    assert_sub_agents_of_their_session(
+        await _lineage(stack, "many"),
+        subs,
+        main,
+        tool_ids,
+        lambda session: {
             "rule": "claude_code.spawn_tool",
             "tool_name": "Agent",
-            "tool_call_id": edge["evidence"]["tool_call_id"],
             "field": "prompt",
             "message_index": 1,  # after the system message
             "text_sha256": text_sha256(SUB_PROMPT),
             "num_chars": len(SUB_PROMPT),
             "session": session,
-        }
-    assert lineage[main["sess-a"]] == lineage[main["sess-b"]] == []
+        },
+    )
 
 
 @pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
