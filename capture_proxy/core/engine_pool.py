@@ -358,7 +358,8 @@ class BackendPool:
     def _evict(self) -> None:
         """Forget the least lately used keys with no request in flight here, down to
         ``max_keys`` (keys in flight stay: their pins are renewed from them)."""
-        excess, victims = len(self._keys) - self.max_keys, []
+        excess = len(self._keys) - self.max_keys
+        victims: list[str] = []
         for key, state in self._keys.items():  # least lately used first; the busy are few
             if len(victims) == excess:
                 break
