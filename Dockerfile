@@ -27,8 +27,17 @@ ARG EXTRAS="[postgres]"
 FROM ${BASE} AS build
 ARG EXTRAS
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# A C compiler and Python's headers for the compiled chunk scan (setup.py; the build stage
+# only: the runtime stage copies the venv). Where apt cannot reach its mirror the image is
+# built without it and serve says so at start (streamed chunks then take the Python path).
+RUN if command -v apt-get >/dev/null && ! command -v gcc >/dev/null; then \
+        (apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
+            $(python3 -c 'import sysconfig, os; print("" if os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")) else "python3-dev")') \
+            >/dev/null && rm -rf /var/lib/apt/lists/*) \
+        || echo "no C compiler: the compiled chunk scan is not built" >&2; \
+    fi
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY capture_proxy ./capture_proxy
 COPY harness_notes ./harness_notes
 RUN python3 -m venv /opt/capture-proxy \

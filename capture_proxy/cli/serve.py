@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from capture_proxy.config import ConfigError, Settings, load_settings
+from capture_proxy.core import chunk_scan
 
 #: The backend of ``serve --read-only`` without ``--backend``: never contacted.
 READ_ONLY_BACKEND = "http://no-backend.invalid"
@@ -208,6 +209,13 @@ def _listening_banner(
             f"http://{host}:{port}/captures/ui/",
             flush=True,
         )
+        if chunk_scan.SCAN is None:
+            print(
+                "capture-proxy: streamed chat chunks take the Python path (the compiled "
+                "chunk scan is not built, or CAPTURE_PROXY_NO_COMPILED is set): the same "
+                "data, more CPU per token",
+                flush=True,
+            )
 
     return listening
 

@@ -254,22 +254,39 @@ class ChatCaptureAssembler:
             self._add_choice_tokens(choice)
             delta = choice.get("delta")
             if delta:
-                content = delta.get("content")
-                if isinstance(content, str):
-                    self.content.append(content)
-                reasoning = delta.get("reasoning_content")
-                if reasoning is None:
-                    reasoning = delta.get("reasoning")
-                if isinstance(reasoning, str):
-                    self.reasoning.append(reasoning)
-                tool_calls = delta.get("tool_calls")
-                if tool_calls:
-                    for tc in tool_calls:
-                        self._add_tool_call_delta(tc)
+                self.add_delta(delta)
             finish_reason = choice.get("finish_reason")
             if finish_reason is not None:
                 self.finish_reason = finish_reason
                 self.stop_reason = choice_stop(choice)
+
+    def add_delta(self, delta: dict[str, Any]) -> None:
+        """One chunk's ``choices[0].delta``: its content, reasoning and tool-call pieces."""
+        content = delta.get("content")
+        if isinstance(content, str):
+            self.content.append(content)
+        reasoning = delta.get("reasoning_content")
+        if reasoning is None:
+            reasoning = delta.get("reasoning")
+        if isinstance(reasoning, str):
+            self.reasoning.append(reasoning)
+        tool_calls = delta.get("tool_calls")
+        if tool_calls:
+            for tc in tool_calls:
+                self._add_tool_call_delta(tc)
+
+    def add_scanned(
+        self, token_ids: list[int] | None, log_probs: list[float | int | None] | None
+    ) -> None:
+        """A chunk's token data as ``chunk_scan.scan_chat_chunk`` read it (what ``add_chunk``
+        takes from ``choices[0].token_ids`` and ``logprobs.content[].logprob``); its delta goes
+        to ``add_delta``."""
+        if token_ids is not None:
+            self.saw_token_ids = True
+            self.generation_token_ids += token_ids
+        if log_probs is not None:
+            self.saw_log_probs = True
+            self.generation_log_probs += log_probs
 
     def _add_tool_call_delta(self, tc: dict[str, Any]) -> None:
         parts = self.tool_calls.setdefault(int(tc.get("index", 0)), _ToolCallParts())

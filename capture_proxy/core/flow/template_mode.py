@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from capture_proxy.core import chunk_scan
 from capture_proxy.core.assembly import ChatCaptureAssembler, mark_incomplete, stream_end_reasons
 from capture_proxy.core.capture import (
     HarnessAsked,
@@ -171,7 +172,11 @@ def _canonical_delta(chunk: Mapping[str, Any]) -> dict[str, Any] | None:
     choices = chunk.get("choices")
     if not choices or not isinstance(choices[0], dict):
         return None
-    delta = choices[0].get("delta")
+    return _answer_part(choices[0].get("delta"))
+
+
+def _answer_part(delta: Any) -> dict[str, Any] | None:
+    """``_canonical_delta`` of the delta itself."""
     if not isinstance(delta, dict):
         return None
     out: dict[str, Any] = {}
@@ -281,41 +286,66 @@ class _Relay:
         self.seen = seen
         self.aborted = False
         self.broken = False  # the engine's stream is not UTF-8: it ends here
+        self.scan = chunk_scan.SCAN
+        self.flags = chunk_scan.scan_flags(asked, event=encoder is None)
 
     def handle(self, datas: list[bytes]) -> list[bytes]:
         """The client's events for the engine events' data (``SSEStreamDecoder.feed_data``),
         in order. Data that is not UTF-8 stops the stream: ``broken`` is set and what came
-        before it is returned."""
+        before it is returned. A chunk the compiled scan reads (``chunk_scan``) is not parsed
+        here; any other takes the Python path (``_handle_parsed``)."""
         out: list[bytes] = []
+        scan, flags = self.scan, self.flags
         for data in datas:
             if data == _DONE:
                 self.done_seen = True
                 continue
-            try:
-                chunk = parse_json_event(data)
-                if type(chunk) is not dict:
-                    raise ValueError("not a JSON object")
-            except UnicodeDecodeError as exc:
-                self.problem, self.broken = _not_utf8(exc), True
-                return out
-            except ValueError as exc:
-                # Not forwarded: a harness would choke on it. The stream ends with an error.
-                self.problem = f"engine sent a malformed stream event ({len(data)} bytes): {exc}"
+            scanned = scan(data, flags) if scan is not None else None
+            if scanned is None:
+                if not self._handle_parsed(data, out):
+                    return out
                 continue
-            self.assembler.add_chunk(chunk)
-            if self.assembler.finish_reason == "abort" and not self.aborted:
-                # Not forwarded: the harness would take the cut answer for a finished one.
-                self.aborted, self.problem = True, ABORTED
-                continue
+            event, delta, token_ids, log_probs = scanned
+            self.assembler.add_scanned(token_ids, log_probs)
+            parsed = orjson.loads(delta) if delta is not None else None
+            if parsed is not None:
+                self.assembler.add_delta(parsed)
             if self.encoder is None:
-                stripped = strip_chat_chunk(chunk, self.asked)
-                if stripped is not None:
-                    out.append(encode_json_event(stripped))
+                out.append(event)  # type: ignore[arg-type]
             else:
-                delta = _canonical_delta(chunk)
-                if delta is not None:
-                    out += self.encoder.delta(delta)
+                answer = _answer_part(parsed)
+                if answer is not None:
+                    out += self.encoder.delta(answer)
         return out
+
+    def _handle_parsed(self, data: bytes, out: list[bytes]) -> bool:
+        """One event's data on the Python path, its events appended to ``out``. False: the
+        stream is broken (not UTF-8) and ends here."""
+        try:
+            chunk = parse_json_event(data)
+            if type(chunk) is not dict:
+                raise ValueError("not a JSON object")
+        except UnicodeDecodeError as exc:
+            self.problem, self.broken = _not_utf8(exc), True
+            return False
+        except ValueError as exc:
+            # Not forwarded: a harness would choke on it. The stream ends with an error.
+            self.problem = f"engine sent a malformed stream event ({len(data)} bytes): {exc}"
+            return True
+        self.assembler.add_chunk(chunk)
+        if self.assembler.finish_reason == "abort" and not self.aborted:
+            # Not forwarded: the harness would take the cut answer for a finished one.
+            self.aborted, self.problem = True, ABORTED
+            return True
+        if self.encoder is None:
+            stripped = strip_chat_chunk(chunk, self.asked)
+            if stripped is not None:
+                out.append(encode_json_event(stripped))
+        else:
+            delta = _canonical_delta(chunk)
+            if delta is not None:
+                out += self.encoder.delta(delta)
+        return True
 
 
 def _pump(call: Call, relay: _Relay) -> Flow[tuple[bool, RequestEncoding | None]]:

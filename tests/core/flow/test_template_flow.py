@@ -306,3 +306,123 @@ def test_a_prefill_is_resolved_by_the_turns_before_it_and_verified_as_continued(
     assert isinstance(verify, c.Verify)
     assert verify.linking_messages == MESSAGES and verify.prefill == prefill
     assert verify.record.request_messages == [*MESSAGES, prefill]
+
+
+def _middle(delta: dict, token_id: int, logprob: float) -> bytes:
+    """A middle chunk as vLLM 0.32 writes it (compact, UTF-8 kept, its members' order)."""
+    chunk = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1796028430,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": {
+                    "content": [
+                        {"token": "x", "logprob": logprob, "bytes": [120], "top_logprobs": []}
+                    ]
+                },
+                "finish_reason": None,
+                "token_ids": [token_id],
+            }
+        ],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _stream_through(front, scan) -> tuple[list[bytes], object]:
+    """A stream of a first chunk, three middle ones (content, reasoning, a tool call's
+    pieces) and a last one, run through the flow; the client's writes and the record."""
+    from capture_proxy.core import chunk_scan
+
+    saved, chunk_scan.SCAN = chunk_scan.SCAN, scan
+    try:
+        pb = playbook(front, {**STREAM_BODY, "max_tokens": 16})
+        pb.start()
+        assert isinstance(pb.send(_root({})), c.SendToEngine)
+        pieces = [
+            encode_json_event(CHUNKS[0])
+            + _middle({"reasoning_content": "hmm"}, 20, -1.5)
+            + _middle({"content": " wörld"}, 21, -0.125),
+            _middle(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "t1",
+                            "type": "function",
+                            "function": {"name": "ls", "arguments": "{}"},
+                        }
+                    ]
+                },
+                22,
+                -2.0,
+            )
+            + encode_json_event(CHUNKS[1]),
+            b"data: [DONE]\n\n",
+        ]
+        writes: list[bytes] = []
+        command = pb.send(e.EngineResponded(200, True))
+        while command is not None:
+            if isinstance(command, (c.WriteClient, c.EndClient)):
+                writes.append(command.data)
+            if isinstance(command, c.ReadEngine):
+                reply = e.EnginePiece(pieces.pop(0)) if pieces else e.EngineEnd()
+            elif isinstance(command, c.Verify):
+                reply = _verified(command)
+            elif isinstance(command, c.Persist):
+                reply = e.Persisted(True)
+            elif isinstance(command, (c.Remember, c.DrainEngine)):
+                reply = None
+            else:
+                reply = e.ClientState(False)
+            command = pb.send(reply)
+        return writes, pb.outcome.record
+    finally:
+        chunk_scan.SCAN = saved
+
+
+@pytest.mark.parametrize("front", [ChatCodec(), MessagesCodec()], ids=["chat", "messages"])
+def test_middle_chunks_give_the_same_record_and_events_with_the_compiled_scan_or_without(front):
+    from capture_proxy.core import chunk_scan
+
+    if chunk_scan.SCAN is None:
+        pytest.skip("the compiled scan is not built")
+    scan, accepted = chunk_scan.SCAN, []
+
+    def counted(data: bytes, flags: int):
+        result = scan(data, flags)
+        accepted.append(result is not None)
+        return result
+
+    scanned_writes, scanned = _stream_through(front, counted)
+    # the first chunk (prompt ids) and the last (finish_reason) take the Python path
+    assert accepted == [False, True, True, True, False]
+    parsed_writes, parsed = _stream_through(front, None)
+    assert scanned.generation_token_ids.tolist() == [7, 20, 21, 22, 8]
+    assert scanned.generation_log_probs.tolist() == [-0.5, -1.5, -0.125, -2.0, -0.25]
+    assert scanned.response_message == {
+        "role": "assistant",
+        "content": "H wörldi",
+        "reasoning_content": "hmm",
+        "tool_calls": [
+            {"id": "t1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}
+        ],
+    }
+    for field in ("generation_token_ids", "generation_log_probs", "prompt_token_ids"):
+        assert getattr(scanned, field).tolist() == getattr(parsed, field).tolist()
+    assert scanned.response_message == parsed.response_message
+    assert scanned.status is parsed.status is CallStatus.COMPLETE
+
+    def events(writes: list[bytes]) -> list:
+        datas = b"".join(writes).split(b"\n\n")
+        return [orjson.loads(d[6:]) if d.startswith(b"data: {") else d for d in datas]
+
+    assert events(scanned_writes) == events(parsed_writes)
+    if isinstance(front, ChatCodec):
+        middle = events(scanned_writes)[2]
+        assert middle["choices"] == [
+            {"index": 0, "delta": {"content": " wörld"}, "logprobs": None, "finish_reason": None}
+        ]

@@ -1,0 +1,679 @@
+/* The per-event scan of a streamed chat chunk, in one pass over its bytes.
+ *
+ * One function, scan_chat_chunk(data, flags), for the middle chunks of vLLM's chat stream
+ * (vLLM 0.32 `chat.completion.chunk`, compact JSON from pydantic's model_dump_json):
+ *
+ *   {"id":...,"object":"chat.completion.chunk","created":...,"model":...,
+ *    "choices":[{"index":0,"delta":{...},"logprobs":{"content":[{"token":...,
+ *    "logprob":-0.25,"bytes":[...],"top_logprobs":[]}]},"finish_reason":null,
+ *    "token_ids":[1234]}]}
+ *
+ * It validates the whole event as JSON, and returns (event, delta, token_ids, log_probs):
+ *   event      bytes: b"data: " + the chunk with what the harness did not ask for cut out
+ *              (the same members, in the same order, as capture.strip_chat_chunk leaves;
+ *              the values kept are the engine's own bytes) + b"\n\n"; None with
+ *              SCAN_NO_EVENT;
+ *   delta      bytes: choices[0].delta's raw JSON when it has members, else None;
+ *   token_ids  list[int]: choices[0].token_ids, or None when absent or null;
+ *   log_probs  list[float | int | None]: each choices[0].logprobs.content entry's
+ *              "logprob" (None when absent or null), or None when there is no content.
+ *
+ * It returns None, and the caller takes the Python path (orjson's parse, the assembler, the
+ * strip), for everything else: bytes that are not strict JSON or not UTF-8, a chunk that is not
+ * one object with one choice of index 0, a finish_reason, a usage, prompt ids, routed experts,
+ * NaN or infinite numbers, integers of more than 18 digits, exponents of more than 2 digits,
+ * \u escapes of surrogates, escaped or repeated member names where this reads them, nesting
+ * deeper than 64. So what it accepts, the Python path would read the same way; what it is not
+ * sure of, it leaves to the Python path. It never raises on the event's bytes.
+ *
+ * Pure C against CPython's API, no I/O, no state: safe to call from any thread holding the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* flags (capture.HarnessAsked.scan_flags) */
+#define SCAN_STRIP_TOKEN_IDS 1 /* drop choices[0].token_ids (harness did not ask for them) */
+#define SCAN_NULL_LOGPROBS 2   /* choices[0].logprobs -> null (harness did not ask) */
+#define SCAN_DROP_USAGE 4      /* a top-level "usage": null is dropped (no include_usage) */
+#define SCAN_NO_EVENT 8        /* the caller needs no event bytes (another API's front) */
+
+#define MAX_DEPTH 64
+#define MAX_MEMBERS 32
+#define MAX_NUMBER 40
+
+typedef struct {
+    const unsigned char *p;
+    const unsigned char *end;
+} Cur;
+
+/* A member of an object: key (without its quotes), the member's whole span, its value. */
+typedef struct {
+    const unsigned char *key;
+    Py_ssize_t key_len;
+    const unsigned char *start; /* the key's opening quote */
+    const unsigned char *value;
+    const unsigned char *value_end;
+} Member;
+
+static void skip_ws(Cur *c) {
+    while (c->p < c->end && (*c->p == ' ' || *c->p == '\t' || *c->p == '\n' || *c->p == '\r'))
+        c->p++;
+}
+
+static int hex4(const unsigned char *s, unsigned *out) {
+    unsigned v = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned char ch = s[i];
+        v <<= 4;
+        if (ch >= '0' && ch <= '9') v |= (unsigned)(ch - '0');
+        else if (ch >= 'a' && ch <= 'f') v |= (unsigned)(ch - 'a' + 10);
+        else if (ch >= 'A' && ch <= 'F') v |= (unsigned)(ch - 'A' + 10);
+        else return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+/* Length of the UTF-8 sequence at s (strict, RFC 3629), 0 when invalid. */
+static int utf8_len(const unsigned char *s, const unsigned char *end) {
+    unsigned char b0 = s[0];
+    Py_ssize_t left = end - s;
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+        return (left >= 2 && (s[1] & 0xC0) == 0x80) ? 2 : 0;
+    }
+    if (b0 >= 0xE0 && b0 <= 0xEF) {
+        if (left < 3 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80) return 0;
+        if (b0 == 0xE0 && s[1] < 0xA0) return 0; /* overlong */
+        if (b0 == 0xED && s[1] > 0x9F) return 0; /* a surrogate */
+        return 3;
+    }
+    if (b0 >= 0xF0 && b0 <= 0xF4) {
+        if (left < 4 || (s[1] & 0xC0) != 0x80 || (s[2] & 0xC0) != 0x80 ||
+            (s[3] & 0xC0) != 0x80)
+            return 0;
+        if (b0 == 0xF0 && s[1] < 0x90) return 0; /* overlong */
+        if (b0 == 0xF4 && s[1] > 0x8F) return 0; /* past U+10FFFF */
+        return 4;
+    }
+    return 0;
+}
+
+/* 1 for the bytes a string holds as they are: printable ASCII but '"' and '\\'. */
+static unsigned char plain[256];
+
+static void init_plain(void) {
+    for (int ch = 0x20; ch < 0x80; ch++) plain[ch] = ch != '"' && ch != '\\';
+}
+
+/* A string at c->p (its opening quote). Sets *escaped when it holds an escape. */
+static int scan_string(Cur *c, int *escaped) {
+    const unsigned char *p = c->p + 1, *end = c->end;
+    *escaped = 0;
+    while (p < end) {
+        while (p + 4 <= end && plain[p[0]] && plain[p[1]] && plain[p[2]] && plain[p[3]]) p += 4;
+        while (p < end && plain[*p]) p++;
+        if (p >= end) break;
+        unsigned char ch = *p;
+        if (ch == '"') {
+            c->p = p + 1;
+            return 0;
+        }
+        if (ch < 0x20) return -1;
+        if (ch == '\\') {
+            *escaped = 1;
+            if (p + 1 >= end) return -1;
+            unsigned char e = p[1];
+            if (e == 'u') {
+                unsigned v;
+                if (end - p < 6 || hex4(p + 2, &v) < 0) return -1;
+                if (v >= 0xD800 && v <= 0xDFFF) return -1; /* surrogates: the Python path's */
+                p += 6;
+            } else if (e == '"' || e == '\\' || e == '/' || e == 'b' || e == 'f' || e == 'n' ||
+                       e == 'r' || e == 't') {
+                p += 2;
+            } else {
+                return -1;
+            }
+        } else if (ch < 0x80) {
+            p++;
+        } else {
+            int n = utf8_len(p, end);
+            if (n == 0) return -1;
+            p += n;
+        }
+    }
+    return -1;
+}
+
+/* A number at c->p. Sets *integral when it has no fraction and no exponent. */
+static int scan_number(Cur *c, int *integral) {
+    const unsigned char *p = c->p, *end = c->end, *start = c->p;
+    *integral = 1;
+    if (p < end && *p == '-') p++;
+    if (p >= end) return -1;
+    if (*p == '0') {
+        p++;
+    } else if (*p >= '1' && *p <= '9') {
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    } else {
+        return -1;
+    }
+    if (p < end && *p == '.') {
+        *integral = 0;
+        p++;
+        if (p >= end || *p < '0' || *p > '9') return -1;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+    }
+    if (p < end && (*p == 'e' || *p == 'E')) {
+        *integral = 0;
+        p++;
+        if (p < end && (*p == '+' || *p == '-')) p++;
+        const unsigned char *digits = p;
+        while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p == digits || p - digits > 2) return -1; /* none, or a range orjson may refuse */
+    }
+    if (p - start > MAX_NUMBER) return -1;
+    if (*integral && p - start > 18 + (*start == '-')) return -1; /* orjson: a float past i64 */
+    c->p = p;
+    return 0;
+}
+
+static int scan_value(Cur *c, int depth);
+
+static int scan_literal(Cur *c, const char *word, Py_ssize_t n) {
+    if (c->end - c->p < n || memcmp(c->p, word, (size_t)n) != 0) return -1;
+    c->p += n;
+    return 0;
+}
+
+/* Reads the value at c->p of member `index` (its name in `key`): 0, -1 (the Python path's),
+ * -2 (a Python error is set). */
+typedef int (*ValueReader)(Cur *c, const Member *key, int index, void *ctx, int depth);
+
+/* The object at c->p ('{'). With `members`, each member is recorded there (at most
+ * MAX_MEMBERS, names without escapes) and its value read by `read` (NULL: validated only). */
+static int walk_object(Cur *c, int depth, Member *members, int *count, ValueReader read,
+                       void *ctx) {
+    int n = 0;
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == '}') {
+        c->p++;
+        if (count) *count = 0;
+        return 0;
+    }
+    for (;;) {
+        if (c->p >= c->end || *c->p != '"') return -1;
+        Member m;
+        int escaped, rc;
+        m.start = c->p;
+        if (scan_string(c, &escaped) < 0) return -1;
+        m.key = m.start + 1;
+        m.key_len = (c->p - 1) - m.key;
+        skip_ws(c);
+        if (c->p >= c->end || *c->p != ':') return -1;
+        c->p++;
+        skip_ws(c);
+        m.value = c->p;
+        if (members != NULL && (escaped || n >= MAX_MEMBERS)) return -1;
+        rc = read != NULL ? read(c, &m, n, ctx, depth + 1) : scan_value(c, depth + 1);
+        if (rc < 0) return rc;
+        m.value_end = c->p;
+        if (members != NULL) members[n] = m;
+        n++;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ',') {
+            c->p++;
+            skip_ws(c);
+            continue;
+        }
+        if (*c->p != '}') return -1;
+        c->p++;
+        if (count) *count = n;
+        return 0;
+    }
+}
+
+static int scan_array(Cur *c, int depth) {
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return 0;
+    }
+    for (;;) {
+        if (scan_value(c, depth + 1) < 0) return -1;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ',') {
+            c->p++;
+            skip_ws(c);
+            continue;
+        }
+        if (*c->p != ']') return -1;
+        c->p++;
+        return 0;
+    }
+}
+
+static int scan_value(Cur *c, int depth) {
+    if (depth > MAX_DEPTH || c->p >= c->end) return -1;
+    int flag;
+    switch (*c->p) {
+    case '{':
+        return walk_object(c, depth, NULL, NULL, NULL, NULL);
+    case '[':
+        return scan_array(c, depth);
+    case '"':
+        return scan_string(c, &flag);
+    case 't':
+        return scan_literal(c, "true", 4);
+    case 'f':
+        return scan_literal(c, "false", 5);
+    case 'n':
+        return scan_literal(c, "null", 4);
+    default:
+        return scan_number(c, &flag);
+    }
+}
+
+/* A growing list of Python objects: steals each reference it is given. */
+typedef struct {
+    PyObject *list;
+} Out;
+
+static int out_append(Out *o, PyObject *item) {
+    if (item == NULL) return -2;
+    int rc = PyList_Append(o->list, item);
+    Py_DECREF(item);
+    return rc < 0 ? -2 : 0;
+}
+
+static int out_start(Out *o) {
+    if (o->list != NULL) return -1; /* a repeated member: the Python path's */
+    o->list = PyList_New(0);
+    return o->list == NULL ? -2 : 0;
+}
+
+static int is_null(const unsigned char *v, const unsigned char *end) {
+    return end - v == 4 && memcmp(v, "null", 4) == 0;
+}
+
+static int key_is(const Member *m, const char *name) {
+    size_t n = strlen(name);
+    return (size_t)m->key_len == n && memcmp(m->key, name, n) == 0;
+}
+
+/* No two members of one object with the same name (orjson keeps the last; this would see
+ * the first): the caller takes the Python path. */
+static int distinct(const Member *members, int n) {
+    for (int i = 1; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (members[i].key_len == members[j].key_len &&
+                memcmp(members[i].key, members[j].key, (size_t)members[i].key_len) == 0)
+                return 0;
+    return 1;
+}
+
+/* A number's value as orjson gives it: int for an integral number, else a finite float.
+ * -1: not a number, or not finite. */
+static int read_number(Cur *c, PyObject **out) {
+    char buf[MAX_NUMBER + 1];
+    const unsigned char *v = c->p;
+    int integral;
+    if (scan_number(c, &integral) < 0) return -1;
+    size_t n = (size_t)(c->p - v);
+    memcpy(buf, v, n);
+    buf[n] = '\0';
+    if (integral) {
+        *out = PyLong_FromString(buf, NULL, 10);
+        return *out == NULL ? -2 : 0;
+    }
+    double d = PyOS_string_to_double(buf, NULL, NULL);
+    if (d == -1.0 && PyErr_Occurred()) return -2;
+    if (!isfinite(d)) return -1;
+    *out = PyFloat_FromDouble(d);
+    return *out == NULL ? -2 : 0;
+}
+
+/* choices[0].token_ids: an array of integers from 0 to 2**31 - 1, or null. */
+static int read_token_ids(Cur *c, Out *o) {
+    if (*c->p == 'n') return scan_literal(c, "null", 4);
+    if (*c->p != '[') return -1;
+    int rc = out_start(o);
+    if (rc < 0) return rc;
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return 0;
+    }
+    for (;;) {
+        long long id = 0;
+        const unsigned char *digits = c->p;
+        while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+            id = id * 10 + (*c->p - '0');
+            if (id > 2147483647LL) return -1;
+            c->p++;
+        }
+        if (c->p == digits || (*digits == '0' && c->p - digits > 1)) return -1;
+        if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E')) return -1;
+        if ((rc = out_append(o, PyLong_FromLongLong(id))) < 0) return rc;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ']') {
+            c->p++;
+            return 0;
+        }
+        if (*c->p != ',') return -1;
+        c->p++;
+        skip_ws(c);
+    }
+}
+
+/* A logprobs.content entry's member: "logprob" read into *ctx (a PyObject *). */
+static int entry_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    (void)index;
+    PyObject **slot = ctx;
+    if (!key_is(key, "logprob")) return scan_value(c, depth);
+    if (*slot != NULL) return -1; /* repeated */
+    if (*c->p == 'n') {
+        if (scan_literal(c, "null", 4) < 0) return -1;
+        *slot = Py_NewRef(Py_None);
+        return 0;
+    }
+    return read_number(c, slot); /* a string, an object, ...: -1, the Python path's */
+}
+
+/* One entry of logprobs.content: its "logprob" (None when absent or null; None for an entry
+ * that is not an object, as the assembler reads it). */
+static int read_entry(Cur *c, Out *o, int depth) {
+    Member members[MAX_MEMBERS];
+    PyObject *logprob = NULL;
+    int n;
+    if (*c->p != '{') {
+        if (scan_value(c, depth) < 0) return -1;
+        return out_append(o, Py_NewRef(Py_None));
+    }
+    int rc = walk_object(c, depth, members, &n, entry_member, &logprob);
+    if (rc == 0 && !distinct(members, n)) rc = -1;
+    if (rc < 0) {
+        Py_XDECREF(logprob);
+        return rc;
+    }
+    return out_append(o, logprob != NULL ? logprob : Py_NewRef(Py_None));
+}
+
+/* A member of choices[0].logprobs: "content" (null or an array) read into *ctx (an Out). */
+static int logprobs_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    (void)index;
+    Out *o = ctx;
+    if (!key_is(key, "content")) return scan_value(c, depth);
+    if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
+    if (*c->p != '[') return -1;
+    int rc = out_start(o);
+    if (rc < 0) return rc;
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return 0;
+    }
+    for (;;) {
+        if (c->p >= c->end) return -1;
+        if ((rc = read_entry(c, o, depth + 1)) < 0) return rc;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ']') {
+            c->p++;
+            return 0;
+        }
+        if (*c->p != ',') return -1;
+        c->p++;
+        skip_ws(c);
+    }
+}
+
+/* choices[0].logprobs: null, or an object whose "content" is null or an array. */
+static int read_logprobs(Cur *c, Out *o, int depth) {
+    Member members[MAX_MEMBERS];
+    int n;
+    if (*c->p == 'n') return scan_literal(c, "null", 4);
+    if (*c->p != '{') return -1;
+    int rc = walk_object(c, depth, members, &n, logprobs_member, o);
+    if (rc == 0 && !distinct(members, n)) rc = -1;
+    return rc;
+}
+
+typedef struct {
+    Member members[MAX_MEMBERS]; /* the choice's */
+    int count;
+    int token_ids; /* index of "token_ids" in members, -1 */
+    int logprobs;  /* index of "logprobs", -1 */
+    int delta;     /* index of "delta", -1 */
+    int choices;   /* index of "choices" in the top level's members, -1 */
+    int usage;     /* index of "usage" there, -1 */
+    Out ids;
+    Out lps;
+} Chunk;
+
+/* A member of choices[0]: none the Python path reads that this does not. */
+static int choice_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    Chunk *k = ctx;
+    const unsigned char *v = c->p;
+    if (key_is(key, "logprobs")) {
+        k->logprobs = index;
+        return read_logprobs(c, &k->lps, depth);
+    }
+    if (key_is(key, "token_ids")) {
+        k->token_ids = index;
+        return read_token_ids(c, &k->ids);
+    }
+    if (key_is(key, "prompt_token_ids") || key_is(key, "routed_experts") ||
+        key_is(key, "routed_experts_prompt_start"))
+        return -1;
+    if (scan_value(c, depth) < 0) return -1;
+    if (key_is(key, "index")) {
+        if (!(c->p - v == 1 && v[0] == '0')) return -1;
+    } else if (key_is(key, "finish_reason")) {
+        if (!is_null(v, c->p)) return -1; /* the last chunk: the Python path's */
+    } else if (key_is(key, "delta")) {
+        if (*v != '{' && !is_null(v, c->p)) return -1;
+        k->delta = index;
+    }
+    return 0;
+}
+
+/* "choices": an array of exactly one object. */
+static int read_choices(Cur *c, Chunk *k, int depth) {
+    if (*c->p != '[') return -1;
+    c->p++;
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != '{') return -1;
+    int rc = walk_object(c, depth + 1, k->members, &k->count, choice_member, k);
+    if (rc < 0) return rc;
+    if (!distinct(k->members, k->count)) return -1;
+    skip_ws(c);
+    if (c->p >= c->end || *c->p != ']') return -1; /* more than one choice */
+    c->p++;
+    return 0;
+}
+
+static int top_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    Chunk *k = ctx;
+    const unsigned char *v = c->p;
+    if (key_is(key, "choices")) {
+        if (k->choices >= 0) return -1;
+        k->choices = index;
+        return read_choices(c, k, depth);
+    }
+    if (key_is(key, "prompt_token_ids") || key_is(key, "routed_experts") ||
+        key_is(key, "prompt_routed_experts"))
+        return -1;
+    if (scan_value(c, depth) < 0) return -1;
+    if (key_is(key, "usage")) {
+        if (!is_null(v, c->p)) return -1; /* the usage chunk: the Python path's */
+        k->usage = index;
+    }
+    return 0;
+}
+
+/* The chunk: one object, its "choices" read. */
+static int read_chunk(const unsigned char *s, const unsigned char *end, Member *top, int *count,
+                      Chunk *k) {
+    Cur c = {s, end};
+    k->choices = k->usage = k->token_ids = k->logprobs = k->delta = -1;
+    skip_ws(&c);
+    if (c.p >= c.end || *c.p != '{') return -1;
+    int rc = walk_object(&c, 0, top, count, top_member, k);
+    if (rc < 0) return rc;
+    skip_ws(&c);
+    if (c.p != c.end || !distinct(top, *count) || k->choices < 0) return -1;
+    return 0;
+}
+
+static char *put(char *w, const void *src, Py_ssize_t n) {
+    memcpy(w, src, (size_t)n);
+    return w + n;
+}
+
+/* b"data: " + the chunk less the members cut + b"\n\n". */
+static PyObject *event_bytes(const Member *top, int top_count, const Chunk *ch, long flags) {
+    int choices = ch->choices, usage = ch->usage;
+    int skip_usage = usage >= 0 && (flags & SCAN_DROP_USAGE);
+    int skip_ids = ch->token_ids >= 0 && (flags & SCAN_STRIP_TOKEN_IDS);
+    int null_lp = ch->logprobs >= 0 && (flags & SCAN_NULL_LOGPROBS);
+    Py_ssize_t size = 6 + 2 + 2; /* "data: ", "{}", "\n\n" */
+    for (int i = 0; i < top_count; i++) {
+        if (i == usage && skip_usage) continue;
+        if (i == choices) {
+            size += (top[i].value - top[i].start) + 4; /* '"choices":' + "[{" "}]" */
+            for (int j = 0; j < ch->count; j++) {
+                const Member *m = &ch->members[j];
+                if (j == ch->token_ids && skip_ids) continue;
+                if (j == ch->logprobs && null_lp) size += (m->value - m->start) + 4 + 1;
+                else size += (m->value_end - m->start) + 1;
+            }
+        } else {
+            size += (top[i].value_end - top[i].start);
+        }
+        size += 1; /* a comma (one too many at most: trimmed below) */
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out == NULL) return NULL;
+    char *base = PyBytes_AS_STRING(out), *w = base;
+    w = put(w, "data: {", 7);
+    int first = 1;
+    for (int i = 0; i < top_count; i++) {
+        if (i == usage && skip_usage) continue;
+        if (!first) *w++ = ',';
+        first = 0;
+        if (i != choices) {
+            w = put(w, top[i].start, top[i].value_end - top[i].start);
+            continue;
+        }
+        w = put(w, top[i].start, top[i].value - top[i].start);
+        w = put(w, "[{", 2);
+        int inner_first = 1;
+        for (int j = 0; j < ch->count; j++) {
+            const Member *m = &ch->members[j];
+            if (j == ch->token_ids && skip_ids) continue;
+            if (!inner_first) *w++ = ',';
+            inner_first = 0;
+            if (j == ch->logprobs && null_lp) {
+                w = put(w, m->start, m->value - m->start);
+                w = put(w, "null", 4);
+            } else {
+                w = put(w, m->start, m->value_end - m->start);
+            }
+        }
+        w = put(w, "}]", 2);
+    }
+    w = put(w, "}\n\n", 3);
+    if (_PyBytes_Resize(&out, w - base) < 0) return NULL;
+    return out;
+}
+
+static int delta_has_members(const unsigned char *v, const unsigned char *end) {
+    if (*v != '{') return 0;
+    v++;
+    while (v < end && (*v == ' ' || *v == '\t' || *v == '\n' || *v == '\r')) v++;
+    return v < end && *v != '}';
+}
+
+static PyObject *scan_chat_chunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "scan_chat_chunk(data: bytes, flags: int)");
+        return NULL;
+    }
+    long flags = PyLong_AsLong(args[1]);
+    if (flags == -1 && PyErr_Occurred()) return NULL;
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    const unsigned char *end = s + PyBytes_GET_SIZE(args[0]);
+    Member top[MAX_MEMBERS];
+    int top_count;
+    Chunk k;
+    PyObject *event = NULL, *delta = NULL, *result = NULL;
+    k.ids.list = k.lps.list = NULL;
+    int rc = read_chunk(s, end, top, &top_count, &k);
+    if (rc == -2) goto done; /* a Python error (memory) */
+    if (rc < 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (flags & SCAN_NO_EVENT) {
+        event = Py_NewRef(Py_None);
+    } else {
+        event = event_bytes(top, top_count, &k, flags);
+        if (event == NULL) goto done;
+    }
+    if (k.delta >= 0 && delta_has_members(k.members[k.delta].value, k.members[k.delta].value_end)) {
+        const Member *m = &k.members[k.delta];
+        delta = PyBytes_FromStringAndSize((const char *)m->value, m->value_end - m->value);
+        if (delta == NULL) goto done;
+    } else {
+        delta = Py_NewRef(Py_None);
+    }
+    result = PyTuple_Pack(4, event, delta, k.ids.list ? k.ids.list : Py_None,
+                          k.lps.list ? k.lps.list : Py_None);
+done:
+    Py_XDECREF(event);
+    Py_XDECREF(delta);
+    Py_XDECREF(k.ids.list);
+    Py_XDECREF(k.lps.list);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"scan_chat_chunk", (PyCFunction)(void (*)(void))scan_chat_chunk, METH_FASTCALL,
+     "scan_chat_chunk(data: bytes, flags: int) -> (event, delta, token_ids, log_probs) | None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static int exec_module(PyObject *m) {
+    init_plain();
+    if (PyModule_AddIntConstant(m, "SCAN_STRIP_TOKEN_IDS", SCAN_STRIP_TOKEN_IDS) < 0 ||
+        PyModule_AddIntConstant(m, "SCAN_NULL_LOGPROBS", SCAN_NULL_LOGPROBS) < 0 ||
+        PyModule_AddIntConstant(m, "SCAN_DROP_USAGE", SCAN_DROP_USAGE) < 0 ||
+        PyModule_AddIntConstant(m, "SCAN_NO_EVENT", SCAN_NO_EVENT) < 0)
+        return -1;
+    return 0;
+}
+
+static PyModuleDef_Slot slots[] = {
+    {Py_mod_exec, exec_module},
+    {0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_chunkscan",
+    "The per-event scan of a streamed chat chunk in compiled code (see the C source).", 0,
+    methods, slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__chunkscan(void) { return PyModuleDef_Init(&module); }

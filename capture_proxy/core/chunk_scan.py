@@ -1,0 +1,67 @@
+"""The per-event scan of a streamed chat chunk: compiled when built, else None.
+
+``scan_chat_chunk(data, flags)`` (``_chunkscan.c``) reads one streamed ``chat.completion.chunk``
+of vLLM's (0.32 dialect, compact JSON) in one pass over its bytes: it validates the event as
+JSON and returns ``(event, delta, token_ids, log_probs)``:
+
+- ``event``: ``bytes``, the event for the harness (``b"data: " + chunk + b"\\n\\n"``) with the
+  members cut that ``capture.strip_chat_chunk`` drops (the values kept are the engine's bytes);
+  None when ``flags`` has ``SCAN_NO_EVENT``;
+- ``delta``: ``bytes``, ``choices[0].delta`` as JSON when it has members, else None;
+- ``token_ids``: ``list[int]``, ``choices[0].token_ids`` (None: absent or null);
+- ``log_probs``: ``list[float | int | None]``, each ``choices[0].logprobs.content[i].logprob``
+  (None: no ``content``).
+
+It returns None for any chunk it does not read exactly as the Python path would (the first
+chunk with the prompt ids, the last with a ``finish_reason``, a usage, routed experts, more than
+one choice, bytes that are not strict JSON or UTF-8, ...): the caller then parses the chunk with
+orjson and hands it to ``ChatCaptureAssembler.add_chunk`` and ``strip_chat_chunk``. Both paths
+give the same record and the same JSON to the harness (``tests/core/test_chunk_scan.py`` checks
+it over generated chunks).
+
+``SCAN`` is None where the extension was not built (no C compiler at install: ``setup.py``
+makes it optional) or when ``CAPTURE_PROXY_NO_COMPILED`` is set (to measure or test the Python
+path alone).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from capture_proxy.core.capture import HarnessAsked
+
+#: (data, flags) -> (event, delta, token_ids, log_probs) | None
+Scan = Callable[[bytes, int], "tuple[bytes | None, bytes | None, list[int] | None, list] | None"]
+
+#: flag bits of ``scan_chat_chunk`` (the values are the C module's)
+SCAN_STRIP_TOKEN_IDS = 1
+SCAN_NULL_LOGPROBS = 2
+SCAN_DROP_USAGE = 4
+SCAN_NO_EVENT = 8
+
+
+def _load() -> Scan | None:
+    if os.environ.get("CAPTURE_PROXY_NO_COMPILED"):
+        return None
+    try:
+        from capture_proxy.core import _chunkscan  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _chunkscan.scan_chat_chunk  # type: ignore[no-any-return]
+
+
+SCAN: Scan | None = _load()
+
+
+def scan_flags(asked: HarnessAsked, *, event: bool) -> int:
+    """The flags for what the harness asked for (``event``: the harness gets the chunk
+    itself, a chat front; other fronts build their own events from the delta)."""
+    flags = 0 if event else SCAN_NO_EVENT
+    if not asked.return_token_ids:
+        flags |= SCAN_STRIP_TOKEN_IDS
+    if not asked.logprobs:
+        flags |= SCAN_NULL_LOGPROBS
+    if not asked.include_usage:
+        flags |= SCAN_DROP_USAGE
+    return flags

@@ -1,0 +1,298 @@
+"""The compiled scan of a streamed chat chunk (``core/_chunkscan.c``) against the Python path.
+
+The oracle is what the proxy did before the scan and still does for any chunk the scan leaves
+to it: orjson's parse, ``ChatCaptureAssembler.add_chunk`` and ``strip_chat_chunk``. For every
+chunk the scan accepts, the assembler must end in the same state and the harness must get the
+same JSON; and the scan must accept the chunks vLLM sends for each token (else the work is
+for nothing)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from capture_proxy.core import chunk_scan
+from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
+from capture_proxy.core.capture import HarnessAsked, strip_chat_chunk
+from capture_proxy.core.sse import parse_json_event
+
+SCAN = chunk_scan.SCAN
+needs_scan = pytest.mark.skipif(SCAN is None, reason="the compiled scan is not built")
+
+#: a middle chunk of vLLM 0.32's chat stream, as its server writes it (compact, UTF-8 kept)
+VLLM_CHUNK = (
+    '{"id":"chatcmpl-8d1f","object":"chat.completion.chunk","created":1796028430,'
+    '"model":"Qwen/Qwen3-0.6B","choices":[{"index":0,"delta":{"content":" wörld"},'
+    '"logprobs":{"content":[{"token":" wörld","logprob":-0.03125,"bytes":[32,119,195,182,'
+    '114,108,100],"top_logprobs":[]}]},"finish_reason":null,"token_ids":[1879]}]}'
+).encode()
+
+ALL_ASKED = [
+    HarnessAsked(logprobs=lp, return_token_ids=ids, include_usage=usage, routed_experts=False)
+    for lp in (False, True)
+    for ids in (False, True)
+    for usage in (False, True)
+]
+
+
+def _assembler() -> ChatCaptureAssembler:
+    ctx = CallContext("call-1", "rollout-1", 0.0, True, "/v1/chat/completions", {})
+    return ChatCaptureAssembler(ctx)
+
+
+def _state(a: ChatCaptureAssembler) -> dict[str, Any]:
+    return {
+        "ids": [(type(v), v) for v in a.generation_token_ids],
+        "log_probs": [(type(v), v) for v in a.generation_log_probs],
+        "saw": (a.saw_token_ids, a.saw_log_probs),
+        "content": a.content,
+        "reasoning": a.reasoning,
+        "tools": {k: vars(v) for k, v in a.tool_calls.items()},
+        "finish": (a.finish_reason, a.usage, a.prompt_token_ids, a.problems),
+    }
+
+
+def _python_path(data: bytes, asked: HarnessAsked) -> tuple[Any, dict[str, Any]]:
+    a = _assembler()
+    chunk = parse_json_event(data)
+    a.add_chunk(chunk)
+    return strip_chat_chunk(chunk, asked), _state(a)
+
+
+def _scan_path(data: bytes, asked: HarnessAsked) -> tuple[Any, dict[str, Any]] | None:
+    assert SCAN is not None
+    scanned = SCAN(data, chunk_scan.scan_flags(asked, event=True))
+    if scanned is None:
+        return None
+    event, delta, token_ids, log_probs = scanned
+    assert event is not None and event[:6] == b"data: " and event[-2:] == b"\n\n"
+    a = _assembler()
+    a.add_scanned(token_ids, log_probs)
+    if delta is not None:
+        a.add_delta(orjson.loads(delta))
+    no_event = SCAN(data, chunk_scan.scan_flags(asked, event=False))
+    assert no_event == (None, delta, token_ids, log_probs)
+    return orjson.loads(event[6:-2]), _state(a)
+
+
+def _agree(data: bytes) -> int:
+    """The scan and the Python path agree on ``data`` for every ``HarnessAsked``; how many
+    of them the scan accepted."""
+    accepted = 0
+    for asked in ALL_ASKED:
+        scanned = _scan_path(data, asked)
+        if scanned is None:
+            continue
+        accepted += 1
+        assert scanned == _python_path(data, asked), (data, asked)
+    return accepted
+
+
+def test_the_compiled_scan_is_built() -> None:
+    """setup.py builds it wherever a C compiler and Python's headers are (every machine
+    scripts/setup supports); the proxy runs without it, slower, so a build that failed
+    silently would otherwise go unseen."""
+    if os.environ.get("CAPTURE_PROXY_NO_COMPILED"):
+        pytest.skip("CAPTURE_PROXY_NO_COMPILED is set")
+    assert SCAN is not None, "capture_proxy.core._chunkscan is not built: run scripts/setup"
+
+
+@needs_scan
+def test_a_vllm_middle_chunk_is_read_exactly() -> None:
+    assert SCAN is not None
+    asked = HarnessAsked(
+        logprobs=False, return_token_ids=False, include_usage=False, routed_experts=False
+    )
+    event, delta, token_ids, log_probs = SCAN(VLLM_CHUNK, chunk_scan.scan_flags(asked, event=True))
+    assert token_ids == [1879]
+    assert log_probs == [-0.03125]
+    assert delta == '{"content":" wörld"}'.encode()
+    assert (
+        event
+        == (
+            'data: {"id":"chatcmpl-8d1f","object":"chat.completion.chunk","created":1796028430,'
+            '"model":"Qwen/Qwen3-0.6B","choices":[{"index":0,"delta":{"content":" wörld"},'
+            '"logprobs":null,"finish_reason":null}]}\n\n'
+        ).encode()
+    )
+    assert _agree(VLLM_CHUNK) == len(ALL_ASKED)
+
+
+@needs_scan
+def test_what_the_scan_leaves_to_the_python_path() -> None:
+    assert SCAN is not None
+    base = json.loads(VLLM_CHUNK)
+
+    def variant(**changes: Any) -> bytes:
+        chunk = json.loads(json.dumps(base))
+        for path, value in changes.items():
+            target = chunk if path.startswith("top_") else chunk["choices"][0]
+            target[path.removeprefix("top_").removeprefix("c_")] = value
+        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()
+
+    left = [
+        variant(c_finish_reason="stop"),  # the last chunk (stop_reason, abort)
+        variant(c_index=1),
+        variant(c_index=0.0),
+        variant(top_usage={"prompt_tokens": 3}),
+        variant(top_prompt_token_ids=[1, 2]),  # the first chunk
+        variant(c_routed_experts="AAAA"),
+        variant(c_token_ids=[-1]),
+        variant(c_token_ids=[2**31]),
+        variant(c_token_ids=[1.0]),
+        variant(c_logprobs={"content": [{"logprob": "x"}]}),
+        variant(c_logprobs={"content": "abc"}),
+        variant(c_delta="text"),
+        VLLM_CHUNK.replace(b"-0.03125", b"NaN"),
+        VLLM_CHUNK.replace(b"-0.03125", b"-1e400"),
+        VLLM_CHUNK.replace(b"1796028430", b"17960284301796028430"),
+        VLLM_CHUNK.replace(b'"id"', b'"\\u0069d"'),
+        VLLM_CHUNK.replace(b'"model"', b'"id"'),  # a repeated name
+        VLLM_CHUNK.replace(b" w\xc3\xb6rld", b" w\xf6rld", 1),  # not UTF-8
+        VLLM_CHUNK.replace("wörld".encode(), b"\\ud800", 1),
+        VLLM_CHUNK[:-1],
+        VLLM_CHUNK + b"x",
+        b"[" + VLLM_CHUNK + b"]",
+        VLLM_CHUNK.replace(b'"choices":[{', b'"choices":[{"index":0},{', 1),
+        b'{"choices":[]}',
+        b"[DONE]",
+        b"",
+    ]
+    for data in left:
+        assert SCAN(data, 0) is None, data
+
+
+@needs_scan
+def test_a_chunk_of_each_kind_the_engine_sends_per_token() -> None:
+    """Content, reasoning, a tool call's pieces, a role-only delta, whitespace between tokens
+    (JSON the stdlib writes), escapes: each accepted, and read as the Python path reads it."""
+    base = json.loads(VLLM_CHUNK)
+    deltas = [
+        {"content": 'line\n\t"quoted" \\ \u2028 \U0001f600'},
+        {"reasoning_content": "think"},
+        {"reasoning": "think"},
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": ""},
+                }
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"cmd": "ls"}'}}]},
+        {"role": "assistant", "content": ""},
+        {},
+    ]
+    for delta in deltas:
+        for separators in ((",", ":"), (", ", ": ")):
+            chunk = dict(base, choices=[dict(base["choices"][0], delta=delta)])
+            data = json.dumps(chunk, ensure_ascii=False, separators=separators).encode()
+            assert _agree(data) == len(ALL_ASKED), data
+
+
+_text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
+_number = st.one_of(
+    st.integers(-(2**63), 2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(-50.0, 0.0),
+)
+_json_leaf = st.one_of(st.none(), st.booleans(), _text, _number)
+_json = st.recursive(
+    _json_leaf,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(_text, inner, max_size=3)),
+    max_leaves=6,
+)
+_entry = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "token": _text,
+            "logprob": st.one_of(_number, st.none()),
+            "bytes": st.lists(st.integers(0, 255), max_size=4),
+            "top_logprobs": st.just([]),
+        },
+    ),
+    st.fixed_dictionaries({"token": _text}),
+    _json,
+)
+_delta = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "role": st.just("assistant"),
+            "content": _text,
+            "reasoning_content": _text,
+            "reasoning": _text,
+        },
+    ),
+    st.dictionaries(_text, _json, max_size=2),
+)
+_choice = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": st.sampled_from([0, 0, 0, 1]),
+        "delta": _delta,
+        "logprobs": st.one_of(
+            st.none(),
+            st.fixed_dictionaries({"content": st.one_of(st.none(), st.lists(_entry, max_size=3))}),
+        ),
+        "finish_reason": st.sampled_from([None, None, None, "stop"]),
+        "token_ids": st.one_of(st.none(), st.lists(st.integers(-2, 2**31 + 2), max_size=3)),
+        "extra": _json,
+    },
+)
+_chunk = st.fixed_dictionaries(
+    {"choices": st.lists(_choice, min_size=1, max_size=2)},
+    optional={
+        "id": _text,
+        "object": st.just("chat.completion.chunk"),
+        "created": _number,
+        "usage": st.sampled_from([None, None, {"prompt_tokens": 1}]),
+        "other": _json,
+    },
+)
+
+
+@needs_scan
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_chunk, st.sampled_from([(",", ":"), (", ", ": ")]), st.booleans())
+def test_generated_chunks_read_as_the_python_path_reads_them(
+    chunk: dict[str, Any], separators: tuple[str, str], ascii_only: bool
+) -> None:
+    data = json.dumps(chunk, ensure_ascii=ascii_only, separators=separators).encode()
+    event(f"accepted for {_agree(data)} of {len(ALL_ASKED)}")
+
+
+@needs_scan
+@settings(max_examples=1500, deadline=None)
+@given(st.data())
+def test_damaged_chunks_are_refused_or_read_as_the_python_path_reads_them(data: Any) -> None:
+    """Bytes changed, cut or added anywhere in a real chunk: the scan never crashes, and what
+    it accepts the Python path parses the same way."""
+    raw = bytearray(VLLM_CHUNK)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(raw)))
+        kind = data.draw(st.sampled_from(["set", "insert", "delete"]))
+        byte = data.draw(st.sampled_from([*b'{}[]",:\\ 0123456789-.eEnul\x00\x1f\x80\xc3\xff']))
+        if kind == "insert":
+            raw.insert(at, byte)
+        elif at < len(raw):
+            if kind == "set":
+                raw[at] = byte
+            else:
+                del raw[at]
+    damaged = bytes(raw)
+    try:
+        parse_json_event(damaged)
+    except ValueError:
+        assert all(SCAN(damaged, f) is None for f in range(16))  # type: ignore[misc]
+        return
+    event(f"accepted for {_agree(damaged)} of {len(ALL_ASKED)}")
