@@ -26,6 +26,10 @@ Issue 35's lines: proxy per token <= ``relay-event``'s; non-streamed per call <=
 relay's at 1 client and <= 3x at 16, each with PASS or FAIL. Also, as before: one SQLite WAL
 commit of a ``--commit-kb`` row with ``synchronous=FULL`` (this process's thread CPU).
 
+A mode named ``<mode>-python`` (``--modes backend_template,backend_template-python``) is the
+same proxy with ``CAPTURE_PROXY_NO_COMPILED`` set: its Python path alone, beside the compiled
+chunk scan (``core/chunk_scan.py``) in the same run.
+
 Run: ``.venv/bin/python benchmarks/floor.py [--calls 600] [--rounds 3]
 [--proxy-workers N] [--modes backend_template,exact_tokens]``.
 """
@@ -56,6 +60,7 @@ from benchmarks.verification import Verification, verify_shared_chains  # noqa: 
 
 RELAY = Path(__file__).resolve().with_name("bare_relay.py")
 RELAYS = ("relay", "relay-event")
+PYTHON_PATH = "-python"
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,11 @@ def _services(args: argparse.Namespace, work: Path) -> tuple[list[Service], Targ
                 argv += ["--store", str(work / f"store-{name}-{tokens}"), "--log-level", "WARNING"]
                 if args.proxy_workers:
                     argv += ["--workers", str(args.proxy_workers)]
-                if name == "exact_tokens":
+                if name.startswith("exact_tokens"):
                     argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(tokenizer)]
-            targets[(name, tokens)] = Service(name, argv, port, log)
+            # ``<mode>-python``: the same proxy on its Python path alone (chunk_scan)
+            env = {"CAPTURE_PROXY_NO_COMPILED": "1"} if name.endswith(PYTHON_PATH) else None
+            targets[(name, tokens)] = Service(name, argv, port, log, env=env)
     return engines, targets
 
 

@@ -625,7 +625,8 @@ class Settings(BaseSettings):
 
 
 #: CAPTURE_PROXY_* variables that are not settings: the config file's path, and the ones the
-#: test suite and tools read (the e2e tier's engine URL, a harness binary override).
+#: test suite and tools read (the e2e tier's engine URL, a harness binary override), and
+#: CAPTURE_PROXY_NO_COMPILED (streamed chunks on the Python path alone: ``core.chunk_scan``).
 ENV_NOT_SETTINGS = frozenset(
     {
         "CAPTURE_PROXY_CONFIG",
@@ -638,6 +639,7 @@ ENV_NOT_SETTINGS = frozenset(
         "CAPTURE_PROXY_CODEX_KEY",
         "CAPTURE_PROXY_BASE_IMAGE",
         "CAPTURE_PROXY_IMAGE",
+        "CAPTURE_PROXY_NO_COMPILED",
     }
 )
 

@@ -8,12 +8,15 @@
  *    "logprob":-0.25,"bytes":[...],"top_logprobs":[]}]},"finish_reason":null,
  *    "token_ids":[1234]}]}
  *
- * It validates the whole event as JSON, and returns (event, delta, token_ids, log_probs):
+ * It validates the whole event as JSON, and returns
+ * (event, delta, content, token_ids, log_probs):
  *   event      bytes: b"data: " + the chunk with what the harness did not ask for cut out
  *              (the same members, in the same order, as capture.strip_chat_chunk leaves;
  *              the values kept are the engine's own bytes) + b"\n\n"; None with
  *              SCAN_NO_EVENT;
- *   delta      bytes: choices[0].delta's raw JSON when it has members, else None;
+ *   delta      bytes: choices[0].delta's raw JSON when it has members and is not
+ *              content-only, else None;
+ *   content    str: the text of a delta that is exactly {"content": <string>}, else None;
  *   token_ids  list[int]: choices[0].token_ids, or None when absent or null;
  *   log_probs  list[float | int | None]: each choices[0].logprobs.content entry's
  *              "logprob" (None when absent or null), or None when there is no content.
@@ -605,6 +608,66 @@ static int delta_has_members(const unsigned char *v, const unsigned char *end) {
     return v < end && *v != '}';
 }
 
+/* The text of the JSON string between `s` and `end` (its quotes excluded), already validated
+ * by scan_string: escapes decoded (no surrogates: scan_string refused them), UTF-8 kept. */
+static PyObject *string_text(const unsigned char *s, const unsigned char *end) {
+    if (memchr(s, '\\', (size_t)(end - s)) == NULL)
+        return PyUnicode_DecodeUTF8((const char *)s, end - s, "strict");
+    char *buf = PyMem_Malloc((size_t)(end - s)); /* a decoded escape is never longer */
+    if (buf == NULL) return PyErr_NoMemory();
+    char *w = buf;
+    while (s < end) {
+        if (*s != '\\') {
+            *w++ = (char)*s++;
+            continue;
+        }
+        unsigned char e = s[1];
+        if (e == 'u') {
+            unsigned v = 0;
+            hex4(s + 2, &v);
+            if (v < 0x80) {
+                *w++ = (char)v;
+            } else if (v < 0x800) {
+                *w++ = (char)(0xC0 | (v >> 6));
+                *w++ = (char)(0x80 | (v & 0x3F));
+            } else {
+                *w++ = (char)(0xE0 | (v >> 12));
+                *w++ = (char)(0x80 | ((v >> 6) & 0x3F));
+                *w++ = (char)(0x80 | (v & 0x3F));
+            }
+            s += 6;
+            continue;
+        }
+        *w++ = e == 'b' ? '\b' : e == 'f' ? '\f' : e == 'n' ? '\n' : e == 'r' ? '\r'
+             : e == 't' ? '\t' : (char)e; /* '"', '\\', '/' */
+        s += 2;
+    }
+    PyObject *text = PyUnicode_DecodeUTF8(buf, w - buf, "strict");
+    PyMem_Free(buf);
+    return text;
+}
+
+/* The text of a delta that is exactly {"content": <string>} (the most common per token);
+ * NULL without an error set when the delta is anything else. */
+static PyObject *content_only(const unsigned char *v, const unsigned char *end) {
+    Cur c = {v + 1, end};
+    int escaped;
+    skip_ws(&c);
+    if (c.end - c.p < 9 || memcmp(c.p, "\"content\"", 9) != 0) return NULL;
+    c.p += 9;
+    skip_ws(&c);
+    if (c.p >= c.end || *c.p != ':') return NULL;
+    c.p++;
+    skip_ws(&c);
+    if (c.p >= c.end || *c.p != '"') return NULL;
+    const unsigned char *start = c.p + 1;
+    if (scan_string(&c, &escaped) < 0) return NULL;
+    const unsigned char *stop = c.p - 1;
+    skip_ws(&c);
+    if (c.p >= c.end || *c.p != '}') return NULL;
+    return string_text(start, stop);
+}
+
 static PyObject *scan_chat_chunk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2 || !PyBytes_Check(args[0]) || !PyLong_Check(args[1])) {
@@ -618,7 +681,7 @@ static PyObject *scan_chat_chunk(PyObject *self, PyObject *const *args, Py_ssize
     Member top[MAX_MEMBERS];
     int top_count;
     Chunk k;
-    PyObject *event = NULL, *delta = NULL, *result = NULL;
+    PyObject *event = NULL, *delta = NULL, *content = NULL, *result = NULL;
     k.ids.list = k.lps.list = NULL;
     int rc = read_chunk(s, end, top, &top_count, &k);
     if (rc == -2) goto done; /* a Python error (memory) */
@@ -634,16 +697,19 @@ static PyObject *scan_chat_chunk(PyObject *self, PyObject *const *args, Py_ssize
     }
     if (k.delta >= 0 && delta_has_members(k.members[k.delta].value, k.members[k.delta].value_end)) {
         const Member *m = &k.members[k.delta];
-        delta = PyBytes_FromStringAndSize((const char *)m->value, m->value_end - m->value);
-        if (delta == NULL) goto done;
-    } else {
-        delta = Py_NewRef(Py_None);
+        content = content_only(m->value, m->value_end);
+        if (content == NULL) {
+            if (PyErr_Occurred()) goto done;
+            delta = PyBytes_FromStringAndSize((const char *)m->value, m->value_end - m->value);
+            if (delta == NULL) goto done;
+        }
     }
-    result = PyTuple_Pack(4, event, delta, k.ids.list ? k.ids.list : Py_None,
-                          k.lps.list ? k.lps.list : Py_None);
+    result = PyTuple_Pack(5, event, delta ? delta : Py_None, content ? content : Py_None,
+                          k.ids.list ? k.ids.list : Py_None, k.lps.list ? k.lps.list : Py_None);
 done:
     Py_XDECREF(event);
     Py_XDECREF(delta);
+    Py_XDECREF(content);
     Py_XDECREF(k.ids.list);
     Py_XDECREF(k.lps.list);
     return result;
@@ -651,7 +717,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"scan_chat_chunk", (PyCFunction)(void (*)(void))scan_chat_chunk, METH_FASTCALL,
-     "scan_chat_chunk(data: bytes, flags: int) -> (event, delta, token_ids, log_probs) | None"},
+     "scan_chat_chunk(data: bytes, flags: int) -> (event, delta, content, token_ids, log_probs) | None"},
     {NULL, NULL, 0, NULL},
 };
 

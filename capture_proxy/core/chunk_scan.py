@@ -2,12 +2,15 @@
 
 ``scan_chat_chunk(data, flags)`` (``_chunkscan.c``) reads one streamed ``chat.completion.chunk``
 of vLLM's (0.32 dialect, compact JSON) in one pass over its bytes: it validates the event as
-JSON and returns ``(event, delta, token_ids, log_probs)``:
+JSON and returns ``(event, delta, content, token_ids, log_probs)``:
 
 - ``event``: ``bytes``, the event for the harness (``b"data: " + chunk + b"\\n\\n"``) with the
   members cut that ``capture.strip_chat_chunk`` drops (the values kept are the engine's bytes);
   None when ``flags`` has ``SCAN_NO_EVENT``;
-- ``delta``: ``bytes``, ``choices[0].delta`` as JSON when it has members, else None;
+- ``delta``: ``bytes``, ``choices[0].delta`` as JSON when it has members and is not
+  content-only, else None;
+- ``content``: ``str``, the text of a delta that is exactly ``{"content": <string>}`` (most
+  tokens), else None;
 - ``token_ids``: ``list[int]``, ``choices[0].token_ids`` (None: absent or null);
 - ``log_probs``: ``list[float | int | None]``, each ``choices[0].logprobs.content[i].logprob``
   (None: no ``content``).
@@ -31,8 +34,10 @@ from collections.abc import Callable
 
 from capture_proxy.core.capture import HarnessAsked
 
-#: (data, flags) -> (event, delta, token_ids, log_probs) | None
-Scan = Callable[[bytes, int], "tuple[bytes | None, bytes | None, list[int] | None, list] | None"]
+#: (data, flags) -> (event, delta, content, token_ids, log_probs) | None
+Scan = Callable[
+    [bytes, int], "tuple[bytes | None, bytes | None, str | None, list[int] | None, list] | None"
+]
 
 #: flag bits of ``scan_chat_chunk`` (the values are the C module's)
 SCAN_STRIP_TOKEN_IDS = 1

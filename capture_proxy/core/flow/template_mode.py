@@ -305,15 +305,18 @@ class _Relay:
                 if not self._handle_parsed(data, out):
                     return out
                 continue
-            event, delta, token_ids, log_probs = scanned
+            event, delta, content, token_ids, log_probs = scanned
             self.assembler.add_scanned(token_ids, log_probs)
-            parsed = orjson.loads(delta) if delta is not None else None
-            if parsed is not None:
+            parsed = None
+            if content is not None:
+                self.assembler.content.append(content)
+            elif delta is not None:
+                parsed = orjson.loads(delta)
                 self.assembler.add_delta(parsed)
             if self.encoder is None:
                 out.append(event)  # type: ignore[arg-type]
             else:
-                answer = _answer_part(parsed)
+                answer = {"content": content} if content else _answer_part(parsed)
                 if answer is not None:
                     out += self.encoder.delta(answer)
         return out
