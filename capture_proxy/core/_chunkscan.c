@@ -218,6 +218,7 @@ static int walk_object(Cur *c, int depth, Member *members, int *count, ValueRead
         c->p++;
         skip_ws(c);
         m.value = c->p;
+        if (c->p >= c->end) return -1; /* the readers look at the value's first byte */
         if (members != NULL && (escaped || n >= MAX_MEMBERS)) return -1;
         rc = read != NULL ? read(c, &m, n, ctx, depth + 1) : scan_value(c, depth + 1);
         if (rc < 0) return rc;
