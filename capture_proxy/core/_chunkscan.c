@@ -23,8 +23,9 @@
  * one object with one choice of index 0, a finish_reason, a usage, prompt ids, routed experts,
  * NaN or infinite numbers, integers of more than 18 digits, exponents of more than 2 digits,
  * \u escapes of surrogates, escaped or repeated member names where this reads them, nesting
- * deeper than 64. So what it accepts, the Python path would read the same way; what it is not
- * sure of, it leaves to the Python path. It never raises on the event's bytes.
+ * deeper than 64, line breaks when it makes the event (it keeps the engine's bytes: see
+ * scan_chat_chunk). So what it accepts, the Python path would read the same way; what it is
+ * not sure of, it leaves to the Python path. It never raises on the event's bytes.
  *
  * Pure C against CPython's API, no I/O, no state: safe to call from any thread holding the GIL.
  */
@@ -616,6 +617,12 @@ static PyObject *scan_chat_chunk(PyObject *self, PyObject *const *args, Py_ssize
     if (flags == -1 && PyErr_Occurred()) return NULL;
     const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(args[0]);
     const unsigned char *end = s + PyBytes_GET_SIZE(args[0]);
+    /* A line break is JSON whitespace, but the event keeps the engine's bytes: one inside a
+     * value the harness gets would end the event's data line there (an engine's JSON over
+     * several `data:` lines arrives joined by "\n"). The Python path writes it on one line. */
+    if (!(flags & SCAN_NO_EVENT) && (memchr(s, '\n', (size_t)(end - s)) != NULL ||
+                                     memchr(s, '\r', (size_t)(end - s)) != NULL))
+        return Py_NewRef(Py_None);
     Member top[MAX_MEMBERS];
     int top_count;
     Chunk k;
