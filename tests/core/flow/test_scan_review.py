@@ -165,3 +165,44 @@ def test_random_streams_give_the_same_record_and_events_with_the_scan_or_without
         assert rec1.response_message == rec2.response_message
         assert rec1.status is rec2.status
         assert rec1.diagnostics == rec2.diagnostics
+
+
+@needs_scan
+def test_an_event_written_over_several_data_lines_reaches_the_harness_whole():
+    """SSE lets an engine write one event's JSON over several ``data:`` lines (the data is
+    the lines joined by "\\n"): the harness must get one event it can parse, as without the
+    scan."""
+    from capture_proxy.core.sse import SSEStreamDecoder
+
+    middle = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,'
+        b'"delta":{"content":\ndata: " w\xc3\xb6rld"},"logprobs":{"content":[{"logprob":-0.125}]},'
+        b'"finish_reason":null,"token_ids":[21]}]}\n\n'
+    )
+    stream = encode_json_event(CHUNKS[0]) + middle + encode_json_event(CHUNKS[1])
+    pieces = [stream, b"data: [DONE]\n\n"]
+    body = {"model": "m", "messages": MSG, "stream": True}
+    seen = []
+
+    def harness(writes: list[bytes]) -> list:
+        decoder = SSEStreamDecoder()
+        datas = decoder.feed_data(b"".join(writes)) + decoder.close_data()
+        out = []
+        for d in datas:
+            try:
+                out.append(orjson.loads(d))
+            except orjson.JSONDecodeError:
+                out.append(("not JSON", d))
+        return out
+
+    scan = chunk_scan.SCAN
+
+    def counted(data: bytes, flags: int):
+        seen.append(data)
+        return scan(data, flags)
+
+    w1, rec1 = _run(ChatCodec(), body, pieces, counted)
+    w2, rec2 = _run(ChatCodec(), body, pieces, None)
+    assert any(b"\n" in d for d in seen)
+    assert harness(w1) == harness(w2)
+    assert rec1.response_message == rec2.response_message
