@@ -25,9 +25,10 @@
  * strip), for everything else: bytes that are not strict JSON or not UTF-8, a chunk that is not
  * one object with one choice of index 0, a finish_reason, a usage, prompt ids, routed experts,
  * NaN or infinite numbers, integers of more than 18 digits, exponents of more than 2 digits,
- * \u escapes of surrogates, escaped or repeated member names where this reads them, nesting
- * deeper than 64. So what it accepts, the Python path would read the same way; what it is not
- * sure of, it leaves to the Python path. It never raises on the event's bytes.
+ * \u escapes of surrogates, escaped or repeated member names, objects of more than 32, nesting
+ * deeper than 64, line breaks when it makes the event (it keeps the engine's bytes: see
+ * scan_chat_chunk). So what it accepts, the Python path would read the same way; what it is
+ * not sure of, it leaves to the Python path. It never raises on the event's bytes.
  *
  * Pure C against CPython's API, no I/O, no state: safe to call from any thread holding the GIL.
  */
@@ -196,10 +197,28 @@ static int scan_literal(Cur *c, const char *word, Py_ssize_t n) {
  * -2 (a Python error is set). */
 typedef int (*ValueReader)(Cur *c, const Member *key, int index, void *ctx, int depth);
 
-/* The object at c->p ('{'). With `members`, each member is recorded there (at most
- * MAX_MEMBERS, names without escapes) and its value read by `read` (NULL: validated only). */
+/* No two members of one object with the same name (orjson keeps the last; this would see
+ * the first): the caller takes the Python path. */
+static int distinct(const Member *members, int n) {
+    for (int i = 1; i < n; i++)
+        for (int j = 0; j < i; j++)
+            if (members[i].key_len == members[j].key_len &&
+                memcmp(members[i].key, members[j].key, (size_t)members[i].key_len) == 0)
+                return 0;
+    return 1;
+}
+
+/* The object at c->p ('{'): at most MAX_MEMBERS members, names without escapes, no name
+ * twice. With `members`, each member is recorded there; its value is read by `read` (NULL:
+ * validated only). */
 static int walk_object(Cur *c, int depth, Member *members, int *count, ValueReader read,
                        void *ctx) {
+    /* Every object's names are checked, not only those this reads: the event keeps the
+     * engine's bytes, and a repeated name there reaches the harness twice where the Python
+     * path (orjson: the last) writes it once; a harness keeping the first would see a value
+     * the record does not hold. */
+    Member local[MAX_MEMBERS];
+    if (members == NULL) members = local;
     int n = 0;
     c->p++;
     skip_ws(c);
@@ -221,11 +240,12 @@ static int walk_object(Cur *c, int depth, Member *members, int *count, ValueRead
         c->p++;
         skip_ws(c);
         m.value = c->p;
-        if (members != NULL && (escaped || n >= MAX_MEMBERS)) return -1;
+        if (c->p >= c->end) return -1; /* the readers look at the value's first byte */
+        if (escaped || n >= MAX_MEMBERS) return -1;
         rc = read != NULL ? read(c, &m, n, ctx, depth + 1) : scan_value(c, depth + 1);
         if (rc < 0) return rc;
         m.value_end = c->p;
-        if (members != NULL) members[n] = m;
+        members[n] = m;
         n++;
         skip_ws(c);
         if (c->p >= c->end) return -1;
@@ -236,6 +256,7 @@ static int walk_object(Cur *c, int depth, Member *members, int *count, ValueRead
         }
         if (*c->p != '}') return -1;
         c->p++;
+        if (!distinct(members, n)) return -1;
         if (count) *count = n;
         return 0;
     }
@@ -309,17 +330,6 @@ static int is_null(const unsigned char *v, const unsigned char *end) {
 static int key_is(const Member *m, const char *name) {
     size_t n = strlen(name);
     return (size_t)m->key_len == n && memcmp(m->key, name, n) == 0;
-}
-
-/* No two members of one object with the same name (orjson keeps the last; this would see
- * the first): the caller takes the Python path. */
-static int distinct(const Member *members, int n) {
-    for (int i = 1; i < n; i++)
-        for (int j = 0; j < i; j++)
-            if (members[i].key_len == members[j].key_len &&
-                memcmp(members[i].key, members[j].key, (size_t)members[i].key_len) == 0)
-                return 0;
-    return 1;
 }
 
 /* A number's value as orjson gives it: int for an integral number, else a finite float.
@@ -403,7 +413,6 @@ static int read_entry(Cur *c, Out *o, int depth) {
         return out_append(o, Py_NewRef(Py_None));
     }
     int rc = walk_object(c, depth, members, &n, entry_member, &logprob);
-    if (rc == 0 && !distinct(members, n)) rc = -1;
     if (rc < 0) {
         Py_XDECREF(logprob);
         return rc;
@@ -447,9 +456,7 @@ static int read_logprobs(Cur *c, Out *o, int depth) {
     int n;
     if (*c->p == 'n') return scan_literal(c, "null", 4);
     if (*c->p != '{') return -1;
-    int rc = walk_object(c, depth, members, &n, logprobs_member, o);
-    if (rc == 0 && !distinct(members, n)) rc = -1;
-    return rc;
+    return walk_object(c, depth, members, &n, logprobs_member, o);
 }
 
 typedef struct {
@@ -499,7 +506,6 @@ static int read_choices(Cur *c, Chunk *k, int depth) {
     if (c->p >= c->end || *c->p != '{') return -1;
     int rc = walk_object(c, depth + 1, k->members, &k->count, choice_member, k);
     if (rc < 0) return rc;
-    if (!distinct(k->members, k->count)) return -1;
     skip_ws(c);
     if (c->p >= c->end || *c->p != ']') return -1; /* more than one choice */
     c->p++;
@@ -535,7 +541,7 @@ static int read_chunk(const unsigned char *s, const unsigned char *end, Member *
     int rc = walk_object(&c, 0, top, count, top_member, k);
     if (rc < 0) return rc;
     skip_ws(&c);
-    if (c.p != c.end || !distinct(top, *count) || k->choices < 0) return -1;
+    if (c.p != c.end || k->choices < 0) return -1;
     return 0;
 }
 
@@ -678,6 +684,12 @@ static PyObject *scan_chat_chunk(PyObject *self, PyObject *const *args, Py_ssize
     if (flags == -1 && PyErr_Occurred()) return NULL;
     const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(args[0]);
     const unsigned char *end = s + PyBytes_GET_SIZE(args[0]);
+    /* A line break is JSON whitespace, but the event keeps the engine's bytes: one inside a
+     * value the harness gets would end the event's data line there (an engine's JSON over
+     * several `data:` lines arrives joined by "\n"). The Python path writes it on one line. */
+    if (!(flags & SCAN_NO_EVENT) && (memchr(s, '\n', (size_t)(end - s)) != NULL ||
+                                     memchr(s, '\r', (size_t)(end - s)) != NULL))
+        return Py_NewRef(Py_None);
     Member top[MAX_MEMBERS];
     int top_count;
     Chunk k;
