@@ -17,7 +17,9 @@ from capture_proxy.core.sse import SSEStreamDecoder, encode_json_event, parse_js
 SCAN = chunk_scan.SCAN
 needs_scan = pytest.mark.skipif(SCAN is None, reason="the compiled scan is not built")
 
-ASKED = HarnessAsked(logprobs=False, return_token_ids=False, include_usage=False, routed_experts=False)
+ASKED = HarnessAsked(
+    logprobs=False, return_token_ids=False, include_usage=False, routed_experts=False
+)
 
 
 def _harness_view(event: bytes) -> list[bytes]:
@@ -54,7 +56,11 @@ def test_a_line_break_in_the_data_does_not_split_the_harness_event(data: bytes) 
     assert engine_data == data  # what the relay hands the scan
     scanned = SCAN(engine_data, chunk_scan.scan_flags(ASKED, event=True))
     expected = [orjson.loads(d) for d in _harness_view(_python_event(engine_data))]
-    got_data = _harness_view(scanned[0]) if scanned is not None else _harness_view(_python_event(engine_data))
+    got_data = (
+        _harness_view(scanned[0])
+        if scanned is not None
+        else _harness_view(_python_event(engine_data))
+    )
     got: list[Any] = []
     for d in got_data:
         try:

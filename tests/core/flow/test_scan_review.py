@@ -32,45 +32,125 @@ def _middle(r: random.Random) -> bytes:
 
     def num() -> str:
         return r.choice(
-            ["-0", "0", "-0.0", "1e5", "-1.5E-3", "-0.125", "123456789012345678", "-7",
-             "0.30000000000000001", "-2.5e+2", str(-r.random() * 20), str(r.randint(-9, 9))]
+            [
+                "-0",
+                "0",
+                "-0.0",
+                "1e5",
+                "-1.5E-3",
+                "-0.125",
+                "123456789012345678",
+                "-7",
+                "0.30000000000000001",
+                "-2.5e+2",
+                str(-r.random() * 20),
+                str(r.randint(-9, 9)),
+            ]
         )
 
     def text() -> str:
-        return '"' + "".join(
-            r.choice(["a", " ", "\\n", "\\u00e9", "\\/", "é", "中", "\U0001f600", '\\"', "\\\\", "\\u0000"])
-            for _ in range(r.randint(0, 4))
-        ) + '"'
+        return (
+            '"'
+            + "".join(
+                r.choice(
+                    [
+                        "a",
+                        " ",
+                        "\\n",
+                        "\\u00e9",
+                        "\\/",
+                        "é",
+                        "中",
+                        "\U0001f600",
+                        '\\"',
+                        "\\\\",
+                        "\\u0000",
+                    ]
+                )
+                for _ in range(r.randint(0, 4))
+            )
+            + '"'
+        )
 
     def obj(members: list[tuple[str, str]]) -> str:
-        return "{" + ws() + ",".join(
-            ws() + f'"{k}"' + ws() + ":" + ws() + v + ws() for k, v in members
-        ) + "}"
+        return (
+            "{"
+            + ws()
+            + ",".join(ws() + f'"{k}"' + ws() + ":" + ws() + v + ws() for k, v in members)
+            + "}"
+        )
 
-    delta = r.choice([
-        "null", "{}", obj([("content", text())]), obj([("reasoning_content", text())]),
-        obj([("reasoning", text())]), obj([("role", '"assistant"'), ("content", text())]),
-        obj([("tool_calls", "[" + obj([("index", "0"), ("function", obj([("arguments", text())]))]) + "]")]),
-        obj([("content", text()), ("content", text())]),
-    ])
+    delta = r.choice(
+        [
+            "null",
+            "{}",
+            obj([("content", text())]),
+            obj([("reasoning_content", text())]),
+            obj([("reasoning", text())]),
+            obj([("role", '"assistant"'), ("content", text())]),
+            obj(
+                [
+                    (
+                        "tool_calls",
+                        "["
+                        + obj([("index", "0"), ("function", obj([("arguments", text())]))])
+                        + "]",
+                    )
+                ]
+            ),
+            obj([("content", text()), ("content", text())]),
+        ]
+    )
     n = r.randint(0, 2)
     entries = [
-        r.choice([
-            obj([("token", text()), ("logprob", r.choice([num(), "null"])), ("bytes", "[1]"),
-                 ("top_logprobs", r.choice(["[]", "[" + obj([("logprob", num())]) + "]"]))]),
-            obj([("token", text())]), "null", "1", "[]",
-        ])
+        r.choice(
+            [
+                obj(
+                    [
+                        ("token", text()),
+                        ("logprob", r.choice([num(), "null"])),
+                        ("bytes", "[1]"),
+                        ("top_logprobs", r.choice(["[]", "[" + obj([("logprob", num())]) + "]"])),
+                    ]
+                ),
+                obj([("token", text())]),
+                "null",
+                "1",
+                "[]",
+            ]
+        )
         for _ in range(n)
     ]
-    logprobs = r.choice([
-        "null", "{}", obj([("content", "null")]),
-        obj([("content", "[" + ws() + ",".join(entries) + ws() + "]")]),
-    ])
-    ids = r.choice(["null", "[]", "[" + ",".join(ws() + str(r.randint(0, 2**31 - 1)) + ws() for _ in range(n)) + "]"])
-    choice = [("index", "0"), ("delta", delta), ("logprobs", logprobs), ("finish_reason", "null"), ("token_ids", ids)]
+    logprobs = r.choice(
+        [
+            "null",
+            "{}",
+            obj([("content", "null")]),
+            obj([("content", "[" + ws() + ",".join(entries) + ws() + "]")]),
+        ]
+    )
+    ids = r.choice(
+        [
+            "null",
+            "[]",
+            "[" + ",".join(ws() + str(r.randint(0, 2**31 - 1)) + ws() for _ in range(n)) + "]",
+        ]
+    )
+    choice = [
+        ("index", "0"),
+        ("delta", delta),
+        ("logprobs", logprobs),
+        ("finish_reason", "null"),
+        ("token_ids", ids),
+    ]
     r.shuffle(choice)
-    top = [("id", text()), ("object", '"chat.completion.chunk"'), ("created", num()), ("model", text()),
-           ("choices", "[" + ws() + obj(choice) + ws() + "]")]
+    top = [
+        ("id", text()),
+        ("object", '"chat.completion.chunk"'),
+        ("created", num()),
+        ("model", text()),
+        ("choices", "[" + ws() + obj(choice) + ws() + "]"),
+    ]
     if r.random() < 0.5:
         top.append(("usage", "null"))
     return b"data: " + (ws() + obj(top) + ws()).encode() + b"\n\n"
@@ -120,17 +200,27 @@ def _bits(array: Any) -> list:
 
 MSG = [{"role": "user", "content": "Say hi"}]
 BODIES = {
-    "chat": (ChatCodec, [
-        {"model": "m", "messages": MSG, "stream": True, **extra}
-        for extra in (
-            {},
-            {"logprobs": True},
-            {"return_token_ids": True},
-            {"stream_options": {"include_usage": True}},
-            {"logprobs": True, "return_token_ids": True, "stream_options": {"include_usage": True}},
-        )
-    ]),
-    "messages": (MessagesCodec, [{"model": "m", "messages": MSG, "max_tokens": 16, "stream": True}]),
+    "chat": (
+        ChatCodec,
+        [
+            {"model": "m", "messages": MSG, "stream": True, **extra}
+            for extra in (
+                {},
+                {"logprobs": True},
+                {"return_token_ids": True},
+                {"stream_options": {"include_usage": True}},
+                {
+                    "logprobs": True,
+                    "return_token_ids": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        ],
+    ),
+    "messages": (
+        MessagesCodec,
+        [{"model": "m", "messages": MSG, "max_tokens": 16, "stream": True}],
+    ),
     "responses": (ResponsesCodec, [{"model": "m", "input": "Say hi", "stream": True}]),
 }
 
@@ -144,7 +234,9 @@ def test_random_streams_give_the_same_record_and_events_with_the_scan_or_without
     middles = [_middle(r) for _ in range(r.randint(1, 6))]
     stream = encode_json_event(CHUNKS[0]) + b"".join(middles) + encode_json_event(CHUNKS[1])
     cut = sorted(r.sample(range(1, len(stream)), 3))
-    pieces = [stream[i:j] for i, j in zip([0, *cut], [*cut, len(stream)])] + [b"data: [DONE]\n\n"]
+    pieces = [stream[i:j] for i, j in zip([0, *cut], [*cut, len(stream)], strict=True)] + [
+        b"data: [DONE]\n\n"
+    ]
     accepted = []
     scan = chunk_scan.SCAN
 
