@@ -31,7 +31,7 @@ same proxy with ``CAPTURE_PROXY_NO_COMPILED`` set: its Python path alone, beside
 chunk scan (``core/chunk_scan.py``) in the same run.
 
 Run: ``.venv/bin/python benchmarks/floor.py [--calls 600] [--rounds 3]
-[--proxy-workers N] [--modes backend_template,exact_tokens]``.
+[--proxy-workers N] [--modes backend_template,exact_tokens] [--streams-only]``.
 """
 
 from __future__ import annotations
@@ -172,11 +172,11 @@ async def run(args: argparse.Namespace) -> int:
         for s in (*engines, *targets.values()):
             await s.wait_healthy(http, 180)
         for (name, tokens), svc in targets.items():  # warm-up, unmeasured
-            for shape in SHAPES:
+            for shape in args.shapes:
                 if shape.tokens == tokens:
                     await _cell(http, svc, shape, 3 * shape.clients, f"warm-{name}-{tokens}")
         for r in range(args.rounds):
-            for shape in SHAPES:
+            for shape in args.shapes:
                 for name in args.targets:
                     svc = targets[(name, shape.tokens)]
                     tag = f"r{r}-{SHAPES.index(shape)}-{name}"
@@ -205,7 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--proxy-workers", type=int, help="the proxies' --workers (default: theirs)")
     ap.add_argument("--modes", default="backend_template,exact_tokens", help="proxy prompt modes")
     ap.add_argument("--no-relay-event", dest="relay_event", action="store_false")
+    ap.add_argument(
+        "--streams-only", action="store_true", help="the streamed shapes only (per token)"
+    )
     args = ap.parse_args(argv)
+    args.shapes = [s for s in SHAPES if s.stream or not args.streams_only]
     args.targets = ["relay", *(["relay-event"] if args.relay_event else [])]
     args.targets += [m for m in args.modes.split(",") if m]
     t0 = time.perf_counter()
