@@ -288,13 +288,26 @@ class ChatCaptureAssembler:
             self.saw_log_probs = True
             self.generation_log_probs += log_probs
 
-    def _add_tool_call_delta(self, tc: dict[str, Any]) -> None:
-        parts = self.tool_calls.setdefault(int(tc.get("index", 0)), _ToolCallParts())
+    def _add_tool_call_delta(self, tc: Any) -> None:
+        """One piece of a streamed tool call. A piece not of OpenAI's shape (an object with an
+        integer ``index``, string ``id``/``type``/``function.name``/``function.arguments``)
+        is left out of the message and named in ``problems``: never an error."""
+        fn: Any = (tc.get("function") or {}) if isinstance(tc, dict) else None
+        try:
+            index = int(tc.get("index", 0)) if isinstance(fn, dict) else None
+        except (TypeError, ValueError):
+            index = None
+        if index is None or not all(
+            v is None or isinstance(v, str)
+            for v in (tc.get("id"), tc.get("type"), fn.get("name"), fn.get("arguments"))
+        ):
+            self.problems.append(f"engine sent a tool-call delta not of OpenAI's shape: {tc!r:.80}")
+            return
+        parts = self.tool_calls.setdefault(index, _ToolCallParts())
         if tc.get("id"):
             parts.id = tc["id"]
         if tc.get("type"):
             parts.type = tc["type"]
-        fn = tc.get("function") or {}
         if fn.get("name"):
             parts.name += fn["name"]
         if isinstance(fn.get("arguments"), str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 from typing import Any, NamedTuple
 
 import orjson
@@ -37,8 +38,25 @@ class SSEEvent(NamedTuple):
 
 
 def encode_json_event(obj: object) -> bytes:
-    """``data: <compact JSON>`` and a blank line, for one chunk object (UTF-8; NaN as null)."""
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+    """``data: <compact JSON>`` and a blank line, for one chunk object (UTF-8; NaN as null).
+    An integer past 64 bits (read by ``parse_json_event``'s stdlib fallback), which orjson
+    cannot write, is written by the stdlib, NaN and infinities still as null."""
+    try:
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+    except TypeError:
+        text = json.dumps(_finite(obj), ensure_ascii=False, separators=(",", ":"))
+        return b"data: " + text.encode("utf-8") + b"\n\n"
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities as None (what orjson writes for them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def parse_json_event(data: str | bytes) -> Any:

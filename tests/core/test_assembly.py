@@ -381,3 +381,25 @@ def test_sglangs_matched_stop_is_the_stop_reason():
         {"choices": [{"index": 0, "message": message, "finish_reason": "stop", "matched_stop": 7}]}
     )
     assert (streamed.stop_reason, whole.stop_reason) == ("END", 7)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [1, "x", None, {"index": "x"}, {"index": 0, "function": "f"}, {"function": {"name": 5}},
+     {"id": ["a"]}, {"function": {"arguments": {"a": 1}}}],
+)  # fmt: skip
+def test_a_tool_call_delta_not_of_openais_shape_is_named_never_raised(bad):
+    """Engine bytes never raise (a review found ``{"tool_calls":[1]}`` raising in the
+    assembler on both stream paths): the piece is left out and the record is incomplete with
+    the reason; the tokens and the well-formed pieces are kept."""
+    asm = ChatCaptureAssembler(CTX)
+    for chunk in _stream_chunks():
+        asm.add_chunk(chunk)
+    asm.add_delta({"tool_calls": [bad]})
+    rec = asm.finish(latency_ms=1.0, http_status=200)
+    assert rec.status is CallStatus.INCOMPLETE
+    assert "tool-call delta not of OpenAI's shape" in str(rec.diagnostics)
+    assert rec.generation_token_ids.tolist() == [10, 11, 12, 13, 14, 15]
+    assert rec.response_message["tool_calls"] == [
+        {"id": "call_a", "type": "function", "function": {"name": "read", "arguments": '{"p":1}'}}
+    ]

@@ -138,3 +138,14 @@ def test_the_data_only_short_cut_hands_the_bytes_on_unchecked_and_the_long_way_c
     with pytest.raises(UnicodeDecodeError):
         SSEStreamDecoder().feed_data(b"event: x\ndata: \xff\xfe\n\n")
     assert _data_in_pieces(STREAM, 5) == [event.data.encode() for event in EXPECTED]
+
+
+def test_an_event_with_an_integer_past_64_bits_is_written_by_the_stdlib():
+    """orjson cannot write an integer the stdlib fallback of ``parse_json_event`` read (an
+    engine's NaN took that path): the event is still written, NaN as null as orjson would."""
+    from capture_proxy.core.sse import encode_json_event, parse_json_event
+
+    chunk = parse_json_event('{"a":NaN,"b":123456789012345678901234567890,"c":"é"}'.encode())
+    assert encode_json_event(chunk) == (
+        'data: {"a":null,"b":123456789012345678901234567890,"c":"é"}\n\n'.encode()
+    )
