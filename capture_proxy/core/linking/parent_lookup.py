@@ -109,6 +109,7 @@ def resolve_step(
         model=model,
         parent_call_id=resolution.parent_call_id,
         retry_of=resolution.retry_of,
+        session=session,
     )
     return resolution
 
