@@ -296,6 +296,32 @@ class LinkIndex:
         ]
         return max(lost, key=_age).call_id if lost else None
 
+    def late_retry_of(
+        self,
+        call_id: str,
+        req_digest: str,
+        session: SessionKey,
+        ends_incomplete: Callable[[str], bool] | None = None,
+    ) -> str | None:
+        """The call that ``call_id`` (in this index, a request of harness ``session`` with the
+        retry header that found no call to retry when it arrived) retries, looked for again
+        before it is stored (``late_retry.late_retry_step``): the latest identical call of
+        that session that came before it and that its harness is known not to have got, that
+        no retry replaced and no call continued. With ``serve --workers`` the attempt it
+        retries may be in flight on another worker, its harness gone, when the retry comes:
+        stored there since."""
+        own = self.entries.get(call_id)
+        if own is None:
+            return None
+        lost = [
+            entry
+            for entry in (self._retry_candidates.get(req_digest) or {}).values()
+            if entry.session == session
+            and _age(entry) < _age(own)
+            and _lost(entry, ends_incomplete, session)
+        ]
+        return max(lost, key=_age).call_id if lost else None
+
     @staticmethod
     def _session_retry_of(latest: _Entry) -> str | None:
         """The call a request of ``latest``'s session that the harness marks as a retry
