@@ -28,6 +28,7 @@ from aiohttp import web
 from capture_proxy.config import Settings
 from capture_proxy.core.engine_formats import get_dialect
 from capture_proxy.core.linking.claims import ChildClaims
+from capture_proxy.core.linking.late_retry import AttemptsInFlight
 from capture_proxy.families import get_parser, load_family
 from capture_proxy.families.base import ChatRenderer, RenderError
 from capture_proxy.families.hf_template import LocalRenderer
@@ -245,6 +246,7 @@ def _linker(
     store: CaptureStore,
     index_feed: IndexFeed | None,
     child_claims: ChildClaims | None,
+    attempts: AttemptsInFlight | None,
 ) -> Linker:
     return Linker(
         store,
@@ -253,6 +255,7 @@ def _linker(
         refresh_on_miss=store.shared,
         feed=index_feed,
         claims=child_claims,
+        attempts=attempts,
     )
 
 
@@ -264,13 +267,15 @@ def build_proxy_app(
     worker: WorkerRole | None = None,
     index_feed: IndexFeed | None = None,
     child_claims: ChildClaims | None = None,
+    attempts: AttemptsInFlight | None = None,
 ) -> web.Application:
     """The proxy app. ``store`` is opened and closed with the app; ``notes``: the harness-note
     registry (default: every registered harness); ``renderer``: exact-token renderer override
     (default: from settings); ``worker``: this app is one worker of several (``serve
     --workers``): its metrics are summed with theirs, and only worker 0 sweeps tombstones;
     ``index_feed``: keeps its link indexes current with the other workers' writes;
-    ``child_claims``: the other workers' calls in flight, by the candidate each took."""
+    ``child_claims``: the other workers' calls in flight, by the candidate each took;
+    ``attempts``: every worker's calls in flight, by request and harness session."""
     traffic = TrafficRecorder(settings.record_dir) if settings.record_dir is not None else None
     app = web.Application(
         middlewares=_middlewares(settings, traffic),
@@ -302,7 +307,7 @@ def build_proxy_app(
             else None
         ),
     )
-    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims)
+    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims, attempts)
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings, worker)

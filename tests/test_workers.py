@@ -419,3 +419,103 @@ async def test_two_workers_send_each_rollout_to_one_engine_through_bursts(
         await client.close()
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), START_DEADLINE_S) == 0
+
+
+class _FirstAttempt:
+    """A scripted engine's middleware: the first chat request of each rollout fails (500), or
+    with ``hold`` is held (its id kept) until the proxy drops it, each wait bounded; the
+    others are answered."""
+
+    def __init__(self, hold: bool) -> None:
+        self.hold = hold
+        self.ids: dict[str, str] = {}
+        self.arrived: dict[str, asyncio.Event] = {}
+        self.release = asyncio.Event()
+
+    def arrival(self, rollout: str) -> asyncio.Event:
+        return self.arrived.setdefault(rollout, asyncio.Event())
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        rollout = request.headers.get("X-NG-Rollout-Id", "")
+        if not request.path.endswith("/chat/completions") or rollout in self.ids:
+            return await handler(request)
+        self.ids[rollout] = request.headers["X-Request-Id"]
+        self.arrival(rollout).set()
+        if self.hold:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.release.wait(), 60.0)
+        return web.json_response({"error": {"message": "scripted failure"}}, status=500)
+
+
+async def _sample(
+    client: aiohttp.ClientSession, rollout: str, session: str, *, retry: bool = False
+) -> tuple[int, str]:
+    """One GRPO sample's request, its session named as OpenCode names it; (status, call id)."""
+    headers = {"x-session-id": session}
+    if retry:
+        headers["x-stainless-retry-count"] = "1"
+    body = {"model": "scripted-qwen", "messages": [{"role": "user", "content": "Name a sea."}]}
+    path = f"/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+    async with client.post(path, json=body, headers=headers) as resp:
+        await resp.read()
+        return resp.status, resp.headers["X-Capture-Call-Id"]
+
+
+async def _first_attempt_lost(
+    client: aiohttp.ClientSession, gate: _FirstAttempt, rollout: str
+) -> str:
+    """Sample 0's first attempt: answered 500, or abandoned by its harness while the engine
+    holds it (a harness timeout). Its call id."""
+    attempt = asyncio.ensure_future(_sample(client, rollout, "ses_0"))
+    if not gate.hold:
+        assert (await asyncio.wait_for(attempt, 30.0))[0] == 500
+        return gate.ids[rollout]
+    await asyncio.wait_for(gate.arrival(rollout).wait(), 30.0)
+    attempt.cancel()  # the harness gives up: its connection closes
+    with contextlib.suppress(asyncio.CancelledError):
+        await attempt
+    return gate.ids[rollout]
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["engine_500", "harness_timeout"])
+async def test_a_grpo_samples_retry_on_two_workers_is_the_retry_not_a_sibling(
+    tmp_path, aiohttp_server, qwen_tokenizer, hold
+):
+    """A GRPO group of four samples of one prompt, each its own OpenCode session: sample 0's
+    first attempt fails (engine 500) or is abandoned (its harness times out while the engine
+    holds it), then samples 1-3 are answered and sample 0's SDK re-sends with
+    ``x-stainless-retry-count: 1``, on new connections (either worker). The lost attempt is
+    superseded by sample 0's retry (``retry_of`` names it), never by a sibling; all four
+    samples stay in the chains, the rollout complete. Before, the first sibling on each
+    worker took the failed attempt for its retry (trial 13), and a retry on the worker that
+    did not hold the abandoned attempt, still in flight there, found nothing to retry."""
+    gate = _FirstAttempt(hold)
+    app = build_scripted_engine_app(ScriptedEngineConfig(), qwen_tokenizer)
+    app.middlewares.append(gate.middleware)
+    engine = await aiohttp_server(app)
+    try:
+        async with _serving(tmp_path, url(engine)) as (proc, client):
+            for k in range(3):
+                rollout = f"grpo-{k}"
+                lost = await _first_attempt_lost(client, gate, rollout)
+                siblings = await asyncio.gather(
+                    *(_sample(client, rollout, f"ses_{i}") for i in (1, 2, 3))
+                )
+                retry = await _sample(client, rollout, "ses_0", retry=True)
+                assert [s for s, _ in (*siblings, retry)] == [200] * 4
+                answered = [i for _, i in (*siblings, retry)]
+                async with asyncio.timeout(10):  # an abandoned call is stored once found gone
+                    while (await client.get(f"/captures/calls/{lost}")).status != 200:
+                        await asyncio.sleep(0.05)
+                async with client.get(f"/captures/rollouts/{rollout}/chains") as resp:
+                    chains = await resp.json()
+                kept = {c["call_id"]: c for ch in chains["chains"] for c in ch["calls"]}
+                assert sorted(kept) == sorted(answered), k
+                assert [kept[i]["retry_of"] for i in answered] == [None, None, None, lost], k
+                [unlinked] = chains["unlinked_calls"]
+                assert (unlinked["call_id"], unlinked["superseded_by"]) == (lost, retry[1]), k
+                assert unlinked["reason"] == "superseded_retry" and not chains["incomplete"]
+    finally:
+        gate.release.set()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()

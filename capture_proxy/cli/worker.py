@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from capture_proxy.cli.workers import (
+    ATTEMPTS_FILE,
     CLAIMS_FILE,
     CONTROL_SOCKET,
     METRICS_DIR,
@@ -73,8 +74,14 @@ def _app(plan: WorkerPlan, index: int, runtime: Path, link: WriterLink) -> web.A
         synchronous=settings.store_synchronous,
     )
     claims = ChildClaimBoard(runtime / CLAIMS_FILE, index=index, workers=plan.count)
+    attempts = ChildClaimBoard(runtime / ATTEMPTS_FILE, index=index, workers=plan.count)
     return build_proxy_app(
-        settings, worker_store, worker=role, index_feed=worker_store, child_claims=claims
+        settings,
+        worker_store,
+        worker=role,
+        index_feed=worker_store,
+        child_claims=claims,
+        attempts=attempts,
     )
 
 

@@ -55,6 +55,8 @@ LEGACY_PLAN_FILE = "plan.pickle"
 CONTROL_SOCKET = "control.sock"
 STAMPS_FILE = "stamps"
 CLAIMS_FILE = "claims"
+#: The workers' calls in flight by request and harness session (``core.linking.late_retry``).
+ATTEMPTS_FILE = "attempts"
 PINS_FILE = "engine-pins"
 METRICS_DIR = "metrics"
 #: Restarts of dead workers allowed in a minute before the supervisor gives up.
@@ -245,6 +247,7 @@ async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
             raise ServeExit(str(exc)) from exc
         stamps = RolloutStamps(runtime / STAMPS_FILE, writable=True)
         create_claim_board(runtime / CLAIMS_FILE, plan.count)
+        create_claim_board(runtime / ATTEMPTS_FILE, plan.count)
     create_pin_board(runtime / PINS_FILE, len(settings.backend_bases), plan.count)
     sup = Supervisor(plan, sock, runtime)
     loop = asyncio.get_running_loop()

@@ -5,7 +5,8 @@ is seen by this process, so a restart loses nothing; with a shared store, writte
 replicas too, refreshed from the store when a digest misses), the calls stored lately
 (``RecentCalls``: a parent is read from memory, not decoded from the store, see ``get_call``;
 stored records never change, so this holds with replicas too), and the answers to the
-commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve_step`` and
+commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve_step``,
+``capture_proxy.core.linking.late_retry.late_retry_step`` and
 ``capture_proxy.core.linking.verification.verify_step``): a parent record, the stored calls a
 history continues (by child digest), a prefix ancestor from the cached index, texts from the
 engine's ``/detokenize``. Every linking decision is the core's; this module must not take one.
@@ -29,6 +30,7 @@ from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools, ToolsFacts
 from capture_proxy.core.linking.claims import ChildClaims
 from capture_proxy.core.linking.commands import (
+    AwaitAttempts,
     CatchUp,
     Command,
     Detokenize,
@@ -38,6 +40,7 @@ from capture_proxy.core.linking.commands import (
     Step,
 )
 from capture_proxy.core.linking.index import LinkIndex, add_record, refresh_index
+from capture_proxy.core.linking.late_retry import AttemptsInFlight, late_retry_step
 from capture_proxy.core.linking.parent_lookup import resolve_step
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Resolution
@@ -53,6 +56,14 @@ log = logging.getLogger("capture_proxy")
 Decoder = Callable[[list[int]], Awaitable[str | None]]
 
 T = TypeVar("T")
+
+#: How long a retry's second look (``late_retry``) waits at most for an identical request of
+#: its session in flight on another worker to end (seconds): that worker finds a harness gone
+#: within ``executor.CLIENT_CHECK_S`` (0.5 s) and stores the call; a call whose harness is
+#: still there is no attempt the retry replaces, and is not waited for longer.
+ATTEMPT_WAIT_S = 2.0
+#: How often that wait looks at the workers' counts (seconds).
+ATTEMPT_POLL_S = 0.01
 
 
 class IndexFeed(Protocol):
@@ -84,12 +95,16 @@ class Linker:
         recent_max_bytes: int = DEFAULT_MAX_BYTES,
         feed: IndexFeed | None = None,
         claims: ChildClaims | None = None,
+        attempts: AttemptsInFlight | None = None,
     ) -> None:
         self.store = store
         self.feed = feed
         #: the workers' calls in flight by the candidate each was resolved to (``serve
         #: --workers``): identical siblings continued at once on two workers take two parents
         self.claims = claims
+        #: the workers' calls in flight by request and session (``serve --workers``): a
+        #: retry's attempt still in flight on another worker is waited for (``late_retry``)
+        self.attempts = attempts
         #: per cached rollout (with ``feed``): [its count of writes, the last rowid] its index
         #: reflects
         self._sync: dict[str, list[int]] = {}
@@ -237,6 +252,7 @@ class Linker:
             session=session,
             retry_requested=retry_requested,
             ends_incomplete=self._known_to_end_incomplete,
+            attempts=self.attempts,
         )
         resolution = await self._drive(step, None)
         if ends_incomplete is not None:
@@ -260,6 +276,8 @@ class Linker:
             index.end_unstored(call_id)
         if self.claims is not None:
             self.claims.release(call_id)
+        if self.attempts is not None:
+            self.attempts.release(call_id)
 
     async def remember(
         self,
@@ -299,7 +317,17 @@ class Linker:
         """``record`` with the verdict, the digests and the diagnostics attached, and its
         parent set only when its tokens extend the parent's (``verify_step`` decides).
         ``digests``: ``RecordDigests(record, prefill)``, filled here, to hand to ``remember``;
-        ``prefill``: the trailing assistant message the call continued."""
+        ``prefill``: the trailing assistant message the call continued. A retry that found no
+        call to retry when it arrived looks again first (``late_retry.late_retry_step``)."""
+        resolution = await self._drive(
+            late_retry_step(
+                resolution,
+                rollout_id=record.rollout_id,
+                call_id=record.call_id,
+                ends_incomplete=self._known_to_end_incomplete,
+            ),
+            None,
+        )
         step = verify_step(
             record,
             resolution,
@@ -337,9 +365,23 @@ class Linker:
             return index.prefix_ancestor(
                 command.prompt_token_ids, model=command.model, exclude=command.exclude
             )
+        if isinstance(command, AwaitAttempts):
+            return await self._await_attempts(command.key)
         if isinstance(command, Detokenize) and decode is not None:
             return await _detokenize(command, decode)
         raise TypeError(f"no answer to {type(command).__name__}")
+
+    async def _await_attempts(self, key: str) -> bool:
+        """Wait, at most ``ATTEMPT_WAIT_S``, until no other worker has a call in flight with
+        ``key``; whether one had."""
+        attempts = self.attempts
+        if attempts is None or not attempts.claimed_elsewhere(key):
+            return False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ATTEMPT_WAIT_S
+        while attempts.claimed_elsewhere(key) and loop.time() < deadline:
+            await asyncio.sleep(ATTEMPT_POLL_S)
+        return True
 
 
 async def _detokenize(

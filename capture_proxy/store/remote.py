@@ -170,6 +170,14 @@ class ChildClaimBoard:
         slot, counts = self._slot(parent_call_id), self._counts
         return any(counts[w * CLAIM_SLOTS + slot] for w in range(self._workers))
 
+    def claimed_elsewhere(self, key: str) -> bool:
+        """True when a call in flight of another worker claims ``key`` (``claimed`` without
+        this worker's own: ``core.linking.late_retry.AttemptsInFlight``)."""
+        slot, counts, mine = self._slot(key), self._counts, self._base
+        return any(
+            counts[w * CLAIM_SLOTS + slot] for w in range(self._workers) if w * CLAIM_SLOTS != mine
+        )
+
     def claim(self, call_id: str, parent_call_id: str) -> None:
         self.release(call_id)
         i = self._base + self._slot(parent_call_id)

@@ -273,6 +273,24 @@ def test_a_workers_claim_is_seen_by_the_other_until_released(tmp_path):
         second.close()
 
 
+def test_a_workers_own_claims_are_not_claims_elsewhere(tmp_path):
+    """``claimed_elsewhere`` (the workers' attempts in flight, ``late_retry``): another
+    worker's call in flight counts, this worker's own do not."""
+    path = tmp_path / "attempts"
+    create_claim_board(path, 2)
+    first, second = (ChildClaimBoard(path, index=i, workers=2) for i in (0, 1))
+    try:
+        first.claim("call-1", "key")
+        assert second.claimed_elsewhere("key") and not first.claimed_elsewhere("key")
+        second.claim("call-2", "key")
+        assert first.claimed_elsewhere("key")
+        first.release("call-1")
+        assert not second.claimed_elsewhere("key") and first.claimed_elsewhere("key")
+    finally:
+        first.close()
+        second.close()
+
+
 def test_a_replaced_worker_drops_its_dead_predecessors_claims_only(tmp_path):
     path = tmp_path / "claims"
     create_claim_board(path, 2)

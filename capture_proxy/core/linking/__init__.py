@@ -14,6 +14,9 @@ nothing, so a module can be imported alone):
 - ``commands``: the questions the steps ask their driver (read a parent, read a rollout's
   calls, find a prefix ancestor, detokenise) and the step protocol.
 - ``parent_lookup``: the request-time step (``resolve_step``).
+- ``late_retry``: a retry whose attempt was not known when it arrived, looked for again
+  before it is stored (``late_retry_step``; with ``serve --workers`` the attempt may be in
+  flight on another worker).
 - ``verification``: the response-time step (``verify_step``): the parent taken, the
   diagnostics and the ``linking`` dict of the record.
 

@@ -16,6 +16,8 @@ Commands and their replies:
   generation begin ``prompt_token_ids`` (``index.LinkIndex.prefix_ancestor``).
 - ``CatchUp(rollout_id)`` -> ``LinkIndex``: the rollout's index holding every call stored
   before now (with ``serve --workers``: the other workers' puts read in).
+- ``AwaitAttempts(key)`` -> ``bool``: wait, bounded, while a call in flight in another process
+  has that ``late_retry.attempt_key``; True when one had (the index is then caught up again).
 - ``Detokenize(parent_prompt, parent_full, child_prompt)`` -> ``tuple[str | None, str | None,
   str | None] | None``: the three id lists as text, in that order (an element None: that list
   could not be decoded; None: decoding failed).
@@ -71,6 +73,15 @@ class CatchUp(Command[LinkIndex]):
     committed since it was last brought up)."""
 
     rollout_id: str
+
+
+@dataclass(frozen=True)
+class AwaitAttempts(Command[bool]):
+    """Wait, bounded, until no call in flight in another process (``serve --workers``) has
+    ``key`` (``late_retry.attempt_key``: an identical request of one harness session); reply
+    whether one had. Without other processes: False at once."""
+
+    key: str
 
 
 @dataclass(frozen=True)

@@ -271,8 +271,11 @@ class LinkIndex:
         is the target only of a request with the retry header of the same harness
         ``session`` (``_session_retry_of``): in a group of samples of one prompt (GRPO), one
         sample's retry whose first attempt never reached the proxy would otherwise replace
-        another sample's answered call and drop it from the chains. Identical requests
-        otherwise are sibling samples, each its own call.
+        another sample's answered call and drop it from the chains. A call that names a
+        session is retried only by a request of that session (``_same_sample``): a sibling
+        sample's identical request that comes before the lost call's own retry (on another
+        worker of ``serve --workers``, or sooner on this one) is no retry of it. Identical
+        requests otherwise are sibling samples, each its own call.
 
         Cost: O(1) when the latest identical call is the target (the usual retry); else the
         identical calls that may be one (in flight, failed or incomplete: a group of samples
@@ -280,7 +283,7 @@ class LinkIndex:
         latest = self._latest_request.get(req_digest)
         if latest is None:
             return None
-        if _lost(latest, ends_incomplete):
+        if _lost(latest, ends_incomplete, session):
             return latest.call_id
         if retry_requested and session is not None and latest.session == session:
             own = self._session_retry_of(latest)
@@ -289,7 +292,33 @@ class LinkIndex:
         lost = [
             entry
             for entry in (self._retry_candidates.get(req_digest) or {}).values()
-            if entry is not latest and _lost(entry, ends_incomplete)
+            if entry is not latest and _lost(entry, ends_incomplete, session)
+        ]
+        return max(lost, key=_age).call_id if lost else None
+
+    def late_retry_of(
+        self,
+        call_id: str,
+        req_digest: str,
+        session: SessionKey,
+        ends_incomplete: Callable[[str], bool] | None = None,
+    ) -> str | None:
+        """The call that ``call_id`` (in this index, a request of harness ``session`` with the
+        retry header that found no call to retry when it arrived) retries, looked for again
+        before it is stored (``late_retry.late_retry_step``): the latest identical call of
+        that session that came before it and that its harness is known not to have got, that
+        no retry replaced and no call continued. With ``serve --workers`` the attempt it
+        retries may be in flight on another worker, its harness gone, when the retry comes:
+        stored there since."""
+        own = self.entries.get(call_id)
+        if own is None:
+            return None
+        lost = [
+            entry
+            for entry in (self._retry_candidates.get(req_digest) or {}).values()
+            if entry.session == session
+            and _age(entry) < _age(own)
+            and _lost(entry, ends_incomplete, session)
         ]
         return max(lost, key=_age).call_id if lost else None
 
@@ -577,16 +606,30 @@ def _may_be_retried(entry: _Entry) -> bool:
     return entry.children == 0 and entry.superseded_by is None and entry.status != CALL_COMPLETE
 
 
-def _lost(entry: _Entry, ends_incomplete: Callable[[str], bool] | None) -> bool:
-    """Whether ``entry`` is a retry target (``LinkIndex._retry_of``): it may be retried, and
-    its harness is known not to have got its answer."""
-    if not _may_be_retried(entry):
+def _lost(
+    entry: _Entry,
+    ends_incomplete: Callable[[str], bool] | None,
+    session: SessionKey | None = None,
+) -> bool:
+    """Whether ``entry`` is a retry target (``LinkIndex._retry_of``) for a request of harness
+    ``session``: it may be retried, its harness is known not to have got its answer, and it
+    is that request's sample (``_same_sample``)."""
+    if not _may_be_retried(entry) or not _same_sample(entry, session):
         return False
     if entry.status in (CALL_FAILED, CALL_INCOMPLETE):
         return True
     if entry.status != IN_FLIGHT or ends_incomplete is None:
         return False
     return ends_incomplete(entry.call_id)
+
+
+def _same_sample(entry: _Entry, session: SessionKey | None) -> bool:
+    """Whether a request of harness ``session`` may retry ``entry`` (``LinkIndex._retry_of``):
+    unless both name a session and the sessions differ. In a group of samples of one prompt
+    each sample is its own session (OpenCode's ``x-session-id``): a sibling sample's request
+    that arrives before the lost call's own retry (on another worker of ``serve --workers``,
+    or sooner on this one) is a sample of its own, never that call's retry."""
+    return entry.session is None or session is None or entry.session == session
 
 
 def _drop(index: dict[str, dict[str, _Entry]], digest: str | None, call_id: str) -> None:

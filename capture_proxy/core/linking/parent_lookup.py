@@ -9,6 +9,7 @@ so a later identical request is known. Pure: a generator of ``commands`` (it ask
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from capture_proxy.core.linking.digests import (
     request_digest,
 )
 from capture_proxy.core.linking.index import LinkIndex, refresh_index
+from capture_proxy.core.linking.late_retry import AttemptsInFlight, attempt_key
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
 
@@ -48,6 +50,7 @@ def resolve_step(
     session: tuple[str, str] | None = None,
     retry_requested: bool = False,
     ends_incomplete: Callable[[str], bool] | None = None,
+    attempts: AttemptsInFlight | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
@@ -65,7 +68,10 @@ def resolve_step(
     its call is stored, so the choice also needs the stored children: ``index_current()``
     says whether ``index`` still holds every call stored (asked after the claims are read);
     when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``,
-    ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s."""
+    ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s; a request with
+    the retry header and a session that found no call to retry is marked for a second look
+    (``Resolution.retry_session``, ``late_retry``). ``attempts``: every process's calls in
+    flight by ``late_retry.attempt_key``, where a call that names its session is counted."""
     req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
@@ -99,18 +105,35 @@ def resolve_step(
         found = yield from ask(ReadParentCandidates(rollout_id, parent_digest))
         refresh_index(index, found)
         resolution = resolve(index)
-    # In flight: a child of its candidate (a sibling prefers another), and the call it
-    # retries replaced (an identical sibling sent meanwhile is no second retry of it).
+    if retry_requested and session is not None and resolution.retry_of is None:
+        resolution = dataclasses.replace(resolution, retry_session=session)
+    _file_in_flight(index, resolution, call_id, created_at, model, session)
+    if attempts is not None and session is not None:
+        attempts.claim(call_id, attempt_key(rollout_id, req_digest, session))
+    return resolution
+
+
+def _file_in_flight(
+    index: LinkIndex,
+    resolution: Resolution,
+    call_id: str,
+    created_at: float,
+    model: str | None,
+    session: tuple[str, str] | None,
+) -> None:
+    """``call_id`` in ``index``, in flight: a child of its candidate (a sibling prefers
+    another), and the call it retries replaced (an identical sibling sent meanwhile is no
+    second retry of it)."""
     index.add(
         call_id,
         created_at,
         child_digest=None,
-        request_digest=req_digest,
+        request_digest=resolution.request_digest,
         model=model,
         parent_call_id=resolution.parent_call_id,
         retry_of=resolution.retry_of,
+        session=session,
     )
-    return resolution
 
 
 def _claim(

@@ -115,6 +115,10 @@ class Resolution:
     parent_tokens_sha256: bytes | None = None
     candidates: Sequence[Candidate] = ()
     mismatch: dict[str, Any] | None = None
+    #: the harness session of a request with the retry header that found no call to retry
+    #: when it arrived: the call is looked for again before the request's call is stored
+    #: (``late_retry.late_retry_step``); None otherwise
+    retry_session: tuple[str, str] | None = None
 
     def preferring(self, call_id: str) -> Resolution:
         """The same resolution with ``call_id`` (one of the candidates) preferred: the parent

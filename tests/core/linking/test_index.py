@@ -349,3 +349,26 @@ def test_a_retry_header_names_an_answered_call_of_its_own_session_only():
     # continued, it is no retry's target
     index.add("a2", 3.0, child_digest=None, request_digest="q2", parent_call_id="a1")
     assert index.resolve(None, "q", session=mine, retry_requested=True).retry_of is None
+
+
+def test_a_lost_call_of_a_session_is_retried_by_its_own_session_not_a_sibling_sample():
+    """A GRPO group, each sample its own OpenCode session: sample 0's first attempt failed
+    (stored failed), or is in flight with its harness gone (a timeout); then sample 0's SDK
+    retry and samples 1..3 come at once. A sibling that comes first (on the other worker of
+    ``serve --workers 2``, or sooner on this one) is a sample of its own; the failed attempt
+    is the retry's (trial 13: a sibling took it, and the retry had ``retry_of = None``)."""
+    sessions = [("opencode", f"ses_{i}") for i in range(4)]
+    for failed in ({"status": "failed"}, {}):  # stored failed; in flight, its harness gone
+        index = LinkIndex()
+        index.add("f0", 1.0, child_digest=None, request_digest="q", session=sessions[0], **failed)
+        gone = {"f0"}.__contains__
+        for i, sibling in enumerate(sessions[1:], 1):
+            got = index.resolve(None, "q", session=sibling, ends_incomplete=gone)
+            assert got.retry_of is None, i
+            index.add(f"s{i}", 1.0 + i, child_digest=None, request_digest="q", session=sibling)
+        got = index.resolve(
+            None, "q", session=sessions[0], retry_requested=True, ends_incomplete=gone
+        )
+        assert got.retry_of == "f0"
+        # a request that names no session keeps the rule without sessions
+        assert index.resolve(None, "q", ends_incomplete=gone).retry_of == "f0"
