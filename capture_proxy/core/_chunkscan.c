@@ -727,9 +727,160 @@ done:
     return result;
 }
 
+/* --- vLLM's completions stream (exact-token mode) --------------------------------------- */
+
+/* What a middle chunk of vLLM's /v1/completions stream gives (engine_formats.Piece). */
+typedef struct {
+    PyObject *text; /* choices[0].text decoded; NULL: absent or null ("") */
+    Out ids;        /* choices[0].token_ids */
+    Out lps;        /* choices[0].logprobs.token_logprobs */
+    int choices;
+} Completion;
+
+/* A member of choices[0].logprobs: "token_logprobs" (null, or an array of numbers and nulls)
+ * read into *ctx (an Out); "tokens", "text_offset", "top_logprobs" validated only. */
+static int completion_logprobs_member(Cur *c, const Member *key, int index, void *ctx,
+                                      int depth) {
+    (void)index;
+    Out *o = ctx;
+    if (!key_is(key, "token_logprobs")) return scan_value(c, depth);
+    if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
+    if (*c->p != '[') return -1;
+    int rc = out_start(o);
+    if (rc < 0) return rc;
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return 0;
+    }
+    for (;;) {
+        PyObject *value = NULL;
+        if (c->p >= c->end) return -1;
+        if (*c->p == 'n') {
+            if (scan_literal(c, "null", 4) < 0) return -1;
+            value = Py_NewRef(Py_None);
+        } else if ((rc = read_number(c, &value)) < 0) {
+            return rc; /* a string, an object, ...: the Python path's */
+        }
+        if ((rc = out_append(o, value)) < 0) return rc;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ']') {
+            c->p++;
+            return 0;
+        }
+        if (*c->p != ',') return -1;
+        c->p++;
+        skip_ws(c);
+    }
+}
+
+/* A member of choices[0]: none the Python path reads that this does not. */
+static int completion_choice_member(Cur *c, const Member *key, int index, void *ctx,
+                                    int depth) {
+    (void)index;
+    Completion *k = ctx;
+    const unsigned char *v = c->p;
+    if (key_is(key, "token_ids")) return read_token_ids(c, &k->ids);
+    if (key_is(key, "logprobs")) {
+        Member members[MAX_MEMBERS];
+        int n;
+        if (*c->p == 'n') return scan_literal(c, "null", 4);
+        if (*c->p != '{') return -1;
+        return walk_object(c, depth, members, &n, completion_logprobs_member, &k->lps);
+    }
+    if (key_is(key, "text")) {
+        int escaped;
+        if (k->text != NULL) return -1; /* repeated */
+        if (*c->p == 'n') return scan_literal(c, "null", 4);
+        if (*c->p != '"' || scan_string(c, &escaped) < 0) return -1;
+        k->text = string_text(v + 1, c->p - 1);
+        return k->text == NULL ? -2 : 0;
+    }
+    if (scan_value(c, depth) < 0) return -1;
+    if (key_is(key, "index")) {
+        if (!(c->p - v == 1 && v[0] == '0')) return -1;
+    } else if (key_is(key, "finish_reason") || key_is(key, "prompt_token_ids") ||
+               key_is(key, "routed_experts")) {
+        /* the last chunk, the first (vLLM writes these null in every other one) */
+        if (!is_null(v, c->p)) return -1;
+    }
+    return 0;
+}
+
+static int completion_top_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    (void)index;
+    Completion *k = ctx;
+    const unsigned char *v = c->p;
+    if (key_is(key, "choices")) {
+        Member members[MAX_MEMBERS];
+        int n, rc;
+        k->choices++;
+        if (*c->p != '[') return -1;
+        c->p++;
+        skip_ws(c);
+        if (c->p >= c->end || *c->p != '{') return -1;
+        rc = walk_object(c, depth + 1, members, &n, completion_choice_member, k);
+        if (rc < 0) return rc;
+        skip_ws(c);
+        if (c->p >= c->end || *c->p != ']') return -1; /* more than one choice */
+        c->p++;
+        return 0;
+    }
+    if (scan_value(c, depth) < 0) return -1;
+    if ((key_is(key, "usage") || key_is(key, "prompt_token_ids")) && !is_null(v, c->p))
+        return -1; /* the usage chunk, the first */
+    return 0;
+}
+
+/* scan_completions_chunk(data: bytes) -> (text, token_ids, log_probs) | None: a middle chunk
+ * of vLLM's completions stream (vLLM 0.32 `text_completion`, compact JSON):
+ *   {"id":...,"object":"text_completion","created":...,"model":...,"choices":[{"index":0,
+ *    "text":" hi","logprobs":{"text_offset":[..],"token_logprobs":[-0.25],"tokens":[..],
+ *    "top_logprobs":[..]},"finish_reason":null,"stop_reason":null,"token_ids":[1234]}],
+ *    "usage":null}
+ * text: str (choices[0].text; "" when absent or null); token_ids: list[int] (required);
+ * log_probs: list[float | int | None] (logprobs.token_logprobs; None when absent or null).
+ * None, for the Python path (engine_formats.VllmCompletionsReader), on the same grounds as
+ * scan_chat_chunk's, and when token_ids is absent (the ids are then read from the tokens). */
+static PyObject *scan_completions_chunk(PyObject *self, PyObject *data) {
+    (void)self;
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "scan_completions_chunk(data: bytes)");
+        return NULL;
+    }
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(data);
+    Cur c = {s, s + PyBytes_GET_SIZE(data)};
+    Member top[MAX_MEMBERS];
+    Completion k = {NULL, {NULL}, {NULL}, 0};
+    PyObject *result = NULL;
+    int n, rc = -1;
+    skip_ws(&c);
+    if (c.p < c.end && *c.p == '{') rc = walk_object(&c, 0, top, &n, completion_top_member, &k);
+    if (rc == 0) {
+        skip_ws(&c);
+        if (c.p != c.end || k.choices != 1 || k.ids.list == NULL) rc = -1;
+    }
+    if (rc == -2) goto done;
+    if (rc < 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (k.text == NULL && (k.text = PyUnicode_FromStringAndSize("", 0)) == NULL) goto done;
+    result = PyTuple_Pack(3, k.text, k.ids.list, k.lps.list ? k.lps.list : Py_None);
+done:
+    Py_XDECREF(k.text);
+    Py_XDECREF(k.ids.list);
+    Py_XDECREF(k.lps.list);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan_chat_chunk", (PyCFunction)(void (*)(void))scan_chat_chunk, METH_FASTCALL,
      "scan_chat_chunk(data: bytes, flags: int) -> (event, delta, content, token_ids, log_probs) | None"},
+    {"scan_completions_chunk", scan_completions_chunk, METH_O,
+     "scan_completions_chunk(data: bytes) -> (text, token_ids, log_probs) | None"},
     {NULL, NULL, 0, NULL},
 };
 

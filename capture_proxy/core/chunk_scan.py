@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from capture_proxy.core.capture import HarnessAsked
+if TYPE_CHECKING:
+    from capture_proxy.core.capture import HarnessAsked
 
 #: (data, flags) -> (event, delta, content, token_ids, log_probs) | None
 Scan = Callable[
@@ -46,17 +48,26 @@ SCAN_DROP_USAGE = 4
 SCAN_NO_EVENT = 8
 
 
-def _load() -> Scan | None:
+#: data -> (text, token_ids, log_probs) | None
+ScanCompletions = Callable[[bytes], "tuple[str, list[int], list | None] | None"]
+
+
+def _load(name: str) -> Callable | None:  # type: ignore[type-arg]
     if os.environ.get("CAPTURE_PROXY_NO_COMPILED"):
         return None
     try:
         from capture_proxy.core import _chunkscan  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return _chunkscan.scan_chat_chunk  # type: ignore[no-any-return]
+    return getattr(_chunkscan, name)  # type: ignore[no-any-return]
 
 
-SCAN: Scan | None = _load()
+SCAN: Scan | None = _load("scan_chat_chunk")
+#: ``scan_completions_chunk(data)``: a middle chunk of vLLM's completions stream (exact-token
+#: mode), ``(text, token_ids, log_probs)``: ``choices[0].text`` ("" when absent or null),
+#: ``choices[0].token_ids``, ``logprobs.token_logprobs`` (None: absent or null); None for any
+#: other chunk, which ``engine_formats.VllmCompletionsReader`` then parses
+SCAN_COMPLETIONS: ScanCompletions | None = _load("scan_completions_chunk")
 
 
 def scan_flags(asked: HarnessAsked, *, event: bool) -> int:

@@ -33,12 +33,14 @@ from typing import Any, Protocol
 import numpy as np
 import orjson
 
+from capture_proxy.core import chunk_scan
 from capture_proxy.core.routed_experts import (
     decode_sglang_routed_experts,
     decode_vllm_routed_experts,
     routed_experts_request_fields,
 )
 from capture_proxy.core.sampling import Sampling
+from capture_proxy.core.sse import parse_json_event
 
 
 class EngineFormatError(ValueError):
@@ -74,6 +76,17 @@ class Reader(Protocol):
     def whole(self, body: dict[str, Any]) -> Piece: ...
 
     def chunk(self, body: dict[str, Any]) -> Piece: ...
+
+    def chunk_data(self, data: bytes) -> Piece:
+        """``chunk`` of one stream event's data (its JSON, as bytes). Raises ValueError (not
+        JSON, not UTF-8), EngineFormatError."""
+        ...
+
+
+def parsed_chunk(reader: Reader, data: bytes) -> Piece:
+    """``reader.chunk`` of ``data`` parsed (``sse.parse_json_event``): ``chunk_data`` for a
+    reader with no short cut."""
+    return reader.chunk(parse_json_event(data))
 
 
 #: ``decode(token_ids) -> text`` without special tokens (a local tokenizer).
@@ -194,12 +207,31 @@ def _ids_of_token_strings(tokens: Any) -> list[int]:
     return ids
 
 
+def _list(value: Any, name: str) -> list[Any]:
+    """``value``, a JSON array, as a new list. Raises EngineFormatError naming ``name``."""
+    if not isinstance(value, list):
+        raise EngineFormatError(f"{name} is not a list: {value!r:.40}")
+    return list(value)
+
+
 class VllmCompletionsReader:
     def whole(self, body: dict[str, Any]) -> Piece:
         return self._choice(body, body)
 
     def chunk(self, body: dict[str, Any]) -> Piece:
         return self._choice(body, body)
+
+    def chunk_data(self, data: bytes) -> Piece:
+        """A middle chunk (the compiled scan, ``chunk_scan.SCAN_COMPLETIONS``) without its
+        parse; any other, and every chunk where the scan is not built, parsed."""
+        scan = chunk_scan.SCAN_COMPLETIONS
+        scanned = scan(data) if scan is not None else None
+        if scanned is None:
+            return self.chunk(parse_json_event(data))
+        text, token_ids, log_probs = scanned
+        if log_probs is None:
+            return Piece(token_ids, text=text, saw_token_ids=True)
+        return Piece(token_ids, log_probs, text, saw_token_ids=True, saw_log_probs=True)
 
     @staticmethod
     def _choice(body: dict[str, Any], top: dict[str, Any]) -> Piece:
@@ -214,17 +246,19 @@ class VllmCompletionsReader:
                 piece.prompt_token_ids = choice["prompt_token_ids"]
             if choice.get("token_ids") is not None:
                 piece.saw_token_ids = True
-                piece.token_ids = list(choice["token_ids"])
+                piece.token_ids = _list(choice["token_ids"], "choices[0].token_ids")
             logprobs = choice.get("logprobs")
             if isinstance(logprobs, dict) and logprobs.get("token_logprobs") is not None:
                 piece.saw_log_probs = True
-                piece.log_probs = list(logprobs["token_logprobs"])
+                piece.log_probs = _list(logprobs["token_logprobs"], "logprobs.token_logprobs")
             if not piece.saw_token_ids and isinstance(logprobs, dict):
                 tokens = logprobs.get("tokens")
                 if tokens is not None:
                     piece.saw_token_ids = True
                     piece.token_ids = _ids_of_token_strings(tokens)
             piece.text = choice.get("text") or ""
+            if not isinstance(piece.text, str):
+                raise EngineFormatError(f"choices[0].text is not a string: {piece.text!r:.40}")
             piece.finish_reason = _finish_reason(choice.get("finish_reason"))
             if piece.finish_reason is not None:  # the last piece only (nothing per token)
                 piece.stop_reason = choice_stop(choice)
@@ -343,6 +377,9 @@ class VllmGenerateReader:
     def chunk(self, body: dict[str, Any]) -> Piece:
         return self._piece(body, final=False)
 
+    def chunk_data(self, data: bytes) -> Piece:
+        return parsed_chunk(self, data)
+
     def _piece(self, body: dict[str, Any], *, final: bool) -> Piece:
         piece = Piece(usage=body.get("usage") or None)
         if isinstance(body.get("prompt_token_ids"), list):
@@ -424,6 +461,9 @@ class SglangGenerateReader:
 
     def whole(self, body: dict[str, Any]) -> Piece:
         return self.chunk(body)
+
+    def chunk_data(self, data: bytes) -> Piece:
+        return parsed_chunk(self, data)
 
     def chunk(self, body: dict[str, Any]) -> Piece:
         ids = body.get("output_ids")

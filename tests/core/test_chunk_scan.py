@@ -305,3 +305,150 @@ def test_damaged_chunks_are_refused_or_read_as_the_python_path_reads_them(data: 
         assert all(SCAN(damaged, f) is None for f in range(16))  # type: ignore[misc]
         return
     event(f"accepted for {_agree(damaged)} of {len(ALL_ASKED)}")
+
+
+# --- vLLM's completions stream (exact-token mode) --------------------------------------------
+
+#: a middle chunk of vLLM 0.32's /v1/completions stream (exact-token mode asks for the tokens
+#: as ``token_id:<id>`` and one log prob)
+VLLM_COMPLETIONS_CHUNK = (
+    '{"id":"cmpl-8d1f","object":"text_completion","created":1796028430,'
+    '"model":"Qwen/Qwen3-0.6B","choices":[{"index":0,"text":" wörld","logprobs":'
+    '{"text_offset":[12],"token_logprobs":[-0.03125],"tokens":["token_id:1879"],'
+    '"top_logprobs":[{"token_id:1879":-0.03125}]},"finish_reason":null,"stop_reason":null,'
+    '"token_ids":[1879]}],"usage":null}'
+).encode()
+
+
+def _piece_fields(piece: Any) -> dict[str, Any]:
+    fields = dict(vars(piece))
+    fields["token_ids"] = [(type(v), v) for v in piece.token_ids]
+    fields["log_probs"] = [(type(v), v) for v in piece.log_probs]
+    return fields
+
+
+def _completions_agree(data: bytes) -> bool:
+    """The reader's piece of ``data`` with the scan equals its parsed piece (or both raise
+    alike); whether the scan accepted it."""
+    from capture_proxy.core.engine_formats import VllmCompletionsReader
+
+    assert chunk_scan.SCAN_COMPLETIONS is not None
+    accepted = chunk_scan.SCAN_COMPLETIONS(data) is not None
+    reader = VllmCompletionsReader()
+    try:
+        expected: Any = _piece_fields(reader.chunk(parse_json_event(data)))
+    except ValueError as exc:
+        expected = type(exc)
+    try:
+        got: Any = _piece_fields(reader.chunk_data(data))
+    except ValueError as exc:
+        got = type(exc)
+    assert got == expected, data
+    return accepted
+
+
+@needs_scan
+def test_a_vllm_completions_middle_chunk_is_read_exactly() -> None:
+    assert chunk_scan.SCAN_COMPLETIONS is not None
+    assert chunk_scan.SCAN_COMPLETIONS(VLLM_COMPLETIONS_CHUNK) == (" wörld", [1879], [-0.03125])
+    assert _completions_agree(VLLM_COMPLETIONS_CHUNK)
+    no_log_probs = VLLM_COMPLETIONS_CHUNK.replace(
+        VLLM_COMPLETIONS_CHUNK[
+            VLLM_COMPLETIONS_CHUNK.index(b'"logprobs"') : VLLM_COMPLETIONS_CHUNK.index(
+                b',"finish_reason"'
+            )
+        ],
+        b'"logprobs":null',
+    )
+    assert chunk_scan.SCAN_COMPLETIONS(no_log_probs) == (" wörld", [1879], None)
+    assert _completions_agree(no_log_probs)
+    # vLLM writes the first chunk's and the last's members null in every other one
+    nulls = VLLM_COMPLETIONS_CHUNK.replace(
+        b'"index":0', b'"index":0,"prompt_token_ids":null,"routed_experts":null'
+    ).replace(b'"id":', b'"prompt_token_ids":null,"id":')
+    assert chunk_scan.SCAN_COMPLETIONS(nulls) == (" wörld", [1879], [-0.03125])
+    assert _completions_agree(nulls)
+    left = [
+        VLLM_COMPLETIONS_CHUNK.replace(b'"finish_reason":null', b'"finish_reason":"stop"'),
+        VLLM_COMPLETIONS_CHUNK.replace(b',"token_ids":[1879]', b""),  # ids from the tokens
+        VLLM_COMPLETIONS_CHUNK.replace(b'"usage":null', b'"usage":{"prompt_tokens":3}'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"index":0', b'"index":1'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"text":" w', b'"text":5,"x":" w'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"token_logprobs":[', b'"token_logprobs":["x",'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"id":', b'"prompt_token_ids":[1],"id":'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"index":0', b'"index":0,"prompt_token_ids":[1]'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"index":0', b'"index":0,"routed_experts":"AAAA"'),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"index":0', b'"text":"a","index":0'),
+        VLLM_COMPLETIONS_CHUNK.replace(b"-0.03125]", b"NaN]"),
+    ]
+    for data in left:
+        assert chunk_scan.SCAN_COMPLETIONS(data) is None, data
+        _completions_agree(data)
+
+
+_completion_choice = st.fixed_dictionaries(
+    {},
+    optional={
+        "index": st.sampled_from([0, 0, 0, 1]),
+        "text": st.one_of(st.none(), _text, st.just(5)),
+        "logprobs": st.one_of(
+            st.none(),
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "token_logprobs": st.one_of(
+                        st.none(), st.lists(st.one_of(_number, st.none()), max_size=3), _json
+                    ),
+                    "tokens": st.lists(st.sampled_from(["token_id:5", "x"]), max_size=2),
+                    "top_logprobs": _json,
+                },
+            ),
+        ),
+        "finish_reason": st.sampled_from([None, None, None, "stop", "abort"]),
+        "stop_reason": st.sampled_from([None, 7, "x"]),
+        "token_ids": st.one_of(st.none(), st.lists(st.integers(-2, 2**31 + 2), max_size=3)),
+        "extra": _json,
+    },
+)
+
+
+@needs_scan
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.fixed_dictionaries(
+        {"choices": st.lists(_completion_choice, min_size=1, max_size=2)},
+        optional={
+            "id": _text,
+            "usage": st.sampled_from([None, None, {"prompt_tokens": 1}]),
+            "other": _json,
+        },
+    ),
+    st.sampled_from([(",", ":"), (", ", ": ")]),
+    st.booleans(),
+)
+def test_generated_completions_chunks_read_as_the_python_path_reads_them(
+    chunk: dict[str, Any], separators: tuple[str, str], ascii_only: bool
+) -> None:
+    data = json.dumps(chunk, ensure_ascii=ascii_only, separators=separators).encode()
+    event("accepted" if _completions_agree(data) else "left")
+
+
+@needs_scan
+@settings(max_examples=1500, deadline=None)
+@given(st.data())
+def test_damaged_completions_chunks_are_refused_or_read_as_the_python_path_reads_them(
+    data: Any,
+) -> None:
+    raw = bytearray(VLLM_COMPLETIONS_CHUNK)
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(raw)))
+        kind = data.draw(st.sampled_from(["set", "insert", "delete"]))
+        byte = data.draw(st.sampled_from([*b'{}[]",:\\ 0123456789-.eEnul\x00\x1f\x80\xc3\xff']))
+        if kind == "insert":
+            raw.insert(at, byte)
+        elif at < len(raw):
+            if kind == "set":
+                raw[at] = byte
+            else:
+                del raw[at]
+    event("accepted" if _completions_agree(bytes(raw)) else "left")

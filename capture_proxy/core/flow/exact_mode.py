@@ -427,7 +427,7 @@ class _Pump:
             if event_data == b"[DONE]":
                 self.done = True
                 continue
-            piece = self.gen.reader.chunk(parse_json_event(event_data))
+            piece = self.gen.reader.chunk_data(event_data)
             asm.add(piece)
             new = self.parser_stream.feed(piece.text, piece.token_ids)
             self.deltas += new

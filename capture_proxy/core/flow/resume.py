@@ -178,6 +178,9 @@ class _LocallyDecoded:
     def chunk(self, body: dict[str, Any]) -> Piece:
         return self._decoded(self.inner.chunk(body), whole=False)
 
+    def chunk_data(self, data: bytes) -> Piece:
+        return self._decoded(self.inner.chunk_data(data), whole=False)
+
     def _decoded(self, piece: Piece, *, whole: bool) -> Piece:
         piece.text = self.text.add(piece.token_ids, final=ends_text(piece.finish_reason, whole))
         return piece
