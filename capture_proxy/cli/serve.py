@@ -194,6 +194,7 @@ def _open_store(settings: Settings, *, read_only: bool) -> Any:
 def _listening_banner(
     settings: Settings, port: int, target: str, port_file: Path | None, workers: int = 1
 ) -> Callable[[], None]:
+    relays = target != "read-only"
     def listening() -> None:
         # Called once the store is open and the socket listens. What start-up built (modules,
         # settings, templates, tokenizers) lives as long as the process: out of the cyclic
@@ -209,7 +210,7 @@ def _listening_banner(
             f"http://{host}:{port}/captures/ui/",
             flush=True,
         )
-        if chunk_scan.SCAN is None:
+        if relays and chunk_scan.SCAN is None:
             print(
                 "capture-proxy: streamed chat chunks take the Python path (the compiled "
                 "chunk scan is not built, or CAPTURE_PROXY_NO_COMPILED is set): the same "

@@ -23,8 +23,8 @@ give the same record and the same JSON to the harness (``tests/core/test_chunk_s
 it over generated chunks).
 
 ``SCAN`` is None where the extension was not built (no C compiler at install: ``setup.py``
-makes it optional) or when ``CAPTURE_PROXY_NO_COMPILED`` is set (to measure or test the Python
-path alone).
+makes it optional) or when ``CAPTURE_PROXY_NO_COMPILED`` is 1, true, yes or on (to measure or
+test the Python path alone).
 """
 
 from __future__ import annotations
@@ -48,12 +48,18 @@ SCAN_DROP_USAGE = 4
 SCAN_NO_EVENT = 8
 
 
+def python_path_only() -> bool:
+    """``CAPTURE_PROXY_NO_COMPILED`` is set to 1, true, yes or on (any case)."""
+    value = os.environ.get("CAPTURE_PROXY_NO_COMPILED", "")
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 #: data -> (text, token_ids, log_probs) | None
 ScanCompletions = Callable[[bytes], "tuple[str, list[int], list | None] | None"]
 
 
 def _load(name: str) -> Callable | None:  # type: ignore[type-arg]
-    if os.environ.get("CAPTURE_PROXY_NO_COMPILED"):
+    if python_path_only():
         return None
     try:
         from capture_proxy.core import _chunkscan  # type: ignore[attr-defined]

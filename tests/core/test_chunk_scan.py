@@ -9,7 +9,6 @@ for nothing)."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import orjson
@@ -101,9 +100,13 @@ def test_the_compiled_scan_is_built() -> None:
     """setup.py builds it wherever a C compiler and Python's headers are (every machine
     scripts/setup supports); the proxy runs without it, slower, so a build that failed
     silently would otherwise go unseen."""
-    if os.environ.get("CAPTURE_PROXY_NO_COMPILED"):
+    if chunk_scan.python_path_only():
         pytest.skip("CAPTURE_PROXY_NO_COMPILED is set")
-    assert SCAN is not None, "capture_proxy.core._chunkscan is not built: run scripts/setup"
+    assert SCAN is not None and chunk_scan.SCAN_COMPLETIONS is not None, (
+        "capture_proxy.core._chunkscan is not built: install a C compiler and Python's headers "
+        "(Debian: gcc python3-dev) and run scripts/setup, or set CAPTURE_PROXY_NO_COMPILED=1 "
+        "to test the Python path alone"
+    )
 
 
 @needs_scan
