@@ -734,15 +734,58 @@ typedef struct {
     PyObject *text; /* choices[0].text decoded; NULL: absent or null ("") */
     Out ids;        /* choices[0].token_ids */
     Out lps;        /* choices[0].logprobs.token_logprobs */
+    Out tokens;     /* the ids of choices[0].logprobs.tokens ("token_id:<id>" each) */
     int choices;
 } Completion;
 
+/* logprobs.tokens as vLLM writes them with return_tokens_as_token_ids: an array of
+ * "token_id:<id>" (ASCII digits, id < 2**31); anything else: -1 (the Python path's). */
+static int read_token_strings(Cur *c, Out *o) {
+    static const char prefix[] = "token_id:";
+    const Py_ssize_t n = sizeof(prefix) - 1;
+    int rc;
+    if (*c->p == 'n') return scan_literal(c, "null", 4);
+    if (*c->p != '[' || (rc = out_start(o)) < 0) return *c->p != '[' ? -1 : rc;
+    c->p++;
+    skip_ws(c);
+    if (c->p < c->end && *c->p == ']') {
+        c->p++;
+        return 0;
+    }
+    for (;;) {
+        const unsigned char *start = c->p;
+        int escaped;
+        long long id = 0;
+        if (c->p >= c->end || *c->p != '"' || scan_string(c, &escaped) < 0 || escaped) return -1;
+        const unsigned char *d = start + 1 + n, *stop = c->p - 1;
+        if (stop - (start + 1) <= n || memcmp(start + 1, prefix, (size_t)n) != 0) return -1;
+        for (; d < stop; d++) {
+            if (*d < '0' || *d > '9') return -1;
+            id = id * 10 + (*d - '0');
+            if (id > 2147483647LL) return -1;
+        }
+        if ((rc = out_append(o, PyLong_FromLongLong(id))) < 0) return rc;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ']') {
+            c->p++;
+            return 0;
+        }
+        if (*c->p != ',') return -1;
+        c->p++;
+        skip_ws(c);
+    }
+}
+
 /* A member of choices[0].logprobs: "token_logprobs" (null, or an array of numbers and nulls)
- * read into *ctx (an Out); "tokens", "text_offset", "top_logprobs" validated only. */
+ * read into the Completion's lps, "tokens" into its tokens; "text_offset", "top_logprobs"
+ * validated only. */
 static int completion_logprobs_member(Cur *c, const Member *key, int index, void *ctx,
                                       int depth) {
     (void)index;
-    Out *o = ctx;
+    Completion *k = ctx;
+    Out *o = &k->lps;
+    if (key_is(key, "tokens")) return read_token_strings(c, &k->tokens);
     if (!key_is(key, "token_logprobs")) return scan_value(c, depth);
     if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
     if (*c->p != '[') return -1;
@@ -788,7 +831,7 @@ static int completion_choice_member(Cur *c, const Member *key, int index, void *
         int n;
         if (*c->p == 'n') return scan_literal(c, "null", 4);
         if (*c->p != '{') return -1;
-        return walk_object(c, depth, members, &n, completion_logprobs_member, &k->lps);
+        return walk_object(c, depth, members, &n, completion_logprobs_member, k);
     }
     if (key_is(key, "text")) {
         int escaped;
@@ -840,10 +883,12 @@ static int completion_top_member(Cur *c, const Member *key, int index, void *ctx
  *    "text":" hi","logprobs":{"text_offset":[..],"token_logprobs":[-0.25],"tokens":[..],
  *    "top_logprobs":[..]},"finish_reason":null,"stop_reason":null,"token_ids":[1234]}],
  *    "usage":null}
- * text: str (choices[0].text; "" when absent or null); token_ids: list[int] (required);
- * log_probs: list[float | int | None] (logprobs.token_logprobs; None when absent or null).
- * None, for the Python path (engine_formats.VllmCompletionsReader), on the same grounds as
- * scan_chat_chunk's, and when token_ids is absent (the ids are then read from the tokens). */
+ * text: str (choices[0].text; "" when absent or null); token_ids: list[int]
+ * (choices[0].token_ids, else the ids of logprobs.tokens, "token_id:<id>" each as vLLM writes
+ * them with return_tokens_as_token_ids); log_probs: list[float | int | None]
+ * (logprobs.token_logprobs; None when absent or null). None, for the Python path
+ * (engine_formats.VllmCompletionsReader), on the same grounds as scan_chat_chunk's, when
+ * neither ids are there, and when a token is not of that form. */
 static PyObject *scan_completions_chunk(PyObject *self, PyObject *data) {
     (void)self;
     if (!PyBytes_Check(data)) {
@@ -853,14 +898,16 @@ static PyObject *scan_completions_chunk(PyObject *self, PyObject *data) {
     const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(data);
     Cur c = {s, s + PyBytes_GET_SIZE(data)};
     Member top[MAX_MEMBERS];
-    Completion k = {NULL, {NULL}, {NULL}, 0};
+    Completion k = {NULL, {NULL}, {NULL}, {NULL}, 0};
+    PyObject *ids;
     PyObject *result = NULL;
     int n, rc = -1;
     skip_ws(&c);
     if (c.p < c.end && *c.p == '{') rc = walk_object(&c, 0, top, &n, completion_top_member, &k);
     if (rc == 0) {
         skip_ws(&c);
-        if (c.p != c.end || k.choices != 1 || k.ids.list == NULL) rc = -1;
+        if (c.p != c.end || k.choices != 1 || (k.ids.list == NULL && k.tokens.list == NULL))
+            rc = -1;
     }
     if (rc == -2) goto done;
     if (rc < 0) {
@@ -868,11 +915,13 @@ static PyObject *scan_completions_chunk(PyObject *self, PyObject *data) {
         goto done;
     }
     if (k.text == NULL && (k.text = PyUnicode_FromStringAndSize("", 0)) == NULL) goto done;
-    result = PyTuple_Pack(3, k.text, k.ids.list, k.lps.list ? k.lps.list : Py_None);
+    ids = k.ids.list != NULL ? k.ids.list : k.tokens.list; /* token_ids first, as the reader */
+    result = PyTuple_Pack(3, k.text, ids, k.lps.list ? k.lps.list : Py_None);
 done:
     Py_XDECREF(k.text);
     Py_XDECREF(k.ids.list);
     Py_XDECREF(k.lps.list);
+    Py_XDECREF(k.tokens.list);
     return result;
 }
 

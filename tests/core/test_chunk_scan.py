@@ -9,6 +9,7 @@ for nothing)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from capture_proxy.core import chunk_scan
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
 from capture_proxy.core.capture import HarnessAsked, strip_chat_chunk
-from capture_proxy.core.sse import parse_json_event
+from capture_proxy.core.sse import SSEStreamDecoder, parse_json_event
 
 SCAN = chunk_scan.SCAN
 needs_scan = pytest.mark.skipif(SCAN is None, reason="the compiled scan is not built")
@@ -365,6 +366,10 @@ def test_a_vllm_completions_middle_chunk_is_read_exactly() -> None:
     )
     assert chunk_scan.SCAN_COMPLETIONS(no_log_probs) == (" wörld", [1879], None)
     assert _completions_agree(no_log_probs)
+    # without return_token_ids (exact-token mode's default): the ids of the tokens
+    from_tokens = VLLM_COMPLETIONS_CHUNK.replace(b',"token_ids":[1879]', b"")
+    assert chunk_scan.SCAN_COMPLETIONS(from_tokens) == (" wörld", [1879], [-0.03125])
+    assert _completions_agree(from_tokens)
     # vLLM writes the first chunk's and the last's members null in every other one
     nulls = VLLM_COMPLETIONS_CHUNK.replace(
         b'"index":0', b'"index":0,"prompt_token_ids":null,"routed_experts":null'
@@ -373,7 +378,13 @@ def test_a_vllm_completions_middle_chunk_is_read_exactly() -> None:
     assert _completions_agree(nulls)
     left = [
         VLLM_COMPLETIONS_CHUNK.replace(b'"finish_reason":null', b'"finish_reason":"stop"'),
-        VLLM_COMPLETIONS_CHUNK.replace(b',"token_ids":[1879]', b""),  # ids from the tokens
+        VLLM_COMPLETIONS_CHUNK.replace(b',"token_ids":[1879]', b"").replace(
+            b'"tokens":["token_id:1879"]', b'"tokens":["x"]'
+        ),
+        VLLM_COMPLETIONS_CHUNK.replace(b',"token_ids":[1879]', b"").replace(
+            b'"tokens":["token_id:1879"]', b'"tokens":null'
+        ),
+        VLLM_COMPLETIONS_CHUNK.replace(b'"token_id:1879"]', b'"token_id:2147483648"]'),
         VLLM_COMPLETIONS_CHUNK.replace(b'"usage":null', b'"usage":{"prompt_tokens":3}'),
         VLLM_COMPLETIONS_CHUNK.replace(b'"index":0', b'"index":1'),
         VLLM_COMPLETIONS_CHUNK.replace(b'"text":" w', b'"text":5,"x":" w'),
@@ -402,7 +413,10 @@ _completion_choice = st.fixed_dictionaries(
                     "token_logprobs": st.one_of(
                         st.none(), st.lists(st.one_of(_number, st.none()), max_size=3), _json
                     ),
-                    "tokens": st.lists(st.sampled_from(["token_id:5", "x"]), max_size=2),
+                    "tokens": st.one_of(
+                        st.lists(st.sampled_from(["token_id:5", "token_id:0012"]), max_size=2),
+                        st.lists(st.sampled_from(["token_id:5", "x", "token_id:"]), max_size=2),
+                    ),
                     "top_logprobs": _json,
                 },
             ),
@@ -455,3 +469,41 @@ def test_damaged_completions_chunks_are_refused_or_read_as_the_python_path_reads
             else:
                 del raw[at]
     event("accepted" if _completions_agree(bytes(raw)) else "left")
+
+
+# --- real vLLM 0.32 streams --------------------------------------------------------------------
+
+RECORDED = (
+    Path(__file__).resolve().parents[1] / "fixtures" / "vllm_streams" / "vllm_0_32_streams.json"
+)
+
+
+def _recorded_events(name: str) -> list[bytes]:
+    raw = json.loads(RECORDED.read_text())["streams"][name].encode()
+    decoder = SSEStreamDecoder()
+    return [e for e in decoder.feed_data(raw) + decoder.close_data() if e != b"[DONE]"]
+
+
+@needs_scan
+@pytest.mark.parametrize(
+    "name", ["chat", "chat_tools_offered", "chat_harness_asked_top_logprobs", "chat_coalesced"]
+)
+def test_vllms_own_chat_streams_are_scanned_and_read_as_the_python_path_reads_them(name):
+    """The oracle is the real thing: chat streams vLLM 0.32 (CPU) sent for the bodies the
+    proxy sends. Every middle chunk is scanned (the first has the prompt ids, the last its
+    finish_reason, then the usage chunk), for every combination of what the harness asked."""
+    events = _recorded_events(name)
+    accepted = [_agree(data) for data in events]
+    assert accepted[0] == 0 and accepted[-2:] == [0, 0]
+    assert accepted[1:-2] == [len(ALL_ASKED)] * (len(events) - 3)
+    assert len(events) >= 4
+
+
+@needs_scan
+@pytest.mark.parametrize("name", ["completions", "completions_echo_prompt"])
+def test_vllms_own_completions_streams_are_scanned_and_read_as_the_python_path_reads_them(name):
+    events = _recorded_events(name)
+    accepted = [_completions_agree(data) for data in events]
+    echo = name.endswith("echo_prompt")  # the first chunk then carries the prompt ids
+    assert accepted == [not echo] + [True] * (len(events) - 3) + [False, False]
+    assert len(events) == 25
