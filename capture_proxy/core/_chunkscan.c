@@ -262,7 +262,11 @@ static int walk_object(Cur *c, int depth, Member *members, int *count, ValueRead
     }
 }
 
-static int scan_array(Cur *c, int depth) {
+/* Reads one element of an array at c->p (its first byte, c->p < c->end): 0, -1, -2. */
+typedef int (*ItemReader)(Cur *c, void *ctx, int depth);
+
+/* The array at c->p ('['), each element read by `read` (NULL: validated only). */
+static int walk_array(Cur *c, int depth, ItemReader read, void *ctx) {
     c->p++;
     skip_ws(c);
     if (c->p < c->end && *c->p == ']') {
@@ -270,17 +274,19 @@ static int scan_array(Cur *c, int depth) {
         return 0;
     }
     for (;;) {
-        if (scan_value(c, depth + 1) < 0) return -1;
+        int rc;
+        if (c->p >= c->end) return -1;
+        rc = read != NULL ? read(c, ctx, depth + 1) : scan_value(c, depth + 1);
+        if (rc < 0) return rc;
         skip_ws(c);
         if (c->p >= c->end) return -1;
-        if (*c->p == ',') {
+        if (*c->p == ']') {
             c->p++;
-            skip_ws(c);
-            continue;
+            return 0;
         }
-        if (*c->p != ']') return -1;
+        if (*c->p != ',') return -1;
         c->p++;
-        return 0;
+        skip_ws(c);
     }
 }
 
@@ -291,7 +297,7 @@ static int scan_value(Cur *c, int depth) {
     case '{':
         return walk_object(c, depth, NULL, NULL, NULL, NULL);
     case '[':
-        return scan_array(c, depth);
+        return walk_array(c, depth, NULL, NULL);
     case '"':
         return scan_string(c, &flag);
     case 't':
@@ -354,38 +360,25 @@ static int read_number(Cur *c, PyObject **out) {
 }
 
 /* choices[0].token_ids: an array of integers from 0 to 2**31 - 1, or null. */
+static int token_id_item(Cur *c, void *ctx, int depth) {
+    (void)depth;
+    long long id = 0;
+    const unsigned char *digits = c->p;
+    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+        id = id * 10 + (*c->p - '0');
+        if (id > 2147483647LL) return -1;
+        c->p++;
+    }
+    if (c->p == digits || (*digits == '0' && c->p - digits > 1)) return -1;
+    if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E')) return -1;
+    return out_append(ctx, PyLong_FromLongLong(id));
+}
+
 static int read_token_ids(Cur *c, Out *o) {
     if (*c->p == 'n') return scan_literal(c, "null", 4);
     if (*c->p != '[') return -1;
     int rc = out_start(o);
-    if (rc < 0) return rc;
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == ']') {
-        c->p++;
-        return 0;
-    }
-    for (;;) {
-        long long id = 0;
-        const unsigned char *digits = c->p;
-        while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
-            id = id * 10 + (*c->p - '0');
-            if (id > 2147483647LL) return -1;
-            c->p++;
-        }
-        if (c->p == digits || (*digits == '0' && c->p - digits > 1)) return -1;
-        if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E')) return -1;
-        if ((rc = out_append(o, PyLong_FromLongLong(id))) < 0) return rc;
-        skip_ws(c);
-        if (c->p >= c->end) return -1;
-        if (*c->p == ']') {
-            c->p++;
-            return 0;
-        }
-        if (*c->p != ',') return -1;
-        c->p++;
-        skip_ws(c);
-    }
+    return rc < 0 ? rc : walk_array(c, 0, token_id_item, o);
 }
 
 /* A logprobs.content entry's member: "logprob" read into *ctx (a PyObject *). */
@@ -404,20 +397,20 @@ static int entry_member(Cur *c, const Member *key, int index, void *ctx, int dep
 
 /* One entry of logprobs.content: its "logprob" (None when absent or null; None for an entry
  * that is not an object, as the assembler reads it). */
-static int read_entry(Cur *c, Out *o, int depth) {
+static int read_entry(Cur *c, void *ctx, int depth) {
     Member members[MAX_MEMBERS];
     PyObject *logprob = NULL;
     int n;
     if (*c->p != '{') {
         if (scan_value(c, depth) < 0) return -1;
-        return out_append(o, Py_NewRef(Py_None));
+        return out_append(ctx, Py_NewRef(Py_None));
     }
     int rc = walk_object(c, depth, members, &n, entry_member, &logprob);
     if (rc < 0) {
         Py_XDECREF(logprob);
         return rc;
     }
-    return out_append(o, logprob != NULL ? logprob : Py_NewRef(Py_None));
+    return out_append(ctx, logprob != NULL ? logprob : Py_NewRef(Py_None));
 }
 
 /* A member of choices[0].logprobs: "content" (null or an array) read into *ctx (an Out). */
@@ -428,26 +421,7 @@ static int logprobs_member(Cur *c, const Member *key, int index, void *ctx, int 
     if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
     if (*c->p != '[') return -1;
     int rc = out_start(o);
-    if (rc < 0) return rc;
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == ']') {
-        c->p++;
-        return 0;
-    }
-    for (;;) {
-        if (c->p >= c->end) return -1;
-        if ((rc = read_entry(c, o, depth + 1)) < 0) return rc;
-        skip_ws(c);
-        if (c->p >= c->end) return -1;
-        if (*c->p == ']') {
-            c->p++;
-            return 0;
-        }
-        if (*c->p != ',') return -1;
-        c->p++;
-        skip_ws(c);
-    }
+    return rc < 0 ? rc : walk_array(c, depth, read_entry, o);
 }
 
 /* choices[0].logprobs: null, or an object whose "content" is null or an array. */
@@ -740,41 +714,42 @@ typedef struct {
 
 /* logprobs.tokens as vLLM writes them with return_tokens_as_token_ids: an array of
  * "token_id:<id>" (ASCII digits, id < 2**31); anything else: -1 (the Python path's). */
-static int read_token_strings(Cur *c, Out *o) {
+static int token_string_item(Cur *c, void *ctx, int depth) {
     static const char prefix[] = "token_id:";
     const Py_ssize_t n = sizeof(prefix) - 1;
-    int rc;
+    const unsigned char *start = c->p;
+    int escaped;
+    long long id = 0;
+    (void)depth;
+    if (*c->p != '"' || scan_string(c, &escaped) < 0 || escaped) return -1;
+    const unsigned char *d = start + 1 + n, *stop = c->p - 1;
+    if (stop - (start + 1) <= n || memcmp(start + 1, prefix, (size_t)n) != 0) return -1;
+    for (; d < stop; d++) {
+        if (*d < '0' || *d > '9') return -1;
+        id = id * 10 + (*d - '0');
+        if (id > 2147483647LL) return -1;
+    }
+    return out_append(ctx, PyLong_FromLongLong(id));
+}
+
+static int read_token_strings(Cur *c, Out *o) {
     if (*c->p == 'n') return scan_literal(c, "null", 4);
-    if (*c->p != '[' || (rc = out_start(o)) < 0) return *c->p != '[' ? -1 : rc;
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == ']') {
-        c->p++;
-        return 0;
+    if (*c->p != '[') return -1;
+    int rc = out_start(o);
+    return rc < 0 ? rc : walk_array(c, 0, token_string_item, o);
+}
+
+/* A number or null of logprobs.token_logprobs (a string, an object, ...: -1). */
+static int log_prob_item(Cur *c, void *ctx, int depth) {
+    PyObject *value = NULL;
+    int rc;
+    (void)depth;
+    if (*c->p == 'n') {
+        if (scan_literal(c, "null", 4) < 0) return -1;
+        return out_append(ctx, Py_NewRef(Py_None));
     }
-    for (;;) {
-        const unsigned char *start = c->p;
-        int escaped;
-        long long id = 0;
-        if (c->p >= c->end || *c->p != '"' || scan_string(c, &escaped) < 0 || escaped) return -1;
-        const unsigned char *d = start + 1 + n, *stop = c->p - 1;
-        if (stop - (start + 1) <= n || memcmp(start + 1, prefix, (size_t)n) != 0) return -1;
-        for (; d < stop; d++) {
-            if (*d < '0' || *d > '9') return -1;
-            id = id * 10 + (*d - '0');
-            if (id > 2147483647LL) return -1;
-        }
-        if ((rc = out_append(o, PyLong_FromLongLong(id))) < 0) return rc;
-        skip_ws(c);
-        if (c->p >= c->end) return -1;
-        if (*c->p == ']') {
-            c->p++;
-            return 0;
-        }
-        if (*c->p != ',') return -1;
-        c->p++;
-        skip_ws(c);
-    }
+    if ((rc = read_number(c, &value)) < 0) return rc;
+    return out_append(ctx, value);
 }
 
 /* A member of choices[0].logprobs: "token_logprobs" (null, or an array of numbers and nulls)
@@ -790,33 +765,7 @@ static int completion_logprobs_member(Cur *c, const Member *key, int index, void
     if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
     if (*c->p != '[') return -1;
     int rc = out_start(o);
-    if (rc < 0) return rc;
-    c->p++;
-    skip_ws(c);
-    if (c->p < c->end && *c->p == ']') {
-        c->p++;
-        return 0;
-    }
-    for (;;) {
-        PyObject *value = NULL;
-        if (c->p >= c->end) return -1;
-        if (*c->p == 'n') {
-            if (scan_literal(c, "null", 4) < 0) return -1;
-            value = Py_NewRef(Py_None);
-        } else if ((rc = read_number(c, &value)) < 0) {
-            return rc; /* a string, an object, ...: the Python path's */
-        }
-        if ((rc = out_append(o, value)) < 0) return rc;
-        skip_ws(c);
-        if (c->p >= c->end) return -1;
-        if (*c->p == ']') {
-            c->p++;
-            return 0;
-        }
-        if (*c->p != ',') return -1;
-        c->p++;
-        skip_ws(c);
-    }
+    return rc < 0 ? rc : walk_array(c, depth, log_prob_item, o);
 }
 
 /* A member of choices[0]: none the Python path reads that this does not. */
