@@ -135,6 +135,10 @@ class QwenHermesStream:
         if self.state == "calls":
             self.calls.feed(text)
             return []
+        if self.state == "content" and self.spoke and not self.buf and text.find("<") < 0:
+            # most tokens of an answer: content with nothing held and no marker begun (what
+            # ``_step`` makes of it, without its scans)
+            return [MessageDelta(content=text)] if text else []
         self.buf += text
         out: list[MessageDelta] = []
         while self._step(out, final=False):
