@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, cast
 
+import orjson
+
 from capture_proxy.core.conversation import ChatRequest
 from capture_proxy.core.fronts.base import (
     Answer,
@@ -207,6 +209,12 @@ class ChatStreamEncoder:
         opts = body.get("stream_options")
         self.include_usage = bool(isinstance(opts, dict) and opts.get("include_usage"))
         self.prompt_token_ids = head.prompt_token_ids  # a list only when it is sent
+        # a delta's event with no token data, around its delta's JSON: what orjson writes for
+        # ``_chunk(delta)`` (the same members in the same order), without the dicts per token
+        self._around = (
+            b"data: " + orjson.dumps(self.head)[:-1] + b',"choices":[{"index":0,"delta":',
+            b',"logprobs":null,"finish_reason":null}]}\n\n',
+        )
 
     def _chunk(
         self,
@@ -240,7 +248,12 @@ class ChatStreamEncoder:
         token_ids: list[int] | None = None,
         log_probs: list[float | None] | None = None,
     ) -> list[bytes]:
-        if not delta and not (token_ids and (self.logprobs or self.token_ids)):
+        if not (self.logprobs or self.token_ids) or token_ids is None:
+            if not delta:
+                return []
+            before, after = self._around
+            return [before + orjson.dumps(delta if type(delta) is dict else dict(delta)) + after]
+        if not delta and not token_ids:
             return []
         return [encode_json_event(self._chunk(delta, token_ids, log_probs))]
 
