@@ -56,6 +56,7 @@ from benchmarks.infra import PostgresServer, postgres_bin_dir  # noqa: E402
 from benchmarks.services import (  # noqa: E402
     ROOT,
     Service,
+    cli_command,
     engine_service,
     free_port,
     proxy_service,
@@ -120,12 +121,14 @@ async def measure(
     store: str | None = None,
     workload: Workload | None = None,
     answer_tokens: int | None = None,
+    exact_tokens: Path | None = None,
 ) -> Figure:
     """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions of
     ``steps`` calls (``rollout_size``: all in one rollout, after that many calls sent into it
     unmeasured), on ``store`` (default: a new SQLite store in the work directory), with
     ``workload``'s requests; ``answer_tokens``: every answer that long (None: the scripted
-    engine's default policy)."""
+    engine's default policy); ``exact_tokens``: the proxy in exact-token mode with this
+    tokenizer directory (``capture-proxy export-tokenizer``)."""
     work = Path(tempfile.mkdtemp(prefix=f"instructions-{tree}-"))
     policy = write_policy(work, answer_tokens) if answer_tokens else None
     engine = engine_service(work, policy=policy)
@@ -136,6 +139,8 @@ async def measure(
         target = Target(RELAY_TREE, proxy.url, capture=False, augment=True)
     else:
         proxy = proxy_service(work, engine.url, store or work / "store")
+        if exact_tokens is not None:
+            proxy.argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(exact_tokens)]
         target = Target("backend_template", proxy.url, capture=True)
     _under_callgrind(proxy, src)
     http = client_session(8, read_timeout_s=600)
@@ -218,6 +223,11 @@ async def main_async(args: argparse.Namespace) -> int:
     if args.relay_event:
         trees.insert(0, (RELAY_TREE, ROOT))
     figures = []
+    tokenizer = None
+    if args.exact_tokens:
+        tokenizer = Path(tempfile.mkdtemp(prefix="instructions-tokenizer-"))
+        subprocess.run([*cli_command(), "export-tokenizer", str(tokenizer)], check=True,
+                       cwd=ROOT, stdout=subprocess.DEVNULL)  # fmt: skip
     tools = recorded_tools(Path(args.tools_from)) if args.tools_from else None
     workload = Workload(tools=tools)
     modes = {"whole": (False,), "stream": (True,), "both": (False, True)}[args.modes]
@@ -243,6 +253,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     store=store,
                     workload=workload,
                     answer_tokens=args.answer_tokens,
+                    exact_tokens=tokenizer if tree != RELAY_TREE else None,
                 )
                 figures.append(figure)
                 print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
@@ -274,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--answer-tokens", type=int, metavar="N", help="every answer exactly N generation tokens"
+    )
+    ap.add_argument(
+        "--exact-tokens", action="store_true", help="the proxies in exact-token mode (not the relay)"
     )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
