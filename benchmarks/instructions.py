@@ -286,9 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--answer-tokens", type=int, metavar="N", help="every answer exactly N generation tokens"
     )
-    ap.add_argument(
-        "--exact-tokens", action="store_true", help="the proxies in exact-token mode (not the relay)"
-    )
+    ap.add_argument("--exact-tokens", action="store_true", help="the proxies in exact-token mode")
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: needs valgrind (apt-get install valgrind)", file=sys.stderr)
