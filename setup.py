@@ -8,13 +8,23 @@ or Python headers are found, the build goes on without it and the proxy takes it
 and ``scripts/setup`` when it installs.
 """
 
+import hashlib
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+SOURCE = "capture_proxy/core/_chunkscan.c"
+# The module knows the source it was built from: ``chunk_scan`` leaves a module built from
+# another source (a pull without scripts/setup, a rebuild that failed) for the Python path.
+SOURCE_SHA256 = hashlib.sha256(Path(__file__).with_name("capture_proxy").joinpath(
+    "core", "_chunkscan.c").read_bytes()).hexdigest()  # fmt: skip
 
 setup(
     ext_modules=[
         Extension(
             "capture_proxy.core._chunkscan",
-            ["capture_proxy/core/_chunkscan.c"],
+            [SOURCE],
+            define_macros=[("CHUNKSCAN_SOURCE_SHA256", f'"{SOURCE_SHA256}"')],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror=implicit"],
             optional=True,
         )

@@ -212,9 +212,9 @@ def _listening_banner(
         )
         if relays and chunk_scan.SCAN is None:
             print(
-                "capture-proxy: streamed chat chunks take the Python path (the compiled "
-                "chunk scan is not built, or CAPTURE_PROXY_NO_COMPILED is set): the same "
-                "data, more CPU per token",
+                "capture-proxy: streamed chunks take the Python path (the compiled chunk "
+                "scan is not built, or built from another source: run scripts/setup; or "
+                "CAPTURE_PROXY_NO_COMPILED is set): the same data, more CPU per token",
                 flush=True,
             )
 

@@ -882,8 +882,13 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+#ifndef CHUNKSCAN_SOURCE_SHA256
+#define CHUNKSCAN_SOURCE_SHA256 "" /* built without setup.py: not checked against the source */
+#endif
+
 static int exec_module(PyObject *m) {
     init_plain();
+    if (PyModule_AddStringConstant(m, "SOURCE_SHA256", CHUNKSCAN_SOURCE_SHA256) < 0) return -1;
     if (PyModule_AddIntConstant(m, "SCAN_STRIP_TOKEN_IDS", SCAN_STRIP_TOKEN_IDS) < 0 ||
         PyModule_AddIntConstant(m, "SCAN_NULL_LOGPROBS", SCAN_NULL_LOGPROBS) < 0 ||
         PyModule_AddIntConstant(m, "SCAN_DROP_USAGE", SCAN_DROP_USAGE) < 0 ||

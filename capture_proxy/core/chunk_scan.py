@@ -22,15 +22,19 @@ orjson and hands it to ``ChatCaptureAssembler.add_chunk`` and ``strip_chat_chunk
 give the same record and the same JSON to the harness (``tests/core/test_chunk_scan.py`` checks
 it over generated chunks).
 
-``SCAN`` is None where the extension was not built (no C compiler at install: ``setup.py``
-makes it optional) or when ``CAPTURE_PROXY_NO_COMPILED`` is 1, true, yes or on (to measure or
-test the Python path alone).
+``SCAN`` and ``SCAN_COMPLETIONS`` are None where the extension was not built (no C compiler
+at install: ``setup.py`` makes it optional), was built from another source than the one beside
+it (``_load``), or when ``CAPTURE_PROXY_NO_COMPILED`` is 1, true, yes or on (to measure or test
+the Python path alone).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -58,22 +62,31 @@ def python_path_only() -> bool:
 ScanCompletions = Callable[[bytes], "tuple[str, list[int], list | None] | None"]
 
 
-def _load(name: str) -> Callable | None:  # type: ignore[type-arg]
+def _load() -> ModuleType | None:
+    """The compiled module when it is built from the source beside it (``setup.py`` puts the
+    source's SHA-256 in it); None where it is not built, built from another source (a pull
+    without ``scripts/setup``, a rebuild that failed and left the old one), or switched off.
+    A module installed without its source is taken as built."""
     if python_path_only():
         return None
     try:
         from capture_proxy.core import _chunkscan  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return getattr(_chunkscan, name)  # type: ignore[no-any-return]
+    source = Path(__file__).with_name("_chunkscan.c")
+    built_from = getattr(_chunkscan, "SOURCE_SHA256", None)
+    if source.is_file() and built_from != hashlib.sha256(source.read_bytes()).hexdigest():
+        return None
+    return _chunkscan  # type: ignore[no-any-return]
 
 
-SCAN: Scan | None = _load("scan_chat_chunk")
+_MODULE = _load()
+SCAN: Scan | None = getattr(_MODULE, "scan_chat_chunk", None)
 #: ``scan_completions_chunk(data)``: a middle chunk of vLLM's completions stream (exact-token
 #: mode), ``(text, token_ids, log_probs)``: ``choices[0].text`` ("" when absent or null),
 #: ``choices[0].token_ids``, ``logprobs.token_logprobs`` (None: absent or null); None for any
 #: other chunk, which ``engine_formats.VllmCompletionsReader`` then parses
-SCAN_COMPLETIONS: ScanCompletions | None = _load("scan_completions_chunk")
+SCAN_COMPLETIONS: ScanCompletions | None = getattr(_MODULE, "scan_completions_chunk", None)
 
 
 def scan_flags(asked: HarnessAsked, *, event: bool) -> int:

@@ -507,3 +507,44 @@ def test_vllms_own_completions_streams_are_scanned_and_read_as_the_python_path_r
     echo = name.endswith("echo_prompt")  # the first chunk then carries the prompt ids
     assert accepted == [not echo] + [True] * (len(events) - 3) + [False, False]
     assert len(events) == 25
+
+
+def _reloaded_with(monkeypatch: pytest.MonkeyPatch, module: Any) -> Any:
+    """``chunk_scan`` imported again with ``module`` as the compiled one."""
+    import importlib
+    import sys
+
+    import capture_proxy.core
+
+    monkeypatch.setitem(sys.modules, "capture_proxy.core._chunkscan", module)
+    monkeypatch.setattr(capture_proxy.core, "_chunkscan", module, raising=False)
+    monkeypatch.delenv("CAPTURE_PROXY_NO_COMPILED", raising=False)
+    return importlib.reload(chunk_scan)
+
+
+@pytest.mark.parametrize("built_from", ["0" * 64, None])
+def test_a_module_built_from_another_source_leaves_the_python_path(monkeypatch, built_from):
+    """A module built before the source changed (a pull without scripts/setup, a rebuild
+    that failed and left the old one: the build is optional) is not run, whatever functions
+    it has (one from before the completions scan made the import fail, a review found): both
+    scans are None, as when it is not built (serve says so)."""
+    import hashlib
+    import importlib
+    import types
+
+    stale = types.ModuleType("capture_proxy.core._chunkscan")
+    stale.scan_chat_chunk = lambda data, flags: None  # type: ignore[attr-defined]
+    if built_from is not None:
+        stale.SOURCE_SHA256 = built_from  # type: ignore[attr-defined]
+    try:
+        reloaded = _reloaded_with(monkeypatch, stale)
+        assert (reloaded.SCAN, reloaded.SCAN_COMPLETIONS) == (None, None)
+        source = Path(chunk_scan.__file__).with_name("_chunkscan.c").read_bytes()
+        stale.SOURCE_SHA256 = hashlib.sha256(source).hexdigest()  # type: ignore[attr-defined]
+        reloaded = _reloaded_with(monkeypatch, stale)  # built from this source: run
+        assert reloaded.SCAN is stale.scan_chat_chunk  # type: ignore[attr-defined]
+        assert reloaded.SCAN_COMPLETIONS is None  # (this one has no completions scan)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(chunk_scan)
+    assert chunk_scan.SCAN is SCAN or SCAN is None
