@@ -284,13 +284,9 @@ def test_generated_chunks_read_as_the_python_path_reads_them(
     event(f"accepted for {_agree(data)} of {len(ALL_ASKED)}")
 
 
-@needs_scan
-@settings(max_examples=1500, deadline=None)
-@given(st.data())
-def test_damaged_chunks_are_refused_or_read_as_the_python_path_reads_them(data: Any) -> None:
-    """Bytes changed, cut or added anywhere in a real chunk: the scan never crashes, and what
-    it accepts the Python path parses the same way."""
-    raw = bytearray(VLLM_CHUNK)
+def _damaged(data: Any, chunk: bytes) -> bytes:
+    """``chunk`` with one to three bytes changed, added or taken out anywhere."""
+    raw = bytearray(chunk)
     for _ in range(data.draw(st.integers(1, 3))):
         at = data.draw(st.integers(0, len(raw)))
         kind = data.draw(st.sampled_from(["set", "insert", "delete"]))
@@ -302,7 +298,16 @@ def test_damaged_chunks_are_refused_or_read_as_the_python_path_reads_them(data: 
                 raw[at] = byte
             else:
                 del raw[at]
-    damaged = bytes(raw)
+    return bytes(raw)
+
+
+@needs_scan
+@settings(max_examples=1500, deadline=None)
+@given(st.data())
+def test_damaged_chunks_are_refused_or_read_as_the_python_path_reads_them(data: Any) -> None:
+    """Bytes changed, cut or added anywhere in a real chunk: the scan never crashes, and what
+    it accepts the Python path parses the same way."""
+    damaged = _damaged(data, VLLM_CHUNK)
     try:
         parse_json_event(damaged)
     except ValueError:
@@ -456,19 +461,7 @@ def test_generated_completions_chunks_read_as_the_python_path_reads_them(
 def test_damaged_completions_chunks_are_refused_or_read_as_the_python_path_reads_them(
     data: Any,
 ) -> None:
-    raw = bytearray(VLLM_COMPLETIONS_CHUNK)
-    for _ in range(data.draw(st.integers(1, 3))):
-        at = data.draw(st.integers(0, len(raw)))
-        kind = data.draw(st.sampled_from(["set", "insert", "delete"]))
-        byte = data.draw(st.sampled_from([*b'{}[]",:\\ 0123456789-.eEnul\x00\x1f\x80\xc3\xff']))
-        if kind == "insert":
-            raw.insert(at, byte)
-        elif at < len(raw):
-            if kind == "set":
-                raw[at] = byte
-            else:
-                del raw[at]
-    event("accepted" if _completions_agree(bytes(raw)) else "left")
+    event("accepted" if _completions_agree(_damaged(data, VLLM_COMPLETIONS_CHUNK)) else "left")
 
 
 # --- real vLLM 0.32 streams --------------------------------------------------------------------

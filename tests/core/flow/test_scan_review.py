@@ -13,13 +13,11 @@ import orjson
 import pytest
 
 from capture_proxy.core import chunk_scan
-from capture_proxy.core.flow import commands as c
-from capture_proxy.core.flow import events as e
 from capture_proxy.core.fronts.chat import ChatCodec
 from capture_proxy.core.fronts.messages import MessagesCodec
 from capture_proxy.core.fronts.responses import ResponsesCodec
 from capture_proxy.core.sse import encode_json_event
-from tests.core.flow.test_template_flow import CHUNKS, _root, _verified
+from tests.core.flow.test_template_flow import CHUNKS, play_stream
 
 needs_scan = pytest.mark.skipif(chunk_scan.SCAN is None, reason="the compiled scan is not built")
 
@@ -157,33 +155,7 @@ def _middle(r: random.Random) -> bytes:
 
 
 def _run(front: Any, body: dict, pieces: list[bytes], scan: Any) -> tuple[list[bytes], Any]:
-    saved, chunk_scan.SCAN = chunk_scan.SCAN, scan
-    try:
-        from tests.core.flow.playbook import playbook
-
-        pb = playbook(front, body)
-        pb.start()
-        assert isinstance(pb.send(_root({})), c.SendToEngine)
-        pieces = list(pieces)
-        writes: list[bytes] = []
-        command = pb.send(e.EngineResponded(200, True))
-        while command is not None:
-            if isinstance(command, (c.WriteClient, c.EndClient)):
-                writes.append(command.data)
-            if isinstance(command, c.ReadEngine):
-                reply = e.EnginePiece(pieces.pop(0)) if pieces else e.EngineEnd()
-            elif isinstance(command, c.Verify):
-                reply = _verified(command)
-            elif isinstance(command, c.Persist):
-                reply = e.Persisted(True)
-            elif isinstance(command, (c.Remember, c.DrainEngine)):
-                reply = None
-            else:
-                reply = e.ClientState(False)
-            command = pb.send(reply)
-        return writes, pb.outcome.record
-    finally:
-        chunk_scan.SCAN = saved
+    return play_stream(front, body, pieces, scan)
 
 
 def _events(writes: list[bytes]) -> list:

@@ -332,37 +332,17 @@ def _middle(delta: dict, token_id: int, logprob: float) -> bytes:
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
-def _stream_through(front, scan) -> tuple[list[bytes], object]:
-    """A stream of a first chunk, three middle ones (content, reasoning, a tool call's
-    pieces) and a last one, run through the flow; the client's writes and the record."""
+def play_stream(front, body: dict, pieces: list[bytes], scan) -> tuple[list[bytes], object]:
+    """``pieces`` (the engine's reads) played through the flow of a streamed call of
+    ``body`` with ``chunk_scan.SCAN`` set to ``scan``: the client's writes and the record."""
     from capture_proxy.core import chunk_scan
 
     saved, chunk_scan.SCAN = chunk_scan.SCAN, scan
     try:
-        pb = playbook(front, {**STREAM_BODY, "max_tokens": 16})
+        pb = playbook(front, body)
         pb.start()
         assert isinstance(pb.send(_root({})), c.SendToEngine)
-        pieces = [
-            encode_json_event(CHUNKS[0])
-            + _middle({"reasoning_content": "hmm"}, 20, -1.5)
-            + _middle({"content": " wörld"}, 21, -0.125),
-            _middle(
-                {
-                    "tool_calls": [
-                        {
-                            "index": 0,
-                            "id": "t1",
-                            "type": "function",
-                            "function": {"name": "ls", "arguments": "{}"},
-                        }
-                    ]
-                },
-                22,
-                -2.0,
-            )
-            + encode_json_event(CHUNKS[1]),
-            b"data: [DONE]\n\n",
-        ]
+        pieces = list(pieces)
         writes: list[bytes] = []
         command = pb.send(e.EngineResponded(200, True))
         while command is not None:
@@ -382,6 +362,33 @@ def _stream_through(front, scan) -> tuple[list[bytes], object]:
         return writes, pb.outcome.record
     finally:
         chunk_scan.SCAN = saved
+
+
+def _stream_through(front, scan) -> tuple[list[bytes], object]:
+    """A stream of a first chunk, three middle ones (content, reasoning, a tool call's
+    pieces) and a last one, run through the flow; the client's writes and the record."""
+    pieces = [
+        encode_json_event(CHUNKS[0])
+        + _middle({"reasoning_content": "hmm"}, 20, -1.5)
+        + _middle({"content": " wörld"}, 21, -0.125),
+        _middle(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "t1",
+                        "type": "function",
+                        "function": {"name": "ls", "arguments": "{}"},
+                    }
+                ]
+            },
+            22,
+            -2.0,
+        )
+        + encode_json_event(CHUNKS[1]),
+        b"data: [DONE]\n\n",
+    ]
+    return play_stream(front, {**STREAM_BODY, "max_tokens": 16}, pieces, scan)
 
 
 @pytest.mark.parametrize("front", [ChatCodec(), MessagesCodec()], ids=["chat", "messages"])
