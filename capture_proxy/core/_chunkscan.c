@@ -374,11 +374,12 @@ static int token_id_item(Cur *c, void *ctx, int depth) {
     return out_append(ctx, PyLong_FromLongLong(id));
 }
 
-static int read_token_ids(Cur *c, Out *o) {
-    if (*c->p == 'n') return scan_literal(c, "null", 4);
+/* null, or an array whose elements `item` reads into `o` (a member read twice: -1). */
+static int read_list(Cur *c, Out *o, ItemReader item, int depth) {
+    if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
     if (*c->p != '[') return -1;
     int rc = out_start(o);
-    return rc < 0 ? rc : walk_array(c, 0, token_id_item, o);
+    return rc < 0 ? rc : walk_array(c, depth, item, o);
 }
 
 /* A logprobs.content entry's member: "logprob" read into *ctx (a PyObject *). */
@@ -418,10 +419,7 @@ static int logprobs_member(Cur *c, const Member *key, int index, void *ctx, int 
     (void)index;
     Out *o = ctx;
     if (!key_is(key, "content")) return scan_value(c, depth);
-    if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
-    if (*c->p != '[') return -1;
-    int rc = out_start(o);
-    return rc < 0 ? rc : walk_array(c, depth, read_entry, o);
+    return read_list(c, o, read_entry, depth);
 }
 
 /* choices[0].logprobs: null, or an object whose "content" is null or an array. */
@@ -455,7 +453,7 @@ static int choice_member(Cur *c, const Member *key, int index, void *ctx, int de
     }
     if (key_is(key, "token_ids")) {
         k->token_ids = index;
-        return read_token_ids(c, &k->ids);
+        return read_list(c, &k->ids, token_id_item, depth);
     }
     if (key_is(key, "prompt_token_ids") || key_is(key, "routed_experts") ||
         key_is(key, "routed_experts_prompt_start"))
@@ -732,13 +730,6 @@ static int token_string_item(Cur *c, void *ctx, int depth) {
     return out_append(ctx, PyLong_FromLongLong(id));
 }
 
-static int read_token_strings(Cur *c, Out *o) {
-    if (*c->p == 'n') return scan_literal(c, "null", 4);
-    if (*c->p != '[') return -1;
-    int rc = out_start(o);
-    return rc < 0 ? rc : walk_array(c, 0, token_string_item, o);
-}
-
 /* A number or null of logprobs.token_logprobs (a string, an object, ...: -1). */
 static int log_prob_item(Cur *c, void *ctx, int depth) {
     PyObject *value = NULL;
@@ -760,12 +751,9 @@ static int completion_logprobs_member(Cur *c, const Member *key, int index, void
     (void)index;
     Completion *k = ctx;
     Out *o = &k->lps;
-    if (key_is(key, "tokens")) return read_token_strings(c, &k->tokens);
+    if (key_is(key, "tokens")) return read_list(c, &k->tokens, token_string_item, depth);
     if (!key_is(key, "token_logprobs")) return scan_value(c, depth);
-    if (*c->p == 'n') return o->list != NULL ? -1 : scan_literal(c, "null", 4);
-    if (*c->p != '[') return -1;
-    int rc = out_start(o);
-    return rc < 0 ? rc : walk_array(c, depth, log_prob_item, o);
+    return read_list(c, o, log_prob_item, depth);
 }
 
 /* A member of choices[0]: none the Python path reads that this does not. */
@@ -774,7 +762,7 @@ static int completion_choice_member(Cur *c, const Member *key, int index, void *
     (void)index;
     Completion *k = ctx;
     const unsigned char *v = c->p;
-    if (key_is(key, "token_ids")) return read_token_ids(c, &k->ids);
+    if (key_is(key, "token_ids")) return read_list(c, &k->ids, token_id_item, depth);
     if (key_is(key, "logprobs")) {
         Member members[MAX_MEMBERS];
         int n;
