@@ -862,11 +862,109 @@ done:
     return result;
 }
 
+/* take_prompt_ids(data): the prompt ids of a whole engine answer, as their uint32 array.
+ *
+ * A vLLM chat answer (or a stream's first chunk) asked with return_token_ids carries the whole
+ * prompt's ids as a top-level "prompt_token_ids" array: thousands of integers on an agent's
+ * call, which orjson would make Python ints of and the assembler an array of again. This
+ * reads them straight into their array, in one pass that also validates the whole body as
+ * strict JSON (the same rules as the scans above), and gives back the body with that value
+ * written as null, for orjson to parse the rest. Returns (rest, ids): rest bytes; ids a
+ * bytearray of native uint32 (numpy.frombuffer(ids, numpy.uint32): [num_prompt_tokens]).
+ * None, for the Python path, when the body is not one object read exactly as orjson reads it
+ * (see the module's first comment), when it has no top-level "prompt_token_ids" array, and
+ * when an element is not a plain integer from 0 to 2**32 - 1 (the assembler names it).
+ * Raises only MemoryError. */
+
+typedef struct {
+    uint32_t *ids;
+    Py_ssize_t n, cap;
+    const unsigned char *start, *end; /* the array's span in the body */
+} PromptIds;
+
+static int prompt_id_item(Cur *c, void *ctx, int depth) {
+    (void)depth;
+    PromptIds *pr = ctx;
+    uint64_t id = 0;
+    const unsigned char *digits = c->p;
+    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
+        if (c->p - digits >= 10) return -1;
+        id = id * 10 + (uint64_t)(*c->p - '0');
+        c->p++;
+    }
+    if (c->p == digits || (*digits == '0' && c->p - digits > 1) || id > 0xFFFFFFFFu) return -1;
+    if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E')) return -1;
+    if (pr->n == pr->cap) {
+        Py_ssize_t cap = pr->cap ? pr->cap * 2 : 1024;
+        uint32_t *grown = PyMem_Realloc(pr->ids, (size_t)cap * sizeof(uint32_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -2;
+        }
+        pr->ids = grown;
+        pr->cap = cap;
+    }
+    pr->ids[pr->n++] = (uint32_t)id;
+    return 0;
+}
+
+static int prompt_top_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    (void)index;
+    PromptIds *pr = ctx;
+    if (!key_is(key, "prompt_token_ids") || *c->p != '[') return scan_value(c, depth);
+    pr->start = c->p;
+    int rc = walk_array(c, depth, prompt_id_item, pr);
+    pr->end = c->p;
+    return rc;
+}
+
+static PyObject *take_prompt_ids(PyObject *self, PyObject *data) {
+    (void)self;
+    if (!PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "take_prompt_ids(data: bytes)");
+        return NULL;
+    }
+    const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(data);
+    Py_ssize_t len = PyBytes_GET_SIZE(data);
+    Cur c = {s, s + len};
+    PromptIds pr = {NULL, 0, 0, NULL, NULL};
+    PyObject *rest = NULL, *ids = NULL, *result = NULL;
+    int rc = -1;
+    skip_ws(&c);
+    if (c.p < c.end && *c.p == '{') rc = walk_object(&c, 0, NULL, NULL, prompt_top_member, &pr);
+    if (rc == 0) {
+        skip_ws(&c);
+        if (c.p != c.end || pr.start == NULL) rc = -1;
+    }
+    if (rc == -2) goto done;
+    if (rc < 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t head = pr.start - s, tail = (s + len) - pr.end;
+    rest = PyBytes_FromStringAndSize(NULL, head + 4 + tail);
+    if (rest == NULL) goto done;
+    char *w = PyBytes_AS_STRING(rest);
+    w = put(w, s, head);
+    w = put(w, "null", 4);
+    put(w, pr.end, tail);
+    ids = PyByteArray_FromStringAndSize((const char *)pr.ids, pr.n * (Py_ssize_t)sizeof(uint32_t));
+    if (ids == NULL) goto done;
+    result = PyTuple_Pack(2, rest, ids);
+done:
+    PyMem_Free(pr.ids);
+    Py_XDECREF(rest);
+    Py_XDECREF(ids);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"scan_chat_chunk", (PyCFunction)(void (*)(void))scan_chat_chunk, METH_FASTCALL,
      "scan_chat_chunk(data: bytes, flags: int) -> (event, delta, content, token_ids, log_probs) | None"},
     {"scan_completions_chunk", scan_completions_chunk, METH_O,
      "scan_completions_chunk(data: bytes) -> (text, token_ids, log_probs) | None"},
+    {"take_prompt_ids", take_prompt_ids, METH_O,
+     "take_prompt_ids(data: bytes) -> (rest: bytes, ids: bytearray of uint32) | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -349,6 +349,14 @@ class ChatCaptureAssembler:
                 # collector walks) is not needed past here: a stream in flight keeps the array.
                 self.prompt_token_ids = []
 
+    def take_prompt(self, prompt: np.ndarray) -> None:
+        """The prompt ids as their array already (``chunk_scan.take_prompt``: the body's
+        ``prompt_token_ids`` read into it), after the body or chunk that held them was added
+        (with that member null). Ignored once the ids are known (the first chunk's count)."""
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = []  # (held as the array, as after ``settle_prompt``)
+            self._prompt = prompt
+
     # -- non-streaming -----------------------------------------------------------------------
 
     def add_response(self, body: dict[str, Any]) -> None:

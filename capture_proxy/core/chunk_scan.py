@@ -26,6 +26,11 @@ it over generated chunks).
 at install: ``setup.py`` makes it optional), was built from another source than the one beside
 it (``_load``), or when ``CAPTURE_PROXY_NO_COMPILED`` is 1, true, yes or on (to measure or test
 the Python path alone).
+
+``take_prompt(raw)`` reads a whole engine answer's (or a stream's first chunk's) top-level
+``prompt_token_ids`` straight into their array (``take_prompt_ids`` in the same module): an
+agent's call carries thousands of prompt ids, which orjson would make Python ints of and the
+assembler an array of again.
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from capture_proxy.core.capture import HarnessAsked
@@ -87,6 +95,28 @@ SCAN: Scan | None = getattr(_MODULE, "scan_chat_chunk", None)
 #: ``choices[0].token_ids``, ``logprobs.token_logprobs`` (None: absent or null); None for any
 #: other chunk, which ``engine_formats.VllmCompletionsReader`` then parses
 SCAN_COMPLETIONS: ScanCompletions | None = getattr(_MODULE, "scan_completions_chunk", None)
+
+
+#: ``take_prompt_ids(data)``: ``(rest, ids)`` or None (``take_prompt``)
+_TAKE_PROMPT_IDS: Callable[[bytes], tuple[bytes, bytearray] | None] | None = getattr(
+    _MODULE, "take_prompt_ids", None
+)
+
+
+def take_prompt(raw: bytes) -> tuple[bytes, npt.NDArray[np.uint32] | None]:
+    """``raw`` (a JSON object's bytes) with its top-level ``prompt_token_ids`` written as
+    ``null``, and those ids as uint32 ``[num_prompt_tokens]`` (a writable array of their own);
+    ``(raw, None)`` unchanged where the compiled module does not read them exactly as orjson
+    and ``records.as_token_array`` would (not strict JSON, no such array, an element that is
+    not a plain integer from 0 to 2**32 - 1, ...; see ``_chunkscan.c``) or is not built.
+    Parsing ``rest`` then gives what parsing ``raw`` gives, but that member's value is None.
+    Raises MemoryError only."""
+    take = _TAKE_PROMPT_IDS
+    taken = take(raw) if take is not None else None
+    if taken is None:
+        return raw, None
+    rest, ids = taken
+    return rest, np.frombuffer(ids, dtype=np.uint32)
 
 
 def scan_flags(asked: HarnessAsked, *, event: bool) -> int:

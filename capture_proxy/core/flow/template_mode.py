@@ -237,8 +237,11 @@ def _relay_json(
         raise _unreachable(reply, call)
     raw = reply.data
     latency_ms = _ms(clock, t0)
+    # The prompt's ids straight into their array (the harness did not ask for them: the body
+    # it gets has none): the rest of the body is what orjson parses.
+    body_raw, prompt = (raw, None) if asked.return_token_ids else chunk_scan.take_prompt(raw)
     try:
-        payload = loads_like_stdlib(raw)
+        payload = loads_like_stdlib(body_raw)
         if not isinstance(payload, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
@@ -247,6 +250,8 @@ def _relay_json(
         raise EngineAnswerUnusable(reason) from exc
     assembler = ChatCaptureAssembler(call.ctx)
     assembler.add_response(payload)
+    if prompt is not None:
+        assembler.take_prompt(prompt)
     seen.seen(reply.weight_version, len(assembler.generation_token_ids))
     record = assembler.finish(latency_ms=latency_ms, http_status=status)
     record = with_versions(record, seen, whole=True)
@@ -323,7 +328,11 @@ class _Relay:
 
     def _handle_parsed(self, data: bytes, out: list[bytes]) -> bool:
         """One event's data on the Python path, its events appended to ``out``. False: the
-        stream is broken (not UTF-8) and ends here."""
+        stream is broken (not UTF-8) and ends here. The first chunk's prompt ids go straight
+        into their array (``chunk_scan.take_prompt``) when the harness did not ask for them."""
+        prompt = None
+        if self.assembler.prompt_token_ids is None and not self.asked.return_token_ids:
+            data, prompt = chunk_scan.take_prompt(data)
         try:
             chunk = parse_json_event(data)
             if type(chunk) is not dict:
@@ -336,6 +345,8 @@ class _Relay:
             self.problem = f"engine sent a malformed stream event ({len(data)} bytes): {exc}"
             return True
         self.assembler.add_chunk(chunk)
+        if prompt is not None:
+            self.assembler.take_prompt(prompt)
         if self.assembler.finish_reason == "abort" and not self.aborted:
             # Not forwarded: the harness would take the cut answer for a finished one.
             self.aborted, self.problem = True, ABORTED

@@ -433,3 +433,105 @@ def test_middle_chunks_give_the_same_record_and_events_with_the_compiled_scan_or
         assert middle["choices"] == [
             {"index": 0, "delta": {"content": " wörld"}, "logprobs": None, "finish_reason": None}
         ]
+
+
+# --- the prompt's ids taken straight into their array (chunk_scan.take_prompt) ---------------
+
+#: an agent's prompt: thousands of ids, the extremes of uint32 among them
+LONG_PROMPT = [(i * 7919) % 151_936 for i in range(6000)] + [0, 2**32 - 1]
+
+
+def _fields(record) -> dict:
+    """A record's fields, arrays as lists (records holding arrays do not compare with ==)."""
+    import dataclasses
+
+    return {
+        f.name: (v.tolist() if hasattr(v, "tolist") else v)
+        for f in dataclasses.fields(record)
+        for v in [getattr(record, f.name)]
+    }
+
+
+def _whole_through(body: dict, answer: dict, take) -> tuple[c.Command, object]:
+    """A whole call of ``body`` answered ``answer``, with ``chunk_scan``'s prompt-id reader set
+    to ``take`` (None: the Python path): the answer to the client and the record."""
+    from capture_proxy.core import chunk_scan
+
+    saved, chunk_scan._TAKE_PROMPT_IDS = chunk_scan._TAKE_PROMPT_IDS, take
+    try:
+        pb = playbook(ChatCodec(), body)
+        pb.start()
+        assert isinstance(pb.send(_root(body)), c.SendToEngine)
+        assert pb.send(e.EngineResponded(200, False)) == c.ReadEngineBody()
+        verified = _verified(pb.send(e.EngineBody(orjson.dumps(answer))))
+        assert isinstance(pb.send(verified), c.Persist)
+        assert isinstance(pb.send(e.Persisted(True)), c.Remember)
+        respond = pb.send(None)
+        assert pb.send(None) is None
+        return respond, pb.outcome.record
+    finally:
+        chunk_scan._TAKE_PROMPT_IDS = saved
+
+
+@pytest.mark.parametrize("asked_ids", [False, True], ids=["ids-not-asked", "ids-asked"])
+def test_a_long_prompts_ids_taken_compiled_give_the_same_record_and_answer(asked_ids):
+    from capture_proxy.core import chunk_scan
+
+    take = chunk_scan._TAKE_PROMPT_IDS
+    if take is None:
+        pytest.skip("the compiled module is not built")
+    used: list[bool] = []
+
+    def counted(raw: bytes):
+        result = take(raw)
+        used.append(result is not None)
+        return result
+
+    body = {**BODY, "return_token_ids": True} if asked_ids else BODY
+    answer = {**WHOLE, "prompt_token_ids": LONG_PROMPT}
+    taken_answer, taken = _whole_through(body, answer, counted)
+    parsed_answer, parsed = _whole_through(body, answer, None)
+    # the harness that asked for the ids gets the engine's list: nothing is taken then
+    assert used == ([] if asked_ids else [True])
+    assert taken.prompt_token_ids.dtype == parsed.prompt_token_ids.dtype
+    assert taken.prompt_token_ids.tolist() == parsed.prompt_token_ids.tolist() == LONG_PROMPT
+    assert taken.prompt_token_ids.flags.writeable
+    assert _fields(taken) == _fields(parsed)
+    assert taken_answer == parsed_answer
+    assert ("prompt_token_ids" in taken_answer.body) is asked_ids
+
+
+def test_an_answer_whose_prompt_ids_are_not_ids_is_flagged_alike_with_the_module_or_without():
+    from capture_proxy.core import chunk_scan
+
+    if chunk_scan._TAKE_PROMPT_IDS is None:
+        pytest.skip("the compiled module is not built")
+    for bad in ([1, -1], [1, 2**32], [1, 2.5], [1, True], [1, None], "1 2"):
+        answer = {**WHOLE, "prompt_token_ids": bad}
+        (_, taken), (_, parsed) = (
+            _whole_through(BODY, answer, t) for t in (chunk_scan._TAKE_PROMPT_IDS, None)
+        )
+        assert taken.status is parsed.status is CallStatus.INCOMPLETE, bad
+        assert taken.diagnostics == parsed.diagnostics, bad
+
+
+def test_a_streams_first_chunk_gives_the_same_prompt_ids_with_the_module_or_without():
+    from capture_proxy.core import chunk_scan
+
+    take = chunk_scan._TAKE_PROMPT_IDS
+    if take is None:
+        pytest.skip("the compiled module is not built")
+    first = {**CHUNKS[0], "prompt_token_ids": LONG_PROMPT}
+    pieces = [encode_json_event(first) + encode_json_event(CHUNKS[1]), b"data: [DONE]\n\n"]
+    runs = []
+    for reader in (take, None):
+        saved, chunk_scan._TAKE_PROMPT_IDS = chunk_scan._TAKE_PROMPT_IDS, reader
+        try:
+            runs.append(play_stream(ChatCodec(), STREAM_BODY, pieces, chunk_scan.SCAN))
+        finally:
+            chunk_scan._TAKE_PROMPT_IDS = saved
+    (taken_writes, taken), (parsed_writes, parsed) = runs
+    assert taken.prompt_token_ids.tolist() == parsed.prompt_token_ids.tolist() == LONG_PROMPT
+    assert _fields(taken) == _fields(parsed)
+    assert taken_writes == parsed_writes
+    assert b"prompt_token_ids" not in b"".join(taken_writes)
