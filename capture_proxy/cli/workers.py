@@ -13,8 +13,9 @@ runtime directories of supervisors that died (``sweep_dead_runtimes``). It print
 line (and writes ``--port-file``) once every worker listens; a worker that exits during
 start-up stops it with status 2 (the worker's own error is in the log above). A worker that
 dies later is started again (at most ``MAX_RESTARTS`` a minute, then the supervisor stops with
-status 1) and its gauges leave the metrics. SIGINT or SIGTERM stops the workers (each ends its
-calls in flight first, as one proxy does), then the store.
+status 1) and its gauges leave the metrics. SIGINT or SIGTERM closes the supervisor's copy of
+the listening socket and stops the workers (each closes its own, then ends its calls in flight
+as one proxy does, ``proxy.server``), then the store.
 
 With PostgreSQL the workers are replicas that open the store themselves; with ``--read-only``
 each opens the store read-only. The supervisor then only supervises.
@@ -156,6 +157,10 @@ class Supervisor:
             await self.start(index)
 
     async def stop_workers(self) -> None:
+        # The listening socket is closed once every process has closed its copy: a new
+        # connection is then refused (a load balancer or a harness goes elsewhere at once),
+        # where the kernel would take it in while any copy stays open and reset it at the end.
+        self.sock.close()
         for proc in self.procs.values():
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -22,7 +22,10 @@ Exception tree (each maps to one status and one OpenAI error ``type``)::
     |                                 record, or failed a read or a lifecycle step;
     |                                 ``Retry-After``)
     |   +-- ReadTimedOut(TimeoutError) (503, code ``read_timeout``: a read of the read API
-    |                                 did not start its answer within ``read_api_timeout_s``)
+    |   |                             did not start its answer within ``read_api_timeout_s``)
+    |   +-- Stopping                  (503, code ``stopping``: the request came while the
+    |                                 proxy stops; nothing was started for it, ``Connection:
+    |                                 close``; ``stopping_response``)
     +-- UpstreamTimeout(TimeoutError) (504, "upstream_error")
 
 Every error body has OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``,
@@ -56,7 +59,7 @@ from capture_proxy.core.flow.errors import (
     StoreUnavailable,
     UnknownPreviousResponse,
 )
-from capture_proxy.core.fronts import error_front
+from capture_proxy.core.fronts import error_front, front_of_tail
 from capture_proxy.core.fronts.base import InvalidFrontRequest
 from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.redact import redact_text
@@ -196,6 +199,22 @@ class ReadTimedOut(ServiceUnavailable, TimeoutError):
         super().__init__(message, code="read_timeout")
 
 
+class Stopping(ServiceUnavailable):
+    """The proxy is stopping (SIGTERM or SIGINT: ``proxy.server``): a request that came on a
+    connection still open (a kept-alive one) is answered at once and nothing is started for it
+    (not forwarded, not recorded); a retry reaches another replica, or this one once it is
+    back. The connection closes after the answer."""
+
+    close_connection = True
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the proxy is stopping: nothing was started for this request; send it again "
+            "(another replica, or this proxy once it is back, will answer it)",
+            code="stopping",
+        )
+
+
 def error_body(
     message: str, error_type: str, *, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:
@@ -243,13 +262,20 @@ def error_response(exc: ProxyError, request: web.Request | None = None) -> web.R
 
 
 def log_rejected(
-    request: web.Request, status: int, what: str | None, received: int | None = None
+    request: web.Request,
+    status: int,
+    what: str | None,
+    received: int | None = None,
+    *,
+    level: int | None = None,
 ) -> None:
     """One line per error response: method, path, status, what, the body's size (never the
     body, the query or a credential): ``<N bytes in>``, its declared size, or for a body
-    whose reading was cut short, ``<K of N bytes in>``: ``received`` (K) of the declared N."""
+    whose reading was cut short, ``<K of N bytes in>``: ``received`` (K) of the declared N.
+    ``level``: by default WARNING for a 5xx, else INFO."""
     size = request.content_length
-    level = logging.WARNING if status >= 500 else logging.INFO
+    if level is None:
+        level = logging.WARNING if status >= 500 else logging.INFO
     declared = size if size is not None else "?"
     if received is None:
         log.log(level, "%s %s -> %d (%s, <%s bytes in>)", request.method, request.path,
@@ -257,6 +283,20 @@ def log_rejected(
     else:
         log.log(level, "%s %s -> %d (%s, <%d of %s bytes in>)", request.method, request.path,
                 status, what, received, declared)  # fmt: skip
+
+
+def stopping_response(request: web.Request) -> web.Response:
+    """The answer to a request that came while the proxy stops (``Stopping``): 503 with
+    ``Retry-After`` and ``Connection: close``, in the shape of the API whose endpoint the path
+    names (a capture path, a correlation path or a forwarded one alike: an Anthropic client on
+    ``/v1/messages`` reads Anthropic's ``overloaded_error``), else OpenAI's. Logged at INFO:
+    answering so is the stop working as meant, not a failure."""
+    exc = Stopping()
+    front = front_of_tail(request.rel_url.path)
+    if front is not None:
+        request[ERROR_SHAPE_KEY] = front.error_body
+    log_rejected(request, exc.status, exc.code, level=logging.INFO)
+    return error_response(exc, request)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -6,10 +6,23 @@ header) in its protocol handler, before any middleware runs, with a plain-text 4
 ERROR traceback in the log. Here that answer has OpenAI's error shape like every other client
 error, and it is logged as one INFO line (a client's mistake is not the proxy's error).
 
+The stop (SIGINT, SIGTERM: aiohttp's ``GracefulExit``, then ``AppRunner.cleanup``), in order:
+the listening socket is closed (new connections are refused; ``serve --workers``: each
+worker's and the supervisor's copy); a request that comes on a connection still open (a
+harness's kept-alive one) is answered 503 ``stopping`` with ``Retry-After`` and ``Connection:
+close`` in its API's error shape (``errors.stopping_response``) and nothing is started for it;
+a whole answer finished during the stop says ``Connection: close``; the app's ``on_shutdown``
+lets the calls in flight finish, their records stored before their answers end, at most
+``shutdown_timeout_s`` (``proxy.stopping``); then every connection is closed, the idle ones at
+once (a FIN), the others once their request is done (aiohttp's ``shutdown_timeout``).
+aiohttp alone closes the connections before ``on_shutdown``: an idle connection then ignored
+what came on it and was closed after the calls in flight, so the harness got no answer.
+
 ``run`` is ``web.run_app`` for one bound socket, with this handler, and a callback once the
 socket listens (the store is open by then), so start-up prints and writes its port only when
 clients can connect. The only aiohttp internals touched: the runner's server and each
-connection's handler get this module's subclasses (``__class__``), adding one method each.
+connection's handler get this module's subclasses (``__class__``), and the server's request
+handler is wrapped (``JsonErrorServer.answering_the_stop``).
 """
 
 from __future__ import annotations
@@ -18,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -29,7 +42,7 @@ from aiohttp.web_request import BaseRequest
 from aiohttp.web_runner import GracefulExit
 from aiohttp.web_server import Server
 
-from capture_proxy.proxy.errors import error_body
+from capture_proxy.proxy.errors import error_body, stopping_response
 from capture_proxy.proxy.policy import DECODED_ENCODINGS
 
 log = logging.getLogger("capture_proxy")
@@ -115,22 +128,77 @@ class JsonErrorRequestHandler(RequestHandler):
         return response
 
 
+RequestAnswer = Callable[[BaseRequest], Awaitable[web.StreamResponse]]
+
+
 class JsonErrorServer(Server):
-    """aiohttp's low-level server, making ``JsonErrorRequestHandler`` connections."""
+    """aiohttp's low-level server, making ``JsonErrorRequestHandler`` connections, and
+    answering the requests that come while the proxy stops (see the module's docstring)."""
+
+    #: The stop has begun (``ProxyRunner.cleanup``, ``pre_shutdown``): requests are answered
+    #: ``stopping_response``.
+    stopping = False
+    #: Requests answered so during the stop.
+    answered_stopping = 0
 
     def __call__(self) -> RequestHandler:
         handler = super().__call__()
         handler.__class__ = JsonErrorRequestHandler
         return handler
 
+    def answering_the_stop(self, answer: RequestAnswer) -> RequestAnswer:
+        """``answer`` (the app's), or once the stop has begun, the 503 ``stopping`` answer;
+        a whole answer of a request begun before the stop and finished after it closes its
+        connection (``Connection: close``: its harness opens a new one, which is refused,
+        rather than send on one about to close)."""
+
+        async def answer_or_refuse(request: BaseRequest) -> web.StreamResponse:
+            if self.stopping:
+                self.answered_stopping += 1
+                assert isinstance(request, web.Request)  # the app runner's request factory
+                return stopping_response(request)
+            response = await answer(request)
+            if self.stopping and not response.prepared:
+                response.force_close()
+            return response
+
+        return answer_or_refuse
+
+    def pre_shutdown(self) -> None:
+        # aiohttp closes every connection here, before the app's on_shutdown (the wait for
+        # the calls in flight): an idle one would ignore a request sent on it until its close.
+        # Here they stay open, answering the stop; ``shutdown`` closes them.
+        self.stopping = True
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        # The calls in flight are done (on_shutdown): close the idle connections now, the
+        # busy ones (a download, a forwarded path) once their request ends, or at ``timeout``.
+        if self.answered_stopping:
+            log.info(
+                "stopping: %d requests that came during the stop were answered 503 (stopping)",
+                self.answered_stopping,
+            )
+        super().pre_shutdown()
+        await super().shutdown(timeout)
+
 
 class ProxyRunner(web.AppRunner):
-    """``AppRunner`` whose server answers protocol errors as JSON."""
+    """``AppRunner`` whose server answers protocol errors as JSON, and the requests that come
+    during the stop with a 503 (``JsonErrorServer``)."""
 
     async def _make_server(self) -> Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer
+        assert isinstance(server, JsonErrorServer)
+        server.request_handler = server.answering_the_stop(server.request_handler)
         return server
+
+    async def cleanup(self) -> None:
+        # The stop begins before the listening socket closes: a request read after this
+        # point is answered 503, whichever iteration of the loop reads it.
+        if isinstance(self.server, JsonErrorServer):
+            self.server.stopping = True
+        await super().cleanup()
 
 
 async def _serve(

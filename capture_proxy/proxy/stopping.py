@@ -1,7 +1,8 @@
 """The graceful stop: what it waits for, for how long, and what it says.
 
-On SIGINT or SIGTERM the server stops accepting and lets the captured calls in flight finish
-for at most ``shutdown_timeout_s``; then it cancels the handlers of the calls still running,
+On SIGINT or SIGTERM the server stops accepting, answers what comes on the connections still
+open with a 503 (``proxy.server``), and lets the captured calls in flight finish for at most
+``shutdown_timeout_s``; then it cancels the handlers of the calls still running,
 as when their clients leave: a call cut while it waits on or streams from the engine is
 stored incomplete (``proxy.executor``: the record is written shielded, then the cancellation
 goes on). aiohttp's own ``shutdown_timeout`` (the same setting, on the runner; aiohttp 3.14
@@ -98,8 +99,9 @@ CALLS_IN_FLIGHT_KEY = web.AppKey("calls_in_flight", CallsInFlight)
 
 
 def graceful_stop(app: web.Application, bound_s: float) -> None:
-    """The stop of ``app`` (``on_shutdown``: the listening socket is closed, the calls in
-    flight go on): log the calls it waits for and the bound, wait for them at most
+    """The stop of ``app`` (``on_shutdown``: the listening socket is closed, new requests are
+    answered 503 and the connections stay open until this returns, the calls in flight go on):
+    log the calls it waits for and the bound, wait for them at most
     ``bound_s``, then log and cut the calls still in flight (stored incomplete)."""
     calls = app[CALLS_IN_FLIGHT_KEY]
 

@@ -1,21 +1,29 @@
-"""Tier 2: the graceful stop (``proxy.stopping``): a call on a hung engine is waited for at
-most ``shutdown_timeout_s``, named in the log when the stop begins and when it is cut, and
-stored incomplete, never lost."""
+"""Tier 2: the graceful stop (``proxy.stopping``, ``proxy.server``): a call on a hung engine is
+waited for at most ``shutdown_timeout_s``, named in the log when the stop begins and when it is
+cut, and stored incomplete, never lost; a request that comes during the stop on a connection
+still open is answered 503 ``stopping`` in its API's shape, and a whole answer finished during
+the stop closes its connection. (``tests/test_serve_stop.py``: the same as ``serve`` runs it,
+with ``--workers``.)"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
+from typing import Any
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from capture_proxy.app import build_proxy_app
 from capture_proxy.config import Settings
+from capture_proxy.proxy.errors import Stopping
+from capture_proxy.scripted_engine.state import SEEN_REQUESTS, ScriptedEngineConfig
+from capture_proxy.scripted_engine.weights import WEIGHTS
 from capture_proxy.store.sqlite import SQLiteStore
-from tests.proxy.conftest import CAPTURE, ProxyTestServer
+from tests.proxy.conftest import CAPTURE, MakeStack, ProxyTestServer
 from tests.proxy.test_capture import USER, _body
 
 
@@ -75,3 +83,106 @@ async def test_a_stop_cuts_a_call_on_a_hung_engine_at_its_bound_and_stores_it(
     assert [(r.status.value, [d.kind for d in r.diagnostics]) for r in records] == [
         ("incomplete", ["capture_incomplete"])
     ]
+
+
+def _http(method: str, path: str, body: dict[str, object] | None = None) -> bytes:
+    data = json.dumps(body).encode() if body is not None else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    if body is not None:
+        head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+    return (head + "\r\n").encode() + data
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], Any, bytes]:
+    """The status, headers (lower-case names) and JSON body of the next answer, and what the
+    connection carries after it until the proxy closes it (a reset raises)."""
+    async with asyncio.timeout(10):
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := (await reader.readline()).decode().strip()) != "":
+            name, _, value = line.partition(":")
+            headers[name.lower()] = value.strip()
+        body = json.loads(await reader.readexactly(int(headers["content-length"])))
+        rest = await reader.read()
+    return status, headers, body, rest
+
+
+async def test_during_a_stop_new_requests_get_503_in_their_apis_shape_and_an_answer_closes(
+    make_stack: MakeStack, caplog
+):
+    stack = await make_stack(
+        engine_config=ScriptedEngineConfig(dev_mode=True), cancel_handlers=False
+    )
+    weights = stack.engine_app[WEIGHTS]
+    weights.hold_at = 1
+    server = stack.client.server
+    assert server.port is not None
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    conns = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(4)]
+    closing = None
+    try:
+        call, messages, health, responses = conns
+        call[1].write(_http("POST", CAPTURE.format(rollout="r1"), _body(list(USER))))
+        async with asyncio.timeout(10):
+            await weights.held.wait()  # the whole answer is under way, held at the engine
+        closing = asyncio.create_task(server.close())
+        async with asyncio.timeout(10):  # the stop has begun once the socket refuses
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+                except ConnectionRefusedError:
+                    break
+                except ConnectionResetError:  # taken in as the socket closed: reset with it
+                    continue
+                writer.close()
+                await asyncio.sleep(0.01)
+
+        # A forwarded (uncaptured) Anthropic path: Anthropic's shape, nothing forwarded.
+        body = {"model": "scripted-qwen", "max_tokens": 8, "messages": USER[1:]}
+        messages[1].write(_http("POST", "/v1/messages", body))
+        status, headers, answer, rest = await _answer(messages[0])
+        assert (status, headers["retry-after"], headers["connection"], rest) == (
+            503, "5", "close", b""
+        )  # fmt: skip
+        assert answer == {
+            "type": "error",
+            "error": {"type": "overloaded_error", "message": Stopping().message},
+        }
+        health[1].write(_http("GET", "/health"))
+        status, headers, answer, rest = await _answer(health[0])
+        assert (status, headers["connection"], rest) == (503, "close", b"")
+        assert answer == {
+            "error": {
+                "message": Stopping().message,
+                "type": "server_error",
+                "param": None,
+                "code": "stopping",
+            }
+        }
+        responses[1].write(
+            _http(
+                "POST",
+                "/ng-rollout/r2/training-token-capture/v1/responses",
+                {"model": "scripted-qwen", "input": "hi"},
+            )
+        )
+        status, _, answer, _ = await _answer(responses[0])
+        assert (status, answer["error"]["code"]) == (503, "stopping")
+
+        await weights.release()
+        status, headers, answer, rest = await _answer(call[0])
+        assert (status, headers["connection"], rest) == (200, "close", b""), answer
+        assert [p for m, p, _ in stack.engine_app[SEEN_REQUESTS] if m == "POST"] == [
+            "/v1/chat/completions"
+        ]
+        async with asyncio.timeout(10):
+            await closing
+    finally:
+        for _, writer in conns:
+            writer.close()
+        if closing is not None and not closing.done():
+            closing.cancel()
+    lines = [r.getMessage() for r in caplog.records]
+    size = len(json.dumps(body))
+    assert f"POST /v1/messages -> 503 (stopping, <{size} bytes in>)" in lines, lines
+    assert "stopping: 3 requests that came during the stop were answered 503 (stopping)" in lines
