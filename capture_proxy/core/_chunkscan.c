@@ -895,6 +895,10 @@ static int prompt_id_item(Cur *c, void *ctx, int depth) {
     if (c->p == digits || (*digits == '0' && c->p - digits > 1) || id > 0xFFFFFFFFu) return -1;
     if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E')) return -1;
     if (pr->n == pr->cap) {
+        if (pr->cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(uint32_t)) {
+            PyErr_NoMemory(); /* (a size past any allocation: refused before it could wrap) */
+            return -2;
+        }
         Py_ssize_t cap = pr->cap ? pr->cap * 2 : 1024;
         uint32_t *grown = PyMem_Realloc(pr->ids, (size_t)cap * sizeof(uint32_t));
         if (grown == NULL) {
