@@ -334,7 +334,9 @@ def log_prob_diagnostics(
         return []
     # The common case in two reductions: a NaN makes the max NaN (the test fails), +inf makes
     # it inf, -inf shows in the min.
-    if float(array.max()) <= LOG_PROB_TOLERANCE and float(array.min()) != -math.inf:
+    # (The ufuncs' reduce, as ``max`` and ``min`` do, without their Python wrappers.)
+    high, low = float(np.maximum.reduce(array)), float(np.minimum.reduce(array))
+    if high <= LOG_PROB_TOLERANCE and low != -math.inf:
         return []
     out: list[Diagnostic] = []
     finite = np.isfinite(array)
