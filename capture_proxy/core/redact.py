@@ -73,10 +73,9 @@ class RedactingFilter(logging.Filter):
     info cannot write the password to the log."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        masked = redact_text(message)
-        if masked != message:
-            record.msg, record.args = masked, None
+        # The message as formatted here is kept (masked or not), so the handler's formatter
+        # does not format it again (``getMessage`` of a record without args is its msg).
+        record.msg, record.args = redact_text(record.getMessage()), None
         return True
 
 

@@ -128,7 +128,9 @@ def session_of(
             continue
         found: Any = received
         for key in field.path:
-            found = found.get(key) if isinstance(found, Mapping) else None
+            # (a dict, as parsed JSON is, or None without the ABC's isinstance: twice per call)
+            is_mapping = type(found) is dict or (found is not None and isinstance(found, Mapping))
+            found = found.get(key) if is_mapping else None
         if field.json_key is not None:
             found = _json_member(found, field.json_key)
         if isinstance(found, str) and found:

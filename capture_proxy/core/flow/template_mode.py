@@ -101,6 +101,8 @@ ABORTED = (
 def with_versions(record: CallRecord, seen: Observation, *, whole: bool) -> CallRecord:
     """``record`` with the weight versions observed around its engine request
     (``core.version_spans``: source ``observed``)."""
+    if seen.first is None:
+        return record  # (no reading: the versions are unknown, the record as it is)
     versions = WeightVersions()
     versions.add_segment(record.num_generation_tokens, observed=seen, whole=whole)
     spans, source = versions.result()
