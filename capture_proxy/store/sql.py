@@ -192,15 +192,20 @@ def store_json(
     *,
     count: bool = True,
     known: Container[bytes] = frozenset(),
+    held: Container[bytes] = frozenset(),
 ) -> int:
     """Keep the record's content-addressed JSON (once per content) and its references, in
     SHA-256 order (one lock order across transactions). Returns the UTF-8 bytes of the texts
     new to the store (0 when not ``count``: PostgreSQL's pipelined put reads no row counts).
     ``known``: addresses whose texts the caller knows are stored (their insert is skipped; only
-    the reference is written)."""
+    the reference is written). ``held``: addresses the record's prompt parent or one of its
+    prompt ancestors refers to (``call_json``), which every read of the record reads too:
+    neither the text nor the reference is written."""
     written = 0
     for sha, text in sorted(enc.json_blobs.items()):
         key = bytes.fromhex(sha)
+        if key in held:
+            continue
         if key not in known:
             cur = db.execute(
                 d.sql("INSERT INTO json_blobs (sha256, json) VALUES (?, ?) ON CONFLICT DO NOTHING"),

@@ -32,7 +32,9 @@ Layout (``<store dir>/captures.sqlite3``, ``PRAGMA user_version`` = ``LAYOUT_VER
   row read), so a chain's JSON grows linearly too.
 - ``json_blobs``: content-addressed JSON (SHA-256 of the canonical text -> text): tools lists
   and large system messages, stored once however many calls refer to them. ``call_json``
-  lists which call refers to which; deleting a rollout deletes the texts no other call
+  lists which call refers to which, except texts that one of the call's prompt ancestors
+  refers to (the writer leaves those out when it remembers them, ``sqlite_puts``): every read
+  of a call reads its ancestors' texts too. Deleting a rollout deletes the texts no other call
   refers to, in the same transaction. The writer remembers the addresses it stored (until any
   other write transaction, which may delete) and writes only the reference for those.
 - ``rollouts``: first-seen time, the number of calls (``num_calls``, kept by every put and

@@ -16,10 +16,18 @@ transaction back. The store's count of calls (``counters``) is updated once per 
 
 What the writer remembers (``keep``: no other process writes the store) spares it statements
 whose answer it knows: the JSON texts it stored, each rollout's prompt-parent index, and of
-each rollout it stored a call of, that it is not deleted, whether it is frozen, and the status
-and ``StoredMessages`` of its calls stored lately (a child's linked parent and prompt parent).
-Every other write transaction (delete, freeze, retire, ...) forgets its rollout first
-(``SQLiteStore._transaction``).
+each rollout it stored a call of, that it is not deleted, whether it is frozen, and the status,
+``StoredMessages`` and the JSON texts its prompt ancestry refers to of its calls stored lately
+(a child's linked parent and prompt parent). Every other write transaction (delete, freeze,
+retire, ...) forgets its rollout first (``SQLiteStore._transaction``).
+
+A call's reference to a JSON text (``call_json``) is written unless its prompt parent or one of
+that call's prompt ancestors holds it (a session's tools list and system prompt: every call
+after the first refers to the texts its first call stored). Every read of a call reads its
+prompt ancestors' texts too (``sql.blobs_of`` over ``ANCESTRY``, the rollout, or
+``CHILDREN_ANCESTRY``), a prompt parent is a call of the same rollout, and only a delete of the
+whole rollout deletes references: what a read finds is the same, and a put writes two pages
+fewer (the ``call_json`` row and its index entry).
 
 Writer thread only. Must not: open connections or threads (``sqlite``'s).
 """
@@ -74,15 +82,25 @@ class _Known:
     """A rollout the writer stored a call of in this process (``keep`` only), as of that put:
     not deleted (a delete forgets it), ``frozen`` or not (a freeze forgets it), and of its calls
     stored since, the latest ``_KNOWN_CALLS_MAX``: call id -> (``CallStatus`` value,
-    ``StoredMessages``), what a child's put reads of its parents (neither changes once
+    ``StoredMessages``, the addresses of the JSON texts that ``call_json`` holds for the call
+    or one of its prompt ancestors), what a child's put reads of its parents (none changes once
     stored: a re-put keeps the original)."""
 
     frozen: bool
-    calls: dict[str, tuple[str, StoredMessages]] = field(default_factory=dict)
+    calls: dict[str, tuple[str, StoredMessages, frozenset[bytes]]] = field(default_factory=dict)
 
     def messages(self, call_id: str) -> StoredMessages | None:
         call = self.calls.get(call_id)
         return None if call is None else call[1]
+
+    def texts(self, call_id: str | None) -> frozenset[bytes]:
+        """The JSON texts a read of ``call_id`` finds through it and its prompt ancestors
+        (empty when not remembered)."""
+        call = None if call_id is None else self.calls.get(call_id)
+        return _NO_TEXTS if call is None else call[2]
+
+
+_NO_TEXTS: frozenset[bytes] = frozenset()
 
 
 def _is_prompt_parent(record: CallRecord) -> bool:
@@ -195,8 +213,9 @@ class SQLitePuts:
             cur = db.execute(_INSERT_CALL, (*column_values(enc), frozen, *own, block))
             inserted = bool(cur.rowcount)
             if inserted:
+                held = _NO_TEXTS if known is None else known.texts(enc.prompt_parent_call_id)
                 written = sql.encoded_bytes(enc) + sql.store_json(
-                    SQLITE, db, enc, known=stored_blobs
+                    SQLITE, db, enc, known=stored_blobs, held=held
                 )
                 written += image_rows.store_images(SQLITE, db, record)
             else:
@@ -225,7 +244,7 @@ class SQLitePuts:
 
         written, frozen, stored = body()
         if self.keep:  # no other writer (rolled back: ``forget``)
-            self._remember(record, frozen, stored, tokens_sha256, block_sha256)
+            self._remember(record, frozen, stored, tokens_sha256, block_sha256, known)
         return written, int(stored is not None)
 
     def _parent_status(
@@ -246,9 +265,11 @@ class SQLitePuts:
         stored: EncodedRecord | None,
         tokens_sha256: bytes,
         block_sha256: bytes,
+        before: _Known | None,
     ) -> None:
         """What a put that succeeded tells the writer (``keep`` only): the rollout's state,
-        and for a call inserted (``stored``) its status, texts and prefix."""
+        and for a call inserted (``stored``) its status, texts and prefix. ``before``: the
+        rollout as the put found it remembered (its prompt parent's texts)."""
         rollout_id = record.rollout_id
         known = self.rollouts.get(rollout_id)
         if known is None:
@@ -259,6 +280,11 @@ class SQLitePuts:
             self.rollouts.move_to_end(rollout_id)
         if stored is None:
             return
+        own = {bytes.fromhex(sha) for sha in stored.json_blobs}
+        # ``before`` is None when the put read the rollout's state (the parent's texts unknown:
+        # its references were all written)
+        held = _NO_TEXTS if before is None else before.texts(stored.prompt_parent_call_id)
+        texts = held if own <= held else held | own
         calls = known.calls
         calls[record.call_id] = (
             stored.status,
@@ -269,13 +295,14 @@ class SQLitePuts:
                 stored.num_messages,
                 stored.messages_chain,
             ),
+            texts,
         )
         if len(calls) > _KNOWN_CALLS_MAX:
             del calls[next(iter(calls))]
         stored_blobs = self.stored_blobs
         if len(stored_blobs) > _STORED_BLOBS_MAX:
             stored_blobs.clear()
-        stored_blobs.update(bytes.fromhex(sha) for sha in stored.json_blobs)
+        stored_blobs.update(own)
         if _is_prompt_parent(record):
             n = record.num_prompt_tokens + record.num_generation_tokens
             call = StoredPrefix(record.call_id, record.created_at, n, tokens_sha256)

@@ -1,7 +1,9 @@
 """What the SQLite writer remembers between puts (``sqlite_puts.SQLitePuts``: a rollout's state
 and its calls' statuses, the texts it stored, the prompt-parent index) spares statements and
-changes nothing stored: the same puts give the same rows as a writer that remembers nothing;
-every other write transaction forgets its rollout, and a failed transaction forgets all."""
+changes nothing read: the same puts give the same rows as a writer that remembers nothing (but
+the references to texts a call's prompt ancestors refer to, which every read of it reads
+through them); every other write transaction forgets its rollout, and a failed transaction
+forgets all."""
 
 from __future__ import annotations
 
@@ -11,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallStatus, Diagnostic, DiagnosticKind
 from capture_proxy.store.base import RolloutDeleted
 from capture_proxy.store.prompt_parents import _LOAD
+from capture_proxy.store.sql import ANCESTRY
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.core.test_codec_v2 import chain
 from tests.factories import record
@@ -21,15 +25,41 @@ from tests.store.conftest import rows
 from tests.store.test_chain_counts import _session
 from tests.store.test_group_commit import _hold_writer, _queued
 
-# Every table a put writes, whole, in a fixed order.
+# Every table a put writes, whole, in a fixed order (``call_json``: ``_texts_read``).
 _TABLES = (
     "SELECT * FROM calls ORDER BY call_id",
     "SELECT * FROM rollouts ORDER BY rollout_id",
-    "SELECT * FROM call_json ORDER BY call_id, sha256",
     "SELECT * FROM json_blobs ORDER BY sha256",
     "SELECT * FROM rollout_kinds ORDER BY rollout_id, kind",
     "SELECT * FROM counters ORDER BY name",
 )
+_TOOLS = [
+    [{"type": "function", "function": {"name": name, "description": name * 300}}]
+    for name in ("bash", "read")
+]
+
+
+def _texts_read(store: SQLiteStore) -> dict[str, list[tuple[Any, ...]]]:
+    """Per call, the texts a read of it finds (``call_json`` of it and its prompt ancestors)."""
+    return {
+        cid: rows(
+            store,
+            ANCESTRY.replace("?", f"'{cid}'")
+            + "SELECT DISTINCT sha256 FROM call_json WHERE call_id IN (SELECT id FROM anc) "
+            "ORDER BY sha256",
+        )
+        for (cid,) in rows(store, "SELECT call_id FROM calls")
+    }
+
+
+def _read(c: Any) -> tuple[Any, ...]:
+    """What a read of a call gives, comparable."""
+    return (c.call_id, c.request_tools, c.request_messages, c.prompt_token_ids.tolist())
+
+
+def _with_tools(calls: list[Any], rng: random.Random) -> list[Any]:
+    """``calls`` offering a tools list, the same one mostly, another one now and then."""
+    return [c.replace(request_tools=_TOOLS[int(rng.random() < 0.2)]) for c in calls]
 
 
 async def _open(path: Any) -> SQLiteStore:
@@ -60,7 +90,8 @@ async def test_a_remembering_writer_stores_what_a_forgetful_one_does(tmp_path):
     rng = random.Random(35)
     sessions = [_session(rng, f"v{i:02d}", rng.randint(1, 25)) for i in range(12)]
     sessions.append(chain(6))  # prompt parents and message prefixes
-    got = []
+    sessions = [_with_tools(calls, rng) if i % 3 else calls for i, calls in enumerate(sessions)]
+    got, texts, reads = [], [], []
     for name, forgetful in (("remembers", False), ("forgets", True)):
         store = await _open(tmp_path / name)
         try:
@@ -77,12 +108,18 @@ async def test_a_remembering_writer_stores_what_a_forgetful_one_does(tmp_path):
             with pytest.raises(RolloutDeleted):
                 await store.put_call(sessions[2][0])
             got.append([rows(store, sql) for sql in _TABLES])
+            texts.append(_texts_read(store))
+            reads.append(
+                [_read(c) for s in sessions for c in await store.get_rollout_calls(s[0].rollout_id)]
+            )
         finally:
             await store.close()
     # the freeze's random snapshot id and time differ; nothing else
-    for table in (0, 2, 3, 4, 5):
+    for table in (0, 2, 3, 4):
         assert got[0][table] == got[1][table]
     assert [r[:12] for r in got[0][1]] == [r[:12] for r in got[1][1]]
+    assert texts[0] == texts[1] and len(got[0][2]) == len(_TOOLS)
+    assert reads[0] == reads[1]
 
 
 async def test_a_known_rollout_deleted_or_frozen_since_is_read_again(tmp_path):
@@ -134,6 +171,50 @@ async def test_a_refused_put_alone_rolls_back_and_keeps_the_writers_memory(tmp_p
         assert row == [(first.call_id,)]
         info = await store.get_rollout(first.rollout_id)
         assert info is not None and info.num_chains == 1 and info.num_calls == 2
+    finally:
+        await store.close()
+
+
+async def test_a_call_refers_to_no_text_its_prompt_ancestors_refer_to(tmp_path):
+    # A session's calls offer the same tools list: its first call refers to the text, the
+    # others read it through their prompt ancestors; a call that offers another list refers to
+    # that one. Every read finds its call's texts; a delete keeps those another rollout uses.
+    store = await _open(tmp_path / "s")
+    try:
+        calls = [
+            c.replace(
+                request_tools=_TOOLS[int(i == 3)],
+                linking={"verdict": "root", "child_digest": f"d{i}"},
+            )
+            for i, c in enumerate(chain(6))
+        ]
+        other = record("o", [7], [8], rollout_id="r2").replace(request_tools=_TOOLS[0])
+        seen = await _statements(store)
+        for c in [*calls, other]:
+            await store.put_call(c)
+        tools, read = (rows(store, f"SELECT sha256 FROM json_blobs WHERE json LIKE '%{n}%'")
+                       for n in ("bash", "read"))  # fmt: skip
+        assert rows(store, "SELECT call_id, sha256 FROM call_json ORDER BY call_id") == [
+            ("c000", tools[0][0]),
+            ("c003", read[0][0]),
+            ("o", tools[0][0]),
+        ]
+        assert len([q for q in seen if q.startswith("INSERT INTO call_json")]) == 3
+        for c in calls:
+            assert (await store.get_call(c.call_id)).request_tools == c.request_tools
+            (child,) = await store.get_calls_by_child_digest("r1", c.linking["child_digest"])
+            assert child.request_tools == c.request_tools
+        assert [c.request_tools for c in await store.get_rollout_calls("r1")] == [
+            c.request_tools for c in calls
+        ]
+        # forgotten (another write of the rollout): the next call refers to its texts again
+        await store.set_metadata("r1", RolloutMetadata(task_id="x"))
+        late = record("c006", calls[-1].full_token_ids().tolist() + [5], [6], created_at=6.0)
+        await store.put_call(late.replace(request_tools=_TOOLS[0]))
+        assert rows(store, "SELECT count(*) FROM call_json WHERE call_id = 'c006'") == [(1,)]
+        assert await store.delete_rollout("r1") == 7
+        assert rows(store, "SELECT sha256 FROM json_blobs") == tools
+        assert (await store.get_call("o")).request_tools == _TOOLS[0]
     finally:
         await store.close()
 
