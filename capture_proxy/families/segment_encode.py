@@ -22,10 +22,10 @@ the tokenizer on every fixture template's renders and on hostile texts.
 from __future__ import annotations
 
 import re
-import threading
 from array import array
-from collections import OrderedDict
 from typing import Any
+
+from capture_proxy.families.locked_lru import LockedLru
 
 #: characters of pieces remembered (ids take 4 bytes each, about a quarter of a piece's size)
 CACHE_CHARS = 4_000_000
@@ -42,12 +42,8 @@ class SegmentEncoder:
         # so this is the tokenizer's leftmost-longest match.
         ordered = sorted(added, key=len, reverse=True)
         self._split = re.compile("|".join(re.escape(t) for t in ordered))
-        self._cache: OrderedDict[str, array[int]] = OrderedDict()
-        self._chars = 0
-        self._limit = cache_chars
-        # Renders run on the event loop and, when large, in worker threads: the cache's
-        # read-then-reorder and its character count change under one lock.
-        self._lock = threading.Lock()
+        #: each piece's ids, bounded by the pieces' characters
+        self._cache: LockedLru[str, array[int]] = LockedLru(cache_chars, lambda p, _: len(p))
 
     @classmethod
     def of(cls, backend: Any) -> SegmentEncoder | None:
@@ -67,20 +63,12 @@ class SegmentEncoder:
 
     def _piece(self, piece: str) -> array[int]:
         cache = self._cache
-        with self._lock:
-            ids = cache.get(piece)
-            if ids is not None:
-                cache.move_to_end(piece)
-                return ids
+        ids = cache.get(piece)
+        if ids is not None:
+            return ids
         ids = array("I", self._backend.encode(piece, add_special_tokens=False).ids)
-        if len(piece) <= self._limit // 4:
-            with self._lock:
-                if piece not in cache:
-                    cache[piece] = ids
-                    self._chars += len(piece)
-                while self._chars > self._limit:
-                    old, _ = cache.popitem(last=False)
-                    self._chars -= len(old)
+        if len(piece) <= cache.limit // 4:
+            cache.put(piece, ids)
         return ids
 
     def encode(self, text: str) -> list[int]:

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import inspect
 import marshal
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from capture_proxy.families.locked_lru import LockedLru
 from capture_proxy.families.segment_encode import SegmentEncoder
 
 #: the names a message's reasoning goes by, the first the standard one (transformers 5's
@@ -70,10 +69,8 @@ class MemoTojson:
         self, dumps: Callable[..., str], max_entries: int = 256, max_chars: int = 16384
     ) -> None:
         self.dumps = dumps
-        self.max_entries = max_entries
         self.max_chars = max_chars
-        self._texts: OrderedDict[bytes, str] = OrderedDict()
-        self._lock = threading.Lock()
+        self._texts: LockedLru[bytes, str] = LockedLru(max_entries, lambda _, __: 1)
 
     def __call__(
         self,
@@ -98,18 +95,11 @@ class MemoTojson:
             key = marshal.dumps(x, 2)
         except ValueError:  # not plain data: the filter says what it makes of it
             return self.dumps(x)
-        texts = self._texts
-        with self._lock:
-            text = texts.get(key)
-            if text is not None:
-                texts.move_to_end(key)
-                return text
-        text = self.dumps(x)
-        if len(key) <= self.max_chars and len(text) <= self.max_chars:
-            with self._lock:
-                texts[key] = text
-                if len(texts) > self.max_entries:
-                    texts.popitem(last=False)
+        text = self._texts.get(key)
+        if text is None:
+            text = self.dumps(x)
+            if len(key) <= self.max_chars and len(text) <= self.max_chars:
+                self._texts.put(key, text)
         return text
 
 
