@@ -29,6 +29,7 @@ from capture_proxy.scripted_engine.weights import WEIGHTS
 from tests.proxy.conftest import CAPTURE
 from tests.proxy.test_capture import USER, _body
 from tests.proxy.test_many_engines import url
+from tests.support.listening import until_refused
 
 #: The bound of every wait (start-up, a read, the stop).
 DEADLINE_S = 60.0
@@ -132,20 +133,6 @@ async def _connections(
     return three, others[0] if others else None
 
 
-async def _until_refused(port: int) -> None:
-    """Poll until a new connection is refused (one taken before the stop is closed again)."""
-    async with asyncio.timeout(DEADLINE_S):
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-            except ConnectionRefusedError:
-                return
-            except ConnectionResetError:  # taken in as the socket closed: reset with it
-                continue
-            writer.close()
-            await asyncio.sleep(0.01)
-
-
 async def _closed_cleanly(reader: asyncio.StreamReader) -> bytes:
     """What is left on the connection until the proxy closes it; a reset raises."""
     async with asyncio.timeout(DEADLINE_S):
@@ -174,7 +161,7 @@ async def test_a_stop_answers_kept_alive_connections_refuses_new_ones_and_ends_t
         call_id = stream_headers["x-capture-call-id"]
 
         proc.send_signal(signal.SIGTERM)
-        await _until_refused(port)
+        await until_refused(port, DEADLINE_S)
 
         openai.writer.write(_request("POST", CAPTURE.format(rollout="r2"), port, _body(list(USER))))
         status, headers, body = await _response(openai.reader)

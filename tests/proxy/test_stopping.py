@@ -25,6 +25,7 @@ from capture_proxy.scripted_engine.weights import WEIGHTS
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.proxy.conftest import CAPTURE, MakeStack, ProxyTestServer
 from tests.proxy.test_capture import USER, _body
+from tests.support.listening import until_refused
 
 
 async def test_a_stop_cuts_a_call_on_a_hung_engine_at_its_bound_and_stores_it(
@@ -126,16 +127,7 @@ async def test_during_a_stop_new_requests_get_503_in_their_apis_shape_and_an_ans
         async with asyncio.timeout(10):
             await weights.held.wait()  # the whole answer is under way, held at the engine
         closing = asyncio.create_task(server.close())
-        async with asyncio.timeout(10):  # the stop has begun once the socket refuses
-            while True:
-                try:
-                    _, writer = await asyncio.open_connection("127.0.0.1", server.port)
-                except ConnectionRefusedError:
-                    break
-                except ConnectionResetError:  # taken in as the socket closed: reset with it
-                    continue
-                writer.close()
-                await asyncio.sleep(0.01)
+        await until_refused(server.port, 10)  # the stop has begun once the socket refuses
 
         # A forwarded (uncaptured) Anthropic path: Anthropic's shape, nothing forwarded.
         body = {"model": "scripted-qwen", "max_tokens": 8, "messages": USER[1:]}
