@@ -89,7 +89,12 @@ async def _stack(aiohttp_client, tmp_path, **settings: Any):
     store_dir = tmp_path / "store"
     cfg = Settings(backend=VLLM_URL, store=store_dir, **settings)
     client = await aiohttp_client(build_proxy_app(cfg, SQLiteStore(store_dir)))
-    with httpx.Client(base_url=VLLM_URL, timeout=120) as engine:
+    # An idle connection is dropped after 1 s, well before vLLM's (uvicorn's 5 s keep-alive):
+    # httpx's default expiry is also 5 s, and a request sent on a connection the engine was
+    # closing that instant fails with "Server disconnected without sending a response" (the
+    # proxy's own upstream session does the same, ``upstream_keepalive_timeout_s``).
+    limits = httpx.Limits(keepalive_expiry=1.0)
+    with httpx.Client(base_url=VLLM_URL, timeout=120, limits=limits) as engine:
         yield RealStack(client, engine, VLLM_MODEL)
 
 
