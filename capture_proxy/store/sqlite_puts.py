@@ -139,9 +139,9 @@ class SQLitePuts:
         self, db: sqlite3.Connection, items: list[tuple[Any, ...]]
     ) -> list[tuple[int | None, BaseException | None]]:
         """Store ``items`` (``(record, request, digests)`` each: see ``one``) in one
-        transaction: per item the bytes
-        written or the error that refused it. Raises what fails the transaction itself (the
-        commit, or an error after which SQLite rolled it back): no item is stored then."""
+        transaction: per item the bytes written or the error that refused it. Raises what fails
+        the transaction itself (the commit, or an error after which SQLite rolled it back): no
+        item is stored then."""
         outcomes: list[tuple[int | None, BaseException | None]] = []
         alone = len(items) == 1  # its refusal rolls the transaction back: no savepoint
         inserted = 0
