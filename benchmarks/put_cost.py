@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import hashlib
 import json
 import math
@@ -177,14 +178,35 @@ def workload(rollouts: int, turns: int, experts: bool, first: int = 0) -> list[A
     return calls
 
 
-def main_thread_work(record: Any) -> Any:
-    """What the proxy's main thread does with the record's data shortly before the put (and
-    so what is in the caches when the writer reads it): the ``RequestEncoding`` computed
-    ahead, and the linker's digest of the prompt (verification). Not measured."""
+def main_thread_work(record: Any) -> tuple[Any, ...]:
+    """What the proxy's main thread does with the record's data before the put (and so what
+    is in the caches when the writer reads it), as ``put_call``'s arguments after the record:
+    the ``RequestEncoding`` computed ahead, and the linker's digests of the prompt
+    (verification: ``RecordDigests`` with the block states made when the call has a parent,
+    handed to the put when the tree's ``put_call`` takes them; else the prompt's digest, the
+    caches' state). Not measured."""
     from capture_proxy.core.codec import RequestEncoding
 
-    hashlib.sha256(record.prompt_token_ids).digest()
-    return RequestEncoding.of(record.request_messages, record.request_tools)
+    request = RequestEncoding.of(record.request_messages, record.request_tools)
+    if not _takes_digests():
+        hashlib.sha256(record.prompt_token_ids).digest()
+        return (request,)
+    from capture_proxy.core.linking.record_digests import RecordDigests
+
+    digests = RecordDigests(record)
+    if record.parent_call_id is not None:  # verification checked the parent's tokens
+        digests.extends(record.num_prompt_tokens, b"")
+    return request, digests
+
+
+@functools.cache
+def _takes_digests() -> bool:
+    """Whether this tree's ``put_call`` takes the proxy's ``RecordDigests``."""
+    import inspect
+
+    from capture_proxy.store.threaded import ThreadedStore
+
+    return "digests" in inspect.signature(ThreadedStore.put_call).parameters
 
 
 def _thread_usage() -> tuple[float, float]:
@@ -240,7 +262,7 @@ async def measure(
         wal0 = wal.stat().st_size if wal.exists() else 0
         u0, s0 = await writer.run(_thread_usage)
         for record in calls:
-            await store.put_call(record, main_thread_work(record))
+            await store.put_call(record, *main_thread_work(record))
         u1, s1 = await writer.run(_thread_usage)
         page_size = await store._write_hop(lambda db: db.execute("PRAGMA page_size").fetchone()[0])
         wal1 = wal.stat().st_size
@@ -295,7 +317,7 @@ async def measure_pg(calls: list[Any], url: str, server_pid: int) -> dict[str, f
         assert tid is not None
         c0, s0 = _task_cpu_ns(tid), _tree_cpu_s(server_pid)
         for record in calls:
-            await store.put_call(record, main_thread_work(record))
+            await store.put_call(record, *main_thread_work(record))
         c1, s1 = _task_cpu_ns(tid), _tree_cpu_s(server_pid)
     finally:
         await store.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
@@ -161,9 +162,13 @@ COLUMNS: tuple[str, ...] = tuple(
 )
 
 
+_COLUMN_VALUES = operator.attrgetter(*COLUMNS)
+
+
 def column_values(encoded: EncodedRecord) -> tuple[Any, ...]:
     """The values of ``COLUMNS`` (no deep copy, unlike ``dataclasses.astuple``)."""
-    return tuple(getattr(encoded, name) for name in COLUMNS)
+    values: tuple[Any, ...] = _COLUMN_VALUES(encoded)
+    return values
 
 
 #: One encoder for every canonical text (``json.dumps`` with options builds one per call).

@@ -95,7 +95,8 @@ class CallExecutor:
         self._next_piece: asyncio.Future[bytes] | None = None
         #: the engine's weight-version epoch as this call last saw it
         self._epoch = -1
-        #: the digests of the record verification saw, for indexing it (``Remember``)
+        #: the digests of the record verification saw, for storing (``Persist``: the store's
+        #: put takes its token digests) and indexing it (``Remember``)
         self._digests: RecordDigests | None = None
         #: the harness left, as a look at its connection found (``_look``); the timer's next
         self.left = False
@@ -432,7 +433,7 @@ class CallExecutor:
         return ev.Verified(record)
 
     async def _persist(self, c: cmd.Persist) -> ev.Persisted:
-        written, error = await self.deps.recorder.persist_call(c.record, c.request)
+        written, error = await self.deps.recorder.persist_call(c.record, c.request, self._digests)
         self._written = written
         self.request[STORED_AS_KEY] = stored_as(c.record.status, written)
         return ev.Persisted(written is StoreWrite.STORED, written is StoreWrite.REFUSED, error)

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.proxy.losses import LossLedger
 from capture_proxy.proxy.metrics import Metrics
@@ -121,13 +122,17 @@ class Recorder:
         return (await self.persist_call(record, request))[0]
 
     async def persist_call(
-        self, record: CallRecord, request: RequestEncoding | None = None
+        self,
+        record: CallRecord,
+        request: RequestEncoding | None = None,
+        digests: RecordDigests | None = None,
     ) -> tuple[StoreWrite, str | None]:
-        """``persist``, and the store's error (its text) when the write failed."""
+        """``persist``, and the store's error (its text) when the write failed. ``digests``:
+        the record's ``RecordDigests`` (verification's), handed to the store's put."""
         self.metrics.observe_call(record, record.prompt_mode or self.prompt_mode_for(record.model))
         started = time.perf_counter()
         try:
-            written = await self.store.put_call(record, request)
+            written = await self.store.put_call(record, request, digests)
         except RolloutDeleted:
             self.metrics.observe_store_write(time.perf_counter() - started, None)
             self.stats.late_calls_refused += 1

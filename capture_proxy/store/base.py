@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.images import PromptImage
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 
@@ -196,11 +197,16 @@ class CaptureStore(Protocol):
     async def close(self) -> None: ...
 
     async def put_call(
-        self, record: CallRecord, request: RequestEncoding | None = None
+        self,
+        record: CallRecord,
+        request: RequestEncoding | None = None,
+        digests: RecordDigests | None = None,
     ) -> int | None:
-        """Store a record durably (``request``: its ``RequestEncoding``, if computed ahead).
-        Returns the bytes written, or None when the store does not know (metrics only).
-        Raises ConflictingRecord, RolloutDeleted or StoreError."""
+        """Store a record durably (``request``: its ``RequestEncoding``, if computed ahead;
+        ``digests``: its ``RecordDigests``, the proxy's, whose token digests a store may take
+        instead of hashing the prompt again). Returns the bytes written, or None when the store
+        does not know (metrics only). Raises ConflictingRecord, RolloutDeleted or
+        StoreError."""
 
     async def mark_rollout_incomplete(self, rollout_id: str, diagnostic: Diagnostic) -> None:
         """Flag a rollout as incomplete with a rollout-level diagnostic (kept once per kind);

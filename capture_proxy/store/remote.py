@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.records import CallRecord
 from capture_proxy.store.base import StoreError
@@ -377,7 +378,13 @@ class WorkerStore(SQLiteStore):
             raise StoreError(str(exc)) from None
         return result
 
-    async def _put_hop(self, record: CallRecord, request: RequestEncoding | None) -> int | None:
+    async def _put_hop(
+        self,
+        record: CallRecord,
+        request: RequestEncoding | None,
+        digests: RecordDigests | None = None,
+    ) -> int | None:
+        # ``digests`` stay here: SHA-256 states do not pickle (the supervisor hashes)
         try:
             written, stamp = await self._writer_link().request("_put", (record, request))
         except WriterLost:

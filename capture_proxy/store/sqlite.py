@@ -80,6 +80,7 @@ from typing import IO, Any, Literal, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.stored import StoredCall, of_row
 from capture_proxy.core.records import CallRecord
 from capture_proxy.store import lifecycle
@@ -305,11 +306,16 @@ class SQLiteStore(SQLStore):
 
     # --- writes (writer thread) ----------------------------------------------------------
 
-    async def _put_hop(self, record: CallRecord, request: RequestEncoding | None) -> int | None:
+    async def _put_hop(
+        self,
+        record: CallRecord,
+        request: RequestEncoding | None,
+        digests: RecordDigests | None = None,
+    ) -> int | None:
         """One put, committed with the puts queued behind it (``SQLitePuts.group``)."""
         if self._writer is None:
             raise StoreError("store is not open")
-        return await self._writer.run_grouped(self._put_group, record, request)  # type: ignore[no-any-return]
+        return await self._writer.run_grouped(self._put_group, record, request, digests)  # type: ignore[no-any-return]
 
     def _put_group(
         self, items: list[tuple[Any, ...]]
@@ -323,7 +329,7 @@ class SQLiteStore(SQLStore):
     ) -> int:
         """Store one record in its own transaction (writer thread); the bytes new to the
         store."""
-        ((written, error),) = self._puts.group(db, [(record, request)])
+        ((written, error),) = self._puts.group(db, [(record, request, None)])
         if error is not None:
             raise error
         assert written is not None

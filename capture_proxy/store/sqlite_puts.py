@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from capture_proxy.core.codec import RequestEncoding
-from capture_proxy.core.prefixes import StoredPrefix, block_states, token_digests
+from capture_proxy.core.linking.record_digests import RecordDigests, token_states
+from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.stored_form import (
     COLUMNS,
@@ -137,19 +138,20 @@ class SQLitePuts:
     def group(
         self, db: sqlite3.Connection, items: list[tuple[Any, ...]]
     ) -> list[tuple[int | None, BaseException | None]]:
-        """Store ``items`` (``(record, request)`` each) in one transaction: per item the bytes
-        written or the error that refused it. Raises what fails the transaction itself (the
-        commit, or an error after which SQLite rolled it back): no item is stored then."""
+        """Store ``items`` (``(record, request, digests)`` each: see ``one``) in one
+        transaction: per item the bytes written or the error that refused it. Raises what fails
+        the transaction itself (the commit, or an error after which SQLite rolled it back): no
+        item is stored then."""
         outcomes: list[tuple[int | None, BaseException | None]] = []
         alone = len(items) == 1  # its refusal rolls the transaction back: no savepoint
         inserted = 0
         db.execute("BEGIN IMMEDIATE")
         try:
-            for record, request in items:
+            for record, request, digests in items:
                 if not alone:
                     db.execute("SAVEPOINT put")
                 try:
-                    written, new = self.one(db, record, request)
+                    written, new = self.one(db, record, request, digests)
                 except Exception as exc:
                     if not db.in_transaction:
                         raise  # SQLite rolled the whole transaction back
@@ -175,16 +177,22 @@ class SQLitePuts:
         return outcomes
 
     def one(
-        self, db: sqlite3.Connection, record: CallRecord, request: RequestEncoding | None
+        self,
+        db: sqlite3.Connection,
+        record: CallRecord,
+        request: RequestEncoding | None,
+        digests: RecordDigests | None = None,
     ) -> tuple[int, int]:
         """Store one record inside the open transaction: the bytes new to the store, and 1
-        when the call is new (0: a re-put), which the caller adds to the store's count."""
+        when the call is new (0: a re-put), which the caller adds to the store's count.
+        ``digests``: the proxy's ``RecordDigests`` of the record (taken when they are of its
+        very arrays: the prompt is not hashed again here), or None."""
         stored_blobs = self.stored_blobs
         prompt_parents = self.prompt_parents
         rollout_id = record.rollout_id
         prompt = record.prompt_token_ids
-        states = block_states(prompt)  # the prompt hashed once: parent, digests
-        tokens_sha256, block_sha256 = token_digests(prompt, record.generation_token_ids, states)
+        # the prompt hashed once (or not at all here): parent, digests
+        states, tokens_sha256, block_sha256 = token_states(record, digests)
         known = self.rollouts.get(rollout_id) if self.keep else None
 
         def body() -> tuple[int, bool, EncodedRecord | None]:

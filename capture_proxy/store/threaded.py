@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.images import PromptImage
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 from capture_proxy.store.base import Retirement, RolloutInfo, Snapshot, StoreError
@@ -63,9 +64,15 @@ class ThreadedStore:
         """Run ``fn(connection, *args)`` where the store reads (one hop)."""
         raise NotImplementedError
 
-    async def _put_hop(self, record: CallRecord, request: RequestEncoding | None) -> int | None:
+    async def _put_hop(
+        self,
+        record: CallRecord,
+        request: RequestEncoding | None,
+        digests: RecordDigests | None = None,
+    ) -> int | None:
         """Store one record where the store writes (one hop); a store may commit several
-        records' puts together (SQLite: group commit), answering each after its commit."""
+        records' puts together (SQLite: group commit), answering each after its commit.
+        ``digests``: see ``put_call`` (PostgreSQL's put hashes the prompt itself)."""
         return await self._write_hop(self._put, record, request)
 
     async def _write(self, what: str, fn: Callable[..., T], *args: Any) -> T:
@@ -83,18 +90,24 @@ class ThreadedStore:
     # --- writes --------------------------------------------------------------------------
 
     async def put_call(
-        self, record: CallRecord, request: RequestEncoding | None = None
+        self,
+        record: CallRecord,
+        request: RequestEncoding | None = None,
+        digests: RecordDigests | None = None,
     ) -> int | None:
         """Store ``record`` durably (committed before returning). ``request``: the record's
         ``RequestEncoding`` if the caller computed it ahead (used when it belongs to the
-        record, see ``RequestEncoding.belongs_to``). Returns the bytes written when the store
+        record, see ``RequestEncoding.belongs_to``). ``digests``: the record's
+        ``RecordDigests`` (verification's), whose prompt block states and token key a put
+        takes when they are of the record's very arrays (``record_digests.token_states``).
+        Returns the bytes written when the store
         counts them (SQLite: the record's metadata, arrays and message delta and the JSON
         texts new to the store, 0 for a re-put), else None.
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on failure."""
         try:
-            return await self._put_hop(record, request)
+            return await self._put_hop(record, request, digests)
         except self._driver_error as exc:
             raise StoreError(f"storing call {record.call_id} failed: {exc}") from exc
 

@@ -19,9 +19,11 @@ from capture_proxy.core.codec import (
 from capture_proxy.core.record_migrations import migrate
 from capture_proxy.core.records import CallRecord
 from capture_proxy.core.stored_form import (
+    COLUMNS,
     CorruptRecord,
     MessageDigests,
     StoredMessages,
+    column_values,
     common_messages_prefix,
 )
 from tests.core.test_codec_v2 import assert_same, chain, v2_form
@@ -242,6 +244,10 @@ def test_a_request_encoding_belongs_only_to_the_same_objects():
     assert not ahead.belongs_to(rec.replace(request_messages=rec.request_messages[:-1]))
     assert not ahead.belongs_to(rec.replace(request_tools=None))
     assert ahead.belongs_to(rec.replace(request_messages=list(rec.request_messages)))
+    # one message an equal copy (first or last), the tools the same object: not vouched for
+    first, *rest = rec.request_messages
+    assert not ahead.belongs_to(rec.replace(request_messages=[dict(first), *rest]))
+    assert not ahead.belongs_to(rec.replace(request_messages=[first, *rest[:-1], dict(rest[-1])]))
     with pytest.raises(ValueError, match="does not belong"):
         encode_record(equal_copies, request=ahead)
 
@@ -373,3 +379,13 @@ def test_received_values_are_inline_or_addressed_by_their_text_length_alone():
     assert fast[1]["tools"] == "f" * 64 and b1["f" * 64] == text
     slow = received_refs(received, b2 := {})
     assert slow[0] == fast[0] and set(slow[1] or {}) == by_text and len(b2) == len(b1)
+
+
+def test_column_values_are_the_columns_in_order():
+    rec = session(3)[2]
+    enc = encode_record(rec, prompt_parent=PromptParent("c001", 10), messages_prefix_len=2)
+    values = column_values(enc)
+    assert type(values) is tuple and len(values) == len(COLUMNS) == 20
+    assert values == tuple(getattr(enc, name) for name in COLUMNS)
+    assert COLUMNS[:3] == ("call_id", "rollout_id", "created_at") and "json_blobs" not in COLUMNS
+    assert values[:3] == (rec.call_id, rec.rollout_id, rec.created_at)

@@ -148,11 +148,11 @@ async def test_health_is_degraded_while_writes_fail_and_recovers_by_itself(make_
         full = True
         failures = 0
 
-        async def put_call(self, record, request=None):
+        async def put_call(self, record, request=None, digests=None):
             if self.full:
                 self.failures += 1
                 raise StoreError(f"database or disk is full (injected #{self.failures})")
-            return await super().put_call(record, request)
+            return await super().put_call(record, request, digests)
 
     store = FullThenFreed(tmp_path / "full")
     stack = await make_stack(store=store)

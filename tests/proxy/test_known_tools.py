@@ -57,9 +57,9 @@ class KeptStore(SQLiteStore):
         super().__init__(path)
         self.puts: list[tuple[CallRecord, RequestEncoding | None]] = []
 
-    async def put_call(self, record, request=None):
+    async def put_call(self, record, request=None, digests=None):
         self.puts.append((record, request))
-        await super().put_call(record, request)
+        await super().put_call(record, request, digests)
 
 
 @pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])

@@ -92,7 +92,7 @@ async def test_late_calls_are_counted_apart_from_store_failures(stack: Stack):
 
 async def test_the_recorder_counts_verdicts_refusal_classes_diagnostics_and_failures(tmp_path):
     class FailingStore(SQLiteStore):
-        async def put_call(self, record, request=None):  # type: ignore[override]
+        async def put_call(self, record, request=None, digests=None):  # type: ignore[override]
             raise OSError("disk gone")
 
     metrics = Metrics()

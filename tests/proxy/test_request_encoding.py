@@ -1,6 +1,7 @@
 """Streamed calls hand the store the request side of their record, encoded while the engine
-generated (``codec.RequestEncoding``), in both prompt modes; the store never computes it
-again for them, and the stored calls are all there (one chain in exact-token mode)."""
+generated (``codec.RequestEncoding``), and the token digests verification made
+(``RecordDigests``), in both prompt modes; the store never computes them again for them, and
+the stored calls are all there (one chain in exact-token mode)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,18 @@ from tests.proxy.test_exact_tokens import _session
 
 
 class HandedStore(SQLiteStore):
-    """Keeps, per ``put_call``, whether an encoding came with it and belonged to the record."""
+    """Keeps, per ``put_call``, whether an encoding came with it and belonged to the record,
+    and whether token digests came with it and were of its arrays."""
 
     def __init__(self, path) -> None:
         super().__init__(path)
         self.handed: list[bool | None] = []
+        self.digests: list[bool | None] = []
 
-    async def put_call(self, record, request=None):
+    async def put_call(self, record, request=None, digests=None):
         self.handed.append(None if request is None else request.belongs_to(record))
-        await super().put_call(record, request)
+        self.digests.append(None if digests is None else digests.same_tokens(record))
+        await super().put_call(record, request, digests)
 
 
 @pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
@@ -39,6 +43,7 @@ async def test_streamed_calls_hand_over_their_request_encoding(
     monkeypatch.setattr(RequestEncoding, "of", classmethod(counting))
     ids = await _session(stack, "r1", stream=True)
     assert store.handed == [True, True, True]
+    assert store.digests == [True, True, True]
     # once per call, in the proxy, from the messages' known facts; never again in the store
     assert computed == [(2, True), (4, True), (6, True)]
     chains = await stack.get_json("/captures/rollouts/r1/chains")

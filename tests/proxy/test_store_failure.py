@@ -40,10 +40,10 @@ class Switchable(SQLiteStore):
         super().__init__(*args, **kwargs)
         self.refused_marks: list[str] = []
 
-    async def put_call(self, record, request=None):
+    async def put_call(self, record, request=None, digests=None):
         if self.full:
             raise StoreError("database or disk is full (injected)")
-        return await super().put_call(record, request)
+        return await super().put_call(record, request, digests)
 
     async def mark_rollout_incomplete(self, rollout_id, diagnostic):
         if self.full:
@@ -235,7 +235,7 @@ async def test_answer_setting_marks_at_once_when_only_the_call_is_refused(
     make_stack: MakeStack, tmp_path
 ):
     class PutFails(SQLiteStore):
-        async def put_call(self, record, request=None):
+        async def put_call(self, record, request=None, digests=None):
             raise StoreError("injected")
 
     stack = await make_stack(store=PutFails(tmp_path / "putfails"), store_failure="answer")

@@ -7,14 +7,18 @@ answer, merged after its prefill when it continued one: ``prefill.offered_turn``
 for. Verification asks for them (a candidate's token digest, the child digest) and indexing
 asks again (the token key, the answer's digests alone): handed from one to the other, the
 prompt is hashed once, not once to verify and once to index, and the answer is canonicalised
-once. The values are those of
+once. The store's put takes them too (``token_states``: the block states choose the prompt
+parent, the token key is the row's ``tokens_sha256`` and block digest): the prompt is hashed
+once per call, not once more on the writer thread. The values are those of
 ``digests.extends_by_digest``, ``prefixes.token_digests``, ``digests.turn_payload`` and
 ``digests.turn_digests``: only where they are computed differs.
 
 It keeps the very arrays and answer it was made from, and answers for a record only when that
-record carries the same objects (``describes``: by identity, never by value, which would cost
-what it saves); the records of one call (``CallRecord.replace``) share them. Like a record's,
-its arrays are read-only. Pure: no I/O.
+record carries the same objects (``describes``, ``same_tokens``: by identity, never by value,
+which would cost what it saves); the records of one call (``CallRecord.replace``) share them.
+Like a record's, its arrays are read-only. What it fills in is the same whoever fills it
+first (the proxy's thread or the store's writer, one at a time: the put is awaited between
+verification and indexing). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -40,7 +44,16 @@ class RecordDigests:
     ``turn``: the turn it offers (its answer, merged after its prefill:
     ``prefill.continued_turn``; None: no answer)."""
 
-    __slots__ = ("prompt", "generation", "response", "turn", "_states", "_canonical", "_payload")
+    __slots__ = (
+        "prompt",
+        "generation",
+        "response",
+        "turn",
+        "_states",
+        "_key",
+        "_canonical",
+        "_payload",
+    )
 
     def __init__(self, record: CallRecord, prefill: Mapping[str, Any] | None = None) -> None:
         self.prompt = record.prompt_token_ids
@@ -53,18 +66,23 @@ class RecordDigests:
             turn = continued_turn(prefill, turn)
         self.turn = turn
         self._states: list[Any] | None = None
+        self._key: tuple[bytes, bytes] | None = None
         self._canonical: dict[str, Any] | None = None
         self._payload: str | None = None
 
     def describes(self, record: CallRecord) -> bool:
         """True when ``record`` carries the arrays and the answer these digests are of."""
-        return (
-            record.prompt_token_ids is self.prompt
-            and record.generation_token_ids is self.generation
-            and record.response_message is self.response
-        )
+        return self.same_tokens(record) and record.response_message is self.response
 
-    def _block_states(self) -> list[Any]:
+    def same_tokens(self, record: CallRecord) -> bool:
+        """True when ``record`` carries the very token arrays these digests are of (what
+        ``block_states`` and ``token_key`` depend on)."""
+        prompt, generation = record.prompt_token_ids, record.generation_token_ids
+        return prompt is self.prompt and generation is self.generation
+
+    def block_states(self) -> list[Any]:
+        """``prefixes.block_states(prompt)`` (SHA-256 states; never updated: copy one to go
+        on)."""
         if self._states is None:
             self._states = block_states(self.prompt)
         return self._states
@@ -80,13 +98,16 @@ class RecordDigests:
         if prompt.shape[0] < num_tokens:
             return False
         j = num_tokens // PREFIX_BLOCK
-        h = self._block_states()[j].copy()
+        h = self.block_states()[j].copy()
         h.update(u4_view(prompt[j * PREFIX_BLOCK : num_tokens]))
         return h.digest() == tokens_sha256
 
     def token_key(self) -> tuple[bytes, bytes]:
-        """``prefixes.token_digests(prompt, generation)``: ``(tokens_sha256, block_sha256)``."""
-        return token_digests(self.prompt, self.generation, self._block_states())
+        """``prefixes.token_digests(prompt, generation)``: ``(tokens_sha256, block_sha256)``,
+        32 bytes each."""
+        if self._key is None:
+            self._key = token_digests(self.prompt, self.generation, self.block_states())
+        return self._key
 
     def _canonical_answer(self) -> tuple[dict[str, Any], str]:
         if self._canonical is None or self._payload is None:
@@ -103,3 +124,16 @@ class RecordDigests:
     def answer_digests(self) -> tuple[str, str]:
         """``digests.turn_digests`` of the offered turn (the answer must not be None)."""
         return canonical_digests(*self._canonical_answer())
+
+
+def token_states(
+    record: CallRecord, digests: RecordDigests | None = None
+) -> tuple[list[Any], bytes, bytes]:
+    """What a store's put hashes of ``record``'s tokens: ``prefixes.block_states`` of its
+    prompt, and its ``prefixes.token_digests`` ``(tokens_sha256, block_sha256)``. From
+    ``digests`` (the proxy's, made for verification and indexing) when they are of the very
+    arrays ``record`` carries (``same_tokens``), else computed here."""
+    if digests is not None and digests.same_tokens(record):
+        return digests.block_states(), *digests.token_key()
+    states = block_states(record.prompt_token_ids)
+    return states, *token_digests(record.prompt_token_ids, record.generation_token_ids, states)

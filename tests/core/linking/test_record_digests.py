@@ -14,12 +14,12 @@ from capture_proxy.core.linking.digests import (
     turn_payload,
 )
 from capture_proxy.core.linking.index import LinkIndex, add_record
-from capture_proxy.core.linking.record_digests import RecordDigests
+from capture_proxy.core.linking.record_digests import RecordDigests, token_states
 from capture_proxy.core.linking.resolution import Candidate, Resolution
 from capture_proxy.core.linking.stored import of_record
 from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.linking.verification import verify_step
-from capture_proxy.core.prefixes import PREFIX_BLOCK, token_digests
+from capture_proxy.core.prefixes import PREFIX_BLOCK, block_states, token_digests
 from capture_proxy.core.records import CallRecord
 from tests.core.linking.test_digest_values import TOKEN_KEYS, prompt_of
 
@@ -139,3 +139,27 @@ def test_verification_fills_what_indexing_takes():
         results.append((verified.parent_call_id, verified.linking, of_record(verified, digests)))
     assert results[0] == results[1]
     assert results[0][0] == "c"
+
+
+@pytest.mark.parametrize("n", [0, 255, 256, 700])
+def test_token_states_take_the_digests_of_the_very_arrays_only(n):
+    record = _record(prompt_of(n))
+    fresh = token_states(record)
+    assert fresh[1:] == token_digests(record.prompt_token_ids, record.generation_token_ids)
+    assert [s.digest() for s in fresh[0]] == [s.digest() for s in block_states(prompt_of(n))]
+    assert len(fresh[0]) == n // PREFIX_BLOCK + 1
+    digests = RecordDigests(record)
+    states, *key = token_states(record.replace(parent_call_id="p"), digests)
+    assert states is digests.block_states() and tuple(key) == digests.token_key() == fresh[1:]
+    assert digests.token_key() is digests.token_key()  # made once
+    # equal values in other arrays: computed again, the same values
+    copied = record.replace(prompt_token_ids=record.prompt_token_ids.copy())
+    states, *key = token_states(copied, digests)
+    assert states is not digests.block_states() and tuple(key) == fresh[1:]
+    # other values: the record's own, never the digests'
+    other = record.replace(generation_token_ids=record.generation_token_ids + 1)
+    assert (
+        token_states(other, digests)[1:]
+        == token_digests(other.prompt_token_ids, other.generation_token_ids)
+        != fresh[1:]
+    )
