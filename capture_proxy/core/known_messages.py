@@ -52,7 +52,8 @@ class MessageFacts:
     ``core.requests``); ``chain``: ``(before, after)``, the chain digests
     (``stored_form.MessageDigests.chain``, 32 bytes each) before and after this message where
     ``message_digests`` last saw it (an agent's history repeats each message after the same
-    ones at every call: its chain digest is then not hashed again)."""
+    ones at every call: its chain digest is then not hashed again); ``linked``: the same for
+    the parent digest's chain (``linking.digests.history_digest``'s ``steps``: hex digests)."""
 
     key: bytes | None
     text: str | None
@@ -60,6 +61,7 @@ class MessageFacts:
     turn: str | None
     valid: bool = False
     chain: tuple[bytes, bytes] | None = None
+    linked: tuple[str, str] | None = None
 
     def same_value(self, other: MessageFacts) -> bool:
         """True when both are known to be the same JSON value (equal keys)."""
