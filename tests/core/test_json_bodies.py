@@ -59,6 +59,9 @@ def test_the_sampled_long_number_check_says_what_the_whole_translation_says():
             bodies.append(b"1" * offset + b"," + run + b"," + b"9" * 18)
             bodies.append(b"a" * offset + run + b"b" * 5 + run)
     bodies.append(b",".join(b"9007199254740991" for _ in range(40)))
+    # more digits in the sample than it looks around (the whole body is translated)
+    bodies.append(b"1," * 2000)
+    bodies.append(b"1," * 1000 + b"1" * 19 + b"1," * 1000)
     bodies.append(b",".join(b"9007199254740991" for _ in range(40)) + b",1234567890123456789")
     for raw in bodies:
         assert _holds_long_number(raw) is (_LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)), raw
