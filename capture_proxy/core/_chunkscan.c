@@ -882,42 +882,72 @@ typedef struct {
     const unsigned char *start, *end; /* the array's span in the body */
 } PromptIds;
 
-static int prompt_id_item(Cur *c, void *ctx, int depth) {
-    (void)depth;
-    PromptIds *pr = ctx;
-    uint64_t id = 0;
-    const unsigned char *digits = c->p;
-    while (c->p < c->end && *c->p >= '0' && *c->p <= '9') {
-        if (c->p - digits >= 10) return -1;
-        id = id * 10 + (uint64_t)(*c->p - '0');
-        c->p++;
+/* Room for one more id (the buffer doubled: 1,024 ids first). 0, or -2 with MemoryError. */
+static int grow_prompt_ids(PromptIds *pr) {
+    if (pr->cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(uint32_t)) {
+        PyErr_NoMemory(); /* (a size past any allocation: refused before it could wrap) */
+        return -2;
     }
-    if (c->p == digits || (*digits == '0' && c->p - digits > 1) || id > 0xFFFFFFFFu) return -1;
-    if (c->p < c->end && (*c->p == '.' || *c->p == 'e' || *c->p == 'E')) return -1;
-    if (pr->n == pr->cap) {
-        if (pr->cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(uint32_t)) {
-            PyErr_NoMemory(); /* (a size past any allocation: refused before it could wrap) */
-            return -2;
-        }
-        Py_ssize_t cap = pr->cap ? pr->cap * 2 : 1024;
-        uint32_t *grown = PyMem_Realloc(pr->ids, (size_t)cap * sizeof(uint32_t));
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -2;
-        }
-        pr->ids = grown;
-        pr->cap = cap;
+    Py_ssize_t cap = pr->cap ? pr->cap * 2 : 1024;
+    uint32_t *grown = PyMem_Realloc(pr->ids, (size_t)cap * sizeof(uint32_t));
+    if (grown == NULL) {
+        PyErr_NoMemory();
+        return -2;
     }
-    pr->ids[pr->n++] = (uint32_t)id;
+    pr->ids = grown;
+    pr->cap = cap;
     return 0;
+}
+
+#define IS_WS(ch) ((ch) == ' ' || (ch) == '\t' || (ch) == '\n' || (ch) == '\r')
+
+/* The prompt ids' array at c->p ('['): what walk_array(c, depth, <an item reader>, pr) does
+ * with an item reader that takes a plain integer from 0 to 2**32 - 1 (at most 10 digits, no
+ * leading zero, no fraction or exponent after it) and refuses anything else, in one loop over
+ * a local cursor (the per-item call, the cursor kept in memory and the bound checked at every
+ * byte cost more than half of the work on an agent's prompt of thousands of ids). The bytes
+ * must be a bytes object's whole buffer: its end is never compared, as every loop stops and
+ * every test fails at the NUL each bytes object ends with (not a digit, a space, a comma or
+ * a bracket), so none reads past it. 0 with c->p after the array; -1 refused (the cursor
+ * left anywhere); -2 error (MemoryError). */
+static int read_prompt_ids(Cur *c, PromptIds *pr) {
+    const unsigned char *p = c->p + 1;
+    while (IS_WS(*p)) p++;
+    if (*p == ']') {
+        c->p = p + 1;
+        return 0;
+    }
+    for (;;) {
+        const unsigned char *digits = p;
+        uint64_t id = 0;
+        while ((unsigned)(*p - '0') <= 9u) {
+            id = id * 10 + (uint64_t)(*p - '0');
+            p++;
+        }
+        Py_ssize_t len = p - digits;
+        /* (past 10 digits id may have wrapped: refused by its length first) */
+        if (len == 0 || len > 10 || (*digits == '0' && len > 1) || id > 0xFFFFFFFFu) return -1;
+        if (*p == '.' || *p == 'e' || *p == 'E') return -1;
+        if (pr->n == pr->cap && grow_prompt_ids(pr) < 0) return -2;
+        pr->ids[pr->n++] = (uint32_t)id;
+        while (IS_WS(*p)) p++;
+        if (*p == ']') {
+            c->p = p + 1;
+            return 0;
+        }
+        if (*p != ',') return -1;
+        p++;
+        while (IS_WS(*p)) p++;
+    }
 }
 
 static int prompt_top_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
     (void)index;
     PromptIds *pr = ctx;
     if (!key_is(key, "prompt_token_ids") || *c->p != '[') return scan_value(c, depth);
+    (void)depth; /* (its items are ids, whatever the depth) */
     pr->start = c->p;
-    int rc = walk_array(c, depth, prompt_id_item, pr);
+    int rc = read_prompt_ids(c, pr);
     pr->end = c->p;
     return rc;
 }

@@ -45,10 +45,40 @@ _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_NUMBER = b"0" * 19
 
 
+#: The stride of ``_holds_long_number``'s sample: a run of 19 digits holds a position that
+#: is a multiple of 19.
+_SAMPLE_STRIDE = 19
+#: Past this many digits in the sample, the whole body is translated at once.
+_MAX_SAMPLED_DIGITS = 64
+
 #: Deepest nesting of arrays and objects a request may have: what orjson serialises (it
 #: refuses deeper values, which is how a deep body is noticed without a walk over every
 #: request); no chat request comes near it.
 MAX_NESTING = 254
+
+
+def _holds_long_number(raw: bytes) -> bool:
+    """``_LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)``: ``raw`` holds a run of 19 digits.
+    Such a run holds a position that is a multiple of 19 (``_SAMPLE_STRIDE``): only the
+    digits at those positions are looked around (the 18 bytes either side hold every run of
+    19 through them; the pieces are joined by a comma, so no run spans two), the whole body
+    only when the sample has more than ``_MAX_SAMPLED_DIGITS``. An agent's request of tens of
+    KB of text is sampled, not translated whole (each ``translate`` also costs about a
+    microsecond whatever its length: one for the sample, one for the pieces)."""
+    sample = raw[::_SAMPLE_STRIDE].translate(_DIGITS_TO_ZERO)
+    digits = sample.count(b"0")
+    if not digits:
+        return False
+    if digits > _MAX_SAMPLED_DIGITS:
+        return _LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)
+    reach = len(_LONG_NUMBER) - 1
+    pieces = []
+    at = -1
+    for _ in range(digits):
+        at = sample.find(b"0", at + 1)
+        p = at * _SAMPLE_STRIDE
+        pieces.append(raw[max(p - reach, 0) : p + reach + 1])
+    return _LONG_NUMBER in b",".join(pieces).translate(_DIGITS_TO_ZERO)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -57,7 +87,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     orjson first (3-5x faster on agent histories of tens of KB); a body orjson refuses, or
     one with a 19-digit number, goes through the stdlib, which keeps big integers exact and
     names what is wrong."""
-    if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
+    if not _holds_long_number(raw):
         try:
             fast = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -65,8 +95,10 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         else:
             if isinstance(fast, dict):
                 # orjson refuses lone surrogates but takes 1,024 levels: deeper than
-                # MAX_NESTING is possible only with that many brackets.
-                if raw.count(b"[") + raw.count(b"{") > MAX_NESTING:
+                # MAX_NESTING is possible only with that many brackets. Past that many bytes,
+                # orjson's write (``check_text``) tells: cheaper than counting the brackets
+                # (about 3.6 against 9.6 instructions per byte on an agent's request).
+                if len(raw) > MAX_NESTING:
                     check_text(fast)
                 return fast
     try:

@@ -28,7 +28,13 @@ from typing import Any
 import orjson
 
 from capture_proxy.core.linking.digests import message_payload
-from capture_proxy.core.stored_form import MessageDigests, canonical_json, json_sha256_bytes
+from capture_proxy.core.stored_form import (
+    CHAIN_START,
+    MessageDigests,
+    canonical_json,
+    chain_step,
+    json_sha256_bytes,
+)
 
 #: Default bound (bytes of keys and texts): the histories of a few hundred long sessions.
 DEFAULT_MAX_BYTES = 128 * 1024 * 1024
@@ -43,13 +49,19 @@ class MessageFacts:
     none, e.g. NaN) and the SHA-256 of that text's UTF-8 bytes; ``turn``: what the message adds
     to the parent digest (``linking.message_payload``: an assistant turn's payload, another
     message's images; None: nothing); ``valid``: it passed chat-message validation (set by
-    ``core.requests``)."""
+    ``core.requests``); ``chain``: ``(before, after)``, the chain digests
+    (``stored_form.MessageDigests.chain``, 32 bytes each) before and after this message where
+    ``message_digests`` last saw it (an agent's history repeats each message after the same
+    ones at every call: its chain digest is then not hashed again); ``linked``: the same for
+    the parent digest's chain (``linking.digests.history_digest``'s ``steps``: hex digests)."""
 
     key: bytes | None
     text: str | None
     sha256: bytes | None
     turn: str | None
     valid: bool = False
+    chain: tuple[bytes, bytes] | None = None
+    linked: tuple[str, str] | None = None
 
     def same_value(self, other: MessageFacts) -> bool:
         """True when both are known to be the same JSON value (equal keys)."""
@@ -127,14 +139,23 @@ def _size(key: bytes, facts: MessageFacts) -> int:
 
 def message_digests(facts: Sequence[MessageFacts]) -> MessageDigests:
     """The ``stored_form.MessageDigests`` of the messages these are the facts of. Raises ValueError
-    when one has no canonical text (as ``MessageDigests.of`` does)."""
-    texts, digests = [], []
+    when one has no canonical text (as ``MessageDigests.of`` does). A message whose facts saw
+    the same chain digest before it last time (``MessageFacts.chain``) is not hashed again:
+    work for the history a call repeats is a lookup per message, not a SHA-256."""
+    texts, digests, chain = [], [], [CHAIN_START]
     for i, f in enumerate(facts):
         if f.text is None or f.sha256 is None:
             raise ValueError(f"message {i} has no canonical JSON text (NaN or infinity)")
         texts.append(f.text)
         digests.append(f.sha256)
-    return MessageDigests.of_texts(tuple(texts), tuple(digests))
+        before, seen = chain[-1], f.chain
+        if seen is not None and seen[0] == before:
+            chain.append(seen[1])
+        else:
+            after = chain_step(before, f.sha256)
+            f.chain = (before, after)
+            chain.append(after)
+    return MessageDigests(tuple(texts), tuple(digests), tuple(chain))
 
 
 def turn_payloads(facts: Sequence[MessageFacts]) -> list[str | None]:

@@ -128,12 +128,14 @@ def block_states(prompt: np.ndarray) -> list[Any]:
     """The SHA-256 states after ``prompt``'s first j whole blocks of ``PREFIX_BLOCK`` ids
     (``<u4`` bytes), j = 0 .. len // PREFIX_BLOCK, in one pass: what ``block_digests``,
     ``token_digests`` and ``PrefixIndex.deepest_call`` go on from, so that a put hashes its
-    prompt once."""
-    data = prompt.astype("<u4", copy=False)
+    prompt once. Each block is hashed in place (a slice of the prompt's ``u4_view``), not
+    copied out of the array first."""
+    data = u4_view(prompt)
     h = hashlib.sha256()
     states = [h.copy()]
-    for j in range(1, data.shape[0] // PREFIX_BLOCK + 1):
-        h.update(data[(j - 1) * PREFIX_BLOCK : j * PREFIX_BLOCK].tobytes())
+    step = 4 * PREFIX_BLOCK  # (bytes)
+    for start in range(0, (prompt.shape[0] // PREFIX_BLOCK) * step, step):
+        h.update(data[start : start + step])
         states.append(h.copy())
     return states
 

@@ -29,7 +29,8 @@ REF_ROLES = frozenset({"system", "developer"})
 REF_MIN_BYTES = 512
 
 DIGEST_LEN = 32
-_CHAIN_START = hashlib.sha256(b"").digest()
+#: ``MessageDigests.chain[0]``: the chain digest of no message
+CHAIN_START = hashlib.sha256(b"").digest()
 
 # Metadata keys of a v4 record, in the order they are written (``same_content`` compares the
 # text, so encoding and migration must agree on it).
@@ -294,13 +295,19 @@ class MessageDigests:
     def of_texts(cls, texts: tuple[str, ...], digests: tuple[bytes, ...]) -> MessageDigests:
         """From the messages' canonical texts and their SHA-256 digests (known already, e.g.
         ``known_messages.MessageFacts``): only the chain is computed."""
-        chain = [_CHAIN_START]
+        chain = [CHAIN_START]
         for d in digests:
-            chain.append(hashlib.sha256(chain[-1] + d).digest())
+            chain.append(chain_step(chain[-1], d))
         return cls(texts, digests, tuple(chain))
 
     def __len__(self) -> int:
         return len(self.texts)
+
+
+def chain_step(before: bytes, digest: bytes) -> bytes:
+    """``MessageDigests.chain[j]`` from ``chain[j-1]`` (``before``) and the SHA-256 of the
+    j-th message's text (``digest``), 32 bytes each."""
+    return hashlib.sha256(before + digest).digest()
 
 
 def token_digest(prompt: np.ndarray, generation: np.ndarray) -> bytes:

@@ -440,7 +440,7 @@ class CallExecutor:
 
     async def _remember(self, c: cmd.Remember) -> None:
         try:
-            await self.deps.linker.remember(c.record, c.message_facts, self._digests)
+            await self.deps.linker.remember(c.record, c.message_facts, self._digests, c.session)
         except Exception as exc:
             log.error("call %s: indexing failed: %s", c.record.call_id, exc)
 

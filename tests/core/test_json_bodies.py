@@ -2,7 +2,13 @@
 
 import pytest
 
-from capture_proxy.core.json_bodies import InvalidRequest, parse_json_object
+from capture_proxy.core.json_bodies import (
+    _DIGITS_TO_ZERO,
+    _LONG_NUMBER,
+    InvalidRequest,
+    _holds_long_number,
+    parse_json_object,
+)
 
 
 @pytest.mark.parametrize("raw", [b"{", b"[1]", b'{"a": NaN}', b"\xff\xfe"])
@@ -40,3 +46,52 @@ def test_numbers_past_64_bits_stay_exact_and_bad_json_is_named():
         with pytest.raises(InvalidRequest, match="out of the range of a double"):
             parse_json_object(raw)
     assert parse_json_object(b'{"x": 1.7976931348623157e308}') == {"x": 1.7976931348623157e308}
+
+
+def test_the_sampled_long_number_check_says_what_the_whole_translation_says():
+    # Every run length from 0 to 40 digits at every offset around the sample's positions,
+    # alone, between letters, twice, and among many short numbers (past the sample's bound).
+    bodies = []
+    for length in range(41):
+        for offset in range(40):
+            run = b"7" * length
+            bodies.append(b"x" * offset + run + b"y" * 23)
+            bodies.append(b"1" * offset + b"," + run + b"," + b"9" * 18)
+            bodies.append(b"a" * offset + run + b"b" * 5 + run)
+    bodies.append(b",".join(b"9007199254740991" for _ in range(40)))
+    # more digits in the sample than it looks around (the whole body is translated)
+    bodies.append(b"1," * 2000)
+    bodies.append(b"1," * 1000 + b"1" * 19 + b"1," * 1000)
+    bodies.append(b",".join(b"9007199254740991" for _ in range(40)) + b",1234567890123456789")
+    for raw in bodies:
+        assert _holds_long_number(raw) is (_LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)), raw
+
+
+@pytest.mark.parametrize("offset", range(19))
+def test_a_19_digit_run_is_found_at_every_offset_of_the_sample(offset):
+    # The check samples every 19th byte first: a run of 19 digits anywhere sends the body to
+    # the stdlib, which keeps the integer exact (orjson would make a float of it).
+    raw = b'{"pad": "' + b"x" * offset + b'", "a": -9223372036854775809, "b": "' + b"y" * 40 + b'"}'
+    assert parse_json_object(raw)["a"] == -(2**63) - 1
+    assert type(parse_json_object(raw)["a"]) is int
+    # numbers of up to 18 digits (OpenCode's tools carry 9007199254740991) take orjson
+    many = b'{"n": [' + b",".join(b"9007199254740991" for _ in range(50)) + b'], "pad": "'
+    many += b"x" * offset + b'"}'
+    assert parse_json_object(many) == {"n": [9007199254740991] * 50, "pad": "x" * offset}
+
+
+def test_a_deep_body_is_refused_however_few_its_brackets_outside_strings():
+    # The nesting check no longer counts brackets: orjson's write tells, for every body past
+    # MAX_NESTING bytes (a shallow one of many bytes passes).
+    deep = b'{"a": ' + b"[" * 255 + b"]" * 255 + b"}"
+    with pytest.raises(InvalidRequest, match="nests 256 levels"):
+        parse_json_object(deep)
+    shallow = b'{"a": "' + b"[" * 400 + b'"}'
+    assert parse_json_object(shallow) == {"a": "[" * 400}
+    # MAX_NESTING levels exactly (the object and 253 arrays) are accepted
+    value = parse_json_object(b'{"a": ' + b"[" * 253 + b"]" * 253 + b"}")["a"]
+    depth = 0
+    while value != []:
+        (value,) = value
+        depth += 1
+    assert depth == 252

@@ -212,3 +212,28 @@ def test_the_engine_echo_must_be_the_prompt_id_for_id(echo, matches):
         http_status=200,
     )
     assert (record.status is CallStatus.COMPLETE) is matches
+
+
+def test_message_digests_from_remembered_chain_steps_are_those_of_the_messages():
+    # A history's messages repeat after the same ones at each call (their chain step is
+    # remembered), and the same message may also stand elsewhere (another history, or moved):
+    # every answer is MessageDigests.of the messages, whatever was seen before.
+    known = KnownMessages()
+    system = {"role": "system", "content": "be brief"}
+    turns = [{"role": "user", "content": f"q{i}"} for i in range(6)]
+    histories = [
+        [system, *turns[:2]],
+        [system, *turns[:4]],
+        [system, *turns[:6]],
+        [turns[0], system, *turns[1:3]],  # the system message after another one
+        [system, *turns[:6]],
+        [*turns[:6]],
+        [system, *turns[:6]],
+    ]
+    for messages in histories:
+        facts = known.facts(messages)
+        assert message_digests(facts) == MessageDigests.of(messages)
+        assert facts[-1].chain == (
+            MessageDigests.of(messages).chain[-2],
+            MessageDigests.of(messages).chain[-1],
+        )

@@ -42,6 +42,25 @@ def test_token_digests_are_the_token_digest_and_the_digest_of_the_full_blocks():
     assert short_block == token_digest(prompt[:0], prompt[:0])
 
 
+def test_block_states_hash_each_block_of_any_layout_as_its_le_u4_bytes():
+    # in place, from the prompt's u4_view: a strided view, big-endian ids and int64 ids give
+    # the states of their ids as <u4 bytes, block by block
+    ids = np.arange(7 * B + 5, dtype=np.uint32) * 977
+    for prompt in (
+        ids[: 3 * B + 5],
+        ids[::2],
+        ids[:B].astype(">u4"),
+        ids[: 2 * B].astype(np.int64),
+    ):
+        states = block_states(prompt)
+        assert len(states) == prompt.shape[0] // B + 1
+        flat = np.asarray(prompt, dtype=np.uint32)
+        assert [s.digest() for s in states] == [
+            token_digest(flat[: j * B], flat[:0]) for j in range(len(states))
+        ]
+    assert [s.digest() for s in block_states(ids[: B - 1])] == [token_digest(ids[:0], ids[:0])]
+
+
 def test_deepest_call_across_blocks_then_earliest_then_smallest_id():
     base = list(range(1000, 1000 + 3 * B))
     index = PrefixIndex()

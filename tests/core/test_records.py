@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from capture_proxy.core.assembly import CallContext, ChatCaptureAssembler
-from capture_proxy.core.records import CallStatus, as_log_prob_array, as_token_array
+from capture_proxy.core.records import CallStatus, as_log_prob_array, as_token_array, ids_array
 
 
 def test_log_probs_are_float32_exactly_as_assigned_one_by_one():
@@ -129,3 +129,25 @@ def test_a_bad_prompt_settled_early_makes_the_record_incomplete_and_names_it():
     [diag] = [d for d in rec.diagnostics if d.kind == "capture_incomplete"]
     assert diag.details["reasons"] == ["prompt_token_ids[1]: expected a token id (uint32), got 'x'"]
     assert rec.generation_token_ids.tolist() == [5, 6]  # what arrived is kept
+
+
+def test_ids_array_is_numpys_conversion_of_a_renderers_ids():
+    for ids in (
+        [],
+        [0, 1, 2**32 - 1, 151643],
+        list(range(5000)),
+        [True, 2],
+        [1.5, 2.0],
+        (3, 4),
+        np.arange(4, dtype=np.int64),
+        [np.int64(7), 8],
+    ):
+        got, want = ids_array(ids), np.asarray(ids, dtype=np.uint32)
+        assert got.dtype == want.dtype == np.uint32
+        assert got.tolist() == want.tolist()
+        assert got.flags.writeable and got.flags.c_contiguous
+    for bad in ([-1], [2**32], [0, 2**70]):
+        with pytest.raises(OverflowError) as numpy_says:
+            np.asarray(bad, dtype=np.uint32)
+        with pytest.raises(OverflowError, match=str(numpy_says.value)):
+            ids_array(bad)

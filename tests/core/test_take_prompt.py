@@ -108,6 +108,31 @@ def test_what_is_left_to_the_python_path() -> None:
         chunk_scan.take_prompt("{}")  # type: ignore[arg-type]
 
 
+@needs_module
+def test_a_body_cut_or_broken_anywhere_in_the_ids_is_left_to_the_python_path() -> None:
+    # The ids are read up to the NUL every bytes object ends with, never past it: a body cut
+    # at any byte, a NUL or another byte in place of any byte of the array, a run of digits
+    # past any id's length, are each left (or, where still strict JSON, read as the Python
+    # path reads them).
+    whole = b'{"prompt_token_ids": [7,\t42 ,\r\n4294967295,0, 151643]}'
+    for cut in range(len(whole)):
+        assert chunk_scan.take_prompt(whole[:cut]) == (whole[:cut], None), whole[:cut]
+    start = whole.index(b"[")
+    for at in range(start, len(whole) - 1):
+        for byte in (b"\x00", b"x", b"-", b"]", b",", b" ", b"9", b"0", b"."):
+            raw = whole[:at] + byte + whole[at + 1 :]
+            _agree(raw)  # (asserts: taken as the Python path reads it, else left whole)
+    for digits in (b"1" * 10, b"1" * 11, b"9" * 30, b"4294967296", b"0" * 3):
+        raw = b'{"prompt_token_ids":[' + digits + b"]}"
+        taken = chunk_scan.take_prompt(raw)[1]
+        assert (taken.tolist() if taken is not None else None) == (
+            [1111111111] if digits == b"1" * 10 else None
+        ), digits
+    rest, ids = chunk_scan.take_prompt(whole)
+    assert rest == b'{"prompt_token_ids": null}'
+    assert ids is not None and ids.tolist() == [7, 42, 2**32 - 1, 0, 151643]
+
+
 _id = st.one_of(
     st.integers(0, 2**32 - 1),
     st.sampled_from([0, 2**32 - 1, 2**31]),

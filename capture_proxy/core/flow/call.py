@@ -87,6 +87,9 @@ class Call:
     #: the model an answer names when the request names none (exact-token mode: the
     #: engine's served model, since OpenAI's schema requires a string)
     served_model: str | None = None
+    #: the harness session the request names (``core.sessions.session_key`` of
+    #: ``ctx.request_received`` and ``ctx.session_headers``; None: none)
+    session: tuple[str, str] | None = None
 
     @property
     def answer_model(self) -> str | None:
@@ -165,7 +168,7 @@ def finish(
     persisted: Persisted = yield Persist(record, request)
     if persisted.ok:
         # (facts that do not fit the record's messages are not kept: RecentCalls.put)
-        yield Remember(record, prepared.message_facts)
+        yield Remember(record, prepared.message_facts, call.session)
     elif persisted.refused and record.status is not CallStatus.FAILED:
         # DESIGN.md, flow step 8: no success for a call nobody can train on.
         raise StoreUnavailable(call.ctx.call_id, persisted.reason)

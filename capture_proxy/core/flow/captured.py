@@ -80,6 +80,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
     prepared = prepare_request(
         chat, start.notes, start.message_facts, start.front_request.tools_facts
     )
+    session = session_key(start.front_request.received, start.session_headers)
     reply = yield Resolve(
         start.rollout_id,
         prepared.linking_messages,
@@ -88,7 +89,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         start.created_at,
         prepared.linking_facts,
         prepared.tools_facts,
-        session_key(start.front_request.received, start.session_headers),
+        session,
         retry_requested(start.retry_count),
     )
     if isinstance(reply, Resolved):
@@ -119,7 +120,15 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         prompt_mode="backend_template" if exact is None else "exact_tokens",
         vision=start.vision,
     )
-    call = Call(start.front, start.front_request, ctx, prepared, resolution, start.retry_count)
+    call = Call(
+        start.front,
+        start.front_request,
+        ctx,
+        prepared,
+        resolution,
+        start.retry_count,
+        session=session,
+    )
     if exact is None:
         return (yield from template_call(call, start.clock))
     return (yield from exact_call(call, exact, start.known, start.clock))

@@ -202,3 +202,6 @@ class Remember(Command):
 
     record: CallRecord
     message_facts: tuple[MessageFacts, ...] | None
+    #: the harness session its request names, as read for ``Resolve`` (the record's own
+    #: ``request_received`` and ``session_headers`` name it: not read twice)
+    session: tuple[str, str] | None

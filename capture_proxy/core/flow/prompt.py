@@ -34,7 +34,7 @@ from capture_proxy.core.linking.prefill import (
     offered_turn,
 )
 from capture_proxy.core.linking.verdicts import TURN_REWRITTEN, Verdict
-from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic
+from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, ids_array
 from capture_proxy.core.routed_experts import rows_end
 from capture_proxy.core.splice import (
     SpliceRefused,
@@ -131,7 +131,7 @@ def _render(
         generation=generation and not continuation,
         continuation=continuation,
     )
-    return np.asarray(ids, dtype=np.uint32)
+    return ids_array(ids)
 
 
 def _render_tail(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -121,9 +121,7 @@ def image_payload(message: Mapping[str, Any]) -> str | None:
     content = message.get("content")
     if not isinstance(content, list):
         return None
-    shas = [
-        p.get("sha256") for p in content if isinstance(p, Mapping) and p.get("type") == "image"
-    ]
+    shas = [p.get("sha256") for p in content if isinstance(p, Mapping) and p.get("type") == "image"]
     return canonical_json({"images": shas}) if shas else None
 
 
@@ -164,17 +162,68 @@ def _chain(items: Sequence[str]) -> str:
     return digest
 
 
+class ChainStep(Protocol):
+    """Where one message remembers the step its item last took in a digest chain:
+    ``(digest before, digest after)`` (``known_messages.MessageFacts``)."""
+
+    linked: tuple[str, str] | None
+
+
 def history_digest(
-    messages: Sequence[Mapping[str, Any]], payloads: Sequence[str | None] | None = None
+    messages: Sequence[Mapping[str, Any]],
+    payloads: Sequence[str | None] | None = None,
+    steps: Sequence[ChainStep] | None = None,
 ) -> str | None:
     """The parent digest of a request: None when it has no model-authored turn (a root).
 
     ``payloads``: ``message_payload`` of each message (None for a message that adds nothing),
-    when known already (``known_messages``); then only the digest chain is computed."""
+    when known already (``known_messages``); then only the digest chain is computed.
+    ``steps``: with ``payloads``, each message's ``ChainStep`` (the facts its payload is of):
+    an item after the same digest as the step it last took is not hashed again (an agent's
+    history repeats its turns after the same ones at every call)."""
+    if steps is not None and payloads is not None:
+        return _remembered_chain(messages, payloads, steps)
     items, _ = _chain_items(messages, payloads)
     if not items:
         return None
     return _chain(items)
+
+
+def _remembered_chain(
+    messages: Sequence[Mapping[str, Any]],
+    payloads: Sequence[str | None],
+    steps: Sequence[ChainStep],
+) -> str | None:
+    """``_chain(_chain_items(messages, payloads)[0])`` (None for no item), each item's step
+    taken from its message's ``ChainStep`` where it starts from the same digest."""
+    if len(payloads) != len(messages) or len(steps) != len(messages):
+        raise ValueError(
+            f"{len(payloads)} payloads and {len(steps)} steps for {len(messages)} messages"
+        )
+    digest, turns = _DIGEST_SEED, 0
+    pending: list[int] = []  # (the messages with images since the last turn)
+    for i, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            for j in pending:
+                digest = _step(steps[j], digest, payloads[j] or "")
+            pending = []
+            payload = payloads[i]
+            digest = _step(
+                steps[i], digest, payload if payload is not None else turn_payload(message)
+            )
+            turns += 1
+        elif payloads[i] is not None:
+            pending.append(i)
+    return digest if turns else None
+
+
+def _step(step: ChainStep, digest: str, payload: str) -> str:
+    seen = step.linked
+    if seen is not None and seen[0] == digest:
+        return seen[1]
+    after = _extend(digest, payload)
+    step.linked = (digest, after)
+    return after
 
 
 def child_digest(messages: Sequence[Mapping[str, Any]], response: Mapping[str, Any]) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from capture_proxy.core.linking.digests import (
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
-from capture_proxy.core.linking.stored import StoredCall, of_record
+from capture_proxy.core.linking.stored import FROM_RECORD, StoredCall, of_record
 from capture_proxy.core.linking.verdicts import (
     HISTORY_EDITED,
     NO_MATCH,
@@ -673,13 +673,19 @@ def add_stored(
     )
 
 
-def add_record(index: LinkIndex, record: CallRecord, digests: RecordDigests | None = None) -> None:
+def add_record(
+    index: LinkIndex,
+    record: CallRecord,
+    digests: RecordDigests | None = None,
+    session: SessionKey | None | Literal["from_record"] = FROM_RECORD,
+) -> None:
     """Index a stored call (again, if it was in flight): by the child digest its record keeps
     (else derived from its request and answer), its request digest, answer and token key.
-    ``digests``: the record's ``RecordDigests``, if verification made them."""
+    ``digests``: the record's ``RecordDigests``, if verification made them; ``session``: its
+    request's harness session, if read already (``stored.of_record``)."""
     if digests is None or not digests.describes(record):
         digests = RecordDigests(record)
-    call = of_record(record, digests)
+    call = of_record(record, digests, session)
     add_stored(index, call, digests.answer_digests() if call.response is not None else None)
 
 

@@ -76,7 +76,7 @@ def resolve_step(
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None
-    parent_digest = history_digest(linking_messages, payloads)
+    parent_digest = history_digest(linking_messages, payloads, linking_facts)
 
     def resolve(index: LinkIndex, held: ChildClaims | None = None) -> Resolution:
         return index.resolve(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 from capture_proxy.core.linking.digests import child_digest
 from capture_proxy.core.linking.prefill import continued_turn, history_before_turn, offered_turn
@@ -31,6 +31,9 @@ from capture_proxy.core.sessions import SESSION_FIELDS, session_key
 #: The top-level request fields a harness names its session in (a row that stored one of
 #: them apart, as a blob, does not tell the session from its metadata).
 _SESSION_TOP_FIELDS = frozenset(f.path[0] for f in SESSION_FIELDS if f.path)
+
+#: ``of_record``'s ``session`` when the caller does not know it: read from the record.
+FROM_RECORD: Final = "from_record"
 
 #: The record schema whose metadata ``of_row`` reads.
 ROW_SCHEMA_VERSION = 4
@@ -65,10 +68,17 @@ def _has_token_key(status: str, num_generation_tokens: int) -> bool:
     return status == CallStatus.COMPLETE.value and num_generation_tokens > 0
 
 
-def of_record(record: CallRecord, digests: RecordDigests | None = None) -> StoredCall:
+def of_record(
+    record: CallRecord,
+    digests: RecordDigests | None = None,
+    session: tuple[str, str] | None | Literal["from_record"] = FROM_RECORD,
+) -> StoredCall:
     """The facts of a stored record: the child digest its record keeps (else derived from its
     request and the turn it offers; a failed call has none: it is indexed for its request
-    only). ``digests``: the record's ``RecordDigests``, if made already (verification's)."""
+    only). ``digests``: the record's ``RecordDigests``, if made already (verification's);
+    ``session``: the harness session its request names (``core.sessions.session_key`` of its
+    ``request_received`` and ``session_headers``), when the caller read it already (the
+    call's own flow, at resolution), else ``FROM_RECORD``."""
     linking = record.linking or {}
     response = offered_turn(record)
     child = linking.get("child_digest")
@@ -95,7 +105,11 @@ def of_record(record: CallRecord, digests: RecordDigests | None = None) -> Store
         response,
         record.parent_call_id,
         record.retry_of,
-        session_key(record.request_received, record.session_headers),
+        (
+            session_key(record.request_received, record.session_headers)
+            if session == FROM_RECORD
+            else session
+        ),
     )
 
 

@@ -52,7 +52,7 @@ def _finish(pb, verify: c.Command, linking: dict) -> c.Command:
     verified = verify.record.replace(linking=linking)
     persist = pb.send(e.Verified(verified))
     assert isinstance(persist, c.Persist) and persist.record is verified
-    assert pb.send(e.Persisted(True)) == c.Remember(verified, None)
+    assert pb.send(e.Persisted(True)) == c.Remember(verified, None, None)
     return pb.send(None)
 
 

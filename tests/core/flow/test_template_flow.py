@@ -4,20 +4,32 @@ before the answer and mid-stream."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
 from capture_proxy.core.flow import commands as c
 from capture_proxy.core.flow import events as e
+from capture_proxy.core.flow.captured import captured_call
 from capture_proxy.core.flow.errors import EngineTimedOut
 from capture_proxy.core.fronts.chat import ChatCodec
 from capture_proxy.core.fronts.messages import MessagesCodec
 from capture_proxy.core.linking.digests import request_digest
 from capture_proxy.core.linking.resolution import Resolution
+from capture_proxy.core.linking.stored import of_record
 from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.records import CallStatus
+from capture_proxy.core.sessions import session_key
 from capture_proxy.core.sse import encode_json_event
-from tests.core.flow.playbook import CALL_ID, CREATED_AT, ROLLOUT_ID, playbook
+from tests.core.flow.playbook import (
+    CALL_ID,
+    CREATED_AT,
+    ROLLOUT_ID,
+    Playbook,
+    call_start,
+    playbook,
+)
 
 MESSAGES = [{"role": "user", "content": "Say hi"}]
 BODY = {"model": "m", "messages": MESSAGES}
@@ -81,13 +93,31 @@ def test_a_whole_call_is_sent_augmented_recorded_and_answered_stripped():
     verified = _verified(verify)
     persist = pb.send(verified)
     assert isinstance(persist, c.Persist) and persist.record is verified.record
-    assert pb.send(e.Persisted(True)) == c.Remember(verified.record, None)
+    assert pb.send(e.Persisted(True)) == c.Remember(verified.record, None, None)
     respond = pb.send(None)
     stripped = {**WHOLE, "choices": [{**WHOLE["choices"][0], "logprobs": None}]}
     del stripped["prompt_token_ids"], stripped["choices"][0]["token_ids"]
     assert respond == c.RespondJson(200, stripped)
     assert pb.send(None) is None
     assert pb.outcome.record is verified.record
+
+
+def test_the_session_read_for_resolution_is_the_one_remembered():
+    # The session is read from the request once: Resolve and Remember carry the same key,
+    # the one the stored record's own body and headers name (stored.of_record).
+    start = replace(call_start(ChatCodec(), BODY), session_headers={"x-session-id": "ses_1"})
+    pb = Playbook(captured_call(start))
+    resolve = pb.start()
+    assert resolve.session == ("opencode", "ses_1")
+    assert isinstance(pb.send(_root(BODY)), c.SendToEngine)
+    pb.send(e.EngineResponded(200, False))
+    verified = _verified(pb.send(e.EngineBody(orjson.dumps(WHOLE))))
+    pb.send(verified)
+    remember = pb.send(e.Persisted(True))
+    assert remember == c.Remember(verified.record, None, ("opencode", "ses_1"))
+    record = verified.record
+    assert session_key(record.request_received, record.session_headers) == remember.session
+    assert of_record(record).session == of_record(record, session=remember.session).session
 
 
 def _chunk(delta: dict, token_ids: list[int], logprob: float, finish: str | None = None) -> dict:

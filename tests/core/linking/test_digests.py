@@ -5,6 +5,7 @@ import json
 import numpy as np
 
 from capture_proxy.core.capture import prepare_request
+from capture_proxy.core.known_messages import KnownMessages, turn_payloads
 from capture_proxy.core.linking.digests import (
     canonical_arguments,
     child_digest,
@@ -169,3 +170,30 @@ def test_last_linking_item_is_the_last_of_the_linking_items():
     for history in ([], SYSTEM_USER, [*SYSTEM_USER, a1], [*SYSTEM_USER, a1, a2, *SYSTEM_USER]):
         items = linking_items(history)
         assert last_linking_item(history) is (items[-1] if items else None)
+
+
+def test_a_parent_digest_from_remembered_steps_is_the_one_of_the_history():
+    # Each message's facts remember the step its item took (after which digest): histories
+    # that repeat, grow, reorder, carry images (an item only before a later turn) or share
+    # messages give history_digest's value without the steps, every time.
+    known = KnownMessages()
+    image = {"type": "image", "sha256": "ab" * 32}
+    user = {"role": "user", "content": "task"}
+    pic = {"role": "user", "content": [{"type": "text", "text": "see"}, image]}
+    turns = [{"role": "assistant", "content": f"a{i}", "tool_calls": [CALL]} for i in range(4)]
+    tool = {"role": "tool", "tool_call_id": "call_1", "content": "ok"}
+    histories = [
+        [user],
+        [user, turns[0], tool],
+        [user, turns[0], tool, turns[1], pic],
+        [user, turns[0], tool, turns[1], pic, turns[2]],
+        [user, turns[1], tool, turns[0]],
+        [pic, turns[0], tool, turns[1], pic, turns[2], turns[3]],
+        [user, turns[0], tool, turns[1], pic, turns[2]],
+        [turns[2], turns[2], turns[2]],
+    ]
+    for messages in [*histories, *histories]:
+        facts = known.facts(messages)
+        payloads = turn_payloads(facts)
+        assert history_digest(messages, payloads, facts) == history_digest(messages), messages
+    assert history_digest([user], [None], known.facts([user])) is None
