@@ -34,6 +34,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <assert.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -960,6 +961,8 @@ static PyObject *take_prompt_ids(PyObject *self, PyObject *data) {
     }
     const unsigned char *s = (const unsigned char *)PyBytes_AS_STRING(data);
     Py_ssize_t len = PyBytes_GET_SIZE(data);
+    /* read_prompt_ids stops at this NUL (every bytes object, subclasses too, ends with one) */
+    assert(s[len] == '\0');
     Cur c = {s, s + len};
     PromptIds pr = {NULL, 0, 0, NULL, NULL};
     PyObject *rest = NULL, *ids = NULL, *result = NULL;
