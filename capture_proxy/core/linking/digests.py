@@ -134,24 +134,32 @@ def message_payload(message: Mapping[str, Any]) -> str | None:
 
 
 def _chain_items(
-    messages: Sequence[Mapping[str, Any]], payloads: Sequence[str | None] | None
+    messages: Sequence[Mapping[str, Any]],
+    payloads: Sequence[str | None] | None,
+    owners: list[int] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """(the items up to the last assistant turn, the image items after it)."""
+    """(the items up to the last assistant turn, the image items after it). ``owners``: when
+    given, the index of the message each of the first list's items is of is appended to it."""
     if payloads is not None and len(payloads) != len(messages):
         raise ValueError(f"{len(payloads)} payloads for {len(messages)} messages")
     items: list[str] = []
     pending: list[str] = []
+    pending_at: list[int] = []
     for i, message in enumerate(messages):
         known = payloads[i] if payloads is not None else None
         if message.get("role") == "assistant":
             items.extend(pending)
-            pending = []
             items.append(known if known is not None else turn_payload(message))
+            if owners is not None:
+                owners.extend(pending_at)
+                owners.append(i)
+            pending, pending_at = [], []
         elif payloads is None or known is not None:
             # (known payloads: None stands for a message without images)
             payload = known if known is not None else image_payload(message)
             if payload is not None:
                 pending.append(payload)
+                pending_at.append(i)
     return items, pending
 
 
@@ -181,43 +189,25 @@ def history_digest(
     ``steps``: with ``payloads``, each message's ``ChainStep`` (the facts its payload is of):
     an item after the same digest as the step it last took is not hashed again (an agent's
     history repeats its turns after the same ones at every call)."""
+    owners: list[int] | None = None
     if steps is not None and payloads is not None:
-        return _remembered_chain(messages, payloads, steps)
-    items, _ = _chain_items(messages, payloads)
+        if len(steps) != len(messages):
+            raise ValueError(f"{len(steps)} steps for {len(messages)} messages")
+        owners = []
+    items, _ = _chain_items(messages, payloads, owners)
     if not items:
         return None
-    return _chain(items)
-
-
-def _remembered_chain(
-    messages: Sequence[Mapping[str, Any]],
-    payloads: Sequence[str | None],
-    steps: Sequence[ChainStep],
-) -> str | None:
-    """``_chain(_chain_items(messages, payloads)[0])`` (None for no item), each item's step
-    taken from its message's ``ChainStep`` where it starts from the same digest."""
-    if len(payloads) != len(messages) or len(steps) != len(messages):
-        raise ValueError(
-            f"{len(payloads)} payloads and {len(steps)} steps for {len(messages)} messages"
-        )
-    digest, turns = _DIGEST_SEED, 0
-    pending: list[int] = []  # (the messages with images since the last turn)
-    for i, message in enumerate(messages):
-        if message.get("role") == "assistant":
-            for j in pending:
-                digest = _step(steps[j], digest, payloads[j] or "")
-            pending = []
-            payload = payloads[i]
-            digest = _step(
-                steps[i], digest, payload if payload is not None else turn_payload(message)
-            )
-            turns += 1
-        elif payloads[i] is not None:
-            pending.append(i)
-    return digest if turns else None
+    if steps is None or owners is None:
+        return _chain(items)
+    digest = _DIGEST_SEED
+    for i, payload in zip(owners, items, strict=True):
+        digest = _step(steps[i], digest, payload)
+    return digest
 
 
 def _step(step: ChainStep, digest: str, payload: str) -> str:
+    """``_extend(digest, payload)``, taken from ``step`` when it last started from ``digest``
+    (the payload is the one its message always gives), else computed and remembered there."""
     seen = step.linked
     if seen is not None and seen[0] == digest:
         return seen[1]
