@@ -157,7 +157,7 @@ def loads_like_stdlib(raw: bytes) -> Any:
     engine answer carrying a long prompt's ids): a body with a 19-digit number (orjson makes
     a float of an integer past 64 bits) or one orjson refuses (``NaN`` literals, lone
     surrogates) takes the stdlib. Raises ValueError."""
-    if _LONG_NUMBER not in raw.translate(_DIGITS_TO_ZERO):
+    if not _holds_long_number(raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -24,7 +24,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools, ToolsFacts
@@ -44,7 +44,7 @@ from capture_proxy.core.linking.late_retry import AttemptsInFlight, late_retry_s
 from capture_proxy.core.linking.parent_lookup import resolve_step
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Resolution
-from capture_proxy.core.linking.stored import FROM_RECORD, StoredCall
+from capture_proxy.core.linking.stored import FROM_RECORD, SessionOrFromRecord, StoredCall
 from capture_proxy.core.linking.verification import verify_step
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.recent import DEFAULT_MAX_BYTES, RecentCalls
@@ -284,7 +284,7 @@ class Linker:
         record: CallRecord,
         message_facts: Sequence[MessageFacts] | None = None,
         digests: RecordDigests | None = None,
-        session: tuple[str, str] | None | Literal["from_record"] = FROM_RECORD,
+        session: SessionOrFromRecord = FROM_RECORD,
     ) -> None:
         """Make a persisted call findable by its children (by digest, and its record in
         memory, with the facts of its request messages). ``digests``: the ones ``verify``

@@ -100,9 +100,9 @@ class ThreadedStore:
         record, see ``RequestEncoding.belongs_to``). ``digests``: the record's
         ``RecordDigests`` (verification's), whose prompt block states and token key a put
         takes when they are of the record's very arrays (``record_digests.token_states``).
-        Returns the bytes written when the store
-        counts them (SQLite: the record's metadata, arrays and message delta and the JSON
-        texts new to the store, 0 for a re-put), else None.
+        Returns the bytes written when the store counts them (SQLite: the record's metadata,
+        arrays and message delta and the JSON texts new to the store, 0 for a re-put), else
+        None.
 
         Raises RolloutDeleted for a tombstoned rollout, ConflictingRecord when the call id is
         stored with other content (the original is kept), StoreError on failure."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +22,12 @@ from capture_proxy.core.linking.digests import (
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
-from capture_proxy.core.linking.stored import FROM_RECORD, StoredCall, of_record
+from capture_proxy.core.linking.stored import (
+    FROM_RECORD,
+    SessionOrFromRecord,
+    StoredCall,
+    of_record,
+)
 from capture_proxy.core.linking.verdicts import (
     HISTORY_EDITED,
     NO_MATCH,
@@ -677,7 +682,7 @@ def add_record(
     index: LinkIndex,
     record: CallRecord,
     digests: RecordDigests | None = None,
-    session: SessionKey | None | Literal["from_record"] = FROM_RECORD,
+    session: SessionOrFromRecord = FROM_RECORD,
 ) -> None:
     """Index a stored call (again, if it was in flight): by the child digest its record keeps
     (else derived from its request and answer), its request digest, answer and token key.

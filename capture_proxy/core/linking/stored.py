@@ -34,6 +34,8 @@ _SESSION_TOP_FIELDS = frozenset(f.path[0] for f in SESSION_FIELDS if f.path)
 
 #: ``of_record``'s ``session`` when the caller does not know it: read from the record.
 FROM_RECORD: Final = "from_record"
+#: A call's harness session (``core.sessions.session_key``; None: none), or ``FROM_RECORD``.
+SessionOrFromRecord = tuple[str, str] | None | Literal["from_record"]
 
 #: The record schema whose metadata ``of_row`` reads.
 ROW_SCHEMA_VERSION = 4
@@ -71,7 +73,7 @@ def _has_token_key(status: str, num_generation_tokens: int) -> bool:
 def of_record(
     record: CallRecord,
     digests: RecordDigests | None = None,
-    session: tuple[str, str] | None | Literal["from_record"] = FROM_RECORD,
+    session: SessionOrFromRecord = FROM_RECORD,
 ) -> StoredCall:
     """The facts of a stored record: the child digest its record keeps (else derived from its
     request and the turn it offers; a failed call has none: it is indexed for its request
