@@ -995,6 +995,145 @@ done:
     return result;
 }
 
+/* --- a request's history array: where its elements end ------------------------------- */
+
+/* What scan_history reads: the member named `name` (`name_len` bytes) of the top-level object,
+ * an array; from element `skip_count` on (the cursor put at `skip_to`, the end of element
+ * skip_count - 1, when skip_count > 0), each element's end offset appended to `ends`; stopped
+ * (-3) once `stop_after` elements (all counted) are read, when stop_after > 0. */
+typedef struct {
+    const unsigned char *s;
+    const char *name;
+    Py_ssize_t name_len;
+    Py_ssize_t skip_to, skip_count, stop_after;
+    PyObject *ends;
+    Py_ssize_t member_start, array_open, array_close;
+} History;
+
+#define HISTORY_STOPPED (-3)
+
+static int history_end(History *h, const unsigned char *at) {
+    PyObject *offset = PyLong_FromSsize_t(at - h->s);
+    if (offset == NULL) return -2;
+    int rc = PyList_Append(h->ends, offset);
+    Py_DECREF(offset);
+    return rc < 0 ? -2 : 0;
+}
+
+/* The history array at c->p ('['): walk_array's reading, each element validated by
+ * scan_value and its end recorded. */
+static int read_history(Cur *c, History *h, int depth) {
+    Py_ssize_t count = 0;
+    h->array_open = c->p - h->s;
+    c->p++;
+    if (h->skip_count > 0) {
+        if (h->skip_to <= h->array_open) return -1; /* not inside this array */
+        c->p = h->s + h->skip_to; /* (at most the data's length: checked by scan_history) */
+        count = h->skip_count;
+    } else {
+        skip_ws(c);
+        if (c->p < c->end && *c->p == ']') {
+            h->array_close = c->p - h->s;
+            c->p++;
+            return 0;
+        }
+        int rc = scan_value(c, depth + 1);
+        if (rc < 0) return rc;
+        count = 1;
+        if (history_end(h, c->p) < 0) return -2;
+    }
+    for (;;) {
+        if (h->stop_after > 0 && count >= h->stop_after) return HISTORY_STOPPED;
+        skip_ws(c);
+        if (c->p >= c->end) return -1;
+        if (*c->p == ']') {
+            h->array_close = c->p - h->s;
+            c->p++;
+            return 0;
+        }
+        if (*c->p != ',') return -1;
+        c->p++;
+        skip_ws(c);
+        int rc = scan_value(c, depth + 1);
+        if (rc < 0) return rc;
+        count++;
+        if (history_end(h, c->p) < 0) return -2;
+    }
+}
+
+static int history_top_member(Cur *c, const Member *key, int index, void *ctx, int depth) {
+    (void)index;
+    History *h = ctx;
+    if ((size_t)key->key_len != (size_t)h->name_len ||
+        memcmp(key->key, h->name, (size_t)h->name_len) != 0)
+        return scan_value(c, depth);
+    if (*c->p != '[' || h->array_open >= 0) return -1; /* not an array; or a repeated name */
+    h->member_start = key->start - h->s;
+    return read_history(c, h, depth);
+}
+
+/* scan_history(data, name, skip_to, skip_count, stop_after) -> (ends, member_start,
+ * array_open, array_close) | None. See request_scan.py. */
+static PyObject *scan_history(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 5 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "scan_history(data: bytes, name: bytes, skip_to: int, skip_count: int, "
+                        "stop_after: int)");
+        return NULL;
+    }
+    History h;
+    h.s = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]);
+    h.name = PyBytes_AS_STRING(args[1]);
+    h.name_len = PyBytes_GET_SIZE(args[1]);
+    h.skip_to = PyLong_AsSsize_t(args[2]);
+    h.skip_count = PyLong_AsSsize_t(args[3]);
+    h.stop_after = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    if (h.skip_count < 0 || (h.skip_count > 0 && (h.skip_to < 1 || h.skip_to > len))) {
+        PyErr_SetString(PyExc_ValueError, "scan_history: skip_to out of the data");
+        return NULL;
+    }
+    h.member_start = h.array_open = h.array_close = -1;
+    h.ends = PyList_New(0);
+    if (h.ends == NULL) return NULL;
+    Cur c = {h.s, h.s + len};
+    int rc = -1;
+    skip_ws(&c);
+    if (c.p < c.end && *c.p == '{') rc = walk_object(&c, 0, NULL, NULL, history_top_member, &h);
+    if (rc == 0) {
+        skip_ws(&c);
+        if (c.p != c.end || h.array_open < 0) rc = -1;
+    } else if (rc == HISTORY_STOPPED) {
+        rc = 0; /* stop_after elements read: the rest is not looked at */
+    }
+    if (rc < 0) {
+        Py_DECREF(h.ends);
+        if (rc == -2) return NULL;
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("(Nnnn)", h.ends, h.member_start, h.array_open, h.array_close);
+}
+
+/* common_prefix(a, b) -> the length of the longest prefix the two bytes objects share. */
+static PyObject *common_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "common_prefix(a: bytes, b: bytes)");
+        return NULL;
+    }
+    const unsigned char *a = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]), m = PyBytes_GET_SIZE(args[1]);
+    if (m < n) n = m;
+    Py_ssize_t i = 0;
+    /* whole 4 KB pages by memcmp (the libc's vector compare), then byte by byte */
+    while (i + 4096 <= n && memcmp(a + i, b + i, 4096) == 0) i += 4096;
+    while (i < n && a[i] == b[i]) i++;
+    return PyLong_FromSsize_t(i);
+}
+
 static PyMethodDef methods[] = {
     {"scan_chat_chunk", (PyCFunction)(void (*)(void))scan_chat_chunk, METH_FASTCALL,
      "scan_chat_chunk(data: bytes, flags: int) -> (event, delta, content, token_ids, log_probs) | None"},
@@ -1002,6 +1141,11 @@ static PyMethodDef methods[] = {
      "scan_completions_chunk(data: bytes) -> (text, token_ids, log_probs) | None"},
     {"take_prompt_ids", take_prompt_ids, METH_O,
      "take_prompt_ids(data: bytes) -> (rest: bytes, ids: bytearray of uint32) | None"},
+    {"common_prefix", (PyCFunction)(void (*)(void))common_prefix, METH_FASTCALL,
+     "common_prefix(a: bytes, b: bytes) -> int"},
+    {"scan_history", (PyCFunction)(void (*)(void))scan_history, METH_FASTCALL,
+     "scan_history(data, name, skip_to, skip_count, stop_after) -> (ends, member_start, "
+     "array_open, array_close) | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -103,6 +103,13 @@ _TAKE_PROMPT_IDS: Callable[[bytes], tuple[bytes, bytearray] | None] | None = get
 )
 
 
+#: ``scan_history(data, name, skip_to, skip_count, stop_after)`` and ``common_prefix(a, b)``
+#: (``known_bodies``: a request's history array read from its bytes)
+SCAN_HISTORY: Callable[[bytes, bytes, int, int, int], tuple[list[int], int, int, int] | None] | None
+SCAN_HISTORY = getattr(_MODULE, "scan_history", None)
+COMMON_PREFIX: Callable[[bytes, bytes], int] | None = getattr(_MODULE, "common_prefix", None)
+
+
 def take_prompt(raw: bytes) -> tuple[bytes, npt.NDArray[np.uint32] | None]:
     """``raw`` (a JSON object's bytes) with its top-level ``prompt_token_ids`` written as
     ``null``, and those ids as uint32 ``[num_prompt_tokens]`` (a writable array of their own);

@@ -108,7 +108,8 @@ async def handle_captured_call(
     assert rollout_id is not None
     known = deps.known_messages
     with map_core_errors():
-        body = parse_json_object(raw_body)
+        read = deps.known_bodies.parse(raw_body, rollout_id, front.history_member)
+        body = read.body
         previous = await _previous_messages(deps, front, body, rollout_id)
         parsed = front.parse(
             body,
@@ -116,7 +117,9 @@ async def handle_captured_call(
             known=known,
             images=deps.images.limits,
             known_tools=deps.known_tools,
+            head_facts=read.head_facts(),
         )
+        read.keep_facts(parsed.chat.get("messages"), parsed.message_facts)
         if parsed.images is not None or previous is not None:
             store = deps.recorder.store
             parsed = await complete_images(parsed, deps.images, deps.image_session, store)

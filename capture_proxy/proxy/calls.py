@@ -20,6 +20,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from capture_proxy.core.capture import NoteMatcher
+from capture_proxy.core.known_bodies import KnownBodies
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.proxy.images import ImagePolicy
@@ -93,6 +94,12 @@ class CaptureDeps:
         """Facts of the messages of earlier requests (validation, digests, canonical texts):
         the process's, kept by the linker with its other memory of recent calls."""
         return self.linker.known_messages
+
+    @property
+    def known_bodies(self) -> KnownBodies:
+        """The latest request bodies of the sessions served (``core.known_bodies``): the
+        process's, beside ``known_messages``."""
+        return self.linker.known_bodies
 
     @property
     def known_tools(self) -> KnownTools:

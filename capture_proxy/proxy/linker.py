@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
+from capture_proxy.core.known_bodies import KnownBodies
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools, ToolsFacts
 from capture_proxy.core.linking.claims import ChildClaims
@@ -123,6 +124,9 @@ class Linker:
         self.known_messages = KnownMessages()
         #: facts of the tools of the requests this process saw lately
         self.known_tools = KnownTools()
+        #: the latest request bodies of the sessions this process served (a call parses the
+        #: bytes its history does not repeat)
+        self.known_bodies = KnownBodies()
         #: per call in flight here, whether it is known to end failed or incomplete (its
         #: executor's ``ends_incomplete``), until ``release``
         self._ends_incomplete: dict[str, Callable[[], bool]] = {}

@@ -255,6 +255,8 @@ class FrontCodec(Protocol):
     """One wire API. Pure."""
 
     api: Api
+    #: the top-level member holding the request's history, an array (``known_bodies``)
+    history_member: str
 
     def parse(
         self,
@@ -264,6 +266,7 @@ class FrontCodec(Protocol):
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
+        head_facts: Sequence[MessageFacts] = (),
     ) -> FrontRequest:
         """Validate ``body`` and map it to the canonical conversation. ``previous``: canonical
         messages a reference in the body stands for (Responses ``previous_response_id``; the
@@ -271,7 +274,11 @@ class FrontCodec(Protocol):
         may skip what it checked of them before, and give the facts of the canonical messages
         (``FrontRequest.message_facts``). ``images``: what images a call may carry (None: an
         image is refused). ``known_tools``: facts of the tools of earlier requests, likewise
-        (``FrontRequest.tools_facts``, ``received_tools_facts``). Raises InvalidFrontRequest
+        (``FrontRequest.tools_facts``, ``received_tools_facts``). ``head_facts``: the facts of
+        the first elements of ``body[history_member]``, known from an earlier request whose
+        bytes this one repeats (``known_bodies.ParsedBody.head_facts``; those elements are
+        that request's own objects): a front whose facts are of those very elements takes
+        them instead of deriving them again. Raises InvalidFrontRequest
         naming the field, ImageRefused (``core.images``) for an image it may not carry."""
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:

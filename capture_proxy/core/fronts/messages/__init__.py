@@ -10,6 +10,7 @@ events of one streamed answer).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from capture_proxy.core.fronts.base import Answer, Api, FrontRequest
@@ -22,7 +23,7 @@ from capture_proxy.core.fronts.messages.encode import (
 from capture_proxy.core.fronts.messages.parse import parse_count_tokens, parse_request
 from capture_proxy.core.fronts.messages.stream import MessagesStreamEncoder
 from capture_proxy.core.images import ImageLimits
-from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools
 
 
@@ -31,6 +32,7 @@ class MessagesCodec:
     naming the field."""
 
     api = Api.MESSAGES
+    history_member = "messages"
 
     def parse(
         self,
@@ -40,6 +42,7 @@ class MessagesCodec:
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
+        head_facts: Sequence[MessageFacts] = (),
     ) -> FrontRequest:
         return parse_request(body, images=images, known_tools=known_tools)
 

@@ -20,6 +20,7 @@ prefers the sealed text, then ``content``, then ``summary``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from capture_proxy.core.fronts.base import Answer, Api, FrontRequest
@@ -28,7 +29,7 @@ from capture_proxy.core.fronts.responses.encode import encode_response
 from capture_proxy.core.fronts.responses.parse import parse_request
 from capture_proxy.core.fronts.responses.stream import ResponsesStream
 from capture_proxy.core.images import ImageLimits
-from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools
 
 
@@ -37,6 +38,7 @@ class ResponsesCodec:
     naming the field; errors have OpenAI's shape."""
 
     api = Api.RESPONSES
+    history_member = "input"
 
     def parse(
         self,
@@ -46,6 +48,7 @@ class ResponsesCodec:
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
+        head_facts: Sequence[MessageFacts] = (),
     ) -> FrontRequest:
         return parse_request(body, previous, images, known_tools)
 
