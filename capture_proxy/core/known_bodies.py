@@ -55,6 +55,7 @@ import orjson
 from capture_proxy.core.chunk_scan import COMMON_PREFIX, SCAN_HISTORY
 from capture_proxy.core.json_bodies import parse_json_object
 from capture_proxy.core.known_messages import MessageFacts
+from capture_proxy.core.linking.digests import RequestDigestState
 
 #: Default bound (``KnownBodies.kept_bytes``): the latest requests of a few hundred long
 #: sessions.
@@ -74,7 +75,8 @@ class KnownBody:
     ``name`` its history member, ``ends`` the byte offset after each element of
     ``body[name]``, ``array_close`` the offset of that array's ``]``; ``facts``: the
     ``known_messages`` facts of ``body[name]``'s elements, in order, once a front derived them
-    (None: not known)."""
+    (None: not known); ``digest_state``: the request digest's state after the messages of the
+    call's canonical body (``digests.request_digest_after``; None: not made)."""
 
     raw: bytes
     body: dict[str, Any]
@@ -82,6 +84,7 @@ class KnownBody:
     ends: tuple[int, ...]
     array_close: int
     facts: tuple[MessageFacts, ...] | None = None
+    digest_state: RequestDigestState | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +112,16 @@ class ParsedBody:
         kept = self.kept
         if kept is not None and facts is not None and messages is kept.body.get(kept.name):
             kept.facts = facts
+
+    def earlier_digest_state(self) -> RequestDigestState | None:
+        """The earlier body's request digest state (``digests.request_digest_after``), if
+        made."""
+        return self.previous.digest_state if self.previous is not None else None
+
+    def keep_digest_state(self, state: RequestDigestState | None) -> None:
+        """Keep the call's request digest state with this body, for the session's next."""
+        if self.kept is not None:
+            self.kept.digest_state = state
 
 
 class KnownBodies:

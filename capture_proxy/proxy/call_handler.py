@@ -144,6 +144,7 @@ async def handle_captured_call(
         clock=time.perf_counter,
         vision=deps.images.processor_for(model) if parsed.images is not None else None,
         session_headers=session_headers(request.headers.items()),
+        history=read,
     )
     executor = (
         CallExecutor(request, deps, start.call_id, rollout_id)

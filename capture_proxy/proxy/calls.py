@@ -84,6 +84,7 @@ class CaptureDeps:
         read timeout (no byte for that long) when it is shorter."""
         limits = [t for t in (self.first_byte_timeout_s, self.read_timeout_s) if t is not None]
         return min(limits) if limits else None
+
     #: what images a call may carry and each model's image processor; the session remote
     #: images are fetched with (``image_fetch_remote``)
     images: ImagePolicy = field(default_factory=lambda: ImagePolicy(None))

@@ -212,6 +212,7 @@ class CallExecutor:
                 session=c.session,
                 retry_requested=c.retry_requested,
                 ends_incomplete=self.ends_incomplete,
+                request_digest=c.request_digest,
             )
         except Exception as exc:
             log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)

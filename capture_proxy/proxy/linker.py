@@ -226,6 +226,7 @@ class Linker:
         session: tuple[str, str] | None = None,
         retry_requested: bool = False,
         ends_incomplete: Callable[[], bool] | None = None,
+        request_digest: str | None = None,
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
@@ -234,7 +235,8 @@ class Linker:
         ``ends_incomplete()`` says so), else a sibling sample (``LinkIndex.resolve``).
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``,
         ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``; ``session`` the harness
-        session the request names (a tie-breaker among token-identical candidates)."""
+        session the request names (a tie-breaker among token-identical candidates);
+        ``request_digest``: the body's ``digests.request_digest``, when made already."""
         index = (
             await self._current_index(rollout_id)
             if self.feed is not None
@@ -257,6 +259,7 @@ class Linker:
             retry_requested=retry_requested,
             ends_incomplete=self._known_to_end_incomplete,
             attempts=self.attempts,
+            known_request_digest=request_digest,
         )
         resolution = await self._drive(step, None)
         if ends_incomplete is not None:

@@ -22,8 +22,9 @@ from capture_proxy.core.flow.exact_mode import exact_call
 from capture_proxy.core.flow.prompt import ExactFamily, refuse_if_cannot_continue
 from capture_proxy.core.flow.template_mode import template_call
 from capture_proxy.core.fronts.base import FrontCodec, FrontRequest
+from capture_proxy.core.known_bodies import ParsedBody
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
-from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.linking.digests import request_digest, request_digest_after
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.sessions import session_key
@@ -57,6 +58,9 @@ class CallStart:
     vision: VisionProcessorConfig | None = None
     #: the request's session headers (``core.sessions.session_headers``; None: none)
     session_headers: dict[str, str] | None = None
+    #: the request as ``known_bodies`` read it (its session's earlier request, where the
+    #: request digest goes on from; None: not read so)
+    history: ParsedBody | None = None
 
 
 def retry_requested(retry_count: str | None) -> bool:
@@ -71,6 +75,20 @@ def _sorted_tools_text(prepared: PreparedRequest) -> bytes | None:
     return facts.sorted_text if facts is not None else None
 
 
+def _request_digest(prepared: PreparedRequest, history: ParsedBody | None) -> str | None:
+    """The request digest of the call's canonical body, going on from its session's earlier
+    request where ``history`` knows its state (and keeping this one's there); None where it
+    cannot be made (the linker's resolution makes it, and names the error)."""
+    earlier = history.earlier_digest_state() if history is not None else None
+    try:
+        digest, state = request_digest_after(prepared.body, _sorted_tools_text(prepared), earlier)
+    except Exception:  # (the resolution step's, as before: the call goes on unresolved)
+        return None
+    if history is not None:
+        history.keep_digest_state(state)
+    return digest
+
+
 def captured_call(start: CallStart) -> Flow[Outcome]:
     """The flow of one captured call. Raises the core's errors (``proxy.errors.CORE_ERRORS``
     maps each to the client's error)."""
@@ -81,6 +99,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         chat, start.notes, start.message_facts, start.front_request.tools_facts
     )
     session = session_key(start.front_request.received, start.session_headers)
+    digest = _request_digest(prepared, start.history)
     reply = yield Resolve(
         start.rollout_id,
         prepared.linking_messages,
@@ -91,6 +110,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         prepared.tools_facts,
         session,
         retry_requested(start.retry_count),
+        digest,
     )
     if isinstance(reply, Resolved):
         resolution = reply.resolution
@@ -99,7 +119,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         resolution = Resolution(
             Verdict.UNRESOLVED,
             None,
-            request_digest(prepared.body, _sorted_tools_text(prepared)),
+            digest or request_digest(prepared.body, _sorted_tools_text(prepared)),
             reason=f"parent resolution failed: {reply.error_type}: {reply.message}",
         )
     exact = start.exact

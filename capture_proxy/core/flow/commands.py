@@ -49,6 +49,8 @@ class Resolve(Command):
     session: tuple[str, str] | None = None
     #: the harness says the request is a retry (``x-stainless-retry-count`` > 0)
     retry_requested: bool = False
+    #: ``digests.request_digest`` of ``body`` when made already (None: made by the linker)
+    request_digest: str | None = None
 
 
 @dataclass(slots=True)

@@ -266,6 +266,64 @@ def request_digest(body: Mapping[str, Any], tools_text: bytes | None = None) -> 
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+class RequestDigestState:
+    """``request_digest``'s SHA-256 part way: after the body's members before ``messages``
+    and its messages (``messages``: that very list, kept so that a later request's messages
+    are known to be the same objects, hence the same values: never changed), the ``]`` not
+    yet written. ``head``: the text hashed before the first message."""
+
+    __slots__ = ("head", "messages", "sha")
+
+    def __init__(self, head: bytes, messages: list[Any], sha: Any) -> None:
+        self.head = head
+        self.messages = messages
+        self.sha = sha
+
+
+def request_digest_after(
+    body: Mapping[str, Any],
+    tools_text: bytes | None = None,
+    earlier: RequestDigestState | None = None,
+) -> tuple[str, RequestDigestState | None]:
+    """``request_digest(body, tools_text)``, and the state a later request of the session
+    goes on from. ``earlier``: an earlier request's state; where this body's members before
+    ``messages`` write the same and its first messages are that request's very objects (an
+    agent's next call, read by ``known_bodies``), only the messages after them are written
+    and hashed: work for the new messages, not the history. The text hashed is the one
+    ``request_digest`` hashes (orjson, sorted keys), written in pieces: the members before
+    ``messages``, each message, the members after. Where orjson cannot write the body (an
+    integer past 64 bits), or ``messages`` is not a non-empty list, ``request_digest`` whole
+    and no state."""
+    semantic = {k: v for k, v in body.items() if k not in _NON_SEMANTIC_REQUEST_FIELDS}
+    messages = semantic.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return request_digest(body, tools_text), None
+    if tools_text is not None and semantic.get("tools") is not None:
+        semantic["tools"] = orjson.Fragment(tools_text)
+    before = {k: v for k, v in semantic.items() if k < "messages"}
+    after = {k: v for k, v in semantic.items() if k > "messages"}
+    sort = orjson.OPT_SORT_KEYS
+    try:
+        head = (orjson.dumps(before, option=sort)[:-1] + b"," if before else b"{") + b'"messages":['
+        tail = b"]" + (b"," + orjson.dumps(after, option=sort)[1:] if after else b"}")
+        sha, done = None, 0
+        if earlier is not None and earlier.head == head and len(earlier.messages) <= len(messages):
+            known = earlier.messages
+            if all(a is b for a, b in zip(known, messages, strict=False)):  # (over known)
+                sha, done = earlier.sha.copy(), len(known)
+        if sha is None:
+            sha = hashlib.sha256(head)
+            sha.update(memoryview(orjson.dumps(messages, option=sort))[1:-1])
+        else:
+            for message in messages[done:]:
+                sha.update(b"," + orjson.dumps(message, option=sort))
+    except TypeError:  # (orjson cannot write it: the stdlib's text, whole)
+        return request_digest(body, tools_text), None
+    state = RequestDigestState(head, messages, sha.copy())
+    sha.update(tail)
+    return sha.hexdigest(), state
+
+
 def tool_call_ids(turn: Mapping[str, Any] | None) -> tuple[str, ...]:
     """The ids of a turn's tool calls, in order (empty when it has none or one lacks an id)."""
     calls = turn.get("tool_calls") if turn is not None else None

@@ -51,6 +51,7 @@ def resolve_step(
     retry_requested: bool = False,
     ends_incomplete: Callable[[str], bool] | None = None,
     attempts: AttemptsInFlight | None = None,
+    known_request_digest: str | None = None,
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
@@ -71,8 +72,14 @@ def resolve_step(
     ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s; a request with
     the retry header and a session that found no call to retry is marked for a second look
     (``Resolution.retry_session``, ``late_retry``). ``attempts``: every process's calls in
-    flight by ``late_retry.attempt_key``, where a call that names its session is counted."""
-    req_digest = request_digest(body, tools_facts.sorted_text if tools_facts is not None else None)
+    flight by ``late_retry.attempt_key``, where a call that names its session is counted.
+    ``known_request_digest``: ``request_digest(body)``, when made already."""
+    tools_text = tools_facts.sorted_text if tools_facts is not None else None
+    req_digest = (
+        known_request_digest
+        if known_request_digest is not None
+        else request_digest(body, tools_text)
+    )
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None

@@ -42,7 +42,11 @@ def _root(body: dict) -> e.Resolved:
 
 def _to_engine(pb, body: dict) -> c.Command:
     first = pb.start()
-    assert first == c.Resolve(ROLLOUT_ID, MESSAGES, body, CALL_ID, CREATED_AT, first.linking_facts)
+    # the flow makes the request digest (the formula's) and hands it to the resolution
+    digest = request_digest(body)
+    assert first == c.Resolve(
+        ROLLOUT_ID, MESSAGES, body, CALL_ID, CREATED_AT, first.linking_facts, request_digest=digest
+    )
     send = pb.send(_root(body))
     assert isinstance(send, c.SendToEngine)
     assert (send.path, send.harness_headers) == ("/v1/chat/completions", True)

@@ -14,7 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from capture_proxy.core.known_tools import KnownTools
-from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.linking.digests import (
+    RequestDigestState,
+    request_digest,
+    request_digest_after,
+)
 
 
 def old_request_digest(body: dict[str, Any]) -> str:
@@ -80,6 +84,53 @@ def test_the_digest_with_memoised_tools_text_is_the_old_formula(body: dict[str, 
     assert _outcome(request_digest, body, tools_text) == old
     # and from the memo, for a fresh copy of the same value
     assert known.facts(_copy(body["tools"])).sorted_text == tools_text
+
+
+@settings(max_examples=400, deadline=None)
+@given(BODIES, st.lists(JSON, max_size=3), BODIES, st.integers(0, 3))
+def test_the_digest_after_an_earlier_request_is_the_old_formula(
+    body: dict[str, Any], added: list[Any], other: dict[str, Any], change: int
+) -> None:
+    """``request_digest_after``: the same digest whole and from an earlier request's state,
+    for a later request that repeats its messages (the same objects) and adds some (0), also
+    with other members around them (1), with a message rewritten (2), or fewer (3)."""
+    known = KnownTools()
+    tools_text = known.facts(body["tools"]).sorted_text
+    first = _outcome(lambda: request_digest_after(body, tools_text)[0])
+    assert first == _outcome(old_request_digest, body)
+    try:
+        _, state = request_digest_after(body, tools_text)
+    except Exception:  # (the stdlib's error on a lone surrogate: no state)
+        state = None
+    messages = list(body.get("messages") or [])
+    later = {**body, "messages": [*messages, *added]}
+    if change == 1:
+        later = {**other, "messages": later["messages"]}
+    elif change == 2 and messages:
+        later["messages"][0] = _copy(messages[0]) if added else {"rewritten": True}
+    elif change == 3:
+        later["messages"] = messages[:-1]
+    later_tools = known.facts(later["tools"]).sorted_text
+    assert _outcome(lambda: request_digest_after(later, later_tools, state)[0]) == _outcome(
+        old_request_digest, later
+    )
+
+
+def test_the_digest_after_goes_on_from_the_state() -> None:
+    """An agent's next call: the earlier state is taken (its messages are the same objects),
+    and the digest is the formula's."""
+    body = {**BODY, "messages": [{"role": "user", "content": "hi"}, {"role": "tool", "x": 1}]}
+    digest, state = request_digest_after(body, KnownTools().facts(TOOLS).sorted_text)
+    assert digest == old_request_digest(body)
+    assert state is not None and state.messages is body["messages"]
+    later = {**body, "messages": [*body["messages"], {"role": "user", "content": "and?"}]}
+    assert request_digest_after(later, None, state)[0] == old_request_digest(later)
+    # it went on from the state: the same state hashed from other bytes gives another digest
+    forged = RequestDigestState(state.head, state.messages, hashlib.sha256(b"other"))
+    assert request_digest_after(later, None, forged)[0] != old_request_digest(later)
+    # a state whose messages are equal but other objects is not taken: still the formula's
+    other = {**later, "messages": _copy(later["messages"])}
+    assert request_digest_after(other, None, state)[0] == old_request_digest(other)
 
 
 def _copy(value: Any) -> Any:

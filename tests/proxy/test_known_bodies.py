@@ -1,0 +1,105 @@
+"""Request bodies read from the bytes their history does not repeat, end to end
+(``core.known_bodies``): an agent session through the proxy, its requests written as a harness
+writes them (compact JSON, UTF-8, the history first), in both prompt modes. From the third call
+on, each request's repeated history is taken from the one before (its messages the same
+objects), and every record holds what the whole parse gives: the request's messages, its
+request digest (the formula's), one chain."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+import pytest
+
+from capture_proxy.core.capture import prepare_request
+from capture_proxy.core.fronts import front_for
+from capture_proxy.core.known_bodies import ParsedBody
+from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.records import CallRecord
+from capture_proxy.proxy.keys import LINKER_KEY
+from capture_proxy.store.sqlite import SQLiteStore
+from tests.proxy.api_clients import MODEL
+
+CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
+
+
+class KeptStore(SQLiteStore):
+    """Keeps each ``put_call``'s record."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self.records: list[CallRecord] = []
+
+    async def put_call(self, record, request=None, digests=None):
+        await super().put_call(record, request, digests)
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_a_session_reads_each_request_from_the_one_before(make_stack, tmp_path, prompt_mode):
+    store = KeptStore(tmp_path / "kept")
+    stack = await make_stack(store=store, prompt_mode=prompt_mode)
+    known_bodies = stack.client.app[LINKER_KEY].known_bodies
+    reads: list[ParsedBody] = []
+    parse = known_bodies.parse
+
+    def read(raw: bytes, scope: str, name: str) -> ParsedBody:
+        reads.append(parse(raw, scope, name))
+        return reads[-1]
+
+    known_bodies.parse = read  # type: ignore[method-assign]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent. ✓"},
+        {"role": "user", "content": "Read the notes, then sum up."},
+    ]
+    sent: list[dict[str, Any]] = []
+    for turn in range(4):
+        body = {"model": MODEL, "messages": messages, "tools": TOOLS, "temperature": 0.0}
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        resp = await stack.client.post(
+            CAPTURE.format(rollout="r1"), data=raw, headers={"Content-Type": "application/json"}
+        )
+        assert resp.status == 200, await resp.text()
+        answer = (await resp.json())["choices"][0]["message"]
+        sent.append(body)
+        kept = reads[-1].kept
+        assert kept is not None and kept.raw == raw
+        assert kept.facts is not None and len(kept.facts) == len(messages)
+        assert kept.digest_state is not None
+        messages = [
+            *messages,
+            {k: v for k, v in answer.items() if v is not None},
+            {"role": "user", "content": f"And part {turn + 2}?"},
+        ]
+    # each request repeated the whole history of the one before, taken as it was read
+    assert [r.repeated for r in reads] == [0, 2, 4, 6]
+    for earlier, later in zip(reads, reads[1:], strict=False):
+        shared = zip(
+            earlier.body["messages"], later.body["messages"][: later.repeated], strict=True
+        )
+        assert all(a is b for a, b in shared)
+    assert len(known_bodies) == 1  # each call's body replaced the one it extended
+    assert len(store.records) == 4
+    front = front_for("/v1/chat/completions")
+    assert front is not None
+    for body, record in zip(sent, store.records, strict=True):
+        whole = orjson.loads(orjson.dumps(body))
+        assert orjson.dumps(record.request_messages) == orjson.dumps(whole["messages"])
+        chat = front.parse(whole).chat
+        assert record.linking is not None
+        assert record.linking["request_digest"] == request_digest(prepare_request(chat, None).body)
+    # one chain: each call the child of the one before
+    parents = [r.parent_call_id for r in store.records]
+    assert parents == [None, *(r.call_id for r in store.records[:-1])]
