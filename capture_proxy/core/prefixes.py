@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -124,17 +124,24 @@ PREFIX_BLOCK = 256
 _EMPTY_SHA256 = hashlib.sha256().digest()
 
 
-def block_states(prompt: np.ndarray) -> list[Any]:
+def block_states(prompt: np.ndarray, known: Sequence[Any] = ()) -> list[Any]:
     """The SHA-256 states after ``prompt``'s first j whole blocks of ``PREFIX_BLOCK`` ids
     (``<u4`` bytes), j = 0 .. len // PREFIX_BLOCK, in one pass: what ``block_digests``,
     ``token_digests`` and ``PrefixIndex.deepest_call`` go on from, so that a put hashes its
     prompt once. Each block is hashed in place (a slice of the prompt's ``u4_view``), not
-    copied out of the array first."""
+    copied out of the array first. ``known``: the first states, known already (of another
+    prompt that begins with the same ids: ``RecordDigests.seed``; at most all of them): taken
+    as they are (never updated), the blocks after them hashed."""
     data = u4_view(prompt)
-    h = hashlib.sha256()
-    states = [h.copy()]
+    whole = prompt.shape[0] // PREFIX_BLOCK
+    if known and len(known) <= whole + 1:
+        states = list(known)
+        h = states[-1].copy()
+    else:
+        h = hashlib.sha256()
+        states = [h.copy()]
     step = 4 * PREFIX_BLOCK  # (bytes)
-    for start in range(0, (prompt.shape[0] // PREFIX_BLOCK) * step, step):
+    for start in range((len(states) - 1) * step, whole * step, step):
         h.update(data[start : start + step])
         states.append(h.copy())
     return states

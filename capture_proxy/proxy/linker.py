@@ -301,7 +301,7 @@ class Linker:
         rollout_id = record.rollout_id
         index = self._cached_index(rollout_id) or await self._index(rollout_id)
         add_record(index, record, digests, session)
-        self.recent.put(record, message_facts)
+        self.recent.put(record, message_facts, digests)
         if self.feed is not None:  # its put counted; nothing else came between: current
             stamp = self.feed.own_put_stamp(record.call_id)
             sync = self._sync.get(rollout_id)
@@ -338,6 +338,10 @@ class Linker:
             ),
             None,
         )
+        parent = resolution.parent_call_id
+        earlier = self.recent.digests(parent) if parent is not None else None
+        if digests is not None and earlier is not None:
+            digests.seed(earlier)  # (the prompt's blocks it shares with its parent's: not hashed)
         step = verify_step(
             record,
             resolution,

@@ -23,7 +23,11 @@ from dataclasses import dataclass
 import orjson
 
 from capture_proxy.core.known_messages import MessageFacts
+from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord
+
+#: Bytes of one SHA-256 state as kept (OpenSSL's context and the Python object), estimated
+_STATE_BYTES = 256
 
 #: Default bound of the cache (bytes, estimated): about a thousand 57k-token sessions' tips.
 DEFAULT_MAX_BYTES = 512 * 1024 * 1024
@@ -54,6 +58,9 @@ class _Entry:
     size: int
     #: the ``known_messages`` facts of ``record.request_messages``, when the call had them
     message_facts: tuple[MessageFacts, ...] | None
+    #: the record's ``RecordDigests`` (its prompt's block states, for its children's:
+    #: ``RecordDigests.seed``), when the call made them
+    digests: RecordDigests | None = None
 
 
 class RecentCalls:
@@ -75,22 +82,35 @@ class RecentCalls:
         self._records.move_to_end(call_id)
         return entry.record
 
+    def digests(self, call_id: str) -> RecordDigests | None:
+        """A kept record's ``RecordDigests``, if it came with them."""
+        entry = self._records.get(call_id)
+        return entry.digests if entry is not None else None
+
     def message_facts(self, call_id: str) -> tuple[MessageFacts, ...] | None:
         """The facts of a kept record's request messages, if it came with them."""
         entry = self._records.get(call_id)
         return entry.message_facts if entry is not None else None
 
-    def put(self, record: CallRecord, message_facts: Sequence[MessageFacts] | None = None) -> None:
-        """Keep ``record`` (it was stored) and the facts of its request messages; a record
-        larger than the bound is not kept."""
+    def put(
+        self,
+        record: CallRecord,
+        message_facts: Sequence[MessageFacts] | None = None,
+        digests: RecordDigests | None = None,
+    ) -> None:
+        """Keep ``record`` (it was stored), the facts of its request messages and its
+        ``RecordDigests`` (when of its very arrays); a record larger than the bound is not
+        kept."""
         self._drop(record.call_id)
         facts = tuple(message_facts) if message_facts is not None else None
         if facts is not None and len(facts) != len(record.request_messages):
             facts = None
-        size = _size(record, facts)
+        if digests is not None and not digests.same_tokens(record):
+            digests = None
+        size = _size(record, facts) + (_STATE_BYTES * digests.num_states if digests else 0)
         if size > self.max_bytes:
             return
-        self._records[record.call_id] = _Entry(record, size, facts)
+        self._records[record.call_id] = _Entry(record, size, facts, digests)
         self._by_rollout.setdefault(record.rollout_id, set()).add(record.call_id)
         self._bytes += size
         while self._bytes > self.max_bytes:

@@ -3,7 +3,8 @@
 writes them (compact JSON, UTF-8, the history first), in both prompt modes. From the third call
 on, each request's repeated history is taken from the one before (its messages the same
 objects), and every record holds what the whole parse gives: the request's messages, its
-request digest (the formula's), one chain."""
+request digest (the formula's), one chain; and each prompt's blocks shared with its parent's
+are not hashed again."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from capture_proxy.core.capture import prepare_request
 from capture_proxy.core.fronts import front_for
 from capture_proxy.core.known_bodies import ParsedBody
 from capture_proxy.core.linking.digests import request_digest
+from capture_proxy.core.prefixes import PREFIX_BLOCK, block_states
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.keys import LINKER_KEY
 from capture_proxy.store.sqlite import SQLiteStore
@@ -61,7 +63,7 @@ async def test_a_session_reads_each_request_from_the_one_before(make_stack, tmp_
 
     known_bodies.parse = read  # type: ignore[method-assign]
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a coding agent. ✓"},
+        {"role": "system", "content": "You are a coding agent. ✓\n" + "Keep edits small. " * 200},
         {"role": "user", "content": "Read the notes, then sum up."},
     ]
     sent: list[dict[str, Any]] = []
@@ -103,3 +105,14 @@ async def test_a_session_reads_each_request_from_the_one_before(make_stack, tmp_
     # one chain: each call the child of the one before
     parents = [r.parent_call_id for r in store.records]
     assert parents == [None, *(r.call_id for r in store.records[:-1])]
+    # each prompt's whole blocks shared with its parent's were not hashed again: its block
+    # states begin with the parent's own (``RecordDigests.seed``), and are the formula's
+    recent = stack.client.app[LINKER_KEY].recent
+    for parent, child in zip(store.records, store.records[1:], strict=False):
+        theirs, mine = recent.digests(parent.call_id), recent.digests(child.call_id)
+        assert theirs is not None and mine is not None
+        shared = parent.prompt_token_ids.shape[0] // PREFIX_BLOCK
+        assert shared >= 2
+        assert mine.block_states()[shared] is theirs.block_states()[shared]
+        fresh = block_states(child.prompt_token_ids)
+        assert [s.digest() for s in mine.block_states()] == [s.digest() for s in fresh]

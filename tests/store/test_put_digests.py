@@ -41,9 +41,9 @@ async def test_the_proxys_digests_give_the_rows_the_writer_hashes(tmp_path, monk
     hashed: list[int] = []
     block_states = record_digests.block_states
 
-    def counted(prompt: np.ndarray) -> list[Any]:
+    def counted(prompt: np.ndarray, known: Any = ()) -> list[Any]:
         hashed.append(prompt.shape[0])
-        return block_states(prompt)
+        return block_states(prompt, known)
 
     monkeypatch.setattr(record_digests, "block_states", counted)
     got = {}

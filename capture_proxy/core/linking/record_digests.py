@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from capture_proxy.core.linking.digests import (
     canonical_digests,
     canonical_json,
@@ -50,6 +52,7 @@ class RecordDigests:
         "response",
         "turn",
         "_states",
+        "_seed",
         "_key",
         "_canonical",
         "_payload",
@@ -66,6 +69,7 @@ class RecordDigests:
             turn = continued_turn(prefill, turn)
         self.turn = turn
         self._states: list[Any] | None = None
+        self._seed: list[Any] = []
         self._key: tuple[bytes, bytes] | None = None
         self._canonical: dict[str, Any] | None = None
         self._payload: str | None = None
@@ -84,8 +88,30 @@ class RecordDigests:
         """``prefixes.block_states(prompt)`` (SHA-256 states; never updated: copy one to go
         on)."""
         if self._states is None:
-            self._states = block_states(self.prompt)
+            self._states = block_states(self.prompt, self._seed)
+            self._seed = []
         return self._states
+
+    @property
+    def num_states(self) -> int:
+        """The block states made (0: not yet)."""
+        return len(self._states) if self._states is not None else 0
+
+    def seed(self, earlier: RecordDigests) -> int:
+        """Take ``earlier``'s block states (a parent's, kept in memory) for the whole blocks
+        its prompt shares with this one, id for id (compared: the states are then this
+        prompt's own), so that only the blocks after them are hashed: an agent's next prompt
+        begins with its parent's. Nothing when the states are made already, or ``earlier``'s
+        are not. Returns the blocks taken."""
+        states = earlier._states
+        if self._states is not None or not states:
+            return 0
+        mine, theirs = self.prompt, earlier.prompt
+        whole = min(mine.shape[0], theirs.shape[0], (len(states) - 1) * PREFIX_BLOCK)
+        differ = np.flatnonzero(mine[:whole] != theirs[:whole])
+        shared = (int(differ[0]) if differ.size else whole) // PREFIX_BLOCK
+        self._seed = states[: shared + 1] if shared else []
+        return shared
 
     def extends(self, num_tokens: int, tokens_sha256: bytes) -> bool:
         """``digests.extends_by_digest(prompt, num_tokens, tokens_sha256)``: the prompt begins

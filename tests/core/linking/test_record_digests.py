@@ -163,3 +163,52 @@ def test_token_states_take_the_digests_of_the_very_arrays_only(n):
         == token_digests(other.prompt_token_ids, other.generation_token_ids)
         != fresh[1:]
     )
+
+
+def _digests_of(states: list) -> list[bytes]:
+    return [s.digest() for s in states]
+
+
+@pytest.mark.parametrize(
+    ("parent_len", "child_len", "differ_at", "taken"),
+    [
+        (5 * PREFIX_BLOCK + 17, 9 * PREFIX_BLOCK + 3, None, 5),  # an agent's next prompt
+        (5 * PREFIX_BLOCK, 5 * PREFIX_BLOCK + 1, None, 5),  # on a block's end
+        (5 * PREFIX_BLOCK + 17, 9 * PREFIX_BLOCK, 3 * PREFIX_BLOCK + 9, 3),  # history edited
+        (5 * PREFIX_BLOCK + 17, 9 * PREFIX_BLOCK, 0, 0),  # from the first id
+        (9 * PREFIX_BLOCK, 4 * PREFIX_BLOCK + 2, None, 4),  # a shorter prompt (a branch)
+        (PREFIX_BLOCK - 1, 3 * PREFIX_BLOCK, None, 0),  # no whole block in common
+    ],
+)
+def test_a_child_goes_on_from_its_parents_block_states(parent_len, child_len, differ_at, taken):
+    """``seed``: the blocks a prompt shares with its parent's, id for id, are the parent's
+    states (the same objects, not hashed again); every state is the one hashed afresh."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 2**31, max(parent_len, child_len), dtype=np.uint32)
+    parent = RecordDigests(_record(ids[:parent_len].copy()))
+    parent.block_states()
+    child_prompt = ids[:child_len].copy()
+    if differ_at is not None:
+        child_prompt[differ_at] += 1
+    child = RecordDigests(_record(child_prompt))
+    assert child.seed(parent) == taken
+    states = child.block_states()
+    assert _digests_of(states) == _digests_of(block_states(child_prompt))
+    theirs = parent.block_states()
+    assert all(a is b for a, b in zip(states[1 : taken + 1], theirs[1 : taken + 1], strict=True))
+    assert not any(s is p for s in states[taken + 1 :] for p in parent.block_states())
+    # and the token key and prefix checks from them are the formula's
+    generation = child.generation
+    assert child.token_key() == token_digests(child_prompt, generation)
+    n = min(parent_len, child_len)
+    sha = hashlib.sha256(child_prompt[:n].astype("<u4").tobytes()).digest()
+    assert child.extends(n, sha)
+
+
+def test_a_parent_without_states_seeds_nothing():
+    ids = np.arange(3 * PREFIX_BLOCK, dtype=np.uint32)
+    parent, child = RecordDigests(_record(ids[: PREFIX_BLOCK * 2])), RecordDigests(_record(ids))
+    assert child.seed(parent) == 0
+    made = child.block_states()
+    assert child.seed(RecordDigests(_record(ids))) == 0  # (made already: nothing taken)
+    assert child.block_states() is made
