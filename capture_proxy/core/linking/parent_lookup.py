@@ -59,9 +59,9 @@ def resolve_step(
     ``ReadParentCandidates(rollout_id, parent_digest)`` once (the stored calls it could
     continue, another replica's included: not the whole rollout), adds those the index lacks
     and resolves again. Afterwards ``call_id`` is in ``index`` in flight, under the request's
-    digest, counted as a child of the preferred candidate (``LinkIndex.add``). ``tools_facts``:
-    the ``known_tools`` facts of ``body["tools"]`` (their text is not written again).
-    ``claims``: the other processes' calls in flight (``serve --workers``); a continuation's
+    digest (``known_request_digest`` when made already), counted as a child of the preferred
+    candidate (``LinkIndex.add``). ``tools_facts``: the ``known_tools`` facts of
+    ``body["tools"]`` (their text is not written again). ``claims``: the other processes' calls in flight (``serve --workers``); a continuation's
     candidate is chosen with theirs counted as children and claimed for ``call_id``, under
     the claims' lock (also when this index knows one candidate only: an identical sibling's
     first call may still be in flight here and stored by the time another worker looks,
@@ -72,14 +72,9 @@ def resolve_step(
     ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s; a request with
     the retry header and a session that found no call to retry is marked for a second look
     (``Resolution.retry_session``, ``late_retry``). ``attempts``: every process's calls in
-    flight by ``late_retry.attempt_key``, where a call that names its session is counted.
-    ``known_request_digest``: ``request_digest(body)``, when made already."""
+    flight by ``late_retry.attempt_key``, where a call that names its session is counted."""
     tools_text = tools_facts.sorted_text if tools_facts is not None else None
-    req_digest = (
-        known_request_digest
-        if known_request_digest is not None
-        else request_digest(body, tools_text)
-    )
+    req_digest = known_request_digest or request_digest(body, tools_text)
     last_turn = last_linking_item(linking_messages)
     model = body.get("model")
     payloads = turn_payloads(linking_facts) if linking_facts is not None else None

@@ -1,0 +1,184 @@
+"""What a long session's call spends on the history it repeats, piece by piece, in microseconds
+(medians of ``--repeat`` runs, warm), the whole way against the way from the earlier request.
+
+The session is ``long_session.py``'s (a system prompt of about 8 KB, tools of about 20 KB, a
+tool call and a result of about 1 KB per turn), written compact as a harness writes it; the
+call measured is the one at ``--turn`` (default 120: 240 messages, about 180 KB), after the
+call before it, and a prompt of ``--prompt-ids`` ids (54k: the long session's last) whose
+parent's prompt is all of it but its last 1,000 ids. Pieces, each the same value both ways
+(checked here):
+
+- ``parse``: ``json_bodies.parse_json_object(raw)`` against ``KnownBodies.parse`` after the
+  request before (``core.known_bodies``), and for a body with no earlier one kept;
+- ``facts``: ``KnownMessages.facts`` of every message (each written with orjson to be looked
+  up) against the new messages' only (``head_facts``);
+- ``request digest``: ``request_digest`` against ``request_digest_after`` from the earlier
+  request's state;
+- ``block states``: ``prefixes.block_states`` of the prompt against ``RecordDigests`` seeded
+  with the parent's (``seed``).
+
+Run: ``.venv/bin/python benchmarks/history_pieces.py [--turn 120] [--repeat 300]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.long_session import _lines, tools  # noqa: E402
+from capture_proxy.core.json_bodies import parse_json_object  # noqa: E402
+from capture_proxy.core.known_bodies import KnownBodies  # noqa: E402
+from capture_proxy.core.known_messages import KnownMessages  # noqa: E402
+from capture_proxy.core.known_tools import KnownTools  # noqa: E402
+from capture_proxy.core.linking.digests import request_digest, request_digest_after  # noqa: E402
+from capture_proxy.core.linking.record_digests import RecordDigests  # noqa: E402
+from capture_proxy.core.prefixes import block_states  # noqa: E402
+from capture_proxy.core.records import CallRecord  # noqa: E402
+
+
+def session_bodies(turns: int) -> list[bytes]:
+    """The requests of a ``turns``-call session, compact JSON."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a coding agent." + _lines(8, "system")},
+        {"role": "user", "content": "Read every module."},
+    ]
+    out = []
+    for i in range(turns):
+        body = {"model": "m", "messages": messages, "tools": tools(20), "max_tokens": 64}
+        out.append(orjson.dumps(body))
+        arguments = orjson.dumps({"filePath": f"src/module_{i}.py"}).decode()
+        call: dict[str, Any] = {"id": f"call_{i}", "type": "function"}
+        call["function"] = {"name": "read", "arguments": arguments}
+        messages = [
+            *messages,
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{i}", "content": _lines(0.95, f"out {i}")},
+        ]
+    return out
+
+
+def median_us(fn: Callable[[], Any], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _record(prompt: np.ndarray) -> CallRecord:
+    return CallRecord(
+        call_id="c",
+        rollout_id="r",
+        created_at=0.0,
+        model="m",
+        prompt_token_ids=prompt,
+        generation_token_ids=np.array([1, 2, 3], np.uint32),
+        generation_log_probs=np.zeros(3, np.float32),
+        request_messages=[],
+        response_message=None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--turn", type=int, default=120)
+    p.add_argument("--prompt-ids", type=int, default=54_000)
+    p.add_argument("--repeat", type=int, default=300)
+    args = p.parse_args(argv)
+    bodies = session_bodies(args.turn)
+    earlier_raw, raw = bodies[-2], bodies[-1]
+    rows: list[tuple[str, float, float]] = []
+
+    def keeping_earlier() -> tuple[KnownBodies, Any]:
+        kept = KnownBodies()
+        return kept, kept.parse(earlier_raw, "rollout", "messages")
+
+    # parse
+    def from_earlier() -> None:
+        kept, _ = keeping_earlier()
+        t0 = time.perf_counter()
+        kept.parse(raw, "rollout", "messages")
+        from_earlier.took.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
+
+    from_earlier.took = []  # type: ignore[attr-defined]
+    for _ in range(args.repeat):
+        from_earlier()
+    whole = median_us(lambda: parse_json_object(raw), args.repeat)
+    rows.append(("parse", whole, statistics.median(from_earlier.took) * 1e6))  # type: ignore[attr-defined]
+    none_kept = median_us(lambda: KnownBodies().parse(raw, "rollout", "messages"), args.repeat)
+    rows.append(("parse, no earlier body kept", whole, none_kept))
+    kept, earlier = keeping_earlier()
+    later = kept.parse(raw, "rollout", "messages")
+    assert later.body == parse_json_object(raw) and later.repeated == len(earlier.body["messages"])
+
+    # facts
+    known = KnownMessages()
+    earlier.kept.facts = known.facts(earlier.body["messages"])
+    messages = later.body["messages"]
+    head = later.head_facts()
+    assert known.facts(messages, head) == known.facts(messages)
+    rows.append(
+        (
+            "facts",
+            median_us(lambda: known.facts(messages), args.repeat),
+            median_us(lambda: known.facts(messages, head), args.repeat),
+        )
+    )
+
+    # request digest
+    tools_text = KnownTools().facts(later.body["tools"]).sorted_text
+    _, state = request_digest_after(earlier.body, tools_text)
+    assert request_digest_after(later.body, tools_text, state)[0] == request_digest(
+        later.body, tools_text
+    )
+    rows.append(
+        (
+            "request digest",
+            median_us(lambda: request_digest(later.body, tools_text), args.repeat),
+            median_us(lambda: request_digest_after(later.body, tools_text, state), args.repeat),
+        )
+    )
+
+    # block states
+    ids = np.random.default_rng(1).integers(0, 150_000, args.prompt_ids, dtype=np.uint32)
+    parent = RecordDigests(_record(ids[: args.prompt_ids - 1000].copy()))
+    parent.block_states()
+
+    def seeded() -> list[Any]:
+        child = RecordDigests(_record(ids))
+        child.seed(parent)
+        return child.block_states()
+
+    assert [s.digest() for s in seeded()] == [s.digest() for s in block_states(ids)]
+    rows.append(
+        (
+            "block states",
+            median_us(lambda: block_states(ids), args.repeat),
+            median_us(seeded, args.repeat),
+        )
+    )
+
+    print(
+        f"call {args.turn} of a session: {len(messages)} messages, {len(raw) / 1024:.0f} KB; "
+        f"a prompt of {args.prompt_ids} ids; medians of {args.repeat}"
+    )
+    print(f"  {'piece':30} {'whole':>10} {'from earlier':>13} {'ratio':>7}")
+    for name, before, after in rows:
+        print(f"  {name:30} {before:8.1f}us {after:11.1f}us {after / before:6.3f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
