@@ -11,7 +11,7 @@ parent's prompt is all of it but its last 1,000 ids. Pieces, each the same value
 - ``parse``: ``json_bodies.parse_json_object(raw)`` against ``KnownBodies.parse`` after the
   request before (``core.known_bodies``), and for a body with no earlier one kept;
 - ``facts``: ``KnownMessages.facts`` of every message (each written with orjson to be looked
-  up) against the new messages' only (``head_facts``);
+  up) against the new messages' only (``ParsedBody.head_facts_for``);
 - ``request digest``: ``request_digest`` against ``request_digest_after`` from the earlier
   request's state;
 - ``block states``: ``prefixes.block_states`` of the prompt against ``RecordDigests`` seeded
@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
     # facts
     known = KnownMessages()
-    earlier.kept.facts = known.facts(earlier.body["messages"])
+    earlier.keep_facts(earlier.body["messages"], known.facts(earlier.body["messages"]))
     messages = later.body["messages"]
-    head = later.head_facts()
+    head = later.head_facts_for(messages)
+    assert len(head) == later.repeated
     assert known.facts(messages, head) == known.facts(messages)
     rows.append(
         (

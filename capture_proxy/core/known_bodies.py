@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,17 +74,21 @@ _WHITESPACE = b" \t\n\r"
 class KnownBody:
     """One parsed request as kept: ``raw`` its bytes, ``body`` its value (never changed),
     ``name`` its history member, ``ends`` the byte offset after each element of
-    ``body[name]``, ``array_close`` the offset of that array's ``]``; ``facts``: the
-    ``known_messages`` facts of ``body[name]``'s elements, in order, once a front derived them
-    (None: not known); ``digest_state``: the request digest's state after the messages of the
-    call's canonical body (``digests.request_digest_after``; None: not made)."""
+    ``body[name]``, ``array_close`` the offset of that array's ``]``. What the call made of
+    it, for the session's next request: ``canonical`` and ``facts``, the call's canonical
+    messages (the front's: ``body[name]`` itself for chat completions) and their
+    ``known_messages`` facts; ``front_memo``, the front's conversion of the history (the
+    Messages front's ``MessagesMemo``); ``digest_state``, the request digest's state after
+    the canonical messages (``digests.request_digest_after``). None: not made."""
 
     raw: bytes
     body: dict[str, Any]
     name: str
     ends: tuple[int, ...]
     array_close: int
+    canonical: Sequence[Any] | None = None
     facts: tuple[MessageFacts, ...] | None = None
+    front_memo: Any = None
     digest_state: RequestDigestState | None = None
 
 
@@ -98,20 +103,39 @@ class ParsedBody:
     previous: KnownBody | None = None
     kept: KnownBody | None = None
 
-    def head_facts(self) -> tuple[MessageFacts, ...]:
-        """The facts of the repeated elements, when the earlier body's are known (else
-        empty)."""
+    def head_facts_for(self, messages: Sequence[Any]) -> tuple[MessageFacts, ...]:
+        """The earlier request's facts of the leading ``messages`` that are its canonical
+        messages' very objects (the same objects: the same values; a front that converts the
+        history gives the same objects where it took them from its ``front_memo``); empty
+        when none, or the earlier facts are not known."""
         previous = self.previous
-        if previous is None or previous.facts is None or not self.repeated:
+        if previous is None or previous.facts is None or previous.canonical is None:
             return ()
-        return previous.facts[: self.repeated]
+        same = 0
+        for a, b in zip(previous.canonical, messages, strict=False):
+            if a is not b:
+                break
+            same += 1
+        return previous.facts[:same]
 
-    def keep_facts(self, messages: Any, facts: tuple[MessageFacts, ...] | None) -> None:
-        """Keep ``facts`` with this body when they are of its history array itself
-        (``messages`` is that very list: a front that converts the messages gives others)."""
+    def keep_facts(
+        self, messages: Sequence[Any] | None, facts: tuple[MessageFacts, ...] | None
+    ) -> None:
+        """Keep the call's canonical ``messages`` and their ``facts`` with this body."""
         kept = self.kept
-        if kept is not None and facts is not None and messages is kept.body.get(kept.name):
-            kept.facts = facts
+        fits = messages is not None and facts is not None and len(facts) == len(messages)
+        if kept is not None and fits:
+            kept.canonical, kept.facts = messages, facts
+
+    @property
+    def front_memo(self) -> Any:
+        """The front's conversion of the earlier request's history (None: none kept)."""
+        return self.previous.front_memo if self.previous is not None else None
+
+    def keep_front_memo(self, memo: Any) -> None:
+        """Keep the front's conversion of this request's history with this body."""
+        if self.kept is not None:
+            self.kept.front_memo = memo
 
     def earlier_digest_state(self) -> RequestDigestState | None:
         """The earlier body's request digest state (``digests.request_digest_after``), if

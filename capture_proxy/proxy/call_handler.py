@@ -25,6 +25,7 @@ from capture_proxy.core.fronts import Api, FrontCodec, FrontRequest
 from capture_proxy.core.fronts.responses.parse import referenced_history, referenced_response_id
 from capture_proxy.core.images import ImageRefused, engine_messages
 from capture_proxy.core.json_bodies import parse_json_object
+from capture_proxy.core.known_bodies import ParsedBody
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.routing import Route
 from capture_proxy.core.sessions import session_headers
@@ -82,16 +83,21 @@ async def _previous_messages(
     )
 
 
-def _message_facts(known: KnownMessages, parsed: FrontRequest) -> Any:
-    """The facts of the canonical messages: the front's, else derived here (a failure leaves
-    the call to derive what it needs from the messages)."""
-    if parsed.message_facts is not None:
-        return parsed.message_facts
-    try:
-        return known.facts(parsed.chat.get("messages") or [])
-    except Exception as exc:
-        log.warning("message facts not derived: %s: %s", type(exc).__name__, exc)
-        return None
+def _message_facts(known: KnownMessages, parsed: FrontRequest, read: ParsedBody) -> Any:
+    """The facts of the canonical messages: the front's, else derived here (those of the
+    messages the earlier request of the session had as the same objects taken from it; a
+    failure leaves the call to derive what it needs from the messages). Kept with the body
+    for the session's next request."""
+    messages = parsed.chat.get("messages")
+    facts = parsed.message_facts
+    if facts is None:
+        try:
+            facts = known.facts(messages or [], read.head_facts_for(messages or []))
+        except Exception as exc:
+            log.warning("message facts not derived: %s: %s", type(exc).__name__, exc)
+            return None
+    read.keep_facts(messages, facts)
+    return facts
 
 
 async def handle_captured_call(
@@ -117,9 +123,8 @@ async def handle_captured_call(
             known=known,
             images=deps.images.limits,
             known_tools=deps.known_tools,
-            head_facts=read.head_facts(),
+            history=read,
         )
-        read.keep_facts(parsed.chat.get("messages"), parsed.message_facts)
         if parsed.images is not None or previous is not None:
             store = deps.recorder.store
             parsed = await complete_images(parsed, deps.images, deps.image_session, store)
@@ -138,7 +143,7 @@ async def handle_captured_call(
         retry_count=request.headers.get(RETRY_COUNT_HEADER),
         notes=deps.notes,
         known=known,
-        message_facts=_message_facts(known, parsed),
+        message_facts=_message_facts(known, parsed, read),
         exact=exact,
         routed_experts_expectation=back_ends.routed_experts_for(model),
         clock=time.perf_counter,

@@ -112,7 +112,7 @@ def test_the_chat_front_takes_the_repeated_messages_facts() -> None:
     facts = []
     for raw in _session(4):
         read = bodies.parse(raw, "rollout-1", "messages")
-        parsed = codec.parse(read.body, known=known, head_facts=read.head_facts())
+        parsed = codec.parse(read.body, known=known, history=read)
         read.keep_facts(parsed.chat.get("messages"), parsed.message_facts)
         assert parsed.message_facts is not None
         facts.append(parsed.message_facts)

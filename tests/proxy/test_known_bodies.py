@@ -22,7 +22,7 @@ from capture_proxy.core.prefixes import PREFIX_BLOCK, block_states
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.keys import LINKER_KEY
 from capture_proxy.store.sqlite import SQLiteStore
-from tests.proxy.api_clients import MODEL
+from tests.proxy.api_clients import MODEL, capture_url
 
 CAPTURE = "/ng-rollout/{rollout}/training-token-capture/v1/chat/completions"
 TOOLS = [
@@ -116,3 +116,61 @@ async def test_a_session_reads_each_request_from_the_one_before(make_stack, tmp_
         assert mine.block_states()[shared] is theirs.block_states()[shared]
         fresh = block_states(child.prompt_token_ids)
         assert [s.digest() for s in mine.block_states()] == [s.digest() for s in fresh]
+
+
+@pytest.mark.parametrize("prompt_mode", ["backend_template", "exact_tokens"])
+async def test_a_messages_session_converts_each_message_once(make_stack, tmp_path, prompt_mode):
+    """Anthropic Messages (Claude Code's key order: the history first): the messages a request
+    repeats are converted once (``MessagesMemo``), their facts and the request digest go on
+    from the earlier request, and every record holds what the whole parse gives."""
+    store = KeptStore(tmp_path / "kept")
+    stack = await make_stack(store=store, prompt_mode=prompt_mode)
+    reads: list[ParsedBody] = []
+    known_bodies = stack.client.app[LINKER_KEY].known_bodies
+    parse = known_bodies.parse
+
+    def read(raw: bytes, scope: str, name: str) -> ParsedBody:
+        reads.append(parse(raw, scope, name))
+        return reads[-1]
+
+    known_bodies.parse = read  # type: ignore[method-assign]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read the notes. ✓"}]
+    sent = []
+    for turn in range(4):
+        body = {"model": MODEL, "messages": messages, "system": "You are Claude Code. " * 60,
+                "max_tokens": 32, "temperature": 0.0}  # fmt: skip
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+        resp = await stack.client.post(
+            capture_url("r1", "messages"), data=raw, headers={"Content-Type": "application/json"}
+        )
+        assert resp.status == 200, await resp.text()
+        answer = await resp.json()
+        sent.append(body)
+        messages = [
+            *messages,
+            {"role": "assistant", "content": answer["content"]},
+            {"role": "user", "content": f"And part {turn + 2}?"},
+        ]
+    # (the second request's first two messages are not the first's key: its one message)
+    assert [r.repeated for r in reads] == [0, 0, 3, 5]
+    front = front_for("/v1/messages")
+    assert front is not None
+    for n, (body, record) in enumerate(zip(sent, store.records, strict=True)):
+        chat = front.parse(orjson.loads(orjson.dumps(body))).chat
+        assert orjson.dumps(record.request_messages) == orjson.dumps(chat["messages"])
+        assert record.linking is not None
+        assert record.linking["request_digest"] == request_digest(prepare_request(chat, None).body)
+        kept = reads[n].kept
+        assert kept is not None and kept.facts is not None and kept.digest_state is not None
+        if n >= 2:  # the repeated messages' conversions and facts are the earlier call's
+            earlier = reads[n - 1].kept
+            assert earlier is not None and earlier.canonical is not None
+            assert kept.canonical is not None and earlier.facts is not None
+            same = len(earlier.canonical)  # (the system message, then each repeated one's)
+            assert all(
+                a is b for a, b in zip(kept.canonical[:same], earlier.canonical, strict=True)
+            )
+            assert kept.facts[:same] == earlier.facts[:same]
+            assert kept.digest_state.messages[:same] == earlier.canonical[:same]
+    parents = [r.parent_call_id for r in store.records]
+    assert parents == [None, *(r.call_id for r in store.records[:-1])]

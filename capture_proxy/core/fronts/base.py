@@ -44,6 +44,7 @@ import numpy.typing as npt
 from capture_proxy.core.conversation import ChatRequest, ChatTool
 from capture_proxy.core.front_errors import InvalidFrontRequest as InvalidFrontRequest
 from capture_proxy.core.images import ImageLimits, RequestImages
+from capture_proxy.core.known_bodies import ParsedBody
 from capture_proxy.core.known_messages import KnownMessages, MessageFacts
 from capture_proxy.core.known_tools import KnownTools, ToolsFacts, derive_tools_facts, tools_key
 from capture_proxy.core.records import Diagnostic, DiagnosticKind
@@ -266,7 +267,7 @@ class FrontCodec(Protocol):
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
-        head_facts: Sequence[MessageFacts] = (),
+        history: ParsedBody | None = None,
     ) -> FrontRequest:
         """Validate ``body`` and map it to the canonical conversation. ``previous``: canonical
         messages a reference in the body stands for (Responses ``previous_response_id``; the
@@ -274,11 +275,12 @@ class FrontCodec(Protocol):
         may skip what it checked of them before, and give the facts of the canonical messages
         (``FrontRequest.message_facts``). ``images``: what images a call may carry (None: an
         image is refused). ``known_tools``: facts of the tools of earlier requests, likewise
-        (``FrontRequest.tools_facts``, ``received_tools_facts``). ``head_facts``: the facts of
-        the first elements of ``body[history_member]``, known from an earlier request whose
-        bytes this one repeats (``known_bodies.ParsedBody.head_facts``; those elements are
-        that request's own objects): a front whose facts are of those very elements takes
-        them instead of deriving them again. Raises InvalidFrontRequest
+        (``FrontRequest.tools_facts``, ``received_tools_facts``). ``history``: the body as
+        ``known_bodies`` read it, when it did (its first elements of ``body[history_member]``
+        may be an earlier request's own objects): a front takes the facts of the messages it
+        repeats from it (``head_facts_for``), and a front that converts the history takes the
+        conversion of the elements it repeats (``front_memo``) and keeps its own
+        (``keep_front_memo``). Raises InvalidFrontRequest
         naming the field, ImageRefused (``core.images``) for an image it may not carry."""
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:

@@ -9,7 +9,7 @@ proxy added, see ``core.capture``). Pure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, cast
 
 import orjson
@@ -24,7 +24,8 @@ from capture_proxy.core.fronts.base import (
 )
 from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of
 from capture_proxy.core.json_bodies import InvalidRequest
-from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+from capture_proxy.core.known_bodies import ParsedBody
+from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.sse import encode_json_event
@@ -122,13 +123,14 @@ class ChatCodec:
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
-        head_facts: Sequence[MessageFacts] = (),
+        history: ParsedBody | None = None,
     ) -> FrontRequest:
         messages = body.get("messages")
         with_images = _has_image_part(messages)
         facts = None
         if known is not None and isinstance(messages, list) and not with_images:
-            facts = known.facts(messages, head_facts)
+            head = history.head_facts_for(messages) if history is not None else ()
+            facts = known.facts(messages, head)
         tools = body.get("tools")
         tools_facts = None
         if known_tools is not None and isinstance(tools, list):

@@ -57,20 +57,20 @@ def resolve_step(
 
     With ``refresh_on_miss``, an unresolved history with model-authored turns asks
     ``ReadParentCandidates(rollout_id, parent_digest)`` once (the stored calls it could
-    continue, another replica's included: not the whole rollout), adds those the index lacks
-    and resolves again. Afterwards ``call_id`` is in ``index`` in flight, under the request's
-    digest (``known_request_digest`` when made already), counted as a child of the preferred
-    candidate (``LinkIndex.add``). ``tools_facts``: the ``known_tools`` facts of
-    ``body["tools"]`` (their text is not written again). ``claims``: the other processes' calls in flight (``serve --workers``); a continuation's
-    candidate is chosen with theirs counted as children and claimed for ``call_id``, under
-    the claims' lock (also when this index knows one candidate only: an identical sibling's
-    first call may still be in flight here and stored by the time another worker looks,
-    which then sees two and must see this one taken). A claim is released when
-    its call is stored, so the choice also needs the stored children: ``index_current()``
-    says whether ``index`` still holds every call stored (asked after the claims are read);
-    when not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``,
-    ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s; a request with
-    the retry header and a session that found no call to retry is marked for a second look
+    continue, another replica's included: not the whole rollout), adds those the index lacks and
+    resolves again. Afterwards ``call_id`` is in ``index`` in flight, under the request's digest
+    (``known_request_digest`` when made already), counted as a child of the preferred candidate
+    (``LinkIndex.add``). ``tools_facts``: the ``known_tools`` facts of ``body["tools"]`` (their
+    text is not written again). ``claims``: the other processes' calls in flight (``serve
+    --workers``); a continuation's candidate is chosen with theirs counted as children and
+    claimed for ``call_id``, under the claims' lock (also when this index knows one candidate
+    only: an identical sibling's first call may still be in flight here and stored by the time
+    another worker looks, which then sees two and must see this one taken). A claim is released
+    when its call is stored, so the choice also needs the stored children: ``index_current()``
+    says whether ``index`` still holds every call stored (asked after the claims are read); when
+    not, the step asks ``CatchUp(rollout_id)`` and chooses again. ``session``,
+    ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s; a request with the
+    retry header and a session that found no call to retry is marked for a second look
     (``Resolution.retry_session``, ``late_retry``). ``attempts``: every process's calls in
     flight by ``late_retry.attempt_key``, where a call that names its session is counted."""
     tools_text = tools_facts.sorted_text if tools_facts is not None else None

@@ -10,7 +10,6 @@ events of one streamed answer).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from capture_proxy.core.fronts.base import Answer, Api, FrontRequest
@@ -23,7 +22,8 @@ from capture_proxy.core.fronts.messages.encode import (
 from capture_proxy.core.fronts.messages.parse import parse_count_tokens, parse_request
 from capture_proxy.core.fronts.messages.stream import MessagesStreamEncoder
 from capture_proxy.core.images import ImageLimits
-from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+from capture_proxy.core.known_bodies import ParsedBody
+from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.known_tools import KnownTools
 
 
@@ -42,9 +42,9 @@ class MessagesCodec:
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
-        head_facts: Sequence[MessageFacts] = (),
+        history: ParsedBody | None = None,
     ) -> FrontRequest:
-        return parse_request(body, images=images, known_tools=known_tools)
+        return parse_request(body, images=images, known_tools=known_tools, history=history)
 
     def parse_count_tokens(
         self, body: dict[str, Any], images: ImageLimits | None = None

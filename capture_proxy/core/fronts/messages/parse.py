@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from capture_proxy.core.conversation import (
     ChatFunction,
@@ -78,6 +79,9 @@ from capture_proxy.core.fronts.base import (
 from capture_proxy.core.fronts.messages.options import MessagesOptions
 from capture_proxy.core.images import ImageCollector, ImageLimits, ImageRefused, joined_content
 from capture_proxy.core.known_tools import KnownTools
+
+if TYPE_CHECKING:
+    from capture_proxy.core.known_bodies import ParsedBody
 
 #: Put before a tool result's text when the harness marked it ``is_error``.
 TOOL_ERROR_PREFIX = "Error: "
@@ -393,25 +397,73 @@ def _thinking(raw: Any, out: ChatRequest) -> tuple[dict[str, Any], bool]:
     return thinking, display == "omitted"
 
 
-def _messages(body: dict[str, Any], raw_messages: list[Any], seen: _Collected) -> list[ChatMessage]:
-    """The canonical messages: ``system``, then each message of ``messages`` in order."""
-    messages: list[ChatMessage] = []
-    system = _system_message(body.get("system"))
-    if system is not None:
-        messages.append(system)
+#: What one message became: its canonical messages, and the tool-error ids and reasoning hints
+#: its conversion recorded (``_Collected``)
+_Converted = tuple[list[ChatMessage], tuple[str, ...], tuple[str, ...]]
+
+
+@dataclass(slots=True, eq=False)
+class MessagesMemo:
+    """The conversion of one request's history, for the next request of its session
+    (``known_bodies``: a message it repeats is the same object): ``system`` its ``system``
+    value and ``system_message`` what that became; ``sources`` its messages (its own list,
+    never changed) and ``outputs[i]`` what ``sources[i]`` became (None: not kept, as it held
+    images, which the call's image collector must see). A message's conversion depends on its
+    value only (its index names it in errors, and a message that converted has none)."""
+
+    system: Any
+    system_message: ChatMessage | None
+    sources: list[Any]
+    outputs: list[_Converted | None]
+
+
+def _converted(raw: Any, path: str, seen: _Collected) -> list[ChatMessage]:
+    message = _obj(raw, path)
+    role = message.get("role")
+    if role == "user":
+        return _user_messages(message.get("content"), path, seen)
+    if role == "assistant":
+        return [_assistant_message(message.get("content"), path, seen)]
+    if role == "system":
+        return [_inline_system_message(message.get("content"), path)]
+    raise _fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
+
+
+def _messages(
+    body: dict[str, Any],
+    raw_messages: list[Any],
+    seen: _Collected,
+    earlier: MessagesMemo | None = None,
+) -> tuple[list[ChatMessage], MessagesMemo]:
+    """The canonical messages: ``system``, then each message of ``messages`` in order; and
+    their ``MessagesMemo``. ``earlier``: an earlier request's memo: what it converted of the
+    very objects this request repeats is taken (its records replayed into ``seen``), not
+    converted again."""
+    system_value = body.get("system")
+    if earlier is not None and system_value is earlier.system:
+        system = earlier.system_message
+    else:
+        system = _system_message(system_value)
+    messages: list[ChatMessage] = [system] if system is not None else []
+    sources = earlier.sources if earlier is not None else []
+    outputs: list[_Converted | None] = []
     for i, raw in enumerate(raw_messages):
-        path = f"messages.{i}"
-        message = _obj(raw, path)
-        role = message.get("role")
-        if role == "user":
-            messages.extend(_user_messages(message.get("content"), path, seen))
-        elif role == "assistant":
-            messages.append(_assistant_message(message.get("content"), path, seen))
-        elif role == "system":
-            messages.append(_inline_system_message(message.get("content"), path))
+        kept = earlier.outputs[i] if earlier is not None and i < len(sources) else None
+        if kept is not None and raw is sources[i]:
+            converted, errors, hints = kept
+            seen.tool_errors.extend(errors)
+            seen.reasoning_hints.extend(hints)
         else:
-            raise _fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
-    return messages
+            errors_at, hints_at = len(seen.tool_errors), len(seen.reasoning_hints)
+            images_at = len(seen.images.paths)
+            converted = _converted(raw, f"messages.{i}", seen)
+            kept = None
+            if len(seen.images.paths) == images_at:
+                errors = tuple(seen.tool_errors[errors_at:])
+                kept = (converted, errors, tuple(seen.reasoning_hints[hints_at:]))
+        messages.extend(converted)
+        outputs.append(kept)
+    return messages, MessagesMemo(system_value, system, raw_messages, outputs)
 
 
 def _tool_fields(
@@ -467,13 +519,15 @@ def parse_request(
     count_tokens: bool = False,
     images: ImageLimits | None = None,
     known_tools: KnownTools | None = None,
+    history: ParsedBody | None = None,
 ) -> FrontRequest:
     """A Messages body as a ``FrontRequest`` (``options``: ``MessagesOptions``). With
     ``count_tokens`` a ``count_tokens`` body: no ``max_tokens``, sampling fields and
     ``stream`` are not read. ``images``: what images it may carry (None: refused);
     ``known_tools``: facts of earlier requests' tools (a tools value is converted once,
-    ``convert_tools``). Raises InvalidFrontRequest naming the first bad field, ImageRefused
-    (``core.images``)."""
+    ``convert_tools``); ``history``: the body as ``known_bodies`` read it (the conversion of
+    the messages it repeats is taken from its ``front_memo``, and this one's kept). Raises
+    InvalidFrontRequest naming the first bad field, ImageRefused (``core.images``)."""
     _obj(body, "body")
     model = _str(body.get("model"), "model")
     if not model:
@@ -486,7 +540,13 @@ def parse_request(
     if not raw_messages:
         raise _fail("messages", "must not be empty")
     seen = _Collected(images)
-    chat: ChatRequest = {"model": model, "messages": _messages(body, raw_messages, seen)}
+    earlier = history.front_memo if history is not None else None
+    canonical, memo = _messages(
+        body, raw_messages, seen, earlier if isinstance(earlier, MessagesMemo) else None
+    )
+    if history is not None:
+        history.keep_front_memo(memo)
+    chat: ChatRequest = {"model": model, "messages": canonical}
     if not count_tokens:
         chat["max_tokens"] = max_tokens
     converted = _tool_fields(body, chat, known_tools)

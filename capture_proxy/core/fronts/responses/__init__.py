@@ -20,7 +20,6 @@ prefers the sealed text, then ``content``, then ``summary``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from capture_proxy.core.fronts.base import Answer, Api, FrontRequest
@@ -29,7 +28,8 @@ from capture_proxy.core.fronts.responses.encode import encode_response
 from capture_proxy.core.fronts.responses.parse import parse_request
 from capture_proxy.core.fronts.responses.stream import ResponsesStream
 from capture_proxy.core.images import ImageLimits
-from capture_proxy.core.known_messages import KnownMessages, MessageFacts
+from capture_proxy.core.known_bodies import ParsedBody
+from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.known_tools import KnownTools
 
 
@@ -48,7 +48,7 @@ class ResponsesCodec:
         known: KnownMessages | None = None,
         images: ImageLimits | None = None,
         known_tools: KnownTools | None = None,
-        head_facts: Sequence[MessageFacts] = (),
+        history: ParsedBody | None = None,
     ) -> FrontRequest:
         return parse_request(body, previous, images, known_tools)
 
