@@ -15,7 +15,12 @@ parent's prompt is all of it but its last 1,000 ids. Pieces, each the same value
 - ``request digest``: ``request_digest`` against ``request_digest_after`` from the earlier
   request's state;
 - ``block states``: ``prefixes.block_states`` of the prompt against ``RecordDigests`` seeded
-  with the parent's (``seed``).
+  with the parent's (``seed``);
+- the same session as Claude Code sends it (Anthropic Messages: a ``tool_use`` and a
+  ``tool_result`` per turn, the history first, ``system`` and ``tools`` after it):
+  ``Messages: conversion`` (the front's parse, converting the history to canonical messages,
+  against the one taking the earlier request's ``MessagesMemo``), ``Messages: facts`` and
+  ``Messages: request digest`` of the canonical messages.
 
 Run: ``.venv/bin/python benchmarks/history_pieces.py [--turn 120] [--repeat 300]``.
 """
@@ -36,6 +41,8 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.long_session import _lines, tools  # noqa: E402
+from capture_proxy.core.capture import prepare_request  # noqa: E402
+from capture_proxy.core.fronts.messages import MessagesCodec  # noqa: E402
 from capture_proxy.core.json_bodies import parse_json_object  # noqa: E402
 from capture_proxy.core.known_bodies import KnownBodies  # noqa: E402
 from capture_proxy.core.known_messages import KnownMessages  # noqa: E402
@@ -65,6 +72,81 @@ def session_bodies(turns: int) -> list[bytes]:
             {"role": "tool", "tool_call_id": f"call_{i}", "content": _lines(0.95, f"out {i}")},
         ]
     return out
+
+
+def messages_bodies(turns: int) -> list[bytes]:
+    """``session_bodies`` as Anthropic Messages requests, in Claude Code's key order."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Read every module."}]
+    claude_tools = [
+        {"name": t["function"]["name"], "description": t["function"]["description"],
+         "input_schema": t["function"]["parameters"]}
+        for t in tools(20)
+    ]  # fmt: skip
+    out = []
+    for i in range(turns):
+        body = {"model": "m", "messages": messages, "system": "You are a coding agent."
+                + _lines(8, "system"), "tools": claude_tools, "max_tokens": 64}  # fmt: skip
+        out.append(orjson.dumps(body))
+        use: dict[str, Any] = {"type": "tool_use", "id": f"toolu_{i}", "name": "read"}
+        use["input"] = {"filePath": f"src/module_{i}.py"}
+        result: dict[str, Any] = {"type": "tool_result", "tool_use_id": f"toolu_{i}"}
+        result["content"] = _lines(0.95, f"out {i}")
+        messages = [
+            *messages,
+            {"role": "assistant", "content": [{"type": "text", "text": "Reading."}, use]},
+            {"role": "user", "content": [result]},
+        ]
+    return out
+
+
+def messages_rows(turn: int, repeat: int) -> list[tuple[str, float, float]]:
+    """The Messages front's pieces at call ``turn``, whole and from the earlier request."""
+    bodies = messages_bodies(turn)
+    codec = MessagesCodec()
+    kept = KnownBodies()
+    known = KnownMessages()
+    earlier = kept.parse(bodies[-2], "rollout", "messages")
+    first = codec.parse(earlier.body, history=earlier)
+    earlier.keep_facts(first.chat["messages"], known.facts(first.chat["messages"]))
+    earlier_prepared = prepare_request(first.chat, None).body
+    _, state = request_digest_after(earlier_prepared, None)
+    earlier.keep_digest_state(state)
+    later = kept.parse(bodies[-1], "rollout", "messages")
+    whole_body = parse_json_object(bodies[-1])
+    alone = codec.parse(whole_body)
+    memo = later.front_memo
+    later_request = codec.parse(later.body, history=later)
+    assert orjson.dumps(later_request.chat) == orjson.dumps(alone.chat)
+
+    previous = later.previous
+    assert previous is not None
+
+    def with_memo() -> Any:
+        previous.front_memo = memo  # (each run from the earlier request's memo)
+        return codec.parse(later.body, history=later)
+
+    canonical = later_request.chat["messages"]
+    head = later.head_facts_for(canonical)
+    assert known.facts(canonical, head) == known.facts(canonical) and len(head) > 1
+    prepared = prepare_request(later_request.chat, None).body
+    assert request_digest_after(prepared, None, state)[0] == request_digest(prepared)
+    return [
+        (
+            "Messages: conversion",
+            median_us(lambda: codec.parse(whole_body), repeat),
+            median_us(with_memo, repeat),
+        ),
+        (
+            "Messages: facts",
+            median_us(lambda: known.facts(canonical), repeat),
+            median_us(lambda: known.facts(canonical, head), repeat),
+        ),
+        (
+            "Messages: request digest",
+            median_us(lambda: request_digest(prepared), repeat),
+            median_us(lambda: request_digest_after(prepared, None, state), repeat),
+        ),
+    ]
 
 
 def median_us(fn: Callable[[], Any], repeat: int) -> float:
@@ -171,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
 
+    rows += messages_rows(args.turn, args.repeat)
     print(
         f"call {args.turn} of a session: {len(messages)} messages, {len(raw) / 1024:.0f} KB; "
         f"a prompt of {args.prompt_ids} ids; medians of {args.repeat}"
