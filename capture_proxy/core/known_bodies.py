@@ -170,7 +170,7 @@ class KnownBodies:
         the bytes an earlier body of ``scope`` did not hold where one does; ``name``: the
         member holding the history (an array)."""
         scan, common = SCAN_HISTORY, COMMON_PREFIX
-        if scan is None or common is None:
+        if scan is None or common is None or type(raw) is not bytes:  # (the scan's type)
             return ParsedBody(parse_json_object(raw))
         member = name.encode("utf-8")
         head = scan(raw, member, 0, 0, KEY_ELEMENTS)
