@@ -214,7 +214,13 @@ class KnownBodies:
         if len(bodies) > self.per_key:
             self._bytes -= _size(bodies.pop(0))
         while self._bytes > self.max_bytes:
-            old_key, old = self._kept.popitem(last=False)
+            old_key = next(iter(self._kept))
+            if old_key == key:
+                # (only this key left, its branches over the bound: its oldest go, never the
+                # body just kept, which fits alone)
+                self._bytes -= _size(bodies.pop(0))
+                continue
+            old = self._kept.pop(old_key)
             self._bytes -= len(old_key[2]) + sum(_size(b) for b in old)
         return body
 

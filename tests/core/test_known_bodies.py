@@ -337,3 +337,27 @@ def test_appended_histories_are_read_from_the_earlier_body(
         assert read.repeated == len(history)
         repeated = read.body["messages"][: len(history)]
         assert all(a is b for a, b in zip(repeated, first.body["messages"], strict=True))
+
+
+@needs_scan
+def test_a_sessions_branches_over_the_bound_keep_the_latest() -> None:
+    """(kbreview) Where one key's branches together pass ``max_bytes``, its oldest branches
+    go, not the key with the body just kept: that body stays kept and the next call of the
+    session is read from it."""
+    system = {"role": "system", "content": "s" * 100}
+    user = {"role": "user", "content": "u"}
+
+    def raw(*extra: dict[str, Any]) -> bytes:
+        return orjson.dumps({"model": "m", "messages": [system, user, *extra]})
+
+    one = raw({"role": "assistant", "content": "a" * 300})
+    two = raw({"role": "assistant", "content": "b" * 300})
+    bodies = KnownBodies(max_bytes=2 * len(one) + 2 * len(two) - 1 + 150, per_key=8)
+    bodies.parse(one, "rollout-1", "messages")
+    kept = bodies.parse(two, "rollout-1", "messages").kept
+    assert kept is not None
+    assert len(bodies) == 1 and 0 < bodies.kept_bytes <= bodies.max_bytes
+    later = raw({"role": "assistant", "content": "b" * 300}, user)
+    read = bodies.parse(later, "rollout-1", "messages")
+    assert read.previous is kept and read.repeated == 3
+    assert _same(("ok", read.body), _whole(later))
