@@ -153,7 +153,7 @@ class KnownBodies:
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, per_key: int = DEFAULT_PER_KEY):
         self.max_bytes = max_bytes
-        self.per_key = per_key
+        self.per_key = max(per_key, 1)  # (the body just kept stays)
         self._kept: OrderedDict[tuple[str, str, bytes], list[KnownBody]] = OrderedDict()
         self._bytes = 0
 

@@ -50,7 +50,7 @@ class ResponsesCodec:
         known_tools: KnownTools | None = None,
         history: ParsedBody | None = None,
     ) -> FrontRequest:
-        return parse_request(body, previous, images, known_tools)
+        return parse_request(body, previous, images, known_tools, history)
 
     def encode(self, request: FrontRequest, answer: Answer) -> dict[str, Any]:
         return encode_response(request, answer)

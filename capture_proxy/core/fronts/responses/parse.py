@@ -31,7 +31,7 @@ import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from capture_proxy.core.conversation import (
     ChatFunction,
@@ -59,6 +59,9 @@ from capture_proxy.core.fronts.responses.options import ResponsesOptions
 from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of, joined_content
 from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.core.requests import arguments_problem
+
+if TYPE_CHECKING:
+    from capture_proxy.core.known_bodies import ParsedBody
 
 #: The chat parameters a freeform (``custom``) tool is offered under.
 CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
@@ -225,8 +228,50 @@ def _custom_arguments(text: str) -> str:
     return json.dumps({"input": text}, ensure_ascii=False)
 
 
-def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessage]:
-    messages: list[ChatMessage] = []
+@dataclass(slots=True, eq=False)
+class ResponsesMemo:
+    """The conversion of one request's input, for the next request of its session
+    (``known_bodies``: an item it repeats is the same object): ``instructions`` and
+    ``system``, the message they became; ``sources`` its input items (its own list, never
+    changed), ``messages`` what they became, and ``checkpoints``: ``(items read, messages
+    made)`` where no assistant turn was open and no image had been taken, from which the
+    conversion goes on as from the start (a function call joins the assistant turn before
+    it, so items do not convert one by one)."""
+
+    instructions: str | None
+    system: ChatMessage | None
+    sources: list[Any]
+    messages: list[ChatMessage]
+    checkpoints: list[tuple[int, int]]
+
+
+def _resumed(
+    items: list[Any], earlier: ResponsesMemo | None
+) -> tuple[int, list[ChatMessage], list[tuple[int, int]]]:
+    """Where the conversion of ``items`` goes on from: the latest of ``earlier``'s
+    checkpoints whose items are all this request's very objects (items read, the messages
+    made, the checkpoints up to it); the start when none."""
+    if earlier is None:
+        return 0, [], [(0, 0)]
+    same = 0
+    for a, b in zip(earlier.sources, items, strict=False):
+        if a is not b:
+            break
+        same += 1
+    checkpoints = earlier.checkpoints
+    for k in range(len(checkpoints) - 1, -1, -1):
+        at, made = checkpoints[k]
+        if at <= same:
+            return at, earlier.messages[:made], checkpoints[: k + 1]
+    return 0, [], [(0, 0)]
+
+
+def _input_messages(
+    items: list[Any], images: ImageCollector, earlier: ResponsesMemo | None = None
+) -> tuple[list[ChatMessage], list[tuple[int, int]]]:
+    """The canonical messages of ``items`` and their checkpoints (``ResponsesMemo``), going on
+    from ``earlier``'s where this request repeats its items."""
+    start, messages, checkpoints = _resumed(items, earlier)
     turn = _Turn()
 
     def close_turn() -> None:
@@ -236,9 +281,9 @@ def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessag
             messages.append(message)
         turn = _Turn()
 
-    for i, raw in enumerate(items):
+    for i in range(start, len(items)):
         path = f"input.{i}"
-        item = _object(raw, path)
+        item = _object(items[i], path)
         kind = item.get("type")
         if kind is None and "role" in item:
             kind = "message"
@@ -257,6 +302,8 @@ def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessag
             close_turn()
             content = _content_parts(item.get("content"), f"{path}.content", role, images)
             messages.append({"role": _ROLES[role], "content": content})
+            if not images.paths:
+                checkpoints.append((i + 1, len(messages)))
         elif kind == "reasoning":
             text = _reasoning_text(item, path)
             if text:
@@ -286,6 +333,8 @@ def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessag
             call_id = _string(item, "call_id", path) or ""
             output = _content_parts(item.get("output"), f"{path}.output", "tool", images)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            if not images.paths:
+                checkpoints.append((i + 1, len(messages)))
         elif kind == "item_reference":
             _fail(
                 f"{path}.type",
@@ -299,7 +348,7 @@ def _input_messages(items: list[Any], images: ImageCollector) -> list[ChatMessag
                 "function and custom tool calls and their outputs can)",
             )
     close_turn()
-    return messages
+    return messages, checkpoints
 
 
 #: What the Responses front keeps of its tools beside the chat tools: the names of freeform
@@ -416,9 +465,14 @@ def _with_instructions(
 
 
 def _input(
-    body: Mapping[str, Any], previous: list[dict[str, Any]] | None, images: ImageCollector
-) -> list[ChatMessage]:
-    """The canonical messages: the referenced history, ``instructions``, then ``input``."""
+    body: Mapping[str, Any],
+    previous: list[dict[str, Any]] | None,
+    images: ImageCollector,
+    earlier: ResponsesMemo | None = None,
+) -> tuple[list[ChatMessage], ResponsesMemo | None]:
+    """The canonical messages: the referenced history, ``instructions``, then ``input``; and
+    their ``ResponsesMemo`` where ``input`` is an array and no history is referenced (None
+    else), going on from ``earlier``'s."""
     reference = referenced_response_id(body)
     instructions = _string(body, "instructions", "", required=False)
     raw_input = body.get("input")
@@ -429,13 +483,33 @@ def _input(
     elif isinstance(raw_input, str):
         new = [{"role": "user", "content": raw_input}]
     elif isinstance(raw_input, list):
-        new = _input_messages(raw_input, images)
+        if previous is None and reference is None:
+            return _input_items(raw_input, instructions, images, earlier)
+        new, _ = _input_messages(raw_input, images)
     else:
         _fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
     messages = _with_instructions(previous or [], instructions) + new
     if not messages:
         _fail("input", "holds no message to answer")
-    return messages
+    return messages, None
+
+
+def _input_items(
+    items: list[Any],
+    instructions: str | None,
+    images: ImageCollector,
+    earlier: ResponsesMemo | None,
+) -> tuple[list[ChatMessage], ResponsesMemo]:
+    """``_input`` of an array of items without a referenced history, with its memo."""
+    if earlier is not None and instructions is not None and instructions == earlier.instructions:
+        system = earlier.system
+    else:
+        system = None if instructions is None else {"role": "system", "content": instructions}
+    converted, checkpoints = _input_messages(items, images, earlier)
+    messages = [system, *converted] if system is not None else converted
+    if not messages:
+        _fail("input", "holds no message to answer")
+    return messages, ResponsesMemo(instructions, system, items, converted, checkpoints)
 
 
 def _tool_fields(
@@ -520,13 +594,16 @@ def parse_request(
     previous: list[dict[str, Any]] | None = None,
     images: ImageLimits | None = None,
     known_tools: KnownTools | None = None,
+    history: ParsedBody | None = None,
 ) -> FrontRequest:
     """A Responses body as a ``FrontRequest`` (``options``: ``ResponsesOptions``).
     ``previous``: the canonical messages ``previous_response_id`` stands for
     (``referenced_history``: without that response's instructions); ``images``: what
     images it may carry (None: refused); ``known_tools``: facts of earlier requests' tools (a
-    tools value is converted once, ``convert_tools``). Raises InvalidFrontRequest naming the
-    first bad field, in the order the fields are read below, ImageRefused (``core.images``)."""
+    tools value is converted once, ``convert_tools``); ``history``: the body as
+    ``known_bodies`` read it (the conversion of the input it repeats is taken from its
+    ``front_memo``, and this one's kept). Raises InvalidFrontRequest naming the first bad
+    field, in the order the fields are read below, ImageRefused (``core.images``)."""
     model = body.get("model")
     if model is None:
         _fail("model", "is required")
@@ -539,7 +616,13 @@ def parse_request(
             "to poll or cancel",
         )
     collector = ImageCollector(images)
-    chat: ChatRequest = {"model": model, "messages": _input(body, previous, collector)}
+    earlier = history.front_memo if history is not None else None
+    messages, memo = _input(
+        body, previous, collector, earlier if isinstance(earlier, ResponsesMemo) else None
+    )
+    if history is not None:
+        history.keep_front_memo(memo)
+    chat: ChatRequest = {"model": model, "messages": messages}
     converted = _tool_fields(body, chat, known_tools)
     custom, unrendered = converted.extra
     _sampling_fields(body, chat)
