@@ -20,7 +20,9 @@ parent's prompt is all of it but its last 1,000 ids. Pieces, each the same value
   ``tool_result`` per turn, the history first, ``system`` and ``tools`` after it):
   ``Messages: conversion`` (the front's parse, converting the history to canonical messages,
   against the one taking the earlier request's ``MessagesMemo``), ``Messages: facts`` and
-  ``Messages: request digest`` of the canonical messages.
+  ``Messages: request digest`` of the canonical messages;
+- and as Codex sends it (Responses: reasoning, a message, a function call and its output per
+  turn): ``Responses: conversion``, ``Responses: facts``, ``Responses: request digest``.
 
 Run: ``.venv/bin/python benchmarks/history_pieces.py [--turn 120] [--repeat 300]``.
 """
@@ -43,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.long_session import _lines, tools  # noqa: E402
 from capture_proxy.core.capture import prepare_request  # noqa: E402
 from capture_proxy.core.fronts.messages import MessagesCodec  # noqa: E402
+from capture_proxy.core.fronts.responses import ResponsesCodec  # noqa: E402
 from capture_proxy.core.json_bodies import parse_json_object  # noqa: E402
 from capture_proxy.core.known_bodies import KnownBodies  # noqa: E402
 from capture_proxy.core.known_messages import KnownMessages  # noqa: E402
@@ -99,19 +102,50 @@ def messages_bodies(turns: int) -> list[bytes]:
     return out
 
 
-def messages_rows(turn: int, repeat: int) -> list[tuple[str, float, float]]:
-    """The Messages front's pieces at call ``turn``, whole and from the earlier request."""
-    bodies = messages_bodies(turn)
-    codec = MessagesCodec()
+def responses_bodies(turns: int) -> list[bytes]:
+    """``session_bodies`` as Responses requests, in Codex's key order."""
+    items: list[dict[str, Any]] = [
+        {"type": "message", "role": "developer",
+         "content": [{"type": "input_text", "text": "You are a coding agent."
+                      + _lines(8, "system")}]},
+        {"type": "message", "role": "user",
+         "content": [{"type": "input_text", "text": "Read every module."}]},
+    ]  # fmt: skip
+    codex_tools = [
+        {"type": "function", "name": t["function"]["name"],
+         "description": t["function"]["description"], "parameters": t["function"]["parameters"]}
+        for t in tools(20)
+    ]  # fmt: skip
+    out = []
+    for i in range(turns):
+        body = {"model": "m", "stream": False, "input": items, "tools": codex_tools}
+        out.append(orjson.dumps(body))
+        arguments = orjson.dumps({"filePath": f"src/module_{i}.py"}).decode()
+        items = [
+            *items,
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": f"Step {i}."}]},
+            {"type": "function_call", "call_id": f"call_{i}", "name": "read",
+             "arguments": arguments},
+            {"type": "function_call_output", "call_id": f"call_{i}",
+             "output": _lines(0.95, f"out {i}")},
+        ]  # fmt: skip
+    return out
+
+
+def front_rows(
+    label: str, bodies: list[bytes], codec: Any, member: str, repeat: int
+) -> list[tuple[str, float, float]]:
+    """A converting front's pieces at the last of ``bodies``, whole and from the earlier
+    request (its ``front_memo``)."""
     kept = KnownBodies()
     known = KnownMessages()
-    earlier = kept.parse(bodies[-2], "rollout", "messages")
+    earlier = kept.parse(bodies[-2], "rollout", member)
     first = codec.parse(earlier.body, history=earlier)
     earlier.keep_facts(first.chat["messages"], known.facts(first.chat["messages"]))
     earlier_prepared = prepare_request(first.chat, None).body
     _, state = request_digest_after(earlier_prepared, None)
     earlier.keep_digest_state(state)
-    later = kept.parse(bodies[-1], "rollout", "messages")
+    later = kept.parse(bodies[-1], "rollout", member)
     whole_body = parse_json_object(bodies[-1])
     alone = codec.parse(whole_body)
     memo = later.front_memo
@@ -132,17 +166,17 @@ def messages_rows(turn: int, repeat: int) -> list[tuple[str, float, float]]:
     assert request_digest_after(prepared, None, state)[0] == request_digest(prepared)
     return [
         (
-            "Messages: conversion",
+            f"{label}: conversion",
             median_us(lambda: codec.parse(whole_body), repeat),
             median_us(with_memo, repeat),
         ),
         (
-            "Messages: facts",
+            f"{label}: facts",
             median_us(lambda: known.facts(canonical), repeat),
             median_us(lambda: known.facts(canonical, head), repeat),
         ),
         (
-            "Messages: request digest",
+            f"{label}: request digest",
             median_us(lambda: request_digest(prepared), repeat),
             median_us(lambda: request_digest_after(prepared, None, state), repeat),
         ),
@@ -253,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
 
-    rows += messages_rows(args.turn, args.repeat)
+    rows += front_rows(
+        "Messages", messages_bodies(args.turn), MessagesCodec(), "messages", args.repeat
+    )
+    rows += front_rows(
+        "Responses", responses_bodies(args.turn), ResponsesCodec(), "input", args.repeat
+    )
     print(
         f"call {args.turn} of a session: {len(messages)} messages, {len(raw) / 1024:.0f} KB; "
         f"a prompt of {args.prompt_ids} ids; medians of {args.repeat}"
