@@ -228,6 +228,23 @@ def _custom_arguments(text: str) -> str:
     return json.dumps({"input": text}, ensure_ascii=False)
 
 
+def _tool_call(item: Mapping[str, Any], path: str, kind: str) -> ChatToolCall:
+    """A ``function_call`` (its arguments checked as JSON) or ``custom_tool_call`` item as
+    the canonical tool call (a custom tool's input wrapped as ``{"input": ...}``); fields
+    read in the order they always were (a function call's arguments first)."""
+    if kind == "function_call":
+        arguments = _string(item, "arguments", path) or ""
+        problem = arguments_problem(arguments)
+        if problem is not None:
+            _fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
+        return tool_call(
+            _string(item, "call_id", path) or "", _string(item, "name", path) or "", arguments
+        )
+    call_id = _string(item, "call_id", path) or ""
+    name = _string(item, "name", path) or ""
+    return tool_call(call_id, name, _custom_arguments(_string(item, "input", path) or ""))
+
+
 @dataclass(slots=True, eq=False)
 class ResponsesMemo:
     """The conversion of one request's input, for the next request of its session
@@ -308,26 +325,8 @@ def _input_messages(
             text = _reasoning_text(item, path)
             if text:
                 turn.reasoning.append(text)
-        elif kind == "function_call":
-            arguments = _string(item, "arguments", path) or ""
-            problem = arguments_problem(arguments)
-            if problem is not None:
-                _fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
-            turn.tool_calls.append(
-                tool_call(
-                    _string(item, "call_id", path) or "",
-                    _string(item, "name", path) or "",
-                    arguments,
-                )
-            )
-        elif kind == "custom_tool_call":
-            turn.tool_calls.append(
-                tool_call(
-                    _string(item, "call_id", path) or "",
-                    _string(item, "name", path) or "",
-                    _custom_arguments(_string(item, "input", path) or ""),
-                )
-            )
+        elif kind in ("function_call", "custom_tool_call"):
+            turn.tool_calls.append(_tool_call(item, path, kind))
         elif kind in _TOOL_OUTPUTS:
             close_turn()
             call_id = _string(item, "call_id", path) or ""
