@@ -78,7 +78,8 @@ class KnownBody:
     it, for the session's next request: ``canonical`` and ``facts``, the call's canonical
     messages (the front's: ``body[name]`` itself for chat completions) and their
     ``known_messages`` facts; ``front_memo``, the front's conversion of the history (the
-    Messages front's ``MessagesMemo``); ``digest_state``, the request digest's state after
+    Messages front's ``MessagesMemo``, the Responses front's ``ResponsesMemo``);
+    ``digest_state``, the request digest's state after
     the canonical messages (``digests.request_digest_after``). None: not made."""
 
     raw: bytes
