@@ -505,7 +505,7 @@ def _input_items(
     else:
         system = None if instructions is None else {"role": "system", "content": instructions}
     converted, checkpoints = _input_messages(items, images, earlier)
-    messages = [system, *converted] if system is not None else converted
+    messages = [system, *converted] if system is not None else list(converted)  # (not the memo's)
     if not messages:
         _fail("input", "holds no message to answer")
     return messages, ResponsesMemo(instructions, system, items, converted, checkpoints)
