@@ -5,7 +5,6 @@ same both ways; the messages a request repeats are converted once (the same obje
 
 from __future__ import annotations
 
-import base64
 import json
 from typing import Any
 
@@ -15,18 +14,10 @@ from capture_proxy.core import chunk_scan
 from capture_proxy.core.fronts.base import FrontRequest, seal_reasoning
 from capture_proxy.core.fronts.messages import MessagesCodec
 from capture_proxy.core.fronts.messages.parse import MessagesMemo
-from capture_proxy.core.images import ImageLimits
 from capture_proxy.core.known_bodies import KnownBodies
+from tests.core.fronts.memo_sessions import LIMITS, PNG
 
 CODEC = MessagesCodec()
-LIMITS = ImageLimits(max_bytes=200_000, max_images=4)
-#: a 1x1 PNG
-PNG = base64.b64encode(
-    bytes.fromhex(
-        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
-        "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082"
-    )
-).decode()
 
 
 def _turn(i: int) -> list[dict[str, Any]]:
