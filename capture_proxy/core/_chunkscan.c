@@ -1007,7 +1007,7 @@ typedef struct {
     Py_ssize_t name_len;
     Py_ssize_t skip_to, skip_count, stop_after;
     PyObject *ends;
-    Py_ssize_t member_start, array_open, array_close;
+    Py_ssize_t array_open, array_close;
 } History;
 
 #define HISTORY_STOPPED (-3)
@@ -1068,12 +1068,12 @@ static int history_top_member(Cur *c, const Member *key, int index, void *ctx, i
         memcmp(key->key, h->name, (size_t)h->name_len) != 0)
         return scan_value(c, depth);
     if (*c->p != '[' || h->array_open >= 0) return -1; /* not an array; or a repeated name */
-    h->member_start = key->start - h->s;
     return read_history(c, h, depth);
 }
 
-/* scan_history(data, name, skip_to, skip_count, stop_after) -> (ends, member_start,
- * array_open, array_close) | None. See request_scan.py. */
+/* scan_history(data, name, skip_to, skip_count, stop_after) -> (ends, array_close) | None:
+ * the end offset of each element read, and the offset of the array's ']' (-1 when stopped).
+ * See chunk_scan.py and known_bodies.py. */
 static PyObject *scan_history(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 5 || !PyBytes_Check(args[0]) || !PyBytes_Check(args[1])) {
@@ -1095,7 +1095,7 @@ static PyObject *scan_history(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyErr_SetString(PyExc_ValueError, "scan_history: skip_to out of the data");
         return NULL;
     }
-    h.member_start = h.array_open = h.array_close = -1;
+    h.array_open = h.array_close = -1;
     h.ends = PyList_New(0);
     if (h.ends == NULL) return NULL;
     Cur c = {h.s, h.s + len};
@@ -1113,7 +1113,7 @@ static PyObject *scan_history(PyObject *self, PyObject *const *args, Py_ssize_t 
         if (rc == -2) return NULL;
         Py_RETURN_NONE;
     }
-    return Py_BuildValue("(Nnnn)", h.ends, h.member_start, h.array_open, h.array_close);
+    return Py_BuildValue("(Nn)", h.ends, h.array_close);
 }
 
 /* common_prefix(a, b) -> the length of the longest prefix the two bytes objects share. */
@@ -1144,8 +1144,7 @@ static PyMethodDef methods[] = {
     {"common_prefix", (PyCFunction)(void (*)(void))common_prefix, METH_FASTCALL,
      "common_prefix(a: bytes, b: bytes) -> int"},
     {"scan_history", (PyCFunction)(void (*)(void))scan_history, METH_FASTCALL,
-     "scan_history(data, name, skip_to, skip_count, stop_after) -> (ends, member_start, "
-     "array_open, array_close) | None"},
+     "scan_history(data, name, skip_to, skip_count, stop_after) -> (ends, array_close) | None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -103,9 +103,10 @@ _TAKE_PROMPT_IDS: Callable[[bytes], tuple[bytes, bytearray] | None] | None = get
 )
 
 
-#: ``scan_history(data, name, skip_to, skip_count, stop_after)`` and ``common_prefix(a, b)``
-#: (``known_bodies``: a request's history array read from its bytes)
-SCAN_HISTORY: Callable[[bytes, bytes, int, int, int], tuple[list[int], int, int, int] | None] | None
+#: ``scan_history(data, name, skip_to, skip_count, stop_after)``: ``(ends, array_close)`` or
+#: None, and ``common_prefix(a, b)`` (``known_bodies``: a request's history array read from
+#: its bytes)
+SCAN_HISTORY: Callable[[bytes, bytes, int, int, int], tuple[list[int], int] | None] | None
 SCAN_HISTORY = getattr(_MODULE, "scan_history", None)
 COMMON_PREFIX: Callable[[bytes, bytes], int] | None = getattr(_MODULE, "common_prefix", None)
 

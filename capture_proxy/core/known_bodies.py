@@ -49,7 +49,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -68,6 +68,8 @@ DEFAULT_PER_KEY = 8
 KEY_ELEMENTS = 2
 
 _WHITESPACE = b" \t\n\r"
+
+M = TypeVar("M")
 
 
 @dataclass(slots=True, eq=False)
@@ -128,10 +130,11 @@ class ParsedBody:
         if kept is not None and fits:
             kept.canonical, kept.facts = messages, facts
 
-    @property
-    def front_memo(self) -> Any:
-        """The front's conversion of the earlier request's history (None: none kept)."""
-        return self.previous.front_memo if self.previous is not None else None
+    def front_memo(self, kind: type[M]) -> M | None:
+        """The front's conversion of the earlier request's history, when it is a ``kind``
+        (the front's own memo type; None: none kept, or another front's)."""
+        memo = self.previous.front_memo if self.previous is not None else None
+        return memo if isinstance(memo, kind) else None
 
     def keep_front_memo(self, memo: Any) -> None:
         """Keep the front's conversion of this request's history with this body."""
@@ -192,7 +195,7 @@ class KnownBodies:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:  # (what the scan took and orjson does not: the stdlib's)
             return ParsedBody(parse_json_object(raw))
-        made = KnownBody(raw, body, name, tuple(spans[0]), spans[3])
+        made = KnownBody(raw, body, name, tuple(spans[0]), spans[1])
         return ParsedBody(body, kept=self._keep(key, made, None))
 
     def _keep(
@@ -245,12 +248,12 @@ def _longest(
 
 
 def _extend(
-    raw: bytes, previous: KnownBody, repeated: int, spans: tuple[list[int], int, int, int]
+    raw: bytes, previous: KnownBody, repeated: int, spans: tuple[list[int], int]
 ) -> KnownBody | None:
     """``raw``'s value from ``previous``'s first ``repeated`` elements and members before the
     array, and orjson's parse of the rest (``spans``: ``scan_history`` from the end of element
     ``repeated - 1``). None where orjson refuses a piece."""
-    ends, _member_start, _array_open, array_close = spans
+    ends, array_close = spans
     name = previous.name
     head: dict[str, Any] = {}
     tail_kept: dict[str, Any] = {}

@@ -540,10 +540,8 @@ def parse_request(
     if not raw_messages:
         raise _fail("messages", "must not be empty")
     seen = _Collected(images)
-    earlier = history.front_memo if history is not None else None
-    canonical, memo = _messages(
-        body, raw_messages, seen, earlier if isinstance(earlier, MessagesMemo) else None
-    )
+    earlier = history.front_memo(MessagesMemo) if history is not None else None
+    canonical, memo = _messages(body, raw_messages, seen, earlier)
     if history is not None:
         history.keep_front_memo(memo)
     chat: ChatRequest = {"model": model, "messages": canonical}

@@ -615,10 +615,8 @@ def parse_request(
             "to poll or cancel",
         )
     collector = ImageCollector(images)
-    earlier = history.front_memo if history is not None else None
-    messages, memo = _input(
-        body, previous, collector, earlier if isinstance(earlier, ResponsesMemo) else None
-    )
+    earlier = history.front_memo(ResponsesMemo) if history is not None else None
+    messages, memo = _input(body, previous, collector, earlier)
     if history is not None:
         history.keep_front_memo(memo)
     chat: ChatRequest = {"model": model, "messages": messages}
