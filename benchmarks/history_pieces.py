@@ -148,16 +148,8 @@ def front_rows(
     later = kept.parse(bodies[-1], "rollout", member)
     whole_body = parse_json_object(bodies[-1])
     alone = codec.parse(whole_body)
-    memo = later.front_memo
     later_request = codec.parse(later.body, history=later)
     assert orjson.dumps(later_request.chat) == orjson.dumps(alone.chat)
-
-    previous = later.previous
-    assert previous is not None
-
-    def with_memo() -> Any:
-        previous.front_memo = memo  # (each run from the earlier request's memo)
-        return codec.parse(later.body, history=later)
 
     canonical = later_request.chat["messages"]
     head = later.head_facts_for(canonical)
@@ -168,7 +160,7 @@ def front_rows(
         (
             f"{label}: conversion",
             median_us(lambda: codec.parse(whole_body), repeat),
-            median_us(with_memo, repeat),
+            median_us(lambda: codec.parse(later.body, history=later), repeat),
         ),
         (
             f"{label}: facts",
@@ -207,70 +199,55 @@ def _record(prompt: np.ndarray) -> CallRecord:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--turn", type=int, default=120)
-    p.add_argument("--prompt-ids", type=int, default=54_000)
-    p.add_argument("--repeat", type=int, default=300)
-    args = p.parse_args(argv)
-    bodies = session_bodies(args.turn)
+def chat_rows(bodies: list[bytes], repeat: int) -> list[tuple[str, float, float]]:
+    """The chat front's pieces at the last of ``bodies``, whole and from the earlier request."""
     earlier_raw, raw = bodies[-2], bodies[-1]
-    rows: list[tuple[str, float, float]] = []
-
-    def keeping_earlier() -> tuple[KnownBodies, Any]:
+    took = []
+    for _ in range(repeat):
         kept = KnownBodies()
-        return kept, kept.parse(earlier_raw, "rollout", "messages")
-
-    # parse
-    def from_earlier() -> None:
-        kept, _ = keeping_earlier()
+        kept.parse(earlier_raw, "rollout", "messages")
         t0 = time.perf_counter()
         kept.parse(raw, "rollout", "messages")
-        from_earlier.took.append(time.perf_counter() - t0)  # type: ignore[attr-defined]
-
-    from_earlier.took = []  # type: ignore[attr-defined]
-    for _ in range(args.repeat):
-        from_earlier()
-    whole = median_us(lambda: parse_json_object(raw), args.repeat)
-    rows.append(("parse", whole, statistics.median(from_earlier.took) * 1e6))  # type: ignore[attr-defined]
-    none_kept = median_us(lambda: KnownBodies().parse(raw, "rollout", "messages"), args.repeat)
-    rows.append(("parse, no earlier body kept", whole, none_kept))
-    kept, earlier = keeping_earlier()
+        took.append(time.perf_counter() - t0)
+    whole = median_us(lambda: parse_json_object(raw), repeat)
+    none_kept = median_us(lambda: KnownBodies().parse(raw, "rollout", "messages"), repeat)
+    kept = KnownBodies()
+    earlier = kept.parse(earlier_raw, "rollout", "messages")
     later = kept.parse(raw, "rollout", "messages")
     assert later.body == parse_json_object(raw) and later.repeated == len(earlier.body["messages"])
 
-    # facts
     known = KnownMessages()
     earlier.keep_facts(earlier.body["messages"], known.facts(earlier.body["messages"]))
     messages = later.body["messages"]
     head = later.head_facts_for(messages)
     assert len(head) == later.repeated
     assert known.facts(messages, head) == known.facts(messages)
-    rows.append(
-        (
-            "facts",
-            median_us(lambda: known.facts(messages), args.repeat),
-            median_us(lambda: known.facts(messages, head), args.repeat),
-        )
-    )
 
-    # request digest
     tools_text = KnownTools().facts(later.body["tools"]).sorted_text
     _, state = request_digest_after(earlier.body, tools_text)
-    assert request_digest_after(later.body, tools_text, state)[0] == request_digest(
-        later.body, tools_text
-    )
-    rows.append(
+    digest = request_digest_after(later.body, tools_text, state)[0]
+    assert digest == request_digest(later.body, tools_text)
+    return [
+        ("parse", whole, statistics.median(took) * 1e6),
+        ("parse, no earlier body kept", whole, none_kept),
+        (
+            "facts",
+            median_us(lambda: known.facts(messages), repeat),
+            median_us(lambda: known.facts(messages, head), repeat),
+        ),
         (
             "request digest",
-            median_us(lambda: request_digest(later.body, tools_text), args.repeat),
-            median_us(lambda: request_digest_after(later.body, tools_text, state), args.repeat),
-        )
-    )
+            median_us(lambda: request_digest(later.body, tools_text), repeat),
+            median_us(lambda: request_digest_after(later.body, tools_text, state), repeat),
+        ),
+    ]
 
-    # block states
-    ids = np.random.default_rng(1).integers(0, 150_000, args.prompt_ids, dtype=np.uint32)
-    parent = RecordDigests(_record(ids[: args.prompt_ids - 1000].copy()))
+
+def block_rows(prompt_ids: int, repeat: int) -> list[tuple[str, float, float]]:
+    """The prompt's block states, whole and from a parent's whose prompt is all of it but its
+    last 1,000 ids."""
+    ids = np.random.default_rng(1).integers(0, 150_000, prompt_ids, dtype=np.uint32)
+    parent = RecordDigests(_record(ids[: prompt_ids - 1000].copy()))
     parent.block_states()
 
     def seeded() -> list[Any]:
@@ -279,23 +256,30 @@ def main(argv: list[str] | None = None) -> int:
         return child.block_states()
 
     assert [s.digest() for s in seeded()] == [s.digest() for s in block_states(ids)]
-    rows.append(
-        (
-            "block states",
-            median_us(lambda: block_states(ids), args.repeat),
-            median_us(seeded, args.repeat),
-        )
-    )
+    return [
+        ("block states", median_us(lambda: block_states(ids), repeat), median_us(seeded, repeat))
+    ]
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--turn", type=int, default=120)
+    p.add_argument("--prompt-ids", type=int, default=54_000)
+    p.add_argument("--repeat", type=int, default=300)
+    args = p.parse_args(argv)
+    bodies = session_bodies(args.turn)
+    rows = chat_rows(bodies, args.repeat) + block_rows(args.prompt_ids, args.repeat)
     rows += front_rows(
         "Messages", messages_bodies(args.turn), MessagesCodec(), "messages", args.repeat
     )
     rows += front_rows(
         "Responses", responses_bodies(args.turn), ResponsesCodec(), "input", args.repeat
     )
+    messages = orjson.loads(bodies[-1])["messages"]
     print(
-        f"call {args.turn} of a session: {len(messages)} messages, {len(raw) / 1024:.0f} KB; "
-        f"a prompt of {args.prompt_ids} ids; medians of {args.repeat}"
+        f"call {args.turn} of a session: {len(messages)} messages, "
+        f"{len(bodies[-1]) / 1024:.0f} KB; a prompt of {args.prompt_ids} ids; "
+        f"medians of {args.repeat}"
     )
     print(f"  {'piece':30} {'whole':>10} {'from earlier':>13} {'ratio':>7}")
     for name, before, after in rows:

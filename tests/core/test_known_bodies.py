@@ -189,13 +189,18 @@ def test_without_the_compiled_scan_every_body_is_parsed_whole(
 @needs_scan
 def test_kept_bodies_stay_within_their_bound() -> None:
     raws = _session(3)
-    bound = 2 * len(raws[2]) * 3
+    # each session's second and third calls: one key (the first two messages), one body
+    # (the third replaced the second), counted twice its bytes, and the key's bytes
+    first_two = orjson.loads(raws[0])["messages"]
+    key = orjson.dumps({"model": "m", "messages": first_two})[: -len(b"]}")]
+    per_session = 2 * len(raws[2]) + len(key)
+    bound = 3 * per_session + len(raws[2])  # three sessions and most of a fourth's body
     bodies = KnownBodies(max_bytes=bound, per_key=2)
     for rollout in range(10):  # ten sessions: the oldest keys go
-        for raw in raws:
+        for raw in raws[1:]:
             bodies.parse(raw, f"rollout-{rollout}", "messages")
-        assert bodies.kept_bytes <= bound
-    assert 0 < len(bodies) < 10
+            assert bodies.kept_bytes <= bound
+    assert len(bodies) == 3 and bodies.kept_bytes == 3 * per_session
     # branches of one session: at most per_key kept under its key
     branches = KnownBodies(per_key=2)
     base = orjson.loads(raws[2])

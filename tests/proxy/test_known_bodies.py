@@ -171,6 +171,7 @@ async def test_a_messages_session_converts_each_message_once(make_stack, tmp_pat
                 a is b for a, b in zip(kept.canonical[:same], earlier.canonical, strict=True)
             )
             assert kept.facts[:same] == earlier.facts[:same]
-            assert kept.digest_state.messages[:same] == earlier.canonical[:same]
+            hashed = kept.digest_state.messages[:same]  # (the digest went on over these)
+            assert all(a is b for a, b in zip(hashed, earlier.canonical, strict=True))
     parents = [r.parent_call_id for r in store.records]
     assert parents == [None, *(r.call_id for r in store.records[:-1])]
