@@ -13,6 +13,13 @@ exactly 32 or 512 generation tokens (``cpu_sweep.write_policy``; one engine per 
   ``--prompt-mode exact_tokens`` and the scripted engine's tokenizer. Their CPU is the
   process tree's (the supervisor, its writer thread included, and the workers).
 
+``least`` (``--least``): ``least_capture.py``, the least a durable capture can do in Python
+on aiohttp (the request and answer parsed and written again with orjson, the token data taken
+as numpy arrays, one SQLite row per call committed by one writer thread with group commit
+before the answer ends; no validation, linking, record format or metrics): its ratio to the
+relay is what any durable capture costs, the proxy's ratio to it what the proxy's own work
+costs. Not a proxy: its sessions are not checked for chains.
+
 Shapes: non-streamed at 1 client and at 16 clients in ONE rollout (16 agent sessions at once,
 each its own task), 32-token streams at 1 client, 512-token streams at 1 and at 16 clients in
 one rollout. Sessions of 3 chat calls (the relays get the body the proxy sends upstream, so
@@ -31,7 +38,7 @@ same proxy with ``CAPTURE_PROXY_NO_COMPILED`` set: its Python path alone, beside
 chunk scan (``core/chunk_scan.py``) in the same run.
 
 Run: ``.venv/bin/python benchmarks/floor.py [--calls 600] [--rounds 3]
-[--proxy-workers N] [--modes backend_template,exact_tokens] [--streams-only]``.
+[--proxy-workers N] [--modes backend_template,exact_tokens] [--streams-only] [--least]``.
 """
 
 from __future__ import annotations
@@ -59,7 +66,10 @@ from benchmarks.sessions import CallResult, Target, Workload, client_session  # 
 from benchmarks.verification import Verification, verify_shared_chains  # noqa: E402
 
 RELAY = Path(__file__).resolve().with_name("bare_relay.py")
+LEAST = Path(__file__).resolve().with_name("least_capture.py")
 RELAYS = ("relay", "relay-event")
+#: the least durable capture (``least_capture.py``): a floor, not a proxy (no chains to check)
+FLOORS = (*RELAYS, "least")
 PYTHON_PATH = "-python"
 
 
@@ -102,6 +112,9 @@ def _services(args: argparse.Namespace, work: Path) -> tuple[list[Service], Targ
             if name in RELAYS:
                 argv = [sys.executable, str(RELAY), "--backend", engine.url, "--port", str(port)]
                 argv += ["--per-event"] if name == "relay-event" else []
+            elif name == "least":
+                argv = [sys.executable, str(LEAST), "--backend", engine.url, "--port", str(port)]
+                argv += ["--store", str(work / f"least-{tokens}.sqlite3")]
             else:
                 argv = [*cli_command(), "serve", "--backend", engine.url, "--port", str(port)]
                 argv += ["--store", str(work / f"store-{name}-{tokens}"), "--log-level", "WARNING"]
@@ -183,7 +196,7 @@ async def run(args: argparse.Namespace) -> int:
                     calls = args.calls * (2 if shape.clients > 1 else 1)
                     ms, results = await _cell(http, svc, shape, calls, tag)
                     figures.setdefault((shape.name, name), []).append(ms)
-                    if shape.clients > 1 and name not in RELAYS:
+                    if shape.clients > 1 and name not in FLOORS:
                         await verify_shared_chains(http, svc.url, results, 3, checks)
             commit = commit_cpu_ms(work / "commit.sqlite3", args.calls, args.commit_kb)
             figures.setdefault(("commit", "commit"), []).append(commit)
@@ -206,11 +219,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--modes", default="backend_template,exact_tokens", help="proxy prompt modes")
     ap.add_argument("--no-relay-event", dest="relay_event", action="store_false")
     ap.add_argument(
+        "--least",
+        action="store_true",
+        help="also the least durable capture (least_capture.py): what any capture costs",
+    )
+    ap.add_argument(
         "--streams-only", action="store_true", help="the streamed shapes only (per token)"
     )
     args = ap.parse_args(argv)
     args.shapes = [s for s in SHAPES if s.stream or not args.streams_only]
     args.targets = ["relay", *(["relay-event"] if args.relay_event else [])]
+    args.targets += ["least"] if args.least else []
     args.targets += [m for m in args.modes.split(",") if m]
     t0 = time.perf_counter()
     code = asyncio.run(run(args))
