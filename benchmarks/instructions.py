@@ -28,6 +28,9 @@ runs, e.g. 32 and 512, give the instructions per streamed token: (I(512) - I(32)
 ``--relay-event``: also the floor, ``bare_relay.py --per-event`` (one write per SSE event) in
 front of the same engine, measured the same way (as ``relay``; its client sends the body the
 proxy would send upstream), so the proxy's instructions are read against the relay's.
+``--workers N``: the proxy as ``serve --workers N`` (the supervisor, the store's one writer, and
+N worker processes), every process under callgrind (``--trace-children``), the figure the sum
+of all of them: what the hop of each put to the supervisor costs, against ``--workers 1``.
 
 Needs valgrind (Debian's ``valgrind`` package; the benchmark says so and exits 2 without it).
 Under callgrind the proxy runs ~50x slower: 30 sessions take about a minute per tree and mode.
@@ -53,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_sweep import sweep_session, write_policy  # noqa: E402
 from benchmarks.infra import PostgresServer, postgres_bin_dir  # noqa: E402
+from benchmarks.saturation_procs import tree_pids  # noqa: E402
 from benchmarks.services import (  # noqa: E402
     ROOT,
     Service,
@@ -91,8 +95,9 @@ class Figure:
 
 def _under_callgrind(proxy: Service, src: Path) -> None:
     """Run ``proxy`` under callgrind, importing ``capture_proxy`` from ``src`` (``-c`` puts
-    no directory of its own first on sys.path, so ``src`` wins over the installed tree). The
-    relay (a script, its argv ``python bare_relay.py ...``) runs as it is."""
+    no directory of its own first on sys.path, so ``src`` wins over the installed tree), its
+    child processes too (``serve --workers``' workers: a file each). The relay (a script, its
+    argv ``python bare_relay.py ...``) runs as it is."""
     if proxy.name == RELAY_TREE:
         program = proxy.argv
     else:
@@ -105,7 +110,8 @@ def _under_callgrind(proxy: Service, src: Path) -> None:
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
-        f"--callgrind-out-file={proxy.log_path.with_suffix('.callgrind')}",
+        "--trace-children=yes",
+        f"--callgrind-out-file={proxy.log_path.with_suffix('')}.%p.callgrind",
         *program,
     ]
 
@@ -122,13 +128,15 @@ async def measure(
     workload: Workload | None = None,
     answer_tokens: int | None = None,
     exact_tokens: Path | None = None,
+    workers: int = 1,
 ) -> Figure:
     """One proxy from ``src`` under callgrind: the instructions of ``sessions`` sessions of
     ``steps`` calls (``rollout_size``: all in one rollout, after that many calls sent into it
     unmeasured), on ``store`` (default: a new SQLite store in the work directory), with
     ``workload``'s requests; ``answer_tokens``: every answer that long (None: the scripted
     engine's default policy); ``exact_tokens``: the proxy in exact-token mode with this
-    tokenizer directory (``capture-proxy export-tokenizer``)."""
+    tokenizer directory (``capture-proxy export-tokenizer``); ``workers``: its ``--workers``
+    (every process counted)."""
     work = Path(tempfile.mkdtemp(prefix=f"instructions-{tree}-"))
     policy = write_policy(work, answer_tokens) if answer_tokens else None
     engine = engine_service(work, policy=policy)
@@ -138,7 +146,7 @@ async def measure(
         proxy = Service(RELAY_TREE, [*argv, "--per-event"], port, work / "relay.log")
         target = Target(RELAY_TREE, proxy.url, capture=False, augment=True)
     else:
-        proxy = proxy_service(work, engine.url, store or work / "store")
+        proxy = proxy_service(work, engine.url, store or work / "store", workers=workers)
         if exact_tokens is not None:
             proxy.argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(exact_tokens)]
         target = Target("backend_template", proxy.url, capture=True)
@@ -167,10 +175,12 @@ async def measure(
     if bad:
         errors = sorted({str(r.error) for r in bad})
         raise RuntimeError(f"{tree}: {len(bad)} calls failed: {errors}")
-    found = _COLLECTED.search(proxy.tail(100_000))
-    if found is None:
-        raise RuntimeError(f"{tree}: callgrind printed no count: {proxy.tail()}")
-    return Figure(tree, stream, len(measured), int(found.group(1)))
+    # one count per process (the supervisor and each worker print theirs as they end)
+    found = [int(n) for n in _COLLECTED.findall(proxy.tail(1_000_000))]
+    expected = 1 if tree == RELAY_TREE or workers == 1 else 1 + workers
+    if len(found) != expected:
+        raise RuntimeError(f"{tree}: {len(found)} callgrind counts, not {expected}: {proxy.tail()}")
+    return Figure(tree, stream, len(measured), sum(found))
 
 
 async def _sessions(
@@ -194,8 +204,14 @@ async def _sessions(
 
 
 def _control(proxy: Service, *args: str) -> None:
+    """``callgrind_control`` on the proxy's process and its children (the workers)."""
+    for pid in tree_pids(proxy.pid):
+        _control_one(pid, *args)
+
+
+def _control_one(pid: int, *args: str) -> None:
     subprocess.run(
-        ["callgrind_control", *args, str(proxy.pid)],
+        ["callgrind_control", *args, str(pid)],
         check=True,
         stdout=subprocess.DEVNULL,
         timeout=60,
@@ -254,6 +270,7 @@ async def main_async(args: argparse.Namespace) -> int:
                     workload=workload,
                     answer_tokens=args.answer_tokens,
                     exact_tokens=tokenizer if tree != RELAY_TREE else None,
+                    workers=args.workers,
                 )
                 figures.append(figure)
                 print(f"  {tree} stream={stream}: {figures[-1].per_call_m:.4f} M", flush=True)
@@ -287,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         "--answer-tokens", type=int, metavar="N", help="every answer exactly N generation tokens"
     )
     ap.add_argument("--exact-tokens", action="store_true", help="the proxies in exact-token mode")
+    ap.add_argument(
+        "--workers", type=int, default=1, help="the proxies' serve --workers (1); all counted"
+    )
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         print("instructions: needs valgrind (apt-get install valgrind)", file=sys.stderr)
