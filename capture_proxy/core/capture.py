@@ -8,16 +8,23 @@ for is removed again, so the harness receives what the engine would have sent it
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from capture_proxy.core.conversation import ChatRequest, open_dict
 from capture_proxy.core.images import PromptImage, engine_messages
-from capture_proxy.core.known_messages import MessageFacts, derive_facts, message_key
+from capture_proxy.core.known_messages import (
+    MessageFacts,
+    derive_facts,
+    message_digests,
+    message_key,
+)
 from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.linking.prefill import split_prefill
 from capture_proxy.core.routed_experts import routed_experts_request_fields
+from capture_proxy.core.stored_form import MessageDigests
 
 
 class NoteMatcher(Protocol):
@@ -46,6 +53,34 @@ class PreparedRequest:
     tools_facts: ToolsFacts | None = None
     #: the trailing assistant message the engine continues (``linking.prefill``), else None
     prefill: dict[str, Any] | None = None
+    #: ``message_digests(message_facts)`` (None: no facts, or a message without a canonical
+    #: text): the record's message chain, and the linking history's (its first entries)
+    digests: MessageDigests | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.message_facts is not None:
+            # NaN or infinities: no canonical text (the store's write names it)
+            with contextlib.suppress(ValueError):
+                object.__setattr__(self, "digests", message_digests(self.message_facts))
+
+    @property
+    def history_keys(self) -> tuple[bytes | None, bytes | None]:
+        """``(own, continued)``: the chain digests (``stored_form.MessageDigests.chain``) of
+        ``linking_messages``, the history this request sent before the turn it asks for (what
+        a call continuing its answer repeats before that answer), and of the history before
+        the turn this request continues (its last assistant message; None: none). The second
+        equals the first of the call whose answer it continues when this request repeats
+        that call's history exactly (``LinkIndex._same_history_first``). None when not known.
+        ``linking_messages`` begin ``body["messages"]`` (a note or a prefill leaves out only
+        the last), so both are entries of ``digests.chain``."""
+        chain = self.digests.chain if self.digests is not None else ()
+        n = len(self.linking_messages)
+        if len(chain) <= n:
+            return None, None
+        for i in range(n - 1, -1, -1):  # from the end: the last turn is near it
+            if self.linking_messages[i].get("role") == "assistant":
+                return chain[n], chain[i]
+        return chain[n], None
 
 
 def prepare_request(

@@ -213,6 +213,7 @@ class CallExecutor:
                 retry_requested=c.retry_requested,
                 ends_incomplete=self.ends_incomplete,
                 request_digest=c.request_digest,
+                history_keys=c.history_keys,
             )
         except Exception as exc:
             log.error("rollout %s: parent resolution failed: %s", c.rollout_id, exc)

@@ -211,7 +211,12 @@ class Linker:
         """A stored call, as ``store.get_call`` answers it: from the recent calls when this
         process stored it lately (read-only, like the store's records), else from the store."""
         record = self.recent.get(call_id)
-        return record if record is not None else await self.store.get_call(call_id)
+        if record is not None:
+            return record
+        record = await self.store.get_call(call_id)
+        if record is not None:
+            self.recent.put(record)
+        return record
 
     async def resolve(
         self,
@@ -227,6 +232,7 @@ class Linker:
         retry_requested: bool = False,
         ends_incomplete: Callable[[], bool] | None = None,
         request_digest: str | None = None,
+        history_keys: tuple[bytes | None, bytes | None] = (None, None),
     ) -> Resolution:
         """Request-time verdict for a call (before it is forwarded). The call's request digest
         is registered at once (in flight), so a later identical request is known; it is this
@@ -236,7 +242,9 @@ class Linker:
         ``linking_facts``: the ``known_messages`` facts of ``linking_messages``,
         ``tools_facts`` the ``known_tools`` facts of ``body["tools"]``; ``session`` the harness
         session the request names (a tie-breaker among token-identical candidates);
-        ``request_digest``: the body's ``digests.request_digest``, when made already."""
+        ``request_digest``: the body's ``digests.request_digest``, when made already;
+        ``history_keys``: ``capture.PreparedRequest.history_keys`` (candidates that sent the
+        history this request continues come first)."""
         index = (
             await self._current_index(rollout_id)
             if self.feed is not None
@@ -260,6 +268,7 @@ class Linker:
             ends_incomplete=self._known_to_end_incomplete,
             attempts=self.attempts,
             known_request_digest=request_digest,
+            history_keys=history_keys,
         )
         resolution = await self._drive(step, None)
         if ends_incomplete is not None:

@@ -97,7 +97,8 @@ T = TypeVar("T")
 #: A rollout's rows after a rowid, with the columns ``linking.stored.of_row`` reads.
 _STORED_SINCE = (
     "SELECT rowid, call_id, created_at, status, schema_version, meta, tokens_sha256, "
-    "tokens_block_sha256, retry_of FROM calls WHERE rollout_id = ? AND rowid > ? ORDER BY rowid"
+    "tokens_block_sha256, retry_of, messages_prefix_len, num_messages, messages_chain "
+    "FROM calls WHERE rollout_id = ? AND rowid > ? ORDER BY rowid"
 )
 _LAST_ROWID = "SELECT max(rowid) FROM calls WHERE rollout_id = ?"
 

@@ -183,6 +183,38 @@ async def test_a_rows_index_facts_are_its_records(writer_and_worker):
     assert await worker.last_rowid("r1") == last
 
 
+async def test_a_rows_history_key_is_read_from_its_message_chain(writer_and_worker):
+    """``of_row``'s history key (``capture.PreparedRequest.history_keys``' own key: the chain
+    digest of the request's messages less a rewritten note or a prefill) is the row's
+    ``messages_chain`` entry at that position; None where that position is the prompt
+    parent's (its messages were not stored again); ``of_record`` tells none."""
+    _, worker, _, _ = writer_and_worker
+    system = {"role": "system", "content": "You are a coding agent."}
+    task = {"role": "user", "content": "Task a."}
+    turn = {"role": "assistant", "content": "answer of a"}
+    note = {"role": "user", "content": "Step limit reached."}
+    prefill = {"role": "assistant", "content": "Sure,"}
+    root = _linked("a", [1, 2, 3], [4, 5], request_messages=[system, task])
+    child = _linked("b", [1, 2, 3, 4, 5, 6], [7], request_messages=[system, task, turn, task])
+    noted = _linked("c", [1, 2, 3, 4, 5, 6, 7, 8], [9],
+                    request_messages=[system, task, turn, task, turn, note])  # fmt: skip
+    noted.linking = {**noted.linking, "harness_note": "opencode.step_limit"}
+    prefilled = _linked("d", [1, 2, 3, 4, 5, 6, 7, 20, 21], [11],  # prompt parent b
+                        request_messages=[system, task, turn, task, turn, prefill])  # fmt: skip
+    prefilled.linking = {**prefilled.linking, "prefill": True, "prefill_message": prefill}
+    # the same messages as its prompt parent ``a``: its position is a's, not stored again
+    again = _linked("e", [1, 2, 3, 4, 5, 9], [7], request_messages=[system, task])
+    for r in (root, child, noted, prefilled, again):
+        await worker.put_call(r)
+    calls, _ = await worker.stored_since("r1", 0)
+    assert calls is not None
+    chain = RequestEncoding.of([system, task, turn, task, turn], None).message_digests.chain
+    assert [c.history for c in calls] == [chain[2], chain[4], chain[5], chain[5], None]
+    stored = {r.call_id: r for r in await worker.get_rollout_calls("r1")}
+    for call in calls:
+        assert dataclasses.replace(call, history=None) == of_record(stored[call.call_id])
+
+
 async def test_a_row_whose_session_field_was_stored_apart_tells_no_session(writer_and_worker):
     """A request whose ``metadata`` is at least 512 bytes keeps it as a blob: the row tells
     every fact but the session (a tie-breaker only), rather than make the catch-up read the

@@ -122,7 +122,7 @@ def encode_request(call: Call) -> RequestEncoding | None:
     try:
         digests = None
         if facts is not None and own and len(facts) == len(messages):
-            digests = message_digests(facts)
+            digests = prepared.digests or message_digests(facts)
         return RequestEncoding.of(
             messages,
             body.get("tools"),

@@ -111,6 +111,7 @@ def captured_call(start: CallStart) -> Flow[Outcome]:
         session,
         retry_requested(start.retry_count),
         digest,
+        prepared.history_keys,
     )
     if isinstance(reply, Resolved):
         resolution = reply.resolution

@@ -51,6 +51,8 @@ class Resolve(Command):
     retry_requested: bool = False
     #: ``digests.request_digest`` of ``body`` when made already (None: made by the linker)
     request_digest: str | None = None
+    #: ``capture.PreparedRequest.history_keys`` (own, continued; None: not known)
+    history_keys: tuple[bytes | None, bytes | None] = (None, None)
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,8 @@ IN_FLIGHT = "in_flight"
 #: A harness session, as ``core.sessions.Session.key`` gives it: (harness, session id).
 SessionKey = tuple[str, str]
 
+K = TypeVar("K")
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -79,6 +81,9 @@ class _Entry:
     counted_parent: str | None = None
     #: the harness session its request named (``core.sessions``), if any
     session: SessionKey | None = None
+    #: the chain digest of the history its request sent before the turn it asked for
+    #: (``history_keys``): what a call that continues its answer repeats before that answer
+    history: bytes | None = None
 
 
 @dataclass
@@ -105,6 +110,8 @@ class LinkIndex:
     _retry_candidates: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
+    #: calls by their ``history`` (``_same_history_first``)
+    _by_history: dict[bytes, dict[str, _Entry]] = field(default_factory=dict, repr=False)
 
     def add(
         self,
@@ -125,6 +132,7 @@ class LinkIndex:
         retry_of: str | None = None,
         answer_digests: tuple[str, str] | None = None,
         session: SessionKey | None = None,
+        history: bytes | None = None,
     ) -> None:
         """Add a call, or replace what is known of it (a call is added when its request
         arrives and again, with its child digest and status, once it is stored).
@@ -136,7 +144,8 @@ class LinkIndex:
         call (``prefixes.token_digests``; ``block_sha256`` may be left out below
         ``PREFIX_BLOCK`` tokens). ``answer_digests``: ``turn_digests(response)``, when known
         already. ``session``: the harness session its request named (a tie-breaker among
-        candidates, ``_preferring``)."""
+        candidates, ``_preferring``). ``history``: its request's ``history_keys`` own key (None
+        when not known: the one it was filed with before is kept)."""
         old = self.entries.get(call_id)
         if old is not None:
             # the same call filed again under the same request digest, no earlier: still the
@@ -162,6 +171,7 @@ class LinkIndex:
             turn_without_ids,
             tool_call_ids(response),
             session=session,
+            history=history if history is not None or old is None else old.history,
         )
         if old is not None:
             entry.children, entry.superseded_by = old.children, old.superseded_by
@@ -174,6 +184,8 @@ class LinkIndex:
         for index, digest in self._keys(entry):
             if digest is not None:
                 index.setdefault(digest, {})[call_id] = entry
+        if entry.history is not None:
+            self._by_history.setdefault(entry.history, {})[call_id] = entry
         self._file_order(entry)
         if old is None or old.status == IN_FLIGHT:
             if old is not None and old.counted_parent in self.entries:
@@ -219,6 +231,8 @@ class LinkIndex:
     def _unindex(self, entry: _Entry, *, find_latest: bool = True) -> None:
         for index, digest in self._keys(entry):
             _drop(index, digest, entry.call_id)
+        if entry.history is not None:
+            _drop(self._by_history, entry.history, entry.call_id)
         _drop(self._childless, entry.child_digest, entry.call_id)
         _drop(self._retry_candidates, entry.request_digest, entry.call_id)
         digest = entry.request_digest
@@ -382,6 +396,7 @@ class LinkIndex:
         session: SessionKey | None = None,
         retry_requested: bool = False,
         ends_incomplete: Callable[[str], bool] | None = None,
+        history: bytes | None = None,
     ) -> Resolution:
         """Find the parent candidates by digest, and the call an identical request retries.
 
@@ -399,13 +414,16 @@ class LinkIndex:
         ``ends_incomplete(call_id)``: True when a call in flight is known to end failed or
         incomplete (its record is made so, or its harness left before it was made): as a
         retry target it counts as a stored failed or incomplete call does. With
-        ``retry_requested`` (the retry header), see ``_session_retry_of``.
+        ``retry_requested`` (the retry header), see ``_session_retry_of``. ``history``: the
+        ``history_keys`` continued key of the request (the history it sent before the turn it
+        continues): the candidates whose own request sent that very history come first
+        (``_same_history_first``).
         """
         retry_of = self._retry_of(req_digest, ends_incomplete, session, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
-        matches = self._matches(parent_digest, found, model, claimed, session)
+        matches = self._matches(parent_digest, found, model, claimed, session, history)
         if retry_of is not None and matches:
             matches = self._retried_parent_first(matches, retry_of, found, model)
         rewritten = None
@@ -462,9 +480,11 @@ class LinkIndex:
         model: str | None,
         claimed: Callable[[str], bool] | None = None,
         session: SessionKey | None = None,
+        history: bytes | None = None,
     ) -> Candidates:
         """The candidates of ``model`` among ``found`` (the calls whose child digest is
-        ``parent_digest``) in ``_preferring(session)`` order. The best of that order
+        ``parent_digest``) in ``_preferring(session)`` order, those of the same ``history``
+        first (``_same_history_first``). The best of that order
         (verifiable, not superseded, childless) are among the digest's childless calls, few
         however many calls share the digest: when one is there, the others are ordered only
         if asked (``Candidates``). A childless call ``claimed`` elsewhere counts as having a child:
@@ -476,8 +496,22 @@ class LinkIndex:
         ]
         claimed_ids = {e.call_id for e in head if claimed(e.call_id)} if claimed else None
         if claimed_ids:
-            return self._claimed_matches(head, claimed_ids, found, model, session)
-        preference = self._preferring(session)
+            matches, preference = self._claimed_matches(head, claimed_ids, found, model, session)
+        else:
+            preference = self._preferring(session)
+            matches = self._unclaimed_matches(head, found, model, preference)
+        if history is None:
+            return matches
+        return self._same_history_first(matches, history, found, model, preference)
+
+    @staticmethod
+    def _unclaimed_matches(
+        head: list[_Entry],
+        found: dict[str, _Entry],
+        model: str | None,
+        preference: Callable[[_Entry], tuple[Any, ...]],
+    ) -> Candidates:
+        """``_matches`` when none of the childless calls (``head``) is claimed elsewhere."""
         if not head or len(head) == len(found):
             mine = (e for e in found.values() if e.model == model)
             return Candidates(_candidates(mine, preference), None)
@@ -488,6 +522,45 @@ class LinkIndex:
             lambda: _candidates(
                 (e for e in others if e.model == model and e.call_id not in taken), preference
             ),
+        )
+
+    def _same_history_first(
+        self,
+        matches: Candidates,
+        history: bytes,
+        found: dict[str, _Entry],
+        model: str | None,
+        preference: Callable[[_Entry], tuple[Any, ...]],
+    ) -> Candidates:
+        """``matches`` with the verifiable, not superseded candidates whose request sent the
+        very ``history`` the child sent before the turn it continues first (in ``preference``
+        order among themselves), the others after them as they were.
+
+        Calls that answered alike share a child digest (the digest chains the model's turns
+        only): parallel sub-agents, or sessions of one rollout that differ in their task
+        message. Every candidate is verified anyway (tokens, or the exact-token splice's
+        message check), but a candidate whose history differs from the child's fails it, and
+        the first candidate also counts the call as its child while it is in flight (and
+        claims it, with ``serve --workers``): a wrong first candidate sends its own session's
+        next call past it to the digest's other calls, and each then tried costs a lookup
+        (exact-token mode reads the record). The child's own parent sent that history; its
+        twins (the same history) keep ``preference``'s order. O(calls with that history)."""
+        same = [
+            e
+            for e in (self._by_history.get(history) or {}).values()
+            if found.get(e.call_id) is e
+            and e.model == model
+            and e.num_tokens is not None
+            and e.superseded_by is None
+        ]
+        if not same:
+            return matches
+        first = _candidates(same, preference)
+        if matches.head_is(first):
+            return matches
+        taken = {c.call_id for c in first}
+        return Candidates(
+            first, lambda: tuple(c for c in matches.whole() if c.call_id not in taken)
         )
 
     def _retried_parent_first(
@@ -520,11 +593,12 @@ class LinkIndex:
         found: dict[str, _Entry],
         model: str | None,
         session: SessionKey | None = None,
-    ) -> Candidates:
+    ) -> tuple[Candidates, Callable[[_Entry], tuple[Any, ...]]]:
         """``_matches`` when some of the childless calls (``head``) are claimed by calls in
         flight elsewhere (``claimed_ids``): those count as having a child. The unclaimed ones
         come first, made at once; the rest (the claimed ones among the calls with a child,
-        by age) only when asked, so a resolution still costs what is few."""
+        by age) only when asked, so a resolution still costs what is few. Also the order
+        (claims counted)."""
         preference = self._preferring(session)
 
         def claims_preference(entry: _Entry) -> tuple[Any, ...]:
@@ -535,15 +609,18 @@ class LinkIndex:
         free = [e for e in head if e.call_id not in claimed_ids]
         if not free:
             mine = (e for e in found.values() if e.model == model)
-            return Candidates(_candidates(mine, claims_preference), None)
+            return Candidates(_candidates(mine, claims_preference), None), claims_preference
         made = {e.call_id for e in free}
         others = list(found.values())
-        return Candidates(
-            _candidates(free, preference),
-            lambda: _candidates(
-                (e for e in others if e.model == model and e.call_id not in made),
-                claims_preference,
+        return (
+            Candidates(
+                _candidates(free, preference),
+                lambda: _candidates(
+                    (e for e in others if e.model == model and e.call_id not in made),
+                    claims_preference,
+                ),
             ),
+            claims_preference,
         )
 
     def _is_captured_turn(self, turn: Mapping[str, Any], model: str | None) -> bool:
@@ -637,7 +714,7 @@ def _same_sample(entry: _Entry, session: SessionKey | None) -> bool:
     return entry.session is None or session is None or entry.session == session
 
 
-def _drop(index: dict[str, dict[str, _Entry]], digest: str | None, call_id: str) -> None:
+def _drop(index: dict[K, dict[str, _Entry]], digest: K | None, call_id: str) -> None:
     if digest is not None and digest in index:
         index[digest].pop(call_id, None)
         if not index[digest]:
@@ -675,6 +752,7 @@ def add_stored(
         block_sha256=call.block_sha256,
         answer_digests=answer_digests,
         session=call.session,
+        history=call.history,
     )
 
 

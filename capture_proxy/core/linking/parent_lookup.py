@@ -52,6 +52,7 @@ def resolve_step(
     ends_incomplete: Callable[[str], bool] | None = None,
     attempts: AttemptsInFlight | None = None,
     known_request_digest: str | None = None,
+    history_keys: tuple[bytes | None, bytes | None] = (None, None),
 ) -> Step[Resolution]:
     """Request-time verdict for a call (before it is forwarded); see ``Linker.resolve``.
 
@@ -72,7 +73,11 @@ def resolve_step(
     ``retry_requested`` and ``ends_incomplete`` are ``LinkIndex.resolve``'s; a request with the
     retry header and a session that found no call to retry is marked for a second look
     (``Resolution.retry_session``, ``late_retry``). ``attempts``: every process's calls in
-    flight by ``late_retry.attempt_key``, where a call that names its session is counted."""
+    flight by ``late_retry.attempt_key``, where a call that names its session is counted.
+    ``history_keys``: the request's (own, continued) history keys
+    (``capture.PreparedRequest.history_keys``): the candidates that sent the continued
+    history come first; the call is filed under its own."""
+    own_history, continued_history = history_keys
     tools_text = tools_facts.sorted_text if tools_facts is not None else None
     req_digest = known_request_digest or request_digest(body, tools_text)
     last_turn = last_linking_item(linking_messages)
@@ -91,6 +96,7 @@ def resolve_step(
             session=session,
             retry_requested=retry_requested,
             ends_incomplete=ends_incomplete,
+            history=continued_history,
         )
 
     if claims is not None and parent_digest is not None:
@@ -109,7 +115,7 @@ def resolve_step(
         resolution = resolve(index)
     if retry_requested and session is not None and resolution.retry_of is None:
         resolution = dataclasses.replace(resolution, retry_session=session)
-    _file_in_flight(index, resolution, call_id, created_at, model, session)
+    _file_in_flight(index, resolution, call_id, created_at, model, session, own_history)
     if attempts is not None and session is not None:
         attempts.claim(call_id, attempt_key(rollout_id, req_digest, session))
     return resolution
@@ -122,10 +128,12 @@ def _file_in_flight(
     created_at: float,
     model: str | None,
     session: tuple[str, str] | None,
+    history: bytes | None = None,
 ) -> None:
     """``call_id`` in ``index``, in flight: a child of its candidate (a sibling prefers
     another), and the call it retries replaced (an identical sibling sent meanwhile is no
-    second retry of it)."""
+    second retry of it); filed under ``history`` (its own history key), which it keeps when
+    it is stored."""
     index.add(
         call_id,
         created_at,
@@ -135,6 +143,7 @@ def _file_in_flight(
         parent_call_id=resolution.parent_call_id,
         retry_of=resolution.retry_of,
         session=session,
+        history=history,
     )
 
 

@@ -63,6 +63,10 @@ class Candidates(Sequence[Candidate]):
     def __len__(self) -> int:
         return len(self.whole())
 
+    def head_is(self, first: Sequence[Candidate]) -> bool:
+        """True when the candidates made at once begin with ``first`` (the rest not made)."""
+        return self._head[: len(first)] == tuple(first)
+
     def __bool__(self) -> bool:
         return bool(self._head) or bool(self.whole())
 

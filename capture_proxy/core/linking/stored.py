@@ -27,6 +27,7 @@ from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routed_experts import rows_end as record_rows_end
 from capture_proxy.core.sessions import SESSION_FIELDS, session_key
+from capture_proxy.core.stored_form import DIGEST_LEN
 
 #: The top-level request fields a harness names its session in (a row that stored one of
 #: them apart, as a blob, does not tell the session from its metadata).
@@ -64,6 +65,8 @@ class StoredCall:
     retry_of: str | None
     #: the harness session its request named (``core.sessions``), if any
     session: tuple[str, str] | None = None
+    #: its request's own history key (``capture.PreparedRequest.history_keys``), if known
+    history: bytes | None = None
 
 
 def _has_token_key(status: str, num_generation_tokens: int) -> bool:
@@ -124,13 +127,17 @@ def of_row(
     tokens_sha256: bytes | None,
     block_sha256: bytes | None,
     retry_of: str | None,
+    messages_prefix_len: int | None = None,
+    num_messages: int | None = None,
+    messages_chain: bytes | None = None,
 ) -> StoredCall | None:
     """The facts of a stored row (``calls``' columns of those names and ``meta``), or None
     when the row cannot tell them all (not schema v4; an answered call whose record keeps no
     child digest; a complete call with output stored without its block digest; a call that
     continued a prefill stored without ``linking.prefill_message``: the turn it offers merges
     its answer with that message). Its session is None where the field naming it was stored
-    apart (see the module docstring)."""
+    apart (see the module docstring). Its history key when the row's message chain holds it
+    (``_history_of_row``)."""
     if schema_version != ROW_SCHEMA_VERSION:
         return None
     meta = json.loads(meta_text)
@@ -171,4 +178,24 @@ def of_row(
         meta.get("parent_call_id"),
         retry_of,
         session_key(received, meta.get("session_headers")),
+        _history_of_row(linking, messages_prefix_len, num_messages, messages_chain),
     )
+
+
+def _history_of_row(
+    linking: Mapping[str, Any],
+    prefix_len: int | None,
+    num_messages: int | None,
+    chain: bytes | None,
+) -> bytes | None:
+    """A stored call's own history key (``capture.PreparedRequest.history_keys``): the chain
+    digest of its request's messages less a rewritten note or a prefill (the last one), read
+    from the row's ``messages_chain`` (the chain digests after each message past its prompt
+    parent's ``messages_prefix_len``); None when that position is the prompt parent's."""
+    if prefix_len is None or num_messages is None or not chain:
+        return None
+    position = num_messages - (1 if linking.get("harness_note") or linking.get("prefill") else 0)
+    at = (position - prefix_len - 1) * DIGEST_LEN
+    if position <= prefix_len or at + DIGEST_LEN > len(chain):
+        return None
+    return bytes(chain[at : at + DIGEST_LEN])

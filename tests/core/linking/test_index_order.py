@@ -15,11 +15,12 @@ CALLS = [f"c{i}" for i in range(8)]
 DIGESTS = ["d0", "d1"]
 REQUESTS = ["q0", "q1"]
 SESSIONS = [None, ("claude_code", "s0"), ("claude_code", "s1")]
+HISTORIES = [None, b"h0", b"h1"]
 KEY = {"num_tokens": 5, "tokens_sha256": b"x" * 32}
 
 # One step: (call, created_at, child digest, request digest, status, verifiable, model,
-# parent, retry_of, session); a call is filed in flight or stored, again and again, as the
-# proxy does.
+# parent, retry_of, session, history); a call is filed in flight or stored, again and again,
+# as the proxy does.
 steps = st.lists(
     st.tuples(
         st.sampled_from(CALLS),
@@ -32,17 +33,32 @@ steps = st.lists(
         st.sampled_from([None, *CALLS]),
         st.sampled_from([None, *CALLS]),
         st.sampled_from(SESSIONS),
+        st.sampled_from(HISTORIES),
     ),
     max_size=40,
 )
 
 
 def _expected_candidates(
-    index: LinkIndex, digest: str, model: str, session: tuple[str, str] | None = None
+    index: LinkIndex,
+    digest: str,
+    model: str,
+    session: tuple[str, str] | None = None,
+    history: bytes | None = None,
 ) -> list[str]:
-    """The candidates as a full sort of the digest's calls orders them (the rule)."""
+    """The candidates as a full sort of the digest's calls orders them (the rule), the
+    verifiable, not superseded ones that sent ``history`` first."""
     found = [e for e in index.entries.values() if e.child_digest == digest and e.model == model]
-    return [e.call_id for e in sorted(found, key=LinkIndex._preferring(session))]
+    ordered = sorted(found, key=LinkIndex._preferring(session))
+    same = [
+        e
+        for e in ordered
+        if history is not None
+        and e.history == history
+        and e.num_tokens is not None
+        and e.superseded_by is None
+    ]
+    return [e.call_id for e in [*same, *(e for e in ordered if e not in same)]]
 
 
 def _expected_retry_target(
@@ -66,7 +82,8 @@ def _expected_retry_target(
 @given(steps, st.frozensets(st.sampled_from(CALLS)))
 def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops, ending):
     index = LinkIndex()
-    for call, at, child, request, status, verifiable, model, parent, retry, session in ops:
+    last_history: dict[str, bytes] = {}
+    for call, at, child, request, status, verifiable, model, parent, retry, session, history in ops:
         index.add(
             call,
             at,
@@ -77,15 +94,29 @@ def test_candidates_and_retry_target_are_what_a_full_sort_gives(ops, ending):
             parent_call_id=parent,
             retry_of=retry,
             session=session,
+            history=history,
             **(KEY if verifiable else {}),
         )
+        # a call filed without its history keeps the one it was filed with before
+        if history is not None:
+            last_history[call] = history
+        assert index.entries[call].history == last_history.get(call)
         for digest in DIGESTS:
             for model_asked in ("m", "n"):
                 for session_asked in SESSIONS:
-                    got = index.resolve(digest, "q-new", model=model_asked, session=session_asked)
-                    want = _expected_candidates(index, digest, model_asked, session_asked)
-                    assert [c.call_id for c in got.candidates] == want
-                    assert got.parent_call_id == (want[0] if want else None)
+                    for history_asked in HISTORIES:
+                        got = index.resolve(
+                            digest,
+                            "q-new",
+                            model=model_asked,
+                            session=session_asked,
+                            history=history_asked,
+                        )
+                        want = _expected_candidates(
+                            index, digest, model_asked, session_asked, history_asked
+                        )
+                        assert [c.call_id for c in got.candidates] == want
+                        assert got.parent_call_id == (want[0] if want else None)
         for request in REQUESTS:
             # only calls in flight are asked whether they end incomplete
             asked: list[str] = []
