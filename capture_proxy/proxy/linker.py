@@ -209,7 +209,9 @@ class Linker:
 
     async def get_call(self, call_id: str) -> CallRecord | None:
         """A stored call, as ``store.get_call`` answers it: from the recent calls when this
-        process stored it lately (read-only, like the store's records), else from the store."""
+        process stored or read it lately (read-only, like the store's records), else from the
+        store (and kept: the candidates another worker stored are looked up by every
+        continuation that tries them)."""
         record = self.recent.get(call_id)
         if record is not None:
             return record

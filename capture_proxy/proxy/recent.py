@@ -1,4 +1,5 @@
-"""Calls this process stored lately, kept in memory for the next call of their rollout.
+"""Calls this process stored (or read from the store) lately, kept in memory for the next
+call of their rollout.
 
 Owns a bounded cache of stored records, so that the parent a call continues (exact-token
 prompts, a Responses ``previous_response_id``, a token check) is taken from memory rather than
