@@ -309,7 +309,8 @@ class Settings(BaseSettings):
     uncaptured_generation: Literal["forward", "refuse"] = Field(
         "forward",
         description="a generation call outside a capture path (plain /v1/chat/completions, "
-        "/v1/responses, /v1/messages, /v1/completions, tokens-in /generate ...): forward "
+        "/v1/responses, /v1/messages, /v1/completions, tokens-in /generate ..., or the same on "
+        "the correlation path /ng-rollout/<rollout_id>/v1/...): forward "
         "(default): forwarded uncaptured, warned once per path and counted in "
         "capture_proxy_uncaptured_generation_calls_total; refuse: answered 400 "
         "(capture_path_required) in the API's error shape, naming the capture path's form",
