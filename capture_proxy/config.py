@@ -535,6 +535,20 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _backends_distinct(self) -> Settings:
+        # Checked here, not first by the engine pool at start-up (a traceback, and with
+        # several workers "worker N exited during start-up"): one line, exit 2.
+        bases = self.backend_bases
+        repeated = sorted({url for url in bases if bases.count(url) > 1})
+        if repeated:
+            raise ValueError(
+                f"backend URLs repeat: {', '.join(repeated)} given more than once (backend "
+                "and extra_backends, serve --backend repeated; a trailing / is the same URL): "
+                "give each engine once"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _one_engine_credential(self) -> Settings:
         if self.backend_api_key is not None and split_credentials(str(self.backend))[1:] != (
             None,

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from capture_proxy.cli import main
 
 
@@ -165,3 +167,23 @@ def test_serve_refuses_bad_timing_flags_as_it_refuses_the_environment(monkeypatc
     with pytest.raises(ServeExit) as from_environment:
         settings_from_args(build_parser().parse_args(base))
     assert str(from_environment.value) == refusal
+
+
+@pytest.mark.parametrize("second", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/"])
+def test_serve_refuses_a_repeated_backend_as_an_invalid_setting(tmp_path, second):
+    """A repeated engine was found only by the engine pool at start-up: a traceback (with
+    workers, "worker 1 exited during start-up") and exit 1, not the one line and exit 2."""
+    from capture_proxy.cli import main
+    from capture_proxy.cli.parser import build_parser
+    from capture_proxy.cli.serve import ServeExit, settings_from_args
+
+    flags = ["serve", "--backend", "http://127.0.0.1:8000", "--backend", second,
+             "--store", str(tmp_path / "s")]  # fmt: skip
+    with pytest.raises(ServeExit) as refused:
+        settings_from_args(build_parser().parse_args(flags))
+    assert str(refused.value) == (
+        "invalid settings: settings: backend URLs repeat: http://127.0.0.1:8000 given more "
+        "than once (backend and extra_backends, serve --backend repeated; a trailing / is the "
+        "same URL): give each engine once"
+    )
+    assert main(flags) == 2
