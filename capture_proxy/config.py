@@ -517,6 +517,15 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("captures_token", "proxy_token", "backend_api_key")
+    @classmethod
+    def _token_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty token (CAPTURE_PROXY_CAPTURES_TOKEN="") is not unset: no request could
+        # ever match it (every /captures read a 401), and it is not "open" either.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("the token is empty: set one, or leave it unset")
+        return value
+
     @field_validator("backend")
     @classmethod
     def _no_path_query(cls, value: AnyHttpUrl) -> AnyHttpUrl:

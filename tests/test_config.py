@@ -86,3 +86,19 @@ def test_the_backends_label_names_every_engine_or_counts_the_many():
     )
     many = [f"http://127.0.0.1:{8002 + i}" for i in range(4)]
     assert label(*many) == "http://user:***@127.0.0.1:8001 + 4 more engines"
+
+
+@pytest.mark.parametrize("name", ["captures_token", "proxy_token", "backend_api_key"])
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_not_taken_as_a_token(monkeypatch, name, token):
+    """CAPTURE_PROXY_CAPTURES_TOKEN="" started the proxy (even on 0.0.0.0) with a token no
+    request could match: every /captures read was a 401."""
+    monkeypatch.setenv(f"CAPTURE_PROXY_{name.upper()}", token)
+    with pytest.raises(ConfigError) as info:
+        load_settings({"backend": "http://e:1", "host": "0.0.0.0"})
+    assert str(info.value) == (
+        f"invalid settings: {name}: the token is empty: set one, or leave it unset"
+    )
+    monkeypatch.delenv(f"CAPTURE_PROXY_{name.upper()}")
+    with pytest.raises(ConfigError, match=f"{name}: the token is empty"):
+        load_settings({"backend": "http://e:1", name: token})
