@@ -61,7 +61,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CAPTURE_PROXY_", frozen=True, extra="forbid")
 
-    backend: AnyHttpUrl = Field(description="Engine base URL, e.g. http://127.0.0.1:8000")
+    backend: AnyHttpUrl = Field(
+        description="Engine base URL, e.g. http://127.0.0.1:8000, without /v1: the proxy adds "
+        "/v1/... itself (a URL ending in /v1 is warned about at start-up)"
+    )
     host: str = Field(
         "127.0.0.1",
         description="listen address; one that is not a loopback address needs captures_token "
@@ -524,6 +527,16 @@ class Settings(BaseSettings):
         # ever match it (every /captures read a 401), and it is not "open" either.
         if value is not None and not value.get_secret_value().strip():
             raise ValueError("the token is empty: set one, or leave it unset")
+        return value
+
+    @field_validator("backend", "extra_backends", mode="before")
+    @classmethod
+    def _backend_has_a_scheme(cls, value: Any) -> Any:
+        # A bare host:port (``--backend localhost:8000``) reads to pydantic as a URL of scheme
+        # "localhost": "URL scheme should be 'http' or 'https'" says nothing of the fix.
+        for url in value if isinstance(value, list) else [value]:
+            if isinstance(url, str) and "//" not in url and url.strip() == url and url:
+                raise ValueError(f"{url!r} has no scheme: write http://{url} (or https://)")
         return value
 
     @field_validator("backend")

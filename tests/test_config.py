@@ -52,6 +52,16 @@ def test_settings_are_frozen():
     [
         ({}, None, "backend: Field required"),
         ({"backend": "not a url"}, None, "backend"),
+        (
+            {"backend": "localhost:8000"},
+            None,
+            "backend: 'localhost:8000' has no scheme: write http://localhost:8000 (or https://)",
+        ),
+        (
+            {"backend": "http://e:1", "extra_backends": ["127.0.0.1:2"]},
+            None,
+            "extra_backends: '127.0.0.1:2' has no scheme: write http://127.0.0.1:2",
+        ),
         ({"backend": "http://e:1", "port": 70000}, None, "port"),
         ({"backend": "http://e:1", "store_synchronous": "off"}, None, "store_synchronous"),
         ({"backend": "http://e:1", "system_start_date": "1 Jan 2026"}, None, "system_start_date"),

@@ -53,7 +53,8 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--backend",
         action="append",
-        help="engine base URL, e.g. http://127.0.0.1:8000; repeat for several engines "
+        help="engine base URL, e.g. http://127.0.0.1:8000 (no /v1: the proxy adds it); "
+        "repeat for several engines "
         "(rollout-affine with bounded load, health-checked)",
     )
     serve.add_argument(
