@@ -187,3 +187,54 @@ def test_serve_refuses_a_repeated_backend_as_an_invalid_setting(tmp_path, second
         "same URL): give each engine once"
     )
     assert main(flags) == 2
+
+
+def _flags_without_help() -> list[str]:
+    """Every option of every command whose ``--help`` says nothing, or names no default
+    though the flag has one (the command's own; ``serve``'s defaults are the settings')."""
+    import argparse
+
+    from capture_proxy.cli.parser import build_parser
+
+    found: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, command: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{command} {name}".strip())
+            elif action.dest == "help":
+                continue
+            elif not action.help:
+                found.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+            elif (
+                action.option_strings
+                and action.default not in (None, False)
+                and "default" not in action.help
+            ):
+                found.append(f"{command} {'/'.join(action.option_strings)}: no default")
+
+    walk(build_parser(), "")
+    return found
+
+
+def test_every_flag_has_help_naming_its_default():
+    """A new-user trial: scripted-engine --host/--port and serve --max-request-body-bytes,
+    --log-level and --max-model-len said nothing in --help."""
+    assert _flags_without_help() == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "words"),
+    [
+        ("--max-request-body-bytes", "(default 67108864: 64 MiB)"),
+        ("--log-level", "(default INFO)"),
+        ("--max-model-len", "(default: the engine's /v1/models)"),
+    ],
+)
+def test_serve_help_names_the_settings_defaults(capsys, flag, words):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    options = " ".join(capsys.readouterr().out.split()).split(" options: ", 1)[1]
+    after = options.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+    assert words in after, after
