@@ -61,7 +61,10 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="CAPTURE_PROXY_", frozen=True, extra="forbid")
 
-    backend: AnyHttpUrl = Field(description="Engine base URL, e.g. http://127.0.0.1:8000")
+    backend: AnyHttpUrl = Field(
+        description="Engine base URL, e.g. http://127.0.0.1:8000, without /v1: the proxy adds "
+        "/v1/... itself (a URL ending in /v1 is warned about at start-up)"
+    )
     host: str = Field(
         "127.0.0.1",
         description="listen address; one that is not a loopback address needs captures_token "
@@ -309,7 +312,8 @@ class Settings(BaseSettings):
     uncaptured_generation: Literal["forward", "refuse"] = Field(
         "forward",
         description="a generation call outside a capture path (plain /v1/chat/completions, "
-        "/v1/responses, /v1/messages, /v1/completions, tokens-in /generate ...): forward "
+        "/v1/responses, /v1/messages, /v1/completions, tokens-in /generate ..., or the same on "
+        "the correlation path /ng-rollout/<rollout_id>/v1/...): forward "
         "(default): forwarded uncaptured, warned once per path and counted in "
         "capture_proxy_uncaptured_generation_calls_total; refuse: answered 400 "
         "(capture_path_required) in the API's error shape, naming the capture path's form",
@@ -516,6 +520,25 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("captures_token", "proxy_token", "backend_api_key")
+    @classmethod
+    def _token_not_empty(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty token (CAPTURE_PROXY_CAPTURES_TOKEN="") is not unset: no request could
+        # ever match it (every /captures read a 401), and it is not "open" either.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("the token is empty: set one, or leave it unset")
+        return value
+
+    @field_validator("backend", "extra_backends", mode="before")
+    @classmethod
+    def _backend_has_a_scheme(cls, value: Any) -> Any:
+        # A bare host:port (``--backend localhost:8000``) reads to pydantic as a URL of scheme
+        # "localhost": "URL scheme should be 'http' or 'https'" says nothing of the fix.
+        for url in value if isinstance(value, list) else [value]:
+            if isinstance(url, str) and "//" not in url and url.strip() == url and url:
+                raise ValueError(f"{url!r} has no scheme: write http://{url} (or https://)")
+        return value
+
     @field_validator("backend")
     @classmethod
     def _no_path_query(cls, value: AnyHttpUrl) -> AnyHttpUrl:
@@ -532,6 +555,20 @@ class Settings(BaseSettings):
                     "extra backend URLs must not carry a query, fragment or user info"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _backends_distinct(self) -> Settings:
+        # Checked here, not first by the engine pool at start-up (a traceback, and with
+        # several workers "worker N exited during start-up"): one line, exit 2.
+        bases = self.backend_bases
+        repeated = sorted({url for url in bases if bases.count(url) > 1})
+        if repeated:
+            raise ValueError(
+                f"backend URLs repeat: {', '.join(repeated)} given more than once (backend "
+                "and extra_backends, serve --backend repeated; a trailing / is the same URL): "
+                "give each engine once"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_engine_credential(self) -> Settings:

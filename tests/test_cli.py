@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from capture_proxy.cli import main
 
 
@@ -165,3 +167,74 @@ def test_serve_refuses_bad_timing_flags_as_it_refuses_the_environment(monkeypatc
     with pytest.raises(ServeExit) as from_environment:
         settings_from_args(build_parser().parse_args(base))
     assert str(from_environment.value) == refusal
+
+
+@pytest.mark.parametrize("second", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/"])
+def test_serve_refuses_a_repeated_backend_as_an_invalid_setting(tmp_path, second):
+    """A repeated engine was found only by the engine pool at start-up: a traceback (with
+    workers, "worker 1 exited during start-up") and exit 1, not the one line and exit 2."""
+    from capture_proxy.cli import main
+    from capture_proxy.cli.parser import build_parser
+    from capture_proxy.cli.serve import ServeExit, settings_from_args
+
+    flags = ["serve", "--backend", "http://127.0.0.1:8000", "--backend", second,
+             "--store", str(tmp_path / "s")]  # fmt: skip
+    with pytest.raises(ServeExit) as refused:
+        settings_from_args(build_parser().parse_args(flags))
+    assert str(refused.value) == (
+        "invalid settings: settings: backend URLs repeat: http://127.0.0.1:8000 given more "
+        "than once (backend and extra_backends, serve --backend repeated; a trailing / is the "
+        "same URL): give each engine once"
+    )
+    assert main(flags) == 2
+
+
+def _flags_without_help() -> list[str]:
+    """Every option of every command whose ``--help`` says nothing, or names no default
+    though the flag has one (the command's own; ``serve``'s defaults are the settings')."""
+    import argparse
+
+    from capture_proxy.cli.parser import build_parser
+
+    found: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, command: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{command} {name}".strip())
+            elif action.dest == "help":
+                continue
+            elif not action.help:
+                found.append(f"{command} {'/'.join(action.option_strings) or action.dest}")
+            elif (
+                action.option_strings
+                and action.default not in (None, False)
+                and "default" not in action.help
+            ):
+                found.append(f"{command} {'/'.join(action.option_strings)}: no default")
+
+    walk(build_parser(), "")
+    return found
+
+
+def test_every_flag_has_help_naming_its_default():
+    """A new-user trial: scripted-engine --host/--port and serve --max-request-body-bytes,
+    --log-level and --max-model-len said nothing in --help."""
+    assert _flags_without_help() == []
+
+
+@pytest.mark.parametrize(
+    ("flag", "words"),
+    [
+        ("--max-request-body-bytes", "(default 67108864: 64 MiB)"),
+        ("--log-level", "(default INFO)"),
+        ("--max-model-len", "(default: the engine's /v1/models)"),
+    ],
+)
+def test_serve_help_names_the_settings_defaults(capsys, flag, words):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    options = " ".join(capsys.readouterr().out.split()).split(" options: ", 1)[1]
+    after = options.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+    assert words in after, after

@@ -52,6 +52,16 @@ def test_settings_are_frozen():
     [
         ({}, None, "backend: Field required"),
         ({"backend": "not a url"}, None, "backend"),
+        (
+            {"backend": "localhost:8000"},
+            None,
+            "backend: 'localhost:8000' has no scheme: write http://localhost:8000 (or https://)",
+        ),
+        (
+            {"backend": "http://e:1", "extra_backends": ["127.0.0.1:2"]},
+            None,
+            "extra_backends: '127.0.0.1:2' has no scheme: write http://127.0.0.1:2",
+        ),
         ({"backend": "http://e:1", "port": 70000}, None, "port"),
         ({"backend": "http://e:1", "store_synchronous": "off"}, None, "store_synchronous"),
         ({"backend": "http://e:1", "system_start_date": "1 Jan 2026"}, None, "system_start_date"),
@@ -86,3 +96,19 @@ def test_the_backends_label_names_every_engine_or_counts_the_many():
     )
     many = [f"http://127.0.0.1:{8002 + i}" for i in range(4)]
     assert label(*many) == "http://user:***@127.0.0.1:8001 + 4 more engines"
+
+
+@pytest.mark.parametrize("name", ["captures_token", "proxy_token", "backend_api_key"])
+@pytest.mark.parametrize("token", ["", "  "])
+def test_an_empty_token_is_refused_not_taken_as_a_token(monkeypatch, name, token):
+    """CAPTURE_PROXY_CAPTURES_TOKEN="" started the proxy (even on 0.0.0.0) with a token no
+    request could match: every /captures read was a 401."""
+    monkeypatch.setenv(f"CAPTURE_PROXY_{name.upper()}", token)
+    with pytest.raises(ConfigError) as info:
+        load_settings({"backend": "http://e:1", "host": "0.0.0.0"})
+    assert str(info.value) == (
+        f"invalid settings: {name}: the token is empty: set one, or leave it unset"
+    )
+    monkeypatch.delenv(f"CAPTURE_PROXY_{name.upper()}")
+    with pytest.raises(ConfigError, match=f"{name}: the token is empty"):
+        load_settings({"backend": "http://e:1", name: token})

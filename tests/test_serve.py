@@ -199,3 +199,26 @@ def test_serve_masks_the_engine_password_and_cuts_off_a_stalled_request_head(tmp
         _, err = proc.communicate(timeout=START_DEADLINE_S)
     assert "PASSWORD" not in err
     assert "engine_unreachable" in err or "-> 502" in err
+
+
+def test_a_backend_ending_in_v1_is_warned_about_once(tmp_path: Path):
+    """A new-user trial: ``--backend http://127.0.0.1:8000/v1`` (the OpenAI SDK's base URL
+    habit) served, and every call got the engine's 404 for /v1/v1/... with no hint."""
+    proc = _serve("--backend", "http://127.0.0.1:10/v1/", "--port", "0",
+                  "--store", str(tmp_path / "s"), "--workers", "2")  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the child prints (or exits)
+        assert line.startswith("capture-proxy: serving on"), line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=START_DEADLINE_S)
+    assert proc.returncode == 0
+    warnings = [w for w in err.splitlines() if "ends in /v1" in w]
+    assert len(warnings) == 1, err
+    assert warnings[0].endswith(
+        "WARNING capture_proxy: backend http://127.0.0.1:10/v1 ends in /v1: the backend is the "
+        "engine's base URL (e.g. http://127.0.0.1:10) and the proxy adds /v1/... itself, so "
+        "/v1 is likely doubled (http://127.0.0.1:10/v1/v1/chat/completions: the engine's "
+        "404); drop /v1 unless the engine serves under it"
+    )

@@ -19,9 +19,6 @@ AUDIT_MODULES = frozenset({"torch", "transformers", "matplotlib"})
 
 def add_parser(sub: Any) -> None:
     """Add ``audit`` to ``sub`` (an ``argparse`` subparsers action)."""
-    from capture_proxy.audit.compare import Thresholds
-
-    d = Thresholds()
     p = sub.add_parser(
         "audit",
         help="recompute the captured log probs and routed experts with the model (teacher "
@@ -44,28 +41,80 @@ def add_parser(sub: Any) -> None:
         default="npz",
         help="the trainer's form the samples go through (default npz; arrow: frozen rollouts)",
     )
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--max-batch-tokens", type=int, default=16384, help="padded tokens per pass")
     p.add_argument(
-        "--temperature", type=float, default=1.0, help="logit divisor (engines' processed logprobs)"
+        "--device", default="auto", help="auto (CUDA when present; the default), cpu, cuda:N"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="the model's dtype (default auto: its config's)",
+    )
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=16384, help="padded tokens per pass (default 16384)"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="logit divisor (engines' processed logprobs; default 1.0)",
     )
     p.add_argument("--json", type=Path, dest="json_path", help="write the full result as JSON")
     p.add_argument("--plot", type=Path, dest="plot_path", help="draw the per-position delta (PNG)")
     p.add_argument("--worst", type=int, default=10, help="worst positions named (default 10)")
+    _add_thresholds(p)
+    p.set_defaults(func=main)
+
+
+def _add_thresholds(p: argparse.ArgumentParser) -> None:
+    """The threshold flags of ``audit`` (``compare.Thresholds``, their defaults)."""
+    from capture_proxy.audit.compare import Thresholds
+
+    d = Thresholds()
     g = p.add_argument_group("thresholds (log probs in nats)")
-    g.add_argument("--token-delta", type=float, default=d.token_delta)
-    g.add_argument("--max-mean-abs-delta", type=float, default=d.max_mean_abs_delta)
-    g.add_argument("--max-fraction-over", type=float, default=d.max_fraction_over)
-    g.add_argument("--max-k3", type=float, default=d.max_k3)
-    g.add_argument("--min-expert-agreement", type=float, default=d.min_expert_agreement)
-    g.add_argument("--tis-cap", type=float, default=d.tis_cap, help="TIS/MIS cap (reported)")
+    g.add_argument(
+        "--token-delta",
+        type=float,
+        default=d.token_delta,
+        help=f"a token whose |delta| exceeds it counts as over (default {d.token_delta:g})",
+    )
+    g.add_argument(
+        "--max-mean-abs-delta",
+        type=float,
+        default=d.max_mean_abs_delta,
+        help=f"limit on the mean |delta| (default {d.max_mean_abs_delta:g})",
+    )
+    g.add_argument(
+        "--max-fraction-over",
+        type=float,
+        default=d.max_fraction_over,
+        help=f"limit on the fraction of tokens over --token-delta (default "
+        f"{d.max_fraction_over:g})",
+    )
+    g.add_argument(
+        "--max-k3",
+        type=float,
+        default=d.max_k3,
+        help=f"limit on the mean k3 KL estimate (default {d.max_k3:g})",
+    )
+    g.add_argument(
+        "--min-expert-agreement",
+        type=float,
+        default=d.min_expert_agreement,
+        help=f"lower limit on the mean expert-set overlap of compared rows (default "
+        f"{d.min_expert_agreement:g})",
+    )
+    g.add_argument(
+        "--tis-cap",
+        type=float,
+        default=d.tis_cap,
+        help=f"TIS/MIS cap (reported; default {d.tis_cap:g})",
+    )
     g.add_argument(
         "--require-routing",
         action="store_true",
         help="fail when the model routes experts but the capture holds none",
     )
-    p.set_defaults(func=main)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -12,6 +12,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+#: ``--template`` of the commands that render with the scripted engine's tokenizer.
+_TEMPLATE_HELP = (
+    "the built-in ChatML template: keep_reasoning keeps every assistant turn's reasoning in "
+    "the prompt, drop_reasoning drops it, as Qwen3's does (default keep_reasoning)"
+)
+
 
 def _run_serve(args: argparse.Namespace) -> int:
     from capture_proxy.cli.serve import run
@@ -53,7 +59,8 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--backend",
         action="append",
-        help="engine base URL, e.g. http://127.0.0.1:8000; repeat for several engines "
+        help="engine base URL, e.g. http://127.0.0.1:8000 (no /v1: the proxy adds it); "
+        "repeat for several engines "
         "(rollout-affine with bounded load, health-checked)",
     )
     serve.add_argument(
@@ -107,8 +114,17 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
         dest="workers",
         help="worker processes serving the port (default: one per CPU; 1: one process)",
     )
-    serve.add_argument("--max-request-body-bytes", type=int, dest="max_request_body_bytes")
-    serve.add_argument("--log-level", dest="log_level")
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        dest="max_request_body_bytes",
+        help="largest request body accepted, 413 above it (default 67108864: 64 MiB)",
+    )
+    serve.add_argument(
+        "--log-level",
+        dest="log_level",
+        help="DEBUG, INFO, WARNING, ERROR or CRITICAL, any case (default INFO)",
+    )
 
 
 def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
@@ -144,9 +160,14 @@ def _add_serve_capture(serve: argparse.ArgumentParser) -> None:
         "--tokens-in",
         dest="tokens_in_dialect",
         choices=["vllm_completions", "vllm_generate", "sglang_generate"],
-        help="engine endpoint taking token ids in exact_tokens mode",
+        help="engine endpoint taking token ids in exact_tokens mode (default vllm_completions)",
     )
-    serve.add_argument("--max-model-len", dest="max_model_len", type=int)
+    serve.add_argument(
+        "--max-model-len",
+        dest="max_model_len",
+        type=int,
+        help="the model's context length in tokens (default: the engine's /v1/models)",
+    )
     serve.add_argument(
         "--weight-version-poll",
         dest="weight_version_poll_s",
@@ -250,7 +271,12 @@ def _add_show(sub: Any) -> None:
     show_parser = sub.add_parser(
         "show", help="print a store's rollouts, or one rollout's chains, in the terminal"
     )
-    show_parser.add_argument("--store", type=Path, default=Path("capture-store"))
+    show_parser.add_argument(
+        "--store",
+        type=Path,
+        default=Path("capture-store"),
+        help="store directory (default ./capture-store, serve's default)",
+    )
     show_parser.add_argument("rollout", nargs="?", help="rollout id (default: list the rollouts)")
     show_parser.set_defaults(func=_run_show)
 
@@ -260,18 +286,26 @@ def _add_scripted_engine(sub: Any) -> None:
     engine = sub.add_parser(
         "scripted-engine", help="run the scripted vLLM-dialect engine (tests, demos, harness CI)"
     )
-    engine.add_argument("--host", default="127.0.0.1")
-    engine.add_argument("--port", type=int, default=8000)
+    engine.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    engine.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
     engine.add_argument("--policy", type=Path, help="policy JSON file (default: built-in)")
     engine.add_argument(
-        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+        "--template",
+        default="keep_reasoning",
+        choices=["keep_reasoning", "drop_reasoning"],
+        help=_TEMPLATE_HELP,
     )
-    engine.add_argument("--max-model-len", type=int, default=32768)
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=32768,
+        help="context length in tokens: a prompt as long is refused (default 32768)",
+    )
     engine.add_argument(
         "--family",
         default="qwen3",
         choices=["qwen3", "qwen3_coder", "gpt_oss", "llama3", "qwen2_5"],
-        help="model family it renders and writes as (the proxy's model_families)",
+        help="model family it renders and writes as (the proxy's model_families; default qwen3)",
     )
     engine.add_argument(
         "--chat-template",
@@ -319,7 +353,8 @@ def _add_demo(sub: Any) -> None:
         "--opencode",
         choices=["auto", "yes", "no"],
         default="auto",
-        help="drive the session with the OpenCode CLI when installed (auto), always, or never",
+        help="drive the session with the OpenCode CLI when installed (auto, the default), "
+        "always (yes), or never (no)",
     )
     demo.add_argument("--policy", type=Path, help="policy JSON for the scripted engine")
     demo.set_defaults(func=_run_demo)
@@ -343,12 +378,16 @@ def _add_replay(sub: Any) -> None:
     )
     rep.add_argument("--rollout", default=None, help="rollout id (default: replay-<unix time>)")
     rep.add_argument(
-        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+        "--template",
+        default="keep_reasoning",
+        choices=["keep_reasoning", "drop_reasoning"],
+        help=_TEMPLATE_HELP,
     )
     rep.add_argument(
         "--parent-resolution",
         default="captured_tokens",
         choices=["captured_tokens", "source_history"],
+        help="how a call after a rewritten harness note is linked (default captured_tokens)",
     )
     rep.add_argument("--store", type=Path, default=None, help="store directory (default: temp)")
     rep.set_defaults(func=_run_replay)
@@ -368,7 +407,10 @@ def _add_export_tokenizer(sub: Any) -> None:
         "directory holding files is refused: nothing is overwritten)",
     )
     exp.add_argument(
-        "--template", default="keep_reasoning", choices=["keep_reasoning", "drop_reasoning"]
+        "--template",
+        default="keep_reasoning",
+        choices=["keep_reasoning", "drop_reasoning"],
+        help=_TEMPLATE_HELP,
     )
     exp.add_argument(
         "--chat-template", type=Path, help="a jinja chat template file to write instead"

@@ -18,9 +18,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from capture_proxy.config import ConfigError, Settings, load_settings
 from capture_proxy.core import chunk_scan
+
+log = logging.getLogger("capture_proxy")
 
 #: The backend of ``serve --read-only`` without ``--backend``: never contacted.
 READ_ONLY_BACKEND = "http://no-backend.invalid"
@@ -157,6 +160,22 @@ def _configure_logging(settings: Settings) -> None:
         handler.addFilter(RedactingFilter())
 
 
+def _warn_of_a_v1_backend(settings: Settings) -> None:
+    """A WARNING for each backend URL whose path ends in ``/v1`` (the OpenAI SDK's base URL
+    habit): the proxy adds ``/v1/...`` itself, so its calls would go to ``/v1/v1/...`` and
+    get the engine's bare 404. Not refused: an engine may really serve under such a prefix."""
+    for url in settings.backend_bases:
+        if urlsplit(url).path.rstrip("/").endswith("/v1"):
+            log.warning(
+                "backend %s ends in /v1: the backend is the engine's base URL (e.g. %s) and "
+                "the proxy adds /v1/... itself, so /v1 is likely doubled (%s/v1/chat/"
+                "completions: the engine's 404); drop /v1 unless the engine serves under it",
+                url,
+                url.rstrip("/").removesuffix("/v1"),
+                url,
+            )
+
+
 def _clear_port_file(port_file: Path | None) -> None:
     """Remove a stale port file (an earlier run's number must not be read as this run's).
     Raises ServeExit when its directory does not exist."""
@@ -273,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = settings_from_args(args)
         _configure_logging(settings)
+        _warn_of_a_v1_backend(settings)
         _clear_port_file(args.port_file)
         sock = _bind(settings)
         try:

@@ -177,7 +177,8 @@ async def _serve_capture_path(
         raise BadRequest(
             f"POST {path} generates but cannot be captured under a capture path: use "
             "/v1/chat/completions, /v1/responses or /v1/messages (or the correlation path "
-            "/ng-rollout/<id>/v1/... to forward it uncaptured)",
+            "/ng-rollout/<id>/v1/... to forward it uncaptured, warned and counted, unless "
+            "uncaptured_generation = refuse)",
             param="path",
             code="endpoint_not_captured",
         )
@@ -213,10 +214,9 @@ async def dispatch(request: web.Request) -> web.StreamResponse:
             response, done = await _serve_capture_path(request, target, raw_body, backend)
             note_request(request, raw_body, done)
         else:
-            if target.kind is RouteKind.PASSTHROUGH:
-                request.app[UNCAPTURED_KEY].check(request, target)
-            else:
+            if target.kind is RouteKind.CORRELATE:
                 refuse_misspelt_capture_path(request, target)
+            request.app[UNCAPTURED_KEY].check(request, target)
             response = await forward_uncaptured(
                 request,
                 target,

@@ -2,9 +2,12 @@
 
 Owns what the proxy says about a model call that reaches it outside a capture path (a
 harness pointed at ``http://proxy/v1`` instead of its capture path: a whole run could go
-uncaptured without an error): one WARNING per engine path, a count per path
-(``capture_proxy_uncaptured_generation_calls_total``), and, with ``uncaptured_generation =
-refuse``, a 400 in the API's shape naming the capture path's form. Also the 404 of a
+uncaptured without an error), plain (``/v1/...``) or on the correlation path
+(``/ng-rollout/<id>/v1/...``, also a base URL without its rollout id,
+``/ng-rollout/training-token-capture/v1/...``): one WARNING per engine path and form, a count
+per engine path (``capture_proxy_uncaptured_generation_calls_total``), and, with
+``uncaptured_generation = refuse``, a 400 in the API's shape naming the capture path's form.
+Also the 404 of a
 correlation path whose first segment is a misspelt capture segment
 (``/ng-rollout/r/training-tokens-capture/v1/chat/completions``). Must not: forward anything.
 """
@@ -16,7 +19,7 @@ import logging
 from aiohttp import web
 
 from capture_proxy.core.fronts import front_of_tail, generation_path
-from capture_proxy.core.routing import CAPTURE_PATH_FORM, CAPTURE_SEGMENT, Route
+from capture_proxy.core.routing import CAPTURE_PATH_FORM, CAPTURE_SEGMENT, ROLLOUT_PREFIX, Route
 from capture_proxy.proxy.errors import ERROR_SHAPE_KEY, BadRequest, Forbidden, NotFound
 from capture_proxy.proxy.metrics import Metrics
 
@@ -33,23 +36,27 @@ class UncapturedGeneration:
     def __init__(self, metrics: Metrics | None, *, refuse: bool) -> None:
         self._metrics = metrics
         self._refuse = refuse
-        #: engine paths already warned about (a bounded set: ``generation_path``'s values)
+        #: the calls already warned about (``_named``: a bounded set, ``generation_path``'s
+        #: values in three forms, never a caller's rollout id)
         self._warned: set[str] = set()
 
     def check(self, request: web.Request, target: Route) -> None:
-        """For a pass-through ``target``: count and warn about a generation call, and raise
-        BadRequest (400 ``capture_path_required``) when such calls are refused."""
+        """For a pass-through or correlation ``target``: count and warn about a generation
+        call, and raise BadRequest (400 ``capture_path_required``) when such calls are
+        refused. A correlation path (``/ng-rollout/<id>/v1/...``) forwards uncaptured as a
+        plain path does, so its generation calls count alike."""
         path = generation_path(request.method, target.upstream_path)
         if path is None:
             return
         if self._metrics is not None:
             self._metrics.inc_uncaptured_generation(path)
-        if path not in self._warned:
-            self._warned.add(path)
+        named = _named(target, path)
+        if named not in self._warned:
+            self._warned.add(named)
             log.warning(
                 "POST %s is a generation call outside a capture path: %s (use %s; warned once "
                 "per path, counted in capture_proxy_uncaptured_generation_calls_total)",
-                path,
+                named,
                 "refused (setting uncaptured_generation = refuse)"
                 if self._refuse
                 else "forwarded uncaptured, no tokens are recorded",
@@ -57,13 +64,41 @@ class UncapturedGeneration:
             )
         if self._refuse:
             _shape_by_tail(request, target.upstream_path)
+            sent = (
+                target.upstream_path
+                if target.rollout_id is None
+                else f"{ROLLOUT_PREFIX}{target.rollout_id}{target.upstream_path}"
+            )
             raise BadRequest(
-                f"POST {target.upstream_path} is outside a capture path and this proxy "
+                f"POST {sent} is outside a capture path{_why(target)} and this proxy "
                 f"refuses uncaptured generation calls: send it to {CAPTURE_PATH_FORM} (e.g. "
                 f"base_url http://HOST:PORT/ng-rollout/<rollout_id>/{CAPTURE_SEGMENT}/v1)",
                 param="path",
                 code="capture_path_required",
             )
+
+
+#: What a correlation path whose rollout id is the capture segment says: a base URL that
+#: lacks the rollout id (``http://proxy/ng-rollout/training-token-capture/v1``).
+_NO_ROLLOUT_ID = f"the path has no rollout id before {CAPTURE_SEGMENT}"
+
+
+def _named(target: Route, path: str) -> str:
+    """The call as the warning names it: its engine ``path`` (``generation_path``) behind
+    its prefix, no rollout id of a caller's in it."""
+    if target.rollout_id is None:
+        return path
+    if target.rollout_id == CAPTURE_SEGMENT:
+        return f"{ROLLOUT_PREFIX}{CAPTURE_SEGMENT}{path} ({_NO_ROLLOUT_ID})"
+    return f"{ROLLOUT_PREFIX}<rollout_id>{path} (the correlation path)"
+
+
+def _why(target: Route) -> str:
+    if target.rollout_id is None:
+        return ""
+    if target.rollout_id == CAPTURE_SEGMENT:
+        return f" ({_NO_ROLLOUT_ID}: {CAPTURE_SEGMENT!r} is taken as the rollout id)"
+    return " (the correlation path /ng-rollout/<rollout_id>/... captures nothing)"
 
 
 def refuse_misspelt_capture_path(request: web.Request, target: Route) -> None:

@@ -111,9 +111,99 @@ async def test_a_misspelt_capture_segment_is_a_404_in_the_apis_shape(
     assert stack.sent == []
 
 
-async def test_the_correlation_path_is_still_forwarded(stack: Stack):
-    resp = await stack.client.post("/ng-rollout/r1/v1/chat/completions", json=CHAT)
-    assert resp.status == 200, await resp.text()
+def _uncaptured_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "outside a capture path" in r.getMessage()
+    ]
+
+
+async def test_a_generation_call_on_the_correlation_path_is_warned_once_and_counted(
+    stack: Stack, caplog
+):
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    for rollout in ("r1", "r2", "r1"):
+        resp = await stack.client.post(f"/ng-rollout/{rollout}/v1/chat/completions", json=CHAT)
+        assert resp.status == 200, await resp.text()
+    assert len(stack.sent) == 3
+    assert stack.sent[0].request_headers["X-NG-Rollout-Id"] == "r1"
+    warnings = _uncaptured_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(
+        "POST /ng-rollout/<rollout_id>/v1/chat/completions (the correlation path) is a "
+        "generation call outside a capture path: forwarded uncaptured"
+    )
+    assert FORM in warnings[0]
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert _uncaptured_count(metrics, "/v1/chat/completions") == 3
+    # The plain path's warning is its own.
+    assert (await stack.client.post("/v1/chat/completions", json=CHAT)).status == 200
+    assert len(_uncaptured_warnings(caplog)) == 2
+    # Not a generation call: correlated, neither warned nor counted.
+    resp = await stack.client.get("/ng-rollout/r1/v1/models")
+    assert resp.status == 200
+    resp = await stack.client.post("/ng-rollout/r1/tokenize", json={"prompt": "hi"})
+    assert resp.status == 200
+    assert len(_uncaptured_warnings(caplog)) == 2
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert _uncaptured_count(metrics, "/v1/chat/completions") == 4
+    assert "/v1/models" not in metrics and "/tokenize" not in metrics
+    assert (await stack.get_json("/captures/rollouts"))["rollouts"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "shape"),
+    [
+        ("/ng-rollout/r1/v1/chat/completions", CHAT, "openai"),
+        ("/ng-rollout/r1/v1/responses", {"model": "scripted-qwen", "input": "hi"}, "openai"),
+        ("/ng-rollout/r1/v1/messages", MESSAGES, "anthropic"),
+        ("/ng-rollout/r1/v1/completions", {"model": "scripted-qwen", "prompt": "hi"}, "openai"),
+        ("/ng-rollout/r1/generate", {"token_ids": [1, 2]}, "openai"),
+    ],
+)
+async def test_refuse_setting_refuses_the_correlation_paths_generation_calls(
+    make_stack: MakeStack, path, body, shape
+):
+    stack = await make_stack(uncaptured_generation="refuse")
+    resp = await stack.client.post(path, json=body)
+    assert resp.status == 400
+    answer = await resp.json()
+    if shape == "anthropic":
+        assert answer["type"] == "error"
+    else:
+        assert answer["error"]["code"] == "capture_path_required"
+    message = answer["error"]["message"]
+    assert f"POST {path} is outside a capture path (the correlation path" in message
+    assert FORM in message
+    assert stack.sent == []
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert _uncaptured_count(metrics, path.removeprefix("/ng-rollout/r1")) == 1
+    # Non-generation requests on the correlation path are still forwarded.
+    assert (await stack.client.get("/ng-rollout/r1/v1/models")).status == 200
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+async def test_a_base_url_without_its_rollout_id_says_so(make_stack: MakeStack, caplog, refuse):
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    stack = await make_stack(uncaptured_generation="refuse" if refuse else "forward")
+    path = "/ng-rollout/training-token-capture/v1/chat/completions"
+    resp = await stack.client.post(path, json=CHAT)
+    (warning,) = _uncaptured_warnings(caplog)
+    assert warning.startswith(
+        f"POST {path} (the path has no rollout id before training-token-capture) is a "
+        "generation call outside a capture path"
+    )
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert _uncaptured_count(metrics, "/v1/chat/completions") == 1
+    if not refuse:
+        assert resp.status == 200, await resp.text()
+        return
+    assert resp.status == 400
+    message = (await resp.json())["error"]["message"]
+    assert "the path has no rollout id before training-token-capture" in message
+    assert FORM in message
+    assert stack.sent == []
 
 
 @pytest.mark.parametrize(
