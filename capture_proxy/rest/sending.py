@@ -26,7 +26,8 @@ taken is dropped; the client sees the answer end early: the export without Arrow
 end-of-stream marker, which every reader reports as an error, a whole answer short of its
 ``Content-Length``), one WARNING line names the read (method and path, never the query, as the
 access line) and ``capture_proxy_read_answers_cut_total`` counts it (in the proxy's app; the
-read-only app has no metrics); the handler ends there and nothing else is touched.
+read-only app has no metrics); the handler ends there and nothing else is touched. A client
+that leaves mid-answer ends it the same way, with one INFO line and no traceback.
 Must not: bound anything but reads under ``/captures``: the captured calls
 (``/ng-rollout/...``) have their own rules.
 """
@@ -55,12 +56,12 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class AnswerCut(Exception):
-    """A read's started answer was cut, its connection aborted (its client did not take its
-    bytes in time); the middleware hands ``response`` back to aiohttp, which finds the
-    connection closed and writes nothing more."""
+    """A read's started answer ended early: its client did not take its bytes in time (the
+    connection aborted here) or left; the middleware hands ``response`` back to aiohttp, which
+    finds the connection closed and writes nothing more."""
 
     def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("answer cut: the client did not take its bytes in time")
+        super().__init__("answer cut: its client did not take its bytes in time, or left")
         self.response = response
 
 
@@ -88,6 +89,11 @@ async def _bounded(
             await write()
     except TimeoutError:
         _cut(request, timeout_s)
+        raise AnswerCut(response) from None
+    except ConnectionError:
+        # A client leaving is no error of the proxy's: one line, no traceback (aiohttp's own
+        # way with a whole answer it sends).
+        log.info("%s %s: the client left before the answer ended", request.method, request.path)
         raise AnswerCut(response) from None
 
 

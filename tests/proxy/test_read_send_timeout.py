@@ -71,30 +71,38 @@ async def _client(stack: Stack) -> AsyncIterator[aiohttp.ClientSession]:
 
 
 class _Seen(logging.Handler):
-    """Sets ``event`` when a WARNING line of the ``capture_proxy`` log says an answer was cut
+    """Sets ``event`` when a line of the ``capture_proxy`` log at ``level`` says ``phrase``
     (logged on the event loop's thread)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, phrase: str, level: int) -> None:
+        super().__init__(level)
+        self.phrase = phrase
         self.event = asyncio.Event()
         self.lines: list[str] = []
 
     def emit(self, entry: logging.LogRecord) -> None:
         line = entry.getMessage()
-        if "answer cut" in line:
+        if self.phrase in line and entry.levelno == self.level:
             self.lines.append(line)
             self.event.set()
 
 
-@pytest.fixture
-def cuts() -> Iterator[_Seen]:
-    seen = _Seen()
+@contextlib.contextmanager
+def _seeing(phrase: str, level: int) -> Iterator[_Seen]:
+    seen = _Seen(phrase, level)
     logger = logging.getLogger("capture_proxy")
     logger.addHandler(seen)
     try:
         yield seen
     finally:
         logger.removeHandler(seen)
+
+
+@pytest.fixture
+def cuts() -> Iterator[_Seen]:
+    """The WARNING lines of answers cut by the send timeout."""
+    with _seeing("answer cut", logging.WARNING) as seen:
+        yield seen
 
 
 async def _metric(stack: Stack, name: str) -> float:
@@ -191,3 +199,37 @@ async def test_a_slow_steady_reader_gets_the_whole_export_byte_for_byte(
     assert took > 4 * SEND_TIMEOUT_S
     assert cuts.lines == []
     assert await _metric(stack, "capture_proxy_read_answers_cut_total") == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "rollouts", "tokens"),
+    [
+        ("/captures/export?limit=10", ROLLOUTS, PROMPT_TOKENS),
+        ("/captures/rollouts/r0/chains", 1, 3 * PROMPT_TOKENS),
+    ],
+)
+async def test_a_client_that_leaves_mid_answer_is_one_line_not_a_traceback(
+    make_stack: MakeStack,
+    cuts: _Seen,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    rollouts: int,
+    tokens: int,
+):
+    """The stream or whole answer ends at the write that finds the client gone: one INFO line,
+    no ERROR, not counted as cut by the send timeout (a long one here)."""
+    caplog.set_level(logging.INFO, logger="capture_proxy")
+    stack = await make_stack(read_send_timeout_s=30, cancel_handlers=False)
+    await _fill(stack, rollouts, tokens)
+    with _seeing("the client left", logging.INFO) as left:
+        async with _client(stack) as session, session.get(path) as resp:
+            assert resp.status == 200
+            await resp.content.readexactly(1000)
+            resp.close()  # mid-answer, its bytes unread
+        async with asyncio.timeout(WAIT_S):
+            await left.event.wait()
+    assert left.lines == [f"GET {path.split('?')[0]}: the client left before the answer ended"]
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    assert cuts.lines == []
+    assert await _metric(stack, "capture_proxy_read_answers_cut_total") == 0
+    assert await _metric(stack, "capture_proxy_requests_in_flight") == 1
