@@ -67,7 +67,7 @@ class AnswerCut(Exception):
 
 async def send(request: web.Request, response: web.StreamResponse, data: bytes) -> None:
     """Write ``data`` to the started ``response``, each slice's wait for the client bounded by
-    the read's send timeout; raises ``AnswerCut`` when one runs out."""
+    the read's send timeout; raises ``AnswerCut`` when one runs out or the client has left."""
     view = memoryview(data)
     for start in range(0, len(view), SLICE_BYTES):
         piece = view[start : start + SLICE_BYTES]
