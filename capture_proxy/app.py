@@ -78,6 +78,7 @@ from capture_proxy.proxy.weight_watch import WEIGHT_WATCHERS_KEY, WeightWatchers
 from capture_proxy.rest import downloads, images, lifecycle, reads
 from capture_proxy.rest.deadline import read_deadline_middleware
 from capture_proxy.rest.reads import unknown_captures_path
+from capture_proxy.rest.sending import read_send_middleware
 from capture_proxy.store.base import CaptureStore
 from capture_proxy.viewer import ViewerConfig, add_viewer_routes
 from harness_notes import NoteRegistry, default_registry
@@ -229,13 +230,14 @@ def tombstone_sweeper(
 def _middlewares(settings: Settings, traffic: TrafficRecorder | None) -> list[Any]:
     """The proxy app's middlewares, outermost first: the count of requests in flight, the
     traffic recording when on (what the harness sent and got, errors included), errors, the
-    read API's deadline, auth, the request policy."""
+    read API's deadline and send timeout, auth, the request policy."""
     recording = [recording_middleware(traffic)] if traffic is not None else []
     return [
         in_flight_middleware,
         *recording,
         error_middleware,
         read_deadline_middleware(settings.read_api_timeout_s),
+        read_send_middleware(settings.read_send_timeout_s),
         auth_middleware(settings),
         policy_middleware(settings),
     ]
@@ -426,6 +428,7 @@ def build_read_only_app(
         middlewares=[
             error_middleware,
             read_deadline_middleware(settings.read_api_timeout_s),
+            read_send_middleware(settings.read_send_timeout_s),
             auth_middleware(settings),
             policy_middleware(settings),
         ]

@@ -421,7 +421,17 @@ class Settings(BaseSettings):
         description="longest a read of the read API (GET under /captures: rollouts, chains, "
         "npz, exports, images, the viewer) may take before its answer starts (seconds); past "
         "it the answer is a 503 (read_timeout, Retry-After) and the read's work not yet "
-        "started is dropped. A stream that has started (an export) is not cut",
+        "started is dropped. Once the answer has started, read_send_timeout_s bounds it",
+    )
+    read_send_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="longest a started answer of the read API (GET under /captures) may wait "
+        "for its client to take bytes (seconds; nginx's send_timeout): each wait, not the "
+        "whole answer, so a client taking 128 KiB in each such time is never cut, however "
+        "long a large export takes. Past it the answer is cut (the connection closed: an "
+        "export then lacks its end-of-stream marker), logged at WARNING and counted "
+        "(capture_proxy_read_answers_cut_total)",
     )
     shutdown_timeout_s: float = Field(
         60.0,

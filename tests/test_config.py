@@ -112,3 +112,31 @@ def test_an_empty_token_is_refused_not_taken_as_a_token(monkeypatch, name, token
     monkeypatch.delenv(f"CAPTURE_PROXY_{name.upper()}")
     with pytest.raises(ConfigError, match=f"{name}: the token is empty"):
         load_settings({"backend": "http://e:1", name: token})
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "-0.5"])
+def test_a_read_send_timeout_of_zero_or_less_is_refused_naming_it(tmp_path, monkeypatch, value):
+    from capture_proxy.cli.parser import build_parser
+    from capture_proxy.cli.serve import ServeExit, settings_from_args
+
+    refusal = "invalid settings: read_send_timeout_s: Input should be greater than 0"
+    base = ["serve", "--backend", "http://127.0.0.1:9", "--store", str(tmp_path / "s")]
+    with pytest.raises(ServeExit) as from_flag:
+        settings_from_args(build_parser().parse_args([*base, "--read-send-timeout", value]))
+    assert str(from_flag.value) == refusal
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'backend = "http://e:1"\nread_send_timeout_s = {value}\n')
+    with pytest.raises(ConfigError) as from_file:
+        load_settings({}, cfg)
+    assert str(from_file.value) == refusal
+    monkeypatch.setenv("CAPTURE_PROXY_READ_SEND_TIMEOUT_S", value)
+    with pytest.raises(ConfigError) as from_environment:
+        load_settings({"backend": "http://e:1"})
+    assert str(from_environment.value) == refusal
+
+
+def test_the_read_send_timeout_is_a_minute_unless_set(monkeypatch):
+    monkeypatch.delenv("CAPTURE_PROXY_READ_SEND_TIMEOUT_S", raising=False)
+    assert load_settings({"backend": "http://e:1"}).read_send_timeout_s == 60.0
+    monkeypatch.setenv("CAPTURE_PROXY_READ_SEND_TIMEOUT_S", "2.5")
+    assert load_settings({"backend": "http://e:1"}).read_send_timeout_s == 2.5

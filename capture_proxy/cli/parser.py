@@ -247,6 +247,14 @@ def _add_serve_access(serve: argparse.ArgumentParser) -> None:
         "(default 30)",
     )
     serve.add_argument(
+        "--read-send-timeout",
+        dest="read_send_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="cut a started read API answer whose client takes none of its bytes for this "
+        "long (default 60; each wait, not the whole answer)",
+    )
+    serve.add_argument(
         "--insecure-read-api",
         dest="insecure_read_api",
         action="store_const",

@@ -60,6 +60,7 @@ SETTING_FLAGS = {
     "client_header_timeout_s": "client_header_timeout_s",
     "client_body_timeout_s": "client_body_timeout_s",
     "read_api_timeout_s": "read_api_timeout_s",
+    "read_send_timeout_s": "read_send_timeout_s",
     "weight_version_poll_s": "weight_version_poll_s",
     "engine_pause_wait_s": "engine_pause_wait_s",
 }

@@ -22,6 +22,8 @@ Metrics (all prefixed ``capture_proxy_``)::
     upstream_seconds                           histogram: request sent -> answer complete
     calls_in_flight                            captured calls started, not yet finished
     requests_in_flight                         HTTP requests whose handler runs (any path)
+    read_answers_cut_total                     read API answers cut: the client did not take
+                                               their bytes within read_send_timeout_s
     event_loop_lag_seconds                     histogram: how late the event loop ran a timer
 
 With several workers (``serve --workers N``) every worker's metrics live in
@@ -132,6 +134,10 @@ class Metrics:
         self.requests_in_flight = Gauge(
             p + "requests_in_flight", "HTTP requests whose handler runs (any path)",
             registry=r, multiprocess_mode="livesum",
+        )  # fmt: skip
+        self.read_answers_cut = Counter(
+            p + "read_answers_cut", "Read API answers cut after they started: the client did "
+            "not take their bytes within read_send_timeout_s", registry=r,
         )  # fmt: skip
         self.event_loop_lag_seconds = Histogram(
             p + "event_loop_lag_seconds",

@@ -6,6 +6,8 @@
 - ``downloads``: a rollout in a training format (the bulk Arrow export, the token tree, ATIF).
 - ``deadline``: every read under ``/captures`` starts its answer within ``read_api_timeout_s``,
   else a 503 (``read_timeout``).
+- ``sending``: a started answer of such a read whose client takes no bytes for
+  ``read_send_timeout_s`` is cut (its connection closed).
 
 Must not: build chains, trees or samples itself (the core does), or touch the proxy's call flow.
 """

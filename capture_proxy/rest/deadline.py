@@ -16,11 +16,13 @@ began it, so the store is as before. A read that timed out thus queues no more w
 none that has not started.
 
 Once the answer has started (``on_response_prepare``: its status and headers are being sent),
-the deadline is lifted: a status can no longer change, and a stream (the bulk export) is bounded
-by its page (``limit``, at most 1,000 rollouts), each rollout's work a job on the REST thread,
-and the client's reading: aiohttp's writes wait for the socket to drain, and a client that has
-gone ends the stream at the next write. Must not: decide what a read answers (the handlers do)
-or touch requests other than reads.
+the deadline is lifted: a status can no longer change. A stream (the bulk export) is then
+bounded by its page (``limit``, at most 1,000 rollouts), each rollout's work a job on the REST
+thread, and by ``rest.sending``: each wait of a write for the client to take bytes, a whole
+answer's too, lasts at most ``read_send_timeout_s``, or the answer is cut and its connection
+closed (a client that stops reading, or reads a byte a minute, holds nothing for longer); a
+client that has gone ends the stream at the next write. Must not: decide what a read answers
+(the handlers do) or touch requests other than reads.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ durably taken and resumes ``after`` it neither loses nor repeats one, whatever w
 retired meanwhile.
 
 The work per rollout (chains, samples, encoding) runs on the REST thread; the loop only moves
-bytes. Once the stream has started, an error can no longer change the status: the stream is
-cut without Arrow's end-of-stream marker, which every reader reports as an error.
+bytes, each write's wait for the client bounded (``rest.sending``, ``read_send_timeout_s``).
+Once the stream has started, an error (or a client that stops taking bytes) can no longer
+change the status: the stream is cut without Arrow's end-of-stream marker, which every reader
+reports as an error.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from capture_proxy.rest.reads import (
     snapshot_records,
 )
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
+from capture_proxy.rest.sending import end, send
 from capture_proxy.rest.weight_query import weight_filter
 from capture_proxy.store.base import MAX_CURSOR, RolloutInfo
 
@@ -178,7 +181,7 @@ async def export_rollouts(request: web.Request) -> web.StreamResponse:
     )
     encoder = ExportEncoder()
     await resp.prepare(request)
-    await resp.write(encoder.header())
+    await send(request, resp, encoder.header())
     for info in infos:
         records = snapshot_records(info, await store.get_rollout_calls(info.rollout_id))
         superseded_by = None
@@ -188,13 +191,12 @@ async def export_rollouts(request: web.Request) -> web.StreamResponse:
             superseded_by = None if final == info.rollout_id else final
         state = RolloutState(info, recorder)
         images = await images_of(store, records) if superseded_by is None else {}
-        await resp.write(
-            await _off_loop(
-                request, _encode, encoder, info, records, state, superseded_by, wf, images
-            )
+        batch = await _off_loop(
+            request, _encode, encoder, info, records, state, superseded_by, wf, images
         )
-    await resp.write(encoder.end())
-    await resp.write_eof()
+        await send(request, resp, batch)
+    await send(request, resp, encoder.end())
+    await end(request, resp)
     return resp
 
 
