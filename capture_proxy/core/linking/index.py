@@ -181,12 +181,7 @@ class LinkIndex:
             self._prefixes.add(model, prefix, block_sha256)
         else:
             self._prefixes.remove(call_id)
-        for index, digest in self._keys(entry):
-            if digest is not None:
-                index.setdefault(digest, {})[call_id] = entry
-        if entry.history is not None:
-            self._by_history.setdefault(entry.history, {})[call_id] = entry
-        self._file_order(entry)
+        self._file_keys(entry)
         if old is None or old.status == IN_FLIGHT:
             if old is not None and old.counted_parent in self.entries:
                 self._count_child(self.entries[old.counted_parent], -1)
@@ -197,6 +192,15 @@ class LinkIndex:
                 self._supersede(retry_of, call_id)
         else:
             entry.counted_parent = old.counted_parent
+
+    def _file_keys(self, entry: _Entry) -> None:
+        """File ``entry`` (just made) under its digests and history, and in order."""
+        for index, digest in self._keys(entry):
+            if digest is not None:
+                index.setdefault(digest, {})[entry.call_id] = entry
+        if entry.history is not None:
+            self._by_history.setdefault(entry.history, {})[entry.call_id] = entry
+        self._file_order(entry)
 
     def _supersede(self, call_id: str, retry: str) -> None:
         """``retry`` replaces ``call_id``: no retry's target again."""
@@ -415,10 +419,7 @@ class LinkIndex:
         incomplete (its record is made so, or its harness left before it was made): as a
         retry target it counts as a stored failed or incomplete call does. With
         ``retry_requested`` (the retry header), see ``_session_retry_of``. ``history``: the
-        ``history_keys`` continued key of the request (the history it sent before the turn it
-        continues): the candidates whose own request sent that very history come first
-        (``_same_history_first``).
-        """
+        request's continued history key: see ``_same_history_first``."""
         retry_of = self._retry_of(req_digest, ends_incomplete, session, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)

@@ -74,10 +74,7 @@ def resolve_step(
     retry header and a session that found no call to retry is marked for a second look
     (``Resolution.retry_session``, ``late_retry``). ``attempts``: every process's calls in
     flight by ``late_retry.attempt_key``, where a call that names its session is counted.
-    ``history_keys``: the request's (own, continued) history keys
-    (``capture.PreparedRequest.history_keys``): the candidates that sent the continued
-    history come first; the call is filed under its own."""
-    own_history, continued_history = history_keys
+    ``history_keys``: ``capture.PreparedRequest.history_keys`` (own: filed; continued: asked)."""
     tools_text = tools_facts.sorted_text if tools_facts is not None else None
     req_digest = known_request_digest or request_digest(body, tools_text)
     last_turn = last_linking_item(linking_messages)
@@ -96,14 +93,10 @@ def resolve_step(
             session=session,
             retry_requested=retry_requested,
             ends_incomplete=ends_incomplete,
-            history=continued_history,
+            history=history_keys[1],
         )
 
     if claims is not None and parent_digest is not None:
-        # Another worker's call in flight may have taken the preferred candidate, and the one
-        # taken here must be seen as taken there: also where this index knows one candidate
-        # only (an identical sibling's first call, still in flight when this index looked,
-        # is a second one to a worker that looks later).
         index, resolution = yield from _claim(
             index, rollout_id, call_id, claims, index_current, resolve
         )
@@ -115,7 +108,7 @@ def resolve_step(
         resolution = resolve(index)
     if retry_requested and session is not None and resolution.retry_of is None:
         resolution = dataclasses.replace(resolution, retry_session=session)
-    _file_in_flight(index, resolution, call_id, created_at, model, session, own_history)
+    _file_in_flight(index, resolution, call_id, created_at, model, session, history_keys[0])
     if attempts is not None and session is not None:
         attempts.claim(call_id, attempt_key(rollout_id, req_digest, session))
     return resolution
@@ -158,7 +151,10 @@ def _claim(
     """The candidate chosen again with the claims held still, and claimed for ``call_id``; a
     claim read as gone may be a call stored since the index was brought up: then the index is
     caught up (``CatchUp``) and the choice made again. Returns the index (caught up or not)
-    and the resolution."""
+    and the resolution. (Another worker's call in flight may have taken the preferred
+    candidate, and the one taken here must be seen as taken there: also where this index
+    knows one candidate only, as an identical sibling's first call still in flight when this
+    index looked is a second one to a worker that looks later.)"""
     for _ in range(CLAIM_TRIES):
         with claims.locked():
             resolution = resolve(index, claims)
