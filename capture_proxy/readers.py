@@ -31,8 +31,10 @@ cut short (the rollouts yielded before it are whole).
 
 from __future__ import annotations
 
+import http.client
 import io
 import json
+import logging
 import os
 import time
 import urllib.error
@@ -136,6 +138,11 @@ def load_tree(source: bytes | str | os.PathLike[str] | IO[bytes]) -> TokenTree:
 READ_RETRIES = 4
 #: Longest wait taken from one ``Retry-After`` (seconds).
 MAX_RETRY_AFTER_S = 30.0
+#: Times ``iter_rollouts`` asks again, after the last rollout it handed out, for a page that
+#: was cut with no rollout read since the last time
+CUT_RESUMES = 3
+
+log = logging.getLogger(__name__)
 
 
 def _get(url: str, token: str | None, timeout_s: float) -> Any:
@@ -341,8 +348,11 @@ def iter_rollouts(
     page (``limit`` per request) until a page comes back short. Rollouts frozen while this
     runs are included when they sort after the pages already read. The weight-version filter
     (as ``fetch_chains``) keeps only the samples that pass; a rollout all of whose samples are
-    dropped still comes, with 0 rows, to be retired. Raises HTTPError for 4xx/5xx, ValueError
-    for another format, pyarrow's ArrowInvalid for a cut stream."""
+    dropped still comes, with 0 rows, to be retired. A page cut while the loop's body works
+    (the proxy bounds how long it waits for a reader: ``read_send_timeout_s``) is asked again
+    after the last rollout handed out, up to ``CUT_RESUMES`` times without a rollout read in
+    between. Raises HTTPError for 4xx/5xx, ValueError for another format, pyarrow's
+    ArrowInvalid (or the socket's error) for a stream cut more often than that."""
     try:
         import pyarrow as pa  # a trainer that only reads archives does not need it
     except ImportError as exc:
@@ -350,9 +360,8 @@ def iter_rollouts(
             "iter_rollouts reads the Arrow export with pyarrow: pip install 'capture-proxy[arrow]'"
         ) from exc
 
-    from capture_proxy.core.export import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST_KEY
-
     weight_query = _weight_query(min_weight_version, weight_versions, unknown_weight_version)
+    cuts = 0
     while True:
         query = urllib.parse.urlencode(
             [
@@ -364,21 +373,44 @@ def iter_rollouts(
             ]
         )
         count = 0
-        with _get(f"{base_url.rstrip('/')}/captures/export?{query}", token, timeout_s) as resp:
-            reader = pa.ipc.open_stream(resp)
-            meta = reader.schema.metadata or {}
-            if meta.get(b"format") != EXPORT_FORMAT.encode():
-                raise ValueError(f"not a {EXPORT_FORMAT} stream")
-            if int(meta.get(b"version", b"0")) > EXPORT_VERSION:
-                raise ValueError(f"export version {meta[b'version'].decode()} is newer")
-            while True:
-                try:
-                    item = reader.read_next_batch_with_custom_metadata()
-                except StopIteration:
-                    break
-                manifest = json.loads(item.custom_metadata[MANIFEST_KEY.encode()])
+        try:
+            url = f"{base_url.rstrip('/')}/captures/export?{query}"
+            for manifest, batch in _export_page(pa, url, token, timeout_s):
                 count += 1
                 after = int(manifest["cursor"])
-                yield ExportedRollout(manifest, item.batch)
+                cuts = 0
+                yield ExportedRollout(manifest, batch)
+        except (pa.ArrowInvalid, OSError, http.client.HTTPException) as exc:
+            # The page was cut (the proxy's ``read_send_timeout_s`` ran out while the loop's
+            # body worked on a rollout, or the connection dropped): asked again after the last
+            # rollout handed out, which loses and repeats none (cursor order). An HTTP error
+            # or a connection refused is no cut.
+            cuts += 1
+            if isinstance(exc, urllib.error.URLError) or cuts > CUT_RESUMES:
+                raise
+            log.info("export page cut after %d rollouts (%s); resuming after %d", count, exc, after)
+            continue
         if count < limit:
             return
+
+
+def _export_page(
+    pa: Any, url: str, token: str | None, timeout_s: float
+) -> Iterator[tuple[dict[str, Any], Any]]:
+    """One page of the Arrow export: each rollout's manifest and record batch, in order.
+    Raises ValueError for another format or a newer version."""
+    from capture_proxy.core.export import EXPORT_FORMAT, EXPORT_VERSION, MANIFEST_KEY
+
+    with _get(url, token, timeout_s) as resp:
+        reader = pa.ipc.open_stream(resp)
+        meta = reader.schema.metadata or {}
+        if meta.get(b"format") != EXPORT_FORMAT.encode():
+            raise ValueError(f"not a {EXPORT_FORMAT} stream")
+        if int(meta.get(b"version", b"0")) > EXPORT_VERSION:
+            raise ValueError(f"export version {meta[b'version'].decode()} is newer")
+        while True:
+            try:
+                item = reader.read_next_batch_with_custom_metadata()
+            except StopIteration:
+                return
+            yield json.loads(item.custom_metadata[MANIFEST_KEY.encode()]), item.batch

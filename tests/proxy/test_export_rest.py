@@ -294,3 +294,62 @@ def test_the_bulk_reader_without_pyarrow_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # what a missing package looks like
     with pytest.raises(ImportError, match=r"pip install 'capture-proxy\[arrow\]'"):
         next(readers.iter_rollouts("http://127.0.0.1:9"))
+
+
+class _CutAfter(io.RawIOBase):
+    """An export page whose connection drops after ``cut`` bytes (the proxy's
+    ``read_send_timeout_s`` ran out while the trainer worked on a rollout)."""
+
+    def __init__(self, data: bytes, cut: int) -> None:
+        self._data, self._cut, self._at = data, cut, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self._at >= self._cut:
+            raise ConnectionResetError("connection reset by peer")
+        n = min(len(buffer), self._cut - self._at)
+        buffer[:n] = self._data[self._at : self._at + n]
+        self._at += n
+        return n
+
+
+async def test_a_cut_export_page_is_asked_again_after_the_last_rollout_handed_out(
+    make_stack: MakeStack, monkeypatch
+):
+    stack = await make_stack()
+    for rollout in ("r1", "r2", "r3"):
+        await _session(stack, rollout, steps=1)
+        assert (await stack.client.post(f"/captures/rollouts/{rollout}/freeze")).status == 200
+    base = str(stack.client.make_url("/")).rstrip("/")
+    real_get = readers._get
+    asked: list[str] = []
+
+    def get(url: str, token, timeout_s):
+        asked.append(url)
+        with real_get(url, token, timeout_s) as resp:
+            data = resp.read()
+        if len(asked) == 1:  # the first page is cut in its second rollout
+            return io.BufferedReader(_CutAfter(data, len(data) // 2))
+        return io.BytesIO(data)
+
+    monkeypatch.setattr(readers, "_get", get)
+    got = await asyncio.to_thread(lambda: list(readers.iter_rollouts(base)))
+    assert [r.rollout_id for r in got] == ["r1", "r2", "r3"]
+    cursors = [int(r.manifest["cursor"]) for r in got]
+    assert cursors == sorted(cursors)
+    assert "after=0&" in asked[0] and f"after={cursors[0]}&" in asked[1]
+    assert len(asked) == 2  # the resumed page is short: the end
+
+    # cut every time with nothing read in between: raised after CUT_RESUMES more asks
+    asked.clear()
+
+    def always_cut(url: str, token, timeout_s):
+        asked.append(url)
+        return io.BufferedReader(_CutAfter(b"", 0))
+
+    monkeypatch.setattr(readers, "_get", always_cut)
+    with pytest.raises(ConnectionResetError):
+        await asyncio.to_thread(lambda: list(readers.iter_rollouts(base)))
+    assert len(asked) == readers.CUT_RESUMES + 1
