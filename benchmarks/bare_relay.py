@@ -101,6 +101,12 @@ def main() -> None:
     ap.add_argument("--per-event", action="store_true", help="one write per SSE event")
     ap.add_argument("--lag", action="store_true", help="sample the loop lag: /_relay/metrics")
     args = ap.parse_args()
+    serve(make_app(args.backend.rstrip("/"), per_event=args.per_event, lag=args.lag), args.port)
+
+
+def serve(app: web.Application, port: int) -> None:
+    """Serve ``app`` on 127.0.0.1:``port`` as ``capture-proxy serve`` does (uvloop when
+    installed), no access log, until interrupted."""
     try:
         import uvloop
 
@@ -108,14 +114,7 @@ def main() -> None:
     except ImportError:
         loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    web.run_app(
-        make_app(args.backend.rstrip("/"), per_event=args.per_event, lag=args.lag),
-        host="127.0.0.1",
-        port=args.port,
-        access_log=None,
-        print=None,
-        loop=loop,
-    )
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, loop=loop)
 
 
 if __name__ == "__main__":

@@ -30,12 +30,18 @@ import asyncio
 import os
 import queue
 import sqlite3
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import orjson
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bare_relay import serve  # noqa: E402
 
 _ROW = "INSERT INTO calls VALUES (?, ?, ?, ?, ?, ?)"
 
@@ -167,21 +173,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--store", required=True, help="the SQLite file")
     args = ap.parse_args()
-    try:
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-    except ImportError:
-        loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    web.run_app(
-        make_app(args.backend.rstrip("/"), args.store),
-        host="127.0.0.1",
-        port=args.port,
-        access_log=None,
-        print=None,
-        loop=loop,
-    )
+    serve(make_app(args.backend.rstrip("/"), args.store), args.port)
 
 
 if __name__ == "__main__":
