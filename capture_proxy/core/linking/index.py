@@ -112,6 +112,9 @@ class LinkIndex:
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
     #: calls by their ``history`` (``_same_history_first``)
     _by_history: dict[bytes, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: calls filed without a ``history`` by their child digest (``_same_history_first``: read
+    #: whole from the store, ``add_record``; none when every call was filed with one)
+    _unknown_history: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
 
     def add(
         self,
@@ -200,6 +203,8 @@ class LinkIndex:
                 index.setdefault(digest, {})[entry.call_id] = entry
         if entry.history is not None:
             self._by_history.setdefault(entry.history, {})[entry.call_id] = entry
+        elif entry.child_digest is not None:
+            self._unknown_history.setdefault(entry.child_digest, {})[entry.call_id] = entry
         self._file_order(entry)
 
     def _supersede(self, call_id: str, retry: str) -> None:
@@ -237,6 +242,8 @@ class LinkIndex:
             _drop(index, digest, entry.call_id)
         if entry.history is not None:
             _drop(self._by_history, entry.history, entry.call_id)
+        else:
+            _drop(self._unknown_history, entry.child_digest, entry.call_id)
         _drop(self._childless, entry.child_digest, entry.call_id)
         _drop(self._retry_candidates, entry.request_digest, entry.call_id)
         digest = entry.request_digest
@@ -503,7 +510,7 @@ class LinkIndex:
             matches = self._unclaimed_matches(head, found, model, preference)
         if history is None:
             return matches
-        return self._same_history_first(matches, history, found, model, preference)
+        return self._same_history_first(matches, history, parent_digest, found, model, preference)
 
     @staticmethod
     def _unclaimed_matches(
@@ -529,13 +536,18 @@ class LinkIndex:
         self,
         matches: Candidates,
         history: bytes,
+        parent_digest: str,
         found: dict[str, _Entry],
         model: str | None,
         preference: Callable[[_Entry], tuple[Any, ...]],
     ) -> Candidates:
         """``matches`` with the verifiable, not superseded candidates whose request sent the
         very ``history`` the child sent before the turn it continues first (in ``preference``
-        order among themselves), the others after them as they were.
+        order among themselves), the others after them as they were. A candidate whose history
+        is not known (filed without one: read whole from the store when the index was made,
+        after an eviction, or by a worker whose first call of the rollout came late) may have
+        sent it: it is ordered with them, not after them (a twin's call that has a key would
+        else come before the session's own childless call: a branch under the twin's).
 
         Calls that answered alike share a child digest (the digest chains the model's turns
         only): parallel sub-agents, or sessions of one rollout that differ in their task
@@ -545,7 +557,8 @@ class LinkIndex:
         claims it, with ``serve --workers``): a wrong first candidate sends its own session's
         next call past it to the digest's other calls, and each then tried costs a lookup
         (exact-token mode reads the record). The child's own parent sent that history; its
-        twins (the same history) keep ``preference``'s order. O(calls with that history)."""
+        twins (the same history) keep ``preference``'s order. O(calls with that history, and
+        the digest's calls filed without one)."""
         same = [
             e
             for e in (self._by_history.get(history) or {}).values()
@@ -556,6 +569,12 @@ class LinkIndex:
         ]
         if not same:
             return matches
+        unknown = (self._unknown_history.get(parent_digest) or {}).values()
+        same += (
+            e
+            for e in unknown
+            if e.model == model and e.num_tokens is not None and e.superseded_by is None
+        )
         first = _candidates(same, preference)
         if matches.head_is(first):
             return matches

@@ -46,18 +46,15 @@ def _expected_candidates(
     session: tuple[str, str] | None = None,
     history: bytes | None = None,
 ) -> list[str]:
-    """The candidates as a full sort of the digest's calls orders them (the rule), the
-    verifiable, not superseded ones that sent ``history`` first."""
+    """The candidates as a full sort of the digest's calls orders them (the rule): when a
+    verifiable, not superseded one sent ``history``, those and the verifiable, not superseded
+    ones whose history is not known first."""
     found = [e for e in index.entries.values() if e.child_digest == digest and e.model == model]
     ordered = sorted(found, key=LinkIndex._preferring(session))
-    same = [
-        e
-        for e in ordered
-        if history is not None
-        and e.history == history
-        and e.num_tokens is not None
-        and e.superseded_by is None
-    ]
+    fit = [e for e in ordered if e.num_tokens is not None and e.superseded_by is None]
+    if history is None or not any(e.history == history for e in fit):
+        return [e.call_id for e in ordered]
+    same = [e for e in fit if e.history in (history, None)]
     return [e.call_id for e in [*same, *(e for e in ordered if e not in same)]]
 
 
