@@ -146,17 +146,34 @@ class Linker:
         async with lock:
             index = self._indexes.get(rollout_id)
             if index is None:
-                feed = self.feed
-                # Counted and bounded BEFORE the read: a write after it is read again later.
-                sync = [feed.stamp(rollout_id), await feed.last_rowid(rollout_id)] if feed else None
-                index = LinkIndex()
-                for record in await self.store.get_rollout_calls(rollout_id):
-                    add_record(index, record)
+                index, sync = await self._load_index(rollout_id)
                 self._indexes[rollout_id] = index
                 if sync is not None:
                     self._sync[rollout_id] = sync
                 self._evict()
         return index
+
+    async def _load_index(self, rollout_id: str) -> tuple[LinkIndex, list[int] | None]:
+        """The rollout's index made from the store, and (with a ``feed``) the write count and
+        the last rowid it reflects. With a feed, from the rows' index facts (``of_row``: no
+        record decoded, the calls' history keys read from their message chains), else, or
+        when a row cannot tell them, from the records read whole."""
+        feed = self.feed
+        index = LinkIndex()
+        if feed is None:
+            for record in await self.store.get_rollout_calls(rollout_id):
+                add_record(index, record)
+            return index, None
+        # Counted and bounded BEFORE the read: a write after it is read again later.
+        stamp = feed.stamp(rollout_id)
+        calls, last = await feed.stored_since(rollout_id, 0)
+        if calls is not None:
+            refresh_index(index, calls)
+            return index, [stamp, last]
+        sync = [stamp, await feed.last_rowid(rollout_id)]
+        for record in await self.store.get_rollout_calls(rollout_id):
+            add_record(index, record)
+        return index, sync
 
     async def _current_index(self, rollout_id: str) -> LinkIndex:
         """The rollout's index holding every call stored before now (``IndexFeed``)."""

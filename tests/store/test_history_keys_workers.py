@@ -113,7 +113,9 @@ async def test_twins_keep_their_chains_when_a_worker_loads_the_rollout_late(tmp_
         index = two._indexes["r1"]
         loaded, filed = index.entries["a1"].history, index.entries["b1"].history
         assert filed is not None
-        assert loaded is None  # loaded with the rollout: no key
+        # loaded with the rollout from its rows' index facts: a1's key read from its message
+        # chain (the twins sent the same task: the same key)
+        assert loaded == filed
         assert index.entries["a1"].session == ("codex", "A")
         # both sessions continue on worker 2, B first
         got_b = await _call(two, stores[1], "b2", 3.0, NEXT, "B")
