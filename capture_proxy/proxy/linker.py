@@ -155,12 +155,16 @@ class Linker:
 
     async def _load_index(self, rollout_id: str) -> tuple[LinkIndex, list[int] | None]:
         """The rollout's index made from the store, and (with a ``feed``) the write count and
-        the last rowid it reflects. With a feed, from the rows' index facts (``of_row``: no
-        record decoded, the calls' history keys read from their message chains), else, or
-        when a row cannot tell them, from the records read whole."""
+        the last rowid it reflects: from the rows' index facts (``of_row``: no record decoded,
+        the calls' history keys read from their message chains), else (a row cannot tell
+        them, or the store does not read them so) from the records read whole."""
         feed = self.feed
         index = LinkIndex()
         if feed is None:
+            facts = await self.store.rollout_index_facts(rollout_id)
+            if facts is not None:
+                refresh_index(index, facts)
+                return index, None
             for record in await self.store.get_rollout_calls(rollout_id):
                 add_record(index, record)
             return index, None

@@ -48,6 +48,7 @@ from typing import Any, Protocol
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.images import PromptImage
 from capture_proxy.core.linking.record_digests import RecordDigests
+from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 
@@ -252,6 +253,12 @@ class CaptureStore(Protocol):
         ...
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]: ...
+
+    async def rollout_index_facts(self, rollout_id: str) -> list[StoredCall] | None:
+        """What the link index keeps of each of the rollout's calls, in stored order, read from
+        the rows without decoding a record (``linking.stored.of_row``); None when a row cannot
+        tell them or the store does not read them so (the caller reads the records)."""
+        ...
 
     async def get_calls_by_child_digest(
         self, rollout_id: str, child_digest: str

@@ -338,6 +338,11 @@ class SQLiteStore(SQLStore):
 
     # --- the link index's catch-up (reader thread; ``store.remote``) ---------------------
 
+    async def rollout_index_facts(self, rollout_id: str) -> list[StoredCall] | None:
+        """The index facts of the rollout's rows from its first (``_stored_since``)."""
+        facts, _ = await self._read(self._stored_since, rollout_id, 0)
+        return facts
+
     @staticmethod
     def _stored_since(
         db: sqlite3.Connection, rollout_id: str, after_rowid: int

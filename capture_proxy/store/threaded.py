@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.images import PromptImage
 from capture_proxy.core.linking.record_digests import RecordDigests
+from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
 from capture_proxy.store.base import Retirement, RolloutInfo, Snapshot, StoreError
@@ -158,6 +159,10 @@ class ThreadedStore:
 
     async def get_rollout_calls(self, rollout_id: str) -> list[CallRecord]:
         return await self._read(self._get_rollout_calls, rollout_id)
+
+    async def rollout_index_facts(self, rollout_id: str) -> list[StoredCall] | None:
+        """None here: a store that reads its rows' index facts says so (``SQLiteStore``)."""
+        return None
 
     async def get_calls_by_child_digest(
         self, rollout_id: str, child_digest: str

@@ -1,10 +1,10 @@
 """Two workers' linkers on one store (``serve --workers``): twin sessions (one task,
-token-identical calls, each naming its harness session). A worker that loads a rollout's
-index after calls of it were stored (its first call of the rollout, an eviction, a restart)
-files those calls without a history key (``Linker._index``: ``get_rollout_calls`` ->
-``add_record``), while the calls it files in flight, or reads from rows, carry one. The
-twin's call that has a key must not then be put before the session's own childless call: a
-branch under it, the session's own call left without a child."""
+token-identical calls, each naming its harness session). A process that loads a rollout's
+index after calls of it were stored (a worker's first call of the rollout, an eviction, a
+restart) reads their history keys from the rows' message chains (``Linker._load_index``);
+an index read from records whole (a row that cannot tell its facts) files them without one,
+and the twin's call that has a key must not then be put before the session's own childless
+call: a branch under it, the session's own call left without a child."""
 
 from __future__ import annotations
 
@@ -290,3 +290,21 @@ async def test_a_rows_history_key_is_the_key_its_call_was_filed_with_in_flight(t
         await worker.close()
         server.close()
         await writer.close()
+
+
+async def test_a_restarted_process_reads_the_history_keys_from_the_rows(tmp_path):
+    """One process (no feed): a rollout's index made after a restart has the history keys its
+    calls were filed with in flight, read from their rows."""
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        first = Linker(store)
+        await _call(first, store, "a1", 1.0, TASK, "A")
+        await _call(first, store, "a2", 2.0, NEXT, "A")
+        filed = {c: e.history for c, e in first._indexes["r1"].entries.items()}
+        assert None not in filed.values()
+        again = Linker(store)  # the next process on the store
+        index = await again._index("r1")
+        assert {c: e.history for c, e in index.entries.items()} == filed
+    finally:
+        await store.close()
