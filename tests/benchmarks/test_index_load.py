@@ -4,6 +4,5 @@ from benchmarks.index_load import run
 
 
 async def test_both_ways_file_every_call_and_the_rows_give_history_keys():
-    whole_s, rows_s, keys = await run(5, 1)
-    assert whole_s > 0 and rows_s > 0
+    _, _, keys = await run(5, 1)  # (``run`` asserts both indexes file the same calls)
     assert keys == 5  # every row's history key read from its message chain

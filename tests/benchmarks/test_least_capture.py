@@ -92,4 +92,5 @@ async def test_a_stream_is_relayed_stripped_and_its_row_holds_the_exact_ids(
     ((_, _, prompt, gen, lps),) = _rows(tmp_path / "least.sqlite3")
     assert np.frombuffer(prompt, np.uint32).tolist() == whole["prompt_token_ids"]
     assert np.frombuffer(gen, np.uint32).tolist() == whole["choices"][0]["token_ids"]
-    assert len(np.frombuffer(lps, np.float32)) == len(whole["choices"][0]["token_ids"])
+    sent_lps = [e["logprob"] for e in whole["choices"][0]["logprobs"]["content"]]
+    assert np.frombuffer(lps, np.float32).tolist() == np.array(sent_lps, np.float32).tolist()

@@ -96,19 +96,21 @@ def test_without_the_history_the_order_is_as_before():
     assert [c.call_id for c in got.candidates] == ["s0-1", "s1-1"]
 
 
-def test_the_history_goes_before_a_wrong_claim_and_looks_at_few_calls():
+def test_the_history_goes_before_a_wrong_claim():
     # 1,000 sessions answered alike; s500's first call is claimed elsewhere by a call that
-    # took it first by age (the wrong one): s500's own continuation still takes it first,
-    # and the other childless calls are not ordered.
+    # took it first by age (the wrong one): s500's own continuation still takes it first;
+    # the rest keeps the claims' order (the unclaimed by age, the claimed one last), made
+    # only when asked.
     index = LinkIndex()
     _sessions(index, 1000)
     claims = _SharedClaims()
     claims.claim("elsewhere", "s500-1")
     got = _resolve(index, "s500-2", 2000.0, _continued("s500"), claims)
     assert got.parent_call_id == "s500-1"
-    assert got.candidates[0].call_id == "s500-1"
-    assert not got.candidates.head_is([got.candidates[1]])  # the rest is made when asked
-    assert len(got.candidates._head) == 1
+    assert [c.call_id for c in got.candidates._head] == ["s500-1"]
+    assert got.candidates._all is None  # the rest not made yet
+    others = [f"s{i}-1" for i in range(1000) if i != 500]
+    assert [c.call_id for c in got.candidates] == ["s500-1", *others]
 
 
 def test_twins_with_one_history_keep_the_childless_first():
