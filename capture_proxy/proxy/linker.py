@@ -161,23 +161,18 @@ class Linker:
         feed = self.feed
         index = LinkIndex()
         if feed is None:
-            facts = await self.store.rollout_index_facts(rollout_id)
-            if facts is not None:
-                refresh_index(index, facts)
-                return index, None
+            facts, last, stamp = await self.store.rollout_index_facts(rollout_id), 0, 0
+        else:
+            stamp = feed.stamp(rollout_id)  # counted BEFORE the read: later writes read again
+            facts, last = await feed.stored_since(rollout_id, 0)
+        if facts is not None:
+            refresh_index(index, facts)
+        else:
+            if feed is not None:  # bounded BEFORE the read, as the count
+                last = await feed.last_rowid(rollout_id)
             for record in await self.store.get_rollout_calls(rollout_id):
                 add_record(index, record)
-            return index, None
-        # Counted and bounded BEFORE the read: a write after it is read again later.
-        stamp = feed.stamp(rollout_id)
-        calls, last = await feed.stored_since(rollout_id, 0)
-        if calls is not None:
-            refresh_index(index, calls)
-            return index, [stamp, last]
-        sync = [stamp, await feed.last_rowid(rollout_id)]
-        for record in await self.store.get_rollout_calls(rollout_id):
-            add_record(index, record)
-        return index, sync
+        return index, None if feed is None else [stamp, last]
 
     async def _current_index(self, rollout_id: str) -> LinkIndex:
         """The rollout's index holding every call stored before now (``IndexFeed``)."""
