@@ -322,7 +322,8 @@ class Settings(BaseSettings):
         10_000,
         gt=0,
         description="rollouts whose parent-digest index stays in memory (least recently used "
-        "ones are reloaded from the store when needed)",
+        "ones are reloaded from the store when needed; one with calls in flight stays until "
+        "they end)",
     )
     engine_health_interval_s: float = Field(
         5.0,

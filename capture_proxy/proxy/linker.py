@@ -114,7 +114,8 @@ class Linker:
         #: store, a rollout moved between them): a digest miss reloads the index first
         self.refresh_on_miss = refresh_on_miss
         #: most recently used rollouts' indexes; older ones are reloaded from the store when
-        #: needed again, so memory stays bounded however many rollouts a process serves
+        #: needed again, so memory stays bounded however many rollouts a process serves (an
+        #: index with calls in flight stays: ``_evict``)
         self.max_rollouts = max_rollouts
         self._indexes: OrderedDict[str, LinkIndex] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
@@ -130,6 +131,10 @@ class Linker:
         #: per call in flight here, whether it is known to end failed or incomplete (its
         #: executor's ``ends_incomplete``), until ``release``
         self._ends_incomplete: dict[str, Callable[[], bool]] = {}
+        #: per call resolved here and not yet released, its rollout; per rollout, how many
+        #: (its index holds them as in flight, which a reload from the store would not)
+        self._flight_rollout: dict[str, str] = {}
+        self._in_flight: dict[str, int] = {}
 
     def _cached_index(self, rollout_id: str) -> LinkIndex | None:
         """The rollout's index when it is in memory (marked most recently used)."""
@@ -150,7 +155,7 @@ class Linker:
                 self._indexes[rollout_id] = index
                 if sync is not None:
                     self._sync[rollout_id] = sync
-                self._evict()
+                self._evict(keep=rollout_id)
         return index
 
     async def _load_index(self, rollout_id: str) -> tuple[LinkIndex, list[int] | None]:
@@ -202,9 +207,23 @@ class Linker:
         sync = self._sync.get(rollout_id)
         return sync is not None and sync[0] == self.feed.stamp(rollout_id)
 
-    def _evict(self) -> None:
-        while len(self._indexes) > self.max_rollouts:
-            old, _ = self._indexes.popitem(last=False)
+    def _evict(self, keep: str) -> None:
+        """Drop the least recently used indexes past ``max_rollouts``, but not ``keep`` (just
+        loaded for a call about to be filed in it) nor one with calls in flight here: its
+        in-flight entries (the candidate each was resolved to, counted as that call's child)
+        are not in the store, so a reload would give a concurrent continuation the candidate
+        already taken (twins: a branch, the other twin left childless). Such an index is
+        marked recently used instead; the bound is then exceeded by at most the rollouts with
+        calls in flight."""
+        indexes = self._indexes
+        skipped = 0
+        while len(indexes) > self.max_rollouts and skipped < len(indexes):
+            old = next(iter(indexes))
+            if old == keep or self._in_flight.get(old):
+                indexes.move_to_end(old)
+                skipped += 1
+                continue
+            del indexes[old]
             self._sync.pop(old, None)
             lock = self._locks.get(old)
             if lock is not None and not lock.locked():
@@ -291,6 +310,9 @@ class Linker:
         resolution = await self._drive(step, None)
         if ends_incomplete is not None:
             self._ends_incomplete[call_id] = ends_incomplete
+        if call_id not in self._flight_rollout:
+            self._flight_rollout[call_id] = rollout_id
+            self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
         return resolution
 
     def _known_to_end_incomplete(self, call_id: str) -> bool:
@@ -305,6 +327,13 @@ class Linker:
         filed as failed in the rollout's index (``LinkIndex.end_unstored``: its retry names
         it)."""
         self._ends_incomplete.pop(call_id, None)
+        resolved_in = self._flight_rollout.pop(call_id, None)
+        if resolved_in is not None:
+            left = self._in_flight[resolved_in] - 1
+            if left:
+                self._in_flight[resolved_in] = left
+            else:
+                del self._in_flight[resolved_in]
         index = self._indexes.get(rollout_id) if unstored else None
         if index is not None:
             index.end_unstored(call_id)

@@ -1,0 +1,131 @@
+"""A rollout's index is not evicted while it has calls in flight (``Linker._evict``): its
+in-flight entries, each counted as the child of the candidate it was resolved to, are not in
+the store, so an index reloaded from the store would give a concurrent continuation the
+candidate already taken. Twin sessions (one task, token-identical answers) continued at once
+would then both link to the first twin: a branch, the other twin left without a child."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from capture_proxy.core.capture import PreparedRequest, prepare_request
+from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.linking.parent_lookup import Resolution
+from capture_proxy.core.records import CallRecord
+from capture_proxy.proxy.linker import Linker
+from capture_proxy.store.sqlite import SQLiteStore
+
+TASK = [{"role": "user", "content": "Count the files."}]
+ANSWER = "There are 2 files."
+NEXT = [*TASK, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "Go on."}]
+KNOWN = KnownMessages()
+
+
+def _record(call_id: str, rollout_id: str, at: float, messages: list[dict[str, Any]]) -> CallRecord:
+    first = messages is TASK
+    prompt, gen = ([1, 2], [3, 4]) if first else ([1, 2, 3, 4, 5], [6])
+    return CallRecord(
+        call_id=call_id,
+        rollout_id=rollout_id,
+        created_at=at,
+        model="m",
+        request_messages=messages,
+        request_received={"model": "m"},
+        response_message={"role": "assistant", "content": ANSWER if first else "ok"},
+        prompt_token_ids=np.asarray(prompt, np.uint32),
+        generation_token_ids=np.asarray(gen, np.uint32),
+        generation_log_probs=np.full(len(gen), -0.5, np.float32),
+    )
+
+
+async def _resolve(linker: Linker, rollout_id: str, call_id: str, at: float, messages):
+    """A call resolved as the flow does when its request arrives (then in flight)."""
+    prepared = prepare_request({"model": "m", "messages": messages}, None, KNOWN.facts(messages))
+    resolution = await linker.resolve(
+        rollout_id,
+        prepared.linking_messages,
+        prepared.body,
+        call_id=call_id,
+        created_at=at,
+        linking_facts=prepared.linking_facts,
+        history_keys=prepared.history_keys,
+    )
+    return _InFlight(rollout_id, call_id, at, messages, prepared, resolution)
+
+
+@dataclass
+class _InFlight:
+    rollout_id: str
+    call_id: str
+    at: float
+    messages: list[dict[str, Any]]
+    prepared: PreparedRequest
+    resolution: Resolution
+
+    async def finish(self, linker: Linker, store: SQLiteStore) -> str | None:
+        """The rest of the call as the flow drives it: verify, put, remember, release; the
+        verified parent."""
+        record = await linker.verify(
+            _record(self.call_id, self.rollout_id, self.at, self.messages),
+            self.resolution,
+            self.prepared.linking_messages,
+            harness_note=None,
+            retry_count=None,
+            decode=None,
+        )
+        await store.put_call(record)
+        await linker.remember(record)
+        linker.release(self.rollout_id, self.call_id)
+        return record.parent_call_id
+
+
+async def _call(linker: Linker, store: SQLiteStore, rollout_id: str, call_id: str, at, messages):
+    return await (await _resolve(linker, rollout_id, call_id, at, messages)).finish(linker, store)
+
+
+async def test_an_index_with_calls_in_flight_is_kept_and_twins_keep_their_chains(tmp_path):
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store, max_rollouts=1)
+        assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
+        assert await _call(linker, store, "r1", "y1", 2.0, TASK) is None
+        # twin x's continuation is resolved (in flight): it takes x1, the earliest childless
+        x2 = await _resolve(linker, "r1", "x2", 3.0, NEXT)
+        assert x2.resolution.parent_call_id == "x1"
+        # another rollout's call loads its index: one over the bound, but r1 has a call in
+        # flight, so r2's stays beside it
+        assert await _call(linker, store, "r2", "z1", 4.0, TASK) is None
+        assert list(linker._indexes) == ["r1", "r2"]
+        # twin y's continuation: x1 is taken by x2 (in flight), so y1 is its candidate
+        y2 = await _resolve(linker, "r1", "y2", 5.0, NEXT)
+        assert y2.resolution.parent_call_id == "y1"
+        assert await x2.finish(linker, store) == "x1"
+        assert await y2.finish(linker, store) == "y1"
+        # nothing in flight: the next rollout loaded evicts the least recently used ones
+        assert await _call(linker, store, "r3", "w1", 6.0, TASK) is None
+        assert list(linker._indexes) == ["r3"]
+        assert linker._in_flight == {} and linker._flight_rollout == {}
+        chains = {c.call_id: c.parent_call_id for c in await store.get_rollout_calls("r1")}
+        assert chains == {"x1": None, "y1": None, "x2": "x1", "y2": "y1"}
+    finally:
+        await store.close()
+
+
+async def test_the_index_just_loaded_is_kept_when_every_other_has_calls_in_flight(tmp_path):
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store, max_rollouts=1)
+        a1 = await _resolve(linker, "ra", "a1", 1.0, TASK)
+        b1 = await _resolve(linker, "rb", "b1", 2.0, TASK)
+        assert list(linker._indexes) == ["ra", "rb"]
+        assert linker._in_flight == {"ra": 1, "rb": 1}
+        assert await a1.finish(linker, store) is None
+        assert await b1.finish(linker, store) is None
+        assert linker._in_flight == {}
+    finally:
+        await store.close()
