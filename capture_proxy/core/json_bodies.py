@@ -50,6 +50,10 @@ _LONG_NUMBER = b"0" * 19
 _SAMPLE_STRIDE = 19
 #: Past this many digits in the sample, the whole body is translated at once.
 _MAX_SAMPLED_DIGITS = 64
+#: A body of at most this many bytes is translated whole, not sampled: cheaper than looking
+#: around each sampled digit (an engine's answer, dense with token ids and log probs: 2 us
+#: against 12 for 0.9 KB).
+_WHOLE_BELOW = 8192
 
 #: Deepest nesting of arrays and objects a request may have: what orjson serialises (it
 #: refuses deeper values, which is how a deep body is noticed without a walk over every
@@ -64,7 +68,10 @@ def _holds_long_number(raw: bytes) -> bool:
     19 through them; the pieces are joined by a comma, so no run spans two), the whole body
     only when the sample has more than ``_MAX_SAMPLED_DIGITS``. An agent's request of tens of
     KB of text is sampled, not translated whole (each ``translate`` also costs about a
-    microsecond whatever its length: one for the sample, one for the pieces)."""
+    microsecond whatever its length: one for the sample, one for the pieces); a body of at
+    most ``_WHOLE_BELOW`` bytes is translated whole."""
+    if len(raw) <= _WHOLE_BELOW:
+        return _LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)
     sample = raw[::_SAMPLE_STRIDE].translate(_DIGITS_TO_ZERO)
     digits = sample.count(b"0")
     if not digits:

@@ -5,6 +5,7 @@ import pytest
 from capture_proxy.core.json_bodies import (
     _DIGITS_TO_ZERO,
     _LONG_NUMBER,
+    _WHOLE_BELOW,
     InvalidRequest,
     _holds_long_number,
     parse_json_object,
@@ -63,8 +64,12 @@ def test_the_sampled_long_number_check_says_what_the_whole_translation_says():
     bodies.append(b"1," * 2000)
     bodies.append(b"1," * 1000 + b"1" * 19 + b"1," * 1000)
     bodies.append(b",".join(b"9007199254740991" for _ in range(40)) + b",1234567890123456789")
+    # each also past _WHOLE_BELOW bytes (padded after), where the sample decides
+    pad = b" " * _WHOLE_BELOW
     for raw in bodies:
-        assert _holds_long_number(raw) is (_LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)), raw
+        expected = _LONG_NUMBER in raw.translate(_DIGITS_TO_ZERO)
+        assert _holds_long_number(raw) is expected, raw
+        assert _holds_long_number(raw + pad) is expected, raw
 
 
 @pytest.mark.parametrize("offset", range(19))
@@ -78,6 +83,9 @@ def test_a_19_digit_run_is_found_at_every_offset_of_the_sample(offset):
     many = b'{"n": [' + b",".join(b"9007199254740991" for _ in range(50)) + b'], "pad": "'
     many += b"x" * offset + b'"}'
     assert parse_json_object(many) == {"n": [9007199254740991] * 50, "pad": "x" * offset}
+    # the same past _WHOLE_BELOW bytes, where the check samples
+    spaced = raw[:-1] + b" " * _WHOLE_BELOW + b"}"
+    assert parse_json_object(spaced)["a"] == -(2**63) - 1
 
 
 def test_a_deep_body_is_refused_however_few_its_brackets_outside_strings():
