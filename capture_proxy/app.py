@@ -254,6 +254,7 @@ def _linker(
         store,
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
+        max_calls=settings.link_index_max_calls,
         refresh_on_miss=store.shared,
         feed=index_feed,
         claims=child_claims,

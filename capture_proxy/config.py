@@ -325,6 +325,13 @@ class Settings(BaseSettings):
         "ones are reloaded from the store when needed; one with calls in flight stays until "
         "they end)",
     )
+    link_index_max_calls: int = Field(
+        131_072,
+        gt=0,
+        description="calls the parent-digest indexes in memory hold at most, over all their "
+        "rollouts (about 3.5 KB each; least recently used rollouts go first, as for "
+        "link_index_max_rollouts): a rollout's index grows with its calls",
+    )
     engine_health_interval_s: float = Field(
         5.0,
         ge=0,

@@ -83,6 +83,10 @@ class IndexFeed(Protocol):
     def own_put_stamp(self, call_id: str) -> int | None: ...
 
 
+#: The most indexes ``Linker._evict`` passes over (calls in flight) at one call.
+EVICT_SKIPS = 64
+
+
 class Linker:
     """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``."""
 
@@ -92,6 +96,7 @@ class Linker:
         *,
         refuse_note_parents: bool = False,
         max_rollouts: int = 10_000,
+        max_calls: int = 131_072,
         refresh_on_miss: bool = False,
         recent_max_bytes: int = DEFAULT_MAX_BYTES,
         feed: IndexFeed | None = None,
@@ -113,10 +118,15 @@ class Linker:
         #: another process may have written calls of a cached rollout (replicas on a shared
         #: store, a rollout moved between them): a digest miss reloads the index first
         self.refresh_on_miss = refresh_on_miss
-        #: most recently used rollouts' indexes; older ones are reloaded from the store when
-        #: needed again, so memory stays bounded however many rollouts a process serves (an
-        #: index with calls in flight stays: ``_evict``)
+        #: most recently used rollouts' indexes, at most ``max_rollouts`` of them holding at
+        #: most ``max_calls`` calls in all; older ones are reloaded from the store when needed
+        #: again, so memory stays bounded however many rollouts, and calls, a process serves
+        #: (an index with calls in flight stays: ``_evict``)
         self.max_rollouts = max_rollouts
+        self.max_calls = max_calls
+        #: per cached index, the calls it held when last counted (``_count``), and their sum
+        self._sizes: dict[str, int] = {}
+        self._cached_calls = 0
         self._indexes: OrderedDict[str, LinkIndex] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         #: the records this process stored lately (the parents of the next calls)
@@ -155,7 +165,7 @@ class Linker:
                 self._indexes[rollout_id] = index
                 if sync is not None:
                     self._sync[rollout_id] = sync
-                self._evict(keep=rollout_id)
+                self._count(rollout_id, index)
         return index
 
     async def _load_index(self, rollout_id: str) -> tuple[LinkIndex, list[int] | None]:
@@ -193,11 +203,11 @@ class Linker:
             return index
         calls, last = await feed.stored_since(rollout_id, sync[1] if sync else 0)
         if calls is None:  # rows that cannot tell their facts: read the rollout whole
-            self._indexes.pop(rollout_id, None)
-            self._sync.pop(rollout_id, None)
+            self._drop_index(rollout_id)
             return await self._index(rollout_id)
         refresh_index(index, calls)
         self._sync[rollout_id] = [stamp, last]
+        self._count(rollout_id, index)
         return index
 
     def _is_current(self, rollout_id: str) -> bool:
@@ -207,24 +217,41 @@ class Linker:
         sync = self._sync.get(rollout_id)
         return sync is not None and sync[0] == self.feed.stamp(rollout_id)
 
+    def _count(self, rollout_id: str, index: LinkIndex) -> None:
+        """Count the calls ``index`` (cached, ``rollout_id``'s) holds now, and evict past the
+        bounds. O(1): called wherever an index may have grown (loaded, refreshed, a call filed
+        or stored)."""
+        size = len(index.entries)
+        self._cached_calls += size - self._sizes.get(rollout_id, 0)
+        self._sizes[rollout_id] = size
+        if self._cached_calls > self.max_calls or len(self._indexes) > self.max_rollouts:
+            self._evict(keep=rollout_id)
+
+    def _drop_index(self, rollout_id: str) -> None:
+        self._indexes.pop(rollout_id, None)
+        self._sync.pop(rollout_id, None)
+        self._cached_calls -= self._sizes.pop(rollout_id, 0)
+
     def _evict(self, keep: str) -> None:
-        """Drop the least recently used indexes past ``max_rollouts``, but not ``keep`` (just
-        loaded for a call about to be filed in it) nor one with calls in flight here: its
+        """Drop the least recently used indexes past ``max_rollouts`` or ``max_calls``, but not
+        ``keep`` (the one a call is being filed in) nor one with calls in flight here: its
         in-flight entries (the candidate each was resolved to, counted as that call's child)
         are not in the store, so a reload would give a concurrent continuation the candidate
         already taken (twins: a branch, the other twin left childless). Such an index is
         marked recently used instead; the bound is then exceeded by at most the rollouts with
-        calls in flight."""
+        calls in flight. At most ``EVICT_SKIPS`` are passed over per call (O(1) per call when
+        every index has calls in flight: the next calls look at the next ones)."""
         indexes = self._indexes
         skipped = 0
-        while len(indexes) > self.max_rollouts and skipped < len(indexes):
+        while (
+            len(indexes) > self.max_rollouts or self._cached_calls > self.max_calls
+        ) and skipped < min(len(indexes), EVICT_SKIPS):
             old = next(iter(indexes))
             if old == keep or self._in_flight.get(old):
                 indexes.move_to_end(old)
                 skipped += 1
                 continue
-            del indexes[old]
-            self._sync.pop(old, None)
+            self._drop_index(old)
             lock = self._locks.get(old)
             if lock is not None and not lock.locked():
                 del self._locks[old]
@@ -237,8 +264,7 @@ class Linker:
 
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout's index and recent calls (it was deleted)."""
-        self._indexes.pop(rollout_id, None)
-        self._sync.pop(rollout_id, None)
+        self._drop_index(rollout_id)
         self._locks.pop(rollout_id, None)
         self.recent.forget(rollout_id)
 
@@ -313,6 +339,8 @@ class Linker:
         if call_id not in self._flight_rollout:
             self._flight_rollout[call_id] = rollout_id
             self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
+        if self._indexes.get(rollout_id) is index:
+            self._count(rollout_id, index)
         return resolution
 
     def _known_to_end_incomplete(self, call_id: str) -> bool:
@@ -357,6 +385,7 @@ class Linker:
         rollout_id = record.rollout_id
         index = self._cached_index(rollout_id) or await self._index(rollout_id)
         add_record(index, record, digests, session)
+        self._count(rollout_id, index)
         self.recent.put(record, message_facts, digests)
         if self.feed is not None:  # its put counted; nothing else came between: current
             stamp = self.feed.own_put_stamp(record.call_id)

@@ -129,3 +129,42 @@ async def test_the_index_just_loaded_is_kept_when_every_other_has_calls_in_fligh
         assert linker._in_flight == {}
     finally:
         await store.close()
+
+
+def _cached_calls(linker: Linker) -> int:
+    """What ``linker`` counts its cached indexes to hold, checked against them."""
+    held = sum(len(index.entries) for index in linker._indexes.values())
+    assert linker._cached_calls == held
+    return held
+
+
+async def test_the_indexes_in_memory_are_bounded_by_calls_as_well_as_by_rollouts(tmp_path):
+    """``max_calls``: a rollout's index grows with its calls, so a bound on rollouts alone
+    lets memory grow with the work; past either bound the least recently used go."""
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store, max_rollouts=100, max_calls=3)
+        assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
+        assert await _call(linker, store, "r1", "y1", 2.0, TASK) is None
+        assert _cached_calls(linker) == 2
+        assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
+        assert _cached_calls(linker) == 3 and list(linker._indexes) == ["r1", "r2"]
+        # a fourth call: r1 (least recently used, nothing in flight) goes
+        assert await _call(linker, store, "r2", "z2", 4.0, TASK) is None
+        assert list(linker._indexes) == ["r2"] and _cached_calls(linker) == 2
+        # r1 comes back from the store whole when its session goes on, and links exactly
+        assert await _call(linker, store, "r1", "x2", 5.0, NEXT) == "x1"
+        assert list(linker._indexes) == ["r1"] and _cached_calls(linker) == 3
+        # a rollout with calls in flight stays, over the bound, until they end
+        x3 = await _resolve(linker, "r1", "x3", 6.0, TASK)
+        w1 = await _resolve(linker, "r3", "w1", 7.0, TASK)
+        assert list(linker._indexes) == ["r1", "r3"] and _cached_calls(linker) == 5
+        assert await x3.finish(linker, store) is None
+        assert list(linker._indexes) == ["r3", "r1"]  # x3 was in flight until its release
+        assert await w1.finish(linker, store) is None
+        assert list(linker._indexes) == ["r3"] and _cached_calls(linker) == 1
+        linker.forget("r3")
+        assert list(linker._indexes) == [] and _cached_calls(linker) == 0
+    finally:
+        await store.close()
