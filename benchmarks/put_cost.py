@@ -79,8 +79,6 @@ def _hex(rng: np.random.Generator) -> str:
 
 def session(rollout: str, turns: int, experts: bool, seed: int) -> list[Any]:
     """The records of one session's calls, in the order the proxy puts them."""
-    from capture_proxy.core.records import CallRecord
-
     rng = np.random.default_rng(seed)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
@@ -93,71 +91,11 @@ def session(rollout: str, turns: int, experts: bool, seed: int) -> list[Any]:
     for t in range(turns):
         call_id = f"call-{_hex(rng)[:32]}"  # as the proxy names calls: random (uuid4)
         gen = rng.integers(0, VOCAB, int(rng.integers(40, 160))).astype(np.uint32)
-        log_probs = (-rng.exponential(1.0, gen.shape[0])).astype(np.float32)
         args = json.dumps({"input": f"pytest -x tests/test_{t}.py", "timeout_ms": 60000})
-        response = {
-            "role": "assistant",
-            "content": f"Running the tests of step {t} to see what fails.",
-            "tool_calls": [
-                {
-                    "id": f"call_{_hex(rng)[:24]}",
-                    "type": "function",
-                    "function": {"name": "bash", "arguments": args},
-                }
-            ],
-        }
-        body = {
-            "model": "Qwen/Qwen3-30B-A3B",
-            "messages": list(messages),
-            "tools": TOOLS,
-            "stream": False,
-            "temperature": 1.0,
-            "max_tokens": 4096,
-            "logprobs": True,
-        }
-        received = {k: v for k, v in body.items() if k != "messages"}
-        total = prompt.shape[0] + gen.shape[0]
-        routed = None
-        if experts:
-            routed = rng.integers(0, 128, (total - 1 - rows_end, LAYERS, TOP_K)).astype(np.uint8)
-        record = CallRecord(
-            call_id=call_id,
-            rollout_id=rollout,
-            created_at=1_780_000_000.0 + seed * 1000 + t,
-            model=body["model"],
-            latency_ms=float(rng.uniform(200, 900)),
-            request_received=received,
-            sampling={
-                "sent": {"temperature": 1.0, "max_tokens": 4096, "logprobs": 1},
-                "engine_defaults": ["top_p", "top_k", "min_p"],
-            },
-            request_messages=body["messages"],
-            request_tools=TOOLS,
-            response_message=response,
-            finish_reason="tool_calls",
-            usage={
-                "prompt_tokens": int(prompt.shape[0]),
-                "completion_tokens": int(gen.shape[0]),
-                "total_tokens": int(total),
-            },
-            http_status=200,
-            prompt_token_ids=prompt,
-            generation_token_ids=gen,
-            generation_log_probs=log_probs,
-            routed_experts=routed,
-            routed_experts_start=rows_end if experts else 0,
-            parent_call_id=parent,
-            linking={
-                "verdict": "root" if parent is None else "resolved",
-                "parent_digest": None if parent is None else _hex(rng),
-                "child_digest": _hex(rng),
-                "request_digest": _hex(rng),
-                "digest_parent_call_id": parent,
-                "reason": None,
-                "harness_note": None,
-            },
-        )
+        record = _turn(rng, (rollout, seed, t, call_id), messages, prompt, gen, args,
+                       parent, rows_end if experts else None)  # fmt: skip
         out.append(record)
+        response = record.response_message
         tool_text = f"tests/test_{t}.py::test_case FAILED: assert {t} == {t + 1}\n" * 12
         messages = [
             *messages,
@@ -166,8 +104,82 @@ def session(rollout: str, turns: int, experts: bool, seed: int) -> list[Any]:
         ]
         tool_ids = rng.integers(0, VOCAB, int(rng.integers(150, 300))).astype(np.uint32)
         prompt = np.concatenate([prompt, gen, tool_ids])
-        parent, rows_end = call_id, total - 1
+        parent, rows_end = call_id, prompt.shape[0] - tool_ids.shape[0] - 1
     return out
+
+
+def _turn(
+    rng: np.random.Generator,
+    names: tuple[str, int, int, str],
+    messages: list[dict[str, Any]],
+    prompt: np.ndarray,
+    gen: np.ndarray,
+    args: str,
+    parent: str | None,
+    rows_end: int | None,
+) -> Any:
+    """One call's record: a bash tool call answering ``messages`` (``names``: rollout, seed,
+    turn, call id), with routed experts after row ``rows_end`` unless it is None."""
+    from capture_proxy.core.records import CallRecord
+
+    rollout, seed, t, call_id = names
+
+    log_probs = (-rng.exponential(1.0, gen.shape[0])).astype(np.float32)
+    response = {
+        "role": "assistant",
+        "content": f"Running the tests of step {t} to see what fails.",
+        "tool_calls": [
+            {
+                "id": f"call_{_hex(rng)[:24]}",
+                "type": "function",
+                "function": {"name": "bash", "arguments": args},
+            }
+        ],
+    }
+    model = "Qwen/Qwen3-30B-A3B"
+    received = {"model": model, "tools": TOOLS, "stream": False, "temperature": 1.0,
+                "max_tokens": 4096, "logprobs": True}  # fmt: skip
+    total = prompt.shape[0] + gen.shape[0]
+    routed = None
+    if rows_end is not None:
+        routed = rng.integers(0, 128, (total - 1 - rows_end, LAYERS, TOP_K)).astype(np.uint8)
+    return CallRecord(
+        call_id=call_id,
+        rollout_id=rollout,
+        created_at=1_780_000_000.0 + seed * 1000 + t,
+        model=model,
+        latency_ms=float(rng.uniform(200, 900)),
+        request_received=received,
+        sampling={
+            "sent": {"temperature": 1.0, "max_tokens": 4096, "logprobs": 1},
+            "engine_defaults": ["top_p", "top_k", "min_p"],
+        },
+        request_messages=list(messages),
+        request_tools=TOOLS,
+        response_message=response,
+        finish_reason="tool_calls",
+        usage={
+            "prompt_tokens": int(prompt.shape[0]),
+            "completion_tokens": int(gen.shape[0]),
+            "total_tokens": int(total),
+        },
+        http_status=200,
+        prompt_token_ids=prompt,
+        generation_token_ids=gen,
+        generation_log_probs=log_probs,
+        routed_experts=routed,
+        routed_experts_start=rows_end or 0,
+        parent_call_id=parent,
+        linking={
+            "verdict": "root" if parent is None else "resolved",
+            "parent_digest": None if parent is None else _hex(rng),
+            "child_digest": _hex(rng),
+            "request_digest": _hex(rng),
+            "digest_parent_call_id": parent,
+            "reason": None,
+            "harness_note": None,
+        },
+    )
 
 
 def workload(rollouts: int, turns: int, experts: bool, first: int = 0) -> list[Any]:
