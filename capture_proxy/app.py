@@ -249,9 +249,11 @@ def _linker(
     index_feed: IndexFeed | None,
     child_claims: ChildClaims | None,
     attempts: AttemptsInFlight | None,
+    metrics: Metrics,
 ) -> Linker:
     return Linker(
         store,
+        on_index_load=metrics.link_index_loads.inc,
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
         max_calls=settings.link_index_max_calls,
@@ -310,7 +312,7 @@ def build_proxy_app(
             else None
         ),
     )
-    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims, attempts)
+    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims, attempts, app[METRICS_KEY])
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings, worker)

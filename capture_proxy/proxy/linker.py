@@ -102,6 +102,7 @@ class Linker:
         feed: IndexFeed | None = None,
         claims: ChildClaims | None = None,
         attempts: AttemptsInFlight | None = None,
+        on_index_load: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
         self.feed = feed
@@ -124,6 +125,8 @@ class Linker:
         #: (an index with calls in flight stays: ``_evict``)
         self.max_rollouts = max_rollouts
         self.max_calls = max_calls
+        #: told of each index made from the store (a metric)
+        self.on_index_load = on_index_load
         #: per cached index, the calls it held when last counted (``_count``), and their sum
         self._sizes: dict[str, int] = {}
         self._cached_calls = 0
@@ -162,6 +165,8 @@ class Linker:
             index = self._indexes.get(rollout_id)
             if index is None:
                 index, sync = await self._load_index(rollout_id)
+                if self.on_index_load is not None:
+                    self.on_index_load()
                 self._indexes[rollout_id] = index
                 if sync is not None:
                     self._sync[rollout_id] = sync

@@ -139,6 +139,12 @@ class Metrics:
             p + "read_answers_cut", "Read API answers cut after they started: the client did "
             "not take their bytes within read_send_timeout_s", registry=r,
         )  # fmt: skip
+        self.link_index_loads = Counter(
+            p + "link_index_loads", "Rollouts' link indexes made from the store: a rollout's "
+            "first call in this process, or its next one after the index was evicted "
+            "(link_index_max_rollouts, link_index_max_calls: many more loads than rollouts "
+            "mean the rollouts in flight do not fit)", registry=r,
+        )  # fmt: skip
         self.event_loop_lag_seconds = Histogram(
             p + "event_loop_lag_seconds",
             "How late the event loop ran a timer due every 50 ms (seconds): the wait every "

@@ -282,6 +282,9 @@ async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):
     child = await stack.get_json(f"/captures/calls/{child_id}")
     assert child["parent_call_id"] == call_id and child["linking"]["verdict"] == "resolved"
     assert list(linker._indexes) == ["rc", "ra"]
+    # three rollouts' first calls and the reload of "ra": four indexes made from the store
+    metrics = await (await stack.client.get("/metrics")).text()
+    assert "capture_proxy_link_index_loads_total 4.0" in metrics.splitlines()
     resp = await stack.client.delete("/captures/rollouts/rc")
     assert resp.status == 200 and list(linker._indexes) == ["ra"]
 
