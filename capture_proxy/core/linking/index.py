@@ -19,6 +19,7 @@ from capture_proxy.core.linking.digests import (
     turn_digest,
     turn_digests,
 )
+from capture_proxy.core.linking.entries import IN_FLIGHT, Entry, SessionKey
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
@@ -46,44 +47,7 @@ CALL_COMPLETE = CallStatus.COMPLETE.value
 CALL_FAILED = CallStatus.FAILED.value
 CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
 
-#: Status of an index entry whose call is still in flight.
-IN_FLIGHT = "in_flight"
-
-#: A harness session, as ``core.sessions.Session.key`` gives it: (harness, session id).
-SessionKey = tuple[str, str]
-
 K = TypeVar("K")
-
-
-@dataclass(slots=True)
-class _Entry:
-    call_id: str
-    created_at: float
-    child_digest: str | None
-    request_digest: str | None
-    harness_note: bool
-    rows_end: int | None = None
-    num_tokens: int | None = None
-    tokens_sha256: bytes | None = None
-    model: str | None = None
-    status: str = IN_FLIGHT
-    #: digests of the call's own answer, alone (with and without its tool-call ids)
-    turn_digest: str | None = None
-    turn_digest_without_ids: str | None = None
-    #: the tool-call ids of its answer (ids are unique per answer: engine- or proxy-made)
-    tool_call_ids: tuple[str, ...] = ()
-    #: children so far: stored with this call as their parent, or in flight and resolved to
-    #: it (two identical sub-agents in flight at once each continue their own); a later
-    #: identical retry that supersedes this call
-    children: int = 0
-    superseded_by: str | None = None
-    #: the parent this call is counted as a child of (in flight: the one it was resolved to)
-    counted_parent: str | None = None
-    #: the harness session its request named (``core.sessions``), if any
-    session: SessionKey | None = None
-    #: the chain digest of the history its request sent before the turn it asked for
-    #: (``history_keys``): what a call that continues its answer repeats before that answer
-    history: bytes | None = None
 
 
 @dataclass
@@ -92,29 +56,29 @@ class LinkIndex:
     by answer digest (dicts: a lookup costs the same at call 5 and at call 5,000). Not
     thread-safe; one per rollout."""
 
-    entries: dict[str, _Entry] = field(default_factory=dict)
-    _by_child: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_request: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_turn: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_turn_without_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_tool_call_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    entries: dict[str, Entry] = field(default_factory=dict)
+    _by_child: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_request: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_turn: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_turn_without_ids: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_tool_call_ids: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per child digest, its calls without a child yet (where a resolution's first candidates
     #: are: ``_preference``), so resolving does not look at every call that shares the digest
-    _childless: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _childless: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per request digest, its latest call by (``created_at``, call id): the retry target
     #: unless it was continued (``_retry_of``)
-    _latest_request: dict[str, _Entry] = field(default_factory=dict, repr=False)
+    _latest_request: dict[str, Entry] = field(default_factory=dict, repr=False)
     #: per request digest, its calls that may still be a retry's target: in flight, failed or
     #: incomplete, without a child, not replaced (``_retry_of``; a complete call never is, so
     #: a request repeated by thousands of answered samples costs nothing here)
-    _retry_candidates: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _retry_candidates: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
     #: calls by their ``history`` (``_same_history_first``)
-    _by_history: dict[bytes, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _by_history: dict[bytes, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: calls filed without a ``history`` by their child digest (``_same_history_first``: read
     #: whole from the store, ``add_record``; none when every call was filed with one)
-    _unknown_history: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _unknown_history: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
 
     def add(
         self,
@@ -159,7 +123,7 @@ class LinkIndex:
             turn = turn_without_ids = None
         else:
             turn, turn_without_ids = answer_digests or turn_digests(response)
-        entry = _Entry(
+        entry = Entry(
             call_id,
             created_at,
             child_digest,
@@ -196,7 +160,7 @@ class LinkIndex:
         else:
             entry.counted_parent = old.counted_parent
 
-    def _file_keys(self, entry: _Entry) -> None:
+    def _file_keys(self, entry: Entry) -> None:
         """File ``entry`` (just made) under its digests and history, and in order."""
         for index, digest in self._keys(entry):
             if digest is not None:
@@ -228,7 +192,7 @@ class LinkIndex:
             self._count_child(parent, -1)
         entry.counted_parent = None
 
-    def _keys(self, entry: _Entry) -> tuple[tuple[dict[str, dict[str, _Entry]], str | None], ...]:
+    def _keys(self, entry: Entry) -> tuple[tuple[dict[str, dict[str, Entry]], str | None], ...]:
         return (
             (self._by_child, entry.child_digest),
             (self._by_request, entry.request_digest),
@@ -237,7 +201,7 @@ class LinkIndex:
             (self._by_tool_call_ids, "\x1f".join(entry.tool_call_ids) or None),
         )
 
-    def _unindex(self, entry: _Entry, *, find_latest: bool = True) -> None:
+    def _unindex(self, entry: Entry, *, find_latest: bool = True) -> None:
         for index, digest in self._keys(entry):
             _drop(index, digest, entry.call_id)
         if entry.history is not None:
@@ -253,7 +217,7 @@ class LinkIndex:
             if rest and find_latest:  # O(calls of the digest), only when the latest leaves
                 self._latest_request[digest] = max(rest.values(), key=_age)
 
-    def _file_order(self, entry: _Entry) -> None:
+    def _file_order(self, entry: Entry) -> None:
         """File ``entry`` (just indexed) among the childless and as its request's latest."""
         self._file_childless(entry)
         digest = entry.request_digest
@@ -262,12 +226,12 @@ class LinkIndex:
             if latest is None or _age(entry) >= _age(latest):
                 self._latest_request[digest] = entry
 
-    def _count_child(self, parent: _Entry, delta: int) -> None:
+    def _count_child(self, parent: Entry, delta: int) -> None:
         """``parent`` gained (+1) or lost (-1) a child: (un)filed among the childless."""
         parent.children += delta
         self._file_childless(parent)
 
-    def _file_childless(self, entry: _Entry) -> None:
+    def _file_childless(self, entry: Entry) -> None:
         """``entry`` among its child digest's childless calls when it has no child, else not;
         and among its request digest's retry candidates when it may be one."""
         digest = entry.child_digest
@@ -284,7 +248,7 @@ class LinkIndex:
                 _drop(self._retry_candidates, digest, entry.call_id)
 
     @staticmethod
-    def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
+    def _ordered(entries: dict[str, Entry] | None) -> list[Entry]:
         return sorted((entries or {}).values(), key=_age)
 
     def _retry_of(
@@ -353,7 +317,7 @@ class LinkIndex:
         return max(lost, key=_age).call_id if lost else None
 
     @staticmethod
-    def _session_retry_of(latest: _Entry) -> str | None:
+    def _session_retry_of(latest: Entry) -> str | None:
         """The call a request of ``latest``'s session that the harness marks as a retry
         (``x-stainless-retry-count``) retries: ``latest``, the latest identical call, when it
         was answered in full, not continued and not replaced. The session makes the header
@@ -366,7 +330,7 @@ class LinkIndex:
         return latest.call_id if latest.superseded_by is None else None
 
     @staticmethod
-    def _preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
+    def _preference(entry: Entry) -> tuple[bool, bool, bool, float, str]:
         # Verifiable first; a call a retry superseded last (the harness lost its answer);
         # then one with no child yet, stored or in flight (parallel sub-agents that answered
         # alike: each continues its own, also when both continue at once), then the earliest.
@@ -379,7 +343,7 @@ class LinkIndex:
         )
 
     @staticmethod
-    def _preferring(session: SessionKey | None) -> Callable[[_Entry], tuple[Any, ...]]:
+    def _preferring(session: SessionKey | None) -> Callable[[Entry], tuple[Any, ...]]:
         """``_preference`` with, for a request that names a harness session, the calls of that
         session before the others where ``_preference`` would go on to the earliest: twin
         sessions (one task, a deterministic engine) whose calls are token-identical each
@@ -388,7 +352,7 @@ class LinkIndex:
         if session is None:
             return LinkIndex._preference
 
-        def preference(entry: _Entry) -> tuple[Any, ...]:
+        def preference(entry: Entry) -> tuple[Any, ...]:
             unverifiable, superseded, has_child, created_at, call_id = LinkIndex._preference(entry)
             other = entry.session != session
             return (unverifiable, superseded, has_child, other, created_at, call_id)
@@ -484,7 +448,7 @@ class LinkIndex:
     def _matches(
         self,
         parent_digest: str,
-        found: dict[str, _Entry],
+        found: dict[str, Entry],
         model: str | None,
         claimed: Callable[[str], bool] | None = None,
         session: SessionKey | None = None,
@@ -514,10 +478,10 @@ class LinkIndex:
 
     @staticmethod
     def _unclaimed_matches(
-        head: list[_Entry],
-        found: dict[str, _Entry],
+        head: list[Entry],
+        found: dict[str, Entry],
         model: str | None,
-        preference: Callable[[_Entry], tuple[Any, ...]],
+        preference: Callable[[Entry], tuple[Any, ...]],
     ) -> Candidates:
         """``_matches`` when none of the childless calls (``head``) is claimed elsewhere."""
         if not head or len(head) == len(found):
@@ -537,9 +501,9 @@ class LinkIndex:
         matches: Candidates,
         history: bytes,
         parent_digest: str,
-        found: dict[str, _Entry],
+        found: dict[str, Entry],
         model: str | None,
-        preference: Callable[[_Entry], tuple[Any, ...]],
+        preference: Callable[[Entry], tuple[Any, ...]],
     ) -> Candidates:
         """``matches`` with the verifiable, not superseded candidates whose request sent the
         very ``history`` the child sent before the turn it continues first (in ``preference``
@@ -584,7 +548,7 @@ class LinkIndex:
         )
 
     def _retried_parent_first(
-        self, matches: Candidates, retry_of: str, found: dict[str, _Entry], model: str | None
+        self, matches: Candidates, retry_of: str, found: dict[str, Entry], model: str | None
     ) -> Candidates:
         """A retry continues what the call it replaces continued: that call's parent first,
         when it is a candidate (verifiable, not superseded). The retried call still counts as
@@ -608,12 +572,12 @@ class LinkIndex:
 
     def _claimed_matches(
         self,
-        head: list[_Entry],
+        head: list[Entry],
         claimed_ids: set[str],
-        found: dict[str, _Entry],
+        found: dict[str, Entry],
         model: str | None,
         session: SessionKey | None = None,
-    ) -> tuple[Candidates, Callable[[_Entry], tuple[Any, ...]]]:
+    ) -> tuple[Candidates, Callable[[Entry], tuple[Any, ...]]]:
         """``_matches`` when some of the childless calls (``head``) are claimed by calls in
         flight elsewhere (``claimed_ids``): those count as having a child. The unclaimed ones
         come first, made at once; the rest (the claimed ones among the calls with a child,
@@ -621,7 +585,7 @@ class LinkIndex:
         (claims counted)."""
         preference = self._preferring(session)
 
-        def claims_preference(entry: _Entry) -> tuple[Any, ...]:
+        def claims_preference(entry: Entry) -> tuple[Any, ...]:
             verifiable, superseded, has_child, *rest = preference(entry)
             taken = has_child or entry.call_id in claimed_ids
             return (verifiable, superseded, taken, *rest)
@@ -654,7 +618,7 @@ class LinkIndex:
         return False
 
     def _why_unmatched(
-        self, found: list[_Entry], model: str | None, last_turn: Mapping[str, Any] | None
+        self, found: list[Entry], model: str | None, last_turn: Mapping[str, Any] | None
     ) -> tuple[Reason, dict[str, Any] | None]:
         if found:
             models = sorted({str(e.model) for e in found})
@@ -698,18 +662,18 @@ class LinkIndex:
         return parent.call_id if parent is not None else None
 
 
-def _age(entry: _Entry) -> tuple[float, str]:
+def _age(entry: Entry) -> tuple[float, str]:
     return entry.created_at, entry.call_id
 
 
-def _may_be_retried(entry: _Entry) -> bool:
+def _may_be_retried(entry: Entry) -> bool:
     """Whether ``entry`` can still be a retry's target: not answered in full, and neither a
     retry replaced it nor a call continued it (``LinkIndex._retry_candidates``)."""
     return entry.children == 0 and entry.superseded_by is None and entry.status != CALL_COMPLETE
 
 
 def _lost(
-    entry: _Entry,
+    entry: Entry,
     ends_incomplete: Callable[[str], bool] | None,
     session: SessionKey | None = None,
 ) -> bool:
@@ -725,7 +689,7 @@ def _lost(
     return ends_incomplete(entry.call_id)
 
 
-def _same_sample(entry: _Entry, session: SessionKey | None) -> bool:
+def _same_sample(entry: Entry, session: SessionKey | None) -> bool:
     """Whether a request of harness ``session`` may retry ``entry`` (``LinkIndex._retry_of``):
     unless both name a session and the sessions differ. In a group of samples of one prompt
     each sample is its own session (OpenCode's ``x-session-id``): a sibling sample's request
@@ -734,7 +698,7 @@ def _same_sample(entry: _Entry, session: SessionKey | None) -> bool:
     return entry.session is None or session is None or entry.session == session
 
 
-def _drop(index: dict[K, dict[str, _Entry]], digest: K | None, call_id: str) -> None:
+def _drop(index: dict[K, dict[str, Entry]], digest: K | None, call_id: str) -> None:
     if digest is not None and digest in index:
         index[digest].pop(call_id, None)
         if not index[digest]:
@@ -742,8 +706,8 @@ def _drop(index: dict[K, dict[str, _Entry]], digest: K | None, call_id: str) -> 
 
 
 def _candidates(
-    entries: Iterable[_Entry],
-    preference: Callable[[_Entry], tuple[Any, ...]] | None = None,
+    entries: Iterable[Entry],
+    preference: Callable[[Entry], tuple[Any, ...]] | None = None,
 ) -> tuple[Candidate, ...]:
     """``entries`` in ``preference`` order (default ``LinkIndex._preference``), as candidates."""
     ordered = sorted(entries, key=preference or LinkIndex._preference)
