@@ -1,9 +1,10 @@
 """The per-rollout link index: captured calls by child, request and answer digest.
 
-Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, the candidates'
-preference order, the retry target, why a history matched no call, the deepest token-exact
-ancestor) and how a stored record enters it (``add_record``, ``refresh_index``). Pure: no
-aiohttp, no I/O; the adapter that owns the cache reads the records and hands them in.
+Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, the retry target,
+why a history matched no call, the deepest token-exact ancestor; the candidates' preference
+order is ``candidate_order``'s, over the maps kept here) and how a stored record enters it
+(``add_record``, ``refresh_index``). Pure: no aiohttp, no I/O; the adapter that owns the cache
+reads the records and hands them in.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from capture_proxy.core.linking.candidate_order import (
+    candidates,
+    ordered_matches,
+    preferring,
+    retried_parent_first,
+)
 from capture_proxy.core.linking.digests import (
     tool_call_ids,
     turn_digest,
@@ -22,7 +29,7 @@ from capture_proxy.core.linking.digests import (
 from capture_proxy.core.linking.entries import IN_FLIGHT, Entry, SessionKey
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
-from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
+from capture_proxy.core.linking.resolution import Candidates, Resolution
 from capture_proxy.core.linking.stored import (
     FROM_RECORD,
     SessionOrFromRecord,
@@ -63,7 +70,7 @@ class LinkIndex:
     _by_turn_without_ids: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     _by_tool_call_ids: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per child digest, its calls without a child yet (where a resolution's first candidates
-    #: are: ``_preference``), so resolving does not look at every call that shares the digest
+    #: are: ``candidate_order``), so resolving does not look at every call that shares the digest
     _childless: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per request digest, its latest call by (``created_at``, call id): the retry target
     #: unless it was continued (``_retry_of``)
@@ -74,10 +81,10 @@ class LinkIndex:
     _retry_candidates: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
-    #: calls by their ``history`` (``_same_history_first``)
+    #: calls by their ``history`` (``candidate_order``: the same history first)
     _by_history: dict[bytes, dict[str, Entry]] = field(default_factory=dict, repr=False)
-    #: calls filed without a ``history`` by their child digest (``_same_history_first``: read
-    #: whole from the store, ``add_record``; none when every call was filed with one)
+    #: calls filed without a ``history`` by their child digest (``candidate_order``; read whole
+    #: from the store, ``add_record``; none when every call was filed with one)
     _unknown_history: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
 
     def add(
@@ -111,8 +118,8 @@ class LinkIndex:
         call (``prefixes.token_digests``; ``block_sha256`` may be left out below
         ``PREFIX_BLOCK`` tokens). ``answer_digests``: ``turn_digests(response)``, when known
         already. ``session``: the harness session its request named (a tie-breaker among
-        candidates, ``_preferring``). ``history``: its request's ``history_keys`` own key (None
-        when not known: the one it was filed with before is kept)."""
+        candidates, ``candidate_order.preferring``). ``history``: its request's ``history_keys``
+        own key (None when not known: the one it was filed with before is kept)."""
         old = self.entries.get(call_id)
         if old is not None:
             # the same call filed again under the same request digest, no earlier: still the
@@ -329,36 +336,6 @@ class LinkIndex:
             return None
         return latest.call_id if latest.superseded_by is None else None
 
-    @staticmethod
-    def _preference(entry: Entry) -> tuple[bool, bool, bool, float, str]:
-        # Verifiable first; a call a retry superseded last (the harness lost its answer);
-        # then one with no child yet, stored or in flight (parallel sub-agents that answered
-        # alike: each continues its own, also when both continue at once), then the earliest.
-        return (
-            entry.num_tokens is None,
-            entry.superseded_by is not None,
-            entry.children > 0,
-            entry.created_at,
-            entry.call_id,
-        )
-
-    @staticmethod
-    def _preferring(session: SessionKey | None) -> Callable[[Entry], tuple[Any, ...]]:
-        """``_preference`` with, for a request that names a harness session, the calls of that
-        session before the others where ``_preference`` would go on to the earliest: twin
-        sessions (one task, a deterministic engine) whose calls are token-identical each
-        continue their own. Only a tie-breaker: it never takes a call with a child over one
-        without (that would branch one chain and leave the twin's behind)."""
-        if session is None:
-            return LinkIndex._preference
-
-        def preference(entry: Entry) -> tuple[Any, ...]:
-            unverifiable, superseded, has_child, created_at, call_id = LinkIndex._preference(entry)
-            other = entry.session != session
-            return (unverifiable, superseded, has_child, other, created_at, call_id)
-
-        return preference
-
     def resolve(
         self,
         parent_digest: str | None,
@@ -379,7 +356,7 @@ class LinkIndex:
         its tokens and log probs in this model's chain) whose child digest is
         ``parent_digest``, preferred in this order: verifiable, not superseded by a retry,
         without a child yet (stored or in flight), of the request's harness ``session`` (when
-        it names one: ``_preferring``), earliest (see ``_preference``). With
+        it names one), earliest (see ``candidate_order``). With
         ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose
         prompt carried a rewritten harness note is not taken: the call starts a new chain.
         ``last_turn``: the history's last assistant message, to tell a dropped or edited turn
@@ -390,14 +367,14 @@ class LinkIndex:
         incomplete (its record is made so, or its harness left before it was made): as a
         retry target it counts as a stored failed or incomplete call does. With
         ``retry_requested`` (the retry header), see ``_session_retry_of``. ``history``: the
-        request's continued history key: see ``_same_history_first``."""
+        request's continued history key: those that sent it first (``candidate_order``)."""
         retry_of = self._retry_of(req_digest, ends_incomplete, session, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
-        matches = self._matches(parent_digest, found, model, claimed, session, history)
+        matches = ordered_matches(self, parent_digest, found, model, claimed, session, history)
         if retry_of is not None and matches:
-            matches = self._retried_parent_first(matches, retry_of, found, model)
+            matches = retried_parent_first(self, matches, retry_of, found, model)
         rewritten = None
         if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
             # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
@@ -406,7 +383,7 @@ class LinkIndex:
             ids = "\x1f".join(tool_call_ids(last_turn))
             by_ids = (self._by_tool_call_ids.get(ids) or {}).values() if ids else ()
             mine = (e for e in by_ids if e.model == model)
-            matches = Candidates(_candidates(mine, self._preferring(session)), None)
+            matches = Candidates(candidates(mine, preferring(session)), None)
             rewritten = TURN_REWRITTEN if matches else None
         if not matches:
             reason, mismatch = self._why_unmatched(list(found.values()), model, last_turn)
@@ -444,168 +421,6 @@ class LinkIndex:
         """True when more than one call has ``parent_digest`` as its child digest (parallel
         sub-agents that answered alike): which of them a continuation takes is a choice."""
         return parent_digest is not None and len(self._by_child.get(parent_digest) or ()) > 1
-
-    def _matches(
-        self,
-        parent_digest: str,
-        found: dict[str, Entry],
-        model: str | None,
-        claimed: Callable[[str], bool] | None = None,
-        session: SessionKey | None = None,
-        history: bytes | None = None,
-    ) -> Candidates:
-        """The candidates of ``model`` among ``found`` (the calls whose child digest is
-        ``parent_digest``) in ``_preferring(session)`` order, those of the same ``history``
-        first (``_same_history_first``). The best of that order
-        (verifiable, not superseded, childless) are among the digest's childless calls, few
-        however many calls share the digest: when one is there, the others are ordered only
-        if asked (``Candidates``). A childless call ``claimed`` elsewhere counts as having a child:
-        then all are ordered at once (rare: identical siblings continued at once)."""
-        head = [
-            e
-            for e in (self._childless.get(parent_digest) or {}).values()
-            if e.model == model and e.num_tokens is not None and e.superseded_by is None
-        ]
-        claimed_ids = {e.call_id for e in head if claimed(e.call_id)} if claimed else None
-        if claimed_ids:
-            matches, preference = self._claimed_matches(head, claimed_ids, found, model, session)
-        else:
-            preference = self._preferring(session)
-            matches = self._unclaimed_matches(head, found, model, preference)
-        if history is None:
-            return matches
-        return self._same_history_first(matches, history, parent_digest, found, model, preference)
-
-    @staticmethod
-    def _unclaimed_matches(
-        head: list[Entry],
-        found: dict[str, Entry],
-        model: str | None,
-        preference: Callable[[Entry], tuple[Any, ...]],
-    ) -> Candidates:
-        """``_matches`` when none of the childless calls (``head``) is claimed elsewhere."""
-        if not head or len(head) == len(found):
-            mine = (e for e in found.values() if e.model == model)
-            return Candidates(_candidates(mine, preference), None)
-        taken = {e.call_id for e in head}
-        others = list(found.values())  # the candidates as they are now; ordered when asked
-        return Candidates(
-            _candidates(head, preference),
-            lambda: _candidates(
-                (e for e in others if e.model == model and e.call_id not in taken), preference
-            ),
-        )
-
-    def _same_history_first(
-        self,
-        matches: Candidates,
-        history: bytes,
-        parent_digest: str,
-        found: dict[str, Entry],
-        model: str | None,
-        preference: Callable[[Entry], tuple[Any, ...]],
-    ) -> Candidates:
-        """``matches`` with the verifiable, not superseded candidates whose request sent the
-        very ``history`` the child sent before the turn it continues first (in ``preference``
-        order among themselves), the others after them as they were. A candidate whose history
-        is not known (filed without one: read whole from the store when the index was made,
-        after an eviction, or by a worker whose first call of the rollout came late) may have
-        sent it: it is ordered with them, not after them (a twin's call that has a key would
-        else come before the session's own childless call: a branch under the twin's).
-
-        Calls that answered alike share a child digest (the digest chains the model's turns
-        only): parallel sub-agents, or sessions of one rollout that differ in their task
-        message. Every candidate is verified anyway (tokens, or the exact-token splice's
-        message check), but a candidate whose history differs from the child's fails it, and
-        the first candidate also counts the call as its child while it is in flight (and
-        claims it, with ``serve --workers``): a wrong first candidate sends its own session's
-        next call past it to the digest's other calls, and each then tried costs a lookup
-        (exact-token mode reads the record). The child's own parent sent that history; its
-        twins (the same history) keep ``preference``'s order. O(calls with that history, and
-        the digest's calls filed without one)."""
-        same = [
-            e
-            for e in (self._by_history.get(history) or {}).values()
-            if found.get(e.call_id) is e
-            and e.model == model
-            and e.num_tokens is not None
-            and e.superseded_by is None
-        ]
-        if not same:
-            return matches
-        unknown = (self._unknown_history.get(parent_digest) or {}).values()
-        same += (
-            e
-            for e in unknown
-            if e.model == model and e.num_tokens is not None and e.superseded_by is None
-        )
-        first = _candidates(same, preference)
-        if matches.head_is(first):
-            return matches
-        taken = {c.call_id for c in first}
-        return Candidates(
-            first, lambda: tuple(c for c in matches.whole() if c.call_id not in taken)
-        )
-
-    def _retried_parent_first(
-        self, matches: Candidates, retry_of: str, found: dict[str, Entry], model: str | None
-    ) -> Candidates:
-        """A retry continues what the call it replaces continued: that call's parent first,
-        when it is a candidate (verifiable, not superseded). The retried call still counts as
-        its child (in flight, or stored incomplete), so by ``_preference`` a twin session's
-        token-identical call without a child would come first, and the retry would swap the
-        twins' chains. O(1); the rest of the order is made when asked, as before."""
-        retried = self.entries.get(retry_of)
-        parent = found.get(retried.counted_parent or "") if retried is not None else None
-        if (
-            parent is None
-            or parent.model != model
-            or parent.num_tokens is None
-            or parent.superseded_by is not None
-            or matches[0].call_id == parent.call_id
-        ):
-            return matches
-        first = Candidate(parent.call_id, parent.rows_end, parent.num_tokens, parent.tokens_sha256)
-        return Candidates(
-            (first,), lambda: tuple(c for c in matches.whole() if c.call_id != parent.call_id)
-        )
-
-    def _claimed_matches(
-        self,
-        head: list[Entry],
-        claimed_ids: set[str],
-        found: dict[str, Entry],
-        model: str | None,
-        session: SessionKey | None = None,
-    ) -> tuple[Candidates, Callable[[Entry], tuple[Any, ...]]]:
-        """``_matches`` when some of the childless calls (``head``) are claimed by calls in
-        flight elsewhere (``claimed_ids``): those count as having a child. The unclaimed ones
-        come first, made at once; the rest (the claimed ones among the calls with a child,
-        by age) only when asked, so a resolution still costs what is few. Also the order
-        (claims counted)."""
-        preference = self._preferring(session)
-
-        def claims_preference(entry: Entry) -> tuple[Any, ...]:
-            verifiable, superseded, has_child, *rest = preference(entry)
-            taken = has_child or entry.call_id in claimed_ids
-            return (verifiable, superseded, taken, *rest)
-
-        free = [e for e in head if e.call_id not in claimed_ids]
-        if not free:
-            mine = (e for e in found.values() if e.model == model)
-            return Candidates(_candidates(mine, claims_preference), None), claims_preference
-        made = {e.call_id for e in free}
-        others = list(found.values())
-        return (
-            Candidates(
-                _candidates(free, preference),
-                lambda: _candidates(
-                    (e for e in others if e.model == model and e.call_id not in made),
-                    claims_preference,
-                ),
-            ),
-            claims_preference,
-        )
 
     def _is_captured_turn(self, turn: Mapping[str, Any], model: str | None) -> bool:
         """True when ``turn`` is, exactly or but for its tool-call ids, a captured output."""
@@ -703,15 +518,6 @@ def _drop(index: dict[K, dict[str, Entry]], digest: K | None, call_id: str) -> N
         index[digest].pop(call_id, None)
         if not index[digest]:
             del index[digest]
-
-
-def _candidates(
-    entries: Iterable[Entry],
-    preference: Callable[[Entry], tuple[Any, ...]] | None = None,
-) -> tuple[Candidate, ...]:
-    """``entries`` in ``preference`` order (default ``LinkIndex._preference``), as candidates."""
-    ordered = sorted(entries, key=preference or LinkIndex._preference)
-    return tuple(Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in ordered)
 
 
 def add_stored(
