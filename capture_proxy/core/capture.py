@@ -70,7 +70,7 @@ class PreparedRequest:
         a call continuing its answer repeats before that answer), and of the history before
         the turn this request continues (its last assistant message; None: none). The second
         equals the first of the call whose answer it continues when this request repeats
-        that call's history exactly (``LinkIndex._same_history_first``). None when not known.
+        that call's history exactly (``candidate_order._same_history_first``). None when not known.
         ``linking_messages`` begin ``body["messages"]`` (a note or a prefill leaves out only
         the last), so both are entries of ``digests.chain``."""
         chain = self.digests.chain if self.digests is not None else ()

@@ -10,6 +10,8 @@ nothing, so a module can be imported alone):
 - ``verdicts``: ``Verdict`` and the typed ``Reason`` (a kind to decide by, the stored text).
 - ``mismatch``: why a child's prompt does not extend its parent's tokens (``MismatchClass``).
 - ``resolution``: the request-time answer (``Resolution``, its ``Candidate`` parents).
+- ``entries``: what the index keeps of one call (``Entry``).
+- ``candidate_order``: the order of a resolution's parent candidates, over the index's maps.
 - ``index``: the per-rollout ``LinkIndex`` and how stored records enter it.
 - ``commands``: the questions the steps ask their driver (read a parent, read a rollout's
   calls, find a prefix ancestor, detokenise) and the step protocol.

@@ -1,7 +1,7 @@
 """Claims on parent candidates by calls in flight in other processes (``serve --workers``).
 
 A call in flight counts as a child of the candidate it was resolved to, so two identical
-sub-agents that continue at once each keep their own chain (``LinkIndex._preference``). One
+sub-agents that continue at once each keep their own chain (``candidate_order._preference``). One
 process knows its own calls in flight; with several workers on one store, a worker must also
 know the others': ``ChildClaims`` is that shared knowledge, used only when a choice exists
 (more than one call under the history's parent digest). Pure: the protocol only; the

@@ -1,9 +1,10 @@
 """The per-rollout link index: captured calls by child, request and answer digest.
 
-Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, the candidates'
-preference order, the retry target, why a history matched no call, the deepest token-exact
-ancestor) and how a stored record enters it (``add_record``, ``refresh_index``). Pure: no
-aiohttp, no I/O; the adapter that owns the cache reads the records and hands them in.
+Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, the retry target,
+why a history matched no call, the deepest token-exact ancestor; the candidates' preference
+order is ``candidate_order``'s, over the maps kept here) and how a stored record enters it
+(``add_record``, ``refresh_index``). Pure: no aiohttp, no I/O; the adapter that owns the cache
+reads the records and hands them in.
 """
 
 from __future__ import annotations
@@ -14,14 +15,21 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from capture_proxy.core.linking.candidate_order import (
+    candidates,
+    ordered_matches,
+    preferring,
+    retried_parent_first,
+)
 from capture_proxy.core.linking.digests import (
     tool_call_ids,
     turn_digest,
     turn_digests,
 )
+from capture_proxy.core.linking.entries import IN_FLIGHT, Entry, SessionKey
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
-from capture_proxy.core.linking.resolution import Candidate, Candidates, Resolution
+from capture_proxy.core.linking.resolution import Candidates, Resolution
 from capture_proxy.core.linking.stored import (
     FROM_RECORD,
     SessionOrFromRecord,
@@ -46,44 +54,7 @@ CALL_COMPLETE = CallStatus.COMPLETE.value
 CALL_FAILED = CallStatus.FAILED.value
 CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
 
-#: Status of an index entry whose call is still in flight.
-IN_FLIGHT = "in_flight"
-
-#: A harness session, as ``core.sessions.Session.key`` gives it: (harness, session id).
-SessionKey = tuple[str, str]
-
 K = TypeVar("K")
-
-
-@dataclass(slots=True)
-class _Entry:
-    call_id: str
-    created_at: float
-    child_digest: str | None
-    request_digest: str | None
-    harness_note: bool
-    rows_end: int | None = None
-    num_tokens: int | None = None
-    tokens_sha256: bytes | None = None
-    model: str | None = None
-    status: str = IN_FLIGHT
-    #: digests of the call's own answer, alone (with and without its tool-call ids)
-    turn_digest: str | None = None
-    turn_digest_without_ids: str | None = None
-    #: the tool-call ids of its answer (ids are unique per answer: engine- or proxy-made)
-    tool_call_ids: tuple[str, ...] = ()
-    #: children so far: stored with this call as their parent, or in flight and resolved to
-    #: it (two identical sub-agents in flight at once each continue their own); a later
-    #: identical retry that supersedes this call
-    children: int = 0
-    superseded_by: str | None = None
-    #: the parent this call is counted as a child of (in flight: the one it was resolved to)
-    counted_parent: str | None = None
-    #: the harness session its request named (``core.sessions``), if any
-    session: SessionKey | None = None
-    #: the chain digest of the history its request sent before the turn it asked for
-    #: (``history_keys``): what a call that continues its answer repeats before that answer
-    history: bytes | None = None
 
 
 @dataclass
@@ -92,29 +63,29 @@ class LinkIndex:
     by answer digest (dicts: a lookup costs the same at call 5 and at call 5,000). Not
     thread-safe; one per rollout."""
 
-    entries: dict[str, _Entry] = field(default_factory=dict)
-    _by_child: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_request: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_turn: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_turn_without_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    _by_tool_call_ids: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    entries: dict[str, Entry] = field(default_factory=dict)
+    _by_child: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_request: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_turn: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_turn_without_ids: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    _by_tool_call_ids: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per child digest, its calls without a child yet (where a resolution's first candidates
-    #: are: ``_preference``), so resolving does not look at every call that shares the digest
-    _childless: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: are: ``candidate_order``), so resolving does not look at every call that shares the digest
+    _childless: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per request digest, its latest call by (``created_at``, call id): the retry target
     #: unless it was continued (``_retry_of``)
-    _latest_request: dict[str, _Entry] = field(default_factory=dict, repr=False)
+    _latest_request: dict[str, Entry] = field(default_factory=dict, repr=False)
     #: per request digest, its calls that may still be a retry's target: in flight, failed or
     #: incomplete, without a child, not replaced (``_retry_of``; a complete call never is, so
     #: a request repeated by thousands of answered samples costs nothing here)
-    _retry_candidates: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    _retry_candidates: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
     _prefixes: PrefixIndex = field(default_factory=PrefixIndex, repr=False)
-    #: calls by their ``history`` (``_same_history_first``)
-    _by_history: dict[bytes, dict[str, _Entry]] = field(default_factory=dict, repr=False)
-    #: calls filed without a ``history`` by their child digest (``_same_history_first``: read
-    #: whole from the store, ``add_record``; none when every call was filed with one)
-    _unknown_history: dict[str, dict[str, _Entry]] = field(default_factory=dict, repr=False)
+    #: calls by their ``history`` (``candidate_order``: the same history first)
+    _by_history: dict[bytes, dict[str, Entry]] = field(default_factory=dict, repr=False)
+    #: calls filed without a ``history`` by their child digest (``candidate_order``; read whole
+    #: from the store, ``add_record``; none when every call was filed with one)
+    _unknown_history: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
 
     def add(
         self,
@@ -147,8 +118,8 @@ class LinkIndex:
         call (``prefixes.token_digests``; ``block_sha256`` may be left out below
         ``PREFIX_BLOCK`` tokens). ``answer_digests``: ``turn_digests(response)``, when known
         already. ``session``: the harness session its request named (a tie-breaker among
-        candidates, ``_preferring``). ``history``: its request's ``history_keys`` own key (None
-        when not known: the one it was filed with before is kept)."""
+        candidates, ``candidate_order.preferring``). ``history``: its request's ``history_keys``
+        own key (None when not known: the one it was filed with before is kept)."""
         old = self.entries.get(call_id)
         if old is not None:
             # the same call filed again under the same request digest, no earlier: still the
@@ -159,7 +130,7 @@ class LinkIndex:
             turn = turn_without_ids = None
         else:
             turn, turn_without_ids = answer_digests or turn_digests(response)
-        entry = _Entry(
+        entry = Entry(
             call_id,
             created_at,
             child_digest,
@@ -196,7 +167,7 @@ class LinkIndex:
         else:
             entry.counted_parent = old.counted_parent
 
-    def _file_keys(self, entry: _Entry) -> None:
+    def _file_keys(self, entry: Entry) -> None:
         """File ``entry`` (just made) under its digests and history, and in order."""
         for index, digest in self._keys(entry):
             if digest is not None:
@@ -228,7 +199,7 @@ class LinkIndex:
             self._count_child(parent, -1)
         entry.counted_parent = None
 
-    def _keys(self, entry: _Entry) -> tuple[tuple[dict[str, dict[str, _Entry]], str | None], ...]:
+    def _keys(self, entry: Entry) -> tuple[tuple[dict[str, dict[str, Entry]], str | None], ...]:
         return (
             (self._by_child, entry.child_digest),
             (self._by_request, entry.request_digest),
@@ -237,7 +208,7 @@ class LinkIndex:
             (self._by_tool_call_ids, "\x1f".join(entry.tool_call_ids) or None),
         )
 
-    def _unindex(self, entry: _Entry, *, find_latest: bool = True) -> None:
+    def _unindex(self, entry: Entry, *, find_latest: bool = True) -> None:
         for index, digest in self._keys(entry):
             _drop(index, digest, entry.call_id)
         if entry.history is not None:
@@ -253,7 +224,7 @@ class LinkIndex:
             if rest and find_latest:  # O(calls of the digest), only when the latest leaves
                 self._latest_request[digest] = max(rest.values(), key=_age)
 
-    def _file_order(self, entry: _Entry) -> None:
+    def _file_order(self, entry: Entry) -> None:
         """File ``entry`` (just indexed) among the childless and as its request's latest."""
         self._file_childless(entry)
         digest = entry.request_digest
@@ -262,12 +233,12 @@ class LinkIndex:
             if latest is None or _age(entry) >= _age(latest):
                 self._latest_request[digest] = entry
 
-    def _count_child(self, parent: _Entry, delta: int) -> None:
+    def _count_child(self, parent: Entry, delta: int) -> None:
         """``parent`` gained (+1) or lost (-1) a child: (un)filed among the childless."""
         parent.children += delta
         self._file_childless(parent)
 
-    def _file_childless(self, entry: _Entry) -> None:
+    def _file_childless(self, entry: Entry) -> None:
         """``entry`` among its child digest's childless calls when it has no child, else not;
         and among its request digest's retry candidates when it may be one."""
         digest = entry.child_digest
@@ -284,7 +255,7 @@ class LinkIndex:
                 _drop(self._retry_candidates, digest, entry.call_id)
 
     @staticmethod
-    def _ordered(entries: dict[str, _Entry] | None) -> list[_Entry]:
+    def _ordered(entries: dict[str, Entry] | None) -> list[Entry]:
         return sorted((entries or {}).values(), key=_age)
 
     def _retry_of(
@@ -353,7 +324,7 @@ class LinkIndex:
         return max(lost, key=_age).call_id if lost else None
 
     @staticmethod
-    def _session_retry_of(latest: _Entry) -> str | None:
+    def _session_retry_of(latest: Entry) -> str | None:
         """The call a request of ``latest``'s session that the harness marks as a retry
         (``x-stainless-retry-count``) retries: ``latest``, the latest identical call, when it
         was answered in full, not continued and not replaced. The session makes the header
@@ -364,36 +335,6 @@ class LinkIndex:
         if latest.status != CALL_COMPLETE or latest.children > 0:
             return None
         return latest.call_id if latest.superseded_by is None else None
-
-    @staticmethod
-    def _preference(entry: _Entry) -> tuple[bool, bool, bool, float, str]:
-        # Verifiable first; a call a retry superseded last (the harness lost its answer);
-        # then one with no child yet, stored or in flight (parallel sub-agents that answered
-        # alike: each continues its own, also when both continue at once), then the earliest.
-        return (
-            entry.num_tokens is None,
-            entry.superseded_by is not None,
-            entry.children > 0,
-            entry.created_at,
-            entry.call_id,
-        )
-
-    @staticmethod
-    def _preferring(session: SessionKey | None) -> Callable[[_Entry], tuple[Any, ...]]:
-        """``_preference`` with, for a request that names a harness session, the calls of that
-        session before the others where ``_preference`` would go on to the earliest: twin
-        sessions (one task, a deterministic engine) whose calls are token-identical each
-        continue their own. Only a tie-breaker: it never takes a call with a child over one
-        without (that would branch one chain and leave the twin's behind)."""
-        if session is None:
-            return LinkIndex._preference
-
-        def preference(entry: _Entry) -> tuple[Any, ...]:
-            unverifiable, superseded, has_child, created_at, call_id = LinkIndex._preference(entry)
-            other = entry.session != session
-            return (unverifiable, superseded, has_child, other, created_at, call_id)
-
-        return preference
 
     def resolve(
         self,
@@ -415,7 +356,7 @@ class LinkIndex:
         its tokens and log probs in this model's chain) whose child digest is
         ``parent_digest``, preferred in this order: verifiable, not superseded by a retry,
         without a child yet (stored or in flight), of the request's harness ``session`` (when
-        it names one: ``_preferring``), earliest (see ``_preference``). With
+        it names one), earliest (see ``candidate_order``). With
         ``refuse_note_parents`` (``parent_resolution = source_history``), a parent whose
         prompt carried a rewritten harness note is not taken: the call starts a new chain.
         ``last_turn``: the history's last assistant message, to tell a dropped or edited turn
@@ -426,14 +367,14 @@ class LinkIndex:
         incomplete (its record is made so, or its harness left before it was made): as a
         retry target it counts as a stored failed or incomplete call does. With
         ``retry_requested`` (the retry header), see ``_session_retry_of``. ``history``: the
-        request's continued history key: see ``_same_history_first``."""
+        request's continued history key: those that sent it first (``candidate_order``)."""
         retry_of = self._retry_of(req_digest, ends_incomplete, session, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
-        matches = self._matches(parent_digest, found, model, claimed, session, history)
+        matches = ordered_matches(self, parent_digest, found, model, claimed, session, history)
         if retry_of is not None and matches:
-            matches = self._retried_parent_first(matches, retry_of, found, model)
+            matches = retried_parent_first(self, matches, retry_of, found, model)
         rewritten = None
         if not found and last_turn is not None and not self._is_captured_turn(last_turn, model):
             # The harness rewrote the model's last turn (Claude Code rebuilds tool inputs,
@@ -442,7 +383,7 @@ class LinkIndex:
             ids = "\x1f".join(tool_call_ids(last_turn))
             by_ids = (self._by_tool_call_ids.get(ids) or {}).values() if ids else ()
             mine = (e for e in by_ids if e.model == model)
-            matches = Candidates(_candidates(mine, self._preferring(session)), None)
+            matches = Candidates(candidates(mine, preferring(session)), None)
             rewritten = TURN_REWRITTEN if matches else None
         if not matches:
             reason, mismatch = self._why_unmatched(list(found.values()), model, last_turn)
@@ -481,168 +422,6 @@ class LinkIndex:
         sub-agents that answered alike): which of them a continuation takes is a choice."""
         return parent_digest is not None and len(self._by_child.get(parent_digest) or ()) > 1
 
-    def _matches(
-        self,
-        parent_digest: str,
-        found: dict[str, _Entry],
-        model: str | None,
-        claimed: Callable[[str], bool] | None = None,
-        session: SessionKey | None = None,
-        history: bytes | None = None,
-    ) -> Candidates:
-        """The candidates of ``model`` among ``found`` (the calls whose child digest is
-        ``parent_digest``) in ``_preferring(session)`` order, those of the same ``history``
-        first (``_same_history_first``). The best of that order
-        (verifiable, not superseded, childless) are among the digest's childless calls, few
-        however many calls share the digest: when one is there, the others are ordered only
-        if asked (``Candidates``). A childless call ``claimed`` elsewhere counts as having a child:
-        then all are ordered at once (rare: identical siblings continued at once)."""
-        head = [
-            e
-            for e in (self._childless.get(parent_digest) or {}).values()
-            if e.model == model and e.num_tokens is not None and e.superseded_by is None
-        ]
-        claimed_ids = {e.call_id for e in head if claimed(e.call_id)} if claimed else None
-        if claimed_ids:
-            matches, preference = self._claimed_matches(head, claimed_ids, found, model, session)
-        else:
-            preference = self._preferring(session)
-            matches = self._unclaimed_matches(head, found, model, preference)
-        if history is None:
-            return matches
-        return self._same_history_first(matches, history, parent_digest, found, model, preference)
-
-    @staticmethod
-    def _unclaimed_matches(
-        head: list[_Entry],
-        found: dict[str, _Entry],
-        model: str | None,
-        preference: Callable[[_Entry], tuple[Any, ...]],
-    ) -> Candidates:
-        """``_matches`` when none of the childless calls (``head``) is claimed elsewhere."""
-        if not head or len(head) == len(found):
-            mine = (e for e in found.values() if e.model == model)
-            return Candidates(_candidates(mine, preference), None)
-        taken = {e.call_id for e in head}
-        others = list(found.values())  # the candidates as they are now; ordered when asked
-        return Candidates(
-            _candidates(head, preference),
-            lambda: _candidates(
-                (e for e in others if e.model == model and e.call_id not in taken), preference
-            ),
-        )
-
-    def _same_history_first(
-        self,
-        matches: Candidates,
-        history: bytes,
-        parent_digest: str,
-        found: dict[str, _Entry],
-        model: str | None,
-        preference: Callable[[_Entry], tuple[Any, ...]],
-    ) -> Candidates:
-        """``matches`` with the verifiable, not superseded candidates whose request sent the
-        very ``history`` the child sent before the turn it continues first (in ``preference``
-        order among themselves), the others after them as they were. A candidate whose history
-        is not known (filed without one: read whole from the store when the index was made,
-        after an eviction, or by a worker whose first call of the rollout came late) may have
-        sent it: it is ordered with them, not after them (a twin's call that has a key would
-        else come before the session's own childless call: a branch under the twin's).
-
-        Calls that answered alike share a child digest (the digest chains the model's turns
-        only): parallel sub-agents, or sessions of one rollout that differ in their task
-        message. Every candidate is verified anyway (tokens, or the exact-token splice's
-        message check), but a candidate whose history differs from the child's fails it, and
-        the first candidate also counts the call as its child while it is in flight (and
-        claims it, with ``serve --workers``): a wrong first candidate sends its own session's
-        next call past it to the digest's other calls, and each then tried costs a lookup
-        (exact-token mode reads the record). The child's own parent sent that history; its
-        twins (the same history) keep ``preference``'s order. O(calls with that history, and
-        the digest's calls filed without one)."""
-        same = [
-            e
-            for e in (self._by_history.get(history) or {}).values()
-            if found.get(e.call_id) is e
-            and e.model == model
-            and e.num_tokens is not None
-            and e.superseded_by is None
-        ]
-        if not same:
-            return matches
-        unknown = (self._unknown_history.get(parent_digest) or {}).values()
-        same += (
-            e
-            for e in unknown
-            if e.model == model and e.num_tokens is not None and e.superseded_by is None
-        )
-        first = _candidates(same, preference)
-        if matches.head_is(first):
-            return matches
-        taken = {c.call_id for c in first}
-        return Candidates(
-            first, lambda: tuple(c for c in matches.whole() if c.call_id not in taken)
-        )
-
-    def _retried_parent_first(
-        self, matches: Candidates, retry_of: str, found: dict[str, _Entry], model: str | None
-    ) -> Candidates:
-        """A retry continues what the call it replaces continued: that call's parent first,
-        when it is a candidate (verifiable, not superseded). The retried call still counts as
-        its child (in flight, or stored incomplete), so by ``_preference`` a twin session's
-        token-identical call without a child would come first, and the retry would swap the
-        twins' chains. O(1); the rest of the order is made when asked, as before."""
-        retried = self.entries.get(retry_of)
-        parent = found.get(retried.counted_parent or "") if retried is not None else None
-        if (
-            parent is None
-            or parent.model != model
-            or parent.num_tokens is None
-            or parent.superseded_by is not None
-            or matches[0].call_id == parent.call_id
-        ):
-            return matches
-        first = Candidate(parent.call_id, parent.rows_end, parent.num_tokens, parent.tokens_sha256)
-        return Candidates(
-            (first,), lambda: tuple(c for c in matches.whole() if c.call_id != parent.call_id)
-        )
-
-    def _claimed_matches(
-        self,
-        head: list[_Entry],
-        claimed_ids: set[str],
-        found: dict[str, _Entry],
-        model: str | None,
-        session: SessionKey | None = None,
-    ) -> tuple[Candidates, Callable[[_Entry], tuple[Any, ...]]]:
-        """``_matches`` when some of the childless calls (``head``) are claimed by calls in
-        flight elsewhere (``claimed_ids``): those count as having a child. The unclaimed ones
-        come first, made at once; the rest (the claimed ones among the calls with a child,
-        by age) only when asked, so a resolution still costs what is few. Also the order
-        (claims counted)."""
-        preference = self._preferring(session)
-
-        def claims_preference(entry: _Entry) -> tuple[Any, ...]:
-            verifiable, superseded, has_child, *rest = preference(entry)
-            taken = has_child or entry.call_id in claimed_ids
-            return (verifiable, superseded, taken, *rest)
-
-        free = [e for e in head if e.call_id not in claimed_ids]
-        if not free:
-            mine = (e for e in found.values() if e.model == model)
-            return Candidates(_candidates(mine, claims_preference), None), claims_preference
-        made = {e.call_id for e in free}
-        others = list(found.values())
-        return (
-            Candidates(
-                _candidates(free, preference),
-                lambda: _candidates(
-                    (e for e in others if e.model == model and e.call_id not in made),
-                    claims_preference,
-                ),
-            ),
-            claims_preference,
-        )
-
     def _is_captured_turn(self, turn: Mapping[str, Any], model: str | None) -> bool:
         """True when ``turn`` is, exactly or but for its tool-call ids, a captured output."""
         for index, digest in (
@@ -654,7 +433,7 @@ class LinkIndex:
         return False
 
     def _why_unmatched(
-        self, found: list[_Entry], model: str | None, last_turn: Mapping[str, Any] | None
+        self, found: list[Entry], model: str | None, last_turn: Mapping[str, Any] | None
     ) -> tuple[Reason, dict[str, Any] | None]:
         if found:
             models = sorted({str(e.model) for e in found})
@@ -698,18 +477,18 @@ class LinkIndex:
         return parent.call_id if parent is not None else None
 
 
-def _age(entry: _Entry) -> tuple[float, str]:
+def _age(entry: Entry) -> tuple[float, str]:
     return entry.created_at, entry.call_id
 
 
-def _may_be_retried(entry: _Entry) -> bool:
+def _may_be_retried(entry: Entry) -> bool:
     """Whether ``entry`` can still be a retry's target: not answered in full, and neither a
     retry replaced it nor a call continued it (``LinkIndex._retry_candidates``)."""
     return entry.children == 0 and entry.superseded_by is None and entry.status != CALL_COMPLETE
 
 
 def _lost(
-    entry: _Entry,
+    entry: Entry,
     ends_incomplete: Callable[[str], bool] | None,
     session: SessionKey | None = None,
 ) -> bool:
@@ -725,7 +504,7 @@ def _lost(
     return ends_incomplete(entry.call_id)
 
 
-def _same_sample(entry: _Entry, session: SessionKey | None) -> bool:
+def _same_sample(entry: Entry, session: SessionKey | None) -> bool:
     """Whether a request of harness ``session`` may retry ``entry`` (``LinkIndex._retry_of``):
     unless both name a session and the sessions differ. In a group of samples of one prompt
     each sample is its own session (OpenCode's ``x-session-id``): a sibling sample's request
@@ -734,20 +513,11 @@ def _same_sample(entry: _Entry, session: SessionKey | None) -> bool:
     return entry.session is None or session is None or entry.session == session
 
 
-def _drop(index: dict[K, dict[str, _Entry]], digest: K | None, call_id: str) -> None:
+def _drop(index: dict[K, dict[str, Entry]], digest: K | None, call_id: str) -> None:
     if digest is not None and digest in index:
         index[digest].pop(call_id, None)
         if not index[digest]:
             del index[digest]
-
-
-def _candidates(
-    entries: Iterable[_Entry],
-    preference: Callable[[_Entry], tuple[Any, ...]] | None = None,
-) -> tuple[Candidate, ...]:
-    """``entries`` in ``preference`` order (default ``LinkIndex._preference``), as candidates."""
-    ordered = sorted(entries, key=preference or LinkIndex._preference)
-    return tuple(Candidate(e.call_id, e.rows_end, e.num_tokens, e.tokens_sha256) for e in ordered)
 
 
 def add_stored(

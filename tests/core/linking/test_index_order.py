@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from capture_proxy.core.linking import candidate_order
 from capture_proxy.core.linking.index import IN_FLIGHT, LinkIndex
 from capture_proxy.core.linking.resolution import Candidates
 
@@ -50,7 +51,7 @@ def _expected_candidates(
     verifiable, not superseded one sent ``history``, those and the verifiable, not superseded
     ones whose history is not known first."""
     found = [e for e in index.entries.values() if e.child_digest == digest and e.model == model]
-    ordered = sorted(found, key=LinkIndex._preferring(session))
+    ordered = sorted(found, key=candidate_order.preferring(session))
     fit = [e for e in ordered if e.num_tokens is not None and e.superseded_by is None]
     if history is None or not any(e.history == history for e in fit):
         return [e.call_id for e in ordered]
@@ -145,14 +146,14 @@ def _alike_sessions(childless: int) -> LinkIndex:
 
 @contextlib.contextmanager
 def _preferences_looked() -> Iterator[list[str]]:
-    """The call ids ``LinkIndex._preference`` is asked about meanwhile, in order."""
+    """The call ids ``candidate_order._preference`` is asked about meanwhile, in order."""
     looked: list[str] = []
-    preference = LinkIndex._preference
-    LinkIndex._preference = staticmethod(lambda e: looked.append(e.call_id) or preference(e))
+    preference = candidate_order._preference
+    candidate_order._preference = lambda e: looked.append(e.call_id) or preference(e)
     try:
         yield looked
     finally:
-        LinkIndex._preference = staticmethod(preference)
+        candidate_order._preference = preference
 
 
 def test_a_digest_shared_by_many_calls_resolves_from_its_childless_calls():

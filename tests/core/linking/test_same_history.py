@@ -1,6 +1,6 @@
 """Sessions of one rollout that answered alike share a child digest (the digest chains the
 model's turns only); a continuation's first candidate is the call whose request sent the very
-history it continues (``LinkIndex._same_history_first``), so it is counted, and claimed, as
+history it continues (``candidate_order._same_history_first``), so it is counted, and claimed, as
 that call's child while in flight, and its session's next call does not go past a wrong
 first candidate to the digest's other calls."""
 
