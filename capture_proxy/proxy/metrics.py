@@ -127,6 +127,13 @@ class Metrics:
             "Time from sending a call to the engine to its complete answer (seconds)",
             buckets=_TOTAL_BUCKETS_S, registry=r,
         )  # fmt: skip
+        self._add_process_metrics(r, p)
+        #: labelled children by (metric, label values): see ``_child``
+        self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
+
+    def _add_process_metrics(self, r: CollectorRegistry, p: str) -> None:
+        """The metrics of the process's own state: what is in flight, the reads cut, the link
+        indexes made, the event loop's lag."""
         self.calls_in_flight = Gauge(
             p + "calls_in_flight", "Captured calls started and not yet finished", registry=r,
             multiprocess_mode="livesum",
@@ -151,8 +158,6 @@ class Metrics:
             "request on the loop had",
             buckets=_LAG_BUCKETS_S, registry=r,
         )  # fmt: skip
-        #: labelled children by (metric, label values): see ``_child``
-        self._children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
 
     # --- what the call pipeline reports ---------------------------------------------------
 
