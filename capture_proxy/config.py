@@ -34,6 +34,7 @@ from pydantic_settings import (
 )
 
 from capture_proxy.core.redact import basic_auth_header, redact_url, split_credentials
+from capture_proxy.cpu_quota import usable_cpus
 
 ImageUrlScheme = Literal["data", "http", "https"]
 _DEFAULT_IMAGE_SCHEMES: tuple[ImageUrlScheme, ...] = ("data", "https")
@@ -95,7 +96,8 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description="Worker processes serving the port (each its own event loop and core); "
-        "None: one per CPU this process may run on. With an embedded store the supervisor "
+        "None: one per CPU this process may use (its affinity mask, capped by its cgroup's CPU "
+        "quota: a container's CPU limit, rounded down). With an embedded store the supervisor "
         "process is its one writer (workers read it themselves and send their writes there); "
         "with PostgreSQL each worker is a replica. 1: one process, no supervisor",
     )
@@ -470,8 +472,9 @@ class Settings(BaseSettings):
 
     @property
     def worker_count(self) -> int:
-        """``workers``, or the CPUs this process may run on (its affinity mask)."""
-        return self.workers if self.workers is not None else max(1, len(os.sched_getaffinity(0)))
+        """``workers``, or the CPUs this process may use (``cpu_quota.usable_cpus``: its
+        affinity mask, capped by its cgroup's CPU quota: a container's CPU limit)."""
+        return self.workers if self.workers is not None else usable_cpus()
 
     @property
     def store_label(self) -> str:

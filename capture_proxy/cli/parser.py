@@ -112,7 +112,8 @@ def _add_serve_listen_and_store(serve: argparse.ArgumentParser) -> None:
         "--workers",
         type=int,
         dest="workers",
-        help="worker processes serving the port (default: one per CPU; 1: one process)",
+        help="worker processes serving the port (default: one per CPU this process may use, "
+        "a container's CPU limit counted; 1: one process)",
     )
     serve.add_argument(
         "--max-request-body-bytes",

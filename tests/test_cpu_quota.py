@@ -1,0 +1,91 @@
+"""The CPUs ``serve --workers`` counts by default: the affinity mask capped by the cgroup's CPU
+quota (``capture_proxy.cpu_quota``), read from fake ``/proc`` and cgroup trees laid out as the
+kernel publishes them (cgroup v2, v1 and a hybrid host)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from capture_proxy.cpu_quota import cgroup_cpu_quota, usable_cpus
+
+
+def _proc(tmp_path: Path, cgroup: str, mountinfo: list[str]) -> Path:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text(cgroup)
+    (proc / "self" / "mountinfo").write_text("\n".join(mountinfo) + "\n")
+    return proc
+
+
+def _write(path: Path, text: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    for name, value in (line.split("=", 1) for line in text.split(";")):
+        (path / name).write_text(value + "\n")
+
+
+def _v2_mount(point: Path, root: str = "/") -> str:
+    return f"30 23 0:26 {root} {point} rw,nosuid,relatime shared:4 - cgroup2 cgroup2 rw"
+
+
+def _v1_cpu_mount(point: Path, root: str = "/") -> str:
+    return f"32 31 0:29 {root} {point} rw,relatime - cgroup cgroup rw,cpu,cpuacct"
+
+
+def test_a_v2_container_limited_to_two_cpus(tmp_path):
+    cg = tmp_path / "sys" / "fs" / "cgroup"
+    _write(cg, "cpu.max=200000 100000")
+    proc = _proc(tmp_path, "0::/\n", [_v2_mount(cg)])
+    assert cgroup_cpu_quota(proc) == 2.0
+
+
+def test_the_smallest_limit_of_the_cgroup_and_its_ancestors_counts(tmp_path):
+    cg = tmp_path / "cg"
+    _write(cg / "kubepods" / "pod1", "cpu.max=150000 100000")
+    _write(cg / "kubepods" / "pod1" / "c1", "cpu.max=max 100000")
+    _write(cg / "kubepods", "cpu.max=400000 100000")
+    proc = _proc(tmp_path, "0::/kubepods/pod1/c1\n", [_v2_mount(cg)])
+    assert cgroup_cpu_quota(proc) == 1.5
+
+
+def test_a_v1_hierarchy_and_a_hybrid_host(tmp_path):
+    cpu = tmp_path / "cgroup" / "cpu,cpuacct"
+    unified = tmp_path / "cgroup" / "unified"
+    unified.mkdir(parents=True)  # v2 mounted, without the cpu controller: no cpu.max
+    _write(cpu, "cpu.cfs_quota_us=50000;cpu.cfs_period_us=100000")
+    # a container without a cgroup namespace: its path is the mount's root
+    proc = _proc(
+        tmp_path,
+        "12:cpu,cpuacct:/docker/abc\n0::/docker/abc\n",
+        [_v1_cpu_mount(cpu, root="/docker/abc"), _v2_mount(unified, root="/docker/abc")],
+    )
+    assert cgroup_cpu_quota(proc) == 0.5
+    assert usable_cpus(proc) == 1  # half a CPU still runs one worker
+
+
+@pytest.mark.parametrize(
+    "files",
+    ["cpu.max=max 100000", "cpu.max=garbage", "cpu.max=0 0", "cpu.cfs_quota_us=-1"],
+)
+def test_no_limit_or_an_unreadable_one_is_no_quota(tmp_path, files):
+    cg = tmp_path / "cg"
+    _write(cg, files)
+    mounts = [_v2_mount(cg)] if files.startswith("cpu.max") else [_v1_cpu_mount(cg)]
+    cgroup = "0::/\n" if files.startswith("cpu.max") else "4:cpu,cpuacct:/\n"
+    assert cgroup_cpu_quota(_proc(tmp_path, cgroup, mounts)) is None
+    assert cgroup_cpu_quota(tmp_path / "no-proc") is None
+
+
+def test_usable_cpus_is_the_affinity_capped_by_the_quota_rounded_down(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    cg = tmp_path / "cg"
+    _write(cg, "cpu.max=250000 100000")
+    proc = _proc(tmp_path, "0::/\n", [_v2_mount(cg)])
+    assert usable_cpus(proc) == 2
+    (cg / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(proc) == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    (cg / "cpu.max").write_text("800000 100000\n")
+    assert usable_cpus(proc) == 2
