@@ -193,11 +193,14 @@ class Linker:
         if sync is not None and sync[0] == stamp:
             return index
         calls, last = await feed.stored_since(rollout_id, sync[1] if sync else 0)
-        if calls is None:  # rows that cannot tell their facts: read the rollout whole
-            self._indexes.pop(rollout_id, None)
-            self._sync.pop(rollout_id, None)
-            return await self._index(rollout_id)
-        refresh_index(index, calls)
+        if calls is None:
+            # Rows that cannot tell their facts: the rollout's records read whole, and those
+            # the index lacks added to it (not an index made again: its calls in flight here
+            # are not in the store). The last rowid bounded BEFORE the read, as the count.
+            last = await feed.last_rowid(rollout_id)
+            refresh_index(index, await self.store.get_rollout_calls(rollout_id))
+        else:
+            refresh_index(index, calls)
         self._sync[rollout_id] = [stamp, last]
         return index
 
