@@ -144,8 +144,9 @@ class Linker:
         #: per call in flight here, whether it is known to end failed or incomplete (its
         #: executor's ``ends_incomplete``), until ``release``
         self._ends_incomplete: dict[str, Callable[[], bool]] = {}
-        #: per call resolved here and not yet released, its rollout; per rollout, how many
-        #: (its index holds them as in flight, which a reload from the store would not)
+        #: per call resolved here (from the start of ``resolve``) and not yet released, its
+        #: rollout; per rollout, how many (its index holds them as in flight, which a reload
+        #: from the store would not)
         self._flight_rollout: dict[str, str] = {}
         self._in_flight: dict[str, int] = {}
 
@@ -207,10 +208,14 @@ class Linker:
         if sync is not None and sync[0] == stamp:
             return index
         calls, last = await feed.stored_since(rollout_id, sync[1] if sync else 0)
-        if calls is None:  # rows that cannot tell their facts: read the rollout whole
-            self._drop_index(rollout_id)
-            return await self._index(rollout_id)
-        refresh_index(index, calls)
+        if calls is None:
+            # Rows that cannot tell their facts: the rollout's records read whole, and those
+            # the index lacks added to it (not an index made again: its calls in flight here
+            # are not in the store). The last rowid bounded BEFORE the read, as the count.
+            last = await feed.last_rowid(rollout_id)
+            refresh_index(index, await self.store.get_rollout_calls(rollout_id))
+        else:
+            refresh_index(index, calls)
         self._sync[rollout_id] = [stamp, last]
         self._count(rollout_id, index)
         return index
@@ -313,37 +318,47 @@ class Linker:
         ``request_digest``: the body's ``digests.request_digest``, when made already;
         ``history_keys``: ``capture.PreparedRequest.history_keys`` (candidates that sent the
         history this request continues come first)."""
-        index = (
-            await self._current_index(rollout_id)
-            if self.feed is not None
-            else self._cached_index(rollout_id) or await self._index(rollout_id)
-        )
-        step = resolve_step(
-            index,
-            rollout_id,
-            linking_messages,
-            body,
-            call_id=call_id,
-            created_at=created_at,
-            linking_facts=linking_facts,
-            tools_facts=tools_facts,
-            refuse_note_parents=self.refuse_note_parents,
-            refresh_on_miss=self.refresh_on_miss,
-            claims=self.claims,
-            index_current=(lambda: self._is_current(rollout_id)) if self.feed else None,
-            session=session,
-            retry_requested=retry_requested,
-            ends_incomplete=self._known_to_end_incomplete,
-            attempts=self.attempts,
-            known_request_digest=request_digest,
-            history_keys=history_keys,
-        )
-        resolution = await self._drive(step, None)
-        if ends_incomplete is not None:
-            self._ends_incomplete[call_id] = ends_incomplete
-        if call_id not in self._flight_rollout:
+        # Counted in flight before its index is looked at: the step may await the store (a
+        # catch-up, the candidates of a miss) before it files the call there, and an index
+        # evicted meanwhile would be the one the call is filed in, reloaded without it for
+        # the next call. Undone when the resolution fails.
+        counted = call_id not in self._flight_rollout
+        if counted:
             self._flight_rollout[call_id] = rollout_id
             self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
+        try:
+            index = (
+                await self._current_index(rollout_id)
+                if self.feed is not None
+                else self._cached_index(rollout_id) or await self._index(rollout_id)
+            )
+            step = resolve_step(
+                index,
+                rollout_id,
+                linking_messages,
+                body,
+                call_id=call_id,
+                created_at=created_at,
+                linking_facts=linking_facts,
+                tools_facts=tools_facts,
+                refuse_note_parents=self.refuse_note_parents,
+                refresh_on_miss=self.refresh_on_miss,
+                claims=self.claims,
+                index_current=(lambda: self._is_current(rollout_id)) if self.feed else None,
+                session=session,
+                retry_requested=retry_requested,
+                ends_incomplete=self._known_to_end_incomplete,
+                attempts=self.attempts,
+                known_request_digest=request_digest,
+                history_keys=history_keys,
+            )
+            resolution = await self._drive(step, None)
+        except BaseException:
+            if counted:
+                self._uncount(call_id)
+            raise
+        if ends_incomplete is not None:
+            self._ends_incomplete[call_id] = ends_incomplete
         if self._indexes.get(rollout_id) is index:
             self._count(rollout_id, index)
         return resolution
@@ -360,13 +375,7 @@ class Linker:
         filed as failed in the rollout's index (``LinkIndex.end_unstored``: its retry names
         it)."""
         self._ends_incomplete.pop(call_id, None)
-        resolved_in = self._flight_rollout.pop(call_id, None)
-        if resolved_in is not None:
-            left = self._in_flight[resolved_in] - 1
-            if left:
-                self._in_flight[resolved_in] = left
-            else:
-                del self._in_flight[resolved_in]
+        self._uncount(call_id)
         index = self._indexes.get(rollout_id) if unstored else None
         if index is not None:
             index.end_unstored(call_id)
@@ -374,6 +383,16 @@ class Linker:
             self.claims.release(call_id)
         if self.attempts is not None:
             self.attempts.release(call_id)
+
+    def _uncount(self, call_id: str) -> None:
+        """``call_id`` is no longer in flight here (``_in_flight``)."""
+        resolved_in = self._flight_rollout.pop(call_id, None)
+        if resolved_in is not None:
+            left = self._in_flight[resolved_in] - 1
+            if left:
+                self._in_flight[resolved_in] = left
+            else:
+                del self._in_flight[resolved_in]
 
     async def remember(
         self,

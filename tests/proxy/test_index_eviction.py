@@ -6,6 +6,7 @@ would then both link to the first twin: a branch, the other twin left without a 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,5 +167,103 @@ async def test_the_indexes_in_memory_are_bounded_by_calls_as_well_as_by_rollouts
         assert list(linker._indexes) == ["r3"] and _cached_calls(linker) == 1
         linker.forget("r3")
         assert list(linker._indexes) == [] and _cached_calls(linker) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_call_is_counted_in_flight_while_its_resolution_awaits_the_store(tmp_path):
+    """With replicas on a shared store (``refresh_on_miss``) a history the cached index does
+    not know reads its candidates from the store (``ReadParentCandidates``) before the call is
+    filed in flight: meanwhile another rollout's index may be loaded, and the call's must not
+    be evicted then (the call is filed in the index it resolved against; one reloaded from the
+    store without it would give the twin's continuation the candidate it took)."""
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store, max_rollouts=1, refresh_on_miss=True)
+        await linker._index("r1")  # cached before the twins' first calls were stored
+        other = Linker(store)  # the replica that served them
+        assert await _call(other, store, "r1", "x1", 1.0, TASK) is None
+        assert await _call(other, store, "r1", "y1", 2.0, TASK) is None
+        reading, go = asyncio.Event(), asyncio.Event()
+        read = store.get_calls_by_child_digest
+
+        async def gated(rollout_id: str, parent_digest: str):
+            reading.set()
+            await go.wait()
+            return await read(rollout_id, parent_digest)
+
+        store.get_calls_by_child_digest = gated  # type: ignore[method-assign]
+        x2 = asyncio.create_task(_resolve(linker, "r1", "x2", 3.0, NEXT))
+        await reading.wait()  # x2's resolution reads the candidates r1's index lacked
+        assert linker._in_flight == {"r1": 1}
+        assert await _call(linker, store, "r2", "z1", 4.0, TASK) is None  # loads r2's index
+        assert list(linker._indexes) == ["r1", "r2"]
+        go.set()
+        flight = await x2
+        store.get_calls_by_child_digest = read  # type: ignore[method-assign]
+        assert flight.resolution.parent_call_id == "x1"
+        y2 = await _resolve(linker, "r1", "y2", 5.0, NEXT)
+        assert y2.resolution.parent_call_id == "y1", "y2 took x1, which x2 (in flight) took"
+        assert await flight.finish(linker, store) == "x1"
+        assert await y2.finish(linker, store) == "y1"
+        assert linker._in_flight == {} and linker._flight_rollout == {}
+    finally:
+        await store.close()
+
+
+async def test_a_failed_resolution_counts_nothing_and_a_call_never_resolved_releases_nothing(
+    tmp_path,
+):
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store, max_rollouts=1)
+        read = store.rollout_index_facts
+
+        async def broken(rollout_id: str):
+            raise OSError("disk gone")
+
+        store.rollout_index_facts = broken  # type: ignore[method-assign]
+        try:
+            await _resolve(linker, "r1", "x1", 1.0, TASK)
+        except OSError:
+            pass
+        else:
+            raise AssertionError("the index load did not fail")
+        store.rollout_index_facts = read  # type: ignore[method-assign]
+        assert linker._in_flight == {} and linker._flight_rollout == {}
+        linker.release("r1", "x1")  # the flow releases a call whose resolution failed
+        linker.release("r1", "never-resolved", unstored=True)
+        assert linker._in_flight == {} and linker._flight_rollout == {}
+        # nothing keeps an index: the next rollout loaded evicts the others
+        assert await _call(linker, store, "r1", "x1", 2.0, TASK) is None
+        assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
+        assert list(linker._indexes) == ["r2"]
+    finally:
+        await store.close()
+
+
+async def test_a_rollout_forgotten_with_calls_in_flight_is_counted_until_they_end(tmp_path):
+    """``forget`` (the rollout deleted) drops its index, not the count of its calls in flight
+    (they end later, released as any): the index loaded meanwhile for the rollout stays until
+    then, and nothing is left counted after."""
+    store = SQLiteStore(tmp_path / "store")
+    await store.open()
+    try:
+        linker = Linker(store, max_rollouts=1)
+        assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
+        x2 = await _resolve(linker, "r1", "x2", 2.0, NEXT)
+        linker.forget("r1")
+        assert "r1" not in linker._indexes
+        assert linker._in_flight == {"r1": 1} and linker._flight_rollout == {"x2": "r1"}
+        await linker._index("r1")
+        assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
+        assert list(linker._indexes) == ["r1", "r2"]
+        linker.release("r1", "x2", unstored=True)  # its put refused (the rollout is gone)
+        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert x2.resolution.parent_call_id == "x1"
+        assert await _call(linker, store, "r3", "w1", 4.0, TASK) is None
+        assert list(linker._indexes) == ["r3"]
     finally:
         await store.close()
