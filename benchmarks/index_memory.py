@@ -47,9 +47,9 @@ async def measure(
             for n, record in enumerate(records, 1):
                 await linker.remember(record)
                 if n % every == 0:
-                    held = sum(len(index.entries) for index in linker._indexes.values())
+                    held = sum(len(index.entries) for index in linker.indexes.values())
                     used = tracemalloc.get_traced_memory()[0] - base
-                    rows.append((n, len(linker._indexes), held, used))
+                    rows.append((n, len(linker.indexes), held, used))
             tracemalloc.stop()
             return rows
         finally:

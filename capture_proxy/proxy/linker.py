@@ -1,11 +1,11 @@
 """The driver of the linking steps over the store, the recent calls and the engine.
 
-Owns the per-rollout ``LinkIndex`` cache (filled lazily from the store the first time a rollout
-is seen by this process, so a restart loses nothing; with a shared store, written by other
-replicas too, refreshed from the store when a digest misses), the calls stored lately
-(``RecentCalls``: a parent is read from memory, not decoded from the store, see ``get_call``;
-stored records never change, so this holds with replicas too), and the answers to the
-commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve_step``,
+Owns the per-rollout ``LinkIndex`` cache (``RolloutIndexes``: filled lazily from the store the
+first time a rollout is seen by this process, so a restart loses nothing; with a shared store,
+written by other replicas too, refreshed from the store when a digest misses), the calls
+stored lately (``RecentCalls``: a parent is read from memory, not decoded from the store, see
+``get_call``; stored records never change, so this holds with replicas too), and the answers
+to the commands of the core's steps (``capture_proxy.core.linking.parent_lookup.resolve_step``,
 ``capture_proxy.core.linking.late_retry.late_retry_step`` and
 ``capture_proxy.core.linking.verification.verify_step``): a parent record, the stored calls a
 history continues (by child digest), a prefix ancestor from the cached index, texts from the
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -49,6 +48,7 @@ from capture_proxy.core.linking.stored import FROM_RECORD, SessionOrFromRecord, 
 from capture_proxy.core.linking.verification import verify_step
 from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.recent import DEFAULT_MAX_BYTES, RecentCalls
+from capture_proxy.proxy.rollout_indexes import RolloutIndexes
 from capture_proxy.store.base import CaptureStore
 
 log = logging.getLogger("capture_proxy")
@@ -83,10 +83,6 @@ class IndexFeed(Protocol):
     def own_put_stamp(self, call_id: str) -> int | None: ...
 
 
-#: The most indexes ``Linker._evict`` passes over (calls in flight) at one call.
-EVICT_SKIPS = 64
-
-
 class Linker:
     """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``."""
 
@@ -119,18 +115,11 @@ class Linker:
         #: another process may have written calls of a cached rollout (replicas on a shared
         #: store, a rollout moved between them): a digest miss reloads the index first
         self.refresh_on_miss = refresh_on_miss
-        #: most recently used rollouts' indexes, at most ``max_rollouts`` of them holding at
-        #: most ``max_calls`` calls in all; older ones are reloaded from the store when needed
-        #: again, so memory stays bounded however many rollouts, and calls, a process serves
-        #: (an index with calls in flight stays: ``_evict``)
-        self.max_rollouts = max_rollouts
-        self.max_calls = max_calls
+        #: the rollouts' indexes in memory: bounded by rollouts and by calls, dropped ones
+        #: made again from the store when needed, one with calls in flight here kept
+        self.indexes = RolloutIndexes(max_rollouts, max_calls, on_evict=self._evicted)
         #: told of each index made from the store (a metric)
         self.on_index_load = on_index_load
-        #: per cached index, the calls it held when last counted (``_count``), and their sum
-        self._sizes: dict[str, int] = {}
-        self._cached_calls = 0
-        self._indexes: OrderedDict[str, LinkIndex] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         #: the records this process stored lately (the parents of the next calls)
         self.recent = RecentCalls(recent_max_bytes)
@@ -144,34 +133,28 @@ class Linker:
         #: per call in flight here, whether it is known to end failed or incomplete (its
         #: executor's ``ends_incomplete``), until ``release``
         self._ends_incomplete: dict[str, Callable[[], bool]] = {}
-        #: per call resolved here (from the start of ``resolve``) and not yet released, its
-        #: rollout; per rollout, how many (its index holds them as in flight, which a reload
-        #: from the store would not)
-        self._flight_rollout: dict[str, str] = {}
-        self._in_flight: dict[str, int] = {}
 
-    def _cached_index(self, rollout_id: str) -> LinkIndex | None:
-        """The rollout's index when it is in memory (marked most recently used)."""
-        index = self._indexes.get(rollout_id)
-        if index is not None:
-            self._indexes.move_to_end(rollout_id)
-        return index
+    def _evicted(self, rollout_id: str) -> None:
+        """The rollout's index was dropped for the bounds: what is kept beside it goes too."""
+        self._sync.pop(rollout_id, None)
+        lock = self._locks.get(rollout_id)
+        if lock is not None and not lock.locked():
+            del self._locks[rollout_id]
 
     async def _index(self, rollout_id: str) -> LinkIndex:
-        index = self._cached_index(rollout_id)
+        index = self.indexes.get(rollout_id)
         if index is not None:
             return index
         lock = self._locks.setdefault(rollout_id, asyncio.Lock())
         async with lock:
-            index = self._indexes.get(rollout_id)
+            index = self.indexes.peek(rollout_id)
             if index is None:
                 index, sync = await self._load_index(rollout_id)
                 if self.on_index_load is not None:
                     self.on_index_load()
-                self._indexes[rollout_id] = index
                 if sync is not None:
                     self._sync[rollout_id] = sync
-                self._count(rollout_id, index)
+                self.indexes.put(rollout_id, index)
         return index
 
     async def _load_index(self, rollout_id: str) -> tuple[LinkIndex, list[int] | None]:
@@ -197,7 +180,7 @@ class Linker:
 
     async def _current_index(self, rollout_id: str) -> LinkIndex:
         """The rollout's index holding every call stored before now (``IndexFeed``)."""
-        index = self._cached_index(rollout_id)
+        index = self.indexes.get(rollout_id)
         feed = self.feed
         if index is None:
             return await self._index(rollout_id)
@@ -217,7 +200,7 @@ class Linker:
         else:
             refresh_index(index, calls)
         self._sync[rollout_id] = [stamp, last]
-        self._count(rollout_id, index)
+        self.indexes.count(rollout_id, index)
         return index
 
     def _is_current(self, rollout_id: str) -> bool:
@@ -227,54 +210,16 @@ class Linker:
         sync = self._sync.get(rollout_id)
         return sync is not None and sync[0] == self.feed.stamp(rollout_id)
 
-    def _count(self, rollout_id: str, index: LinkIndex) -> None:
-        """Count the calls ``index`` (cached, ``rollout_id``'s) holds now, and evict past the
-        bounds. O(1): called wherever an index may have grown (loaded, refreshed, a call filed
-        or stored)."""
-        size = len(index.entries)
-        self._cached_calls += size - self._sizes.get(rollout_id, 0)
-        self._sizes[rollout_id] = size
-        if self._cached_calls > self.max_calls or len(self._indexes) > self.max_rollouts:
-            self._evict(keep=rollout_id)
-
-    def _drop_index(self, rollout_id: str) -> None:
-        self._indexes.pop(rollout_id, None)
-        self._sync.pop(rollout_id, None)
-        self._cached_calls -= self._sizes.pop(rollout_id, 0)
-
-    def _evict(self, keep: str) -> None:
-        """Drop the least recently used indexes past ``max_rollouts`` or ``max_calls``, but not
-        ``keep`` (the one a call is being filed in) nor one with calls in flight here: its
-        in-flight entries (the candidate each was resolved to, counted as that call's child)
-        are not in the store, so a reload would give a concurrent continuation the candidate
-        already taken (twins: a branch, the other twin left childless). Such an index is
-        marked recently used instead; the bound is then exceeded by at most the rollouts with
-        calls in flight. At most ``EVICT_SKIPS`` are passed over per call (O(1) per call when
-        every index has calls in flight: the next calls look at the next ones)."""
-        indexes = self._indexes
-        skipped = 0
-        while (
-            len(indexes) > self.max_rollouts or self._cached_calls > self.max_calls
-        ) and skipped < min(len(indexes), EVICT_SKIPS):
-            old = next(iter(indexes))
-            if old == keep or self._in_flight.get(old):
-                indexes.move_to_end(old)
-                skipped += 1
-                continue
-            self._drop_index(old)
-            lock = self._locks.get(old)
-            if lock is not None and not lock.locked():
-                del self._locks[old]
-
     def has_calls(self, rollout_id: str) -> bool:
         """True when this process has seen a call of the rollout (stored or in flight) and
         still holds its index."""
-        index = self._indexes.get(rollout_id)
+        index = self.indexes.peek(rollout_id)
         return index is not None and bool(index.entries)
 
     def forget(self, rollout_id: str) -> None:
         """Drop a rollout's index and recent calls (it was deleted)."""
-        self._drop_index(rollout_id)
+        self.indexes.drop(rollout_id)
+        self._sync.pop(rollout_id, None)
         self._locks.pop(rollout_id, None)
         self.recent.forget(rollout_id)
 
@@ -322,15 +267,12 @@ class Linker:
         # catch-up, the candidates of a miss) before it files the call there, and an index
         # evicted meanwhile would be the one the call is filed in, reloaded without it for
         # the next call. Undone when the resolution fails.
-        counted = call_id not in self._flight_rollout
-        if counted:
-            self._flight_rollout[call_id] = rollout_id
-            self._in_flight[rollout_id] = self._in_flight.get(rollout_id, 0) + 1
+        counted = self.indexes.pin(call_id, rollout_id)
         try:
             index = (
                 await self._current_index(rollout_id)
                 if self.feed is not None
-                else self._cached_index(rollout_id) or await self._index(rollout_id)
+                else self.indexes.get(rollout_id) or await self._index(rollout_id)
             )
             step = resolve_step(
                 index,
@@ -355,12 +297,11 @@ class Linker:
             resolution = await self._drive(step, None)
         except BaseException:
             if counted:
-                self._uncount(call_id)
+                self.indexes.unpin(call_id)
             raise
         if ends_incomplete is not None:
             self._ends_incomplete[call_id] = ends_incomplete
-        if self._indexes.get(rollout_id) is index:
-            self._count(rollout_id, index)
+        self.indexes.count(rollout_id, index)
         return resolution
 
     def _known_to_end_incomplete(self, call_id: str) -> bool:
@@ -375,24 +316,14 @@ class Linker:
         filed as failed in the rollout's index (``LinkIndex.end_unstored``: its retry names
         it)."""
         self._ends_incomplete.pop(call_id, None)
-        self._uncount(call_id)
-        index = self._indexes.get(rollout_id) if unstored else None
+        self.indexes.unpin(call_id)
+        index = self.indexes.peek(rollout_id) if unstored else None
         if index is not None:
             index.end_unstored(call_id)
         if self.claims is not None:
             self.claims.release(call_id)
         if self.attempts is not None:
             self.attempts.release(call_id)
-
-    def _uncount(self, call_id: str) -> None:
-        """``call_id`` is no longer in flight here (``_in_flight``)."""
-        resolved_in = self._flight_rollout.pop(call_id, None)
-        if resolved_in is not None:
-            left = self._in_flight[resolved_in] - 1
-            if left:
-                self._in_flight[resolved_in] = left
-            else:
-                del self._in_flight[resolved_in]
 
     async def remember(
         self,
@@ -407,9 +338,9 @@ class Linker:
         harness session its request names, as the call's flow read it for ``resolve``
         (``FROM_RECORD``: read from the record)."""
         rollout_id = record.rollout_id
-        index = self._cached_index(rollout_id) or await self._index(rollout_id)
+        index = self.indexes.get(rollout_id) or await self._index(rollout_id)
         add_record(index, record, digests, session)
-        self._count(rollout_id, index)
+        self.indexes.count(rollout_id, index)
         self.recent.put(record, message_facts, digests)
         if self.feed is not None:  # its put counted; nothing else came between: current
             stamp = self.feed.own_put_stamp(record.call_id)

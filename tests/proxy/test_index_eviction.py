@@ -1,4 +1,4 @@
-"""A rollout's index is not evicted while it has calls in flight (``Linker._evict``): its
+"""A rollout's index is not evicted while it has calls in flight (``RolloutIndexes._evict``): its
 in-flight entries, each counted as the child of the candidate it was resolved to, are not in
 the store, so an index reloaded from the store would give a concurrent continuation the
 candidate already taken. Twin sessions (one task, token-identical answers) continued at once
@@ -100,7 +100,7 @@ async def test_an_index_with_calls_in_flight_is_kept_and_twins_keep_their_chains
         # another rollout's call loads its index: one over the bound, but r1 has a call in
         # flight, so r2's stays beside it
         assert await _call(linker, store, "r2", "z1", 4.0, TASK) is None
-        assert list(linker._indexes) == ["r1", "r2"]
+        assert list(linker.indexes) == ["r1", "r2"]
         # twin y's continuation: x1 is taken by x2 (in flight), so y1 is its candidate
         y2 = await _resolve(linker, "r1", "y2", 5.0, NEXT)
         assert y2.resolution.parent_call_id == "y1"
@@ -108,8 +108,8 @@ async def test_an_index_with_calls_in_flight_is_kept_and_twins_keep_their_chains
         assert await y2.finish(linker, store) == "y1"
         # nothing in flight: the next rollout loaded evicts the least recently used ones
         assert await _call(linker, store, "r3", "w1", 6.0, TASK) is None
-        assert list(linker._indexes) == ["r3"]
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert list(linker.indexes) == ["r3"]
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         chains = {c.call_id: c.parent_call_id for c in await store.get_rollout_calls("r1")}
         assert chains == {"x1": None, "y1": None, "x2": "x1", "y2": "y1"}
     finally:
@@ -123,19 +123,19 @@ async def test_the_index_just_loaded_is_kept_when_every_other_has_calls_in_fligh
         linker = Linker(store, max_rollouts=1)
         a1 = await _resolve(linker, "ra", "a1", 1.0, TASK)
         b1 = await _resolve(linker, "rb", "b1", 2.0, TASK)
-        assert list(linker._indexes) == ["ra", "rb"]
-        assert linker._in_flight == {"ra": 1, "rb": 1}
+        assert list(linker.indexes) == ["ra", "rb"]
+        assert linker.indexes.in_flight == {"ra": 1, "rb": 1}
         assert await a1.finish(linker, store) is None
         assert await b1.finish(linker, store) is None
-        assert linker._in_flight == {}
+        assert linker.indexes.in_flight == {}
     finally:
         await store.close()
 
 
 def _cached_calls(linker: Linker) -> int:
     """What ``linker`` counts its cached indexes to hold, checked against them."""
-    held = sum(len(index.entries) for index in linker._indexes.values())
-    assert linker._cached_calls == held
+    held = sum(len(index.entries) for index in linker.indexes.values())
+    assert linker.indexes.calls == held
     return held
 
 
@@ -150,23 +150,23 @@ async def test_the_indexes_in_memory_are_bounded_by_calls_as_well_as_by_rollouts
         assert await _call(linker, store, "r1", "y1", 2.0, TASK) is None
         assert _cached_calls(linker) == 2
         assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
-        assert _cached_calls(linker) == 3 and list(linker._indexes) == ["r1", "r2"]
+        assert _cached_calls(linker) == 3 and list(linker.indexes) == ["r1", "r2"]
         # a fourth call: r1 (least recently used, nothing in flight) goes
         assert await _call(linker, store, "r2", "z2", 4.0, TASK) is None
-        assert list(linker._indexes) == ["r2"] and _cached_calls(linker) == 2
+        assert list(linker.indexes) == ["r2"] and _cached_calls(linker) == 2
         # r1 comes back from the store whole when its session goes on, and links exactly
         assert await _call(linker, store, "r1", "x2", 5.0, NEXT) == "x1"
-        assert list(linker._indexes) == ["r1"] and _cached_calls(linker) == 3
+        assert list(linker.indexes) == ["r1"] and _cached_calls(linker) == 3
         # a rollout with calls in flight stays, over the bound, until they end
         x3 = await _resolve(linker, "r1", "x3", 6.0, TASK)
         w1 = await _resolve(linker, "r3", "w1", 7.0, TASK)
-        assert list(linker._indexes) == ["r1", "r3"] and _cached_calls(linker) == 5
+        assert list(linker.indexes) == ["r1", "r3"] and _cached_calls(linker) == 5
         assert await x3.finish(linker, store) is None
-        assert list(linker._indexes) == ["r3", "r1"]  # x3 was in flight until its release
+        assert list(linker.indexes) == ["r3", "r1"]  # x3 was in flight until its release
         assert await w1.finish(linker, store) is None
-        assert list(linker._indexes) == ["r3"] and _cached_calls(linker) == 1
+        assert list(linker.indexes) == ["r3"] and _cached_calls(linker) == 1
         linker.forget("r3")
-        assert list(linker._indexes) == [] and _cached_calls(linker) == 0
+        assert list(linker.indexes) == [] and _cached_calls(linker) == 0
     finally:
         await store.close()
 
@@ -196,9 +196,9 @@ async def test_a_call_is_counted_in_flight_while_its_resolution_awaits_the_store
         store.get_calls_by_child_digest = gated  # type: ignore[method-assign]
         x2 = asyncio.create_task(_resolve(linker, "r1", "x2", 3.0, NEXT))
         await reading.wait()  # x2's resolution reads the candidates r1's index lacked
-        assert linker._in_flight == {"r1": 1}
+        assert linker.indexes.in_flight == {"r1": 1}
         assert await _call(linker, store, "r2", "z1", 4.0, TASK) is None  # loads r2's index
-        assert list(linker._indexes) == ["r1", "r2"]
+        assert list(linker.indexes) == ["r1", "r2"]
         go.set()
         flight = await x2
         store.get_calls_by_child_digest = read  # type: ignore[method-assign]
@@ -207,7 +207,7 @@ async def test_a_call_is_counted_in_flight_while_its_resolution_awaits_the_store
         assert y2.resolution.parent_call_id == "y1", "y2 took x1, which x2 (in flight) took"
         assert await flight.finish(linker, store) == "x1"
         assert await y2.finish(linker, store) == "y1"
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
     finally:
         await store.close()
 
@@ -232,14 +232,14 @@ async def test_a_failed_resolution_counts_nothing_and_a_call_never_resolved_rele
         else:
             raise AssertionError("the index load did not fail")
         store.rollout_index_facts = read  # type: ignore[method-assign]
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         linker.release("r1", "x1")  # the flow releases a call whose resolution failed
         linker.release("r1", "never-resolved", unstored=True)
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         # nothing keeps an index: the next rollout loaded evicts the others
         assert await _call(linker, store, "r1", "x1", 2.0, TASK) is None
         assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
-        assert list(linker._indexes) == ["r2"]
+        assert list(linker.indexes) == ["r2"]
     finally:
         await store.close()
 
@@ -255,15 +255,17 @@ async def test_a_rollout_forgotten_with_calls_in_flight_is_counted_until_they_en
         assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
         x2 = await _resolve(linker, "r1", "x2", 2.0, NEXT)
         linker.forget("r1")
-        assert "r1" not in linker._indexes
-        assert linker._in_flight == {"r1": 1} and linker._flight_rollout == {"x2": "r1"}
+        assert "r1" not in linker.indexes
+        assert linker.indexes.in_flight == {"r1": 1} and linker.indexes.in_flight_calls == {
+            "x2": "r1"
+        }
         await linker._index("r1")
         assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
-        assert list(linker._indexes) == ["r1", "r2"]
+        assert list(linker.indexes) == ["r1", "r2"]
         linker.release("r1", "x2", unstored=True)  # its put refused (the rollout is gone)
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         assert x2.resolution.parent_call_id == "x1"
         assert await _call(linker, store, "r3", "w1", 4.0, TASK) is None
-        assert list(linker._indexes) == ["r3"]
+        assert list(linker.indexes) == ["r3"]
     finally:
         await store.close()

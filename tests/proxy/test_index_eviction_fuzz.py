@@ -1,7 +1,7 @@
 """Random interleavings of several rollouts' twin sessions through a ``Linker`` on a real
 ``SQLiteStore``, once with ``max_rollouts=1`` (every other rollout's index loaded evicts the
-least recently used one: ``Linker._evict``), once with ``max_calls=1`` (the same as soon as an
-index grows) and once with bounds never reached.
+least recently used one: ``RolloutIndexes._evict``), once with ``max_calls=1`` (the same as
+soon as an index grows) and once with bounds never reached.
 
 Each rollout has 2-3 twin sessions (one task, token-identical answers turn by turn), each
 optionally naming its harness session. A pick moves one session on: its call in flight is
@@ -189,11 +189,11 @@ class _Run:
         in memory (not in one evicted: a reload from the store would not know it)."""
         linker = self.linker
         flying = {c.call_id: c.rollout_id for c in self.flight.values()}
-        assert linker._flight_rollout == flying
-        assert linker._in_flight == dict(Counter(flying.values()))
+        assert linker.indexes.in_flight_calls == flying
+        assert linker.indexes.in_flight == dict(Counter(flying.values()))
         for call_id, rollout_id in flying.items():
-            index = linker._indexes.get(rollout_id)
-            assert index is not None and call_id in index.entries, (call_id, list(linker._indexes))
+            index = linker.indexes.peek(rollout_id)
+            assert index is not None and call_id in index.entries, (call_id, list(linker.indexes))
 
     async def play(self) -> dict[str, str | None]:
         """The schedule, then every session played to its end (round robin across the
@@ -209,11 +209,11 @@ class _Run:
                         await self.step(r, s)
                         left = True
         linker = self.linker
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         # nothing is in flight: a rollout loaded now leaves only itself under the small bound
         await linker._index("fresh")
-        if linker.max_rollouts == 1 or linker.max_calls == 1:
-            assert list(linker._indexes) == ["fresh"]
+        if linker.indexes.max_rollouts == 1 or linker.indexes.max_calls == 1:
+            assert list(linker.indexes) == ["fresh"]
         parents: dict[str, str | None] = {}
         for r in range(len(self.plan.turns)):
             for record in await self.store.get_rollout_calls(f"r{r}"):

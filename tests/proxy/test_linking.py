@@ -271,7 +271,7 @@ async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):
     for rollout in ("ra", "rb", "rc"):
         first[rollout] = await _step(stack, rollout, list(USER))
     linker = stack.client.app[LINKER_KEY]
-    assert list(linker._indexes) == ["rb", "rc"]  # "ra" was least recently used: evicted
+    assert list(linker.indexes) == ["rb", "rc"]  # "ra" was least recently used: evicted
     call_id, message = first["ra"]
     messages = [
         *USER,
@@ -281,12 +281,12 @@ async def test_link_indexes_stay_bounded_and_reload_from_the_store(make_stack):
     child_id, _ = await _step(stack, "ra", messages)  # reloads "ra" from the store
     child = await stack.get_json(f"/captures/calls/{child_id}")
     assert child["parent_call_id"] == call_id and child["linking"]["verdict"] == "resolved"
-    assert list(linker._indexes) == ["rc", "ra"]
+    assert list(linker.indexes) == ["rc", "ra"]
     # three rollouts' first calls and the reload of "ra": four indexes made from the store
     metrics = await (await stack.client.get("/metrics")).text()
     assert "capture_proxy_link_index_loads_total 4.0" in metrics.splitlines()
     resp = await stack.client.delete("/captures/rollouts/rc")
-    assert resp.status == 200 and list(linker._indexes) == ["ra"]
+    assert resp.status == 200 and list(linker.indexes) == ["ra"]
 
 
 async def test_a_call_whose_resolution_failed_is_still_found_by_its_child(

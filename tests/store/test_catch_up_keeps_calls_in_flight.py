@@ -108,7 +108,7 @@ async def test_a_catch_up_that_reads_the_rollout_whole_keeps_its_calls_in_flight
         assert rows is None
         # x2's retry: the catch-up reads the rollout whole and must still know x2 in flight
         x2r = await _resolve(linker, "x2r", 4.0, NEXT)
-        entry = linker._indexes["r1"].entries.get("x2")
+        entry = linker.indexes.peek("r1").entries.get("x2")
         assert entry is not None and entry.status == IN_FLIGHT
         assert isinstance(x2r[1], Resolution)
         assert x2r[1].retry_of == "x2", "the retry of x2 (in flight, its harness gone) was missed"
@@ -118,7 +118,7 @@ async def test_a_catch_up_that_reads_the_rollout_whole_keeps_its_calls_in_flight
         assert await _finish(linker, store, "x2", 3.0, NEXT, x2) == "x1"
         y2 = await _resolve(linker, "y2", 5.0, NEXT)
         assert await _finish(linker, store, "y2", 5.0, NEXT, y2) == "y1"
-        assert linker._in_flight == {} and linker._flight_rollout == {}
+        assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
     finally:
         board.close()
         await store.close()

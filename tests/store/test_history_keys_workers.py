@@ -110,7 +110,7 @@ async def test_twins_keep_their_chains_when_a_worker_loads_the_rollout_late(tmp_
         # session A's first call on worker 1; worker 2's first call of the rollout is B's
         await _call(one, stores[0], "a1", 1.0, TASK, "A")
         await _call(two, stores[1], "b1", 2.0, TASK, "B")
-        index = two._indexes["r1"]
+        index = two.indexes.peek("r1")
         loaded, filed = index.entries["a1"].history, index.entries["b1"].history
         assert filed is not None
         # loaded with the rollout from its rows' index facts: a1's key read from its message
@@ -301,7 +301,7 @@ async def test_a_restarted_process_reads_the_history_keys_from_the_rows(tmp_path
         first = Linker(store)
         await _call(first, store, "a1", 1.0, TASK, "A")
         await _call(first, store, "a2", 2.0, NEXT, "A")
-        filed = {c: e.history for c, e in first._indexes["r1"].entries.items()}
+        filed = {c: e.history for c, e in first.indexes.peek("r1").entries.items()}
         assert None not in filed.values()
         again = Linker(store)  # the next process on the store
         index = await again._index("r1")

@@ -261,7 +261,7 @@ def _play(plan: _Plan, keys: bool) -> dict[str, CallRecord]:
 
     def step(s: int, w: int, evict: bool = False) -> None:
         if evict and all(f is None or f[0] != w for f in flight):
-            # Linker._evict (or a restart): made again from the store when next used (with
+            # RolloutIndexes._evict (or a restart): made again from the store when next used (with
             # none of its calls in flight: those it would forget, keys or not)
             run.pool[w] = _Worker()
         if flight[s] is not None:
