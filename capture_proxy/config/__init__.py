@@ -11,11 +11,7 @@ upstream connection pool, and an upstream keep-alive shorter than the engines' s
 never reuses a connection the engine is about to close.
 """
 
-from capture_proxy.config.settings import (
-    ENV_NOT_SETTINGS,
-    ConfigError,
-    Settings,
-    load_settings,
-)
+from capture_proxy.config.loading import ENV_NOT_SETTINGS, ConfigError, load_settings
+from capture_proxy.config.settings import Settings
 
 __all__ = ["ENV_NOT_SETTINGS", "ConfigError", "Settings", "load_settings"]
