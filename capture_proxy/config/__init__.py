@@ -5,10 +5,9 @@ Sources, highest priority first: command-line flags, environment variables
 or ``CAPTURE_PROXY_CONFIG``), then the fields' defaults. Validation is pydantic's: a bad value
 stops startup with a message naming the field.
 
-Defaults that bite a proxy are set explicitly (see STYLE.md): the request body limit
-(64 MiB, long agent histories), no total upstream timeout (long generations), a large
-upstream connection pool, and an upstream keep-alive shorter than the engines' so the proxy
-never reuses a connection the engine is about to close.
+``fields.py`` declares every setting (type, bounds, default, description; the configuration
+reference is generated from it), ``settings.py`` makes them ``Settings`` (the checks across
+fields, the values derived from them), ``loading.py`` merges the sources (``load_settings``).
 """
 
 from capture_proxy.config.loading import ENV_NOT_SETTINGS, ConfigError, load_settings
