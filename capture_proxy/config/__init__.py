@@ -6,8 +6,8 @@ or ``CAPTURE_PROXY_CONFIG``), then the fields' defaults. Validation is pydantic'
 stops startup with a message naming the field.
 
 ``fields.py`` declares every setting (type, bounds, default, description; the configuration
-reference is generated from it), ``settings.py`` makes them ``Settings`` (the checks across
-fields, the values derived from them), ``loading.py`` merges the sources (``load_settings``).
+reference is generated from it), ``settings.py`` makes them ``Settings`` (their validators,
+the values derived from them), ``loading.py`` merges the sources (``load_settings``).
 """
 
 from capture_proxy.config.loading import ENV_NOT_SETTINGS, ConfigError, load_settings

@@ -1,6 +1,6 @@
 """The settings' fields: name, type, bounds, default and description of each, in the order
 the configuration reference (docs/configuration.md, generated from them) lists them.
-``settings.Settings`` adds the checks that span fields and the values derived from them.
+``settings.Settings`` adds their validators and the values derived from them.
 
 Defaults that bite a proxy are set explicitly (see STYLE.md): the request body limit
 (64 MiB, long agent histories), no total upstream timeout (long generations), a large

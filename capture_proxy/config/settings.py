@@ -1,7 +1,8 @@
-"""The settings model, ``Settings``: the fields of ``fields.SettingsFields`` with the checks
-that span fields or look at the filesystem (tokens, backend URLs, the read API off loopback,
-the families' tokenizers) and the values derived from them (engine URLs and labels, the
-engine's credential, per-model modes); ``loading.load_settings`` builds it from its sources."""
+"""The settings model, ``Settings``: the fields of ``fields.SettingsFields`` with their
+validators (a value's form, the files it names, the rules across fields: tokens, backend URLs,
+the read API off loopback, the families' tokenizers) and the values derived from them (engine
+URLs and labels, the engine's credential, per-model modes); ``loading.load_settings`` builds
+it from its sources."""
 
 from __future__ import annotations
 
