@@ -103,7 +103,7 @@ def test_the_reference_lists_every_setting_with_type_default_env_flag_and_descri
     for name, row in rows.items():
         assert row["env"] == f"CAPTURE_PROXY_{name.upper()}"
         assert row["type"] and row["default"], name
-        assert row["description"], f"{name} has no description in capture_proxy/config.py"
+        assert row["description"], f"{name} has no description in capture_proxy/config/fields.py"
     assert rows["port"] == {
         "name": "port",
         "type": "integer (>= 0, <= 65535)",
@@ -227,7 +227,7 @@ def test_the_harnesses_page_names_where_the_recordings_are_and_what_replay_proxy
 
 def test_the_committed_configuration_reference_is_current():
     """docs/configuration.md reads as Markdown in the repository: the table is committed and
-    matches config.py (regenerate: python docs/hooks/settings_reference.py)."""
+    matches capture_proxy/config/fields.py (regenerate: python docs/hooks/settings_reference.py)."""
     text = (DOCS / "configuration.md").read_text()
     assert _hook().with_reference(text) == text
     assert '<tr id="setting-uncaptured_generation">' in text
