@@ -31,7 +31,7 @@ import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from capture_proxy.core.conversation import (
     ChatFunction,
@@ -48,13 +48,13 @@ from capture_proxy.core.fronts.base import (
     Api,
     ConvertedTools,
     FrontRequest,
-    InvalidFrontRequest,
     convert_tools,
     is_int,
     is_number,
     open_reasoning,
     tools_not_rendered,
 )
+from capture_proxy.core.fronts.responses.checks import as_list, as_object, fail, string_member
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
 from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of, joined_content
 from capture_proxy.core.known_tools import KnownTools
@@ -81,33 +81,6 @@ _ROLES: dict[str, Role] = {
 _TOOL_CHOICES = frozenset({"auto", "none", "required"})
 
 
-def _fail(param: str, message: str) -> NoReturn:
-    raise InvalidFrontRequest(f"'{param}' {message}", param)
-
-
-def _string(obj: Mapping[str, Any], key: str, path: str, *, required: bool = True) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        if required:
-            _fail(f"{path}.{key}" if path else key, "is required")
-        return None
-    if not isinstance(value, str):
-        _fail(f"{path}.{key}" if path else key, f"must be a string, got {type(value).__name__}")
-    return value
-
-
-def _object(value: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        _fail(path, f"must be an object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        _fail(path, f"must be an array, got {type(value).__name__}")
-    return value
-
-
 def referenced_response_id(body: Mapping[str, Any]) -> str | None:
     """The ``previous_response_id`` a request continues (None when it has none), for the
     adapter to resolve into canonical messages before ``parse``."""
@@ -115,7 +88,7 @@ def referenced_response_id(body: Mapping[str, Any]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        _fail("previous_response_id", "must be a non-empty string")
+        fail("previous_response_id", "must be a non-empty string")
     return value
 
 
@@ -123,17 +96,17 @@ def _part_texts(parts: Any, path: str, allowed: frozenset[str], first: int = 0) 
     """The texts of a list of content parts (numbered from ``first`` in errors); anything but
     text is refused, naming it."""
     texts = []
-    for i, raw in enumerate(_list(parts, path), start=first):
-        part = _object(raw, f"{path}.{i}")
+    for i, raw in enumerate(as_list(parts, path), start=first):
+        part = as_object(raw, f"{path}.{i}")
         kind = part.get("type")
         if not isinstance(kind, str):
-            _fail(f"{path}.{i}.type", "is required (a string)")
+            fail(f"{path}.{i}.type", "is required (a string)")
         if kind in allowed:
-            texts.append(_string(part, "text", f"{path}.{i}") or "")
+            texts.append(string_member(part, "text", f"{path}.{i}") or "")
         elif kind == "refusal":
-            texts.append(_string(part, "refusal", f"{path}.{i}") or "")
+            texts.append(string_member(part, "refusal", f"{path}.{i}") or "")
         else:
-            _fail(
+            fail(
                 f"{path}.{i}.type",
                 f"is {kind!r}: only text content can be captured "
                 f"({', '.join(sorted(allowed))} or refusal parts)",
@@ -145,7 +118,7 @@ def _image_part(part: Mapping[str, Any], path: str, role: str, images: ImageColl
     """An ``input_image`` part's canonical image part."""
     detail = detail_of(part.get("detail"), f"{path}.detail")
     if part.get("image_url") is None and part.get("file_id") is not None:
-        _fail(
+        fail(
             f"{path}.file_id", "cannot be read: the proxy keeps no uploaded files (send image_url)"
         )
     return images.url(part.get("image_url"), f"{path}.image_url", role, detail=detail)
@@ -157,12 +130,12 @@ def _content_parts(value: Any, path: str, role: str, images: ImageCollector) -> 
     if isinstance(value, str):
         return value
     if value is None:
-        _fail(path, "is required")
+        fail(path, "is required")
     if not isinstance(value, list):
-        _fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
+        fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
     parts: list[Any] = []
     for i, raw in enumerate(value):
-        part = _object(raw, f"{path}.{i}")
+        part = as_object(raw, f"{path}.{i}")
         if part.get("type") == "input_image":
             parts.append(_image_part(part, f"{path}.{i}", role, images))
         else:
@@ -174,9 +147,9 @@ def _content_text(value: Any, path: str, allowed: frozenset[str]) -> str:
     if isinstance(value, str):
         return value
     if value is None:
-        _fail(path, "is required")
+        fail(path, "is required")
     if not isinstance(value, list):
-        _fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
+        fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
     return "\n".join(_part_texts(value, path, allowed))
 
 
@@ -185,7 +158,7 @@ def _reasoning_text(item: Mapping[str, Any], path: str) -> str:
     reasoning texts, else the summary texts."""
     sealed = item.get("encrypted_content")
     if sealed is not None and not isinstance(sealed, str):
-        _fail(f"{path}.encrypted_content", "must be a string")
+        fail(f"{path}.encrypted_content", "must be a string")
     opened = open_reasoning(sealed)
     if opened is not None:
         return opened[1]
@@ -233,16 +206,18 @@ def _tool_call(item: Mapping[str, Any], path: str, kind: str) -> ChatToolCall:
     the canonical tool call (a custom tool's input wrapped as ``{"input": ...}``); fields
     read in the order they always were (a function call's arguments first)."""
     if kind == "function_call":
-        arguments = _string(item, "arguments", path) or ""
+        arguments = string_member(item, "arguments", path) or ""
         problem = arguments_problem(arguments)
         if problem is not None:
-            _fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
+            fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
         return tool_call(
-            _string(item, "call_id", path) or "", _string(item, "name", path) or "", arguments
+            string_member(item, "call_id", path) or "",
+            string_member(item, "name", path) or "",
+            arguments,
         )
-    call_id = _string(item, "call_id", path) or ""
-    name = _string(item, "name", path) or ""
-    return tool_call(call_id, name, _custom_arguments(_string(item, "input", path) or ""))
+    call_id = string_member(item, "call_id", path) or ""
+    name = string_member(item, "name", path) or ""
+    return tool_call(call_id, name, _custom_arguments(string_member(item, "input", path) or ""))
 
 
 @dataclass(slots=True, eq=False)
@@ -300,17 +275,17 @@ def _input_messages(
 
     for i in range(start, len(items)):
         path = f"input.{i}"
-        item = _object(items[i], path)
+        item = as_object(items[i], path)
         kind = item.get("type")
         if kind is None and "role" in item:
             kind = "message"
         if not isinstance(kind, str):
-            _fail(f"{path}.type", "is required (a string)")
+            fail(f"{path}.type", "is required (a string)")
         if kind == "message":
             role = item.get("role")
             # An object or array role is unhashable: test the type before the lookup.
             if not isinstance(role, str) or role not in _ROLES:
-                _fail(f"{path}.role", "must be one of 'system', 'developer', 'user', 'assistant'")
+                fail(f"{path}.role", "must be one of 'system', 'developer', 'user', 'assistant'")
             if role == "assistant":
                 text = _content_text(item.get("content"), f"{path}.content", _TEXT_PARTS)
                 turn.has_message = True
@@ -329,19 +304,19 @@ def _input_messages(
             turn.tool_calls.append(_tool_call(item, path, kind))
         elif kind in _TOOL_OUTPUTS:
             close_turn()
-            call_id = _string(item, "call_id", path) or ""
+            call_id = string_member(item, "call_id", path) or ""
             output = _content_parts(item.get("output"), f"{path}.output", "tool", images)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             if not images.paths:
                 checkpoints.append((i + 1, len(messages)))
         elif kind == "item_reference":
-            _fail(
+            fail(
                 f"{path}.type",
                 "is 'item_reference': the proxy keeps no stored items to refer to; send the "
                 "item itself (as Codex does with store: false)",
             )
         else:
-            _fail(
+            fail(
                 f"{path}.type",
                 f"is {kind!r}: this item cannot be captured (only messages, reasoning, "
                 "function and custom tool calls and their outputs can)",
@@ -360,27 +335,27 @@ def _tools(raw: Any) -> tuple[list[ChatTool], _ToolsExtra]:
     tools: list[ChatTool] = []
     custom: set[str] = set()
     unrendered: list[Mapping[str, Any]] = []
-    for i, entry in enumerate(_list(raw, "tools")):
+    for i, entry in enumerate(as_list(raw, "tools")):
         path = f"tools.{i}"
-        tool = _object(entry, path)
+        tool = as_object(entry, path)
         kind = tool.get("type")
         if not isinstance(kind, str):
-            _fail(f"{path}.type", "is required (a string)")
+            fail(f"{path}.type", "is required (a string)")
         if kind in ("function", "custom"):
-            name = _string(tool, "name", path) or ""
+            name = string_member(tool, "name", path) or ""
             function: ChatFunction = {"name": name}
-            description = _string(tool, "description", path, required=False)
+            description = string_member(tool, "description", path, required=False)
             if description is not None:
                 function["description"] = description
             if kind == "function":
                 parameters = tool.get("parameters")
                 if parameters is None:
                     parameters = {"type": "object", "properties": {}}
-                function["parameters"] = dict(_object(parameters, f"{path}.parameters"))
+                function["parameters"] = dict(as_object(parameters, f"{path}.parameters"))
                 strict = tool.get("strict")
                 if strict is not None:
                     if not isinstance(strict, bool):
-                        _fail(f"{path}.strict", "must be a boolean")
+                        fail(f"{path}.strict", "must be a boolean")
                     function["strict"] = strict
             else:
                 function["parameters"] = copy.deepcopy(CUSTOM_TOOL_PARAMETERS)
@@ -394,12 +369,15 @@ def _tools(raw: Any) -> tuple[list[ChatTool], _ToolsExtra]:
 def _tool_choice(value: Any) -> str | ChatNamedToolChoice:
     if isinstance(value, str):
         if value not in _TOOL_CHOICES:
-            _fail("tool_choice", "must be 'auto', 'none', 'required' or a function choice")
+            fail("tool_choice", "must be 'auto', 'none', 'required' or a function choice")
         return value
-    choice = _object(value, "tool_choice")
+    choice = as_object(value, "tool_choice")
     if choice.get("type") in ("function", "custom"):
-        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
-    _fail(
+        return {
+            "type": "function",
+            "function": {"name": string_member(choice, "name", "tool_choice")},
+        }
+    fail(
         "tool_choice.type",
         f"is {choice.get('type')!r}: only a function or custom tool can be forced "
         "(hosted tools are not run by the engine)",
@@ -407,10 +385,10 @@ def _tool_choice(value: Any) -> str | ChatNamedToolChoice:
 
 
 def _response_format(text: Any) -> dict[str, Any] | None:
-    fmt = _object(text, "text").get("format")
+    fmt = as_object(text, "text").get("format")
     if fmt is None:
         return None
-    fmt = _object(fmt, "text.format")
+    fmt = as_object(fmt, "text.format")
     kind = fmt.get("type")
     if kind == "text":
         return None
@@ -418,16 +396,16 @@ def _response_format(text: Any) -> dict[str, Any] | None:
         return {"type": "json_object"}
     if kind == "json_schema":
         schema: dict[str, Any] = {
-            "name": _string(fmt, "name", "text.format"),
-            "schema": dict(_object(fmt.get("schema"), "text.format.schema")),
+            "name": string_member(fmt, "name", "text.format"),
+            "schema": dict(as_object(fmt.get("schema"), "text.format.schema")),
         }
-        description = _string(fmt, "description", "text.format", required=False)
+        description = string_member(fmt, "description", "text.format", required=False)
         if description is not None:
             schema["description"] = description
         if fmt.get("strict") is not None:
             schema["strict"] = fmt["strict"]
         return {"type": "json_schema", "json_schema": schema}
-    _fail("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
+    fail("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
 def referenced_history(
@@ -473,10 +451,10 @@ def _input(
     their ``ResponsesMemo`` where ``input`` is an array and no history is referenced (None
     else), going on from ``earlier``'s."""
     reference = referenced_response_id(body)
-    instructions = _string(body, "instructions", "", required=False)
+    instructions = string_member(body, "instructions", "", required=False)
     raw_input = body.get("input")
     if raw_input is None and reference is None:
-        _fail("input", "is required (or previous_response_id)")
+        fail("input", "is required (or previous_response_id)")
     if raw_input is None:
         new: list[ChatMessage] = []
     elif isinstance(raw_input, str):
@@ -486,10 +464,10 @@ def _input(
             return _input_items(raw_input, instructions, images, earlier)
         new, _ = _input_messages(raw_input, images)
     else:
-        _fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
+        fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
     messages = _with_instructions(previous or [], instructions) + new
     if not messages:
-        _fail("input", "holds no message to answer")
+        fail("input", "holds no message to answer")
     return messages, None
 
 
@@ -507,7 +485,7 @@ def _input_items(
     converted, checkpoints = _input_messages(items, images, earlier)
     messages = [system, *converted] if system is not None else list(converted)  # (not the memo's)
     if not messages:
-        _fail("input", "holds no message to answer")
+        fail("input", "holds no message to answer")
     return messages, ResponsesMemo(instructions, system, items, converted, checkpoints)
 
 
@@ -529,7 +507,7 @@ def _tool_fields(
     parallel = body.get("parallel_tool_calls")
     if parallel is not None:
         if not isinstance(parallel, bool):
-            _fail("parallel_tool_calls", "must be a boolean")
+            fail("parallel_tool_calls", "must be a boolean")
         if "tools" in chat:
             chat["parallel_tool_calls"] = parallel
     return converted
@@ -540,22 +518,22 @@ def _sampling_fields(body: Mapping[str, Any], chat: ChatRequest) -> None:
     limit = body.get("max_output_tokens")
     if limit is not None:
         if not is_int(limit) or limit < 1:
-            _fail("max_output_tokens", "must be a positive integer")
+            fail("max_output_tokens", "must be a positive integer")
         chat["max_tokens"] = limit
     temperature = body.get("temperature")
     if temperature is not None:
         if not is_number(temperature):
-            _fail("temperature", "must be a number")
+            fail("temperature", "must be a number")
         if not 0 <= temperature <= 2:
-            _fail("temperature", f"must be from 0 to 2, not {temperature}")
+            fail("temperature", f"must be from 0 to 2, not {temperature}")
         chat["temperature"] = temperature
     top_p = body.get("top_p")
     if top_p is not None:
         if not is_number(top_p):
-            _fail("top_p", "must be a number")
+            fail("top_p", "must be a number")
         if not 0 < top_p <= 1:
             # OpenAI documents [0, 1]; the engine (vLLM) refuses 0.
-            _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+            fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
         chat["top_p"] = top_p
     if body.get("text") is not None:
         response_format = _response_format(body["text"])
@@ -567,14 +545,14 @@ def _reasoning_fields(body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, t
     """The ``reasoning`` object (``effort`` and ``summary`` checked) and the ``include`` list."""
     reasoning = body.get("reasoning")
     if reasoning is not None:
-        reasoning = _object(reasoning, "reasoning")
+        reasoning = as_object(reasoning, "reasoning")
         for key in ("effort", "summary"):
-            _string(reasoning, key, "reasoning", required=False)
+            string_member(reasoning, key, "reasoning", required=False)
     include: list[str] = []
     if body.get("include") is not None:
-        for i, value in enumerate(_list(body["include"], "include")):
+        for i, value in enumerate(as_list(body["include"], "include")):
             if not isinstance(value, str):
-                _fail(f"include.{i}", "must be a string")
+                fail(f"include.{i}", "must be a string")
             include.append(value)
     return (dict(reasoning) if reasoning is not None else None), tuple(include)
 
@@ -584,7 +562,7 @@ def _stream(body: Mapping[str, Any]) -> bool:
     if stream is None:
         return False
     if not isinstance(stream, bool):
-        _fail("stream", "must be a boolean")
+        fail("stream", "must be a boolean")
     return stream
 
 
@@ -605,11 +583,11 @@ def parse_request(
     field, in the order the fields are read below, ImageRefused (``core.images``)."""
     model = body.get("model")
     if model is None:
-        _fail("model", "is required")
+        fail("model", "is required")
     if not isinstance(model, str):
-        _fail("model", f"must be a string, got {type(model).__name__}")
+        fail("model", f"must be a string, got {type(model).__name__}")
     if body.get("background") is True:
-        _fail(
+        fail(
             "background",
             "true is not supported: the proxy answers in the request, and keeps no response "
             "to poll or cancel",
