@@ -68,13 +68,20 @@ from capture_proxy.core.fronts.base import (
     Api,
     ConvertedTools,
     FrontRequest,
-    InvalidFrontRequest,
     convert_tools,
-    is_int,
-    is_number,
     loads_or_none,
     open_reasoning,
     tools_not_rendered,
+)
+from capture_proxy.core.fronts.messages.checks import (
+    as_blocks,
+    as_bool,
+    as_int,
+    as_list,
+    as_number,
+    as_object,
+    as_str,
+    fail,
 )
 from capture_proxy.core.fronts.messages.options import MessagesOptions
 from capture_proxy.core.images import ImageCollector, ImageLimits, ImageRefused, joined_content
@@ -89,65 +96,14 @@ TOOL_ERROR_PREFIX = "Error: "
 INVALID_JSON_KEY = "INVALID_JSON"
 
 
-def _fail(path: str, what: str) -> InvalidFrontRequest:
-    return InvalidFrontRequest(f"{path}: {what}", path)
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _str(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise _fail(path, f"must be a string, not {_type_name(value)}")
-    return value
-
-
 def _stop_sequence(value: Any, path: str) -> str:
-    if not _str(value, path):
-        raise _fail(path, "must not be empty (the engine refuses an empty stop string)")
-    return value
-
-
-def _obj(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _fail(path, f"must be an object, not {_type_name(value)}")
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _fail(path, f"must be an array, not {_type_name(value)}")
-    return value
-
-
-def _blocks(value: Any, path: str, what: str = "content blocks") -> list[Any]:
-    """The blocks of a field that is a string (the caller takes that) or an array of blocks."""
-    if not isinstance(value, list):
-        raise _fail(path, f"must be a string or an array of {what}, not {_type_name(value)}")
-    return value
-
-
-def _int(value: Any, path: str) -> int:
-    if not is_int(value):
-        raise _fail(path, f"must be an integer, not {_type_name(value)}")
-    return value
-
-
-def _number(value: Any, path: str) -> float | int:
-    if not is_number(value):
-        raise _fail(path, f"must be a number, not {_type_name(value)}")
-    return value
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(path, f"must be a boolean, not {_type_name(value)}")
+    if not as_str(value, path):
+        raise fail(path, "must not be empty (the engine refuses an empty stop string)")
     return value
 
 
 def _block_type(block: Any, path: str) -> str:
-    return _str(_obj(block, path).get("type"), f"{path}.type")
+    return as_str(as_object(block, path).get("type"), f"{path}.type")
 
 
 def _texts(blocks: list[Any], path: str) -> str:
@@ -157,8 +113,8 @@ def _texts(blocks: list[Any], path: str) -> str:
         p = f"{path}.{j}"
         kind = _block_type(block, p)
         if kind != "text":
-            raise _fail(f"{p}.type", f"only text can be captured, not {kind!r}")
-        parts.append(_str(block.get("text"), f"{p}.text"))
+            raise fail(f"{p}.type", f"only text can be captured, not {kind!r}")
+        parts.append(as_str(block.get("text"), f"{p}.text"))
     return "\n".join(parts)
 
 
@@ -174,19 +130,19 @@ class _Collected:
 def _image_part(block: dict[str, Any], path: str, role: str, seen: _Collected) -> dict[str, Any]:
     """An ``image`` block's canonical part (``source``: ``base64`` or ``url``); an image
     ``core.images`` refuses is named in this front's error style (``path: what``)."""
-    source = _obj(block.get("source"), f"{path}.source")
-    kind = _str(source.get("type"), f"{path}.source.type")
+    source = as_object(block.get("source"), f"{path}.source")
+    kind = as_str(source.get("type"), f"{path}.source.type")
     try:
         if kind == "base64":
-            media_type = _str(source.get("media_type"), f"{path}.source.media_type")
+            media_type = as_str(source.get("media_type"), f"{path}.source.media_type")
             return seen.images.base64(source.get("data"), media_type, f"{path}.source.data", role)
         if kind == "url":
             return seen.images.url(source.get("url"), f"{path}.source.url", role)
     except ImageRefused as exc:
         param = exc.param or path
         text = str(exc).removeprefix(f"'{param}'").removeprefix(":").strip()
-        raise _fail(param, text) from exc
-    raise _fail(
+        raise fail(param, text) from exc
+    raise fail(
         f"{path}.source.type",
         f"must be base64 or url, not {kind!r} (the proxy keeps no uploaded files)",
     )
@@ -195,16 +151,16 @@ def _image_part(block: dict[str, Any], path: str, role: str, seen: _Collected) -
 def _user_messages(content: Any, path: str, seen: _Collected) -> list[ChatMessage]:
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    blocks = _blocks(content, f"{path}.content")
+    blocks = as_blocks(content, f"{path}.content")
     if not blocks:
-        raise _fail(f"{path}.content", "must not be empty")
+        raise fail(f"{path}.content", "must not be empty")
     out: list[ChatMessage] = []
     parts: list[str | dict[str, Any]] = []
     for j, block in enumerate(blocks):
         p = f"{path}.content.{j}"
         kind = _block_type(block, p)
         if kind == "text":
-            parts.append(_str(block.get("text"), f"{p}.text"))
+            parts.append(as_str(block.get("text"), f"{p}.text"))
         elif kind == "image":
             parts.append(_image_part(block, p, "user", seen))
         elif kind == "tool_result":
@@ -213,7 +169,7 @@ def _user_messages(content: Any, path: str, seen: _Collected) -> list[ChatMessag
                 parts = []
             out.append(_tool_message(block, p, seen))
         else:
-            raise _fail(
+            raise fail(
                 f"{p}.type", f"only text, image and tool_result can be captured, not {kind!r}"
             )
     if parts:
@@ -228,23 +184,23 @@ def _tool_content(raw: Any, path: str, seen: _Collected) -> Any:
     if isinstance(raw, str):
         return raw
     parts: list[str | dict[str, Any]] = []
-    for j, block in enumerate(_blocks(raw, path, "text and image blocks")):
+    for j, block in enumerate(as_blocks(raw, path, "text and image blocks")):
         p = f"{path}.{j}"
         kind = _block_type(block, p)
         if kind == "text":
-            parts.append(_str(block.get("text"), f"{p}.text"))
+            parts.append(as_str(block.get("text"), f"{p}.text"))
         elif kind == "image":
             parts.append(_image_part(block, p, "tool", seen))
         else:
-            raise _fail(f"{p}.type", f"only text and image can be captured, not {kind!r}")
+            raise fail(f"{p}.type", f"only text and image can be captured, not {kind!r}")
     return joined_content(parts)
 
 
 def _tool_message(block: dict[str, Any], path: str, seen: _Collected) -> ChatMessage:
-    tool_use_id = _str(block.get("tool_use_id"), f"{path}.tool_use_id")
+    tool_use_id = as_str(block.get("tool_use_id"), f"{path}.tool_use_id")
     content = _tool_content(block.get("content"), f"{path}.content", seen)
     is_error = block.get("is_error")
-    if is_error is not None and _bool(is_error, f"{path}.is_error"):
+    if is_error is not None and as_bool(is_error, f"{path}.is_error"):
         seen.tool_errors.append(tool_use_id)
         if isinstance(content, str):
             content = TOOL_ERROR_PREFIX + content
@@ -266,7 +222,7 @@ def _unwrap_arguments(value: dict[str, Any]) -> str:
 def _assistant_message(content: Any, path: str, seen: _Collected) -> ChatMessage:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    blocks = _blocks(content, f"{path}.content")
+    blocks = as_blocks(content, f"{path}.content")
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[ChatToolCall] = []
@@ -274,12 +230,12 @@ def _assistant_message(content: Any, path: str, seen: _Collected) -> ChatMessage
         p = f"{path}.content.{j}"
         kind = _block_type(block, p)
         if kind == "text":
-            texts.append(_str(block.get("text"), f"{p}.text"))
+            texts.append(as_str(block.get("text"), f"{p}.text"))
         elif kind == "thinking":
-            visible = _str(block.get("thinking"), f"{p}.thinking")
+            visible = as_str(block.get("thinking"), f"{p}.thinking")
             signature = block.get("signature")
             if signature is not None:
-                _str(signature, f"{p}.signature")
+                as_str(signature, f"{p}.signature")
             opened = open_reasoning(signature)
             if opened is not None:
                 seen.reasoning_hints.append(opened[0])
@@ -287,17 +243,17 @@ def _assistant_message(content: Any, path: str, seen: _Collected) -> ChatMessage
             elif visible:
                 reasoning.append(visible)
         elif kind == "redacted_thinking":
-            opened = open_reasoning(_str(block.get("data"), f"{p}.data"))
+            opened = open_reasoning(as_str(block.get("data"), f"{p}.data"))
             if opened is not None:
                 seen.reasoning_hints.append(opened[0])
                 reasoning.append(opened[1])
         elif kind == "tool_use":
-            call_id = _str(block.get("id"), f"{p}.id")
-            name = _str(block.get("name"), f"{p}.name")
-            arguments = _unwrap_arguments(_obj(block.get("input"), f"{p}.input"))
+            call_id = as_str(block.get("id"), f"{p}.id")
+            name = as_str(block.get("name"), f"{p}.name")
+            arguments = _unwrap_arguments(as_object(block.get("input"), f"{p}.input"))
             calls.append(tool_call(call_id, name, arguments))
         else:
-            raise _fail(
+            raise fail(
                 f"{p}.type",
                 f"only text, thinking and tool_use can be captured, not {kind!r}",
             )
@@ -318,7 +274,7 @@ def _system_message(system: Any) -> ChatMessage | None:
     if isinstance(system, str):
         text = system
     else:
-        text = _texts(_blocks(system, "system", "text blocks"), "system")
+        text = _texts(as_blocks(system, "system", "text blocks"), "system")
     return {"role": "system", "content": text} if text else None
 
 
@@ -330,7 +286,7 @@ def _inline_system_message(content: Any, path: str) -> ChatMessage:
     give the same canonical message."""
     if isinstance(content, str):
         return {"role": "system", "content": content}
-    blocks = _blocks(content, f"{path}.content", "text blocks")
+    blocks = as_blocks(content, f"{path}.content", "text blocks")
     return {"role": "system", "content": _texts(blocks, f"{path}.content")}
 
 
@@ -338,41 +294,41 @@ def _tools(raw: Any) -> tuple[list[ChatTool], tuple[dict[str, Any], ...]]:
     """(chat function tools, server tools)."""
     chat: list[ChatTool] = []
     server: list[dict[str, Any]] = []
-    for i, tool in enumerate(_list(raw, "tools")):
+    for i, tool in enumerate(as_list(raw, "tools")):
         p = f"tools.{i}"
-        _obj(tool, p)
+        as_object(tool, p)
         kind = tool.get("type")
-        if kind is not None and _str(kind, f"{p}.type") != "custom":
+        if kind is not None and as_str(kind, f"{p}.type") != "custom":
             server.append(tool)
             continue
-        fn: ChatFunction = {"name": _str(tool.get("name"), f"{p}.name")}
+        fn: ChatFunction = {"name": as_str(tool.get("name"), f"{p}.name")}
         if tool.get("description") is not None:
-            fn["description"] = _str(tool["description"], f"{p}.description")
-        fn["parameters"] = _obj(tool.get("input_schema"), f"{p}.input_schema")
+            fn["description"] = as_str(tool["description"], f"{p}.description")
+        fn["parameters"] = as_object(tool.get("input_schema"), f"{p}.input_schema")
         chat.append({"type": "function", "function": fn})
     return chat, tuple(server)
 
 
 def _tool_choice(raw: Any, tool_names: Sequence[str], out: ChatRequest) -> None:
-    choice = _obj(raw, "tool_choice")
-    kind = _str(choice.get("type"), "tool_choice.type")
+    choice = as_object(raw, "tool_choice")
+    kind = as_str(choice.get("type"), "tool_choice.type")
     if kind == "auto":
         value: str | ChatNamedToolChoice = "auto"
     elif kind == "any":
         value = "required"
     elif kind == "tool":
-        name = _str(choice.get("name"), "tool_choice.name")
+        name = as_str(choice.get("name"), "tool_choice.name")
         if name not in tool_names:
-            raise _fail("tool_choice.name", f"{name!r} is not one of the (custom) tools")
+            raise fail("tool_choice.name", f"{name!r} is not one of the (custom) tools")
         value = {"type": "function", "function": {"name": name}}
     elif kind == "none":
         value = "none"
     else:
-        raise _fail("tool_choice.type", f"must be auto, any, tool or none, not {kind!r}")
+        raise fail("tool_choice.type", f"must be auto, any, tool or none, not {kind!r}")
     if kind == "any" and not tool_names:
-        raise _fail("tool_choice.type", "any needs at least one (custom) tool")
+        raise fail("tool_choice.type", "any needs at least one (custom) tool")
     disable = choice.get("disable_parallel_tool_use")
-    if disable is not None and _bool(disable, "tool_choice.disable_parallel_tool_use"):
+    if disable is not None and as_bool(disable, "tool_choice.disable_parallel_tool_use"):
         out["parallel_tool_calls"] = False
     if tool_names:
         out["tool_choice"] = value
@@ -380,20 +336,20 @@ def _tool_choice(raw: Any, tool_names: Sequence[str], out: ChatRequest) -> None:
 
 def _thinking(raw: Any, out: ChatRequest) -> tuple[dict[str, Any], bool]:
     """(the thinking object, display omitted)."""
-    thinking = _obj(raw, "thinking")
-    kind = _str(thinking.get("type"), "thinking.type")
+    thinking = as_object(raw, "thinking")
+    kind = as_str(thinking.get("type"), "thinking.type")
     if kind == "enabled":
-        budget = _int(thinking.get("budget_tokens"), "thinking.budget_tokens")
+        budget = as_int(thinking.get("budget_tokens"), "thinking.budget_tokens")
         if budget < 1:
-            raise _fail("thinking.budget_tokens", "must be positive")
+            raise fail("thinking.budget_tokens", "must be positive")
         out["chat_template_kwargs"] = {"enable_thinking": True}
     elif kind == "disabled":
         out["chat_template_kwargs"] = {"enable_thinking": False}
     elif kind != "adaptive":
-        raise _fail("thinking.type", f"must be enabled, disabled or adaptive, not {kind!r}")
+        raise fail("thinking.type", f"must be enabled, disabled or adaptive, not {kind!r}")
     display = thinking.get("display")
     if display is not None:
-        _str(display, "thinking.display")
+        as_str(display, "thinking.display")
     return thinking, display == "omitted"
 
 
@@ -418,7 +374,7 @@ class MessagesMemo:
 
 
 def _converted(raw: Any, path: str, seen: _Collected) -> list[ChatMessage]:
-    message = _obj(raw, path)
+    message = as_object(raw, path)
     role = message.get("role")
     if role == "user":
         return _user_messages(message.get("content"), path, seen)
@@ -426,7 +382,7 @@ def _converted(raw: Any, path: str, seen: _Collected) -> list[ChatMessage]:
         return [_assistant_message(message.get("content"), path, seen)]
     if role == "system":
         return [_inline_system_message(message.get("content"), path)]
-    raise _fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
+    raise fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
 
 
 def _messages(
@@ -486,27 +442,27 @@ def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
     """Sets ``stop``, ``temperature``, ``top_p``, ``top_k`` and the stream fields of ``chat``;
     returns whether the harness asked for a stream."""
     if body.get("stop_sequences") is not None:
-        stops = _list(body["stop_sequences"], "stop_sequences")
+        stops = as_list(body["stop_sequences"], "stop_sequences")
         chat["stop"] = [_stop_sequence(s, f"stop_sequences.{k}") for k, s in enumerate(stops)]
     if body.get("temperature") is not None:
-        temperature = _number(body["temperature"], "temperature")
+        temperature = as_number(body["temperature"], "temperature")
         if not 0 <= temperature <= 1:
-            raise _fail("temperature", f"must be from 0 to 1, not {temperature}")
+            raise fail("temperature", f"must be from 0 to 1, not {temperature}")
         chat["temperature"] = temperature
     if body.get("top_p") is not None:
-        top_p = _number(body["top_p"], "top_p")
+        top_p = as_number(body["top_p"], "top_p")
         if not 0 < top_p <= 1:
             # Anthropic documents [0, 1]; the engine (vLLM) refuses 0.
-            raise _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+            raise fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
         chat["top_p"] = top_p
     if body.get("top_k") is not None:
-        top_k = _int(body["top_k"], "top_k")
+        top_k = as_int(body["top_k"], "top_k")
         if top_k < 0:
-            raise _fail("top_k", f"must be 0 or more, not {top_k}")
+            raise fail("top_k", f"must be 0 or more, not {top_k}")
         chat["top_k"] = top_k
     stream = False
     if body.get("stream") is not None:
-        stream = _bool(body["stream"], "stream")
+        stream = as_bool(body["stream"], "stream")
     if stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
@@ -528,17 +484,17 @@ def parse_request(
     ``convert_tools``); ``history``: the body as ``known_bodies`` read it (the conversion of
     the messages it repeats is taken from its ``front_memo``, and this one's kept). Raises
     InvalidFrontRequest naming the first bad field, ImageRefused (``core.images``)."""
-    _obj(body, "body")
-    model = _str(body.get("model"), "model")
+    as_object(body, "body")
+    model = as_str(body.get("model"), "model")
     if not model:
-        raise _fail("model", "must not be empty")
+        raise fail("model", "must not be empty")
     if not count_tokens:
-        max_tokens = _int(body.get("max_tokens"), "max_tokens")
+        max_tokens = as_int(body.get("max_tokens"), "max_tokens")
         if max_tokens < 1:
-            raise _fail("max_tokens", "must be positive")
-    raw_messages = _list(body.get("messages"), "messages")
+            raise fail("max_tokens", "must be positive")
+    raw_messages = as_list(body.get("messages"), "messages")
     if not raw_messages:
-        raise _fail("messages", "must not be empty")
+        raise fail("messages", "must not be empty")
     seen = _Collected(images)
     earlier = history.front_memo(MessagesMemo) if history is not None else None
     canonical, memo = _messages(body, raw_messages, seen, earlier)
