@@ -32,13 +32,8 @@ Owns the validation of a Messages body (errors name the field as a dotted path, 
   (an ``{"INVALID_JSON": <text>}`` input, ``encode``'s wrapping, is unwrapped). What ``encode``
   emitted for an answer parses back to that answer's message (linking digests the content and
   the tool calls).
-- ``tools``: custom tools -> chat function tools (``parameters`` = ``input_schema``); server
-  tools (a ``type`` other than ``custom``, e.g. ``web_search_20250305``) cannot run behind an
-  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools`` and named by
-  the call's ``tools_not_rendered`` diagnostic.
-- ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``"auto"`` / ``"required"`` /
-  ``{"type": "function", ...}`` / ``"none"``; ``disable_parallel_tool_use`` ->
-  ``parallel_tool_calls: false``.
+- ``tools`` and ``tool_choice``: see ``tools`` (custom tools -> chat function tools, server
+  tools left out).
 - ``stop_sequences`` -> ``stop``; ``temperature`` (0 to 1), ``top_p`` (above 0, at most 1),
   ``top_k`` (0 or more) as they are, each refused outside its range;
   ``thinking`` -> ``MessagesOptions.thinking`` and, when explicitly ``enabled`` / ``disabled``,
@@ -51,24 +46,18 @@ Owns the validation of a Messages body (errors name the field as a dotted path, 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from capture_proxy.core.conversation import (
-    ChatFunction,
     ChatMessage,
-    ChatNamedToolChoice,
     ChatRequest,
-    ChatTool,
     ChatToolCall,
     tool_call,
 )
 from capture_proxy.core.fronts.base import (
     Api,
-    ConvertedTools,
     FrontRequest,
-    convert_tools,
     loads_or_none,
     open_reasoning,
     tools_not_rendered,
@@ -84,6 +73,7 @@ from capture_proxy.core.fronts.messages.checks import (
     fail,
 )
 from capture_proxy.core.fronts.messages.options import MessagesOptions
+from capture_proxy.core.fronts.messages.tools import tool_fields
 from capture_proxy.core.images import ImageCollector, ImageLimits, ImageRefused, joined_content
 from capture_proxy.core.known_tools import KnownTools
 
@@ -290,50 +280,6 @@ def _inline_system_message(content: Any, path: str) -> ChatMessage:
     return {"role": "system", "content": _texts(blocks, f"{path}.content")}
 
 
-def _tools(raw: Any) -> tuple[list[ChatTool], tuple[dict[str, Any], ...]]:
-    """(chat function tools, server tools)."""
-    chat: list[ChatTool] = []
-    server: list[dict[str, Any]] = []
-    for i, tool in enumerate(as_list(raw, "tools")):
-        p = f"tools.{i}"
-        as_object(tool, p)
-        kind = tool.get("type")
-        if kind is not None and as_str(kind, f"{p}.type") != "custom":
-            server.append(tool)
-            continue
-        fn: ChatFunction = {"name": as_str(tool.get("name"), f"{p}.name")}
-        if tool.get("description") is not None:
-            fn["description"] = as_str(tool["description"], f"{p}.description")
-        fn["parameters"] = as_object(tool.get("input_schema"), f"{p}.input_schema")
-        chat.append({"type": "function", "function": fn})
-    return chat, tuple(server)
-
-
-def _tool_choice(raw: Any, tool_names: Sequence[str], out: ChatRequest) -> None:
-    choice = as_object(raw, "tool_choice")
-    kind = as_str(choice.get("type"), "tool_choice.type")
-    if kind == "auto":
-        value: str | ChatNamedToolChoice = "auto"
-    elif kind == "any":
-        value = "required"
-    elif kind == "tool":
-        name = as_str(choice.get("name"), "tool_choice.name")
-        if name not in tool_names:
-            raise fail("tool_choice.name", f"{name!r} is not one of the (custom) tools")
-        value = {"type": "function", "function": {"name": name}}
-    elif kind == "none":
-        value = "none"
-    else:
-        raise fail("tool_choice.type", f"must be auto, any, tool or none, not {kind!r}")
-    if kind == "any" and not tool_names:
-        raise fail("tool_choice.type", "any needs at least one (custom) tool")
-    disable = choice.get("disable_parallel_tool_use")
-    if disable is not None and as_bool(disable, "tool_choice.disable_parallel_tool_use"):
-        out["parallel_tool_calls"] = False
-    if tool_names:
-        out["tool_choice"] = value
-
-
 def _thinking(raw: Any, out: ChatRequest) -> tuple[dict[str, Any], bool]:
     """(the thinking object, display omitted)."""
     thinking = as_object(raw, "thinking")
@@ -422,22 +368,6 @@ def _messages(
     return messages, MessagesMemo(system_value, system, raw_messages, outputs)
 
 
-def _tool_fields(
-    body: dict[str, Any], chat: ChatRequest, known_tools: KnownTools | None
-) -> ConvertedTools[tuple[dict[str, Any], ...]]:
-    """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat``; returns the
-    tools as converted (``extra``: the server tools, left out)."""
-    converted: ConvertedTools[tuple[dict[str, Any], ...]] = ConvertedTools([], ())
-    if body.get("tools") is not None:
-        converted = convert_tools(body["tools"], Api.MESSAGES, _tools, known_tools)
-        if converted.chat:
-            chat["tools"] = converted.chat
-    if body.get("tool_choice") is not None:
-        names = [t["function"]["name"] for t in converted.chat]
-        _tool_choice(body["tool_choice"], names, chat)
-    return converted
-
-
 def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
     """Sets ``stop``, ``temperature``, ``top_p``, ``top_k`` and the stream fields of ``chat``;
     returns whether the harness asked for a stream."""
@@ -503,7 +433,7 @@ def parse_request(
     chat: ChatRequest = {"model": model, "messages": canonical}
     if not count_tokens:
         chat["max_tokens"] = max_tokens
-    converted = _tool_fields(body, chat, known_tools)
+    converted = tool_fields(body, chat, known_tools)
     server_tools = converted.extra
     stream = False if count_tokens else _sampling_fields(body, chat)
     thinking: dict[str, Any] | None = None
