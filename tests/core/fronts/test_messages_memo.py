@@ -13,7 +13,7 @@ import pytest
 from capture_proxy.core import chunk_scan
 from capture_proxy.core.fronts.base import FrontRequest, seal_reasoning
 from capture_proxy.core.fronts.messages import MessagesCodec
-from capture_proxy.core.fronts.messages.parse import MessagesMemo
+from capture_proxy.core.fronts.messages.blocks import MessagesMemo
 from capture_proxy.core.known_bodies import KnownBodies
 from tests.core.fronts.memo_sessions import LIMITS, PNG
 

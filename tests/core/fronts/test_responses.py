@@ -15,11 +15,8 @@ from capture_proxy.core.fronts.base import (
 )
 from capture_proxy.core.fronts.responses import ResponsesCodec
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
-from capture_proxy.core.fronts.responses.parse import (
-    CUSTOM_TOOL_PARAMETERS,
-    referenced_history,
-    referenced_response_id,
-)
+from capture_proxy.core.fronts.responses.parse import referenced_history, referenced_response_id
+from capture_proxy.core.fronts.responses.tools import CUSTOM_TOOL_PARAMETERS
 
 CODEC = ResponsesCodec()
 CALL_ID = "call-0123abcd"

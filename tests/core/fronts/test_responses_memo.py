@@ -14,7 +14,7 @@ import pytest
 from capture_proxy.core import chunk_scan
 from capture_proxy.core.fronts.base import FrontRequest
 from capture_proxy.core.fronts.responses import ResponsesCodec
-from capture_proxy.core.fronts.responses.parse import ResponsesMemo
+from capture_proxy.core.fronts.responses.items import ResponsesMemo
 from capture_proxy.core.known_bodies import KnownBodies
 from tests.core.fronts.memo_sessions import LIMITS, PNG
 

@@ -3,9 +3,10 @@
 Owns the mapping between a Messages request and the canonical conversation (a chat body, see
 ``fronts.base``), the encoding of the canonical answer as a ``message`` or as its SSE events,
 the ``count_tokens`` request and answer, and Anthropic's error shape. Pure: no I/O, no aiohttp.
-By noun: ``parse`` (the request), ``options`` (``MessagesOptions``, what the encoders need back
-from it), ``encode`` (the ``message``, its content blocks, the error shape), ``stream`` (the SSE
-events of one streamed answer).
+By noun: ``parse`` (the request; its ``system`` and ``messages`` read by ``blocks``, its tools
+by ``tools``, its fields checked by ``checks``), ``options`` (``MessagesOptions``, what the
+encoders need back from it), ``encode`` (the ``message``, its content blocks, the error shape),
+``stream`` (the SSE events of one streamed answer).
 """
 
 from __future__ import annotations

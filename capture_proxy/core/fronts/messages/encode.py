@@ -27,8 +27,8 @@ from capture_proxy.core.fronts.base import (
     loads_or_none,
     seal_reasoning,
 )
+from capture_proxy.core.fronts.messages.blocks import INVALID_JSON_KEY
 from capture_proxy.core.fronts.messages.options import MessagesOptions
-from capture_proxy.core.fronts.messages.parse import INVALID_JSON_KEY
 
 #: Anthropic error types by HTTP status (docs "HTTP errors"; SDK ``ErrorType``: 402 billing,
 #: 504 ``timeout_error``, 529 ``overloaded_error``). Other 4xx: ``invalid_request_error``,

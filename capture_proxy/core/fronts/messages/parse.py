@@ -2,43 +2,16 @@
 conversation.
 
 Owns the validation of a Messages body (errors name the field as a dotted path, e.g.
-``messages.3.content.1.type``), its mapping to the canonical chat request (see
-``fronts.base``) and to ``MessagesOptions``. Pure; must not encode answers (``encode``,
-``stream``).
+``messages.3.content.1.type``: ``checks``), its mapping to the canonical chat request (see
+``fronts.base``) and to ``MessagesOptions``: ``parse_request`` reads the fields in order, the
+``system`` and ``messages`` by ``blocks``, the tools by ``tools``. Pure; must not encode
+answers (``encode``, ``stream``).
 
-- ``system`` (a string or ``text`` blocks, joined with ``"\\n"``) -> one leading ``system``
-  message. ``cache_control`` anywhere is ignored.
-- a ``system`` message inside ``messages`` (Claude Code's ``# Environment`` block) -> a
-  ``system`` message in its place (a string, or ``text`` blocks joined with ``"\\n"``).
-- a ``user`` message -> its blocks in order: a run of ``text`` and ``image`` blocks -> one
-  ``user`` message (text only: the texts joined with ``"\\n"``; with images: a list of parts,
-  each run of texts joined with ``"\\n"`` into one text part, each image a canonical image part,
-  ``core.images``); each ``tool_result`` -> a ``tool`` message (its ``text`` and ``image``
-  content blocks, the same way). An ``image`` block's ``source`` is ``base64`` (``media_type``,
-  ``data``) or ``url``; a ``file`` source, ``document`` and any other block is refused.
-- ``tool_result.is_error``: chat templates have no place for it, so the tool message's text
-  says it: ``"Error: "`` (``TOOL_ERROR_PREFIX``) is put before the result text, and the ids are
-  listed in ``MessagesOptions.tool_errors``. The model sees what the harness meant; the
-  stored conversation shows exactly what the model saw.
-- an ``assistant`` message -> one assistant message: ``text`` blocks -> ``content`` (joined
-  with ``""``: an answer's text blocks are one text, as Anthropic's SDKs' ``get_final_text``
-  joins them, and a stream whose engine interleaved reasoning and text splits the answer's
-  text where its kind changed; None when there is none but tool calls, else ``""``),
-  ``thinking`` -> ``reasoning_content`` (joined with ``""`` likewise; each block's text is the
-  one sealed in its ``signature`` when it is a value this proxy issued, since Claude Code's
-  ``display: omitted`` leaves the visible text empty; else the visible text),
-  ``redacted_thinking`` -> the sealed text when its ``data`` opens, else nothing;
-  ``tool_use`` -> a tool call whose arguments are ``json.dumps(input, ensure_ascii=False)``
-  (an ``{"INVALID_JSON": <text>}`` input, ``encode``'s wrapping, is unwrapped). What ``encode``
-  emitted for an answer parses back to that answer's message (linking digests the content and
-  the tool calls).
-- ``tools``: custom tools -> chat function tools (``parameters`` = ``input_schema``); server
-  tools (a ``type`` other than ``custom``, e.g. ``web_search_20250305``) cannot run behind an
-  engine: left out of the chat tools, listed in ``MessagesOptions.server_tools`` and named by
-  the call's ``tools_not_rendered`` diagnostic.
-- ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none`` -> ``"auto"`` / ``"required"`` /
-  ``{"type": "function", ...}`` / ``"none"``; ``disable_parallel_tool_use`` ->
-  ``parallel_tool_calls: false``.
+- ``system`` and ``messages``: see ``blocks`` (each message's content blocks in order; a
+  ``tool_result`` -> a ``tool`` message, ``is_error`` said in its text; ``thinking`` ->
+  ``reasoning_content``; ``tool_use`` -> a tool call).
+- ``tools`` and ``tool_choice``: see ``tools`` (custom tools -> chat function tools, server
+  tools left out).
 - ``stop_sequences`` -> ``stop``; ``temperature`` (0 to 1), ``top_p`` (above 0, at most 1),
   ``top_k`` (0 or more) as they are, each refused outside its range;
   ``thinking`` -> ``MessagesOptions.thinking`` and, when explicitly ``enabled`` / ``disabled``,
@@ -50,463 +23,79 @@ Owns the validation of a Messages body (errors name the field as a dotted path, 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from capture_proxy.core.conversation import (
-    ChatFunction,
-    ChatMessage,
-    ChatNamedToolChoice,
-    ChatRequest,
-    ChatTool,
-    ChatToolCall,
-    tool_call,
-)
-from capture_proxy.core.fronts.base import (
-    Api,
-    ConvertedTools,
-    FrontRequest,
-    InvalidFrontRequest,
-    convert_tools,
-    is_int,
-    is_number,
-    loads_or_none,
-    open_reasoning,
-    tools_not_rendered,
+from capture_proxy.core.conversation import ChatRequest
+from capture_proxy.core.fronts.base import Api, FrontRequest, tools_not_rendered
+from capture_proxy.core.fronts.messages.blocks import Collected, MessagesMemo, canonical_messages
+from capture_proxy.core.fronts.messages.checks import (
+    as_bool,
+    as_int,
+    as_list,
+    as_number,
+    as_object,
+    as_str,
+    fail,
 )
 from capture_proxy.core.fronts.messages.options import MessagesOptions
-from capture_proxy.core.images import ImageCollector, ImageLimits, ImageRefused, joined_content
+from capture_proxy.core.fronts.messages.tools import tool_fields
+from capture_proxy.core.images import ImageLimits
 from capture_proxy.core.known_tools import KnownTools
 
 if TYPE_CHECKING:
     from capture_proxy.core.known_bodies import ParsedBody
 
-#: Put before a tool result's text when the harness marked it ``is_error``.
-TOOL_ERROR_PREFIX = "Error: "
-#: The key that wraps tool-call arguments that are not a JSON object.
-INVALID_JSON_KEY = "INVALID_JSON"
-
-
-def _fail(path: str, what: str) -> InvalidFrontRequest:
-    return InvalidFrontRequest(f"{path}: {what}", path)
-
-
-def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
-
-
-def _str(value: Any, path: str) -> str:
-    if not isinstance(value, str):
-        raise _fail(path, f"must be a string, not {_type_name(value)}")
-    return value
-
 
 def _stop_sequence(value: Any, path: str) -> str:
-    if not _str(value, path):
-        raise _fail(path, "must not be empty (the engine refuses an empty stop string)")
+    if not as_str(value, path):
+        raise fail(path, "must not be empty (the engine refuses an empty stop string)")
     return value
-
-
-def _obj(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _fail(path, f"must be an object, not {_type_name(value)}")
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _fail(path, f"must be an array, not {_type_name(value)}")
-    return value
-
-
-def _blocks(value: Any, path: str, what: str = "content blocks") -> list[Any]:
-    """The blocks of a field that is a string (the caller takes that) or an array of blocks."""
-    if not isinstance(value, list):
-        raise _fail(path, f"must be a string or an array of {what}, not {_type_name(value)}")
-    return value
-
-
-def _int(value: Any, path: str) -> int:
-    if not is_int(value):
-        raise _fail(path, f"must be an integer, not {_type_name(value)}")
-    return value
-
-
-def _number(value: Any, path: str) -> float | int:
-    if not is_number(value):
-        raise _fail(path, f"must be a number, not {_type_name(value)}")
-    return value
-
-
-def _bool(value: Any, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(path, f"must be a boolean, not {_type_name(value)}")
-    return value
-
-
-def _block_type(block: Any, path: str) -> str:
-    return _str(_obj(block, path).get("type"), f"{path}.type")
-
-
-def _texts(blocks: list[Any], path: str) -> str:
-    """``text`` blocks joined with ``"\\n"``; anything else is refused."""
-    parts = []
-    for j, block in enumerate(blocks):
-        p = f"{path}.{j}"
-        kind = _block_type(block, p)
-        if kind != "text":
-            raise _fail(f"{p}.type", f"only text can be captured, not {kind!r}")
-        parts.append(_str(block.get("text"), f"{p}.text"))
-    return "\n".join(parts)
-
-
-class _Collected:
-    """What parsing the messages found besides the canonical messages."""
-
-    def __init__(self, images: ImageLimits | None = None) -> None:
-        self.tool_errors: list[str] = []
-        self.reasoning_hints: list[str] = []
-        self.images = ImageCollector(images)
-
-
-def _image_part(block: dict[str, Any], path: str, role: str, seen: _Collected) -> dict[str, Any]:
-    """An ``image`` block's canonical part (``source``: ``base64`` or ``url``); an image
-    ``core.images`` refuses is named in this front's error style (``path: what``)."""
-    source = _obj(block.get("source"), f"{path}.source")
-    kind = _str(source.get("type"), f"{path}.source.type")
-    try:
-        if kind == "base64":
-            media_type = _str(source.get("media_type"), f"{path}.source.media_type")
-            return seen.images.base64(source.get("data"), media_type, f"{path}.source.data", role)
-        if kind == "url":
-            return seen.images.url(source.get("url"), f"{path}.source.url", role)
-    except ImageRefused as exc:
-        param = exc.param or path
-        text = str(exc).removeprefix(f"'{param}'").removeprefix(":").strip()
-        raise _fail(param, text) from exc
-    raise _fail(
-        f"{path}.source.type",
-        f"must be base64 or url, not {kind!r} (the proxy keeps no uploaded files)",
-    )
-
-
-def _user_messages(content: Any, path: str, seen: _Collected) -> list[ChatMessage]:
-    if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    blocks = _blocks(content, f"{path}.content")
-    if not blocks:
-        raise _fail(f"{path}.content", "must not be empty")
-    out: list[ChatMessage] = []
-    parts: list[str | dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        p = f"{path}.content.{j}"
-        kind = _block_type(block, p)
-        if kind == "text":
-            parts.append(_str(block.get("text"), f"{p}.text"))
-        elif kind == "image":
-            parts.append(_image_part(block, p, "user", seen))
-        elif kind == "tool_result":
-            if parts:
-                out.append({"role": "user", "content": joined_content(parts)})
-                parts = []
-            out.append(_tool_message(block, p, seen))
-        else:
-            raise _fail(
-                f"{p}.type", f"only text, image and tool_result can be captured, not {kind!r}"
-            )
-    if parts:
-        out.append({"role": "user", "content": joined_content(parts)})
-    return out
-
-
-def _tool_content(raw: Any, path: str, seen: _Collected) -> Any:
-    """A ``tool_result``'s content: a string, or ``text`` and ``image`` blocks."""
-    if raw is None:
-        return ""
-    if isinstance(raw, str):
-        return raw
-    parts: list[str | dict[str, Any]] = []
-    for j, block in enumerate(_blocks(raw, path, "text and image blocks")):
-        p = f"{path}.{j}"
-        kind = _block_type(block, p)
-        if kind == "text":
-            parts.append(_str(block.get("text"), f"{p}.text"))
-        elif kind == "image":
-            parts.append(_image_part(block, p, "tool", seen))
-        else:
-            raise _fail(f"{p}.type", f"only text and image can be captured, not {kind!r}")
-    return joined_content(parts)
-
-
-def _tool_message(block: dict[str, Any], path: str, seen: _Collected) -> ChatMessage:
-    tool_use_id = _str(block.get("tool_use_id"), f"{path}.tool_use_id")
-    content = _tool_content(block.get("content"), f"{path}.content", seen)
-    is_error = block.get("is_error")
-    if is_error is not None and _bool(is_error, f"{path}.is_error"):
-        seen.tool_errors.append(tool_use_id)
-        if isinstance(content, str):
-            content = TOOL_ERROR_PREFIX + content
-        else:
-            content = [{"type": "text", "text": TOOL_ERROR_PREFIX}, *content]
-    return {"role": "tool", "tool_call_id": tool_use_id, "content": content}
-
-
-def _unwrap_arguments(value: dict[str, Any]) -> str:
-    """Tool-call arguments text from a ``tool_use`` ``input``: the wrapping ``encode`` uses for
-    arguments that are not a JSON object is undone."""
-    if set(value) == {INVALID_JSON_KEY} and isinstance(value[INVALID_JSON_KEY], str):
-        raw = value[INVALID_JSON_KEY]
-        if not isinstance(loads_or_none(raw), dict):
-            return raw
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _assistant_message(content: Any, path: str, seen: _Collected) -> ChatMessage:
-    if isinstance(content, str):
-        return {"role": "assistant", "content": content}
-    blocks = _blocks(content, f"{path}.content")
-    texts: list[str] = []
-    reasoning: list[str] = []
-    calls: list[ChatToolCall] = []
-    for j, block in enumerate(blocks):
-        p = f"{path}.content.{j}"
-        kind = _block_type(block, p)
-        if kind == "text":
-            texts.append(_str(block.get("text"), f"{p}.text"))
-        elif kind == "thinking":
-            visible = _str(block.get("thinking"), f"{p}.thinking")
-            signature = block.get("signature")
-            if signature is not None:
-                _str(signature, f"{p}.signature")
-            opened = open_reasoning(signature)
-            if opened is not None:
-                seen.reasoning_hints.append(opened[0])
-                reasoning.append(opened[1])
-            elif visible:
-                reasoning.append(visible)
-        elif kind == "redacted_thinking":
-            opened = open_reasoning(_str(block.get("data"), f"{p}.data"))
-            if opened is not None:
-                seen.reasoning_hints.append(opened[0])
-                reasoning.append(opened[1])
-        elif kind == "tool_use":
-            call_id = _str(block.get("id"), f"{p}.id")
-            name = _str(block.get("name"), f"{p}.name")
-            arguments = _unwrap_arguments(_obj(block.get("input"), f"{p}.input"))
-            calls.append(tool_call(call_id, name, arguments))
-        else:
-            raise _fail(
-                f"{p}.type",
-                f"only text, thinking and tool_use can be captured, not {kind!r}",
-            )
-    message: ChatMessage = {
-        "role": "assistant",
-        "content": "".join(texts) if texts else (None if calls else ""),
-    }
-    if reasoning:
-        message["reasoning_content"] = "".join(reasoning)
-    if calls:
-        message["tool_calls"] = calls
-    return message
-
-
-def _system_message(system: Any) -> ChatMessage | None:
-    if system is None:
-        return None
-    if isinstance(system, str):
-        text = system
-    else:
-        text = _texts(_blocks(system, "system", "text blocks"), "system")
-    return {"role": "system", "content": text} if text else None
-
-
-def _inline_system_message(content: Any, path: str) -> ChatMessage:
-    """A ``role: "system"`` message inside ``messages`` (Claude Code 2.1.328 puts its
-    ``# Environment`` block there, after the task) -> a ``system`` message in its place. Its
-    content is a string or ``text`` blocks joined with ``"\\n"``: Claude Code sends it as a
-    one-block list with ``cache_control`` first and as a plain string afterwards, which must
-    give the same canonical message."""
-    if isinstance(content, str):
-        return {"role": "system", "content": content}
-    blocks = _blocks(content, f"{path}.content", "text blocks")
-    return {"role": "system", "content": _texts(blocks, f"{path}.content")}
-
-
-def _tools(raw: Any) -> tuple[list[ChatTool], tuple[dict[str, Any], ...]]:
-    """(chat function tools, server tools)."""
-    chat: list[ChatTool] = []
-    server: list[dict[str, Any]] = []
-    for i, tool in enumerate(_list(raw, "tools")):
-        p = f"tools.{i}"
-        _obj(tool, p)
-        kind = tool.get("type")
-        if kind is not None and _str(kind, f"{p}.type") != "custom":
-            server.append(tool)
-            continue
-        fn: ChatFunction = {"name": _str(tool.get("name"), f"{p}.name")}
-        if tool.get("description") is not None:
-            fn["description"] = _str(tool["description"], f"{p}.description")
-        fn["parameters"] = _obj(tool.get("input_schema"), f"{p}.input_schema")
-        chat.append({"type": "function", "function": fn})
-    return chat, tuple(server)
-
-
-def _tool_choice(raw: Any, tool_names: Sequence[str], out: ChatRequest) -> None:
-    choice = _obj(raw, "tool_choice")
-    kind = _str(choice.get("type"), "tool_choice.type")
-    if kind == "auto":
-        value: str | ChatNamedToolChoice = "auto"
-    elif kind == "any":
-        value = "required"
-    elif kind == "tool":
-        name = _str(choice.get("name"), "tool_choice.name")
-        if name not in tool_names:
-            raise _fail("tool_choice.name", f"{name!r} is not one of the (custom) tools")
-        value = {"type": "function", "function": {"name": name}}
-    elif kind == "none":
-        value = "none"
-    else:
-        raise _fail("tool_choice.type", f"must be auto, any, tool or none, not {kind!r}")
-    if kind == "any" and not tool_names:
-        raise _fail("tool_choice.type", "any needs at least one (custom) tool")
-    disable = choice.get("disable_parallel_tool_use")
-    if disable is not None and _bool(disable, "tool_choice.disable_parallel_tool_use"):
-        out["parallel_tool_calls"] = False
-    if tool_names:
-        out["tool_choice"] = value
 
 
 def _thinking(raw: Any, out: ChatRequest) -> tuple[dict[str, Any], bool]:
     """(the thinking object, display omitted)."""
-    thinking = _obj(raw, "thinking")
-    kind = _str(thinking.get("type"), "thinking.type")
+    thinking = as_object(raw, "thinking")
+    kind = as_str(thinking.get("type"), "thinking.type")
     if kind == "enabled":
-        budget = _int(thinking.get("budget_tokens"), "thinking.budget_tokens")
+        budget = as_int(thinking.get("budget_tokens"), "thinking.budget_tokens")
         if budget < 1:
-            raise _fail("thinking.budget_tokens", "must be positive")
+            raise fail("thinking.budget_tokens", "must be positive")
         out["chat_template_kwargs"] = {"enable_thinking": True}
     elif kind == "disabled":
         out["chat_template_kwargs"] = {"enable_thinking": False}
     elif kind != "adaptive":
-        raise _fail("thinking.type", f"must be enabled, disabled or adaptive, not {kind!r}")
+        raise fail("thinking.type", f"must be enabled, disabled or adaptive, not {kind!r}")
     display = thinking.get("display")
     if display is not None:
-        _str(display, "thinking.display")
+        as_str(display, "thinking.display")
     return thinking, display == "omitted"
-
-
-#: What one message became: its canonical messages, and the tool-error ids and reasoning hints
-#: its conversion recorded (``_Collected``)
-_Converted = tuple[list[ChatMessage], tuple[str, ...], tuple[str, ...]]
-
-
-@dataclass(slots=True, eq=False)
-class MessagesMemo:
-    """The conversion of one request's history, for the next request of its session
-    (``known_bodies``: a message it repeats is the same object): ``system`` its ``system``
-    value and ``system_message`` what that became; ``sources`` its messages (its own list,
-    never changed) and ``outputs[i]`` what ``sources[i]`` became (None: not kept, as it held
-    images, which the call's image collector must see). A message's conversion depends on its
-    value only (its index names it in errors, and a message that converted has none)."""
-
-    system: Any
-    system_message: ChatMessage | None
-    sources: list[Any]
-    outputs: list[_Converted | None]
-
-
-def _converted(raw: Any, path: str, seen: _Collected) -> list[ChatMessage]:
-    message = _obj(raw, path)
-    role = message.get("role")
-    if role == "user":
-        return _user_messages(message.get("content"), path, seen)
-    if role == "assistant":
-        return [_assistant_message(message.get("content"), path, seen)]
-    if role == "system":
-        return [_inline_system_message(message.get("content"), path)]
-    raise _fail(f"{path}.role", f"must be user, assistant or system, not {role!r}")
-
-
-def _messages(
-    body: dict[str, Any],
-    raw_messages: list[Any],
-    seen: _Collected,
-    earlier: MessagesMemo | None = None,
-) -> tuple[list[ChatMessage], MessagesMemo]:
-    """The canonical messages: ``system``, then each message of ``messages`` in order; and
-    their ``MessagesMemo``. ``earlier``: an earlier request's memo: what it converted of the
-    very objects this request repeats is taken (its records replayed into ``seen``), not
-    converted again."""
-    system_value = body.get("system")
-    if earlier is not None and system_value is earlier.system:
-        system = earlier.system_message
-    else:
-        system = _system_message(system_value)
-    messages: list[ChatMessage] = [system] if system is not None else []
-    sources = earlier.sources if earlier is not None else []
-    outputs: list[_Converted | None] = []
-    for i, raw in enumerate(raw_messages):
-        kept = earlier.outputs[i] if earlier is not None and i < len(sources) else None
-        if kept is not None and raw is sources[i]:
-            converted, errors, hints = kept
-            seen.tool_errors.extend(errors)
-            seen.reasoning_hints.extend(hints)
-        else:
-            errors_at, hints_at = len(seen.tool_errors), len(seen.reasoning_hints)
-            images_at = len(seen.images.paths)
-            converted = _converted(raw, f"messages.{i}", seen)
-            kept = None
-            if len(seen.images.paths) == images_at:
-                errors = tuple(seen.tool_errors[errors_at:])
-                kept = (converted, errors, tuple(seen.reasoning_hints[hints_at:]))
-        messages.extend(converted)
-        outputs.append(kept)
-    return messages, MessagesMemo(system_value, system, raw_messages, outputs)
-
-
-def _tool_fields(
-    body: dict[str, Any], chat: ChatRequest, known_tools: KnownTools | None
-) -> ConvertedTools[tuple[dict[str, Any], ...]]:
-    """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat``; returns the
-    tools as converted (``extra``: the server tools, left out)."""
-    converted: ConvertedTools[tuple[dict[str, Any], ...]] = ConvertedTools([], ())
-    if body.get("tools") is not None:
-        converted = convert_tools(body["tools"], Api.MESSAGES, _tools, known_tools)
-        if converted.chat:
-            chat["tools"] = converted.chat
-    if body.get("tool_choice") is not None:
-        names = [t["function"]["name"] for t in converted.chat]
-        _tool_choice(body["tool_choice"], names, chat)
-    return converted
 
 
 def _sampling_fields(body: dict[str, Any], chat: ChatRequest) -> bool:
     """Sets ``stop``, ``temperature``, ``top_p``, ``top_k`` and the stream fields of ``chat``;
     returns whether the harness asked for a stream."""
     if body.get("stop_sequences") is not None:
-        stops = _list(body["stop_sequences"], "stop_sequences")
+        stops = as_list(body["stop_sequences"], "stop_sequences")
         chat["stop"] = [_stop_sequence(s, f"stop_sequences.{k}") for k, s in enumerate(stops)]
     if body.get("temperature") is not None:
-        temperature = _number(body["temperature"], "temperature")
+        temperature = as_number(body["temperature"], "temperature")
         if not 0 <= temperature <= 1:
-            raise _fail("temperature", f"must be from 0 to 1, not {temperature}")
+            raise fail("temperature", f"must be from 0 to 1, not {temperature}")
         chat["temperature"] = temperature
     if body.get("top_p") is not None:
-        top_p = _number(body["top_p"], "top_p")
+        top_p = as_number(body["top_p"], "top_p")
         if not 0 < top_p <= 1:
             # Anthropic documents [0, 1]; the engine (vLLM) refuses 0.
-            raise _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+            raise fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
         chat["top_p"] = top_p
     if body.get("top_k") is not None:
-        top_k = _int(body["top_k"], "top_k")
+        top_k = as_int(body["top_k"], "top_k")
         if top_k < 0:
-            raise _fail("top_k", f"must be 0 or more, not {top_k}")
+            raise fail("top_k", f"must be 0 or more, not {top_k}")
         chat["top_k"] = top_k
     stream = False
     if body.get("stream") is not None:
-        stream = _bool(body["stream"], "stream")
+        stream = as_bool(body["stream"], "stream")
     if stream:
         chat["stream"] = True
         chat["stream_options"] = {"include_usage": True}
@@ -528,26 +117,26 @@ def parse_request(
     ``convert_tools``); ``history``: the body as ``known_bodies`` read it (the conversion of
     the messages it repeats is taken from its ``front_memo``, and this one's kept). Raises
     InvalidFrontRequest naming the first bad field, ImageRefused (``core.images``)."""
-    _obj(body, "body")
-    model = _str(body.get("model"), "model")
+    as_object(body, "body")
+    model = as_str(body.get("model"), "model")
     if not model:
-        raise _fail("model", "must not be empty")
+        raise fail("model", "must not be empty")
     if not count_tokens:
-        max_tokens = _int(body.get("max_tokens"), "max_tokens")
+        max_tokens = as_int(body.get("max_tokens"), "max_tokens")
         if max_tokens < 1:
-            raise _fail("max_tokens", "must be positive")
-    raw_messages = _list(body.get("messages"), "messages")
+            raise fail("max_tokens", "must be positive")
+    raw_messages = as_list(body.get("messages"), "messages")
     if not raw_messages:
-        raise _fail("messages", "must not be empty")
-    seen = _Collected(images)
+        raise fail("messages", "must not be empty")
+    seen = Collected(images)
     earlier = history.front_memo(MessagesMemo) if history is not None else None
-    canonical, memo = _messages(body, raw_messages, seen, earlier)
+    canonical, memo = canonical_messages(body, raw_messages, seen, earlier)
     if history is not None:
         history.keep_front_memo(memo)
     chat: ChatRequest = {"model": model, "messages": canonical}
     if not count_tokens:
         chat["max_tokens"] = max_tokens
-    converted = _tool_fields(body, chat, known_tools)
+    converted = tool_fields(body, chat, known_tools)
     server_tools = converted.extra
     stream = False if count_tokens else _sampling_fields(body, chat)
     thinking: dict[str, Any] | None = None

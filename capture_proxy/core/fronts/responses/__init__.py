@@ -2,7 +2,8 @@
 
 Owns the mapping between a Responses request and the canonical conversation (a chat body, see
 ``fronts.base``), and between the canonical answer and a ``response`` object, whole or as the
-API's SSE events. Pure: no I/O, no aiohttp. By noun: ``parse`` (the request),
+API's SSE events. Pure: no I/O, no aiohttp. By noun: ``parse`` (the request; its ``input``
+items read by ``items``, its tools by ``tools``, its fields checked by ``checks``),
 ``options`` (``ResponsesOptions``, what the encoders need back from it), ``encode`` (the
 ``response`` object and its output items), ``stream`` (the SSE events of one streamed
 answer).

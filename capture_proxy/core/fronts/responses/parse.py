@@ -1,111 +1,38 @@
 """Parsing a Responses request (``POST /v1/responses``) into the canonical conversation.
 
 Owns the validation of a Responses body (errors name the field as a dotted path, e.g.
-``input.3.content.0.type``) and its mapping to the canonical chat request (see ``fronts.base``)
-and to ``ResponsesOptions``. Pure; must not encode answers (``encode``, ``stream``).
+``input.3.content.0.type``: ``checks``) and its mapping to the canonical chat request (see
+``fronts.base``) and to ``ResponsesOptions``: ``parse_request`` reads the fields in order, the
+``input`` items by ``items``, the tools by ``tools``. Pure; must not encode answers
+(``encode``, ``stream``).
 
 - ``instructions`` becomes a leading system message, before the history
   ``previous_response_id`` stands for (``referenced_history``). As the API does, the
   instructions of the referenced response are not carried over: that history is its input
   items (``developer``/``system`` messages among them) and its output, without the system
   message its own ``instructions`` became.
-- ``input`` items: ``message`` items (``developer``/``system`` -> system), ``function_call``
-  and ``custom_tool_call`` (freeform: arguments ``{"input": <text>}``), their outputs (tool
-  messages), ``reasoning`` (-> ``reasoning_content``: the sealed text, then ``content``, then
-  ``summary``). Consecutive model-side items (reasoning, assistant message, calls) form ONE
-  assistant message, exactly the message the proxy's answer was, so that linking finds the
-  call it continues. ``input_image`` parts of user messages and of tool-call outputs are
-  images (``image_url``: a ``data:`` URL or a remote one, ``core.images``; a ``file_id`` is
-  refused: the proxy keeps no uploaded files); files are refused, naming the field; so are
-  items that stand for state the proxy does not keep (``item_reference``) or calls of tools it
-  never offers (hosted tools).
-- ``tools``: ``function`` tools pass; ``custom`` (freeform) tools become a function with one
-  string parameter ``input``; ``namespace`` and hosted tools (``web_search``, ...) cannot be
-  rendered by a local engine and are left out (``ResponsesOptions.unrendered_tools``, named by
-  the call's ``tools_not_rendered`` diagnostic).
+- ``input``: a string (one user message) or items, see ``items`` (consecutive model-side
+  items form one assistant message; images, files and items for state the proxy does not keep).
+- ``tools``, ``tool_choice`` and ``parallel_tool_calls``: see ``tools`` (freeform tools
+  become functions; namespaces and hosted tools are left out).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from capture_proxy.core.conversation import (
-    ChatFunction,
-    ChatMessage,
-    ChatNamedToolChoice,
-    ChatRequest,
-    ChatTool,
-    ChatToolCall,
-    Role,
-    kept_messages,
-    tool_call,
-)
-from capture_proxy.core.fronts.base import (
-    Api,
-    ConvertedTools,
-    FrontRequest,
-    InvalidFrontRequest,
-    convert_tools,
-    is_int,
-    is_number,
-    open_reasoning,
-    tools_not_rendered,
-)
+from capture_proxy.core.conversation import ChatMessage, ChatRequest, kept_messages
+from capture_proxy.core.fronts.base import Api, FrontRequest, is_int, is_number, tools_not_rendered
+from capture_proxy.core.fronts.responses.checks import as_list, as_object, fail, string_member
+from capture_proxy.core.fronts.responses.items import ResponsesMemo, input_messages
 from capture_proxy.core.fronts.responses.options import ResponsesOptions
-from capture_proxy.core.images import ImageCollector, ImageLimits, detail_of, joined_content
+from capture_proxy.core.fronts.responses.tools import tool_fields
+from capture_proxy.core.images import ImageCollector, ImageLimits
 from capture_proxy.core.known_tools import KnownTools
-from capture_proxy.core.requests import arguments_problem
 
 if TYPE_CHECKING:
     from capture_proxy.core.known_bodies import ParsedBody
-
-#: The chat parameters a freeform (``custom``) tool is offered under.
-CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
-    "type": "object",
-    "properties": {"input": {"type": "string"}},
-    "required": ["input"],
-}
-
-_TEXT_PARTS = frozenset({"input_text", "output_text"})
-_TOOL_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
-_ROLES: dict[str, Role] = {
-    "system": "system",
-    "developer": "system",
-    "user": "user",
-    "assistant": "assistant",
-}
-_TOOL_CHOICES = frozenset({"auto", "none", "required"})
-
-
-def _fail(param: str, message: str) -> NoReturn:
-    raise InvalidFrontRequest(f"'{param}' {message}", param)
-
-
-def _string(obj: Mapping[str, Any], key: str, path: str, *, required: bool = True) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        if required:
-            _fail(f"{path}.{key}" if path else key, "is required")
-        return None
-    if not isinstance(value, str):
-        _fail(f"{path}.{key}" if path else key, f"must be a string, got {type(value).__name__}")
-    return value
-
-
-def _object(value: Any, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        _fail(path, f"must be an object, got {type(value).__name__}")
-    return value
-
-
-def _list(value: Any, path: str) -> list[Any]:
-    if not isinstance(value, list):
-        _fail(path, f"must be an array, got {type(value).__name__}")
-    return value
 
 
 def referenced_response_id(body: Mapping[str, Any]) -> str | None:
@@ -115,319 +42,8 @@ def referenced_response_id(body: Mapping[str, Any]) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        _fail("previous_response_id", "must be a non-empty string")
+        fail("previous_response_id", "must be a non-empty string")
     return value
-
-
-def _part_texts(parts: Any, path: str, allowed: frozenset[str], first: int = 0) -> list[str]:
-    """The texts of a list of content parts (numbered from ``first`` in errors); anything but
-    text is refused, naming it."""
-    texts = []
-    for i, raw in enumerate(_list(parts, path), start=first):
-        part = _object(raw, f"{path}.{i}")
-        kind = part.get("type")
-        if not isinstance(kind, str):
-            _fail(f"{path}.{i}.type", "is required (a string)")
-        if kind in allowed:
-            texts.append(_string(part, "text", f"{path}.{i}") or "")
-        elif kind == "refusal":
-            texts.append(_string(part, "refusal", f"{path}.{i}") or "")
-        else:
-            _fail(
-                f"{path}.{i}.type",
-                f"is {kind!r}: only text content can be captured "
-                f"({', '.join(sorted(allowed))} or refusal parts)",
-            )
-    return texts
-
-
-def _image_part(part: Mapping[str, Any], path: str, role: str, images: ImageCollector) -> Any:
-    """An ``input_image`` part's canonical image part."""
-    detail = detail_of(part.get("detail"), f"{path}.detail")
-    if part.get("image_url") is None and part.get("file_id") is not None:
-        _fail(
-            f"{path}.file_id", "cannot be read: the proxy keeps no uploaded files (send image_url)"
-        )
-    return images.url(part.get("image_url"), f"{path}.image_url", role, detail=detail)
-
-
-def _content_parts(value: Any, path: str, role: str, images: ImageCollector) -> Any:
-    """A user message's or a tool output's content: a string, or text and ``input_image``
-    parts (``core.images.joined_content``)."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        _fail(path, "is required")
-    if not isinstance(value, list):
-        _fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
-    parts: list[Any] = []
-    for i, raw in enumerate(value):
-        part = _object(raw, f"{path}.{i}")
-        if part.get("type") == "input_image":
-            parts.append(_image_part(part, f"{path}.{i}", role, images))
-        else:
-            parts.extend(_part_texts([raw], path, _TEXT_PARTS, first=i))
-    return joined_content(parts)
-
-
-def _content_text(value: Any, path: str, allowed: frozenset[str]) -> str:
-    if isinstance(value, str):
-        return value
-    if value is None:
-        _fail(path, "is required")
-    if not isinstance(value, list):
-        _fail(path, f"must be a string or an array of content parts, got {type(value).__name__}")
-    return "\n".join(_part_texts(value, path, allowed))
-
-
-def _reasoning_text(item: Mapping[str, Any], path: str) -> str:
-    """The reasoning an item stands for: our sealed value's text, else the ``content``
-    reasoning texts, else the summary texts."""
-    sealed = item.get("encrypted_content")
-    if sealed is not None and not isinstance(sealed, str):
-        _fail(f"{path}.encrypted_content", "must be a string")
-    opened = open_reasoning(sealed)
-    if opened is not None:
-        return opened[1]
-    content = item.get("content")
-    if content is not None:
-        texts = _part_texts(content, f"{path}.content", frozenset({"reasoning_text", "text"}))
-        if any(texts):
-            return "".join(texts)
-    summary = item.get("summary")
-    if summary is None:
-        return ""
-    return "\n".join(_part_texts(summary, f"{path}.summary", frozenset({"summary_text"})))
-
-
-@dataclass
-class _Turn:
-    """The model-side items of one assistant turn, gathered until a non-model item."""
-
-    texts: list[str] = field(default_factory=list)
-    has_message: bool = False
-    reasoning: list[str] = field(default_factory=list)
-    tool_calls: list[ChatToolCall] = field(default_factory=list)
-
-    def message(self) -> ChatMessage | None:
-        reasoning = "".join(self.reasoning)
-        if not (self.has_message or reasoning or self.tool_calls):
-            return None
-        message: ChatMessage = {
-            "role": "assistant",
-            "content": "".join(self.texts) if self.has_message else None,
-        }
-        if reasoning:
-            message["reasoning_content"] = reasoning
-        if self.tool_calls:
-            message["tool_calls"] = self.tool_calls
-        return message
-
-
-def _custom_arguments(text: str) -> str:
-    return json.dumps({"input": text}, ensure_ascii=False)
-
-
-def _tool_call(item: Mapping[str, Any], path: str, kind: str) -> ChatToolCall:
-    """A ``function_call`` (its arguments checked as JSON) or ``custom_tool_call`` item as
-    the canonical tool call (a custom tool's input wrapped as ``{"input": ...}``); fields
-    read in the order they always were (a function call's arguments first)."""
-    if kind == "function_call":
-        arguments = _string(item, "arguments", path) or ""
-        problem = arguments_problem(arguments)
-        if problem is not None:
-            _fail(f"{path}.arguments", problem.removeprefix("tool call arguments "))
-        return tool_call(
-            _string(item, "call_id", path) or "", _string(item, "name", path) or "", arguments
-        )
-    call_id = _string(item, "call_id", path) or ""
-    name = _string(item, "name", path) or ""
-    return tool_call(call_id, name, _custom_arguments(_string(item, "input", path) or ""))
-
-
-@dataclass(slots=True, eq=False)
-class ResponsesMemo:
-    """The conversion of one request's input, for the next request of its session
-    (``known_bodies``: an item it repeats is the same object): ``instructions`` and
-    ``system``, the message they became; ``sources`` its input items (its own list, never
-    changed), ``messages`` what they became, and ``checkpoints``: ``(items read, messages
-    made)`` where no assistant turn was open and no image had been taken, from which the
-    conversion goes on as from the start (a function call joins the assistant turn before
-    it, so items do not convert one by one)."""
-
-    instructions: str | None
-    system: ChatMessage | None
-    sources: list[Any]
-    messages: list[ChatMessage]
-    checkpoints: list[tuple[int, int]]
-
-
-def _resumed(
-    items: list[Any], earlier: ResponsesMemo | None
-) -> tuple[int, list[ChatMessage], list[tuple[int, int]]]:
-    """Where the conversion of ``items`` goes on from: the latest of ``earlier``'s
-    checkpoints whose items are all this request's very objects (items read, the messages
-    made, the checkpoints up to it); the start when none."""
-    if earlier is None:
-        return 0, [], [(0, 0)]
-    same = 0
-    for a, b in zip(earlier.sources, items, strict=False):
-        if a is not b:
-            break
-        same += 1
-    checkpoints = earlier.checkpoints
-    for k in range(len(checkpoints) - 1, -1, -1):
-        at, made = checkpoints[k]
-        if at <= same:
-            return at, earlier.messages[:made], checkpoints[: k + 1]
-    return 0, [], [(0, 0)]
-
-
-def _input_messages(
-    items: list[Any], images: ImageCollector, earlier: ResponsesMemo | None = None
-) -> tuple[list[ChatMessage], list[tuple[int, int]]]:
-    """The canonical messages of ``items`` and their checkpoints (``ResponsesMemo``), going on
-    from ``earlier``'s where this request repeats its items."""
-    start, messages, checkpoints = _resumed(items, earlier)
-    turn = _Turn()
-
-    def close_turn() -> None:
-        nonlocal turn
-        message = turn.message()
-        if message is not None:
-            messages.append(message)
-        turn = _Turn()
-
-    for i in range(start, len(items)):
-        path = f"input.{i}"
-        item = _object(items[i], path)
-        kind = item.get("type")
-        if kind is None and "role" in item:
-            kind = "message"
-        if not isinstance(kind, str):
-            _fail(f"{path}.type", "is required (a string)")
-        if kind == "message":
-            role = item.get("role")
-            # An object or array role is unhashable: test the type before the lookup.
-            if not isinstance(role, str) or role not in _ROLES:
-                _fail(f"{path}.role", "must be one of 'system', 'developer', 'user', 'assistant'")
-            if role == "assistant":
-                text = _content_text(item.get("content"), f"{path}.content", _TEXT_PARTS)
-                turn.has_message = True
-                turn.texts.append(text)
-                continue
-            close_turn()
-            content = _content_parts(item.get("content"), f"{path}.content", role, images)
-            messages.append({"role": _ROLES[role], "content": content})
-            if not images.paths:
-                checkpoints.append((i + 1, len(messages)))
-        elif kind == "reasoning":
-            text = _reasoning_text(item, path)
-            if text:
-                turn.reasoning.append(text)
-        elif kind in ("function_call", "custom_tool_call"):
-            turn.tool_calls.append(_tool_call(item, path, kind))
-        elif kind in _TOOL_OUTPUTS:
-            close_turn()
-            call_id = _string(item, "call_id", path) or ""
-            output = _content_parts(item.get("output"), f"{path}.output", "tool", images)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-            if not images.paths:
-                checkpoints.append((i + 1, len(messages)))
-        elif kind == "item_reference":
-            _fail(
-                f"{path}.type",
-                "is 'item_reference': the proxy keeps no stored items to refer to; send the "
-                "item itself (as Codex does with store: false)",
-            )
-        else:
-            _fail(
-                f"{path}.type",
-                f"is {kind!r}: this item cannot be captured (only messages, reasoning, "
-                "function and custom tool calls and their outputs can)",
-            )
-    close_turn()
-    return messages, checkpoints
-
-
-#: What the Responses front keeps of its tools beside the chat tools: the names of freeform
-#: tools, the tools left out.
-_ToolsExtra = tuple[frozenset[str], tuple[Mapping[str, Any], ...]]
-
-
-def _tools(raw: Any) -> tuple[list[ChatTool], _ToolsExtra]:
-    """Chat function tools, and (the names of freeform tools, the tools left out)."""
-    tools: list[ChatTool] = []
-    custom: set[str] = set()
-    unrendered: list[Mapping[str, Any]] = []
-    for i, entry in enumerate(_list(raw, "tools")):
-        path = f"tools.{i}"
-        tool = _object(entry, path)
-        kind = tool.get("type")
-        if not isinstance(kind, str):
-            _fail(f"{path}.type", "is required (a string)")
-        if kind in ("function", "custom"):
-            name = _string(tool, "name", path) or ""
-            function: ChatFunction = {"name": name}
-            description = _string(tool, "description", path, required=False)
-            if description is not None:
-                function["description"] = description
-            if kind == "function":
-                parameters = tool.get("parameters")
-                if parameters is None:
-                    parameters = {"type": "object", "properties": {}}
-                function["parameters"] = dict(_object(parameters, f"{path}.parameters"))
-                strict = tool.get("strict")
-                if strict is not None:
-                    if not isinstance(strict, bool):
-                        _fail(f"{path}.strict", "must be a boolean")
-                    function["strict"] = strict
-            else:
-                function["parameters"] = copy.deepcopy(CUSTOM_TOOL_PARAMETERS)
-                custom.add(name)
-            tools.append({"type": "function", "function": function})
-        else:
-            unrendered.append(tool)
-    return tools, (frozenset(custom), tuple(unrendered))
-
-
-def _tool_choice(value: Any) -> str | ChatNamedToolChoice:
-    if isinstance(value, str):
-        if value not in _TOOL_CHOICES:
-            _fail("tool_choice", "must be 'auto', 'none', 'required' or a function choice")
-        return value
-    choice = _object(value, "tool_choice")
-    if choice.get("type") in ("function", "custom"):
-        return {"type": "function", "function": {"name": _string(choice, "name", "tool_choice")}}
-    _fail(
-        "tool_choice.type",
-        f"is {choice.get('type')!r}: only a function or custom tool can be forced "
-        "(hosted tools are not run by the engine)",
-    )
-
-
-def _response_format(text: Any) -> dict[str, Any] | None:
-    fmt = _object(text, "text").get("format")
-    if fmt is None:
-        return None
-    fmt = _object(fmt, "text.format")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"type": "json_object"}
-    if kind == "json_schema":
-        schema: dict[str, Any] = {
-            "name": _string(fmt, "name", "text.format"),
-            "schema": dict(_object(fmt.get("schema"), "text.format.schema")),
-        }
-        description = _string(fmt, "description", "text.format", required=False)
-        if description is not None:
-            schema["description"] = description
-        if fmt.get("strict") is not None:
-            schema["strict"] = fmt["strict"]
-        return {"type": "json_schema", "json_schema": schema}
-    _fail("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
 def referenced_history(
@@ -473,10 +89,10 @@ def _input(
     their ``ResponsesMemo`` where ``input`` is an array and no history is referenced (None
     else), going on from ``earlier``'s."""
     reference = referenced_response_id(body)
-    instructions = _string(body, "instructions", "", required=False)
+    instructions = string_member(body, "instructions", "", required=False)
     raw_input = body.get("input")
     if raw_input is None and reference is None:
-        _fail("input", "is required (or previous_response_id)")
+        fail("input", "is required (or previous_response_id)")
     if raw_input is None:
         new: list[ChatMessage] = []
     elif isinstance(raw_input, str):
@@ -484,12 +100,12 @@ def _input(
     elif isinstance(raw_input, list):
         if previous is None and reference is None:
             return _input_items(raw_input, instructions, images, earlier)
-        new, _ = _input_messages(raw_input, images)
+        new, _ = input_messages(raw_input, images)
     else:
-        _fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
+        fail("input", f"must be a string or an array of items, got {type(raw_input).__name__}")
     messages = _with_instructions(previous or [], instructions) + new
     if not messages:
-        _fail("input", "holds no message to answer")
+        fail("input", "holds no message to answer")
     return messages, None
 
 
@@ -504,35 +120,35 @@ def _input_items(
         system = earlier.system
     else:
         system = None if instructions is None else {"role": "system", "content": instructions}
-    converted, checkpoints = _input_messages(items, images, earlier)
+    converted, checkpoints = input_messages(items, images, earlier)
     messages = [system, *converted] if system is not None else list(converted)  # (not the memo's)
     if not messages:
-        _fail("input", "holds no message to answer")
+        fail("input", "holds no message to answer")
     return messages, ResponsesMemo(instructions, system, items, converted, checkpoints)
 
 
-def _tool_fields(
-    body: Mapping[str, Any], chat: ChatRequest, known_tools: KnownTools | None
-) -> ConvertedTools[_ToolsExtra]:
-    """Sets ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of ``chat`` (the last two
-    only when a tool is rendered); returns the tools as converted (``extra``: the freeform
-    tools' names and the tools left out)."""
-    converted: ConvertedTools[_ToolsExtra] = ConvertedTools([], (frozenset(), ()))
-    if body.get("tools") is not None:
-        converted = convert_tools(body["tools"], Api.RESPONSES, _tools, known_tools)
-        if converted.chat:
-            chat["tools"] = converted.chat
-    if body.get("tool_choice") is not None:
-        choice = _tool_choice(body["tool_choice"])
-        if "tools" in chat:
-            chat["tool_choice"] = choice
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            _fail("parallel_tool_calls", "must be a boolean")
-        if "tools" in chat:
-            chat["parallel_tool_calls"] = parallel
-    return converted
+def _response_format(text: Any) -> dict[str, Any] | None:
+    fmt = as_object(text, "text").get("format")
+    if fmt is None:
+        return None
+    fmt = as_object(fmt, "text.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        schema: dict[str, Any] = {
+            "name": string_member(fmt, "name", "text.format"),
+            "schema": dict(as_object(fmt.get("schema"), "text.format.schema")),
+        }
+        description = string_member(fmt, "description", "text.format", required=False)
+        if description is not None:
+            schema["description"] = description
+        if fmt.get("strict") is not None:
+            schema["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": schema}
+    fail("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
 def _sampling_fields(body: Mapping[str, Any], chat: ChatRequest) -> None:
@@ -540,22 +156,22 @@ def _sampling_fields(body: Mapping[str, Any], chat: ChatRequest) -> None:
     limit = body.get("max_output_tokens")
     if limit is not None:
         if not is_int(limit) or limit < 1:
-            _fail("max_output_tokens", "must be a positive integer")
+            fail("max_output_tokens", "must be a positive integer")
         chat["max_tokens"] = limit
     temperature = body.get("temperature")
     if temperature is not None:
         if not is_number(temperature):
-            _fail("temperature", "must be a number")
+            fail("temperature", "must be a number")
         if not 0 <= temperature <= 2:
-            _fail("temperature", f"must be from 0 to 2, not {temperature}")
+            fail("temperature", f"must be from 0 to 2, not {temperature}")
         chat["temperature"] = temperature
     top_p = body.get("top_p")
     if top_p is not None:
         if not is_number(top_p):
-            _fail("top_p", "must be a number")
+            fail("top_p", "must be a number")
         if not 0 < top_p <= 1:
             # OpenAI documents [0, 1]; the engine (vLLM) refuses 0.
-            _fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
+            fail("top_p", f"must be greater than 0 and at most 1, not {top_p}")
         chat["top_p"] = top_p
     if body.get("text") is not None:
         response_format = _response_format(body["text"])
@@ -567,14 +183,14 @@ def _reasoning_fields(body: Mapping[str, Any]) -> tuple[dict[str, Any] | None, t
     """The ``reasoning`` object (``effort`` and ``summary`` checked) and the ``include`` list."""
     reasoning = body.get("reasoning")
     if reasoning is not None:
-        reasoning = _object(reasoning, "reasoning")
+        reasoning = as_object(reasoning, "reasoning")
         for key in ("effort", "summary"):
-            _string(reasoning, key, "reasoning", required=False)
+            string_member(reasoning, key, "reasoning", required=False)
     include: list[str] = []
     if body.get("include") is not None:
-        for i, value in enumerate(_list(body["include"], "include")):
+        for i, value in enumerate(as_list(body["include"], "include")):
             if not isinstance(value, str):
-                _fail(f"include.{i}", "must be a string")
+                fail(f"include.{i}", "must be a string")
             include.append(value)
     return (dict(reasoning) if reasoning is not None else None), tuple(include)
 
@@ -584,7 +200,7 @@ def _stream(body: Mapping[str, Any]) -> bool:
     if stream is None:
         return False
     if not isinstance(stream, bool):
-        _fail("stream", "must be a boolean")
+        fail("stream", "must be a boolean")
     return stream
 
 
@@ -605,11 +221,11 @@ def parse_request(
     field, in the order the fields are read below, ImageRefused (``core.images``)."""
     model = body.get("model")
     if model is None:
-        _fail("model", "is required")
+        fail("model", "is required")
     if not isinstance(model, str):
-        _fail("model", f"must be a string, got {type(model).__name__}")
+        fail("model", f"must be a string, got {type(model).__name__}")
     if body.get("background") is True:
-        _fail(
+        fail(
             "background",
             "true is not supported: the proxy answers in the request, and keeps no response "
             "to poll or cancel",
@@ -620,7 +236,7 @@ def parse_request(
     if history is not None:
         history.keep_front_memo(memo)
     chat: ChatRequest = {"model": model, "messages": messages}
-    converted = _tool_fields(body, chat, known_tools)
+    converted = tool_fields(body, chat, known_tools)
     custom, unrendered = converted.extra
     _sampling_fields(body, chat)
     reasoning, include = _reasoning_fields(body)
