@@ -26,7 +26,15 @@ from capture_proxy.core.linking.digests import (
     turn_digest,
     turn_digests,
 )
-from capture_proxy.core.linking.entries import IN_FLIGHT, Entry, SessionKey
+from capture_proxy.core.linking.entries import (
+    CALL_COMPLETE,
+    CALL_FAILED,
+    CALL_INCOMPLETE,
+    IN_FLIGHT,
+    Entry,
+    SessionKey,
+    age,
+)
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidates, Resolution
@@ -47,12 +55,7 @@ from capture_proxy.core.linking.verdicts import (
     model_scope,
 )
 from capture_proxy.core.prefixes import PrefixIndex, StoredPrefix
-from capture_proxy.core.records import CallRecord, CallStatus
-
-#: Record statuses the index keeps (``CallStatus`` values).
-CALL_COMPLETE = CallStatus.COMPLETE.value
-CALL_FAILED = CallStatus.FAILED.value
-CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
+from capture_proxy.core.records import CallRecord
 
 K = TypeVar("K")
 
@@ -222,7 +225,7 @@ class LinkIndex:
             del self._latest_request[digest]
             rest = self._by_request.get(digest)
             if rest and find_latest:  # O(calls of the digest), only when the latest leaves
-                self._latest_request[digest] = max(rest.values(), key=_age)
+                self._latest_request[digest] = max(rest.values(), key=age)
 
     def _file_order(self, entry: Entry) -> None:
         """File ``entry`` (just indexed) among the childless and as its request's latest."""
@@ -230,7 +233,7 @@ class LinkIndex:
         digest = entry.request_digest
         if digest is not None:
             latest = self._latest_request.get(digest)
-            if latest is None or _age(entry) >= _age(latest):
+            if latest is None or age(entry) >= age(latest):
                 self._latest_request[digest] = entry
 
     def _count_child(self, parent: Entry, delta: int) -> None:
@@ -256,7 +259,7 @@ class LinkIndex:
 
     @staticmethod
     def _ordered(entries: dict[str, Entry] | None) -> list[Entry]:
-        return sorted((entries or {}).values(), key=_age)
+        return sorted((entries or {}).values(), key=age)
 
     def _retry_of(
         self,
@@ -295,7 +298,7 @@ class LinkIndex:
             for entry in (self._retry_candidates.get(req_digest) or {}).values()
             if entry is not latest and _lost(entry, ends_incomplete, session)
         ]
-        return max(lost, key=_age).call_id if lost else None
+        return max(lost, key=age).call_id if lost else None
 
     def late_retry_of(
         self,
@@ -318,10 +321,10 @@ class LinkIndex:
             entry
             for entry in (self._retry_candidates.get(req_digest) or {}).values()
             if entry.session == session
-            and _age(entry) < _age(own)
+            and age(entry) < age(own)
             and _lost(entry, ends_incomplete, session)
         ]
-        return max(lost, key=_age).call_id if lost else None
+        return max(lost, key=age).call_id if lost else None
 
     @staticmethod
     def _session_retry_of(latest: Entry) -> str | None:
@@ -475,10 +478,6 @@ class LinkIndex:
         not looked at."""
         parent = self._prefixes.deepest(prompt, model=model, exclude=exclude)
         return parent.call_id if parent is not None else None
-
-
-def _age(entry: Entry) -> tuple[float, str]:
-    return entry.created_at, entry.call_id
 
 
 def _may_be_retried(entry: Entry) -> bool:
