@@ -1,7 +1,8 @@
 """What the link index keeps of one captured call (``Entry``), apart from the index itself.
 
-``index`` files entries; ``candidate_order`` orders them: both import this module, and
-neither has to import the other to name an entry.
+``index`` files entries; ``candidate_order`` orders them and ``retry_target`` finds a retry's
+target among them: all import this module, and neither of the last two has to import the
+index to name an entry.
 """
 
 from __future__ import annotations
