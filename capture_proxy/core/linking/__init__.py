@@ -12,6 +12,7 @@ nothing, so a module can be imported alone):
 - ``resolution``: the request-time answer (``Resolution``, its ``Candidate`` parents).
 - ``entries``: what the index keeps of one call (``Entry``).
 - ``candidate_order``: the order of a resolution's parent candidates, over the index's maps.
+- ``retry_target``: the call an identical request retries, over the index's maps.
 - ``index``: the per-rollout ``LinkIndex`` and how stored records enter it.
 - ``commands``: the questions the steps ask their driver (read a parent, read a rollout's
   calls, find a prefix ancestor, detokenise) and the step protocol.

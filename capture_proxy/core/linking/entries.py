@@ -1,15 +1,23 @@
 """What the link index keeps of one captured call (``Entry``), apart from the index itself.
 
-``index`` files entries; ``candidate_order`` orders them: both import this module, and
-neither has to import the other to name an entry.
+``index`` files entries; ``candidate_order`` orders them and ``retry_target`` finds a retry's
+target among them: all import this module, and neither of the last two has to import the
+index to name an entry.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from capture_proxy.core.records import CallStatus
+
 #: Status of an index entry whose call is still in flight.
 IN_FLIGHT = "in_flight"
+
+#: Record statuses the index keeps (``CallStatus`` values).
+CALL_COMPLETE = CallStatus.COMPLETE.value
+CALL_FAILED = CallStatus.FAILED.value
+CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
 
 #: A harness session, as ``core.sessions.Session.key`` gives it: (harness, session id).
 SessionKey = tuple[str, str]
@@ -44,3 +52,9 @@ class Entry:
     #: the chain digest of the history its request sent before the turn it asked for
     #: (``history_keys``): what a call that continues its answer repeats before that answer
     history: bytes | None = None
+
+
+def age(entry: Entry) -> tuple[float, str]:
+    """``entry``'s place in the order of the calls' arrival: its ``created_at``, then (a tie)
+    its call id."""
+    return entry.created_at, entry.call_id

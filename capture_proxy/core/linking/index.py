@@ -1,10 +1,10 @@
 """The per-rollout link index: captured calls by child, request and answer digest.
 
-Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, the retry target,
-why a history matched no call, the deepest token-exact ancestor; the candidates' preference
-order is ``candidate_order``'s, over the maps kept here) and how a stored record enters it
-(``add_record``, ``refresh_index``). Pure: no aiohttp, no I/O; the adapter that owns the cache
-reads the records and hands them in.
+Owns ``LinkIndex`` (lookups that cost the same at call 5 and at call 5,000, why a history
+matched no call, the deepest token-exact ancestor; the candidates' preference order is
+``candidate_order``'s and the retry target ``retry_target``'s, over the maps kept here) and
+how a stored record enters it (``add_record``, ``refresh_index``). Pure: no aiohttp, no
+I/O; the adapter that owns the cache reads the records and hands them in.
 """
 
 from __future__ import annotations
@@ -26,10 +26,19 @@ from capture_proxy.core.linking.digests import (
     turn_digest,
     turn_digests,
 )
-from capture_proxy.core.linking.entries import IN_FLIGHT, Entry, SessionKey
+from capture_proxy.core.linking.entries import (
+    CALL_COMPLETE,  # noqa: F401 (index's name still, as is CALL_INCOMPLETE)
+    CALL_FAILED,
+    CALL_INCOMPLETE,  # noqa: F401
+    IN_FLIGHT,
+    Entry,
+    SessionKey,
+    age,
+)
 from capture_proxy.core.linking.mismatch import MismatchClass
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.resolution import Candidates, Resolution
+from capture_proxy.core.linking.retry_target import late_retry_of, may_be_retried, retry_target
 from capture_proxy.core.linking.stored import (
     FROM_RECORD,
     SessionOrFromRecord,
@@ -47,12 +56,7 @@ from capture_proxy.core.linking.verdicts import (
     model_scope,
 )
 from capture_proxy.core.prefixes import PrefixIndex, StoredPrefix
-from capture_proxy.core.records import CallRecord, CallStatus
-
-#: Record statuses the index keeps (``CallStatus`` values).
-CALL_COMPLETE = CallStatus.COMPLETE.value
-CALL_FAILED = CallStatus.FAILED.value
-CALL_INCOMPLETE = CallStatus.INCOMPLETE.value
+from capture_proxy.core.records import CallRecord
 
 K = TypeVar("K")
 
@@ -73,10 +77,10 @@ class LinkIndex:
     #: are: ``candidate_order``), so resolving does not look at every call that shares the digest
     _childless: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: per request digest, its latest call by (``created_at``, call id): the retry target
-    #: unless it was continued (``_retry_of``)
+    #: unless it was continued (``retry_target``)
     _latest_request: dict[str, Entry] = field(default_factory=dict, repr=False)
     #: per request digest, its calls that may still be a retry's target: in flight, failed or
-    #: incomplete, without a child, not replaced (``_retry_of``; a complete call never is, so
+    #: incomplete, without a child, not replaced (``retry_target``; a complete call never is, so
     #: a request repeated by thousands of answered samples costs nothing here)
     _retry_candidates: dict[str, dict[str, Entry]] = field(default_factory=dict, repr=False)
     #: the complete calls by their token prefixes (``prefix_ancestor``)
@@ -188,7 +192,7 @@ class LinkIndex:
     def end_unstored(self, call_id: str) -> None:
         """``call_id`` ended in flight with no record stored (the store refused it, or its
         handler failed): its harness got no answer, so it is filed as a failed call (an
-        identical request is its retry, ``_retry_of``) and no longer counts as a child of the
+        identical request is its retry, ``retry_target``) and no longer counts as a child of the
         candidate it was resolved to."""
         entry = self.entries.get(call_id)
         if entry is None or entry.status != IN_FLIGHT:
@@ -222,7 +226,7 @@ class LinkIndex:
             del self._latest_request[digest]
             rest = self._by_request.get(digest)
             if rest and find_latest:  # O(calls of the digest), only when the latest leaves
-                self._latest_request[digest] = max(rest.values(), key=_age)
+                self._latest_request[digest] = max(rest.values(), key=age)
 
     def _file_order(self, entry: Entry) -> None:
         """File ``entry`` (just indexed) among the childless and as its request's latest."""
@@ -230,7 +234,7 @@ class LinkIndex:
         digest = entry.request_digest
         if digest is not None:
             latest = self._latest_request.get(digest)
-            if latest is None or _age(entry) >= _age(latest):
+            if latest is None or age(entry) >= age(latest):
                 self._latest_request[digest] = entry
 
     def _count_child(self, parent: Entry, delta: int) -> None:
@@ -249,53 +253,14 @@ class LinkIndex:
                 _drop(self._childless, digest, entry.call_id)
         digest = entry.request_digest
         if digest is not None:
-            if _may_be_retried(entry):
+            if may_be_retried(entry):
                 self._retry_candidates.setdefault(digest, {})[entry.call_id] = entry
             else:
                 _drop(self._retry_candidates, digest, entry.call_id)
 
     @staticmethod
     def _ordered(entries: dict[str, Entry] | None) -> list[Entry]:
-        return sorted((entries or {}).values(), key=_age)
-
-    def _retry_of(
-        self,
-        req_digest: str,
-        ends_incomplete: Callable[[str], bool] | None = None,
-        session: SessionKey | None = None,
-        retry_requested: bool = False,
-    ) -> str | None:
-        """The call an identical request retries: the latest identical call whose answer the
-        harness is known not to have got, that no earlier retry replaced and no call
-        continued: stored failed or incomplete, or still in flight and
-        ``ends_incomplete(call_id)`` (its harness left). An identical call answered in full
-        is the target only of a request with the retry header of the same harness
-        ``session`` (``_session_retry_of``): in a group of samples of one prompt (GRPO), one
-        sample's retry whose first attempt never reached the proxy would otherwise replace
-        another sample's answered call and drop it from the chains. A call that names a
-        session is retried only by a request of that session (``_same_sample``): a sibling
-        sample's identical request that comes before the lost call's own retry (on another
-        worker of ``serve --workers``, or sooner on this one) is no retry of it. Identical
-        requests otherwise are sibling samples, each its own call.
-
-        Cost: O(1) when the latest identical call is the target (the usual retry); else the
-        identical calls that may be one (in flight, failed or incomplete: a group of samples
-        sent at once), never the answered ones nor the rollout."""
-        latest = self._latest_request.get(req_digest)
-        if latest is None:
-            return None
-        if _lost(latest, ends_incomplete, session):
-            return latest.call_id
-        if retry_requested and session is not None and latest.session == session:
-            own = self._session_retry_of(latest)
-            if own is not None:
-                return own
-        lost = [
-            entry
-            for entry in (self._retry_candidates.get(req_digest) or {}).values()
-            if entry is not latest and _lost(entry, ends_incomplete, session)
-        ]
-        return max(lost, key=_age).call_id if lost else None
+        return sorted((entries or {}).values(), key=age)
 
     def late_retry_of(
         self,
@@ -304,37 +269,9 @@ class LinkIndex:
         session: SessionKey,
         ends_incomplete: Callable[[str], bool] | None = None,
     ) -> str | None:
-        """The call that ``call_id`` (in this index, a request of harness ``session`` with the
-        retry header that found no call to retry when it arrived) retries, looked for again
-        before it is stored (``late_retry.late_retry_step``): the latest identical call of
-        that session that came before it and that its harness is known not to have got, that
-        no retry replaced and no call continued. With ``serve --workers`` the attempt it
-        retries may be in flight on another worker, its harness gone, when the retry comes:
-        stored there since."""
-        own = self.entries.get(call_id)
-        if own is None:
-            return None
-        lost = [
-            entry
-            for entry in (self._retry_candidates.get(req_digest) or {}).values()
-            if entry.session == session
-            and _age(entry) < _age(own)
-            and _lost(entry, ends_incomplete, session)
-        ]
-        return max(lost, key=_age).call_id if lost else None
-
-    @staticmethod
-    def _session_retry_of(latest: Entry) -> str | None:
-        """The call a request of ``latest``'s session that the harness marks as a retry
-        (``x-stainless-retry-count``) retries: ``latest``, the latest identical call, when it
-        was answered in full, not continued and not replaced. The session makes the header
-        exact: an SDK retries its own session's request, and a process that stored a call and
-        died before its answer's end reached the harness (a replica killed after the commit)
-        left it complete. Without a session the header names no call: in a group of samples
-        of one prompt it cannot tell whose call was lost."""
-        if latest.status != CALL_COMPLETE or latest.children > 0:
-            return None
-        return latest.call_id if latest.superseded_by is None else None
+        """The call that ``call_id`` retries, looked for again before it is stored
+        (``retry_target.late_retry_of``, over this index)."""
+        return late_retry_of(self, call_id, req_digest, session, ends_incomplete)
 
     def resolve(
         self,
@@ -365,10 +302,10 @@ class LinkIndex:
         such a candidate counts as having a child, as this process's own calls in flight do.
         ``ends_incomplete(call_id)``: True when a call in flight is known to end failed or
         incomplete (its record is made so, or its harness left before it was made): as a
-        retry target it counts as a stored failed or incomplete call does. With
-        ``retry_requested`` (the retry header), see ``_session_retry_of``. ``history``: the
-        request's continued history key: those that sent it first (``candidate_order``)."""
-        retry_of = self._retry_of(req_digest, ends_incomplete, session, retry_requested)
+        retry target it counts as a stored failed or incomplete call does. With ``retry_requested``
+        (the retry header), see ``retry_target._session_retry_of``. ``history``: the request's
+        continued history key: those that sent it first (``candidate_order``)."""
+        retry_of = retry_target(self, req_digest, ends_incomplete, session, retry_requested)
         if parent_digest is None:
             return Resolution(Verdict.ROOT, None, req_digest, retry_of=retry_of)
         found = self._by_child.get(parent_digest) or {}
@@ -475,42 +412,6 @@ class LinkIndex:
         not looked at."""
         parent = self._prefixes.deepest(prompt, model=model, exclude=exclude)
         return parent.call_id if parent is not None else None
-
-
-def _age(entry: Entry) -> tuple[float, str]:
-    return entry.created_at, entry.call_id
-
-
-def _may_be_retried(entry: Entry) -> bool:
-    """Whether ``entry`` can still be a retry's target: not answered in full, and neither a
-    retry replaced it nor a call continued it (``LinkIndex._retry_candidates``)."""
-    return entry.children == 0 and entry.superseded_by is None and entry.status != CALL_COMPLETE
-
-
-def _lost(
-    entry: Entry,
-    ends_incomplete: Callable[[str], bool] | None,
-    session: SessionKey | None = None,
-) -> bool:
-    """Whether ``entry`` is a retry target (``LinkIndex._retry_of``) for a request of harness
-    ``session``: it may be retried, its harness is known not to have got its answer, and it
-    is that request's sample (``_same_sample``)."""
-    if not _may_be_retried(entry) or not _same_sample(entry, session):
-        return False
-    if entry.status in (CALL_FAILED, CALL_INCOMPLETE):
-        return True
-    if entry.status != IN_FLIGHT or ends_incomplete is None:
-        return False
-    return ends_incomplete(entry.call_id)
-
-
-def _same_sample(entry: Entry, session: SessionKey | None) -> bool:
-    """Whether a request of harness ``session`` may retry ``entry`` (``LinkIndex._retry_of``):
-    unless both name a session and the sessions differ. In a group of samples of one prompt
-    each sample is its own session (OpenCode's ``x-session-id``): a sibling sample's request
-    that arrives before the lost call's own retry (on another worker of ``serve --workers``,
-    or sooner on this one) is a sample of its own, never that call's retry."""
-    return entry.session is None or session is None or entry.session == session
 
 
 def _drop(index: dict[K, dict[str, Entry]], digest: K | None, call_id: str) -> None:
