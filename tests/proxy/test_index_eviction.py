@@ -7,84 +7,10 @@ would then both link to the first twin: a branch, the other twin left without a 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
-
-from capture_proxy.core.capture import PreparedRequest, prepare_request
-from capture_proxy.core.known_messages import KnownMessages
-from capture_proxy.core.linking.parent_lookup import Resolution
-from capture_proxy.core.records import CallRecord
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.store.sqlite import SQLiteStore
-
-TASK = [{"role": "user", "content": "Count the files."}]
-ANSWER = "There are 2 files."
-NEXT = [*TASK, {"role": "assistant", "content": ANSWER}, {"role": "user", "content": "Go on."}]
-KNOWN = KnownMessages()
-
-
-def _record(call_id: str, rollout_id: str, at: float, messages: list[dict[str, Any]]) -> CallRecord:
-    first = messages is TASK
-    prompt, gen = ([1, 2], [3, 4]) if first else ([1, 2, 3, 4, 5], [6])
-    return CallRecord(
-        call_id=call_id,
-        rollout_id=rollout_id,
-        created_at=at,
-        model="m",
-        request_messages=messages,
-        request_received={"model": "m"},
-        response_message={"role": "assistant", "content": ANSWER if first else "ok"},
-        prompt_token_ids=np.asarray(prompt, np.uint32),
-        generation_token_ids=np.asarray(gen, np.uint32),
-        generation_log_probs=np.full(len(gen), -0.5, np.float32),
-    )
-
-
-async def _resolve(linker: Linker, rollout_id: str, call_id: str, at: float, messages):
-    """A call resolved as the flow does when its request arrives (then in flight)."""
-    prepared = prepare_request({"model": "m", "messages": messages}, None, KNOWN.facts(messages))
-    resolution = await linker.resolve(
-        rollout_id,
-        prepared.linking_messages,
-        prepared.body,
-        call_id=call_id,
-        created_at=at,
-        linking_facts=prepared.linking_facts,
-        history_keys=prepared.history_keys,
-    )
-    return _InFlight(rollout_id, call_id, at, messages, prepared, resolution)
-
-
-@dataclass
-class _InFlight:
-    rollout_id: str
-    call_id: str
-    at: float
-    messages: list[dict[str, Any]]
-    prepared: PreparedRequest
-    resolution: Resolution
-
-    async def finish(self, linker: Linker, store: SQLiteStore) -> str | None:
-        """The rest of the call as the flow drives it: verify, put, remember, release; the
-        verified parent."""
-        record = await linker.verify(
-            _record(self.call_id, self.rollout_id, self.at, self.messages),
-            self.resolution,
-            self.prepared.linking_messages,
-            harness_note=None,
-            retry_count=None,
-            decode=None,
-        )
-        await store.put_call(record)
-        await linker.remember(record)
-        linker.release(self.rollout_id, self.call_id)
-        return record.parent_call_id
-
-
-async def _call(linker: Linker, store: SQLiteStore, rollout_id: str, call_id: str, at, messages):
-    return await (await _resolve(linker, rollout_id, call_id, at, messages)).finish(linker, store)
+from tests.support.twin_calls import NEXT, TASK, resolve_call, twin_call
 
 
 async def test_an_index_with_calls_in_flight_is_kept_and_twins_keep_their_chains(tmp_path):
@@ -92,22 +18,22 @@ async def test_an_index_with_calls_in_flight_is_kept_and_twins_keep_their_chains
     await store.open()
     try:
         linker = Linker(store, max_rollouts=1)
-        assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
-        assert await _call(linker, store, "r1", "y1", 2.0, TASK) is None
+        assert await twin_call(linker, store, "r1", "x1", 1.0, TASK) is None
+        assert await twin_call(linker, store, "r1", "y1", 2.0, TASK) is None
         # twin x's continuation is resolved (in flight): it takes x1, the earliest childless
-        x2 = await _resolve(linker, "r1", "x2", 3.0, NEXT)
+        x2 = await resolve_call(linker, "r1", "x2", 3.0, NEXT)
         assert x2.resolution.parent_call_id == "x1"
         # another rollout's call loads its index: one over the bound, but r1 has a call in
         # flight, so r2's stays beside it
-        assert await _call(linker, store, "r2", "z1", 4.0, TASK) is None
+        assert await twin_call(linker, store, "r2", "z1", 4.0, TASK) is None
         assert list(linker.indexes) == ["r1", "r2"]
         # twin y's continuation: x1 is taken by x2 (in flight), so y1 is its candidate
-        y2 = await _resolve(linker, "r1", "y2", 5.0, NEXT)
+        y2 = await resolve_call(linker, "r1", "y2", 5.0, NEXT)
         assert y2.resolution.parent_call_id == "y1"
         assert await x2.finish(linker, store) == "x1"
         assert await y2.finish(linker, store) == "y1"
         # nothing in flight: the next rollout loaded evicts the least recently used ones
-        assert await _call(linker, store, "r3", "w1", 6.0, TASK) is None
+        assert await twin_call(linker, store, "r3", "w1", 6.0, TASK) is None
         assert list(linker.indexes) == ["r3"]
         assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         chains = {c.call_id: c.parent_call_id for c in await store.get_rollout_calls("r1")}
@@ -121,8 +47,8 @@ async def test_the_index_just_loaded_is_kept_when_every_other_has_calls_in_fligh
     await store.open()
     try:
         linker = Linker(store, max_rollouts=1)
-        a1 = await _resolve(linker, "ra", "a1", 1.0, TASK)
-        b1 = await _resolve(linker, "rb", "b1", 2.0, TASK)
+        a1 = await resolve_call(linker, "ra", "a1", 1.0, TASK)
+        b1 = await resolve_call(linker, "rb", "b1", 2.0, TASK)
         assert list(linker.indexes) == ["ra", "rb"]
         assert linker.indexes.in_flight == {"ra": 1, "rb": 1}
         assert await a1.finish(linker, store) is None
@@ -146,20 +72,20 @@ async def test_the_indexes_in_memory_are_bounded_by_calls_as_well_as_by_rollouts
     await store.open()
     try:
         linker = Linker(store, max_rollouts=100, max_calls=3)
-        assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
-        assert await _call(linker, store, "r1", "y1", 2.0, TASK) is None
+        assert await twin_call(linker, store, "r1", "x1", 1.0, TASK) is None
+        assert await twin_call(linker, store, "r1", "y1", 2.0, TASK) is None
         assert _cached_calls(linker) == 2
-        assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
+        assert await twin_call(linker, store, "r2", "z1", 3.0, TASK) is None
         assert _cached_calls(linker) == 3 and list(linker.indexes) == ["r1", "r2"]
         # a fourth call: r1 (least recently used, nothing in flight) goes
-        assert await _call(linker, store, "r2", "z2", 4.0, TASK) is None
+        assert await twin_call(linker, store, "r2", "z2", 4.0, TASK) is None
         assert list(linker.indexes) == ["r2"] and _cached_calls(linker) == 2
         # r1 comes back from the store whole when its session goes on, and links exactly
-        assert await _call(linker, store, "r1", "x2", 5.0, NEXT) == "x1"
+        assert await twin_call(linker, store, "r1", "x2", 5.0, NEXT) == "x1"
         assert list(linker.indexes) == ["r1"] and _cached_calls(linker) == 3
         # a rollout with calls in flight stays, over the bound, until they end
-        x3 = await _resolve(linker, "r1", "x3", 6.0, TASK)
-        w1 = await _resolve(linker, "r3", "w1", 7.0, TASK)
+        x3 = await resolve_call(linker, "r1", "x3", 6.0, TASK)
+        w1 = await resolve_call(linker, "r3", "w1", 7.0, TASK)
         assert list(linker.indexes) == ["r1", "r3"] and _cached_calls(linker) == 5
         assert await x3.finish(linker, store) is None
         assert list(linker.indexes) == ["r3", "r1"]  # x3 was in flight until its release
@@ -183,8 +109,8 @@ async def test_a_call_is_counted_in_flight_while_its_resolution_awaits_the_store
         linker = Linker(store, max_rollouts=1, refresh_on_miss=True)
         await linker._index("r1")  # cached before the twins' first calls were stored
         other = Linker(store)  # the replica that served them
-        assert await _call(other, store, "r1", "x1", 1.0, TASK) is None
-        assert await _call(other, store, "r1", "y1", 2.0, TASK) is None
+        assert await twin_call(other, store, "r1", "x1", 1.0, TASK) is None
+        assert await twin_call(other, store, "r1", "y1", 2.0, TASK) is None
         reading, go = asyncio.Event(), asyncio.Event()
         read = store.get_calls_by_child_digest
 
@@ -194,16 +120,16 @@ async def test_a_call_is_counted_in_flight_while_its_resolution_awaits_the_store
             return await read(rollout_id, parent_digest)
 
         store.get_calls_by_child_digest = gated  # type: ignore[method-assign]
-        x2 = asyncio.create_task(_resolve(linker, "r1", "x2", 3.0, NEXT))
+        x2 = asyncio.create_task(resolve_call(linker, "r1", "x2", 3.0, NEXT))
         await reading.wait()  # x2's resolution reads the candidates r1's index lacked
         assert linker.indexes.in_flight == {"r1": 1}
-        assert await _call(linker, store, "r2", "z1", 4.0, TASK) is None  # loads r2's index
+        assert await twin_call(linker, store, "r2", "z1", 4.0, TASK) is None  # loads r2's index
         assert list(linker.indexes) == ["r1", "r2"]
         go.set()
         flight = await x2
         store.get_calls_by_child_digest = read  # type: ignore[method-assign]
         assert flight.resolution.parent_call_id == "x1"
-        y2 = await _resolve(linker, "r1", "y2", 5.0, NEXT)
+        y2 = await resolve_call(linker, "r1", "y2", 5.0, NEXT)
         assert y2.resolution.parent_call_id == "y1", "y2 took x1, which x2 (in flight) took"
         assert await flight.finish(linker, store) == "x1"
         assert await y2.finish(linker, store) == "y1"
@@ -226,7 +152,7 @@ async def test_a_failed_resolution_counts_nothing_and_a_call_never_resolved_rele
 
         store.rollout_index_facts = broken  # type: ignore[method-assign]
         try:
-            await _resolve(linker, "r1", "x1", 1.0, TASK)
+            await resolve_call(linker, "r1", "x1", 1.0, TASK)
         except OSError:
             pass
         else:
@@ -237,8 +163,8 @@ async def test_a_failed_resolution_counts_nothing_and_a_call_never_resolved_rele
         linker.release("r1", "never-resolved", unstored=True)
         assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         # nothing keeps an index: the next rollout loaded evicts the others
-        assert await _call(linker, store, "r1", "x1", 2.0, TASK) is None
-        assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
+        assert await twin_call(linker, store, "r1", "x1", 2.0, TASK) is None
+        assert await twin_call(linker, store, "r2", "z1", 3.0, TASK) is None
         assert list(linker.indexes) == ["r2"]
     finally:
         await store.close()
@@ -252,20 +178,20 @@ async def test_a_rollout_forgotten_with_calls_in_flight_is_counted_until_they_en
     await store.open()
     try:
         linker = Linker(store, max_rollouts=1)
-        assert await _call(linker, store, "r1", "x1", 1.0, TASK) is None
-        x2 = await _resolve(linker, "r1", "x2", 2.0, NEXT)
+        assert await twin_call(linker, store, "r1", "x1", 1.0, TASK) is None
+        x2 = await resolve_call(linker, "r1", "x2", 2.0, NEXT)
         linker.forget("r1")
         assert "r1" not in linker.indexes
         assert linker.indexes.in_flight == {"r1": 1} and linker.indexes.in_flight_calls == {
             "x2": "r1"
         }
         await linker._index("r1")
-        assert await _call(linker, store, "r2", "z1", 3.0, TASK) is None
+        assert await twin_call(linker, store, "r2", "z1", 3.0, TASK) is None
         assert list(linker.indexes) == ["r1", "r2"]
         linker.release("r1", "x2", unstored=True)  # its put refused (the rollout is gone)
         assert linker.indexes.in_flight == {} and linker.indexes.in_flight_calls == {}
         assert x2.resolution.parent_call_id == "x1"
-        assert await _call(linker, store, "r3", "w1", 4.0, TASK) is None
+        assert await twin_call(linker, store, "r3", "w1", 4.0, TASK) is None
         assert list(linker.indexes) == ["r3"]
     finally:
         await store.close()
