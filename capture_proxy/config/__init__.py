@@ -7,7 +7,8 @@ stops startup with a message naming the field.
 
 ``fields.py`` declares every setting (type, bounds, default, description; the configuration
 reference is generated from it), ``settings.py`` makes them ``Settings`` (their validators,
-the values derived from them), ``loading.py`` merges the sources (``load_settings``).
+the values derived from them), ``loading.py`` merges the sources (``load_settings``),
+``cpu_quota.py`` counts the CPUs this process may use (``workers``' default).
 """
 
 from capture_proxy.config.loading import ENV_NOT_SETTINGS, ConfigError, load_settings

@@ -13,9 +13,9 @@ from typing import Any
 from pydantic import AnyHttpUrl, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from capture_proxy.config.cpu_quota import usable_cpus
 from capture_proxy.config.fields import SettingsFields
 from capture_proxy.core.redact import basic_auth_header, redact_url, split_credentials
-from capture_proxy.cpu_quota import usable_cpus
 
 #: How many engines the start-up line names (``Settings.backends_label``); more are counted.
 NAMED_BACKENDS = 3

@@ -1,6 +1,6 @@
 """The CPUs ``serve --workers`` counts by default: the affinity mask capped by the cgroup's CPU
-quota (``capture_proxy.cpu_quota``), read from fake ``/proc`` and cgroup trees laid out as the
-kernel publishes them (cgroup v2, v1 and a hybrid host)."""
+quota (``capture_proxy.config.cpu_quota``), read from fake ``/proc`` and cgroup trees laid out
+as the kernel publishes them (cgroup v2, v1 and a hybrid host)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.cpu_quota import cgroup_cpu_quota, usable_cpus
+from capture_proxy.config.cpu_quota import cgroup_cpu_quota, usable_cpus
 
 
 def _proc(tmp_path: Path, cgroup: str, mountinfo: list[str]) -> Path:
