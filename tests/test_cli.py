@@ -150,8 +150,9 @@ def test_serve_timing_flags_reach_the_settings(monkeypatch, tmp_path):
 def test_serve_refuses_bad_timing_flags_as_it_refuses_the_environment(monkeypatch, tmp_path):
     import pytest
 
+    from capture_proxy.cli.errors import ServeExit
     from capture_proxy.cli.parser import build_parser
-    from capture_proxy.cli.serve import ServeExit, settings_from_args
+    from capture_proxy.cli.serve import settings_from_args
 
     base = ["serve", "--backend", "http://127.0.0.1:9", "--store", str(tmp_path / "s")]
     refusal = (
@@ -174,8 +175,9 @@ def test_serve_refuses_a_repeated_backend_as_an_invalid_setting(tmp_path, second
     """A repeated engine was found only by the engine pool at start-up: a traceback (with
     workers, "worker 1 exited during start-up") and exit 1, not the one line and exit 2."""
     from capture_proxy.cli import main
+    from capture_proxy.cli.errors import ServeExit
     from capture_proxy.cli.parser import build_parser
-    from capture_proxy.cli.serve import ServeExit, settings_from_args
+    from capture_proxy.cli.serve import settings_from_args
 
     flags = ["serve", "--backend", "http://127.0.0.1:8000", "--backend", second,
              "--store", str(tmp_path / "s")]  # fmt: skip

@@ -116,8 +116,9 @@ def test_an_empty_token_is_refused_not_taken_as_a_token(monkeypatch, name, token
 
 @pytest.mark.parametrize("value", ["0", "-1", "-0.5"])
 def test_a_read_send_timeout_of_zero_or_less_is_refused_naming_it(tmp_path, monkeypatch, value):
+    from capture_proxy.cli.errors import ServeExit
     from capture_proxy.cli.parser import build_parser
-    from capture_proxy.cli.serve import ServeExit, settings_from_args
+    from capture_proxy.cli.serve import settings_from_args
 
     refusal = "invalid settings: read_send_timeout_s: Input should be greater than 0"
     base = ["serve", "--backend", "http://127.0.0.1:9", "--store", str(tmp_path / "s")]

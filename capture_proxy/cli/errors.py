@@ -1,4 +1,6 @@
-"""``CommandError``: a command that cannot do what it was asked, said in one line.
+"""``CommandError``: a command that cannot do what it was asked, said in one line; and
+``ServeExit``, ``serve``'s start-up failure (raised by ``cli.serve`` and the supervisor of its
+workers, ``cli.workers``).
 
 Owns the exception only; ``cli.main`` is the one place that turns it into a line on stderr
 (``capture-proxy <command>: <message>``) and the exit code, so that no command prints a
@@ -19,3 +21,7 @@ class CommandError(Exception):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class ServeExit(Exception):
+    """Start-up failed: the message to print (after ``capture-proxy: ``); exit status 2."""

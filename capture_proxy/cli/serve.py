@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from capture_proxy.cli.errors import ServeExit
 from capture_proxy.config import ConfigError, Settings, load_settings
 from capture_proxy.core import chunk_scan
 
@@ -108,10 +109,6 @@ def write_port_file(path: Path, port: int) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(f"{port}\n")
     tmp.replace(path)
-
-
-class ServeExit(Exception):
-    """Start-up failed: the message to print (after ``capture-proxy: ``); exit status 2."""
 
 
 def _is_store_to_read(store: str | None) -> bool:

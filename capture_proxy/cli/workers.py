@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from capture_proxy.cli.errors import ServeExit
 from capture_proxy.config import Settings
 
 log = logging.getLogger("capture_proxy")
@@ -116,8 +117,6 @@ class Supervisor:
 
     async def wait_ready(self) -> None:
         """Until every worker listens. Raises ServeExit when one exits first."""
-        from capture_proxy.cli.serve import ServeExit
-
         ready = asyncio.ensure_future(self.all_ready.wait())
         exits = {asyncio.ensure_future(p.wait()): i for i, p in self.procs.items()}
         stop = asyncio.ensure_future(self.stopping.wait())
@@ -235,7 +234,6 @@ def sweep_dead_runtimes(tmp: Path) -> list[Path]:
 
 async def _supervise(plan: WorkerPlan, sock: socket.socket, runtime: Path,
                      on_listening: Callable[[], None]) -> int:  # fmt: skip
-    from capture_proxy.cli.serve import ServeExit
     from capture_proxy.proxy.engines import create_pin_board
     from capture_proxy.store.base import StoreError
     from capture_proxy.store.postgres import is_postgres_url
