@@ -10,12 +10,17 @@ placeholders, turned into the dialect's by ``Dialect.sql``.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from capture_proxy.core.records import CallRecord
 
-if TYPE_CHECKING:
-    from capture_proxy.store.sql import Dialect
+
+class Dialect(Protocol):
+    """What these statements need of ``sql.Dialect`` (not imported: ``sql`` imports this
+    module): a shared statement in the database's spelling."""
+
+    def sql(self, template: str) -> str: ...
+
 
 #: A driver connection (see ``sql.Conn``).
 Conn = Any
