@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from capture_proxy.core.assembly import CallContext, call_fields, check_generation, check_usage
+from capture_proxy.core.assembly import CallContext, call_fields
 from capture_proxy.core.engine_formats import Piece
+from capture_proxy.core.generation_checks import check_generation, check_usage
 from capture_proxy.core.records import (
     CallRecord,
     CallStatus,
