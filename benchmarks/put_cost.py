@@ -197,7 +197,7 @@ def main_thread_work(record: Any) -> tuple[Any, ...]:
     (verification: ``RecordDigests`` with the block states made when the call has a parent,
     handed to the put when the tree's ``put_call`` takes them; else the prompt's digest, the
     caches' state). Not measured."""
-    from capture_proxy.core.codec import RequestEncoding
+    from capture_proxy.core.request_encoding import RequestEncoding
 
     request = RequestEncoding.of(record.request_messages, record.request_tools)
     if not _takes_digests():

@@ -28,10 +28,10 @@ from typing import Any
 
 import capture_proxy
 from capture_proxy.core.capture import prepare_request
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts import front_for
 from capture_proxy.core.known_messages import KnownMessages, message_digests
 from capture_proxy.core.linking import digests
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import received_refs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"

@@ -4,9 +4,10 @@ Owns the mapping ``CallRecord`` <-> ``EncodedRecord`` in the current schema vers
 store keeps per call to split a child's messages (``StoredMessages``) and the order in which a
 rollout's records decode (``decode_records``). The stored form itself (``EncodedRecord``, the
 canonical JSON, the metadata's shape ``StoredMeta``) is ``stored_form``'s; the schema versions
-and the one-step migrations of older stored forms are ``record_migrations``'s. It does no I/O:
-stores decide where the bytes go (SQLite BLOBs for the embedded store) and which stored call
-is a record's prompt parent.
+and the one-step migrations of older stored forms are ``record_migrations``'s; the request
+side, computed before the engine answers (``RequestEncoding``), is ``request_encoding``'s. It
+does no I/O: stores decide where the bytes go (SQLite BLOBs for the embedded store) and which
+stored call is a record's prompt parent.
 
 Arrays are stored as raw little-endian bytes, never as JSON lists:
 - ``prompt_token_ids`` / ``generation_token_ids``: ``<u4`` (uint32);
@@ -23,14 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.record_migrations import migrate
 from capture_proxy.core.records import (
     LOG_PROB_DTYPE,
@@ -40,14 +39,13 @@ from capture_proxy.core.records import (
     CallStatus,
     Diagnostic,
 )
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import (
     DIGEST_LEN,
     CorruptRecord,
     EncodedRecord,
-    MessageDigests,
     RoutedExpertsMeta,
     StoredMeta,
-    canonical_json,
     delta_items,
     json_sha256,
     meta_text,
@@ -65,75 +63,6 @@ class PromptParent:
 
     call_id: str
     prefix_len: int
-
-
-@dataclass(frozen=True)
-class RequestEncoding:
-    """The request side of a record's stored form: the messages' ``MessageDigests`` and the
-    tools' canonical text and content address. It depends only on the request, so the proxy
-    computes it while the engine is still prefilling, and the write at the end of the call
-    (before ``[DONE]``) encodes only what the engine sent.
-
-    ``messages`` and ``tools`` are the very objects it was computed from: ``belongs_to``
-    compares them with a record's by identity (never by value, which would cost what this
-    saves), so an encoding is only used for the record built from the same request.
-    ``received_tools``: the received body's own tools (the Responses and Messages fronts';
-    None: none, or the chat tools themselves) with their text and address, known already;
-    the received body's value is taken for them only when it is that very object.
-    """
-
-    messages: tuple[Any, ...]
-    tools: Any
-    message_digests: MessageDigests
-    tools_text: str | None
-    tools_sha256: str | None
-    received_tools: Any = None
-    received_tools_text: str | None = None
-    received_tools_sha256: str | None = None
-
-    @classmethod
-    def of(
-        cls,
-        messages: Sequence[Any],
-        tools: Any,
-        digests: MessageDigests | None = None,
-        tools_facts: ToolsFacts | None = None,
-        received_tools: Any = None,
-        received_tools_facts: ToolsFacts | None = None,
-    ) -> RequestEncoding:
-        """``digests``: the messages' ``MessageDigests`` when known already; ``tools_facts``:
-        the ``known_tools`` facts of ``tools``, ``received_tools_facts`` those of
-        ``received_tools``, when known (their texts are not written again). Raises ValueError
-        on values without a canonical text (NaN, infinities)."""
-        if tools is None:
-            text, sha = None, None
-        elif tools_facts is not None and tools_facts.text is not None:
-            text, sha = tools_facts.text, tools_facts.sha256
-        else:
-            text = canonical_json(tools)
-            sha = json_sha256(text)
-        received = received_tools_facts
-        if received_tools is None or received is None or received.text is None:
-            received_tools, received = None, None
-        return cls(
-            tuple(messages),
-            tools,
-            digests if digests is not None else MessageDigests.of(messages),
-            text,
-            sha,
-            received_tools,
-            received.text if received is not None else None,
-            received.sha256 if received is not None else None,
-        )
-
-    def belongs_to(self, record: CallRecord) -> bool:
-        """True when ``record`` carries the same message and tools objects."""
-        messages = record.request_messages
-        return (
-            self.tools is record.request_tools
-            and len(self.messages) == len(messages)
-            and all(map(operator.is_, self.messages, messages))  # (a C loop: twice per put)
-        )
 
 
 def compact_routed_experts(experts: np.ndarray) -> np.ndarray:

@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.proxy.losses import LossLedger
 from capture_proxy.proxy.metrics import Metrics
 from capture_proxy.store.base import CaptureStore, RolloutDeleted

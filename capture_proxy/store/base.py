@@ -45,12 +45,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.images import PromptImage
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
+from capture_proxy.core.request_encoding import RequestEncoding
 
 
 class StoreError(Exception):

@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from capture_proxy.core.chain_counts import chains_delta, incomplete_delta
-from capture_proxy.core.codec import PromptParent, RequestEncoding, encode_record, same_content
+from capture_proxy.core.codec import PromptParent, encode_record, same_content
 from capture_proxy.core.completeness import RetryLink
 from capture_proxy.core.episodes import parse_episode
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix, choose_prompt_parent
 from capture_proxy.core.records import CallRecord, CallStatus, Diagnostic, DiagnosticKind
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import EncodedRecord, StoredMessages, common_messages_prefix
 from capture_proxy.store.base import (
     ConflictingRecord,

@@ -70,7 +70,6 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.completeness import RetryLink
 from capture_proxy.core.prefixes import (
     PREFIX_BLOCK,
@@ -83,6 +82,7 @@ from capture_proxy.core.prefixes import (
 )
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_url
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import COLUMNS, EncodedRecord, StoredMessages, column_values
 from capture_proxy.store import image_rows, lifecycle, sql
 from capture_proxy.store.base import StoreError

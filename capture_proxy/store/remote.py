@@ -57,10 +57,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.sqlite import WRITER_LOCK_NAME, SQLiteStore
 from capture_proxy.store.sqlite_wal import settle_wal

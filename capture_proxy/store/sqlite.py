@@ -78,11 +78,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.episodes import episode_glob
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.stored import StoredCall, of_row
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import StoreError
 from capture_proxy.store.sql import SQLITE

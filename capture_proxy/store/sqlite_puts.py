@@ -39,10 +39,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.linking.record_digests import RecordDigests, token_states
 from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import (
     COLUMNS,
     EncodedRecord,

@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.images import PromptImage
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.linking.stored import StoredCall
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.records import CallRecord, Diagnostic
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.store.base import Retirement, RolloutInfo, Snapshot, StoreError
 
 T = TypeVar("T")

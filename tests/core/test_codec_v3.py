@@ -10,7 +10,6 @@ import pytest
 from capture_proxy.core.codec import (
     SCHEMA_VERSION,
     PromptParent,
-    RequestEncoding,
     decode_record,
     decode_records,
     encode_record,
@@ -18,6 +17,7 @@ from capture_proxy.core.codec import (
 )
 from capture_proxy.core.record_migrations import migrate
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import (
     COLUMNS,
     CorruptRecord,

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts.base import Api, InvalidFrontRequest
 from capture_proxy.core.fronts.chat import ChatCodec
 from capture_proxy.core.fronts.messages import MessagesCodec
@@ -20,6 +19,7 @@ from capture_proxy.core.json_bodies import InvalidRequest
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.known_tools import KnownTools
 from capture_proxy.core.linking.digests import canonical_json as sorted_json
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.requests import validate_chat_request
 from capture_proxy.core.stored_form import canonical_json, json_sha256, received_refs
 

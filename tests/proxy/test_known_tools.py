@@ -13,10 +13,10 @@ import pytest
 
 from capture_proxy.core import known_tools as known_tools_module
 from capture_proxy.core.capture import prepare_request
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.fronts import front_for
 from capture_proxy.core.linking.digests import request_digest
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import canonical_json, json_sha256
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.proxy.api_clients import MODEL, capture_url

@@ -1,5 +1,5 @@
 """Streamed calls hand the store the request side of their record, encoded while the engine
-generated (``codec.RequestEncoding``), and the token digests verification made
+generated (``request_encoding.RequestEncoding``), and the token digests verification made
 (``RecordDigests``), in both prompt modes; the store never computes them again for them, and
 the stored calls are all there (one chain in exact-token mode)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from capture_proxy.core.codec import RequestEncoding
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.proxy.test_exact_tokens import _session
 

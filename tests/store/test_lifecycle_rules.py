@@ -8,10 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from capture_proxy.core.codec import RequestEncoding, encode_record
+from capture_proxy.core.codec import encode_record
 from capture_proxy.core.metadata import RolloutMetadata
 from capture_proxy.core.prefixes import StoredPrefix
 from capture_proxy.core.records import CallStatus, Diagnostic
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.stored_form import StoredMessages
 from capture_proxy.store import lifecycle
 from capture_proxy.store.base import (

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.linking.stored import of_record
 from capture_proxy.core.records import CallRecord, CallStatus
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.store.base import ConflictingRecord, RolloutDeleted, StoreError
 from capture_proxy.store.remote import (

@@ -6,7 +6,8 @@ import sqlite3
 
 import pytest
 
-from capture_proxy.core.codec import PromptParent, RequestEncoding
+from capture_proxy.core.codec import PromptParent
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.store.base import ConflictingRecord
 from capture_proxy.store.sqlite import DB_FILE_NAME, SQLiteStore
 from capture_proxy.store.sqlite_layout import LAYOUT_VERSION

@@ -24,7 +24,6 @@ from capture_proxy.core.assembly import (
     mark_incomplete,
 )
 from capture_proxy.core.capture import PreparedRequest
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.flow.commands import (
     Command,
     EndClient,
@@ -52,6 +51,7 @@ from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.verdicts import Verdict
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.redact import redact_text
+from capture_proxy.core.request_encoding import RequestEncoding
 
 T = TypeVar("T")
 #: A flow: yields commands, is sent each command's reply, returns its result.

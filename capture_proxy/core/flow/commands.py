@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.known_messages import MessageFacts
 from capture_proxy.core.known_tools import ToolsFacts
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.records import CallRecord
+from capture_proxy.core.request_encoding import RequestEncoding
 
 
 @dataclass(slots=True)

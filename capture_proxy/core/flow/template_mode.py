@@ -27,7 +27,6 @@ from capture_proxy.core.capture import (
     strip_chat_chunk,
     strip_chat_response,
 )
-from capture_proxy.core.codec import RequestEncoding
 from capture_proxy.core.flow.call import (
     CHAT_COMPLETIONS_PATH,
     Call,
@@ -72,6 +71,7 @@ from capture_proxy.core.fronts.base import Answer, Api, StreamEncoder
 from capture_proxy.core.fronts.chat import DONE_EVENT, openai_error_body
 from capture_proxy.core.json_bodies import loads_like_stdlib
 from capture_proxy.core.records import CallRecord, Diagnostic, DiagnosticKind
+from capture_proxy.core.request_encoding import RequestEncoding
 from capture_proxy.core.sampling import sampling_record
 from capture_proxy.core.sse import (
     DONE_SENTINEL,
