@@ -52,14 +52,13 @@ from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.proxy.errors import BadRequest, Unprocessable
 from capture_proxy.proxy.keys import RECORDER_KEY, STORE_KEY
 from capture_proxy.rest.images import images_of
+from capture_proxy.rest.json_shapes import archive_manifest, dumps
 from capture_proxy.rest.query import WEIGHT_FILTER_PARAMS, one_value, takes
 from capture_proxy.rest.reads import (
     MAX_PAGE_SIZE,
     _json,
     _load,
     _off_loop,
-    archive_manifest,
-    dumps,
     snapshot_records,
 )
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json

@@ -1,10 +1,9 @@
 """The REST read API under ``/captures``: rollouts, chains and calls as JSON.
 
-Owns the JSON shapes the training side reads. Chains are built on read by the core
-(``build_chains``) from the stored records, so the same captured calls give the same chains in
-any arrival order. Arrays become JSON lists here; non-finite log probs become ``null`` and are
-named by the call's ``non_finite_logprob`` diagnostic, or ``logprob_out_of_float32_range`` (JSON
-has no NaN).
+Owns the reads the training side makes; the JSON shapes they answer with (arrays as JSON lists,
+non-finite log probs as ``null``) are ``rest.json_shapes``'s. Chains are built on read by the
+core (``build_chains``) from the stored records, so the same captured calls give the same chains
+in any arrival order.
 
 The proxy's event loop relays every stream, so nothing here runs long on it: records are
 decoded on the store's reader thread, and chains are built and serialised (orjson, numpy
@@ -21,26 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
-import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import numpy as np
 import orjson
 from aiohttp import web
 
-from capture_proxy.core.chains import RolloutChains, build_chains
+from capture_proxy.core.chains import build_chains
 from capture_proxy.core.episodes import final_episodes, parse_episode
 from capture_proxy.core.images import PromptImage
-from capture_proxy.core.lineage import LineageEdge, find_lineage
+from capture_proxy.core.lineage import find_lineage
 from capture_proxy.core.lineage.find import count_by_kind
 from capture_proxy.core.records import CallRecord, CallStatus
 from capture_proxy.core.routing import InvalidRolloutId, validate_rollout_id
 from capture_proxy.core.samples import write_archive
-from capture_proxy.core.summary import link_stats, main_chain
+from capture_proxy.core.summary import link_stats
 from capture_proxy.core.weight_filter import WeightFilter, select
 from capture_proxy.core.weight_versions import rollout_summary as rollout_weight_versions
 from capture_proxy.proxy.errors import BadRequest, MethodNotAllowed, NotFound
@@ -48,6 +44,7 @@ from capture_proxy.proxy.keys import LINKER_KEY, RECORDER_KEY, STORE_KEY
 from capture_proxy.proxy.traffic_tap import remove_recording
 from capture_proxy.rest.deadline import bound_reads
 from capture_proxy.rest.images import images_of
+from capture_proxy.rest.json_shapes import _chains_body, archive_manifest, call_json, dumps
 from capture_proxy.rest.query import WEIGHT_FILTER_PARAMS, one_value, takes
 from capture_proxy.rest.rollout_state import RolloutState, diagnostics_json, lifecycle_json
 from capture_proxy.rest.weight_query import weight_filter
@@ -62,24 +59,6 @@ MAX_PAGE_SIZE = 1000
 T = TypeVar("T")
 
 
-def _plain(value: Any) -> Any:
-    """The stdlib fallback's view of a numpy array (non-finite floats as None)."""
-    if isinstance(value, np.ndarray):
-        if value.dtype.kind == "f":
-            return [x if math.isfinite(x) else None for x in value.tolist()]
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
-
-
-def dumps(value: Any) -> bytes:
-    """JSON bytes: orjson (numpy arrays natively, NaN and infinities as ``null``); the stdlib,
-    ASCII-escaped, for what orjson refuses (integers past 64 bits, lone surrogates)."""
-    try:
-        return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError:
-        return json.dumps(value, default=_plain, allow_nan=False).encode()
-
-
 def _json(body: bytes, status: int = 200) -> web.Response:
     return web.Response(body=body, status=status, content_type="application/json")
 
@@ -87,51 +66,6 @@ def _json(body: bytes, status: int = 200) -> web.Response:
 async def _off_loop(request: web.Request, fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(*args)`` on the REST thread."""
     return await asyncio.get_running_loop().run_in_executor(request.app[REST_THREAD_KEY], fn, *args)
-
-
-def call_json(record: CallRecord, *, parent_call_id: str | None, detail: bool) -> dict[str, Any]:
-    """One call for ``dumps``: token ids uint32 arrays, log probs as float64 (the float32
-    value exactly, as engines send it), routed experts ``[num_rows, num_layers, top_k]``.
-    ``detail`` adds the request messages and tools, and the request as the harness sent it
-    less its history field (``request_received``: what the canonical form leaves out, e.g.
-    ``metadata``, server tools, ``cache_control``)."""
-    experts = record.routed_experts
-    out: dict[str, Any] = {
-        "call_id": record.call_id,
-        "rollout_id": record.rollout_id,
-        "api": record.api,
-        "sampling": record.sampling,
-        "session_headers": record.session_headers,
-        "parent_call_id": parent_call_id,
-        "status": record.status.value,
-        "created_at": record.created_at,
-        "latency_ms": record.latency_ms,
-        "model": record.model,
-        "stream": record.stream,
-        "prompt_mode": record.prompt_mode,
-        "weight_versions": record.weight_versions,
-        "weight_version_source": record.weight_version_source,
-        "finish_reason": record.finish_reason,
-        "usage": record.usage,
-        "num_prompt_tokens": record.num_prompt_tokens,
-        "num_generation_tokens": record.num_generation_tokens,
-        "prompt_token_ids": np.ascontiguousarray(record.prompt_token_ids, dtype=np.uint32),
-        "generation_token_ids": np.ascontiguousarray(record.generation_token_ids, dtype=np.uint32),
-        "generation_log_probs": record.generation_log_probs.astype(np.float64),
-        "routed_experts": None if experts is None else np.ascontiguousarray(experts),
-        "routed_experts_start": record.routed_experts_start,
-        "response_message": record.response_message,
-        "linking": record.linking,
-        "retry_of": record.retry_of,
-        "diagnostics": [d.to_json() for d in record.diagnostics],
-        "images": record.images,
-        "schema_version": record.schema_version,
-    }
-    if detail:
-        out["request_messages"] = record.request_messages
-        out["request_tools"] = record.request_tools
-        out["request_received"] = record.request_received
-    return out
 
 
 def _rollout_id(request: web.Request) -> str:
@@ -162,17 +96,6 @@ async def _load(request: web.Request) -> tuple[RolloutInfo, list[CallRecord]]:
         raise NotFound(f"rollout {rollout_id} not found", param="rollout_id", code="not_found")
     info, records = found
     return info, snapshot_records(info, records)
-
-
-def _unlinked_json(record: CallRecord, chains: RolloutChains) -> dict[str, Any]:
-    superseded_by = chains.superseded.get(record.call_id)
-    return {
-        "call_id": record.call_id,
-        "status": record.status.value,
-        "reason": "superseded_retry" if superseded_by else record.status.value,
-        "superseded_by": superseded_by,
-        "diagnostics": [d.to_json() for d in record.diagnostics],
-    }
 
 
 def _page_params(request: web.Request) -> tuple[int, str | None]:
@@ -315,66 +238,6 @@ def _chains_json(
         return orjson.dumps(_chains_body(info, records, state, chains, fragments, report))
     except TypeError:  # something outside the calls orjson refuses: all of it the slow way
         return dumps(_chains_body(info, records, state, chains, calls, report))
-
-
-def _chains_body(
-    info: RolloutInfo,
-    records: list[CallRecord],
-    state: RolloutState,
-    chains: RolloutChains,
-    calls: dict[str, Any],
-    weight_report: dict[str, Any] | None,
-) -> dict[str, Any]:
-    """``calls``: the kept calls' JSON by call id (every chain call without a weight filter;
-    ``weight_report``: the filter's, ``core.weight_filter``); a chain none of whose calls is
-    kept is left out."""
-    lineage = lineage_json(find_lineage(chains))
-    return {
-        "rollout_id": info.rollout_id,
-        "chains": [
-            {
-                "chain_id": chain.chain_id,
-                "lineage": lineage.get(chain.chain_id, []),
-                "calls": [calls[r.call_id] for r in chain.calls if r.call_id in calls],
-            }
-            for chain in chains.chains
-            if any(r.call_id in calls for r in chain.calls)
-        ],
-        "unlinked_calls": [_unlinked_json(r, chains) for r in chains.unlinked],
-        "main_chain_id": _main_chain_id(chains),
-        "incomplete": state.incomplete,
-        "diagnostics": diagnostics_json(info, records, state),
-        "weight_filter": weight_report,
-        **lifecycle_json(info),
-    }
-
-
-def lineage_json(lineage: dict[str, list[LineageEdge]]) -> dict[str, list[dict[str, Any]]]:
-    """Lineage edges by the chain they lead into: ``{chain_id: [{"kind", "chain_id",
-    "from_call_id", "evidence"}]}`` (``core.lineage``)."""
-    return {chain_id: [e.to_json() for e in edges] for chain_id, edges in lineage.items()}
-
-
-def _main_chain_id(chains: RolloutChains) -> str | None:
-    main = main_chain(chains)
-    return main.chain_id if main is not None else None
-
-
-def archive_manifest(
-    info: RolloutInfo, chains: RolloutChains, state: RolloutState
-) -> dict[str, Any]:
-    """The rollout-level fields of the npz archive's ``manifest.json`` (and of an export's
-    rollout manifest and the tree's): unlinked calls, the main chain, the lineage edges by
-    the chain they lead into, completeness, and under ``lifecycle`` the status, version,
-    snapshot id, episode, metadata and late calls."""
-    return {
-        "unlinked_call_ids": [r.call_id for r in chains.unlinked],
-        "main_chain_id": _main_chain_id(chains),
-        "lineage": lineage_json(find_lineage(chains)),
-        "incomplete": state.incomplete,
-        # Nested: the archive's own ``version`` is its format's.
-        "lifecycle": lifecycle_json(info),
-    }
 
 
 def _chains_npz(
