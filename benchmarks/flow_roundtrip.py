@@ -1,7 +1,7 @@
 """What the call flow's protocol costs per streamed piece, alone (microseconds, best of N).
 
 The pure core drives a call as a generator of commands (``core.flow``); the executor performs
-each and sends the reply back (``proxy.executor.drive``). A streamed piece is two round trips:
+each and sends the reply back (``proxy.drive.drive``). A streamed piece is two round trips:
 ``ReadEngine`` -> ``EnginePiece``, ``WriteClient`` -> ``ClientState``, through the flow's
 nested ``yield from`` (call -> relay -> pump). This times that protocol with the core's own
 command and event classes and an executor whose handlers answer at once (no I/O, no capture
@@ -67,7 +67,7 @@ class _Executor:
 
 
 async def _drive(flow: Flow, executor: _Executor) -> bool:
-    """``proxy.executor.drive``'s loop without its cancellation handling."""
+    """``proxy.drive.drive``'s loop without its cancellation handling."""
     reply: Any = None
     while True:
         try:

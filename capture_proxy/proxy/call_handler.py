@@ -31,9 +31,10 @@ from capture_proxy.core.routing import Route
 from capture_proxy.core.sessions import session_headers
 from capture_proxy.families.base import ChatRenderer
 from capture_proxy.proxy.calls import CaptureDeps, left_response, new_call_id
+from capture_proxy.proxy.drive import drive
 from capture_proxy.proxy.errors import map_core_errors
 from capture_proxy.proxy.exact import ExactExecutor, ExactTokens
-from capture_proxy.proxy.executor import CallExecutor, drive
+from capture_proxy.proxy.executor import CallExecutor
 from capture_proxy.proxy.images import complete_images, refuse_images_without_dialect
 from capture_proxy.proxy.stopping import CALLS_IN_FLIGHT_KEY
 

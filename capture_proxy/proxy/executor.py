@@ -6,8 +6,8 @@ arrives (streaming stays streaming: each engine read becomes one client write, n
 whole body), the client's response (``ClientWriter``: a client that left is remembered, never
 raised), the linker's resolve / verify / remember and the recorder's persist. Every decision
 is the flow's (``core.flow``). ``CallExecutor`` is backend-template mode's executor; exact-token
-mode's (``proxy.exact.ExactExecutor``) adds rendering and the engine's facts. ``drive`` is the
-one loop that runs a flow on an executor.
+mode's (``proxy.exact.ExactExecutor``) adds rendering and the engine's facts. ``proxy.drive``
+is the one loop that runs a flow on an executor (and what a cancellation does to it).
 
 A harness that leaves: aiohttp tells a handler nothing when its client's connection is lost
 (short of cancelling it, which ``serve`` does not: the record must be written), and only a
@@ -18,11 +18,6 @@ and is answered ``ClientLeft``), so a whole answer, a stream the front holds (a 
 whole at its end) or an engine silent between tokens is not generated to its end for nobody.
 The linker asks a call in flight the same (``ends_incomplete``) when an identical request
 comes: a re-send of a call whose harness left is its retry.
-
-Cancellation (the harness left, the server cancelled the handler): a command the flow can act
-on is answered ``ClientLeft`` (or a gone ``ClientState``), the commands after it run shielded
-so the record is written, then the cancellation goes on; during any other command it goes
-through at once, as the flow cannot act on it.
 """
 
 from __future__ import annotations
@@ -38,7 +33,6 @@ from aiohttp import web
 
 from capture_proxy.core.flow import commands as cmd
 from capture_proxy.core.flow import events as ev
-from capture_proxy.core.flow.call import Flow, Outcome
 from capture_proxy.core.linking.record_digests import RecordDigests
 from capture_proxy.core.records import CallStatus
 from capture_proxy.proxy.calls import (
@@ -475,33 +469,3 @@ def _failed(exc: BaseException, backend: str) -> ev.EngineFailed:
     err = translate_client_error(exc, backend)
     timeout = isinstance(err, UpstreamTimeout)
     return ev.EngineFailed(err.message, err.code, timeout, type(exc).__name__, str(exc))
-
-
-async def drive(flow: Flow[Outcome], executor: CallExecutor) -> Outcome:
-    """Run ``flow`` on ``executor`` to its end: each command performed, its reply sent back.
-    Raises what the flow raises (the core's errors), and the handler's cancellation once the
-    flow has recorded the call."""
-    reply: Any = None
-    cancelled = False
-    try:
-        while True:
-            try:
-                command = flow.send(reply)
-            except StopIteration as stop:
-                outcome: Outcome = stop.value
-                break
-            if cancelled:
-                reply = await asyncio.shield(executor.execute(command))
-                continue
-            try:
-                reply = await executor.execute(command)
-            except asyncio.CancelledError:
-                if not command.client_left_reply:
-                    raise
-                cancelled = True
-                reply = executor.client_left(command)
-    finally:
-        await executor.close()
-    if cancelled:
-        raise asyncio.CancelledError
-    return outcome
