@@ -10,9 +10,9 @@ from capture_proxy.core.engine_formats import (
     WINDOW,
     EngineFormatError,
     IncrementalText,
-    _ids_of_token_strings,
     get_dialect,
 )
+from capture_proxy.core.engine_formats.vllm import _ids_of_token_strings
 from capture_proxy.core.sampling import sampling_from_chat
 
 PROMPT = np.array([11, 12, 13], dtype=np.uint32)

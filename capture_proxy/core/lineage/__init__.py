@@ -11,7 +11,8 @@ Pure and read-time: edges are found from the captured records of a rollout (no s
 no I/O), deterministically, in time linear in the rollout's messages.
 """
 
-from capture_proxy.core.lineage.find import LineageRules, find_lineage
+from capture_proxy.core.lineage.find import find_lineage
 from capture_proxy.core.lineage.model import LineageEdge, LineageKind
+from capture_proxy.core.lineage.rules import LineageRules
 
 __all__ = ["LineageEdge", "LineageKind", "LineageRules", "find_lineage"]
