@@ -169,13 +169,12 @@ class Linker:
         else:
             stamp = feed.stamp(rollout_id)  # counted BEFORE the read: later writes read again
             facts, last = await feed.stored_since(rollout_id, 0)
-        if facts is not None:
-            refresh_index(index, facts)
-        else:
+        calls: Sequence[StoredCall | CallRecord] | None = facts
+        if calls is None:
             if feed is not None:  # bounded BEFORE the read, as the count
                 last = await feed.last_rowid(rollout_id)
-            for record in await self.store.get_rollout_calls(rollout_id):
-                add_record(index, record)
+            calls = await self.store.get_rollout_calls(rollout_id)
+        refresh_index(index, calls)
         return index, None if feed is None else [stamp, last]
 
     async def _current_index(self, rollout_id: str) -> LinkIndex:
