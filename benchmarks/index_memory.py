@@ -28,6 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.put_cost import workload  # noqa: E402
+from capture_proxy.proxy.cache_bounds import CacheBounds  # noqa: E402
 from capture_proxy.proxy.linker import Linker  # noqa: E402
 from capture_proxy.store.sqlite import SQLiteStore  # noqa: E402
 
@@ -41,7 +42,7 @@ async def measure(
         await store.open()
         try:
             tracemalloc.start()
-            linker = Linker(store, max_calls=max_calls)
+            linker = Linker(store, bounds=CacheBounds.of(index_calls=max_calls))
             base = tracemalloc.get_traced_memory()[0]
             rows = []
             for n, record in enumerate(records, 1):

@@ -35,6 +35,7 @@ from capture_proxy.families.hf_template import LocalRenderer
 from capture_proxy.families.vision import VisionProcessorConfig
 from capture_proxy.proxy.app import CALL_DEPS_KEY, dispatch
 from capture_proxy.proxy.auth import auth_middleware
+from capture_proxy.proxy.cache_bounds import CacheBounds
 from capture_proxy.proxy.engine_probe import EngineProbe
 from capture_proxy.proxy.engine_render import EngineRenderer
 from capture_proxy.proxy.engines import ROUTES_KEY, EngineRoutes, map_pin_board
@@ -256,7 +257,7 @@ def _linker(
         on_index_load=metrics.link_index_loads.inc,
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
-        max_calls=settings.link_index_max_calls,
+        bounds=CacheBounds.of(settings.cache_budget_mb, settings.link_index_max_calls),
         refresh_on_miss=store.shared,
         feed=index_feed,
         claims=child_claims,

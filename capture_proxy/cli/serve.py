@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 from capture_proxy.cli.errors import ServeExit
 from capture_proxy.config import ConfigError, Settings, load_settings
+from capture_proxy.config.cgroups import usable_memory_bytes
+from capture_proxy.config.memory_budget import FULL_CACHE_MB, MIB
 from capture_proxy.core import chunk_scan
 
 log = logging.getLogger("capture_proxy")
@@ -174,6 +176,21 @@ def _warn_of_a_v1_backend(settings: Settings) -> None:
             )
 
 
+def _say_memory(settings: Settings) -> None:
+    """An INFO line when the memory this process may use (a container's limit, a small
+    machine) made the caches or the worker count smaller than their defaults: what it gave."""
+    if settings.cache_memory_mb is not None or settings.cache_budget_mb >= FULL_CACHE_MB:
+        return
+    memory = usable_memory_bytes()
+    log.info(
+        "memory this process may use: %s MB (the machine's, capped by its cgroup's limit): "
+        "%d worker(s), caches at most %d MB each (settings workers, cache_memory_mb)",
+        f"{memory // MIB:,}" if memory is not None else "unknown",
+        settings.worker_count,
+        settings.cache_budget_mb,
+    )
+
+
 def _clear_port_file(port_file: Path | None) -> None:
     """Remove a stale port file (an earlier run's number must not be read as this run's).
     Raises ServeExit when its directory does not exist."""
@@ -272,9 +289,15 @@ def _run_workers(args: argparse.Namespace, settings: Settings, sock: socket.sock
     status. Raises ServeExit (the store cannot open, a worker fails to start)."""
     from capture_proxy.cli.workers import WorkerPlan, run_workers
 
+    count = settings.worker_count
+    # Each worker is told the count and its caches' share as decided here: a worker pinned to
+    # one CPU would count otherwise.
+    settings = settings.model_copy(
+        update={"workers": count, "cache_memory_mb": settings.cache_budget_mb}
+    )
     plan = WorkerPlan(
         settings=settings,
-        count=settings.worker_count,
+        count=count,
         read_only=args.read_only,
         viewer_backend=(args.backend or [None])[0] if args.read_only else None,
         supervisor_pid=os.getpid(),
@@ -291,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         _configure_logging(settings)
         _warn_of_a_v1_backend(settings)
+        _say_memory(settings)
         _clear_port_file(args.port_file)
         sock = _bind(settings)
         try:

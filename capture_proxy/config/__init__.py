@@ -8,7 +8,8 @@ stops startup with a message naming the field.
 ``fields.py`` declares every setting (type, bounds, default, description; the configuration
 reference is generated from it), ``settings.py`` makes them ``Settings`` (their validators,
 the values derived from them), ``loading.py`` merges the sources (``load_settings``),
-``cpu_quota.py`` counts the CPUs this process may use (``workers``' default).
+``cgroups.py`` reads the CPUs and memory this process may use, and ``memory_budget.py`` turns
+the memory into ``workers``' and ``cache_memory_mb``'s defaults.
 """
 
 from capture_proxy.config.loading import ENV_NOT_SETTINGS, ConfigError, load_settings

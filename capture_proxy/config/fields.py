@@ -61,8 +61,10 @@ class SettingsFields(BaseSettings):
         le=256,
         description="Worker processes serving the port (each its own event loop and core); "
         "None: one per CPU this process may use (its affinity mask, capped by its cgroup's CPU "
-        "quota: a container's CPU limit, rounded down). With an embedded store the supervisor "
-        "process is its one writer (workers read it themselves and send their writes there); "
+        "quota: a container's CPU limit, rounded down), at most one per 256 MB of the memory "
+        "it may use (per 1 GB in exact_tokens, which loads a tokenizer; the machine's memory, "
+        "capped by its cgroup's memory limit). With an embedded store the supervisor process "
+        "is its one writer (workers read it themselves and send their writes there); "
         "with PostgreSQL each worker is a replica. 1: one process, no supervisor",
     )
     store_failure: Literal["refuse", "answer"] = Field(
@@ -293,12 +295,23 @@ class SettingsFields(BaseSettings):
         "ones are reloaded from the store when needed; one with calls in flight stays until "
         "they end)",
     )
-    link_index_max_calls: int = Field(
-        131_072,
+    link_index_max_calls: int | None = Field(
+        None,
         gt=0,
         description="calls the parent-digest indexes in memory hold at most, over all their "
         "rollouts (about 3.5 KB each; least recently used rollouts go first, as for "
-        "link_index_max_rollouts): a rollout's index grows with its calls",
+        "link_index_max_rollouts): a rollout's index grows with its calls. None: their share "
+        "of cache_memory_mb (131,072 at 1,232 MB)",
+    )
+    cache_memory_mb: int | None = Field(
+        None,
+        ge=8,
+        description="MB the caches of each proxy process (each worker) may hold: recent "
+        "records, parent-digest indexes, message facts, request bodies, tool lists, in fixed "
+        "shares (a smaller bound costs store reads, never a wrong link). None: 1,232, or less "
+        "where the memory this process may use (the machine's, capped by its cgroup's "
+        "memory.max: a container's memory limit) is small: the workers' caches together at "
+        "most a quarter of it (at least 32 MB each)",
     )
     engine_health_interval_s: float = Field(
         5.0,

@@ -13,8 +13,9 @@ from typing import Any
 from pydantic import AnyHttpUrl, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
-from capture_proxy.config.cpu_quota import usable_cpus
+from capture_proxy.config.cgroups import usable_cpus, usable_memory_bytes
 from capture_proxy.config.fields import SettingsFields
+from capture_proxy.config.memory_budget import default_cache_mb, default_workers
 from capture_proxy.core.redact import basic_auth_header, redact_url, split_credentials
 
 #: How many engines the start-up line names (``Settings.backends_label``); more are counted.
@@ -52,9 +53,23 @@ class Settings(SettingsFields):
 
     @property
     def worker_count(self) -> int:
-        """``workers``, or the CPUs this process may use (``cpu_quota.usable_cpus``: its
-        affinity mask, capped by its cgroup's CPU quota: a container's CPU limit)."""
-        return self.workers if self.workers is not None else usable_cpus()
+        """``workers``, or the CPUs this process may use (``cgroups.usable_cpus``: its
+        affinity mask, capped by its cgroup's CPU quota: a container's CPU limit), at most as
+        many as its memory holds (``memory_budget.default_workers``)."""
+        if self.workers is not None:
+            return self.workers
+        exact = self.prompt_mode == "exact_tokens" or (
+            "exact_tokens" in self.prompt_mode_by_model.values()
+        )  # a tokenizer in every worker
+        return default_workers(usable_cpus(), usable_memory_bytes(), tokenizer=exact)
+
+    @property
+    def cache_budget_mb(self) -> int:
+        """``cache_memory_mb``, or each process's share of the memory this process may use
+        (``memory_budget.default_cache_mb`` over ``worker_count``)."""
+        if self.cache_memory_mb is not None:
+            return self.cache_memory_mb
+        return default_cache_mb(usable_memory_bytes(), self.worker_count)
 
     @property
     def store_label(self) -> str:
@@ -152,9 +167,7 @@ class Settings(SettingsFields):
     def _extra_backends_plain(cls, value: list[AnyHttpUrl]) -> list[AnyHttpUrl]:
         for url in value:
             if url.query or url.fragment or url.username or url.password:
-                raise ValueError(
-                    "extra backend URLs must not carry a query, fragment or user info"
-                )
+                raise ValueError("extra backend URLs must not carry a query, fragment or user info")
         return value
 
     @model_validator(mode="after")

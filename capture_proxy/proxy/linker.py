@@ -47,7 +47,8 @@ from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.linking.stored import FROM_RECORD, SessionOrFromRecord, StoredCall
 from capture_proxy.core.linking.verification import verify_step
 from capture_proxy.core.records import CallRecord
-from capture_proxy.proxy.recent import DEFAULT_MAX_BYTES, RecentCalls
+from capture_proxy.proxy.cache_bounds import CacheBounds
+from capture_proxy.proxy.recent import RecentCalls
 from capture_proxy.proxy.rollout_indexes import RolloutIndexes
 from capture_proxy.store.base import CaptureStore
 
@@ -84,7 +85,8 @@ class IndexFeed(Protocol):
 
 
 class Linker:
-    """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``."""
+    """One per proxy process. ``refuse_note_parents``: ``parent_resolution = source_history``;
+    ``bounds``: what its caches may hold (default: their full sizes)."""
 
     def __init__(
         self,
@@ -92,15 +94,15 @@ class Linker:
         *,
         refuse_note_parents: bool = False,
         max_rollouts: int = 10_000,
-        max_calls: int = 131_072,
+        bounds: CacheBounds | None = None,
         refresh_on_miss: bool = False,
-        recent_max_bytes: int = DEFAULT_MAX_BYTES,
         feed: IndexFeed | None = None,
         claims: ChildClaims | None = None,
         attempts: AttemptsInFlight | None = None,
         on_index_load: Callable[[], None] | None = None,
     ) -> None:
         self.store = store
+        bounds = bounds if bounds is not None else CacheBounds.of()
         self.feed = feed
         #: the workers' calls in flight by the candidate each was resolved to (``serve
         #: --workers``): identical siblings continued at once on two workers take two parents
@@ -117,19 +119,19 @@ class Linker:
         self.refresh_on_miss = refresh_on_miss
         #: the rollouts' indexes in memory: bounded by rollouts and by calls, dropped ones
         #: made again from the store when needed, one with calls in flight here kept
-        self.indexes = RolloutIndexes(max_rollouts, max_calls, on_evict=self._evicted)
+        self.indexes = RolloutIndexes(max_rollouts, bounds.index_calls, on_evict=self._evicted)
         #: told of each index made from the store (a metric)
         self.on_index_load = on_index_load
         self._locks: dict[str, asyncio.Lock] = {}
         #: the records this process stored lately (the parents of the next calls)
-        self.recent = RecentCalls(recent_max_bytes)
+        self.recent = RecentCalls(bounds.recent_bytes)
         #: facts of the messages of the requests this process saw lately
-        self.known_messages = KnownMessages()
+        self.known_messages = KnownMessages(bounds.message_facts_bytes)
         #: facts of the tools of the requests this process saw lately
-        self.known_tools = KnownTools()
+        self.known_tools = KnownTools(bounds.tools_bytes)
         #: the latest request bodies of the sessions this process served (a call parses the
         #: bytes its history does not repeat)
-        self.known_bodies = KnownBodies()
+        self.known_bodies = KnownBodies(bounds.request_bodies_bytes)
         #: per call in flight here, whether it is known to end failed or incomplete (its
         #: executor's ``ends_incomplete``), until ``release``
         self._ends_incomplete: dict[str, Callable[[], bool]] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from capture_proxy.proxy.cache_bounds import CacheBounds
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.store.sqlite import SQLiteStore
 from tests.support.twin_calls import NEXT, TASK, resolve_call, twin_call
@@ -71,7 +72,7 @@ async def test_the_indexes_in_memory_are_bounded_by_calls_as_well_as_by_rollouts
     store = SQLiteStore(tmp_path / "store")
     await store.open()
     try:
-        linker = Linker(store, max_rollouts=100, max_calls=3)
+        linker = Linker(store, max_rollouts=100, bounds=CacheBounds.of(index_calls=3))
         assert await twin_call(linker, store, "r1", "x1", 1.0, TASK) is None
         assert await twin_call(linker, store, "r1", "y1", 2.0, TASK) is None
         assert _cached_calls(linker) == 2

@@ -36,6 +36,7 @@ from capture_proxy.core.capture import PreparedRequest, prepare_request
 from capture_proxy.core.known_messages import KnownMessages
 from capture_proxy.core.linking.resolution import Resolution
 from capture_proxy.core.records import CallRecord
+from capture_proxy.proxy.cache_bounds import CacheBounds
 from capture_proxy.proxy.linker import Linker
 from capture_proxy.store.sqlite import SQLiteStore
 
@@ -115,7 +116,9 @@ class _Run:
     def __init__(self, plan: _Plan, store: SQLiteStore, max_rollouts: int, max_calls: int) -> None:
         self.plan = plan
         self.store = store
-        self.linker = Linker(store, max_rollouts=max_rollouts, max_calls=max_calls)
+        self.linker = Linker(
+            store, max_rollouts=max_rollouts, bounds=CacheBounds.of(index_calls=max_calls)
+        )
         self.turn = [[0] * len(t) for t in plan.turns]
         self.flight: dict[tuple[int, int], _Flight] = {}
         self.at = 0.0

@@ -1,6 +1,7 @@
-"""The CPUs ``serve --workers`` counts by default: the affinity mask capped by the cgroup's CPU
-quota (``capture_proxy.config.cpu_quota``), read from fake ``/proc`` and cgroup trees laid out
-as the kernel publishes them (cgroup v2, v1 and a hybrid host)."""
+"""The CPUs and memory ``serve --workers`` counts by default: the affinity mask capped by the
+cgroup's CPU quota, the machine's memory capped by the cgroup's memory limit
+(``capture_proxy.config.cgroups``), read from fake ``/proc`` and cgroup trees laid out as the
+kernel publishes them (cgroup v2, v1 and a hybrid host)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from capture_proxy.config.cpu_quota import cgroup_cpu_quota, usable_cpus
+from capture_proxy.config.cgroups import (
+    cgroup_cpu_quota,
+    cgroup_memory_limit,
+    usable_cpus,
+    usable_memory_bytes,
+)
+
+GIB = 1 << 30
 
 
 def _proc(tmp_path: Path, cgroup: str, mountinfo: list[str]) -> Path:
@@ -89,3 +97,63 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota_rounded_down(tmp_path, 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     (cg / "cpu.max").write_text("800000 100000\n")
     assert usable_cpus(proc) == 2
+
+
+def _v1_memory_mount(point: Path, root: str = "/") -> str:
+    return f"33 31 0:30 {root} {point} rw,relatime - cgroup cgroup rw,memory"
+
+
+def test_a_v2_pod_limited_in_memory_the_smallest_limit_counts(tmp_path):
+    cg = tmp_path / "cg"
+    _write(cg / "kubepods", f"memory.max={8 * GIB}")
+    _write(cg / "kubepods" / "pod1", f"memory.max={2 * GIB}")
+    _write(cg / "kubepods" / "pod1" / "c1", "memory.max=max")
+    proc = _proc(tmp_path, "0::/kubepods/pod1/c1\n", [_v2_mount(cg)])
+    assert cgroup_memory_limit(proc) == 2 * GIB
+
+
+def test_a_v1_memory_hierarchy_on_a_hybrid_host(tmp_path):
+    memory = tmp_path / "cgroup" / "memory"
+    unified = tmp_path / "cgroup" / "unified"
+    unified.mkdir(parents=True)  # v2 mounted without the memory controller: no memory.max
+    _write(memory, f"memory.limit_in_bytes={512 << 20}")
+    proc = _proc(
+        tmp_path,
+        "9:memory:/docker/abc\n0::/docker/abc\n",
+        [_v1_memory_mount(memory, root="/docker/abc"), _v2_mount(unified, root="/docker/abc")],
+    )
+    assert cgroup_memory_limit(proc) == 512 << 20
+    assert cgroup_cpu_quota(proc) is None  # no cpu controller mounted in this tree
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        "memory.max=max",
+        "memory.max=lots",
+        "memory.limit_in_bytes=9223372036854771712",  # v1's "no limit"
+        "memory.limit_in_bytes=-1",
+    ],
+)
+def test_no_memory_limit_or_an_unreadable_one_is_none(tmp_path, files):
+    cg = tmp_path / "cg"
+    _write(cg, files)
+    v2 = files.startswith("memory.max")
+    mounts = [_v2_mount(cg)] if v2 else [_v1_memory_mount(cg)]
+    proc = _proc(tmp_path, "0::/\n" if v2 else "9:memory:/\n", mounts)
+    assert cgroup_memory_limit(proc) is None
+    assert cgroup_memory_limit(tmp_path / "no-proc") is None
+
+
+def test_usable_memory_is_the_machines_capped_by_the_limit(tmp_path):
+    cg = tmp_path / "cg"
+    _write(cg, f"memory.max={2 * GIB}")
+    proc = _proc(tmp_path, "0::/\n", [_v2_mount(cg)])
+    (proc / "meminfo").write_text("MemTotal:       25165824 kB\nMemFree:  1 kB\n")  # 24 GiB
+    assert usable_memory_bytes(proc) == 2 * GIB
+    (cg / "memory.max").write_text("max\n")
+    assert usable_memory_bytes(proc) == 24 * GIB  # no limit: the machine's
+    (proc / "meminfo").unlink()
+    assert usable_memory_bytes(proc) is None  # neither known
+    (cg / "memory.max").write_text(f"{GIB}\n")
+    assert usable_memory_bytes(proc) == GIB

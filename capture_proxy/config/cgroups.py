@@ -1,4 +1,5 @@
-"""How many CPUs this process may use: its affinity mask, capped by its cgroup's CPU quota.
+"""How many CPUs and how much memory this process may use: its affinity mask and the
+machine's memory, capped by its cgroup's CPU quota and memory limit.
 
 A container's CPU limit (Docker's ``--cpus``, Kubernetes' ``resources.limits.cpu``) is a CFS
 quota on its cgroup, not an affinity mask: ``os.sched_getaffinity`` (and ``os.cpu_count``)
@@ -13,8 +14,18 @@ limited to 2 CPUs runs dozens of throttled workers, each with its own caches (``
   ``cpu`` controller's hierarchy, likewise.
 
 (Kernel documentation: ``admin-guide/cgroup-v2.rst`` "cpu.max", ``scheduler/sched-bwc.rst``.)
-A quota of 2.5 CPUs gives 2 (never fewer than 1): a third worker would be throttled. Anything
-unreadable or unexpected is taken as no quota. Pure file reads, no event loop.
+A quota of 2.5 CPUs gives 2 (never fewer than 1): a third worker would be throttled.
+
+A container's memory limit (Docker's ``--memory``, Kubernetes' ``resources.limits.memory``)
+is likewise its cgroup's, not the machine's (``/proc/meminfo`` counts the host's): cgroup v2's
+``memory.max`` (``max`` when unlimited), v1's ``memory.limit_in_bytes`` (a number near 2**63
+when unlimited), in the process's cgroup and its ancestors, the smallest
+(``admin-guide/cgroup-v2.rst`` "memory.max", ``admin-guide/cgroup-v1/memory.rst``). A process
+past it is killed by the kernel (OOM). ``serve`` sizes its worker count and caches by it
+(``config/memory_budget.py``).
+
+Anything unreadable or unexpected is taken as no quota, no limit. Pure file reads, no event
+loop.
 """
 
 from __future__ import annotations
@@ -45,27 +56,58 @@ def cgroup_cpu_quota(proc: Path = Path("/proc")) -> float | None:
         return None
     quotas = [
         q
-        for directory in _cpu_cgroup_dirs(cgroups, mounts)
+        for directory in _cgroup_dirs(cgroups, mounts, "cpu")
         if (q := _quota_in(directory)) is not None
     ]
     return min(quotas, default=None)
 
 
-def _cpu_cgroup_dirs(cgroups: str, mounts: str) -> list[tuple[int, Path]]:
-    """``(version, directory)`` for the process's cpu cgroup and each ancestor up to its
-    mount, in the cgroup2 file system (the ``0::`` line) and in v1's ``cpu`` controller
-    hierarchy, those mounted (a hybrid host has both; its cpu controller is v1's, and v2's
-    directories have no ``cpu.max``)."""
+def usable_memory_bytes(proc: Path = Path("/proc")) -> int | None:
+    """The memory this process may use, in bytes: the machine's (``MemTotal`` of ``meminfo``)
+    capped by its cgroup's limit (``cgroup_memory_limit``); None when neither can be read."""
+    limits = [cgroup_memory_limit(proc)]
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name == "MemTotal" and value.split()[1:] == ["kB"]:
+                limits.append(int(value.split()[0]) * 1024)
+    except (OSError, ValueError):
+        pass
+    return min((b for b in limits if b is not None), default=None)
+
+
+def cgroup_memory_limit(proc: Path = Path("/proc")) -> int | None:
+    """The memory limit of this process's cgroup and its ancestors, in bytes, the smallest
+    that applies; None when there is none or it cannot be read (``proc`` as for
+    ``cgroup_cpu_quota``)."""
+    try:
+        cgroups = (proc / "self" / "cgroup").read_text()
+        mounts = (proc / "self" / "mountinfo").read_text()
+    except OSError:
+        return None
+    limits = [
+        b
+        for directory in _cgroup_dirs(cgroups, mounts, "memory")
+        if (b := _memory_limit_in(directory)) is not None
+    ]
+    return min(limits, default=None)
+
+
+def _cgroup_dirs(cgroups: str, mounts: str, controller: str) -> list[tuple[int, Path]]:
+    """``(version, directory)`` for the process's cgroup and each ancestor up to its mount, in
+    the cgroup2 file system (the ``0::`` line) and in v1's hierarchy of ``controller`` (``cpu``,
+    ``memory``), those mounted (a hybrid host has both; its controllers are v1's, and v2's
+    directories then have no ``cpu.max`` or ``memory.max``)."""
     paths: dict[int, str] = {}
     for line in cgroups.splitlines():
         hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if hierarchy == "0" and controllers == "":
             paths[2] = path
-        elif "cpu" in controllers.split(","):
+        elif controller in controllers.split(","):
             paths[1] = path
     dirs: list[tuple[int, Path]] = []
     for version, path in paths.items():
-        mount = _mount_of(mounts, version)
+        mount = _mount_of(mounts, version, controller)
         if mount is None:
             continue
         root, point = mount
@@ -78,9 +120,9 @@ def _cpu_cgroup_dirs(cgroups: str, mounts: str) -> list[tuple[int, Path]]:
     return dirs
 
 
-def _mount_of(mounts: str, version: int) -> tuple[str, Path] | None:
+def _mount_of(mounts: str, version: int, controller: str) -> tuple[str, Path] | None:
     """``(root within the hierarchy, mount point)`` of the cgroup2 file system (v2) or of the
-    v1 hierarchy holding the ``cpu`` controller, from ``/proc/self/mountinfo`` lines
+    v1 hierarchy holding ``controller``, from ``/proc/self/mountinfo`` lines
     (``proc(5)``: ``id parent major:minor root point options [tags] - fstype source super``)."""
     for line in mounts.splitlines():
         head, _, tail = line.partition(" - ")
@@ -89,7 +131,7 @@ def _mount_of(mounts: str, version: int) -> tuple[str, Path] | None:
             continue
         fstype, super_options = rest[0], rest[2].split(",")
         if (version == 2 and fstype == "cgroup2") or (
-            version == 1 and fstype == "cgroup" and "cpu" in super_options
+            version == 1 and fstype == "cgroup" and controller in super_options
         ):
             return fields[3], Path(fields[4])
     return None
@@ -108,4 +150,20 @@ def _quota_in(where: tuple[int, Path]) -> float | None:
             return None
         return quota / int((directory / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+#: v1's "no limit": PAGE_COUNTER_MAX pages, a number near 2**63 (rounded to pages)
+_V1_UNLIMITED = 1 << 62
+
+
+def _memory_limit_in(where: tuple[int, Path]) -> int | None:
+    version, directory = where
+    try:
+        if version == 2:
+            text = (directory / "memory.max").read_text().strip()
+            return None if text == "max" else int(text)
+        limit = int((directory / "memory.limit_in_bytes").read_text())
+        return None if limit >= _V1_UNLIMITED or limit <= 0 else limit
+    except (OSError, ValueError):
         return None

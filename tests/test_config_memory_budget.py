@@ -1,0 +1,153 @@
+"""How many workers the memory allows and what each process's caches may hold
+(``capture_proxy.config.memory_budget``, ``capture_proxy.proxy.cache_bounds``), and the
+settings that carry them (``Settings.worker_count``, ``Settings.cache_budget_mb``) to the
+linker's caches and to each worker of ``serve --workers``."""
+
+from __future__ import annotations
+
+import pytest
+
+from capture_proxy.config import Settings
+from capture_proxy.config import settings as settings_module
+from capture_proxy.config.memory_budget import (
+    FULL_CACHE_MB,
+    MIN_CACHE_MB,
+    default_cache_mb,
+    default_workers,
+)
+from capture_proxy.core.known_bodies import KnownBodies
+from capture_proxy.core.known_messages import KnownMessages
+from capture_proxy.core.known_tools import KnownTools
+from capture_proxy.proxy.cache_bounds import FULL_INDEX_CALLS, CacheBounds
+from capture_proxy.proxy.recent import RecentCalls
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(
+    ("cpus", "memory", "exact", "workers"),
+    [
+        (64, None, False, 64),  # memory unknown: one per CPU
+        (64, 2 * GIB, False, 8),  # a 2 GB sidecar on a 64-core node: 256 MB a worker
+        (64, 2 * GIB, True, 2),  # with a tokenizer in each: 1 GB a worker
+        (2, 24 * GIB, True, 2),  # this machine: the CPUs decide
+        (8, 200 * MIB, False, 1),  # never fewer than one
+        (8, 700 * MIB, True, 1),
+    ],
+)
+def test_default_workers(cpus, memory, exact, workers):
+    assert default_workers(cpus, memory, tokenizer=exact) == workers
+
+
+@pytest.mark.parametrize(
+    ("memory", "workers", "cache_mb"),
+    [
+        (None, 4, FULL_CACHE_MB),  # unknown: the full size
+        (24 * GIB, 2, FULL_CACHE_MB),  # plenty: the full size, not more
+        (2 * GIB, 2, 256),  # a quarter of 2 GB over 2 workers
+        (2 * GIB, 8, 64),
+        (512 * MIB, 8, MIN_CACHE_MB),  # 16 MB each would be the share: the floor
+    ],
+)
+def test_default_cache_mb(memory, workers, cache_mb):
+    assert default_cache_mb(memory, workers) == cache_mb
+
+
+def test_the_full_bounds_are_the_caches_defaults_and_a_budget_scales_each():
+    full = CacheBounds.of()
+    assert full == CacheBounds(
+        recent_bytes=512 * MIB,
+        index_calls=FULL_INDEX_CALLS,
+        message_facts_bytes=128 * MIB,
+        request_bodies_bytes=128 * MIB,
+        tools_bytes=16 * MIB,
+    )
+    # 512 + 128 + 128 + 16 MB and 131,072 calls at 3.5 KB: FULL_CACHE_MB in all
+    assert (512 + 128 + 128 + 16) * MIB + FULL_INDEX_CALLS * 3584 == FULL_CACHE_MB * MIB
+    assert RecentCalls().max_bytes == full.recent_bytes
+    assert KnownMessages().max_bytes == full.message_facts_bytes
+    assert KnownBodies().max_bytes == full.request_bodies_bytes
+    assert KnownTools().max_bytes == full.tools_bytes
+    quarter = CacheBounds.of(FULL_CACHE_MB // 4)  # 308 MB
+    assert quarter == CacheBounds(
+        recent_bytes=128 * MIB,
+        index_calls=32_768,
+        message_facts_bytes=32 * MIB,
+        request_bodies_bytes=32 * MIB,
+        tools_bytes=4 * MIB,
+    )
+    assert CacheBounds.of(64, index_calls=7).index_calls == 7  # link_index_max_calls wins
+
+
+def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from capture_proxy.app import _linker
+    from capture_proxy.proxy.metrics import Metrics
+
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")
+    assert (settings.worker_count, settings.cache_budget_mb) == (8, 64)
+    exact = Settings(backend="http://e:1", store=tmp_path / "s", prompt_mode="exact_tokens")
+    assert (exact.worker_count, exact.cache_budget_mb) == (2, 256)
+    store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
+    linker = _linker(settings, store, None, None, None, Metrics())  # type: ignore[arg-type]
+    expected = CacheBounds.of(64)
+    assert linker.recent.max_bytes == expected.recent_bytes == 27_889_398  # 512 MiB * 64 / 1232
+    assert linker.indexes.max_calls == expected.index_calls == 6808
+    assert linker.known_messages.max_bytes == expected.message_facts_bytes
+    assert linker.known_bodies.max_bytes == expected.request_bodies_bytes
+    assert linker.known_tools.max_bytes == expected.tools_bytes
+    chosen = Settings(
+        backend="http://e:1", store=tmp_path / "s", cache_memory_mb=100, workers=3,
+        link_index_max_calls=5,
+    )  # fmt: skip
+    assert (chosen.worker_count, chosen.cache_budget_mb) == (3, 100)
+    linker = _linker(chosen, store, None, None, None, Metrics())  # type: ignore[arg-type]
+    assert linker.indexes.max_calls == 5
+    assert linker.recent.max_bytes == CacheBounds.of(100).recent_bytes
+
+
+def test_each_worker_is_told_the_count_and_budget_the_supervisor_decided(tmp_path, monkeypatch):
+    """A worker pinned to one CPU would count one CPU and take all the memory's share: the
+    supervisor's decision travels in the settings it is given."""
+    import argparse
+    import socket
+
+    from capture_proxy.cli import serve, workers
+
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 4)
+    plans = []
+    monkeypatch.setattr(workers, "run_workers", lambda plan, *a: plans.append(plan) or 0)
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")
+    args = argparse.Namespace(read_only=False, backend=None, port_file=None)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        assert serve._run_workers(args, settings, sock) == 0
+    (plan,) = plans
+    assert plan.count == 4
+    assert (plan.settings.workers, plan.settings.cache_memory_mb) == (4, 128)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 1)  # as a pinned worker sees
+    assert (plan.settings.worker_count, plan.settings.cache_budget_mb) == (4, 128)
+
+
+def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
+    from capture_proxy.cli import serve
+
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    with caplog.at_level("INFO", logger="capture_proxy"):
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s"))
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s", workers=1))
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64))
+    assert [r.getMessage() for r in caplog.records] == [
+        "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
+        "8 worker(s), caches at most 64 MB each (settings workers, cache_memory_mb)",
+        # one worker gets a quarter of 2 GB: 512 MB, still below the full size
+        "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
+        "1 worker(s), caches at most 512 MB each (settings workers, cache_memory_mb)",
+    ]  # chosen by the user: nothing to say
