@@ -2,14 +2,22 @@
 (``cache_memory_mb``; ``config/memory_budget.py``, ``proxy/cache_bounds.py``): the caches'
 estimates must hold, so a small bound keeps the process flat while the full one grows.
 
-For each ``--budgets`` (MB; ``full``: the default, 1,232 MB): ``capture-proxy serve --workers
-1`` (one process: its resident memory is the one to read) in front of the scripted engine,
-``--calls`` chat calls in agent sessions of 3 (each its own rollout; an 8 KB system prompt and
-4 KB tool outputs, as ``sessions.Workload``), ``--clients`` at once. Printed every sixth of
-the calls: the process's resident memory (``VmRSS``) and its anonymous memory
-(``smaps_rollup``), MB, and the growth per call since the first sixth.
+For each ``--budgets`` (MB; ``full``: 1,232 MB; ``default``: the setting unset, as
+``serve`` sizes it) ``capture-proxy serve --workers 1`` (``--workers``; ``default``: unset) in
+front of the scripted engine, ``--calls`` chat calls in agent sessions of 3 (each its own
+rollout; an 8 KB system prompt and 4 KB tool outputs, as ``sessions.Workload``), ``--clients``
+at once. Printed every sixth of the calls: the proxy's resident memory (``VmRSS``) and its
+anonymous memory (``smaps_rollup``), MB, summed over its processes, and the growth per call
+since the first sixth.
 
-Run: ``.venv/bin/python benchmarks/worker_memory.py [--calls 6000] [--budgets 32,full]``.
+``--cgroup DIR``: the proxy runs in that cgroup (its pid written to ``DIR/cgroup.procs``
+first; the workers inherit it), e.g. one made with a memory limit (v1:
+``memory.limit_in_bytes``, v2: ``memory.max``): a proxy the kernel kills for memory is
+reported with the calls it served. ``--baseline-src DIR``: each budget also with the proxy of
+another source tree (a ``git archive`` of an older commit), in the same run.
+
+Run: ``.venv/bin/python benchmarks/worker_memory.py [--calls 6000] [--budgets 32,full]
+[--workers default] [--cgroup DIR] [--baseline-src DIR]``.
 """
 
 from __future__ import annotations
@@ -24,30 +32,55 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_sweep import sweep_session  # noqa: E402
-from benchmarks.services import Service, cli_command, free_port  # noqa: E402
+from benchmarks.saturation_procs import tree_pids  # noqa: E402
+from benchmarks.services import Service, baseline_env, cli_command, free_port  # noqa: E402
 from benchmarks.sessions import Target, Workload, client_session  # noqa: E402
 
 WORKLOAD = Workload(system_prompt_kb=8, tool_output_kb=4)
 
 
-def memory_mb(pid: int) -> tuple[float, float]:
-    """(resident, anonymous) MB of process ``pid``."""
+def memory_mb(root: int) -> tuple[float, float]:
+    """(resident, anonymous) MB of process ``root`` and its descendants."""
     rss = anon = 0.0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) / 1024
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Anonymous:"):
-            anon = int(line.split()[1]) / 1024
+    for pid in tree_pids(root):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                rss += int(line.split()[1]) / 1024
+        for line in rollup.splitlines():
+            if line.startswith("Anonymous:"):
+                anon += int(line.split()[1]) / 1024
     return rss, anon
 
 
-async def one_budget(work: Path, engine: Service, budget: str, args: argparse.Namespace) -> None:
+def _proxy(
+    work: Path, engine: Service, budget: str, tree: str | None, args: argparse.Namespace
+) -> Service:
+    name = f"{budget}-{'baseline' if tree else 'this'}"
     port = free_port()
-    argv = [*cli_command(), "serve", "--backend", engine.url, "--port", str(port), "--workers", "1"]
-    argv += ["--store", str(work / f"store-{budget}"), "--log-level", "WARNING"]
-    env = {} if budget == "full" else {"CAPTURE_PROXY_CACHE_MEMORY_MB": budget}
-    proxy = Service(f"proxy-{budget}", argv, port, work / f"proxy-{budget}.log", env=env)
+    command = [sys.executable, "-m", "capture_proxy.cli"] if tree else cli_command()
+    argv = [*command, "serve", "--backend", engine.url, "--port", str(port)]
+    argv += ["--store", str(work / f"store-{name}"), "--log-level", "INFO"]
+    argv += [] if args.workers == "default" else ["--workers", args.workers]
+    if args.cgroup:  # join the cgroup, then become the proxy
+        argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', args.cgroup, *argv]
+    env = dict(baseline_env(tree) or {})
+    if budget not in ("full", "default"):
+        env["CAPTURE_PROXY_CACHE_MEMORY_MB"] = budget
+    elif budget == "full":
+        env["CAPTURE_PROXY_CACHE_MEMORY_MB"] = "1232"
+    cwd = Path(tree) if tree else None
+    return Service(f"proxy-{name}", argv, port, work / f"proxy-{name}.log", env=env, cwd=cwd)
+
+
+async def one_budget(
+    work: Path, engine: Service, budget: str, tree: str | None, args: argparse.Namespace
+) -> None:
+    proxy = _proxy(work, engine, budget, tree, args)
     http = client_session(64, read_timeout_s=300)
     proxy.start()
     try:
@@ -56,23 +89,33 @@ async def one_budget(work: Path, engine: Service, budget: str, args: argparse.Na
         sessions = list(range(args.calls // 3))
         sessions.reverse()
         step = max(1, args.calls // 6)
-        done, rows, t0 = 0, [], time.monotonic()
+        rows: list[tuple[int, float, float]] = []
+        done, t0 = 0, time.monotonic()
 
         async def client() -> None:
             nonlocal done
             while sessions:
                 i = sessions.pop()
-                results = await sweep_session(
-                    http, target, f"m{budget}-{i}", f"s{i}", 3, False, WORKLOAD
-                )
+                results = await sweep_session(http, target, f"m-{i}", f"s{i}", 3, False, WORKLOAD)
                 if not all(r.ok for r in results):
+                    if proxy.proc is not None and proxy.proc.poll() is not None:
+                        sessions.clear()  # the proxy died (the kernel's OOM kill): stop
+                        return
                     raise RuntimeError(f"{proxy.name}: a call failed: {results}")
                 done += len(results)
                 if done // step > len(rows):
                     rows.append((done, *memory_mb(proxy.pid)))
 
         await asyncio.gather(*(client() for _ in range(args.clients)))
-        print(f"\ncache_memory_mb {budget} ({time.monotonic() - t0:.0f} s)")
+        source = f"the tree {tree}" if tree else "this tree"
+        print(f"\ncache_memory_mb {budget}, {source} ({time.monotonic() - t0:.0f} s)")
+        assert proxy.proc is not None
+        if proxy.proc.poll() is not None:
+            print(f"THE PROXY DIED (status {proxy.proc.returncode}) after {done:,} calls")
+        lines = [line for line in proxy.tail(20_000).splitlines() if "memory this process" in line]
+        print(*(line.split("capture_proxy: ", 1)[-1] for line in lines[:1]))
+        if not rows:
+            return
         print("| calls | resident MB | anonymous MB | KB per call since the first row |")
         print("| --- | --- | --- | --- |")
         first = rows[0]
@@ -94,7 +137,8 @@ async def run(args: argparse.Namespace) -> int:
     try:
         await engine.wait_healthy(http, 120)
         for budget in args.budgets.split(","):
-            await one_budget(work, engine, budget, args)
+            for tree in (None, *([args.baseline_src] if args.baseline_src else [])):
+                await one_budget(work, engine, budget, tree, args)
     finally:
         await http.close()
         engine.stop()
@@ -105,7 +149,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=6000)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--budgets", default="32,full", help="cache_memory_mb values, MB or full")
+    ap.add_argument("--budgets", default="32,full", help="cache_memory_mb: MB, full or default")
+    ap.add_argument("--workers", default="1", help="serve --workers (default: unset)")
+    ap.add_argument("--cgroup", help="run the proxy in this cgroup (a directory)")
+    ap.add_argument("--baseline-src", help="also run the proxy of this source tree")
     return asyncio.run(run(ap.parse_args()))
 
 
