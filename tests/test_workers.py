@@ -249,9 +249,12 @@ async def test_a_worker_that_cannot_start_stops_the_supervisor(tmp_path, engine)
     assert _workers(proc.pid) == []
 
 
-def test_worker_count_defaults_to_the_cpus_this_process_may_use(tmp_path):
+def test_worker_count_defaults_to_the_cpus_this_process_may_use(tmp_path, monkeypatch):
     from capture_proxy.config import Settings
+    from capture_proxy.config import settings as settings_module
 
+    # the memory, which may cap the count (tests/test_config_memory_budget.py), unknown here
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: None)
     settings = Settings(backend="http://e:1", store=tmp_path)
     assert settings.worker_count == len(os.sched_getaffinity(0))
     assert Settings(backend="http://e:1", store=tmp_path, workers=3).worker_count == 3
