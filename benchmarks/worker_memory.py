@@ -2,13 +2,13 @@
 (``cache_memory_mb``; ``config/memory_budget.py``, ``proxy/cache_bounds.py``): the caches'
 estimates must hold, so a small bound keeps the process flat while the full one grows.
 
-For each ``--budgets`` (MB; ``full``: 1,232 MB; ``default``: the setting unset, as
-``serve`` sizes it) ``capture-proxy serve --workers 1`` (``--workers``; ``default``: unset) in
-front of the scripted engine, ``--calls`` chat calls in agent sessions of 3 (each its own
-rollout; an 8 KB system prompt and 4 KB tool outputs, as ``sessions.Workload``), ``--clients``
-at once. Printed every sixth of the calls: the proxy's resident memory (``VmRSS``) and its
-anonymous memory (``smaps_rollup``), MB, summed over its processes, and the growth per call
-since the first sixth.
+For each ``--budgets`` (MB; ``full``: 1,232 MB; ``default``: the setting unset, as ``serve``
+sizes it) ``capture-proxy serve --workers 1`` (``--workers``; ``default``: unset) in front of
+the scripted engine, ``--calls`` chat calls in agent sessions of 3 (each its own rollout; an 8
+KB system prompt and 4 KB tool outputs, as ``sessions.Workload``), ``--clients`` at once;
+``--prompt-mode exact_tokens``: with the scripted engine's tokenizer. Printed every sixth of the
+calls: the proxy's resident memory (``VmRSS``) and its anonymous memory (``smaps_rollup``), MB,
+summed over its processes, and the growth per call since the first sixth.
 
 ``--cgroup DIR``: the proxy runs in that cgroup (its pid written to ``DIR/cgroup.procs``
 first; the workers inherit it), e.g. one made with a memory limit (v1:
@@ -17,13 +17,14 @@ reported with the calls it served. ``--baseline-src DIR``: each budget also with
 another source tree (a ``git archive`` of an older commit), in the same run.
 
 Run: ``.venv/bin/python benchmarks/worker_memory.py [--calls 6000] [--budgets 32,full]
-[--workers default] [--cgroup DIR] [--baseline-src DIR]``.
+[--workers default] [--prompt-mode exact_tokens] [--cgroup DIR] [--baseline-src DIR]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,6 +81,8 @@ def _proxy(
     argv = [*command, "serve", "--backend", engine.url, "--port", str(port)]
     argv += ["--store", str(work / f"store-{name}"), "--log-level", "INFO"]
     argv += [] if args.workers == "default" else ["--workers", args.workers]
+    if args.prompt_mode == "exact_tokens":
+        argv += ["--prompt-mode", "exact_tokens", "--tokenizer", str(work / "tokenizer")]
     if args.cgroup:  # join the cgroup, then become the proxy
         argv = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', args.cgroup, *argv]
     env = dict(baseline_env(tree) or {})
@@ -95,10 +98,17 @@ async def one_budget(
     work: Path, engine: Service, budget: str, tree: str | None, args: argparse.Namespace
 ) -> None:
     proxy = _proxy(work, engine, budget, tree, args)
+    kills_at_start = oom_kills(args.cgroup)
     http = client_session(64, read_timeout_s=300)
     proxy.start()
     try:
-        await proxy.wait_healthy(http, 120)
+        try:
+            await proxy.wait_healthy(http, 120)
+        except RuntimeError as exc:  # it exited: e.g. a worker killed for memory at start-up
+            print(f"\ncache_memory_mb {budget}, {tree or 'this tree'}: DID NOT START "
+                  f"(the cgroup's oom_kill: +{oom_kills(args.cgroup) - kills_at_start}): "
+                  f"{str(exc).splitlines()[-1]}")  # fmt: skip
+            return
         target = Target("proxy", proxy.url, capture=True, augment=False)
         sessions = list(range(args.calls // 3))
         sessions.reverse()
@@ -150,6 +160,9 @@ async def run(args: argparse.Namespace) -> int:
     engine = Service("engine", [*cli_command(), "scripted-engine", "--port", str(port)], port,
                      work / "engine.log")  # fmt: skip
     http = client_session(4, read_timeout_s=60)
+    if args.prompt_mode == "exact_tokens":  # the scripted engine's tokenizer
+        subprocess.run([*cli_command(), "export-tokenizer", str(work / "tokenizer")], check=True,
+                       stdout=subprocess.DEVNULL)  # fmt: skip
     engine.start()
     try:
         await engine.wait_healthy(http, 120)
@@ -169,6 +182,7 @@ def main() -> int:
     ap.add_argument("--budgets", default="32,full", help="cache_memory_mb: MB, full or default")
     ap.add_argument("--workers", default="1", help="serve --workers (default: unset)")
     ap.add_argument("--cgroup", help="run the proxy in this cgroup (a directory)")
+    ap.add_argument("--prompt-mode", default="backend_template", help="or exact_tokens")
     ap.add_argument("--baseline-src", help="also run the proxy of this source tree")
     return asyncio.run(run(ap.parse_args()))
 

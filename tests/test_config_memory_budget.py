@@ -41,17 +41,20 @@ def test_default_workers(cpus, memory, exact, workers):
 
 
 @pytest.mark.parametrize(
-    ("memory", "workers", "cache_mb"),
+    ("memory", "workers", "exact", "cache_mb"),
     [
-        (None, 4, FULL_CACHE_MB),  # unknown: the full size
-        (24 * GIB, 2, FULL_CACHE_MB),  # plenty: the full size, not more
-        (2 * GIB, 2, 256),  # a quarter of 2 GB over 2 workers
-        (2 * GIB, 8, 64),
-        (512 * MIB, 8, MIN_CACHE_MB),  # 16 MB each would be the share: the floor
+        (None, 4, False, FULL_CACHE_MB),  # unknown: the full size
+        (24 * GIB, 2, True, FULL_CACHE_MB),  # plenty: the full size, not more
+        (2 * GIB, 2, False, 256),  # a quarter of 2 GB over 2 workers
+        (2 * GIB, 8, False, 64),  # a quarter, and half of what 8 workers' 128 MB leave
+        (2 * GIB, 2, True, 256),
+        (768 * MIB, 1, True, 128),  # half of what one worker's 512 MB leave, not a quarter
+        (768 * MIB, 2, False, 96),
+        (512 * MIB, 8, False, MIN_CACHE_MB),  # nothing left for 8: the floor
     ],
 )
-def test_default_cache_mb(memory, workers, cache_mb):
-    assert default_cache_mb(memory, workers) == cache_mb
+def test_default_cache_mb(memory, workers, exact, cache_mb):
+    assert default_cache_mb(memory, workers, tokenizer=exact) == cache_mb
 
 
 def test_the_full_bounds_are_the_caches_defaults_and_a_budget_scales_each():

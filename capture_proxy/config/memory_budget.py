@@ -13,9 +13,10 @@ machine's, capped by a container's limit):
 
 - ``default_workers``: at most one worker per twice its own memory (``BASE_MB``, or
   ``BASE_MB_TOKENIZER`` in ``exact_tokens``), never more than the CPUs, at least 1;
-- ``default_cache_mb``: the caches of all workers together at most a quarter of the memory
-  (the rest: the processes' own memory, requests and answers in flight, SQLite's page cache,
-  the allocator's slack), at most ``FULL_CACHE_MB`` a process, at least ``MIN_CACHE_MB``.
+- ``default_cache_mb``: the caches of all workers together at most a quarter of the memory,
+  and at most half of what the workers' own memory leaves (the rest: requests and answers in
+  flight, SQLite's page cache, the store's caches, the allocator's slack), at most
+  ``FULL_CACHE_MB`` a process, at least ``MIN_CACHE_MB``.
 
 The caches are caches: a smaller bound costs reads of the store (CPU), never a wrong link or
 a lost call. Settings ``workers`` and ``cache_memory_mb`` override both. Pure arithmetic.
@@ -45,11 +46,15 @@ def default_workers(cpus: int, memory_bytes: int | None, tokenizer: bool) -> int
     return max(1, min(cpus, memory_bytes // per_worker))
 
 
-def default_cache_mb(memory_bytes: int | None, workers: int) -> int:
+def default_cache_mb(memory_bytes: int | None, workers: int, tokenizer: bool = False) -> int:
     """MB each of ``workers`` processes' caches may hold in ``memory_bytes`` of memory (None:
-    unknown, ``FULL_CACHE_MB``): a quarter of it shared, within ``MIN_CACHE_MB`` and
-    ``FULL_CACHE_MB``."""
+    unknown, ``FULL_CACHE_MB``): a quarter of it shared, and at most half of what the
+    processes' own memory (``BASE_MB``, ``BASE_MB_TOKENIZER`` if ``tokenizer``) leaves;
+    within ``MIN_CACHE_MB`` and ``FULL_CACHE_MB``."""
     if memory_bytes is None:
         return FULL_CACHE_MB
-    share = memory_bytes // MIB // 4 // max(1, workers)
+    workers = max(1, workers)
+    memory_mb = memory_bytes // MIB
+    left = memory_mb - (BASE_MB_TOKENIZER if tokenizer else BASE_MB) * workers
+    share = min(memory_mb // 4 // workers, left // 2 // workers)
     return max(MIN_CACHE_MB, min(FULL_CACHE_MB, share))

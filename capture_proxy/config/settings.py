@@ -58,10 +58,7 @@ class Settings(SettingsFields):
         many as its memory holds (``memory_budget.default_workers``)."""
         if self.workers is not None:
             return self.workers
-        exact = self.prompt_mode == "exact_tokens" or (
-            "exact_tokens" in self.prompt_mode_by_model.values()
-        )  # a tokenizer in every worker
-        return default_workers(usable_cpus(), usable_memory_bytes(), tokenizer=exact)
+        return default_workers(usable_cpus(), usable_memory_bytes(), self.loads_tokenizers)
 
     @property
     def cache_budget_mb(self) -> int:
@@ -69,7 +66,15 @@ class Settings(SettingsFields):
         (``memory_budget.default_cache_mb`` over ``worker_count``)."""
         if self.cache_memory_mb is not None:
             return self.cache_memory_mb
-        return default_cache_mb(usable_memory_bytes(), self.worker_count)
+        return default_cache_mb(usable_memory_bytes(), self.worker_count, self.loads_tokenizers)
+
+    @property
+    def loads_tokenizers(self) -> bool:
+        """Whether each process loads a tokenizer (``exact_tokens`` for some model): hundreds
+        of MB of its own (``memory_budget.BASE_MB_TOKENIZER``)."""
+        return self.prompt_mode == "exact_tokens" or (
+            "exact_tokens" in self.prompt_mode_by_model.values()
+        )
 
     @property
     def store_label(self) -> str:
