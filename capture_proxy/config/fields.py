@@ -2,7 +2,7 @@
 the configuration reference (docs/configuration.md, generated from them) lists them.
 ``settings.Settings`` adds their validators and the values derived from them.
 
-Defaults that bite a proxy are set explicitly (see STYLE.md): the request body limit
+Defaults that bite a proxy are set explicitly, not left to the libraries: the request body limit
 (64 MiB, long agent histories), no total upstream timeout (long generations), a large
 upstream connection pool, and an upstream keep-alive shorter than the engines' so the proxy
 never reuses a connection the engine is about to close.
