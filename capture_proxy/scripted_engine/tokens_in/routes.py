@@ -8,7 +8,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from capture_proxy.scripted_engine.tokens_in.sglang import sglang_generate
-from capture_proxy.scripted_engine.tokens_in.vllm import completions, inference_generate
+from capture_proxy.scripted_engine.tokens_in.vllm import completions
+from capture_proxy.scripted_engine.tokens_in.vllm_generate import inference_generate
 
 
 def add_tokens_in_routes(app: web.Application, enable_scale_out: bool) -> None:
