@@ -93,8 +93,15 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
     assert (settings.worker_count, settings.cache_budget_mb) == (8, 64)
-    exact = Settings(backend="http://e:1", store=tmp_path / "s", prompt_mode="exact_tokens")
-    assert (exact.worker_count, exact.cache_budget_mb) == (2, 256)
+    base = {"backend": "http://e:1", "store": tmp_path / "s", "prompt_mode": "exact_tokens"}
+    engine_renders = Settings(**base)  # the engine's /tokenize: no tokenizer in the workers
+    assert (engine_renders.worker_count, engine_renders.cache_budget_mb) == (8, 64)
+    for local in ({"tokenizer": tmp_path}, {"model_families": {"m": "qwen3"}}):
+        exact = Settings(**base, **local)  # a tokenizer in every worker
+        assert (exact.loads_tokenizers, exact.worker_count, exact.cache_budget_mb) == (
+            True, 2, 256,
+        )  # fmt: skip
+    assert not Settings(backend="http://e:1", store=tmp_path, tokenizer=tmp_path).loads_tokenizers
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
     linker = _linker(settings, store, None, None, None, Metrics())  # type: ignore[arg-type]
     expected = CacheBounds.of(64)

@@ -70,10 +70,12 @@ class Settings(SettingsFields):
 
     @property
     def loads_tokenizers(self) -> bool:
-        """Whether each process loads a tokenizer (``exact_tokens`` for some model): hundreds
-        of MB of its own (``memory_budget.BASE_MB_TOKENIZER``)."""
-        return self.prompt_mode == "exact_tokens" or (
-            "exact_tokens" in self.prompt_mode_by_model.values()
+        """Whether each process loads a tokenizer: ``exact_tokens`` for some model with a
+        local ``tokenizer`` or ``model_families`` (each family loads its own; without either
+        the engine's ``/tokenize`` renders: ``app.make_exact_tokens``). Hundreds of MB of its
+        own (``memory_budget.BASE_MB_TOKENIZER``)."""
+        return self.uses_exact_tokens and (
+            self.tokenizer is not None or bool(self.model_families)
         )
 
     @property
