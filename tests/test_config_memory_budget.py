@@ -84,6 +84,7 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from capture_proxy.app import _linker
+    from capture_proxy.proxy.keys import WorkerRole
     from capture_proxy.proxy.metrics import Metrics
 
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
@@ -93,7 +94,8 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     exact = Settings(backend="http://e:1", store=tmp_path / "s", prompt_mode="exact_tokens")
     assert (exact.worker_count, exact.cache_budget_mb) == (2, 256)
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
-    linker = _linker(settings, store, None, None, None, Metrics())  # type: ignore[arg-type]
+    role = WorkerRole(0, 8, str(tmp_path))  # one of the 8 workers
+    linker = _linker(settings, store, None, None, None, Metrics(), role)  # type: ignore[arg-type]
     expected = CacheBounds.of(64)
     assert linker.recent.max_bytes == expected.recent_bytes == 27_889_398  # 512 MiB * 64 / 1232
     assert linker.indexes.max_calls == expected.index_calls == 6808
@@ -151,3 +153,24 @@ def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
         "1 worker(s), caches at most 512 MB each (settings workers, cache_memory_mb)",
     ]  # chosen by the user: nothing to say
+
+
+def test_a_process_serving_alone_takes_the_share_of_one(tmp_path, monkeypatch):
+    """``demo``, ``replay`` and ``serve`` with one worker run one proxy process: its caches are
+    not cut to a share of the workers its CPUs would have counted (64 here), which it does not
+    run; a worker's are its share of the supervisor's count."""
+    from types import SimpleNamespace
+
+    from capture_proxy.app import _linker
+    from capture_proxy.proxy.keys import WorkerRole
+    from capture_proxy.proxy.metrics import Metrics
+
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")  # as demo builds them
+    store = SimpleNamespace(shared=False)
+    alone = _linker(settings, store, None, None, None, Metrics())  # type: ignore[arg-type]
+    assert alone.recent.max_bytes == CacheBounds.of(512).recent_bytes  # a quarter of 2 GB
+    role = WorkerRole(0, 8, str(tmp_path))
+    one_of_8 = _linker(settings, store, None, None, None, Metrics(), worker=role)  # type: ignore[arg-type]
+    assert one_of_8.recent.max_bytes == CacheBounds.of(64).recent_bytes
