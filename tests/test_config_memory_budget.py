@@ -91,7 +91,9 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
     assert (settings.worker_count, settings.cache_budget_mb) == (8, 64)
-    exact = Settings(backend="http://e:1", store=tmp_path / "s", prompt_mode="exact_tokens")
+    exact = Settings(
+        backend="http://e:1", store=tmp_path / "s", prompt_mode="exact_tokens", tokenizer=tmp_path
+    )
     assert (exact.worker_count, exact.cache_budget_mb) == (2, 256)
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
     role = WorkerRole(0, 8, str(tmp_path))  # one of the 8 workers
@@ -174,3 +176,22 @@ def test_a_process_serving_alone_takes_the_share_of_one(tmp_path, monkeypatch):
     role = WorkerRole(0, 8, str(tmp_path))
     one_of_8 = _linker(settings, store, None, None, None, Metrics(), worker=role)  # type: ignore[arg-type]
     assert one_of_8.recent.max_bytes == CacheBounds.of(64).recent_bytes
+
+
+def test_only_a_tokenizer_loaded_in_each_worker_costs_a_gigabyte(tmp_path, monkeypatch):
+    """``exact_tokens`` without ``tokenizer`` or ``model_families`` renders with the engine's
+    ``/tokenize``: no tokenizer in the workers, the count of ``backend_template``."""
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    base = {"backend": "http://e:1", "store": tmp_path / "s", "prompt_mode": "exact_tokens"}
+    assert Settings(**base).worker_count == 8  # the engine renders
+    assert Settings(**base, tokenizer=tmp_path).worker_count == 2
+    assert Settings(**base, model_families={"m": "qwen3"}).worker_count == 2
+    mixed = Settings(**{**base, "prompt_mode": "backend_template"}, tokenizer=tmp_path)
+    assert mixed.worker_count == 8  # a tokenizer set but no model in exact_tokens: not loaded
+    by_model = {
+        **base,
+        "prompt_mode": "backend_template",
+        "prompt_mode_by_model": {"m": "exact_tokens"},
+    }
+    assert Settings(**by_model, tokenizer=tmp_path).worker_count == 2

@@ -62,9 +62,10 @@ class SettingsFields(BaseSettings):
         description="Worker processes serving the port (each its own event loop and core); "
         "None: one per CPU this process may use (its affinity mask, capped by its cgroup's CPU "
         "quota: a container's CPU limit, rounded down), at most one per 256 MB of the memory "
-        "it may use (per 1 GB in exact_tokens, which loads a tokenizer; the machine's memory, "
-        "capped by its cgroup's memory limit). With an embedded store the supervisor process "
-        "is its one writer (workers read it themselves and send their writes there); "
+        "it may use (per 1 GB where each loads a tokenizer: exact_tokens with tokenizer or "
+        "model_families set; the machine's memory, capped by its cgroup's memory limit). With "
+        "an embedded store the supervisor process is its one writer (workers read it "
+        "themselves and send their writes there); "
         "with PostgreSQL each worker is a replica. 1: one process, no supervisor",
     )
     store_failure: Literal["refuse", "answer"] = Field(

@@ -1,7 +1,8 @@
 """How many workers the memory allows, and how much each process's caches may hold.
 
 A proxy process holds its own memory (the interpreter and libraries: about 95 MB resident at
-start; in ``exact_tokens``, which loads a tokenizer, 450-530 MB: its vocabulary, and
+start; with a tokenizer loaded, ``exact_tokens`` with ``tokenizer`` or ``model_families``
+set (unset, the engine's ``/tokenize`` renders), 450-530 MB: its vocabulary, and
 ``transformers`` imports ``torch`` where it is installed) and its caches, which fill as it
 serves calls and are bounded (``proxy/cache_bounds.py``: recent records, parent-digest
 indexes, message facts, request bodies, tool lists): at most ``FULL_CACHE_MB`` by default.
@@ -12,7 +13,7 @@ So where the memory this process may use is known (``cgroups.usable_memory_bytes
 machine's, capped by a container's limit):
 
 - ``default_workers``: at most one worker per twice its own memory (``BASE_MB``, or
-  ``BASE_MB_TOKENIZER`` in ``exact_tokens``), never more than the CPUs, at least 1;
+  ``BASE_MB_TOKENIZER`` where it loads a tokenizer), never more than the CPUs, at least 1;
 - ``default_cache_mb``: the caches of all workers together at most a quarter of the memory
   (the rest: the processes' own memory, requests and answers in flight, SQLite's page cache,
   the allocator's slack), at most ``FULL_CACHE_MB`` a process, at least ``MIN_CACHE_MB``.

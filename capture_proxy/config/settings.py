@@ -58,10 +58,13 @@ class Settings(SettingsFields):
         many as its memory holds (``memory_budget.default_workers``)."""
         if self.workers is not None:
             return self.workers
-        exact = self.prompt_mode == "exact_tokens" or (
-            "exact_tokens" in self.prompt_mode_by_model.values()
-        )  # a tokenizer in every worker
-        return default_workers(usable_cpus(), usable_memory_bytes(), tokenizer=exact)
+        return default_workers(usable_cpus(), usable_memory_bytes(), tokenizer=self.loads_tokenizer)
+
+    @property
+    def loads_tokenizer(self) -> bool:
+        """Each proxy process loads a tokenizer (``app.make_exact_tokens``): ``exact_tokens``
+        with ``tokenizer`` or ``model_families`` set (unset: the engine's ``/tokenize``)."""
+        return self.uses_exact_tokens and (self.tokenizer is not None or bool(self.model_families))
 
     @property
     def cache_budget_mb(self) -> int:
