@@ -130,7 +130,7 @@ def test_each_worker_is_told_the_count_and_budget_the_supervisor_decided(tmp_pat
     args = argparse.Namespace(read_only=False, backend=None, port_file=None)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        assert serve._run_workers(args, settings, sock) == 0
+        assert serve._run_workers(args, settings, sock, settings.worker_count) == 0
     (plan,) = plans
     assert plan.count == 4
     assert (plan.settings.workers, plan.settings.cache_memory_mb) == (4, 128)
@@ -145,9 +145,9 @@ def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     with caplog.at_level("INFO", logger="capture_proxy"):
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s"))
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s", workers=1))
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64))
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s"), 8)
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s", workers=1), 1)
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64), 8)
     assert [r.getMessage() for r in caplog.records] == [
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
         "8 worker(s), caches at most 64 MB each (settings workers, cache_memory_mb)",
@@ -195,3 +195,30 @@ def test_only_a_tokenizer_loaded_in_each_worker_costs_a_gigabyte(tmp_path, monke
         "prompt_mode_by_model": {"m": "exact_tokens"},
     }
     assert Settings(**by_model, tokenizer=tmp_path).worker_count == 2
+
+
+def test_serve_counts_its_workers_once(tmp_path, monkeypatch, caplog):
+    """The count ``serve`` says, the one it chooses workers by and the one it runs are one
+    reading of the CPUs and memory (a container resized while it starts reads differently)."""
+    import argparse
+    import socket
+
+    from capture_proxy.cli import serve, workers
+
+    cpus = iter([4, 3, 2, 1, 1, 1, 1, 1])
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: next(cpus))
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")
+    monkeypatch.setattr(serve, "settings_from_args", lambda args: settings)
+    monkeypatch.setattr(serve, "_configure_logging", lambda settings: None)
+    monkeypatch.setattr(serve, "_bind", lambda settings: socket.socket())
+    plans: list = []
+    monkeypatch.setattr(workers, "run_workers", lambda plan, *a: plans.append(plan) or 0)
+    monkeypatch.setattr(serve, "_run_app", lambda *a: plans.append("one process"))
+    args = argparse.Namespace(read_only=False, backend=None, port_file=None)
+    with caplog.at_level("INFO", logger="capture_proxy"):
+        assert serve.run(args) == 0
+    (plan,) = plans
+    assert (plan.count, plan.settings.workers, plan.settings.cache_memory_mb) == (4, 4, 128)
+    assert "4 worker(s), caches at most 128 MB each" in caplog.text
