@@ -251,13 +251,17 @@ def _linker(
     child_claims: ChildClaims | None,
     attempts: AttemptsInFlight | None,
     metrics: Metrics,
+    worker: WorkerRole | None = None,
 ) -> Linker:
+    # A worker's caches: its share of its supervisor's count (``cache_memory_mb`` as the
+    # supervisor decided it); a process alone, all of the memory's share.
+    cache_mb = settings.cache_mb_for(worker.count if worker is not None else 1)
     return Linker(
         store,
         on_index_load=metrics.link_index_loads.inc,
         refuse_note_parents=settings.parent_resolution == "source_history",
         max_rollouts=settings.link_index_max_rollouts,
-        bounds=CacheBounds.of(settings.cache_budget_mb, settings.link_index_max_calls),
+        bounds=CacheBounds.of(cache_mb, settings.link_index_max_calls),
         refresh_on_miss=store.shared,
         feed=index_feed,
         claims=child_claims,
@@ -291,7 +295,7 @@ def build_proxy_app(
         app[RECORDING_KEY] = traffic
     app[SETTINGS_KEY] = settings
     app[STORE_KEY] = store
-    app[METRICS_KEY] = Metrics(worker.metrics_dir if worker is not None else None)
+    app[METRICS_KEY] = counters = Metrics(worker.metrics_dir if worker is not None else None)
     if worker is not None:
         app[WORKER_KEY] = worker
     app[UNCAPTURED_KEY] = UncapturedGeneration(
@@ -313,7 +317,7 @@ def build_proxy_app(
             else None
         ),
     )
-    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims, attempts, app[METRICS_KEY])
+    app[LINKER_KEY] = _linker(settings, store, index_feed, child_claims, attempts, counters, worker)
     app[NOTES_KEY] = notes if notes is not None else default_registry()
     app[IMAGES_KEY] = ImagePolicy.from_settings(settings)
     app[ROUTES_KEY] = _engine_routes(settings, worker)

@@ -157,3 +157,16 @@ def test_usable_memory_is_the_machines_capped_by_the_limit(tmp_path):
     assert usable_memory_bytes(proc) is None  # neither known
     (cg / "memory.max").write_text(f"{GIB}\n")
     assert usable_memory_bytes(proc) == GIB
+
+
+def test_the_mount_that_holds_the_process_cgroup_is_read_not_the_first(tmp_path):
+    """A second cgroup2 mount of a subtree listed first (a runtime's bind mount of one cgroup
+    elsewhere) does not stand for the hierarchy: the mount whose root holds the process's
+    cgroup does."""
+    other = tmp_path / "run" / "sub"
+    _write(other, "memory.max=max;cpu.max=max 100000")
+    cg = tmp_path / "cg"
+    _write(cg / "pod", f"memory.max={GIB};cpu.max=100000 100000")
+    proc = _proc(tmp_path, "0::/pod\n", [_v2_mount(other, root="/elsewhere"), _v2_mount(cg)])
+    assert cgroup_memory_limit(proc) == GIB
+    assert cgroup_cpu_quota(proc) == 1.0

@@ -87,6 +87,7 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from capture_proxy.app import _linker
+    from capture_proxy.proxy.keys import WorkerRole
     from capture_proxy.proxy.metrics import Metrics
 
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
@@ -103,7 +104,8 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
         )  # fmt: skip
     assert not Settings(backend="http://e:1", store=tmp_path, tokenizer=tmp_path).loads_tokenizers
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
-    linker = _linker(settings, store, None, None, None, Metrics())  # type: ignore[arg-type]
+    role = WorkerRole(0, 8, str(tmp_path))  # one of the 8 workers
+    linker = _linker(settings, store, None, None, None, Metrics(), role)  # type: ignore[arg-type]
     expected = CacheBounds.of(64)
     assert linker.recent.max_bytes == expected.recent_bytes == 27_889_398  # 512 MiB * 64 / 1232
     assert linker.indexes.max_calls == expected.index_calls == 6808
@@ -136,7 +138,7 @@ def test_each_worker_is_told_the_count_and_budget_the_supervisor_decided(tmp_pat
     args = argparse.Namespace(read_only=False, backend=None, port_file=None)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        assert serve._run_workers(args, settings, sock) == 0
+        assert serve._run_workers(args, settings, sock, settings.worker_count) == 0
     (plan,) = plans
     assert plan.count == 4
     assert (plan.settings.workers, plan.settings.cache_memory_mb) == (4, 128)
@@ -151,9 +153,9 @@ def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     with caplog.at_level("INFO", logger="capture_proxy"):
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s"))
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s", workers=1))
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64))
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s"), 8)
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s", workers=1), 1)
+        serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64), 8)
     assert [r.getMessage() for r in caplog.records] == [
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
         "8 worker(s), caches at most 64 MB each (settings workers, cache_memory_mb)",
@@ -161,3 +163,70 @@ def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
         "1 worker(s), caches at most 512 MB each (settings workers, cache_memory_mb)",
     ]  # chosen by the user: nothing to say
+
+
+def test_a_process_serving_alone_takes_the_share_of_one(tmp_path, monkeypatch):
+    """``demo``, ``replay`` and ``serve`` with one worker run one proxy process: its caches are
+    not cut to a share of the workers its CPUs would have counted (64 here), which it does not
+    run; a worker's are its share of the supervisor's count."""
+    from types import SimpleNamespace
+
+    from capture_proxy.app import _linker
+    from capture_proxy.proxy.keys import WorkerRole
+    from capture_proxy.proxy.metrics import Metrics
+
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")  # as demo builds them
+    store = SimpleNamespace(shared=False)
+    alone = _linker(settings, store, None, None, None, Metrics())  # type: ignore[arg-type]
+    assert alone.recent.max_bytes == CacheBounds.of(512).recent_bytes  # a quarter of 2 GB
+    role = WorkerRole(0, 8, str(tmp_path))
+    one_of_8 = _linker(settings, store, None, None, None, Metrics(), worker=role)  # type: ignore[arg-type]
+    assert one_of_8.recent.max_bytes == CacheBounds.of(64).recent_bytes
+
+
+def test_only_a_tokenizer_loaded_in_each_worker_costs_a_gigabyte(tmp_path, monkeypatch):
+    """``exact_tokens`` without ``tokenizer`` or ``model_families`` renders with the engine's
+    ``/tokenize``: no tokenizer in the workers, the count of ``backend_template``."""
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    base = {"backend": "http://e:1", "store": tmp_path / "s", "prompt_mode": "exact_tokens"}
+    assert Settings(**base).worker_count == 8  # the engine renders
+    assert Settings(**base, tokenizer=tmp_path).worker_count == 2
+    assert Settings(**base, model_families={"m": "qwen3"}).worker_count == 2
+    mixed = Settings(**{**base, "prompt_mode": "backend_template"}, tokenizer=tmp_path)
+    assert mixed.worker_count == 8  # a tokenizer set but no model in exact_tokens: not loaded
+    by_model = {
+        **base,
+        "prompt_mode": "backend_template",
+        "prompt_mode_by_model": {"m": "exact_tokens"},
+    }
+    assert Settings(**by_model, tokenizer=tmp_path).worker_count == 2
+
+
+def test_serve_counts_its_workers_once(tmp_path, monkeypatch, caplog):
+    """The count ``serve`` says, the one it chooses workers by and the one it runs are one
+    reading of the CPUs and memory (a container resized while it starts reads differently)."""
+    import argparse
+    import socket
+
+    from capture_proxy.cli import serve, workers
+
+    cpus = iter([4, 3, 2, 1, 1, 1, 1, 1])
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: next(cpus))
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")
+    monkeypatch.setattr(serve, "settings_from_args", lambda args: settings)
+    monkeypatch.setattr(serve, "_configure_logging", lambda settings: None)
+    monkeypatch.setattr(serve, "_bind", lambda settings: socket.socket())
+    plans: list = []
+    monkeypatch.setattr(workers, "run_workers", lambda plan, *a: plans.append(plan) or 0)
+    monkeypatch.setattr(serve, "_run_app", lambda *a: plans.append("one process"))
+    args = argparse.Namespace(read_only=False, backend=None, port_file=None)
+    with caplog.at_level("INFO", logger="capture_proxy"):
+        assert serve.run(args) == 0
+    (plan,) = plans
+    assert (plan.count, plan.settings.workers, plan.settings.cache_memory_mb) == (4, 4, 128)
+    assert "4 worker(s), caches at most 128 MB each" in caplog.text

@@ -176,18 +176,20 @@ def _warn_of_a_v1_backend(settings: Settings) -> None:
             )
 
 
-def _say_memory(settings: Settings) -> None:
+def _say_memory(settings: Settings, count: int) -> None:
     """An INFO line when the memory this process may use (a container's limit, a small
-    machine) made the caches or the worker count smaller than their defaults: what it gave."""
-    if settings.cache_memory_mb is not None or settings.cache_budget_mb >= FULL_CACHE_MB:
+    machine) made the caches or the worker count (``count``) smaller than their defaults:
+    what it gave."""
+    cache_mb = settings.cache_mb_for(count)
+    if settings.cache_memory_mb is not None or cache_mb >= FULL_CACHE_MB:
         return
     memory = usable_memory_bytes()
     log.info(
         "memory this process may use: %s MB (the machine's, capped by its cgroup's limit): "
         "%d worker(s), caches at most %d MB each (settings workers, cache_memory_mb)",
         f"{memory // MIB:,}" if memory is not None else "unknown",
-        settings.worker_count,
-        settings.cache_budget_mb,
+        count,
+        cache_mb,
     )
 
 
@@ -284,16 +286,17 @@ def _run_app(args: argparse.Namespace, settings: Settings, sock: socket.socket) 
         raise ServeExit(str(exc)) from exc
 
 
-def _run_workers(args: argparse.Namespace, settings: Settings, sock: socket.socket) -> int:
-    """Serve with ``settings.worker_count`` worker processes (``cli.workers``): the exit
-    status. Raises ServeExit (the store cannot open, a worker fails to start)."""
+def _run_workers(
+    args: argparse.Namespace, settings: Settings, sock: socket.socket, count: int
+) -> int:
+    """Serve with ``count`` worker processes (``cli.workers``): the exit status. Raises
+    ServeExit (the store cannot open, a worker fails to start)."""
     from capture_proxy.cli.workers import WorkerPlan, run_workers
 
-    count = settings.worker_count
     # Each worker is told the count and its caches' share as decided here: a worker pinned to
     # one CPU would count otherwise.
     settings = settings.model_copy(
-        update={"workers": count, "cache_memory_mb": settings.cache_budget_mb}
+        update={"workers": count, "cache_memory_mb": settings.cache_mb_for(count)}
     )
     plan = WorkerPlan(
         settings=settings,
@@ -314,12 +317,14 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         _configure_logging(settings)
         _warn_of_a_v1_backend(settings)
-        _say_memory(settings)
+        # Read once (the CPUs, the memory): what is said, chosen by and run is one count.
+        count = settings.worker_count
+        _say_memory(settings, count)
         _clear_port_file(args.port_file)
         sock = _bind(settings)
         try:
-            if settings.worker_count > 1:
-                return _run_workers(args, settings, sock)
+            if count > 1:
+                return _run_workers(args, settings, sock, count)
             _run_app(args, settings, sock)
         finally:
             sock.close()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -107,11 +108,11 @@ def _cgroup_dirs(cgroups: str, mounts: str, controller: str) -> list[tuple[int, 
             paths[1] = path
     dirs: list[tuple[int, Path]] = []
     for version, path in paths.items():
-        mount = _mount_of(mounts, version, controller)
+        mount = _mount_of(mounts, version, controller, path)
         if mount is None:
             continue
         root, point = mount
-        relative = os.path.relpath(path, root) if path.startswith(root) else "."
+        relative = os.path.relpath(path, root) if _holds(root, path) else "."
         here = Path(os.path.normpath(point / relative))
         dirs.append((version, here))
         while here != point and point in here.parents:
@@ -120,10 +121,22 @@ def _cgroup_dirs(cgroups: str, mounts: str, controller: str) -> list[tuple[int, 
     return dirs
 
 
-def _mount_of(mounts: str, version: int, controller: str) -> tuple[str, Path] | None:
+def _holds(root: str, path: str) -> bool:
+    """Whether the cgroup ``path`` is ``root`` or below it (``/a`` does not hold ``/ab``)."""
+    return root == "/" or path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _mount_of(mounts: str, version: int, controller: str, path: str) -> tuple[str, Path] | None:
     """``(root within the hierarchy, mount point)`` of the cgroup2 file system (v2) or of the
     v1 hierarchy holding ``controller``, from ``/proc/self/mountinfo`` lines
-    (``proc(5)``: ``id parent major:minor root point options [tags] - fstype source super``)."""
+    (``proc(5)``: ``id parent major:minor root point options [tags] - fstype source super``):
+    the first whose root holds the cgroup ``path`` (another may mount only a subtree), else
+    the first."""
+    found = list(_mounts_of(mounts, version, controller))
+    return next((m for m in found if _holds(m[0], path)), found[0] if found else None)
+
+
+def _mounts_of(mounts: str, version: int, controller: str) -> Iterator[tuple[str, Path]]:
     for line in mounts.splitlines():
         head, _, tail = line.partition(" - ")
         fields, rest = head.split(), tail.split()
@@ -133,8 +146,7 @@ def _mount_of(mounts: str, version: int, controller: str) -> tuple[str, Path] | 
         if (version == 2 and fstype == "cgroup2") or (
             version == 1 and fstype == "cgroup" and controller in super_options
         ):
-            return fields[3], Path(fields[4])
-    return None
+            yield fields[3], Path(fields[4])
 
 
 def _quota_in(where: tuple[int, Path]) -> float | None:

@@ -62,11 +62,16 @@ class Settings(SettingsFields):
 
     @property
     def cache_budget_mb(self) -> int:
-        """``cache_memory_mb``, or each process's share of the memory this process may use
-        (``memory_budget.default_cache_mb`` over ``worker_count``)."""
+        """``cache_memory_mb``, or each worker's share of the memory this process may use
+        (``memory_budget.default_cache_mb`` over ``worker_count``: the supervisor's decision)."""
+        return self.cache_mb_for(self.worker_count)
+
+    def cache_mb_for(self, processes: int) -> int:
+        """``cache_memory_mb``, or the share of one of ``processes`` proxy processes (1: a
+        process serving alone: ``demo``, ``replay``, ``serve`` with one worker)."""
         if self.cache_memory_mb is not None:
             return self.cache_memory_mb
-        return default_cache_mb(usable_memory_bytes(), self.worker_count, self.loads_tokenizers)
+        return default_cache_mb(usable_memory_bytes(), processes, self.loads_tokenizers)
 
     @property
     def loads_tokenizers(self) -> bool:
