@@ -46,8 +46,8 @@ def test_default_workers(cpus, memory, exact, workers):
         (None, 4, False, FULL_CACHE_MB),  # unknown: the full size
         (24 * GIB, 2, True, FULL_CACHE_MB),  # plenty: the full size, not more
         (2 * GIB, 2, False, 256),  # a quarter of 2 GB over 2 workers
-        (2 * GIB, 8, False, 64),  # a quarter, and half of what 8 workers' 128 MB leave
-        (2 * GIB, 2, True, 256),
+        (2 * GIB, 8, False, 56),  # half of what 8 workers' 128 MB and the supervisor's leave
+        (2 * GIB, 2, True, 224),  # (2,048 - 2 * 512 - 128) / 2 / 2
         (768 * MIB, 1, True, 128),  # half of what one worker's 512 MB leave, not a quarter
         (768 * MIB, 2, False, 96),
         (512 * MIB, 8, False, MIN_CACHE_MB),  # nothing left for 8: the floor
@@ -93,22 +93,22 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
-    assert (settings.worker_count, settings.cache_budget_mb) == (8, 64)
+    assert (settings.worker_count, settings.cache_budget_mb) == (8, 56)
     base = {"backend": "http://e:1", "store": tmp_path / "s", "prompt_mode": "exact_tokens"}
     engine_renders = Settings(**base)  # the engine's /tokenize: no tokenizer in the workers
-    assert (engine_renders.worker_count, engine_renders.cache_budget_mb) == (8, 64)
+    assert (engine_renders.worker_count, engine_renders.cache_budget_mb) == (8, 56)
     for local in ({"tokenizer": tmp_path}, {"model_families": {"m": "qwen3"}}):
         exact = Settings(**base, **local)  # a tokenizer in every worker
         assert (exact.loads_tokenizers, exact.worker_count, exact.cache_budget_mb) == (
-            True, 2, 256,
+            True, 2, 224,
         )  # fmt: skip
     assert not Settings(backend="http://e:1", store=tmp_path, tokenizer=tmp_path).loads_tokenizers
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
     role = WorkerRole(0, 8, str(tmp_path))  # one of the 8 workers
     linker = _linker(settings, store, None, None, None, Metrics(), role)  # type: ignore[arg-type]
-    expected = CacheBounds.of(64)
-    assert linker.recent.max_bytes == expected.recent_bytes == 27_889_398  # 512 MiB * 64 / 1232
-    assert linker.indexes.max_calls == expected.index_calls == 6808
+    expected = CacheBounds.of(56)
+    assert linker.recent.max_bytes == expected.recent_bytes == 24_403_223  # 512 MiB * 56 / 1232
+    assert linker.indexes.max_calls == expected.index_calls == 5957
     assert linker.known_messages.max_bytes == expected.message_facts_bytes
     assert linker.known_bodies.max_bytes == expected.request_bodies_bytes
     assert linker.known_tools.max_bytes == expected.tools_bytes
@@ -158,7 +158,7 @@ def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
         serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64), 8)
     assert [r.getMessage() for r in caplog.records] == [
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
-        "8 worker(s), caches at most 64 MB each (settings workers, cache_memory_mb)",
+        "8 worker(s), caches at most 56 MB each (settings workers, cache_memory_mb)",
         # one worker gets a quarter of 2 GB: 512 MB, still below the full size
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
         "1 worker(s), caches at most 512 MB each (settings workers, cache_memory_mb)",
@@ -183,7 +183,7 @@ def test_a_process_serving_alone_takes_the_share_of_one(tmp_path, monkeypatch):
     assert alone.recent.max_bytes == CacheBounds.of(512).recent_bytes  # a quarter of 2 GB
     role = WorkerRole(0, 8, str(tmp_path))
     one_of_8 = _linker(settings, store, None, None, None, Metrics(), worker=role)  # type: ignore[arg-type]
-    assert one_of_8.recent.max_bytes == CacheBounds.of(64).recent_bytes
+    assert one_of_8.recent.max_bytes == CacheBounds.of(56).recent_bytes
 
 
 def test_only_a_tokenizer_loaded_in_each_worker_costs_a_gigabyte(tmp_path, monkeypatch):

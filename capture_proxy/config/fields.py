@@ -311,8 +311,8 @@ class SettingsFields(BaseSettings):
         "shares (a smaller bound costs store reads, never a wrong link). None: 1,232, or less "
         "where the memory this process may use (the machine's, capped by its cgroup's "
         "memory.max: a container's memory limit) is small: the workers' caches together at "
-        "most a quarter of it and half of what the workers themselves leave (at least 32 MB "
-        "each)",
+        "most a quarter of it and half of what the processes themselves leave (at least 32 "
+        "MB each)",
     )
     engine_health_interval_s: float = Field(
         5.0,

@@ -15,7 +15,8 @@ machine's, capped by a container's limit):
 - ``default_workers``: at most one worker per twice its own memory (``BASE_MB``, or
   ``BASE_MB_TOKENIZER`` with a local tokenizer), never more than the CPUs, at least 1;
 - ``default_cache_mb``: the caches of all workers together at most a quarter of the memory,
-  and at most half of what the workers' own memory leaves (the rest: requests and answers in
+  and at most half of what the processes' own memory leaves (the workers', and with several
+  the supervisor's; the rest: requests and answers in
   flight, SQLite's page cache, the store's caches, the allocator's slack), at most
   ``FULL_CACHE_MB`` a process, at least ``MIN_CACHE_MB``.
 
@@ -50,12 +51,14 @@ def default_workers(cpus: int, memory_bytes: int | None, tokenizer: bool) -> int
 def default_cache_mb(memory_bytes: int | None, workers: int, tokenizer: bool = False) -> int:
     """MB each of ``workers`` processes' caches may hold in ``memory_bytes`` of memory (None:
     unknown, ``FULL_CACHE_MB``): a quarter of it shared, and at most half of what the
-    processes' own memory (``BASE_MB``, ``BASE_MB_TOKENIZER`` if ``tokenizer``) leaves;
-    within ``MIN_CACHE_MB`` and ``FULL_CACHE_MB``."""
+    processes' own memory leaves (each worker's ``BASE_MB``, ``BASE_MB_TOKENIZER`` if
+    ``tokenizer``, and with several the supervisor's ``BASE_MB``: it holds the store's writer
+    and no tokenizer); within ``MIN_CACHE_MB`` and ``FULL_CACHE_MB``."""
     if memory_bytes is None:
         return FULL_CACHE_MB
     workers = max(1, workers)
     memory_mb = memory_bytes // MIB
     left = memory_mb - (BASE_MB_TOKENIZER if tokenizer else BASE_MB) * workers
+    left -= BASE_MB if workers > 1 else 0  # the supervisor
     share = min(memory_mb // 4 // workers, left // 2 // workers)
     return max(MIN_CACHE_MB, min(FULL_CACHE_MB, share))
