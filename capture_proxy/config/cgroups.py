@@ -32,8 +32,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+#: a limit as read: CPUs (float) or bytes (int)
+Limit = TypeVar("Limit", int, float)
 
 
 def usable_cpus(proc: Path = Path("/proc")) -> int:
@@ -50,17 +54,7 @@ def cgroup_cpu_quota(proc: Path = Path("/proc")) -> float | None:
     """The CPU quota of this process's cgroup and its ancestors, in CPUs (e.g. 2.0, 0.5), the
     smallest that applies; None when there is none or it cannot be read (``proc``: the proc
     file system whose ``self/cgroup`` and ``self/mountinfo`` are read)."""
-    try:
-        cgroups = (proc / "self" / "cgroup").read_text()
-        mounts = (proc / "self" / "mountinfo").read_text()
-    except OSError:
-        return None
-    quotas = [
-        q
-        for directory in _cgroup_dirs(cgroups, mounts, "cpu")
-        if (q := _quota_in(directory)) is not None
-    ]
-    return min(quotas, default=None)
+    return _smallest(proc, "cpu", _quota_in)
 
 
 def usable_memory_bytes(proc: Path = Path("/proc")) -> int | None:
@@ -81,15 +75,23 @@ def cgroup_memory_limit(proc: Path = Path("/proc")) -> int | None:
     """The memory limit of this process's cgroup and its ancestors, in bytes, the smallest
     that applies; None when there is none or it cannot be read (``proc`` as for
     ``cgroup_cpu_quota``)."""
+    return _smallest(proc, "memory", _memory_limit_in)
+
+
+def _smallest(
+    proc: Path, controller: str, limit_in: Callable[[tuple[int, Path]], Limit | None]
+) -> Limit | None:
+    """The smallest limit ``limit_in`` reads in the process's ``controller`` cgroup and its
+    ancestors; None when none is set or ``proc`` cannot be read."""
     try:
         cgroups = (proc / "self" / "cgroup").read_text()
         mounts = (proc / "self" / "mountinfo").read_text()
     except OSError:
         return None
     limits = [
-        b
-        for directory in _cgroup_dirs(cgroups, mounts, "memory")
-        if (b := _memory_limit_in(directory)) is not None
+        limit
+        for directory in _cgroup_dirs(cgroups, mounts, controller)
+        if (limit := limit_in(directory)) is not None
     ]
     return min(limits, default=None)
 
