@@ -170,3 +170,16 @@ def test_the_mount_that_holds_the_process_cgroup_is_read_not_the_first(tmp_path)
     proc = _proc(tmp_path, "0::/pod\n", [_v2_mount(other, root="/elsewhere"), _v2_mount(cg)])
     assert cgroup_memory_limit(proc) == GIB
     assert cgroup_cpu_quota(proc) == 1.0
+
+
+def test_v2_memory_high_counts_where_it_is_below_the_max(tmp_path):
+    """Past ``memory.high`` the kernel throttles the cgroup and reclaims hard (Kubernetes'
+    memory QoS sets it under the limit): the proxy sizes itself by it."""
+    cg = tmp_path / "cg"
+    _write(cg, f"memory.max={2 * GIB};memory.high={GIB + GIB // 2}")
+    proc = _proc(tmp_path, "0::/\n", [_v2_mount(cg)])
+    assert cgroup_memory_limit(proc) == GIB + GIB // 2
+    (cg / "memory.max").write_text("max\n")
+    assert cgroup_memory_limit(proc) == GIB + GIB // 2
+    (cg / "memory.high").write_text("max\n")
+    assert cgroup_memory_limit(proc) is None

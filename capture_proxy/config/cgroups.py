@@ -18,7 +18,8 @@ A quota of 2.5 CPUs gives 2 (never fewer than 1): a third worker would be thrott
 
 A container's memory limit (Docker's ``--memory``, Kubernetes' ``resources.limits.memory``)
 is likewise its cgroup's, not the machine's (``/proc/meminfo`` counts the host's): cgroup v2's
-``memory.max`` (``max`` when unlimited), v1's ``memory.limit_in_bytes`` (a number near 2**63
+``memory.max`` (``max`` when unlimited; ``memory.high``, the throttling point, where lower),
+v1's ``memory.limit_in_bytes`` (a number near 2**63
 when unlimited), in the process's cgroup and its ancestors, the smallest
 (``admin-guide/cgroup-v2.rst`` "memory.max", ``admin-guide/cgroup-v1/memory.rst``). A process
 past it is killed by the kernel (OOM). ``serve`` sizes its worker count and caches by it
@@ -172,12 +173,24 @@ _V1_UNLIMITED = 1 << 62
 
 
 def _memory_limit_in(where: tuple[int, Path]) -> int | None:
+    """v2: the smaller of ``memory.max`` (past it the kernel kills) and ``memory.high`` (past
+    it the kernel throttles the cgroup hard and reclaims: Kubernetes' memory QoS sets it below
+    the limit); v1: ``memory.limit_in_bytes``."""
     version, directory = where
+    if version == 2:
+        limits = [_v2_bytes(directory / name) for name in ("memory.max", "memory.high")]
+        return min((b for b in limits if b is not None), default=None)
     try:
-        if version == 2:
-            text = (directory / "memory.max").read_text().strip()
-            return None if text == "max" else int(text)
         limit = int((directory / "memory.limit_in_bytes").read_text())
-        return None if limit >= _V1_UNLIMITED or limit <= 0 else limit
+    except (OSError, ValueError):
+        return None
+    return None if limit >= _V1_UNLIMITED or limit <= 0 else limit
+
+
+def _v2_bytes(path: Path) -> int | None:
+    """A v2 memory file's bytes; None for ``max`` or what cannot be read."""
+    try:
+        text = path.read_text().strip()
+        return None if text == "max" else int(text)
     except (OSError, ValueError):
         return None
