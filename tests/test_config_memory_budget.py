@@ -230,3 +230,36 @@ def test_serve_counts_its_workers_once(tmp_path, monkeypatch, caplog):
     (plan,) = plans
     assert (plan.count, plan.settings.workers, plan.settings.cache_memory_mb) == (4, 4, 128)
     assert "4 worker(s), caches at most 128 MB each" in caplog.text
+
+
+@pytest.mark.parametrize(("cpus", "count", "cache_mb"), [(4, 4, 128), (1, 1, 512)])
+def test_serve_reads_the_cache_budget_once(tmp_path, monkeypatch, caplog, cpus, count, cache_mb):
+    """The caches ``serve`` says each process holds are the ones its workers (or its one
+    process) hold, sized with the count by one reading of the memory, as of the CPUs (a
+    container resized while it starts reads differently each time)."""
+    import argparse
+    import socket
+
+    from capture_proxy.cli import serve, workers
+
+    memory = iter([2 * GIB] + [GIB // 2] * 8)  # the first reading, then a smaller limit
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: cpus)
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: next(memory))
+    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: next(memory))
+    settings = Settings(backend="http://e:1", store=tmp_path / "s")
+    monkeypatch.setattr(serve, "settings_from_args", lambda args: settings)
+    monkeypatch.setattr(serve, "_configure_logging", lambda settings: None)
+    monkeypatch.setattr(serve, "_bind", lambda settings: socket.socket())
+    held: list = []
+    monkeypatch.setattr(workers, "run_workers", lambda plan, *a: held.append(plan.settings) or 0)
+    monkeypatch.setattr(serve, "_run_app", lambda args, settings, sock: held.append(settings))
+    args = argparse.Namespace(read_only=False, backend=None, port_file=None)
+    with caplog.at_level("INFO", logger="capture_proxy"):
+        assert serve.run(args) == 0
+    (chosen,) = held
+    assert caplog.messages == [
+        "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
+        f"{count} worker(s), caches at most {cache_mb} MB each (settings workers, "
+        "cache_memory_mb)"
+    ]
+    assert chosen.cache_mb_for(count) == cache_mb  # what its linkers take (app._linker)

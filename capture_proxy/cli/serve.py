@@ -176,14 +176,17 @@ def _warn_of_a_v1_backend(settings: Settings) -> None:
             )
 
 
-def _say_memory(settings: Settings, count: int) -> None:
+def _say_memory(
+    settings: Settings, count: int, cache_mb: int | None = None, memory: int | None = None
+) -> None:
     """An INFO line when the memory this process may use (a container's limit, a small
     machine) made the caches or the worker count (``count``) smaller than their defaults:
-    what it gave."""
-    cache_mb = settings.cache_mb_for(count)
+    what it gave (``cache_mb`` and ``memory`` as ``Settings.sizing`` read them; unset: read
+    now)."""
+    cache_mb = settings.cache_mb_for(count) if cache_mb is None else cache_mb
     if settings.cache_memory_mb is not None or cache_mb >= FULL_CACHE_MB:
         return
-    memory = usable_memory_bytes()
+    memory = usable_memory_bytes() if memory is None else memory
     log.info(
         "memory this process may use: %s MB (the machine's, capped by its cgroup's limit): "
         "%d worker(s), caches at most %d MB each (settings workers, cache_memory_mb)",
@@ -317,9 +320,11 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
         _configure_logging(settings)
         _warn_of_a_v1_backend(settings)
-        # Read once (the CPUs, the memory): what is said, chosen by and run is one count.
-        count = settings.worker_count
-        _say_memory(settings, count)
+        # Read once (the CPUs, the memory): what is said, chosen by and run is one count and
+        # one cache budget, a process serving alone's as the workers'.
+        count, cache_mb, memory = settings.sizing()
+        _say_memory(settings, count, cache_mb, memory)
+        settings = settings.model_copy(update={"workers": count, "cache_memory_mb": cache_mb})
         _clear_port_file(args.port_file)
         sock = _bind(settings)
         try:

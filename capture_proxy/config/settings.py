@@ -7,6 +7,7 @@ it from its sources."""
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,22 @@ class Settings(SettingsFields):
         """``workers``, or the CPUs this process may use (``cgroups.usable_cpus``: its
         affinity mask, capped by its cgroup's CPU quota: a container's CPU limit), at most as
         many as its memory holds (``memory_budget.default_workers``)."""
+        return self._count(usable_memory_bytes)
+
+    def sizing(self) -> tuple[int, int, int | None]:
+        """``worker_count``, ``cache_mb_for`` it and the memory they were sized by (bytes; None:
+        unknown), from one reading of the CPUs and the memory (``serve``: what it says, runs
+        and gives each process is one decision, however the limits read a moment later)."""
+        memory = usable_memory_bytes()
+        count = self._count(lambda: memory)
+        if self.cache_memory_mb is not None:
+            return count, self.cache_memory_mb, memory
+        return count, default_cache_mb(memory, count, self.loads_tokenizers), memory
+
+    def _count(self, memory: Callable[[], int | None]) -> int:
         if self.workers is not None:
             return self.workers
-        return default_workers(usable_cpus(), usable_memory_bytes(), self.loads_tokenizers)
+        return default_workers(usable_cpus(), memory(), self.loads_tokenizers)
 
     @property
     def cache_budget_mb(self) -> int:
