@@ -102,7 +102,6 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
         assert (exact.loads_tokenizers, exact.worker_count, exact.cache_budget_mb) == (
             True, 2, 224,
         )  # fmt: skip
-    assert not Settings(backend="http://e:1", store=tmp_path, tokenizer=tmp_path).loads_tokenizers
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
     role = WorkerRole(0, 8, str(tmp_path))  # one of the 8 workers
     linker = _linker(settings, store, None, None, None, Metrics(), role)  # type: ignore[arg-type]
@@ -195,8 +194,9 @@ def test_only_a_tokenizer_loaded_in_each_worker_costs_a_gigabyte(tmp_path, monke
     assert Settings(**base).worker_count == 8  # the engine renders
     assert Settings(**base, tokenizer=tmp_path).worker_count == 2
     assert Settings(**base, model_families={"m": "qwen3"}).worker_count == 2
-    mixed = Settings(**{**base, "prompt_mode": "backend_template"}, tokenizer=tmp_path)
-    assert mixed.worker_count == 8  # a tokenizer set but no model in exact_tokens: not loaded
+    template = {**base, "prompt_mode": "backend_template"}
+    families = Settings(**template, model_families={"m": "qwen3"})
+    assert families.worker_count == 8  # families set but no model in exact_tokens: not loaded
     by_model = {
         **base,
         "prompt_mode": "backend_template",
@@ -263,3 +263,18 @@ def test_serve_reads_the_cache_budget_once(tmp_path, monkeypatch, caplog, cpus, 
         "cache_memory_mb)"
     ]
     assert chosen.cache_mb_for(count) == cache_mb  # what its linkers take (app._linker)
+
+
+def test_a_tokenizer_the_viewer_loads_counts_in_every_prompt_mode(tmp_path, monkeypatch):
+    """The viewer loads ``tokenizer`` in each process on its first page showing token text
+    (``viewer/detokenize.py`` ``LocalDetokenizer``), in ``backend_template`` and in ``serve
+    --read-only`` (where the viewer is the point) as in ``exact_tokens``: 92 MB resident to
+    336 MB measured (``transformers``' ``AutoTokenizer``, the built-in Qwen tokenizer, no
+    ``torch``). 8 workers in 2 GB each loading it would pass the limit."""
+    monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
+    monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
+    viewer = Settings(backend="http://e:1", store=tmp_path / "s", tokenizer=tmp_path)
+    assert viewer.prompt_mode == "backend_template"
+    assert (viewer.loads_tokenizers, viewer.worker_count, viewer.cache_budget_mb) == (
+        True, 2, 224,
+    )  # fmt: skip

@@ -62,7 +62,8 @@ class SettingsFields(BaseSettings):
         description="Worker processes serving the port (each its own event loop and core); "
         "None: one per CPU this process may use (its affinity mask, capped by its cgroup's CPU "
         "quota: a container's CPU limit, rounded down), at most one per 256 MB of the memory "
-        "it may use (per 1 GB where exact_tokens loads a local tokenizer; the machine's memory, "
+        "it may use (per 1 GB where each may load a local tokenizer: setting tokenizer, or "
+        "model_families in exact_tokens; the machine's memory, "
         "capped by its cgroup's memory limit). With an embedded store the supervisor process "
         "is its one writer (workers read it themselves and send their writes there); "
         "with PostgreSQL each worker is a replica. 1: one process, no supervisor",

@@ -2,8 +2,9 @@
 
 A proxy process holds its own memory (the interpreter and libraries: about 95 MB resident at
 start; where ``exact_tokens`` loads a local tokenizer (settings ``tokenizer``,
-``model_families``), 450-530 MB: its vocabulary, and
-``transformers`` imports ``torch`` where it is installed) and its caches, which fill as it
+``model_families``), 450-530 MB: its vocabulary, and ``transformers`` imports ``torch`` where
+it is installed; the viewer loads ``tokenizer`` too, on its first page showing token text, in
+any prompt mode: ``Settings.loads_tokenizers``) and its caches, which fill as it
 serves calls and are bounded (``proxy/cache_bounds.py``: recent records, parent-digest
 indexes, message facts, request bodies, tool lists): at most ``FULL_CACHE_MB`` by default.
 Each worker of ``serve --workers`` holds its own. A sidecar limited to 2 GB running one worker

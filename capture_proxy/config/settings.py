@@ -89,12 +89,14 @@ class Settings(SettingsFields):
 
     @property
     def loads_tokenizers(self) -> bool:
-        """Whether each process loads a tokenizer: ``exact_tokens`` for some model with a
-        local ``tokenizer`` or ``model_families`` (each family loads its own; without either
-        the engine's ``/tokenize`` renders: ``app.make_exact_tokens``). Hundreds of MB of its
-        own (``memory_budget.BASE_MB_TOKENIZER``)."""
-        return self.uses_exact_tokens and (
-            self.tokenizer is not None or bool(self.model_families)
+        """Whether each process may load a tokenizer: a local ``tokenizer`` (``exact_tokens``
+        loads it at start, ``app.make_exact_tokens``; the viewer on its first page showing
+        token text, in any prompt mode and in ``serve --read-only``:
+        ``viewer.detokenize.LocalDetokenizer``), or ``model_families`` with ``exact_tokens``
+        for some model (each family loads its own; without either the engine's ``/tokenize``
+        renders). Hundreds of MB of its own (``memory_budget.BASE_MB_TOKENIZER``)."""
+        return self.tokenizer is not None or (
+            self.uses_exact_tokens and bool(self.model_families)
         )
 
     @property
