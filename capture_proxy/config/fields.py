@@ -311,7 +311,8 @@ class SettingsFields(BaseSettings):
         "records, parent-digest indexes, message facts, request bodies, tool lists, in fixed "
         "shares (a smaller bound costs store reads, never a wrong link). None: 1,232, or less "
         "where the memory this process may use (the machine's, capped by its cgroup's "
-        "memory.max: a container's memory limit) is small: the workers' caches together at "
+        "memory.max, or memory.high where lower: a container's memory limit) is small: the "
+        "workers' caches together at "
         "most a quarter of it and half of what the processes themselves leave (at least 32 "
         "MB each)",
     )
