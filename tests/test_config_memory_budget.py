@@ -1,6 +1,6 @@
 """How many workers the memory allows and what each process's caches may hold
 (``capture_proxy.config.memory_budget``, ``capture_proxy.proxy.cache_bounds``), and the
-settings that carry them (``Settings.worker_count``, ``Settings.cache_budget_mb``) to the
+settings that carry them (``Settings.sizing``, ``Settings.cache_mb_for``) to the
 linker's caches and to each worker of ``serve --workers``."""
 
 from __future__ import annotations
@@ -93,13 +93,13 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
-    assert (settings.worker_count, settings.cache_budget_mb) == (8, 56)
+    assert settings.sizing()[:2] == (8, 56)
     base = {"backend": "http://e:1", "store": tmp_path / "s", "prompt_mode": "exact_tokens"}
     engine_renders = Settings(**base)  # the engine's /tokenize: no tokenizer in the workers
-    assert (engine_renders.worker_count, engine_renders.cache_budget_mb) == (8, 56)
+    assert engine_renders.sizing()[:2] == (8, 56)
     for local in ({"tokenizer": tmp_path}, {"model_families": {"m": "qwen3"}}):
         exact = Settings(**base, **local)  # a tokenizer in every worker
-        assert (exact.loads_tokenizers, exact.worker_count, exact.cache_budget_mb) == (
+        assert (exact.loads_tokenizers, *exact.sizing()[:2]) == (
             True, 2, 224,
         )  # fmt: skip
     store = SimpleNamespace(shared=False)  # the linker only keeps it: no store is opened
@@ -115,7 +115,7 @@ def test_settings_carry_the_budget_to_the_linkers_caches(tmp_path, monkeypatch):
         backend="http://e:1", store=tmp_path / "s", cache_memory_mb=100, workers=3,
         link_index_max_calls=5,
     )  # fmt: skip
-    assert (chosen.worker_count, chosen.cache_budget_mb) == (3, 100)
+    assert chosen.sizing()[:2] == (3, 100)
     linker = _linker(chosen, store, None, None, None, Metrics())  # type: ignore[arg-type]
     assert linker.indexes.max_calls == 5
     assert linker.recent.max_bytes == CacheBounds.of(100).recent_bytes
@@ -134,27 +134,30 @@ def test_each_worker_is_told_the_count_and_budget_the_supervisor_decided(tmp_pat
     plans = []
     monkeypatch.setattr(workers, "run_workers", lambda plan, *a: plans.append(plan) or 0)
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
+    monkeypatch.setattr(serve, "settings_from_args", lambda args: settings)
+    monkeypatch.setattr(serve, "_configure_logging", lambda settings: None)
+    monkeypatch.setattr(serve, "_bind", lambda settings: socket.socket())
     args = argparse.Namespace(read_only=False, backend=None, port_file=None)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        assert serve._run_workers(args, settings, sock, settings.worker_count) == 0
+    assert serve.run(args) == 0
     (plan,) = plans
     assert plan.count == 4
     assert (plan.settings.workers, plan.settings.cache_memory_mb) == (4, 128)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 1)  # as a pinned worker sees
-    assert (plan.settings.worker_count, plan.settings.cache_budget_mb) == (4, 128)
+    assert plan.settings.sizing()[:2] == (4, 128)
 
 
 def test_serve_says_what_the_memory_made_smaller(tmp_path, monkeypatch, caplog):
     from capture_proxy.cli import serve
 
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
-    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     with caplog.at_level("INFO", logger="capture_proxy"):
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s"), 8)
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path / "s", workers=1), 1)
-        serve._say_memory(Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64), 8)
+        for settings in (
+            Settings(backend="http://e:1", store=tmp_path / "s"),
+            Settings(backend="http://e:1", store=tmp_path / "s", workers=1),
+            Settings(backend="http://e:1", store=tmp_path, cache_memory_mb=64),
+        ):
+            serve._say_memory(settings, *settings.sizing())
     assert [r.getMessage() for r in caplog.records] == [
         "memory this process may use: 2,048 MB (the machine's, capped by its cgroup's limit): "
         "8 worker(s), caches at most 56 MB each (settings workers, cache_memory_mb)",
@@ -191,18 +194,18 @@ def test_only_a_tokenizer_loaded_in_each_worker_costs_a_gigabyte(tmp_path, monke
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     base = {"backend": "http://e:1", "store": tmp_path / "s", "prompt_mode": "exact_tokens"}
-    assert Settings(**base).worker_count == 8  # the engine renders
-    assert Settings(**base, tokenizer=tmp_path).worker_count == 2
-    assert Settings(**base, model_families={"m": "qwen3"}).worker_count == 2
+    assert Settings(**base).sizing()[0] == 8  # the engine renders
+    assert Settings(**base, tokenizer=tmp_path).sizing()[0] == 2
+    assert Settings(**base, model_families={"m": "qwen3"}).sizing()[0] == 2
     template = {**base, "prompt_mode": "backend_template"}
     families = Settings(**template, model_families={"m": "qwen3"})
-    assert families.worker_count == 8  # families set but no model in exact_tokens: not loaded
+    assert families.sizing()[0] == 8  # families set but no model in exact_tokens: not loaded
     by_model = {
         **base,
         "prompt_mode": "backend_template",
         "prompt_mode_by_model": {"m": "exact_tokens"},
     }
-    assert Settings(**by_model, tokenizer=tmp_path).worker_count == 2
+    assert Settings(**by_model, tokenizer=tmp_path).sizing()[0] == 2
 
 
 def test_serve_counts_its_workers_once(tmp_path, monkeypatch, caplog):
@@ -216,7 +219,6 @@ def test_serve_counts_its_workers_once(tmp_path, monkeypatch, caplog):
     cpus = iter([4, 3, 2, 1, 1, 1, 1, 1])
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: next(cpus))
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: 2 * GIB)
-    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: 2 * GIB)
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
     monkeypatch.setattr(serve, "settings_from_args", lambda args: settings)
     monkeypatch.setattr(serve, "_configure_logging", lambda settings: None)
@@ -245,7 +247,6 @@ def test_serve_reads_the_cache_budget_once(tmp_path, monkeypatch, caplog, cpus, 
     memory = iter([2 * GIB] + [GIB // 2] * 8)  # the first reading, then a smaller limit
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: next(memory))
-    monkeypatch.setattr(serve, "usable_memory_bytes", lambda: next(memory))
     settings = Settings(backend="http://e:1", store=tmp_path / "s")
     monkeypatch.setattr(serve, "settings_from_args", lambda args: settings)
     monkeypatch.setattr(serve, "_configure_logging", lambda settings: None)
@@ -275,6 +276,6 @@ def test_a_tokenizer_the_viewer_loads_counts_in_every_prompt_mode(tmp_path, monk
     monkeypatch.setattr(settings_module, "usable_cpus", lambda: 64)
     viewer = Settings(backend="http://e:1", store=tmp_path / "s", tokenizer=tmp_path)
     assert viewer.prompt_mode == "backend_template"
-    assert (viewer.loads_tokenizers, viewer.worker_count, viewer.cache_budget_mb) == (
+    assert (viewer.loads_tokenizers, *viewer.sizing()[:2]) == (
         True, 2, 224,
     )  # fmt: skip

@@ -256,8 +256,8 @@ def test_worker_count_defaults_to_the_cpus_this_process_may_use(tmp_path, monkey
     # the memory, which may cap the count (tests/test_config_memory_budget.py), unknown here
     monkeypatch.setattr(settings_module, "usable_memory_bytes", lambda: None)
     settings = Settings(backend="http://e:1", store=tmp_path)
-    assert settings.worker_count == len(os.sched_getaffinity(0))
-    assert Settings(backend="http://e:1", store=tmp_path, workers=3).worker_count == 3
+    assert settings.sizing()[0] == len(os.sched_getaffinity(0))
+    assert Settings(backend="http://e:1", store=tmp_path, workers=3).sizing()[0] == 3
     json.dumps(settings.model_dump(mode="json"))  # the setting is plain data
 
 

@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 
 from capture_proxy.cli.errors import ServeExit
 from capture_proxy.config import ConfigError, Settings, load_settings
-from capture_proxy.config.cgroups import usable_memory_bytes
 from capture_proxy.config.memory_budget import FULL_CACHE_MB, MIB
 from capture_proxy.core import chunk_scan
 
@@ -176,17 +175,12 @@ def _warn_of_a_v1_backend(settings: Settings) -> None:
             )
 
 
-def _say_memory(
-    settings: Settings, count: int, cache_mb: int | None = None, memory: int | None = None
-) -> None:
+def _say_memory(settings: Settings, count: int, cache_mb: int, memory: int | None) -> None:
     """An INFO line when the memory this process may use (a container's limit, a small
-    machine) made the caches or the worker count (``count``) smaller than their defaults:
-    what it gave (``cache_mb`` and ``memory`` as ``Settings.sizing`` read them; unset: read
-    now)."""
-    cache_mb = settings.cache_mb_for(count) if cache_mb is None else cache_mb
+    machine) made the caches smaller than their default: the worker count and caches it gave
+    (``Settings.sizing``)."""
     if settings.cache_memory_mb is not None or cache_mb >= FULL_CACHE_MB:
         return
-    memory = usable_memory_bytes() if memory is None else memory
     log.info(
         "memory this process may use: %s MB (the machine's, capped by its cgroup's limit): "
         "%d worker(s), caches at most %d MB each (settings workers, cache_memory_mb)",
@@ -292,15 +286,12 @@ def _run_app(args: argparse.Namespace, settings: Settings, sock: socket.socket) 
 def _run_workers(
     args: argparse.Namespace, settings: Settings, sock: socket.socket, count: int
 ) -> int:
-    """Serve with ``count`` worker processes (``cli.workers``): the exit status. Raises
-    ServeExit (the store cannot open, a worker fails to start)."""
+    """Serve with ``count`` worker processes (``cli.workers``): the exit status. ``settings``
+    carry the count and the caches' share ``run`` decided (``workers``, ``cache_memory_mb``):
+    a worker pinned to one CPU would count otherwise. Raises ServeExit (the store cannot
+    open, a worker fails to start)."""
     from capture_proxy.cli.workers import WorkerPlan, run_workers
 
-    # Each worker is told the count and its caches' share as decided here: a worker pinned to
-    # one CPU would count otherwise.
-    settings = settings.model_copy(
-        update={"workers": count, "cache_memory_mb": settings.cache_mb_for(count)}
-    )
     plan = WorkerPlan(
         settings=settings,
         count=count,

@@ -7,7 +7,6 @@ it from its sources."""
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,33 +51,22 @@ class Settings(SettingsFields):
             return Path(value)
         return value
 
-    @property
-    def worker_count(self) -> int:
-        """``workers``, or the CPUs this process may use (``cgroups.usable_cpus``: its
-        affinity mask, capped by its cgroup's CPU quota: a container's CPU limit), at most as
-        many as its memory holds (``memory_budget.default_workers``)."""
-        return self._count(usable_memory_bytes)
-
     def sizing(self) -> tuple[int, int, int | None]:
-        """``worker_count``, ``cache_mb_for`` it and the memory they were sized by (bytes; None:
-        unknown), from one reading of the CPUs and the memory (``serve``: what it says, runs
-        and gives each process is one decision, however the limits read a moment later)."""
+        """(workers, the MB each process's caches may hold, the memory both were sized by in
+        bytes or None: unknown), from one reading of the CPUs and the memory: ``workers``, or
+        the CPUs this process may use (``cgroups.usable_cpus``: its affinity mask capped by
+        its cgroup's CPU quota) at most as many as its memory holds
+        (``memory_budget.default_workers``); ``cache_memory_mb``, or their share of the memory
+        (``memory_budget.default_cache_mb``). ``serve`` decides by it once and hands both to
+        every process it runs."""
         memory = usable_memory_bytes()
-        count = self._count(lambda: memory)
-        if self.cache_memory_mb is not None:
-            return count, self.cache_memory_mb, memory
-        return count, default_cache_mb(memory, count, self.loads_tokenizers), memory
-
-    def _count(self, memory: Callable[[], int | None]) -> int:
-        if self.workers is not None:
-            return self.workers
-        return default_workers(usable_cpus(), memory(), self.loads_tokenizers)
-
-    @property
-    def cache_budget_mb(self) -> int:
-        """``cache_memory_mb``, or each worker's share of the memory this process may use
-        (``memory_budget.default_cache_mb`` over ``worker_count``: the supervisor's decision)."""
-        return self.cache_mb_for(self.worker_count)
+        count = self.workers
+        if count is None:
+            count = default_workers(usable_cpus(), memory, self.loads_tokenizers)
+        cache_mb = self.cache_memory_mb
+        if cache_mb is None:
+            cache_mb = default_cache_mb(memory, count, self.loads_tokenizers)
+        return count, cache_mb, memory
 
     def cache_mb_for(self, processes: int) -> int:
         """``cache_memory_mb``, or the share of one of ``processes`` proxy processes (1: a
@@ -95,9 +83,7 @@ class Settings(SettingsFields):
         ``viewer.detokenize.LocalDetokenizer``), or ``model_families`` with ``exact_tokens``
         for some model (each family loads its own; without either the engine's ``/tokenize``
         renders). Hundreds of MB of its own (``memory_budget.BASE_MB_TOKENIZER``)."""
-        return self.tokenizer is not None or (
-            self.uses_exact_tokens and bool(self.model_families)
-        )
+        return self.tokenizer is not None or (self.uses_exact_tokens and bool(self.model_families))
 
     @property
     def store_label(self) -> str:
