@@ -36,6 +36,7 @@ from benchmarks.cpu_sweep import sweep_session  # noqa: E402
 from benchmarks.saturation_procs import tree_pids  # noqa: E402
 from benchmarks.services import Service, baseline_env, cli_command, free_port  # noqa: E402
 from benchmarks.sessions import Target, Workload, client_session  # noqa: E402
+from capture_proxy.config.memory_budget import FULL_CACHE_MB  # noqa: E402
 
 WORKLOAD = Workload(system_prompt_kb=8, tool_output_kb=4)
 
@@ -89,7 +90,7 @@ def _proxy(
     if budget not in ("full", "default"):
         env["CAPTURE_PROXY_CACHE_MEMORY_MB"] = budget
     elif budget == "full":
-        env["CAPTURE_PROXY_CACHE_MEMORY_MB"] = "1232"
+        env["CAPTURE_PROXY_CACHE_MEMORY_MB"] = str(FULL_CACHE_MB)
     cwd = Path(tree) if tree else None
     return Service(f"proxy-{name}", argv, port, work / f"proxy-{name}.log", env=env, cwd=cwd)
 
